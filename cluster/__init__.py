@@ -1,0 +1,1 @@
+"""Role: Ray actors, router, launchers and job entrypoints."""

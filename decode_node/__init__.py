@@ -1,0 +1,1 @@
+"""Role: decode worker (scheduler, native and DFlash steps, KV import)."""

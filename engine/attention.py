@@ -1,0 +1,61 @@
+"""Attention over the paged KV cache in plain PyTorch.
+
+Each layer writes this forward's K/V into its slots first, then gathers the sequence's blocks
+through its block table and runs SDPA with a position mask (key j visible to a query at
+position p iff j <= p). Grouped-query attention folds the query groups into the query axis
+([B, kv_heads, groups*T, d]) so K/V are never repeated in memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnBatch:
+    """Per-forward metadata, shared by every layer.
+
+    positions: [B, T] absolute positions (padding rows use 0); slots: [B*T] flat cache slots
+    (padding writes the scratch block); block_tables: [B, nblk] (padded with the scratch block);
+    mask: [B, 1, T, nblk*block_size] boolean, True = visible.
+    """
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+
+
+def causal_position_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    keys = torch.arange(num_keys, device=positions.device)
+    return (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_cache: [blocks, block_size, kv_heads, d]; k: [N, kv_heads, d]; slots: [N]."""
+    kh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kh, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[blocks, bs, kv_heads, d] gathered by [B, nblk] -> [B, kv_heads, nblk*bs, d]."""
+    b, n = block_tables.shape
+    g = cache[block_tables]
+    return g.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
+    """q: [B, T, Hq, d]; k, v: [B, Hkv, L, d]; mask: [B, 1, T, L] or None -> [B, T, Hq*d]."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    if mask is not None:
+        mask = mask.unsqueeze(2).expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, mask.shape[-1])
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq * d)

@@ -1,0 +1,111 @@
+"""Model configuration read from a Hugging Face config.json (only the fields the engine uses)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+BUILTIN_CONFIGS = ("qwen3-4b", "qwen3-8b", "qwen3-32b")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing file, wrong architecture, shape mismatch."""
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "Qwen3Config":
+        archs = d.get("architectures") or []
+        if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise CheckpointError(
+                f"{source}: unsupported architecture {archs}; flashpd's target engine runs "
+                f"{list(SUPPORTED_ARCHITECTURES)} (a DFlash drafter directory goes to --draft)")
+        if d.get("model_type", "qwen3") != "qwen3":
+            raise CheckpointError(f"{source}: unsupported model_type {d.get('model_type')!r}; expected 'qwen3'")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise CheckpointError(f"{source}: config is missing required fields {missing}")
+        if d.get("attention_bias"):
+            raise CheckpointError(f"{source}: attention_bias=true is not supported (Qwen3 has none)")
+        rope = d.get("rope_scaling") or (d.get("rope_parameters") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type not in (None, "default"):
+            raise CheckpointError(f"{source}: rope scaling {rope_type!r} is not supported")
+        theta = d.get("rope_theta", rope.get("rope_theta", 1_000_000.0) if isinstance(rope, dict) else 1e6)
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            eos_token_ids=_as_ids(eos), raw=dict(d),
+        )
+
+    def validate(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+
+def _as_ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def builtin_config_path(name: str) -> Path:
+    """Path of a config shipped as data (qwen3-4b, qwen3-8b, qwen3-32b)."""
+    key = name.lower()
+    if key not in BUILTIN_CONFIGS:
+        raise CheckpointError(f"unknown builtin config {name!r}; choose one of {list(BUILTIN_CONFIGS)}")
+    return Path(__file__).parent / "configs" / f"{key}.json"
+
+
+def load_config(model_dir: str | Path) -> Qwen3Config:
+    """Read config.json, then generation_config.json's stop tokens (which win, as in HF)."""
+    p = Path(model_dir)
+    if p.is_file() and p.suffix == ".json":
+        cfg_file, gen_file = p, None
+    else:
+        cfg_file, gen_file = p / "config.json", p / "generation_config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{p}: no config.json (is this a Hugging Face model directory?)")
+    d = json.loads(cfg_file.read_text())
+    if gen_file is not None and gen_file.exists():
+        g = json.loads(gen_file.read_text())
+        if g.get("eos_token_id") is not None:
+            d = {**d, "eos_token_id": g["eos_token_id"]}
+    cfg = Qwen3Config.from_dict(d, source=str(cfg_file))
+    cfg.validate()
+    return cfg

@@ -1,0 +1,116 @@
+"""Batch generation on one ModelRunner: batched prefill, then native decode steps.
+
+This is the engine-level loop the public `LLM` and the workers build on. Every forward
+goes through the paged cache; finished sequences free their blocks at once.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+
+from flashpd.engine.kv_cache import OutOfBlocks
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams, make_generator, sample
+from flashpd.engine.sequence import Sequence
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One token per row of logits [B, V]; greedy rows share one argmax and one host sync."""
+    greedy = logits.argmax(dim=-1)
+    toks = [greedy[j] if s.params.greedy else sample(logits[j], s.params, s.generator)
+            for j, s in enumerate(seqs)]
+    return torch.stack(toks).tolist()
+
+
+class NativeGenerator:
+    """Plain (non-speculative) decoding of a batch of requests."""
+
+    def __init__(self, runner: ModelRunner, stop_ids: Iterable[int] = (), prefill_token_budget: int = 8192) -> None:
+        self.runner = runner
+        self.stop_ids = frozenset(stop_ids)
+        self.prefill_token_budget = prefill_token_budget
+
+    def new_sequences(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+        seqs = []
+        limit = self.runner.max_positions
+        for p, sp in zip(prompts, params):
+            sp.validate()
+            if not p:
+                raise ValueError("prompt is empty")
+            if len(p) + sp.max_tokens > limit:
+                raise ValueError(f"prompt of {len(p)} tokens + max_tokens {sp.max_tokens} exceeds the "
+                                 f"model's {limit} positions")
+            gen = None if sp.greedy else make_generator(sp.seed, self.runner.device)
+            seqs.append(Sequence(list(p), sp, self.stop_ids, gen))
+        return seqs
+
+    def prefill(self, seqs: list[Sequence], taps: bool = False) -> list[torch.Tensor]:
+        """Prefill prompts in padded groups under a token budget; sample each first token.
+
+        Returns, when `taps` is set, the tapped hidden states of every prompt position as
+        one [len(prompt), n_taps * H] tensor per sequence (what the drafter conditions on).
+        """
+        alloc = self.runner.allocator
+        features: list[torch.Tensor] = []
+        i = 0
+        while i < len(seqs):
+            group = [seqs[i]]
+            while (i + len(group) < len(seqs) and
+                   max(len(s.prompt) for s in group + [seqs[i + len(group)]]) * (len(group) + 1)
+                   <= self.prefill_token_budget):
+                group.append(seqs[i + len(group)])
+            i += len(group)
+            for s in group:
+                alloc.ensure(s.table, len(s.prompt))
+            out = self.runner.forward([s.table for s in group], [s.prompt for s in group], "last", taps)
+            firsts = sample_rows(out.logits[:, -1], group)
+            _sync(self.runner.device)
+            now = time.perf_counter()
+            for j, (s, tok) in enumerate(zip(group, firsts)):
+                s.stats.ttft_ms = (now - s.t_start) * 1e3
+                s.commit([tok])
+                if taps:
+                    n = len(s.prompt)
+                    features.append(torch.cat([x[j, :n] for x in out.taps], dim=-1))
+        return features
+
+    def decode_step(self, seqs: list[Sequence]) -> None:
+        """One token for every running sequence."""
+        alloc = self.runner.allocator
+        for s in seqs:
+            alloc.ensure(s.table, s.table.num_tokens + 1)
+        out = self.runner.forward([s.table for s in seqs], [[s.last_token] for s in seqs], "last")
+        for s, tok in zip(seqs, sample_rows(out.logits[:, -1], seqs)):
+            s.commit([tok])
+
+    def finish(self, s: Sequence) -> None:
+        self.runner.allocator.free(s.table)
+        _sync(self.runner.device)
+        s.stats.latency_ms = (time.perf_counter() - s.t_start) * 1e3
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+        seqs = self.new_sequences(prompts, params)
+        total = sum(len(s.prompt) + s.params.max_tokens for s in seqs)
+        need = sum(-(-(len(s.prompt) + s.params.max_tokens) // self.runner.block_size) for s in seqs)
+        if need > self.runner.allocator.num_free:
+            raise OutOfBlocks(f"{len(seqs)} requests need up to {need} KV blocks ({total} positions); "
+                              f"{self.runner.allocator.num_free} are free")
+        self.prefill(seqs)
+        running = [s for s in seqs if not s.done]
+        for s in seqs:
+            if s.done:
+                self.finish(s)
+        while running:
+            self.decode_step(running)
+            for s in running:
+                if s.done:
+                    self.finish(s)
+            running = [s for s in running if not s.done]
+        return seqs

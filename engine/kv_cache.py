@@ -1,0 +1,97 @@
+"""Paged KV cache: fixed-size blocks, a block table per sequence, allocate / free / truncate.
+
+One `BlockAllocator` hands out block ids; any number of `PagedKVCache` tensors (the target's,
+later the drafter's context cache) are indexed by the same block tables, so one table per
+sequence drives them all. Block 0 is a scratch block that is never handed out: padded
+positions of a batch write there, which keeps every write a static-shape scatter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+SCRATCH_BLOCK = 0
+
+
+class OutOfBlocks(RuntimeError):
+    """The cache has too few free blocks for the request (the caller decides: wait, preempt, refuse)."""
+
+
+@dataclass
+class BlockTable:
+    """The blocks of one sequence, in order, and how many positions hold valid KV."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class BlockAllocator:
+    """A free list of block ids 1..num_blocks-1 (0 is scratch)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2:
+            raise ValueError("a paged cache needs at least 2 blocks (block 0 is scratch)")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        return max(0, math.ceil(num_tokens / self.block_size) - len(table.blocks))
+
+    def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
+        return self.blocks_needed(table, num_tokens) <= self.num_free
+
+    def ensure(self, table: BlockTable, num_tokens: int) -> None:
+        """Give `table` enough blocks to hold `num_tokens` positions (does not move num_tokens)."""
+        need = self.blocks_needed(table, num_tokens)
+        if need > self.num_free:
+            raise OutOfBlocks(f"need {need} KV blocks, {self.num_free} free")
+        for _ in range(need):
+            table.blocks.append(self._free.pop())
+
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Roll a sequence back to `num_tokens` valid positions and free the blocks past them.
+
+        KV written past the new length is simply never read again (attention masks by position),
+        so speculative rollback costs no copy.
+        """
+        if num_tokens > table.num_tokens:
+            raise ValueError(f"cannot truncate {table.num_tokens} tokens up to {num_tokens}")
+        table.num_tokens = num_tokens
+        keep = math.ceil(num_tokens / self.block_size)
+        while len(table.blocks) > keep:
+            self._free.append(table.blocks.pop())
+
+    def free(self, table: BlockTable) -> None:
+        self._free.extend(reversed(table.blocks))
+        table.blocks.clear()
+        table.num_tokens = 0
+
+
+class PagedKVCache:
+    """K and V for `num_layers` layers: one tensor [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                                dtype=dtype, device=device)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, 0], self.data[i, 1]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def slot_mapping(table: BlockTable, start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of positions [start, end) of a sequence."""
+    return [table.blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -1,0 +1,64 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, rotary tables, SwiGLU MLP.
+
+Numerics follow Hugging Face's Qwen3 exactly (norms in float32, RoPE tables in float32
+cast to the activation dtype), so float32 runs match the transformers oracle to rounding.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Rotary:
+    """cos/sin tables for absolute positions [0, max_positions), float32 like HF."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device | str) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        pos = torch.arange(max_positions, device=device).float()
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+        self.max_positions = max_positions
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape positions.shape + [head_dim], in `dtype`."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., T, heads, head_dim]; cos/sin: [..., T, head_dim]."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return x * cos + _rotate_half(x) * sin
+
+
+class SwiGLU(nn.Module):
+    """Qwen3 MLP with gate and up fused into one matmul (loaders fill both halves)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,149 @@
+"""Checkpoint loading: Hugging Face Qwen3 safetensors (single file or shards) and dummy weights.
+
+Modules are built on the meta device and materialised directly on the target device, then each
+tensor is read from safetensors straight to that device and copied into its (possibly fused)
+parameter slice, so host memory never holds a second full copy of the model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from flashpd.engine.config import CheckpointError, Qwen3Config, load_config
+from flashpd.engine.qwen3 import Qwen3ForCausalLM
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters write; recomputed here
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [str(f.name) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{model_dir}: shards named by model.safetensors.index.json are missing: {missing}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no model.safetensors, no index, no *.safetensors files")
+    return files
+
+
+def iter_safetensors(files: list[Path], device: str) -> Iterator[tuple[str, Callable[[], torch.Tensor], list[int]]]:
+    """Yield (name, loader, shape) per tensor; the loader reads it straight to `device`."""
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt", device=device)
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
+        with handle as h:
+            for name in h.keys():
+                shape = list(h.get_slice(name).get_shape())
+                yield name, (lambda h=h, name=name: h.get_tensor(name)), shape
+
+
+def _target_slices(model: Qwen3ForCausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """HF tensor name -> (destination parameter, row offset, rows)."""
+    c = model.cfg
+    out: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+    def whole(name: str, p: torch.Tensor) -> None:
+        out[name] = (p, 0, p.shape[0])
+
+    whole("model.embed_tokens.weight", model.embed_tokens.weight)
+    whole("model.norm.weight", model.norm.weight)
+    if model.lm_head is not None:
+        whole("lm_head.weight", model.lm_head.weight)
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        a = layer.self_attn
+        out[pre + "self_attn.q_proj.weight"] = (a.qkv_proj.weight, 0, c.q_size)
+        out[pre + "self_attn.k_proj.weight"] = (a.qkv_proj.weight, c.q_size, c.kv_size)
+        out[pre + "self_attn.v_proj.weight"] = (a.qkv_proj.weight, c.q_size + c.kv_size, c.kv_size)
+        whole(pre + "self_attn.o_proj.weight", a.o_proj.weight)
+        whole(pre + "self_attn.q_norm.weight", a.q_norm.weight)
+        whole(pre + "self_attn.k_norm.weight", a.k_norm.weight)
+        m = layer.mlp
+        out[pre + "mlp.gate_proj.weight"] = (m.gate_up_proj.weight, 0, c.intermediate_size)
+        out[pre + "mlp.up_proj.weight"] = (m.gate_up_proj.weight, c.intermediate_size, c.intermediate_size)
+        whole(pre + "mlp.down_proj.weight", m.down_proj.weight)
+        whole(pre + "input_layernorm.weight", layer.input_layernorm.weight)
+        whole(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+    return out
+
+
+def fill_from_checkpoint(slices: dict[str, tuple[torch.Tensor, int, int]], files: list[Path],
+                         device: str, source: str, ignore: tuple[str, ...] = ()) -> None:
+    """Copy every checkpoint tensor into its slice; error on shape mismatch or missing tensors."""
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for name, load, shape in iter_safetensors(files, device):
+        if name not in slices:
+            if not name.endswith(_IGNORED_SUFFIXES) and name not in ignore:
+                unexpected.append(name)
+            continue
+        dest, off, rows = slices[name]
+        want = [rows, *dest.shape[1:]]
+        if shape != want:
+            raise CheckpointError(f"{source}: tensor {name} has shape {shape}, the config implies {want}")
+        with torch.no_grad():
+            dest[off:off + rows].copy_(load())
+        seen.add(name)
+    missing = sorted(set(slices) - seen)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{source}: checkpoint is missing tensors {missing[:5]}{more}")
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"{source}: checkpoint has tensors this architecture does not use: "
+                              f"{unexpected[:5]}{more}")
+
+
+def _empty_model(cfg: Qwen3Config, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg).to(dtype)
+    return model.to_empty(device=device)
+
+
+def load_target(model_dir: str | Path, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    """Load a Hugging Face Qwen3 directory onto `device` in `dtype`."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    cfg = load_config(model_dir)
+    device = torch.device(device)
+    model = _empty_model(cfg, device, dtype)
+    files = safetensors_files(model_dir)
+    dev = "cpu" if device.type == "cpu" else str(device if device.index is not None else f"{device.type}:0")
+    slices = _target_slices(model)
+    ignored: tuple[str, ...] = ()
+    if cfg.tie_word_embeddings:  # tied: some exporters still write lm_head.weight (a copy of the embedding)
+        ignored = ("lm_head.weight",)
+    fill_from_checkpoint(slices, files, dev, str(model_dir), ignore=ignored)
+    model.init_rotary(device)
+    return model.eval().requires_grad_(False)
+
+
+def dummy_target(cfg: Qwen3Config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0) -> Qwen3ForCausalLM:
+    """Random weights for any config (timing at real shapes; never for quality)."""
+    device = torch.device(device)
+    model = _empty_model(cfg, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.init_rotary(device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,165 @@
+"""ModelRunner: turns a list of (sequence, new tokens) into one batched forward over the paged cache.
+
+It owns the cache tensor and the block allocator, builds the padded [B, T] batch and its
+attention metadata, and replays CUDA graphs for small fixed shapes (decode T=1, verify
+T=block) so that the per-step cost on a GPU is the weights' read, not Python and launches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashpd.engine.attention import AttnBatch, causal_position_mask
+from flashpd.engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, BlockTable, PagedKVCache
+from flashpd.engine.qwen3 import Qwen3ForCausalLM
+
+
+@dataclass
+class StepOutput:
+    """hidden: [B, T, H] normed final states; taps: per tap id [B, T, H]; logits: [B, T, V] or None."""
+
+    hidden: torch.Tensor
+    taps: list[torch.Tensor]
+    logits: torch.Tensor | None
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int = 16,
+                 taps: tuple[int, ...] = (), cuda_graphs: bool | None = None) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.block_size = block_size
+        self.taps = tuple(taps)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                                  cfg.head_dim, self.dtype, self.device)
+        self.max_positions = model.rotary.max_positions if model.rotary else cfg.max_position_embeddings
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self._graphs: dict[tuple[int, int, int], "_Graph"] = {}
+        self._pool = None
+
+    # ---- batch construction -------------------------------------------------------------
+    def _batch(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
+               nblk: int) -> tuple[torch.Tensor, AttnBatch]:
+        bs = self.block_size
+        ids = torch.zeros(b_pad, t_pad, dtype=torch.long)
+        pos = torch.zeros(b_pad, t_pad, dtype=torch.long)
+        slots = torch.full((b_pad, t_pad), SCRATCH_BLOCK * bs, dtype=torch.long)
+        bt = torch.full((b_pad, nblk), SCRATCH_BLOCK, dtype=torch.long)
+        for i, (table, toks) in enumerate(zip(tables, tokens)):
+            start, n = table.num_tokens, len(toks)
+            ids[i, :n] = torch.tensor(toks, dtype=torch.long)
+            p = torch.arange(start, start + n)
+            pos[i, :n] = p
+            blocks = torch.tensor(table.blocks, dtype=torch.long)
+            bt[i, :len(table.blocks)] = blocks
+            slots[i, :n] = blocks[p // bs] * bs + p % bs
+        return ids, AttnBatch(pos, slots.view(-1), bt, torch.empty(0))
+
+    def forward(self, tables: list[BlockTable], tokens: list[list[int]], want_logits: str = "last",
+                taps: bool = False) -> StepOutput:
+        """Run `tokens[i]` appended to sequence `tables[i]`; advances each table's num_tokens.
+
+        want_logits: "last" (logits of each row's last real token, [B, 1, V]), "all" ([B, T, V]),
+        or "none". Blocks must already be reserved (allocator.ensure) for the new length.
+        """
+        assert len(tables) == len(tokens) and tables
+        lengths = [len(t) for t in tokens]
+        if min(lengths) < 1:
+            raise ValueError("every sequence in a forward needs at least one new token")
+        for table, n in zip(tables, lengths):
+            end = table.num_tokens + n
+            if end > self.max_positions:
+                raise ValueError(f"position {end} exceeds the model's {self.max_positions} positions")
+            if len(table.blocks) * self.block_size < end:
+                raise RuntimeError("KV blocks not reserved for this forward (call allocator.ensure first)")
+        t = max(lengths)
+        uniform = all(n == t for n in lengths)
+        nblk_real = max(len(tb.blocks) for tb in tables)
+        use_graph = self.cuda_graphs and uniform and t <= 32 and len(tables) <= 256
+        if use_graph:
+            out = self._graph_forward(tables, tokens, t, nblk_real, want_logits != "none", taps)
+        else:
+            ids, batch = self._batch(tables, tokens, len(tables), t, nblk_real)
+            ids, batch = self._to_device(ids, batch)
+            batch.mask = causal_position_mask(batch.positions, nblk_real * self.block_size)
+            hidden, tapped = self.model(ids, batch, self.cache.data, self.taps if taps else ())
+            out = StepOutput(hidden, tapped, None)
+            if want_logits == "all":
+                out.logits = self.model.logits(hidden)
+            elif want_logits == "last":
+                idx = torch.tensor([n - 1 for n in lengths], device=self.device)
+                last = hidden[torch.arange(len(tables), device=self.device), idx]
+                out.logits = self.model.logits(last)[:, None]
+        if want_logits == "last" and use_graph:
+            out.logits = out.logits[:, -1:]
+        for table, n in zip(tables, lengths):
+            table.num_tokens += n
+        return out
+
+    def _to_device(self, ids: torch.Tensor, batch: AttnBatch) -> tuple[torch.Tensor, AttnBatch]:
+        d = self.device
+        nb = d.type == "cuda"
+        return ids.to(d, non_blocking=nb), AttnBatch(batch.positions.to(d, non_blocking=nb),
+                                                    batch.slots.to(d, non_blocking=nb),
+                                                    batch.block_tables.to(d, non_blocking=nb), batch.mask)
+
+    # ---- CUDA graphs ---------------------------------------------------------------------
+    def _graph_forward(self, tables: list[BlockTable], tokens: list[list[int]], t: int, nblk: int,
+                       logits: bool, taps: bool) -> StepOutput:
+        b = len(tables)
+        key = (_bucket(b), t, _bucket(nblk, 4))
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = _Graph(self, *key)
+        ids, batch = self._batch(tables, tokens, key[0], t, key[2])
+        g.replay(ids, batch)
+        return StepOutput(g.hidden[:b], [x[:b] for x in g.taps] if taps else [],
+                          g.logits[:b] if logits else None)
+
+
+class _Graph:
+    """One captured forward for a fixed (batch, tokens, blocks) shape; inputs are copied in."""
+
+    def __init__(self, runner: ModelRunner, b: int, t: int, nblk: int) -> None:
+        dev = runner.device
+        self.ids = torch.zeros(b, t, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(b, t, dtype=torch.long, device=dev)
+        self.slots = torch.full((b * t,), SCRATCH_BLOCK * runner.block_size, dtype=torch.long, device=dev)
+        self.bt = torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.long, device=dev)
+        nkeys = nblk * runner.block_size
+        model, cache, taps = runner.model, runner.cache.data, runner.taps
+
+        def run() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+            batch = AttnBatch(self.pos, self.slots, self.bt, causal_position_mask(self.pos, nkeys))
+            hidden, tapped = model(self.ids, batch, cache, taps)
+            return hidden, tapped, model.logits(hidden)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels and allocator outside capture
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        if runner._pool is None:
+            runner._pool = torch.cuda.graph_pool_handle()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=runner._pool):
+            self.hidden, self.taps, self.logits = run()
+
+    def replay(self, ids: torch.Tensor, batch: AttnBatch) -> None:
+        self.ids.copy_(ids, non_blocking=True)
+        self.pos.copy_(batch.positions, non_blocking=True)
+        self.slots.copy_(batch.slots, non_blocking=True)
+        self.bt.copy_(batch.block_tables, non_blocking=True)
+        self.graph.replay()

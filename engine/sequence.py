@@ -1,0 +1,66 @@
+"""A request in flight: its tokens, its block table, its sampling state and its stats."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from flashpd.engine.kv_cache import BlockTable
+from flashpd.engine.sampling import SamplingParams
+
+
+@dataclass
+class RequestStats:
+    """Per request. acceptance_lengths: tokens committed per DFlash verify step (empty for native)."""
+
+    acceptance_lengths: list[int] = field(default_factory=list)
+    ttft_ms: float | None = None
+    latency_ms: float | None = None
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    position_accepts: list[int] = field(default_factory=list)  # per block position: steps that accepted it
+
+    @property
+    def tau(self) -> float | None:
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else None
+
+    def as_dict(self) -> dict:
+        return {"acceptance_lengths": list(self.acceptance_lengths), "tau": self.tau,
+                "ttft_ms": self.ttft_ms, "latency_ms": self.latency_ms}
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    table: BlockTable = field(default_factory=BlockTable)
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    def commit(self, tokens: list[int]) -> list[int]:
+        """Append tokens, stopping exactly at a stop token or max_tokens; returns what was kept."""
+        kept: list[int] = []
+        for tok in tokens:
+            if self.done:
+                break
+            self.output.append(tok)
+            kept.append(tok)
+            if not self.params.ignore_eos and tok in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.output) >= self.params.max_tokens:
+                self.finish_reason = "length"
+        return kept

@@ -1,0 +1,1 @@
+"""Role: KV bridge (cache keys, method fingerprints, store tiers, gRPC transfer)."""

@@ -1,0 +1,69 @@
+"""Shared bench plumbing: machine/git metadata, timing with device events, JSON output."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> dict:
+    m = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
+    if torch.cuda.is_available():
+        m["gpu"] = torch.cuda.get_device_name(0)
+        m["cuda"] = torch.version.cuda
+    return m
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20, device: str = "cuda") -> list[float]:
+    """Wall time of each call in ms, synchronising the device around each one."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def summary(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {"median_ms": statistics.median(s), "min_ms": s[0], "max_ms": s[-1], "n": len(s), "samples_ms": samples}
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> dict:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src), warmup=3, reps=20)
+    med = statistics.median(t)
+    return {"bytes_per_copy": 2 * nbytes, "median_ms": med, "gb_per_s": 2 * nbytes / (med * 1e-3) / 1e9}
+
+
+def write_json(path: str | Path, payload: dict) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"git": git_revision(), "machine": machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               **payload}
+    p.write_text(json.dumps(payload, indent=2))
+    return p

@@ -1,0 +1,22 @@
+"""Tokenizer of a model directory (tokenizer.json through the `tokenizers` library), optional."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+class TextTokenizer:
+    def __init__(self, path: Path) -> None:
+        self._tok = Tokenizer.from_file(str(path))
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "TextTokenizer | None":
+        p = Path(model_dir) / "tokenizer.json"
+        return cls(p) if p.exists() else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)

@@ -19,7 +19,7 @@ class AttnBatch:
 
     positions: [B, T] absolute positions (padding rows use 0); slots: [B*T] flat cache slots
     (padding writes the scratch block); block_tables: [B, nblk] (padded with the scratch block);
-    mask: [B, 1, T, nblk*block_size] boolean, True = visible.
+    mask: [B, 1, T, nblk*block_size] boolean, True = visible (grouped once per forward by the model).
     """
 
     positions: torch.Tensor
@@ -48,14 +48,20 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return g.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
+def group_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, 1, T, L] -> [B, 1, groups*T, L], the query layout of `grouped_sdpa` (built once per forward)."""
+    b, _, t, n = mask.shape
+    return mask.unsqueeze(2).expand(b, 1, groups, t, n).reshape(b, 1, groups * t, n)
+
+
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  scale: float) -> torch.Tensor:
-    """q: [B, T, Hq, d]; k, v: [B, Hkv, L, d]; mask: [B, 1, T, L] or None -> [B, T, Hq*d]."""
+    """q: [B, T, Hq, d]; k, v: [B, Hkv, L, d]; mask: [B, 1, (Hq/Hkv)*T, L] (see group_mask) or None.
+
+    Returns [B, T, Hq*d]."""
     b, t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-    if mask is not None:
-        mask = mask.unsqueeze(2).expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, mask.shape[-1])
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq * d)

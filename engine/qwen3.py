@@ -1,56 +1,74 @@
 """The Qwen3 target in plain PyTorch, reading and writing a paged KV cache.
 
-Q/K/V and gate/up are fused into single matmuls (the loader fills the slices). `forward`
-returns the final hidden states (before the output norm is applied to logits) plus the
-outputs of the tapped decoder layers, which the DFlash drafter conditions on.
+Q/K/V and gate/up are fused into single matmuls (the loader fills the slices). A decoder layer
+is two pure functions around the cache write: `attn_inputs` (norm, QKV, q/k norms, RoPE) and
+`attn_mlp` (paged attention, output projection, MLP). The same functions run eagerly on the
+CPU (where exactness is tested) and, on a GPU, through torch.compile inside a CUDA graph.
+`forward` returns the final normed hidden states plus the outputs of the tapped decoder
+layers, which the DFlash drafter conditions on.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from flashpd.engine.attention import AttnBatch, gather_kv, grouped_sdpa, write_kv
+from dataclasses import replace
+
+from flashpd.engine.attention import AttnBatch, gather_kv, group_mask, grouped_sdpa, write_kv
 from flashpd.engine.config import Qwen3Config
-from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
+from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm
 
 
-class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=False)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.head_dim ** -0.5
+def attn_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_norm: torch.Tensor,
+                w_qkv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, eps: float,
+                n_q: int, n_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [B, T, H] -> q [B, T, n_q, d], k and v [B*T, n_kv, d] (k roped and normed)."""
+    b, t, _ = h.shape
+    q, k, v = F.linear(rms_norm(h, w_norm, eps), w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+    q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
+    k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
+    return q, k.reshape(b * t, n_kv, d), v.reshape(b * t, n_kv, d)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        c = self.cfg
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.view(b, t, c.num_attention_heads, c.head_dim)), cos, sin)
-        k = apply_rotary(self.k_norm(k.view(b, t, c.num_key_value_heads, c.head_dim)), cos, sin)
-        v = v.view(b, t, c.num_key_value_heads, c.head_dim)
-        write_kv(k_cache, v_cache, batch.slots, k.reshape(b * t, *k.shape[2:]), v.reshape(b * t, *v.shape[2:]))
-        keys = gather_kv(k_cache, batch.block_tables)
-        values = gather_kv(v_cache, batch.block_tables)
-        return self.o_proj(grouped_sdpa(q, keys, values, batch.mask, self.scale))
+
+def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             block_tables: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
+             w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+    """Attention over the gathered cache, then the residual MLP; returns the layer output."""
+    attn = grouped_sdpa(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask, scale)
+    h = h + F.linear(attn, w_o)
+    gate, up = F.linear(rms_norm(h, w_post, eps), w_gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, w_down)
 
 
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
+        self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen3Attention(cfg)
+        self.self_attn = nn.Module()
+        self.self_attn.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=False)
+        self.self_attn.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.self_attn.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.self_attn.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+                k_cache: torch.Tensor, v_cache: torch.Tensor, fns: tuple[Callable, Callable]) -> torch.Tensor:
+        c, a = self.cfg, self.self_attn
+        pre, post = fns
+        q, k, v = pre(h, cos, sin, self.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
+                      a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        write_kv(k_cache, v_cache, batch.slots, k, v)
+        return post(h, q, k_cache, v_cache, batch.block_tables, batch.mask, a.o_proj.weight,
+                    self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
+                    c.rms_norm_eps, c.head_dim ** -0.5)
+
+
+EAGER = (attn_inputs, attn_mlp)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -75,26 +93,26 @@ class Qwen3ForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: torch.Tensor,
-                taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: torch.Tensor, taps: tuple[int, ...] = (),
+                fns: tuple[Callable, Callable] = EAGER) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [B, T]; kv: the cache tensor [layers, 2, blocks, bs, kv_heads, d].
 
         Returns the normed final hidden states [B, T, H] and the raw outputs of the
-        decoder layers listed in `taps` (tap j = output of layer j = HF hidden_states[j+1]).
+        decoder layers listed in `taps`, in that order (tap j = output of layer j =
+        HF hidden_states[j+1]).
         """
         assert self.rotary is not None, "call init_rotary() after loading weights"
-        h = self.embed(input_ids)
-        cos, sin = self.rotary.tables(batch.positions, h.dtype)
-        tapped: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch, kv[i, 0], kv[i, 1])
-            if i in taps:
-                tapped.append(h)
-        if len(tapped) != len(taps):
+        if len(set(taps)) != len(taps) or any(not 0 <= j < len(self.layers) for j in taps):
             raise ValueError(f"tap ids {taps} must be distinct layer indices below {len(self.layers)}")
-        order = sorted(range(len(taps)), key=lambda j: taps[j])
-        tapped = [tapped[order.index(j)] for j in range(len(taps))]
-        return self.norm(h), tapped
+        h = self.embed(input_ids)
+        batch = replace(batch, mask=group_mask(batch.mask, self.cfg.num_attention_heads // self.cfg.num_key_value_heads))
+        cos, sin = self.rotary.tables(batch.positions, h.dtype)
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, batch, kv[i, 0], kv[i, 1], fns)
+            if i in taps:
+                tapped[i] = h
+        return rms_norm(h, self.norm.weight, self.cfg.rms_norm_eps), [tapped[j] for j in taps]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head_weight)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flashpd.engine.attention import AttnBatch, causal_position_mask
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, BlockTable, PagedKVCache
-from flashpd.engine.qwen3 import Qwen3ForCausalLM
+from flashpd.engine.qwen3 import EAGER, Qwen3ForCausalLM
 
 
 @dataclass
@@ -33,7 +34,7 @@ def _bucket(n: int, minimum: int = 1) -> int:
 
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int = 16,
-                 taps: tuple[int, ...] = (), cuda_graphs: bool | None = None) -> None:
+                 taps: tuple[int, ...] = (), cuda_graphs: bool | None = None, compile: bool | None = None) -> None:
         cfg = model.cfg
         self.model = model
         self.device = model.embed_tokens.weight.device
@@ -45,26 +46,35 @@ class ModelRunner:
                                   cfg.head_dim, self.dtype, self.device)
         self.max_positions = model.rotary.max_positions if model.rotary else cfg.max_position_embeddings
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        # torch.compile fuses each layer's small ops (norms, RoPE, SwiGLU) inside captured graphs;
+        # the same two layer functions run eagerly everywhere else.
+        self.compile = self.cuda_graphs if compile is None else compile
+        self.graph_fns = EAGER
+        if self.compile:
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.graph_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in EAGER)
         self._graphs: dict[tuple[int, int, int], "_Graph"] = {}
         self._pool = None
 
     # ---- batch construction -------------------------------------------------------------
     def _batch(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
                nblk: int) -> tuple[torch.Tensor, AttnBatch]:
+        """Host-side [B, T] inputs, positions, cache slots and block tables (numpy: no per-token ops)."""
         bs = self.block_size
-        ids = torch.zeros(b_pad, t_pad, dtype=torch.long)
-        pos = torch.zeros(b_pad, t_pad, dtype=torch.long)
-        slots = torch.full((b_pad, t_pad), SCRATCH_BLOCK * bs, dtype=torch.long)
-        bt = torch.full((b_pad, nblk), SCRATCH_BLOCK, dtype=torch.long)
+        ids = np.zeros((b_pad, t_pad), dtype=np.int64)
+        pos = np.zeros((b_pad, t_pad), dtype=np.int64)
+        slots = np.full((b_pad, t_pad), SCRATCH_BLOCK * bs, dtype=np.int64)
+        bt = np.full((b_pad, nblk), SCRATCH_BLOCK, dtype=np.int64)
         for i, (table, toks) in enumerate(zip(tables, tokens)):
-            start, n = table.num_tokens, len(toks)
-            ids[i, :n] = torch.tensor(toks, dtype=torch.long)
-            p = torch.arange(start, start + n)
+            n = len(toks)
+            ids[i, :n] = toks
+            p = np.arange(table.num_tokens, table.num_tokens + n)
             pos[i, :n] = p
-            blocks = torch.tensor(table.blocks, dtype=torch.long)
-            bt[i, :len(table.blocks)] = blocks
+            blocks = np.asarray(table.blocks, dtype=np.int64)
+            bt[i, :len(blocks)] = blocks
             slots[i, :n] = blocks[p // bs] * bs + p % bs
-        return ids, AttnBatch(pos, slots.view(-1), bt, torch.empty(0))
+        return torch.from_numpy(ids), AttnBatch(torch.from_numpy(pos), torch.from_numpy(slots).view(-1),
+                                                torch.from_numpy(bt), torch.empty(0))
 
     def forward(self, tables: list[BlockTable], tokens: list[list[int]], want_logits: str = "last",
                 taps: bool = False) -> StepOutput:
@@ -138,11 +148,11 @@ class _Graph:
         self.slots = torch.full((b * t,), SCRATCH_BLOCK * runner.block_size, dtype=torch.long, device=dev)
         self.bt = torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.long, device=dev)
         nkeys = nblk * runner.block_size
-        model, cache, taps = runner.model, runner.cache.data, runner.taps
+        model, cache, taps, fns = runner.model, runner.cache.data, runner.taps, runner.graph_fns
 
         def run() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
             batch = AttnBatch(self.pos, self.slots, self.bt, causal_position_mask(self.pos, nkeys))
-            hidden, tapped = model(self.ids, batch, cache, taps)
+            hidden, tapped = model(self.ids, batch, cache, taps, fns)
             return hidden, tapped, model.logits(hidden)
 
         stream = torch.cuda.Stream()

@@ -1,0 +1,135 @@
+"""Shared fixtures: tiny random Qwen3 checkpoints written by transformers (the oracle).
+
+Every checkpoint is a real Hugging Face directory (config.json, generation_config.json,
+model.safetensors or shards + model.safetensors.index.json) saved by
+`Qwen3ForCausalLM.save_pretrained`, so the engine's loader reads exactly what it reads from
+the hub. Models are float32 and tiny; the output head (the embedding when tied) is scaled by 8
+before saving so that greedy choices are far from ties, and every RMSNorm weight is randomised
+(HF initialises them to ones, which would hide a loader that mixes up norm tensors).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from transformers import Qwen3Config as HFQwen3Config
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+
+torch.set_num_threads(2)
+
+# Defaults of the tiny checkpoints (each test overrides what it needs).
+TINY = dict(vocab=256, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=1, head_dim=24,
+            tie=False, rope_theta=10_000.0, max_pos=1024, eos=None, seed=0)
+
+
+def hf_config(*, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+              head_dim: int | None, tie: bool, rope_theta: float, max_pos: int, eos: Any,
+              **_: Any) -> HFQwen3Config:
+    return HFQwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim if head_dim is not None else hidden // heads,
+        tie_word_embeddings=tie, max_position_embeddings=max_pos,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        rms_norm_eps=1e-6, eos_token_id=eos, bos_token_id=None, pad_token_id=None,
+    )
+
+
+def build_hf_model(**overrides: Any) -> HFQwen3ForCausalLM:
+    """A random float32 HF Qwen3 in eval mode (head x8, random norm weights), seeded."""
+    spec = {**TINY, **overrides}
+    unknown = set(spec) - set(TINY)
+    assert not unknown, f"unknown checkpoint options {unknown}"
+    torch.manual_seed(spec["seed"])
+    model = HFQwen3ForCausalLM(hf_config(**spec)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        # lm_head, or (tied) the embedding it shares, scaled in place: greedy far from ties.
+        model.get_output_embeddings().weight.mul_(8.0)
+    if spec["tie"]:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+def save_checkpoint(model: HFQwen3ForCausalLM, directory: Path, max_shard_size: str | int | None = None) -> Path:
+    """save_pretrained into `directory`; a small max_shard_size writes several shards + index."""
+    directory = Path(directory)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(str(directory), **kwargs)
+    assert (directory / "config.json").exists()
+    return directory
+
+
+def save_sharded_checkpoint(model: HFQwen3ForCausalLM, directory: Path, max_shard_size: str | int = "40KB") -> list[Path]:
+    """Write `model` as several safetensors shards plus model.safetensors.index.json; returns the shards."""
+    save_checkpoint(model, directory, max_shard_size=max_shard_size)
+    index = json.loads((Path(directory) / "model.safetensors.index.json").read_text())
+    shards = sorted({Path(directory) / f for f in index["weight_map"].values()})
+    assert len(shards) >= 2, f"max_shard_size={max_shard_size} produced {len(shards)} shard(s)"
+    assert not (Path(directory) / "model.safetensors").exists()
+    return shards
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[HFQwen3ForCausalLM, Path]]:
+    """Factory: make_checkpoint(**overrides, shard_size=None, fresh=False) -> (hf_model, directory).
+
+    Identical requests share one directory unless fresh=True (tests that edit the files ask
+    for a fresh one).
+    """
+    cache: dict[tuple, tuple[HFQwen3ForCausalLM, Path]] = {}
+
+    def make(shard_size: str | int | None = None, fresh: bool = False, **overrides: Any):
+        key = (shard_size, tuple(sorted(overrides.items())))
+        if not fresh and key in cache:
+            return cache[key]
+        model = build_hf_model(**overrides)
+        d = tmp_path_factory.mktemp("qwen3")
+        if shard_size is None:
+            save_checkpoint(model, d)
+        else:
+            save_sharded_checkpoint(model, d, shard_size)
+        if not fresh:
+            cache[key] = (model, d)
+        return model, d
+
+    return make
+
+
+def new_runner(model_dir: Path | str, num_blocks: int = 256, block_size: int = 16,
+               taps: tuple[int, ...] = ()) -> ModelRunner:
+    """A CPU float32 runner over a freshly loaded target."""
+    return ModelRunner(load_target(model_dir), num_blocks=num_blocks, block_size=block_size, taps=taps,
+                       cuda_graphs=False)
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def hf_logits(model: HFQwen3ForCausalLM, tokens: list[int]) -> torch.Tensor:
+    """Full-sequence HF logits [T, V] for one unpadded sequence."""
+    ids = torch.tensor([tokens])
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(model: HFQwen3ForCausalLM, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens from HF generate(do_sample=False), no stop token (the config has none)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
+                         num_beams=1)
+    new = out[0, len(prompt):].tolist()
+    assert len(new) == n, f"HF generate returned {len(new)} tokens, wanted {n}"
+    return new

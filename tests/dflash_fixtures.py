@@ -1,0 +1,396 @@
+"""Tiny DFlash target + drafter pair for CPU tests (a helper module, not a test file).
+
+``build_pair`` makes, deterministically and in a few seconds on 2 CPU cores:
+
+* a tiny ``Qwen3ForCausalLM`` target (float32, lm_head sharpened x8 so greedy
+  decisions are not near-ties), saved with ``save_pretrained``;
+* a ``dflash.model.DFlashDraftModel`` drafter (the reference class from
+  ``dflash==0.1.0``), briefly trained on the target's own greedy continuations of
+  random prompts so that it accepts some of the time (acceptance lengths vary
+  from step to step, tau clearly above 1), saved with ``save_pretrained``
+  (safetensors: fc, hidden_norm, norm, layers.*; no embed_tokens, no lm_head).
+
+Training recipe (what the ports agree on, see shared/design/dflash.md): for a
+sequence x with target taps feats (tap j = HF hidden_states[j+1], concatenated in
+tap order), each anchor a makes a block [x[a], MASK x (B-1)] at positions
+a..a+B-1 that sees the context features of positions [0, a) plus its own block
+(bidirectional), no other block; loss = CE at block positions k=1..B-1 against
+x[a+k], weighted exp(-(k-1)/gamma). All anchors of a batch go through ONE call of
+the reference forward: the blocks are concatenated after the context, and an
+explicit boolean attention mask isolates them (``_masked_block_forward``; a test in
+test_dflash_fixture.py checks it equals the naive per-anchor forward).
+
+Use from pytest (session scope)::
+
+    from tests.dflash_fixtures import dflash_pair  # noqa: F401  (re-export the fixture)
+
+or call ``get_pair(base_dir)`` / ``build_pair(tmp_dir)`` directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Geometry of the tiny pair. Tests may read these.
+VOCAB_SIZE = 256
+HIDDEN = 64
+INTERMEDIATE = 128
+TARGET_LAYERS = 5
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+HEAD_DIM = 16
+MAX_POS = 4096
+ROPE_THETA = 10000.0
+RMS_EPS = 1e-6
+LM_HEAD_SHARPEN = 8.0
+MASK_TOKEN_ID = VOCAB_SIZE - 1
+EOS_TOKEN_ID = VOCAB_SIZE - 2
+# Includes tap 0 (catches off-by-one on hidden_states[j+1]) and never the last
+# layer (HF's last hidden_states entry is after the final norm). 3 taps, so the
+# number of taps differs from the number of draft layers.
+TARGET_LAYER_IDS = [0, 2, 3]
+# Held-out prompt lengths (5..300).
+HELDOUT_LENGTHS = [5, 12, 33, 64, 100, 157, 230, 300]
+
+
+@dataclass
+class Pair:
+    target_dir: Path
+    draft_dir: Path
+    hf_target: object  # transformers Qwen3ForCausalLM, eval, float32
+    ref_drafter: object  # dflash.model.DFlashDraftModel, eval, float32
+    prompts: list[list[int]]  # held-out prompts (token ids, lengths 5..300, no mask/eos id)
+    block_size: int
+    mask_token_id: int = MASK_TOKEN_ID
+    eos_token_id: int = EOS_TOKEN_ID
+    target_layer_ids: list[int] = field(default_factory=lambda: list(TARGET_LAYER_IDS))
+    build_seconds: float = 0.0
+    final_loss: float = float("nan")
+
+
+# ---------------------------------------------------------------------------
+# configs / models
+# ---------------------------------------------------------------------------
+
+
+def target_config():
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS,
+        rms_norm_eps=RMS_EPS,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        tie_word_embeddings=False,
+        eos_token_id=EOS_TOKEN_ID,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    return cfg
+
+
+def drafter_config(drafter_layers: int = 1, block_size: int = 16):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=drafter_layers,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS,
+        rms_norm_eps=RMS_EPS,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        tie_word_embeddings=False,
+        architectures=["DFlashDraftModel"],
+        num_target_layers=TARGET_LAYERS,
+        block_size=block_size,
+        dflash_config={
+            "mask_token_id": MASK_TOKEN_ID,
+            "target_layer_ids": list(TARGET_LAYER_IDS),
+        },
+    )
+
+
+def _build_target():
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(target_config()).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LM_HEAD_SHARPEN)
+    model.generation_config.eos_token_id = EOS_TOKEN_ID
+    model.generation_config.pad_token_id = EOS_TOKEN_ID
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+# ---------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------
+
+
+def _random_prompts(gen: torch.Generator, n: int, length: int) -> torch.Tensor:
+    # Never the mask or eos id in a prompt.
+    return torch.randint(0, VOCAB_SIZE - 2, (n, length), generator=gen)
+
+
+@torch.inference_mode()
+def greedy_continue(target, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
+    """Plain greedy continuation with a KV cache (batch of equal-length prompts)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    out = target(prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1:].argmax(-1)
+    toks = [nxt]
+    for _ in range(n_new - 1):
+        out = target(nxt, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        toks.append(nxt)
+    return torch.cat([prompts, *toks], dim=1)
+
+
+@torch.inference_mode()
+def target_features(target, seqs: torch.Tensor, layer_ids=TARGET_LAYER_IDS) -> torch.Tensor:
+    """[N, T, len(layer_ids)*H]: tap j = hidden_states[j+1], concatenated in order."""
+    out = target(seqs, output_hidden_states=True, logits_to_keep=1)
+    return torch.cat([out.hidden_states[j + 1] for j in layer_ids], dim=-1).float()
+
+
+# ---------------------------------------------------------------------------
+# training forward (all anchors of a batch in one reference forward)
+# ---------------------------------------------------------------------------
+
+
+def _masked_block_forward(drafter, target, seqs, feats, anchors, block_size, mask_token_id):
+    """seqs [N, T] long, feats [N, T, F], anchors [N, A] long (each >= 1).
+
+    Returns drafter hidden states [N, A, B, H] for blocks [x[a], MASK...] at
+    positions a..a+B-1 seeing context [0, a) and their own block only.
+    """
+    n, a_cnt = anchors.shape
+    b = block_size
+    ctx_len = int(anchors.max())
+    target_hidden = feats[:, :ctx_len]
+    block_ids = torch.full((n, a_cnt, b), mask_token_id, dtype=torch.long)
+    block_ids[:, :, 0] = seqs.gather(1, anchors)
+    emb = F.embedding(block_ids.view(n, a_cnt * b), target.get_input_embeddings().weight)
+    block_pos = (anchors[:, :, None] + torch.arange(b)).view(n, a_cnt * b)
+    position_ids = torch.cat([torch.arange(ctx_len).expand(n, ctx_len), block_pos], dim=1)
+    q_block = torch.arange(a_cnt).repeat_interleave(b)  # block index of each query/noise key
+    ctx_visible = torch.arange(ctx_len)[None, None, :] < anchors.repeat_interleave(b, dim=1)[:, :, None]
+    blk_visible = (q_block[:, None] == q_block[None, :]).expand(n, -1, -1)
+    mask = torch.cat([ctx_visible, blk_visible], dim=2)[:, None]  # [N,1,Q,K] bool
+    hidden = drafter(
+        target_hidden=target_hidden,
+        noise_embedding=emb,
+        position_ids=position_ids,
+        attention_mask=mask,
+    )
+    return hidden.view(n, a_cnt, b, -1)
+
+
+def _naive_block_forward(drafter, target, seq, feats, anchor, block_size, mask_token_id):
+    """The obvious per-anchor reference call (seq [T], feats [T, F]) -> [B, H]."""
+    ids = torch.full((1, block_size), mask_token_id, dtype=torch.long)
+    ids[0, 0] = seq[anchor]
+    emb = F.embedding(ids, target.get_input_embeddings().weight)
+    hidden = drafter(
+        target_hidden=feats[None, :anchor],
+        noise_embedding=emb,
+        position_ids=torch.arange(anchor + block_size)[None],
+    )
+    return hidden[0]
+
+
+# ---------------------------------------------------------------------------
+# build
+# ---------------------------------------------------------------------------
+
+
+def _train_drafter(drafter, target, gen, *, steps, block_size, log=None):
+    b = block_size
+    n_new = 64 + b  # anchors cover the 64 tokens a test generates; labels exist to a+B-1
+    # Training data: groups of equal-length random prompts, target's own greedy continuation.
+    lengths = [5, 8, 12, 16, 24, 32, 48, 64, 80, 100, 128, 160, 200, 240, 280, 300]
+    per_group = 12
+    groups = []
+    for length in lengths:
+        prompts = _random_prompts(gen, per_group, length)
+        seqs = greedy_continue(target, prompts, n_new)
+        groups.append((length, seqs, target_features(target, seqs)))
+
+    lm_head = target.lm_head
+    gamma = 7.0 if b >= 16 else 4.0
+    weights = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+    drafter.train()
+    anchors_per_seq = 16
+    loss_val = float("nan")
+    for step in range(steps):
+        length, seqs, feats = groups[int(torch.randint(len(groups), (1,), generator=gen))]
+        # anchor a in [L, L+64): block labels x[a+1..a+B-1] all exist.
+        anchors = length + torch.stack(
+            [torch.randperm(64, generator=gen)[:anchors_per_seq] for _ in range(seqs.shape[0])]
+        )
+        anchors, _ = anchors.sort(dim=1)
+        hidden = _masked_block_forward(drafter, target, seqs, feats, anchors, b, MASK_TOKEN_ID)
+        logits = lm_head(hidden[:, :, 1:])  # [N, A, B-1, V]
+        label_idx = anchors[:, :, None] + torch.arange(1, b)
+        labels = seqs.gather(1, label_idx.view(seqs.shape[0], -1)).view_as(label_idx)
+        ce = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), labels.reshape(-1), reduction="none")
+        ce = ce.view(labels.shape)
+        loss = (ce * weights).sum(-1).mean() / weights.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        loss_val = float(loss)
+        if log is not None and (step % 50 == 0 or step == steps - 1):
+            log(f"step {step} loss {loss_val:.4f}")
+    drafter.eval()
+    return loss_val
+
+
+def build_pair(
+    tmp_dir: Path,
+    seed: int = 0,
+    train_steps: int = 300,
+    drafter_layers: int = 1,
+    block_size: int = 16,
+    log=None,
+) -> Pair:
+    """Build, train and save the pair under tmp_dir/{target,drafter}. Deterministic for a seed."""
+    from dflash.model import DFlashDraftModel
+
+    t0 = time.perf_counter()
+    tmp_dir = Path(tmp_dir)
+    target_dir = tmp_dir / "target"
+    draft_dir = tmp_dir / "drafter"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed + 1)
+        target = _build_target()
+        torch.manual_seed(seed + 2)
+        drafter = DFlashDraftModel(drafter_config(drafter_layers, block_size)).float()
+        assert drafter.target_layer_ids == TARGET_LAYER_IDS
+        assert drafter.mask_token_id == MASK_TOKEN_ID
+        assert drafter.block_size == block_size
+        loss = _train_drafter(drafter, target, gen, steps=train_steps, block_size=block_size, log=log)
+        heldout_gen = torch.Generator().manual_seed(10_000 + seed)
+        prompts = [_random_prompts(heldout_gen, 1, n)[0].tolist() for n in HELDOUT_LENGTHS]
+
+    target.save_pretrained(target_dir, safe_serialization=True)
+    drafter.save_pretrained(draft_dir, safe_serialization=True)
+    for p in drafter.parameters():
+        p.requires_grad_(False)
+    return Pair(
+        target_dir=target_dir,
+        draft_dir=draft_dir,
+        hf_target=target,
+        ref_drafter=drafter,
+        prompts=prompts,
+        block_size=block_size,
+        build_seconds=time.perf_counter() - t0,
+        final_loss=loss,
+    )
+
+
+# ---------------------------------------------------------------------------
+# reference oracle
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _cpu_safe_stats_timer():
+    """dflash_generate(return_stats=True) calls torch.cuda.synchronize(), which raises
+    on a CPU-only torch; swap its timer for perf_counter while it runs."""
+    import dflash.model as dm
+
+    orig = dm._cuda_time
+    if not torch.cuda.is_available():
+        dm._cuda_time = time.perf_counter
+    try:
+        yield
+    finally:
+        dm._cuda_time = orig
+
+
+def reference_generate(pair: Pair, prompt_ids, max_new_tokens: int, block_size: int | None = None):
+    """Greedy reference DFlash decode (no stop tokens).
+
+    Returns (new token ids [exactly max_new_tokens of them], acceptance_lengths).
+    Note: the reference clips the LAST acceptance length to what fits in
+    max_new_tokens, and sum(acceptance_lengths) == max_new_tokens - 1 (the first
+    token comes from the prefill).
+    """
+    from dflash.model import dflash_generate
+
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    with _cpu_safe_stats_timer():
+        res = dflash_generate(
+            pair.ref_drafter,
+            pair.hf_target,
+            ids,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=None,
+            temperature=0.0,
+            block_size=pair.block_size if block_size is None else block_size,
+            return_stats=True,
+        )
+    return res.output_ids[0, ids.shape[1]:].tolist(), list(res.acceptance_lengths)
+
+
+@torch.inference_mode()
+def plain_greedy(pair: Pair, prompt_ids, max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding of the target (one token per forward, KV cache)."""
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    return greedy_continue(pair.hf_target, ids, max_new_tokens)[0, ids.shape[1]:].tolist()
+
+
+# ---------------------------------------------------------------------------
+# caching / pytest fixture
+# ---------------------------------------------------------------------------
+
+_CACHE: dict[tuple, Pair] = {}
+
+
+def get_pair(base_dir: Path, seed: int = 0, train_steps: int = 300, drafter_layers: int = 1,
+             block_size: int = 16) -> Pair:
+    """Process-wide cache of build_pair (one build per parameter set)."""
+    key = (seed, train_steps, drafter_layers, block_size)
+    if key not in _CACHE:
+        d = Path(base_dir) / f"dflash_pair_s{seed}_n{train_steps}_l{drafter_layers}_b{block_size}"
+        _CACHE[key] = build_pair(d, seed=seed, train_steps=train_steps,
+                                 drafter_layers=drafter_layers, block_size=block_size)
+    return _CACHE[key]
+
+
+try:
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def dflash_pair(tmp_path_factory) -> Pair:
+        return get_pair(tmp_path_factory.mktemp("dflash"))
+
+except ImportError:  # pragma: no cover
+    pass

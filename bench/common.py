@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -13,6 +14,9 @@ import torch
 
 
 def git_revision() -> str:
+    """HEAD (+ "-dirty"); FLASHPD_GIT_REV wins, for copies of the tree that carry no .git (the GPU machine)."""
+    if os.environ.get("FLASHPD_GIT_REV"):
+        return os.environ["FLASHPD_GIT_REV"]
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,

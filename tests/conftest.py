@@ -6,6 +6,13 @@ model.safetensors or shards + model.safetensors.index.json) saved by
 the hub. Models are float32 and tiny; the output head (the embedding when tied) is scaled by 8
 before saving so that greedy choices are far from ties, and every RMSNorm weight is randomised
 (HF initialises them to ones, which would hide a loader that mixes up norm tensors).
+
+A random tiny model at HF's init collapses into repeating one token under greedy decoding
+(the residual stream is dominated by the current token's embedding), which would make
+"same greedy tokens as HF" a weak check. So attention is made to matter: q_norm/k_norm
+weights ~2 (sharper attention), v_proj/o_proj x4 (larger attention output) and a final norm
+weight with random signs (breaks the tied embedding's self-similarity). The greedy streams
+then hold 30-50 distinct tokens in 64.
 """
 from __future__ import annotations
 
@@ -50,8 +57,14 @@ def build_hf_model(**overrides: Any) -> HFQwen3ForCausalLM:
     model = HFQwen3ForCausalLM(hf_config(**spec)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(2.0 * (1.0 + 0.2 * torch.randn_like(p)))
+            elif name == "model.norm.weight":
+                p.copy_(torch.randn_like(p))
+            elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(("v_proj.weight", "o_proj.weight")):
+                p.mul_(4.0)
         # lm_head, or (tied) the embedding it shares, scaled in place: greedy far from ties.
         model.get_output_embeddings().weight.mul_(8.0)
     if spec["tie"]:

@@ -53,11 +53,7 @@ class Qwen3Config:
             raise CheckpointError(f"{source}: config is missing required fields {missing}")
         if d.get("attention_bias"):
             raise CheckpointError(f"{source}: attention_bias=true is not supported (Qwen3 has none)")
-        rope = d.get("rope_scaling") or (d.get("rope_parameters") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rope_type not in (None, "default"):
-            raise CheckpointError(f"{source}: rope scaling {rope_type!r} is not supported")
-        theta = d.get("rope_theta", rope.get("rope_theta", 1_000_000.0) if isinstance(rope, dict) else 1e6)
+        theta = rope_theta_of(d, source)
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         return cls(
@@ -76,6 +72,17 @@ class Qwen3Config:
             raise CheckpointError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+
+
+def rope_theta_of(d: dict[str, Any], source: str) -> float:
+    """rope_theta from a config of either transformers generation (top level, or rope_parameters)."""
+    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        rope = {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise CheckpointError(f"{source}: rope scaling {rope_type!r} is not supported")
+    return float(d.get("rope_theta", rope.get("rope_theta", 1_000_000.0)))
 
 
 def _as_ids(v: Any) -> tuple[int, ...]:

@@ -95,13 +95,17 @@ class NativeGenerator:
         _sync(self.runner.device)
         s.stats.latency_ms = (time.perf_counter() - s.t_start) * 1e3
 
+    def reserve(self, seqs: list[Sequence]) -> None:
+        """Refuse a batch the cache cannot hold to the end (this loop has no preemption)."""
+        bs = self.runner.block_size
+        need = sum(-(-(len(s.prompt) + s.params.max_tokens + s.block_size) // bs) for s in seqs)
+        if need > self.runner.allocator.num_free:
+            raise OutOfBlocks(f"{len(seqs)} requests need up to {need} KV blocks; "
+                              f"{self.runner.allocator.num_free} are free")
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
         seqs = self.new_sequences(prompts, params)
-        total = sum(len(s.prompt) + s.params.max_tokens for s in seqs)
-        need = sum(-(-(len(s.prompt) + s.params.max_tokens) // self.runner.block_size) for s in seqs)
-        if need > self.runner.allocator.num_free:
-            raise OutOfBlocks(f"{len(seqs)} requests need up to {need} KV blocks ({total} positions); "
-                              f"{self.runner.allocator.num_free} are free")
+        self.reserve(seqs)
         self.prefill(seqs)
         running = [s for s in seqs if not s.done]
         for s in seqs:

@@ -99,7 +99,7 @@ class Qwen3ForCausalLM(nn.Module):
 
         Returns the normed final hidden states [B, T, H] and the raw outputs of the
         decoder layers listed in `taps`, in that order (tap j = output of layer j =
-        HF hidden_states[j+1]).
+        HF hidden_states[j+1]; for the last layer that is, as in HF, after the final norm).
         """
         assert self.rotary is not None, "call init_rotary() after loading weights"
         if len(set(taps)) != len(taps) or any(not 0 <= j < len(self.layers) for j in taps):
@@ -112,7 +112,10 @@ class Qwen3ForCausalLM(nn.Module):
             h = layer(h, cos, sin, batch, kv[i, 0], kv[i, 1], fns)
             if i in taps:
                 tapped[i] = h
-        return rms_norm(h, self.norm.weight, self.cfg.rms_norm_eps), [tapped[j] for j in taps]
+        out = rms_norm(h, self.norm.weight, self.cfg.rms_norm_eps)
+        if len(self.layers) - 1 in tapped:  # HF's last hidden state comes after the final norm
+            tapped[len(self.layers) - 1] = out
+        return out, [tapped[j] for j in taps]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head_weight)

@@ -19,7 +19,8 @@ class RequestStats:
     latency_ms: float | None = None
     draft_ms: float = 0.0
     verify_ms: float = 0.0
-    position_accepts: list[int] = field(default_factory=list)  # per block position: steps that accepted it
+    position_accepts: list[int] = field(default_factory=list)  # per draft position k: steps that accepted it
+    position_drafted: list[int] = field(default_factory=list)  # per draft position k: steps that drafted it
 
     @property
     def tau(self) -> float | None:
@@ -27,8 +28,12 @@ class RequestStats:
         return sum(a) / len(a) if a else None
 
     def as_dict(self) -> dict:
-        return {"acceptance_lengths": list(self.acceptance_lengths), "tau": self.tau,
-                "ttft_ms": self.ttft_ms, "latency_ms": self.latency_ms}
+        d = {"acceptance_lengths": list(self.acceptance_lengths), "tau": self.tau,
+             "ttft_ms": self.ttft_ms, "latency_ms": self.latency_ms}
+        if self.acceptance_lengths:
+            d.update(draft_ms=self.draft_ms, verify_ms=self.verify_ms,
+                     position_acceptance=[a / n for a, n in zip(self.position_accepts, self.position_drafted)])
+        return d
 
 
 @dataclass
@@ -42,6 +47,8 @@ class Sequence:
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     t_start: float = field(default_factory=time.perf_counter)
+    block_size: int = 1  # DFlash block width of this request (1 = native)
+    draft_len: int = 0  # positions whose drafter context K/V is cached (== table.num_tokens between steps)
 
     @property
     def done(self) -> bool:

@@ -1,0 +1,288 @@
+"""The DFlash block-diffusion drafter: z-lab checkpoint loading, context K/V, one-pass block drafts.
+
+A drafter layer's state for a prefix is its context K/V: K_l[t] = RoPE(k_norm(k_proj_l(ctx[t])), t)
+and V_l[t] = v_proj_l(ctx[t]) with ctx[t] = hidden_norm(fc(concat of the target's tapped hidden
+states at t)). It depends on position t's target states alone, so it lives in a paged cache
+indexed by the SAME block tables as the target's KV (one table per sequence drives both) and
+is appended only for committed positions. A draft pass embeds [last token, MASK x (B-1)] with
+the target's embedding, lets every block query see all context K/V plus all B block keys
+(non-causal), and reads B-1 guesses through the target's lm_head.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from flashpd.engine.attention import gather_kv, group_mask, grouped_sdpa, write_kv
+from flashpd.engine.config import CheckpointError, rope_theta_of
+from flashpd.engine.layers import Rotary, apply_rotary, rms_norm
+from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
+from flashpd.engine.qwen3 import Qwen3ForCausalLM
+
+
+class DrafterMismatch(CheckpointError):
+    """The drafter does not fit this target (the message names the field)."""
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    vocab_size: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "drafter config") -> "DFlashConfig":
+        archs = d.get("architectures") or []
+        if archs and "DFlashDraftModel" not in archs:
+            raise CheckpointError(f"{source}: architectures {archs} is not a DFlash drafter (DFlashDraftModel)")
+        dc = d.get("dflash_config") or {}
+
+        def pick(name: str, default=None):
+            return dc.get(name, d.get(name, default))
+
+        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if k not in d:
+                raise CheckpointError(f"{source}: missing field {k}")
+        heads = d["num_attention_heads"]
+        n_layers = d["num_hidden_layers"]
+        if pick("num_target_layers") is None:
+            raise CheckpointError(f"{source}: missing field num_target_layers")
+        n_target = int(pick("num_target_layers"))
+        mask = pick("mask_token_id")
+        if mask is None:
+            raise CheckpointError(f"{source}: missing field dflash_config.mask_token_id")
+        ids = pick("target_layer_ids") or default_target_layer_ids(n_target, n_layers)
+        softcap = pick("final_logit_softcapping")
+        return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                   num_hidden_layers=n_layers, num_attention_heads=heads,
+                   num_key_value_heads=d.get("num_key_value_heads", heads),
+                   head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                   rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope_theta_of(d, source),
+                   block_size=int(pick("block_size", 16)), num_target_layers=n_target,
+                   target_layer_ids=tuple(int(i) for i in ids), mask_token_id=int(mask),
+                   vocab_size=d.get("vocab_size"),
+                   input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+                   output_multiplier=float(pick("output_multiplier", 1.0)),
+                   final_logit_softcapping=float(softcap) if softcap else None)
+
+    def check_fits(self, target: Qwen3ForCausalLM) -> None:
+        """Refuse a drafter that cannot condition on / draft for this target, naming the field."""
+        t = target.cfg
+        if self.hidden_size != t.hidden_size:
+            raise DrafterMismatch(f"drafter hidden_size {self.hidden_size} != target hidden_size {t.hidden_size}")
+        if self.num_target_layers != t.num_hidden_layers:
+            raise DrafterMismatch(f"drafter num_target_layers {self.num_target_layers} != target "
+                                  f"num_hidden_layers {t.num_hidden_layers}")
+        if self.vocab_size is not None and self.vocab_size != t.vocab_size:
+            raise DrafterMismatch(f"drafter vocab_size {self.vocab_size} != target vocab_size {t.vocab_size}")
+        bad = [j for j in self.target_layer_ids if not 0 <= j < t.num_hidden_layers]
+        if bad or len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise DrafterMismatch(f"drafter target_layer_ids {list(self.target_layer_ids)} must be distinct "
+                                  f"layers in [0, {t.num_hidden_layers})")
+        if not 0 <= self.mask_token_id < t.vocab_size:
+            raise DrafterMismatch(f"drafter mask_token_id {self.mask_token_id} is outside the target "
+                                  f"vocabulary [0, {t.vocab_size})")
+        if not 2 <= self.block_size <= 64:
+            raise DrafterMismatch(f"drafter block_size {self.block_size} must be in [2, 64]")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DrafterMismatch(f"drafter num_attention_heads {self.num_attention_heads} is not a multiple "
+                                  f"of num_key_value_heads {self.num_key_value_heads}")
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = nn.Parameter(torch.ones(c.hidden_size))
+        self.q_proj = nn.Parameter(torch.empty(c.q_size, c.hidden_size))
+        self.kv_proj = nn.Parameter(torch.empty(2 * c.kv_size, c.hidden_size))  # k then v
+        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, c.q_size))
+        self.q_norm = nn.Parameter(torch.ones(c.head_dim))
+        self.k_norm = nn.Parameter(torch.ones(c.head_dim))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(c.hidden_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
+
+
+class DFlashDrafter(nn.Module):
+    """Drafter weights plus borrowed target embedding / lm_head (not owned: never saved here)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        n_taps = len(cfg.target_layer_ids)
+        self.fc = nn.Parameter(torch.empty(cfg.hidden_size, n_taps * cfg.hidden_size))
+        self.hidden_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.rotary: Rotary | None = None
+        self._target: tuple[Qwen3ForCausalLM] | None = None  # a tuple keeps it out of this module's params
+
+    def attach(self, target: Qwen3ForCausalLM) -> None:
+        self.cfg.check_fits(target)
+        self._target = (target,)
+        self.rotary = target.rotary if target.cfg.head_dim == self.cfg.head_dim and \
+            target.cfg.rope_theta == self.cfg.rope_theta else \
+            Rotary(self.cfg.head_dim, self.cfg.rope_theta, target.rotary.max_positions, target.rotary.cos.device)
+
+    @property
+    def target(self) -> Qwen3ForCausalLM:
+        assert self._target is not None, "attach() the drafter to its target first"
+        return self._target[0]
+
+    # ---- context state -----------------------------------------------------------------
+    def context_feature(self, taps: torch.Tensor) -> torch.Tensor:
+        """[..., n_taps*H] concatenated target taps -> ctx [..., H]."""
+        return rms_norm(F.linear(taps, self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """ctx [N, H] at absolute positions [N] -> per draft layer (K [N, kv, d], V [N, kv, d])."""
+        c = self.cfg
+        cos, sin = self.rotary.tables(positions, ctx.dtype)
+        out = []
+        for layer in self.layers:
+            k, v = F.linear(ctx, layer.kv_proj).split([c.kv_size, c.kv_size], dim=-1)
+            k = apply_rotary(rms_norm(k.view(-1, c.num_key_value_heads, c.head_dim), layer.k_norm, c.rms_norm_eps),
+                             cos, sin)
+            out.append((k, v.view(-1, c.num_key_value_heads, c.head_dim)))
+        return out
+
+    def write_context(self, cache: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+        """Append committed positions' context K/V: cache [draft_layers, 2, blocks, bs, kv, d]."""
+        for i, (k, v) in enumerate(self.context_kv(self.context_feature(taps), positions)):
+            write_kv(cache[i, 0], cache[i, 1], slots, k, v)
+
+    # ---- drafting ----------------------------------------------------------------------
+    def draft_logits(self, block_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
+                     block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
+        """One draft pass. block_ids/positions [B, T]; ctx_lens [B] valid context positions;
+        block_lens [B] real block width per row (shorter rows mask their tail keys).
+        Returns logits [B, T-1, V] for block positions 1..T-1 (position i predicts token start+i).
+        """
+        c = self.cfg
+        b, t = block_ids.shape
+        tgt = self.target
+        h = tgt.embed(block_ids)
+        if c.input_embedding_scale != 1.0:
+            h = h * c.input_embedding_scale
+        cos, sin = self.rotary.tables(positions, h.dtype)
+        n_ctx = block_tables.shape[1] * cache.shape[3]
+        ctx_ok = torch.arange(n_ctx, device=h.device)[None, :] < ctx_lens[:, None]
+        blk_ok = torch.arange(t, device=h.device)[None, :] < block_lens[:, None]
+        mask = torch.cat([ctx_ok, blk_ok], dim=1)[:, None, None, :].expand(b, 1, t, n_ctx + t)
+        mask = group_mask(mask, c.num_attention_heads // c.num_key_value_heads)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_layernorm, c.rms_norm_eps)
+            q = F.linear(x, layer.q_proj).view(b, t, c.num_attention_heads, c.head_dim)
+            q = apply_rotary(rms_norm(q, layer.q_norm, c.rms_norm_eps), cos, sin)
+            k, v = F.linear(x, layer.kv_proj).split([c.kv_size, c.kv_size], dim=-1)
+            k = apply_rotary(rms_norm(k.view(b, t, c.num_key_value_heads, c.head_dim), layer.k_norm, c.rms_norm_eps),
+                             cos, sin)
+            v = v.view(b, t, c.num_key_value_heads, c.head_dim)
+            keys = torch.cat([gather_kv(cache[i, 0], block_tables), k.transpose(1, 2)], dim=2)
+            vals = torch.cat([gather_kv(cache[i, 1], block_tables), v.transpose(1, 2)], dim=2)
+            h = h + F.linear(grouped_sdpa(q, keys, vals, mask, c.head_dim ** -0.5), layer.o_proj)
+            gate, up = F.linear(rms_norm(h, layer.post_attention_layernorm, c.rms_norm_eps),
+                                layer.gate_up_proj).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down_proj)
+        logits = tgt.logits(rms_norm(h[:, 1:], self.norm, c.rms_norm_eps))
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
+
+def _draft_slices(m: DFlashDrafter) -> dict[str, tuple[torch.Tensor, int, int]]:
+    c = m.cfg
+    out: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+    def whole(name: str, p: torch.Tensor) -> None:
+        out[name] = (p, 0, p.shape[0])
+
+    whole("fc.weight", m.fc)
+    whole("hidden_norm.weight", m.hidden_norm)
+    whole("norm.weight", m.norm)
+    for i, layer in enumerate(m.layers):
+        pre = f"layers.{i}."
+        whole(pre + "self_attn.q_proj.weight", layer.q_proj)
+        out[pre + "self_attn.k_proj.weight"] = (layer.kv_proj, 0, c.kv_size)
+        out[pre + "self_attn.v_proj.weight"] = (layer.kv_proj, c.kv_size, c.kv_size)
+        whole(pre + "self_attn.o_proj.weight", layer.o_proj)
+        whole(pre + "self_attn.q_norm.weight", layer.q_norm)
+        whole(pre + "self_attn.k_norm.weight", layer.k_norm)
+        out[pre + "mlp.gate_proj.weight"] = (layer.gate_up_proj, 0, c.intermediate_size)
+        out[pre + "mlp.up_proj.weight"] = (layer.gate_up_proj, c.intermediate_size, c.intermediate_size)
+        whole(pre + "mlp.down_proj.weight", layer.down_proj)
+        whole(pre + "input_layernorm.weight", layer.input_layernorm)
+        whole(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm)
+    return out
+
+
+def load_drafter(draft_dir: str | Path, target: Qwen3ForCausalLM, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load a z-lab DFlash directory for `target` (refused at load if it does not fit)."""
+    p = Path(draft_dir)
+    if not (p / "config.json").exists():
+        raise CheckpointError(f"{p}: no config.json (is this a DFlash drafter directory?)")
+    cfg = DFlashConfig.from_dict(json.loads((p / "config.json").read_text()), source=str(p / "config.json"))
+    device = torch.device(device) if device is not None else target.embed_tokens.weight.device
+    dtype = dtype or target.embed_tokens.weight.dtype
+    cfg.check_fits(target)
+    with torch.device("meta"):
+        m = DFlashDrafter(cfg).to(dtype)
+    m = m.to_empty(device=device)
+    dev = "cpu" if device.type == "cpu" else str(device if device.index is not None else f"{device.type}:0")
+    fill_from_checkpoint(_draft_slices(m), safetensors_files(p), dev, str(p))
+    m.attach(target)
+    return m.eval().requires_grad_(False)
+
+
+def dummy_drafter(cfg: DFlashConfig, target: Qwen3ForCausalLM, seed: int = 0) -> DFlashDrafter:
+    """Random drafter weights of any shape, for timing at real shapes."""
+    w = target.embed_tokens.weight
+    with torch.device("meta"):
+        m = DFlashDrafter(cfg).to(w.dtype)
+    m = m.to_empty(device=w.device)
+    gen = torch.Generator(device=w.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name or name.endswith("layernorm"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    m.attach(target)
+    return m.eval().requires_grad_(False)

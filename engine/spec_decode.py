@@ -1,0 +1,187 @@
+"""DFlash exact speculative decoding: draft a block in one drafter pass, verify it in one target pass.
+
+Per step and sequence (committed length P, last token x not yet in the caches):
+  draft   block [x, MASK x (w-1)] at positions P..P+w-1 -> w-1 guesses, one drafter forward;
+  verify  target forward of [x, guesses] with taps -> w logits, one target forward;
+  accept  greedy: the longest prefix of guesses equal to the target's argmax, plus the bonus
+          token (the target's own choice after it); sampling: speculative rejection sampling;
+  commit  tokens clipped exactly at a stop token or max_tokens; the target cache rolls back to
+          P+a+1 and only those accepted positions' context K/V join the draft cache.
+Every committed token is the target's own choice, so greedy output equals native greedy decoding.
+Near max_tokens the block shrinks to what can still be committed (as the reference loop does).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from flashpd.engine.drafter import DFlashDrafter
+from flashpd.engine.generate import NativeGenerator, _sync
+from flashpd.engine.kv_cache import PagedKVCache
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams, draw, probs_from_logits
+from flashpd.engine.sequence import Sequence
+
+DraftOverride = Callable[[Sequence, int], list[int]]
+
+
+def rejection_sample(guesses: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                     generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling: guesses [g] drawn from q [g, V]; target p [g+1, V].
+
+    Accepts guess k with probability min(1, p/q); on the first rejection draws from
+    norm(max(0, p - q)), else the bonus from p's last row. Preserves p's distribution exactly.
+    """
+    g = guesses.shape[0]
+    idx = guesses[:, None]
+    pk, qk = p[:g].gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]
+    u = torch.rand(g, device=p.device, generator=generator)
+    a = int((u * qk < pk).to(torch.int32).cumprod(0).sum())
+    if a == g:
+        return a, int(draw(p[g], generator))
+    residual = (p[a] - q[a]).clamp_min(0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else p[a]
+    return a, int(draw(residual, generator))
+
+
+class DFlashGenerator(NativeGenerator):
+    """Batch generation with DFlash steps; sequences in one step may accept different lengths."""
+
+    def __init__(self, runner: ModelRunner, drafter: DFlashDrafter, stop_ids: Iterable[int] = (),
+                 block_size: int | None = None) -> None:
+        super().__init__(runner, stop_ids)
+        c = drafter.cfg
+        if tuple(runner.taps) != tuple(c.target_layer_ids):
+            raise ValueError(f"runner taps {runner.taps} != drafter target_layer_ids {c.target_layer_ids}")
+        self.drafter = drafter
+        self.block_size = self._check_block(block_size or c.block_size)
+        # The drafter's context K/V: same block geometry as the target cache, same tables.
+        self.draft_cache = PagedKVCache(c.num_hidden_layers, runner.cache.num_blocks, runner.block_size,
+                                        c.num_key_value_heads, c.head_dim, runner.dtype, runner.device)
+        self.draft_override: DraftOverride | None = None  # test hook: (seq, width) -> width-1 guesses
+
+    @staticmethod
+    def _check_block(w: int) -> int:
+        if not 2 <= w <= 16:
+            raise ValueError(f"block_size must be in [2, 16], got {w}")
+        return w
+
+    # ---- draft context -----------------------------------------------------------------
+    def _append_context(self, seqs: list[Sequence], feats: list[torch.Tensor]) -> None:
+        """Write context K/V for feats[i] (rows = positions draft_len.. of seqs[i])."""
+        bs = self.runner.block_size
+        slots, pos = [], []
+        for s, f in zip(seqs, feats):
+            p = np.arange(s.draft_len, s.draft_len + f.shape[0])
+            blocks = np.asarray(s.table.blocks, dtype=np.int64)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            pos.append(p)
+            s.draft_len += f.shape[0]
+        dev = self.runner.device
+        self.drafter.write_context(self.draft_cache.data, torch.cat(feats),
+                                   torch.from_numpy(np.concatenate(pos)).to(dev),
+                                   torch.from_numpy(np.concatenate(slots)).to(dev))
+
+    # ---- one speculative step ------------------------------------------------------------
+    def _draft(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Guesses per sequence (width-1 tokens) and, for sampled rows, the draft distribution q."""
+        t = max(widths)
+        dev = self.runner.device
+        mask_id = self.drafter.cfg.mask_token_id
+        nblk = max(len(s.table.blocks) for s in seqs)
+        ids = np.full((len(seqs), t), mask_id, dtype=np.int64)
+        pos = np.zeros((len(seqs), t), dtype=np.int64)
+        bt = np.zeros((len(seqs), nblk), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            ids[i, 0] = s.last_token
+            pos[i] = np.arange(s.table.num_tokens, s.table.num_tokens + t)
+            bt[i, :len(s.table.blocks)] = s.table.blocks
+        logits = self.drafter.draft_logits(
+            torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), self.draft_cache.data,
+            torch.from_numpy(bt).to(dev), torch.tensor([s.draft_len for s in seqs], device=dev),
+            torch.tensor(widths, device=dev))
+        greedy = logits.argmax(-1).tolist()
+        guesses, qs = [], []
+        for i, (s, w) in enumerate(zip(seqs, widths)):
+            sp = s.params
+            if self.draft_override is not None:
+                guesses.append(list(self.draft_override(s, w))[:w - 1])
+                qs.append(None)
+            elif sp.greedy:
+                guesses.append(greedy[i][:w - 1])
+                qs.append(None)
+            else:
+                q = probs_from_logits(logits[i, :w - 1], sp.temperature, sp.top_p, sp.top_k)
+                guesses.append(draw(q, s.generator).tolist())
+                qs.append(q)
+        return guesses, qs
+
+    def spec_step(self, seqs: list[Sequence]) -> None:
+        alloc = self.runner.allocator
+        widths = [min(s.block_size, s.params.max_tokens - len(s.output) + 1) for s in seqs]
+        for s, w in zip(seqs, widths):
+            assert s.draft_len == s.table.num_tokens, "draft context out of step with the target cache"
+            alloc.ensure(s.table, s.table.num_tokens + w)
+        t0 = time.perf_counter()
+        guesses, qs = self._draft(seqs, widths)
+        t1 = time.perf_counter()
+        starts = [s.table.num_tokens for s in seqs]
+        out = self.runner.forward([s.table for s in seqs], [[s.last_token] + g for s, g in zip(seqs, guesses)],
+                                  "all", taps=True)
+        truth = out.logits.argmax(-1).tolist()
+        t2 = time.perf_counter()
+        live, feats = [], []
+        for i, (s, g, q, w) in enumerate(zip(seqs, guesses, qs, widths)):
+            if q is None:
+                a = 0
+                while a < w - 1 and g[a] == truth[i][a]:
+                    a += 1
+                bonus = truth[i][a]
+            else:
+                sp = s.params
+                p = probs_from_logits(out.logits[i, :w], sp.temperature, sp.top_p, sp.top_k)
+                a, bonus = rejection_sample(torch.tensor(g, device=p.device), p, q, s.generator)
+            kept = s.commit(g[:a] + [bonus])
+            st = s.stats
+            st.acceptance_lengths.append(len(kept))
+            st.draft_ms += (t1 - t0) * 1e3
+            st.verify_ms += (t2 - t1) * 1e3
+            if len(st.position_accepts) < w - 1:
+                st.position_accepts.extend([0] * (w - 1 - len(st.position_accepts)))
+                st.position_drafted.extend([0] * (w - 1 - len(st.position_drafted)))
+            for k in range(w - 1):
+                st.position_drafted[k] += 1
+                st.position_accepts[k] += k < a
+            alloc.truncate(s.table, starts[i] + a + 1)
+            if not s.done:
+                live.append(s)
+                feats.append(torch.cat([x[i, :a + 1] for x in out.taps], dim=-1))
+        if live:
+            self._append_context(live, feats)
+
+    # ---- whole requests --------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 block_sizes: list[int | None] | None = None) -> list[Sequence]:
+        seqs = self.new_sequences(prompts, params)
+        for s, w in zip(seqs, block_sizes or [None] * len(seqs)):
+            s.block_size = self._check_block(w) if w is not None else self.block_size
+        self.reserve(seqs)
+        feats = self.prefill(seqs, taps=True)
+        live = [s for s in seqs if not s.done]
+        if live:
+            self._append_context(live, [f for s, f in zip(seqs, feats) if not s.done])
+        for s in seqs:
+            if s.done:
+                self.finish(s)
+        running = live
+        while running:
+            self.spec_step(running)
+            for s in running:
+                if s.done:
+                    self.finish(s)
+            running = [s for s in running if not s.done]
+        return seqs

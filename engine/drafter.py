@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -186,8 +187,14 @@ class DFlashDrafter(nn.Module):
             write_kv(cache[i, 0], cache[i, 1], slots, k, v)
 
     # ---- drafting ----------------------------------------------------------------------
+    def layer_weights(self, i: int) -> tuple[torch.Tensor, ...]:
+        l = self.layers[i]
+        return (l.input_layernorm, l.q_proj, l.kv_proj, l.o_proj, l.q_norm, l.k_norm,
+                l.post_attention_layernorm, l.gate_up_proj, l.down_proj)
+
     def draft_logits(self, block_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
-                     block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
+                     block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_lens: torch.Tensor,
+                     layer_fn: Callable = None) -> torch.Tensor:
         """One draft pass. block_ids/positions [B, T]; ctx_lens [B] valid context positions;
         block_lens [B] real block width per row (shorter rows mask their tail keys).
         Returns logits [B, T-1, V] for block positions 1..T-1 (position i predicts token start+i).
@@ -204,26 +211,34 @@ class DFlashDrafter(nn.Module):
         blk_ok = torch.arange(t, device=h.device)[None, :] < block_lens[:, None]
         mask = torch.cat([ctx_ok, blk_ok], dim=1)[:, None, None, :].expand(b, 1, t, n_ctx + t)
         mask = group_mask(mask, c.num_attention_heads // c.num_key_value_heads)
-        for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_layernorm, c.rms_norm_eps)
-            q = F.linear(x, layer.q_proj).view(b, t, c.num_attention_heads, c.head_dim)
-            q = apply_rotary(rms_norm(q, layer.q_norm, c.rms_norm_eps), cos, sin)
-            k, v = F.linear(x, layer.kv_proj).split([c.kv_size, c.kv_size], dim=-1)
-            k = apply_rotary(rms_norm(k.view(b, t, c.num_key_value_heads, c.head_dim), layer.k_norm, c.rms_norm_eps),
-                             cos, sin)
-            v = v.view(b, t, c.num_key_value_heads, c.head_dim)
-            keys = torch.cat([gather_kv(cache[i, 0], block_tables), k.transpose(1, 2)], dim=2)
-            vals = torch.cat([gather_kv(cache[i, 1], block_tables), v.transpose(1, 2)], dim=2)
-            h = h + F.linear(grouped_sdpa(q, keys, vals, mask, c.head_dim ** -0.5), layer.o_proj)
-            gate, up = F.linear(rms_norm(h, layer.post_attention_layernorm, c.rms_norm_eps),
-                                layer.gate_up_proj).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down_proj)
+        fn = layer_fn or draft_layer
+        for i in range(c.num_hidden_layers):
+            h = fn(h, cos, sin, cache[i, 0], cache[i, 1], block_tables, mask, *self.layer_weights(i),
+                   c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         logits = tgt.logits(rms_norm(h[:, 1:], self.norm, c.rms_norm_eps))
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         if c.final_logit_softcapping:
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         return logits
+
+
+def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor, w_in: torch.Tensor,
+                w_q: torch.Tensor, w_kv: torch.Tensor, w_o: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
+                w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, n_q: int,
+                n_kv: int, d: int) -> torch.Tensor:
+    """One draft layer over a block: queries see the cached context K/V and every block key."""
+    b, t, _ = h.shape
+    x = rms_norm(h, w_in, eps)
+    q = apply_rotary(rms_norm(F.linear(x, w_q).view(b, t, n_q, d), w_qn, eps), cos, sin)
+    k, v = F.linear(x, w_kv).split([n_kv * d, n_kv * d], dim=-1)
+    k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
+    keys = torch.cat([gather_kv(k_cache, block_tables), k.transpose(1, 2)], dim=2)
+    vals = torch.cat([gather_kv(v_cache, block_tables), v.view(b, t, n_kv, d).transpose(1, 2)], dim=2)
+    h = h + F.linear(grouped_sdpa(q, keys, vals, mask, d ** -0.5), w_o)
+    gate, up = F.linear(rms_norm(h, w_post, eps), w_gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, w_down)
 
 
 def _draft_slices(m: DFlashDrafter) -> dict[str, tuple[torch.Tensor, int, int]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flashpd.engine.cuda_graph import GraphedFn, bucket
 from flashpd.engine.attention import AttnBatch, causal_position_mask
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, BlockTable, PagedKVCache
 from flashpd.engine.qwen3 import EAGER, Qwen3ForCausalLM
@@ -23,13 +24,6 @@ class StepOutput:
     hidden: torch.Tensor
     taps: list[torch.Tensor]
     logits: torch.Tensor | None
-
-
-def _bucket(n: int, minimum: int = 1) -> int:
-    b = minimum
-    while b < n:
-        b *= 2
-    return b
 
 
 class ModelRunner:
@@ -53,8 +47,7 @@ class ModelRunner:
         if self.compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.graph_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in EAGER)
-        self._graphs: dict[tuple[int, int, int], "_Graph"] = {}
-        self._pool = None
+        self._graph = GraphedFn(self._graphed)
 
     # ---- batch construction -------------------------------------------------------------
     def _batch(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
@@ -125,51 +118,16 @@ class ModelRunner:
                                                     batch.block_tables.to(d, non_blocking=nb), batch.mask)
 
     # ---- CUDA graphs ---------------------------------------------------------------------
+    def _graphed(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                 bt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """The captured forward: a pure function of its four input tensors."""
+        batch = AttnBatch(pos, slots, bt, causal_position_mask(pos, bt.shape[1] * self.block_size))
+        hidden, tapped = self.model(ids, batch, self.cache.data, self.taps, self.graph_fns)
+        return hidden, tapped, self.model.logits(hidden)
+
     def _graph_forward(self, tables: list[BlockTable], tokens: list[list[int]], t: int, nblk: int,
                        logits: bool, taps: bool) -> StepOutput:
         b = len(tables)
-        key = (_bucket(b), t, _bucket(nblk, 4))
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = _Graph(self, *key)
-        ids, batch = self._batch(tables, tokens, key[0], t, key[2])
-        g.replay(ids, batch)
-        return StepOutput(g.hidden[:b], [x[:b] for x in g.taps] if taps else [],
-                          g.logits[:b] if logits else None)
-
-
-class _Graph:
-    """One captured forward for a fixed (batch, tokens, blocks) shape; inputs are copied in."""
-
-    def __init__(self, runner: ModelRunner, b: int, t: int, nblk: int) -> None:
-        dev = runner.device
-        self.ids = torch.zeros(b, t, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(b, t, dtype=torch.long, device=dev)
-        self.slots = torch.full((b * t,), SCRATCH_BLOCK * runner.block_size, dtype=torch.long, device=dev)
-        self.bt = torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.long, device=dev)
-        nkeys = nblk * runner.block_size
-        model, cache, taps, fns = runner.model, runner.cache.data, runner.taps, runner.graph_fns
-
-        def run() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-            batch = AttnBatch(self.pos, self.slots, self.bt, causal_position_mask(self.pos, nkeys))
-            hidden, tapped = model(self.ids, batch, cache, taps, fns)
-            return hidden, tapped, model.logits(hidden)
-
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels and allocator outside capture
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        if runner._pool is None:
-            runner._pool = torch.cuda.graph_pool_handle()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=runner._pool):
-            self.hidden, self.taps, self.logits = run()
-
-    def replay(self, ids: torch.Tensor, batch: AttnBatch) -> None:
-        self.ids.copy_(ids, non_blocking=True)
-        self.pos.copy_(batch.positions, non_blocking=True)
-        self.slots.copy_(batch.slots, non_blocking=True)
-        self.bt.copy_(batch.block_tables, non_blocking=True)
-        self.graph.replay()
+        ids, batch = self._batch(tables, tokens, bucket(b), t, bucket(nblk, 4))
+        hidden, tapped, lg = self._graph([ids, batch.positions, batch.slots, batch.block_tables])
+        return StepOutput(hidden[:b], [x[:b] for x in tapped] if taps else [], lg[:b] if logits else None)

@@ -15,12 +15,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-import numpy as np
 import torch
 
 from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.generate import NativeGenerator, _sync
-from flashpd.engine.kv_cache import PagedKVCache
+from flashpd.engine.draft_runner import DraftRunner
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams, draw, probs_from_logits
 from flashpd.engine.sequence import Sequence
@@ -59,9 +58,7 @@ class DFlashGenerator(NativeGenerator):
             raise ValueError(f"runner taps {runner.taps} != drafter target_layer_ids {c.target_layer_ids}")
         self.drafter = drafter
         self.block_size = self._check_block(block_size or c.block_size)
-        # The drafter's context K/V: same block geometry as the target cache, same tables.
-        self.draft_cache = PagedKVCache(c.num_hidden_layers, runner.cache.num_blocks, runner.block_size,
-                                        c.num_key_value_heads, c.head_dim, runner.dtype, runner.device)
+        self.drafts = DraftRunner(drafter, runner)
         self.draft_override: DraftOverride | None = None  # test hook: (seq, width) -> width-1 guesses
 
     @staticmethod
@@ -70,40 +67,10 @@ class DFlashGenerator(NativeGenerator):
             raise ValueError(f"block_size must be in [2, 16], got {w}")
         return w
 
-    # ---- draft context -----------------------------------------------------------------
-    def _append_context(self, seqs: list[Sequence], feats: list[torch.Tensor]) -> None:
-        """Write context K/V for feats[i] (rows = positions draft_len.. of seqs[i])."""
-        bs = self.runner.block_size
-        slots, pos = [], []
-        for s, f in zip(seqs, feats):
-            p = np.arange(s.draft_len, s.draft_len + f.shape[0])
-            blocks = np.asarray(s.table.blocks, dtype=np.int64)
-            slots.append(blocks[p // bs] * bs + p % bs)
-            pos.append(p)
-            s.draft_len += f.shape[0]
-        dev = self.runner.device
-        self.drafter.write_context(self.draft_cache.data, torch.cat(feats),
-                                   torch.from_numpy(np.concatenate(pos)).to(dev),
-                                   torch.from_numpy(np.concatenate(slots)).to(dev))
-
     # ---- one speculative step ------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Guesses per sequence (width-1 tokens) and, for sampled rows, the draft distribution q."""
-        t = max(widths)
-        dev = self.runner.device
-        mask_id = self.drafter.cfg.mask_token_id
-        nblk = max(len(s.table.blocks) for s in seqs)
-        ids = np.full((len(seqs), t), mask_id, dtype=np.int64)
-        pos = np.zeros((len(seqs), t), dtype=np.int64)
-        bt = np.zeros((len(seqs), nblk), dtype=np.int64)
-        for i, s in enumerate(seqs):
-            ids[i, 0] = s.last_token
-            pos[i] = np.arange(s.table.num_tokens, s.table.num_tokens + t)
-            bt[i, :len(s.table.blocks)] = s.table.blocks
-        logits = self.drafter.draft_logits(
-            torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), self.draft_cache.data,
-            torch.from_numpy(bt).to(dev), torch.tensor([s.draft_len for s in seqs], device=dev),
-            torch.tensor(widths, device=dev))
+        logits = self.drafts.draft(seqs, widths)
         greedy = logits.argmax(-1).tolist()
         guesses, qs = [], []
         for i, (s, w) in enumerate(zip(seqs, widths)):
@@ -124,7 +91,7 @@ class DFlashGenerator(NativeGenerator):
         alloc = self.runner.allocator
         widths = [min(s.block_size, s.params.max_tokens - len(s.output) + 1) for s in seqs]
         for s, w in zip(seqs, widths):
-            assert s.draft_len == s.table.num_tokens, "draft context out of step with the target cache"
+            assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
             alloc.ensure(s.table, s.table.num_tokens + w)
         t0 = time.perf_counter()
         guesses, qs = self._draft(seqs, widths)
@@ -134,7 +101,7 @@ class DFlashGenerator(NativeGenerator):
                                   "all", taps=True)
         truth = out.logits.argmax(-1).tolist()
         t2 = time.perf_counter()
-        live, feats = [], []
+        feats = torch.cat(out.taps, dim=-1) if len(out.taps) > 1 else out.taps[0].clone()
         for i, (s, g, q, w) in enumerate(zip(seqs, guesses, qs, widths)):
             if q is None:
                 a = 0
@@ -157,11 +124,7 @@ class DFlashGenerator(NativeGenerator):
                 st.position_drafted[k] += 1
                 st.position_accepts[k] += k < a
             alloc.truncate(s.table, starts[i] + a + 1)
-            if not s.done:
-                live.append(s)
-                feats.append(torch.cat([x[i, :a + 1] for x in out.taps], dim=-1))
-        if live:
-            self._append_context(live, feats)
+            s.pending, s.pending_rows = feats[i], a + 1  # joins the draft cache in the next draft pass
 
     # ---- whole requests --------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -173,7 +136,7 @@ class DFlashGenerator(NativeGenerator):
         feats = self.prefill(seqs, taps=True)
         live = [s for s in seqs if not s.done]
         if live:
-            self._append_context(live, [f for s, f in zip(seqs, feats) if not s.done])
+            self.drafts.write_prompt(live, [f for s, f in zip(seqs, feats) if not s.done])
         for s in seqs:
             if s.done:
                 self.finish(s)

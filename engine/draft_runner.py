@@ -1,0 +1,94 @@
+"""DraftRunner: the drafter's paged context cache and its per-step forward (graphed on a GPU).
+
+A step first appends the context K/V of the positions the previous verify accepted (pending
+rows, padded to a fixed count per sequence; padding writes the scratch block), then drafts
+the block. Folding both into one function gives one CUDA graph per step shape.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from flashpd.engine.cuda_graph import GraphedFn, bucket
+from flashpd.engine.drafter import DFlashDrafter, draft_layer
+from flashpd.engine.kv_cache import SCRATCH_BLOCK, PagedKVCache
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sequence import Sequence
+
+
+class DraftRunner:
+    def __init__(self, drafter: DFlashDrafter, runner: ModelRunner) -> None:
+        c = drafter.cfg
+        self.drafter = drafter
+        self.runner = runner
+        self.device = runner.device
+        self.block_size = runner.block_size
+        # Same block geometry as the target cache: the sequence's block table indexes both.
+        self.cache = PagedKVCache(c.num_hidden_layers, runner.cache.num_blocks, runner.block_size,
+                                  c.num_key_value_heads, c.head_dim, runner.dtype, runner.device)
+        self.layer_fn = torch.compile(draft_layer, dynamic=False, fullgraph=True) if runner.compile else draft_layer
+        self._graph = GraphedFn(self._step) if runner.cuda_graphs else None
+
+    def _step(self, new_taps: torch.Tensor, new_pos: torch.Tensor, new_slots: torch.Tensor, ids: torch.Tensor,
+              pos: torch.Tensor, bt: torch.Tensor, ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
+        if new_taps.shape[0]:
+            self.drafter.write_context(self.cache.data, new_taps, new_pos, new_slots)
+        return self.drafter.draft_logits(ids, pos, self.cache.data, bt, ctx_lens, block_lens, self.layer_fn)
+
+    def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:
+        p = np.arange(start, start + n)
+        blocks = np.asarray(s.table.blocks, dtype=np.int64)
+        return blocks[p // self.block_size] * self.block_size + p % self.block_size
+
+    def write_prompt(self, seqs: list[Sequence], feats: list[torch.Tensor]) -> None:
+        """Eagerly append long context (a prompt's taps) for each sequence."""
+        slots = [self._slots(s, s.draft_len, f.shape[0]) for s, f in zip(seqs, feats)]
+        pos = [np.arange(s.draft_len, s.draft_len + f.shape[0]) for s, f in zip(seqs, feats)]
+        for s, f in zip(seqs, feats):
+            s.draft_len += f.shape[0]
+        self.drafter.write_context(self.cache.data, torch.cat(feats),
+                                   torch.from_numpy(np.concatenate(pos)).to(self.device),
+                                   torch.from_numpy(np.concatenate(slots)).to(self.device))
+
+    def draft(self, seqs: list[Sequence], widths: list[int]) -> torch.Tensor:
+        """Write each sequence's pending context rows, then draft; returns logits [B, T-1, V]."""
+        b, t = len(seqs), max(widths)
+        graphed = self._graph is not None
+        b_pad = bucket(b) if graphed else b
+        nblk = max(len(s.table.blocks) for s in seqs)
+        nblk = bucket(nblk, 4) if graphed else nblk
+        rows = max((s.pending.shape[0] for s in seqs if s.pending is not None), default=0)
+        bs = self.block_size
+        ids = np.full((b_pad, t), self.drafter.cfg.mask_token_id, dtype=np.int64)
+        pos = np.zeros((b_pad, t), dtype=np.int64)
+        bt = np.full((b_pad, nblk), SCRATCH_BLOCK, dtype=np.int64)
+        ctx_lens = np.ones(b_pad, dtype=np.int64)
+        blens = np.ones(b_pad, dtype=np.int64)
+        npos = np.zeros((b_pad, rows), dtype=np.int64)
+        nslots = np.full((b_pad, rows), SCRATCH_BLOCK * bs, dtype=np.int64)
+        taps = []
+        width = len(self.drafter.cfg.target_layer_ids) * self.drafter.cfg.hidden_size
+        for i, (s, w) in enumerate(zip(seqs, widths)):
+            n = s.pending_rows if s.pending is not None else 0
+            if n:
+                npos[i, :n] = np.arange(s.draft_len, s.draft_len + n)
+                nslots[i, :n] = self._slots(s, s.draft_len, n)
+                p = s.pending
+                taps.append(F.pad(p, (0, 0, 0, rows - p.shape[0])) if p.shape[0] < rows else p)
+            elif rows:
+                taps.append(torch.zeros(rows, width, dtype=self.runner.dtype, device=self.device))
+            s.draft_len += n
+            s.pending, s.pending_rows = None, 0
+            ids[i, 0] = s.last_token
+            pos[i] = np.arange(s.table.num_tokens, s.table.num_tokens + t)
+            bt[i, :len(s.table.blocks)] = s.table.blocks
+            ctx_lens[i], blens[i] = s.draft_len, w
+        if rows and b_pad > b:
+            taps.extend([torch.zeros(rows, width, dtype=self.runner.dtype, device=self.device)] * (b_pad - b))
+        new_taps = torch.cat(taps) if rows else torch.zeros(0, width, dtype=self.runner.dtype, device=self.device)
+        dev = self.device
+        args = [new_taps] + [torch.from_numpy(x).to(dev) for x in (npos.reshape(-1), nslots.reshape(-1), ids, pos,
+                                                                  bt, ctx_lens, blens)]
+        logits = self._graph(args) if graphed else self._step(*args)
+        return logits[:b]

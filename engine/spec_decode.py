@@ -60,6 +60,9 @@ class DFlashGenerator(NativeGenerator):
         self.block_size = self._check_block(block_size or c.block_size)
         self.drafts = DraftRunner(drafter, runner)
         self.draft_override: DraftOverride | None = None  # test hook: (seq, width) -> width-1 guesses
+        # Benchmark replay: (seq) -> accepted drafts this step, taken from a recorded run. Output is then
+        # NOT the target's (dummy weights); only the cost of the loop at a realistic tau is real.
+        self.accept_override: Callable[[Sequence], int] | None = None
 
     @staticmethod
     def _check_block(w: int) -> int:
@@ -103,7 +106,10 @@ class DFlashGenerator(NativeGenerator):
         t2 = time.perf_counter()
         feats = torch.cat(out.taps, dim=-1) if len(out.taps) > 1 else out.taps[0].clone()
         for i, (s, g, q, w) in enumerate(zip(seqs, guesses, qs, widths)):
-            if q is None:
+            if self.accept_override is not None:
+                a = min(self.accept_override(s), w - 1)
+                bonus = truth[i][a]
+            elif q is None:
                 a = 0
                 while a < w - 1 and g[a] == truth[i][a]:
                     a += 1

@@ -42,7 +42,7 @@ def drafter_config_for(tcfg, layers: int = 5, block: int = 16) -> DFlashConfig:
                         mask_token_id=151669 if tcfg.vocab_size > 151669 else tcfg.vocab_size - 1)
 
 
-def kernel_times(model, drafter, context: int, reps: int) -> dict:
+def kernel_times(model, drafter, context: int, reps: int, device: str = "cuda") -> dict:
     taps = tuple(drafter.cfg.target_layer_ids)
     runner = ModelRunner(model, num_blocks=(context + 64) // 16 + 16, block_size=16, taps=taps)
     gen = DFlashGenerator(runner, drafter, (), 16)
@@ -63,19 +63,20 @@ def kernel_times(model, drafter, context: int, reps: int) -> dict:
 
     def draft():
         table.num_tokens = context
-        seq.draft_len, seq.pending, seq.pending_rows = context - 16, torch.ones(16, len(taps) * H, dtype=model.embed_tokens.weight.dtype, device="cuda"), 16
+        seq.draft_len, seq.pending, seq.pending_rows = context - 16, torch.ones(16, len(taps) * H, dtype=model.embed_tokens.weight.dtype, device=device), 16
         gen.drafts.draft([seq], [16])
 
     out = {}
     for name, fn in (("target_step", step), ("verify16", verify), ("draft16", draft)):
-        out[name] = summary(time_ms(fn, warmup=5, reps=reps))
+        out[name] = summary(time_ms(fn, warmup=5, reps=reps, device=device))
         print(f"{name:12s} {out[name]['median_ms']:7.3f} ms", flush=True)
     out["verify16_over_step"] = out["verify16"]["median_ms"] / out["target_step"]["median_ms"]
     out["draft16_over_step"] = out["draft16"]["median_ms"] / out["target_step"]["median_ms"]
     return out
 
 
-def replay(model, drafter, schedule: list[list[int]], prompt_lens: list[int], new_tokens: list[int], reps: int) -> list[dict]:
+def replay(model, drafter, schedule: list[list[int]], prompt_lens: list[int], new_tokens: list[int], reps: int,
+           device: str = "cuda") -> list[dict]:
     """Native vs DFlash latency per prompt, accepted lengths replayed from `schedule` (one list per prompt)."""
     taps = tuple(drafter.cfg.target_layer_ids)
     runner = ModelRunner(model, num_blocks=4096, block_size=16, taps=taps)
@@ -94,9 +95,10 @@ def replay(model, drafter, schedule: list[list[int]], prompt_lens: list[int], ne
             t_nat, t_spec, taus = [], [], []
             for r in range(reps + 1):  # first round is the warm-up
                 it = itertools.cycle(sched)
-                a = time_ms(lambda: native.generate([prompt], params), warmup=0, reps=1)[0]
+                a = time_ms(lambda: native.generate([prompt], params), warmup=0, reps=1, device=device)[0]
                 box = {}
-                b = time_ms(lambda: box.setdefault("s", spec.generate([prompt], params)), warmup=0, reps=1)[0]
+                b = time_ms(lambda: box.__setitem__("s", spec.generate([prompt], params)), warmup=0, reps=1,
+                            device=device)[0]
                 if r:
                     t_nat.append(a)
                     t_spec.append(b)
@@ -112,27 +114,33 @@ def replay(model, drafter, schedule: list[list[int]], prompt_lens: list[int], ne
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="qwen3-8b")
+    ap.add_argument("--config", default="qwen3-8b", help="a builtin name or a config.json path")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompt-lens", default="128,512,2048")
+    ap.add_argument("--new-tokens", default="64,256")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--schedule", help="JSON with per-prompt acceptance_lengths of a recorded greedy run")
     ap.add_argument("--replay-reps", type=int, default=3)
     ap.add_argument("--out", default="bench/results/dflash_step.json")
     a = ap.parse_args()
-    cfg = load_config(builtin_config_path(a.config))
-    model = dummy_target(cfg, "cuda", torch.bfloat16)
+    cfg = load_config(a.config if a.config.endswith(".json") else builtin_config_path(a.config))
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    model = dummy_target(cfg, a.device, dtype)
     drafter = dummy_drafter(drafter_config_for(cfg), model)
     t_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     d_bytes = sum(p.numel() * p.element_size() for p in drafter.parameters()) + model.head_weight.numel() * 2
-    payload = {"bench": "dflash_step", "config": a.config, "dtype": "bfloat16", "weights": "dummy",
+    payload = {"bench": "dflash_step", "config": a.config, "dtype": str(dtype).removeprefix("torch."), "weights": "dummy",
                "target_bytes": t_bytes, "drafter_bytes_with_lm_head": d_bytes, "drafter_over_target_bytes": d_bytes / t_bytes,
-               "context": a.context, "kernels": kernel_times(model, drafter, a.context, a.reps)}
+               "context": a.context, "kernels": kernel_times(model, drafter, a.context, a.reps, a.device)}
     if a.schedule:
         rec = json.load(open(a.schedule))
         schedule = [r["acceptance_lengths"] for r in rec["per_prompt"]]
         payload["replay"] = {"schedule_source": a.schedule, "schedule_tau": rec.get("tau_mean"),
-                             "rows": replay(model, drafter, schedule, [128, 512, 2048], [64, 256], a.replay_reps)}
+                             "rows": replay(model, drafter, schedule, [int(x) for x in a.prompt_lens.split(",")],
+                                             [int(x) for x in a.new_tokens.split(",")], a.replay_reps, a.device)}
     payload["command"] = (f"python -m flashpd.bench.dflash_step --config {a.config} --context {a.context} --reps {a.reps}"
+                          f" --prompt-lens {a.prompt_lens} --new-tokens {a.new_tokens}"
                           + (f" --schedule {a.schedule}" if a.schedule else "") + f" --out {a.out}")
     write_json(a.out, payload)
     k = payload["kernels"]

@@ -8,9 +8,26 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 Outputs = object  # whatever the function returns: tensors, or tuples / lists of tensors
+
+
+def pack_host(arrays: Sequence[np.ndarray], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Move several int64 host arrays in ONE (pinned, async) copy.
+
+    Returns the flat device tensor and views of it shaped like each array."""
+    flat = np.concatenate([a.reshape(-1) for a in arrays])
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, non_blocking=True)
+    out, off = [], 0
+    for a in arrays:
+        out.append(dev[off:off + a.size].view(a.shape))
+        off += a.size
+    return dev, out
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -27,29 +44,31 @@ class GraphedFn:
         self.pool = pool
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Outputs]] = {}
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> Outputs:
-        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+    def __call__(self, inputs: Sequence[torch.Tensor], **static_kwargs: int) -> Outputs:
+        """Replay (capturing first if new) fn(*inputs, **static_kwargs); kwargs are part of the shape key."""
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs) + tuple(sorted(static_kwargs.items()))
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(inputs)
+            entry = self._graphs[key] = self._capture(inputs, static_kwargs)
         graph, static, out = entry
         for dst, src in zip(static, inputs):
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return out
 
-    def _capture(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Outputs]:
+    def _capture(self, inputs: Sequence[torch.Tensor],
+                 kwargs: dict[str, int]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Outputs]:
         dev = torch.device("cuda", torch.cuda.current_device())
         static = [x.to(dev).clone() for x in inputs]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile / autotune / allocate outside the capture
-                self.fn(*static)
+                self.fn(*static, **kwargs)
         torch.cuda.current_stream().wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(*static)
+            out = self.fn(*static, **kwargs)
         return graph, static, out

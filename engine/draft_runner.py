@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashpd.engine.cuda_graph import GraphedFn, bucket
-from flashpd.engine.drafter import DFlashDrafter, draft_layer
+from flashpd.engine.cuda_graph import GraphedFn, bucket, pack_host
+from flashpd.engine.drafter import DFlashDrafter, context_kv_all, draft_layer
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, PagedKVCache
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sequence import Sequence
@@ -27,14 +27,18 @@ class DraftRunner:
         # Same block geometry as the target cache: the sequence's block table indexes both.
         self.cache = PagedKVCache(c.num_hidden_layers, runner.cache.num_blocks, runner.block_size,
                                   c.num_key_value_heads, c.head_dim, runner.dtype, runner.device)
-        self.layer_fn = torch.compile(draft_layer, dynamic=False, fullgraph=True) if runner.compile else draft_layer
+        compiled = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if runner.compile else (lambda f: f)
+        self.layer_fn, self.kv_fn = compiled(draft_layer), compiled(context_kv_all)
         self._graph = GraphedFn(self._step) if runner.cuda_graphs else None
 
-    def _step(self, new_taps: torch.Tensor, new_pos: torch.Tensor, new_slots: torch.Tensor, ids: torch.Tensor,
-              pos: torch.Tensor, bt: torch.Tensor, ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
-        if new_taps.shape[0]:
-            self.drafter.write_context(self.cache.data, new_taps, new_pos, new_slots)
-        return self.drafter.draft_logits(ids, pos, self.cache.data, bt, ctx_lens, block_lens, self.layer_fn)
+    def _step(self, new_taps: torch.Tensor, packed: torch.Tensor, b: int, t: int, rows: int, nblk: int) -> torch.Tensor:
+        """Pure function of (pending context rows, one packed int64 tensor) -> draft logits."""
+        n = b * rows
+        new_pos, new_slots, ids, pos, bt, ctx_lens, blens = packed.split([n, n, b * t, b * t, b * nblk, b, b])
+        if n:
+            self.drafter.write_context(self.cache.data, new_taps, new_pos, new_slots, self.kv_fn)
+        return self.drafter.draft_logits(ids.view(b, t), pos.view(b, t), self.cache.data, bt.view(b, nblk),
+                                         ctx_lens, blens, self.layer_fn)
 
     def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:
         p = np.arange(start, start + n)
@@ -47,9 +51,8 @@ class DraftRunner:
         pos = [np.arange(s.draft_len, s.draft_len + f.shape[0]) for s, f in zip(seqs, feats)]
         for s, f in zip(seqs, feats):
             s.draft_len += f.shape[0]
-        self.drafter.write_context(self.cache.data, torch.cat(feats),
-                                   torch.from_numpy(np.concatenate(pos)).to(self.device),
-                                   torch.from_numpy(np.concatenate(slots)).to(self.device))
+        _, (d_pos, d_slots) = pack_host([np.concatenate(pos), np.concatenate(slots)], self.device)
+        self.drafter.write_context(self.cache.data, torch.cat(feats), d_pos, d_slots)
 
     def draft(self, seqs: list[Sequence], widths: list[int]) -> torch.Tensor:
         """Write each sequence's pending context rows, then draft; returns logits [B, T-1, V]."""
@@ -87,8 +90,7 @@ class DraftRunner:
         if rows and b_pad > b:
             taps.extend([torch.zeros(rows, width, dtype=self.runner.dtype, device=self.device)] * (b_pad - b))
         new_taps = torch.cat(taps) if rows else torch.zeros(0, width, dtype=self.runner.dtype, device=self.device)
-        dev = self.device
-        args = [new_taps] + [torch.from_numpy(x).to(dev) for x in (npos.reshape(-1), nslots.reshape(-1), ids, pos,
-                                                                  bt, ctx_lens, blens)]
-        logits = self._graph(args) if graphed else self._step(*args)
+        packed, _ = pack_host([npos, nslots, ids, pos, bt, ctx_lens, blens], self.device)
+        shape = dict(b=b_pad, t=t, rows=rows, nblk=nblk)
+        logits = self._graph([new_taps, packed], **shape) if graphed else self._step(new_taps, packed, **shape)
         return logits[:b]

@@ -152,7 +152,14 @@ class DFlashDrafter(nn.Module):
         self._target: tuple[Qwen3ForCausalLM] | None = None  # a tuple keeps it out of this module's params
 
     def attach(self, target: Qwen3ForCausalLM) -> None:
+        """Borrow the target's embedding / head / RoPE; stack per-layer K/V weights (views share storage)."""
         self.cfg.check_fits(target)
+        with torch.no_grad():
+            self._kv_all = torch.stack([l.kv_proj for l in self.layers])
+            self._kn_all = torch.stack([l.k_norm for l in self.layers])
+            for i, l in enumerate(self.layers):
+                l.kv_proj.data = self._kv_all[i]
+                l.k_norm.data = self._kn_all[i]
         self._target = (target,)
         self.rotary = target.rotary if target.cfg.head_dim == self.cfg.head_dim and \
             target.cfg.rope_theta == self.cfg.rope_theta else \
@@ -168,23 +175,18 @@ class DFlashDrafter(nn.Module):
         """[..., n_taps*H] concatenated target taps -> ctx [..., H]."""
         return rms_norm(F.linear(taps, self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
 
-    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """ctx [N, H] at absolute positions [N] -> per draft layer (K [N, kv, d], V [N, kv, d])."""
-        c = self.cfg
-        cos, sin = self.rotary.tables(positions, ctx.dtype)
-        out = []
-        for layer in self.layers:
-            k, v = F.linear(ctx, layer.kv_proj).split([c.kv_size, c.kv_size], dim=-1)
-            k = apply_rotary(rms_norm(k.view(-1, c.num_key_value_heads, c.head_dim), layer.k_norm, c.rms_norm_eps),
-                             cos, sin)
-            out.append((k, v.view(-1, c.num_key_value_heads, c.head_dim)))
-        return out
-
     def write_context(self, cache: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor,
-                      slots: torch.Tensor) -> None:
-        """Append committed positions' context K/V: cache [draft_layers, 2, blocks, bs, kv, d]."""
-        for i, (k, v) in enumerate(self.context_kv(self.context_feature(taps), positions)):
-            write_kv(cache[i, 0], cache[i, 1], slots, k, v)
+                      slots: torch.Tensor, kv_fn: Callable | None = None) -> None:
+        """Append committed positions' context K/V for every draft layer in one scatter.
+
+        cache [draft_layers, 2, blocks, bs, kv, d]; taps [N, n_taps*H]; positions, slots [N].
+        """
+        c = self.cfg
+        cos, sin = self.rotary.tables(positions, taps.dtype)
+        kv = (kv_fn or context_kv_all)(taps, cos, sin, self.fc, self.hidden_norm, self._kv_all, self._kn_all,
+                                       c.rms_norm_eps, c.num_key_value_heads, c.head_dim)
+        n_l, _, nb, bs, h, d = cache.shape
+        cache.view(n_l * 2, nb * bs, h, d).index_copy_(1, slots, kv.view(n_l * 2, -1, h, d).to(cache.dtype))
 
     # ---- drafting ----------------------------------------------------------------------
     def layer_weights(self, i: int) -> tuple[torch.Tensor, ...]:
@@ -221,6 +223,19 @@ class DFlashDrafter(nn.Module):
         if c.final_logit_softcapping:
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         return logits
+
+
+def context_kv_all(taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_fc: torch.Tensor,
+                   w_hidden_norm: torch.Tensor, w_kv_all: torch.Tensor, w_kn_all: torch.Tensor, eps: float,
+                   n_kv: int, d: int) -> torch.Tensor:
+    """Context K/V of every draft layer at once: taps [N, n_taps*H] -> [layers, 2, N, n_kv, d]."""
+    n = taps.shape[0]
+    n_l = w_kv_all.shape[0]
+    ctx = rms_norm(F.linear(taps, w_fc), w_hidden_norm, eps)
+    kv = torch.matmul(ctx.unsqueeze(0), w_kv_all.transpose(1, 2))  # [layers, N, 2*n_kv*d]
+    k, v = kv.split([n_kv * d, n_kv * d], dim=-1)
+    k = apply_rotary(rms_norm(k.view(n_l, n, n_kv, d), w_kn_all.view(n_l, 1, 1, d), eps), cos, sin)
+    return torch.stack([k, v.view(n_l, n, n_kv, d)], dim=1)
 
 
 def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

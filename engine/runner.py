@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashpd.engine.cuda_graph import GraphedFn, bucket
+from flashpd.engine.cuda_graph import GraphedFn, bucket, pack_host
 from flashpd.engine.attention import AttnBatch, causal_position_mask
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, BlockTable, PagedKVCache
 from flashpd.engine.qwen3 import EAGER, Qwen3ForCausalLM
@@ -51,8 +51,9 @@ class ModelRunner:
 
     # ---- batch construction -------------------------------------------------------------
     def _batch(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
-               nblk: int) -> tuple[torch.Tensor, AttnBatch]:
-        """Host-side [B, T] inputs, positions, cache slots and block tables (numpy: no per-token ops)."""
+               nblk: int) -> tuple[torch.Tensor, AttnBatch, torch.Tensor]:
+        """Device [B, T] inputs, positions, cache slots and block tables, built in numpy (no per-token
+        torch ops) and moved in one host-to-device copy."""
         bs = self.block_size
         ids = np.zeros((b_pad, t_pad), dtype=np.int64)
         pos = np.zeros((b_pad, t_pad), dtype=np.int64)
@@ -66,8 +67,8 @@ class ModelRunner:
             blocks = np.asarray(table.blocks, dtype=np.int64)
             bt[i, :len(blocks)] = blocks
             slots[i, :n] = blocks[p // bs] * bs + p % bs
-        return torch.from_numpy(ids), AttnBatch(torch.from_numpy(pos), torch.from_numpy(slots).view(-1),
-                                                torch.from_numpy(bt), torch.empty(0))
+        flat, (d_ids, d_pos, d_slots, d_bt) = pack_host([ids, pos, slots.reshape(-1), bt], self.device)
+        return d_ids, AttnBatch(d_pos, d_slots, d_bt, torch.empty(0)), flat
 
     def forward(self, tables: list[BlockTable], tokens: list[list[int]], want_logits: str = "last",
                 taps: bool = False) -> StepOutput:
@@ -93,8 +94,7 @@ class ModelRunner:
         if use_graph:
             out = self._graph_forward(tables, tokens, t, nblk_real, want_logits != "none", taps)
         else:
-            ids, batch = self._batch(tables, tokens, len(tables), t, nblk_real)
-            ids, batch = self._to_device(ids, batch)
+            ids, batch, _ = self._batch(tables, tokens, len(tables), t, nblk_real)
             batch.mask = causal_position_mask(batch.positions, nblk_real * self.block_size)
             hidden, tapped = self.model(ids, batch, self.cache.data, self.taps if taps else ())
             out = StepOutput(hidden, tapped, None)
@@ -110,17 +110,12 @@ class ModelRunner:
             table.num_tokens += n
         return out
 
-    def _to_device(self, ids: torch.Tensor, batch: AttnBatch) -> tuple[torch.Tensor, AttnBatch]:
-        d = self.device
-        nb = d.type == "cuda"
-        return ids.to(d, non_blocking=nb), AttnBatch(batch.positions.to(d, non_blocking=nb),
-                                                    batch.slots.to(d, non_blocking=nb),
-                                                    batch.block_tables.to(d, non_blocking=nb), batch.mask)
-
     # ---- CUDA graphs ---------------------------------------------------------------------
-    def _graphed(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                 bt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """The captured forward: a pure function of its four input tensors."""
+    def _graphed(self, packed: torch.Tensor, b: int, t: int, nblk: int
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """The captured forward: a pure function of one packed int64 input (ids, pos, slots, tables)."""
+        ids, pos, slots, bt = packed.split([b * t, b * t, b * t, b * nblk])
+        ids, pos, bt = ids.view(b, t), pos.view(b, t), bt.view(b, nblk)
         batch = AttnBatch(pos, slots, bt, causal_position_mask(pos, bt.shape[1] * self.block_size))
         hidden, tapped = self.model(ids, batch, self.cache.data, self.taps, self.graph_fns)
         return hidden, tapped, self.model.logits(hidden)
@@ -128,6 +123,7 @@ class ModelRunner:
     def _graph_forward(self, tables: list[BlockTable], tokens: list[list[int]], t: int, nblk: int,
                        logits: bool, taps: bool) -> StepOutput:
         b = len(tables)
-        ids, batch = self._batch(tables, tokens, bucket(b), t, bucket(nblk, 4))
-        hidden, tapped, lg = self._graph([ids, batch.positions, batch.slots, batch.block_tables])
+        bp, nb = bucket(b), bucket(nblk, 4)
+        _, _, packed = self._batch(tables, tokens, bp, t, nb)
+        hidden, tapped, lg = self._graph([packed], b=bp, t=t, nblk=nb)
         return StepOutput(hidden[:b], [x[:b] for x in tapped] if taps else [], lg[:b] if logits else None)

@@ -215,7 +215,8 @@ class DFlashDrafter(nn.Module):
         mask = group_mask(mask, c.num_attention_heads // c.num_key_value_heads)
         fn = layer_fn or draft_layer
         for i in range(c.num_hidden_layers):
-            h = fn(h, cos, sin, cache[i, 0], cache[i, 1], block_tables, mask, *self.layer_weights(i),
+            h = fn(h, cos, sin, gather_kv(cache[i, 0], block_tables), gather_kv(cache[i, 1], block_tables), mask,
+                   *self.layer_weights(i),
                    c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         logits = tgt.logits(rms_norm(h[:, 1:], self.norm, c.rms_norm_eps))
         if c.output_multiplier != 1.0:
@@ -238,19 +239,22 @@ def context_kv_all(taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_f
     return torch.stack([k, v.view(n_l, n, n_kv, d)], dim=1)
 
 
-def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor, w_in: torch.Tensor,
+def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor, w_in: torch.Tensor,
                 w_q: torch.Tensor, w_kv: torch.Tensor, w_o: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
                 w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, n_q: int,
                 n_kv: int, d: int) -> torch.Tensor:
-    """One draft layer over a block: queries see the cached context K/V and every block key."""
+    """One draft layer over a block: queries see the context K/V [B, kv, L, d] and every block key.
+
+    The same function serves inference (context gathered from the paged cache) and training
+    (context computed for a whole sequence, many blocks masked apart)."""
     b, t, _ = h.shape
     x = rms_norm(h, w_in, eps)
     q = apply_rotary(rms_norm(F.linear(x, w_q).view(b, t, n_q, d), w_qn, eps), cos, sin)
     k, v = F.linear(x, w_kv).split([n_kv * d, n_kv * d], dim=-1)
     k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
-    keys = torch.cat([gather_kv(k_cache, block_tables), k.transpose(1, 2)], dim=2)
-    vals = torch.cat([gather_kv(v_cache, block_tables), v.view(b, t, n_kv, d).transpose(1, 2)], dim=2)
+    keys = torch.cat([ctx_k, k.transpose(1, 2)], dim=2)
+    vals = torch.cat([ctx_v, v.view(b, t, n_kv, d).transpose(1, 2)], dim=2)
     h = h + F.linear(grouped_sdpa(q, keys, vals, mask, d ** -0.5), w_o)
     gate, up = F.linear(rms_norm(h, w_post, eps), w_gate_up).chunk(2, dim=-1)
     return h + F.linear(F.silu(gate) * up, w_down)

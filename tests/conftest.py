@@ -28,7 +28,10 @@ from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 
-torch.set_num_threads(2)
+# One intra-op thread: the models are tiny (every matmul is a few microseconds), and with two
+# threads each op pays an OpenMP barrier; when the 2 cores are shared with anything else the
+# barriers stall and the suite runs ~10x slower (measured: 70 s vs 6 s for the same tests).
+torch.set_num_threads(1)
 
 # Defaults of the tiny checkpoints (each test overrides what it needs).
 TINY = dict(vocab=256, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=1, head_dim=24,

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 # Geometry of the tiny pair. Tests may read these.
-VOCAB_SIZE = 256
+VOCAB_SIZE = 128
 HIDDEN = 64
 INTERMEDIATE = 128
 TARGET_LAYERS = 5
@@ -49,14 +49,19 @@ HEAD_DIM = 16
 MAX_POS = 4096
 ROPE_THETA = 10000.0
 RMS_EPS = 1e-6
-LM_HEAD_SHARPEN = 8.0
-# Scaling the (std 0.02) embedding up makes the residual stream lean on the current
-# token, so the target's greedy continuation is mostly (~80%) a bigram map with
-# context-dependent exceptions; it falls into short cycles with transients, which a
-# 1-layer drafter can partly learn (tau ~2-4 with acceptance varying 1..16).
-EMBED_SCALE = 3.0
 MASK_TOKEN_ID = VOCAB_SIZE - 1
 EOS_TOKEN_ID = VOCAB_SIZE - 2
+# The target is a random Qwen3 with two hand-set attention layers (see _build_target):
+# its greedy continuation mostly repeats the token COPY_PERIOD positions back, and
+# deviates (unpredictably for a drafter) depending on the token FAR_OFFSET back.
+CODE_DIMS = 32  # residual dims 0..31 carry a random N(0,1) code per token
+BIAS_DIM = HIDDEN - 1  # constant in every embedding: makes q/k of the set heads token-independent
+BIAS_VALUE = 4.0
+COPY_PERIOD = 8
+FAR_OFFSET = 29
+COPY_GAIN = 3.0  # attention output scale of the copy / far heads
+ATTN_SHARPNESS = 5.5  # q_norm / k_norm weight of the set heads
+DEVIATION = 1.0  # lm_head weight on the far-token channel (higher: more deviations)
 # Includes tap 0 (catches off-by-one on hidden_states[j+1]) and never the last
 # layer (HF's last hidden_states entry is after the final norm). 3 taps, so the
 # number of taps differs from the number of draft layers.
@@ -131,13 +136,76 @@ def drafter_config(drafter_layers: int = 1, block_size: int = 16):
     )
 
 
+def _offset_head(attn, offset: int, out_rows: slice, in_kv_heads, gain: float):
+    """Make every q head of `attn` attend (content-independently) to key position
+    t - offset, and write the CODE_DIMS of that position into residual rows `out_rows`.
+
+    q and k read only BIAS_DIM, so after q_norm/k_norm they are constant vectors; the
+    k of each RoPE pair i is pre-rotated by theta_i * offset, so the score
+    sum_i cos(theta_i * (t - s - offset)) peaks at s = t - offset.
+    """
+    half = HEAD_DIM // 2
+    theta = ROPE_THETA ** (-torch.arange(half, dtype=torch.float32) / half)
+    psi = theta * offset
+    attn.q_proj.weight.zero_()
+    attn.k_proj.weight.zero_()
+    for h in range(NUM_HEADS):
+        attn.q_proj.weight[h * HEAD_DIM : h * HEAD_DIM + half, BIAS_DIM] = 1.0
+    for h in range(NUM_KV_HEADS):
+        attn.k_proj.weight[h * HEAD_DIM : h * HEAD_DIM + half, BIAS_DIM] = torch.cos(psi)
+        attn.k_proj.weight[h * HEAD_DIM + half : (h + 1) * HEAD_DIM, BIAS_DIM] = torch.sin(psi)
+    attn.q_norm.weight.fill_(ATTN_SHARPNESS)
+    attn.k_norm.weight.fill_(ATTN_SHARPNESS)
+    attn.v_proj.weight.zero_()
+    attn.v_proj.weight[:, :CODE_DIMS] = torch.eye(NUM_KV_HEADS * HEAD_DIM, CODE_DIMS)
+    attn.o_proj.weight.zero_()
+    groups = NUM_HEADS // NUM_KV_HEADS
+    rows = list(range(out_rows.start, out_rows.stop))
+    for h in range(NUM_HEADS):
+        kv = h // groups
+        if kv not in in_kv_heads:
+            continue
+        dst = rows[in_kv_heads.index(kv) * HEAD_DIM : (in_kv_heads.index(kv) + 1) * HEAD_DIM]
+        for j, r in enumerate(dst):
+            attn.o_proj.weight[r, h * HEAD_DIM + j] = gain / groups
+
+
 def _build_target():
+    """Random tiny Qwen3 (std 0.02 init) with two hand-set layers:
+
+    * embedding: dims 0..31 a random N(0,1) code per token, BIAS_DIM = 4 for every
+      token, other dims left at the random init (std 0.02);
+    * layer 4 attention ("copy head"): attends to t-(COPY_PERIOD-1) and adds that
+      token's code (all 32 code dims); its MLP is zeroed;
+    * layer 3 attention ("far head"): attends to t-(FAR_OFFSET-1) and writes the first
+      16 code dims of that token into dims 32..47;
+    * lm_head: rows = token code on dims 0..31 (so logits favour the copied token,
+      then the current one) + DEVIATION * random on dims 32..47 (the far token pushes
+      towards some other token; ~20% of greedy steps deviate from the period).
+    Layers 0..2 stay random and tiny. So x[t+1] == x[t+1-COPY_PERIOD] about 80% of the
+    time, deviations keep coming (the far token is effectively random) and never
+    lock into a loop. The median top1-top2 logit margin is ~9.
+    """
     from transformers import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM(target_config()).float().eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(LM_HEAD_SHARPEN)
-        model.model.embed_tokens.weight.mul_(EMBED_SCALE)
+        emb = model.model.embed_tokens.weight
+        code = torch.randn(VOCAB_SIZE, CODE_DIMS)
+        emb[:, :CODE_DIMS] = code
+        emb[:, BIAS_DIM] = BIAS_VALUE
+        layers = model.model.layers
+        _offset_head(layers[-1].self_attn, COPY_PERIOD - 1, slice(0, CODE_DIMS), [0, 1], COPY_GAIN)
+        layers[-1].mlp.down_proj.weight.zero_()
+        _offset_head(layers[-2].self_attn, FAR_OFFSET - 1, slice(CODE_DIMS, CODE_DIMS + 16), [0], COPY_GAIN)
+        w = model.lm_head.weight
+        w.zero_()
+        w[:, :CODE_DIMS] = code
+        w[:, CODE_DIMS : CODE_DIMS + 16] = DEVIATION * torch.randn(VOCAB_SIZE, 16)
+        # The target never emits eos or the mask id greedily.
+        for tok in (EOS_TOKEN_ID, MASK_TOKEN_ID):
+            w[tok] = 0.0
+            w[tok, BIAS_DIM] = -5.0
     model.generation_config.eos_token_id = EOS_TOKEN_ID
     model.generation_config.pad_token_id = EOS_TOKEN_ID
     for p in model.parameters():
@@ -156,22 +224,29 @@ def _random_prompts(gen: torch.Generator, n: int, length: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_continue(target, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
-    """Plain greedy continuation with a KV cache (batch of equal-length prompts)."""
+def greedy_continue(target, prompts: torch.Tensor, n_new: int, temperature: float = 0.0,
+                    gen: torch.Generator | None = None) -> torch.Tensor:
+    """Plain greedy (or sampled) continuation with a KV cache (batch of equal-length prompts)."""
     from transformers import DynamicCache
+
+    def pick(logits):
+        if temperature <= 0:
+            return logits[:, -1:].argmax(-1)
+        probs = torch.softmax(logits[:, -1].float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=gen)
 
     cache = DynamicCache(config=target.config)
     out = target(prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    nxt = out.logits[:, -1:].argmax(-1)
+    nxt = pick(out.logits)
     toks = [nxt]
     for _ in range(n_new - 1):
         out = target(nxt, past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
+        nxt = pick(out.logits)
         toks.append(nxt)
     return torch.cat([prompts, *toks], dim=1)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def target_features(target, seqs: torch.Tensor, layer_ids=TARGET_LAYER_IDS) -> torch.Tensor:
     """[N, T, len(layer_ids)*H]: tap j = hidden_states[j+1], concatenated in order."""
     out = target(seqs, output_hidden_states=True, logits_to_keep=1)
@@ -229,18 +304,17 @@ def _naive_block_forward(drafter, target, seq, feats, anchor, block_size, mask_t
 # ---------------------------------------------------------------------------
 
 
-def _train_drafter(drafter, target, gen, *, steps, block_size, log=None, lr=3e-3, anchors_per_seq=16):
+def _train_drafter(drafter, target, gen, *, steps, block_size, log=None, lr=3e-3, anchors_per_seq=16,
+                   data_temperature=0.0, per_group=12, batch_seqs=12, n_gen=64):
     t0 = time.perf_counter()
     b = block_size
-    n_new = 64 + b  # anchors cover the 64 tokens a test generates; labels exist to a+B-1
+    n_new = n_gen + b  # anchors cover the tokens a test generates; labels exist to a+B-1
     # Training data: groups of equal-length random prompts, target's own greedy continuation.
     lengths = [5, 8, 12, 16, 24, 32, 48, 64, 80, 100, 128, 160, 200, 240, 280, 300]
-    per_group = 12
     groups = []
     for length in lengths:
         prompts = _random_prompts(gen, per_group, length)
-        seqs = greedy_continue(target, prompts, n_new)
-        groups.append((length, seqs, target_features(target, seqs)))
+        groups.append((length, greedy_continue(target, prompts, n_new, data_temperature, gen)))
     if log is not None:
         log(f"data ready {time.perf_counter() - t0:.2f}s")
 
@@ -255,19 +329,21 @@ def _train_drafter(drafter, target, gen, *, steps, block_size, log=None, lr=3e-3
     drafter.train()
     loss_val = float("nan")
     for step in range(steps):
-        length, seqs, feats = groups[int(torch.randint(len(groups), (1,), generator=gen))]
-        # anchor a in [L, L+64): block labels x[a+1..a+B-1] all exist.
+        length, all_seqs = groups[int(torch.randint(len(groups), (1,), generator=gen))]
+        seqs = all_seqs[torch.randperm(all_seqs.shape[0], generator=gen)[:batch_seqs]]
+        n = seqs.shape[0]
+        # anchor a in [L, L+n_gen): block labels x[a+1..a+B-1] all exist.
         anchors = length + torch.stack(
-            [torch.randperm(64, generator=gen)[:anchors_per_seq] for _ in range(seqs.shape[0])]
+            [torch.randperm(n_gen, generator=gen)[:anchors_per_seq] for _ in range(n)]
         )
         anchors, _ = anchors.sort(dim=1)
+        feats = target_features(target, seqs[:, : int(anchors.max())])
         hidden = _masked_block_forward(drafter, target, seqs, feats, anchors, b, MASK_TOKEN_ID)
         logits = lm_head(hidden[:, :, 1:])  # [N, A, B-1, V]
         label_idx = anchors[:, :, None] + torch.arange(1, b)
-        labels = seqs.gather(1, label_idx.view(seqs.shape[0], -1)).view_as(label_idx)
-        ce = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), labels.reshape(-1), reduction="none")
-        ce = ce.view(labels.shape)
-        loss = (ce * weights).sum(-1).mean() / weights.sum()
+        labels = seqs.gather(1, label_idx.view(n, -1)).view_as(label_idx)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        loss = (ce.view(labels.shape) * weights).sum(-1).mean() / weights.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -38,15 +38,17 @@ def _ensure(runner, tables, lengths):
         runner.allocator.ensure(t, t.num_tokens + n)
 
 
-@pytest.mark.parametrize("block_size", [16])
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name,block_size", [(n, 16) for n in CONFIGS] + [
+    ("tied-gqa4to1-hd24-L2", 3),   # odd block size: blocks straddle every boundary
+    ("untied-gqa4to1-hd24-L4", 1),  # one position per block: longest block tables
+])
 def test_prefill_and_decode_logits_match_hf(make_checkpoint, name, block_size):
     spec = CONFIGS[name]
     hf, d = make_checkpoint(**spec)
     vocab = hf.config.vocab_size
-    runner = new_runner(d, num_blocks=128, block_size=block_size)
+    steps = 32
+    runner = new_runner(d, num_blocks=(301 + 33 + 7 + 1 + 4 * steps) // block_size + 16, block_size=block_size)
     prompts = random_prompts([1, 7, 33, 301], vocab, seed=11)
-    steps = 16
     conts = [hf_greedy(hf, p, steps) for p in prompts]          # HF's own greedy tokens
     refs = [hf_logits(hf, p + c) for p, c in zip(prompts, conts)]  # [len(p)+steps, V] each
 
@@ -103,8 +105,12 @@ def test_chunked_prefill_matches_hf(make_checkpoint):
 GREEDY_LENGTHS = [1, 7, 64, 130, 301]
 
 
-@pytest.mark.parametrize("budget", [8192, 400])
-@pytest.mark.parametrize("name", ["tied-gqa4to1-hd24-L2", "untied-mha-L1", "tied-gqa4to1-h8-L4"])
+@pytest.mark.parametrize("name,budget", [
+    ("tied-gqa4to1-hd24-L2", 8192),
+    ("untied-mha-L1", 8192),
+    ("tied-gqa4to1-h8-L4", 8192),
+    ("untied-gqa4to1-hd24-L4", 400),  # the batch splits into several padded prefill groups
+])
 def test_greedy_64_tokens_match_hf_generate(make_checkpoint, name, budget):
     hf, d = make_checkpoint(**CONFIGS[name])
     prompts = random_prompts(GREEDY_LENGTHS, hf.config.vocab_size, seed=21)
@@ -112,7 +118,6 @@ def test_greedy_64_tokens_match_hf_generate(make_checkpoint, name, budget):
     assert len({tuple(e) for e in expected}) == len(expected)
     runner = new_runner(d, num_blocks=160)
     free0 = runner.allocator.num_free
-    # budget 400 splits the batch into several prefill groups
     gen = NativeGenerator(runner, stop_ids=(), prefill_token_budget=budget)
     seqs = gen.generate(prompts, [SamplingParams(max_tokens=64, ignore_eos=True)] * len(prompts))
     for s, p, e in zip(seqs, prompts, expected):
@@ -151,6 +156,11 @@ def test_batch_size_independence(make_checkpoint):
 
 # ---- paged cache: truncate (speculative rollback) and block reuse -----------------------------
 
+def _history_chunks(prompt, went, n):
+    """The chunks a sequence was fed (prompt, then one token per decode step), cut at position n."""
+    return [c for c in [prompt[:n]] + [[t] for t in went[:max(0, n - len(prompt))]] if c]
+
+
 def _feed(runner, table, chunks):
     """Feed token chunks to one sequence; return the logits of every fed token, [sum, V]."""
     got = []
@@ -182,7 +192,7 @@ def test_truncate_then_decode_equals_fresh_sequence(make_checkpoint, n):
 
     fresh_runner = new_runner(d, num_blocks=32, block_size=bs)
     f = BlockTable()
-    _feed(fresh_runner, f, [history[:n]])                       # never went past n
+    _feed(fresh_runner, f, _history_chunks(prompt, went, n))   # same steps, but never went past n
     want = _feed(fresh_runner, f, chunks)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     # and both are what HF says for history[:n] + new
@@ -221,7 +231,7 @@ def test_truncate_frees_blocks_that_another_sequence_reuses(make_checkpoint):
     got = _feed(runner, a, [[t] for t in new])
     ref_runner = new_runner(d, num_blocks=32, block_size=bs)
     f = BlockTable()
-    _feed(ref_runner, f, [(prompt + went)[:n]])
+    _feed(ref_runner, f, _history_chunks(prompt, went, n))
     want = _feed(ref_runner, f, [[t] for t in new])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     torch.testing.assert_close(got, hf_logits(hf, (prompt + went)[:n] + new)[n:], rtol=0, atol=LOGIT_TOL)
@@ -256,9 +266,10 @@ def _hf_hidden_states(hf, tokens):
     return [h[0] for h in hf(input_ids=ids, output_hidden_states=True).hidden_states]
 
 
-@pytest.mark.parametrize("taps", [(2, 0, 1), (1,), (0, 2)])
+# (3, 0): the last layer's tap is, as HF's hidden_states[-1], taken after the final norm
+@pytest.mark.parametrize("taps", [(2, 0, 1), (1,), (0, 2), (3, 0)])
 def test_taps_equal_hf_hidden_states_in_requested_order(make_checkpoint, taps):
-    hf, d = make_checkpoint(**CONFIGS["untied-gqa4to1-hd24-L4"])  # 4 layers: taps below 3
+    hf, d = make_checkpoint(**CONFIGS["untied-gqa4to1-hd24-L4"])  # 4 layers
     prompts = random_prompts([1, 9, 40], hf.config.vocab_size, seed=10)
     runner = new_runner(d, num_blocks=32, taps=taps)
     tables = [BlockTable() for _ in prompts]
@@ -303,3 +314,23 @@ def test_bad_tap_ids_are_rejected(make_checkpoint, bad):
     _ensure(runner, [t], [3])
     with pytest.raises(ValueError, match="tap ids"):
         runner.forward([t], [[1, 2, 3]], taps=True)
+
+
+def test_runner_refuses_unreserved_blocks_and_positions_past_the_end(make_checkpoint):
+    hf, d = make_checkpoint(**CONFIGS["tied-gqa4to1-hd24-L2"])  # max_position_embeddings 1024
+    runner = new_runner(d, num_blocks=80, block_size=16)
+    t = BlockTable()
+    runner.allocator.ensure(t, 16)
+    with pytest.raises(RuntimeError, match="allocator.ensure"):
+        runner.forward([t], [list(range(17))])                  # one position more than reserved
+    assert t.num_tokens == 0                                    # a refused forward advances nothing
+    with pytest.raises(ValueError, match="at least one new token"):
+        runner.forward([t], [[]])
+    runner.allocator.ensure(t, 1025)
+    with pytest.raises(ValueError, match="exceeds"):
+        runner.forward([t], [[1] * 1025])
+    # the last position the model has works, and matches HF
+    (p,) = random_prompts([1024], hf.config.vocab_size, seed=13)
+    out = runner.forward([t], [p], want_logits="last")
+    torch.testing.assert_close(out.logits[0, 0], hf_logits(hf, p)[-1], rtol=0, atol=LOGIT_TOL)
+    assert t.num_tokens == 1024

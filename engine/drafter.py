@@ -23,7 +23,7 @@ from flashpd.engine.attention import gather_kv, group_mask, grouped_sdpa, write_
 from flashpd.engine.config import CheckpointError, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm
 from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
-from flashpd.engine.qwen3 import Qwen3ForCausalLM
+from flashpd.engine.qwen3 import Qwen3ForCausalLM, mlp_residual
 
 
 class DrafterMismatch(CheckpointError):
@@ -255,9 +255,8 @@ def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: to
     k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
     keys = torch.cat([ctx_k, k.transpose(1, 2)], dim=2)
     vals = torch.cat([ctx_v, v.view(b, t, n_kv, d).transpose(1, 2)], dim=2)
-    h = h + F.linear(grouped_sdpa(q, keys, vals, mask, d ** -0.5), w_o)
-    gate, up = F.linear(rms_norm(h, w_post, eps), w_gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, w_down)
+    return mlp_residual(h + F.linear(grouped_sdpa(q, keys, vals, mask, d ** -0.5), w_o), w_post, w_gate_up,
+                        w_down, eps)
 
 
 def _draft_slices(m: DFlashDrafter) -> dict[str, tuple[torch.Tensor, int, int]]:

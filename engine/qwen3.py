@@ -38,7 +38,12 @@ def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
     """Attention over the gathered cache, then the residual MLP; returns the layer output."""
     attn = grouped_sdpa(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask, scale)
-    h = h + F.linear(attn, w_o)
+    return mlp_residual(h + F.linear(attn, w_o), w_post, w_gate_up, w_down, eps)
+
+
+def mlp_residual(h: torch.Tensor, w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """h + SwiGLU(post_attention_layernorm(h)), gate and up fused."""
     gate, up = F.linear(rms_norm(h, w_post, eps), w_gate_up).chunk(2, dim=-1)
     return h + F.linear(F.silu(gate) * up, w_down)
 
@@ -114,6 +119,32 @@ class Qwen3ForCausalLM(nn.Module):
                 tapped[i] = h
         out = rms_norm(h, self.norm.weight, self.cfg.rms_norm_eps)
         if len(self.layers) - 1 in tapped:  # HF's last hidden state comes after the final norm
+            tapped[len(self.layers) - 1] = out
+        return out, [tapped[j] for j in taps]
+
+    def causal_forward(self, input_ids: torch.Tensor, taps: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Cache-free causal forward of whole sequences [B, T] (training, feature extraction)."""
+        c = self.cfg
+        b, t = input_ids.shape
+        h = self.embed(input_ids)
+        cos, sin = self.rotary.tables(torch.arange(t, device=h.device), h.dtype)
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            q, k, v = attn_inputs(h, cos, sin, layer.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
+                                  a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads,
+                                  c.head_dim)
+            k = k.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+            v = v.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True)
+            h = h + F.linear(o.transpose(1, 2).reshape(b, t, c.q_size), a.o_proj.weight)
+            h = mlp_residual(h, layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
+                             layer.mlp.down_proj.weight, c.rms_norm_eps)
+            if i in taps:
+                tapped[i] = h
+        out = rms_norm(h, self.norm.weight, c.rms_norm_eps)
+        if len(self.layers) - 1 in tapped:
             tapped[len(self.layers) - 1] = out
         return out, [tapped[j] for j in taps]
 

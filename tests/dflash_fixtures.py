@@ -314,7 +314,8 @@ def _train_drafter(drafter, target, gen, *, steps, block_size, log=None, lr=3e-3
     groups = []
     for length in lengths:
         prompts = _random_prompts(gen, per_group, length)
-        groups.append((length, greedy_continue(target, prompts, n_new, data_temperature, gen)))
+        seqs = greedy_continue(target, prompts, n_new, data_temperature, gen)
+        groups.append((length, seqs, target_features(target, seqs[:, : length + n_gen])))
     if log is not None:
         log(f"data ready {time.perf_counter() - t0:.2f}s")
 
@@ -329,15 +330,15 @@ def _train_drafter(drafter, target, gen, *, steps, block_size, log=None, lr=3e-3
     drafter.train()
     loss_val = float("nan")
     for step in range(steps):
-        length, all_seqs = groups[int(torch.randint(len(groups), (1,), generator=gen))]
-        seqs = all_seqs[torch.randperm(all_seqs.shape[0], generator=gen)[:batch_seqs]]
+        length, all_seqs, all_feats = groups[int(torch.randint(len(groups), (1,), generator=gen))]
+        pick = torch.randperm(all_seqs.shape[0], generator=gen)[:batch_seqs]
+        seqs, feats = all_seqs[pick], all_feats[pick]
         n = seqs.shape[0]
         # anchor a in [L, L+n_gen): block labels x[a+1..a+B-1] all exist.
         anchors = length + torch.stack(
             [torch.randperm(n_gen, generator=gen)[:anchors_per_seq] for _ in range(n)]
         )
         anchors, _ = anchors.sort(dim=1)
-        feats = target_features(target, seqs[:, : int(anchors.max())])
         hidden = _masked_block_forward(drafter, target, seqs, feats, anchors, b, MASK_TOKEN_ID)
         logits = lm_head(hidden[:, :, 1:])  # [N, A, B-1, V]
         label_idx = anchors[:, :, None] + torch.arange(1, b)

@@ -54,12 +54,16 @@ class Qwen3Config:
         if d.get("attention_bias"):
             raise CheckpointError(f"{source}: attention_bias=true is not supported (Qwen3 has none)")
         theta = rope_theta_of(d, source)
+        layer_types = d.get("layer_types") or []
+        if (d.get("use_sliding_window") and d.get("sliding_window")) or "sliding_attention" in layer_types:
+            raise CheckpointError(f"{source}: sliding-window attention is not supported (flashpd attends to "
+                                  f"the full context)")
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position_embeddings=d.get("max_position_embeddings", 40960),
@@ -82,7 +86,7 @@ def rope_theta_of(d: dict[str, Any], source: str) -> float:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in (None, "default"):
         raise CheckpointError(f"{source}: rope scaling {rope_type!r} is not supported")
-    return float(d.get("rope_theta", rope.get("rope_theta", 1_000_000.0)))
+    return float(d.get("rope_theta", rope.get("rope_theta", 10_000.0)))  # transformers' Qwen3Config default
 
 
 def _as_ids(v: Any) -> tuple[int, ...]:

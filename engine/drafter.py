@@ -259,7 +259,7 @@ def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: to
                         w_down, eps)
 
 
-def _draft_slices(m: DFlashDrafter) -> dict[str, tuple[torch.Tensor, int, int]]:
+def draft_slices(m: DFlashDrafter) -> dict[str, tuple[torch.Tensor, int, int]]:
     c = m.cfg
     out: dict[str, tuple[torch.Tensor, int, int]] = {}
 
@@ -299,7 +299,7 @@ def load_drafter(draft_dir: str | Path, target: Qwen3ForCausalLM, device: str | 
         m = DFlashDrafter(cfg).to(dtype)
     m = m.to_empty(device=device)
     dev = "cpu" if device.type == "cpu" else str(device if device.index is not None else f"{device.type}:0")
-    fill_from_checkpoint(_draft_slices(m), safetensors_files(p), dev, str(p))
+    fill_from_checkpoint(draft_slices(m), safetensors_files(p), dev, str(p))
     m.attach(target)
     return m.eval().requires_grad_(False)
 

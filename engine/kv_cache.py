@@ -61,8 +61,8 @@ class BlockAllocator:
         KV written past the new length is simply never read again (attention masks by position),
         so speculative rollback costs no copy.
         """
-        if num_tokens > table.num_tokens:
-            raise ValueError(f"cannot truncate {table.num_tokens} tokens up to {num_tokens}")
+        if not 0 <= num_tokens <= table.num_tokens:
+            raise ValueError(f"cannot truncate a sequence of {table.num_tokens} tokens to {num_tokens}")
         table.num_tokens = num_tokens
         keep = math.ceil(num_tokens / self.block_size)
         while len(table.blocks) > keep:

@@ -50,7 +50,7 @@ def iter_safetensors(files: list[Path], device: str) -> Iterator[tuple[str, Call
                 yield name, (lambda h=h, name=name: h.get_tensor(name)), shape
 
 
-def _target_slices(model: Qwen3ForCausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
+def target_slices(model: Qwen3ForCausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
     """HF tensor name -> (destination parameter, row offset, rows)."""
     c = model.cfg
     out: dict[str, tuple[torch.Tensor, int, int]] = {}
@@ -78,6 +78,11 @@ def _target_slices(model: Qwen3ForCausalLM) -> dict[str, tuple[torch.Tensor, int
         whole(pre + "input_layernorm.weight", layer.input_layernorm.weight)
         whole(pre + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
     return out
+
+
+def slices_state_dict(slices: dict[str, tuple[torch.Tensor, int, int]]) -> dict[str, torch.Tensor]:
+    """The inverse of loading: checkpoint name -> its (un-fused) tensor, on the CPU."""
+    return {name: p[off:off + rows].detach().contiguous().cpu() for name, (p, off, rows) in slices.items()}
 
 
 def fill_from_checkpoint(slices: dict[str, tuple[torch.Tensor, int, int]], files: list[Path],
@@ -124,7 +129,7 @@ def load_target(model_dir: str | Path, device: str | torch.device = "cpu",
     model = _empty_model(cfg, device, dtype)
     files = safetensors_files(model_dir)
     dev = "cpu" if device.type == "cpu" else str(device if device.index is not None else f"{device.type}:0")
-    slices = _target_slices(model)
+    slices = target_slices(model)
     ignored: tuple[str, ...] = ()
     if cfg.tie_word_embeddings:  # tied: some exporters still write lm_head.weight (a copy of the embedding)
         ignored = ("lm_head.weight",)

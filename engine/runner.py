@@ -78,6 +78,8 @@ class ModelRunner:
         or "none". Blocks must already be reserved (allocator.ensure) for the new length.
         """
         assert len(tables) == len(tokens) and tables
+        if want_logits not in ("last", "all", "none"):
+            raise ValueError(f"want_logits must be 'last', 'all' or 'none', got {want_logits!r}")
         lengths = [len(t) for t in tokens]
         if min(lengths) < 1:
             raise ValueError("every sequence in a forward needs at least one new token")

@@ -304,13 +304,14 @@ def _naive_block_forward(drafter, target, seq, feats, anchor, block_size, mask_t
 # ---------------------------------------------------------------------------
 
 
-def _train_drafter(drafter, target, gen, *, steps, block_size, log=None, lr=3e-3, anchors_per_seq=16,
-                   data_temperature=0.0, per_group=12, batch_seqs=12, n_gen=64):
+def _train_drafter(drafter, target, gen, *, steps, block_size, log=None, lr=1e-2, anchors_per_seq=8,
+                   data_temperature=0.0, per_group=24, batch_seqs=12, n_gen=64,
+                   lengths=(5, 9, 16, 30, 60, 120, 200, 300)):
     t0 = time.perf_counter()
     b = block_size
     n_new = n_gen + b  # anchors cover the tokens a test generates; labels exist to a+B-1
     # Training data: groups of equal-length random prompts, target's own greedy continuation.
-    lengths = [5, 8, 12, 16, 24, 32, 48, 64, 80, 100, 128, 160, 200, 240, 280, 300]
+    lengths = list(lengths)
     groups = []
     for length in lengths:
         prompts = _random_prompts(gen, per_group, length)
@@ -374,6 +375,10 @@ def build_pair(
     tmp_dir = Path(tmp_dir)
     target_dir = tmp_dir / "target"
     draft_dir = tmp_dir / "drafter"
+    # One thread: deterministic across machines, and far faster for these tiny ops on
+    # a small shared box (2 threads oversubscribed run 10-30x slower).
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         gen = torch.Generator().manual_seed(seed + 1)
@@ -387,6 +392,7 @@ def build_pair(
         heldout_gen = torch.Generator().manual_seed(10_000 + seed)
         prompts = [_random_prompts(heldout_gen, 1, n)[0].tolist() for n in HELDOUT_LENGTHS]
 
+    torch.set_num_threads(prev_threads)
     target.save_pretrained(target_dir, safe_serialization=True)
     drafter.save_pretrained(draft_dir, safe_serialization=True)
     for p in drafter.parameters():

@@ -203,8 +203,6 @@ def test_truncate_then_decode_equals_fresh_sequence(make_checkpoint, n):
         runner.allocator.truncate(a, a.num_tokens + 1)  # cannot "truncate" upwards
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: BlockAllocator.truncate accepts a negative length "
-                   "(frees every block and leaves num_tokens < 0)")
 def test_truncate_rejects_a_negative_length():
     from flashpd.engine.kv_cache import BlockAllocator
     alloc, t = BlockAllocator(8, 4), BlockTable()

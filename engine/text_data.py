@@ -1,0 +1,60 @@
+"""Offline text for the demo pair: the running interpreter's standard-library Python source.
+
+Files are split into train / held-out by a hash of their relative path (stable across runs and
+machines with the same stdlib), so held-out prompts come from files the models never saw.
+A byte-level BPE tokenizer is trained on the train split with `tokenizers`.
+"""
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>"]  # eos, and the drafter's mask token
+
+
+def stdlib_files(root: str | None = None) -> list[Path]:
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "turtledemo")
+    files = [p for p in sorted(base.rglob("*.py")) if not any(part in skip for part in p.relative_to(base).parts)]
+    if not files:
+        raise FileNotFoundError(f"no Python source under {base}")
+    return files
+
+
+def split_files(files: list[Path], heldout_fraction: float = 0.05, root: str | None = None
+                ) -> tuple[list[Path], list[Path]]:
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    train, held = [], []
+    for f in files:
+        h = int(hashlib.sha256(str(f.relative_to(base)).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        (held if h < heldout_fraction else train).append(f)
+    return train, held
+
+
+def read_texts(files: list[Path]) -> list[str]:
+    out = []
+    for f in files:
+        try:
+            out.append(f.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return out
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def encode_files(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """One token list per file, each ended by <|endoftext|>."""
+    eos = tok.token_to_id(SPECIAL_TOKENS[0])
+    return [e.ids + [eos] for e in tok.encode_batch(texts, add_special_tokens=False)]

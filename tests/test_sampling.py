@@ -1,0 +1,268 @@
+"""Sampling parameters, the filtered distribution, seeded sampling, stop tokens and max_tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, hf_logits, new_runner, random_prompts
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.kv_cache import OutOfBlocks
+from flashpd.engine.sampling import SamplingParams, probs_from_logits
+from flashpd.engine.sequence import Sequence
+
+SPEC = dict(tie=False, layers=2, heads=4, kv_heads=2, hidden=64, head_dim=16, seed=30)
+
+
+@pytest.fixture(scope="module")
+def ckpt(make_checkpoint):
+    return make_checkpoint(**SPEC)
+
+
+def _generate(d, prompts, params, stop_ids=(), num_blocks=96):
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    runner = new_runner(d, num_blocks=num_blocks)
+    free0 = runner.allocator.num_free
+    seqs = NativeGenerator(runner, stop_ids=stop_ids).generate(prompts, params)
+    assert runner.allocator.num_free == free0, "finished sequences must free their blocks"
+    return seqs
+
+
+# ---- SamplingParams.validate ------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens must be positive, got 0"),
+    (dict(max_tokens=-3), "max_tokens must be positive, got -3"),
+    (dict(temperature=-0.1), "temperature must be >= 0, got -0.1"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.01), r"top_p must be in \(0, 1\], got 1.01"),
+    (dict(top_p=-0.5), r"top_p must be in \(0, 1\], got -0.5"),
+    (dict(top_k=-1), "top_k must be >= 0, got -1"),
+])
+def test_validate_rejects(kwargs, match, ckpt):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs).validate()
+    # and generation refuses the request before running anything
+    with pytest.raises(ValueError, match=match):
+        _generate(ckpt[1], [[1, 2, 3]], SamplingParams(**kwargs))
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(max_tokens=1), dict(temperature=0.0), dict(top_p=1.0),
+                                    dict(top_p=1e-9), dict(top_k=0), dict(top_k=1), dict(temperature=2.5)])
+def test_validate_accepts(kwargs):
+    SamplingParams(**kwargs).validate()
+
+
+def test_greedy_property():
+    assert SamplingParams().greedy and SamplingParams(temperature=0.0, top_k=5).greedy
+    assert not SamplingParams(temperature=0.8).greedy
+
+
+# ---- probs_from_logits ------------------------------------------------------------------------
+
+def _reference_probs(logits: torch.Tensor, t: float, top_p: float, top_k: int) -> torch.Tensor:
+    """Plain per-row Python version of top-k then top-p filtering (HF order), float64."""
+    out = torch.zeros(logits.shape, dtype=torch.float64)
+    flat_in, flat_out = logits.reshape(-1, logits.shape[-1]).double(), out.view(-1, logits.shape[-1])
+    for r in range(flat_in.shape[0]):
+        s = flat_in[r] / t
+        order = sorted(range(len(s)), key=lambda i: -s[i].item())
+        if 0 < top_k < len(s):
+            order = order[:top_k]
+        p = torch.softmax(s[order], dim=0)
+        kept, mass = [], 0.0
+        for i, pi in zip(order, p.tolist()):
+            if mass >= top_p:
+                break
+            kept.append((i, pi))
+            mass += pi
+        z = sum(pi for _, pi in kept)
+        for i, pi in kept:
+            flat_out[r, i] = pi / z
+    return out
+
+
+@pytest.mark.parametrize("t,top_p,top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 1.0, 5), (0.8, 0.9, 0),
+                                           (0.8, 0.5, 12), (1.3, 0.95, 40), (1.0, 1e-6, 0), (1.0, 1.0, 1)])
+def test_probs_from_logits_against_reference(t, top_p, top_k):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 64, generator=g) * 3
+    probs = probs_from_logits(logits, t, top_p, top_k)
+    assert probs.shape == logits.shape and probs.dtype == torch.float32
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 3), rtol=0, atol=1e-5)
+    torch.testing.assert_close(probs.double(), _reference_probs(logits, t, top_p, top_k), rtol=0, atol=1e-6)
+    nonzero = (probs > 0).sum(-1)
+    if top_k:
+        assert (nonzero <= top_k).all()
+        top = logits.topk(top_k, dim=-1).indices
+        outside = torch.ones_like(probs, dtype=torch.bool).scatter(-1, top, False)
+        assert (probs[outside] == 0).all()
+    if top_k == 0 and top_p == 1.0:
+        torch.testing.assert_close(probs, torch.softmax(logits / t, -1), rtol=0, atol=1e-6)
+        assert (nonzero == 64).all()
+    if top_p == 1e-6 or top_k == 1:
+        assert (nonzero == 1).all()
+        assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+
+
+def test_top_k_zero_outside_exactly_k():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.0, 2.5, 0.0]])
+    p = probs_from_logits(logits, 1.0, top_k=3)
+    assert (p[0, [0, 2, 5]] == 0).all()
+    e = torch.exp(torch.tensor([3.0, 2.0, 2.5]))
+    torch.testing.assert_close(p[0, [1, 3, 4]], e / e.sum())
+    # top_k >= vocab keeps everything
+    torch.testing.assert_close(probs_from_logits(logits, 1.0, top_k=6), torch.softmax(logits, -1))
+
+
+# ---- sampling through NativeGenerator -------------------------------------------------------
+
+SAMPLED = dict(max_tokens=32, temperature=0.8, top_k=20, top_p=0.9, ignore_eos=True)
+
+
+def test_seeded_sampling_is_reproducible(ckpt):
+    hf, d = ckpt
+    prompts = random_prompts([9, 40], hf.config.vocab_size, seed=31)
+    p = SamplingParams(seed=1234, **SAMPLED)
+    a = [s.output for s in _generate(d, prompts, p)]
+    b = [s.output for s in _generate(d, prompts, p)]
+    assert a == b
+    assert all(len(x) == 32 for x in a)
+    # another seed gives another stream; sampling is not greedy decoding here
+    c = [s.output for s in _generate(d, prompts, SamplingParams(seed=99, **SAMPLED))]
+    assert c != a
+    greedy = [hf_greedy(hf, q, 32) for q in prompts]
+    assert a != greedy
+    # the seed belongs to the request: alone, or next to other (differently seeded) requests
+    alone = _generate(d, [prompts[1]], p)[0].output
+    assert alone == a[1]
+    mixed = _generate(d, [prompts[0], prompts[1], prompts[0]],
+                      [SamplingParams(seed=7, **SAMPLED), p, SamplingParams(**{**SAMPLED, "temperature": 0.0})])
+    assert mixed[1].output == a[1]
+    assert mixed[2].output == greedy[0]   # a greedy row in a sampled batch stays greedy
+
+
+def test_sampled_tokens_lie_in_the_filtered_support(ckpt):
+    """Every sampled token is one the filter keeps, judged on HF's logits at that position."""
+    hf, d = ckpt
+    prompts = random_prompts([5, 17, 60], hf.config.vocab_size, seed=32)
+    params = SamplingParams(seed=5, max_tokens=24, temperature=1.0, top_k=4, top_p=0.8, ignore_eos=True)
+    for s, prompt in zip(_generate(d, prompts, params), prompts):
+        logits = hf_logits(hf, prompt + s.output)[len(prompt) - 1:-1]
+        allowed = probs_from_logits(logits, 1.0, 0.8, 4) > 0
+        assert allowed.sum(-1).max() <= 4
+        for k, tok in enumerate(s.output):
+            assert allowed[k, tok], f"step {k}: token {tok} outside the top-k/top-p set"
+        assert len(set(s.output)) > 1
+
+
+@pytest.mark.parametrize("extra", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5)])
+def test_degenerate_filters_equal_greedy(ckpt, extra):
+    hf, d = ckpt
+    prompts = random_prompts([1, 7, 64], hf.config.vocab_size, seed=33)
+    params = SamplingParams(max_tokens=32, temperature=0.8, seed=11, ignore_eos=True, **extra)
+    out = [s.output for s in _generate(d, prompts, params)]
+    assert out == [hf_greedy(hf, p, 32) for p in prompts]
+
+
+# ---- stop tokens and max_tokens ---------------------------------------------------------------
+
+def test_commit_stops_at_the_first_stop_token_of_a_multi_token_step():
+    """What a speculative step commits: tokens up to and including a stop token, or up to max_tokens."""
+    s = Sequence([1, 2], SamplingParams(max_tokens=10), frozenset({7, 9}))
+    assert s.commit([3, 4]) == [3, 4] and not s.done
+    assert s.commit([5, 7, 8, 9]) == [5, 7]
+    assert s.output == [3, 4, 5, 7] and s.finish_reason == "stop" and s.last_token == 7
+    assert s.commit([6]) == [] and s.output == [3, 4, 5, 7]   # nothing after finishing
+
+    s = Sequence([1], SamplingParams(max_tokens=3), frozenset({7}))
+    assert s.commit([3, 4, 5, 6]) == [3, 4, 5] and s.finish_reason == "length"
+
+    s = Sequence([1], SamplingParams(max_tokens=3, ignore_eos=True), frozenset({7}))
+    assert s.last_token == 1
+    assert s.commit([7, 7, 7, 7]) == [7, 7, 7] and s.finish_reason == "length"
+
+
+def _first_new_at(tokens, start):
+    """Index k >= start of a token that does not occur before k."""
+    return next(k for k in range(start, len(tokens)) if tokens[k] not in tokens[:k])
+
+
+def test_stops_exactly_at_a_stop_token(ckpt):
+    hf, d = ckpt
+    (prompt,) = random_prompts([12], hf.config.vocab_size, seed=34)
+    ref = hf_greedy(hf, prompt, 40)
+    k = _first_new_at(ref, 6)
+    eos = ref[k]
+    (s,) = _generate(d, [prompt], SamplingParams(max_tokens=40), stop_ids=[eos])
+    assert s.output == ref[:k + 1]          # the stop token is the last token, included
+    assert s.output[-1] == eos and s.finish_reason == "stop"
+    # ignore_eos runs on to max_tokens through the same token
+    (s,) = _generate(d, [prompt], SamplingParams(max_tokens=40, ignore_eos=True), stop_ids=[eos])
+    assert s.output == ref and s.finish_reason == "length"
+    # the earliest of several stop tokens wins
+    k2 = _first_new_at(ref, k + 1)
+    (s,) = _generate(d, [prompt], SamplingParams(max_tokens=40), stop_ids=[ref[k2], eos])
+    assert s.output == ref[:k + 1] and s.finish_reason == "stop"
+    # a stop token after max_tokens does not matter
+    (s,) = _generate(d, [prompt], SamplingParams(max_tokens=k), stop_ids=[eos])
+    assert s.output == ref[:k] and s.finish_reason == "length"
+    # a stop token exactly at max_tokens is reported as a stop
+    (s,) = _generate(d, [prompt], SamplingParams(max_tokens=k + 1), stop_ids=[eos])
+    assert s.output == ref[:k + 1] and s.finish_reason == "stop"
+
+
+def test_stop_on_the_first_token(ckpt):
+    hf, d = ckpt
+    (prompt,) = random_prompts([20], hf.config.vocab_size, seed=35)
+    first = hf_logits(hf, prompt)[-1].argmax().item()
+    (s,) = _generate(d, [prompt], SamplingParams(max_tokens=16), stop_ids=[first])
+    assert s.output == [first] and s.finish_reason == "stop"
+
+
+def test_one_sequence_stopping_does_not_disturb_the_batch(ckpt):
+    hf, d = ckpt
+    prompts = random_prompts([12, 33, 4], hf.config.vocab_size, seed=36)
+    refs = [hf_greedy(hf, p, 30) for p in prompts]
+    k = _first_new_at(refs[0], 4)
+    eos = refs[0][k]
+    seqs = _generate(d, prompts, SamplingParams(max_tokens=30), stop_ids=[eos])
+    assert seqs[0].output == refs[0][:k + 1] and seqs[0].finish_reason == "stop"
+    for s, r in zip(seqs[1:], refs[1:]):
+        cut = r.index(eos) + 1 if eos in r else len(r)
+        assert s.output == r[:cut]
+        assert s.finish_reason == ("stop" if eos in r else "length")
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_max_tokens_counts_the_first_token(ckpt, max_tokens):
+    hf, d = ckpt
+    prompts = random_prompts([1, 30], hf.config.vocab_size, seed=37)
+    runner = new_runner(d, num_blocks=16)
+    calls = []
+    forward = runner.forward
+    runner.forward = lambda *a, **k: calls.append(len(a[0])) or forward(*a, **k)
+    seqs = NativeGenerator(runner).generate(prompts, [SamplingParams(max_tokens=max_tokens)] * 2)
+    for s, p in zip(seqs, prompts):
+        assert s.output == hf_greedy(hf, p, max_tokens)
+        assert s.finish_reason == "length"
+    assert len(calls) == max_tokens   # one prefill, then max_tokens - 1 decode steps
+    assert runner.allocator.num_free == 15
+
+
+def test_max_tokens_one_sampled(ckpt):
+    hf, d = ckpt
+    (prompt,) = random_prompts([10], hf.config.vocab_size, seed=38)
+    (s,) = _generate(d, [prompt], SamplingParams(max_tokens=1, temperature=1.0, top_k=3, seed=2))
+    assert len(s.output) == 1 and s.finish_reason == "length"
+    assert s.output[0] in hf_logits(hf, prompt)[-1].topk(3).indices.tolist()
+
+
+def test_generate_refuses_bad_requests(ckpt):
+    hf, d = ckpt
+    with pytest.raises(ValueError, match="empty"):
+        _generate(d, [[]], SamplingParams())
+    with pytest.raises(ValueError, match="exceeds"):   # max_pos is 1024
+        _generate(d, [[1] * 1000], SamplingParams(max_tokens=64), num_blocks=128)
+    with pytest.raises(OutOfBlocks):
+        _generate(d, [[1] * 100], SamplingParams(max_tokens=64), num_blocks=8)

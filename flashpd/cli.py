@@ -1,4 +1,4 @@
-"""The `flashpd` command line: generate, demo."""
+"""The `flashpd` command line: generate, demo, train-drafter, make-demo-pair."""
 from __future__ import annotations
 
 import argparse
@@ -89,16 +89,103 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_training(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (z-lab format checkpoints)")
+    t.add_argument("--target", required=True)
+    t.add_argument("--out", required=True, help="drafter directory (checkpoints, trainer state, eval.json)")
+    t.add_argument("--data", help="directory of text files to take prompts from (needs the target's tokenizer.json); "
+                                  "default: the interpreter's stdlib source if the target has a tokenizer, else "
+                                  "random token prompts")
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--taps", type=int, default=5, help="number of target layers tapped")
+    t.add_argument("--mask-token-id", type=int)
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--seqs-per-step", type=int, default=8)
+    t.add_argument("--anchors", type=int, default=128)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--num-prompts", type=int, default=512)
+    t.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens")
+    t.add_argument("--new-tokens", type=int, default=256, help="tokens the target regenerates per prompt")
+    t.add_argument("--eval-prompts", type=int, default=8)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--resume", action="store_true")
+    t.add_argument("--device", choices=["cpu", "cuda"])
+    m = sub.add_parser("make-demo-pair", help="the demo pair's whole recipe (tokenizer, target, drafter, eval)")
+    m.add_argument("--out", required=True)
+    m.add_argument("--device", choices=["cpu", "cuda"])
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--target-steps", type=int, default=2000)
+    m.add_argument("--drafter-steps", type=int, default=3000)
+
+
+def cmd_train_drafter(a: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
+    from flashpd.engine.loader import load_target  # noqa: PLC0415
+    from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
+    from flashpd.engine.train_drafter import DrafterTrainConfig, evaluate_tau, regenerate, train_drafter  # noqa
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target = load_target(a.target, device, dtype)
+    lo, hi = (int(x) for x in a.prompt_len.split(","))
+    gen = torch.Generator().manual_seed(a.seed)
+    tok = TextTokenizer.from_dir(a.target)
+    n = a.num_prompts + a.eval_prompts
+    if tok is not None:
+        from flashpd.engine.text_data import read_texts, stdlib_files  # noqa: PLC0415
+        from pathlib import Path  # noqa: PLC0415
+        files = sorted(p for p in Path(a.data).rglob("*") if p.is_file()) if a.data else stdlib_files()
+        stream = torch.tensor([t for text in read_texts(files) for t in tok.encode(text)])
+        if stream.numel() < hi + 2:
+            raise ValueError(f"--data gives {stream.numel()} tokens, fewer than --prompt-len max {hi}")
+        lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+        starts = torch.randint(0, stream.numel() - hi - 1, (n,), generator=gen).tolist()
+        prompts = [stream[s:s + k].tolist() for s, k in zip(starts, lens)]
+    elif a.data:
+        raise ValueError("--data needs the target's tokenizer.json")
+    else:
+        vocab = target.cfg.vocab_size
+        prompts = [torch.randint(0, vocab, (int(k),), generator=gen).tolist()
+                   for k in torch.randint(lo, hi + 1, (n,), generator=gen)]
+    train_prompts, eval_prompts = prompts[:a.num_prompts], prompts[a.num_prompts:]
+    data = regenerate(target, train_prompts, a.new_tokens)
+    tc = DrafterTrainConfig(layers=a.layers, block_size=a.block_size, num_taps=a.taps, mask_token_id=a.mask_token_id,
+                            steps=a.steps, seqs_per_step=a.seqs_per_step, anchors=a.anchors, lr=a.lr, seed=a.seed,
+                            save_every=max(1, a.steps // 4))
+    drafter = train_drafter(target, data, [len(p) for p in train_prompts], a.out, tc, resume=a.resume)
+    if eval_prompts:
+        rows = evaluate_tau(target, drafter.to(dtype), eval_prompts, max_tokens=min(128, a.new_tokens))
+        import json  # noqa: PLC0415
+        from pathlib import Path  # noqa: PLC0415
+        Path(a.out, "eval.json").write_text(json.dumps({"heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows)}, indent=1))
+        for r in rows:
+            print(f"held-out prompt {r['prompt_len']:5d} tokens: tau {r['tau']:.2f} exact {r['exact']}")
+    print(f"drafter written to {a.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashpd", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_generate(sub)
     d = sub.add_parser("demo", help="run the shipped demo model: native vs DFlash")
     d.add_argument("--device", choices=["cpu", "cuda"])
+    _add_training(sub)
     a = parser.parse_args(argv)
     try:
         if a.cmd == "generate":
             return cmd_generate(a)
+        if a.cmd == "train-drafter":
+            return cmd_train_drafter(a)
+        if a.cmd == "make-demo-pair":
+            import torch  # noqa: PLC0415
+
+            from flashpd.engine.demo_recipe import make_demo_pair  # noqa: PLC0415
+            dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            make_demo_pair(a.out, dev, seed=a.seed, target_steps=a.target_steps, drafter_steps=a.drafter_steps)
+            return 0
         from flashpd.demo import run_demo  # noqa: PLC0415
         return run_demo(device=a.device)
     except (ValueError, CheckpointError, FileNotFoundError) as e:

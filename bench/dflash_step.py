@@ -135,7 +135,7 @@ def main() -> None:
                "context": a.context, "kernels": kernel_times(model, drafter, a.context, a.reps, a.device)}
     if a.schedule:
         rec = json.load(open(a.schedule))
-        schedule = [r["acceptance_lengths"] for r in rec["per_prompt"]]
+        schedule = [r["acceptance_lengths"] for r in rec.get("per_prompt") or rec["heldout"]]
         payload["replay"] = {"schedule_source": a.schedule, "schedule_tau": rec.get("tau_mean"),
                              "rows": replay(model, drafter, schedule, [int(x) for x in a.prompt_lens.split(",")],
                                              [int(x) for x in a.new_tokens.split(",")], a.replay_reps, a.device)}

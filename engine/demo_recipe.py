@@ -50,6 +50,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                                  "eos_token_id": eos})
     model = train_target(cfg, stream, steps=target_steps, batch=target_batch, seq_len=seq_len, lr=2e-3,
                          device=device, seed=seed, log=log)
+    log(f"target trained ({time.perf_counter() - t0:.0f} s)")
     tdir = out / "target"
     save_target(model, tdir, dtype=torch.bfloat16)
     tok.save(str(tdir / "tokenizer.json"))
@@ -64,6 +65,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     tc = DrafterTrainConfig(layers=2, block_size=16, num_taps=5, mask_token_id=mask, steps=drafter_steps,
                             seqs_per_step=8, anchors=128, lr=1e-3, seed=seed, save_every=1000)
     drafter = train_drafter(target, data, [len(p) for p in prompts], out / "drafter-train", tc, log=log)
+    log(f"drafter trained ({time.perf_counter() - t0:.0f} s)")
     ddir = save_drafter(drafter, out / "drafter", dtype=torch.bfloat16)
 
     held = windows(held_stream, heldout_prompts, 64, 2048, torch.Generator().manual_seed(seed + 11))

@@ -156,7 +156,8 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
                             save_every=max(1, a.steps // 4))
     drafter = train_drafter(target, data, [len(p) for p in train_prompts], a.out, tc, resume=a.resume)
     if eval_prompts:
-        rows = evaluate_tau(target, drafter.to(dtype), eval_prompts, max_tokens=min(128, a.new_tokens))
+        from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (evaluate what was written)
+        rows = evaluate_tau(target, load_drafter(a.out, target), eval_prompts, max_tokens=min(128, a.new_tokens))
         import json  # noqa: PLC0415
         from pathlib import Path  # noqa: PLC0415
         Path(a.out, "eval.json").write_text(json.dumps({"heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows)}, indent=1))

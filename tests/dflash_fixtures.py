@@ -1,28 +1,36 @@
 """Tiny DFlash target + drafter pair for CPU tests (a helper module, not a test file).
 
-``build_pair`` makes, deterministically and in a few seconds on 2 CPU cores:
+``build_pair`` makes, deterministically and in ~15 s on 2 CPU cores (one thread):
 
-* a tiny ``Qwen3ForCausalLM`` target (float32, lm_head sharpened x8 so greedy
-  decisions are not near-ties), saved with ``save_pretrained``;
-* a ``dflash.model.DFlashDraftModel`` drafter (the reference class from
-  ``dflash==0.1.0``), briefly trained on the target's own greedy continuations of
-  random prompts so that it accepts some of the time (acceptance lengths vary
-  from step to step, tau clearly above 1), saved with ``save_pretrained``
-  (safetensors: fc, hidden_norm, norm, layers.*; no embed_tokens, no lm_head).
+* a tiny ``Qwen3ForCausalLM`` target (float32, 5 layers, vocab 128, hidden 64, 4 q / 2 kv
+  heads, head_dim 16), saved with ``save_pretrained``. It is random (HF init) except for
+  two hand-set attention layers that make its greedy continuation *learnable but not
+  trivial*: x[t+1] == x[t+1-8] about 80% of the time, and the other ~20% of steps deviate
+  depending on a token 29 positions back, so deviations keep coming and never lock into a
+  loop (see ``_build_target``). Top-1/top-2 logit margins are ~9 (median); held-out prompts
+  are picked so that every greedy decision of their first 96 tokens has margin >= 0.1.
+  eos (126) and the mask id (127) are never emitted greedily.
+* a ``dflash.model.DFlashDraftModel`` drafter (the reference class of ``dflash==0.1.0``)
+  trained briefly on the target's own greedy continuations of random prompts, saved with
+  ``save_pretrained`` (safetensors: fc, hidden_norm, norm, layers.*; no embed_tokens, no
+  lm_head). Its drafts copy the period from the CONTEXT features (the periodic structure is
+  only visible there), so acceptance exercises the context K/V path, the RoPE positions of
+  context and block, and the draft-cache bookkeeping. With the reference
+  ``dflash_generate`` at block 16 and 64 new tokens, acceptance lengths vary from 1 to 16
+  within every prompt; tau per prompt ~2-5, mean ~3 (a perfect periodic drafter: ~4.2).
 
-Training recipe (what the ports agree on, see shared/design/dflash.md): for a
-sequence x with target taps feats (tap j = HF hidden_states[j+1], concatenated in
-tap order), each anchor a makes a block [x[a], MASK x (B-1)] at positions
-a..a+B-1 that sees the context features of positions [0, a) plus its own block
-(bidirectional), no other block; loss = CE at block positions k=1..B-1 against
-x[a+k], weighted exp(-(k-1)/gamma). All anchors of a batch go through ONE call of
-the reference forward: the blocks are concatenated after the context, and an
-explicit boolean attention mask isolates them (``_masked_block_forward``; a test in
-test_dflash_fixture.py checks it equals the naive per-anchor forward).
+Training recipe (what the ports agree on, see shared/design/dflash.md): for a sequence x
+with target taps feats (tap j = HF hidden_states[j+1], concatenated in tap order), each
+anchor a makes a block [x[a], MASK x (B-1)] at positions a..a+B-1 that sees the context
+features of positions [0, a) plus its own block (bidirectional), no other block; loss = CE
+at block positions k=1..B-1 against x[a+k], weighted exp(-(k-1)/gamma). All anchors of a
+batch go through ONE call of the reference forward: the blocks are concatenated after the
+context and an explicit boolean attention mask isolates them (``_masked_block_forward``;
+test_dflash_fixture.py checks it equals the naive per-anchor call).
 
-Use from pytest (session scope)::
+Use from pytest (session scope): import the fixture into conftest.py or a test module::
 
-    from tests.dflash_fixtures import dflash_pair  # noqa: F401  (re-export the fixture)
+    from tests.dflash_fixtures import dflash_pair  # noqa: F401
 
 or call ``get_pair(base_dir)`` / ``build_pair(tmp_dir)`` directly.
 """
@@ -62,12 +70,17 @@ FAR_OFFSET = 29
 COPY_GAIN = 3.0  # attention output scale of the copy / far heads
 ATTN_SHARPNESS = 5.5  # q_norm / k_norm weight of the set heads
 DEVIATION = 1.0  # lm_head weight on the far-token channel (higher: more deviations)
+LM_HEAD_SCALE = 4.0  # "sharpening": scales every logit (margins), greedy choices unchanged
 # Includes tap 0 (catches off-by-one on hidden_states[j+1]) and never the last
 # layer (HF's last hidden_states entry is after the final norm). 3 taps, so the
 # number of taps differs from the number of draft layers.
 TARGET_LAYER_IDS = [0, 2, 3]
 # Held-out prompt lengths (5..300).
 HELDOUT_LENGTHS = [5, 12, 33, 64, 100, 157, 230, 300]
+# Every greedy decision over the first HELDOUT_CHECK_TOKENS tokens of a held-out prompt has
+# a top-1/top-2 logit margin of at least HELDOUT_MIN_MARGIN (no near-ties).
+HELDOUT_CHECK_TOKENS = 96
+HELDOUT_MIN_MARGIN = 0.1
 
 
 @dataclass
@@ -83,6 +96,7 @@ class Pair:
     target_layer_ids: list[int] = field(default_factory=lambda: list(TARGET_LAYER_IDS))
     build_seconds: float = 0.0
     final_loss: float = float("nan")
+    prompt_margins: list[float] = field(default_factory=list)  # min greedy margin per prompt
 
 
 # ---------------------------------------------------------------------------
@@ -206,6 +220,7 @@ def _build_target():
         for tok in (EOS_TOKEN_ID, MASK_TOKEN_ID):
             w[tok] = 0.0
             w[tok, BIAS_DIM] = -5.0
+        w.mul_(LM_HEAD_SCALE)
     model.generation_config.eos_token_id = EOS_TOKEN_ID
     model.generation_config.pad_token_id = EOS_TOKEN_ID
     for p in model.parameters():
@@ -359,6 +374,36 @@ def _train_drafter(drafter, target, gen, *, steps, block_size, log=None, lr=1e-2
     return loss_val
 
 
+@torch.no_grad()
+def greedy_margins(target, prompts: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For equal-length prompts [N, L]: the n greedy tokens [N, n] and the top-1 minus
+    top-2 logit margin [N, n] of each of those decisions (full-sequence forward)."""
+    length = prompts.shape[1]
+    seq = greedy_continue(target, prompts, n)
+    logits = target(seq[:, :-1]).logits[:, length - 1 :].float()
+    top2 = logits.topk(2, dim=-1).values
+    return seq[:, length:], top2[..., 0] - top2[..., 1]
+
+
+def _heldout_prompts(target, seed: int):
+    """One random prompt per HELDOUT_LENGTHS entry without near-ties (deterministic)."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    prompts, margins = [], []
+    for n in HELDOUT_LENGTHS:
+        for _ in range(10):
+            cands = _random_prompts(gen, 8, n)
+            m = greedy_margins(target, cands, HELDOUT_CHECK_TOKENS)[1].min(dim=1).values
+            ok = (m >= HELDOUT_MIN_MARGIN).nonzero()
+            if ok.numel():
+                i = int(ok[0])
+                prompts.append(cands[i].tolist())
+                margins.append(float(m[i]))
+                break
+        else:  # pragma: no cover
+            raise RuntimeError(f"no held-out prompt of length {n} without near-ties")
+    return prompts, margins
+
+
 def build_pair(
     tmp_dir: Path,
     seed: int = 0,
@@ -379,20 +424,26 @@ def build_pair(
     # a small shared box (2 threads oversubscribed run 10-30x slower).
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        gen = torch.Generator().manual_seed(seed + 1)
-        target = _build_target()
-        torch.manual_seed(seed + 2)
-        drafter = DFlashDraftModel(drafter_config(drafter_layers, block_size)).float()
-        assert drafter.target_layer_ids == TARGET_LAYER_IDS
-        assert drafter.mask_token_id == MASK_TOKEN_ID
-        assert drafter.block_size == block_size
-        loss = _train_drafter(drafter, target, gen, steps=train_steps, block_size=block_size, log=log, **train_kw)
-        heldout_gen = torch.Generator().manual_seed(10_000 + seed)
-        prompts = [_random_prompts(heldout_gen, 1, n)[0].tolist() for n in HELDOUT_LENGTHS]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            gen = torch.Generator().manual_seed(seed + 1)
+            target = _build_target()
+            torch.manual_seed(seed + 2)
+            drafter = DFlashDraftModel(drafter_config(drafter_layers, block_size)).float()
+            # The reference class must pick these up from the config (dflash_config first).
+            assert drafter.target_layer_ids == TARGET_LAYER_IDS
+            assert drafter.mask_token_id == MASK_TOKEN_ID
+            assert drafter.block_size == block_size
+            loss = _train_drafter(drafter, target, gen, steps=train_steps, block_size=block_size,
+                                  log=log, **train_kw)
+            t1 = time.perf_counter()
+            prompts, margins = _heldout_prompts(target, seed)
+            if log is not None:
+                log(f"held-out prompts {time.perf_counter() - t1:.2f}s")
+    finally:
+        torch.set_num_threads(prev_threads)
 
-    torch.set_num_threads(prev_threads)
     target.save_pretrained(target_dir, safe_serialization=True)
     drafter.save_pretrained(draft_dir, safe_serialization=True)
     for p in drafter.parameters():
@@ -406,6 +457,7 @@ def build_pair(
         block_size=block_size,
         build_seconds=time.perf_counter() - t0,
         final_loss=loss,
+        prompt_margins=margins,
     )
 
 

@@ -16,7 +16,7 @@ import torch
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.export import save_drafter, save_target
 from flashpd.engine.loader import load_target
-from flashpd.engine.text_data import SPECIAL_TOKENS, encode_files, read_texts, split_files, stdlib_files, \
+from flashpd.engine.text_data import SPECIAL_TOKENS, encode_files, read_texts, split_three, stdlib_files, \
     train_tokenizer
 from flashpd.engine.train_drafter import DrafterTrainConfig, evaluate_tau, regenerate, train_drafter
 from flashpd.engine.train_target import train_target
@@ -32,19 +32,23 @@ def windows(stream: torch.Tensor, n: int, lo: int, hi: int, gen: torch.Generator
     return [stream[s:s + k].tolist() for s, k in zip(starts, lens)]
 
 
-def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: int = 2000, target_batch: int = 32,
-                   seq_len: int = 2048, drafter_steps: int = 3000, num_prompts: int = 1024, new_tokens: int = 256,
+def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: int = 1500, target_batch: int = 32,
+                   seq_len: int = 2048, drafter_steps: int = 3500, num_prompts: int = 2048, new_tokens: int = 256,
                    heldout_prompts: int = 16, log: Callable[[str], None] = print) -> dict:
     out = Path(out)
     t0 = time.perf_counter()
-    train_files, held_files = split_files(stdlib_files())
-    texts, held_texts = read_texts(train_files), read_texts(held_files)
+    train_files, draft_files, held_files = split_three(stdlib_files())
+    texts, draft_texts, held_texts = read_texts(train_files), read_texts(draft_files), read_texts(held_files)
     tok = train_tokenizer(texts, TARGET_SHAPE["vocab_size"])
     eos, mask = tok.token_to_id(SPECIAL_TOKENS[0]), tok.token_to_id(SPECIAL_TOKENS[1])
-    stream = torch.tensor([t for ids in encode_files(tok, texts) for t in ids])
-    held_stream = torch.tensor([t for ids in encode_files(tok, held_texts) for t in ids])
-    log(f"data: {len(texts)} train files ({stream.numel()} tokens), {len(held_texts)} held-out files "
-        f"({held_stream.numel()} tokens); tokenizer {tok.get_vocab_size()} ids ({time.perf_counter() - t0:.0f} s)")
+
+    def stream_of(part: list[str]) -> torch.Tensor:
+        return torch.tensor([t for ids in encode_files(tok, part) for t in ids])
+
+    stream, draft_stream, held_stream = stream_of(texts), stream_of(draft_texts), stream_of(held_texts)
+    log(f"data: {len(texts)} target files ({stream.numel()} tokens), {len(draft_texts)} drafter-prompt files "
+        f"({draft_stream.numel()} tokens), {len(held_texts)} held-out files ({held_stream.numel()} tokens); "
+        f"tokenizer {tok.get_vocab_size()} ids ({time.perf_counter() - t0:.0f} s)")
 
     cfg = Qwen3Config.from_dict({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **TARGET_SHAPE,
                                  "eos_token_id": eos})
@@ -60,7 +64,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     target = load_target(tdir, device, dtype)
 
     gen = torch.Generator().manual_seed(seed + 7)
-    prompts = windows(stream, num_prompts, 32, seq_len - new_tokens - 16, gen)
+    prompts = windows(draft_stream, num_prompts, 32, seq_len - new_tokens - 16, gen)
     data = regenerate(target, prompts, new_tokens, log=log)
     tc = DrafterTrainConfig(layers=2, block_size=16, num_taps=5, mask_token_id=mask, steps=drafter_steps,
                             seqs_per_step=8, anchors=128, lr=1e-3, seed=seed, save_every=1000)

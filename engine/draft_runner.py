@@ -84,7 +84,9 @@ class DraftRunner:
             s.draft_len += n
             s.pending, s.pending_rows = None, 0
             ids[i, 0] = s.last_token
-            pos[i] = np.arange(s.table.num_tokens, s.table.num_tokens + t)
+            # a row narrower than the batch repeats its last position (those keys are masked) so that
+            # padding never indexes RoPE past the model's positions
+            pos[i] = np.minimum(np.arange(s.table.num_tokens, s.table.num_tokens + t), s.table.num_tokens + w - 1)
             bt[i, :len(s.table.blocks)] = s.table.blocks
             ctx_lens[i], blens[i] = s.draft_len, w
         if rows and b_pad > b:

@@ -116,8 +116,8 @@ class DFlashConfig:
         if not 0 <= self.mask_token_id < t.vocab_size:
             raise DrafterMismatch(f"drafter mask_token_id {self.mask_token_id} is outside the target "
                                   f"vocabulary [0, {t.vocab_size})")
-        if not 2 <= self.block_size <= 64:
-            raise DrafterMismatch(f"drafter block_size {self.block_size} must be in [2, 64]")
+        if not 2 <= self.block_size <= 16:
+            raise DrafterMismatch(f"drafter block_size {self.block_size} must be in [2, 16] (flashpd's block widths)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise DrafterMismatch(f"drafter num_attention_heads {self.num_attention_heads} is not a multiple "
                                   f"of num_key_value_heads {self.num_key_value_heads}")

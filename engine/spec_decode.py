@@ -57,7 +57,7 @@ class DFlashGenerator(NativeGenerator):
         if tuple(runner.taps) != tuple(c.target_layer_ids):
             raise ValueError(f"runner taps {runner.taps} != drafter target_layer_ids {c.target_layer_ids}")
         self.drafter = drafter
-        self.block_size = self._check_block(block_size or c.block_size)
+        self.block_size = self._check_block(c.block_size if block_size is None else block_size)
         self.drafts = DraftRunner(drafter, runner)
         self.draft_override: DraftOverride | None = None  # test hook: (seq, width) -> width-1 guesses
         # Benchmark replay: (seq) -> accepted drafts this step, taken from a recorded run. Output is then
@@ -79,6 +79,8 @@ class DFlashGenerator(NativeGenerator):
         for i, (s, w) in enumerate(zip(seqs, widths)):
             sp = s.params
             if self.draft_override is not None:
+                if not sp.greedy:
+                    raise ValueError("draft_override is a greedy-only test hook (sampled rows need a draft q)")
                 guesses.append(list(self.draft_override(s, w))[:w - 1])
                 qs.append(None)
             elif sp.greedy:
@@ -135,6 +137,8 @@ class DFlashGenerator(NativeGenerator):
     # ---- whole requests --------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  block_sizes: list[int | None] | None = None) -> list[Sequence]:
+        if block_sizes is not None and len(block_sizes) != len(prompts):
+            raise ValueError(f"{len(block_sizes)} block sizes for {len(prompts)} prompts")
         seqs = self.new_sequences(prompts, params)
         for s, w in zip(seqs, block_sizes or [None] * len(seqs)):
             s.block_size = self._check_block(w) if w is not None else self.block_size

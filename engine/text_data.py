@@ -24,14 +24,28 @@ def stdlib_files(root: str | None = None) -> list[Path]:
     return files
 
 
+def _unit_hash(f: Path, base: Path) -> float:
+    return int(hashlib.sha256(str(f.relative_to(base)).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
 def split_files(files: list[Path], heldout_fraction: float = 0.05, root: str | None = None
                 ) -> tuple[list[Path], list[Path]]:
+    """(train, held-out) by a hash of each file's path under the stdlib root."""
     base = Path(root or sysconfig.get_paths()["stdlib"])
-    train, held = [], []
-    for f in files:
-        h = int(hashlib.sha256(str(f.relative_to(base)).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-        (held if h < heldout_fraction else train).append(f)
+    train = [f for f in files if _unit_hash(f, base) >= heldout_fraction]
+    held = [f for f in files if _unit_hash(f, base) < heldout_fraction]
     return train, held
+
+
+def split_three(files: list[Path], heldout_fraction: float = 0.05, drafter_fraction: float = 0.25,
+                root: str | None = None) -> tuple[list[Path], list[Path], list[Path]]:
+    """(target-train, drafter-prompt, held-out): the target never trains on drafter-prompt files, so the
+    continuations the drafter learns from show the target's behaviour on unseen text, as evaluation does.
+    The held-out part is the same as split_files'."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    train, held = split_files(files, heldout_fraction, root)
+    cut = heldout_fraction + drafter_fraction
+    return ([f for f in train if _unit_hash(f, base) >= cut], [f for f in train if _unit_hash(f, base) < cut], held)
 
 
 def read_texts(files: list[Path]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,6 +67,36 @@ def drafter_config_for(target: Qwen3ForCausalLM, tc: DrafterTrainConfig) -> DFla
 
 
 @torch.inference_mode()
+@torch.no_grad()
+def init_from_target(drafter: DFlashDrafter, target: Qwen3ForCausalLM) -> None:
+    """Warm start: draft layers copy the target's last layers, the output norm copies the target's,
+    and fc passes the deepest tap through. Random init puts the borrowed lm_head's logits on the
+    wrong scale and trains far slower."""
+    c, t = drafter.cfg, target.cfg
+    first = t.num_hidden_layers - c.num_hidden_layers
+    same_shape = (c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
+        (t.intermediate_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim)
+    if same_shape:
+        for i, layer in enumerate(drafter.layers):
+            src = target.layers[first + i]
+            a = src.self_attn
+            q, kv = a.qkv_proj.weight.split([t.q_size, 2 * t.kv_size])
+            layer.q_proj.copy_(q)
+            layer.kv_proj.copy_(kv)
+            layer.o_proj.copy_(a.o_proj.weight)
+            layer.q_norm.copy_(a.q_norm.weight)
+            layer.k_norm.copy_(a.k_norm.weight)
+            layer.input_layernorm.copy_(src.input_layernorm.weight)
+            layer.post_attention_layernorm.copy_(src.post_attention_layernorm.weight)
+            layer.gate_up_proj.copy_(src.mlp.gate_up_proj.weight)
+            layer.down_proj.copy_(src.mlp.down_proj.weight)
+    drafter.norm.copy_(target.norm.weight)
+    deepest = max(range(len(c.target_layer_ids)), key=lambda j: c.target_layer_ids[j])
+    drafter.fc.zero_()
+    drafter.fc[:, deepest * c.hidden_size:(deepest + 1) * c.hidden_size] = torch.eye(c.hidden_size)
+
+
+@torch.inference_mode()
 def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: int, batch: int = 128,
                log: Callable[[str], None] = print) -> list[list[int]]:
     """prompt + the target's greedy continuation (stops included), batched through the engine."""
@@ -73,7 +104,7 @@ def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: i
     runner = ModelRunner(target, num_blocks=batch * (longest // 16 + 2) + 2, block_size=16, compile=False)
     gen = NativeGenerator(runner, target.cfg.eos_token_ids)
     out: list[list[int]] = []
-    for i in tqdm(range(0, len(prompts), batch), desc="regenerate", mininterval=5):
+    for i in tqdm(range(0, len(prompts), batch), desc="regenerate", mininterval=5, disable=not sys.stderr.isatty()):
         chunk = prompts[i:i + batch]
         seqs = gen.generate(chunk, [SamplingParams(max_tokens=new_tokens)] * len(chunk))
         out.extend(s.prompt + s.output for s in seqs)
@@ -81,16 +112,17 @@ def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: i
     return out
 
 
-def block_loss(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Tensor, lengths: torch.Tensor,
-               starts: torch.Tensor, anchors: int, gamma: float, gen: torch.Generator) -> torch.Tensor:
-    """Weighted block cross-entropy for padded sequences [S, N]; anchors drawn in [starts, lengths-1)."""
+def block_logits(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Tensor,
+                 a: torch.Tensor) -> torch.Tensor:
+    """Draft logits of the blocks anchored at a [S, K] in padded sequences [S, N] -> [S, K, B-1, V].
+
+    Block k = [x[a_k], MASK x (B-1)] at positions a_k.. sees context [0, a_k) and only its own keys:
+    the same function as an inference draft pass at committed length a_k.
+    """
     c = drafter.cfg
     s_, n = seqs.shape
-    b = c.block_size
+    anchors, b = a.shape[1], c.block_size
     dev = seqs.device
-    lo = starts.float()
-    hi = (lengths - 1).clamp_min(starts + 1).float()
-    a = (lo[:, None] + torch.rand(s_, anchors, generator=gen, device=dev) * (hi - lo)[:, None]).long()  # [S, K]
     with torch.no_grad():
         _, taps = target.causal_forward(seqs, tuple(c.target_layer_ids))
     feats = torch.cat(taps, dim=-1)  # [S, N, n_taps*H]
@@ -106,6 +138,8 @@ def block_loss(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Ten
     ids = torch.full((s_, anchors, b), c.mask_token_id, dtype=torch.long, device=dev)
     ids[:, :, 0] = seqs.gather(1, a)
     h = target.embed(ids.view(s_, -1)).to(feats.dtype)
+    if c.input_embedding_scale != 1.0:
+        h = h * c.input_embedding_scale
     bcos, bsin = drafter.rotary.tables(pos_blk, feats.dtype)
     # mask [S, 1, K*B, N + K*B]: context j < anchor of the query's block; block keys of its own block only
     q_anchor = a.repeat_interleave(b, dim=1)  # [S, K*B]
@@ -113,18 +147,29 @@ def block_loss(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Ten
     blk_id = torch.arange(anchors, device=dev).repeat_interleave(b)
     blk_ok = (blk_id[:, None] == blk_id[None, :]).expand(s_, -1, -1)
     mask = group_mask(torch.cat([ctx_ok, blk_ok], dim=2)[:, None], c.num_attention_heads // c.num_key_value_heads)
-    for i, layer in enumerate(drafter.layers):
-        ctx_k = kv[i, 0].transpose(1, 2)  # [S, kv, N, d]
-        ctx_v = kv[i, 1].transpose(1, 2)
-        h = draft_layer(h, bcos, bsin, ctx_k, ctx_v, mask, *drafter.layer_weights(i), c.rms_norm_eps,
-                        c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    for i in range(c.num_hidden_layers):
+        h = draft_layer(h, bcos, bsin, kv[i, 0].transpose(1, 2), kv[i, 1].transpose(1, 2), mask,
+                        *drafter.layer_weights(i), c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads,
+                        c.head_dim)
     h = rms_norm(h.view(s_, anchors, b, -1)[:, :, 1:], drafter.norm, c.rms_norm_eps)
-    logits = target.logits(h).float()  # [S, K, B-1, V]
-    lpos = a[:, :, None] + offs[1:]  # label positions
+    return target.logits(h)
+
+
+def block_loss(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Tensor, lengths: torch.Tensor,
+               starts: torch.Tensor, anchors: int, gamma: float, gen: torch.Generator) -> torch.Tensor:
+    """Weighted block cross-entropy for padded sequences [S, N]; anchors drawn in [starts, lengths-1)."""
+    s_, n = seqs.shape
+    dev = seqs.device
+    lo = starts.float()
+    hi = (lengths - 1).clamp_min(starts + 1).float()
+    a = (lo[:, None] + torch.rand(s_, anchors, generator=gen, device=dev) * (hi - lo)[:, None]).long()  # [S, K]
+    logits = block_logits(drafter, target, seqs, a).float()
+    offs = torch.arange(1, drafter.cfg.block_size, device=dev)
+    lpos = a[:, :, None] + offs  # label positions
     valid = lpos < lengths[:, None, None]
     labels = seqs.gather(1, lpos.clamp_max(n - 1).view(s_, -1)).view_as(lpos)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(lpos)
-    w = torch.exp(-(offs[1:].float() - 1) / gamma)[None, None, :] * valid
+    w = torch.exp(-(offs.float() - 1) / gamma)[None, None, :] * valid
     return (ce * w).sum() / w.sum().clamp_min(1e-6)
 
 
@@ -151,9 +196,9 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
         start = state["step"]
         log(f"resuming from step {start}")
     else:
-        drafter = dummy_drafter(drafter_config_for(target, tc), target, seed=tc.seed)
-        drafter = drafter.float()
+        drafter = dummy_drafter(drafter_config_for(target, tc), target, seed=tc.seed).float()
         drafter.attach(target)
+        init_from_target(drafter, target)
         state = None
     drafter.train().requires_grad_(True)
     opt = torch.optim.AdamW(drafter.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -163,7 +208,7 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
     pick = torch.Generator().manual_seed(tc.seed + 1 + start)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.startswith("cuda") else torch.autocast("cpu", enabled=False)
     t0 = time.perf_counter()
-    bar = tqdm(range(start, tc.steps), desc="drafter", mininterval=5, initial=start, total=tc.steps)
+    bar = tqdm(range(start, tc.steps), desc="drafter", mininterval=5, disable=not sys.stderr.isatty(), initial=start, total=tc.steps)
     losses: list[float] = []
     for step in bar:
         idx = torch.randint(0, len(data), (tc.seqs_per_step,), generator=pick).tolist()

@@ -6,6 +6,7 @@ bf16 autocast on a GPU. Whatever it writes is a Hugging Face Qwen3 directory.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Callable
 
@@ -44,7 +45,7 @@ def train_target(cfg: Qwen3Config, stream: torch.Tensor, *, steps: int, batch: i
     gen = torch.Generator().manual_seed(seed)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
     t0 = time.perf_counter()
-    bar = tqdm(range(steps), desc="target", mininterval=5)
+    bar = tqdm(range(steps), desc="target", mininterval=5, disable=not sys.stderr.isatty())
     for step in bar:
         x = random_windows(stream, batch, seq_len, gen).to(device, non_blocking=True)
         for g in opt.param_groups:

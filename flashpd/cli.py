@@ -70,7 +70,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if draft and draft != spec["draft"]:
             raise ValueError("--draft and --speculative-config name different drafters")
         method, draft = method or spec["method"], spec["draft"]
-        block = block or spec.get("block_size")
+        block = spec.get("block_size") if block is None else block
     if method == "native" and draft:
         draft = None  # an explicit native run ignores the drafter
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
@@ -115,8 +115,8 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--out", required=True)
     m.add_argument("--device", choices=["cpu", "cuda"])
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--target-steps", type=int, default=2000)
-    m.add_argument("--drafter-steps", type=int, default=3000)
+    m.add_argument("--target-steps", type=int, default=1500)
+    m.add_argument("--drafter-steps", type=int, default=3500)
 
 
 def cmd_train_drafter(a: argparse.Namespace) -> int:

@@ -81,9 +81,11 @@ class LLM:
             from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (only dflash needs it)
             self.drafter = load_drafter(draft, self.model, self.device, self.dtype)
             taps = tuple(self.drafter.cfg.target_layer_ids)
-            self.block_size = block_size or self.drafter.cfg.block_size
+            self.block_size = self.drafter.cfg.block_size if block_size is None else block_size
         else:
-            self.block_size = block_size or 1
+            if block_size not in (None, 1):
+                raise ValueError(f"block_size {block_size} needs method 'dflash' and a drafter")
+            self.block_size = 1
         num_blocks = kv_blocks_for(self.model, kv_block_size, self.device, kv_cache_tokens)
         self.runner = ModelRunner(self.model, num_blocks, kv_block_size, taps=taps)
         if self.drafter is not None:

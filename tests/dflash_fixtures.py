@@ -1,23 +1,24 @@
 """Tiny DFlash target + drafter pair for CPU tests (a helper module, not a test file).
 
-``build_pair`` makes, deterministically and in ~15 s on 2 CPU cores (one thread):
+``build_pair`` makes, deterministically and in ~12-17 s on 2 CPU cores (one thread):
 
 * a tiny ``Qwen3ForCausalLM`` target (float32, 5 layers, vocab 128, hidden 64, 4 q / 2 kv
   heads, head_dim 16), saved with ``save_pretrained``. It is random (HF init) except for
   two hand-set attention layers that make its greedy continuation *learnable but not
-  trivial*: x[t+1] == x[t+1-8] about 80% of the time, and the other ~20% of steps deviate
+  trivial*: x[t+1] == x[t+1-8] about 85% of the time, and the other steps deviate
   depending on a token 29 positions back, so deviations keep coming and never lock into a
-  loop (see ``_build_target``). Top-1/top-2 logit margins are ~9 (median); held-out prompts
-  are picked so that every greedy decision of their first 96 tokens has margin >= 0.1.
-  eos (126) and the mask id (127) are never emitted greedily.
+  loop (see ``_build_target``). Top-1/top-2 logit margins: median ~50, 1st percentile
+  ~0.6; held-out prompts are picked so that every greedy decision of their first 96
+  tokens has margin >= 0.1. eos (126) and the mask id (127) are never emitted greedily.
 * a ``dflash.model.DFlashDraftModel`` drafter (the reference class of ``dflash==0.1.0``)
   trained briefly on the target's own greedy continuations of random prompts, saved with
   ``save_pretrained`` (safetensors: fc, hidden_norm, norm, layers.*; no embed_tokens, no
   lm_head). Its drafts copy the period from the CONTEXT features (the periodic structure is
   only visible there), so acceptance exercises the context K/V path, the RoPE positions of
   context and block, and the draft-cache bookkeeping. With the reference
-  ``dflash_generate`` at block 16 and 64 new tokens, acceptance lengths vary from 1 to 16
-  within every prompt; tau per prompt ~2-5, mean ~3 (a perfect periodic drafter: ~4.2).
+  ``dflash_generate`` at block 16 and 64 new tokens, acceptance lengths vary (1 to 16)
+  within every prompt; tau per prompt ~2-8, mean ~3.9 over the 8 held-out prompts
+  (seeds 0/1/2: 3.86/3.89/4.19).
 
 Training recipe (what the ports agree on, see shared/design/dflash.md): for a sequence x
 with target taps feats (tap j = HF hidden_states[j+1], concatenated in tap order), each
@@ -195,10 +196,11 @@ def _build_target():
       16 code dims of that token into dims 32..47;
     * lm_head: rows = token code on dims 0..31 (so logits favour the copied token,
       then the current one) + DEVIATION * random on dims 32..47 (the far token pushes
-      towards some other token; ~20% of greedy steps deviate from the period).
-    Layers 0..2 stay random and tiny. So x[t+1] == x[t+1-COPY_PERIOD] about 80% of the
+      towards some other token; ~15% of greedy steps deviate from the period), all
+      times LM_HEAD_SCALE; eos and mask rows = -5 * BIAS_DIM (never the argmax).
+    Layers 0..2 stay random and tiny. So x[t+1] == x[t+1-COPY_PERIOD] about 85% of the
     time, deviations keep coming (the far token is effectively random) and never
-    lock into a loop. The median top1-top2 logit margin is ~9.
+    lock into a loop. The median top1-top2 logit margin is ~50.
     """
     from transformers import Qwen3ForCausalLM
 
@@ -239,24 +241,19 @@ def _random_prompts(gen: torch.Generator, n: int, length: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_continue(target, prompts: torch.Tensor, n_new: int, temperature: float = 0.0,
-                    gen: torch.Generator | None = None) -> torch.Tensor:
-    """Plain greedy (or sampled) continuation with a KV cache (batch of equal-length prompts)."""
-    from transformers import DynamicCache
+def greedy_continue(target, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
+    """Plain greedy continuation, one token per forward with a KV cache.
 
-    def pick(logits):
-        if temperature <= 0:
-            return logits[:, -1:].argmax(-1)
-        probs = torch.softmax(logits[:, -1].float() / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=gen)
+    prompts: [N, L] equal-length prompts; returns [N, L + n_new]."""
+    from transformers import DynamicCache
 
     cache = DynamicCache(config=target.config)
     out = target(prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    nxt = pick(out.logits)
+    nxt = out.logits[:, -1:].argmax(-1)
     toks = [nxt]
     for _ in range(n_new - 1):
         out = target(nxt, past_key_values=cache, use_cache=True)
-        nxt = pick(out.logits)
+        nxt = out.logits[:, -1:].argmax(-1)
         toks.append(nxt)
     return torch.cat([prompts, *toks], dim=1)
 
@@ -320,7 +317,7 @@ def _naive_block_forward(drafter, target, seq, feats, anchor, block_size, mask_t
 
 
 def _train_drafter(drafter, target, gen, *, steps, block_size, log=None, lr=1e-2, anchors_per_seq=8,
-                   data_temperature=0.0, per_group=24, batch_seqs=12, n_gen=64,
+                   norm_init=1.0 / LM_HEAD_SCALE, per_group=24, batch_seqs=8, n_gen=64,
                    lengths=(5, 9, 16, 30, 60, 120, 200, 300)):
     t0 = time.perf_counter()
     b = block_size
@@ -330,11 +327,13 @@ def _train_drafter(drafter, target, gen, *, steps, block_size, log=None, lr=1e-2
     groups = []
     for length in lengths:
         prompts = _random_prompts(gen, per_group, length)
-        seqs = greedy_continue(target, prompts, n_new, data_temperature, gen)
+        seqs = greedy_continue(target, prompts, n_new)
         groups.append((length, seqs, target_features(target, seqs[:, : length + n_gen])))
     if log is not None:
         log(f"data ready {time.perf_counter() - t0:.2f}s")
 
+    with torch.no_grad():
+        drafter.norm.weight.fill_(norm_init)
     lm_head = target.lm_head
     gamma = 7.0 if b >= 16 else 4.0
     weights = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma)
@@ -407,7 +406,7 @@ def _heldout_prompts(target, seed: int):
 def build_pair(
     tmp_dir: Path,
     seed: int = 0,
-    train_steps: int = 300,
+    train_steps: int = 450,
     drafter_layers: int = 1,
     block_size: int = 16,
     log=None,
@@ -520,7 +519,7 @@ def plain_greedy(pair: Pair, prompt_ids, max_new_tokens: int) -> list[int]:
 _CACHE: dict[tuple, Pair] = {}
 
 
-def get_pair(base_dir: Path, seed: int = 0, train_steps: int = 300, drafter_layers: int = 1,
+def get_pair(base_dir: Path, seed: int = 0, train_steps: int = 450, drafter_layers: int = 1,
              block_size: int = 16) -> Pair:
     """Process-wide cache of build_pair (one build per parameter set)."""
     key = (seed, train_steps, drafter_layers, block_size)

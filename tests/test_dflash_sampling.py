@@ -1,0 +1,250 @@
+"""DFlash sampling preserves the target's distribution (speculative rejection sampling), float32 CPU.
+
+A tiny-vocabulary (16) HF Qwen3 target with a strongly context-dependent next-token distribution
+and a random reference DFlashDraftModel (so its proposals are often rejected, sometimes accepted).
+The exact joint distribution of the first 4 generated tokens is enumerated from the HF target
+(filtered with the reference package's `_sampling_probs`), and thousands of seeded DFlash samples
+(one batched generate call) are chi-square tested against it, per position and per adjacent pair.
+Native sampling is held to the same oracle, and a deliberately broken rejection sampler must be
+caught (the test has power). `rejection_sample` itself is tested on fixed p, q.
+"""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from _dflash_helpers import chi2_gof, chi2_two_sample, run_checked
+from flashpd.engine import spec_decode
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams, draw
+from flashpd.engine.spec_decode import DFlashGenerator, rejection_sample
+
+V = 16
+PROMPT = [3, 7, 1, 12, 5]
+N_TOKENS = 4  # x0 from prefill, x1..x3 from DFlash steps
+N_SAMPLES = 2500
+ALPHA = 0.01  # on the family (Bonferroni) p-value of each configuration
+
+
+# ---- the tiny pair ---------------------------------------------------------------------------------
+
+def _qwen3_config(**kw):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                       tie_word_embeddings=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3ForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny_dflash")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = Qwen3ForCausalLM(_qwen3_config(num_hidden_layers=2, eos_token_id=None,
+                                            architectures=["Qwen3ForCausalLM"])).float().eval()
+        with torch.no_grad():  # logits of order 1..5: distributions far from uniform and from one-hot
+            hf.lm_head.weight.mul_(12.0)
+            hf.model.embed_tokens.weight.mul_(20.0)
+        torch.manual_seed(1)
+        ref = DFlashDraftModel(_qwen3_config(
+            num_hidden_layers=1, architectures=["DFlashDraftModel"], num_target_layers=2, block_size=4,
+            dflash_config={"mask_token_id": V - 1, "target_layer_ids": [0, 1]})).float().eval()
+    hf.save_pretrained(d / "target")
+    ref.save_pretrained(d / "drafter")
+    target = load_target(d / "target")
+    drafter = load_drafter(d / "drafter", target)
+    runner = ModelRunner(target, num_blocks=2 * N_SAMPLES + 8, block_size=16,
+                         taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=False)
+    return {"hf": hf, "target": target, "drafter": drafter, "runner": runner, "dir": d}
+
+
+@torch.no_grad()
+def exact_joint(hf, prompt: list[int], n: int, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """P(x0..x_{n-1}) [V]*n by enumerating every prefix through the HF target."""
+    from dflash.model import _sampling_probs
+
+    joint = torch.ones(1, dtype=torch.float64)
+    prefixes = torch.zeros(1, 0, dtype=torch.long)
+    for _ in range(n):
+        ids = torch.cat([torch.tensor(prompt).expand(prefixes.shape[0], -1), prefixes], dim=1)
+        logits = hf(input_ids=ids).logits[:, -1].float()
+        cond = _sampling_probs(logits, temperature, top_p, top_k).double()
+        joint = (joint[:, None] * cond).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(prefixes.shape[0])[:, None]], 1)
+    return joint.view(*([V] * n))
+
+
+def _samples(gen, params: list[SamplingParams], **kw) -> torch.Tensor:
+    seqs = run_checked(gen, [PROMPT] * len(params), params, **kw)
+    assert all(len(s.output) == N_TOKENS for s in seqs)
+    return torch.tensor([s.output for s in seqs])
+
+
+def _family_p(samples: torch.Tensor, joint: torch.Tensor) -> tuple[float, dict]:
+    """Chi-square of every position's marginal and every adjacent pair's joint; Bonferroni."""
+    tests = {}
+    n = joint.dim()
+    for k in range(n):
+        probs = joint.sum(dim=[d for d in range(n) if d != k])
+        tests[f"x{k}"] = chi2_gof(torch.bincount(samples[:, k], minlength=V), probs)
+    for k in range(n - 1):
+        probs = joint.sum(dim=[d for d in range(n) if d not in (k, k + 1)])
+        counts = torch.bincount(samples[:, k] * V + samples[:, k + 1], minlength=V * V)
+        tests[f"x{k}x{k + 1}"] = chi2_gof(counts, probs)
+    return min(1.0, min(p for _, _, p in tests.values()) * len(tests)), tests
+
+
+class _Counting:
+    """Wraps spec_decode.rejection_sample: how often a step rejected a guess (residual draw) and how
+    often it accepted every guess (bonus draw), and how many guesses were accepted in all."""
+
+    def __init__(self, fn=rejection_sample):
+        self.fn, self.calls, self.rejected, self.all_accepted, self.accepted = fn, 0, 0, 0, 0
+
+    def __call__(self, guesses, p, q, generator):
+        a, tok = self.fn(guesses, p, q, generator)
+        self.calls += 1
+        self.accepted += a
+        if a < guesses.shape[0]:
+            self.rejected += 1
+        else:
+            self.all_accepted += 1
+        return a, tok
+
+
+CONFIGS = {  # name: (temperature, top_p, top_k, block width)
+    "t1-w4": (1.0, 1.0, 0, 4),
+    "t1-topk5-w4": (1.0, 1.0, 5, 4),
+    "t0.7-topp0.8-w2": (0.7, 0.8, 0, 2),
+    "t1.3-topk6-topp0.9-w3": (1.3, 0.9, 6, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_dflash_sampling_matches_target_distribution(tiny, monkeypatch, name):
+    temperature, top_p, top_k, width = CONFIGS[name]
+    joint = exact_joint(tiny["hf"], PROMPT, N_TOKENS, temperature, top_p, top_k)
+    params = [SamplingParams(max_tokens=N_TOKENS, temperature=temperature, top_p=top_p, top_k=top_k,
+                             seed=1000 + i, ignore_eos=True) for i in range(N_SAMPLES)]
+
+    counter = _Counting()
+    monkeypatch.setattr(spec_decode, "rejection_sample", counter)
+    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], block_size=width)
+    dflash = _samples(gen, params)
+    # the drafter proposes non-trivially: both the residual and the bonus paths ran, many times
+    assert counter.calls >= N_SAMPLES
+    assert counter.rejected >= N_SAMPLES // 10, vars(counter)
+    assert counter.all_accepted >= 50 and counter.accepted >= N_SAMPLES // 5, vars(counter)
+
+    p_family, tests = _family_p(dflash, joint)
+    assert p_family > ALPHA, f"DFlash samples do not follow the target distribution: {tests}"
+
+    native = _samples(NativeGenerator(tiny["runner"]), params)
+    p_native, tests_native = _family_p(native, joint)
+    assert p_native > ALPHA, f"native samples do not follow the target distribution: {tests_native}"
+    for k in range(1, N_TOKENS):  # and DFlash vs native directly
+        _, _, p2 = chi2_two_sample(torch.bincount(dflash[:, k], minlength=V), torch.bincount(native[:, k], minlength=V))
+        assert p2 > ALPHA / N_TOKENS, f"x{k}: DFlash and native marginals differ (p={p2:.2e})"
+
+
+def test_sampling_is_reproducible_per_seed(tiny):
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (5, 6, 5)]
+    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], block_size=4)
+    a = [s.output for s in run_checked(gen, [PROMPT] * 3, params)]
+    b = [s.output for s in run_checked(gen, [PROMPT] * 3, params)]
+    assert a == b and a[0] == a[2] and a[0] != a[1]
+
+
+def _broken_residual(guesses, p, q, generator):
+    """A classic bug: on rejection, draw from p instead of norm(max(0, p - q))."""
+    g = guesses.shape[0]
+    idx = guesses[:, None]
+    pk, qk = p[:g].gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]
+    u = torch.rand(g, generator=generator)
+    a = int((u * qk < pk).to(torch.int32).cumprod(0).sum())
+    row = p[g] if a == g else p[a]
+    return a, int(draw(row, generator))
+
+
+def _always_accept_first(guesses, p, q, generator):
+    """Another: accept the first guess unconditionally (its distribution becomes q's)."""
+    a, tok = rejection_sample(guesses, p, q, generator)
+    return (a, tok) if a >= 1 else (1, int(draw(p[1], generator)))
+
+
+@pytest.mark.parametrize("broken", [_broken_residual, _always_accept_first])
+def test_chi_square_catches_a_broken_rejection_sampler(tiny, monkeypatch, broken):
+    """Power check: the same test flags a sampler that is subtly wrong."""
+    temperature, top_p, top_k, width = CONFIGS["t1-w4"]
+    joint = exact_joint(tiny["hf"], PROMPT, N_TOKENS, temperature, top_p, top_k)
+    params = [SamplingParams(max_tokens=N_TOKENS, temperature=temperature, seed=1000 + i, ignore_eos=True)
+              for i in range(N_SAMPLES)]
+    monkeypatch.setattr(spec_decode, "rejection_sample", broken)
+    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], block_size=width)
+    p_family, tests = _family_p(_samples(gen, params), joint)
+    assert p_family < 1e-4, f"a broken sampler went unnoticed: {tests}"
+
+
+# ---- rejection_sample on fixed p, q ---------------------------------------------------------------
+
+def _fixed_pq(vocab: int = 6, g: int = 3, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.softmax(1.5 * torch.randn(g + 1, vocab, generator=gen), -1)
+    q = torch.softmax(1.5 * torch.randn(g, vocab, generator=gen), -1)
+    p[0, 2] = 0.0  # a token the target never emits (q proposes it) ...
+    q[0, 4] = 0.0  # ... and one the drafter never proposes
+    return p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+
+
+def test_rejection_sample_preserves_target_distribution():
+    p, q = _fixed_pq()
+    g, vocab = q.shape
+    n = 20000
+    gen = torch.Generator().manual_seed(42)
+    guesses = torch.stack([torch.multinomial(q[k], n, replacement=True, generator=gen) for k in range(g)], 1)
+    emitted = [rejection_sample(guesses[i], p, q, gen) for i in range(n)]
+    acc = torch.tensor([a for a, _ in emitted])
+    first = torch.tensor([guesses[i, 0].item() if a >= 1 else t for i, (a, t) in enumerate(emitted)])
+    _, _, p0 = chi2_gof(torch.bincount(first, minlength=vocab), p[0])
+    assert p0 > ALPHA, "first emitted token is not distributed as p[0]"
+    assert (first == 2).sum() == 0, "emitted a token of target probability 0"
+    # P(accept the first guess) = sum_x min(p, q)
+    rate, want = (acc >= 1).double().mean().item(), torch.minimum(p[0], q[0]).sum().item()
+    assert abs(rate - want) < 4 * (want * (1 - want) / n) ** 0.5, (rate, want)
+    # token k (emitted when the first k guesses were accepted) is distributed as p[k]
+    for k in range(1, g + 1):
+        rows = (acc >= k).nonzero()[:, 0]
+        tok = torch.tensor([guesses[i, k].item() if emitted[i][0] > k else emitted[i][1] for i in rows.tolist()])
+        assert len(tok) > 300
+        _, _, pk = chi2_gof(torch.bincount(tok, minlength=vocab), p[k])
+        assert pk > ALPHA / g, f"token {k} is not distributed as p[{k}] (p-value {pk:.2e})"
+
+
+def test_rejection_sample_edge_cases():
+    p, _ = _fixed_pq()
+    gen = torch.Generator().manual_seed(3)
+    g = p.shape[0] - 1
+    # q == p: every guess is accepted, the bonus comes from the last row
+    for _ in range(200):
+        guesses = torch.stack([torch.multinomial(p[k], 1, generator=gen)[0] for k in range(g)])
+        a, _ = rejection_sample(guesses, p, p[:g].clone(), gen)
+        assert a == g
+    # q puts all mass on a token p never emits: always rejected at 0, residual == p[0]
+    q = torch.zeros(g, p.shape[1])
+    q[:, 2] = 1.0
+    firsts = []
+    for _ in range(3000):
+        a, t = rejection_sample(torch.full((g,), 2), p, q, gen)
+        assert a == 0 and t != 2
+        firsts.append(t)
+    _, _, pv = chi2_gof(torch.bincount(torch.tensor(firsts), minlength=p.shape[1]), p[0])
+    assert pv > ALPHA

@@ -120,7 +120,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", default="64,256")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--schedule", help="JSON with per-prompt acceptance_lengths of a recorded greedy run")
+    ap.add_argument("--schedule", help="comma-separated JSON files with per-prompt acceptance_lengths of recorded "
+                                       "greedy runs (bench/record_schedule.py)")
     ap.add_argument("--replay-reps", type=int, default=3)
     ap.add_argument("--out", default="bench/results/dflash_step.json")
     a = ap.parse_args()
@@ -133,12 +134,15 @@ def main() -> None:
     payload = {"bench": "dflash_step", "config": a.config, "dtype": str(dtype).removeprefix("torch."), "weights": "dummy",
                "target_bytes": t_bytes, "drafter_bytes_with_lm_head": d_bytes, "drafter_over_target_bytes": d_bytes / t_bytes,
                "context": a.context, "kernels": kernel_times(model, drafter, a.context, a.reps, a.device)}
-    if a.schedule:
-        rec = json.load(open(a.schedule))
+    payload["replay"] = []
+    for path in a.schedule.split(",") if a.schedule else []:
+        rec = json.load(open(path))
         schedule = [r["acceptance_lengths"] for r in rec.get("per_prompt") or rec["heldout"]]
-        payload["replay"] = {"schedule_source": a.schedule, "schedule_tau": rec.get("tau_mean"),
-                             "rows": replay(model, drafter, schedule, [int(x) for x in a.prompt_lens.split(",")],
-                                             [int(x) for x in a.new_tokens.split(",")], a.replay_reps, a.device)}
+        print(f"replaying {path} (tau {rec.get('tau_mean')}):", flush=True)
+        payload["replay"].append({
+            "schedule_file": path, "schedule_source": rec.get("source"), "schedule_tau": rec.get("tau_mean"),
+            "rows": replay(model, drafter, schedule, [int(x) for x in a.prompt_lens.split(",")],
+                           [int(x) for x in a.new_tokens.split(",")], a.replay_reps, a.device)})
     payload["command"] = (f"python -m flashpd.bench.dflash_step --config {a.config} --context {a.context} --reps {a.reps}"
                           f" --prompt-lens {a.prompt_lens} --new-tokens {a.new_tokens}"
                           + (f" --schedule {a.schedule}" if a.schedule else "") + f" --out {a.out}")

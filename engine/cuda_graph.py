@@ -15,14 +15,11 @@ Outputs = object  # whatever the function returns: tensors, or tuples / lists of
 
 
 def pack_host(arrays: Sequence[np.ndarray], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Move several int64 host arrays in ONE (pinned, async) copy.
+    """Move several int64 host arrays in ONE copy (pageable: pinning a fresh buffer per call costs more).
 
     Returns the flat device tensor and views of it shaped like each array."""
     flat = np.concatenate([a.reshape(-1) for a in arrays])
-    host = torch.from_numpy(flat)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
+    dev = torch.from_numpy(flat).to(device)
     out, off = [], 0
     for a in arrays:
         out.append(dev[off:off + a.size].view(a.shape))

@@ -135,6 +135,7 @@ def main() -> None:
                "target_bytes": t_bytes, "drafter_bytes_with_lm_head": d_bytes, "drafter_over_target_bytes": d_bytes / t_bytes,
                "context": a.context, "kernels": kernel_times(model, drafter, a.context, a.reps, a.device)}
     payload["replay"] = []
+    write_json(a.out, payload)  # partial results survive a later timeout
     for path in a.schedule.split(",") if a.schedule else []:
         rec = json.load(open(path))
         schedule = [r["acceptance_lengths"] for r in rec.get("per_prompt") or rec["heldout"]]
@@ -143,6 +144,7 @@ def main() -> None:
             "schedule_file": path, "schedule_source": rec.get("source"), "schedule_tau": rec.get("tau_mean"),
             "rows": replay(model, drafter, schedule, [int(x) for x in a.prompt_lens.split(",")],
                            [int(x) for x in a.new_tokens.split(",")], a.replay_reps, a.device)})
+        write_json(a.out, payload)
     payload["command"] = (f"python -m flashpd.bench.dflash_step --config {a.config} --context {a.context} --reps {a.reps}"
                           f" --prompt-lens {a.prompt_lens} --new-tokens {a.new_tokens}"
                           + (f" --schedule {a.schedule}" if a.schedule else "") + f" --out {a.out}")

@@ -27,7 +27,7 @@ class DraftRunner:
         # Same block geometry as the target cache: the sequence's block table indexes both.
         self.cache = PagedKVCache(c.num_hidden_layers, runner.cache.num_blocks, runner.block_size,
                                   c.num_key_value_heads, c.head_dim, runner.dtype, runner.device)
-        compiled = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if runner.compile else (lambda f: f)
+        compiled = (lambda f: torch.compile(f, fullgraph=True)) if runner.compile else (lambda f: f)
         self.layer_fn, self.kv_fn = compiled(draft_layer), compiled(context_kv_all)
         self._graph = GraphedFn(self._step) if runner.cuda_graphs else None
 

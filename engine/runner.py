@@ -46,7 +46,7 @@ class ModelRunner:
         self.graph_fns = EAGER
         if self.compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.graph_fns = tuple(torch.compile(f, dynamic=False, fullgraph=True) for f in EAGER)
+            self.graph_fns = tuple(torch.compile(f, fullgraph=True) for f in EAGER)
         self._graph = GraphedFn(self._graphed)
 
     # ---- batch construction -------------------------------------------------------------

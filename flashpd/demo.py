@@ -1,60 +1,65 @@
-"""`flashpd demo`: generation on a small model built locally, with no arguments and no network.
+"""`flashpd demo`: the shipped demo pair, native vs DFlash, on held-out prompts. No arguments, no network.
 
-Until the trained demo pair ships, this is a tiny RANDOM target (seeded, lm_head sharpened):
-its text is meaningless token ids; the demo shows the engine end to end and its timings.
+The pair (flashpd/assets/demo_pair) is a small Qwen3-architecture target trained from scratch on
+standard-library Python with its own BPE tokenizer, and a 2-layer DFlash drafter trained for it
+(`flashpd make-demo-pair`). Prompts come from stdlib files that neither model trained on.
 """
 from __future__ import annotations
 
-import os
+import json
 import time
 from pathlib import Path
 
 import torch
 
-from flashpd.engine.config import Qwen3Config
-from flashpd.engine.export import save_target
-from flashpd.engine.loader import dummy_target
 from flashpd.engine.sampling import SamplingParams
 
-TINY = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=128,
-            intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False)
+PAIR = Path(__file__).parent / "assets" / "demo_pair"
 
 
-def demo_dir() -> Path:
-    return Path(os.environ.get("FLASHPD_CACHE", Path.home() / ".cache" / "flashpd")) / "demo-tiny-random"
+def heldout_prompts(encode, n: int = 3, tokens: int = 200) -> list[list[int]]:
+    from flashpd.engine.text_data import read_texts, split_files, stdlib_files  # noqa: PLC0415
 
-
-def ensure_tiny_model() -> Path:
-    """Write the seeded tiny random target once (idempotent)."""
-    out = demo_dir()
-    if (out / "model.safetensors").exists():
-        return out
-    model = dummy_target(Qwen3Config.from_dict(TINY), "cpu", torch.float32, seed=1234)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # sharpen: random logits are otherwise near-ties
-    tmp = out.with_suffix(".tmp")
-    save_target(model, tmp)
-    tmp.rename(out)
+    _, held = split_files(stdlib_files())
+    out = []
+    for text in read_texts(held):
+        ids = encode(text)
+        if len(ids) >= tokens:
+            out.append(ids[:tokens])
+        if len(out) == n:
+            break
     return out
+
+
+def _timed(llm, prompts, params):
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3, outs
 
 
 def run_demo(device: str | None = None) -> int:
     from flashpd.llm import LLM  # noqa: PLC0415
 
-    path = ensure_tiny_model()
-    print("flashpd demo: a tiny RANDOM Qwen3-architecture model (4 layers, 128 wide), built locally;")
-    print("its outputs are meaningless token ids. The trained demo pair (target + DFlash drafter) replaces it.")
-    llm = LLM(target=path, device=device)
-    prompts = [[1, 2, 3, 4, 5], list(range(10, 74)), [7] * 300]
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
-    llm.generate(prompts[:1], params)  # warm-up
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    dt = time.perf_counter() - t
-    for p, o in zip(prompts, outs):
-        print(f"prompt {len(p):4d} tokens -> {o.token_ids[:16]}... ({len(o.token_ids)} tokens, "
-              f"ttft {o.stats.ttft_ms:.1f} ms)")
-    n = sum(len(o.token_ids) for o in outs)
-    print(f"native, batch {len(prompts)}, device {llm.device}: {n} tokens in {dt * 1e3:.0f} ms")
+    native = LLM(target=PAIR / "target", device=device)
+    spec = LLM(target=PAIR / "target", draft=PAIR / "drafter", device=device)
+    report = json.loads((PAIR / "eval.json").read_text())
+    print(f"flashpd demo: the small demo pair ({native.model.cfg.num_hidden_layers}-layer target, "
+          f"{spec.drafter.cfg.num_hidden_layers}-layer DFlash drafter, block {spec.block_size}), trained on "
+          f"standard-library Python; device {native.device}, {str(native.dtype).removeprefix('torch.')}.")
+    print(f"Its recorded held-out tau is {report['tau_mean']:.2f}: a weak drafter, so expect little or no speedup yet.")
+    prompts = heldout_prompts(native.encode)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for p in prompts:
+        _timed(native, [p], params), _timed(spec, [p], params)  # warm-up
+        t_nat, (n_out,) = _timed(native, [p], params)
+        t_spec, (s_out,) = _timed(spec, [p], params)
+        print("-" * 72)
+        print(f"prompt ({len(p)} tokens, held-out) ends: ...{native.tokenizer.decode(p)[-120:]!r}")
+        print(f"continuation: {s_out.text[:240]!r}")
+        print(f"native {t_nat:6.1f} ms | DFlash {t_spec:6.1f} ms | speedup x{t_nat / t_spec:.2f} | "
+              f"tau {s_out.stats.tau:.2f} | identical to native: {s_out.token_ids == n_out.token_ids}")
     return 0

@@ -1,0 +1,158 @@
+"""Drafter training, the demo-pair recipe pieces, exports, and the shipped demo pair (float32, CPU)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.export import save_drafter, save_target
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.train_drafter import (DrafterTrainConfig, block_logits, evaluate_tau, regenerate,
+                                          train_drafter)
+
+DEMO = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
+
+
+@pytest.fixture(scope="module")
+def tiny_target(make_checkpoint):
+    _, d = make_checkpoint(layers=4, kv_heads=2, head_dim=16, seed=21)
+    return d, load_target(d)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory):
+    d, target = tiny_target
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 250, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (24,), generator=g)]
+    data = regenerate(target, prompts, 32, log=lambda m: None)
+    out = tmp_path_factory.mktemp("drafter")
+    logs: list[str] = []
+    tc = DrafterTrainConfig(layers=1, block_size=8, num_taps=2, steps=40, seqs_per_step=4, anchors=16, lr=3e-3,
+                            save_every=20)
+    drafter = train_drafter(target, data, [len(p) for p in prompts], out, tc, log=logs.append)
+    return target, drafter, out, prompts, data, logs
+
+
+def _losses(logs: list[str]) -> list[float]:
+    return [float(m.split(" loss ")[1].split()[0]) for m in logs if " loss " in m]
+
+
+def test_drafter_training_loss_falls_and_checkpoint_loads(trained):
+    target, drafter, out, prompts, _, logs = trained
+    losses = _losses(logs)
+    assert len(losses) >= 2 and losses[-1] < 0.7 * losses[0], losses
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
+    assert cfg["dflash_config"]["target_layer_ids"] == list(drafter.cfg.target_layer_ids)
+    loaded = load_drafter(out, target)
+    for (name, a), (_, b) in zip(drafter.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(a, b), name
+    rows = evaluate_tau(target, loaded, prompts[:4], max_tokens=24)
+    assert len(rows) == 4 and all(r["exact"] and r["tau"] >= 1 for r in rows)
+
+
+def test_training_forward_is_the_inference_draft_pass(trained):
+    """The masked many-block training pass computes exactly what a draft pass computes at that length."""
+    target, drafter, _, _, data, _ = trained
+    seq = data[0]
+    a = len(seq) - 10
+    with torch.no_grad():
+        train_logits = block_logits(drafter, target, torch.tensor([seq]), torch.tensor([[a - 3, a]]))[0, 1]
+    runner = ModelRunner(target, 64, 16, taps=tuple(drafter.cfg.target_layer_ids))
+    gen = DFlashGenerator(runner, drafter, (), 8)
+    s = gen.new_sequences([seq[:a]], [SamplingParams(max_tokens=4, ignore_eos=True)])[0]
+    runner.allocator.ensure(s.table, a + 8)
+    feats = gen.prefill([s], taps=True)
+    gen.drafts.write_prompt([s], feats)
+    s.output = [seq[a]]  # the committed last token of a draft at length a
+    infer_logits = gen.drafts.draft([s], [8])[0]
+    torch.testing.assert_close(train_logits, infer_logits, rtol=0, atol=1e-4)
+
+
+def test_resume_continues_from_the_saved_step(trained, tmp_path):
+    target, _, out, prompts, data, _ = trained
+    state = torch.load(out / "trainer_state.pt")
+    assert state["step"] == 40
+    logs: list[str] = []
+    tc = DrafterTrainConfig(layers=1, block_size=8, num_taps=2, steps=45, seqs_per_step=4, anchors=16, lr=3e-3)
+    train_drafter(target, data, [len(p) for p in prompts], out, tc, resume=True, log=logs.append)
+    assert logs[0] == "resuming from step 40" and torch.load(out / "trainer_state.pt")["step"] == 45
+
+
+def test_exports_load_in_transformers_and_the_reference_drafter(trained, tmp_path):
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3ForCausalLM
+    target, drafter, _, prompts, _, _ = trained
+    tdir, ddir = save_target(target, tmp_path / "t"), save_drafter(drafter, tmp_path / "d")
+    hf = Qwen3ForCausalLM.from_pretrained(tdir).eval()
+    x = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        ours, _ = target.causal_forward(x)
+        torch.testing.assert_close(target.logits(ours), hf(x).logits, rtol=0, atol=1e-4)
+    ref = DFlashDraftModel.from_pretrained(ddir)
+    assert ref.target_layer_ids == list(drafter.cfg.target_layer_ids) and ref.block_size == 8
+    torch.testing.assert_close(ref.fc.weight, drafter.fc)
+
+
+def test_train_drafter_cli(tiny_target, tmp_path):
+    d, _ = tiny_target
+    out = tmp_path / "cli-drafter"
+    r = subprocess.run([sys.executable, "-m", "flashpd.cli", "train-drafter", "--target", str(d), "--out", str(out),
+                        "--steps", "4", "--num-prompts", "6", "--new-tokens", "12", "--prompt-len", "6,20",
+                        "--anchors", "8", "--seqs-per-step", "2", "--eval-prompts", "2", "--layers", "1",
+                        "--taps", "2", "--block-size", "4", "--device", "cpu"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    ev = json.loads((out / "eval.json").read_text())
+    assert len(ev["heldout"]) == 2 and all(row["exact"] for row in ev["heldout"])
+    assert "drafter step 3 loss" in r.stdout
+
+
+def test_text_split_is_three_disjoint_parts_and_tokenizer_round_trips():
+    from flashpd.engine.text_data import SPECIAL_TOKENS, read_texts, split_files, split_three, stdlib_files, \
+        train_tokenizer
+    files = stdlib_files()
+    a, b, c = split_three(files)
+    assert set(a).isdisjoint(b) and set(a).isdisjoint(c) and set(b).isdisjoint(c)
+    assert sorted(a + b + c) == sorted(files) and c == split_files(files)[1] and b and c
+    texts = read_texts(a[:20])
+    tok = train_tokenizer(texts, 600)
+    assert tok.token_to_id(SPECIAL_TOKENS[1]) is not None
+    assert tok.decode(tok.encode(texts[0][:500]).ids) == texts[0][:500]
+
+
+def test_target_training_reduces_loss():
+    from flashpd.engine.config import Qwen3Config
+    from flashpd.engine.train_target import train_target
+    cfg = Qwen3Config.from_dict({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
+    stream = torch.arange(2000) % 17  # a learnable periodic stream
+    logs: list[str] = []
+    train_target(cfg, stream, steps=60, batch=4, seq_len=32, lr=1e-2, device="cpu", log=logs.append)
+    losses = _losses(logs)
+    assert losses[-1] < 0.3 * losses[0], losses
+
+
+def test_shipped_demo_pair_is_exact_on_heldout_prompts():
+    """The README's demo pair: DFlash equals native greedy in float32 on held-out text."""
+    from flashpd.demo import heldout_prompts
+    from flashpd.llm import LLM
+    spec = LLM(target=DEMO / "target", draft=DEMO / "drafter", device="cpu", dtype="float32")
+    assert spec.tokenizer is not None and spec.block_size == 16
+    prompts = heldout_prompts(spec.encode, n=2, tokens=120)
+    assert len(prompts) == 2
+    native = NativeGenerator(spec.runner, spec.stop_ids)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 2
+    for s, n in zip(spec.generator.generate(prompts, params), native.generate(prompts, params)):
+        assert s.output == n.output and s.stats.tau >= 1.0
+    weights = sum(f.stat().st_size for f in DEMO.rglob("*.safetensors"))
+    assert weights <= 16e6 and len(list(DEMO.rglob("*.safetensors"))) == 2

@@ -1,0 +1,85 @@
+"""One cache entry: a chunk of positions with BOTH halves of the method's state.
+
+target_kv [target_layers, 2, T, kv_heads, head_dim] and, for DFlash, draft_kv [draft_layers, 2, T,
+kv_heads, head_dim] (the drafter's context K/V for the same positions, moved as is: bit-exact,
+no recompute). They are serialized, checksummed, stored, moved and evicted as one unit.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+_MAGIC = b"FPKV"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CorruptChunk(ValueError):
+    """Bytes that are not a valid chunk (bad magic, short, checksum mismatch): never used."""
+
+
+@dataclass
+class KVChunk:
+    key: str
+    parent: str  # the previous chunk's key ("" for the first chunk)
+    fingerprint: str
+    token_ids: list[int]
+    target_kv: torch.Tensor
+    draft_kv: torch.Tensor | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def nbytes(self) -> int:
+        n = self.target_kv.numel() * self.target_kv.element_size()
+        return n + (self.draft_kv.numel() * self.draft_kv.element_size() if self.draft_kv is not None else 0)
+
+    def to_bytes(self) -> bytes:
+        """Layout: magic, u32 header length, JSON header, target bytes, draft bytes, 32-byte blake2b."""
+        tk = self.target_kv.detach().contiguous().cpu()
+        dk = self.draft_kv.detach().contiguous().cpu() if self.draft_kv is not None else None
+        header = {"key": self.key, "parent": self.parent, "fingerprint": self.fingerprint,
+                  "token_ids": self.token_ids, "dtype": str(tk.dtype).removeprefix("torch."),
+                  "target_shape": list(tk.shape), "draft_shape": list(dk.shape) if dk is not None else None}
+        hb = json.dumps(header).encode()
+        body = _MAGIC + struct.pack("<I", len(hb)) + hb + _raw(tk) + (_raw(dk) if dk is not None else b"")
+        return body + hashlib.blake2b(body, digest_size=32).digest()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> "KVChunk":
+        data = memoryview(data)
+        if len(data) < 40 or bytes(data[:4]) != _MAGIC:
+            raise CorruptChunk("not a flashpd KV chunk (bad magic or too short)")
+        body, digest = data[:-32], bytes(data[-32:])
+        if hashlib.blake2b(body, digest_size=32).digest() != digest:
+            raise CorruptChunk("chunk checksum mismatch")
+        (hl,) = struct.unpack("<I", body[4:8])
+        h = json.loads(bytes(body[8:8 + hl]))
+        dtype = _DTYPES[h["dtype"]]
+        off = 8 + hl
+        tk, off = _tensor(body, off, h["target_shape"], dtype)
+        dk = None
+        if h["draft_shape"] is not None:
+            dk, off = _tensor(body, off, h["draft_shape"], dtype)
+        if off != len(body):
+            raise CorruptChunk("chunk length does not match its header")
+        return cls(h["key"], h["parent"], h["fingerprint"], h["token_ids"], tk, dk)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _tensor(body: memoryview, off: int, shape: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    n = 1
+    for s in shape:
+        n *= s
+    nb = n * torch.empty((), dtype=dtype).element_size()
+    if off + nb > len(body):
+        raise CorruptChunk("chunk is truncated")
+    t = torch.frombuffer(bytearray(body[off:off + nb]), dtype=torch.uint8).view(dtype).view(shape)
+    return t, off + nb

@@ -54,8 +54,9 @@ class NativeGenerator:
     def prefill(self, seqs: list[Sequence], taps: bool = False) -> list[torch.Tensor]:
         """Prefill prompts in padded groups under a token budget; sample each first token.
 
-        Returns, when `taps` is set, the tapped hidden states of every prompt position as
-        one [len(prompt), n_taps * H] tensor per sequence (what the drafter conditions on).
+        Returns, when `taps` is set, the tapped hidden states of every prompt position not already
+        cached, one [len(prompt) - cached, n_taps * H] tensor per sequence (what the drafter
+        conditions on).
         """
         alloc = self.runner.allocator
         features: list[torch.Tensor] = []
@@ -67,9 +68,12 @@ class NativeGenerator:
                    <= self.prefill_token_budget):
                 group.append(seqs[i + len(group)])
             i += len(group)
+            cached = [s.table.num_tokens for s in group]
             for s in group:
                 alloc.ensure(s.table, len(s.prompt))
-            out = self.runner.forward([s.table for s in group], [s.prompt for s in group], "last", taps)
+            # a prefix-cache hit already holds positions [0, num_tokens): compute only the rest
+            out = self.runner.forward([s.table for s in group], [s.prompt[s.table.num_tokens:] for s in group],
+                                      "last", taps)
             firsts = sample_rows(out.logits[:, -1], group)
             _sync(self.runner.device)
             now = time.perf_counter()
@@ -77,7 +81,7 @@ class NativeGenerator:
                 s.stats.ttft_ms = (now - s.t_start) * 1e3
                 s.commit([tok])
                 if taps:
-                    n = len(s.prompt)
+                    n = len(s.prompt) - cached[j]
                     features.append(torch.cat([x[j, :n] for x in out.taps], dim=-1))
         return features
 
@@ -90,7 +94,9 @@ class NativeGenerator:
         for s, tok in zip(seqs, sample_rows(out.logits[:, -1], seqs)):
             s.commit([tok])
 
-    def finish(self, s: Sequence) -> None:
+    def finish(self, s: Sequence, prefix_cache=None) -> None:
+        if prefix_cache is not None:
+            prefix_cache.publish(self, s)
         self.runner.allocator.free(s.table)
         _sync(self.runner.device)
         s.stats.latency_ms = (time.perf_counter() - s.t_start) * 1e3
@@ -103,18 +109,27 @@ class NativeGenerator:
             raise OutOfBlocks(f"{len(seqs)} requests need up to {need} KV blocks; "
                               f"{self.runner.allocator.num_free} are free")
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+    def restore_prefixes(self, seqs: list[Sequence], prefix_cache) -> None:
+        """Reserve each prompt's blocks and import its cached prefix (both halves) where there is one."""
+        if prefix_cache is None:
+            return
+        for s in seqs:
+            self.runner.allocator.ensure(s.table, len(s.prompt))
+            prefix_cache.restore(self, s)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], prefix_cache=None) -> list[Sequence]:
         seqs = self.new_sequences(prompts, params)
         self.reserve(seqs)
+        self.restore_prefixes(seqs, prefix_cache)
         self.prefill(seqs)
         running = [s for s in seqs if not s.done]
         for s in seqs:
             if s.done:
-                self.finish(s)
+                self.finish(s, prefix_cache)
         while running:
             self.decode_step(running)
             for s in running:
                 if s.done:
-                    self.finish(s)
+                    self.finish(s, prefix_cache)
             running = [s for s in running if not s.done]
         return seqs

@@ -136,25 +136,26 @@ class DFlashGenerator(NativeGenerator):
 
     # ---- whole requests --------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 block_sizes: list[int | None] | None = None) -> list[Sequence]:
+                 block_sizes: list[int | None] | None = None, prefix_cache=None) -> list[Sequence]:
         if block_sizes is not None and len(block_sizes) != len(prompts):
             raise ValueError(f"{len(block_sizes)} block sizes for {len(prompts)} prompts")
         seqs = self.new_sequences(prompts, params)
         for s, w in zip(seqs, block_sizes or [None] * len(seqs)):
             s.block_size = self._check_block(w) if w is not None else self.block_size
         self.reserve(seqs)
+        self.restore_prefixes(seqs, prefix_cache)
         feats = self.prefill(seqs, taps=True)
         live = [s for s in seqs if not s.done]
         if live:
             self.drafts.write_prompt(live, [f for s, f in zip(seqs, feats) if not s.done])
         for s in seqs:
             if s.done:
-                self.finish(s)
+                self.finish(s, prefix_cache)
         running = live
         while running:
             self.spec_step(running)
             for s in running:
                 if s.done:
-                    self.finish(s)
+                    self.finish(s, prefix_cache)
             running = [s for s in running if not s.done]
         return seqs

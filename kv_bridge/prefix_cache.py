@@ -1,0 +1,100 @@
+"""Decode-side, method-aware prefix cache: a hit restores BOTH the target KV and the drafter state.
+
+restore(): the longest run of leading prompt chunks present in the store is imported into the
+sequence's blocks (target K/V and draft context K/V, one unit), so prefill computes only the
+rest. At least one prompt token is always recomputed: its logits give the first token.
+publish(): a prompt's full chunks, both halves, go to the store when the request finishes.
+restore_draft=False is the "target-only" CONTROL that reproduces what generic connectors do
+(draft state not restored): outputs stay exact, acceptance collapses. Never use it to serve.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from flashpd.engine.kv_transfer import position_slots, read_positions, write_positions
+from flashpd.engine.sequence import Sequence
+from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.keys import chunk_keys
+
+
+class Store(Protocol):
+    def put(self, chunk: KVChunk) -> bool: ...
+    def get(self, key: str) -> KVChunk | None: ...
+    def lookup(self, keys: list[str]) -> int: ...
+
+
+@dataclass
+class PrefixCacheStats:
+    requests: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    published_chunks: int = 0
+    refused_chunks: int = 0  # present in the store but unusable (token mismatch, wrong shape): recomputed
+    per_request_hits: list[int] = field(default_factory=list)
+
+
+class PrefixCache:
+    def __init__(self, store: Store, fingerprint: str, chunk_tokens: int = 256, restore_draft: bool = True) -> None:
+        if chunk_tokens <= 0:
+            raise ValueError("chunk_tokens must be positive")
+        self.store = store
+        self.fingerprint = fingerprint
+        self.chunk_tokens = chunk_tokens
+        self.restore_draft = restore_draft
+        self.stats = PrefixCacheStats()
+
+    def _keys(self, tokens: list[int]) -> list[str]:
+        return chunk_keys(tokens, self.chunk_tokens, self.fingerprint)
+
+    def restore(self, gen, seq: Sequence) -> int:
+        """Import the cached prefix of seq.prompt into its (already reserved) blocks; returns its length."""
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(seq.prompt)
+        keys = self._keys(seq.prompt[:len(seq.prompt) - 1])
+        n = self.store.lookup(keys) if keys else 0
+        runner, drafts = gen.runner, getattr(gen, "drafts", None)
+        hit = 0
+        for i in range(n):
+            chunk = self.store.get(keys[i])
+            lo = i * self.chunk_tokens
+            hi = lo + self.chunk_tokens
+            if chunk is None:  # evicted between lookup and get: the rest is recomputed
+                break
+            if chunk.token_ids != seq.prompt[lo:hi] or chunk.fingerprint != self.fingerprint or \
+                    (drafts is not None and chunk.draft_kv is None):
+                self.stats.refused_chunks += 1
+                break
+            slots = position_slots(seq.table, lo, hi, runner.block_size, runner.device)
+            try:
+                write_positions(runner.cache.data, slots, chunk.target_kv)
+                if drafts is not None and self.restore_draft:
+                    write_positions(drafts.cache.data, slots, chunk.draft_kv)
+            except ValueError:
+                self.stats.refused_chunks += 1
+                break
+            hit = hi
+        seq.table.num_tokens = hit
+        seq.draft_len = hit  # with restore_draft=False these positions hold NO valid draft state (the control)
+        self.stats.hit_tokens += hit
+        self.stats.per_request_hits.append(hit)
+        return hit
+
+    def publish(self, gen, seq: Sequence) -> int:
+        """Store the prompt's full chunks (both halves) not yet in the store; returns how many were put."""
+        keys = self._keys(seq.prompt)
+        runner, drafts = gen.runner, getattr(gen, "drafts", None)
+        have = self.store.lookup(keys) if keys else 0
+        put = 0
+        parent = keys[have - 1] if have else ""
+        for i in range(have, len(keys)):
+            lo, hi = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
+            if seq.table.num_tokens < hi or (drafts is not None and seq.draft_len < hi):
+                break
+            slots = position_slots(seq.table, lo, hi, runner.block_size, runner.device)
+            chunk = KVChunk(keys[i], parent, self.fingerprint, seq.prompt[lo:hi], read_positions(runner.cache.data, slots).cpu(),
+                            read_positions(drafts.cache.data, slots).cpu() if drafts is not None else None)
+            put += bool(self.store.put(chunk))
+            parent = keys[i]
+        self.stats.published_chunks += put
+        return put

@@ -1,0 +1,133 @@
+"""Method-aware prefix cache: a hit restores target KV AND drafter state, so tokens and per-step
+acceptance lengths equal a cold colocated run (float32, CPU, the trained fixture pair)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys, weights_identity
+from flashpd.kv_bridge.prefix_cache import PrefixCache
+
+from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+
+CHUNK = 64
+
+
+class DictStore:
+    """The smallest store with the protocol's semantics (the tiered stores are tested on their own)."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, KVChunk] = {}
+
+    def put(self, c: KVChunk) -> bool:
+        return self.d.setdefault(c.key, c) is c
+
+    def get(self, k: str) -> KVChunk | None:
+        return self.d.get(k)
+
+    def lookup(self, keys: list[str]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.d:
+            n += 1
+        return n
+
+
+@pytest.fixture(scope="module")
+def setup(dflash_pair):  # noqa: F811
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    fp = MethodFingerprint(weights_identity(dflash_pair.target_dir), weights_identity(dflash_pair.draft_dir),
+                           tuple(drafter.cfg.target_layer_ids), "float32").digest()
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 126, (int(n),), generator=g).tolist() for n in torch.randint(300, 460, (20,), generator=g)]
+    return target, drafter, fp, prompts
+
+
+def spec_gen(target, drafter) -> DFlashGenerator:
+    return DFlashGenerator(ModelRunner(target, 2048, 16, taps=tuple(drafter.cfg.target_layer_ids)), drafter, (), 16)
+
+
+PARAMS = [SamplingParams(max_tokens=40, ignore_eos=True)]
+
+
+def test_hit_gives_same_tokens_and_acceptance_as_cold(setup):
+    target, drafter, fp, prompts = setup
+    store = DictStore()
+    cold = spec_gen(target, drafter).generate(prompts, PARAMS * len(prompts), prefix_cache=PrefixCache(store, fp, CHUNK))
+    assert len(store.d) == sum(len(p) // CHUNK for p in prompts)
+    assert all(c.draft_kv is not None for c in store.d.values())  # both halves, always
+    pc = PrefixCache(store, fp, CHUNK)
+    hit = spec_gen(target, drafter).generate(prompts, PARAMS * len(prompts), prefix_cache=pc)
+    assert pc.stats.per_request_hits == [((len(p) - 1) // CHUNK) * CHUNK for p in prompts]
+    assert min(pc.stats.per_request_hits) >= 256
+    for a, b in zip(cold, hit):
+        assert a.output == b.output
+        assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
+    assert max(max(a.stats.acceptance_lengths) for a in cold) > 1  # the drafter accepts: parity means something
+
+
+def test_hit_in_the_same_worker_reuses_freed_blocks(setup):
+    target, drafter, fp, prompts = setup
+    gen, store = spec_gen(target, drafter), DictStore()
+    cold = gen.generate(prompts[:8], PARAMS * 8, prefix_cache=PrefixCache(store, fp, CHUNK))
+    free = gen.runner.allocator.num_free
+    hit = gen.generate(prompts[:8], PARAMS * 8, prefix_cache=PrefixCache(store, fp, CHUNK))
+    assert gen.runner.allocator.num_free == free
+    assert [s.output for s in cold] == [s.output for s in hit]
+    assert [s.stats.acceptance_lengths for s in cold] == [s.stats.acceptance_lengths for s in hit]
+
+
+def test_other_fingerprint_is_a_miss_never_a_hit(setup):
+    target, drafter, fp, prompts = setup
+    store = DictStore()
+    spec_gen(target, drafter).generate(prompts[:3], PARAMS * 3, prefix_cache=PrefixCache(store, fp, CHUNK))
+    other = MethodFingerprint("other-target", "d", tuple(drafter.cfg.target_layer_ids), "float32").digest()
+    pc = PrefixCache(store, other, CHUNK)
+    spec_gen(target, drafter).generate(prompts[:3], PARAMS * 3, prefix_cache=pc)
+    assert pc.stats.hit_tokens == 0
+    assert chunk_keys(prompts[0], CHUNK, fp)[0] != chunk_keys(prompts[0], CHUNK, other)[0]
+
+
+def test_a_chunk_whose_tokens_disagree_is_refused_and_recomputed(setup):
+    target, drafter, fp, prompts = setup
+    store = DictStore()
+    cold = spec_gen(target, drafter).generate(prompts[:2], PARAMS * 2, prefix_cache=PrefixCache(store, fp, CHUNK))
+    key = chunk_keys(prompts[0], CHUNK, fp)[1]
+    bad = store.d[key]
+    store.d[key] = KVChunk(bad.key, bad.parent, bad.fingerprint, [t + 1 for t in bad.token_ids], bad.target_kv,
+                           bad.draft_kv)
+    pc = PrefixCache(store, fp, CHUNK)
+    again = spec_gen(target, drafter).generate(prompts[:2], PARAMS * 2, prefix_cache=pc)
+    assert pc.stats.refused_chunks == 1 and pc.stats.per_request_hits[0] == CHUNK
+    assert [s.output for s in again] == [s.output for s in cold]
+    assert [s.stats.acceptance_lengths for s in again] == [s.stats.acceptance_lengths for s in cold]
+
+
+def test_native_prefix_cache_stores_target_kv_only_and_is_exact(setup):
+    target, _, _, prompts = setup
+    fp = MethodFingerprint("t", "none", (), "float32").digest()
+    store = DictStore()
+    gen = NativeGenerator(ModelRunner(target, 2048, 16))
+    cold = gen.generate(prompts[:4], PARAMS * 4, prefix_cache=PrefixCache(store, fp, CHUNK))
+    assert all(c.draft_kv is None for c in store.d.values())
+    pc = PrefixCache(store, fp, CHUNK)
+    hit = gen.generate(prompts[:4], PARAMS * 4, prefix_cache=pc)
+    assert pc.stats.hit_tokens > 0 and [s.output for s in hit] == [s.output for s in cold]
+
+
+def test_target_only_control_keeps_tokens_exact(setup):
+    """The control restores target KV only: the output stays exact (every token is the target's)."""
+    target, drafter, fp, prompts = setup
+    store = DictStore()
+    cold = spec_gen(target, drafter).generate(prompts[:6], PARAMS * 6, prefix_cache=PrefixCache(store, fp, CHUNK))
+    pc = PrefixCache(store, fp, CHUNK, restore_draft=False)
+    ctl = spec_gen(target, drafter).generate(prompts[:6], PARAMS * 6, prefix_cache=pc)
+    assert pc.stats.hit_tokens > 0
+    assert [s.output for s in ctl] == [s.output for s in cold]

@@ -14,8 +14,24 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing file, wrong architecture, shape mismatch."""
 
 
+class HeadGeometry:
+    """q/kv projection widths, shared by the target's and the drafter's configs."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
 @dataclass(frozen=True)
-class Qwen3Config:
+class Qwen3Config(HeadGeometry):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,14 +45,6 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "Qwen3Config":

@@ -20,7 +20,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from flashpd.engine.attention import gather_kv, group_mask, grouped_sdpa, write_kv
-from flashpd.engine.config import CheckpointError, rope_theta_of
+from flashpd.engine.config import CheckpointError, HeadGeometry, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm
 from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, mlp_residual
@@ -38,7 +38,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
+class DFlashConfig(HeadGeometry):
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -55,14 +55,6 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
-
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "drafter config") -> "DFlashConfig":

@@ -122,12 +122,18 @@ class NativeGenerator:
         self.reserve(seqs)
         self.restore_prefixes(seqs, prefix_cache)
         self.prefill(seqs)
-        running = [s for s in seqs if not s.done]
+        return self.drive(seqs, self.decode_step, prefix_cache)
+
+    def drive(self, seqs: list[Sequence], step, prefix_cache=None) -> list[Sequence]:
+        """Run `step` over the unfinished sequences until all are done, finishing each as it ends."""
+        running = []
         for s in seqs:
             if s.done:
                 self.finish(s, prefix_cache)
+            else:
+                running.append(s)
         while running:
-            self.decode_step(running)
+            step(running)
             for s in running:
                 if s.done:
                     self.finish(s, prefix_cache)

@@ -148,14 +148,4 @@ class DFlashGenerator(NativeGenerator):
         live = [s for s in seqs if not s.done]
         if live:
             self.drafts.write_prompt(live, [f for s, f in zip(seqs, feats) if not s.done])
-        for s in seqs:
-            if s.done:
-                self.finish(s, prefix_cache)
-        running = live
-        while running:
-            self.spec_step(running)
-            for s in running:
-                if s.done:
-                    self.finish(s, prefix_cache)
-            running = [s for s in running if not s.done]
-        return seqs
+        return self.drive(seqs, self.spec_step, prefix_cache)

@@ -5,12 +5,15 @@ sequence's blocks (target K/V and draft context K/V, one unit), so prefill compu
 rest. At least one prompt token is always recomputed: its logits give the first token.
 publish(): a prompt's full chunks, both halves, go to the store when the request finishes.
 restore_draft=False is the "target-only" CONTROL that reproduces what generic connectors do
-(draft state not restored): outputs stay exact, acceptance collapses. Never use it to serve.
+(draft state not restored; its slots are zeroed, i.e. state absent): outputs stay exact, and
+whatever acceptance the drafter drew from that context is lost. Never use it to serve.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import torch
 
 from flashpd.engine.kv_transfer import position_slots, read_positions, write_positions
 from flashpd.engine.sequence import Sequence
@@ -68,8 +71,11 @@ class PrefixCache:
             slots = position_slots(seq.table, lo, hi, runner.block_size, runner.device)
             try:
                 write_positions(runner.cache.data, slots, chunk.target_kv)
-                if drafts is not None and self.restore_draft:
-                    write_positions(drafts.cache.data, slots, chunk.draft_kv)
+                if drafts is not None:
+                    # the control zeroes the drafter's slots: "not restored" must not silently read
+                    # stale state that happens to match (freed blocks are reused LIFO)
+                    write_positions(drafts.cache.data, slots, chunk.draft_kv if self.restore_draft
+                                    else torch.zeros_like(chunk.draft_kv))
             except ValueError:
                 self.stats.refused_chunks += 1
                 break

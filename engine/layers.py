@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,14 +54,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class SwiGLU(nn.Module):
-    """Qwen3 MLP with gate and up fused into one matmul (loaders fill both halves)."""
+    """Weights of a Qwen3 MLP, gate and up fused into one matrix (loaders fill both halves);
+    the computation is `qwen3.mlp_residual`, shared with the drafter."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from flashpd.engine.config import CheckpointError
 from flashpd.engine.sampling import SamplingParams
@@ -135,7 +136,6 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     n = a.num_prompts + a.eval_prompts
     if tok is not None:
         from flashpd.engine.text_data import read_texts, stdlib_files  # noqa: PLC0415
-        from pathlib import Path  # noqa: PLC0415
         files = sorted(p for p in Path(a.data).rglob("*") if p.is_file()) if a.data else stdlib_files()
         stream = torch.tensor([t for text in read_texts(files) for t in tok.encode(text)])
         if stream.numel() < hi + 2:
@@ -158,9 +158,8 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     if eval_prompts:
         from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (evaluate what was written)
         rows = evaluate_tau(target, load_drafter(a.out, target), eval_prompts, max_tokens=min(128, a.new_tokens))
-        import json  # noqa: PLC0415
-        from pathlib import Path  # noqa: PLC0415
-        Path(a.out, "eval.json").write_text(json.dumps({"heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows)}, indent=1))
+        report = {"heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows)}
+        Path(a.out, "eval.json").write_text(json.dumps(report, indent=1))
         for r in rows:
             print(f"held-out prompt {r['prompt_len']:5d} tokens: tau {r['tau']:.2f} exact {r['exact']}")
     print(f"drafter written to {a.out}")

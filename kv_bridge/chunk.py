@@ -46,8 +46,11 @@ class KVChunk:
                   "token_ids": self.token_ids, "dtype": str(tk.dtype).removeprefix("torch."),
                   "target_shape": list(tk.shape), "draft_shape": list(dk.shape) if dk is not None else None}
         hb = json.dumps(header).encode()
-        body = _MAGIC + struct.pack("<I", len(hb)) + hb + _raw(tk) + (_raw(dk) if dk is not None else b"")
-        return body + hashlib.blake2b(body, digest_size=32).digest()
+        parts = [_MAGIC, struct.pack("<I", len(hb)), hb, _raw(tk)] + ([_raw(dk)] if dk is not None else [])
+        h = hashlib.blake2b(digest_size=32)
+        for part in parts:  # hash the tensors in place, then copy them once
+            h.update(part)
+        return b"".join(parts + [h.digest()])
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> "KVChunk":
@@ -70,8 +73,9 @@ class KVChunk:
         return cls(h["key"], h["parent"], h["fingerprint"], h["token_ids"], tk, dk)
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+def _raw(t: torch.Tensor) -> memoryview | bytes:
+    """The tensor's bytes without copying (t is contiguous and on the CPU)."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else b""
 
 
 def _tensor(body: memoryview, off: int, shape: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, int]:

@@ -131,3 +131,35 @@ def test_target_only_control_keeps_tokens_exact(setup):
     ctl = spec_gen(target, drafter).generate(prompts[:6], PARAMS * 6, prefix_cache=pc)
     assert pc.stats.hit_tokens > 0
     assert [s.output for s in ctl] == [s.output for s in cold]
+
+
+def _cold_and_hit(setup, publish_store, hit_store_factory, n: int = 20):
+    target, drafter, fp, prompts = setup
+    cold = spec_gen(target, drafter).generate(prompts[:n], PARAMS * n, prefix_cache=PrefixCache(publish_store, fp, CHUNK))
+    pc = PrefixCache(hit_store_factory(), fp, CHUNK)
+    hit = spec_gen(target, drafter).generate(prompts[:n], PARAMS * n, prefix_cache=pc)
+    assert pc.stats.per_request_hits == [((len(p) - 1) // CHUNK) * CHUNK for p in prompts[:n]]
+    for a, b in zip(cold, hit):
+        assert a.output == b.output and a.stats.acceptance_lengths == b.stats.acceptance_lengths
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_transfer_through_a_real_grpc_bridge_equals_cold(setup, transport):
+    """Prefill side publishes into the bridge over gRPC (127.0.0.1); the decode side imports from it."""
+    from flashpd.kv_bridge.client import BridgeClient, RemoteStore
+    from flashpd.kv_bridge.server import serve
+    from flashpd.kv_bridge.store import MemoryStore
+    server, port = serve(MemoryStore(1 << 30))
+    try:
+        with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as prefill_side, \
+                BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as decode_side:
+            _cold_and_hit(setup, RemoteStore(prefill_side), lambda: RemoteStore(decode_side, transport=transport))
+            assert decode_side.stats()["store.entries"] == sum(len(p) // CHUNK for p in setup[3][:20])
+    finally:
+        server.stop(grace=None).wait(10)
+
+
+def test_hit_from_the_disk_tier_after_a_restart_equals_cold(setup, tmp_path):
+    from flashpd.kv_bridge.disk import DiskStore
+    # the decode side opens the directory after the prefill side wrote it: a restart's view
+    _cold_and_hit(setup, DiskStore(tmp_path / "kv", 1 << 30), lambda: DiskStore(tmp_path / "kv", 1 << 30))

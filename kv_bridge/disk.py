@@ -1,0 +1,307 @@
+"""Disk tier (one file per chunk) and the memory-over-disk tiered store.
+
+A file appears under its key's name only once it is complete: bytes go to a hidden temp file,
+are fsynced, then hard-linked (or renamed) into place, so a crash mid-write leaves at most a
+temp file that the next start deletes. The index is rebuilt by scanning the directory, so a
+restarted process sees every entry; LRU order is the files' mtime, touched on every hit.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+from flashpd.kv_bridge.store import MemoryStore, PutResult, decode_checked
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a file name, never a path
+_TMP_PREFIX = ".tmp-"
+
+
+def _check_key(key: str) -> None:
+    if not _KEY_RE.match(key):
+        raise ValueError(f"key {key!r} is not a valid file name (letters, digits, _ . -)")
+
+
+class DiskStore:
+    """Persistent LRU store of whole chunk files within a byte budget; thread-safe within a process."""
+
+    def __init__(self, directory: str | Path, byte_budget: int) -> None:
+        if byte_budget <= 0:
+            raise ValueError("byte_budget must be positive")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.byte_budget = byte_budget
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
+        self._bytes = 0
+        self._c = dict(hits=0, misses=0, puts=0, duplicate_puts=0, evictions=0, corrupt_refused=0,
+                       corrupt_dropped=0, oversize_refused=0, write_errors=0, temp_files_removed=0)
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for entry in os.scandir(self.directory):
+            if entry.name.startswith(_TMP_PREFIX):  # an interrupted write: never visible
+                _unlink(entry.path)
+                self._c["temp_files_removed"] += 1
+            elif entry.is_file(follow_symlinks=False) and _KEY_RE.match(entry.name):
+                st = entry.stat(follow_symlinks=False)
+                found.append((st.st_mtime_ns, entry.name, st.st_size))
+        for _, name, size in sorted(found):
+            self._index[name] = size
+            self._bytes += size
+        with self._lock:
+            self._evict_to(0)  # the budget may have shrunk since the last run
+
+    def _path(self, key: str) -> Path:
+        return self.directory / key
+
+    # -- writes ---------------------------------------------------------------------------------
+    def put(self, chunk: KVChunk) -> bool:
+        return self.put_bytes(chunk.key, chunk.to_bytes(), verified=True) is not PutResult.REFUSED
+
+    def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
+        """Write one entry atomically. Raises CorruptChunk (counted) unless the bytes verify."""
+        _check_key(key)
+        if not verified:
+            try:
+                decode_checked(key, data)
+            except CorruptChunk:
+                with self._lock:
+                    self._c["corrupt_refused"] += 1
+                raise
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                self._c["duplicate_puts"] += 1
+                return PutResult.PRESENT
+            if len(data) > self.byte_budget:
+                self._c["oversize_refused"] += 1
+                return PutResult.REFUSED
+        tmp = self.directory / f"{_TMP_PREFIX}{key}-{uuid.uuid4().hex}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                with memoryview(data) as view:
+                    written = 0
+                    while written < len(view):
+                        written += os.write(fd, view[written:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with self._lock:
+                if key in self._index:  # another writer finished first: keep theirs
+                    self._c["duplicate_puts"] += 1
+                    return PutResult.PRESENT
+                self._evict_to(len(data))
+                if not _publish(tmp, self._path(key)):
+                    self._c["duplicate_puts"] += 1  # the file exists (e.g. another process): first wins
+                    size = self._path(key).stat().st_size
+                    self._index[key] = size
+                    self._bytes += size
+                    return PutResult.PRESENT
+                self._index[key] = len(data)
+                self._bytes += len(data)
+                self._c["puts"] += 1
+            _fsync_dir(self.directory)
+            return PutResult.STORED
+        except OSError:
+            with self._lock:
+                self._c["write_errors"] += 1
+            return PutResult.REFUSED
+        finally:
+            _unlink(tmp)
+
+    def _evict_to(self, incoming: int) -> None:
+        """Drop least recently used files until `incoming` more bytes fit (lock held)."""
+        while self._index and self._bytes + incoming > self.byte_budget:
+            key, size = self._index.popitem(last=False)
+            self._bytes -= size
+            _unlink(self._path(key))
+            self._c["evictions"] += 1
+
+    # -- reads ----------------------------------------------------------------------------------
+    def get(self, key: str) -> KVChunk | None:
+        data = self._read(key)
+        if data is None:
+            return None
+        try:
+            chunk = decode_checked(key, data)
+        except CorruptChunk:
+            self._drop_corrupt(key)
+            return None
+        self._touch(key)
+        return chunk
+
+    def get_bytes(self, key: str) -> bytes | None:
+        data = self._read(key)
+        if data is None:
+            return None
+        try:
+            decode_checked(key, data)
+        except CorruptChunk:
+            self._drop_corrupt(key)
+            return None
+        self._touch(key)
+        return data
+
+    def _read(self, key: str) -> bytes | None:
+        with self._lock:
+            known = key in self._index
+        if not known:
+            with self._lock:
+                self._c["misses"] += 1
+            return None
+        try:
+            data = self._path(key).read_bytes()
+        except FileNotFoundError:  # evicted between the index check and the open
+            with self._lock:
+                self._c["misses"] += 1
+            return None
+        return data
+
+    def _touch(self, key: str) -> None:
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+            self._c["hits"] += 1
+        try:
+            os.utime(self._path(key))  # the LRU order a restart rebuilds
+        except FileNotFoundError:
+            pass
+
+    def _drop_corrupt(self, key: str) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._bytes -= size
+                _unlink(self._path(key))
+            self._c["corrupt_dropped"] += 1
+            self._c["misses"] += 1
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def lookup(self, keys: list[str]) -> int:
+        with self._lock:
+            n = 0
+            for k in keys:
+                if k not in self._index:
+                    break
+                n += 1
+            return n
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**self._c, "bytes": self._bytes, "entries": len(self._index), "byte_budget": self.byte_budget}
+
+
+class TieredStore:
+    """Memory over disk: reads try memory then disk (promoting a disk hit), writes go to both."""
+
+    def __init__(self, memory: MemoryStore, disk: DiskStore) -> None:
+        self.memory = memory
+        self.disk = disk
+        self._lock = threading.Lock()
+        self._c = dict(hits_memory=0, hits_disk=0, misses=0, corrupt_refused=0)
+
+    def put(self, chunk: KVChunk) -> bool:
+        return self.put_bytes(chunk.key, chunk.to_bytes(), verified=True) is not PutResult.REFUSED
+
+    def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
+        if not verified:
+            try:
+                decode_checked(key, data)  # once for both tiers
+            except CorruptChunk:
+                self._count("corrupt_refused")
+                raise
+        d = self.disk.put_bytes(key, data, verified=True)
+        m = self.memory.put_bytes(key, data, verified=True)
+        # the disk tier is the record of what exists (first writer wins there); memory only if disk refused
+        return d if d is not PutResult.REFUSED else m
+
+    def get(self, key: str) -> KVChunk | None:
+        chunk = self.memory.get(key)
+        if chunk is not None:
+            self._count("hits_memory")
+            return chunk
+        data = self._from_disk(key)
+        return None if data is None else KVChunk.from_bytes(data)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        data = self.memory.get_bytes(key)
+        if data is not None:
+            self._count("hits_memory")
+            return data
+        return self._from_disk(key)
+
+    def _from_disk(self, key: str) -> bytes | None:
+        data = self.disk.get_bytes(key)
+        if data is None:
+            self._count("misses")
+            return None
+        self.memory.put_bytes(key, data, verified=True)
+        self._count("hits_disk")
+        return data
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._c[name] += 1
+
+    def contains(self, key: str) -> bool:
+        return self.memory.contains(key) or self.disk.contains(key)
+
+    def lookup(self, keys: list[str]) -> int:
+        n = 0
+        for k in keys:
+            if not self.contains(k):
+                break
+            n += 1
+        return n
+
+    def stats(self) -> dict:
+        with self._lock:
+            own = dict(self._c)
+        return {**own, "memory": self.memory.stats(), "disk": self.disk.stats()}
+
+
+def _publish(tmp: Path, final: Path) -> bool:
+    """Make tmp visible as final without ever replacing an existing entry; False if final exists."""
+    try:
+        os.link(tmp, final)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:  # a filesystem without hard links: rename (atomic; same bytes for one key)
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if final.exists():
+            return False
+        os.replace(tmp, final)
+        return True
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str | Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

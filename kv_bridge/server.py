@@ -1,0 +1,305 @@
+"""The KV bridge's gRPC service over a ChunkStore: `python -m flashpd.kv_bridge.server`.
+
+Put reassembles frames and hands whole chunks to the store, which verifies them; nothing of a
+chunk is visible before its last frame arrived and verified. Get streams the leading present
+chunks, inline or by same-host shared-memory handle. Bad requests get INVALID_ARGUMENT with
+the field named; the server binds loopback unless told otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import sys
+import threading
+import urllib.parse
+from concurrent import futures
+from typing import Iterator
+
+import grpc
+
+from flashpd.kv_bridge import shm
+from flashpd.kv_bridge.chunk import CorruptChunk
+from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
+from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
+from flashpd.kv_bridge.store import ChunkStore, PutResult, decode_checked
+from flashpd.kv_bridge.wire import (DEFAULT_MAX_CHUNK_BYTES, GRPC_OPTIONS, PROTOCOL_VERSION, Assembler, FrameError,
+                                    clamp_frame_bytes, fill_frame, frame_spans)
+
+SHM_SWEEP_AGE_S = 600.0  # at start: any bridge segment this old was never taken by its reader
+DEFAULT_SHM_TTL_S = 60.0  # this server's own segments: a reader takes one within milliseconds
+
+
+class _Bytes:
+    """Byte-level access to any ChunkStore: put_bytes/get_bytes when it has them, else decode/encode."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+
+    def put(self, key: str, data: bytes) -> PutResult:
+        if hasattr(self.store, "put_bytes"):
+            return self.store.put_bytes(key, data)
+        chunk = decode_checked(key, data)
+        if self.store.contains(key):
+            return PutResult.PRESENT
+        return PutResult.STORED if self.store.put(chunk) else PutResult.REFUSED
+
+    def get(self, key: str) -> bytes | None:
+        if hasattr(self.store, "get_bytes"):
+            return self.store.get_bytes(key)
+        chunk = self.store.get(key)
+        return None if chunk is None else chunk.to_bytes()
+
+
+class KVBridgeServicer(pb_grpc.KVBridgeServicer):
+    def __init__(self, store: ChunkStore, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 shm_ttl_s: float = DEFAULT_SHM_TTL_S) -> None:
+        self.store = store
+        self.bytes = _Bytes(store)
+        self.max_chunk_bytes = max_chunk_bytes
+        self.shm_ttl_s = shm_ttl_s
+        self._lock = threading.Lock()
+        self._c = dict(lookups=0, puts_streams=0, frames_received=0, chunks_stored=0, chunks_duplicate=0,
+                       chunks_refused_corrupt=0, chunks_refused_store=0, chunks_incomplete=0, gets_streams=0,
+                       chunks_sent=0, frames_sent=0, shm_segments_sent=0, shm_segments_reclaimed=0, shm_segments_expired=0,
+                       invalid_requests=0)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] += n
+
+    def _invalid(self, context: grpc.ServicerContext, message: str) -> None:
+        self._count("invalid_requests")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    def _check_version(self, version: int, context: grpc.ServicerContext, where: str = "version") -> None:
+        if version != PROTOCOL_VERSION:
+            self._invalid(context, f"{where}: {version} is not supported (this server speaks {PROTOCOL_VERSION})")
+
+    def _check_keys(self, keys, context: grpc.ServicerContext) -> None:
+        if not keys:
+            self._invalid(context, "keys: must not be empty")
+        for i, k in enumerate(keys):
+            if not k:
+                self._invalid(context, f"keys[{i}]: empty key")
+
+    # -- RPCs -----------------------------------------------------------------------------------
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+        self._check_version(request.version, context)
+        self._check_keys(request.keys, context)
+        self._count("lookups")
+        return pb.LookupReply(version=PROTOCOL_VERSION, hits=self.store.lookup(list(request.keys)))
+
+    def Put(self, request_iterator: Iterator[pb.PutFrame], context: grpc.ServicerContext) -> pb.PutReply:
+        self._count("puts_streams")
+        asm = Assembler(self.max_chunk_bytes)
+        reply = pb.PutReply(version=PROTOCOL_VERSION)
+        for msg in request_iterator:  # a cancelled client raises here: the in-flight chunk is dropped
+            self._check_version(msg.version, context)
+            self._count("frames_received")
+            f = msg.frame
+            try:
+                if f.HasField("shm"):
+                    done = self._take_shm(f, asm, context)
+                else:
+                    done = asm.feed(f)
+            except FrameError as e:
+                self._invalid(context, str(e))
+            except shm.ShmError:  # missing or wrong-sized segment: that chunk is refused, the stream goes on
+                done = None
+                self._refuse(reply, f.key, "chunks_refused_corrupt")
+            if done is not None:
+                self._store(reply, *done)
+        if asm.in_flight is not None:
+            reply.incomplete_keys.append(asm.in_flight)
+            self._count("chunks_incomplete")
+        return reply
+
+    def _take_shm(self, f: pb.ChunkFrame, asm: Assembler, context: grpc.ServicerContext) -> tuple[str, bytes]:
+        if asm.in_flight is not None:
+            raise FrameError("frame.shm", f"handle sent while chunk {asm.in_flight[:16]}... is incomplete")
+        if not f.key:
+            raise FrameError("frame.key", "empty")
+        if f.data or f.offset != 0 or not f.last or f.total_length != f.shm.length:
+            raise FrameError("frame.shm", "a handle frame has no data, offset 0, last=true, total_length=shm.length")
+        if not 0 < f.shm.length <= self.max_chunk_bytes:
+            raise FrameError("frame.shm.length", f"{f.shm.length} not in 1..{self.max_chunk_bytes}")
+        if not _peer_is_local(context.peer()):
+            raise FrameError("frame.shm", "shared memory needs a same-host client")
+        return f.key, shm.take_segment(f.shm.name, f.shm.length)
+
+    def _store(self, reply: pb.PutReply, key: str, data: bytes) -> None:
+        try:
+            result = self.bytes.put(key, data)
+        except CorruptChunk:
+            self._refuse(reply, key, "chunks_refused_corrupt")
+            return
+        except ValueError:  # e.g. a key the disk tier cannot name a file after
+            self._refuse(reply, key, "chunks_refused_store")
+            return
+        if result is PutResult.STORED:
+            reply.stored += 1
+            self._count("chunks_stored")
+        elif result is PutResult.PRESENT:
+            reply.duplicates += 1
+            self._count("chunks_duplicate")
+        else:
+            self._refuse(reply, key, "chunks_refused_store")
+
+    def _refuse(self, reply: pb.PutReply, key: str, counter: str) -> None:
+        reply.refused += 1
+        reply.refused_keys.append(key)
+        self._count(counter)
+
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetFrame]:
+        self._check_version(request.version, context)
+        self._check_keys(request.keys, context)
+        if request.transport not in (pb.INLINE, pb.SHM):
+            self._invalid(context, f"transport: unknown value {request.transport}")
+        use_shm = request.transport == pb.SHM
+        if use_shm and not (shm.available() and _peer_is_local(context.peer())):
+            self._invalid(context, "transport: SHM needs a same-host client and /dev/shm")
+        self._count("gets_streams")
+        if use_shm:  # segments handed out before but never taken (a reader that died): bounded lifetime
+            self._count("shm_segments_expired", shm.sweep_segments(self.shm_ttl_s, pid=os.getpid()))
+        frame_bytes = clamp_frame_bytes(request.frame_bytes)
+        created: list[str] = []
+        finished = False
+
+        def reclaim() -> None:  # segments of a stream that did not finish may never be taken
+            if not finished:
+                for name in created:
+                    shm.unlink_segment(name)
+                self._count("shm_segments_reclaimed", len(created))
+                created.clear()
+
+        context.add_callback(reclaim)
+        try:
+            found = 0
+            for key in request.keys:
+                if not context.is_active():
+                    return
+                data = self.bytes.get(key)
+                if data is None:
+                    break
+                if use_shm:
+                    try:
+                        name = shm.write_segment(data)
+                    except OSError as e:  # /dev/shm full or gone
+                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"transport: shared memory: {e}")
+                    created.append(name)
+                    self._count("shm_segments_sent")
+                    yield pb.GetFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
+                        key=key, offset=0, total_length=len(data), last=True,
+                        shm=pb.ShmHandle(name=name, length=len(data))))
+                else:
+                    for off, piece, last in frame_spans(data, frame_bytes):
+                        m = pb.GetFrame(version=PROTOCOL_VERSION)
+                        fill_frame(m.frame, key, off, len(data), piece, last)
+                        self._count("frames_sent")
+                        yield m
+                found += 1
+                self._count("chunks_sent")
+            yield pb.GetFrame(version=PROTOCOL_VERSION, done=pb.GetDone(found=found))
+            # Reached once gRPC took the last message: the client owns the segments now (BridgeClient
+            # takes or unlinks every handle it receives; the TTL sweep covers a reader that died).
+            finished = True
+        finally:
+            reclaim()
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
+        self._check_version(request.version, context)
+        with self._lock:
+            own = dict(self._c)
+        counters = {f"server.{k}": v for k, v in own.items()}
+        counters.update(flatten(self.store.stats(), "store"))
+        return pb.StatsReply(version=PROTOCOL_VERSION, counters=counters, store=type(self.store).__name__)
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        self._check_version(request.version, context)
+        return pb.HealthReply(version=PROTOCOL_VERSION, serving=True, store=type(self.store).__name__)
+
+
+def flatten(d: dict, prefix: str) -> dict[str, int]:
+    """Nested int counters as dotted names (non-integers are left out)."""
+    out: dict[str, int] = {}
+    for k, v in d.items():
+        name = f"{prefix}.{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, name))
+        elif isinstance(v, (int, bool)):
+            out[name] = int(v)
+    return out
+
+
+def _peer_is_local(peer: str) -> bool:
+    """gRPC peer strings: 'ipv4:127.0.0.1:5000', 'ipv6:[::1]:5000', 'unix:/path'."""
+    peer = urllib.parse.unquote(peer)
+    if peer.startswith("unix:"):
+        return True
+    host = peer.split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16,
+          max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, allow_remote: bool = False,
+          shm_ttl_s: float = DEFAULT_SHM_TTL_S) -> tuple[grpc.Server, int]:
+    """Start the bridge on host:port (0 picks a free port); returns the started server and its port.
+
+    max_workers bounds concurrent RPCs (each Put/Get stream holds a worker for its duration).
+    Only loopback hosts are accepted unless allow_remote (the service has no authentication).
+    shm_ttl_s: a shared-memory segment this server handed out and nobody took is unlinked after it."""
+    if not (allow_remote or _is_loopback(host)):
+        raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the bridge")
+    shm.sweep_segments(SHM_SWEEP_AGE_S)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvbridge"),
+                         options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_workers * 4)
+    pb_grpc.add_KVBridgeServicer_to_server(KVBridgeServicer(store, max_chunk_bytes, shm_ttl_s), server)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    server.start()
+    return server, bound
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a bridge with a memory (and optionally disk) tier until SIGINT/SIGTERM; prints 'PORT n'."""
+    from flashpd.kv_bridge.disk import DiskStore, TieredStore
+    from flashpd.kv_bridge.store import MemoryStore
+
+    ap = argparse.ArgumentParser(description="flashpd KV bridge server")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--memory-bytes", type=int, default=4 << 30)
+    ap.add_argument("--disk-dir", default=None)
+    ap.add_argument("--disk-bytes", type=int, default=64 << 30)
+    ap.add_argument("--max-workers", type=int, default=16)
+    args = ap.parse_args(argv)
+    store: ChunkStore = MemoryStore(args.memory_bytes)
+    if args.disk_dir:
+        store = TieredStore(store, DiskStore(args.disk_dir, args.disk_bytes))
+    server, port = serve(store, args.host, args.port, args.max_workers)
+    print(f"PORT {port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait(5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

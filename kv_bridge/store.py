@@ -1,0 +1,161 @@
+"""The chunk store interface and its in-memory tier.
+
+Entries are kept as the chunk's serialized bytes (KVChunk.to_bytes): one immutable object holds
+both halves (target K/V and drafter K/V), so they are stored, evicted and dropped together, and
+every read re-verifies the checksum (KVChunk.from_bytes) before anything is handed out.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict
+from typing import Protocol, runtime_checkable
+
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+
+
+class PutResult(enum.Enum):
+    STORED = "stored"  # a new entry
+    PRESENT = "present"  # the key was already held: an idempotent no-op
+    REFUSED = "refused"  # not stored (larger than the whole budget, or the write failed)
+
+
+@runtime_checkable
+class ChunkStore(Protocol):
+    def put(self, chunk: KVChunk) -> bool: ...
+    def get(self, key: str) -> KVChunk | None: ...
+    def contains(self, key: str) -> bool: ...
+    def lookup(self, keys: list[str]) -> int: ...
+    def stats(self) -> dict: ...
+
+
+@runtime_checkable
+class ByteStore(ChunkStore, Protocol):
+    """A ChunkStore that also moves serialized chunks as is: the gRPC server's path (no decode/encode)."""
+
+    def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult: ...
+    def get_bytes(self, key: str) -> bytes | None: ...
+
+
+def decode_checked(key: str, data: bytes | memoryview) -> KVChunk:
+    """KVChunk.from_bytes plus the key check: a valid chunk filed under another key is corrupt too."""
+    chunk = KVChunk.from_bytes(data)
+    if chunk.key != key:
+        raise CorruptChunk(f"chunk header names key {chunk.key[:16]}..., filed under {key[:16]}...")
+    return chunk
+
+
+class MemoryStore:
+    """LRU over whole entries by bytes; thread-safe; an entry larger than the budget is refused."""
+
+    def __init__(self, byte_budget: int) -> None:
+        if byte_budget <= 0:
+            raise ValueError("byte_budget must be positive")
+        self.byte_budget = byte_budget
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._c = dict(hits=0, misses=0, puts=0, duplicate_puts=0, evictions=0, corrupt_refused=0,
+                       corrupt_dropped=0, oversize_refused=0)
+
+    # -- writes ---------------------------------------------------------------------------------
+    def put(self, chunk: KVChunk) -> bool:
+        return self.put_bytes(chunk.key, chunk.to_bytes(), verified=True) is not PutResult.REFUSED
+
+    def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
+        """Store serialized chunk bytes. Raises CorruptChunk (and counts it) unless they verify.
+
+        The first complete put of a key wins; a later put of the same key is a no-op, so
+        concurrent writers never leave a torn or replaced entry."""
+        data = bytes(data)
+        if not verified:
+            try:
+                decode_checked(key, data)
+            except CorruptChunk:
+                with self._lock:
+                    self._c["corrupt_refused"] += 1
+                raise
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                self._c["duplicate_puts"] += 1
+                return PutResult.PRESENT
+            if len(data) > self.byte_budget:
+                self._c["oversize_refused"] += 1
+                return PutResult.REFUSED
+            while self._bytes + len(data) > self.byte_budget:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= len(old)
+                self._c["evictions"] += 1
+            self._entries[key] = data
+            self._bytes += len(data)
+            self._c["puts"] += 1
+            return PutResult.STORED
+
+    # -- reads ----------------------------------------------------------------------------------
+    def get(self, key: str) -> KVChunk | None:
+        data = self._take(key)
+        if data is None:
+            return None
+        try:
+            return decode_checked(key, data)
+        except CorruptChunk:
+            self._drop_corrupt(key, data)
+            return None
+
+    def get_bytes(self, key: str) -> bytes | None:
+        data = self._take(key)
+        if data is None:
+            return None
+        try:
+            decode_checked(key, data)
+        except CorruptChunk:
+            self._drop_corrupt(key, data)
+            return None
+        return data
+
+    def _take(self, key: str) -> bytes | None:
+        with self._lock:
+            data = self._entries.get(key)
+            if data is None:
+                self._c["misses"] += 1
+                return None
+            self._entries.move_to_end(key)
+            self._c["hits"] += 1
+            return data
+
+    def _drop_corrupt(self, key: str, data: bytes) -> None:
+        """Remove the entry if it is still the one that failed; the read becomes a miss."""
+        with self._lock:
+            if self._entries.get(key) is data:
+                del self._entries[key]
+                self._bytes -= len(data)
+            self._c["corrupt_dropped"] += 1
+            self._c["hits"] -= 1
+            self._c["misses"] += 1
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def lookup(self, keys: list[str]) -> int:
+        """How many LEADING keys are held (a prefix hit stops at the first gap)."""
+        with self._lock:
+            n = 0
+            for k in keys:
+                if k not in self._entries:
+                    break
+                n += 1
+            return n
+
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            data = self._entries.pop(key, None)
+            if data is None:
+                return False
+            self._bytes -= len(data)
+            return True
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**self._c, "bytes": self._bytes, "entries": len(self._entries), "byte_budget": self.byte_budget}

@@ -1,0 +1,45 @@
+"""Shared helpers for the KV bridge tests (test_kv_bridge_*.py): small random chunks. Not a test module."""
+from __future__ import annotations
+
+import torch
+
+from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys
+
+CHUNK_TOKENS = 16
+# Small shapes: [layers, 2, T, kv_heads, head_dim]; the drafter has fewer layers than the target.
+TARGET_LAYERS, DRAFT_LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 2, 8
+
+
+def fingerprint(drafter: str = "drafter-a", dtype: str = "bfloat16") -> str:
+    return MethodFingerprint(target="target-x", drafter=drafter, target_layer_ids=(1, 3), dtype=dtype).digest()
+
+
+def make_chunk(key: str, tokens: list[int] | None = None, parent: str = "", fp: str = "fp",
+               dtype: torch.dtype = torch.bfloat16, draft: bool = True, seed: int = 0) -> KVChunk:
+    """A chunk with random K/V of both halves (no draft half when draft=False: a native method)."""
+    tokens = list(range(CHUNK_TOKENS)) if tokens is None else tokens
+    g = torch.Generator().manual_seed(seed)
+    t = len(tokens)
+    tk = torch.randn(TARGET_LAYERS, 2, t, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    dk = torch.randn(DRAFT_LAYERS, 2, t, KV_HEADS, HEAD_DIM, generator=g).to(dtype) if draft else None
+    return KVChunk(key, parent, fp, tokens, tk, dk)
+
+
+def prompt_chunks(tokens: list[int], fp: str, dtype: torch.dtype = torch.bfloat16, draft: bool = True,
+                  seed: int = 0) -> list[KVChunk]:
+    """The chained chunks of a prompt under one method fingerprint (keys from chunk_keys)."""
+    keys = chunk_keys(tokens, CHUNK_TOKENS, fp)
+    return [make_chunk(k, tokens[i * CHUNK_TOKENS:(i + 1) * CHUNK_TOKENS], keys[i - 1] if i else "", fp, dtype,
+                       draft, seed + i) for i, k in enumerate(keys)]
+
+
+def same(a: KVChunk, b: KVChunk) -> bool:
+    """Byte-exact equality of two chunks (both halves, header included)."""
+    return a.to_bytes() == b.to_bytes()
+
+
+def flip_byte(data: bytes, index: int) -> bytes:
+    b = bytearray(data)
+    b[index] ^= 0x40
+    return bytes(b)

@@ -1,0 +1,331 @@
+"""The KV bridge over a real gRPC server on 127.0.0.1 (in-process, port 0): transfer, validation,
+failure handling (corrupt, truncated, cancelled, timed out, restarted), SHM, generated-code drift."""
+from __future__ import annotations
+
+import filecmp
+import os
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from flashpd.kv_bridge import shm
+from flashpd.kv_bridge.client import (BridgeClient, BridgeInvalidArgument, BridgeTimeout, BridgeUnavailable,
+                                      RemoteStore)
+from flashpd.kv_bridge.disk import DiskStore, TieredStore
+from flashpd.kv_bridge.keys import chunk_keys
+from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
+from flashpd.kv_bridge.server import serve
+from flashpd.kv_bridge.store import MemoryStore
+from flashpd.kv_bridge.wire import PROTOCOL_VERSION, split_frames
+
+try:
+    from tests._kv_bridge_helpers import CHUNK_TOKENS, fingerprint, flip_byte, make_chunk, prompt_chunks, same
+except ImportError:
+    from _kv_bridge_helpers import CHUNK_TOKENS, fingerprint, flip_byte, make_chunk, prompt_chunks, same  # type: ignore
+
+FRAME = 4096  # the minimum frame size: every test chunk (~6 KB) spans several frames
+TIMEOUT_S = 10.0
+
+
+class Bridge:
+    """A started server on a loopback port and a client to it; stop() in teardown."""
+
+    def __init__(self, store, **serve_kw) -> None:
+        self.store = store
+        self.server, self.port = serve(store, max_workers=8, **serve_kw)
+        self.address = f"127.0.0.1:{self.port}"
+        self.client = BridgeClient(self.address, timeout_s=TIMEOUT_S, frame_bytes=FRAME)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.server.stop(grace=None).wait(TIMEOUT_S)
+
+
+@pytest.fixture
+def bridge():
+    b = Bridge(MemoryStore(1 << 24))
+    yield b
+    b.stop()
+
+
+def wait_until(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def frames_of(key: str, data: bytes, version: int = PROTOCOL_VERSION) -> list[pb.PutFrame]:
+    return [pb.PutFrame(version=version, frame=f) for f in split_frames(key, data, FRAME)]
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_round_trip_byte_exact(bridge, transport):
+    chunks = [make_chunk(f"k{i}", dtype=dt, draft=d, seed=i)
+              for i, (dt, d) in enumerate([(torch.bfloat16, True), (torch.bfloat16, False),
+                                           (torch.float32, True), (torch.float32, False)])]
+    assert len(chunks[2].to_bytes()) > 2 * FRAME  # multi-frame
+    s = bridge.client.put(chunks, transport=transport)
+    assert (s.stored, s.ok) == (4, True)
+    got = bridge.client.get([c.key for c in chunks], transport=transport)
+    assert len(got) == 4 and all(same(a, b) for a, b in zip(got, chunks))
+    assert got[2].target_kv.dtype == torch.float32 and got[1].draft_kv is None
+    assert shm.list_segments(os.getpid()) == []  # every segment taken and unlinked
+    again = bridge.client.put(chunks, transport=transport)
+    assert (again.stored, again.duplicates) == (0, 4)
+
+
+def test_lookup_and_get_stop_at_first_missing_key(bridge):
+    bridge.client.put([make_chunk(k) for k in ("a", "b", "d")])
+    assert bridge.client.lookup(["a", "b", "c", "d"]) == 2
+    assert bridge.client.lookup(["c", "a"]) == 0
+    got = bridge.client.get(["a", "b", "c", "d"])
+    assert [c.key for c in got] == ["a", "b"]
+    assert bridge.client.get(["zz", "a"]) == []
+
+
+def test_wrong_fingerprint_never_hits(bridge):
+    tokens = list(range(7, 7 + 3 * CHUNK_TOKENS))
+    fp_dflash, fp_native = fingerprint("drafter-a"), fingerprint("none")
+    bridge.client.put(prompt_chunks(tokens, fp_dflash))
+    keys_native = chunk_keys(tokens, CHUNK_TOKENS, fp_native)
+    assert bridge.client.lookup(chunk_keys(tokens, CHUNK_TOKENS, fp_dflash)) == 3
+    assert bridge.client.lookup(keys_native) == 0 and bridge.client.get(keys_native) == []
+
+
+def test_lru_eviction_over_the_bridge_drops_whole_entries():
+    n = len(make_chunk("x").to_bytes())
+    b = Bridge(MemoryStore(2 * n + n // 2))
+    try:
+        b.client.put([make_chunk(k, seed=i) for i, k in enumerate("abc")])
+        assert b.client.lookup(["a"]) == 0 and b.client.lookup(["b", "c"]) == 2
+        got = b.client.get(["b", "c"])
+        assert all(c.draft_kv is not None and c.target_kv is not None for c in got)
+        assert b.client.stats()["store.evictions"] == 1
+    finally:
+        b.stop()
+
+
+def test_corrupt_chunk_refused_at_put_and_counted(bridge):
+    good, bad = make_chunk("good"), make_chunk("bad", seed=1).to_bytes()
+    s = bridge.client.put_bytes([("bad", flip_byte(bad, len(bad) // 2)), ("good", good.to_bytes()),
+                                 ("wrongkey", bad)])
+    assert (s.stored, s.refused_keys) == (1, ["bad", "wrongkey"])
+    assert bridge.client.lookup(["bad"]) == 0 and bridge.client.lookup(["wrongkey"]) == 0
+    st = bridge.client.stats()
+    assert st["server.chunks_refused_corrupt"] == 2 and st["store.corrupt_refused"] == 2
+    assert same(bridge.client.get(["good"])[0], good)
+
+
+def test_truncated_stream_leaves_no_entry(bridge):
+    data = make_chunk("cut").to_bytes()
+    frames = frames_of("cut", data)
+    assert len(frames) >= 2
+    half = frames[: len(frames) // 2]
+    # 1) the client half-closes after half the frames: dropped and reported
+    reply = bridge.client.stub.Put(iter(half), timeout=TIMEOUT_S)
+    assert (reply.stored, list(reply.incomplete_keys)) == (0, ["cut"])
+    # 2) the client cancels with half the frames sent and the stream still open
+    sent, release = threading.Event(), threading.Event()
+
+    def stalled():
+        yield from half
+        sent.set()
+        release.wait(TIMEOUT_S)
+
+    fut = bridge.client.stub.Put.future(stalled(), timeout=TIMEOUT_S)
+    assert sent.wait(TIMEOUT_S)
+    assert wait_until(lambda: bridge.client.stats()["server.frames_received"] >= 2 * len(half))
+    fut.cancel()
+    release.set()
+    with pytest.raises(grpc.FutureCancelledError):
+        fut.result(timeout=TIMEOUT_S)
+    assert bridge.client.lookup(["cut"]) == 0 and bridge.client.get(["cut"]) == []
+    assert bridge.store.stats()["entries"] == 0
+    assert bridge.client.health()["serving"]
+
+
+def test_concurrent_puts_of_one_key(bridge):
+    c = make_chunk("same", seed=5)
+    barrier = threading.Barrier(8, timeout=TIMEOUT_S)
+    summaries = []
+
+    def worker() -> None:
+        with BridgeClient(bridge.address, TIMEOUT_S, frame_bytes=FRAME) as cl:
+            barrier.wait()
+            summaries.append(cl.put([c]))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+        assert not t.is_alive()
+    assert sum(s.stored for s in summaries) == 1 and sum(s.duplicates for s in summaries) == 7
+    assert bridge.store.stats()["entries"] == 1
+    assert same(bridge.client.get(["same"])[0], c)
+
+
+def test_server_validation_names_the_field(bridge):
+    stub = bridge.client.stub
+    cases = [
+        (lambda: stub.Lookup(pb.LookupRequest(version=PROTOCOL_VERSION), timeout=TIMEOUT_S), "keys"),
+        (lambda: stub.Lookup(pb.LookupRequest(version=7, keys=["a"]), timeout=TIMEOUT_S), "version"),
+        (lambda: stub.Lookup(pb.LookupRequest(keys=["a"]), timeout=TIMEOUT_S), "version"),
+        (lambda: list(stub.Get(pb.GetRequest(version=PROTOCOL_VERSION), timeout=TIMEOUT_S)), "keys"),
+        (lambda: stub.Stats(pb.StatsRequest(version=2), timeout=TIMEOUT_S), "version"),
+    ]
+    data = make_chunk("k", dtype=torch.float32).to_bytes()
+    f = frames_of("k", data)
+    assert len(f) >= 3
+    cases += [
+        (lambda: stub.Put(iter([f[0], f[2]]), timeout=TIMEOUT_S), "frame.offset"),
+        (lambda: stub.Put(iter([f[1]]), timeout=TIMEOUT_S), "frame.offset"),
+        (lambda: stub.Put(iter(frames_of("k", data, version=9)), timeout=TIMEOUT_S), "version"),
+        (lambda: stub.Put(iter([pb.PutFrame(version=1, frame=pb.ChunkFrame(
+            key="k", offset=0, total_length=10, data=b"x" * 11, last=True))]), timeout=TIMEOUT_S), "frame.data"),
+        (lambda: stub.Put(iter([pb.PutFrame(version=1, frame=pb.ChunkFrame(
+            offset=0, total_length=1, data=b"x", last=True))]), timeout=TIMEOUT_S), "frame.key"),
+    ]
+    for call, field_name in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert e.value.details().startswith(field_name), e.value.details()
+    with pytest.raises(BridgeInvalidArgument, match="keys"):  # the client maps it to a ValueError
+        bridge.client.lookup([""])
+    assert bridge.client.lookup(["k"]) == 0 and bridge.client.health()["serving"]
+
+
+class SlowStore:
+    """Delays lookups while `slow` is set: a server that cannot answer within a tiny deadline."""
+
+    def __init__(self, inner: MemoryStore, delay_s: float) -> None:
+        self.inner, self.delay_s, self.slow = inner, delay_s, threading.Event()
+
+    def lookup(self, keys):
+        if self.slow.is_set():
+            time.sleep(self.delay_s)
+        return self.inner.lookup(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_client_timeout_raises_and_server_keeps_serving():
+    store = SlowStore(MemoryStore(1 << 24), delay_s=1.0)
+    b = Bridge(store)
+    try:
+        b.client.put([make_chunk("a")])
+        store.slow.set()
+        t0 = time.monotonic()
+        with pytest.raises(BridgeTimeout, match="Lookup") as e:
+            b.client.lookup(["a"], timeout_s=0.05)
+        assert isinstance(e.value, TimeoutError) and time.monotonic() - t0 < 0.9
+        store.slow.clear()
+        assert b.client.lookup(["a"]) == 1 and same(b.client.get(["a"])[0], make_chunk("a"))
+    finally:
+        b.stop()
+
+
+def test_unreachable_bridge_raises_connection_error():
+    b = Bridge(MemoryStore(1 << 20))
+    address = b.address
+    b.stop()
+    with BridgeClient(address, timeout_s=2.0) as cl:
+        with pytest.raises(BridgeUnavailable, match="Health") as e:
+            cl.health()
+        assert isinstance(e.value, ConnectionError)
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_cancelled_get_stream_leaves_server_healthy(bridge, transport):
+    chunks = [make_chunk(f"c{i}", seed=i) for i in range(8)]
+    bridge.client.put(chunks)
+    it = bridge.client.iter_get([c.key for c in chunks], transport=transport)
+    assert same(next(it), chunks[0])
+    it.close()  # stops mid-way (inline: cancels; shm: also unlinks every handle the server sent)
+    assert shm.list_segments(os.getpid()) == []
+    got = bridge.client.get([c.key for c in chunks], transport=transport)
+    assert len(got) == 8 and all(same(a, b) for a, b in zip(got, chunks))
+    assert bridge.client.health()["serving"]
+
+
+def test_raw_cancelled_shm_stream_segments_expire():
+    """A reader that cancels (or dies) without taking its handles: the server unlinks the segments
+    of an unfinished stream, and the ones it had already handed out expire after shm_ttl_s."""
+    b = Bridge(MemoryStore(1 << 24), shm_ttl_s=0.2)
+    try:
+        chunks = [make_chunk(f"c{i}", seed=i) for i in range(8)]
+        b.client.put(chunks)
+        call = b.client.stub.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=[c.key for c in chunks],
+                                               transport=pb.SHM), timeout=TIMEOUT_S)
+        first = next(call)
+        assert same(make_chunk("c0", seed=0), b.client.get(["c0"])[0])
+        shm.unlink_segment(first.frame.shm.name)
+        call.cancel()
+        time.sleep(0.3)
+        assert len(b.client.get([c.key for c in chunks], transport="shm")) == 8  # sweeps expired ones
+        assert wait_until(lambda: shm.list_segments(os.getpid()) == [])
+        st = b.client.stats()
+        assert st["server.shm_segments_reclaimed"] + st["server.shm_segments_expired"] >= 1
+    finally:
+        b.stop()
+
+
+def test_shm_get_leaves_no_segments_even_for_misses(bridge):
+    c = make_chunk("s", dtype=torch.float32, seed=9)
+    bridge.client.put([c], transport="shm")
+    got = bridge.client.get(["s", "missing", "s"], transport="shm")
+    assert len(got) == 1 and same(got[0], c)
+    assert shm.list_segments(os.getpid()) == []
+    assert bridge.client.stats()["server.shm_segments_sent"] == 1
+    # a Put handle naming a missing segment, or a path outside the bridge's segments, is refused
+    handles = [pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
+        key=k, offset=0, total_length=100, last=True, shm=pb.ShmHandle(name=name, length=100)))
+        for k, name in (("m", "fpkv-0-missing"), ("p", "../../etc/passwd"))]
+    reply = bridge.client.stub.Put(iter(handles), timeout=TIMEOUT_S)
+    assert list(reply.refused_keys) == ["m", "p"] and reply.stored == 0
+
+
+def test_server_restart_with_disk_tier(tmp_path):
+    chunks = prompt_chunks(list(range(3 * CHUNK_TOKENS)), fingerprint(), seed=11)
+    keys = [c.key for c in chunks]
+    b = Bridge(TieredStore(MemoryStore(1 << 24), DiskStore(tmp_path, 1 << 24)))
+    try:
+        assert b.client.put(chunks).stored == 3
+    finally:
+        b.stop()
+    b2 = Bridge(TieredStore(MemoryStore(1 << 24), DiskStore(tmp_path, 1 << 24)))
+    try:
+        assert b2.client.lookup(keys) == 3
+        got = b2.client.get(keys)
+        assert len(got) == 3 and all(same(a, c) for a, c in zip(got, chunks))
+        st = b2.client.stats()
+        assert st["store.hits_disk"] == 3 and st["store.disk.entries"] == 3
+    finally:
+        b2.stop()
+
+
+def test_remote_store_adapter(bridge):
+    rs = RemoteStore(bridge.client)
+    c = make_chunk("r")
+    assert rs.put(c) and rs.contains("r") and rs.lookup(["r", "x"]) == 1
+    assert same(rs.get("r"), c) and rs.get("x") is None
+
+
+def test_generated_code_has_not_drifted(tmp_path):
+    gen = pytest.importorskip("flashpd.kv_bridge.gen_proto")
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (a test extra) regenerates the modules")
+    fresh = gen.generate(tmp_path / "proto_gen")
+    for p in fresh:
+        committed = gen.OUT_DIR / p.name
+        assert committed.exists(), f"{committed} missing: run python -m flashpd.kv_bridge.gen_proto"
+        assert filecmp.cmp(p, committed, shallow=False), (
+            f"{committed.name} differs from what proto/kv_bridge.proto generates: "
+            "run python -m flashpd.kv_bridge.gen_proto (with the pinned grpcio-tools)")

@@ -1,0 +1,225 @@
+"""KV bridge stores without the network: memory LRU, disk persistence and atomicity, the tiered store."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from flashpd.kv_bridge.chunk import CorruptChunk
+from flashpd.kv_bridge.disk import DiskStore, TieredStore
+from flashpd.kv_bridge.keys import chunk_keys
+from flashpd.kv_bridge.store import ByteStore, ChunkStore, MemoryStore, PutResult
+
+try:
+    from tests._kv_bridge_helpers import CHUNK_TOKENS, fingerprint, flip_byte, make_chunk, prompt_chunks, same
+except ImportError:
+    from _kv_bridge_helpers import CHUNK_TOKENS, fingerprint, flip_byte, make_chunk, prompt_chunks, same  # type: ignore
+
+VARIANTS = [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True), (torch.float32, False)]
+
+
+@pytest.fixture(params=["memory", "disk", "tiered"])
+def store(request, tmp_path):
+    if request.param == "memory":
+        return MemoryStore(1 << 24)
+    if request.param == "disk":
+        return DiskStore(tmp_path / "disk", 1 << 24)
+    return TieredStore(MemoryStore(1 << 24), DiskStore(tmp_path / "disk", 1 << 24))
+
+
+def test_protocols(store):
+    assert isinstance(store, ChunkStore) and isinstance(store, ByteStore)
+
+
+@pytest.mark.parametrize("dtype,draft", VARIANTS)
+def test_round_trip_byte_exact(store, dtype, draft):
+    c = make_chunk("k0", dtype=dtype, draft=draft, seed=3)
+    assert store.put(c)
+    got = store.get("k0")
+    assert got is not None and same(got, c)
+    assert got.target_kv.dtype == dtype and (got.draft_kv is not None) == draft
+    assert torch.equal(got.target_kv, c.target_kv)
+    if draft:
+        assert torch.equal(got.draft_kv, c.draft_kv)
+    assert store.get_bytes("k0") == c.to_bytes()
+
+
+def test_lookup_counts_leading_hits_only(store):
+    for k in ("a", "b", "d"):
+        store.put(make_chunk(k))
+    assert store.lookup(["a", "b", "c", "d"]) == 2
+    assert store.lookup(["x", "a", "b"]) == 0
+    assert store.lookup(["a", "b", "d"]) == 3
+    assert store.lookup([]) == 0
+    assert store.get("c") is None
+
+
+def test_wrong_fingerprint_is_a_miss(store):
+    tokens = list(range(100, 100 + 4 * CHUNK_TOKENS))
+    fp_a, fp_b = fingerprint("drafter-a"), fingerprint("none")  # same target, another method
+    for c in prompt_chunks(tokens, fp_a):
+        store.put(c)
+    keys_a, keys_b = chunk_keys(tokens, CHUNK_TOKENS, fp_a), chunk_keys(tokens, CHUNK_TOKENS, fp_b)
+    assert not set(keys_a) & set(keys_b)
+    assert store.lookup(keys_a) == 4
+    assert store.lookup(keys_b) == 0
+    assert all(store.get(k) is None for k in keys_b)
+
+
+def test_corrupt_put_refused_and_counted(store):
+    data = make_chunk("k0").to_bytes()
+    for bad in (flip_byte(data, len(data) // 2), data[:-1], make_chunk("other").to_bytes()):
+        with pytest.raises(CorruptChunk):
+            store.put_bytes("k0", bad)
+    assert not store.contains("k0") and store.get("k0") is None
+    s = store.stats()
+    assert s["corrupt_refused"] == 3
+    assert store.put_bytes("k0", data) is PutResult.STORED
+
+
+def test_concurrent_puts_of_one_key(store):
+    c = make_chunk("same", seed=7)
+    data = c.to_bytes()
+    barrier = threading.Barrier(8, timeout=10)
+    results: list[PutResult] = []
+
+    def worker() -> None:
+        barrier.wait()
+        results.append(store.put_bytes("same", data))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+        assert not t.is_alive()
+    assert sorted(r.value for r in results) == ["present"] * 7 + ["stored"]
+    assert store.lookup(["same"]) == 1 and same(store.get("same"), c)
+    if isinstance(store, DiskStore):
+        assert sorted(os.listdir(store.directory)) == ["same"]  # one file, no temp left behind
+
+
+# -- memory tier --------------------------------------------------------------------------------
+def _size() -> int:
+    return len(make_chunk("x").to_bytes())
+
+
+def test_memory_lru_evicts_whole_entries():
+    n = _size()
+    store = MemoryStore(3 * n + n // 2)  # room for three entries
+    for k in ("a", "b", "c"):
+        assert store.put(make_chunk(k))
+    assert store.get("a") is not None  # a is now the most recent: b goes first
+    assert store.put(make_chunk("d"))
+    assert [store.contains(k) for k in "abcd"] == [True, False, True, True]
+    assert store.get("b") is None  # target and draft halves gone together: no half entry
+    for k in "acd":
+        got = store.get(k)
+        assert got.target_kv is not None and got.draft_kv is not None
+    s = store.stats()
+    assert s["evictions"] == 1 and s["entries"] == 3 and s["bytes"] == 3 * n
+
+
+def test_memory_refuses_an_entry_larger_than_the_budget():
+    store = MemoryStore(_size() - 1)
+    assert not store.put(make_chunk("big"))
+    assert store.stats()["oversize_refused"] == 1 and store.stats()["entries"] == 0
+
+
+def test_memory_corrupt_entry_dropped_at_get():
+    store = MemoryStore(1 << 20)
+    store.put(make_chunk("k"))
+    store._entries["k"] = flip_byte(store._entries["k"], 100)  # memory rot
+    assert store.get("k") is None
+    s = store.stats()
+    assert s["corrupt_dropped"] == 1 and s["entries"] == 0 and s["bytes"] == 0 and s["hits"] == 0
+
+
+# -- disk tier ----------------------------------------------------------------------------------
+def test_disk_survives_restart_byte_exact(tmp_path):
+    chunks = [make_chunk(f"k{i}", dtype=dt, draft=d, seed=i) for i, (dt, d) in enumerate(VARIANTS)]
+    store = DiskStore(tmp_path, 1 << 24)
+    for c in chunks:
+        store.put(c)
+    again = DiskStore(tmp_path, 1 << 24)
+    assert again.lookup([c.key for c in chunks]) == len(chunks)
+    assert again.stats()["bytes"] == sum(len(c.to_bytes()) for c in chunks)
+    for c in chunks:
+        assert same(again.get(c.key), c)
+
+
+def test_disk_lru_by_access_time_across_restart(tmp_path):
+    n = _size()
+    store = DiskStore(tmp_path, 3 * n + n // 2)
+    for i, k in enumerate("abc"):
+        store.put(make_chunk(k))
+        os.utime(tmp_path / k, ns=(10**18 + i * 10**9, 10**18 + i * 10**9))  # distinct, ordered times
+    store.get("a")  # touched now: newer than b and c
+    again = DiskStore(tmp_path, 3 * n + n // 2)
+    again.put(make_chunk("d"))
+    assert [again.contains(k) for k in "abcd"] == [True, False, True, True]
+    assert not (tmp_path / "b").exists()
+    assert DiskStore(tmp_path, n + n // 2).lookup(["d"]) == 1  # a smaller budget evicts at start
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+def test_disk_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path, 1 << 24)
+
+    def crash(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    assert store.put_bytes("k", make_chunk("k").to_bytes()) is PutResult.REFUSED
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == [] and not store.contains("k") and store.stats()["write_errors"] == 1
+    # a process killed mid-write leaves a temp file: never visible, deleted at the next start
+    (tmp_path / ".tmp-k-123").write_bytes(make_chunk("k").to_bytes()[:500])
+    again = DiskStore(tmp_path, 1 << 24)
+    assert again.lookup(["k"]) == 0 and os.listdir(tmp_path) == []
+    assert again.stats()["temp_files_removed"] == 1
+
+
+def test_disk_corrupt_file_refused_and_deleted(tmp_path):
+    store = DiskStore(tmp_path, 1 << 24)
+    store.put(make_chunk("k1"))
+    store.put(make_chunk("k2"))
+    data = (tmp_path / "k1").read_bytes()
+    (tmp_path / "k1").write_bytes(flip_byte(data, len(data) - 40))
+    (tmp_path / "k2").write_bytes(data[: len(data) // 2])  # truncated by something outside the store
+    assert store.get("k1") is None and store.get_bytes("k2") is None
+    assert os.listdir(tmp_path) == []
+    s = store.stats()
+    assert s["corrupt_dropped"] == 2 and s["entries"] == 0 and s["bytes"] == 0
+
+
+def test_disk_rejects_keys_that_are_paths(tmp_path):
+    store = DiskStore(tmp_path / "d", 1 << 24)
+    for bad in ("../escape", "a/b", ".hidden", ""):
+        with pytest.raises(ValueError):
+            store.put_bytes(bad, make_chunk(bad or "x").to_bytes(), verified=True)
+
+
+# -- tiered -------------------------------------------------------------------------------------
+def test_tiered_write_through_promotion_and_hits_by_tier(tmp_path):
+    n = _size()
+    mem, disk = MemoryStore(2 * n + n // 2), DiskStore(tmp_path, 1 << 24)
+    store = TieredStore(mem, disk)
+    chunks = [make_chunk(k, seed=i) for i, k in enumerate("abc")]
+    for c in chunks:
+        store.put(c)
+    assert disk.lookup(["a", "b", "c"]) == 3 and not mem.contains("a")  # a fell out of memory only
+    assert store.lookup(["a", "b", "c", "z"]) == 3
+    assert same(store.get("b"), chunks[1])  # memory
+    assert same(store.get("a"), chunks[0])  # disk, promoted
+    assert mem.contains("a")
+    assert store.get("z") is None
+    s = store.stats()
+    assert (s["hits_memory"], s["hits_disk"], s["misses"]) == (1, 1, 1)
+    assert s["disk"]["entries"] == 3 and s["memory"]["entries"] == 2
+    # a restart with a cold memory tier still finds everything on disk
+    cold = TieredStore(MemoryStore(1 << 24), DiskStore(tmp_path, 1 << 24))
+    assert all(same(cold.get(c.key), c) for c in chunks)
+    assert cold.stats()["hits_disk"] == 3

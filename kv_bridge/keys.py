@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-LAYOUT_VERSION = 1  # bump when the byte layout of a chunk's tensors changes
+LAYOUT_VERSION = 2  # bump when the byte layout of a chunk's tensors changes
 
 
 @dataclass(frozen=True)

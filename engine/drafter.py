@@ -19,7 +19,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from flashpd.engine.attention import gather_kv, group_mask, grouped_sdpa, write_kv
+from flashpd.engine.attention import gather_kv, group_mask, grouped_sdpa
 from flashpd.engine.config import CheckpointError, HeadGeometry, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm
 from flashpd.engine.loader import fill_from_checkpoint, safetensors_files

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import torch
 
 from flashpd.engine.drafter import DFlashDrafter
-from flashpd.engine.generate import NativeGenerator, _sync
+from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.draft_runner import DraftRunner
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams, draw, probs_from_logits

@@ -154,7 +154,7 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     tc = DrafterTrainConfig(layers=a.layers, block_size=a.block_size, num_taps=a.taps, mask_token_id=a.mask_token_id,
                             steps=a.steps, seqs_per_step=a.seqs_per_step, anchors=a.anchors, lr=a.lr, seed=a.seed,
                             save_every=max(1, a.steps // 4))
-    drafter = train_drafter(target, data, [len(p) for p in train_prompts], a.out, tc, resume=a.resume)
+    train_drafter(target, data, [len(p) for p in train_prompts], a.out, tc, resume=a.resume)
     if eval_prompts:
         from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (evaluate what was written)
         rows = evaluate_tau(target, load_drafter(a.out, target), eval_prompts, max_tokens=min(128, a.new_tokens))

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
-from flashpd.kv_bridge.store import MemoryStore, PutResult, decode_checked
+from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a file name, never a path
 _TMP_PREFIX = ".tmp-"
@@ -27,20 +27,16 @@ def _check_key(key: str) -> None:
         raise ValueError(f"key {key!r} is not a valid file name (letters, digits, _ . -)")
 
 
-class DiskStore:
+class DiskStore(IndexedStore):
     """Persistent LRU store of whole chunk files within a byte budget; thread-safe within a process."""
 
+    _index: OrderedDict[str, int]  # key -> file size, least recently used first
+
     def __init__(self, directory: str | Path, byte_budget: int) -> None:
-        if byte_budget <= 0:
-            raise ValueError("byte_budget must be positive")
+        super().__init__(byte_budget)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.byte_budget = byte_budget
-        self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
-        self._bytes = 0
-        self._c = dict(hits=0, misses=0, puts=0, duplicate_puts=0, evictions=0, corrupt_refused=0,
-                       corrupt_dropped=0, oversize_refused=0, write_errors=0, temp_files_removed=0)
+        self._c.update(write_errors=0, temp_files_removed=0)
         self._scan()
 
     def _scan(self) -> None:
@@ -62,27 +58,14 @@ class DiskStore:
         return self.directory / key
 
     # -- writes ---------------------------------------------------------------------------------
-    def put(self, chunk: KVChunk) -> bool:
-        return self.put_bytes(chunk.key, chunk.to_bytes(), verified=True) is not PutResult.REFUSED
-
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
         """Write one entry atomically. Raises CorruptChunk (counted) unless the bytes verify."""
         _check_key(key)
-        if not verified:
-            try:
-                decode_checked(key, data)
-            except CorruptChunk:
-                with self._lock:
-                    self._c["corrupt_refused"] += 1
-                raise
+        self._verify_incoming(key, data, verified)
         with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
-                self._c["duplicate_puts"] += 1
-                return PutResult.PRESENT
-            if len(data) > self.byte_budget:
-                self._c["oversize_refused"] += 1
-                return PutResult.REFUSED
+            early = self._admission(key, len(data))
+            if early is not None:
+                return early
         tmp = self.directory / f"{_TMP_PREFIX}{key}-{uuid.uuid4().hex}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -183,19 +166,6 @@ class DiskStore:
                 _unlink(self._path(key))
             self._c["corrupt_dropped"] += 1
             self._c["misses"] += 1
-
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._index
-
-    def lookup(self, keys: list[str]) -> int:
-        with self._lock:
-            n = 0
-            for k in keys:
-                if k not in self._index:
-                    break
-                n += 1
-            return n
 
     def stats(self) -> dict:
         with self._lock:

@@ -45,49 +45,86 @@ def decode_checked(key: str, data: bytes | memoryview) -> KVChunk:
     return chunk
 
 
-class MemoryStore:
-    """LRU over whole entries by bytes; thread-safe; an entry larger than the budget is refused."""
+class IndexedStore:
+    """What the memory and disk stores share: an LRU-ordered index of whole entries under one lock,
+    counters, checksum verification of incoming bytes, and the first-put-wins admission rule."""
 
     def __init__(self, byte_budget: int) -> None:
         if byte_budget <= 0:
             raise ValueError("byte_budget must be positive")
         self.byte_budget = byte_budget
-        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._index: OrderedDict[str, object] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self._c = dict(hits=0, misses=0, puts=0, duplicate_puts=0, evictions=0, corrupt_refused=0,
                        corrupt_dropped=0, oversize_refused=0)
 
-    # -- writes ---------------------------------------------------------------------------------
     def put(self, chunk: KVChunk) -> bool:
         return self.put_bytes(chunk.key, chunk.to_bytes(), verified=True) is not PutResult.REFUSED
 
+    def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
+        raise NotImplementedError
+
+    def _verify_incoming(self, key: str, data: bytes | memoryview, verified: bool) -> None:
+        """Raise CorruptChunk (counted) unless the bytes are a valid chunk filed under `key`."""
+        if verified:
+            return
+        try:
+            decode_checked(key, data)
+        except CorruptChunk:
+            with self._lock:
+                self._c["corrupt_refused"] += 1
+            raise
+
+    def _admission(self, key: str, size: int) -> PutResult | None:
+        """Under the lock: PRESENT for a key already held (first put wins), REFUSED if it can never
+        fit, None to go ahead."""
+        if key in self._index:
+            self._index.move_to_end(key)
+            self._c["duplicate_puts"] += 1
+            return PutResult.PRESENT
+        if size > self.byte_budget:
+            self._c["oversize_refused"] += 1
+            return PutResult.REFUSED
+        return None
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def lookup(self, keys: list[str]) -> int:
+        """How many LEADING keys are held (a prefix hit stops at the first gap)."""
+        with self._lock:
+            n = 0
+            for k in keys:
+                if k not in self._index:
+                    break
+                n += 1
+            return n
+
+
+class MemoryStore(IndexedStore):
+    """LRU over whole entries by bytes; thread-safe; an entry larger than the budget is refused."""
+
+    _index: OrderedDict[str, bytes]
+
+    # -- writes ---------------------------------------------------------------------------------
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
         """Store serialized chunk bytes. Raises CorruptChunk (and counts it) unless they verify.
 
         The first complete put of a key wins; a later put of the same key is a no-op, so
         concurrent writers never leave a torn or replaced entry."""
         data = bytes(data)
-        if not verified:
-            try:
-                decode_checked(key, data)
-            except CorruptChunk:
-                with self._lock:
-                    self._c["corrupt_refused"] += 1
-                raise
+        self._verify_incoming(key, data, verified)
         with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                self._c["duplicate_puts"] += 1
-                return PutResult.PRESENT
-            if len(data) > self.byte_budget:
-                self._c["oversize_refused"] += 1
-                return PutResult.REFUSED
+            early = self._admission(key, len(data))
+            if early is not None:
+                return early
             while self._bytes + len(data) > self.byte_budget:
-                _, old = self._entries.popitem(last=False)
+                _, old = self._index.popitem(last=False)
                 self._bytes -= len(old)
                 self._c["evictions"] += 1
-            self._entries[key] = data
+            self._index[key] = data
             self._bytes += len(data)
             self._c["puts"] += 1
             return PutResult.STORED
@@ -116,41 +153,27 @@ class MemoryStore:
 
     def _take(self, key: str) -> bytes | None:
         with self._lock:
-            data = self._entries.get(key)
+            data = self._index.get(key)
             if data is None:
                 self._c["misses"] += 1
                 return None
-            self._entries.move_to_end(key)
+            self._index.move_to_end(key)
             self._c["hits"] += 1
             return data
 
     def _drop_corrupt(self, key: str, data: bytes) -> None:
         """Remove the entry if it is still the one that failed; the read becomes a miss."""
         with self._lock:
-            if self._entries.get(key) is data:
-                del self._entries[key]
+            if self._index.get(key) is data:
+                del self._index[key]
                 self._bytes -= len(data)
             self._c["corrupt_dropped"] += 1
             self._c["hits"] -= 1
             self._c["misses"] += 1
 
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._entries
-
-    def lookup(self, keys: list[str]) -> int:
-        """How many LEADING keys are held (a prefix hit stops at the first gap)."""
-        with self._lock:
-            n = 0
-            for k in keys:
-                if k not in self._entries:
-                    break
-                n += 1
-            return n
-
     def remove(self, key: str) -> bool:
         with self._lock:
-            data = self._entries.pop(key, None)
+            data = self._index.pop(key, None)
             if data is None:
                 return False
             self._bytes -= len(data)
@@ -158,4 +181,4 @@ class MemoryStore:
 
     def stats(self) -> dict:
         with self._lock:
-            return {**self._c, "bytes": self._bytes, "entries": len(self._entries), "byte_budget": self.byte_budget}
+            return {**self._c, "bytes": self._bytes, "entries": len(self._index), "byte_budget": self.byte_budget}

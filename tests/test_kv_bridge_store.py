@@ -131,7 +131,7 @@ def test_memory_refuses_an_entry_larger_than_the_budget():
 def test_memory_corrupt_entry_dropped_at_get():
     store = MemoryStore(1 << 20)
     store.put(make_chunk("k"))
-    store._entries["k"] = flip_byte(store._entries["k"], 100)  # memory rot
+    store._index["k"] = flip_byte(store._index["k"], 100)  # memory rot
     assert store.get("k") is None
     s = store.stats()
     assert s["corrupt_dropped"] == 1 and s["entries"] == 0 and s["bytes"] == 0 and s["hits"] == 0

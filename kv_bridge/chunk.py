@@ -58,23 +58,43 @@ class KVChunk:
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> "KVChunk":
-        data = memoryview(data)
-        if len(data) < 8 + _DIGEST or bytes(data[:4]) != _MAGIC:
-            raise CorruptChunk("not a flashpd KV chunk (bad magic or too short)")
-        body, digest = data[:-_DIGEST], bytes(data[-_DIGEST:])
-        if xxhash.xxh3_128_digest(body) != digest:
-            raise CorruptChunk("chunk checksum mismatch")
-        (hl,) = struct.unpack("<I", body[4:8])
-        h = json.loads(bytes(body[8:8 + hl]))
+        h, offsets = verify_bytes(data)
+        body = memoryview(data)[:-_DIGEST]
         dtype = _DTYPES[h["dtype"]]
-        off = 8 + hl
-        tk, off = _tensor(body, off, h["target_shape"], dtype)
-        dk = None
-        if h["draft_shape"] is not None:
-            dk, off = _tensor(body, off, h["draft_shape"], dtype)
-        if off != len(body):
-            raise CorruptChunk("chunk length does not match its header")
+        tk = _tensor(body, offsets[0], h["target_shape"], dtype)
+        dk = _tensor(body, offsets[1], h["draft_shape"], dtype) if h["draft_shape"] is not None else None
         return cls(h["key"], h["parent"], h["fingerprint"], h["token_ids"], tk, dk)
+
+
+def verify_bytes(data: bytes | memoryview) -> tuple[dict, tuple[int, int]]:
+    """Check magic, checksum and lengths without building tensors (what a store or a relay needs).
+
+    Returns the header and the byte offsets of the target and draft tensors."""
+    data = memoryview(data)
+    if len(data) < 8 + _DIGEST or bytes(data[:4]) != _MAGIC:
+        raise CorruptChunk("not a flashpd KV chunk (bad magic or too short)")
+    body, digest = data[:-_DIGEST], bytes(data[-_DIGEST:])
+    if xxhash.xxh3_128_digest(body) != digest:
+        raise CorruptChunk("chunk checksum mismatch")
+    (hl,) = struct.unpack("<I", body[4:8])
+    try:
+        h = json.loads(bytes(body[8:8 + hl]))
+        item = torch.empty((), dtype=_DTYPES[h["dtype"]]).element_size()
+    except (ValueError, KeyError) as e:
+        raise CorruptChunk(f"chunk header is unreadable ({e})") from None
+    t_off = 8 + hl
+    d_off = t_off + _numel(h["target_shape"]) * item
+    end = d_off + (_numel(h["draft_shape"]) * item if h["draft_shape"] is not None else 0)
+    if end != len(body):
+        raise CorruptChunk("chunk length does not match its header")
+    return h, (t_off, d_off)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _raw(t: torch.Tensor) -> memoryview | bytes:
@@ -82,12 +102,6 @@ def _raw(t: torch.Tensor) -> memoryview | bytes:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else b""
 
 
-def _tensor(body: memoryview, off: int, shape: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    n = 1
-    for s in shape:
-        n *= s
-    nb = n * torch.empty((), dtype=dtype).element_size()
-    if off + nb > len(body):
-        raise CorruptChunk("chunk is truncated")
-    t = torch.frombuffer(bytearray(body[off:off + nb]), dtype=torch.uint8).view(dtype).view(shape)
-    return t, off + nb
+def _tensor(body: memoryview, off: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    nb = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(bytearray(body[off:off + nb]), dtype=torch.uint8).view(dtype).view(shape)

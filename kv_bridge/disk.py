@@ -16,7 +16,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
-from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked
+from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked, verify_checked
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a file name, never a path
 _TMP_PREFIX = ".tmp-"
@@ -126,7 +126,7 @@ class DiskStore(IndexedStore):
         if data is None:
             return None
         try:
-            decode_checked(key, data)
+            verify_checked(key, data)
         except CorruptChunk:
             self._drop_corrupt(key)
             return None
@@ -187,7 +187,7 @@ class TieredStore:
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
         if not verified:
             try:
-                decode_checked(key, data)  # once for both tiers
+                verify_checked(key, data)  # once for both tiers
             except CorruptChunk:
                 self._count("corrupt_refused")
                 raise

@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 from typing import Protocol, runtime_checkable
 
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, verify_bytes
 
 
 class PutResult(enum.Enum):
@@ -35,6 +35,13 @@ class ByteStore(ChunkStore, Protocol):
 
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult: ...
     def get_bytes(self, key: str) -> bytes | None: ...
+
+
+def verify_checked(key: str, data: bytes | memoryview) -> None:
+    """Checksum, lengths and key of serialized bytes, without materialising the tensors."""
+    header, _ = verify_bytes(data)
+    if header["key"] != key:
+        raise CorruptChunk(f"chunk header names key {header['key'][:16]}..., filed under {key[:16]}...")
 
 
 def decode_checked(key: str, data: bytes | memoryview) -> KVChunk:
@@ -70,7 +77,7 @@ class IndexedStore:
         if verified:
             return
         try:
-            decode_checked(key, data)
+            verify_checked(key, data)
         except CorruptChunk:
             with self._lock:
                 self._c["corrupt_refused"] += 1
@@ -145,7 +152,7 @@ class MemoryStore(IndexedStore):
         if data is None:
             return None
         try:
-            decode_checked(key, data)
+            verify_checked(key, data)
         except CorruptChunk:
             self._drop_corrupt(key, data)
             return None

@@ -253,6 +253,10 @@ class RemoteStore:
         got = self.client.get([key], self.transport)
         return got[0] if got else None
 
+    def get_many(self, keys: list[str]) -> list[KVChunk]:
+        """The leading present chunks of `keys` in ONE streamed call (a prefix restore)."""
+        return self.client.get(keys, self.transport)
+
     def contains(self, key: str) -> bool:
         return self.client.lookup([key]) == 1
 

@@ -57,9 +57,14 @@ class PrefixCache:
         keys = self._keys(seq.prompt[:len(seq.prompt) - 1])
         n = self.store.lookup(keys) if keys else 0
         runner, drafts = gen.runner, getattr(gen, "drafts", None)
+        get_many = getattr(self.store, "get_many", None)  # a remote store fetches the run in one call
+        fetched = get_many(keys[:n]) if get_many is not None and n else None
         hit = 0
         for i in range(n):
-            chunk = self.store.get(keys[i])
+            if fetched is not None:
+                chunk = fetched[i] if i < len(fetched) else None
+            else:
+                chunk = self.store.get(keys[i])
             lo = i * self.chunk_tokens
             hi = lo + self.chunk_tokens
             if chunk is None:  # evicted between lookup and get: the rest is recomputed

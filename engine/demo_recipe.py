@@ -53,7 +53,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     cfg = Qwen3Config.from_dict({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **TARGET_SHAPE,
                                  "eos_token_id": eos})
     model = train_target(cfg, stream, steps=target_steps, batch=target_batch, seq_len=seq_len, lr=2e-3,
-                         device=device, seed=seed, log=log)
+                         device=device, seed=seed, val_stream=draft_stream, log=log)
     log(f"target trained ({time.perf_counter() - t0:.0f} s)")
     tdir = out / "target"
     save_target(model, tdir, dtype=torch.bfloat16)

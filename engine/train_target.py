@@ -32,8 +32,13 @@ def random_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Gen
 
 
 def train_target(cfg: Qwen3Config, stream: torch.Tensor, *, steps: int, batch: int, seq_len: int, lr: float,
-                 device: str, seed: int = 0, log: Callable[[str], None] = print) -> Qwen3ForCausalLM:
-    """stream: one long int64 token tensor (files joined by eos). Returns the trained model (float32)."""
+                 device: str, seed: int = 0, val_stream: torch.Tensor | None = None, eval_every: int = 100,
+                 log: Callable[[str], None] = print) -> Qwen3ForCausalLM:
+    """stream: one long int64 token tensor (files joined by eos). Returns the trained model (float32).
+
+    With val_stream (text the target never trains on), the loss on a fixed batch of it is logged
+    every `eval_every` steps and the weights with the lowest validation loss are returned: a target
+    that memorises its training files continues unseen text erratically, which no drafter predicts."""
     torch.manual_seed(seed)
     model = dummy_target(cfg, device, torch.float32, seed=seed)
     with torch.no_grad():  # GPT-style init: smaller output projections keep early training stable
@@ -44,6 +49,10 @@ def train_target(cfg: Qwen3Config, stream: torch.Tensor, *, steps: int, batch: i
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda")
     gen = torch.Generator().manual_seed(seed)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+    val = None
+    if val_stream is not None:
+        val = random_windows(val_stream, min(batch, 16), seq_len, torch.Generator().manual_seed(seed + 1)).to(device)
+    best: tuple[float, dict[str, torch.Tensor]] | None = None
     t0 = time.perf_counter()
     bar = tqdm(range(steps), desc="target", mininterval=5, disable=not sys.stderr.isatty())
     for step in bar:
@@ -57,7 +66,23 @@ def train_target(cfg: Qwen3Config, stream: torch.Tensor, *, steps: int, batch: i
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 100 == 0 or step == steps - 1:
+        if step % eval_every == 0 or step == steps - 1:
+            msg = f"target step {step} loss {loss.item():.4f}"
+            if val is not None:
+                v = validation_loss(model, val, amp)
+                msg += f" val {v:.4f}"
+                if best is None or v < best[0]:
+                    best = (v, {k: t.detach().clone() for k, t in model.state_dict().items()})
             bar.set_postfix(loss=f"{loss.item():.3f}")
-            log(f"target step {step} loss {loss.item():.4f} ({time.perf_counter() - t0:.0f} s)")
+            log(f"{msg} ({time.perf_counter() - t0:.0f} s)")
+    if best is not None:
+        model.load_state_dict(best[1])
+        log(f"kept the weights with the lowest validation loss ({best[0]:.4f})")
     return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def validation_loss(model: Qwen3ForCausalLM, x: torch.Tensor, amp) -> float:
+    with amp:
+        hidden, _ = model.causal_forward(x[:, :-1])
+        return F.cross_entropy(model.logits(hidden).float().view(-1, model.cfg.vocab_size), x[:, 1:].reshape(-1)).item()

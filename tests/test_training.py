@@ -142,6 +142,24 @@ def test_target_training_reduces_loss():
     assert losses[-1] < 0.3 * losses[0], losses
 
 
+def test_target_training_keeps_the_best_validation_weights():
+    """Validation on a stream the model never trains on picks the returned weights."""
+    from flashpd.engine.config import Qwen3Config
+    from flashpd.engine.train_target import train_target, validation_loss
+    cfg = Qwen3Config.from_dict({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
+    train, val = torch.arange(2000) % 17, (torch.arange(2000) * 5) % 23  # val follows another rule
+    logs: list[str] = []
+    model = train_target(cfg, train, steps=40, batch=4, seq_len=32, lr=1e-2, device="cpu", val_stream=val,
+                         eval_every=10, log=logs.append)
+    vals = [float(m.split(" val ")[1].split()[0]) for m in logs if " val " in m]
+    assert len(vals) == 5 and logs[-1].startswith("kept the weights with the lowest validation loss")
+    assert f"({min(vals):.4f})" in logs[-1]
+    from flashpd.engine.train_target import random_windows
+    fixed = random_windows(val, 4, 32, torch.Generator().manual_seed(1))  # the batch train_target validates on
+    assert abs(validation_loss(model, fixed, torch.autocast("cpu", enabled=False)) - min(vals)) < 1e-4
+
+
 def test_shipped_demo_pair_is_exact_on_heldout_prompts():
     """The README's demo pair: DFlash equals native greedy in float32 on held-out text."""
     from flashpd.demo import heldout_prompts

@@ -1,0 +1,49 @@
+"""Prefill on one worker, decode on another, KV + drafter state through a real gRPC bridge:
+tokens and per-step acceptance lengths equal a colocated run."""
+from __future__ import annotations
+
+import torch
+
+from flashpd.decode_node.scheduler import Scheduler
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge.client import BridgeClient, RemoteStore
+from flashpd.kv_bridge.keys import MethodFingerprint
+from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.server import serve
+from flashpd.kv_bridge.store import MemoryStore
+from flashpd.prefill_node.worker import PrefillWorker
+
+from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+
+
+def test_disaggregated_prefill_and_decode_equal_colocated(dflash_pair):  # noqa: F811
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    taps = tuple(drafter.cfg.target_layer_ids)
+    fp = MethodFingerprint("fixture-target", "fixture-drafter", taps, "float32").digest()
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, 126, (int(n),), generator=g).tolist() for n in torch.randint(130, 400, (10,), generator=g)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    colocated = DFlashGenerator(ModelRunner(target, 1024, 16, taps=taps), drafter, ()).generate(prompts, [params] * 10)
+
+    server, port = serve(MemoryStore(1 << 30))
+    try:
+        with BridgeClient(f"127.0.0.1:{port}") as pc, BridgeClient(f"127.0.0.1:{port}") as dc:
+            prefill = PrefillWorker(ModelRunner(target, 256, 16, taps=taps), drafter, PrefixCache(RemoteStore(pc), fp, 64))
+            firsts = [prefill.prefill(p, params) for p in prompts]
+            assert all(r.published_chunks == len(p) // 64 for r, p in zip(firsts, prompts))
+            decode_cache = PrefixCache(RemoteStore(dc, transport="shm"), fp, 64)
+            sched = Scheduler(ModelRunner(target, 1024, 16, taps=taps), drafter, prefix_cache=decode_cache)
+            reqs = [sched.add(p, params, "dflash") for p in prompts]
+            sched.run_until_idle()
+    finally:
+        server.stop(grace=None).wait(10)
+    assert decode_cache.stats.per_request_hits == [((len(p) - 1) // 64) * 64 for p in prompts]
+    for c, r, f in zip(colocated, reqs, firsts):
+        assert r.seq.output[0] == f.first_token == c.output[0]
+        assert r.seq.output == c.output
+        assert r.seq.stats.acceptance_lengths == c.stats.acceptance_lengths

@@ -59,14 +59,20 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams, method: str = "native",
-            block_size: int | None = None) -> Request:
-        """Queue a request; refuses at once what can never run here."""
+            block_size: int | None = None, first_token: int | None = None) -> Request:
+        """Queue a request; refuses at once what can never run here.
+
+        first_token: the token a prefill worker already computed and streamed; it is committed
+        as the first output instead of the decode side's own (identical in float32) choice."""
         if method not in ("native", "dflash"):
             raise ValueError(f"method must be 'native' or 'dflash', got {method!r}")
         if method == "dflash" and self.spec is None:
             raise ValueError("method 'dflash' needs a worker with a drafter")
         gen = self.spec if method == "dflash" else self.native
         seq = gen.new_sequences([prompt], [params])[0]  # validates params and the context length
+        if first_token is not None and not 0 <= first_token < self.runner.model.cfg.vocab_size:
+            raise ValueError(f"first_token {first_token} is outside the vocabulary")
+        seq.forced_first = first_token
         if method == "dflash":
             seq.block_size = self.spec._check_block(self.spec.block_size if block_size is None else block_size)
         need = math.ceil((len(prompt) + params.max_tokens + seq.block_size) / self.runner.block_size)

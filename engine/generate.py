@@ -79,7 +79,9 @@ class NativeGenerator:
             now = time.perf_counter()
             for j, (s, tok) in enumerate(zip(group, firsts)):
                 s.stats.ttft_ms = (now - s.t_start) * 1e3
-                s.commit([tok])
+                # the token a prefill worker already streamed wins (bf16 recompute may round otherwise);
+                # sampling still drew above, so a seeded generator stays in step with a colocated run
+                s.commit([tok if s.forced_first is None else s.forced_first])
                 if taps:
                     n = len(s.prompt) - cached[j]
                     features.append(torch.cat([x[j, :n] for x in out.taps], dim=-1))

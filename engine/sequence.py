@@ -51,6 +51,7 @@ class Sequence:
     draft_len: int = 0  # positions whose drafter context K/V is cached
     pending: "torch.Tensor | None" = None  # tapped target states of accepted positions not yet in the draft cache
     pending_rows: int = 0  # how many leading rows of `pending` are real
+    forced_first: int | None = None  # disaggregation: the first token a prefill worker already streamed
 
     @property
     def done(self) -> bool:

@@ -38,7 +38,7 @@ def test_disaggregated_prefill_and_decode_equal_colocated(dflash_pair):  # noqa:
             assert all(r.published_chunks == len(p) // 64 for r, p in zip(firsts, prompts))
             decode_cache = PrefixCache(RemoteStore(dc, transport="shm"), fp, 64)
             sched = Scheduler(ModelRunner(target, 1024, 16, taps=taps), drafter, prefix_cache=decode_cache)
-            reqs = [sched.add(p, params, "dflash") for p in prompts]
+            reqs = [sched.add(p, params, "dflash", first_token=f.first_token) for p, f in zip(prompts, firsts)]
             sched.run_until_idle()
     finally:
         server.stop(grace=None).wait(10)
@@ -47,3 +47,19 @@ def test_disaggregated_prefill_and_decode_equal_colocated(dflash_pair):  # noqa:
         assert r.seq.output[0] == f.first_token == c.output[0]
         assert r.seq.output == c.output
         assert r.seq.stats.acceptance_lengths == c.stats.acceptance_lengths
+
+
+def test_forced_first_token_is_committed_and_decoding_continues_from_it(dflash_pair):  # noqa: F811
+    """What the client already saw wins: decoding continues from the streamed first token."""
+    from flashpd.engine.generate import NativeGenerator
+    target = load_target(dflash_pair.target_dir)
+    prompt = list(range(3, 60))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    own = NativeGenerator(ModelRunner(target, 64, 16)).generate([prompt], [params])[0].output
+    forced = (own[0] + 1) % 120
+    sched = Scheduler(ModelRunner(target, 64, 16))
+    r = sched.add(prompt, params, "native", first_token=forced)
+    sched.run_until_idle()
+    cont = NativeGenerator(ModelRunner(target, 64, 16)).generate([prompt + [forced]], [SamplingParams(
+        max_tokens=11, ignore_eos=True)])[0].output
+    assert r.seq.output == [forced] + cont

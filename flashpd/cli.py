@@ -1,4 +1,4 @@
-"""The `flashpd` command line: generate, demo, train-drafter, make-demo-pair."""
+"""The `flashpd` command line: generate, demo, train-drafter, make-demo-pair, serve, client."""
 from __future__ import annotations
 
 import argparse
@@ -173,10 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="run the shipped demo model: native vs DFlash")
     d.add_argument("--device", choices=["cpu", "cuda"])
     _add_training(sub)
+    from flashpd.cluster import cli_serve  # noqa: PLC0415
+    cli_serve.add_serve(sub)
+    cli_serve.add_client(sub, _prompt_ids)
     a = parser.parse_args(argv)
     try:
         if a.cmd == "generate":
             return cmd_generate(a)
+        if a.cmd == "serve":
+            return cli_serve.cmd_serve(a)
+        if a.cmd == "client":
+            return cli_serve.cmd_client(a)
         if a.cmd == "train-drafter":
             return cmd_train_drafter(a)
         if a.cmd == "make-demo-pair":

@@ -1,0 +1,205 @@
+"""A background thread that owns a decode `Scheduler` and steps it while there is work.
+
+Other threads `submit()` requests and `cancel()` them; only the loop thread ever touches the
+scheduler (add, step, cancel), so the scheduler needs no locking. A submission is added between
+steps and its outcome (a `Handle`, or the scheduler's refusal: PromptTooLong / ValueError) goes
+back to the submitter through a future. Each request's new tokens go to its handle's queue as
+they are produced, then one final event. When there is nothing to do the thread sleeps on a
+condition variable (with a timeout), never spinning. Every wait here is bounded.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from flashpd.decode_node.scheduler import Request, Scheduler
+from flashpd.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SUBMIT_TIMEOUT_S = 30.0
+
+
+class EngineStopped(RuntimeError):
+    """The loop is stopped (or died): no new work is taken, and in-flight requests end with this."""
+
+
+@dataclass
+class Event:
+    """What a handle's queue carries: kind "tokens" (new token ids), "done" (finish_reason + stats),
+    "cancelled", or "error" (the exception)."""
+
+    kind: str
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: dict | None = None
+    error: BaseException | None = None
+
+
+class Handle:
+    """One submitted request as seen from outside the loop."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None) -> None:
+        self.prompt = prompt
+        self.params = params
+        self.method = method
+        self.block_size = block_size
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.request: Request | None = None  # set in the loop thread once the scheduler took it
+        self.cancel_requested = False
+
+    def get(self, timeout: float) -> Event | None:
+        """The next event, or None if none came within timeout seconds."""
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, idle_wait_s: float = 0.5, name: str = "engine-loop") -> None:
+        self.scheduler = scheduler
+        self.idle_wait_s = idle_wait_s
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[Handle, Future]] = []
+        self._cancels: list[Handle] = []
+        self._live: dict[int, Handle] = {}  # request id -> handle (loop thread only)
+        self._stop = False
+        self._error: BaseException | None = None
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- facts about the engine (read from any thread) -----------------------------------------
+    @property
+    def has_drafter(self) -> bool:
+        return self.scheduler.spec is not None
+
+    @property
+    def default_block_size(self) -> int | None:
+        return self.scheduler.spec.block_size if self.scheduler.spec is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.scheduler.runner.model.cfg.vocab_size)
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.scheduler.runner.max_positions)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop and self._error is None
+
+    def counts(self) -> dict:
+        """Rough, lock-free snapshot (for health): running, waiting, free KV blocks."""
+        s = self.scheduler
+        return dict(running=len(s.running), waiting=len(s.waiting), kv_blocks_free=s.runner.allocator.num_free)
+
+    # ---- from other threads --------------------------------------------------------------------
+    def submit(self, prompt: list[int], params: SamplingParams, method: str = "native",
+               block_size: int | None = None, timeout_s: float = DEFAULT_SUBMIT_TIMEOUT_S) -> Handle:
+        """Queue a request; returns its handle once the scheduler accepted it. Raises what
+        Scheduler.add raises (PromptTooLong, ValueError), EngineStopped, or TimeoutError."""
+        h = Handle(list(prompt), params, method, block_size)
+        fut: Future = Future()
+        with self._cv:
+            if not self.alive:
+                raise EngineStopped("engine loop is not running") from self._error
+            self._inbox.append((h, fut))
+            self._cv.notify()
+        try:
+            return fut.result(timeout=timeout_s)
+        except FutureTimeout:
+            self.cancel(h)
+            raise TimeoutError(f"engine loop did not take the request within {timeout_s:g} s") from None
+
+    def cancel(self, h: Handle) -> None:
+        """Ask the loop to drop the request and free its KV (idempotent; no-op once it finished)."""
+        with self._cv:
+            h.cancel_requested = True
+            self._cancels.append(h)
+            self._cv.notify()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread; requests still in flight are cancelled and get an "error" event."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"engine loop did not stop within {timeout_s:g} s")
+
+    # ---- loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stop or self._inbox or self._cancels or not self.scheduler.idle):
+                        self._cv.wait(self.idle_wait_s)
+                    if self._stop:
+                        break
+                    inbox, self._inbox = self._inbox, []
+                    cancels, self._cancels = self._cancels, []
+                self._take(inbox)
+                self._drop(cancels)
+                if not self.scheduler.idle:
+                    self._step()
+        except BaseException as e:  # noqa: BLE001  a failed step: nothing in flight can continue
+            log.exception("engine loop failed")
+            self._error = e
+        finally:
+            self._shutdown()
+
+    def _take(self, inbox: list[tuple[Handle, Future]]) -> None:
+        for h, fut in inbox:
+            if h.cancel_requested or not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                h.request = self.scheduler.add(h.prompt, h.params, h.method, h.block_size)
+            except Exception as e:  # noqa: BLE001  the submitter gets the scheduler's refusal
+                fut.set_exception(e)
+                continue
+            self._live[h.request.id] = h
+            fut.set_result(h)
+
+    def _drop(self, cancels: list[Handle]) -> None:
+        for h in cancels:
+            if h.request is not None and self._live.pop(h.request.id, None) is h:
+                self.scheduler.cancel(h.request)
+                h.events.put(Event("cancelled", finish_reason="cancelled"))
+
+    def _step(self) -> None:
+        res = self.scheduler.step()
+        self.steps += 1
+        for rid, toks in res.new_tokens.items():
+            h = self._live.get(rid)
+            if h is not None:
+                h.events.put(Event("tokens", tokens=list(toks)))
+        for r in res.finished:
+            h = self._live.pop(r.id, None)
+            if h is not None:
+                h.events.put(Event("done", finish_reason=r.seq.finish_reason, stats=r.seq.stats.as_dict()))
+
+    def _shutdown(self) -> None:
+        err = EngineStopped("engine loop stopped")
+        if self._error is not None:
+            err = EngineStopped(f"engine loop failed: {self._error!r}")
+        with self._cv:
+            self._stop = True
+            inbox, self._inbox = self._inbox, []
+        for _, fut in inbox:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(err)
+        for h in list(self._live.values()):
+            try:
+                self.scheduler.cancel(h.request)
+            except Exception:  # noqa: BLE001  best effort: the loop is going away
+                log.exception("cancel during shutdown failed")
+            h.events.put(Event("error", error=err))
+        self._live.clear()

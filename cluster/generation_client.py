@@ -1,0 +1,160 @@
+"""Client of the generation service: every call carries a deadline, and gRPC failures become
+Python exceptions that say what went wrong (the server's message names the bad field)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import grpc
+
+from flashpd.cluster.proto_gen import generation_pb2 as pb
+from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
+
+PROTOCOL_VERSION = 1
+
+
+class GenerationError(Exception):
+    """A generation call failed; `call` names it, `code` is the gRPC status (None for client-side checks)."""
+
+    def __init__(self, call: str, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(f"Generation.{call}: {message}")
+        self.call = call
+        self.code = code
+
+
+class GenerationInvalidArgument(GenerationError, ValueError):
+    """INVALID_ARGUMENT: the message names the field."""
+
+
+class GenerationResourceExhausted(GenerationError):
+    """RESOURCE_EXHAUSTED: the prompt (plus max_tokens) cannot fit this server."""
+
+
+class GenerationFailedPrecondition(GenerationError):
+    """FAILED_PRECONDITION: e.g. method 'dflash' on a server without a drafter."""
+
+
+class GenerationTimeout(GenerationError, TimeoutError):
+    """DEADLINE_EXCEEDED: the call's deadline passed."""
+
+
+class GenerationUnavailable(GenerationError, ConnectionError):
+    """UNAVAILABLE: the server could not be reached or its engine stopped."""
+
+
+class GenerationCancelled(GenerationError):
+    """CANCELLED: the call was cancelled."""
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: GenerationInvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: GenerationResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: GenerationFailedPrecondition,
+    grpc.StatusCode.DEADLINE_EXCEEDED: GenerationTimeout,
+    grpc.StatusCode.UNAVAILABLE: GenerationUnavailable,
+    grpc.StatusCode.CANCELLED: GenerationCancelled,
+}
+
+
+def _map_error(call: str, e: grpc.RpcError, timeout_s: float) -> GenerationError:
+    code = e.code() if hasattr(e, "code") else None
+    details = (e.details() if hasattr(e, "details") else None) or str(code)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        details = f"deadline of {timeout_s:g} s exceeded ({details})"
+    cls = _BY_CODE.get(code, GenerationError)
+    return cls(call, details if cls is not GenerationError else f"{code.name if code else 'error'}: {details}", code)
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+def _stats(s: pb.Stats) -> dict:
+    return {"acceptance_lengths": list(s.acceptance_lengths), "tau": s.tau or None,
+            "ttft_ms": s.ttft_ms, "latency_ms": s.latency_ms}
+
+
+def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "", block_size: int = 0,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                  ignore_eos: bool = False) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(version=PROTOCOL_VERSION, max_tokens=max_tokens, method=method, block_size=block_size,
+                             temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
+    if isinstance(prompt, str):
+        req.prompt_text = prompt
+    else:
+        req.prompt_ids.ids.extend(int(t) for t in prompt)
+        req.prompt_ids.SetInParent()  # an empty id list is still "prompt_ids" (the server names it)
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+class GenerationClient:
+    """One channel to one generation server. Thread-safe (gRPC channels are); close() when done."""
+
+    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "GenerationClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_version(self, call: str, version: int) -> None:
+        if version != PROTOCOL_VERSION:
+            raise GenerationError(call, f"reply version {version}, expected {PROTOCOL_VERSION}")
+
+    def generate(self, prompt: str | list[int], timeout_s: float | None = None, **kw) -> Iterator[Chunk]:
+        """Stream the chunks of one request (kw: max_tokens, method, block_size, temperature, top_p,
+        top_k, seed, ignore_eos). Closing the iterator early cancels the request on the server."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        call = self._stub.Generate(build_request(prompt, **kw), timeout=t)
+        try:
+            for msg in call:
+                self._check_version("Generate", msg.version)
+                yield Chunk(list(msg.token_ids), msg.text, msg.finished, msg.finish_reason or None,
+                            _stats(msg.stats) if msg.finished else None)
+        except grpc.RpcError as e:
+            raise _map_error("Generate", e, t) from None
+        finally:
+            call.cancel()  # no-op once the stream is complete
+
+    def generate_once(self, prompt: str | list[int], timeout_s: float | None = None, **kw) -> Result:
+        t = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            r = self._stub.GenerateOnce(build_request(prompt, **kw), timeout=t)
+        except grpc.RpcError as e:
+            raise _map_error("GenerateOnce", e, t) from None
+        self._check_version("GenerateOnce", r.version)
+        return Result(list(r.token_ids), r.text, r.finish_reason, _stats(r.stats))
+
+    def health(self, timeout_s: float | None = None) -> dict:
+        t = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            r = self._stub.Health(pb.HealthRequest(version=PROTOCOL_VERSION), timeout=t)
+        except grpc.RpcError as e:
+            raise _map_error("Health", e, t) from None
+        self._check_version("Health", r.version)
+        return {"serving": r.serving, "has_drafter": r.has_drafter, "has_tokenizer": r.has_tokenizer,
+                "running": r.running, "waiting": r.waiting, "kv_blocks_free": r.kv_blocks_free,
+                "vocab_size": r.vocab_size}

@@ -1,0 +1,205 @@
+"""The generation gRPC service (proto/generation.proto) over an `EngineLoop`.
+
+Bad requests get INVALID_ARGUMENT with the field named; a prompt that cannot fit gets
+RESOURCE_EXHAUSTED; method "dflash" on a server without a drafter gets FAILED_PRECONDITION.
+When the client goes away or its deadline passes, gRPC ends the RPC and its termination
+callback cancels the request in the loop (its KV blocks are freed). Loopback only unless
+allow_remote (the service has no authentication).
+"""
+from __future__ import annotations
+
+import ipaddress
+import math
+from concurrent import futures
+from typing import Iterator
+
+import grpc
+
+from flashpd.cluster.engine_loop import EngineLoop, EngineStopped, Handle
+from flashpd.cluster.proto_gen import generation_pb2 as pb
+from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
+from flashpd.decode_node.scheduler import PromptTooLong
+from flashpd.engine.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+POLL_S = 0.1  # how often a waiting RPC re-checks that its client and the loop are still there
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def stats_message(d: dict | None) -> pb.Stats:
+    d = d or {}
+    return pb.Stats(version=PROTOCOL_VERSION, acceptance_lengths=d.get("acceptance_lengths") or [],
+                    tau=d.get("tau") or 0.0, ttft_ms=d.get("ttft_ms") or 0.0, latency_ms=d.get("latency_ms") or 0.0)
+
+
+class _Detok:
+    """Incremental decoding: the text of all tokens so far, handed out as new suffixes; holds back a
+    trailing replacement character (an incomplete multi-byte sequence) until it resolves."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, toks: list[int], final: bool = False) -> str:
+        if self.tokenizer is None:
+            return ""
+        self.ids.extend(toks)
+        full = self.tokenizer.decode(self.ids)
+        if not final and full.endswith("\ufffd"):
+            return ""
+        new = full[len(self.sent):] if full.startswith(self.sent) else full
+        self.sent = full
+        return new
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, loop: EngineLoop, tokenizer=None) -> None:
+        self.loop = loop
+        self.tokenizer = tokenizer
+
+    # ---- request checks --------------------------------------------------------------------------
+    def _parse(self, r: pb.GenerateRequest, context: grpc.ServicerContext):
+        bad = lambda msg: context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)  # noqa: E731
+        if r.version != PROTOCOL_VERSION:
+            bad(f"version: {r.version} is not supported (this server speaks {PROTOCOL_VERSION})")
+        which = r.WhichOneof("prompt")
+        if which == "prompt_text":
+            if not r.prompt_text:
+                bad("prompt_text: the prompt is empty")
+            if self.tokenizer is None:
+                bad("prompt_text: this server has no tokenizer; send prompt_ids")
+            prompt = self.tokenizer.encode(r.prompt_text)
+            if not prompt:
+                bad("prompt_text: the prompt encodes to no tokens")
+        elif which == "prompt_ids":
+            prompt = list(r.prompt_ids.ids)
+            if not prompt:
+                bad("prompt_ids: the prompt is empty")
+            vocab = self.loop.vocab_size
+            for i, t in enumerate(prompt):
+                if t >= vocab:
+                    bad(f"prompt_ids[{i}]: token id {t} is out of the vocabulary (size {vocab})")
+        else:
+            bad("prompt: the prompt is empty (set prompt_text or prompt_ids)")
+        if r.max_tokens <= 0:
+            bad(f"max_tokens: must be positive, got {r.max_tokens}")
+        method = r.method or ("dflash" if self.loop.has_drafter else "native")
+        if method not in ("native", "dflash"):
+            bad(f"method: must be 'native' or 'dflash', got {r.method!r}")
+        if method == "dflash" and not self.loop.has_drafter:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "method: 'dflash' needs a server with a drafter")
+        block_size = None
+        if method == "dflash" and r.block_size != 0:
+            if not 2 <= r.block_size <= 16:
+                bad(f"block_size: must be in [2, 16] for dflash (0 = the drafter's default), got {r.block_size}")
+            block_size = int(r.block_size)
+        if not (r.temperature >= 0 and math.isfinite(r.temperature)):
+            bad(f"temperature: must be a finite number >= 0, got {r.temperature}")
+        top_p = r.top_p if r.top_p != 0 else 1.0
+        if not 0 < top_p <= 1:
+            bad(f"top_p: must be in (0, 1] (0 = 1.0), got {r.top_p}")
+        if r.top_k < 0:
+            bad(f"top_k: must be >= 0, got {r.top_k}")
+        limit = self.loop.max_positions
+        if len(prompt) + r.max_tokens > limit:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"prompt: {len(prompt)} tokens + max_tokens {r.max_tokens} exceed the model's "
+                          f"{limit} positions")
+        params = SamplingParams(max_tokens=int(r.max_tokens), temperature=float(r.temperature), top_p=float(top_p),
+                                top_k=int(r.top_k), seed=int(r.seed) if r.HasField("seed") else None,
+                                ignore_eos=bool(r.ignore_eos))
+        return prompt, params, method, block_size
+
+    def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Handle:
+        prompt, params, method, block_size = self._parse(request, context)
+        timeout = context.time_remaining()
+        try:
+            h = self.loop.submit(prompt, params, method, block_size,
+                                 timeout_s=min(timeout, 60.0) if timeout is not None else 60.0)
+        except PromptTooLong as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt: {e}")
+        except EngineStopped as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except TimeoutError as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # from here on, however the RPC ends (done, client cancel, deadline), the request is dropped
+        context.add_callback(lambda: self.loop.cancel(h))
+        return h
+
+    def _events(self, h: Handle, context: grpc.ServicerContext):
+        """The handle's events until the final one; aborts when the loop dies. Ends quietly when
+        the RPC is no longer active (the callback has cancelled the request)."""
+        while True:
+            if not context.is_active():
+                return
+            ev = h.get(POLL_S)
+            if ev is None:
+                if not self.loop.alive:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "engine loop stopped")
+                continue
+            if ev.kind == "error":
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(ev.error))
+            if ev.kind == "cancelled":
+                context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
+            yield ev
+            if ev.kind == "done":
+                return
+
+    # ---- RPCs ---------------------------------------------------------------------------------
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
+        h = self._start(request, context)
+        detok = _Detok(self.tokenizer)
+        for ev in self._events(h, context):
+            if ev.kind == "tokens":
+                yield pb.GenerateChunk(version=PROTOCOL_VERSION, token_ids=ev.tokens, text=detok.push(ev.tokens))
+            else:
+                yield pb.GenerateChunk(version=PROTOCOL_VERSION, text=detok.push([], final=True), finished=True,
+                                       finish_reason=ev.finish_reason or "", stats=stats_message(ev.stats))
+
+    def GenerateOnce(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateReply:
+        h = self._start(request, context)
+        toks: list[int] = []
+        for ev in self._events(h, context):
+            if ev.kind == "tokens":
+                toks.extend(ev.tokens)
+            else:
+                text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
+                return pb.GenerateReply(version=PROTOCOL_VERSION, token_ids=toks, text=text,
+                                        finish_reason=ev.finish_reason or "", stats=stats_message(ev.stats))
+        context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        if request.version != PROTOCOL_VERSION:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
+        c = self.loop.counts()
+        return pb.HealthReply(version=PROTOCOL_VERSION, serving=self.loop.alive, has_drafter=self.loop.has_drafter,
+                              has_tokenizer=self.tokenizer is not None, running=c["running"], waiting=c["waiting"],
+                              kv_blocks_free=c["kv_blocks_free"], vocab_size=self.loop.vocab_size)
+
+
+def serve_generation(loop: EngineLoop, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
+                     allow_remote: bool = False, max_workers: int = 64) -> tuple[grpc.Server, int]:
+    """Start the service on host:port (0 picks a free port); returns the started server and its port.
+    Each in-flight RPC holds one worker thread, so max_workers bounds the concurrent requests."""
+    if not (allow_remote or _is_loopback(host)):
+        raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation"),
+                         maximum_concurrent_rpcs=max_workers)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(loop, tokenizer), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    server.start()
+    return server, bound

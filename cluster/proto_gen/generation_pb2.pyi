@@ -1,0 +1,109 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("version", "prompt_text", "prompt_ids", "max_tokens", "method", "block_size", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    prompt_text: str
+    prompt_ids: TokenIds
+    max_tokens: int
+    method: str
+    block_size: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    ignore_eos: bool
+    def __init__(self, version: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("version", "acceptance_lengths", "tau", "ttft_ms", "latency_ms")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    TAU_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    acceptance_lengths: _containers.RepeatedScalarFieldContainer[int]
+    tau: float
+    ttft_ms: float
+    latency_ms: float
+    def __init__(self, version: _Optional[int] = ..., acceptance_lengths: _Optional[_Iterable[int]] = ..., tau: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("version", "token_ids", "text", "finished", "finish_reason", "stats")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finished: bool
+    finish_reason: str
+    stats: Stats
+    def __init__(self, version: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ...) -> None: ...
+
+class GenerateReply(_message.Message):
+    __slots__ = ("version", "token_ids", "text", "finish_reason", "stats")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    stats: Stats
+    def __init__(self, version: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("version", "serving", "has_drafter", "has_tokenizer", "running", "waiting", "kv_blocks_free", "vocab_size")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    HAS_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    serving: bool
+    has_drafter: bool
+    has_tokenizer: bool
+    running: int
+    waiting: int
+    kv_blocks_free: int
+    vocab_size: int
+    def __init__(self, version: _Optional[int] = ..., serving: _Optional[bool] = ..., has_drafter: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...

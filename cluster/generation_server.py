@@ -8,7 +8,6 @@ allow_remote (the service has no authentication).
 """
 from __future__ import annotations
 
-import ipaddress
 import math
 from concurrent import futures
 from typing import Iterator
@@ -20,18 +19,10 @@ from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.decode_node.scheduler import PromptTooLong
 from flashpd.engine.sampling import SamplingParams
+from flashpd.kv_bridge.server import is_loopback
 
 PROTOCOL_VERSION = 1
 POLL_S = 0.1  # how often a waiting RPC re-checks that its client and the loop are still there
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def stats_message(d: dict | None) -> pb.Stats:
@@ -193,7 +184,7 @@ def serve_generation(loop: EngineLoop, host: str = "127.0.0.1", port: int = 0, t
                      allow_remote: bool = False, max_workers: int = 64) -> tuple[grpc.Server, int]:
     """Start the service on host:port (0 picks a free port); returns the started server and its port.
     Each in-flight RPC holds one worker thread, so max_workers bounds the concurrent requests."""
-    if not (allow_remote or _is_loopback(host)):
+    if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation"),
                          maximum_concurrent_rpcs=max_workers)

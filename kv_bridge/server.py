@@ -245,7 +245,8 @@ def _peer_is_local(peer: str) -> bool:
         return False
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether a bind address stays on this machine (the services have no authentication)."""
     if host == "localhost":
         return True
     try:
@@ -262,7 +263,7 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
     max_workers bounds concurrent RPCs (each Put/Get stream holds a worker for its duration).
     Only loopback hosts are accepted unless allow_remote (the service has no authentication).
     shm_ttl_s: a shared-memory segment this server handed out and nobody took is unlinked after it."""
-    if not (allow_remote or _is_loopback(host)):
+    if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the bridge")
     shm.sweep_segments(SHM_SWEEP_AGE_S)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvbridge"),

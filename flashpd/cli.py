@@ -41,6 +41,16 @@ def parse_speculative_config(text: str) -> dict:
     return out
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling options every generating command takes (contract.md's defaults)."""
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate for one prompt (native or DFlash)")
     p.add_argument("--target", required=True, help="Hugging Face Qwen3 directory")
@@ -48,12 +58,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", choices=["native", "dflash"])
     p.add_argument("--block-size", type=int)
     p.add_argument("--speculative-config", help='vLLM form: \'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'')
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--ignore-eos", action="store_true")
+    add_sampling_args(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt")
     g.add_argument("--prompt-ids", type=_prompt_ids)

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+from flashpd.kv_bridge.shm import write_all
 from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked, verify_checked
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a file name, never a path
@@ -70,10 +71,7 @@ class DiskStore(IndexedStore):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                with memoryview(data) as view:
-                    written = 0
-                    while written < len(view):
-                        written += os.write(fd, view[written:])
+                write_all(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)

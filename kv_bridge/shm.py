@@ -27,16 +27,21 @@ def available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """os.write until every byte is down (a single write may be short)."""
+    with memoryview(data) as view:
+        written = 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
+
+
 def write_segment(data: bytes) -> str:
     """Create a new segment holding data; returns its name (the caller or its peer unlinks it)."""
     name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     path = SHM_DIR / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with memoryview(data) as view:
-            written = 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
+        write_all(fd, data)
     except BaseException:
         os.close(fd)
         unlink_segment(name)

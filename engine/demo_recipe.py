@@ -34,12 +34,14 @@ def windows(stream: torch.Tensor, n: int, lo: int, hi: int, gen: torch.Generator
 
 def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: int = 1500, target_batch: int = 32,
                    seq_len: int = 2048, drafter_steps: int = 3500, num_prompts: int = 2048, new_tokens: int = 256,
-                   heldout_prompts: int = 16, log: Callable[[str], None] = print) -> dict:
+                   heldout_prompts: int = 16, vocab_size: int = TARGET_SHAPE["vocab_size"], drafter_seqs: int = 16,
+                   drafter_lr: float = 1e-3, log: Callable[[str], None] = print) -> dict:
     out = Path(out)
+    shape = {**TARGET_SHAPE, "vocab_size": vocab_size}
     t0 = time.perf_counter()
     train_files, draft_files, held_files = split_three(stdlib_files())
     texts, draft_texts, held_texts = read_texts(train_files), read_texts(draft_files), read_texts(held_files)
-    tok = train_tokenizer(texts, TARGET_SHAPE["vocab_size"])
+    tok = train_tokenizer(texts, vocab_size)
     eos, mask = tok.token_to_id(SPECIAL_TOKENS[0]), tok.token_to_id(SPECIAL_TOKENS[1])
 
     def stream_of(part: list[str]) -> torch.Tensor:
@@ -50,7 +52,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
         f"({draft_stream.numel()} tokens), {len(held_texts)} held-out files ({held_stream.numel()} tokens); "
         f"tokenizer {tok.get_vocab_size()} ids ({time.perf_counter() - t0:.0f} s)")
 
-    cfg = Qwen3Config.from_dict({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **TARGET_SHAPE,
+    cfg = Qwen3Config.from_dict({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
                                  "eos_token_id": eos})
     model = train_target(cfg, stream, steps=target_steps, batch=target_batch, seq_len=seq_len, lr=2e-3,
                          device=device, seed=seed, val_stream=draft_stream, log=log)
@@ -67,7 +69,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     prompts = windows(draft_stream, num_prompts, 32, seq_len - new_tokens - 16, gen)
     data = regenerate(target, prompts, new_tokens, log=log)
     tc = DrafterTrainConfig(layers=2, block_size=16, num_taps=5, mask_token_id=mask, steps=drafter_steps,
-                            seqs_per_step=8, anchors=128, lr=1e-3, seed=seed, save_every=1000)
+                            seqs_per_step=drafter_seqs, anchors=128, lr=drafter_lr, seed=seed, save_every=1000)
     drafter = train_drafter(target, data, [len(p) for p in prompts], out / "drafter-train", tc, log=log)
     log(f"drafter trained ({time.perf_counter() - t0:.0f} s)")
     ddir = save_drafter(drafter, out / "drafter", dtype=torch.bfloat16)
@@ -77,12 +79,16 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     rows = evaluate_tau(target, load_drafter(ddir, target), held, max_tokens=256)
     report = {"recipe": {"seed": seed, "target_steps": target_steps, "target_batch": target_batch, "seq_len": seq_len,
                          "drafter_steps": drafter_steps, "num_prompts": num_prompts, "new_tokens": new_tokens,
-                         "target_shape": TARGET_SHAPE, "drafter": {"layers": 2, "block_size": 16, "taps": 5},
+                         "target_shape": shape, "drafter": {"layers": 2, "block_size": 16, "taps": 5,
+                                                                    "seqs_per_step": drafter_seqs, "lr": drafter_lr},
                          "device": device, "dtype_eval": str(dtype)},
               "heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows),
               "exact": f"{sum(r['exact'] for r in rows)}/{len(rows)}", "seconds": time.perf_counter() - t0}
     (out / "eval.json").write_text(json.dumps(report, indent=1))
     for r in rows:
         log(f"held-out prompt {r['prompt_len']:5d} tokens: tau {r['tau']:.2f} exact {r['exact']}")
+    pos = [sum(r["position_acceptance"][k] for r in rows) / len(rows) for k in range(len(rows[0]["position_acceptance"]))]
+    report["position_acceptance_mean"] = pos
+    log("acceptance rate per draft position: " + " ".join(f"{x:.2f}" for x in pos))
     log(f"tau mean {report['tau_mean']:.2f}, exact {report['exact']}, total {report['seconds']:.0f} s")
     return report

@@ -255,6 +255,8 @@ def evaluate_tau(target: Qwen3ForCausalLM, drafter: DFlashDrafter, prompts: list
         chunk = prompts[i:i + batch]
         params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(chunk)
         for p, s, n in zip(chunk, spec.generate(chunk, params), native.generate(chunk, params)):
-            rows.append({"prompt_len": len(p), "tau": s.stats.tau, "acceptance_lengths": s.stats.acceptance_lengths,
+            st = s.stats
+            rows.append({"prompt_len": len(p), "tau": st.tau, "acceptance_lengths": st.acceptance_lengths,
+                         "position_acceptance": [a / max(1, d) for a, d in zip(st.position_accepts, st.position_drafted)],
                          "exact": s.output == n.output})
     return rows

@@ -32,10 +32,10 @@ def windows(stream: torch.Tensor, n: int, lo: int, hi: int, gen: torch.Generator
     return [stream[s:s + k].tolist() for s, k in zip(starts, lens)]
 
 
-def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: int = 1500, target_batch: int = 32,
-                   seq_len: int = 2048, drafter_steps: int = 3500, num_prompts: int = 2048, new_tokens: int = 256,
+def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: int = 600, target_batch: int = 32,
+                   seq_len: int = 2048, drafter_steps: int = 6000, num_prompts: int = 4096, new_tokens: int = 256,
                    heldout_prompts: int = 16, vocab_size: int = TARGET_SHAPE["vocab_size"], drafter_seqs: int = 16,
-                   drafter_lr: float = 1e-3, log: Callable[[str], None] = print) -> dict:
+                   drafter_lr: float = 1.5e-3, log: Callable[[str], None] = print) -> dict:
     out = Path(out)
     shape = {**TARGET_SHAPE, "vocab_size": vocab_size}
     t0 = time.perf_counter()
@@ -67,7 +67,8 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
 
     gen = torch.Generator().manual_seed(seed + 7)
     prompts = windows(draft_stream, num_prompts, 32, seq_len - new_tokens - 16, gen)
-    data = regenerate(target, prompts, new_tokens, log=log)
+    data = regenerate(target, prompts, new_tokens, batch=256 if device.startswith("cuda") else 32, log=log)
+    log(f"regenerated ({time.perf_counter() - t0:.0f} s)")
     tc = DrafterTrainConfig(layers=2, block_size=16, num_taps=5, mask_token_id=mask, steps=drafter_steps,
                             seqs_per_step=drafter_seqs, anchors=128, lr=drafter_lr, seed=seed, save_every=1000)
     drafter = train_drafter(target, data, [len(p) for p in prompts], out / "drafter-train", tc, log=log)

@@ -112,20 +112,49 @@ def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: i
     return out
 
 
+@torch.no_grad()
+def target_features(target: Qwen3ForCausalLM, layer_ids: tuple[int, ...], seqs: torch.Tensor) -> torch.Tensor:
+    """Concatenated taps [S, N, n_taps*H] of padded sequences (causal, so padding never leaks back)."""
+    _, taps = target.causal_forward(seqs, tuple(layer_ids))
+    return torch.cat(taps, dim=-1)
+
+
+def feature_cache(target: Qwen3ForCausalLM, layer_ids: tuple[int, ...], data: list[list[int]], dev: str, amp,
+                  max_tokens: int = 1 << 16) -> list[torch.Tensor]:
+    """Every sequence's taps, computed once: the frozen target gives the same features every epoch, and
+    its forward would otherwise cost as much as the drafter's step."""
+    order = sorted(range(len(data)), key=lambda i: len(data[i]))
+    out: list[torch.Tensor | None] = [None] * len(data)
+    i = 0
+    while i < len(order):
+        n = len(data[order[i]])
+        j = i + 1
+        while j < len(order) and len(data[order[j]]) * (j + 1 - i) <= max_tokens:
+            j += 1
+        group = order[i:j]
+        seqs, _ = _pad([data[k] for k in group], dev)
+        with amp:
+            f = target_features(target, layer_ids, seqs)
+        for r, k in enumerate(group):
+            out[k] = f[r, :len(data[k])].clone()
+        i = j
+    return out  # type: ignore[return-value]
+
+
 def block_logits(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Tensor,
-                 a: torch.Tensor) -> torch.Tensor:
+                 a: torch.Tensor, feats: torch.Tensor | None = None) -> torch.Tensor:
     """Draft logits of the blocks anchored at a [S, K] in padded sequences [S, N] -> [S, K, B-1, V].
 
     Block k = [x[a_k], MASK x (B-1)] at positions a_k.. sees context [0, a_k) and only its own keys:
-    the same function as an inference draft pass at committed length a_k.
+    the same function as an inference draft pass at committed length a_k. `feats` [S, N, F]: the
+    target's taps when already computed (see feature_cache).
     """
     c = drafter.cfg
     s_, n = seqs.shape
     anchors, b = a.shape[1], c.block_size
     dev = seqs.device
-    with torch.no_grad():
-        _, taps = target.causal_forward(seqs, tuple(c.target_layer_ids))
-    feats = torch.cat(taps, dim=-1)  # [S, N, n_taps*H]
+    if feats is None:
+        feats = target_features(target, tuple(c.target_layer_ids), seqs)
     pos_ctx = torch.arange(n, device=dev)
     cos, sin = drafter.rotary.tables(pos_ctx.repeat(s_), feats.dtype)
     kv = context_kv_all(feats.view(s_ * n, -1), cos, sin, drafter.fc, drafter.hidden_norm,
@@ -156,14 +185,15 @@ def block_logits(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.T
 
 
 def block_loss(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Tensor, lengths: torch.Tensor,
-               starts: torch.Tensor, anchors: int, gamma: float, gen: torch.Generator) -> torch.Tensor:
+               starts: torch.Tensor, anchors: int, gamma: float, gen: torch.Generator,
+               feats: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted block cross-entropy for padded sequences [S, N]; anchors drawn in [starts, lengths-1)."""
     s_, n = seqs.shape
     dev = seqs.device
     lo = starts.float()
     hi = (lengths - 1).clamp_min(starts + 1).float()
     a = (lo[:, None] + torch.rand(s_, anchors, generator=gen, device=dev) * (hi - lo)[:, None]).long()  # [S, K]
-    logits = block_logits(drafter, target, seqs, a).float()
+    logits = block_logits(drafter, target, seqs, a, feats).float()
     offs = torch.arange(1, drafter.cfg.block_size, device=dev)
     lpos = a[:, :, None] + offs  # label positions
     valid = lpos < lengths[:, None, None]
@@ -208,6 +238,9 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
     pick = torch.Generator().manual_seed(tc.seed + 1 + start)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.startswith("cuda") else torch.autocast("cpu", enabled=False)
     t0 = time.perf_counter()
+    t_f = time.perf_counter()
+    cache = feature_cache(target, tuple(drafter.cfg.target_layer_ids), data, dev, amp)
+    log(f"target features of {len(data)} sequences cached ({time.perf_counter() - t_f:.0f} s)")
     bar = tqdm(range(start, tc.steps), desc="drafter", mininterval=5, disable=not sys.stderr.isatty(), initial=start, total=tc.steps)
     losses: list[float] = []
     for step in bar:
@@ -217,8 +250,9 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
         frac = step / max(1, tc.steps)
         for g in opt.param_groups:
             g["lr"] = tc.lr * min(1.0, (step + 1) / max(1, tc.steps // 20)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        feats = torch.nn.utils.rnn.pad_sequence([cache[i] for i in idx], batch_first=True)
         with amp:
-            loss = block_loss(drafter, target, seqs, lengths, starts, tc.anchors, gamma, gen)
+            loss = block_loss(drafter, target, seqs, lengths, starts, tc.anchors, gamma, gen, feats)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -121,11 +121,12 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--out", required=True)
     m.add_argument("--device", choices=["cpu", "cuda"])
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--target-steps", type=int, default=1500)
-    m.add_argument("--drafter-steps", type=int, default=3500)
+    m.add_argument("--target-steps", type=int, default=600)
+    m.add_argument("--drafter-steps", type=int, default=6000)
+    m.add_argument("--num-prompts", type=int, default=4096, help="prompts whose continuations the target regenerates")
     m.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary of the demo tokenizer")
     m.add_argument("--drafter-seqs", type=int, default=16, help="sequences per drafter step (128 anchors each)")
-    m.add_argument("--drafter-lr", type=float, default=1e-3)
+    m.add_argument("--drafter-lr", type=float, default=1.5e-3)
 
 
 def cmd_train_drafter(a: argparse.Namespace) -> int:
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             from flashpd.engine.demo_recipe import make_demo_pair  # noqa: PLC0415
             dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
             make_demo_pair(a.out, dev, seed=a.seed, target_steps=a.target_steps, drafter_steps=a.drafter_steps,
-                           vocab_size=a.vocab_size, drafter_seqs=a.drafter_seqs, drafter_lr=a.drafter_lr)
+                           vocab_size=a.vocab_size, drafter_seqs=a.drafter_seqs, drafter_lr=a.drafter_lr,
+                           num_prompts=a.num_prompts)
             return 0
         from flashpd.demo import run_demo  # noqa: PLC0415
         return run_demo(device=a.device)

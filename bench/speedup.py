@@ -137,9 +137,15 @@ def main() -> None:
     print("screen (1 timed run each):", flush=True)
     screen = [run_set(native, spec, screen_p, w, news[0], 1) for w in (int(x) for x in a.widths.split(","))]
     best = max(screen, key=lambda s: s["geomean_speedup"])["width"]
-    print(f"confirmation at width {best} ({a.reps} reps, disjoint prompts):", flush=True)
-    confirm = [run_set(native, spec, confirm_p, best, n, a.reps) for n in news]
     out = Path(a.out)
+    partial = {"bench": "speedup", "partial": "screen only", "screen": screen, "chosen_width": best}
+    write_json(out, partial)  # a run cut short still leaves what it measured
+    print(f"confirmation at width {best} ({a.reps} reps, disjoint prompts):", flush=True)
+    confirm = []
+    for n in news:
+        confirm.append(run_set(native, spec, confirm_p, best, n, a.reps))
+        write_json(out, {**partial, "partial": f"confirmed new_tokens {[c['new_tokens'] for c in confirm]}",
+                         "confirm": confirm})
     payload = {"bench": "speedup", "target": a.target, "draft": a.draft, "device": a.device,
                "dtype": str(dtype).removeprefix("torch."), "batch": 1, "screen": screen, "chosen_width": best,
                "confirm": confirm,

@@ -24,6 +24,8 @@ def _sync(device: torch.device) -> None:
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of logits [B, V]; greedy rows share one argmax and one host sync."""
     greedy = logits.argmax(dim=-1)
+    if all(s.params.greedy for s in seqs):
+        return greedy.tolist()
     toks = [greedy[j] if s.params.greedy else sample(logits[j], s.params, s.generator)
             for j, s in enumerate(seqs)]
     return torch.stack(toks).tolist()

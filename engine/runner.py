@@ -71,11 +71,13 @@ class ModelRunner:
         return d_ids, AttnBatch(d_pos, d_slots, d_bt, torch.empty(0)), flat
 
     def forward(self, tables: list[BlockTable], tokens: list[list[int]], want_logits: str = "last",
-                taps: bool = False) -> StepOutput:
+                taps: bool = False, tail: torch.Tensor | None = None) -> StepOutput:
         """Run `tokens[i]` appended to sequence `tables[i]`; advances each table's num_tokens.
 
         want_logits: "last" (logits of each row's last real token, [B, 1, V]), "all" ([B, T, V]),
         or "none". Blocks must already be reserved (allocator.ensure) for the new length.
+        tail: device ids [B, T-1] that replace tokens[i][1:] (equal lengths): a verify pass takes the
+        draft's argmax straight from the device, with no host round trip between draft and verify.
         """
         assert len(tables) == len(tokens) and tables
         if want_logits not in ("last", "all", "none"):
@@ -91,12 +93,16 @@ class ModelRunner:
                 raise RuntimeError("KV blocks not reserved for this forward (call allocator.ensure first)")
         t = max(lengths)
         uniform = all(n == t for n in lengths)
+        if tail is not None and (not uniform or tuple(tail.shape) != (len(tables), t - 1)):
+            raise ValueError(f"tail of shape {tuple(tail.shape)} does not fit {len(tables)} rows of {lengths} tokens")
         nblk_real = max(len(tb.blocks) for tb in tables)
         use_graph = self.cuda_graphs and uniform and t <= 32 and len(tables) <= 256
         if use_graph:
-            out = self._graph_forward(tables, tokens, t, nblk_real, want_logits != "none", taps)
+            out = self._graph_forward(tables, tokens, t, nblk_real, want_logits != "none", taps, tail)
         else:
             ids, batch, _ = self._batch(tables, tokens, len(tables), t, nblk_real)
+            if tail is not None:
+                ids[:, 1:] = tail
             batch.mask = causal_position_mask(batch.positions, nblk_real * self.block_size)
             hidden, tapped = self.model(ids, batch, self.cache.data, self.taps if taps else ())
             out = StepOutput(hidden, tapped, None)
@@ -123,9 +129,11 @@ class ModelRunner:
         return hidden, tapped, self.model.logits(hidden)
 
     def _graph_forward(self, tables: list[BlockTable], tokens: list[list[int]], t: int, nblk: int,
-                       logits: bool, taps: bool) -> StepOutput:
+                       logits: bool, taps: bool, tail: torch.Tensor | None = None) -> StepOutput:
         b = len(tables)
         bp, nb = bucket(b), bucket(nblk, 4)
-        _, _, packed = self._batch(tables, tokens, bp, t, nb)
+        ids, _, packed = self._batch(tables, tokens, bp, t, nb)
+        if tail is not None:
+            ids[:b, 1:] = tail  # ids is a view of packed
         hidden, tapped, lg = self._graph([packed], b=bp, t=t, nblk=nb)
         return StepOutput(hidden[:b], [x[:b] for x in tapped] if taps else [], lg[:b] if logits else None)

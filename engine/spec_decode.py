@@ -27,6 +27,37 @@ from flashpd.engine.sequence import Sequence
 DraftOverride = Callable[[Sequence, int], list[int]]
 
 
+class StepClock:
+    """Draft and verify time of a step. On a GPU, CUDA events: the single-sync step never waits between
+    draft and verify, so host clocks would only time the launches. Read after the step's sync."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        self.t: list[float] = []
+
+    def start(self) -> None:
+        self._at(0)
+
+    def mark(self) -> None:
+        self._at(1)
+
+    def stop(self) -> tuple[float, float]:
+        """(draft_ms, verify_ms); call after the step's results reached the host."""
+        self._at(2)
+        if self.cuda:
+            self.events[2].synchronize()
+            return self.events[0].elapsed_time(self.events[1]), self.events[1].elapsed_time(self.events[2])
+        return (self.t[1] - self.t[0]) * 1e3, (self.t[2] - self.t[1]) * 1e3
+
+    def _at(self, i: int) -> None:
+        if self.cuda:
+            self.events[i].record()
+        else:
+            self.t[i:] = [time.perf_counter()]
+
+
 def rejection_sample(guesses: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
                      generator: torch.Generator | None) -> tuple[int, int]:
     """Speculative sampling: guesses [g] drawn from q [g, V]; target p [g+1, V].
@@ -59,6 +90,7 @@ class DFlashGenerator(NativeGenerator):
         self.drafter = drafter
         self.block_size = self._check_block(c.block_size if block_size is None else block_size)
         self.drafts = DraftRunner(drafter, runner)
+        self.clock = StepClock(runner.device)
         self.draft_override: DraftOverride | None = None  # test hook: (seq, width) -> width-1 guesses
         # Benchmark replay: (seq) -> accepted drafts this step, taken from a recorded run. Output is then
         # NOT the target's (dummy weights); only the cost of the loop at a realistic tau is real.
@@ -69,6 +101,11 @@ class DFlashGenerator(NativeGenerator):
         if not 2 <= w <= 16:
             raise ValueError(f"block_size must be in [2, 16], got {w}")
         return w
+
+    def _one_sync(self, seqs: list[Sequence], widths: list[int]) -> bool:
+        """Greedy rows of one width with no test hooks: draft and verify need no host round trip between them."""
+        return (self.draft_override is None and self.accept_override is None and len(set(widths)) == 1
+                and all(s.params.greedy for s in seqs))
 
     # ---- one speculative step ------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -92,21 +129,37 @@ class DFlashGenerator(NativeGenerator):
                 qs.append(q)
         return guesses, qs
 
+    @staticmethod
+    def _pending_features(out) -> torch.Tensor:
+        """The verify pass's taps [B, w, F], copied out of the graph's static buffers for the next draft."""
+        return torch.cat(out.taps, dim=-1) if len(out.taps) > 1 else out.taps[0].clone()
+
     def spec_step(self, seqs: list[Sequence]) -> None:
         alloc = self.runner.allocator
         widths = [min(s.block_size, s.params.max_tokens - len(s.output) + 1) for s in seqs]
         for s, w in zip(seqs, widths):
             assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
             alloc.ensure(s.table, s.table.num_tokens + w)
-        t0 = time.perf_counter()
-        guesses, qs = self._draft(seqs, widths)
-        t1 = time.perf_counter()
+        self.clock.start()
         starts = [s.table.num_tokens for s in seqs]
-        out = self.runner.forward([s.table for s in seqs], [[s.last_token] + g for s, g in zip(seqs, guesses)],
-                                  "all", taps=True)
-        truth = out.logits.argmax(-1).tolist()
-        t2 = time.perf_counter()
-        feats = torch.cat(out.taps, dim=-1) if len(out.taps) > 1 else out.taps[0].clone()
+        tables = [s.table for s in seqs]
+        if self._one_sync(seqs, widths):
+            # greedy: the draft's argmax feeds the verify pass on the device; both come back in one copy
+            w = widths[0]
+            guess = self.drafts.draft(seqs, widths).argmax(-1)[:, :w - 1]
+            self.clock.mark()
+            out = self.runner.forward(tables, [[s.last_token] + [0] * (w - 1) for s in seqs], "all", taps=True,
+                                      tail=guess)
+            feats = self._pending_features(out)  # enqueued before the sync
+            rows = torch.cat([guess, out.logits.argmax(-1)], dim=1).tolist()
+            guesses, truth, qs = [r[:w - 1] for r in rows], [r[w - 1:] for r in rows], [None] * len(seqs)
+        else:
+            guesses, qs = self._draft(seqs, widths)
+            self.clock.mark()
+            out = self.runner.forward(tables, [[s.last_token] + g for s, g in zip(seqs, guesses)], "all", taps=True)
+            feats = self._pending_features(out)
+            truth = out.logits.argmax(-1).tolist()
+        draft_ms, verify_ms = self.clock.stop()
         for i, (s, g, q, w) in enumerate(zip(seqs, guesses, qs, widths)):
             if self.accept_override is not None:
                 a = min(self.accept_override(s), w - 1)
@@ -123,8 +176,8 @@ class DFlashGenerator(NativeGenerator):
             kept = s.commit(g[:a] + [bonus])
             st = s.stats
             st.acceptance_lengths.append(len(kept))
-            st.draft_ms += (t1 - t0) * 1e3
-            st.verify_ms += (t2 - t1) * 1e3
+            st.draft_ms += draft_ms
+            st.verify_ms += verify_ms
             if len(st.position_accepts) < w - 1:
                 st.position_accepts.extend([0] * (w - 1 - len(st.position_accepts)))
                 st.position_drafted.extend([0] * (w - 1 - len(st.position_drafted)))

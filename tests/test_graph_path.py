@@ -34,3 +34,32 @@ def test_padded_graph_path_equals_plain_path(dflash_pair):  # noqa: F811
     assert outs[True] == outs[False]
     assert outs[True][0] == outs[True][2]  # and DFlash equals native on the padded path too
     assert max(max(a) for a in outs[True][1]) > 1
+
+
+def test_single_sync_greedy_step_equals_host_round_trip(dflash_pair):  # noqa: F811
+    """Greedy rows of one width skip the host between draft and verify (the draft's argmax is patched
+    into the verify ids on the device): same tokens and acceptance as the two-sync step."""
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    prompts = _prompts(3, 7)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 3
+    results, tails = {}, []
+    for one_sync in (True, False):
+        runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True, compile=False)
+        forward = runner.forward
+
+        def spy(*args, tail=None, **kw):
+            tails.append((one_sync, tail is not None))
+            return forward(*args, tail=tail, **kw)
+
+        runner.forward = spy
+        gen = DFlashGenerator(runner, drafter, (), 16)
+        if not one_sync:
+            gen._one_sync = lambda seqs, widths: False
+        seqs = gen.generate(prompts, params)
+        results[one_sync] = ([s.output for s in seqs], [s.stats.acceptance_lengths for s in seqs])
+    assert results[True] == results[False]
+    assert max(max(a) for a in results[True][1]) > 1
+    # the single-sync step ran in the first run (rows near max_tokens with different widths fall back
+    # to the two-sync step), never in the second
+    assert any(t for s, t in tails if s) and not any(t for s, t in tails if not s)

@@ -32,6 +32,13 @@ def windows(stream: torch.Tensor, n: int, lo: int, hi: int, gen: torch.Generator
     return [stream[s:s + k].tolist() for s, k in zip(starts, lens)]
 
 
+def heldout_windows(tok, n: int = 16, seed: int = 0) -> list[list[int]]:
+    """The recipe's evaluation prompts: windows of 64..2048 tokens of held-out files (never trained on)."""
+    held = read_texts(split_three(stdlib_files())[2])
+    stream = torch.tensor([t for ids in encode_files(tok, held) for t in ids])
+    return windows(stream, n, 64, 2048, torch.Generator().manual_seed(seed + 11))
+
+
 def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: int = 600, target_batch: int = 32,
                    seq_len: int = 2048, drafter_steps: int = 6000, num_prompts: int = 4096, new_tokens: int = 256,
                    heldout_prompts: int = 16, vocab_size: int = TARGET_SHAPE["vocab_size"], drafter_seqs: int = 16,
@@ -75,7 +82,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     log(f"drafter trained ({time.perf_counter() - t0:.0f} s)")
     ddir = save_drafter(drafter, out / "drafter", dtype=torch.bfloat16)
 
-    held = windows(held_stream, heldout_prompts, 64, 2048, torch.Generator().manual_seed(seed + 11))
+    held = heldout_windows(tok, heldout_prompts, seed)
     from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (reload what ships, as users will)
     rows = evaluate_tau(target, load_drafter(ddir, target), held, max_tokens=256)
     report = {"recipe": {"seed": seed, "target_steps": target_steps, "target_batch": target_batch, "seq_len": seq_len,

@@ -163,3 +163,21 @@ def test_hit_from_the_disk_tier_after_a_restart_equals_cold(setup, tmp_path):
     from flashpd.kv_bridge.disk import DiskStore
     # the decode side opens the directory after the prefill side wrote it: a restart's view
     _cold_and_hit(setup, DiskStore(tmp_path / "kv", 1 << 30), lambda: DiskStore(tmp_path / "kv", 1 << 30))
+
+
+def test_hit_through_the_lmcache_backend_equals_cold(setup):
+    """(d) both halves go through LMCache's engine and CPU backend as one packed object per chunk.
+    lmcache is a test requirement: if it cannot be imported this test fails, it is never skipped."""
+    from flashpd.kv_bridge.lmcache_layout import PackedLayout
+    from flashpd.kv_bridge.lmcache_store import LMCacheStore
+    target, drafter, fp, prompts = setup
+    layout = PackedLayout.of_models(target.cfg, drafter.cfg, CHUNK, torch.float32)
+    with LMCacheStore(layout, 64 << 20) as store:
+        _cold_and_hit(setup, store, lambda: store)
+        s = store.stats()
+        assert s["entries"] == s["puts"] == sum(len(p) // CHUNK for p in prompts[:20])
+        assert s["corrupt_dropped"] == s["layout_refused"] == 0
+        other = MethodFingerprint("other-target", "d", tuple(drafter.cfg.target_layer_ids), "float32").digest()
+        pc = PrefixCache(store, other, CHUNK)  # another method over the same LMCache: a miss, never a hit
+        spec_gen(target, drafter).generate(prompts[:2], PARAMS * 2, prefix_cache=pc)
+        assert pc.stats.hit_tokens == 0

@@ -1,0 +1,188 @@
+"""TTFT of a method-aware prefix hit against a cold prefill, at a real shape with dummy weights.
+
+    python -m flashpd.bench.ttft_hit --config qwen3-8b --out bench/results/ttft_hit_h200.json     # GPU
+    python -m flashpd.bench.ttft_hit --config tiny --device cpu --out /tmp/ttft_tiny.json         # a check
+
+One DFlash generator (target + 5-layer drafter, dummy weights) serves every mode:
+  cold     no prefix cache: the whole prompt is prefilled (the drafter's context is written after
+           the first token, so it is not in this TTFT);
+  memory   hit in an in-process MemoryStore: both halves restored (checksum, host -> device);
+  shm      hit from a bridge server in its own process, bytes through /dev/shm, gRPC for handles;
+  grpc     the same server, bytes inline in gRPC frames;
+  lmcache  hit through the LMCache backend (kv_bridge/lmcache_store.py), in process; opt-in.
+A hit restores the prompt's full chunks (the last token is always recomputed: its logits give
+the first token) and prefills only the rest. Protocol (../shared/design/experiments.md): each
+prompt is published once, every mode warms up once per prompt, then --reps rounds run the modes
+interleaved; per prompt the median of each mode and the paired speedup cold / mode; across
+prompts the geometric mean, median, min and max of those speedups. Each hit's restore (lookup,
+fetch, verification, copy into both caches) is timed apart, with the GB/s it reached; the rest
+of its TTFT is the prefill of the prompt's tail. Every timed run's tokens are compared with the
+cold run's (exact k/n, first differing position): a check of the restore, since dummy weights
+make the tokens themselves meaningless (and bf16 near-ties may flip on a GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+from flashpd.bench.bridge_throughput import start_server
+from flashpd.bench.common import write_json
+from flashpd.bench.dflash_step import drafter_config_for
+from flashpd.engine.config import Qwen3Config, builtin_config_path, load_config
+from flashpd.engine.drafter import dummy_drafter
+from flashpd.engine.loader import dummy_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge.client import BridgeClient, RemoteStore
+from flashpd.kv_bridge.keys import MethodFingerprint
+from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.store import MemoryStore
+
+MODES = ("cold", "memory", "shm", "grpc", "lmcache")
+TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32)  # 8 layers: five distinct default taps
+
+
+def target_config(name: str) -> Qwen3Config:
+    return Qwen3Config.from_dict(TINY, source="tiny") if name == "tiny" else load_config(builtin_config_path(name))
+
+
+def make_stores(modes: list[str], gen: DFlashGenerator, chunk: int, budget: int) -> tuple[dict, list]:
+    """One store per hit mode; returns them and what to close afterwards."""
+    stores, closers = {}, []
+    if "memory" in modes:
+        stores["memory"] = MemoryStore(budget)
+    if {"shm", "grpc"} & set(modes):
+        proc, address = start_server(budget)
+        client = BridgeClient(address, timeout_s=600)
+        closers += [client.close, lambda: (proc.terminate(), proc.wait(30))]
+        for m in ("shm", "grpc"):
+            if m in modes:
+                stores[m] = RemoteStore(client, transport="shm" if m == "shm" else "inline")
+    if "lmcache" in modes:
+        from flashpd.kv_bridge.lmcache_layout import PackedLayout
+        from flashpd.kv_bridge.lmcache_store import LMCacheStore
+        lm = LMCacheStore(PackedLayout.of_models(gen.runner.model.cfg, gen.drafter.cfg, chunk, gen.runner.dtype), budget)
+        stores["lmcache"] = lm
+        closers.append(lm.close)
+    return stores, closers
+
+
+class TimedPrefixCache(PrefixCache):
+    """A PrefixCache that also times its restore (lookup, fetch, verify, copy into the caches):
+    the part of a hit's TTFT that is the bridge's, the rest being the prefill of the tail."""
+
+    restore_ms = 0.0
+
+    def restore(self, gen, seq) -> int:
+        t = time.perf_counter()
+        hit = super().restore(gen, seq)
+        if gen.runner.device.type == "cuda":
+            torch.cuda.synchronize(gen.runner.device)
+        self.restore_ms += (time.perf_counter() - t) * 1e3
+        return hit
+
+
+def run(gen: DFlashGenerator, prompt: list[int], params: SamplingParams, cache: TimedPrefixCache | None) -> dict:
+    s = gen.generate([prompt], [params], prefix_cache=cache)[0]
+    return {"ttft_ms": s.stats.ttft_ms, "latency_ms": s.stats.latency_ms, "tokens": list(s.output),
+            "hit_tokens": cache.stats.hit_tokens if cache is not None else 0,
+            "restore_ms": cache.restore_ms if cache is not None else 0.0}
+
+
+def first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def paired(rows: list[dict], mode: str) -> dict:
+    sp = [r["speedup"][mode] for r in rows]
+    return {"geomean": math.exp(statistics.mean(math.log(x) for x in sp)), "median": statistics.median(sp),
+            "min": min(sp), "max": max(sp)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="TTFT: cold prefill vs method-aware prefix hit")
+    ap.add_argument("--config", default="qwen3-8b", help="qwen3-4b, qwen3-8b, qwen3-32b, or tiny (a CPU check)")
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--prompt-tokens", type=int, default=2723)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=4, help=">= 2, so that a cold run publishes both halves")
+    ap.add_argument("--chunk", type=int, default=256, help="tokens per cache entry")
+    ap.add_argument("--modes", default="cold,memory,shm,grpc", help=f"comma list of {','.join(MODES)}")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="bench/results/ttft_hit.json")
+    a = ap.parse_args(argv)
+    modes = a.modes.split(",")
+    if "cold" not in modes or not set(modes) <= set(MODES) or a.new_tokens < 2:
+        ap.error(f"--modes must include cold and be among {MODES}; --new-tokens >= 2")
+    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+    cfg = target_config(a.config)
+    target = dummy_target(cfg, a.device, dtype)
+    drafter = dummy_drafter(drafter_config_for(cfg, a.draft_layers), target)
+    blocks = 2 * (a.prompt_tokens + a.new_tokens + 64) // 16 + 64
+    gen = DFlashGenerator(ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids)), drafter, (), 16)
+    item = torch.empty((), dtype=dtype).element_size()
+    per_token = (cfg.num_hidden_layers + a.draft_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * item
+    budget = a.prompts * a.prompt_tokens * per_token * 3 // 2 + (64 << 20)
+    fp = MethodFingerprint(f"dummy-{a.config}", f"dummy-drafter-{a.draft_layers}", tuple(drafter.cfg.target_layer_ids),
+                           str(dtype).removeprefix("torch.")).digest()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size - 2, (a.prompt_tokens,), generator=g).tolist() for _ in range(a.prompts)]
+    params = SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)
+    hit_modes = [m for m in modes if m != "cold"]
+    stores, closers = make_stores(hit_modes, gen, a.chunk, budget)
+    rows = []
+    try:
+        run(gen, prompts[0][:64], params, None)  # process warm-up (allocator, kernels)
+        for i, p in enumerate(prompts):
+            for m in hit_modes:  # publish: a cold run with the store as its prefix cache
+                run(gen, p, params, TimedPrefixCache(stores[m], fp, a.chunk))
+            samples: dict[str, list[dict]] = {m: [] for m in modes}
+            for rep in range(a.reps + 1):  # round 0 is this prompt's warm-up
+                for m in modes:
+                    r = run(gen, p, params, TimedPrefixCache(stores[m], fp, a.chunk) if m != "cold" else None)
+                    if rep:
+                        samples[m].append(r)
+            med = {m: statistics.median(r["ttft_ms"] for r in samples[m]) for m in modes}
+            restore = {m: statistics.median(r["restore_ms"] for r in samples[m]) for m in hit_modes}
+            base = samples["cold"][0]["tokens"]
+            row = {"prompt": i, "prompt_tokens": len(p), "ttft_median_ms": med,
+                   "speedup": {m: med["cold"] / med[m] for m in hit_modes},
+                   "restore_median_ms": restore,
+                   "restore_gb_per_s": {m: samples[m][0]["hit_tokens"] * per_token / restore[m] / 1e6 for m in hit_modes},
+                   "hit_tokens": {m: samples[m][0]["hit_tokens"] for m in hit_modes},
+                   "exact_vs_cold": {m: f"{sum(r['tokens'] == base for r in samples[m])}/{len(samples[m])}" for m in modes},
+                   "first_diff": {m: [first_diff(r["tokens"], base) for r in samples[m] if r["tokens"] != base]
+                                  for m in modes},
+                   "samples": {m: [r["ttft_ms"] for r in samples[m]] for m in modes},
+                   "latency_ms": {m: [r["latency_ms"] for r in samples[m]] for m in modes}}
+            rows.append(row)
+            print(f"prompt {i} ({len(p)} tok): " + " | ".join(
+                f"{m} {med[m]:.1f} ms" + (f" (x{row['speedup'][m]:.2f}, restore {restore[m]:.1f} ms)" if m != "cold" else "")
+                for m in modes), flush=True)
+    finally:
+        for close in closers:
+            close()
+    summary = {m: paired(rows, m) for m in hit_modes}
+    for m in hit_modes:
+        print(f"{m}: speedup over cold geomean x{summary[m]['geomean']:.2f} (min {summary[m]['min']:.2f}, "
+              f"max {summary[m]['max']:.2f})")
+    cmd = "python -m flashpd.bench.ttft_hit " + " ".join(sys.argv[1:] if argv is None else argv)
+    write_json(a.out, {"loadavg_after": os.getloadavg(), "bench": "ttft_hit", "config": a.config, "draft_layers": a.draft_layers, "weights": "dummy",
+                       "device": a.device, "dtype": str(dtype).removeprefix("torch."), "chunk_tokens": a.chunk,
+                       "bytes_per_token_both_halves": per_token, "reps": a.reps, "modes": modes, "rows": rows,
+                       "summary": summary, "command": cmd})
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,10 @@
-"""`flashpd serve CONFIG` and `flashpd client`: run the generation service, and talk to it.
+"""`flashpd serve [--config] FILE` and `flashpd client`: run the generation service, and talk to it.
 
-CONFIG is JSON: {"target": DIR, "draft": DIR (optional), "device": "cpu"|"cuda", "dtype": ...,
-"host": "127.0.0.1", "port": 0, "kv_cache_tokens": N, "allow_remote": false}. The server prints
-`listening on HOST:PORT` once it serves, and stops cleanly on SIGINT/SIGTERM.
+FILE is JSON or YAML with the keys of cluster/config.py's ServeConfig, e.g. {"target": DIR,
+"draft": DIR, "mode": "colocated" | "local" | "ray", "device": "cpu"|"cuda", "dtype": ...,
+"host": "127.0.0.1", "port": 0, "kv_cache_tokens": N, "prefill_workers": 1, "decode_workers": 1,
+"metrics_port": 0}. The server prints `metrics on HOST:PORT` (when enabled) and then
+`listening on HOST:PORT` once it serves, and stops cleanly (workers included) on SIGINT/SIGTERM.
 """
 from __future__ import annotations
 
@@ -12,12 +14,11 @@ import signal
 import sys
 import threading
 
-_CONFIG_KEYS = {"target", "draft", "device", "dtype", "host", "port", "kv_cache_tokens", "allow_remote"}
-
-
 def add_serve(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("serve", help="serve the generation gRPC API from a JSON config")
-    s.add_argument("config", help="JSON: target, draft, device, dtype, host, port, kv_cache_tokens")
+    s = sub.add_parser("serve", help="serve the generation gRPC API from a JSON or YAML config")
+    s.add_argument("config", nargs="?", help="the config file (or use --config)")
+    s.add_argument("--config", dest="config_opt", metavar="FILE",
+                   help="JSON or YAML: target, draft, mode (colocated|local|ray), device, dtype, host, port, ...")
 
 
 def add_client(sub: argparse._SubParsersAction, prompt_ids) -> None:
@@ -34,38 +35,27 @@ def add_client(sub: argparse._SubParsersAction, prompt_ids) -> None:
     c.add_argument("--stream", action="store_true", help="print text/tokens as they arrive")
 
 
-def load_config(path: str) -> dict:
-    with open(path) as f:
-        cfg = json.load(f)
-    if not isinstance(cfg, dict) or "target" not in cfg:
-        raise ValueError(f"{path}: config must be a JSON object with at least 'target'")
-    unknown = set(cfg) - _CONFIG_KEYS
-    if unknown:
-        raise ValueError(f"{path}: unknown config keys {sorted(unknown)} (known: {sorted(_CONFIG_KEYS)})")
-    return cfg
-
-
 def cmd_serve(a: argparse.Namespace) -> int:
-    from flashpd.cluster.engine_loop import EngineLoop  # noqa: PLC0415
-    from flashpd.cluster.generation_server import serve_generation  # noqa: PLC0415
-    from flashpd.decode_node.scheduler import Scheduler  # noqa: PLC0415
-    from flashpd.llm import LLM  # noqa: PLC0415
+    import logging  # noqa: PLC0415
 
-    cfg = load_config(a.config)
-    llm = LLM(cfg["target"], cfg.get("draft"), device=cfg.get("device"), dtype=cfg.get("dtype"),
-              kv_cache_tokens=cfg.get("kv_cache_tokens"))
-    loop = EngineLoop(Scheduler(llm.runner, llm.drafter, tuple(llm.stop_ids)))
-    host = cfg.get("host", "127.0.0.1")
-    server, port = serve_generation(loop, host, int(cfg.get("port", 0)), llm.tokenizer,
-                                    allow_remote=bool(cfg.get("allow_remote", False)))
+    from flashpd.cluster.config import load_config  # noqa: PLC0415
+    from flashpd.cluster.service import start_service  # noqa: PLC0415
+
+    path = a.config_opt or a.config
+    if not path or (a.config and a.config_opt and a.config != a.config_opt):
+        raise ValueError("serve: give one config file (CONFIG or --config FILE)")
+    cfg = load_config(path)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    svc = start_service(cfg)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    print(f"listening on {host}:{port}", flush=True)
-    while not done.wait(1.0) and loop.alive:
+    if svc.metrics_address:
+        print(f"metrics on {svc.metrics_address}", flush=True)
+    print(f"listening on {svc.address}", flush=True)
+    while not done.wait(1.0) and svc.alive:
         pass
-    server.stop(grace=2.0).wait(5)
-    loop.stop(10)
+    svc.stop()
     return 0
 
 

@@ -6,6 +6,7 @@ steps and its outcome (a `Handle`, or the scheduler's refusal: PromptTooLong / V
 back to the submitter through a future. Each request's new tokens go to its handle's queue as
 they are produced, then one final event. When there is nothing to do the thread sleeps on a
 condition variable (with a timeout), never spinning. Every wait here is bounded.
+An `on_finish` hook (metrics) sees each finished request in the loop thread.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Callable
 
 from flashpd.decode_node.scheduler import Request, Scheduler
 from flashpd.engine.sampling import SamplingParams
@@ -43,11 +45,13 @@ class Event:
 class Handle:
     """One submitted request as seen from outside the loop."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None) -> None:
+    def __init__(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
+                 first_token: int | None = None) -> None:
         self.prompt = prompt
         self.params = params
         self.method = method
         self.block_size = block_size
+        self.first_token = first_token  # disaggregation: the prefill worker's first token
         self.events: queue.Queue[Event] = queue.Queue()
         self.request: Request | None = None  # set in the loop thread once the scheduler took it
         self.cancel_requested = False
@@ -61,8 +65,10 @@ class Handle:
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, idle_wait_s: float = 0.5, name: str = "engine-loop") -> None:
+    def __init__(self, scheduler: Scheduler, idle_wait_s: float = 0.5, name: str = "engine-loop",
+                 on_finish: Callable[[Request], None] | None = None) -> None:
         self.scheduler = scheduler
+        self.on_finish = on_finish
         self.idle_wait_s = idle_wait_s
         self._cv = threading.Condition()
         self._inbox: list[tuple[Handle, Future]] = []
@@ -96,16 +102,18 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stop and self._error is None
 
     def counts(self) -> dict:
-        """Rough, lock-free snapshot (for health): running, waiting, free KV blocks."""
+        """Rough, lock-free snapshot (for health): running, waiting, free and total KV blocks, block size."""
         s = self.scheduler
-        return dict(running=len(s.running), waiting=len(s.waiting), kv_blocks_free=s.runner.allocator.num_free)
+        return dict(running=len(s.running), waiting=len(s.waiting), kv_blocks_free=s.runner.allocator.num_free,
+                    kv_blocks_total=s.capacity, kv_block_size=s.runner.block_size)
 
     # ---- from other threads --------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native",
-               block_size: int | None = None, timeout_s: float = DEFAULT_SUBMIT_TIMEOUT_S) -> Handle:
+               block_size: int | None = None, timeout_s: float = DEFAULT_SUBMIT_TIMEOUT_S,
+               first_token: int | None = None) -> Handle:
         """Queue a request; returns its handle once the scheduler accepted it. Raises what
         Scheduler.add raises (PromptTooLong, ValueError), EngineStopped, or TimeoutError."""
-        h = Handle(list(prompt), params, method, block_size)
+        h = Handle(list(prompt), params, method, block_size, first_token)
         fut: Future = Future()
         with self._cv:
             if not self.alive:
@@ -161,7 +169,7 @@ class EngineLoop:
             if h.cancel_requested or not fut.set_running_or_notify_cancel():
                 continue
             try:
-                h.request = self.scheduler.add(h.prompt, h.params, h.method, h.block_size)
+                h.request = self.scheduler.add(h.prompt, h.params, h.method, h.block_size, h.first_token)
             except Exception as e:  # noqa: BLE001  the submitter gets the scheduler's refusal
                 fut.set_exception(e)
                 continue
@@ -182,6 +190,11 @@ class EngineLoop:
             if h is not None:
                 h.events.put(Event("tokens", tokens=list(toks)))
         for r in res.finished:
+            if self.on_finish is not None:
+                try:
+                    self.on_finish(r)
+                except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
+                    log.exception("on_finish hook failed")
             h = self._live.pop(r.id, None)
             if h is not None:
                 h.events.put(Event("done", finish_reason=r.seq.finish_reason, stats=r.seq.stats.as_dict()))

@@ -82,7 +82,7 @@ class Result:
     stats: dict = field(default_factory=dict)
 
 
-def _stats(s: pb.Stats) -> dict:
+def stats_dict(s: pb.Stats) -> dict:
     return {"acceptance_lengths": list(s.acceptance_lengths), "tau": s.tau or None,
             "ttft_ms": s.ttft_ms, "latency_ms": s.latency_ms}
 
@@ -133,7 +133,7 @@ class GenerationClient:
             for msg in call:
                 self._check_version("Generate", msg.version)
                 yield Chunk(list(msg.token_ids), msg.text, msg.finished, msg.finish_reason or None,
-                            _stats(msg.stats) if msg.finished else None)
+                            stats_dict(msg.stats) if msg.finished else None)
         except grpc.RpcError as e:
             raise _map_error("Generate", e, t) from None
         finally:
@@ -146,7 +146,7 @@ class GenerationClient:
         except grpc.RpcError as e:
             raise _map_error("GenerateOnce", e, t) from None
         self._check_version("GenerateOnce", r.version)
-        return Result(list(r.token_ids), r.text, r.finish_reason, _stats(r.stats))
+        return Result(list(r.token_ids), r.text, r.finish_reason, stats_dict(r.stats))
 
     def health(self, timeout_s: float | None = None) -> dict:
         t = self.timeout_s if timeout_s is None else timeout_s

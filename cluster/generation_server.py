@@ -1,20 +1,22 @@
-"""The generation gRPC service (proto/generation.proto) over an `EngineLoop`.
+"""The generation gRPC service (proto/generation.proto) over a `Backend`.
 
-Bad requests get INVALID_ARGUMENT with the field named; a prompt that cannot fit gets
-RESOURCE_EXHAUSTED; method "dflash" on a server without a drafter gets FAILED_PRECONDITION.
-When the client goes away or its deadline passes, gRPC ends the RPC and its termination
-callback cancels the request in the loop (its KV blocks are freed). Loopback only unless
-allow_remote (the service has no authentication).
+A backend is what serves the requests: an `EngineLoop` (one process, colocated) or the `Router`
+(prefill and decode workers behind it); the request checks, status codes, streaming and
+cancellation here are the same for both. Bad requests get INVALID_ARGUMENT with the field named;
+a prompt that cannot fit gets RESOURCE_EXHAUSTED; method "dflash" on a server without a drafter
+gets FAILED_PRECONDITION; a worker that is gone gives UNAVAILABLE. When the client goes away or
+its deadline passes, gRPC ends the RPC and its termination callback cancels the request in the
+backend (its KV blocks are freed). Loopback only unless allow_remote (no authentication).
 """
 from __future__ import annotations
 
 import math
 from concurrent import futures
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import grpc
 
-from flashpd.cluster.engine_loop import EngineLoop, EngineStopped, Handle
+from flashpd.cluster.engine_loop import EngineStopped, Event
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.decode_node.scheduler import PromptTooLong
@@ -23,6 +25,40 @@ from flashpd.kv_bridge.server import is_loopback
 
 PROTOCOL_VERSION = 1
 POLL_S = 0.1  # how often a waiting RPC re-checks that its client and the loop are still there
+
+
+class Stream(Protocol):
+    """One submitted request: its events ("tokens", then "done"; or "cancelled" / "error")."""
+
+    def get(self, timeout: float) -> Event | None: ...
+
+
+class Backend(Protocol):
+    """What the servicer needs of whatever generates (EngineLoop, Router)."""
+
+    has_drafter: bool
+    default_block_size: int | None
+    vocab_size: int
+    max_positions: int
+    alive: bool
+
+    def counts(self) -> dict: ...
+
+    def submit(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
+               timeout_s: float, first_token: int | None = None) -> Stream: ...
+
+    def cancel(self, h: Stream) -> None: ...
+
+
+def abort_for(context: grpc.ServicerContext, e: BaseException) -> None:
+    """End the RPC with the status code the contract gives this failure."""
+    if isinstance(e, PromptTooLong):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt: {e}")
+    if isinstance(e, TimeoutError):
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+    if isinstance(e, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    context.abort(grpc.StatusCode.UNAVAILABLE, str(e) if isinstance(e, EngineStopped) else f"{type(e).__name__}: {e}")
 
 
 def stats_message(d: dict | None) -> pb.Stats:
@@ -53,8 +89,8 @@ class _Detok:
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, loop: EngineLoop, tokenizer=None) -> None:
-        self.loop = loop
+    def __init__(self, loop: Backend, tokenizer=None) -> None:
+        self.loop = loop  # the backend (named for the EngineLoop it first was)
         self.tokenizer = tokenizer
 
     # ---- request checks --------------------------------------------------------------------------
@@ -110,25 +146,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                 ignore_eos=bool(r.ignore_eos))
         return prompt, params, method, block_size
 
-    def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Handle:
+    def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
+               first_token: int | None = None) -> Stream:
         prompt, params, method, block_size = self._parse(request, context)
+        if first_token is not None and not 0 <= first_token < self.loop.vocab_size:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"first_token: {first_token} is out of the vocabulary (size {self.loop.vocab_size})")
         timeout = context.time_remaining()
         try:
             h = self.loop.submit(prompt, params, method, block_size,
-                                 timeout_s=min(timeout, 60.0) if timeout is not None else 60.0)
-        except PromptTooLong as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt: {e}")
-        except EngineStopped as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except TimeoutError as e:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                                 timeout_s=min(timeout, 60.0) if timeout is not None else 60.0,
+                                 first_token=first_token)
+        except (PromptTooLong, EngineStopped, TimeoutError, ValueError) as e:
+            abort_for(context, e)
         # from here on, however the RPC ends (done, client cancel, deadline), the request is dropped
         context.add_callback(lambda: self.loop.cancel(h))
         return h
 
-    def _events(self, h: Handle, context: grpc.ServicerContext):
+    def _events(self, h: Stream, context: grpc.ServicerContext):
         """The handle's events until the final one; aborts when the loop dies. Ends quietly when
         the RPC is no longer active (the callback has cancelled the request)."""
         while True:
@@ -140,7 +175,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     context.abort(grpc.StatusCode.UNAVAILABLE, "engine loop stopped")
                 continue
             if ev.kind == "error":
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(ev.error))
+                abort_for(context, ev.error)
             if ev.kind == "cancelled":
                 context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
             yield ev
@@ -149,7 +184,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ---- RPCs ---------------------------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
-        h = self._start(request, context)
+        return self._stream(request, context)
+
+    def _stream(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
+                first_token: int | None = None) -> Iterator[pb.GenerateChunk]:
+        h = self._start(request, context, first_token)
         detok = _Detok(self.tokenizer)
         for ev in self._events(h, context):
             if ev.kind == "tokens":
@@ -174,23 +213,35 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.version != PROTOCOL_VERSION:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
-        c = self.loop.counts()
-        return pb.HealthReply(version=PROTOCOL_VERSION, serving=self.loop.alive, has_drafter=self.loop.has_drafter,
-                              has_tokenizer=self.tokenizer is not None, running=c["running"], waiting=c["waiting"],
-                              kv_blocks_free=c["kv_blocks_free"], vocab_size=self.loop.vocab_size)
+        return health_reply(self.loop, self.tokenizer is not None)
 
 
-def serve_generation(loop: EngineLoop, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
-                     allow_remote: bool = False, max_workers: int = 64) -> tuple[grpc.Server, int]:
-    """Start the service on host:port (0 picks a free port); returns the started server and its port.
+def health_reply(backend: Backend, has_tokenizer: bool) -> pb.HealthReply:
+    c = backend.counts()
+    return pb.HealthReply(version=PROTOCOL_VERSION, serving=bool(c.get("serving", backend.alive)),
+                          has_drafter=backend.has_drafter, has_tokenizer=has_tokenizer, running=c["running"],
+                          waiting=c["waiting"], kv_blocks_free=c["kv_blocks_free"], vocab_size=backend.vocab_size,
+                          kv_blocks_total=c.get("kv_blocks_total", 0), kv_block_size=c.get("kv_block_size", 0),
+                          max_positions=backend.max_positions, default_block_size=backend.default_block_size or 0)
+
+
+def new_server(host: str, port: int, allow_remote: bool, max_workers: int, add) -> tuple[grpc.Server, int]:
+    """A started gRPC server on host:port (0 picks a free port) with services added by add(server).
     Each in-flight RPC holds one worker thread, so max_workers bounds the concurrent requests."""
     if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation"),
                          maximum_concurrent_rpcs=max_workers)
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(loop, tokenizer), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    add(server)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()
     return server, bound
+
+
+def serve_generation(loop: Backend, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
+                     allow_remote: bool = False, max_workers: int = 64) -> tuple[grpc.Server, int]:
+    """Start the service on host:port (0 picks a free port); returns the started server and its port."""
+    return new_server(host, port, allow_remote, max_workers,
+                      lambda srv: pb_grpc.add_GenerationServicer_to_server(GenerationServicer(loop, tokenizer), srv))

@@ -1,11 +1,19 @@
 """Continuous batching for one decode worker: native and DFlash requests join and leave between steps.
 
-Each `step()` admits waiting requests while the KV budget allows (a request reserves its worst
-case up front: prompt + max_tokens + one block of drafts, so a running request can never run out
-of blocks and nothing needs preempting), prefills them (restoring a cached prefix when a prefix
-cache is given), then advances every running request by one step: one DFlash draft+verify for
-the DFlash ones, one decode token for the native ones. Finished requests free their blocks (and
-publish their prompt to the prefix cache) at once. Outputs equal a solo run of each request.
+Each `step()` admits waiting requests while the KV budget allows, prefills them (restoring a
+cached prefix when a prefix cache is given), then advances every running request by one step: one
+DFlash draft+verify for the DFlash ones, one decode token for the native ones. Finished requests
+free their blocks (and publish their prompt to the prefix cache) at once. Outputs equal a solo run
+of each request.
+
+Two admission policies:
+- reserve (default): a request reserves its worst case up front (prompt + max_tokens + one block of
+  drafts), so a running request never runs out of blocks and nothing is ever preempted.
+- preempt: a request is admitted when the FREE blocks cover its next step (after what the running
+  ones need for theirs), so many more requests share the cache; when a step cannot get its blocks,
+  the newest running request is preempted: its blocks are freed and it goes back to the head of
+  the queue, and when re-admitted its prompt + output so far is recomputed (recompute.py) without
+  sampling anything, so its output and acceptance lengths stay those of an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -20,10 +28,23 @@ from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.decode_node.recompute import recompute
 
 
 class PromptTooLong(ValueError):
     """The request can never fit this worker's KV cache or context (RESOURCE_EXHAUSTED at the API)."""
+
+
+def blocks_needed(prompt_len: int, max_tokens: int, width: int, kv_block: int) -> int:
+    """Worst-case KV blocks of one request: prompt + every output token + one block of drafts.
+    A request needing more than a worker's whole cache can never run there (PromptTooLong)."""
+    return math.ceil((prompt_len + max_tokens + width) / kv_block)
+
+
+@dataclass
+class SchedulerStats:
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # positions recomputed when preempted requests were re-admitted
 
 
 @dataclass
@@ -33,6 +54,7 @@ class Request:
     seq: Sequence
     reserved_blocks: int
     emitted: int = 0  # tokens already handed to the caller
+    preemptions: int = 0
 
 
 @dataclass
@@ -45,7 +67,11 @@ class StepResult:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter | None = None, stop_ids: tuple[int, ...] = (),
-                 prefix_cache=None, max_running: int = 64) -> None:
+                 prefix_cache=None, max_running: int = 64, policy: str = "reserve") -> None:
+        if policy not in ("reserve", "preempt"):
+            raise ValueError(f"policy must be 'reserve' or 'preempt', got {policy!r}")
+        self.policy = policy
+        self.stats = SchedulerStats()
         self.runner = runner
         self.native = NativeGenerator(runner, stop_ids)
         self.spec = DFlashGenerator(runner, drafter, stop_ids) if drafter is not None else None
@@ -75,7 +101,7 @@ class Scheduler:
         seq.forced_first = first_token
         if method == "dflash":
             seq.block_size = self.spec._check_block(self.spec.block_size if block_size is None else block_size)
-        need = math.ceil((len(prompt) + params.max_tokens + seq.block_size) / self.runner.block_size)
+        need = blocks_needed(len(prompt), params.max_tokens, seq.block_size, self.runner.block_size)
         if need > self._capacity:
             raise PromptTooLong(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} needs {need} KV "
                                 f"blocks; this worker has {self._capacity}")
@@ -87,38 +113,98 @@ class Scheduler:
         """Drop a request wherever it is and free its blocks (a client went away)."""
         if req in self.waiting:
             self.waiting.remove(req)
+            self.runner.allocator.free(req.seq.table)  # a preempted request holds none; no-op
         elif req in self.running:
             self.running.remove(req)
             self.runner.allocator.free(req.seq.table)
-            self._reserved -= req.reserved_blocks
+            if self.policy == "reserve":
+                self._reserved -= req.reserved_blocks
         req.seq.finish_reason = req.seq.finish_reason or "cancelled"
+
+    @property
+    def capacity(self) -> int:
+        """KV blocks this scheduler may use in all (the allocator's free blocks when it was made)."""
+        return self._capacity
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
     # ---- one iteration ------------------------------------------------------------------
-    def _admit(self) -> list[Request]:
-        admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_running and \
-                self._reserved + self.waiting[0].reserved_blocks <= self._capacity:
-            req = self.waiting.popleft()
-            self._reserved += req.reserved_blocks
-            admitted.append(req)
-        for method, gen in (("native", self.native), ("dflash", self.spec)):
-            group = [r.seq for r in admitted if r.method == method]
-            if not group:
-                continue
-            gen.restore_prefixes(group, self.prefix_cache)
-            feats = gen.prefill(group, taps=method == "dflash")
-            if method == "dflash":
-                live = [(s, f) for s, f in zip(group, feats) if not s.done]
-                if live:
-                    gen.drafts.write_prompt([s for s, _ in live], [f for _, f in live])
+    def _width(self, r: Request) -> int:
+        """Positions the request's next step writes: its DFlash block (clipped near max_tokens) or 1."""
+        s = r.seq
+        return min(s.block_size, s.params.max_tokens - len(s.output) + 1) if r.method == "dflash" else 1
+
+    def _step_blocks(self, r: Request) -> int:
+        """Blocks the request still has to get for its next step."""
+        s = r.seq
+        return 0 if s.done else self.runner.allocator.blocks_needed(s.table, s.table.num_tokens + self._width(r))
+
+    def _admit_blocks(self, r: Request) -> int:
+        """Blocks a waiting request needs to be prefilled (or recomputed) and take its first step."""
+        s = r.seq
+        ctx = len(s.prompt) + max(len(s.output) - 1, 0)
+        return math.ceil((ctx + self._width(r)) / self.runner.block_size)
+
+    def _pick(self) -> list[Request]:
+        admitted: list[Request] = []
+        if self.policy == "reserve":
+            while self.waiting and len(self.running) + len(admitted) < self.max_running and \
+                    self._reserved + self.waiting[0].reserved_blocks <= self._capacity:
+                req = self.waiting.popleft()
+                self._reserved += req.reserved_blocks
+                admitted.append(req)
+            return admitted
+        free = self.runner.allocator.num_free - sum(self._step_blocks(r) for r in self.running)
+        while self.waiting and len(self.running) + len(admitted) < self.max_running:
+            need = self._admit_blocks(self.waiting[0])
+            if need > free:
+                break
+            free -= need
+            admitted.append(self.waiting.popleft())
         return admitted
+
+    def _admit(self) -> list[Request]:
+        admitted = self._pick()
+        preempted = {r.id for r in admitted if r.seq.output}  # before any prefill gives the fresh ones output
+        for method, gen in (("native", self.native), ("dflash", self.spec)):
+            group = [r.seq for r in admitted if r.method == method and r.id not in preempted]
+            if group:
+                gen.restore_prefixes(group, self.prefix_cache)
+                feats = gen.prefill(group, taps=method == "dflash")
+                if method == "dflash":
+                    live = [(s, f) for s, f in zip(group, feats) if not s.done]
+                    if live:
+                        gen.drafts.write_prompt([s for s, _ in live], [f for _, f in live])
+            back = [r.seq for r in admitted if r.method == method and r.id in preempted]
+            if back:  # preempted earlier: rebuild their caches, sample nothing
+                self.stats.recomputed_tokens += recompute(gen, back, self.prefix_cache, taps=method == "dflash")
+        return admitted
+
+    def _make_room(self) -> None:
+        """Preempt the newest running requests until every other one can take its next step."""
+        alloc = self.runner.allocator
+        while sum(self._step_blocks(r) for r in self.running) > alloc.num_free:
+            victims = [r for r in self.running if not r.seq.done]
+            if len(victims) <= 1:
+                raise RuntimeError("a lone request cannot get the blocks of its next step "
+                                   f"({alloc.num_free} free); its worst case was admitted as fitting")
+            self._preempt(victims[-1])
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        s = r.seq
+        self.runner.allocator.free(s.table)
+        s.draft_len, s.pending, s.pending_rows = 0, None, 0
+        r.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(r)  # victims are taken newest first, so the queue keeps their order
 
     def step(self) -> StepResult:
         self.running.extend(self._admit())
+        if self.policy == "preempt":
+            self._make_room()
         spec_rows = [r.seq for r in self.running if r.method == "dflash" and not r.seq.done]
         native_rows = [r.seq for r in self.running if r.method == "native" and not r.seq.done]
         if spec_rows:
@@ -134,7 +220,8 @@ class Scheduler:
                 r.emitted = len(out)
             if r.seq.done:
                 (self.spec if r.method == "dflash" else self.native).finish(r.seq, self.prefix_cache)
-                self._reserved -= r.reserved_blocks
+                if self.policy == "reserve":
+                    self._reserved -= r.reserved_blocks
                 result.finished.append(r)
             else:
                 still.append(r)

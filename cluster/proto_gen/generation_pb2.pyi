@@ -89,7 +89,7 @@ class HealthRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("version", "serving", "has_drafter", "has_tokenizer", "running", "waiting", "kv_blocks_free", "vocab_size")
+    __slots__ = ("version", "serving", "has_drafter", "has_tokenizer", "running", "waiting", "kv_blocks_free", "vocab_size", "kv_blocks_total", "kv_block_size", "max_positions", "default_block_size")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     HAS_DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,10 @@ class HealthReply(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     version: int
     serving: bool
     has_drafter: bool
@@ -106,4 +110,34 @@ class HealthReply(_message.Message):
     waiting: int
     kv_blocks_free: int
     vocab_size: int
-    def __init__(self, version: _Optional[int] = ..., serving: _Optional[bool] = ..., has_drafter: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    kv_blocks_total: int
+    kv_block_size: int
+    max_positions: int
+    default_block_size: int
+    def __init__(self, version: _Optional[int] = ..., serving: _Optional[bool] = ..., has_drafter: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., default_block_size: _Optional[int] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("version", "first_token", "finish_reason", "published_chunks", "cached_tokens", "prefill_ms")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    first_token: int
+    finish_reason: str
+    published_chunks: int
+    cached_tokens: int
+    prefill_ms: float
+    def __init__(self, version: _Optional[int] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., published_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("version", "request", "first_token")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    request: GenerateRequest
+    first_token: int
+    def __init__(self, version: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., first_token: _Optional[int] = ...) -> None: ...

@@ -183,3 +183,244 @@ class Generation:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PrefillWorkerStub:
+    """---- Internal: the router's calls to its workers (`flashpd serve` in mode ray or local). ----
+    Not for clients: they call Generation on the router.
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.unary_unary(
+                '/flashpd.generation.v1.PrefillWorker/Prefill',
+                request_serializer=generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=generation__pb2.PrefillReply.FromString,
+                _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/flashpd.generation.v1.PrefillWorker/Health',
+                request_serializer=generation__pb2.HealthRequest.SerializeToString,
+                response_deserializer=generation__pb2.HealthReply.FromString,
+                _registered_method=True)
+
+
+class PrefillWorkerServicer:
+    """---- Internal: the router's calls to its workers (`flashpd serve` in mode ray or local). ----
+    Not for clients: they call Generation on the router.
+
+    """
+
+    def Prefill(self, request, context):
+        """Prefill the prompt, publish its target KV + drafter state to the KV bridge, return the first token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Health(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=generation__pb2.GenerateRequest.FromString,
+                    response_serializer=generation__pb2.PrefillReply.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=generation__pb2.HealthRequest.FromString,
+                    response_serializer=generation__pb2.HealthReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'flashpd.generation.v1.PrefillWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('flashpd.generation.v1.PrefillWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PrefillWorker:
+    """---- Internal: the router's calls to its workers (`flashpd serve` in mode ray or local). ----
+    Not for clients: they call Generation on the router.
+
+    """
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashpd.generation.v1.PrefillWorker/Prefill',
+            generation__pb2.GenerateRequest.SerializeToString,
+            generation__pb2.PrefillReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashpd.generation.v1.PrefillWorker/Health',
+            generation__pb2.HealthRequest.SerializeToString,
+            generation__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class DecodeWorkerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Decode = channel.unary_stream(
+                '/flashpd.generation.v1.DecodeWorker/Decode',
+                request_serializer=generation__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=generation__pb2.GenerateChunk.FromString,
+                _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/flashpd.generation.v1.DecodeWorker/Health',
+                request_serializer=generation__pb2.HealthRequest.SerializeToString,
+                response_deserializer=generation__pb2.HealthReply.FromString,
+                _registered_method=True)
+
+
+class DecodeWorkerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Decode(self, request, context):
+        """As Generation.Generate, committing first_token (the prefill worker's) as the first output token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Health(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DecodeWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=generation__pb2.DecodeRequest.FromString,
+                    response_serializer=generation__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=generation__pb2.HealthRequest.FromString,
+                    response_serializer=generation__pb2.HealthReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'flashpd.generation.v1.DecodeWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('flashpd.generation.v1.DecodeWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class DecodeWorker:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/flashpd.generation.v1.DecodeWorker/Decode',
+            generation__pb2.DecodeRequest.SerializeToString,
+            generation__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashpd.generation.v1.DecodeWorker/Health',
+            generation__pb2.HealthRequest.SerializeToString,
+            generation__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

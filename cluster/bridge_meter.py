@@ -1,0 +1,68 @@
+"""A store wrapper that counts the bytes and seconds a worker moves through the KV bridge.
+
+Wraps the RemoteStore a worker's PrefixCache uses: reads (get / get_many) count as "import",
+writes (put) as "export". The totals feed the workers' bridge bytes and GB/s metrics; errors
+pass through unchanged (the decode side's GuardedPrefixCache decides what they mean).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from flashpd.kv_bridge.chunk import KVChunk
+
+
+class MeteredStore:
+    def __init__(self, store) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self.bytes = {"import": 0, "export": 0}
+        self.seconds = {"import": 0.0, "export": 0.0}
+        self.chunks = {"import": 0, "export": 0}
+
+    def _add(self, direction: str, chunks: list[KVChunk], t0: float) -> None:
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.bytes[direction] += sum(c.nbytes() for c in chunks)
+            self.seconds[direction] += dt
+            self.chunks[direction] += len(chunks)
+
+    def gbps(self) -> dict[str, float]:
+        """Average rate of each direction over all its transfers so far (0 before any)."""
+        with self._lock:
+            return {d: (self.bytes[d] / self.seconds[d] / 1e9 if self.seconds[d] > 0 else 0.0) for d in self.bytes}
+
+    def put(self, chunk: KVChunk) -> bool:
+        t0 = time.perf_counter()
+        ok = self.store.put(chunk)
+        self._add("export", [chunk], t0)
+        return ok
+
+    def get(self, key: str) -> KVChunk | None:
+        t0 = time.perf_counter()
+        c = self.store.get(key)
+        self._add("import", [c] if c is not None else [], t0)
+        return c
+
+    def get_many(self, keys: list[str]) -> list[KVChunk]:
+        t0 = time.perf_counter()
+        if hasattr(self.store, "get_many"):
+            got = self.store.get_many(keys)
+        else:  # the leading present chunks, as get_many gives them
+            got = []
+            for k in keys:
+                c = self.store.get(k)
+                if c is None:
+                    break
+                got.append(c)
+        self._add("import", got, t0)
+        return got
+
+    def contains(self, key: str) -> bool:
+        return self.store.contains(key)
+
+    def lookup(self, keys: list[str]) -> int:
+        return self.store.lookup(keys)
+
+    def stats(self) -> dict:
+        return self.store.stats()

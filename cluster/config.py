@@ -1,0 +1,121 @@
+"""The service's config: one typed object read from JSON or YAML, shared by the router and every worker.
+
+`flashpd serve --config FILE` reads it; the router hands the same dict (plus the bridge's
+address) to each worker it launches, so every process agrees on the model, dtype and chunking.
+Unknown keys are refused by name: a typo must not silently fall back to a default.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+MODES = ("colocated", "ray", "local")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    target: str
+    draft: str | None = None
+    mode: str = "colocated"  # colocated: one process; ray / local: router + bridge + prefill + decode workers
+    device: str | None = None  # default: cuda when available
+    dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
+    kv_cache_tokens: int | None = None  # per worker; default: half the free device memory
+    max_running: int = 64  # requests one decode worker batches at most
+    policy: str = "preempt"  # decode admission: "preempt" (by free blocks, preempt by recompute) or "reserve"
+    # the public endpoint (router, or the colocated server)
+    host: str = "127.0.0.1"
+    port: int = 0
+    allow_remote: bool = False  # bind beyond loopback (no authentication: only on a trusted network)
+    metrics_port: int | None = None  # Prometheus endpoint of the router / colocated server (0 = any free port)
+    worker_metrics: bool = True  # each worker serves its own Prometheus endpoint (a free port, logged)
+    max_concurrent: int = 256  # concurrent RPCs per server (one thread each)
+    # disaggregation
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    chunk_tokens: int = 256  # positions per bridge entry
+    bridge_memory_bytes: int = 1 << 30
+    bridge_disk_dir: str | None = None  # adds a disk tier under the memory one
+    bridge_disk_bytes: int = 16 << 30
+    bridge_transport: str = "inline"  # "shm": same-host shared memory for imports
+    bridge_timeout_s: float = 10.0
+    bridge_address: str | None = None  # set by the launcher for the workers it starts
+    # supervision and bounds
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    health_failures: int = 3  # consecutive failed probes of a live-looking worker before it is restarted
+    start_timeout_s: float = 300.0
+    prefill_timeout_s: float = 120.0
+    request_timeout_s: float = 600.0  # bound on one request's decode stream when the client set no deadline
+    decode_retries: int = 1  # a reproducible request whose decode worker died is retried on another
+    restart: bool = True
+    # placement
+    ray_address: str | None = None  # None: ray.init() (joins the cluster of a Ray job, else starts one)
+    num_gpus: float | None = None  # per model worker; default from the GPUs the cluster has (placement.py)
+    torch_threads: int | None = None  # intra-op threads per worker process
+    # fault injection for tests: each prefill sleeps this long first (so a test can kill it mid-request)
+    fault_prefill_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
+        if self.policy not in ("preempt", "reserve"):
+            raise ValueError(f"policy: must be 'preempt' or 'reserve', got {self.policy!r}")
+        if self.bridge_transport not in ("inline", "shm"):
+            raise ValueError(f"bridge_transport: must be 'inline' or 'shm', got {self.bridge_transport!r}")
+        for name in ("prefill_workers", "decode_workers"):
+            if getattr(self, name) < (0 if name == "prefill_workers" else 1):
+                raise ValueError(f"{name}: must be >= {0 if name == 'prefill_workers' else 1}, "
+                                 f"got {getattr(self, name)}")
+        for name in ("chunk_tokens", "max_running", "max_concurrent", "health_failures"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("health_interval_s", "health_timeout_s", "start_timeout_s", "prefill_timeout_s",
+                     "request_timeout_s", "bridge_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "ServeConfig":
+        if not isinstance(d, dict) or "target" not in d:
+            raise ValueError(f"{source}: config must be a mapping with at least 'target'")
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"{source}: unknown config keys {sorted(unknown)} (known: {sorted(known)})")
+        try:
+            return cls(**d)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_(self, **kw: Any) -> "ServeConfig":
+        return replace(self, **kw)
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    """Read a JSON or YAML file (by suffix; other suffixes are tried as JSON, then YAML)."""
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        data = _yaml(text, p)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            if p.suffix == ".json":
+                raise ValueError(f"{p}: not valid JSON: {e}") from None
+            data = _yaml(text, p)
+    return ServeConfig.from_dict(data, str(p))
+
+
+def _yaml(text: str, p: Path) -> Any:
+    import yaml  # noqa: PLC0415  (a dependency, only needed for YAML files)
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p}: not valid YAML: {e}") from None

@@ -1,0 +1,258 @@
+"""Load sweep through the gRPC API, as a `ray job submit` entrypoint (or a plain command).
+
+    python -m flashpd.cluster.job_sweep --out results.json [--modes colocated,disaggregated]
+        [--methods native,dflash] [--concurrency 1,8,32,128] [--requests N] [--max-tokens 64]
+        [--launcher ray|local] [--target DIR --draft DIR] [--address HOST:PORT]
+
+For each mode it starts the service as `flashpd serve --config` in a child process (colocated:
+one process; disaggregated: router + bridge + prefill + decode workers through the launcher:
+Ray actors when ray is importable, else local processes), or uses a running one (--address).
+For each method and concurrency it sends a fresh set of prompts (disjoint sets, the same across
+modes, so the bridge never serves a prompt twice and the modes are compared on equal prompts)
+and records TTFT and latency P50/P95, output tokens/s and tau, then checks that every mode gave
+the same tokens for the same prompt (exact in float32; reported, not asserted, in bfloat16).
+The JSON goes through flashpd.bench.common.write_json (git revision, machine, time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from flashpd.cluster.config import ServeConfig
+from flashpd.cluster.load_gen import run_load, summarize
+
+log = logging.getLogger("flashpd.job_sweep")
+
+def _demo_pair() -> Path:
+    from flashpd.demo import PAIR  # noqa: PLC0415  (the shipped demo pair)
+
+    return PAIR
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def default_launcher() -> str:
+    """ray when it imports (a GPU machine may not have it), else the local launcher."""
+    try:
+        import ray  # noqa: F401, PLC0415
+    except ImportError:
+        return "local"
+    del ray
+    return "ray"
+
+
+def make_prompts(target: str, n: int, length: int, seed: int) -> list[list[int]]:
+    """n disjoint prompts of `length` tokens: held-out stdlib text when the target has a tokenizer
+    (what the demo pair was trained on, so tau means something), else random ids."""
+    import torch  # noqa: PLC0415
+
+    from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
+
+    tok = TextTokenizer.from_dir(target)
+    g = torch.Generator().manual_seed(seed)
+    if tok is not None:
+        from flashpd.engine.text_data import read_texts, split_files, stdlib_files  # noqa: PLC0415
+        _, held = split_files(stdlib_files())
+        order = torch.randperm(len(held), generator=g).tolist()
+        stream: list[int] = []
+        for k in order:
+            stream.extend(tok.encode("".join(read_texts([held[k]]))))
+            if len(stream) >= n * length:
+                return [stream[i * length:(i + 1) * length] for i in range(n)]
+        log.warning("held-out text gives %d tokens, fewer than %d prompts x %d: random ids instead",
+                    len(stream), n, length)
+    vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    return torch.randint(0, vocab - 2, (n, length), generator=g).tolist()
+
+
+class ServeProcess:
+    """`flashpd serve --config FILE` as a child; its address once it listens; stopped with a bound."""
+
+    def __init__(self, cfg: ServeConfig, workdir: Path, start_timeout_s: float) -> None:
+        path = workdir / f"serve-{cfg.mode}.json"
+        path.write_text(json.dumps(cfg.to_dict()))
+        self.log_path = workdir / f"serve-{cfg.mode}.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", "flashpd.cli", "serve", "--config", str(path)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def pump() -> None:
+            with open(self.log_path, "w") as f:
+                for ln in self.proc.stdout:
+                    f.write(ln)
+                    f.flush()
+                    lines.put(ln)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + start_timeout_s
+        self.address = None
+        while self.address is None:
+            left = deadline - time.monotonic()
+            try:
+                ln = lines.get(timeout=max(0.1, min(left, 1.0)))
+            except queue.Empty:
+                ln = ""
+            if ln is None or left <= 0:
+                self.stop()
+                raise RuntimeError(f"flashpd serve ({cfg.mode}) did not start; log {self.log_path}:\n"
+                                   + self.log_path.read_text()[-3000:])
+            if ln.startswith("listening on "):
+                self.address = ln.split()[-1]
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _cfg(a: argparse.Namespace, mode: str) -> ServeConfig:
+    base = json.loads(Path(a.config).read_text()) if a.config else {}
+    base.update(target=a.target, draft=a.draft, mode="colocated" if mode == "colocated" else a.launcher)
+    for k in ("device", "dtype", "kv_cache_tokens", "torch_threads"):
+        if getattr(a, k) is not None:
+            base[k] = getattr(a, k)
+    base.update(prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, chunk_tokens=a.chunk_tokens,
+                max_running=a.max_running, port=0, metrics_port=None)
+    return ServeConfig.from_dict(base, "job_sweep")
+
+
+def sweep(a: argparse.Namespace) -> dict:
+    modes = ["external"] if a.address else _names(a.modes)
+    levels = _ints(a.concurrency)
+    counts = {c: (a.requests or max(8, 2 * c)) for c in levels}
+    methods = _names(a.methods)
+    warm = {c: (c if a.warmup < 0 else a.warmup) for c in levels}
+    # disjoint prompt sets per (method, concurrency) and for their warmups, shared by all modes
+    total = sum(counts[c] + warm[c] for c in levels) * len(methods)
+    allp = make_prompts(a.target, total, a.prompt_tokens, a.seed)
+    sets, k = {}, 0
+    for m in methods:
+        for c in levels:
+            sets[(m, c, "warmup")] = allp[k:k + warm[c]]
+            k += warm[c]
+            sets[(m, c)] = allp[k:k + counts[c]]
+            k += counts[c]
+    runs, outputs = [], {}
+    with tempfile.TemporaryDirectory(prefix="flashpd-sweep-") as tmp:
+        for mode in modes:
+            srv = None if a.address else ServeProcess(_cfg(a, mode), Path(tmp), a.start_timeout_s)
+            address = a.address or srv.address
+            try:
+                for m in methods:
+                    kw = dict(max_tokens=a.max_tokens, method=m, ignore_eos=True)
+                    for c in levels:
+                        if sets[(m, c, "warmup")]:  # compiles / captures this level's batch shapes first
+                            run_load(address, sets[(m, c, "warmup")], min(c, warm[c]), a.request_timeout_s, **kw)
+                        res, wall = run_load(address, sets[(m, c)], c, a.request_timeout_s, **kw)
+                        row = {"mode": mode, "method": m, "concurrency": c, **summarize(res, wall)}
+                        log.info("%s %s c=%d: ttft p50 %.1f ms, latency p50 %.1f ms, %.1f tok/s, tau %s, %d errors",
+                                 mode, m, c, row["ttft_ms"]["p50"] or -1, row["latency_ms"]["p50"] or -1,
+                                 row["output_tokens_per_s"] or 0, row["tau"], row["errors"])
+                        runs.append(row)
+                        outputs[(mode, m, c)] = [r.tokens if r.error is None else None for r in res]
+            finally:
+                if srv is not None:
+                    srv.stop()
+    return {"kind": "serve_sweep", "runs": runs, "exact": _exactness(outputs, modes),
+            "settings": {"target": a.target, "draft": a.draft, "modes": modes, "methods": methods,
+                         "concurrency": levels, "requests": counts, "warmup": warm, "max_tokens": a.max_tokens,
+                         "prompt_tokens": a.prompt_tokens, "launcher": a.launcher, "device": a.device,
+                         "dtype": a.dtype, "prefill_workers": a.prefill_workers,
+                         "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens}}
+
+
+def _exactness(outputs: dict, modes: list[str]) -> dict:
+    """Per (method, concurrency): do all modes give the same tokens for the same prompt?"""
+    compared = same = 0
+    mismatches = []
+    for (mode, m, c), toks in outputs.items():
+        if mode != modes[0]:
+            continue
+        for other in modes[1:]:
+            for i, (x, y) in enumerate(zip(toks, outputs[(other, m, c)])):
+                if x is None or y is None:
+                    continue
+                compared += 1
+                if x == y:
+                    same += 1
+                elif len(mismatches) < 10:
+                    first = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+                    mismatches.append({"modes": [mode, other], "method": m, "concurrency": c, "prompt": i,
+                                       "first_difference_at": first})
+    return {"compared": compared, "identical": same, "match_rate": same / compared if compared else None,
+            "mismatches": mismatches}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the JSON to write")
+    ap.add_argument("--target", help="Qwen3 directory (default: the shipped demo pair's target)")
+    ap.add_argument("--draft", help="DFlash drafter directory (default: the demo pair's, with its target)")
+    ap.add_argument("--modes", default="colocated,disaggregated")
+    ap.add_argument("--methods", default="native,dflash")
+    ap.add_argument("--concurrency", default="1,8,32,128")
+    ap.add_argument("--requests", type=int, default=0, help="per concurrency level and method (0: max(8, 2c))")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=-1,
+                    help="untimed requests before each level, at its concurrency (-1: as many as the concurrency)")
+    ap.add_argument("--launcher", choices=["ray", "local"], default=None,
+                    help="for the disaggregated mode (default: ray when importable, else local)")
+    ap.add_argument("--address", help="measure a running service instead of starting one")
+    ap.add_argument("--config", help="base serve config (JSON) the flags override")
+    ap.add_argument("--device", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-tokens", type=int, dest="kv_cache_tokens")
+    ap.add_argument("--torch-threads", type=int, dest="torch_threads")
+    ap.add_argument("--prefill-workers", type=int, default=1)
+    ap.add_argument("--decode-workers", type=int, default=1)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--max-running", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start-timeout-s", type=float, default=600.0)
+    ap.add_argument("--request-timeout-s", type=float, default=600.0)
+    a = ap.parse_args(argv)
+    a.launcher = a.launcher or default_launcher()
+    if a.target is None:
+        a.target, a.draft = str(_demo_pair() / "target"), a.draft or str(_demo_pair() / "drafter")
+    for m in _names(a.modes):
+        if m not in ("colocated", "disaggregated"):
+            ap.error(f"--modes: unknown mode {m!r} (colocated, disaggregated)")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a = parse_args(argv)
+    result = sweep(a)
+    from flashpd.bench.common import write_json  # noqa: PLC0415  (imports torch: after the sweep's children)
+
+    path = write_json(a.out, result)
+    print(f"wrote {path}", flush=True)
+    bad = [r for r in result["runs"] if r["errors"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

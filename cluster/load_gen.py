@@ -1,0 +1,88 @@
+"""Closed-loop load through the generation gRPC API: `concurrency` clients, each streaming one
+request after another until the requests run out; TTFT and latency measured at the client.
+
+Every client has its own channel and its own deadline per request; a request that fails is
+recorded with its error, never retried, and the run still ends (each wait is bounded).
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+from flashpd.cluster.generation_client import GenerationClient, GenerationError
+
+
+@dataclass
+class RequestResult:
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    ttft_ms: float | None = None
+    latency_ms: float | None = None
+    acceptance_lengths: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def run_load(address: str, prompts: list[list[int]], concurrency: int, timeout_s: float = 300.0,
+             **request_kw) -> tuple[list[RequestResult], float]:
+    """Send every prompt once (request_kw: max_tokens, method, ignore_eos, ...); returns the results
+    in prompt order and the wall time of the whole run in seconds."""
+    results = [RequestResult(i) for i in range(len(prompts))]
+    nxt = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def client() -> None:
+        with GenerationClient(address, timeout_s=timeout_s) as c:
+            while True:
+                with lock:
+                    i = next(nxt, None)
+                if i is None:
+                    return
+                r = results[i]
+                t0 = time.perf_counter()
+                try:
+                    for ch in c.generate(prompts[i], **request_kw):
+                        if ch.token_ids and r.ttft_ms is None:
+                            r.ttft_ms = (time.perf_counter() - t0) * 1e3
+                        r.tokens.extend(ch.token_ids)
+                        if ch.finished:
+                            r.acceptance_lengths = list(ch.stats["acceptance_lengths"])
+                    r.latency_ms = (time.perf_counter() - t0) * 1e3
+                except GenerationError as e:
+                    r.error = str(e)
+
+    threads = [threading.Thread(target=client, daemon=True, name=f"load-{k}") for k in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s * (len(prompts) // max(concurrency, 1) + 1) + 30
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    wall = time.perf_counter() - t0
+    for r in results:
+        if r.latency_ms is None and r.error is None:
+            r.error = "not finished when the run's bound passed"
+    return results, wall
+
+
+def percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"p50": None, "p95": None, "mean": None, "n": 0}
+    s = sorted(xs)
+    q = statistics.quantiles(s, n=100, method="inclusive") if len(s) > 1 else [s[0]] * 99
+    return {"p50": q[49], "p95": q[94], "mean": statistics.fmean(s), "n": len(s)}
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    steps = [a for r in ok for a in r.acceptance_lengths]
+    out_tokens = sum(len(r.tokens) for r in ok)
+    return {"requests": len(results), "errors": len(results) - len(ok),
+            "first_errors": [r.error for r in results if r.error][:3],
+            "ttft_ms": percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+            "latency_ms": percentiles([r.latency_ms for r in ok]),
+            "output_tokens": out_tokens, "wall_s": wall_s,
+            "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
+            "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+            "tau": sum(steps) / len(steps) if steps else None}

@@ -1,0 +1,100 @@
+"""Prometheus metrics of the router and the workers (prometheus_client), one registry per process.
+
+Per request (observed when it ends): TTFT and latency histograms, tau, accepted draft tokens per
+draft position, output tokens, outcome. Live values (read from their owner at scrape time, so
+nothing is counted twice): queue depth, running requests, free KV blocks, preemptions, prefix-cache
+hits and misses by tier, bridge bytes, seconds and GB/s, recompute fallbacks, worker restarts.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
+
+SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TAU = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0)
+
+LiveFn = Callable[[], dict[tuple[str, ...], float]]
+
+
+class _Live:
+    """A collector of metric families whose values come from callables at scrape time."""
+
+    def __init__(self) -> None:
+        self.families: list[tuple[str, str, str, tuple[str, ...], LiveFn]] = []
+
+    def collect(self) -> Iterable:
+        for name, doc, kind, labels, fn in self.families:
+            fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=list(labels))
+            try:
+                values = fn()
+            except Exception:  # noqa: BLE001  a failing source leaves its family empty, and says so
+                log.exception("metric %s could not be read", name)
+                values = {}
+            for key, v in values.items():
+                fam.add_metric(list(key), float(v))
+            yield fam
+
+
+class Metrics:
+    """The metrics of one process; `role` (router, prefill, decode, bridge, colocated) is a label."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("flashpd_ttft_seconds", "Time to first token", ["role", "method"], buckets=SECONDS,
+                              registry=r)
+        self.latency = Histogram("flashpd_latency_seconds", "Whole-request latency", ["role", "method"],
+                                 buckets=SECONDS, registry=r)
+        self.tau = Histogram("flashpd_tau", "Mean acceptance length of a DFlash request", ["role"], buckets=TAU,
+                             registry=r)
+        self.accepted = Counter("flashpd_accepted_tokens", "Draft tokens accepted, by draft position (1 = first)",
+                                ["role", "position"], registry=r)
+        self.requests = Counter("flashpd_requests", "Requests ended, by method and outcome",
+                                ["role", "method", "outcome"], registry=r)
+        self.output_tokens = Counter("flashpd_output_tokens", "Tokens generated", ["role", "method"], registry=r)
+        self._live = _Live()
+        r.register(self._live)
+
+    def live(self, name: str, doc: str, kind: str, labels: tuple[str, ...], fn: LiveFn) -> None:
+        """Add a family read from fn() at scrape time: {label values: value}; the role label is added."""
+        self._live.families.append((name, doc, kind, ("role",) + labels,
+                                    lambda: {(self.role,) + k: v for k, v in fn().items()}))
+
+    def observe_request(self, method: str, stats: dict, outcome: str, output_tokens: int) -> None:
+        """One finished request: stats as RequestStats.as_dict() / the API's stats (ms, acceptance_lengths)."""
+        self.requests.labels(self.role, method, outcome).inc()
+        self.output_tokens.labels(self.role, method).inc(output_tokens)
+        if outcome != "ok":
+            return
+        if stats.get("ttft_ms") is not None:
+            self.ttft.labels(self.role, method).observe(stats["ttft_ms"] / 1e3)
+        if stats.get("latency_ms") is not None:
+            self.latency.labels(self.role, method).observe(stats["latency_ms"] / 1e3)
+        lens = stats.get("acceptance_lengths") or []
+        if lens:
+            self.tau.labels(self.role).observe(sum(lens) / len(lens))
+            for n in lens:  # a step that commits n tokens accepted its drafts at positions 1..n-1
+                for k in range(1, n):
+                    self.accepted.labels(self.role, str(k)).inc()
+
+    def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Expose /metrics over HTTP on host:port (0 = a free port); returns the port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def close(self) -> None:
+        if getattr(self, "_http", None) is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    def exposition(self) -> str:
+        from prometheus_client import generate_latest  # noqa: PLC0415
+
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,291 @@
+"""The router: the generation service's backend over M prefill and N decode workers.
+
+Per request: pick the least-loaded healthy decode worker (refusing at once what can never fit its
+KV cache), ask a prefill worker to prefill the prompt and publish its KV + drafter state to the
+bridge, stream the first token to the client as soon as it returns (TTFT), then stream the
+decode worker's tokens, which continue from that first token after importing the prefix.
+
+Faults, each logged and counted: a prefill that fails (worker killed, bridge down, timeout) falls
+back to the decode worker computing the prompt itself (output unchanged); a decode worker that
+dies is marked down, and a reproducible request (greedy or seeded) is retried once on another,
+skipping the tokens already streamed after checking they match; otherwise the request ends with
+UNAVAILABLE. Every internal call has a deadline; a client's cancellation cancels them.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+
+import grpc
+
+from flashpd.cluster.engine_loop import EngineStopped, Event
+from flashpd.cluster.generation_client import build_request, stats_dict
+from flashpd.cluster.generation_server import PROTOCOL_VERSION
+from flashpd.cluster.metrics import Metrics
+from flashpd.cluster.proto_gen import generation_pb2 as pb
+from flashpd.cluster.worker_pool import Slot, WorkerPool
+from flashpd.decode_node.scheduler import PromptTooLong, blocks_needed
+from flashpd.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Codes with which a call ends when its worker went away (the router's own cancels are told apart).
+WORKER_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
+
+
+class _Cancelled(Exception):
+    """The client cancelled: end quietly."""
+
+
+class RouterHandle:
+    """One request in the router: its events, and the internal calls to cancel with it."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
+                 timeout_s: float) -> None:
+        self.prompt, self.params, self.method, self.block_size = prompt, params, method, block_size
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.cancelled = False
+        self.t0 = time.perf_counter()
+        self.deadline = time.monotonic() + timeout_s
+        self.ttft_ms: float | None = None
+        self._calls: list = []
+        self._lock = threading.Lock()
+
+    def get(self, timeout: float) -> Event | None:
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request's internal deadline (request_timeout_s) passed")
+        return left
+
+    def track(self, call) -> None:
+        """Remember a call so a cancel reaches it (cancelled at once if the request already was)."""
+        with self._lock:
+            if not self.cancelled:
+                self._calls.append(call)
+                return
+        call.cancel()
+        raise _Cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            calls, self._calls = self._calls, []
+        for c in calls:
+            c.cancel()
+
+    def tokens(self, toks: list[int]) -> None:
+        if self.ttft_ms is None:
+            self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
+        self.events.put(Event("tokens", tokens=toks))
+
+
+class Router:
+    """Backend of GenerationServicer (see generation_server.Backend)."""
+
+    def __init__(self, cfg, pool: WorkerPool, metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.metrics = metrics or Metrics("router")
+        self.fallbacks: Counter[str] = Counter()
+        self.retries = 0
+        self.inflight = 0
+        self._lock = threading.Lock()
+        self._stopped = False
+        info = pool.slots["decode"][0].info
+        self.has_drafter = bool(info["has_drafter"])
+        self.default_block_size = info["default_block_size"]
+        self.vocab_size = int(info["vocab_size"])
+        self.max_positions = int(info["max_positions"])
+        self._live_metrics()
+
+    def _live_metrics(self) -> None:
+        m = self.metrics
+        m.live("flashpd_queue_depth", "Requests in flight at the router", "gauge", (), lambda: {(): self.inflight})
+        m.live("flashpd_recompute_fallbacks", "Prefills that failed; the decode worker computed the prompt",
+               "counter", ("reason",), lambda: {(k,): v for k, v in self.fallbacks.items()})
+        m.live("flashpd_decode_retries", "Requests retried on another decode worker", "counter", (),
+               lambda: {(): self.retries})
+        m.live("flashpd_workers_healthy", "Healthy workers by role", "gauge", ("worker",),
+               lambda: {(r,): self.pool.healthy_count(r) for r in ("bridge", "prefill", "decode")})
+        m.live("flashpd_worker_restarts", "Workers restarted by the router", "counter", ("worker",),
+               lambda: {(r,): v for r, v in self.pool.restarts.items()})
+
+    # ---- facts ---------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return not self._stopped
+
+    def counts(self) -> dict:
+        dec = [s.info for s in self.pool.slots["decode"] if s.healthy]
+        return dict(serving=bool(dec) and not self._stopped, running=sum(i["running"] for i in dec),
+                    waiting=sum(i["waiting"] for i in dec), kv_blocks_free=sum(i["kv_blocks_free"] for i in dec),
+                    kv_blocks_total=max((i["kv_blocks_total"] for i in dec), default=0),
+                    kv_block_size=dec[0]["kv_block_size"] if dec else 0)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
+               timeout_s: float = 30.0, first_token: int | None = None) -> RouterHandle:
+        if first_token is not None:
+            raise ValueError("first_token: the router computes the first token itself")
+        if self._stopped:
+            raise EngineStopped("the router is stopped")
+        d = self.pool.pick("decode")
+        if d is None:
+            raise EngineStopped("no decode worker is available (all are down or restarting)")
+        width = (block_size or self.default_block_size or 1) if method == "dflash" else 1
+        need = blocks_needed(len(prompt), params.max_tokens, width, d.info["kv_block_size"])
+        if need > d.info["kv_blocks_total"]:
+            self.pool.release(d)
+            raise PromptTooLong(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} needs {need} KV "
+                                f"blocks; a decode worker has {d.info['kv_blocks_total']}")
+        h = RouterHandle(prompt, params, method, block_size, self.cfg.request_timeout_s)
+        with self._lock:
+            self.inflight += 1
+        threading.Thread(target=self._run, args=(h, d), name="router-request", daemon=True).start()
+        return h
+
+    def cancel(self, h: RouterHandle) -> None:
+        h.cancel()
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def _run(self, h: RouterHandle, d: Slot) -> None:
+        outcome, emitted = "error", []
+        p = h.params
+        req = build_request(h.prompt, max_tokens=p.max_tokens, method=h.method, block_size=h.block_size or 0,
+                            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                            ignore_eos=p.ignore_eos)
+        stats: dict = {}
+        held: Slot | None = d  # picked for this request; _stream releases it once it runs
+        try:
+            first = self._prefill(h, req)
+            if first is not None:
+                emitted.append(first.first_token)
+                h.tokens([first.first_token])
+            if first is not None and first.finish_reason:
+                reason = first.finish_reason
+            else:
+                held = None
+                reason, stats = self._decode(h, req, d, first, emitted)
+            stats.update(ttft_ms=h.ttft_ms, latency_ms=(time.perf_counter() - h.t0) * 1e3)
+            stats.setdefault("acceptance_lengths", [])
+            stats.setdefault("tau", None)
+            h.events.put(Event("done", finish_reason=reason, stats=stats))
+            outcome = "ok"
+        except _Cancelled:
+            outcome = "cancelled"
+        except Exception as e:  # noqa: BLE001  every failure reaches the client as a status code
+            if h.cancelled:
+                outcome = "cancelled"
+            else:
+                log.warning("request failed: %s: %s", type(e).__name__, e)
+                h.events.put(Event("error", error=e))
+        finally:
+            if held is not None:
+                self.pool.release(held)
+            with self._lock:
+                self.inflight -= 1
+            self.metrics.observe_request(h.method, stats, outcome, len(emitted))
+
+    def _fallback(self, reason: str, detail: str) -> None:
+        self.fallbacks[reason] += 1
+        log.warning("prefill failed (%s: %s); the decode worker computes the prompt itself", reason, detail)
+
+    def _prefill(self, h: RouterHandle, req: pb.GenerateRequest) -> pb.PrefillReply | None:
+        if not self.pool.slots["prefill"]:
+            return None  # no prefill workers configured: the decode worker prefills (not a fallback)
+        s = self.pool.pick("prefill")
+        if s is None:
+            self._fallback("no_prefill_worker", "every prefill worker is down")
+            return None
+        try:
+            fut = s.client.prefill_future(req, min(self.cfg.prefill_timeout_s, h.remaining()))
+            h.track(fut)
+            return fut.result()
+        except grpc.FutureCancelledError:
+            raise _Cancelled from None
+        except grpc.RpcError as e:
+            if h.cancelled:
+                raise _Cancelled from None
+            code = e.code()
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from None
+            if code in WORKER_GONE:
+                self.pool.mark_down(s, f"Prefill failed: {code.name}")
+            self._fallback(code.name.lower(), e.details() or "")
+            return None
+        finally:
+            self.pool.release(s)
+
+    def _decode(self, h: RouterHandle, req: pb.GenerateRequest, d: Slot, first: pb.PrefillReply | None,
+                emitted: list[int]) -> tuple[str, dict]:
+        tries = 0
+        while True:
+            try:
+                return self._stream(h, req, d, first, emitted)
+            except grpc.RpcError as e:
+                if h.cancelled:
+                    raise _Cancelled from None
+                code, details = e.code(), e.details() or ""
+                if code not in WORKER_GONE:
+                    raise _error_for(code, details) from None
+                self.pool.mark_down(d, f"Decode failed: {code.name} {details}")
+                reproducible = h.params.greedy or h.params.seed is not None
+                nxt = self.pool.pick("decode", exclude=(d,)) if reproducible and tries < self.cfg.decode_retries \
+                    else None
+                if nxt is None:
+                    raise EngineStopped(f"decode worker {d.index} at {d.address} is gone ({code.name}: {details})") \
+                        from None
+                tries += 1
+                self.retries += 1
+                log.warning("decode worker %d failed (%s); retrying on decode worker %d after %d streamed tokens",
+                            d.index, code.name, nxt.index, len(emitted))
+                d = nxt
+
+    def _stream(self, h: RouterHandle, req: pb.GenerateRequest, d: Slot, first: pb.PrefillReply | None,
+                emitted: list[int]) -> tuple[str, dict]:
+        try:
+            dreq = pb.DecodeRequest(version=PROTOCOL_VERSION, request=req)
+            if first is not None:
+                dreq.first_token = first.first_token
+            call = d.client.decode(dreq, h.remaining())
+            h.track(call)
+            seen = 0
+            for chunk in call:
+                new = []
+                for tok in chunk.token_ids:
+                    if seen < len(emitted):
+                        if tok != emitted[seen]:
+                            raise EngineStopped(f"a retried decode diverged at token {seen} from what was streamed")
+                    else:
+                        new.append(tok)
+                    seen += 1
+                if new:
+                    emitted.extend(new)
+                    h.tokens(new)
+                if chunk.finished:
+                    return chunk.finish_reason, stats_dict(chunk.stats)
+            raise EngineStopped(f"decode worker {d.index} ended the stream without its final chunk")
+        finally:
+            self.pool.release(d)
+
+
+def _error_for(code: grpc.StatusCode, details: str) -> Exception:
+    """A worker's status as the exception the servicer turns back into the same status."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return PromptTooLong(details)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(details)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(details)
+    return EngineStopped(f"{code.name}: {details}")

@@ -1,0 +1,103 @@
+"""Start the whole service from a ServeConfig, in one of its three modes.
+
+- colocated: one process; a decode worker (prefill and decode on one engine) behind the API.
+- local: the router in this process; bridge, prefill and decode workers as local processes.
+- ray: the router in this process; the workers as Ray actors (joins the Ray job's cluster, or
+  `ray_address`, or starts a local one). Nothing imports ray unless this mode is asked for.
+The generation API (proto/generation.proto) is the same in all three.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+
+from flashpd.cluster.config import ServeConfig
+from flashpd.cluster.generation_server import serve_generation
+from flashpd.cluster.launcher import Launcher
+from flashpd.cluster.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Service:
+    cfg: ServeConfig
+    address: str
+    server: grpc.Server
+    backend: object  # EngineLoop (colocated) or Router
+    metrics: Metrics
+    metrics_address: str | None = None
+    worker: object | None = None  # colocated: the DecodeWorker
+    pool: object | None = None  # ray / local: the WorkerPool
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.backend.alive)
+
+    def stop(self) -> None:
+        """Stop serving, then the workers (each step bounded)."""
+        self.server.stop(grace=2.0).wait(10)
+        for close in reversed(self.closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001  the rest still stops; what failed is logged
+                log.exception("stopping the service")
+        self.closers.clear()
+
+
+def make_launcher(cfg: ServeConfig) -> Launcher:
+    if cfg.mode == "local":
+        from flashpd.cluster.local_launcher import LocalLauncher  # noqa: PLC0415
+        return LocalLauncher()
+    from flashpd.cluster.ray_launcher import RayLauncher  # noqa: PLC0415  (imports ray)
+    return RayLauncher(cfg.ray_address)
+
+
+def start_service(cfg: ServeConfig, launcher: Launcher | None = None) -> Service:
+    if cfg.mode == "colocated":
+        svc = _colocated(cfg)
+    else:
+        svc = _disaggregated(cfg, launcher or make_launcher(cfg))
+    if cfg.metrics_port is not None:
+        port = svc.metrics.serve(cfg.metrics_port, "0.0.0.0" if cfg.allow_remote else cfg.host)
+        svc.metrics_address = f"{cfg.host}:{port}"
+        svc.closers.insert(0, svc.metrics.close)
+    return svc
+
+
+def _colocated(cfg: ServeConfig) -> Service:
+    from flashpd.cluster.worker_main import build_decode, load_model  # noqa: PLC0415
+
+    llm = load_model(cfg)
+    metrics = Metrics("colocated")
+    worker = build_decode(cfg, llm, None, metrics)
+    try:
+        server, port = serve_generation(worker.loop, cfg.host, cfg.port, llm.tokenizer, cfg.allow_remote,
+                                        cfg.max_concurrent)
+    except BaseException:
+        worker.stop()
+        raise
+    return Service(cfg, f"{cfg.host}:{port}", server, worker.loop, metrics, worker=worker,
+                   closers=[lambda: worker.stop(10)])
+
+
+def _disaggregated(cfg: ServeConfig, launcher: Launcher) -> Service:
+    from flashpd.cluster.router import Router  # noqa: PLC0415
+    from flashpd.cluster.worker_pool import WorkerPool  # noqa: PLC0415
+    from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
+
+    pool = WorkerPool(cfg, launcher)
+    try:
+        pool.start()
+        router = Router(cfg, pool)
+        server, port = serve_generation(router, cfg.host, cfg.port, TextTokenizer.from_dir(cfg.target),
+                                        cfg.allow_remote, cfg.max_concurrent)
+    except BaseException:
+        pool.shutdown()
+        raise
+    return Service(cfg, f"{cfg.host}:{port}", server, router, router.metrics, pool=pool,
+                   closers=[pool.shutdown, router.stop])

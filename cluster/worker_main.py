@@ -1,0 +1,258 @@
+"""Build and run one worker of the service: the KV bridge, a prefill worker or a decode worker.
+
+`build_worker(role, cfg)` is what a Ray actor calls in its process and what
+`python -m flashpd.cluster.worker_main` (the local launcher's child) calls; the worker is the
+same either way. It prints `metrics on ADDR` (when enabled) and then `listening on ADDR` once it
+serves, and stops on SIGTERM/SIGINT or when the process that launched it is gone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+ROLES = ("bridge", "prefill", "decode")
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningWorker:
+    role: str
+    address: str
+    metrics_address: str | None = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    alive_fn: Callable[[], bool] = lambda: True
+
+    def alive(self) -> bool:
+        return self.alive_fn()
+
+    def stop(self) -> None:
+        for close in reversed(self.closers):
+            try:
+                close()
+            except Exception:  # noqa: BLE001  stopping goes on; what failed is logged
+                log.exception("stopping the %s worker", self.role)
+        self.closers.clear()
+
+
+def _hosts(cfg) -> tuple[str, str]:
+    """(bind, advertise): loopback unless allow_remote; then all interfaces, advertising
+    FLASHPD_ADVERTISE_HOST (a Ray actor sets it to its node's address) or the host name's address."""
+    if not cfg.allow_remote:
+        return "127.0.0.1", "127.0.0.1"
+    import socket  # noqa: PLC0415
+
+    return "0.0.0.0", os.environ.get("FLASHPD_ADVERTISE_HOST") or socket.gethostbyname(socket.gethostname())
+
+
+def _serve_metrics(w: RunningWorker, metrics, cfg, bind: str, adv: str) -> None:
+    if cfg.worker_metrics:
+        port = metrics.serve(0, bind)
+        w.metrics_address = f"{adv}:{port}"
+        w.closers.append(metrics.close)
+
+
+def _bridge(cfg, port: int) -> RunningWorker:
+    from flashpd.cluster.metrics import Metrics  # noqa: PLC0415
+    from flashpd.kv_bridge.server import serve  # noqa: PLC0415
+    from flashpd.kv_bridge.store import MemoryStore  # noqa: PLC0415
+
+    store = MemoryStore(cfg.bridge_memory_bytes)
+    if cfg.bridge_disk_dir:
+        from flashpd.kv_bridge.disk import DiskStore, TieredStore  # noqa: PLC0415
+        store = TieredStore(store, DiskStore(cfg.bridge_disk_dir, cfg.bridge_disk_bytes))
+    bind, adv = _hosts(cfg)
+    server, bound = serve(store, bind, port, max_workers=32, allow_remote=cfg.allow_remote)
+    w = RunningWorker("bridge", f"{adv}:{bound}", closers=[lambda: server.stop(grace=1.0).wait(5)])
+    m = Metrics("bridge")
+
+    def lookups() -> dict:
+        st = store.stats()
+        if "hits_memory" in st:
+            return {("memory", "hit"): st["hits_memory"], ("disk", "hit"): st["hits_disk"], ("all", "miss"): st["misses"]}
+        return {("memory", "hit"): st["hits"], ("memory", "miss"): st["misses"]}
+
+    m.live("flashpd_bridge_store_lookups", "Chunk reads of the bridge's store, by tier and result", "counter",
+           ("tier", "result"), lookups)
+    m.live("flashpd_bridge_store_bytes", "Bytes held by the bridge's memory tier", "gauge", (),
+           lambda: {(): (store.memory if hasattr(store, "memory") else store).stats()["bytes"]})
+    _serve_metrics(w, m, cfg, bind, adv)
+    return w
+
+
+def load_model(cfg):
+    import torch  # noqa: PLC0415
+
+    from flashpd.llm import LLM  # noqa: PLC0415
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    return LLM(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, kv_cache_tokens=cfg.kv_cache_tokens)
+
+
+def fingerprint(cfg, llm) -> str:
+    """The method fingerprint both sides of the bridge compute from the same config."""
+    from flashpd.kv_bridge.keys import MethodFingerprint, weights_identity  # noqa: PLC0415
+
+    taps = tuple(llm.drafter.cfg.target_layer_ids) if llm.drafter is not None else ()
+    return MethodFingerprint(weights_identity(cfg.target), weights_identity(cfg.draft) if cfg.draft else "none",
+                             taps, str(llm.dtype).removeprefix("torch.")).digest()
+
+
+def _bridge_cache(cfg, llm, w: RunningWorker, metrics):
+    """A PrefixCache on the bridge, metered; its bytes / seconds / GB/s become live metrics."""
+    from flashpd.cluster.bridge_meter import MeteredStore  # noqa: PLC0415
+    from flashpd.kv_bridge.client import BridgeClient, RemoteStore  # noqa: PLC0415
+    from flashpd.kv_bridge.prefix_cache import PrefixCache  # noqa: PLC0415
+
+    client = BridgeClient(cfg.bridge_address, timeout_s=cfg.bridge_timeout_s)
+    w.closers.append(client.close)
+    meter = MeteredStore(RemoteStore(client, cfg.bridge_transport))
+    cache = PrefixCache(meter, fingerprint(cfg, llm), cfg.chunk_tokens)
+    metrics.live("flashpd_bridge_bytes", "Bytes moved through the KV bridge", "counter", ("direction",),
+                 lambda: {(d,): v for d, v in meter.bytes.items()})
+    metrics.live("flashpd_bridge_seconds", "Seconds spent moving them", "counter", ("direction",),
+                 lambda: {(d,): v for d, v in meter.seconds.items()})
+    metrics.live("flashpd_bridge_gbps", "Average bridge rate (GB/s)", "gauge", ("direction",),
+                 lambda: {(d,): v for d, v in meter.gbps().items()})
+    metrics.live("flashpd_cache_tokens", "Prompt positions restored from a cache tier (hit) or computed (miss)",
+                 "counter", ("tier", "result"),
+                 lambda: {("bridge", "hit"): cache.stats.hit_tokens,
+                          ("bridge", "miss"): cache.stats.prompt_tokens - cache.stats.hit_tokens})
+    return cache
+
+
+def _prefill(cfg, port: int) -> RunningWorker:
+    from flashpd.cluster.generation_server import new_server  # noqa: PLC0415
+    from flashpd.cluster.metrics import Metrics  # noqa: PLC0415
+    from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc  # noqa: PLC0415
+    from flashpd.cluster.worker_services import PrefillHost, PrefillWorkerServicer  # noqa: PLC0415
+    from flashpd.prefill_node.worker import PrefillWorker  # noqa: PLC0415
+
+    if not cfg.bridge_address:
+        raise ValueError("bridge_address: a prefill worker publishes to a KV bridge; none was given")
+    llm = load_model(cfg)
+    bind, adv = _hosts(cfg)
+    metrics = Metrics("prefill")
+    w = RunningWorker("prefill", "")
+    cache = _bridge_cache(cfg, llm, w, metrics)
+    host = PrefillHost(PrefillWorker(llm.runner, llm.drafter, cache, tuple(llm.stop_ids)), llm.runner,
+                       llm.drafter.cfg.block_size if llm.drafter is not None else None, cfg.fault_prefill_delay_s)
+    metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): host.waiting})
+    servicer = PrefillWorkerServicer(host, metrics)
+    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent,
+                               lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, s))
+    w.address = f"{adv}:{bound}"
+    w.closers.append(lambda: server.stop(grace=1.0).wait(5))
+    _serve_metrics(w, metrics, cfg, bind, adv)
+    return w
+
+
+def decode_metrics(metrics, worker) -> None:
+    """The decode worker's live families (also used by the colocated server)."""
+    st = worker.stats
+    metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): st()["waiting"]})
+    metrics.live("flashpd_running_requests", "Requests in the running batch", "gauge", (), lambda: {(): st()["running"]})
+    metrics.live("flashpd_kv_blocks_free", "Free KV blocks", "gauge", (), lambda: {(): st()["kv_blocks_free"]})
+    metrics.live("flashpd_preemptions", "Requests preempted (recomputed when re-admitted)", "counter", (),
+                 lambda: {(): st()["preemptions"]})
+    if worker.cache is not None:
+        metrics.live("flashpd_recompute_fallbacks", "Bridge imports that failed and were recomputed locally",
+                     "counter", ("reason",), lambda: {(k,): v for k, v in worker.cache.import_failures.items()})
+
+
+def build_decode(cfg, llm, cache, metrics):
+    """A DecodeWorker whose finished requests feed the metrics."""
+    from flashpd.decode_node.worker import DecodeWorker  # noqa: PLC0415
+
+    def finished(r) -> None:
+        metrics.observe_request(r.method, r.seq.stats.as_dict(), "ok", len(r.seq.output))
+
+    worker = DecodeWorker(llm.runner, llm.drafter, tuple(llm.stop_ids), cache, cfg.max_running, cfg.policy, finished)
+    decode_metrics(metrics, worker)
+    return worker
+
+
+def _decode(cfg, port: int) -> RunningWorker:
+    from flashpd.cluster.generation_server import new_server  # noqa: PLC0415
+    from flashpd.cluster.metrics import Metrics  # noqa: PLC0415
+    from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc  # noqa: PLC0415
+    from flashpd.cluster.worker_services import DecodeWorkerServicer  # noqa: PLC0415
+
+    llm = load_model(cfg)
+    bind, adv = _hosts(cfg)
+    metrics = Metrics("decode")
+    w = RunningWorker("decode", "")
+    cache = _bridge_cache(cfg, llm, w, metrics) if cfg.bridge_address else None
+    worker = build_decode(cfg, llm, cache, metrics)
+    w.closers.append(lambda: worker.stop(10))
+    servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer)
+
+    def add(s) -> None:
+        pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s)
+        pb_grpc.add_GenerationServicer_to_server(servicer, s)
+
+    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent, add)
+    w.address = f"{adv}:{bound}"
+    w.closers.append(lambda: server.stop(grace=1.0).wait(5))
+    w.alive_fn = lambda: worker.loop.alive
+    _serve_metrics(w, metrics, cfg, bind, adv)
+    return w
+
+
+def build_worker(role: str, cfg, port: int = 0) -> RunningWorker:
+    """Start one worker in this process (its servers run on their own threads)."""
+    if role not in ROLES:
+        raise ValueError(f"role: must be one of {list(ROLES)}, got {role!r}")
+    return {"bridge": _bridge, "prefill": _prefill, "decode": _decode}[role](cfg, port)
+
+
+def _parent_gone(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return os.getppid() != pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flashpd.cluster.config import ServeConfig  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(description="run one flashpd worker (the local launcher starts these)")
+    ap.add_argument("--role", required=True, choices=ROLES)
+    ap.add_argument("--config-json", required=True, help="the ServeConfig as JSON")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--parent-pid", type=int, help="exit when this process is gone")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
+    cfg = ServeConfig.from_dict(json.loads(a.config_json), "--config-json")
+    w = build_worker(a.role, cfg, a.port)
+    if w.metrics_address:
+        print(f"metrics on {w.metrics_address}", flush=True)
+    print(f"listening on {w.address}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(1.0):
+        if _parent_gone(a.parent_pid):
+            log.warning("launcher (pid %s) is gone: stopping", a.parent_pid)
+            break
+        if not w.alive():
+            log.error("the %s worker stopped serving: exiting", a.role)
+            w.stop()
+            return 1
+    w.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

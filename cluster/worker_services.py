@@ -1,0 +1,101 @@
+"""The gRPC faces of the workers (proto/generation.proto's PrefillWorker and DecodeWorker services).
+
+Both reuse GenerationServicer's request checks and Health; the decode one also reuses its
+streaming, so a decode worker answers Decode exactly as a colocated server answers Generate
+(it serves Generation too, for colocated runs). A prefill worker runs one prefill at a time
+(its runner is not thread-safe); a waiting prefill is bounded by the call's deadline.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+import grpc
+
+from flashpd.cluster.generation_server import PROTOCOL_VERSION, GenerationServicer, abort_for
+from flashpd.cluster.metrics import Metrics
+from flashpd.cluster.proto_gen import generation_pb2 as pb
+from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
+from flashpd.engine.kv_cache import OutOfBlocks
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.kv_bridge.client import BridgeError
+from flashpd.prefill_node.worker import PrefillResult, PrefillWorker
+
+
+class PrefillHost:
+    """A PrefillWorker behind a lock, with the facts the request checks and Health read."""
+
+    def __init__(self, worker: PrefillWorker, runner: ModelRunner, default_block_size: int | None,
+                 delay_s: float = 0.0) -> None:
+        self.worker = worker
+        self.runner = runner
+        self.has_drafter = default_block_size is not None
+        self.default_block_size = default_block_size
+        self.vocab_size = int(runner.model.cfg.vocab_size)
+        self.max_positions = int(runner.max_positions)
+        self.alive = True
+        self.delay_s = delay_s  # fault injection (tests): a window in which the worker can be killed mid-request
+        self._lock = threading.Lock()
+        self._capacity = runner.allocator.num_free
+        self.waiting = 0
+        self.running = 0
+        self.prefills = 0
+
+    def counts(self) -> dict:
+        return dict(running=self.running, waiting=self.waiting, kv_blocks_free=self.runner.allocator.num_free,
+                    kv_blocks_total=self._capacity, kv_block_size=self.runner.block_size)
+
+    def prefill(self, prompt: list[int], params: SamplingParams, timeout_s: float) -> PrefillResult:
+        self.waiting += 1
+        try:
+            if not self._lock.acquire(timeout=timeout_s):
+                raise TimeoutError(f"prefill worker busy for {timeout_s:g} s")
+        finally:
+            self.waiting -= 1
+        try:
+            self.running += 1
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            res = self.worker.prefill(prompt, params)
+            self.prefills += 1
+            return res
+        finally:
+            self.running -= 1
+            self._lock.release()
+
+
+class PrefillWorkerServicer(GenerationServicer, pb_grpc.PrefillWorkerServicer):
+    def __init__(self, host: PrefillHost, metrics: Metrics | None = None) -> None:
+        super().__init__(host, None)  # type: ignore[arg-type]  (checks and Health only: no submit)
+        self.host = host
+        self.metrics = metrics
+
+    def Prefill(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.PrefillReply:
+        prompt, params, method, _ = self._parse(request, context)
+        remaining = context.time_remaining()
+        try:
+            res = self.host.prefill(prompt, params, remaining if remaining is not None else 120.0)
+        except OutOfBlocks as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt: the prefill worker's KV cache: {e}")
+        except BridgeError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"publishing to the KV bridge failed: {e}")
+        except (TimeoutError, ValueError) as e:
+            abort_for(context, e)
+        if self.metrics is not None:
+            self.metrics.ttft.labels("prefill", method).observe(res.prefill_ms / 1e3)
+        return pb.PrefillReply(version=PROTOCOL_VERSION, first_token=res.first_token,
+                               finish_reason=res.finish_reason or "", published_chunks=res.published_chunks,
+                               cached_tokens=res.cached_tokens, prefill_ms=res.prefill_ms)
+
+
+class DecodeWorkerServicer(GenerationServicer, pb_grpc.DecodeWorkerServicer):
+    """Generation (colocated use) and DecodeWorker (the router's) over one EngineLoop."""
+
+    def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
+        if request.version != PROTOCOL_VERSION:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
+        first = request.first_token if request.HasField("first_token") else None
+        return self._stream(request.request, context, first)

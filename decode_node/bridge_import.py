@@ -1,0 +1,58 @@
+"""The decode side's import from the KV bridge, with a counted, logged fallback to local recompute.
+
+A prompt's prefix comes from the bridge when it is there (published by a prefill worker). When
+the import itself fails (bridge gone, timed out, a chunk that does not decode) the request is not
+lost: its blocks are reset to empty and the prompt is recomputed locally, which gives the same
+tokens and acceptance lengths as an import would. Each such fallback is logged and counted
+(`import_failures`, by exception type), never silent. Failed publishes are counted the same way.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from flashpd.engine.sequence import Sequence
+from flashpd.kv_bridge.chunk import CorruptChunk
+from flashpd.kv_bridge.client import BridgeError
+from flashpd.kv_bridge.prefix_cache import PrefixCache
+
+log = logging.getLogger(__name__)
+
+# What a remote store raises when the bridge is unreachable, slow or sends bad bytes.
+IMPORT_ERRORS = (BridgeError, ConnectionError, TimeoutError, CorruptChunk)
+
+
+class GuardedPrefixCache:
+    """A PrefixCache whose restore/publish survive a failing bridge (see the module doc)."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+        self.import_failures: Counter[str] = Counter()
+        self.publish_failures: Counter[str] = Counter()
+
+    @property
+    def stats(self):
+        return self.cache.stats
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.cache.chunk_tokens
+
+    def restore(self, gen, seq: Sequence) -> int:
+        try:
+            return self.cache.restore(gen, seq)
+        except IMPORT_ERRORS as e:
+            seq.table.num_tokens = 0  # whatever was written is overwritten by the local prefill
+            seq.draft_len = 0
+            self.import_failures[type(e).__name__] += 1
+            log.warning("KV import from the bridge failed (%s: %s); recomputing the %d-token prompt locally",
+                        type(e).__name__, e, len(seq.prompt))
+            return 0
+
+    def publish(self, gen, seq: Sequence) -> int:
+        try:
+            return self.cache.publish(gen, seq)
+        except IMPORT_ERRORS as e:
+            self.publish_failures[type(e).__name__] += 1
+            log.warning("publishing a prompt to the bridge failed (%s: %s); not cached", type(e).__name__, e)
+            return 0

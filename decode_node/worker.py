@@ -1,0 +1,48 @@
+"""DecodeWorker: the decode side of disaggregation, as one object a server can drive.
+
+It owns a Scheduler in the preempting policy (admission by free KV blocks, preemption by recompute
+when blocks run out) behind an EngineLoop thread that streams each request's tokens, and imports
+prompts from the KV bridge through a GuardedPrefixCache (a failed import is recomputed locally,
+counted and logged). A request may carry the first token its prefill worker already streamed;
+it is committed as is. `stats()` is what the worker's metrics and health read.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from flashpd.cluster.engine_loop import EngineLoop, Handle
+from flashpd.decode_node.bridge_import import GuardedPrefixCache
+from flashpd.decode_node.scheduler import Request, Scheduler
+from flashpd.engine.drafter import DFlashDrafter
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.kv_bridge.prefix_cache import PrefixCache
+
+
+class DecodeWorker:
+    def __init__(self, runner: ModelRunner, drafter: DFlashDrafter | None = None, stop_ids: tuple[int, ...] = (),
+                 prefix_cache: PrefixCache | None = None, max_running: int = 64, policy: str = "preempt",
+                 on_finish: Callable[[Request], None] | None = None) -> None:
+        self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
+        self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy)
+        self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish)
+
+    def submit(self, prompt: list[int], params: SamplingParams, method: str = "native", block_size: int | None = None,
+               first_token: int | None = None, timeout_s: float = 30.0) -> Handle:
+        """Queue a request (see EngineLoop.submit); its events stream from the returned handle."""
+        return self.loop.submit(prompt, params, method, block_size, timeout_s, first_token)
+
+    def stats(self) -> dict:
+        """Counters since start (read from any thread; each value is a plain int)."""
+        s = self.scheduler
+        out = dict(self.loop.counts(), preemptions=s.stats.preemptions, recomputed_tokens=s.stats.recomputed_tokens,
+                   steps=self.loop.steps)
+        if self.cache is not None:
+            c = self.cache.stats
+            out.update(cache_hit_tokens=c.hit_tokens, cache_prompt_tokens=c.prompt_tokens,
+                       import_failures=sum(self.cache.import_failures.values()),
+                       publish_failures=sum(self.cache.publish_failures.values()))
+        return out
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.loop.stop(timeout_s)

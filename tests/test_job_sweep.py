@@ -1,0 +1,117 @@
+"""The load-sweep entrypoint (`python -m flashpd.cluster.job_sweep`): run without Ray importable (the
+local launcher, as on a GPU machine without ray), and submitted with `ray job submit` to a real
+local Ray cluster (`ray start --head` on free ports, stopped in teardown). Both write the JSON
+with every (mode, method, concurrency) run, and colocated and disaggregated outputs match."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests._cluster_helpers import dflash_pair  # noqa: F401  (session fixture)
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--concurrency", "1,4", "--requests", "4", "--max-tokens", "8", "--prompt-tokens", "64", "--warmup", "1",
+         "--device", "cpu", "--dtype", "float32", "--kv-cache-tokens", "4096", "--torch-threads", "1",
+         "--chunk-tokens", "32", "--start-timeout-s", "180", "--request-timeout-s", "60"]
+
+
+def _check(out: Path, launcher: str) -> None:
+    d = json.loads(out.read_text())
+    assert d["kind"] == "serve_sweep" and d["settings"]["launcher"] == launcher
+    rows = {(r["mode"], r["method"], r["concurrency"]) for r in d["runs"]}
+    assert rows == {(m, k, c) for m in ("colocated", "disaggregated") for k in ("native", "dflash") for c in (1, 4)}
+    for r in d["runs"]:
+        assert r["errors"] == 0 and r["requests"] == 4 and r["output_tokens"] == 32, r
+        assert r["ttft_ms"]["p50"] > 0 and r["latency_ms"]["p95"] >= r["latency_ms"]["p50"] > 0
+        assert r["output_tokens_per_s"] > 0 and (r["tau"] is None) == (r["method"] == "native")
+    assert d["exact"]["compared"] == 16 and d["exact"]["match_rate"] == 1.0, d["exact"]
+    assert d["git"] and d["machine"]
+
+
+def test_sweep_runs_on_the_local_launcher_without_ray(dflash_pair, tmp_path):  # noqa: F811
+    hidden = tmp_path / "no_ray"
+    (hidden / "ray").mkdir(parents=True)
+    (hidden / "ray" / "__init__.py").write_text('raise ImportError("ray is hidden for this test")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "sweep.json"
+    p = subprocess.run([sys.executable, "-m", "flashpd.cluster.job_sweep", "--target", str(dflash_pair.target_dir),
+                        "--draft", str(dflash_pair.draft_dir), "--out", str(out), *SMALL],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    _check(out, "local")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path_factory):
+    """`ray start --head --block` in its own session, with its own auth token (nothing read from or
+    written to ~/.ray); teardown stops that process (it stops its children), then kills what is
+    left of the process group it leads, by its id."""
+    pytest.importorskip("ray")
+    ray_bin = Path(sys.executable).parent / "ray"
+    port, dash, client = _free_port(), _free_port(), _free_port()
+    temp = Path("/tmp") / f"ray-fpd-{os.getpid()}-{port}"  # short: Ray's socket paths have a length limit
+    log = tmp_path_factory.mktemp("ray_head") / "ray_start.log"
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
+    with open(log, "w") as f:
+        proc = subprocess.Popen([str(ray_bin), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+                                 "--port", str(port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+                                 "--ray-client-server-port", str(client), "--include-dashboard", "true",
+                                 "--num-cpus", "4", "--num-gpus", "0", "--temp-dir", str(temp),
+                                 "--disable-usage-stats"],
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                req = urllib.request.Request(f"{url}/api/version",
+                                             headers={"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"})
+                urllib.request.urlopen(req, timeout=5).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"Ray dashboard did not come up: {log.read_text()[-3000:]}") from None
+                time.sleep(1)
+        yield url, ray_bin, env
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group this fixture started
+        except ProcessLookupError:
+            pass
+        proc.wait(20)
+
+
+def test_ray_job_submit_runs_the_sweep(ray_head, dflash_pair, tmp_path):  # noqa: F811
+    url, ray_bin, env = ray_head
+    out = tmp_path / "sweep.json"
+    runtime_env = {"excludes": [".git", ".venv", "**/__pycache__", ".pytest_cache", "bench/results"],
+                   "env_vars": {"PYTHONUNBUFFERED": "1"}}
+    cmd = [str(ray_bin), "job", "submit", "--address", url, "--working-dir", str(REPO),
+           "--runtime-env-json", json.dumps(runtime_env), "--",
+           sys.executable, "-m", "flashpd.cluster.job_sweep", "--launcher", "ray",
+           "--target", str(dflash_pair.target_dir), "--draft", str(dflash_pair.draft_dir), "--out", str(out), *SMALL]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
+    assert p.returncode == 0 and "succeeded" in p.stdout, p.stdout[-4000:] + p.stderr[-3000:]
+    _check(out, "ray")

@@ -1,0 +1,80 @@
+"""The service's config files (JSON, YAML, the shipped ray_configs/) and worker placement rules."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flashpd.cluster.config import ServeConfig, load_config
+from flashpd.cluster.placement import gpu_share, local_gpu, ray_options
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_json_and_yaml_configs_load_the_same(tmp_path):
+    d = {"target": "t", "draft": "d", "mode": "local", "prefill_workers": 2, "metrics_port": 0}
+    (tmp_path / "a.json").write_text(json.dumps(d))
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(d))
+    (tmp_path / "a.conf").write_text(yaml.safe_dump(d))  # no known suffix: JSON, then YAML
+    cfgs = [load_config(tmp_path / n) for n in ("a.json", "a.yaml", "a.conf")]
+    assert cfgs[0] == cfgs[1] == cfgs[2] == ServeConfig(**d)
+    assert ServeConfig.from_dict(cfgs[0].to_dict()) == cfgs[0]
+
+
+@pytest.mark.parametrize("d, msg", [
+    ({"target": "t", "mdoe": "ray"}, "mdoe"),
+    ({"target": "t", "mode": "cluster"}, "mode"),
+    ({"target": "t", "decode_workers": 0}, "decode_workers"),
+    ({"target": "t", "policy": "lifo"}, "policy"),
+    ({"target": "t", "health_timeout_s": 0}, "health_timeout_s"),
+    ({"draft": "d"}, "target"),
+])
+def test_bad_configs_are_refused_by_name(tmp_path, d, msg):
+    (tmp_path / "c.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=msg):
+        load_config(tmp_path / "c.json")
+
+
+def test_shipped_ray_configs_parse():
+    cfg = load_config(REPO / "ray_configs" / "serve_ray.yaml")
+    assert cfg.mode == "ray" and cfg.device == "cuda"
+    cluster = yaml.safe_load((REPO / "ray_configs" / "cluster.yaml").read_text())
+    types = cluster["available_node_types"]
+    assert {"head", "prefill", "decode"} <= set(types)
+    assert "flashpd_prefill" in types["prefill"]["resources"] and "flashpd_decode" in types["decode"]["resources"]
+    env = yaml.safe_load((REPO / "ray_configs" / "runtime_env.yaml").read_text())
+    assert env["working_dir"] == "." and ".venv" in env["excludes"]
+
+
+def _cfg(p: int = 1, d: int = 1, **kw) -> ServeConfig:
+    return ServeConfig(target="t", mode="ray", prefill_workers=p, decode_workers=d, **kw)
+
+
+@pytest.mark.parametrize("gpus, p, d, share", [(0, 1, 1, 0.0), (1, 1, 1, 0.5), (1, 1, 3, 0.25), (2, 1, 1, 1.0),
+                                               (2, 2, 2, 0.5), (8, 3, 5, 1.0)])
+def test_gpu_share(gpus, p, d, share):
+    assert gpu_share(_cfg(p, d), gpus) == share
+
+
+def test_gpu_share_overrides_and_cpu():
+    assert gpu_share(_cfg(num_gpus=0.3), 4) == 0.3
+    assert gpu_share(_cfg(device="cpu"), 4) == 0.0
+
+
+def test_ray_options_pin_roles_when_the_cluster_has_node_types():
+    plain = {"CPU": 16.0, "GPU": 2.0}
+    typed = {**plain, "flashpd_prefill": 8.0, "flashpd_decode": 8.0, "flashpd_bridge": 1.0}
+    assert ray_options("decode", _cfg(), plain) == {"num_cpus": 1, "num_gpus": 1.0}
+    assert ray_options("bridge", _cfg(), plain) == {"num_cpus": 0, "num_gpus": 0}
+    assert ray_options("prefill", _cfg(), typed)["resources"] == {"flashpd_prefill": 0.001}
+    assert ray_options("bridge", _cfg(), typed)["resources"] == {"flashpd_bridge": 0.001}
+
+
+def test_local_gpu_keeps_prefill_and_decode_apart():
+    c = _cfg()
+    assert (local_gpu("prefill", 0, c, 2), local_gpu("decode", 0, c, 2)) == (0, 1)
+    assert (local_gpu("prefill", 0, c, 1), local_gpu("decode", 0, c, 1)) == (0, 0)
+    assert local_gpu("decode", 0, c, 0) is None and local_gpu("bridge", 0, c, 2) is None
+    assert local_gpu("decode", 0, _cfg(device="cpu"), 2) is None

@@ -171,6 +171,9 @@ def sweep(a: argparse.Namespace) -> dict:
                                  row["output_tokens_per_s"] or 0, row["tau"], row["errors"])
                         runs.append(row)
                         outputs[(mode, m, c)] = [r.tokens if r.error is None else None for r in res]
+                        # a sweep cut short (a time limit) still leaves every level it finished
+                        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+                        Path(a.out).write_text(json.dumps({"kind": "serve_sweep", "partial": True, "runs": runs}))
             finally:
                 if srv is not None:
                     srv.stop()

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU runs of one session in one command (device time is scarce): each step has its own time limit
+# and writes into $OUT, so a step cut short never costs the others. Run from the repository root:
+#   FLASHPD_GIT_REV=<rev> bash bench/h200_battery.sh            (2 GPUs: the two-GPU step runs too)
+set -u
+export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+OUT=${OUT:-bench/results/battery}; mkdir -p "$OUT"
+step() { local name=$1 limit=$2; shift 2; echo "=== $(date +%T) $name (limit ${limit}s)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "=== $(date +%T) $name rc=$?"; grep -v "Warning\|warn(" "$OUT/$name.log" | tail -${TAIL:-6}; }
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1 || echo "pip -e failed"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -c "import google.protobuf, grpc, torch; print('protobuf', google.protobuf.__version__, 'grpc', grpc.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
+# issue 5: TTFT of a method-aware hit vs a cold prefill, Qwen3-8B shape, 2,723-token prompt
+CUDA_VISIBLE_DEVICES=0 step ttft_hit 120 python3 -m flashpd.bench.ttft_hit --config qwen3-8b --prompts 3 --reps 3 --out "$OUT/ttft_hit_h200.json"
+# issue 6: the service on one GPU (prefill and decode workers share it: Ray's fractional GPUs), demo pair
+SWEEP="--device cuda --dtype bfloat16 --kv-cache-tokens 262144 --max-tokens 64"
+CUDA_VISIBLE_DEVICES=0 step sweep_1gpu 200 python3 -m flashpd.cluster.job_sweep $SWEEP --launcher ${LAUNCHER:-ray} --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
+# issue 7: prefill on GPU 0, decode on GPU 1 (local launcher) against colocated on one GPU
+if [ "$NG" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=0,1 step sweep_2gpu 150 python3 -m flashpd.cluster.job_sweep $SWEEP --launcher local --concurrency 1,8,32 --out "$OUT/serve_sweep_demo_2gpu_h200.json"
+fi
+CUDA_VISIBLE_DEVICES=0 step draft_state 40 python3 -m flashpd.bench.draft_state --device cuda --reps 3 --out "$OUT/draft_state_h200.json"
+ls -la "$OUT"

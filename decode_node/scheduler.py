@@ -132,9 +132,9 @@ class Scheduler:
 
     # ---- one iteration ------------------------------------------------------------------
     def _width(self, r: Request) -> int:
-        """Positions the request's next step writes: its DFlash block (clipped near max_tokens) or 1."""
-        s = r.seq
-        return min(s.block_size, s.params.max_tokens - len(s.output) + 1) if r.method == "dflash" else 1
+        """Positions the request's next step may write: its whole DFlash block (a verify pads narrower rows to
+        the batch's widest, at most the block) or 1."""
+        return r.seq.block_size if r.method == "dflash" else 1
 
     def _step_blocks(self, r: Request) -> int:
         """Blocks the request still has to get for its next step."""

@@ -103,9 +103,14 @@ class DFlashGenerator(NativeGenerator):
         return w
 
     def _one_sync(self, seqs: list[Sequence], widths: list[int]) -> bool:
-        """Greedy rows of one width with no test hooks: draft and verify need no host round trip between them."""
-        return (self.draft_override is None and self.accept_override is None and len(set(widths)) == 1
-                and all(s.params.greedy for s in seqs))
+        """Greedy rows, no test hooks, and room for every row at the widest width: draft and verify need no
+        host round trip between them, and the verify pass has one shape (rows narrower than the widest are
+        padded with the drafter's further guesses, whose outputs are never read), so it replays a graph.
+        A row never writes past its own block width, which is what its KV reservation covers."""
+        t = max(widths)
+        return (self.draft_override is None and self.accept_override is None
+                and all(s.params.greedy for s in seqs)
+                and all(t <= s.block_size and s.table.num_tokens + t <= self.runner.max_positions for s in seqs))
 
     # ---- one speculative step ------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -137,22 +142,26 @@ class DFlashGenerator(NativeGenerator):
     def spec_step(self, seqs: list[Sequence]) -> None:
         alloc = self.runner.allocator
         widths = [min(s.block_size, s.params.max_tokens - len(s.output) + 1) for s in seqs]
+        one_sync = self._one_sync(seqs, widths)
+        t = max(widths)
         for s, w in zip(seqs, widths):
             assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
-            alloc.ensure(s.table, s.table.num_tokens + w)
+            alloc.ensure(s.table, s.table.num_tokens + (t if one_sync else w))  # padding rows write there too
         self.clock.start()
         starts = [s.table.num_tokens for s in seqs]
         tables = [s.table for s in seqs]
-        if self._one_sync(seqs, widths):
+        if one_sync:
             # greedy: the draft's argmax feeds the verify pass on the device; both come back in one copy
-            w = widths[0]
-            guess = self.drafts.draft(seqs, widths).argmax(-1)[:, :w - 1]
+            guess = self.drafts.draft(seqs, widths).argmax(-1)[:, :t - 1]
             self.clock.mark()
-            out = self.runner.forward(tables, [[s.last_token] + [0] * (w - 1) for s in seqs], "all", taps=True,
+            out = self.runner.forward(tables, [[s.last_token] + [0] * (t - 1) for s in seqs], "all", taps=True,
                                       tail=guess)
             feats = self._pending_features(out)  # enqueued before the sync
             rows = torch.cat([guess, out.logits.argmax(-1)], dim=1).tolist()
-            guesses, truth, qs = [r[:w - 1] for r in rows], [r[w - 1:] for r in rows], [None] * len(seqs)
+            # row i reads only its first w_i - 1 guesses and w_i verdicts: padding never decides anything
+            guesses = [r[:w - 1] for r, w in zip(rows, widths)]
+            truth = [r[t - 1:t - 1 + w] for r, w in zip(rows, widths)]
+            qs = [None] * len(seqs)
         else:
             guesses, qs = self._draft(seqs, widths)
             self.clock.mark()

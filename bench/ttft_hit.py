@@ -6,6 +6,7 @@
 One DFlash generator (target + 5-layer drafter, dummy weights) serves every mode:
   cold     no prefix cache: the whole prompt is prefilled (the drafter's context is written after
            the first token, so it is not in this TTFT);
+  device   hit in the worker's device-resident tier (kv_bridge/device_store.py): a device copy;
   memory   hit in an in-process MemoryStore: both halves restored (checksum, host -> device);
   shm      hit from a bridge server in its own process, bytes through /dev/shm, gRPC for handles;
   grpc     the same server, bytes inline in gRPC frames;
@@ -45,7 +46,7 @@ from flashpd.kv_bridge.keys import MethodFingerprint
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.store import MemoryStore
 
-MODES = ("cold", "memory", "shm", "grpc", "lmcache")
+MODES = ("cold", "device", "memory", "shm", "grpc", "lmcache")
 TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32)  # 8 layers: five distinct default taps
 
@@ -57,6 +58,9 @@ def target_config(name: str) -> Qwen3Config:
 def make_stores(modes: list[str], gen: DFlashGenerator, chunk: int, budget: int) -> tuple[dict, list]:
     """One store per hit mode; returns them and what to close afterwards."""
     stores, closers = {}, []
+    if "device" in modes:
+        from flashpd.kv_bridge.device_store import DeviceStore
+        stores["device"] = DeviceStore(budget, gen.runner.device)
     if "memory" in modes:
         stores["memory"] = MemoryStore(budget)
     if {"shm", "grpc"} & set(modes):
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=4, help=">= 2, so that a cold run publishes both halves")
     ap.add_argument("--chunk", type=int, default=256, help="tokens per cache entry")
-    ap.add_argument("--modes", default="cold,memory,shm,grpc", help=f"comma list of {','.join(MODES)}")
+    ap.add_argument("--modes", default="cold,device,memory,shm,grpc", help=f"comma list of {','.join(MODES)}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="bench/results/ttft_hit.json")
     a = ap.parse_args(argv)

@@ -103,8 +103,10 @@ class PrefixCache:
             if seq.table.num_tokens < hi or (drafts is not None and seq.draft_len < hi):
                 break
             slots = position_slots(seq.table, lo, hi, runner.block_size, runner.device)
-            chunk = KVChunk(keys[i], parent, self.fingerprint, seq.prompt[lo:hi], read_positions(runner.cache.data, slots).cpu(),
-                            read_positions(drafts.cache.data, slots).cpu() if drafts is not None else None)
+            # fresh tensors on the cache's device: a DeviceStore keeps them there, byte stores serialise
+            # them (KVChunk.to_bytes moves them to the host)
+            chunk = KVChunk(keys[i], parent, self.fingerprint, seq.prompt[lo:hi], read_positions(runner.cache.data, slots),
+                            read_positions(drafts.cache.data, slots) if drafts is not None else None)
             put += bool(self.store.put(chunk))
             parent = keys[i]
         self.stats.published_chunks += put

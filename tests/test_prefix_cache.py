@@ -181,3 +181,30 @@ def test_hit_through_the_lmcache_backend_equals_cold(setup):
         pc = PrefixCache(store, other, CHUNK)  # another method over the same LMCache: a miss, never a hit
         spec_gen(target, drafter).generate(prompts[:2], PARAMS * 2, prefix_cache=pc)
         assert pc.stats.hit_tokens == 0
+
+
+def test_hit_from_the_device_tier_equals_cold(setup):
+    """The worker's hot tier keeps entries as tensors on the cache's device: a hit is a device copy."""
+    from flashpd.kv_bridge.device_store import DeviceStore
+    store = DeviceStore(256 << 20, "cpu")
+    _cold_and_hit(setup, store, lambda: store)
+    s = store.stats()
+    assert s["entries"] == s["puts"] == sum(len(p) // CHUNK for p in setup[3][:20]) and s["evictions"] == 0
+    assert s["hits_device"] == sum((len(p) - 1) // CHUNK for p in setup[3][:20]) and s["misses"] == 0
+
+
+def test_device_tier_evicts_whole_entries_and_its_backing_serves_them(setup):
+    """A budget of 3 entries: the device tier evicts least-recently-used entries (both halves at once),
+    the backing store it writes through still serves them exactly, and a served entry is promoted."""
+    from flashpd.kv_bridge.device_store import DeviceStore
+    from flashpd.kv_bridge.store import MemoryStore
+    target, drafter, fp, prompts = setup
+    probe = DeviceStore(1 << 30, "cpu")
+    spec_gen(target, drafter).generate(prompts[:1], PARAMS, prefix_cache=PrefixCache(probe, fp, CHUNK))
+    entry = probe.stats()["bytes"] // probe.stats()["entries"]
+    store = DeviceStore(3 * entry, "cpu", backing=MemoryStore(1 << 30))
+    _cold_and_hit(setup, store, lambda: store)
+    s = store.stats()
+    assert s["entries"] == 3 and s["bytes"] == 3 * entry and s["evictions"] > 0
+    assert s["hits_backing"] > 0 and s["misses"] == 0
+    assert s["backing"]["entries"] == sum(len(p) // CHUNK for p in prompts[:20])

@@ -1,0 +1,100 @@
+"""A worker's hot tier: cache entries kept as tensors on the KV cache's own device.
+
+Every other store serialises a chunk (bytes + XXH3 checksum) and a hit copies it back through the
+host: on an H200 that path restored a 2,723-token Qwen3-8B prefix slower (0.37 s) than recomputing
+it (0.11 s; bench/results/ttft_hit_h200.json). Here a hit is a device-to-device copy into the paged
+caches. Entries are whole (target and drafter halves together), evicted least-recently-used under a
+byte budget; a `backing` store (memory, disk, a remote bridge) receives every put and serves what
+this tier evicted, promoting it back.
+
+No checksum in this tier: its tensors never leave the process and are never serialised, so there is
+nothing in transit to corrupt. What every hit still checks is the PrefixCache's: key chain, method
+fingerprint, token ids, presence of the drafter half. The backing tier keeps its own checksums.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from flashpd.kv_bridge.chunk import KVChunk
+
+
+class DeviceStore:
+    def __init__(self, byte_budget: int, device: str | torch.device, backing=None) -> None:
+        if byte_budget <= 0:
+            raise ValueError("byte_budget must be positive")
+        self.byte_budget = byte_budget
+        self.device = torch.device(device)
+        self.backing = backing
+        self._entries: OrderedDict[str, KVChunk] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._c = dict(puts=0, hits_device=0, hits_backing=0, misses=0, evictions=0, too_large=0)
+
+    def put(self, chunk: KVChunk) -> bool:
+        """Keep the chunk here (its tensors moved to this device; PrefixCache.publish hands over fresh
+        tensors, never views of live cache blocks) and in the backing store."""
+        stored = self._keep(chunk)
+        backed = self.backing.put(chunk) if self.backing is not None else False
+        return stored or backed
+
+    def _keep(self, chunk: KVChunk) -> bool:
+        size = chunk.nbytes()
+        if size > self.byte_budget:
+            with self._lock:
+                self._c["too_large"] += 1
+            return False
+        local = KVChunk(chunk.key, chunk.parent, chunk.fingerprint, list(chunk.token_ids),
+                        chunk.target_kv.to(self.device),
+                        chunk.draft_kv.to(self.device) if chunk.draft_kv is not None else None)
+        with self._lock:
+            if chunk.key in self._entries:  # first writer wins: an entry never changes under a reader
+                self._entries.move_to_end(chunk.key)
+                return False
+            while self._bytes + size > self.byte_budget and self._entries:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= old.nbytes()
+                self._c["evictions"] += 1
+            self._entries[chunk.key] = local
+            self._bytes += size
+            self._c["puts"] += 1
+        return True
+
+    def get(self, key: str) -> KVChunk | None:
+        with self._lock:
+            chunk = self._entries.get(key)
+            if chunk is not None:
+                self._entries.move_to_end(key)
+                self._c["hits_device"] += 1
+                return chunk
+        chunk = self.backing.get(key) if self.backing is not None else None
+        with self._lock:
+            self._c["hits_backing" if chunk is not None else "misses"] += 1
+        if chunk is not None:
+            self._keep(chunk)  # promote: the next hit on this prefix stays on the device
+        return chunk
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            if key in self._entries:
+                return True
+        return self.backing is not None and self.backing.contains(key)
+
+    def lookup(self, keys: list[str]) -> int:
+        """How many leading keys either tier holds."""
+        n = 0
+        for k in keys:
+            if not self.contains(k):
+                break
+            n += 1
+        return n
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._c, entries=len(self._entries), bytes=self._bytes, byte_budget=self.byte_budget,
+                       device=str(self.device))
+        if self.backing is not None:
+            out["backing"] = self.backing.stats()
+        return out

@@ -37,6 +37,10 @@ class ServeConfig:
     chunk_tokens: int = 256  # positions per bridge entry
     bridge_memory_bytes: int = 1 << 30
     bridge_disk_dir: str | None = None  # adds a disk tier under the memory one
+    # a worker-local hot tier of cache entries kept on the model's device (kv_bridge/device_store.py),
+    # in bytes; 0 = none. Colocated: the server's own prefix cache. Prefill / decode workers: in front of
+    # the bridge (writes go through to it, what it serves is promoted). A hit is then a device copy.
+    device_cache_bytes: int = 0
     bridge_disk_bytes: int = 16 << 30
     bridge_transport: str = "inline"  # "shm": same-host shared memory for imports
     bridge_timeout_s: float = 10.0
@@ -68,6 +72,8 @@ class ServeConfig:
             if getattr(self, name) < (0 if name == "prefill_workers" else 1):
                 raise ValueError(f"{name}: must be >= {0 if name == 'prefill_workers' else 1}, "
                                  f"got {getattr(self, name)}")
+        if self.device_cache_bytes < 0:
+            raise ValueError(f"device_cache_bytes: must be >= 0, got {self.device_cache_bytes}")
         for name in ("chunk_tokens", "max_running", "max_concurrent", "health_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -74,7 +74,7 @@ def _colocated(cfg: ServeConfig) -> Service:
 
     llm = load_model(cfg)
     metrics = Metrics("colocated")
-    worker = build_decode(cfg, llm, None, metrics)
+    worker = build_decode(cfg, llm, _local_cache(cfg, llm, metrics), metrics)
     try:
         server, port = serve_generation(worker.loop, cfg.host, cfg.port, llm.tokenizer, cfg.allow_remote,
                                         cfg.max_concurrent)
@@ -83,6 +83,16 @@ def _colocated(cfg: ServeConfig) -> Service:
         raise
     return Service(cfg, f"{cfg.host}:{port}", server, worker.loop, metrics, worker=worker,
                    closers=[lambda: worker.stop(10)])
+
+
+def _local_cache(cfg: ServeConfig, llm, metrics: Metrics):
+    """Colocated: a prefix cache on the device tier alone (cfg.device_cache_bytes > 0), else none."""
+    if not cfg.device_cache_bytes:
+        return None
+    from flashpd.cluster.worker_main import device_tier, fingerprint  # noqa: PLC0415
+    from flashpd.kv_bridge.prefix_cache import PrefixCache  # noqa: PLC0415
+
+    return PrefixCache(device_tier(cfg, llm, None, metrics), fingerprint(cfg, llm), cfg.chunk_tokens)
 
 
 def _disaggregated(cfg: ServeConfig, launcher: Launcher) -> Service:

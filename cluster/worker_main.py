@@ -104,6 +104,27 @@ def fingerprint(cfg, llm) -> str:
                              taps, str(llm.dtype).removeprefix("torch.")).digest()
 
 
+def device_tier(cfg, llm, backing, metrics):
+    """`backing` itself, or a DeviceStore in front of it (cfg.device_cache_bytes > 0) whose reads by tier
+    become a live metric."""
+    if not cfg.device_cache_bytes:
+        return backing
+    from flashpd.kv_bridge.device_store import DeviceStore  # noqa: PLC0415
+
+    store = DeviceStore(cfg.device_cache_bytes, llm.device, backing=backing)
+
+    def reads() -> dict:
+        st = store.stats()
+        return {("device", "hit"): st["hits_device"], ("backing", "hit"): st["hits_backing"],
+                ("all", "miss"): st["misses"]}
+
+    metrics.live("flashpd_device_cache_reads", "Chunk reads of the worker's device tier, by tier and result",
+                 "counter", ("tier", "result"), reads)
+    metrics.live("flashpd_device_cache_bytes", "Bytes held by the worker's device tier", "gauge", (),
+                 lambda: {(): store.stats()["bytes"]})
+    return store
+
+
 def _bridge_cache(cfg, llm, w: RunningWorker, metrics):
     """A PrefixCache on the bridge, metered; its bytes / seconds / GB/s become live metrics."""
     from flashpd.cluster.bridge_meter import MeteredStore  # noqa: PLC0415
@@ -113,7 +134,7 @@ def _bridge_cache(cfg, llm, w: RunningWorker, metrics):
     client = BridgeClient(cfg.bridge_address, timeout_s=cfg.bridge_timeout_s)
     w.closers.append(client.close)
     meter = MeteredStore(RemoteStore(client, cfg.bridge_transport))
-    cache = PrefixCache(meter, fingerprint(cfg, llm), cfg.chunk_tokens)
+    cache = PrefixCache(device_tier(cfg, llm, meter, metrics), fingerprint(cfg, llm), cfg.chunk_tokens)
     metrics.live("flashpd_bridge_bytes", "Bytes moved through the KV bridge", "counter", ("direction",),
                  lambda: {(d,): v for d, v in meter.bytes.items()})
     metrics.live("flashpd_bridge_seconds", "Seconds spent moving them", "counter", ("direction",),

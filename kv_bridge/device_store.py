@@ -76,6 +76,36 @@ class DeviceStore:
             self._keep(chunk)  # promote: the next hit on this prefix stays on the device
         return chunk
 
+    def get_many(self, keys: list[str]) -> list[KVChunk | None]:
+        """A run of keys: device hits first, then the rest from the backing store in one call when it can
+        batch (a remote bridge fetches a run in one RPC)."""
+        out: list[KVChunk | None] = []
+        for i, k in enumerate(keys):
+            with self._lock:
+                chunk = self._entries.get(k)
+                if chunk is not None:
+                    self._entries.move_to_end(k)
+                    self._c["hits_device"] += 1
+            if chunk is None:
+                return out + self._from_backing(keys[i:])
+            out.append(chunk)
+        return out
+
+    def _from_backing(self, keys: list[str]) -> list[KVChunk | None]:
+        if self.backing is None:
+            with self._lock:
+                self._c["misses"] += 1
+            return [None]
+        many = getattr(self.backing, "get_many", None)
+        got = list(many(keys)) if many is not None else [self.backing.get(k) for k in keys]
+        with self._lock:
+            self._c["hits_backing"] += sum(c is not None for c in got)
+            self._c["misses"] += len(keys) - sum(c is not None for c in got)
+        for c in got:
+            if c is not None:
+                self._keep(c)
+        return got
+
     def contains(self, key: str) -> bool:
         with self._lock:
             if key in self._entries:

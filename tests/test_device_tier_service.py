@@ -1,0 +1,30 @@
+"""The colocated server with a device tier (device_cache_bytes > 0): a repeated prompt is a hit in the
+same worker, restored from entries kept on the model's device, and gives the tokens AND acceptance
+lengths of its first (cold) run."""
+from __future__ import annotations
+
+from flashpd.cluster.generation_client import GenerationClient
+from flashpd.cluster.service import start_service
+
+from tests._cluster_helpers import dflash_pair, prompts, request_kw, serve_cfg, stream  # noqa: F401
+
+
+def test_repeated_prompts_hit_the_device_tier_and_equal_their_cold_runs(dflash_pair):  # noqa: F811
+    svc = start_service(serve_cfg(dflash_pair, "colocated", device_cache_bytes=64 << 20))
+    try:
+        ps = prompts()[:6]
+        runs = []
+        with GenerationClient(svc.address, timeout_s=60) as c:
+            for _ in range(2):
+                runs.append([stream(c, p, **request_kw(i + 1)) for i, p in enumerate(ps)])  # i+1: DFlash first
+        cold, hit = runs
+        for (t0, s0), (t1, s1) in zip(cold, hit):
+            assert t0 == t1 and s0["acceptance_lengths"] == s1["acceptance_lengths"]
+        cache = svc.worker.cache.cache
+        st = cache.store.stats()
+        chunk = cache.chunk_tokens
+        assert cache.stats.per_request_hits == [0] * 6 + [((len(p) - 1) // chunk) * chunk for p in ps]
+        assert st["hits_device"] == sum((len(p) - 1) // chunk for p in ps) and st["misses"] == 0
+        assert st["entries"] == sum(len(p) // chunk for p in ps)
+    finally:
+        svc.stop()

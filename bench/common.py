@@ -64,10 +64,27 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> dict:
     return {"bytes_per_copy": 2 * nbytes, "median_ms": med, "gb_per_s": 2 * nbytes / (med * 1e-3) / 1e9}
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def portable(x: object) -> object:
+    """Strings with this checkout's absolute root (or the device machine's $OUT) made relative: a
+    committed result names repository paths, never a machine's."""
+    if isinstance(x, str):
+        x = x.replace(str(REPO) + "/", "")
+        out = os.environ.get("OUT")
+        return x.replace(out.rstrip("/") + "/", "bench/results/") if out else x
+    if isinstance(x, dict):
+        return {k: portable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [portable(v) for v in x]
+    return x
+
+
 def write_json(path: str | Path, payload: dict) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     payload = {"git": git_revision(), "machine": machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                **payload}
-    p.write_text(json.dumps(payload, indent=2))
+    p.write_text(json.dumps(portable(payload), indent=2))
     return p

@@ -3,13 +3,15 @@
 restore(): the longest run of leading prompt chunks present in the store is imported into the
 sequence's blocks (target K/V and draft context K/V, one unit), so prefill computes only the
 rest. At least one prompt token is always recomputed: its logits give the first token.
-publish(): a prompt's full chunks, both halves, go to the store when the request finishes.
+publish(): a prompt's full chunks, both halves, go to the store when the request finishes (a
+native request's, target K/V only, go to a separate target-only chain; see _readable).
 restore_draft=False is the "target-only" CONTROL that reproduces what generic connectors do
 (draft state not restored; its slots are zeroed, i.e. state absent): outputs stay exact, and
 whatever acceptance the drafter drew from that context is lost. Never use it to serve.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,19 +45,31 @@ class PrefixCache:
             raise ValueError("chunk_tokens must be positive")
         self.store = store
         self.fingerprint = fingerprint
+        # what a native request computes (target K/V only) lives on a chain of its own: under the full
+        # method's keys it would shadow the both-halves entry a DFlash request needs (first writer wins)
+        self.target_only = hashlib.sha256((fingerprint + ":target-only").encode()).hexdigest()
         self.chunk_tokens = chunk_tokens
         self.restore_draft = restore_draft
         self.stats = PrefixCacheStats()
 
-    def _keys(self, tokens: list[int]) -> list[str]:
-        return chunk_keys(tokens, self.chunk_tokens, self.fingerprint)
+    def _keys(self, tokens: list[int], fingerprint: str | None = None) -> list[str]:
+        return chunk_keys(tokens, self.chunk_tokens, fingerprint or self.fingerprint)
+
+    def _readable(self, gen) -> list[str]:
+        """Chains whose entries this generator can use, best first: DFlash needs both halves; a native
+        request uses a full entry's target half, or the target-only chain."""
+        return [self.fingerprint] if getattr(gen, "drafts", None) is not None else [self.fingerprint, self.target_only]
 
     def restore(self, gen, seq: Sequence) -> int:
         """Import the cached prefix of seq.prompt into its (already reserved) blocks; returns its length."""
         self.stats.requests += 1
         self.stats.prompt_tokens += len(seq.prompt)
-        keys = self._keys(seq.prompt[:len(seq.prompt) - 1])
-        n = self.store.lookup(keys) if keys else 0
+        n, keys, fp = 0, [], self.fingerprint
+        for chain in self._readable(gen):
+            k = self._keys(seq.prompt[:len(seq.prompt) - 1], chain)
+            m = self.store.lookup(k) if k else 0
+            if m > n:
+                n, keys, fp = m, k, chain
         runner, drafts = gen.runner, getattr(gen, "drafts", None)
         get_many = getattr(self.store, "get_many", None)  # a remote store fetches the run in one call
         fetched = get_many(keys[:n]) if get_many is not None and n else None
@@ -69,7 +83,7 @@ class PrefixCache:
             hi = lo + self.chunk_tokens
             if chunk is None:  # evicted between lookup and get: the rest is recomputed
                 break
-            if chunk.token_ids != seq.prompt[lo:hi] or chunk.fingerprint != self.fingerprint or \
+            if chunk.token_ids != seq.prompt[lo:hi] or chunk.fingerprint != fp or \
                     (drafts is not None and chunk.draft_kv is None):
                 self.stats.refused_chunks += 1
                 break
@@ -93,8 +107,14 @@ class PrefixCache:
 
     def publish(self, gen, seq: Sequence) -> int:
         """Store the prompt's full chunks (both halves) not yet in the store; returns how many were put."""
-        keys = self._keys(seq.prompt)
         runner, drafts = gen.runner, getattr(gen, "drafts", None)
+        fp = self.fingerprint
+        keys = self._keys(seq.prompt)
+        if drafts is None and keys:  # native: nothing to add where full entries already cover the prompt
+            if self.store.lookup(keys) == len(keys):
+                return 0
+            fp = self.target_only
+            keys = self._keys(seq.prompt, fp)
         have = self.store.lookup(keys) if keys else 0
         put = 0
         parent = keys[have - 1] if have else ""
@@ -105,7 +125,7 @@ class PrefixCache:
             slots = position_slots(seq.table, lo, hi, runner.block_size, runner.device)
             # fresh tensors on the cache's device: a DeviceStore keeps them there, byte stores serialise
             # them (KVChunk.to_bytes moves them to the host)
-            chunk = KVChunk(keys[i], parent, self.fingerprint, seq.prompt[lo:hi], read_positions(runner.cache.data, slots),
+            chunk = KVChunk(keys[i], parent, fp, seq.prompt[lo:hi], read_positions(runner.cache.data, slots),
                             read_positions(drafts.cache.data, slots) if drafts is not None else None)
             put += bool(self.store.put(chunk))
             parent = keys[i]

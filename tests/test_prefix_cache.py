@@ -208,3 +208,25 @@ def test_device_tier_evicts_whole_entries_and_its_backing_serves_them(setup):
     assert s["entries"] == 3 and s["bytes"] == 3 * entry and s["evictions"] > 0
     assert s["hits_backing"] > 0 and s["misses"] == 0
     assert s["backing"]["entries"] == sum(len(p) // CHUNK for p in prompts[:20])
+
+
+def test_native_entries_never_shadow_the_full_entries_dflash_needs(setup):
+    """One worker, one fingerprint, mixed traffic: a native request publishes target K/V only, on its own
+    chain. A DFlash request for the same prompt then misses (it is never offered a half entry), publishes
+    both halves, and the next DFlash request hits fully; a native request uses a full entry's target half."""
+    target, drafter, fp, prompts = setup
+    store = DictStore()
+    runner = ModelRunner(target, 2048, 16, taps=tuple(drafter.cfg.target_layer_ids))
+    native, spec = NativeGenerator(runner), DFlashGenerator(runner, drafter, (), 16)
+    p = prompts[:1]
+    full = ((len(p[0]) - 1) // CHUNK) * CHUNK
+    pc = PrefixCache(store, fp, CHUNK)
+    first_native = native.generate(p, PARAMS, prefix_cache=pc)
+    assert pc.stats.published_chunks == len(p[0]) // CHUNK and all(c.draft_kv is None for c in store.d.values())
+    cold = spec.generate(p, PARAMS, prefix_cache=pc)  # target-only entries are not for DFlash: a plain miss
+    assert pc.stats.per_request_hits[-1] == 0 and pc.stats.refused_chunks == 0
+    hit = spec.generate(p, PARAMS, prefix_cache=pc)
+    assert pc.stats.per_request_hits[-1] == full and pc.stats.refused_chunks == 0
+    assert hit[0].output == cold[0].output and hit[0].stats.acceptance_lengths == cold[0].stats.acceptance_lengths
+    again = native.generate(p, PARAMS, prefix_cache=pc)
+    assert pc.stats.per_request_hits[-1] == full and again[0].output == first_native[0].output == cold[0].output

@@ -2,6 +2,12 @@
 # The GPU runs of one session in one command (device time is scarce): each step has its own time limit
 # and writes into $OUT, so a step cut short never costs the others. Run from the repository root:
 #   FLASHPD_GIT_REV=<rev> bash bench/h200_battery.sh            (2 GPUs: the two-GPU step runs too)
+# Wheels carried in .whl (all of it fits one 64 MiB carry beside the repository):
+#   ../shared/tools/gpu-wheels.sh .whl ray prometheus_client
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl grpcio==1.85.1 protobuf==7.36.2
+#   python3 bench/trim_ray_wheel.py .whl/ray-*.whl
+# LAUNCHER=local runs the one-GPU sweep without Ray (the default is Ray's fractional GPUs).
 set -u
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 OUT=${OUT:-bench/results/battery}; mkdir -p "$OUT"

@@ -36,9 +36,9 @@ if [ "$NG" -ge 2 ]; then
   want sweep2 && CUDA_VISIBLE_DEVICES=0,1 step sweep_2gpu 150 python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32 --out "$OUT/serve_sweep_demo_2gpu_h200.json"
 fi
 if want sweep8b; then
-  step dummy8b 90 python3 -m flashpd.bench.make_dummy_pair --config qwen3-8b --tokenizer flashpd/assets/demo_pair/target/tokenizer.json --out /tmp/d8b
+  step dummy8b 90 python3 -m flashpd.bench.make_dummy_pair --config qwen3-8b --tokenizer flashpd/assets/demo_pair/target/tokenizer.json --out .dummy8b
   GPUS=0; [ "$NG" -ge 2 ] && GPUS=0,1
-  CUDA_VISIBLE_DEVICES=$GPUS step sweep_8b 200 python3 -m flashpd.cluster.job_sweep --device cuda --dtype bfloat16 --kv-cache-tokens 65536 --max-tokens 32 --launcher $L --concurrency 1,8,32 --requests 16 --target /tmp/d8b/target --draft /tmp/d8b/drafter --out "$OUT/serve_sweep_8b_dummy_h200.json"
+  CUDA_VISIBLE_DEVICES=$GPUS step sweep_8b 200 python3 -m flashpd.cluster.job_sweep --device cuda --dtype bfloat16 --kv-cache-tokens 65536 --max-tokens 32 --launcher $L --concurrency 1,8,32 --requests 16 --target .dummy8b/target --draft .dummy8b/drafter --out "$OUT/serve_sweep_8b_dummy_h200.json"
 fi
 want draft && CUDA_VISIBLE_DEVICES=0 step draft_state 40 python3 -m flashpd.bench.draft_state --device cuda --reps 3 --out "$OUT/draft_state_h200.json"
 ls -la "$OUT"

@@ -5,7 +5,7 @@
 # Steps: ttft (issue 5: TTFT of a hit vs cold, Qwen3-8B shape), speedup (issue 4: DFlash vs native on the
 # demo pair), sweep1 (issue 6: the service on one GPU, demo pair), sweep2 (issue 7: prefill and decode on
 # two GPUs vs colocated, demo pair), sweep8b (issues 6/7: Qwen3-8B-shape dummy weights), draft (issue 5:
-# draft-state import). Default: all of them (more than one 10-minute command holds).
+# draft-state import), profile (issue 4: wall vs GPU-busy time of a native and a DFlash step). Default: all of them (more than one 10-minute command holds).
 # Wheels carried in .whl (all of it fits one 64 MiB carry beside the repository):
 #   ../shared/tools/gpu-wheels.sh .whl ray prometheus_client
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -30,6 +30,7 @@ python3 -c "import google.protobuf, grpc, torch; print('protobuf', google.protob
 NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
 SWEEP="--device cuda --dtype bfloat16 --kv-cache-tokens 262144 --max-tokens 64"
 want ttft && CUDA_VISIBLE_DEVICES=0 step ttft_hit 150 python3 -m flashpd.bench.ttft_hit --config qwen3-8b --prompts 3 --reps 3 --modes ${TTFT_MODES:-cold,device,memory,shm,grpc} --out "$OUT/ttft_hit_h200.json"
+want profile && CUDA_VISIBLE_DEVICES=0 step profile 90 python3 -m flashpd.bench.profile_step --out "$OUT/profile_step_h200.json"
 want speedup && CUDA_VISIBLE_DEVICES=0 step speedup 200 python3 -m flashpd.bench.speedup --target flashpd/assets/demo_pair/target --draft flashpd/assets/demo_pair/drafter --prompts 4 --widths 8,16 --reps 3 --out "$OUT/speedup_demo_pair_h200.json"
 want sweep1 && CUDA_VISIBLE_DEVICES=0 step sweep_1gpu 200 python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
 if [ "$NG" -ge 2 ]; then

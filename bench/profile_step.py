@@ -1,0 +1,104 @@
+"""Where a decode step's time goes: wall time vs GPU-busy time, kernel count, top kernels and host ops,
+for a native step and a DFlash step of the demo pair (or any pair) at batch 1.
+
+    python -m flashpd.bench.profile_step --out bench/results/profile_step_h200.json
+
+A step whose wall time far exceeds its GPU-busy time is host-bound (Python, launches, syncs, copies);
+that gap, not the kernels, is what separates a tiny model's DFlash step from its native one. On a CPU
+it runs too (a crash check; the split means little there).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashpd.bench.common import write_json
+from flashpd.demo import PAIR
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+
+
+def _ready(gen: NativeGenerator, prompt: list[int], max_tokens: int):
+    seqs = gen.new_sequences([prompt], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])
+    gen.reserve(seqs)
+    spec = isinstance(gen, DFlashGenerator)
+    feats = gen.prefill(seqs, taps=spec)
+    if spec:
+        gen.drafts.write_prompt(seqs, feats)
+    return seqs
+
+
+def measure(gen: NativeGenerator, step, prompt: list[int], steps: int, cuda: bool) -> dict:
+    seqs = _ready(gen, prompt, 16 * (2 * steps + 8))
+    for _ in range(5):  # captures / compiles this shape
+        step(seqs)
+    walls = []
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            t = time.perf_counter()
+            step(seqs)
+            walls.append((time.perf_counter() - t) * 1e3)
+    for s in seqs:
+        gen.finish(s)
+    ev = prof.key_averages()
+    kernels = [e for e in ev if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
+    gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in kernels)
+    n_kernels = sum(e.count for e in kernels)
+    top_k = sorted(kernels, key=lambda e: -getattr(e, "self_device_time_total", 0.0))[:12]
+    host = sorted([e for e in ev if e not in kernels], key=lambda e: -e.self_cpu_time_total)[:15]
+    return {"wall_ms_median": statistics.median(walls), "wall_ms": walls,
+            "gpu_busy_ms_per_step": gpu_us / 1e3 / steps if cuda else None,
+            "kernels_per_step": n_kernels / steps if cuda else None,
+            "top_kernels": [{"name": e.key[:120], "ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps,
+                             "calls_per_step": e.count / steps} for e in top_k],
+            "top_host_ops": [{"name": e.key[:120], "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                              "calls_per_step": e.count / steps} for e in host]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default=str(PAIR / "target"))
+    ap.add_argument("--draft", default=str(PAIR / "drafter"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--contexts", default="256,2048")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", default="bench/results/profile_step.json")
+    a = ap.parse_args()
+    cuda = a.device.startswith("cuda")
+    target = load_target(a.target, a.device, torch.bfloat16 if cuda else torch.float32)
+    drafter = load_drafter(a.draft, target)
+    runner = ModelRunner(target, 4096, 16, taps=tuple(drafter.cfg.target_layer_ids))
+    native, spec = NativeGenerator(runner), DFlashGenerator(runner, drafter, (), 16)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (int(x) for x in a.contexts.split(",")):
+        prompt = torch.randint(2, target.cfg.vocab_size - 2, (n,), generator=g).tolist()
+        row = {"context": n, "native": measure(native, native.decode_step, prompt, a.steps, cuda),
+               "dflash": measure(spec, spec.spec_step, prompt, a.steps, cuda)}
+        nat, dfl = row["native"], row["dflash"]
+        row["dflash_over_native_wall"] = dfl["wall_ms_median"] / nat["wall_ms_median"]
+        if cuda:
+            row["dflash_over_native_gpu_busy"] = dfl["gpu_busy_ms_per_step"] / nat["gpu_busy_ms_per_step"]
+        rows.append(row)
+        print(f"context {n}: native {nat['wall_ms_median']:.3f} ms wall"
+              + (f" / {nat['gpu_busy_ms_per_step']:.3f} ms GPU ({nat['kernels_per_step']:.0f} kernels)" if cuda else "")
+              + f"; dflash {dfl['wall_ms_median']:.3f} ms wall"
+              + (f" / {dfl['gpu_busy_ms_per_step']:.3f} ms GPU ({dfl['kernels_per_step']:.0f} kernels)" if cuda else ""),
+              flush=True)
+    write_json(Path(a.out), {"bench": "profile_step", "target": a.target, "draft": a.draft, "device": a.device,
+                             "batch": 1, "steps": a.steps, "rows": rows,
+                             "command": f"python -m flashpd.bench.profile_step --contexts {a.contexts} --steps {a.steps} --out {a.out}"})
+
+
+if __name__ == "__main__":
+    main()

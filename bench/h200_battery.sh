@@ -15,7 +15,7 @@
 set -u
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 OUT=${OUT:-bench/results/battery}; mkdir -p "$OUT"
-STEPS=${STEPS:-ttft speedup sweep1 sweep2 sweep8b draft}
+STEPS=${STEPS:-ttft profile speedup sweep1 sweep2 sweep8b draft}
 L=${LAUNCHER:-ray}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { local name=$1 limit=$2; shift 2; echo "=== $(date +%T) $name (limit ${limit}s)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "=== $(date +%T) $name rc=$?"; grep -v "Warning\|warn(" "$OUT/$name.log" | tail -${TAIL:-6}; }

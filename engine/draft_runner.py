@@ -62,6 +62,9 @@ class DraftRunner:
         nblk = max(len(s.table.blocks) for s in seqs)
         nblk = bucket(nblk, 4) if graphed else nblk
         rows = max((s.pending.shape[0] for s in seqs if s.pending is not None), default=0)
+        # a graph per pending-row count would mean up to 16 captures per batch shape (one per acceptance
+        # length): round up to a power of two; padding rows write the scratch block
+        rows = bucket(rows) if graphed and rows else rows
         bs = self.block_size
         ids = np.full((b_pad, t), self.drafter.cfg.mask_token_id, dtype=np.int64)
         pos = np.zeros((b_pad, t), dtype=np.int64)

@@ -19,6 +19,7 @@ from collections import OrderedDict
 import torch
 
 from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.store import leading
 
 
 class DeviceStore:
@@ -114,12 +115,7 @@ class DeviceStore:
 
     def lookup(self, keys: list[str]) -> int:
         """How many leading keys either tier holds."""
-        n = 0
-        for k in keys:
-            if not self.contains(k):
-                break
-            n += 1
-        return n
+        return leading(keys, self.contains)
 
     def stats(self) -> dict:
         with self._lock:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
 from flashpd.kv_bridge.shm import write_all
-from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked, verify_checked
+from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked, verify_checked, leading
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a file name, never a path
 _TMP_PREFIX = ".tmp-"
@@ -226,12 +226,7 @@ class TieredStore:
         return self.memory.contains(key) or self.disk.contains(key)
 
     def lookup(self, keys: list[str]) -> int:
-        n = 0
-        for k in keys:
-            if not self.contains(k):
-                break
-            n += 1
-        return n
+        return leading(keys, self.contains)
 
     def stats(self) -> dict:
         with self._lock:

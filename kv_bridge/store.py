@@ -37,6 +37,16 @@ class ByteStore(ChunkStore, Protocol):
     def get_bytes(self, key: str) -> bytes | None: ...
 
 
+def leading(keys: list[str], contains) -> int:
+    """How many LEADING keys `contains` accepts: a prefix hit stops at the first gap."""
+    n = 0
+    for k in keys:
+        if not contains(k):
+            break
+        n += 1
+    return n
+
+
 def verify_checked(key: str, data: bytes | memoryview) -> None:
     """Checksum, lengths and key of serialized bytes, without materialising the tensors."""
     header, _ = verify_bytes(data)
@@ -102,12 +112,7 @@ class IndexedStore:
     def lookup(self, keys: list[str]) -> int:
         """How many LEADING keys are held (a prefix hit stops at the first gap)."""
         with self._lock:
-            n = 0
-            for k in keys:
-                if k not in self._index:
-                    break
-                n += 1
-            return n
+            return leading(keys, self._index.__contains__)
 
 
 class MemoryStore(IndexedStore):

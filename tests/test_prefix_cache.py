@@ -230,3 +230,28 @@ def test_native_entries_never_shadow_the_full_entries_dflash_needs(setup):
     assert hit[0].output == cold[0].output and hit[0].stats.acceptance_lengths == cold[0].stats.acceptance_lengths
     again = native.generate(p, PARAMS, prefix_cache=pc)
     assert pc.stats.per_request_hits[-1] == full and again[0].output == first_native[0].output == cold[0].output
+
+
+def test_device_tier_over_a_real_grpc_bridge_promotes_what_it_fetches(setup):
+    """A decode worker's tiers: the device tier in front of a RemoteStore on a real bridge server. A fresh
+    device tier fetches each prompt's run from the bridge in one batched call (exact: same tokens and
+    acceptance as cold), promotes it, and serves the next hit on that prompt from the device."""
+    from flashpd.kv_bridge.client import BridgeClient, RemoteStore
+    from flashpd.kv_bridge.device_store import DeviceStore
+    from flashpd.kv_bridge.server import serve
+    from flashpd.kv_bridge.store import MemoryStore
+    target, drafter, fp, prompts = setup
+    server, port = serve(MemoryStore(1 << 30))
+    try:
+        with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as prefill_side, \
+                BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as decode_side:
+            tier = DeviceStore(256 << 20, "cpu", backing=RemoteStore(decode_side))
+            _cold_and_hit(setup, RemoteStore(prefill_side), lambda: tier, n=8)
+            hits = sum((len(p) - 1) // CHUNK for p in prompts[:8])
+            st = tier.stats()
+            assert st["hits_backing"] == hits and st["hits_device"] == 0 and st["entries"] == hits
+            pc = PrefixCache(tier, fp, CHUNK)
+            spec_gen(target, drafter).generate(prompts[:8], PARAMS * 8, prefix_cache=pc)
+            assert tier.stats()["hits_device"] == hits and tier.stats()["hits_backing"] == hits
+    finally:
+        server.stop(grace=None).wait(10)

@@ -51,7 +51,7 @@ class ModelRunner:
 
     # ---- batch construction -------------------------------------------------------------
     def _batch(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
-               nblk: int) -> tuple[torch.Tensor, AttnBatch, torch.Tensor]:
+               nblk: int, behind_work: bool = False) -> tuple[torch.Tensor, AttnBatch, torch.Tensor]:
         """Device [B, T] inputs, positions, cache slots and block tables, built in numpy (no per-token
         torch ops) and moved in one host-to-device copy."""
         bs = self.block_size
@@ -67,7 +67,7 @@ class ModelRunner:
             blocks = np.asarray(table.blocks, dtype=np.int64)
             bt[i, :len(blocks)] = blocks
             slots[i, :n] = blocks[p // bs] * bs + p % bs
-        flat, (d_ids, d_pos, d_slots, d_bt) = pack_host([ids, pos, slots.reshape(-1), bt], self.device)
+        flat, (d_ids, d_pos, d_slots, d_bt) = pack_host([ids, pos, slots.reshape(-1), bt], self.device, behind_work)
         return d_ids, AttnBatch(d_pos, d_slots, d_bt, torch.empty(0)), flat
 
     def forward(self, tables: list[BlockTable], tokens: list[list[int]], want_logits: str = "last",
@@ -100,7 +100,7 @@ class ModelRunner:
         if use_graph:
             out = self._graph_forward(tables, tokens, t, nblk_real, want_logits != "none", taps, tail)
         else:
-            ids, batch, _ = self._batch(tables, tokens, len(tables), t, nblk_real)
+            ids, batch, _ = self._batch(tables, tokens, len(tables), t, nblk_real, tail is not None)
             if tail is not None:
                 ids[:, 1:] = tail
             batch.mask = causal_position_mask(batch.positions, nblk_real * self.block_size)
@@ -132,7 +132,8 @@ class ModelRunner:
                        logits: bool, taps: bool, tail: torch.Tensor | None = None) -> StepOutput:
         b = len(tables)
         bp, nb = bucket(b), bucket(nblk, 4)
-        ids, _, packed = self._batch(tables, tokens, bp, t, nb)
+        # with a tail, the draft that made it is still running: don't let the input copy wait for it
+        ids, _, packed = self._batch(tables, tokens, bp, t, nb, tail is not None)
         if tail is not None:
             ids[:b, 1:] = tail  # ids is a view of packed
         hidden, tapped, lg = self._graph([packed], b=bp, t=t, nblk=nb)

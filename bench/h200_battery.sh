@@ -2,7 +2,8 @@
 # The GPU runs of a session in one or two commands (device time is scarce): each step has its own time
 # limit and writes into $OUT, so a step cut short never costs the others. From the repository root:
 #   FLASHPD_GIT_REV=<rev> STEPS="ttft sweep1 sweep2" bash bench/h200_battery.sh
-# Steps: ttft (issue 5: TTFT of a hit vs cold, Qwen3-8B shape), speedup (issue 4: DFlash vs native on the
+# Steps: ttft (issue 5: TTFT of a hit vs cold, Qwen3-8B shape), cache (issue 5: 20 prompts of 2,048 tokens, a
+# hit through every tier vs cold: same tokens and acceptance lengths, and the target-only control), speedup (issue 4: DFlash vs native on the
 # demo pair), sweep1 (issue 6: the service on one GPU, demo pair), sweep2 (issue 7: prefill and decode on
 # two GPUs vs colocated, demo pair), sweep8b (issues 6/7: Qwen3-8B-shape dummy weights), draft (issue 5:
 # draft-state import), profile (issue 4: wall vs GPU-busy time of a native and a DFlash step). Default: all of them (more than one 10-minute command holds).
@@ -15,7 +16,7 @@
 set -u
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 OUT=${OUT:-bench/results/battery}; mkdir -p "$OUT"
-STEPS=${STEPS:-ttft profile speedup sweep1 sweep2 sweep8b draft}
+STEPS=${STEPS:-ttft cache profile speedup sweep1 sweep2 sweep8b draft}
 L=${LAUNCHER:-ray}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { local name=$1 limit=$2; shift 2; echo "=== $(date +%T) $name (limit ${limit}s)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "=== $(date +%T) $name rc=$?"; grep -v "Warning\|warn(" "$OUT/$name.log" | tail -${TAIL:-6}; }
@@ -30,6 +31,7 @@ python3 -c "import google.protobuf, grpc, torch; print('protobuf', google.protob
 NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
 SWEEP="--device cuda --dtype bfloat16 --kv-cache-tokens 262144 --max-tokens 64"
 want ttft && CUDA_VISIBLE_DEVICES=0 step ttft_hit 150 python3 -m flashpd.bench.ttft_hit --config qwen3-8b --prompts 3 --reps 3 --modes ${TTFT_MODES:-cold,device,memory,shm,grpc} --out "$OUT/ttft_hit_h200.json"
+want cache && CUDA_VISIBLE_DEVICES=0 step cache_runs 200 python3 -m flashpd.bench.cache_runs --device cuda --prompts 20 --prompt-tokens 2048 --new-tokens 64 --stores memory,device,disk,grpc,shm --out "$OUT/cache_runs_demo_pair_h200.json"
 want profile && CUDA_VISIBLE_DEVICES=0 step profile 90 python3 -m flashpd.bench.profile_step --out "$OUT/profile_step_h200.json"
 want speedup && CUDA_VISIBLE_DEVICES=0 step speedup 200 python3 -m flashpd.bench.speedup --target flashpd/assets/demo_pair/target --draft flashpd/assets/demo_pair/drafter --prompts 4 --widths 8,16 --reps 3 --out "$OUT/speedup_demo_pair_h200.json"
 want sweep1 && CUDA_VISIBLE_DEVICES=0 step sweep_1gpu 200 python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"

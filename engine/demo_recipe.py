@@ -39,6 +39,15 @@ def heldout_windows(tok, n: int = 16, seed: int = 0) -> list[list[int]]:
     return windows(stream, n, 64, 2048, torch.Generator().manual_seed(seed + 11))
 
 
+def heldout_long_prompts(tok, n: int, length: int) -> list[list[int]]:
+    """n consecutive, disjoint windows of exactly `length` tokens of the held-out files (long-prompt runs)."""
+    held = read_texts(split_three(stdlib_files())[2])
+    stream = [t for ids in encode_files(tok, held) for t in ids]
+    if len(stream) < n * length:
+        raise ValueError(f"the held-out text has {len(stream)} tokens, fewer than {n} x {length}")
+    return [stream[i * length:(i + 1) * length] for i in range(n)]
+
+
 def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: int = 600, target_batch: int = 32,
                    seq_len: int = 2048, drafter_steps: int = 6000, num_prompts: int = 4096, new_tokens: int = 256,
                    heldout_prompts: int = 16, vocab_size: int = TARGET_SHAPE["vocab_size"], drafter_seqs: int = 16,

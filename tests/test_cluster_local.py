@@ -6,12 +6,7 @@ UNAVAILABLE (nothing to retry on), is restarted, and the service serves again; `
 from __future__ import annotations
 
 import json
-import os
-import queue
-import subprocess
-import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -19,6 +14,7 @@ import pytest
 from flashpd.cluster.generation_client import GenerationClient, GenerationUnavailable
 from flashpd.cluster.service import start_service
 
+from tests._serve_process import serve_process
 from tests._cluster_helpers import (N_PROMPTS, colocated_reference, dflash_pair, request_kw,  # noqa: F401
                                     run_concurrently, serve_cfg, stream, wait_until)
 
@@ -91,35 +87,9 @@ def test_flashpd_serve_yaml_config_local_mode(dflash_pair, colocated_reference, 
     cfg = serve_cfg(dflash_pair, "local", metrics_port=0).to_dict()
     text = "\n".join(f"{k}: {json.dumps(v)}" for k, v in cfg.items() if v is not None)  # JSON values are YAML
     (tmp_path / "serve.yaml").write_text(text + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "flashpd.cli", "serve", "--config", str(tmp_path / "serve.yaml")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
-    try:
-        address, metrics, seen = None, None, []
-        deadline = time.monotonic() + 120
-        while address is None and time.monotonic() < deadline:
-            try:
-                ln = lines.get(timeout=1)
-            except queue.Empty:
-                assert proc.poll() is None, "".join(seen)
-                continue
-            seen.append(ln)
-            if ln.startswith("metrics on "):
-                metrics = ln.split()[-1]
-            if ln.startswith("listening on "):
-                address = ln.split()[-1]
-        assert address and metrics, f"server did not start: {''.join(seen)}"
+    with serve_process(["--config", str(tmp_path / "serve.yaml")], start_timeout_s=120) as (address, metrics):
+        assert metrics, "no metrics endpoint printed"
         with GenerationClient(address, timeout_s=60) as c:
             out = stream(c, ps[5], **request_kw(5))
             assert (out[0], out[1]["acceptance_lengths"]) == ref[5]
             assert c.health()["serving"]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0

@@ -26,6 +26,7 @@ from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+from tests._serve_process import serve_process
 
 NUM_BLOCKS = 512
 WAIT_S = 20.0  # bound on every poll in this module
@@ -272,10 +273,6 @@ def test_generated_code_has_not_drifted(tmp_path):
 
 def test_cli_serve_and_client(dflash_pair, solo, tmp_path, capsys):  # noqa: F811
     import json
-    import os
-    import queue
-    import subprocess
-    import sys
 
     from flashpd.cli import main as cli_main
 
@@ -283,23 +280,7 @@ def test_cli_serve_and_client(dflash_pair, solo, tmp_path, capsys):  # noqa: F81
     cfg.write_text(json.dumps({"target": str(dflash_pair.target_dir), "draft": str(dflash_pair.draft_dir),
                                "device": "cpu", "dtype": "float32", "host": "127.0.0.1", "port": 0,
                                "kv_cache_tokens": 4096}))
-    proc = subprocess.Popen([sys.executable, "-m", "flashpd.cli", "serve", str(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
-    try:
-        address, seen = None, []
-        deadline = time.monotonic() + 60
-        while address is None and time.monotonic() < deadline:
-            try:
-                ln = lines.get(timeout=1)
-            except queue.Empty:
-                assert proc.poll() is None, "".join(seen)
-                continue
-            seen.append(ln)
-            if ln.startswith("listening on "):
-                address = ln.split()[-1]
-        assert address, f"server did not start: {''.join(seen)}"
+    with serve_process([str(cfg)]) as (address, _):
         prompt = _prompts(1, 21)[0]
         assert cli_main(["client", "--address", address, "--prompt-ids", ",".join(map(str, prompt)),
                          "--max-tokens", "16", "--method", "dflash", "--ignore-eos", "--timeout", "30"]) == 0
@@ -307,11 +288,3 @@ def test_cli_serve_and_client(dflash_pair, solo, tmp_path, capsys):  # noqa: F81
         assert out["token_ids"] == solo(prompt, 16, "dflash")[0] and out["finish_reason"] == "length"
         assert cli_main(["client", "--address", address, "--prompt-ids", "1,2", "--max-tokens", "0"]) == 1
         assert "max_tokens" in capsys.readouterr().err
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0

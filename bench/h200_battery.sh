@@ -6,7 +6,8 @@
 # hit through every tier vs cold: same tokens and acceptance lengths, and the target-only control), speedup (issue 4: DFlash vs native on the
 # demo pair), sweep1 (issue 6: the service on one GPU, demo pair), sweep2 (issue 7: prefill and decode on
 # two GPUs vs colocated, demo pair), sweep8b (issues 6/7: Qwen3-8B-shape dummy weights), draft (issue 5:
-# draft-state import), profile (issue 4: wall vs GPU-busy time of a native and a DFlash step). Default: all of them (more than one 10-minute command holds).
+# draft-state import), pair (issue 4: the demo pair's whole recipe, about 8 minutes), attn (attention
+# implementations at batch 1), profile (issue 4: wall vs GPU-busy time of a native and a DFlash step). Default: all of them (more than one 10-minute command holds).
 # Wheels carried in .whl (all of it fits one 64 MiB carry beside the repository):
 #   ../shared/tools/gpu-wheels.sh .whl ray prometheus_client
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -20,21 +21,25 @@ STEPS=${STEPS:-ttft cache profile speedup sweep1 sweep2 sweep8b draft}
 L=${LAUNCHER:-ray}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { local name=$1 limit=$2; shift 2; echo "=== $(date +%T) $name (limit ${limit}s)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "=== $(date +%T) $name rc=$?"; grep -v "Warning\|warn(" "$OUT/$name.log" | tail -${TAIL:-6}; }
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1 || echo "pip -e failed"
+# two batteries may run side by side (one per GPU): install once, each into its own site dir
+python3 -c "import flashpd.engine" 2> /dev/null || python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1 || echo "pip -e failed"
+G=${GPU:-0}  # the GPU of the one-GPU steps
 # what the image has, before any carried wheel shadows it (the generated gRPC code needs grpcio >= 1.85.1
 # and protobuf >= 7.35.1)
 python3 -c "import google.protobuf, grpc; print('image: protobuf', google.protobuf.__version__, 'grpcio', grpc.__version__)" || true
 if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-$$ .whl/*.whl && export PYTHONPATH=/tmp/site-$$
 fi
 python3 -c "import google.protobuf, grpc, torch; print('protobuf', google.protobuf.__version__, 'grpc', grpc.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
 SWEEP="--device cuda --dtype bfloat16 --kv-cache-tokens 262144 --max-tokens 64"
-want ttft && CUDA_VISIBLE_DEVICES=0 step ttft_hit 150 python3 -m flashpd.bench.ttft_hit --config qwen3-8b --prompts 3 --reps 3 --modes ${TTFT_MODES:-cold,device,memory,shm,grpc} --out "$OUT/ttft_hit_h200.json"
-want cache && CUDA_VISIBLE_DEVICES=0 step cache_runs 200 python3 -m flashpd.bench.cache_runs --device cuda --prompts 20 --prompt-tokens 2048 --new-tokens 64 --stores memory,device,disk,grpc,shm --out "$OUT/cache_runs_demo_pair_h200.json"
-want profile && CUDA_VISIBLE_DEVICES=0 step profile 90 python3 -m flashpd.bench.profile_step --out "$OUT/profile_step_h200.json"
-want speedup && CUDA_VISIBLE_DEVICES=0 step speedup 200 python3 -m flashpd.bench.speedup --target flashpd/assets/demo_pair/target --draft flashpd/assets/demo_pair/drafter --prompts 4 --widths 8,16 --reps 3 --out "$OUT/speedup_demo_pair_h200.json"
-want sweep1 && CUDA_VISIBLE_DEVICES=0 step sweep_1gpu 200 python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
+want pair && CUDA_VISIBLE_DEVICES=$G step make_demo_pair 570 flashpd make-demo-pair --out "$OUT/pair" && rm -rf "$OUT/pair/drafter-train"
+want attn && CUDA_VISIBLE_DEVICES=$G step attn_micro 120 python3 -m flashpd.bench.attn_micro --out "$OUT/attn_micro_h200.json"
+want ttft && CUDA_VISIBLE_DEVICES=$G step ttft_hit 150 python3 -m flashpd.bench.ttft_hit --config qwen3-8b --prompts 3 --reps 3 --modes ${TTFT_MODES:-cold,device,memory,shm,grpc} --out "$OUT/ttft_hit_h200.json"
+want cache && CUDA_VISIBLE_DEVICES=$G step cache_runs 200 python3 -m flashpd.bench.cache_runs --device cuda --prompts 20 --prompt-tokens 2048 --new-tokens 64 --stores memory,device,disk,grpc,shm --out "$OUT/cache_runs_demo_pair_h200.json"
+want profile && CUDA_VISIBLE_DEVICES=$G step profile 90 python3 -m flashpd.bench.profile_step --out "$OUT/profile_step_h200.json"
+want speedup && CUDA_VISIBLE_DEVICES=$G step speedup 200 python3 -m flashpd.bench.speedup --target flashpd/assets/demo_pair/target --draft flashpd/assets/demo_pair/drafter --prompts 4 --widths 8,16 --reps 3 --out "$OUT/speedup_demo_pair_h200.json"
+want sweep1 && CUDA_VISIBLE_DEVICES=$G step sweep_1gpu 200 python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
 if [ "$NG" -ge 2 ]; then
   want sweep2 && CUDA_VISIBLE_DEVICES=0,1 step sweep_2gpu 150 python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32 --out "$OUT/serve_sweep_demo_2gpu_h200.json"
 fi
@@ -43,5 +48,5 @@ if want sweep8b; then
   GPUS=0; [ "$NG" -ge 2 ] && GPUS=0,1
   CUDA_VISIBLE_DEVICES=$GPUS step sweep_8b 200 python3 -m flashpd.cluster.job_sweep --device cuda --dtype bfloat16 --kv-cache-tokens 65536 --max-tokens 32 --launcher $L --concurrency 1,8,32 --requests 16 --target .dummy8b/target --draft .dummy8b/drafter --out "$OUT/serve_sweep_8b_dummy_h200.json"
 fi
-want draft && CUDA_VISIBLE_DEVICES=0 step draft_state 40 python3 -m flashpd.bench.draft_state --device cuda --reps 3 --out "$OUT/draft_state_h200.json"
+want draft && CUDA_VISIBLE_DEVICES=$G step draft_state 40 python3 -m flashpd.bench.draft_state --device cuda --reps 3 --out "$OUT/draft_state_h200.json"
 ls -la "$OUT"

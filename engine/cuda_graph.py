@@ -14,20 +14,11 @@ import torch
 Outputs = object  # whatever the function returns: tensors, or tuples / lists of tensors
 
 
-def pack_host(arrays: Sequence[np.ndarray], device: torch.device, behind_work: bool = False
-              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Move several int64 host arrays in ONE copy.
-
-    Pageable by default: pinning costs more than it saves when the stream is idle. `behind_work`: the
-    stream still runs earlier work (a verify's inputs behind the draft graph); a pageable copy would first
-    wait for that work, holding the host, so the copy goes through pinned memory, non-blocking (PyTorch's
-    pinned-memory cache keeps the block until the copy has run). Returns the flat device tensor and views
-    of it shaped like each array."""
+def pack_host(arrays: Sequence[np.ndarray], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Move several int64 host arrays in ONE copy. Returns the flat device tensor and views of it
+    shaped like each array."""
     flat = np.concatenate([a.reshape(-1) for a in arrays])
-    if behind_work and device.type == "cuda":
-        dev = torch.from_numpy(flat).pin_memory().to(device, non_blocking=True)
-    else:
-        dev = torch.from_numpy(flat).to(device)
+    dev = torch.from_numpy(flat).to(device)
     out, off = [], 0
     for a in arrays:
         out.append(dev[off:off + a.size].view(a.shape))

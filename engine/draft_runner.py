@@ -54,8 +54,9 @@ class DraftRunner:
         _, (d_pos, d_slots) = pack_host([np.concatenate(pos), np.concatenate(slots)], self.device)
         self.drafter.write_context(self.cache.data, torch.cat(feats), d_pos, d_slots)
 
-    def draft(self, seqs: list[Sequence], widths: list[int]) -> torch.Tensor:
-        """Write each sequence's pending context rows, then draft; returns logits [B, T-1, V]."""
+    def inputs(self, seqs: list[Sequence], widths: list[int]) -> tuple[torch.Tensor, list[np.ndarray], dict]:
+        """A draft step's inputs: the pending context rows [B_pad * rows, F] (device), the host arrays
+        (packed into one copy by the caller) and the step's shape. Consumes each sequence's pending rows."""
         b, t = len(seqs), max(widths)
         graphed = self._graph is not None
         b_pad = bucket(b) if graphed else b
@@ -94,8 +95,15 @@ class DraftRunner:
             ctx_lens[i], blens[i] = s.draft_len, w
         if rows and b_pad > b:
             taps.extend([torch.zeros(rows, width, dtype=self.runner.dtype, device=self.device)] * (b_pad - b))
-        new_taps = torch.cat(taps) if rows else torch.zeros(0, width, dtype=self.runner.dtype, device=self.device)
-        packed, _ = pack_host([npos, nslots, ids, pos, bt, ctx_lens, blens], self.device)
-        shape = dict(b=b_pad, t=t, rows=rows, nblk=nblk)
-        logits = self._graph([new_taps, packed], **shape) if graphed else self._step(new_taps, packed, **shape)
-        return logits[:b]
+        if not rows:
+            new_taps = torch.zeros(0, width, dtype=self.runner.dtype, device=self.device)
+        else:
+            new_taps = torch.cat(taps) if len(taps) > 1 else taps[0]
+        return new_taps, [npos, nslots, ids, pos, bt, ctx_lens, blens], dict(b=b_pad, t=t, rows=rows, nblk=nblk)
+
+    def draft(self, seqs: list[Sequence], widths: list[int]) -> torch.Tensor:
+        """Write each sequence's pending context rows, then draft; returns logits [B, T-1, V]."""
+        new_taps, arrays, shape = self.inputs(seqs, widths)
+        packed, _ = pack_host(arrays, self.device)
+        logits = self._graph([new_taps, packed], **shape) if self._graph is not None else self._step(new_taps, packed, **shape)
+        return logits[:len(seqs)]

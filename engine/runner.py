@@ -26,6 +26,10 @@ class StepOutput:
     logits: torch.Tensor | None
 
 
+# Short prefills (rows x padded width, in tokens) at or under this replay a CUDA graph.
+PREFILL_GRAPH_TOKENS = 1024
+
+
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int = 16,
                  taps: tuple[int, ...] = (), cuda_graphs: bool | None = None, compile: bool | None = None) -> None:
@@ -50,10 +54,10 @@ class ModelRunner:
         self._graph = GraphedFn(self._graphed)
 
     # ---- batch construction -------------------------------------------------------------
-    def _batch(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
-               nblk: int, behind_work: bool = False) -> tuple[torch.Tensor, AttnBatch, torch.Tensor]:
-        """Device [B, T] inputs, positions, cache slots and block tables, built in numpy (no per-token
-        torch ops) and moved in one host-to-device copy."""
+    def batch_arrays(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
+                     nblk: int) -> list[np.ndarray]:
+        """Host [B, T] ids, positions, flat cache slots and [B, nblk] block tables, built in numpy (no
+        per-token torch ops) so that they move to the device in one copy."""
         bs = self.block_size
         ids = np.zeros((b_pad, t_pad), dtype=np.int64)
         pos = np.zeros((b_pad, t_pad), dtype=np.int64)
@@ -67,17 +71,30 @@ class ModelRunner:
             blocks = np.asarray(table.blocks, dtype=np.int64)
             bt[i, :len(blocks)] = blocks
             slots[i, :n] = blocks[p // bs] * bs + p % bs
-        flat, (d_ids, d_pos, d_slots, d_bt) = pack_host([ids, pos, slots.reshape(-1), bt], self.device, behind_work)
+        return [ids, pos, slots.reshape(-1), bt]
+
+    def _batch(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
+               nblk: int) -> tuple[torch.Tensor, AttnBatch, torch.Tensor]:
+        """Device inputs of `batch_arrays`: ids, the attention metadata, and the packed flat tensor."""
+        flat, (d_ids, d_pos, d_slots, d_bt) = pack_host(self.batch_arrays(tables, tokens, b_pad, t_pad, nblk),
+                                                        self.device)
         return d_ids, AttnBatch(d_pos, d_slots, d_bt, torch.empty(0)), flat
 
+    def check_room(self, tables: list[BlockTable], lengths: list[int]) -> None:
+        """Every row's new positions exist in the model and have reserved KV blocks."""
+        for table, n in zip(tables, lengths):
+            end = table.num_tokens + n
+            if end > self.max_positions:
+                raise ValueError(f"position {end} exceeds the model's {self.max_positions} positions")
+            if len(table.blocks) * self.block_size < end:
+                raise RuntimeError("KV blocks not reserved for this forward (call allocator.ensure first)")
+
     def forward(self, tables: list[BlockTable], tokens: list[list[int]], want_logits: str = "last",
-                taps: bool = False, tail: torch.Tensor | None = None) -> StepOutput:
+                taps: bool = False) -> StepOutput:
         """Run `tokens[i]` appended to sequence `tables[i]`; advances each table's num_tokens.
 
         want_logits: "last" (logits of each row's last real token, [B, 1, V]), "all" ([B, T, V]),
         or "none". Blocks must already be reserved (allocator.ensure) for the new length.
-        tail: device ids [B, T-1] that replace tokens[i][1:] (equal lengths): a verify pass takes the
-        draft's argmax straight from the device, with no host round trip between draft and verify.
         """
         assert len(tables) == len(tokens) and tables
         if want_logits not in ("last", "all", "none"):
@@ -85,24 +102,15 @@ class ModelRunner:
         lengths = [len(t) for t in tokens]
         if min(lengths) < 1:
             raise ValueError("every sequence in a forward needs at least one new token")
-        for table, n in zip(tables, lengths):
-            end = table.num_tokens + n
-            if end > self.max_positions:
-                raise ValueError(f"position {end} exceeds the model's {self.max_positions} positions")
-            if len(table.blocks) * self.block_size < end:
-                raise RuntimeError("KV blocks not reserved for this forward (call allocator.ensure first)")
+        self.check_room(tables, lengths)
         t = max(lengths)
         uniform = all(n == t for n in lengths)
-        if tail is not None and (not uniform or tuple(tail.shape) != (len(tables), t - 1)):
-            raise ValueError(f"tail of shape {tuple(tail.shape)} does not fit {len(tables)} rows of {lengths} tokens")
         nblk_real = max(len(tb.blocks) for tb in tables)
-        use_graph = self.cuda_graphs and uniform and t <= 32 and len(tables) <= 256
-        if use_graph:
-            out = self._graph_forward(tables, tokens, t, nblk_real, want_logits != "none", taps, tail)
+        t_graph = self._graph_width(len(tables), t, uniform, want_logits)
+        if t_graph:
+            out = self._graph_forward(tables, tokens, t_graph, nblk_real, want_logits, taps)
         else:
-            ids, batch, _ = self._batch(tables, tokens, len(tables), t, nblk_real, tail is not None)
-            if tail is not None:
-                ids[:, 1:] = tail
+            ids, batch, _ = self._batch(tables, tokens, len(tables), t, nblk_real)
             batch.mask = causal_position_mask(batch.positions, nblk_real * self.block_size)
             hidden, tapped = self.model(ids, batch, self.cache.data, self.taps if taps else ())
             out = StepOutput(hidden, tapped, None)
@@ -112,29 +120,54 @@ class ModelRunner:
                 idx = torch.tensor([n - 1 for n in lengths], device=self.device)
                 last = hidden[torch.arange(len(tables), device=self.device), idx]
                 out.logits = self.model.logits(last)[:, None]
-        if want_logits == "last" and use_graph:
-            out.logits = out.logits[:, -1:]
         for table, n in zip(tables, lengths):
             table.num_tokens += n
         return out
 
     # ---- CUDA graphs ---------------------------------------------------------------------
-    def _graphed(self, packed: torch.Tensor, b: int, t: int, nblk: int
+    def _graph_width(self, b: int, t: int, uniform: bool, want_logits: str) -> int:
+        """The padded width T of the graph that runs this forward, or 0 for the eager path. Decode and
+        verify (equal rows, T <= 32) replay a graph of their own width; short prefills (a prefix hit's
+        tail, a short prompt) pad to a multiple of 64 up to PREFILL_GRAPH_TOKENS, so that their Python
+        and launch overhead (tens of ms on Qwen3-8B, eagerly) is one graph launch."""
+        if not self.cuda_graphs or b > 256:
+            return 0
+        if uniform and t <= 32:
+            return t
+        if want_logits != "all" and bucket(b) * bucket(t, 64) <= PREFILL_GRAPH_TOKENS:
+            return bucket(t, 64)
+        return 0
+
+    def _graphed(self, packed: torch.Tensor, b: int, t: int, nblk: int, last: bool
                  ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """The captured forward: a pure function of one packed int64 input (ids, pos, slots, tables)."""
-        ids, pos, slots, bt = packed.split([b * t, b * t, b * t, b * nblk])
-        ids, pos, bt = ids.view(b, t), pos.view(b, t), bt.view(b, nblk)
+        """The captured forward: a pure function of one packed int64 input (ids, pos, slots, tables and,
+        with `last`, each row's last real column, whose logits alone are computed)."""
+        ids, pos, slots, bt, idx = packed.split([b * t, b * t, b * t, b * nblk, b if last else 0])
+        hidden, tapped, logits = self.model_step(ids.view(b, t), pos.view(b, t), slots, bt.view(b, nblk),
+                                                 idx if last else None)
+        return hidden, tapped, logits
+
+    def model_step(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, bt: torch.Tensor,
+                   last: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """The target forward of device inputs (graph-safe): normed hidden, taps, and logits of every
+        column or, given `last` [B], of those columns only ([B, 1, V])."""
         batch = AttnBatch(pos, slots, bt, causal_position_mask(pos, bt.shape[1] * self.block_size))
         hidden, tapped = self.model(ids, batch, self.cache.data, self.taps, self.graph_fns)
+        if last is not None:
+            return hidden, tapped, self.model.logits(hidden[torch.arange(ids.shape[0], device=ids.device), last][:, None])
         return hidden, tapped, self.model.logits(hidden)
 
     def _graph_forward(self, tables: list[BlockTable], tokens: list[list[int]], t: int, nblk: int,
-                       logits: bool, taps: bool, tail: torch.Tensor | None = None) -> StepOutput:
+                       want_logits: str, taps: bool) -> StepOutput:
         b = len(tables)
         bp, nb = bucket(b), bucket(nblk, 4)
-        # with a tail, the draft that made it is still running: don't let the input copy wait for it
-        ids, _, packed = self._batch(tables, tokens, bp, t, nb, tail is not None)
-        if tail is not None:
-            ids[:b, 1:] = tail  # ids is a view of packed
-        hidden, tapped, lg = self._graph([packed], b=bp, t=t, nblk=nb)
-        return StepOutput(hidden[:b], [x[:b] for x in tapped] if taps else [], lg[:b] if logits else None)
+        arrays = self.batch_arrays(tables, tokens, bp, t, nb)
+        last = want_logits == "last"
+        if last:
+            idx = np.zeros(bp, dtype=np.int64)
+            idx[:b] = [len(x) - 1 for x in tokens]
+            arrays.append(idx)
+        packed, _ = pack_host(arrays, self.device)
+        hidden, tapped, lg = self._graph([packed], b=bp, t=t, nblk=nb, last=last)
+        return StepOutput(hidden[:b], [x[:b] for x in tapped] if taps else [],
+                          lg[:b] if want_logits != "none" else None)

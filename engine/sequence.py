@@ -12,7 +12,8 @@ from flashpd.engine.sampling import SamplingParams
 
 @dataclass
 class RequestStats:
-    """Per request. acceptance_lengths: tokens committed per DFlash verify step (empty for native)."""
+    """Per request. acceptance_lengths: tokens committed per DFlash verify step (empty for native).
+    draft_ms / verify_ms: a fused greedy step (one graph for both passes) counts wholly as verify time."""
 
     acceptance_lengths: list[int] = field(default_factory=list)
     ttft_ms: float | None = None

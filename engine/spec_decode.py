@@ -23,6 +23,7 @@ from flashpd.engine.draft_runner import DraftRunner
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams, draw, probs_from_logits
 from flashpd.engine.sequence import Sequence
+from flashpd.engine.spec_graph import FusedGreedyStep
 
 DraftOverride = Callable[[Sequence, int], list[int]]
 
@@ -90,6 +91,7 @@ class DFlashGenerator(NativeGenerator):
         self.drafter = drafter
         self.block_size = self._check_block(c.block_size if block_size is None else block_size)
         self.drafts = DraftRunner(drafter, runner)
+        self.fused = FusedGreedyStep(runner, self.drafts)
         self.clock = StepClock(runner.device)
         self.draft_override: DraftOverride | None = None  # test hook: (seq, width) -> width-1 guesses
         # Benchmark replay: (seq) -> accepted drafts this step, taken from a recorded run. Output is then
@@ -149,15 +151,11 @@ class DFlashGenerator(NativeGenerator):
             alloc.ensure(s.table, s.table.num_tokens + (t if one_sync else w))  # padding rows write there too
         self.clock.start()
         starts = [s.table.num_tokens for s in seqs]
-        tables = [s.table for s in seqs]
         if one_sync:
-            # greedy: the draft's argmax feeds the verify pass on the device; both come back in one copy
-            guess = self.drafts.draft(seqs, widths).argmax(-1)[:, :t - 1]
+            # greedy: draft, argmax and verify in one graph (spec_graph.py), one copy back; the clock cannot
+            # split a fused step, so its whole time counts as verify time
             self.clock.mark()
-            out = self.runner.forward(tables, [[s.last_token] + [0] * (t - 1) for s in seqs], "all", taps=True,
-                                      tail=guess)
-            feats = self._pending_features(out)  # enqueued before the sync
-            rows = torch.cat([guess, out.logits.argmax(-1)], dim=1).tolist()
+            rows, feats = self.fused(seqs, widths)
             # row i reads only its first w_i - 1 guesses and w_i verdicts: padding never decides anything
             guesses = [r[:w - 1] for r, w in zip(rows, widths)]
             truth = [r[t - 1:t - 1 + w] for r, w in zip(rows, widths)]
@@ -165,7 +163,7 @@ class DFlashGenerator(NativeGenerator):
         else:
             guesses, qs = self._draft(seqs, widths)
             self.clock.mark()
-            out = self.runner.forward(tables, [[s.last_token] + g for s, g in zip(seqs, guesses)], "all", taps=True)
+            out = self.runner.forward([s.table for s in seqs], [[s.last_token] + g for s, g in zip(seqs, guesses)], "all", taps=True)
             feats = self._pending_features(out)
             truth = out.logits.argmax(-1).tolist()
         draft_ms, verify_ms = self.clock.stop()

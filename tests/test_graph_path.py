@@ -6,6 +6,7 @@ import torch
 
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
@@ -36,32 +37,49 @@ def test_padded_graph_path_equals_plain_path(dflash_pair):  # noqa: F811
     assert max(max(a) for a in outs[True][1]) > 1
 
 
-def test_single_sync_greedy_step_equals_host_round_trip(dflash_pair):  # noqa: F811
-    """Greedy rows of one width skip the host between draft and verify (the draft's argmax is patched
-    into the verify ids on the device): same tokens and acceptance as the two-sync step."""
+def test_fused_greedy_step_equals_host_round_trip(dflash_pair):  # noqa: F811
+    """Greedy rows skip the host between draft and verify (draft, argmax and verify in one function,
+    spec_graph.py): same tokens and acceptance as the two-pass step with a host round trip."""
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
     prompts = _prompts(3, 7)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 23, 31)]  # widths differ near the ends
-    results, tails = {}, []
-    for one_sync in (True, False):
+    results, calls = {}, {}
+    for fused in (True, False):
         runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True, compile=False)
-        forward = runner.forward
-
-        def spy(*args, tail=None, **kw):
-            if args[2:3] == ("all",):  # verify passes (prefill asks for the last logits only)
-                tails.append((one_sync, tail is not None))
-            return forward(*args, tail=tail, **kw)
-
-        runner.forward = spy
         gen = DFlashGenerator(runner, drafter, (), 16)
-        if not one_sync:
+        if not fused:
             gen._one_sync = lambda seqs, widths: False
         seqs = gen.generate(prompts, params)
-        results[one_sync] = ([s.output for s in seqs], [s.stats.acceptance_lengths for s in seqs])
+        results[fused] = ([s.output for s in seqs], [s.stats.acceptance_lengths for s in seqs])
+        calls[fused] = (gen.fused.calls, max(len(s.stats.acceptance_lengths) for s in seqs))
     assert results[True] == results[False]
     assert max(max(a) for a in results[True][1]) > 1
-    # the single-sync step ran for every verify of the first run (rows near max_tokens, narrower than the
+    # the fused step ran for every verify of the first run (rows near max_tokens, narrower than the
     # others, are padded to one shape), never in the second
-    first = [t for s, t in tails if s]
-    assert first and all(first) and not any(t for s, t in tails if not s)
+    assert calls[True][0] == calls[True][1] and calls[False][0] == 0
+
+
+def test_short_prefill_replays_a_padded_graph(dflash_pair):  # noqa: F811
+    """Prefills of a few hundred tokens (a prefix hit's tail, short prompts) pad to a multiple of 64 and run
+    the graph path, with the last real column's logits picked inside it: same logits and taps as eager."""
+    import flashpd.engine.runner as runner_mod
+    target = load_target(dflash_pair.target_dir)
+    taps = (0, 1)
+    prompts = _prompts(3, 11)
+    heads = [p[:len(p) // 3] for p in prompts]  # cached before the tail, as after a prefix hit
+    got = {}
+    for graphs in (False, True):
+        runner = ModelRunner(target, 512, 16, taps=taps, cuda_graphs=graphs, compile=False)
+        tables = [BlockTable() for _ in prompts]
+        for tb, p in zip(tables, prompts):
+            runner.allocator.ensure(tb, len(p))
+        runner.forward(tables, heads, "none")
+        tails = [p[len(h):] for p, h in zip(prompts, heads)]
+        t = max(map(len, tails))
+        assert runner._graph_width(len(tails), t, False, "last") == (runner_mod.bucket(t, 64) if graphs else 0)
+        out = runner.forward(tables, tails, "last", taps=True)
+        got[graphs] = (out.logits[:, -1], [torch.cat([x[j, :len(tl)] for x in out.taps], -1) for j, tl in enumerate(tails)])
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[True][1], got[False][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

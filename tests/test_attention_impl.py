@@ -1,0 +1,55 @@
+"""The explicit-matmul attention (what a GPU runs for decode, verify and draft blocks) against the fused
+SDPA kernel, and the engine's oracles re-run with it forced on the CPU: the target against HF, and
+DFlash against the reference package's loop, token for token and step for step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashpd.engine.attention as attention
+from flashpd.engine.attention import grouped_sdpa, group_mask
+
+from tests._dflash_helpers import dflash_engine, dflash_pair  # noqa: F401  (session fixtures)
+import tests.test_dflash_parity as dflash_parity
+import tests.test_target_parity as target_parity
+
+
+@pytest.fixture
+def force_matmul(monkeypatch):
+    monkeypatch.setattr(attention, "FORCE_IMPL", "matmul")
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,keys", [(1, 1, 4, 2, 256), (3, 16, 4, 2, 96), (2, 5, 8, 1, 64), (1, 7, 6, 6, 33)])
+def test_matmul_form_equals_sdpa(monkeypatch, b, t, hq, hkv, keys):
+    g = torch.Generator().manual_seed(b * 100 + t)
+    d = 24
+    q = torch.randn(b, t, hq, d, generator=g)
+    k = torch.randn(b, hkv, keys, d, generator=g)
+    v = torch.randn(b, hkv, keys, d, generator=g)
+    ends = torch.randint(1, keys + 1, (b, t), generator=g)  # every row sees at least key 0
+    mask = (torch.arange(keys)[None, None, :] < ends[:, :, None]).unsqueeze(1)
+    gm = group_mask(mask, hq // hkv)
+    out = {}
+    for impl in ("sdpa", "matmul"):
+        monkeypatch.setattr(attention, "FORCE_IMPL", impl)
+        out[impl] = grouped_sdpa(q, k, v, gm, d ** -0.5)
+    assert out["matmul"].shape == (b, t, hq * d)
+    torch.testing.assert_close(out["matmul"], out["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_choice_follows_the_score_size():
+    monkey = attention.FORCE_IMPL
+    assert monkey is None
+    q = torch.zeros(1, 16, 4, 8)
+    assert not attention.use_matmul(q, 4096)  # never on a CPU unless forced
+    if torch.cuda.is_available():  # pragma: no cover (GPU machines)
+        assert attention.use_matmul(q.cuda(), 4096) and not attention.use_matmul(q.cuda(), 1 << 20)
+
+
+@pytest.mark.parametrize("name", ["tied-gqa4to1-hd24-L2", "untied-gqa2to1-h6-hd12-L2"])
+def test_target_matches_hf_with_matmul_attention(force_matmul, make_checkpoint, name):
+    target_parity.test_prefill_and_decode_logits_match_hf(make_checkpoint, name, 16)
+
+
+def test_dflash_matches_reference_with_matmul_attention(force_matmul, dflash_pair, dflash_engine):  # noqa: F811
+    dflash_parity.test_generate_matches_reference_dflash_generate(dflash_pair, dflash_engine, 16)

@@ -54,10 +54,12 @@ class DraftRunner:
         _, (d_pos, d_slots) = pack_host([np.concatenate(pos), np.concatenate(slots)], self.device)
         self.drafter.write_context(self.cache.data, torch.cat(feats), d_pos, d_slots)
 
-    def inputs(self, seqs: list[Sequence], widths: list[int]) -> tuple[torch.Tensor, list[np.ndarray], dict]:
-        """A draft step's inputs: the pending context rows [B_pad * rows, F] (device), the host arrays
-        (packed into one copy by the caller) and the step's shape. Consumes each sequence's pending rows."""
-        b, t = len(seqs), max(widths)
+    def inputs(self, seqs: list[Sequence], widths: list[int], t: int | None = None
+               ) -> tuple[torch.Tensor, list[np.ndarray], dict]:
+        """A draft step's inputs at block width t (default: the widest row): the pending context rows
+        [B_pad * rows, F] (device), the host arrays (packed into one copy by the caller) and the step's
+        shape. Consumes each sequence's pending rows."""
+        b, t = len(seqs), (t or max(widths))
         graphed = self._graph is not None
         b_pad = bucket(b) if graphed else b
         nblk = max(len(s.table.blocks) for s in seqs)

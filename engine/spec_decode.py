@@ -104,15 +104,21 @@ class DFlashGenerator(NativeGenerator):
             raise ValueError(f"block_size must be in [2, 16], got {w}")
         return w
 
-    def _one_sync(self, seqs: list[Sequence], widths: list[int]) -> bool:
-        """Greedy rows, no test hooks, and room for every row at the widest width: draft and verify need no
-        host round trip between them, and the verify pass has one shape (rows narrower than the widest are
-        padded with the drafter's further guesses, whose outputs are never read), so it replays a graph.
-        A row never writes past its own block width, which is what its KV reservation covers."""
-        t = max(widths)
-        return (self.draft_override is None and self.accept_override is None
-                and all(s.params.greedy for s in seqs)
-                and all(t <= s.block_size and s.table.num_tokens + t <= self.runner.max_positions for s in seqs))
+    def _fused_width(self, seqs: list[Sequence], widths: list[int]) -> int:
+        """The width T at which draft and verify run as one graph (spec_graph.py), or 0 when they cannot:
+        sampled rows and test hooks need the host between the passes. Rows narrower than T are padded with
+        the drafter's further guesses, whose verdicts are never read. T is the batch's block size when
+        every row shares it, so a request's last steps (narrower as max_tokens nears) replay the graph of
+        its other steps instead of capturing one per width; else the widest row. A row never writes past
+        its own block width, which is what its KV reservation covers."""
+        if self.draft_override is not None or self.accept_override is not None:
+            return 0
+        if not all(s.params.greedy for s in seqs):
+            return 0
+        for t in (max(s.block_size for s in seqs), max(widths)):
+            if all(t <= s.block_size and s.table.num_tokens + t <= self.runner.max_positions for s in seqs):
+                return t
+        return 0
 
     # ---- one speculative step ------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -144,8 +150,9 @@ class DFlashGenerator(NativeGenerator):
     def spec_step(self, seqs: list[Sequence]) -> None:
         alloc = self.runner.allocator
         widths = [min(s.block_size, s.params.max_tokens - len(s.output) + 1) for s in seqs]
-        one_sync = self._one_sync(seqs, widths)
-        t = max(widths)
+        t_fused = self._fused_width(seqs, widths)
+        one_sync = t_fused > 0
+        t = t_fused or max(widths)
         for s, w in zip(seqs, widths):
             assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
             alloc.ensure(s.table, s.table.num_tokens + (t if one_sync else w))  # padding rows write there too
@@ -155,7 +162,7 @@ class DFlashGenerator(NativeGenerator):
             # greedy: draft, argmax and verify in one graph (spec_graph.py), one copy back; the clock cannot
             # split a fused step, so its whole time counts as verify time
             self.clock.mark()
-            rows, feats = self.fused(seqs, widths)
+            rows, feats = self.fused(seqs, widths, t)
             # row i reads only its first w_i - 1 guesses and w_i verdicts: padding never decides anything
             guesses = [r[:w - 1] for r, w in zip(rows, widths)]
             truth = [r[t - 1:t - 1 + w] for r, w in zip(rows, widths)]

@@ -36,15 +36,14 @@ class FusedGreedyStep:
         feats = torch.cat(tapped, dim=-1) if len(tapped) > 1 else tapped[0]
         return torch.cat([guess, logits.argmax(-1)], dim=1), feats
 
-    def __call__(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], torch.Tensor]:
-        """Draft and verify every row at the batch's widest width t (KV reserved for t positions per row).
+    def __call__(self, seqs: list[Sequence], widths: list[int], t: int) -> tuple[list[list[int]], torch.Tensor]:
+        """Draft and verify every row at width t >= max(widths) (KV reserved for t positions per row).
         Returns per row the t-1 guesses followed by the target's t choices, and the verify's taps
         [B, t, F] (a copy: they outlive the graph's next replay as the rows' pending draft context)."""
         runner = self.runner
-        t = max(widths)
         tables = [s.table for s in seqs]
         runner.check_room(tables, [t] * len(seqs))
-        new_taps, d_arrays, shape = self.drafts.inputs(seqs, widths)
+        new_taps, d_arrays, shape = self.drafts.inputs(seqs, widths, t)
         assert shape["t"] == t
         b_pad, nblk = shape["b"], shape["nblk"]
         if self._graph is None:  # eager: the draft's unpadded block table width is the verify's too

@@ -127,7 +127,6 @@ def feature_cache(target: Qwen3ForCausalLM, layer_ids: tuple[int, ...], data: li
     out: list[torch.Tensor | None] = [None] * len(data)
     i = 0
     while i < len(order):
-        n = len(data[order[i]])
         j = i + 1
         while j < len(order) and len(data[order[j]]) * (j + 1 - i) <= max_tokens:
             j += 1

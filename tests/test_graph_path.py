@@ -44,12 +44,14 @@ def test_fused_greedy_step_equals_host_round_trip(dflash_pair):  # noqa: F811
     drafter = load_drafter(dflash_pair.draft_dir, target)
     prompts = _prompts(3, 7)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 23, 31)]  # widths differ near the ends
-    results, calls = {}, {}
+    results, calls, shapes = {}, {}, {}
     for fused in (True, False):
         runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True, compile=False)
         gen = DFlashGenerator(runner, drafter, (), 16)
         if not fused:
-            gen._one_sync = lambda seqs, widths: False
+            gen._fused_width = lambda seqs, widths: 0
+        graph, seen = gen.fused._graph, shapes.setdefault(fused, set())  # the graphed path, run eagerly here
+        graph.fn = lambda *a, fn=graph.fn, seen=seen, **kw: seen.add(kw["t"]) or fn(*a, **kw)
         seqs = gen.generate(prompts, params)
         results[fused] = ([s.output for s in seqs], [s.stats.acceptance_lengths for s in seqs])
         calls[fused] = (gen.fused.calls, max(len(s.stats.acceptance_lengths) for s in seqs))
@@ -58,6 +60,8 @@ def test_fused_greedy_step_equals_host_round_trip(dflash_pair):  # noqa: F811
     # the fused step ran for every verify of the first run (rows near max_tokens, narrower than the
     # others, are padded to one shape), never in the second
     assert calls[True][0] == calls[True][1] and calls[False][0] == 0
+    # and at one width, the block size, even in a request's last, narrower steps: one graph per batch shape
+    assert shapes[True] == {16} and not shapes[False]
 
 
 def test_short_prefill_replays_a_padded_graph(dflash_pair):  # noqa: F811

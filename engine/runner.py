@@ -162,7 +162,7 @@ class ModelRunner:
         b = len(tables)
         bp, nb = bucket(b), bucket(nblk, 4)
         arrays = self.batch_arrays(tables, tokens, bp, t, nb)
-        last = want_logits == "last"
+        last = want_logits != "all"  # "none" too: one row of logits per sequence, not T_pad rows
         if last:
             idx = np.zeros(bp, dtype=np.int64)
             idx[:b] = [len(x) - 1 for x in tokens]

@@ -42,7 +42,8 @@ def request_kw(i: int) -> dict:
     return dict(max_tokens=16 + i % 9, method="native" if i % 3 == 0 else "dflash", ignore_eos=True)
 
 
-def stream(client: GenerationClient, prompt: list[int], **kw) -> tuple[list[int], dict]:
+def stream_chunks(client: GenerationClient, prompt: list[int], **kw) -> tuple[list[int], object]:
+    """All tokens of a streamed request and its final chunk (nothing may follow it)."""
     toks, last = [], None
     for c in client.generate(prompt, **kw):
         assert last is None, "chunk after the final one"
@@ -50,6 +51,11 @@ def stream(client: GenerationClient, prompt: list[int], **kw) -> tuple[list[int]
         if c.finished:
             last = c
     assert last is not None, "stream ended without a finished chunk"
+    return toks, last
+
+
+def stream(client: GenerationClient, prompt: list[int], **kw) -> tuple[list[int], dict]:
+    toks, last = stream_chunks(client, prompt, **kw)
     return toks, last.stats
 
 

@@ -38,8 +38,7 @@ def test_matmul_form_equals_sdpa(monkeypatch, b, t, hq, hkv, keys):
 
 
 def test_the_choice_follows_the_score_size():
-    monkey = attention.FORCE_IMPL
-    assert monkey is None
+    assert attention.FORCE_IMPL is None
     q = torch.zeros(1, 16, 4, 8)
     assert not attention.use_matmul(q, 4096)  # never on a CPU unless forced
     if torch.cuda.is_available():  # pragma: no cover (GPU machines)

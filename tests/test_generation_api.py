@@ -26,6 +26,7 @@ from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+from tests._cluster_helpers import stream_chunks
 from tests._serve_process import serve_process
 
 NUM_BLOCKS = 512
@@ -97,21 +98,11 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(3, 120, (n,), generator=g)]
 
 
-def _stream(client, prompt, **kw):
-    toks, last = [], None
-    for c in client.generate(prompt, **kw):
-        assert last is None, "chunk after the final one"
-        toks.extend(c.token_ids)
-        if c.finished:
-            last = c
-    assert last is not None, "stream ended without a finished chunk"
-    return toks, last
-
 
 @pytest.mark.parametrize("method", ["dflash", "native"])
 def test_stream_equals_once_equals_solo(served, solo, method):
     for prompt in _prompts(3, 7):
-        toks, last = _stream(served.client, prompt, max_tokens=40, method=method, ignore_eos=True)
+        toks, last = stream_chunks(served.client, prompt, max_tokens=40, method=method, ignore_eos=True)
         once = served.client.generate_once(prompt, max_tokens=40, method=method, ignore_eos=True)
         out, acc = solo(prompt, 40, method)
         assert toks == once.token_ids == out
@@ -141,7 +132,7 @@ def test_32_concurrent_streams_exact(served, solo):
     def worker(i):
         try:
             start.wait()
-            results[i] = _stream(served.client, prompts[i], max_tokens=lens[i], method=methods[i], ignore_eos=True)
+            results[i] = stream_chunks(served.client, prompts[i], max_tokens=lens[i], method=methods[i], ignore_eos=True)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 

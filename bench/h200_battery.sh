@@ -34,7 +34,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 python3 -c "import google.protobuf, grpc, torch; print('protobuf', google.protobuf.__version__, 'grpc', grpc.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
-SWEEP="--device cuda --dtype bfloat16 --kv-cache-tokens 262144 --max-tokens 64"
+SWEEP="--device cuda --dtype bfloat16 --kv-cache-tokens 262144 --max-tokens 64 --long-every 8"  # 1 prompt in 8 of 2,048 tokens
 want pair && CUDA_VISIBLE_DEVICES=$G step make_demo_pair 570 flashpd make-demo-pair --out "$OUT/pair" && rm -rf "$OUT/pair/drafter-train"
 want attn && CUDA_VISIBLE_DEVICES=$G step attn_micro 120 python3 -m flashpd.bench.attn_micro --out "$OUT/attn_micro_h200.json"
 want ttft && CUDA_VISIBLE_DEVICES=$G step ttft_hit 150 python3 -m flashpd.bench.ttft_hit --config qwen3-8b --prompts 3 --reps 3 --modes ${TTFT_MODES:-cold,device,memory,shm,grpc} --out "$OUT/ttft_hit_h200.json"
@@ -43,12 +43,12 @@ want profile && CUDA_VISIBLE_DEVICES=$G step profile 90 python3 -m flashpd.bench
 want speedup && CUDA_VISIBLE_DEVICES=$G step speedup 200 python3 -m flashpd.bench.speedup --target flashpd/assets/demo_pair/target --draft flashpd/assets/demo_pair/drafter --prompts 4 --widths 8,16 --reps 3 --out "$OUT/speedup_demo_pair_h200.json"
 want sweep1 && CUDA_VISIBLE_DEVICES=$G step sweep_1gpu 200 python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
 if [ "$NG" -ge 2 ]; then
-  want sweep2 && CUDA_VISIBLE_DEVICES=0,1 step sweep_2gpu 150 python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32 --out "$OUT/serve_sweep_demo_2gpu_h200.json"
+  want sweep2 && CUDA_VISIBLE_DEVICES=0,1 step sweep_2gpu ${SWEEP2_LIMIT:-230} python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32 --out "$OUT/serve_sweep_demo_2gpu_h200.json"
 fi
 if want sweep8b; then
-  step dummy8b 90 python3 -m flashpd.bench.make_dummy_pair --config qwen3-8b --tokenizer flashpd/assets/demo_pair/target/tokenizer.json --out .dummy8b
+  step dummy8b 80 python3 -m flashpd.bench.make_dummy_pair --config qwen3-8b --tokenizer flashpd/assets/demo_pair/target/tokenizer.json --out .dummy8b
   GPUS=0; [ "$NG" -ge 2 ] && GPUS=0,1
-  CUDA_VISIBLE_DEVICES=$GPUS step sweep_8b 200 python3 -m flashpd.cluster.job_sweep --device cuda --dtype bfloat16 --kv-cache-tokens 65536 --max-tokens 32 --launcher $L --concurrency 1,8,32 --requests 16 --target .dummy8b/target --draft .dummy8b/drafter --out "$OUT/serve_sweep_8b_dummy_h200.json"
+  CUDA_VISIBLE_DEVICES=$GPUS step sweep_8b ${SWEEP8B_LIMIT:-230} python3 -m flashpd.cluster.job_sweep --device cuda --dtype bfloat16 --kv-cache-tokens 65536 --max-tokens 32 --long-every 8 --launcher $L --concurrency 1,8,32 --requests 16 --target .dummy8b/target --draft .dummy8b/drafter --out "$OUT/serve_sweep_8b_dummy_h200.json"
 fi
 want draft && CUDA_VISIBLE_DEVICES=$G step draft_state 40 python3 -m flashpd.bench.draft_state --device cuda --reps 3 --out "$OUT/draft_state_h200.json"
 ls -la "$OUT"

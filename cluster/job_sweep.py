@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 from flashpd.cluster.config import ServeConfig
-from flashpd.cluster.load_gen import run_load, summarize
+from flashpd.cluster.load_gen import percentiles, run_load, summarize
 
 log = logging.getLogger("flashpd.job_sweep")
 
@@ -56,8 +57,14 @@ def default_launcher() -> str:
     return "ray"
 
 
-def make_prompts(target: str, n: int, length: int, seed: int) -> list[list[int]]:
-    """n disjoint prompts of `length` tokens: held-out stdlib text when the target has a tokenizer
+def prompt_lengths(n: int, length: int, long_every: int, long_tokens: int) -> list[int]:
+    """Lengths of a set's n prompts: every long_every-th one (the first included) long_tokens long, so a
+    set has long prompts where cache and transfer effects show (experiments.md); 0 turns them off."""
+    return [long_tokens if long_every > 0 and i % long_every == 0 else length for i in range(n)]
+
+
+def make_prompts(target: str, lengths: list[int], seed: int) -> list[list[int]]:
+    """Disjoint prompts of the given lengths: held-out stdlib text when the target has a tokenizer
     (what the demo pair was trained on, so tau means something), else random ids."""
     import torch  # noqa: PLC0415
 
@@ -65,6 +72,7 @@ def make_prompts(target: str, n: int, length: int, seed: int) -> list[list[int]]
 
     tok = TextTokenizer.from_dir(target)
     g = torch.Generator().manual_seed(seed)
+    need = sum(lengths)
     if tok is not None:
         from flashpd.engine.text_data import read_texts, split_files, stdlib_files  # noqa: PLC0415
         _, held = split_files(stdlib_files())
@@ -72,12 +80,16 @@ def make_prompts(target: str, n: int, length: int, seed: int) -> list[list[int]]
         stream: list[int] = []
         for k in order:
             stream.extend(tok.encode("".join(read_texts([held[k]]))))
-            if len(stream) >= n * length:
-                return [stream[i * length:(i + 1) * length] for i in range(n)]
-        log.warning("held-out text gives %d tokens, fewer than %d prompts x %d: random ids instead",
-                    len(stream), n, length)
+            if len(stream) >= need:
+                out, at = [], 0
+                for n in lengths:
+                    out.append(stream[at:at + n])
+                    at += n
+                return out
+        log.warning("held-out text gives %d tokens, fewer than the %d the prompts need: random ids instead",
+                    len(stream), need)
     vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
-    return torch.randint(0, vocab - 2, (n, length), generator=g).tolist()
+    return [torch.randint(0, vocab - 2, (n,), generator=g).tolist() for n in lengths]
 
 
 class ServeProcess:
@@ -144,15 +156,14 @@ def sweep(a: argparse.Namespace) -> dict:
     methods = _names(a.methods)
     warm = {c: (c if a.warmup < 0 else a.warmup) for c in levels}
     # disjoint prompt sets per (method, concurrency) and for their warmups, shared by all modes
-    total = sum(counts[c] + warm[c] for c in levels) * len(methods)
-    allp = make_prompts(a.target, total, a.prompt_tokens, a.seed)
+    # each set (warmups too, so they capture the long prompts' shapes) has its own long prompts
+    lens = {key: prompt_lengths(n, a.prompt_tokens, a.long_every, a.long_prompt_tokens)
+            for m in methods for c in levels for key, n in (((m, c, "warmup"), warm[c]), ((m, c), counts[c]))}
+    allp = make_prompts(a.target, [n for ls in lens.values() for n in ls], a.seed)
     sets, k = {}, 0
-    for m in methods:
-        for c in levels:
-            sets[(m, c, "warmup")] = allp[k:k + warm[c]]
-            k += warm[c]
-            sets[(m, c)] = allp[k:k + counts[c]]
-            k += counts[c]
+    for key, ls in lens.items():
+        sets[key] = allp[k:k + len(ls)]
+        k += len(ls)
     runs, outputs = [], {}
     with tempfile.TemporaryDirectory(prefix="flashpd-sweep-") as tmp:
         for mode in modes:
@@ -166,6 +177,9 @@ def sweep(a: argparse.Namespace) -> dict:
                             run_load(address, sets[(m, c, "warmup")], min(c, warm[c]), a.request_timeout_s, **kw)
                         res, wall = run_load(address, sets[(m, c)], c, a.request_timeout_s, **kw)
                         row = {"mode": mode, "method": m, "concurrency": c, **summarize(res, wall)}
+                        if a.long_every > 0:  # the long prompts' own TTFT: where transfer and prefill show
+                            row["ttft_long_ms"] = percentiles([r.ttft_ms for r, n in zip(res, lens[(m, c)])
+                                                               if n == a.long_prompt_tokens and r.error is None])
                         log.info("%s %s c=%d: ttft p50 %.1f ms, latency p50 %.1f ms, %.1f tok/s, tau %s, %d errors",
                                  mode, m, c, row["ttft_ms"]["p50"] or -1, row["latency_ms"]["p50"] or -1,
                                  row["output_tokens_per_s"] or 0, row["tau"], row["errors"])
@@ -177,10 +191,13 @@ def sweep(a: argparse.Namespace) -> dict:
             finally:
                 if srv is not None:
                     srv.stop()
+                    # the service's own log (placement, worker errors) outlives the temporary directory
+                    shutil.copyfile(srv.log_path, f"{a.out}.serve-{mode}.log")
     return {"kind": "serve_sweep", "runs": runs, "exact": _exactness(outputs, modes),
             "settings": {"target": a.target, "draft": a.draft, "modes": modes, "methods": methods,
                          "concurrency": levels, "requests": counts, "warmup": warm, "max_tokens": a.max_tokens,
-                         "prompt_tokens": a.prompt_tokens, "launcher": a.launcher, "device": a.device,
+                         "prompt_tokens": a.prompt_tokens, "long_every": a.long_every,
+                         "long_prompt_tokens": a.long_prompt_tokens, "launcher": a.launcher, "device": a.device,
                          "dtype": a.dtype, "prefill_workers": a.prefill_workers,
                          "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens}}
 
@@ -218,6 +235,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=0, help="per concurrency level and method (0: max(8, 2c))")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--long-every", type=int, default=0,
+                    help="every Nth prompt of a set (the first included) is --long-prompt-tokens long; 0: none")
+    ap.add_argument("--long-prompt-tokens", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=-1,
                     help="untimed requests before each level, at its concurrency (-1: as many as the concurrency)")
     ap.add_argument("--launcher", choices=["ray", "local"], default=None,

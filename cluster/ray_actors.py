@@ -21,6 +21,10 @@ class WorkerActor:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
         os.environ.setdefault("FLASHPD_ADVERTISE_HOST", ray.util.get_node_ip_address())
         self.worker = build_worker(role, ServeConfig.from_dict(cfg, f"{role} actor config"), port)
+        # where Ray put this worker, in the service's log (a sweep keeps that log beside its JSON)
+        logging.getLogger("flashpd.ray_actor").info(
+            "%s worker placed on node %s, Ray GPU ids %s, CUDA_VISIBLE_DEVICES=%s", role,
+            ray.util.get_node_ip_address(), ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def info(self) -> tuple[str, str | None]:
         return self.worker.address, self.worker.metrics_address

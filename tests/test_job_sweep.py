@@ -25,7 +25,7 @@ SMALL = ["--concurrency", "1,4", "--requests", "4", "--max-tokens", "8", "--prom
          "--chunk-tokens", "32", "--start-timeout-s", "180", "--request-timeout-s", "60"]
 
 
-def _check(out: Path, launcher: str) -> None:
+def _check(out: Path, launcher: str, long_every: int = 0) -> None:
     d = json.loads(out.read_text())
     assert d["kind"] == "serve_sweep" and d["settings"]["launcher"] == launcher
     rows = {(r["mode"], r["method"], r["concurrency"]) for r in d["runs"]}
@@ -34,6 +34,10 @@ def _check(out: Path, launcher: str) -> None:
         assert r["errors"] == 0 and r["requests"] == 4 and r["output_tokens"] == 32, r
         assert r["ttft_ms"]["p50"] > 0 and r["latency_ms"]["p95"] >= r["latency_ms"]["p50"] > 0
         assert r["output_tokens_per_s"] > 0 and (r["tau"] is None) == (r["method"] == "native")
+    for r in d["runs"]:  # one long prompt in each set of 4, timed on its own
+        assert ("ttft_long_ms" in r) == (long_every > 0)
+        if long_every:
+            assert r["ttft_long_ms"]["n"] == 1 and r["ttft_long_ms"]["p50"] > 0, r
     assert d["exact"]["compared"] == 16 and d["exact"]["match_rate"] == 1.0, d["exact"]
     assert d["git"] and d["machine"]
 
@@ -45,10 +49,21 @@ def test_sweep_runs_on_the_local_launcher_without_ray(dflash_pair, tmp_path):  #
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "sweep.json"
     p = subprocess.run([sys.executable, "-m", "flashpd.cluster.job_sweep", "--target", str(dflash_pair.target_dir),
-                        "--draft", str(dflash_pair.draft_dir), "--out", str(out), *SMALL],
+                        "--draft", str(dflash_pair.draft_dir), "--out", str(out), *SMALL,
+                        "--long-every", "4", "--long-prompt-tokens", "300"],
                        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    _check(out, "local")
+    _check(out, "local", long_every=4)
+    assert json.loads(out.read_text())["settings"]["long_prompt_tokens"] == 300
+
+
+def test_prompt_sets_mix_long_prompts(dflash_pair):  # noqa: F811
+    from flashpd.cluster.job_sweep import make_prompts, prompt_lengths
+
+    lens = prompt_lengths(9, 64, 4, 300)
+    assert lens == [300, 64, 64, 64, 300, 64, 64, 64, 300] and prompt_lengths(3, 64, 0, 300) == [64] * 3
+    prompts = make_prompts(str(dflash_pair.target_dir), lens, seed=0)
+    assert [len(x) for x in prompts] == lens
 
 
 def _free_port() -> int:
@@ -115,3 +130,7 @@ def test_ray_job_submit_runs_the_sweep(ray_head, dflash_pair, tmp_path):  # noqa
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
     assert p.returncode == 0 and "succeeded" in p.stdout, p.stdout[-4000:] + p.stderr[-3000:]
     _check(out, "ray")
+    # the kept service log says where Ray placed each worker (no GPUs here: empty GPU ids)
+    served = Path(f"{out}.serve-disaggregated.log").read_text()
+    for role in ("bridge", "prefill", "decode"):
+        assert f"{role} worker placed on node" in served, served[-3000:]

@@ -14,7 +14,8 @@
 #       --platform manylinux2014_x86_64 -d .whl grpcio==1.85.1 protobuf==7.36.2
 #   python3 bench/trim_ray_wheel.py .whl/ray-*.whl
 # CACHE_STORES=memory,device,disk,grpc,shm,lmcache adds the LMCache tier to the cache step: carry the lmcache group
-# (../shared/tools/gpu-wheels.sh .whl lmcache, about 28 MB) instead of Ray's, as both do not fit one carry.
+# (../shared/tools/gpu-wheels.sh .whl-lm lmcache, about 28 MB, plus the grpcio and protobuf wheels above) instead of
+# Ray's, as both do not fit one carry, and set WHEELS=.whl-lm.
 # LAUNCHER=local runs the sweeps with local processes instead of Ray (fractional GPUs on one, whole GPUs on two).
 set -u
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
@@ -29,8 +30,9 @@ G=${GPU:-0}  # the GPU of the one-GPU steps
 # what the image has, before any carried wheel shadows it (the generated gRPC code needs grpcio >= 1.85.1
 # and protobuf >= 7.35.1)
 python3 -c "import google.protobuf, grpc; print('image: protobuf', google.protobuf.__version__, 'grpcio', grpc.__version__)" || true
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-$$ .whl/*.whl && export PYTHONPATH=/tmp/site-$$
+W=${WHEELS:-.whl}  # the carried wheel group (.whl: Ray's; a second folder for LMCache's)
+if ls "$W"/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-$$ "$W"/*.whl && export PYTHONPATH=/tmp/site-$$
 fi
 python3 -c "import google.protobuf, grpc, torch; print('protobuf', google.protobuf.__version__, 'grpc', grpc.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 NG=$(python3 -c "import torch; print(torch.cuda.device_count())")

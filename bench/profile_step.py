@@ -65,6 +65,25 @@ def measure(gen: NativeGenerator, step, prompt: list[int], steps: int, cuda: boo
                               "calls_per_step": e.count / steps} for e in host]}
 
 
+def measure_loop(gen: NativeGenerator, prompt: list[int], max_tokens: int, reps: int, cuda: bool) -> dict:
+    """Wall time per step of whole requests in the device loop (engine/device_loop.py), no profiler:
+    the host is one step behind the device there, so a step's cost is the loop's time over its steps."""
+    per_step, steps = [], 0
+    for r in range(reps + 1):  # the first run captures this shape
+        seqs = _ready(gen, prompt, max_tokens)
+        torch.cuda.synchronize() if cuda else None
+        t = time.perf_counter()
+        assert gen.run_on_device(seqs), "the device loop did not take this request"
+        torch.cuda.synchronize() if cuda else None
+        dt = (time.perf_counter() - t) * 1e3
+        s = seqs[0]
+        steps = len(s.stats.acceptance_lengths) or len(s.output) - 1
+        gen.finish(s)
+        if r:
+            per_step.append(dt / steps)
+    return {"wall_ms_per_step_median": statistics.median(per_step), "wall_ms_per_step": per_step, "steps": steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=str(PAIR / "target"))
@@ -72,6 +91,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--contexts", default="256,2048")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--loop-tokens", type=int, default=200, help="tokens per request of the device-loop rows")
     ap.add_argument("--out", default="bench/results/profile_step.json")
     a = ap.parse_args()
     cuda = a.device.startswith("cuda")
@@ -85,7 +105,12 @@ def main() -> None:
         prompt = torch.randint(2, target.cfg.vocab_size - 2, (n,), generator=g).tolist()
         row = {"context": n, "native": measure(native, native.decode_step, prompt, a.steps, cuda),
                "dflash": measure(spec, spec.spec_step, prompt, a.steps, cuda)}
+        row["native_device_loop"] = measure_loop(native, prompt, a.loop_tokens, 5, cuda)
+        row["dflash_device_loop"] = measure_loop(spec, prompt, a.loop_tokens, 5, cuda)
         nat, dfl = row["native"], row["dflash"]
+        nl, dl = row["native_device_loop"], row["dflash_device_loop"]
+        print(f"context {n}, device loop: native {nl['wall_ms_per_step_median']:.3f} ms per step, dflash "
+              f"{dl['wall_ms_per_step_median']:.3f} ms per step ({dl['steps']} steps)", flush=True)
         row["dflash_over_native_wall"] = dfl["wall_ms_median"] / nat["wall_ms_median"]
         if cuda:
             row["dflash_over_native_gpu_busy"] = dfl["gpu_busy_ms_per_step"] / nat["gpu_busy_ms_per_step"]
@@ -97,7 +122,8 @@ def main() -> None:
               flush=True)
     write_json(Path(a.out), {"bench": "profile_step", "target": a.target, "draft": a.draft, "device": a.device,
                              "batch": 1, "steps": a.steps, "rows": rows,
-                             "command": f"python -m flashpd.bench.profile_step --contexts {a.contexts} --steps {a.steps} --out {a.out}"})
+                             "command": f"python -m flashpd.bench.profile_step --contexts {a.contexts} --steps {a.steps} "
+                                        f"--loop-tokens {a.loop_tokens} --out {a.out}"})
 
 
 if __name__ == "__main__":

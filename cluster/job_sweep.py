@@ -154,7 +154,10 @@ def sweep(a: argparse.Namespace) -> dict:
     levels = _ints(a.concurrency)
     counts = {c: (a.requests or max(8, 2 * c)) for c in levels}
     methods = _names(a.methods)
-    warm = {c: (c if a.warmup < 0 else a.warmup) for c in levels}
+    # default warm-up: c requests, and at least one long and one short prompt, so that both prompt
+    # shapes' graphs are captured before the timed run (at c=1 a capture inside it was a 5 s outlier)
+    warm = {c: (max(c, 2 * a.long_every) if a.long_every > 0 else c) if a.warmup < 0 else a.warmup
+            for c in levels}
     # disjoint prompt sets per (method, concurrency) and for their warmups, shared by all modes
     # each set (warmups too, so they capture the long prompts' shapes) has its own long prompts
     lens = {key: prompt_lengths(n, a.prompt_tokens, a.long_every, a.long_prompt_tokens)
@@ -239,7 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="every Nth prompt of a set (the first included) is --long-prompt-tokens long; 0: none")
     ap.add_argument("--long-prompt-tokens", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=-1,
-                    help="untimed requests before each level, at its concurrency (-1: as many as the concurrency)")
+                    help="untimed requests before each level, at its concurrency (-1: as many as the concurrency, and "
+                         "at least two sets of --long-every prompts)")
     ap.add_argument("--launcher", choices=["ray", "local"], default=None,
                     help="for the disaggregated mode (default: ray when importable, else local)")
     ap.add_argument("--address", help="measure a running service instead of starting one")

@@ -38,6 +38,23 @@ class NativeGenerator:
         self.runner = runner
         self.stop_ids = frozenset(stop_ids)
         self.prefill_token_budget = prefill_token_budget
+        # whole greedy requests run with their step bookkeeping on the device, the host one step
+        # behind (device_loop.py); False keeps the stepwise loop (what a serving batch uses)
+        self.device_loop = True
+        self._loop = None
+
+    def run_on_device(self, seqs: list[Sequence]) -> bool:
+        """Drive these prefilled sequences to their ends in the device loop, when it applies."""
+        live = [s for s in seqs if not s.done]
+        if not self.device_loop or not live:
+            return False
+        if self._loop is None:
+            from flashpd.engine.device_loop import DeviceLoop  # noqa: PLC0415  (it imports this module's kin)
+            self._loop = DeviceLoop(self)
+        if not self._loop.usable(live):
+            return False
+        self._loop.run(live)
+        return True
 
     def new_sequences(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
         seqs = []
@@ -126,6 +143,7 @@ class NativeGenerator:
         self.reserve(seqs)
         self.restore_prefixes(seqs, prefix_cache)
         self.prefill(seqs)
+        self.run_on_device(seqs)
         return self.drive(seqs, self.decode_step, prefix_cache)
 
     def drive(self, seqs: list[Sequence], step, prefix_cache=None) -> list[Sequence]:

@@ -215,4 +215,5 @@ class DFlashGenerator(NativeGenerator):
         live = [s for s in seqs if not s.done]
         if live:
             self.drafts.write_prompt(live, [f for s, f in zip(seqs, feats) if not s.done])
+        self.run_on_device(seqs)
         return self.drive(seqs, self.spec_step, prefix_cache)

@@ -48,6 +48,7 @@ def test_fused_greedy_step_equals_host_round_trip(dflash_pair):  # noqa: F811
     for fused in (True, False):
         runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True, compile=False)
         gen = DFlashGenerator(runner, drafter, (), 16)
+        gen.device_loop = False  # the stepwise loop (a serving batch's), whose steps fuse here
         if not fused:
             gen._fused_width = lambda seqs, widths: 0
         graph, seen = gen.fused._graph, shapes.setdefault(fused, set())  # the graphed path, run eagerly here

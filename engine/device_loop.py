@@ -1,0 +1,256 @@
+"""Greedy whole-request decoding with the step's bookkeeping on the device, one step ahead of the host.
+
+At batch 1 on a small model the host, not the GPU, sets a step's pace: building the step's inputs,
+launching its graph and waiting for its result take longer than the GPU work
+(bench/results/profile_step_h200.json). Here each row's state (committed length, draft context
+length, last token, pending draft rows, tokens emitted) lives on the device. One captured step
+drafts, verifies, accepts and advances that state in place, so step k+1 can be launched before
+step k's result reaches the host. The host reads each step's tokens one step late, while the GPU
+already runs the next one, and commits them through `Sequence.commit` as the stepwise loop does
+(stop tokens, max_tokens, acceptance stats). Steps launched after every row is done are wasted work,
+never output: a row that reaches its max_tokens freezes (its state stops moving and its writes go
+to the scratch block), and the host stops launching once every row is done.
+
+The same step functions run eagerly on the CPU, so the tests check exactly what a GPU replays
+against the stepwise loop and the reference DFlash implementation. Only whole requests run here
+(`generate`): a serving batch that changes every step uses the stepwise loop (spec_decode.py).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from flashpd.engine.cuda_graph import bucket
+from flashpd.engine.kv_cache import SCRATCH_BLOCK
+from flashpd.engine.sequence import Sequence
+
+# state columns (int64 [B, 6]): committed target length P, draft context length D, last token x,
+# pending draft rows n, tokens emitted O, the row's max_tokens M
+P, D, X, N, O, M = range(6)
+
+
+class InPlaceGraph:
+    """One CUDA graph per buffer set, replayed with no input copy: the captured function reads and
+    updates its buffers in place. On the CPU the function just runs."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        self.fn = fn
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def __call__(self, key: tuple, bufs: tuple[torch.Tensor, ...], reset: Callable[[], None]) -> torch.Tensor:
+        """Run fn(*bufs). On a new key the function is warmed up and captured; `reset` must then put the
+        buffers in a harmless state first (warm-up runs mutate them) and is called again after."""
+        if bufs[0].device.type != "cuda":
+            return self.fn(*bufs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            reset()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile / autotune / allocate outside the capture
+                    self.fn(*bufs)
+            torch.cuda.current_stream().wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.fn(*bufs)
+            entry = self._graphs[key] = (graph, out)
+            reset()
+            return None  # the caller fills the real state, then replays
+        entry[0].replay()
+        return entry[1]
+
+
+def _slots(bt: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
+    """Flat cache slots of positions [B, T] through block tables [B, nblk] (indices clamped in range)."""
+    blk = bt.gather(1, (pos // bs).clamp(0, bt.shape[1] - 1))
+    return blk * bs + pos % bs
+
+
+class DeviceLoop:
+    """Runs whole greedy requests to the end with a step function over device state (see module doc)."""
+
+    def __init__(self, gen) -> None:
+        self.gen = gen  # NativeGenerator or DFlashGenerator
+        self.runner = gen.runner
+        self.spec = hasattr(gen, "drafts")
+        self.graph = InPlaceGraph(self._spec_fn if self.spec else self._native_fn)
+        self._bufs: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self.runs = 0  # requests batches driven here (tests check the path is taken)
+
+    # ---- the device step functions (graph-safe: fixed shapes, no host sync) ----------------------
+    def _native_fn(self, st: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+        """One token per row: forward x at P; a frozen row (O >= M) writes scratch and stays put."""
+        bs = self.runner.block_size
+        live = st[:, O] < st[:, M]
+        pos = st[:, P:P + 1]
+        slots = torch.where(live[:, None], _slots(bt, pos, bs), SCRATCH_BLOCK * bs).view(-1)
+        _, _, logits = self.runner.model_step(st[:, X:X + 1], pos, slots, bt)
+        tok = logits[:, 0].argmax(-1)
+        step = live.to(st.dtype)
+        st[:, P] += step
+        st[:, O] += step
+        st[:, X] = torch.where(live, tok, st[:, X])
+        return tok[:, None].clone()
+
+    def _spec_fn(self, st: torch.Tensor, bt: torch.Tensor, pend: torch.Tensor) -> torch.Tensor:
+        """One DFlash step per row at block width t (pend [B, t, F]): append the pending context rows to
+        the draft cache, draft, verify, accept; -> [B, t + 1] (the target's t choices, accepted count)."""
+        runner, drafts = self.runner, self.gen.drafts
+        drafter = drafts.drafter
+        bs = runner.block_size
+        b, t, f = pend.shape
+        ar = torch.arange(t, device=st.device)[None, :]
+        p_, d_, x_, n_ = st[:, P:P + 1], st[:, D:D + 1], st[:, X:X + 1], st[:, N:N + 1]
+        live = st[:, O] < st[:, M]
+        # this step's width: the block, or what max_tokens still admits (as the stepwise loop shrinks it)
+        w = (st[:, M:M + 1] - st[:, O:O + 1] + 1).clamp(1, t)
+        # 1) the accepted positions' context K/V join the draft cache; padding rows write scratch
+        ok = ar < n_
+        cpos = torch.where(ok, d_ + ar, 0)
+        cslots = torch.where(ok, _slots(bt, d_ + ar, bs), SCRATCH_BLOCK * bs)
+        drafter.write_context(drafts.cache.data, pend.reshape(b * t, f), cpos.reshape(-1), cslots.reshape(-1),
+                              drafts.kv_fn)
+        ctx = d_ + n_
+        # 2) draft [x, MASK...]; columns past the row's width repeat its last position and are masked
+        pos = torch.minimum(p_ + ar, p_ + w - 1)
+        ids = torch.cat([x_, torch.full((b, t - 1), drafter.cfg.mask_token_id, device=st.device,
+                                        dtype=st.dtype)], dim=1)
+        guess = drafter.draft_logits(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0],
+                                     drafts.layer_fn).argmax(-1)
+        # 3) verify [x, guesses]; columns past the width write scratch and are never read
+        vslots = torch.where(ar < w, _slots(bt, pos, bs), SCRATCH_BLOCK * bs).reshape(-1)
+        _, tapped, logits = runner.model_step(torch.cat([x_, guess], dim=1), pos, vslots, bt)
+        truth = logits.argmax(-1)
+        # 4) accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice
+        agree = (guess == truth[:, :t - 1]).to(st.dtype).cumprod(1).sum(1, keepdim=True)
+        a = torch.minimum(agree, w - 1)
+        bonus = truth.gather(1, a)
+        keep = live[:, None]
+        st[:, P:P + 1] = torch.where(keep, p_ + a + 1, p_)
+        st[:, D:D + 1] = torch.where(keep, ctx, d_)
+        st[:, X:X + 1] = torch.where(keep, bonus, x_)
+        st[:, N:N + 1] = torch.where(keep, a + 1, 0)
+        st[:, O:O + 1] = torch.where(keep, st[:, O:O + 1] + a + 1, st[:, O:O + 1])
+        pend.copy_(torch.cat(tapped, dim=-1) if len(tapped) > 1 else tapped[0])
+        return torch.cat([truth, a], dim=1)
+
+    # ---- host side ------------------------------------------------------------------------------
+    def usable(self, seqs: list[Sequence]) -> bool:
+        """Greedy rows with one block width, whose whole remaining run fits their reserved KV blocks."""
+        if not seqs or not all(s.params.greedy for s in seqs):
+            return False
+        if self.spec and (len({s.block_size for s in seqs}) != 1 or self.gen.draft_override is not None
+                          or self.gen.accept_override is not None):
+            return False
+        return True
+
+    def _buffers(self, b: int, t: int, nblk: int, feat: int) -> tuple[torch.Tensor, ...]:
+        key = (b, t, nblk)
+        if key not in self._bufs:
+            dev = self.runner.device
+            st = torch.zeros(b, 6, dtype=torch.int64, device=dev)
+            bt = torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.int64, device=dev)
+            bufs = (st, bt) if not self.spec else (st, bt, torch.zeros(b, t, feat, dtype=self.runner.dtype,
+                                                                        device=dev))
+            self._bufs[key] = bufs
+        return self._bufs[key]
+
+    def run(self, seqs: list[Sequence]) -> None:
+        """Drive every sequence (prefilled, not done) to its end."""
+        runner, alloc = self.runner, self.runner.allocator
+        t = seqs[0].block_size if self.spec else 1
+        for s in seqs:  # every position the run can write, reserved up front (no allocation in flight)
+            end = len(s.prompt) + s.params.max_tokens
+            if end > runner.max_positions:
+                raise ValueError(f"position {end} exceeds the model's {runner.max_positions} positions")
+            alloc.ensure(s.table, end)
+        graphed = runner.cuda_graphs
+        b = bucket(len(seqs)) if graphed else len(seqs)
+        nblk = max(len(s.table.blocks) for s in seqs)
+        nblk = bucket(nblk, 4) if graphed else nblk
+        feat = (len(self.gen.drafter.cfg.target_layer_ids) * self.gen.drafter.cfg.hidden_size) if self.spec else 0
+        bufs = self._buffers(b, t, nblk, feat)
+        st, bt = bufs[0], bufs[1]
+        host_st = torch.zeros(b, 6, dtype=torch.int64)
+        host_bt = torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            # the last token is not in the target cache yet; its pending draft rows are in s.pending
+            host_st[i] = torch.tensor([s.table.num_tokens, s.draft_len, s.last_token, s.pending_rows,
+                                       len(s.output), s.params.max_tokens])
+            host_bt[i, :len(s.table.blocks)] = torch.tensor(s.table.blocks)
+        host_st[len(seqs):, D] = 1  # padding rows: frozen (O = M = 0), one harmless context key
+
+        def reset() -> None:  # a harmless state (every row frozen, scratch tables) for warm-up and capture
+            st.zero_()
+            st[:, D] = 1
+            bt.fill_(SCRATCH_BLOCK)
+
+        def fill() -> None:
+            st.copy_(host_st)
+            bt.copy_(host_bt)
+            if self.spec:
+                pend = bufs[2]
+                pend.zero_()
+                for i, s in enumerate(seqs):
+                    if s.pending is not None and s.pending_rows:
+                        pend[i, :s.pending_rows] = s.pending[:s.pending_rows]
+        fill()
+        key = (b, t, nblk)
+        cuda = runner.device.type == "cuda"
+        if cuda and key not in self.graph._graphs:
+            self.graph(key, bufs, reset)
+            fill()
+        self.runs += 1
+        queued: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        ring = [torch.empty((b, t + 1 if self.spec else 1), dtype=torch.int64, pin_memory=True)
+                for _ in range(2)] if cuda else []
+        k = 0
+        while not all(s.done for s in seqs):
+            out = self.graph(key, bufs, reset)  # step k is queued before step k-1 is read
+            if cuda:
+                host = ring[k % 2]  # step k-2's buffer: already read
+                k += 1
+                host.copy_(out, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                queued.append((host, ev))
+            else:  # eagerly, the same one-step lag: a step past a row's end runs here too
+                queued.append((out.clone(), None))
+            if len(queued) == 2:
+                host, ev = queued.pop(0)
+                if ev is not None:
+                    ev.synchronize()
+                self._commit(seqs, host[:len(seqs)].tolist())
+        # a step queued after the last row finished is never read; the caches' host bookkeeping
+        # is set for whatever reads them next (publish reads prompt positions, which no step rewrote)
+        for s in seqs:
+            s.table.num_tokens = len(s.prompt) + len(s.output) - 1
+            s.pending, s.pending_rows = None, 0
+
+    def _commit(self, seqs: list[Sequence], rows: list[list[int]]) -> None:
+        """Apply one step's device results to each row still running, exactly as the stepwise loop does.
+        A running row's host state here equals its device state when the step began, so its width is
+        the one the device used."""
+        for s, row in zip(seqs, rows):
+            if s.done:
+                continue
+            if not self.spec:
+                s.commit([row[0]])
+                continue
+            w = min(s.block_size, s.params.max_tokens - len(s.output) + 1)
+            a = row[-1]
+            assert 0 <= a <= w - 1, f"device accepted {a} guesses at width {w}"
+            kept = s.commit(row[:a + 1])
+            st = s.stats
+            st.acceptance_lengths.append(len(kept))
+            if len(st.position_accepts) < w - 1:
+                st.position_accepts.extend([0] * (w - 1 - len(st.position_accepts)))
+                st.position_drafted.extend([0] * (w - 1 - len(st.position_drafted)))
+            for k in range(w - 1):
+                st.position_drafted[k] += 1
+                st.position_accepts[k] += k < a

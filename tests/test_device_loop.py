@@ -1,0 +1,86 @@
+"""The device loop (engine/device_loop.py): whole greedy requests whose step bookkeeping runs on the
+device, read by the host one step late. It must give exactly what the stepwise loop gives (tokens,
+acceptance lengths, per-position acceptance, finish reasons), with stop tokens and max_tokens landing
+anywhere in a block, rows of one batch ending at different steps, and the graph path's padding (batch
+and block tables bucketed) run eagerly here. The lag is real on the CPU too: a step is launched
+before the previous one is read, so steps past a row's end run and must change nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+
+from tests._dflash_helpers import dflash_pair, reference_generate  # noqa: F401  (session fixture)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(1, 120, (n,), generator=g)]
+
+
+def _run(pair, prompts, params, on_device: bool, graphs: bool, spec: bool, stop_ids=()):
+    target = load_target(pair.target_dir)
+    drafter = load_drafter(pair.draft_dir, target)
+    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=graphs, compile=False)
+    gen = DFlashGenerator(runner, drafter, stop_ids, 16) if spec else NativeGenerator(runner, stop_ids)
+    gen.device_loop = on_device
+    seqs = gen.generate(prompts, params)
+    runs = gen._loop.runs if gen._loop is not None else 0
+    assert runs == (1 if on_device else 0), "the loop asked for was not the one that ran"
+    assert runner.allocator.num_free == runner.allocator.num_blocks - 1, "blocks leaked"
+    return [(s.output, s.finish_reason, s.stats.acceptance_lengths, s.stats.position_accepts,
+             s.stats.position_drafted) for s in seqs]
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["dflash", "native"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_device_loop_equals_stepwise_loop(dflash_pair, spec, graphs):  # noqa: F811
+    prompts = _prompts(5, 21)  # batch 5: padded to 8 on the graph path
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 2, 17, 40, 33)]
+    got = _run(dflash_pair, prompts, params, True, graphs, spec)
+    want = _run(dflash_pair, prompts, params, False, graphs, spec)
+    assert got == want
+    assert [len(g[0]) for g in got] == [1, 2, 17, 40, 33]
+    if spec:
+        assert max(a for g in got for a in g[2]) > 1, "nothing accepted: the comparison would be weak"
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["dflash", "native"])
+def test_stop_tokens_end_rows_at_different_steps(dflash_pair, spec):  # noqa: F811
+    """A stop token inside an accepted block ends its row there; the device keeps stepping that row (its
+    state is not told) while the others run, and nothing of those steps reaches any output."""
+    prompts = _prompts(4, 5)
+    base = _run(dflash_pair, prompts, [SamplingParams(max_tokens=48, ignore_eos=True)] * 4, False, True, spec)
+    # stop ids: tokens that first appear at different depths of different rows
+    stops = {base[0][0][5], base[2][0][20]}
+    params = [SamplingParams(max_tokens=48) for _ in prompts]
+    got = _run(dflash_pair, prompts, params, True, True, spec, stop_ids=stops)
+    want = _run(dflash_pair, prompts, params, False, True, spec, stop_ids=stops)
+    assert got == want
+    assert {g[1] for g in got} == {"stop", "length"} or all(g[1] == "stop" for g in got)
+    assert any(len(g[0]) < 48 for g in got)
+
+
+def test_device_loop_matches_reference_dflash(dflash_pair):  # noqa: F811
+    """Against the reference package's own loop: same tokens and acceptance lengths per step."""
+    prompts = _prompts(3, 9)
+    maxes = [24, 37, 50]
+    got = _run(dflash_pair, prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in maxes], True, True, True)
+    for (out, _, acc, _, _), p, m in zip(got, prompts, maxes):
+        assert (out, acc) == reference_generate(dflash_pair, p, m, block_size=16)
+
+
+def test_sampled_rows_keep_the_stepwise_loop(dflash_pair):  # noqa: F811
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), compile=False)
+    gen = DFlashGenerator(runner, drafter, (), 16)
+    gen.generate(_prompts(2, 3), [SamplingParams(max_tokens=8, ignore_eos=True),
+                                  SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)])
+    assert gen._loop is None or gen._loop.runs == 0

@@ -16,6 +16,7 @@
 # CACHE_STORES=memory,device,disk,grpc,shm,lmcache adds the LMCache tier to the cache step: carry the lmcache group
 # (../shared/tools/gpu-wheels.sh .whl-lm lmcache, about 28 MB, plus the grpcio and protobuf wheels above) instead of
 # Ray's, as both do not fit one carry, and set WHEELS=.whl-lm.
+# BRIDGE=shm moves the sweeps' KV through shared memory (gRPC carries handles) instead of inside the gRPC messages.
 # LAUNCHER=local runs the sweeps with local processes instead of Ray (fractional GPUs on one, whole GPUs on two).
 set -u
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
@@ -36,7 +37,7 @@ if ls "$W"/*.whl > /dev/null 2>&1; then
 fi
 python3 -c "import google.protobuf, grpc, torch; print('protobuf', google.protobuf.__version__, 'grpc', grpc.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
-SWEEP="--device cuda --dtype bfloat16 --kv-cache-tokens 262144 --max-tokens 64 --long-every 8"  # 1 prompt in 8 of 2,048 tokens
+SWEEP="--device cuda --dtype bfloat16 --kv-cache-tokens 262144 --max-tokens 64 --long-every 8 --bridge-transport ${BRIDGE:-inline}"  # 1 prompt in 8 of 2,048 tokens
 want pair && CUDA_VISIBLE_DEVICES=$G step make_demo_pair 570 flashpd make-demo-pair --out "$OUT/pair" && rm -rf "$OUT/pair/drafter-train"
 want attn && CUDA_VISIBLE_DEVICES=$G step attn_micro 120 python3 -m flashpd.bench.attn_micro --out "$OUT/attn_micro_h200.json"
 want ttft && CUDA_VISIBLE_DEVICES=$G step ttft_hit 150 python3 -m flashpd.bench.ttft_hit --config qwen3-8b --prompts 3 --reps 3 --modes ${TTFT_MODES:-cold,device,memory,shm,grpc} --out "$OUT/ttft_hit_h200.json"
@@ -50,7 +51,7 @@ fi
 if want sweep8b; then
   step dummy8b 80 python3 -m flashpd.bench.make_dummy_pair --config qwen3-8b --tokenizer flashpd/assets/demo_pair/target/tokenizer.json --out .dummy8b
   GPUS=0; [ "$NG" -ge 2 ] && GPUS=0,1
-  CUDA_VISIBLE_DEVICES=$GPUS step sweep_8b ${SWEEP8B_LIMIT:-230} python3 -m flashpd.cluster.job_sweep --device cuda --dtype bfloat16 --kv-cache-tokens 65536 --max-tokens 32 --long-every 8 --launcher $L --concurrency 1,8,32 --requests 16 --target .dummy8b/target --draft .dummy8b/drafter --out "$OUT/serve_sweep_8b_dummy_h200.json"
+  CUDA_VISIBLE_DEVICES=$GPUS step sweep_8b ${SWEEP8B_LIMIT:-230} python3 -m flashpd.cluster.job_sweep --device cuda --dtype bfloat16 --kv-cache-tokens 65536 --max-tokens 32 --long-every 8 --bridge-transport ${BRIDGE:-inline} --launcher $L --concurrency 1,8,32 --requests 16 --target .dummy8b/target --draft .dummy8b/drafter --out "$OUT/serve_sweep_8b_dummy_h200.json"
 fi
 want draft && CUDA_VISIBLE_DEVICES=$G step draft_state 40 python3 -m flashpd.bench.draft_state --device cuda --reps 3 --out "$OUT/draft_state_h200.json"
 ls -la "$OUT"

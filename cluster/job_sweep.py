@@ -141,7 +141,7 @@ class ServeProcess:
 def _cfg(a: argparse.Namespace, mode: str) -> ServeConfig:
     base = json.loads(Path(a.config).read_text()) if a.config else {}
     base.update(target=a.target, draft=a.draft, mode="colocated" if mode == "colocated" else a.launcher)
-    for k in ("device", "dtype", "kv_cache_tokens", "torch_threads"):
+    for k in ("device", "dtype", "kv_cache_tokens", "torch_threads", "bridge_transport"):
         if getattr(a, k) is not None:
             base[k] = getattr(a, k)
     base.update(prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, chunk_tokens=a.chunk_tokens,
@@ -202,7 +202,8 @@ def sweep(a: argparse.Namespace) -> dict:
                          "prompt_tokens": a.prompt_tokens, "long_every": a.long_every,
                          "long_prompt_tokens": a.long_prompt_tokens, "launcher": a.launcher, "device": a.device,
                          "dtype": a.dtype, "prefill_workers": a.prefill_workers,
-                         "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens}}
+                         "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens,
+                         "bridge_transport": _cfg(a, "disaggregated").bridge_transport}}
 
 
 def _exactness(outputs: dict, modes: list[str]) -> dict:
@@ -252,6 +253,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"])
     ap.add_argument("--kv-cache-tokens", type=int, dest="kv_cache_tokens")
     ap.add_argument("--torch-threads", type=int, dest="torch_threads")
+    ap.add_argument("--bridge-transport", choices=["inline", "shm"], dest="bridge_transport",
+                    help="how KV chunks move between workers and the bridge: in the gRPC messages, or through "
+                         "shared memory with gRPC carrying handles (same host)")
     ap.add_argument("--prefill-workers", type=int, default=1)
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--chunk-tokens", type=int, default=256)

@@ -34,15 +34,16 @@ class InPlaceGraph:
     """One CUDA graph per buffer set, replayed with no input copy: the captured function reads and
     updates its buffers in place. On the CPU the function just runs."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor], enabled: bool = True) -> None:
         self.fn = fn
+        self.enabled = enabled  # False: run the function directly on any device (ModelRunner(cuda_graphs=False))
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
     def __call__(self, key: tuple, bufs: tuple[torch.Tensor, ...], reset: Callable[[], None]) -> torch.Tensor:
         """Run fn(*bufs). On a new key the function is warmed up and captured; `reset` must then put the
         buffers in a harmless state first (warm-up runs mutate them) and is called again after."""
-        if bufs[0].device.type != "cuda":
+        if bufs[0].device.type != "cuda" or not self.enabled:
             return self.fn(*bufs)
         entry = self._graphs.get(key)
         if entry is None:
@@ -78,7 +79,7 @@ class DeviceLoop:
         self.gen = gen  # NativeGenerator or DFlashGenerator
         self.runner = gen.runner
         self.spec = hasattr(gen, "drafts")
-        self.graph = InPlaceGraph(self._spec_fn if self.spec else self._native_fn)
+        self.graph = InPlaceGraph(self._spec_fn if self.spec else self._native_fn, self.runner.cuda_graphs)
         self._bufs: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self.runs = 0  # requests batches driven here (tests check the path is taken)
 
@@ -202,7 +203,7 @@ class DeviceLoop:
         fill()
         key = (b, t, nblk)
         cuda = runner.device.type == "cuda"
-        if cuda and key not in self.graph._graphs:
+        if cuda and self.graph.enabled and key not in self.graph._graphs:
             self.graph(key, bufs, reset)
             fill()
         self.runs += 1

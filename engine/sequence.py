@@ -13,7 +13,8 @@ from flashpd.engine.sampling import SamplingParams
 @dataclass
 class RequestStats:
     """Per request. acceptance_lengths: tokens committed per DFlash verify step (empty for native).
-    draft_ms / verify_ms: a fused greedy step (one graph for both passes) counts wholly as verify time."""
+    draft_ms / verify_ms: a fused greedy step (one graph for both passes) counts wholly as verify time;
+    the device loop (device_loop.py) does not time its steps, so both stay 0 there."""
 
     acceptance_lengths: list[int] = field(default_factory=list)
     ttft_ms: float | None = None

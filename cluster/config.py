@@ -58,6 +58,9 @@ class ServeConfig:
     ray_address: str | None = None  # None: ray.init() (joins the cluster of a Ray job, else starts one)
     num_gpus: float | None = None  # per model worker; default from the GPUs the cluster has (placement.py)
     torch_threads: int | None = None  # intra-op threads per worker process
+    # throwaway requests at worker start so CUDA graphs and compiles happen before serving (engine/warmup.py);
+    # None: on a GPU only
+    warmup: bool | None = None
     # fault injection for tests: each prefill sleeps this long first (so a test can kill it mid-request)
     fault_prefill_delay_s: float = 0.0
 

@@ -162,8 +162,14 @@ def _prefill(cfg, port: int) -> RunningWorker:
     metrics = Metrics("prefill")
     w = RunningWorker("prefill", "")
     cache = _bridge_cache(cfg, llm, w, metrics)
-    host = PrefillHost(PrefillWorker(llm.runner, llm.drafter, cache, tuple(llm.stop_ids)), llm.runner,
-                       llm.drafter.cfg.block_size if llm.drafter is not None else None, cfg.fault_prefill_delay_s)
+    worker = PrefillWorker(llm.runner, llm.drafter, cache, tuple(llm.stop_ids))
+    if wants_warmup(cfg, llm.runner):  # before serving: nothing else runs on this runner yet
+        from flashpd.engine.warmup import lengths_for, warm_prefill  # noqa: PLC0415
+        done = warm_prefill(worker.gen, lengths_for(llm.runner.max_positions, 1))
+        log.info("prefill warm-up: %d prompts of %s tokens in %.1f s", done["requests"], done["lengths"],
+                 done["seconds"])
+    host = PrefillHost(worker, llm.runner, llm.drafter.cfg.block_size if llm.drafter is not None else None,
+                       cfg.fault_prefill_delay_s)
     metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): host.waiting})
     servicer = PrefillWorkerServicer(host, metrics)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent,
@@ -187,6 +193,12 @@ def decode_metrics(metrics, worker) -> None:
                      "counter", ("reason",), lambda: {(k,): v for k, v in worker.cache.import_failures.items()})
 
 
+def wants_warmup(cfg, runner) -> bool:
+    """cfg.warmup, or by default: on a GPU (where graphs and compiles are what a warm-up takes out of the
+    first requests; on a CPU it would only delay the start)."""
+    return cfg.warmup if cfg.warmup is not None else runner.device.type == "cuda"
+
+
 def build_decode(cfg, llm, cache, metrics):
     """A DecodeWorker whose finished requests feed the metrics."""
     from flashpd.decode_node.worker import DecodeWorker  # noqa: PLC0415
@@ -194,7 +206,8 @@ def build_decode(cfg, llm, cache, metrics):
     def finished(r) -> None:
         metrics.observe_request(r.method, r.seq.stats.as_dict(), "ok", len(r.seq.output))
 
-    worker = DecodeWorker(llm.runner, llm.drafter, tuple(llm.stop_ids), cache, cfg.max_running, cfg.policy, finished)
+    worker = DecodeWorker(llm.runner, llm.drafter, tuple(llm.stop_ids), cache, cfg.max_running, cfg.policy, finished,
+                          warmup=wants_warmup(cfg, llm.runner))
     decode_metrics(metrics, worker)
     return worker
 

@@ -228,6 +228,10 @@ class Scheduler:
         self.running = still
         return result
 
+    def reset_stats(self) -> None:
+        """Zero the counters (after a warm-up, whose requests are not the service's)."""
+        self.stats = SchedulerStats()
+
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[Request]:
         done = []
         for _ in range(max_steps):

@@ -8,6 +8,7 @@ it is committed as is. `stats()` is what the worker's metrics and health read.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from flashpd.cluster.engine_loop import EngineLoop, Handle
@@ -18,13 +19,22 @@ from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 
+log = logging.getLogger(__name__)
+
 
 class DecodeWorker:
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter | None = None, stop_ids: tuple[int, ...] = (),
                  prefix_cache: PrefixCache | None = None, max_running: int = 64, policy: str = "preempt",
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 on_finish: Callable[[Request], None] | None = None, warmup: bool = False) -> None:
         self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
         self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy)
+        self.warmup = None
+        if warmup:  # before the engine thread starts: nothing else touches the scheduler yet
+            from flashpd.engine.warmup import lengths_for, warm_scheduler  # noqa: PLC0415
+            new = 2 * (drafter.cfg.block_size if drafter is not None else 16) + 1
+            self.warmup = warm_scheduler(self.scheduler, lengths_for(runner.max_positions, new), new)
+            log.info("decode warm-up: %d requests (%s; prompts of %s tokens) in %.1f s", self.warmup["requests"],
+                     "/".join(self.warmup["methods"]), self.warmup["lengths"], self.warmup["seconds"])
         self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish)
 
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native", block_size: int | None = None,

@@ -1,0 +1,83 @@
+"""Worker warm-up (engine/warmup.py): throwaway requests at start run every method through the worker's
+own scheduler, then leave no trace: every KV block free, nothing published to or read from the prefix
+cache, counters zero, and the next requests' tokens and acceptance lengths as without a warm-up."""
+from __future__ import annotations
+
+import torch
+
+from flashpd.cluster.config import ServeConfig
+from flashpd.cluster.worker_main import wants_warmup
+from flashpd.decode_node.worker import DecodeWorker
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.warmup import lengths_for, warm_prefill
+from flashpd.kv_bridge.keys import MethodFingerprint
+from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.store import MemoryStore
+from flashpd.prefill_node.worker import PrefillWorker
+
+from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+from tests.test_decode_worker import _drain
+
+
+def _models(pair):
+    target = load_target(pair.target_dir)
+    drafter = load_drafter(pair.draft_dir, target)
+    return target, drafter, tuple(drafter.cfg.target_layer_ids)
+
+
+def _cache(pair, drafter) -> PrefixCache:
+    fp = MethodFingerprint("t", "d", tuple(drafter.cfg.target_layer_ids), "float32").digest()
+    return PrefixCache(MemoryStore(1 << 30), fp, 32)
+
+
+def test_decode_warmup_leaves_no_trace(dflash_pair):  # noqa: F811
+    target, drafter, taps = _models(dflash_pair)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 126, (n,), generator=g).tolist() for n in (70, 150)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    results = {}
+    for warm in (False, True):
+        runner = ModelRunner(target, 256, 16, taps=taps)
+        free = runner.allocator.num_free
+        cache = _cache(dflash_pair, drafter)
+        w = DecodeWorker(runner, drafter, prefix_cache=cache, warmup=warm)
+        try:
+            if warm:
+                done = w.warmup
+                assert done["methods"] == ["native", "dflash"] and done["requests"] >= 2 * len(done["lengths"])
+                assert done["lengths"] == lengths_for(runner.max_positions, 33) and done["lengths"]
+            else:
+                assert w.warmup is None
+            assert runner.allocator.num_free == free
+            st = cache.store.stats()
+            assert st["entries"] == st["puts"] == st["misses"] == 0 and cache.stats.requests == 0, \
+                "the warm-up touched the prefix cache"
+            assert w.stats()["preemptions"] == 0
+            results[warm] = [_drain(w.submit(p, params, m)) for p in prompts for m in ("native", "dflash")]
+        finally:
+            w.stop()
+    assert [t for t, _ in results[True]] == [t for t, _ in results[False]]
+    assert [s["acceptance_lengths"] for _, s in results[True]] == [s["acceptance_lengths"] for _, s in results[False]]
+
+
+def test_prefill_warmup_publishes_nothing(dflash_pair):  # noqa: F811
+    target, drafter, taps = _models(dflash_pair)
+    runner = ModelRunner(target, 256, 16, taps=taps)
+    cache = _cache(dflash_pair, drafter)
+    worker = PrefillWorker(runner, drafter, cache)
+    free = runner.allocator.num_free
+    done = warm_prefill(worker.gen, lengths_for(runner.max_positions, 1))
+    assert done["requests"] == len(done["lengths"]) > 0
+    assert runner.allocator.num_free == free and cache.store.stats()["puts"] == 0
+
+
+def test_warmup_setting():
+    cpu = ModelRunner.__new__(ModelRunner)
+    cpu.device = torch.device("cpu")
+    assert not wants_warmup(ServeConfig(target="x"), cpu)  # default: GPUs only
+    assert wants_warmup(ServeConfig(target="x", warmup=True), cpu)
+    assert ServeConfig.from_dict({"target": "x", "warmup": False}).warmup is False
+    assert lengths_for(300, 33) == [16, 100, 200] and lengths_for(10, 33) == []

@@ -142,7 +142,8 @@ class DeviceLoop:
 
     # ---- host side ------------------------------------------------------------------------------
     def usable(self, seqs: list[Sequence]) -> bool:
-        """Greedy rows with one block width, whose whole remaining run fits their reserved KV blocks."""
+        """Greedy rows sharing one block width, with no test hook (draft or accept override) set. `run`
+        reserves each row's KV to its end, so the caller must have checked the room (generate's reserve)."""
         if not seqs or not all(s.params.greedy for s in seqs):
             return False
         if self.spec and (len({s.block_size for s in seqs}) != 1 or self.gen.draft_override is not None

@@ -10,6 +10,7 @@ from typing import Iterable
 
 import torch
 
+from flashpd.engine.device_loop import DeviceLoop
 from flashpd.engine.kv_cache import OutOfBlocks
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams, make_generator, sample
@@ -49,7 +50,6 @@ class NativeGenerator:
         if not self.device_loop or not live:
             return False
         if self._loop is None:
-            from flashpd.engine.device_loop import DeviceLoop  # noqa: PLC0415  (it imports this module's kin)
             self._loop = DeviceLoop(self)
         if not self._loop.usable(live):
             return False

@@ -44,6 +44,11 @@ class KVChunk:
 
         XXH3 detects corruption (not tampering: the bridge trusts its peers) at memory speed; a
         cryptographic hash capped the bridge at the ~1 GB/s one core hashes."""
+        return b"".join(self.to_parts())
+
+    def to_parts(self) -> list[bytes | memoryview]:
+        """to_bytes' pieces in order, the tensors' bytes not copied (a same-host writer puts them
+        straight into a segment: one copy of the chunk less); b"".join(parts) == to_bytes()."""
         tk = self.target_kv.detach().contiguous().cpu()
         dk = self.draft_kv.detach().contiguous().cpu() if self.draft_kv is not None else None
         header = {"key": self.key, "parent": self.parent, "fingerprint": self.fingerprint,
@@ -52,17 +57,21 @@ class KVChunk:
         hb = json.dumps(header).encode()
         parts = [_MAGIC, struct.pack("<I", len(hb)), hb, _raw(tk)] + ([_raw(dk)] if dk is not None else [])
         h = xxhash.xxh3_128()
-        for part in parts:  # hash the tensors in place, then copy them once
+        for part in parts:  # hash the tensors in place; the caller copies them once
             h.update(part)
-        return b"".join(parts + [h.digest()])
+        return parts + [h.digest()]
 
     @classmethod
-    def from_bytes(cls, data: bytes | memoryview) -> "KVChunk":
+    def from_bytes(cls, data: bytes | bytearray | memoryview, own: bool = False) -> "KVChunk":
+        """own: the caller hands over a writable buffer nobody else holds (a segment just taken, a
+        stream just assembled), and the tensors are views of it instead of copies: one copy of the
+        chunk less on the import path. Otherwise (a store's own bytes) the tensors are copies."""
         h, offsets = verify_bytes(data)
         body = memoryview(data)[:-_DIGEST]
+        alias = own and not body.readonly
         dtype = _DTYPES[h["dtype"]]
-        tk = _tensor(body, offsets[0], h["target_shape"], dtype)
-        dk = _tensor(body, offsets[1], h["draft_shape"], dtype) if h["draft_shape"] is not None else None
+        tk = _tensor(body, offsets[0], h["target_shape"], dtype, alias)
+        dk = _tensor(body, offsets[1], h["draft_shape"], dtype, alias) if h["draft_shape"] is not None else None
         return cls(h["key"], h["parent"], h["fingerprint"], h["token_ids"], tk, dk)
 
 
@@ -102,6 +111,9 @@ def _raw(t: torch.Tensor) -> memoryview | bytes:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else b""
 
 
-def _tensor(body: memoryview, off: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+def _tensor(body: memoryview, off: int, shape: list[int], dtype: torch.dtype, alias: bool = False) -> torch.Tensor:
     nb = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(bytearray(body[off:off + nb]), dtype=torch.uint8).view(dtype).view(shape)
+    if nb == 0:
+        return torch.empty(shape, dtype=dtype)
+    buf = body[off:off + nb] if alias else bytearray(body[off:off + nb])
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)

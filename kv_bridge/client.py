@@ -129,12 +129,16 @@ class BridgeClient:
     # -- Put ------------------------------------------------------------------------------------
     def put(self, chunks: Iterable[KVChunk], transport: Transport = "inline",
             timeout_s: float | None = None) -> PutSummary:
-        """Stream chunks to the bridge (serialized lazily, one at a time)."""
+        """Stream chunks to the bridge (serialized lazily, one at a time; over shared memory the tensors'
+        bytes go straight into the segment)."""
+        if transport == "shm":
+            return self.put_bytes(((c.key, c.to_parts()) for c in chunks), transport, timeout_s)
         return self.put_bytes(((c.key, c.to_bytes()) for c in chunks), transport, timeout_s)
 
-    def put_bytes(self, items: Iterable[tuple[str, bytes]], transport: Transport = "inline",
+    def put_bytes(self, items: Iterable[tuple[str, bytes | list[bytes | memoryview]]], transport: Transport = "inline",
                   timeout_s: float | None = None) -> PutSummary:
-        """Stream already-serialized chunks; the server verifies each one and reports refusals."""
+        """Stream already-serialized chunks (bytes, or for shm also a list of their parts in order); the
+        server verifies each one and reports refusals."""
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
         t = timeout_s or self.timeout_s
@@ -145,10 +149,12 @@ class BridgeClient:
                 if transport == "shm":
                     name = shm.write_segment(data)
                     created.append(name)
+                    size = sum(len(memoryview(p)) for p in data) if isinstance(data, list) else len(data)
                     yield pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
-                        key=key, offset=0, total_length=len(data), last=True,
-                        shm=pb.ShmHandle(name=name, length=len(data))))
+                        key=key, offset=0, total_length=size, last=True,
+                        shm=pb.ShmHandle(name=name, length=size)))
                 else:
+                    data = b"".join(data) if isinstance(data, list) else data
                     for off, piece, last in frame_spans(data, self.frame_bytes):
                         m = pb.PutFrame(version=PROTOCOL_VERSION)
                         fill_frame(m.frame, key, off, len(data), piece, last)
@@ -179,7 +185,7 @@ class BridgeClient:
         t = timeout_s or self.timeout_s
         call = self.stub.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=keys, transport=_TRANSPORTS[transport],
                                            frame_bytes=self.frame_bytes), timeout=t)
-        asm = Assembler()
+        asm = Assembler(writable=True)  # this call owns what it assembles: chunks are views of it
         got = 0
         complete = False
         try:
@@ -198,7 +204,7 @@ class BridgeClient:
                     if got >= len(keys) or key != keys[got]:
                         raise BridgeProtocolError("Get", f"chunk {got} has key {key[:16]}..., not the one asked for")
                     try:
-                        chunk = decode_checked(key, data)
+                        chunk = decode_checked(key, data, own=True)  # a buffer only this call holds
                     except CorruptChunk as e:
                         raise BridgeProtocolError("Get", f"chunk {key[:16]}... failed verification: {e}") from None
                     got += 1
@@ -211,12 +217,12 @@ class BridgeClient:
                 call.cancel()  # stops the server when the stream is closed early
 
     @staticmethod
-    def _receive(f: pb.ChunkFrame, asm: Assembler) -> tuple[str, bytes] | None:
+    def _receive(f: pb.ChunkFrame, asm: Assembler) -> tuple[str, bytes | bytearray] | None:
         try:
             if f.HasField("shm"):
                 if asm.in_flight is not None:
                     raise FrameError("frame.shm", "handle inside an incomplete chunk")
-                return f.key, shm.take_segment(f.shm.name, f.shm.length)
+                return f.key, shm.take_segment(f.shm.name, f.shm.length, writable=True)
             return asm.feed(f)
         except (FrameError, shm.ShmError) as e:
             raise BridgeProtocolError("Get", str(e)) from None

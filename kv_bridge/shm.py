@@ -35,13 +35,15 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
             written += os.write(fd, view[written:])
 
 
-def write_segment(data: bytes) -> str:
-    """Create a new segment holding data; returns its name (the caller or its peer unlinks it)."""
+def write_segment(data: bytes | list[bytes | memoryview]) -> str:
+    """Create a new segment holding data (or its parts, in order); returns its name (the caller or its
+    peer unlinks it)."""
     name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     path = SHM_DIR / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        write_all(fd, data)
+        for part in (data if isinstance(data, list) else [data]):
+            write_all(fd, part)
     except BaseException:
         os.close(fd)
         unlink_segment(name)
@@ -50,8 +52,9 @@ def write_segment(data: bytes) -> str:
     return name
 
 
-def take_segment(name: str, length: int) -> bytes:
-    """Map the segment, copy its bytes out and unlink it (also when it is the wrong size)."""
+def take_segment(name: str, length: int, writable: bool = False) -> bytes | bytearray:
+    """Map the segment, copy its bytes out and unlink it (also when it is the wrong size). writable: into
+    a bytearray the caller owns (an importer's, see KVChunk.from_bytes(own=True)), else immutable bytes."""
     if not _NAME_RE.match(name):
         raise ShmError(f"shm.name {name!r} is not a bridge segment name")
     path = SHM_DIR / name
@@ -64,7 +67,7 @@ def take_segment(name: str, length: int) -> bytes:
         if size != length or length == 0:
             raise ShmError(f"shm segment {name} holds {size} bytes, handle says {length}")
         with mmap.mmap(fd, length, prot=mmap.PROT_READ) as mm:
-            return mm[:]
+            return bytearray(mm) if writable else mm[:]
     finally:
         os.close(fd)
         unlink_segment(name)

@@ -54,9 +54,10 @@ def verify_checked(key: str, data: bytes | memoryview) -> None:
         raise CorruptChunk(f"chunk header names key {header['key'][:16]}..., filed under {key[:16]}...")
 
 
-def decode_checked(key: str, data: bytes | memoryview) -> KVChunk:
-    """KVChunk.from_bytes plus the key check: a valid chunk filed under another key is corrupt too."""
-    chunk = KVChunk.from_bytes(data)
+def decode_checked(key: str, data: bytes | bytearray | memoryview, own: bool = False) -> KVChunk:
+    """KVChunk.from_bytes (own: see there) plus the key check: a valid chunk filed under another key is
+    corrupt too."""
+    chunk = KVChunk.from_bytes(data, own)
     if chunk.key != key:
         raise CorruptChunk(f"chunk header names key {chunk.key[:16]}..., filed under {key[:16]}...")
     return chunk

@@ -67,6 +67,7 @@ class Assembler:
     """Reassembles frames into whole chunks, enforcing order; keeps at most one chunk in flight."""
 
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    writable: bool = False  # hand out bytearrays (an importer's own buffers) instead of bytes (what stores keep)
     key: str = ""
     total: int = 0
     received: int = 0
@@ -77,7 +78,7 @@ class Assembler:
         """Key of a chunk started but not finished (dropped if the stream ends now)."""
         return self.key if self.key else None
 
-    def feed(self, f: pb.ChunkFrame) -> tuple[str, bytes] | None:
+    def feed(self, f: pb.ChunkFrame) -> tuple[str, bytes | bytearray] | None:
         """Accept one inline frame; returns (key, bytes) when it completes a chunk."""
         if not f.key:
             raise FrameError("frame.key", "empty")
@@ -101,6 +102,8 @@ class Assembler:
         self.parts.append(data)
         if not f.last:
             return None
-        key, data = self.key, b"".join(self.parts)
+        # one copy either way; a bytearray lets KVChunk.from_bytes(own=True) keep it without another
+        data = bytearray().join(self.parts) if self.writable else b"".join(self.parts)
+        key = self.key
         self.key, self.total, self.received, self.parts = "", 0, 0, []
         return key, data

@@ -78,6 +78,20 @@ def test_round_trip_byte_exact(bridge, transport):
     assert shm.list_segments(os.getpid()) == []  # every segment taken and unlinked
     again = bridge.client.put(chunks, transport=transport)
     assert (again.stored, again.duplicates) == (0, 4)
+    # an import owns what it received: both halves are views of one writable buffer, not copies
+    tk, dk = got[0].target_kv, got[0].draft_kv
+    assert dk.data_ptr() == tk.data_ptr() + tk.numel() * tk.element_size()  # adjacent in the received bytes
+
+
+def test_chunks_read_from_a_store_are_copies():
+    """A store's bytes stay its own: a chunk read from it may be written to without touching the entry."""
+    store = MemoryStore(1 << 24)
+    c = make_chunk("k", dtype=torch.float32, draft=True, seed=3)
+    store.put(c)
+    got = store.get("k")
+    got.target_kv.add_(1.0)
+    got.draft_kv.zero_()
+    assert same(store.get("k"), c)
 
 
 def test_lookup_and_get_stop_at_first_missing_key(bridge):

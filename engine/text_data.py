@@ -50,6 +50,17 @@ def split_three(files: list[Path], heldout_fraction: float = 0.05, drafter_fract
     return ([f for f in train if _unit_hash(f, base) >= cut], [f for f in train if _unit_hash(f, base) < cut], held)
 
 
+def drafter_prompt_sources(data_dir: str | None = None) -> tuple[list[Path], list[Path], str]:
+    """(files to take training prompts from, files to take evaluation prompts from, what the latter are).
+    The stdlib default is the demo recipe's split: drafter-prompt files to train on, held-out files (never
+    trained on, by target or drafter) to evaluate on. A --data directory serves both (said so)."""
+    if data_dir:
+        files = sorted(p for p in Path(data_dir).rglob("*") if p.is_file())
+        return files, files, "windows of the --data files (the same files as the training prompts)"
+    _, draft, held = split_three(stdlib_files())
+    return draft, held, "windows of the held-out stdlib files (never trained on)"
+
+
 def read_texts(files: list[Path]) -> list[str]:
     out = []
     for f in files:

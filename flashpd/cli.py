@@ -100,8 +100,9 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--target", required=True)
     t.add_argument("--out", required=True, help="drafter directory (checkpoints, trainer state, eval.json)")
     t.add_argument("--data", help="directory of text files to take prompts from (needs the target's tokenizer.json); "
-                                  "default: the interpreter's stdlib source if the target has a tokenizer, else "
-                                  "random token prompts")
+                                  "default: the interpreter's stdlib source if the target has a tokenizer (the demo "
+                                  "recipe's split: drafter-prompt files to train on, held-out files to evaluate on), "
+                                  "else random token prompts")
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--taps", type=int, default=5, help="number of target layers tapped")
@@ -143,15 +144,18 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(a.seed)
     tok = TextTokenizer.from_dir(a.target)
     n = a.num_prompts + a.eval_prompts
+    eval_source = "random token prompts"
     if tok is not None:
-        from flashpd.engine.text_data import read_texts, stdlib_files  # noqa: PLC0415
-        files = sorted(p for p in Path(a.data).rglob("*") if p.is_file()) if a.data else stdlib_files()
-        stream = torch.tensor([t for text in read_texts(files) for t in tok.encode(text)])
-        if stream.numel() < hi + 2:
-            raise ValueError(f"--data gives {stream.numel()} tokens, fewer than --prompt-len max {hi}")
-        lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
-        starts = torch.randint(0, stream.numel() - hi - 1, (n,), generator=gen).tolist()
-        prompts = [stream[s:s + k].tolist() for s, k in zip(starts, lens)]
+        from flashpd.engine.demo_recipe import windows  # noqa: PLC0415
+        from flashpd.engine.text_data import drafter_prompt_sources, read_texts  # noqa: PLC0415
+        train_files, eval_files, eval_source = drafter_prompt_sources(a.data)
+        prompts = []
+        for files, count in ((train_files, a.num_prompts), (eval_files, a.eval_prompts)):
+            stream = torch.tensor([t for text in read_texts(files) for t in tok.encode(text)])
+            if stream.numel() < hi + 2:
+                raise ValueError(f"{'--data' if a.data else 'the stdlib split'} gives {stream.numel()} tokens, "
+                                 f"fewer than --prompt-len max {hi}")
+            prompts += windows(stream, count, lo, hi, gen)
     elif a.data:
         raise ValueError("--data needs the target's tokenizer.json")
     else:
@@ -167,7 +171,7 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     if eval_prompts:
         from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (evaluate what was written)
         rows = evaluate_tau(target, load_drafter(a.out, target), eval_prompts, max_tokens=min(128, a.new_tokens))
-        report = {"heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows)}
+        report = {"heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows), "eval_prompts": eval_source}
         Path(a.out, "eval.json").write_text(json.dumps(report, indent=1))
         for r in rows:
             print(f"held-out prompt {r['prompt_len']:5d} tokens: tau {r['tau']:.2f} exact {r['exact']}")

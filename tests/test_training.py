@@ -114,7 +114,35 @@ def test_train_drafter_cli(tiny_target, tmp_path):
     assert r.returncode == 0, r.stderr
     ev = json.loads((out / "eval.json").read_text())
     assert len(ev["heldout"]) == 2 and all(row["exact"] for row in ev["heldout"])
+    assert ev["eval_prompts"] in ("random token prompts", "windows of the held-out stdlib files (never trained on)")
     assert "drafter step 3 loss" in r.stdout
+
+
+def test_train_drafter_cli_on_the_demo_target_evaluates_on_held_out_files(tmp_path):
+    """The stdlib path end to end (the demo target has a tokenizer): a few steps, then evaluation on
+    windows of the held-out files, which the report names."""
+    from flashpd.demo import PAIR
+    out = tmp_path / "demo-drafter"
+    r = subprocess.run([sys.executable, "-m", "flashpd.cli", "train-drafter", "--target", str(PAIR / "target"),
+                        "--out", str(out), "--steps", "2", "--num-prompts", "4", "--new-tokens", "8",
+                        "--prompt-len", "16,48", "--anchors", "4", "--seqs-per-step", "2", "--eval-prompts", "2",
+                        "--layers", "1", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["eval_prompts"] == "windows of the held-out stdlib files (never trained on)"
+    assert len(ev["heldout"]) == 2 and all(row["exact"] for row in ev["heldout"])
+
+
+def test_train_drafter_default_data_never_trains_on_the_held_out_files(tmp_path):
+    """The stdlib default trains on the recipe's drafter-prompt files and evaluates on its held-out ones;
+    a --data directory serves both, and the report says so."""
+    from flashpd.engine.text_data import drafter_prompt_sources, split_files, split_three, stdlib_files
+    train, held, what = drafter_prompt_sources()
+    assert train == split_three(stdlib_files())[1] and held == split_files(stdlib_files())[1]
+    assert set(train).isdisjoint(held) and "held-out" in what
+    (tmp_path / "a.py").write_text("x = 1\n")
+    train, held, what = drafter_prompt_sources(str(tmp_path))
+    assert train == held == [tmp_path / "a.py"] and "same files" in what
 
 
 def test_text_split_is_three_disjoint_parts_and_tokenizer_round_trips():

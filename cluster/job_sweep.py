@@ -65,7 +65,8 @@ def prompt_lengths(n: int, length: int, long_every: int, long_tokens: int) -> li
 
 def make_prompts(target: str, lengths: list[int], seed: int) -> list[list[int]]:
     """Disjoint prompts of the given lengths: held-out stdlib text when the target has a tokenizer
-    (what the demo pair was trained on, so tau means something), else random ids."""
+    (what the demo pair was trained on, so tau means something; too little of it is an error), else
+    random ids."""
     import torch  # noqa: PLC0415
 
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
@@ -86,8 +87,9 @@ def make_prompts(target: str, lengths: list[int], seed: int) -> list[list[int]]:
                     out.append(stream[at:at + n])
                     at += n
                 return out
-        log.warning("held-out text gives %d tokens, fewer than the %d the prompts need: random ids instead",
-                    len(stream), need)
+        # random ids would still run, but tau on them means nothing for a trained pair: refuse instead
+        raise ValueError(f"the held-out text gives {len(stream)} tokens, fewer than the {need} these prompt sets "
+                         f"need: lower --requests, --long-every's share or --prompt-tokens")
     vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
     return [torch.randint(0, vocab - 2, (n,), generator=g).tolist() for n in lengths]
 

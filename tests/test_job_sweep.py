@@ -67,6 +67,15 @@ def test_prompt_sets_mix_long_prompts(dflash_pair):  # noqa: F811
     assert [len(x) for x in prompts] == lens
 
 
+def test_prompt_sets_refuse_to_outgrow_the_held_out_text():
+    """A trained pair's prompts come from held-out text; more than it holds is an error, not random ids."""
+    from flashpd.cluster.job_sweep import make_prompts
+    from flashpd.demo import PAIR
+
+    with pytest.raises(ValueError, match="held-out text gives"):
+        make_prompts(str(PAIR / "target"), [100_000_000], seed=0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

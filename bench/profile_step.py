@@ -3,6 +3,8 @@ for a native step and a DFlash step of the demo pair (or any pair) at batch 1.
 
     python -m flashpd.bench.profile_step --out bench/results/profile_step_h200.json
 
+It also times whole requests in the device loop (engine/device_loop.py), per step and without the
+profiler: there the host runs one step behind the GPU, which is what a greedy `generate` uses.
 A step whose wall time far exceeds its GPU-busy time is host-bound (Python, launches, syncs, copies);
 that gap, not the kernels, is what separates a tiny model's DFlash step from its native one. On a CPU
 it runs too (a crash check; the split means little there).

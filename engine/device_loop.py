@@ -123,8 +123,8 @@ class DeviceLoop:
                                         dtype=st.dtype)], dim=1)
         guess = drafter.draft_logits(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0],
                                      drafts.layer_fn).argmax(-1)
-        # 3) verify [x, guesses]; columns past the width write scratch and are never read
-        vslots = torch.where(ar < w, _slots(bt, pos, bs), SCRATCH_BLOCK * bs).reshape(-1)
+        # 3) verify [x, guesses]; columns past the width, and frozen rows, write scratch and are never read
+        vslots = torch.where((ar < w) & live[:, None], _slots(bt, pos, bs), SCRATCH_BLOCK * bs).reshape(-1)
         _, tapped, logits = runner.model_step(torch.cat([x_, guess], dim=1), pos, vslots, bt)
         truth = logits.argmax(-1)
         # 4) accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice

@@ -6,6 +6,12 @@ DFlash draft+verify for the DFlash ones, one decode token for the native ones. F
 free their blocks (and publish their prompt to the prefix cache) at once. Outputs equal a solo run
 of each request.
 
+While the batch is stable (nothing waiting, every running request greedy and of one method, and free
+KV for each to its end), it steps in the device loop (engine/device_loop.py): the host reads step k
+while the GPU runs step k+1, so a token reaches the stream one step later than it is computed. An
+arrival, a cancel or a finished row ends that session: the step in flight is read and the rows go
+back to the stepwise loop with their state and only the blocks they use. `overlap = False` turns it off.
+
 Two admission policies:
 - reserve (default): a request reserves its worst case up front (prompt + max_tokens + one block of
   drafts), so a running request never runs out of blocks and nothing is ever preempted.
@@ -82,6 +88,12 @@ class Scheduler:
         self._ids = itertools.count()
         self._reserved = 0
         self._capacity = runner.allocator.num_free
+        # a stable batch of greedy requests (nothing waiting, one method) steps in the device loop, the
+        # host reading each step while the next one runs (engine/device_loop.py); any change ends it
+        self.overlap = True
+        self._session = None
+        self._session_gen: NativeGenerator | None = None
+        self.overlapped_steps = 0  # steps run that way (tests check the path is taken)
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams, method: str = "native",
@@ -111,6 +123,7 @@ class Scheduler:
 
     def cancel(self, req: Request) -> None:
         """Drop a request wherever it is and free its blocks (a client went away)."""
+        self._end_session()  # the batch changes: the device hands the others back first
         if req in self.waiting:
             self.waiting.remove(req)
             self.runner.allocator.free(req.seq.table)  # a preempted request holds none; no-op
@@ -201,16 +214,60 @@ class Scheduler:
         self.stats.preemptions += 1
         self.waiting.appendleft(r)  # victims are taken newest first, so the queue keeps their order
 
-    def step(self) -> StepResult:
-        self.running.extend(self._admit())
-        if self.policy == "preempt":
-            self._make_room()
+    # ---- the device loop for stable batches -----------------------------------------------
+    def _overlap_gen(self) -> NativeGenerator | None:
+        """The generator whose device loop can step the whole running batch now, or None: nothing
+        waiting, one method, greedy rows its loop takes, and free KV to every row's end."""
+        if not self.overlap or self.waiting or not self.running or any(r.seq.done for r in self.running):
+            return None
+        methods = {r.method for r in self.running}
+        if len(methods) != 1:
+            return None
+        gen = self.spec if methods == {"dflash"} else self.native
+        seqs = [r.seq for r in self.running]
+        if not gen.device_loop or not gen.loop().usable(seqs):
+            return None
+        alloc = self.runner.allocator
+        need = sum(alloc.blocks_needed(s.table, len(s.prompt) + s.params.max_tokens) for s in seqs)
+        return gen if need <= alloc.num_free else None
+
+    def _end_session(self) -> None:
+        """Read what the device still has in flight and hand the rows back to the stepwise loop."""
+        if self._session is not None:
+            self._session_gen.loop().end(self._session)
+            self._session, self._session_gen = None, None
+
+    def _advance(self) -> None:
+        """One step of every running request: in the device loop when the batch allows, else stepwise."""
+        if self._session is not None:
+            loop = self._session_gen.loop()
+            loop.launch(self._session)  # step k runs while step k-1 is read
+            loop.read(self._session)
+            self.overlapped_steps += 1
+            return
+        gen = self._overlap_gen()
+        if gen is not None:
+            self._session, self._session_gen = gen.loop().begin([r.seq for r in self.running]), gen
+            gen.loop().launch(self._session)  # read by the next step
+            self.overlapped_steps += 1
+            return
         spec_rows = [r.seq for r in self.running if r.method == "dflash" and not r.seq.done]
         native_rows = [r.seq for r in self.running if r.method == "native" and not r.seq.done]
         if spec_rows:
             self.spec.spec_step(spec_rows)
         if native_rows:
             self.native.decode_step(native_rows)
+
+    def step(self) -> StepResult:
+        if self.waiting or not self.overlap:
+            self._end_session()  # admissions (and preemptions) work on the host's view of the batch
+        if self._session is None:
+            self.running.extend(self._admit())
+            if self.policy == "preempt":
+                self._make_room()
+        self._advance()
+        if any(r.seq.done for r in self.running):
+            self._end_session()  # a finished row leaves the batch: the others' in-flight step is read
         result = StepResult()
         still = []
         for r in self.running:

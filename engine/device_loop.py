@@ -12,11 +12,14 @@ never output: a row that reaches its max_tokens freezes (its state stops moving 
 to the scratch block), and the host stops launching once every row is done.
 
 The same step functions run eagerly on the CPU, so the tests check exactly what a GPU replays
-against the stepwise loop and the reference DFlash implementation. Only whole requests run here
-(`generate`): a serving batch that changes every step uses the stepwise loop (spec_decode.py).
+against the stepwise loop and the reference DFlash implementation. `run` drives whole requests
+(`generate`); `begin` / `launch` / `read` / `end` let the serving scheduler step a stable batch here
+and hand it back to the stepwise loop (spec_decode.py) when the batch changes: `end` reads what is
+still in flight and restores each row's host state (cache length, draft context, pending draft rows).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -70,6 +73,22 @@ def _slots(bt: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
     """Flat cache slots of positions [B, T] through block tables [B, nblk] (indices clamped in range)."""
     blk = bt.gather(1, (pos // bs).clamp(0, bt.shape[1] - 1))
     return blk * bs + pos % bs
+
+
+@dataclass
+class Session:
+    """A batch of sequences stepping on the device (DeviceLoop.begin .. end)."""
+
+    seqs: list[Sequence]
+    key: tuple
+    bufs: tuple[torch.Tensor, ...]
+    reset: Callable[[], None]
+    cuda: bool
+    ring: list[torch.Tensor]
+    draft_len: list[int]  # per row, the device's D and n as of the last step read (DFlash)
+    pending: list[int]
+    queued: list[tuple[torch.Tensor, "torch.cuda.Event | None"]] = field(default_factory=list)
+    launched: int = 0
 
 
 class DeviceLoop:
@@ -164,9 +183,21 @@ class DeviceLoop:
 
     def run(self, seqs: list[Sequence]) -> None:
         """Drive every sequence (prefilled, not done) to its end."""
+        sess = self.begin(seqs)
+        while not all(s.done for s in seqs):
+            self.launch(sess)  # step k is queued before step k-1 is read
+            if len(sess.queued) == 2:
+                self.read(sess)
+        # a step queued after the last row finished is never read (nothing of it would be kept)
+        sess.queued.clear()
+        self.end(sess)
+
+    def begin(self, seqs: list[Sequence]) -> "Session":
+        """Put these sequences' state on the device (their KV reserved to their ends: no allocation while
+        steps are in flight); capture the step's graph for this shape if it is new."""
         runner, alloc = self.runner, self.runner.allocator
         t = seqs[0].block_size if self.spec else 1
-        for s in seqs:  # every position the run can write, reserved up front (no allocation in flight)
+        for s in seqs:
             end = len(s.prompt) + s.params.max_tokens
             if end > runner.max_positions:
                 raise ValueError(f"position {end} exceeds the model's {runner.max_positions} positions")
@@ -208,31 +239,53 @@ class DeviceLoop:
             self.graph(key, bufs, reset)
             fill()
         self.runs += 1
-        queued: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         ring = [torch.empty((b, t + 1 if self.spec else 1), dtype=torch.int64, pin_memory=True)
                 for _ in range(2)] if cuda else []
-        k = 0
-        while not all(s.done for s in seqs):
-            out = self.graph(key, bufs, reset)  # step k is queued before step k-1 is read
-            if cuda:
-                host = ring[k % 2]  # step k-2's buffer: already read
-                k += 1
-                host.copy_(out, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-                queued.append((host, ev))
-            else:  # eagerly, the same one-step lag: a step past a row's end runs here too
-                queued.append((out.clone(), None))
-            if len(queued) == 2:
-                host, ev = queued.pop(0)
-                if ev is not None:
-                    ev.synchronize()
-                self._commit(seqs, host[:len(seqs)].tolist())
-        # a step queued after the last row finished is never read; the caches' host bookkeeping
-        # is set for whatever reads them next (publish reads prompt positions, which no step rewrote)
-        for s in seqs:
+        return Session(seqs, key, bufs, reset, cuda, ring, [s.draft_len for s in seqs],
+                       [s.pending_rows for s in seqs])
+
+    def launch(self, sess: "Session") -> None:
+        """Queue one step; its result is copied to the host without waiting for it."""
+        out = self.graph(sess.key, sess.bufs, sess.reset)
+        if sess.cuda:
+            host = sess.ring[sess.launched % 2]  # the buffer of step k-2: already read
+            host.copy_(out, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            sess.queued.append((host, ev))
+        else:  # eagerly, the same one-step lag: a step past a row's end runs here too
+            sess.queued.append((out.clone(), None))
+        sess.launched += 1
+
+    def read(self, sess: "Session") -> None:
+        """Wait for the oldest queued step and commit its results to the sequences."""
+        host, ev = sess.queued.pop(0)
+        if ev is not None:
+            ev.synchronize()
+        rows = host[:len(sess.seqs)].tolist()
+        for i, (s, row) in enumerate(zip(sess.seqs, rows)):
+            if self.spec and not s.done:  # mirror the device's draft bookkeeping for `end`
+                sess.draft_len[i] += sess.pending[i]
+                sess.pending[i] = row[-1] + 1
+        self._commit(sess.seqs, rows)
+
+    def end(self, sess: "Session") -> None:
+        """Read every step still queued, then hand the sequences back to the stepwise loop: their cache
+        lengths, draft context and pending draft rows as the device has them, and the KV blocks
+        reserved past their next step freed."""
+        while sess.queued:
+            self.read(sess)
+        alloc = self.runner.allocator
+        for i, s in enumerate(sess.seqs):
             s.table.num_tokens = len(s.prompt) + len(s.output) - 1
-            s.pending, s.pending_rows = None, 0
+            if self.spec and not s.done:
+                n = sess.pending[i]
+                s.draft_len, s.pending_rows = sess.draft_len[i], n
+                s.pending = sess.bufs[2][i, :n].clone()
+            else:
+                s.pending, s.pending_rows = None, 0
+            if not s.done:  # a finished row's blocks go back with the whole table (finish)
+                alloc.truncate(s.table, s.table.num_tokens)
 
     def _commit(self, seqs: list[Sequence], rows: list[list[int]]) -> None:
         """Apply one step's device results to each row still running, exactly as the stepwise loop does.

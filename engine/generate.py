@@ -44,16 +44,18 @@ class NativeGenerator:
         self.device_loop = True
         self._loop = None
 
+    def loop(self) -> DeviceLoop:
+        """This generator's device loop (made on first use: its graphs and buffers are per generator)."""
+        if self._loop is None:
+            self._loop = DeviceLoop(self)
+        return self._loop
+
     def run_on_device(self, seqs: list[Sequence]) -> bool:
         """Drive these prefilled sequences to their ends in the device loop, when it applies."""
         live = [s for s in seqs if not s.done]
-        if not self.device_loop or not live:
+        if not self.device_loop or not live or not self.loop().usable(live):
             return False
-        if self._loop is None:
-            self._loop = DeviceLoop(self)
-        if not self._loop.usable(live):
-            return False
-        self._loop.run(live)
+        self.loop().run(live)
         return True
 
     def new_sequences(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:

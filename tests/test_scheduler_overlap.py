@@ -1,0 +1,133 @@
+"""The scheduler's device-loop path: a stable greedy batch (nothing waiting, one method) steps in the
+device loop with the host one step behind, and any change (an arrival, a cancel, a finished row, a
+preemption) hands the rows back to the stepwise loop. Every request must still give exactly its
+stepwise tokens, acceptance lengths and per-position stats, stream them in order, and leave no block
+used; the path must really be taken where it applies."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.decode_node.scheduler import Scheduler
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+
+from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+
+
+@pytest.fixture(scope="module")
+def pair(dflash_pair):  # noqa: F811
+    target = load_target(dflash_pair.target_dir)
+    return target, load_drafter(dflash_pair.draft_dir, target)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(3, 150, (n,), generator=g)]
+
+
+def _drive(pair, overlap: bool, script, blocks: int = 512, policy: str = "reserve", stop_ids=(), graphs=False):
+    """script: list of (step index, action, args); actions: add (prompt, params, method), cancel (request
+    index). Returns per request (output, finish reason, acceptance, position stats, streamed) and the
+    scheduler."""
+    target, drafter = pair
+    runner = ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=graphs,
+                         compile=False)
+    sched = Scheduler(runner, drafter, stop_ids, policy=policy)
+    sched.overlap = overlap
+    reqs, streamed, step = [], {}, 0
+    todo = sorted(script, key=lambda x: x[0])
+    while todo or not sched.idle:
+        while todo and todo[0][0] <= step:
+            _, action, args = todo.pop(0)
+            if action == "add":
+                reqs.append(sched.add(*args))
+            else:
+                sched.cancel(reqs[args])
+        for rid, toks in sched.step().new_tokens.items():
+            streamed.setdefault(rid, []).extend(toks)
+        step += 1
+        assert step < 2000
+    assert runner.allocator.num_free == blocks - 1, "blocks leaked"
+    # a cancelled request's client is gone: what it was streamed before the cancel is not compared (the
+    # device loop may have committed one more step for it, read when the cancel ended the session)
+    out = [(r.seq.output, r.seq.finish_reason, r.seq.stats.acceptance_lengths, r.seq.stats.position_accepts,
+            streamed.get(r.id, []) if r.seq.finish_reason != "cancelled" else None) for r in reqs]
+    return out, sched
+
+
+def _check(pair, script, **kw):
+    got, sched = _drive(pair, True, script, **kw)
+    want, plain = _drive(pair, False, script, **kw)
+    assert plain.overlapped_steps == 0
+    assert got == want
+    for output, reason, _, _, streamed in got:
+        if reason != "cancelled":
+            assert streamed == output
+    return got, sched
+
+
+@pytest.mark.parametrize("method", ["dflash", "native"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_a_lone_request_steps_in_the_device_loop(pair, method, graphs):
+    p = _prompts(1, 3)[0]
+    got, sched = _check(pair, [(0, "add", (p, SamplingParams(max_tokens=40, ignore_eos=True), method))],
+                        graphs=graphs)
+    assert sched.overlapped_steps >= 3 and len(got[0][0]) == 40
+    if method == "dflash":
+        assert max(got[0][2]) > 1
+
+
+def test_arrivals_cancels_and_finishes_hand_the_batch_back(pair):
+    """Rows end at different steps (max_tokens), requests arrive mid-run and one is cancelled mid-run:
+    each change ends the device session and a later stable batch starts another."""
+    ps = _prompts(6, 7)
+    sp = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (50, 12, 35, 44, 20, 30)]
+    script = [(0, "add", (ps[0], sp[0], "dflash")), (0, "add", (ps[1], sp[1], "dflash")),
+              (6, "add", (ps[2], sp[2], "dflash")), (9, "cancel", 0), (14, "add", (ps[3], sp[3], "dflash")),
+              (30, "add", (ps[4], sp[4], "native")), (31, "add", (ps[5], sp[5], "native"))]
+    got, sched = _check(pair, script)
+    assert sched.overlapped_steps >= 5
+    assert got[0][1] == "cancelled" and [len(g[0]) for g in got[1:]] == [12, 35, 44, 20, 30]
+
+
+def test_stop_tokens_inside_a_device_session(pair):
+    ps = _prompts(3, 11)
+    free = _drive(pair, False, [(0, "add", (p, SamplingParams(max_tokens=40, ignore_eos=True), "dflash"))
+                                for p in ps])[0]
+    stops = {free[0][0][9], free[2][0][25]}
+    got, sched = _check(pair, [(0, "add", (p, SamplingParams(max_tokens=40), "dflash")) for p in ps],
+                        stop_ids=stops)
+    assert sched.overlapped_steps > 0 and any(g[1] == "stop" for g in got)
+
+
+def test_preempting_scheduler_with_a_small_cache(pair):
+    """Too few blocks for every row's end: no device session while they do not fit, preemption as usual,
+    and once the batch is small enough it steps in the device loop."""
+    ps = _prompts(4, 5)
+    sp = SamplingParams(max_tokens=60, ignore_eos=True)
+    got, sched = _check(pair, [(0, "add", (p, sp, "dflash")) for p in ps], blocks=30, policy="preempt")
+    assert all(len(g[0]) == 60 for g in got)
+
+
+def test_a_handed_back_row_returns_the_blocks_reserved_for_its_end(pair):
+    """A device session reserves every row's KV to its end; when the batch changes, a row keeps only what
+    it has used, so an arrival finds the rest free: here it fits only because of that."""
+    target, drafter = pair
+    p, q = _prompts(2, 13)
+    blocks = -(-(len(p) + 400) // 16) + 8  # the lone row's whole reservation, and too little beside it
+    runner = ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids), compile=False)
+    sched = Scheduler(runner, drafter, policy="preempt")
+    first = sched.add(p, SamplingParams(max_tokens=400, ignore_eos=True), "dflash")
+    for _ in range(4):
+        sched.step()
+    assert sched._session is not None and len(first.seq.table.blocks) == -(-(len(p) + 400) // 16)
+    assert runner.allocator.num_free < -(-(len(q) + 16) // 16)  # the arrival's first step would not fit
+    second = sched.add(q, SamplingParams(max_tokens=8, ignore_eos=True), "dflash")
+    sched.step()  # the arrival ends the session, the row gives back its unused blocks, the arrival is admitted
+    assert second in sched.running or second.seq.done
+    while not sched.idle:
+        sched.step()
+    assert runner.allocator.num_free == blocks - 1

@@ -300,12 +300,4 @@ class DeviceLoop:
             w = min(s.block_size, s.params.max_tokens - len(s.output) + 1)
             a = row[-1]
             assert 0 <= a <= w - 1, f"device accepted {a} guesses at width {w}"
-            kept = s.commit(row[:a + 1])
-            st = s.stats
-            st.acceptance_lengths.append(len(kept))
-            if len(st.position_accepts) < w - 1:
-                st.position_accepts.extend([0] * (w - 1 - len(st.position_accepts)))
-                st.position_drafted.extend([0] * (w - 1 - len(st.position_drafted)))
-            for k in range(w - 1):
-                st.position_drafted[k] += 1
-                st.position_accepts[k] += k < a
+            s.stats.record_step(len(s.commit(row[:a + 1])), w, a)

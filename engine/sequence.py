@@ -24,6 +24,16 @@ class RequestStats:
     position_accepts: list[int] = field(default_factory=list)  # per draft position k: steps that accepted it
     position_drafted: list[int] = field(default_factory=list)  # per draft position k: steps that drafted it
 
+    def record_step(self, kept: int, width: int, accepted: int) -> None:
+        """One speculative step: `kept` tokens committed, `accepted` of its width - 1 guesses taken."""
+        self.acceptance_lengths.append(kept)
+        if len(self.position_accepts) < width - 1:
+            self.position_accepts.extend([0] * (width - 1 - len(self.position_accepts)))
+            self.position_drafted.extend([0] * (width - 1 - len(self.position_drafted)))
+        for k in range(width - 1):
+            self.position_drafted[k] += 1
+            self.position_accepts[k] += k < accepted
+
     @property
     def tau(self) -> float | None:
         a = self.acceptance_lengths

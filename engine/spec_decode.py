@@ -187,17 +187,9 @@ class DFlashGenerator(NativeGenerator):
                 sp = s.params
                 p = probs_from_logits(out.logits[i, :w], sp.temperature, sp.top_p, sp.top_k)
                 a, bonus = rejection_sample(torch.tensor(g, device=p.device), p, q, s.generator)
-            kept = s.commit(g[:a] + [bonus])
-            st = s.stats
-            st.acceptance_lengths.append(len(kept))
-            st.draft_ms += draft_ms
-            st.verify_ms += verify_ms
-            if len(st.position_accepts) < w - 1:
-                st.position_accepts.extend([0] * (w - 1 - len(st.position_accepts)))
-                st.position_drafted.extend([0] * (w - 1 - len(st.position_drafted)))
-            for k in range(w - 1):
-                st.position_drafted[k] += 1
-                st.position_accepts[k] += k < a
+            s.stats.record_step(len(s.commit(g[:a] + [bonus])), w, a)
+            s.stats.draft_ms += draft_ms
+            s.stats.verify_ms += verify_ms
             alloc.truncate(s.table, starts[i] + a + 1)
             s.pending, s.pending_rows = feats[i], a + 1  # joins the draft cache in the next draft pass
 

@@ -6,26 +6,13 @@ used; the path must really be taken where it applies."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flashpd.decode_node.scheduler import Scheduler
-from flashpd.engine.drafter import load_drafter
-from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
-
-
-@pytest.fixture(scope="module")
-def pair(dflash_pair):  # noqa: F811
-    target = load_target(dflash_pair.target_dir)
-    return target, load_drafter(dflash_pair.draft_dir, target)
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(3, 150, (n,), generator=g)]
+from tests.test_scheduler import _prompts, pair  # noqa: F401  (module fixture)
 
 
 def _drive(pair, overlap: bool, script, blocks: int = 512, policy: str = "reserve", stop_ids=(), graphs=False):

@@ -2,7 +2,7 @@
 colocated token for token and step for step; a killed prefill process falls back to decode-side
 recompute (exact, counted) and is restarted; a killed decode process fails its request with
 UNAVAILABLE (nothing to retry on), is restarted, and the service serves again; `flashpd serve
---config` with a YAML file starts the same service."""
+--config` with a YAML file (worker warm-up on) starts the same service."""
 from __future__ import annotations
 
 import json
@@ -84,7 +84,9 @@ def test_killed_decode_process_fails_its_request_then_is_restarted(service, colo
 
 def test_flashpd_serve_yaml_config_local_mode(dflash_pair, colocated_reference, tmp_path):  # noqa: F811
     ps, ref = colocated_reference
-    cfg = serve_cfg(dflash_pair, "local", metrics_port=0).to_dict()
+    # warm-up on (a GPU's default): each worker process runs its throwaway requests before it serves, and
+    # the service's outputs stay those of the colocated reference
+    cfg = serve_cfg(dflash_pair, "local", metrics_port=0, warmup=True).to_dict()
     text = "\n".join(f"{k}: {json.dumps(v)}" for k, v in cfg.items() if v is not None)  # JSON values are YAML
     (tmp_path / "serve.yaml").write_text(text + "\n")
     with serve_process(["--config", str(tmp_path / "serve.yaml")], start_timeout_s=120) as (address, metrics):

@@ -84,7 +84,7 @@ class Session:
     bufs: tuple[torch.Tensor, ...]
     reset: Callable[[], None]
     cuda: bool
-    ring: list[torch.Tensor]
+    ring: list[tuple[torch.Tensor, "torch.cuda.Event"]]  # two pinned result buffers and their events
     draft_len: list[int]  # per row, the device's D and n as of the last step read (DFlash)
     pending: list[int]
     queued: list[tuple[torch.Tensor, "torch.cuda.Event | None"]] = field(default_factory=list)
@@ -239,7 +239,7 @@ class DeviceLoop:
             self.graph(key, bufs, reset)
             fill()
         self.runs += 1
-        ring = [torch.empty((b, t + 1 if self.spec else 1), dtype=torch.int64, pin_memory=True)
+        ring = [(torch.empty((b, t + 1 if self.spec else 1), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
                 for _ in range(2)] if cuda else []
         return Session(seqs, key, bufs, reset, cuda, ring, [s.draft_len for s in seqs],
                        [s.pending_rows for s in seqs])
@@ -248,9 +248,8 @@ class DeviceLoop:
         """Queue one step; its result is copied to the host without waiting for it."""
         out = self.graph(sess.key, sess.bufs, sess.reset)
         if sess.cuda:
-            host = sess.ring[sess.launched % 2]  # the buffer of step k-2: already read
+            host, ev = sess.ring[sess.launched % 2]  # step k-2's buffer and event: already read
             host.copy_(out, non_blocking=True)
-            ev = torch.cuda.Event()
             ev.record()
             sess.queued.append((host, ev))
         else:  # eagerly, the same one-step lag: a step past a row's end runs here too

@@ -1,8 +1,8 @@
 """The demo pair's recipe: tokenizer, target from scratch, regenerated data, drafter, held-out tau.
 
 One command, fixed seeds and split:  flashpd make-demo-pair --out DIR  (about 5 minutes on an H200).
-Text = the running interpreter's standard-library Python (no network); held-out files are never
-trained on and give the evaluation prompts.
+Text = the running interpreter's standard-library Python and the installed torch package's Python
+source (no network); held-out stdlib files are never trained on and give the evaluation prompts.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.export import save_drafter, save_target
 from flashpd.engine.loader import load_target
-from flashpd.engine.text_data import SPECIAL_TOKENS, encode_files, read_texts, split_three, stdlib_files, \
-    train_tokenizer
+from flashpd.engine.text_data import SPECIAL_TOKENS, corpus_files, encode_files, read_texts, split_three, \
+    stdlib_files, train_tokenizer
 from flashpd.engine.train_drafter import DrafterTrainConfig, evaluate_tau, regenerate, train_drafter
 from flashpd.engine.train_target import train_target
 
@@ -51,11 +51,12 @@ def heldout_long_prompts(tok, n: int, length: int) -> list[list[int]]:
 def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: int = 600, target_batch: int = 32,
                    seq_len: int = 2048, drafter_steps: int = 6000, num_prompts: int = 4096, new_tokens: int = 256,
                    heldout_prompts: int = 16, vocab_size: int = TARGET_SHAPE["vocab_size"], drafter_seqs: int = 16,
-                   drafter_lr: float = 1.5e-3, log: Callable[[str], None] = print) -> dict:
+                   drafter_lr: float = 1.5e-3, corpus: str = "stdlib+torch", kl_weight: float = 0.0,
+                   log: Callable[[str], None] = print) -> dict:
     out = Path(out)
     shape = {**TARGET_SHAPE, "vocab_size": vocab_size}
     t0 = time.perf_counter()
-    train_files, draft_files, held_files = split_three(stdlib_files())
+    train_files, draft_files, held_files = split_three(corpus_files(corpus))
     texts, draft_texts, held_texts = read_texts(train_files), read_texts(draft_files), read_texts(held_files)
     tok = train_tokenizer(texts, vocab_size)
     eos, mask = tok.token_to_id(SPECIAL_TOKENS[0]), tok.token_to_id(SPECIAL_TOKENS[1])
@@ -65,7 +66,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
 
     stream, draft_stream, held_stream = stream_of(texts), stream_of(draft_texts), stream_of(held_texts)
     log(f"data: {len(texts)} target files ({stream.numel()} tokens), {len(draft_texts)} drafter-prompt files "
-        f"({draft_stream.numel()} tokens), {len(held_texts)} held-out files ({held_stream.numel()} tokens); "
+        f"({draft_stream.numel()} tokens), {len(held_texts)} held-out files ({held_stream.numel()} tokens) of {corpus}; "
         f"tokenizer {tok.get_vocab_size()} ids ({time.perf_counter() - t0:.0f} s)")
 
     cfg = Qwen3Config.from_dict({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
@@ -86,7 +87,8 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     data = regenerate(target, prompts, new_tokens, batch=256 if device.startswith("cuda") else 32, log=log)
     log(f"regenerated ({time.perf_counter() - t0:.0f} s)")
     tc = DrafterTrainConfig(layers=2, block_size=16, num_taps=5, mask_token_id=mask, steps=drafter_steps,
-                            seqs_per_step=drafter_seqs, anchors=128, lr=drafter_lr, seed=seed, save_every=1000)
+                            seqs_per_step=drafter_seqs, anchors=128, lr=drafter_lr, seed=seed, save_every=1000,
+                            kl_weight=kl_weight)
     drafter = train_drafter(target, data, [len(p) for p in prompts], out / "drafter-train", tc, log=log)
     log(f"drafter trained ({time.perf_counter() - t0:.0f} s)")
     ddir = save_drafter(drafter, out / "drafter", dtype=torch.bfloat16)
@@ -96,8 +98,10 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     rows = evaluate_tau(target, load_drafter(ddir, target), held, max_tokens=256)
     report = {"recipe": {"seed": seed, "target_steps": target_steps, "target_batch": target_batch, "seq_len": seq_len,
                          "drafter_steps": drafter_steps, "num_prompts": num_prompts, "new_tokens": new_tokens,
+                         "corpus": corpus,
                          "target_shape": shape, "drafter": {"layers": 2, "block_size": 16, "taps": 5,
-                                                                    "seqs_per_step": drafter_seqs, "lr": drafter_lr},
+                                                                    "seqs_per_step": drafter_seqs, "lr": drafter_lr,
+                                                                    "kl_weight": kl_weight},
                          "device": device, "dtype_eval": str(dtype)},
               "heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows),
               "exact": f"{sum(r['exact'] for r in rows)}/{len(rows)}", "seconds": time.perf_counter() - t0}

@@ -1,11 +1,13 @@
-"""Offline text for the demo pair: the running interpreter's standard-library Python source.
+"""Offline text for the demo pair: the running interpreter's standard-library Python source, and the
+Python source of the installed torch package (a dependency, so present wherever flashpd runs).
 
-Files are split into train / held-out by a hash of their relative path (stable across runs and
-machines with the same stdlib), so held-out prompts come from files the models never saw.
-A byte-level BPE tokenizer is trained on the train split with `tokenizers`.
+Files are split into train / held-out by a hash of their path relative to their root (stable across
+runs and machines with the same stdlib and torch), so held-out prompts come from files the models never
+saw. A byte-level BPE tokenizer is trained on the train split with `tokenizers`.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import sysconfig
 from pathlib import Path
@@ -26,8 +28,39 @@ def stdlib_files(root: str | None = None, include_tests: bool = True) -> list[Pa
     return files
 
 
+def torch_files(max_bytes: int = 300_000) -> list[Path]:
+    """Every .py of the installed torch package but generated tables (the few files over max_bytes):
+    about 45 MB of Python, four times the stdlib without its tests. The stdlib alone (about 2 M tokens to
+    train on where the interpreter ships no tests) lets the drafter memorise its prompts: block accuracy
+    on held-out text fell far below that on its own prompt files."""
+    import torch  # noqa: PLC0415 (text_data is imported where torch is not needed)
+    base = Path(torch.__file__).parent
+    return [p for p in sorted(base.rglob("*.py")) if "__pycache__" not in p.parts and p.stat().st_size <= max_bytes]
+
+
+CORPORA = ("stdlib", "stdlib+torch")
+
+
+def corpus_files(corpus: str = "stdlib+torch") -> list[Path]:
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}: one of {', '.join(CORPORA)}")
+    return stdlib_files() + (torch_files() if corpus == "stdlib+torch" else [])
+
+
+@functools.lru_cache(maxsize=1)
+def _packages_root() -> Path:
+    import torch  # noqa: PLC0415
+    return Path(torch.__file__).parent.parent
+
+
 def _unit_hash(f: Path, base: Path) -> float:
-    return int(hashlib.sha256(str(f.relative_to(base)).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    """A file's place in [0, 1]: the hash of its path under the torch package's parent (torch/...) when it
+    is there, else under the stdlib root, so the split is the same on every machine."""
+    try:
+        rel = f.relative_to(_packages_root())
+    except ValueError:
+        rel = f.relative_to(base)
+    return int(hashlib.sha256(str(rel).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
 
 
 def split_files(files: list[Path], heldout_fraction: float = 0.05, root: str | None = None
@@ -50,15 +83,17 @@ def split_three(files: list[Path], heldout_fraction: float = 0.05, drafter_fract
     return ([f for f in train if _unit_hash(f, base) >= cut], [f for f in train if _unit_hash(f, base) < cut], held)
 
 
-def drafter_prompt_sources(data_dir: str | None = None) -> tuple[list[Path], list[Path], str]:
+def drafter_prompt_sources(data_dir: str | None = None, corpus: str = "stdlib+torch"
+                           ) -> tuple[list[Path], list[Path], str]:
     """(files to take training prompts from, files to take evaluation prompts from, what the latter are).
-    The stdlib default is the demo recipe's split: drafter-prompt files to train on, held-out files (never
-    trained on, by target or drafter) to evaluate on. A --data directory serves both (said so)."""
+    The default is the demo recipe's split: its drafter-prompt files to train on, held-out stdlib files
+    (never trained on, by target or drafter; the speedup bench's prompts come from them too) to evaluate
+    on. A --data directory serves both (said so)."""
     if data_dir:
         files = sorted(p for p in Path(data_dir).rglob("*") if p.is_file())
         return files, files, "windows of the --data files (the same files as the training prompts)"
-    _, draft, held = split_three(stdlib_files())
-    return draft, held, "windows of the held-out stdlib files (never trained on)"
+    _, draft, _ = split_three(corpus_files(corpus))
+    return draft, split_files(stdlib_files())[1], "windows of the held-out stdlib files (never trained on)"
 
 
 def read_texts(files: list[Path]) -> list[str]:

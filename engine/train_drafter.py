@@ -46,6 +46,10 @@ class DrafterTrainConfig:
     anchors: int = 128
     lr: float = 1e-3
     gamma: float | None = None  # default: 7 for B=16, 4 for B=8 (interpolated)
+    # weight of KL(target || drafter) at each label position, beside the cross-entropy on the target's
+    # greedy tokens: the target's whole next-token distribution says what it nearly chose, which a
+    # one-hot label does not (0: cross-entropy alone)
+    kl_weight: float = 0.0
     seed: int = 0
     save_every: int = 500
 
@@ -99,28 +103,36 @@ def init_from_target(drafter: DFlashDrafter, target: Qwen3ForCausalLM) -> None:
 @torch.inference_mode()
 def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: int, batch: int = 128,
                log: Callable[[str], None] = print) -> list[list[int]]:
-    """prompt + the target's greedy continuation (stops included), batched through the engine."""
+    """prompt + the target's greedy continuation (stops included), batched through the engine. Prompts
+    go in batches of similar length (then back in their order): a batch's attention and padding cost
+    follow its longest prompt."""
     longest = max(len(p) for p in prompts) + new_tokens
     runner = ModelRunner(target, num_blocks=batch * (longest // 16 + 2) + 2, block_size=16, compile=False)
     gen = NativeGenerator(runner, target.cfg.eos_token_ids)
-    out: list[list[int]] = []
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int] | None] = [None] * len(prompts)
+    t0 = time.perf_counter()
     for i in tqdm(range(0, len(prompts), batch), desc="regenerate", mininterval=5, disable=not sys.stderr.isatty()):
-        chunk = prompts[i:i + batch]
-        seqs = gen.generate(chunk, [SamplingParams(max_tokens=new_tokens)] * len(chunk))
-        out.extend(s.prompt + s.output for s in seqs)
-    log(f"regenerated {len(out)} continuations of up to {new_tokens} tokens")
-    return out
+        idx = order[i:i + batch]
+        seqs = gen.generate([prompts[k] for k in idx], [SamplingParams(max_tokens=new_tokens)] * len(idx))
+        for k, s in zip(idx, seqs):
+            out[k] = s.prompt + s.output
+    log(f"regenerated {len(out)} continuations of up to {new_tokens} tokens ({time.perf_counter() - t0:.0f} s)")
+    return out  # type: ignore[return-value]
 
 
 @torch.no_grad()
-def target_features(target: Qwen3ForCausalLM, layer_ids: tuple[int, ...], seqs: torch.Tensor) -> torch.Tensor:
-    """Concatenated taps [S, N, n_taps*H] of padded sequences (causal, so padding never leaks back)."""
-    _, taps = target.causal_forward(seqs, tuple(layer_ids))
-    return torch.cat(taps, dim=-1)
+def target_features(target: Qwen3ForCausalLM, layer_ids: tuple[int, ...], seqs: torch.Tensor,
+                    final: bool = False) -> torch.Tensor:
+    """Concatenated taps [S, N, n_taps*H] of padded sequences (causal, so padding never leaks back);
+    with `final`, the target's normed last hidden state follows them ([S, N, (n_taps+1)*H]: its logits
+    are the target's next-token distribution, for the KL term)."""
+    out, taps = target.causal_forward(seqs, tuple(layer_ids))
+    return torch.cat(taps + [out] if final else taps, dim=-1)
 
 
 def feature_cache(target: Qwen3ForCausalLM, layer_ids: tuple[int, ...], data: list[list[int]], dev: str, amp,
-                  max_tokens: int = 1 << 16) -> list[torch.Tensor]:
+                  max_tokens: int = 1 << 16, final: bool = False) -> list[torch.Tensor]:
     """Every sequence's taps, computed once: the frozen target gives the same features every epoch, and
     its forward would otherwise cost as much as the drafter's step."""
     order = sorted(range(len(data)), key=lambda i: len(data[i]))
@@ -133,7 +145,7 @@ def feature_cache(target: Qwen3ForCausalLM, layer_ids: tuple[int, ...], data: li
         group = order[i:j]
         seqs, _ = _pad([data[k] for k in group], dev)
         with amp:
-            f = target_features(target, layer_ids, seqs)
+            f = target_features(target, layer_ids, seqs, final)
         for r, k in enumerate(group):
             out[k] = f[r, :len(data[k])].clone()
         i = j
@@ -185,8 +197,11 @@ def block_logits(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.T
 
 def block_loss(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Tensor, lengths: torch.Tensor,
                starts: torch.Tensor, anchors: int, gamma: float, gen: torch.Generator,
-               feats: torch.Tensor | None = None) -> torch.Tensor:
-    """Weighted block cross-entropy for padded sequences [S, N]; anchors drawn in [starts, lengths-1)."""
+               feats: torch.Tensor | None = None, teacher: torch.Tensor | None = None,
+               kl_weight: float = 0.0) -> torch.Tensor:
+    """Weighted block cross-entropy for padded sequences [S, N]; anchors drawn in [starts, lengths-1).
+    `teacher` [S, N, H]: the target's normed last hidden states; with kl_weight > 0 the loss adds
+    kl_weight * KL(target || drafter) at each label position (same position weights)."""
     s_, n = seqs.shape
     dev = seqs.device
     lo = starts.float()
@@ -198,6 +213,15 @@ def block_loss(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Ten
     valid = lpos < lengths[:, None, None]
     labels = seqs.gather(1, lpos.clamp_max(n - 1).view(s_, -1)).view_as(lpos)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(lpos)
+    if kl_weight > 0:
+        if teacher is None:
+            raise ValueError("kl_weight > 0 needs the target's last hidden states (teacher)")
+        # the target's distribution for the token at p comes from its hidden state at p - 1
+        src = (lpos - 1).clamp_max(n - 1).view(s_, -1, 1).expand(-1, -1, teacher.shape[-1])
+        with torch.no_grad():
+            t_logp = F.log_softmax(target.logits(teacher.gather(1, src)).float(), -1).view(*lpos.shape, -1)
+        s_logp = F.log_softmax(logits, -1)
+        ce = ce + kl_weight * (t_logp.exp() * (t_logp - s_logp)).sum(-1)
     w = torch.exp(-(offs.float() - 1) / gamma)[None, None, :] * valid
     return (ce * w).sum() / w.sum().clamp_min(1e-6)
 
@@ -238,7 +262,9 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.startswith("cuda") else torch.autocast("cpu", enabled=False)
     t0 = time.perf_counter()
     t_f = time.perf_counter()
-    cache = feature_cache(target, tuple(drafter.cfg.target_layer_ids), data, dev, amp)
+    kl = tc.kl_weight > 0
+    cache = feature_cache(target, tuple(drafter.cfg.target_layer_ids), data, dev, amp, final=kl)
+    nf = len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size
     log(f"target features of {len(data)} sequences cached ({time.perf_counter() - t_f:.0f} s)")
     bar = tqdm(range(start, tc.steps), desc="drafter", mininterval=5, disable=not sys.stderr.isatty(), initial=start, total=tc.steps)
     losses: list[float] = []
@@ -251,7 +277,8 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
             g["lr"] = tc.lr * min(1.0, (step + 1) / max(1, tc.steps // 20)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         feats = torch.nn.utils.rnn.pad_sequence([cache[i] for i in idx], batch_first=True)
         with amp:
-            loss = block_loss(drafter, target, seqs, lengths, starts, tc.anchors, gamma, gen, feats)
+            loss = block_loss(drafter, target, seqs, lengths, starts, tc.anchors, gamma, gen, feats[..., :nf],
+                              feats[..., nf:] if kl else None, tc.kl_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

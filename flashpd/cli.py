@@ -100,8 +100,9 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--target", required=True)
     t.add_argument("--out", required=True, help="drafter directory (checkpoints, trainer state, eval.json)")
     t.add_argument("--data", help="directory of text files to take prompts from (needs the target's tokenizer.json); "
-                                  "default: the interpreter's stdlib source if the target has a tokenizer (the demo "
-                                  "recipe's split: drafter-prompt files to train on, held-out files to evaluate on), "
+                                  "default: the demo recipe's text if the target has a tokenizer (its drafter-prompt "
+                                  "files of the stdlib and torch's source to train on, held-out stdlib files to "
+                                  "evaluate on), "
                                   "else random token prompts")
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--block-size", type=int, default=16)
@@ -111,6 +112,8 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seqs-per-step", type=int, default=8)
     t.add_argument("--anchors", type=int, default=128)
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--kl-weight", type=float, default=0.0,
+                   help="weight of KL(target || drafter) beside the cross-entropy on the target's tokens")
     t.add_argument("--num-prompts", type=int, default=512)
     t.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens")
     t.add_argument("--new-tokens", type=int, default=256, help="tokens the target regenerates per prompt")
@@ -128,6 +131,10 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary of the demo tokenizer")
     m.add_argument("--drafter-seqs", type=int, default=16, help="sequences per drafter step (128 anchors each)")
     m.add_argument("--drafter-lr", type=float, default=1.5e-3)
+    m.add_argument("--corpus", choices=["stdlib", "stdlib+torch"], default="stdlib+torch",
+                   help="training text: the stdlib's Python, or it and the installed torch package's")
+    m.add_argument("--kl-weight", type=float, default=0.0,
+                   help="weight of KL(target || drafter) beside the drafter's cross-entropy")
 
 
 def cmd_train_drafter(a: argparse.Namespace) -> int:
@@ -166,7 +173,7 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     data = regenerate(target, train_prompts, a.new_tokens)
     tc = DrafterTrainConfig(layers=a.layers, block_size=a.block_size, num_taps=a.taps, mask_token_id=a.mask_token_id,
                             steps=a.steps, seqs_per_step=a.seqs_per_step, anchors=a.anchors, lr=a.lr, seed=a.seed,
-                            save_every=max(1, a.steps // 4))
+                            save_every=max(1, a.steps // 4), kl_weight=a.kl_weight)
     train_drafter(target, data, [len(p) for p in train_prompts], a.out, tc, resume=a.resume)
     if eval_prompts:
         from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (evaluate what was written)
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
             make_demo_pair(a.out, dev, seed=a.seed, target_steps=a.target_steps, drafter_steps=a.drafter_steps,
                            vocab_size=a.vocab_size, drafter_seqs=a.drafter_seqs, drafter_lr=a.drafter_lr,
-                           num_prompts=a.num_prompts)
+                           num_prompts=a.num_prompts, corpus=a.corpus, kl_weight=a.kl_weight)
             return 0
         from flashpd.demo import run_demo  # noqa: PLC0415
         return run_demo(device=a.device)

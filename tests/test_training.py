@@ -137,8 +137,9 @@ def test_train_drafter_default_data_never_trains_on_the_held_out_files(tmp_path)
     """The stdlib default trains on the recipe's drafter-prompt files and evaluates on its held-out ones;
     a --data directory serves both, and the report says so."""
     from flashpd.engine.text_data import drafter_prompt_sources, split_files, split_three, stdlib_files
+    from flashpd.engine.text_data import corpus_files
     train, held, what = drafter_prompt_sources()
-    assert train == split_three(stdlib_files())[1] and held == split_files(stdlib_files())[1]
+    assert train == split_three(corpus_files())[1] and held == split_files(stdlib_files())[1]
     assert set(train).isdisjoint(held) and "held-out" in what
     (tmp_path / "a.py").write_text("x = 1\n")
     train, held, what = drafter_prompt_sources(str(tmp_path))
@@ -156,6 +157,87 @@ def test_text_split_is_three_disjoint_parts_and_tokenizer_round_trips():
     tok = train_tokenizer(texts, 600)
     assert tok.token_to_id(SPECIAL_TOKENS[1]) is not None
     assert tok.decode(tok.encode(texts[0][:500]).ids) == texts[0][:500]
+
+
+def test_corpus_adds_torch_source_to_every_part_and_keeps_the_stdlib_split():
+    """The recipe's corpus (stdlib + torch's Python) splits both roots three ways; its stdlib files fall
+    exactly where the stdlib-only split puts them, so the held-out stdlib prompts stay never trained on."""
+    from flashpd.engine.text_data import corpus_files, split_three, stdlib_files, torch_files
+    tf = torch_files()
+    assert len(tf) > 500 and all(p.suffix == ".py" for p in tf)
+    parts = split_three(corpus_files())
+    std_parts = split_three(stdlib_files())
+    tset = set(tf)
+    for part, std in zip(parts, std_parts):
+        assert [p for p in part if p not in tset] == std
+        assert any(p in tset for p in part)
+    with pytest.raises(ValueError, match="unknown corpus"):
+        corpus_files("wiki")
+
+
+def test_regenerate_keeps_the_prompt_order_and_equals_greedy_decoding(tiny_target):
+    """Prompts go in batches sorted by length; each result is still its own prompt's greedy continuation."""
+    _, target = tiny_target
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 250, (int(n),), generator=g).tolist() for n in (30, 3, 17, 8, 25, 5)]
+    data = regenerate(target, prompts, 12, batch=2, log=lambda m: None)
+    runner = ModelRunner(target, 64, 16)
+    ref = NativeGenerator(runner, target.cfg.eos_token_ids)
+    for p, d in zip(prompts, data):
+        s = ref.generate([p], [SamplingParams(max_tokens=12)])[0]
+        assert d == p + s.output
+
+
+def test_kl_term_is_the_targets_next_token_distribution_against_the_drafter(trained):
+    """block_loss with kl_weight adds, per label position p, KL(softmax(target logits at p - 1) || drafter),
+    under the same position weights: checked against the target's own full-sequence logits."""
+    import torch.nn.functional as F
+
+    from flashpd.engine.train_drafter import _pad, block_loss, target_features
+    target, drafter, _, prompts, data, _ = trained
+    seqs, lengths = _pad(data[:3], "cpu")
+    starts = torch.tensor([len(p) - 1 for p in prompts[:3]])
+    c = drafter.cfg
+    feats = target_features(target, tuple(c.target_layer_ids), seqs, final=True)
+    nf = len(c.target_layer_ids) * c.hidden_size
+    gamma, k = 5.0, 6
+
+    def loss(w):
+        return block_loss(drafter, target, seqs, lengths, starts, k, gamma, torch.Generator().manual_seed(9),
+                          feats[..., :nf], feats[..., nf:], w)
+    with torch.no_grad():
+        l0, l1 = loss(0.0), loss(0.5)
+        # the same anchors, by hand
+        lo, hi = starts.float(), (lengths - 1).clamp_min(starts + 1).float()
+        a = (lo[:, None] + torch.rand(3, k, generator=torch.Generator().manual_seed(9)) * (hi - lo)[:, None]).long()
+        student = F.log_softmax(block_logits(drafter, target, seqs, a, feats[..., :nf]).float(), -1)
+        full = F.log_softmax(target.logits(target.causal_forward(seqs)[0]).float(), -1)  # [S, N, V]: token p+1
+        offs = torch.arange(1, c.block_size)
+        lpos = a[:, :, None] + offs
+        valid = lpos < lengths[:, None, None]
+        src = (lpos - 1).clamp_max(seqs.shape[1] - 1)
+        teacher = torch.stack([full[i, src[i]] for i in range(3)])
+        kl = (teacher.exp() * (teacher - student)).sum(-1)
+        w = torch.exp(-(offs.float() - 1) / gamma)[None, None, :] * valid
+        expect = 0.5 * (kl * w).sum() / w.sum()
+    assert expect > 1e-3
+    torch.testing.assert_close(l1 - l0, expect, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="teacher"):
+        block_loss(drafter, target, seqs, lengths, starts, k, gamma, torch.Generator(), feats[..., :nf], None, 0.5)
+
+
+def test_drafter_training_with_the_kl_term_lowers_its_loss(tiny_target, tmp_path):
+    _, target = tiny_target
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 250, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (16,), generator=g)]
+    data = regenerate(target, prompts, 24, log=lambda m: None)
+    logs: list[str] = []
+    tc = DrafterTrainConfig(layers=1, block_size=8, num_taps=2, steps=30, seqs_per_step=4, anchors=16, lr=3e-3,
+                            save_every=30, kl_weight=1.0)
+    train_drafter(target, data, [len(p) for p in prompts], tmp_path, tc, log=logs.append)
+    losses = _losses(logs)
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert json.loads((tmp_path / "train_config.json").read_text())["kl_weight"] == 1.0
 
 
 def test_target_training_reduces_loss():

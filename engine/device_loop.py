@@ -75,6 +75,60 @@ def _slots(bt: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
     return blk * bs + pos % bs
 
 
+# ---- the step's bookkeeping: a few fused kernels when the runner compiles, else eager -----------------
+def native_in(st: torch.Tensor, bt: torch.Tensor, bs: int) -> tuple[torch.Tensor, ...]:
+    """(live rows, positions [B, 1], flat slots): a frozen row (O >= M) writes scratch."""
+    live = st[:, O] < st[:, M]
+    pos = st[:, P:P + 1]
+    slots = torch.where(live[:, None], _slots(bt, pos, bs), SCRATCH_BLOCK * bs).view(-1)
+    return live, pos, slots
+
+
+def native_out(st: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Greedy token of each row; live rows advance (P, O, X) in place. -> [B, 1]."""
+    tok = logits[:, 0].argmax(-1)
+    step = live.to(st.dtype)
+    st[:, P] += step
+    st[:, O] += step
+    st[:, X] = torch.where(live, tok, st[:, X])
+    return tok[:, None].clone()
+
+
+def spec_in(st: torch.Tensor, bt: torch.Tensor, t: int, bs: int, mask_id: int) -> tuple[torch.Tensor, ...]:
+    """A DFlash step's inputs from the state: the pending context rows' positions and slots, the draft
+    context length, the block's positions, draft ids [x, MASK...], width w, verify slots, live rows."""
+    ar = torch.arange(t, device=st.device)[None, :]
+    p_, d_, x_, n_ = st[:, P:P + 1], st[:, D:D + 1], st[:, X:X + 1], st[:, N:N + 1]
+    live = st[:, O] < st[:, M]
+    # this step's width: the block, or what max_tokens still admits (as the stepwise loop shrinks it)
+    w = (st[:, M:M + 1] - st[:, O:O + 1] + 1).clamp(1, t)
+    ok = ar < n_
+    cpos = torch.where(ok, d_ + ar, 0).reshape(-1)
+    cslots = torch.where(ok, _slots(bt, d_ + ar, bs), SCRATCH_BLOCK * bs).reshape(-1)
+    pos = torch.minimum(p_ + ar, p_ + w - 1)
+    ids = torch.cat([x_, torch.full_like(x_, mask_id).expand(-1, t - 1)], dim=1)
+    vslots = torch.where((ar < w) & live[:, None], _slots(bt, pos, bs), SCRATCH_BLOCK * bs).reshape(-1)
+    return cpos, cslots, d_ + n_, pos, ids, w, vslots, live
+
+
+def spec_out(st: torch.Tensor, logits: torch.Tensor, guess: torch.Tensor, w: torch.Tensor, live: torch.Tensor,
+             ctx: torch.Tensor) -> torch.Tensor:
+    """Accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice; live rows
+    advance in place. -> [B, t + 1] (the target's t choices, accepted count)."""
+    t = logits.shape[1]
+    truth = logits.argmax(-1)
+    p_, d_, x_ = st[:, P:P + 1], st[:, D:D + 1], st[:, X:X + 1]
+    agree = (guess == truth[:, :t - 1]).to(st.dtype).cumprod(1).sum(1, keepdim=True)
+    a = torch.minimum(agree, w - 1)
+    bonus = truth.gather(1, a)
+    keep = live[:, None]
+    o_ = st[:, O:O + 1]
+    new = torch.cat([torch.where(keep, p_ + a + 1, p_), torch.where(keep, ctx, d_), torch.where(keep, bonus, x_),
+                     torch.where(keep, a + 1, 0), torch.where(keep, o_ + a + 1, o_)], dim=1)
+    st[:, P:O + 1] = new
+    return torch.cat([truth, a], dim=1)
+
+
 @dataclass
 class Session:
     """A batch of sequences stepping on the device (DeviceLoop.begin .. end)."""
@@ -99,65 +153,40 @@ class DeviceLoop:
         self.runner = gen.runner
         self.spec = hasattr(gen, "drafts")
         self.graph = InPlaceGraph(self._spec_fn if self.spec else self._native_fn, self.runner.cuda_graphs)
+        # the bookkeeping's ~40 tiny ops cost a DFlash step more than its drafter's layers on a GPU:
+        # compiled (as the runner compiles its layers) they are a few fused kernels in the captured graph
+        fuse = (lambda f: torch.compile(f, fullgraph=True)) if self.runner.compile else (lambda f: f)
+        self._native_in, self._native_out = fuse(native_in), fuse(native_out)
+        self._spec_in, self._spec_out = fuse(spec_in), fuse(spec_out)
         self._bufs: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self.runs = 0  # requests batches driven here (tests check the path is taken)
 
     # ---- the device step functions (graph-safe: fixed shapes, no host sync) ----------------------
     def _native_fn(self, st: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
         """One token per row: forward x at P; a frozen row (O >= M) writes scratch and stays put."""
-        bs = self.runner.block_size
-        live = st[:, O] < st[:, M]
-        pos = st[:, P:P + 1]
-        slots = torch.where(live[:, None], _slots(bt, pos, bs), SCRATCH_BLOCK * bs).view(-1)
+        live, pos, slots = self._native_in(st, bt, self.runner.block_size)
         _, _, logits = self.runner.model_step(st[:, X:X + 1], pos, slots, bt)
-        tok = logits[:, 0].argmax(-1)
-        step = live.to(st.dtype)
-        st[:, P] += step
-        st[:, O] += step
-        st[:, X] = torch.where(live, tok, st[:, X])
-        return tok[:, None].clone()
+        return self._native_out(st, logits, live)
 
     def _spec_fn(self, st: torch.Tensor, bt: torch.Tensor, pend: torch.Tensor) -> torch.Tensor:
         """One DFlash step per row at block width t (pend [B, t, F]): append the pending context rows to
         the draft cache, draft, verify, accept; -> [B, t + 1] (the target's t choices, accepted count)."""
         runner, drafts = self.runner, self.gen.drafts
         drafter = drafts.drafter
-        bs = runner.block_size
         b, t, f = pend.shape
-        ar = torch.arange(t, device=st.device)[None, :]
-        p_, d_, x_, n_ = st[:, P:P + 1], st[:, D:D + 1], st[:, X:X + 1], st[:, N:N + 1]
-        live = st[:, O] < st[:, M]
-        # this step's width: the block, or what max_tokens still admits (as the stepwise loop shrinks it)
-        w = (st[:, M:M + 1] - st[:, O:O + 1] + 1).clamp(1, t)
+        cpos, cslots, ctx, pos, ids, w, vslots, live = self._spec_in(st, bt, t, runner.block_size,
+                                                                     drafter.cfg.mask_token_id)
         # 1) the accepted positions' context K/V join the draft cache; padding rows write scratch
-        ok = ar < n_
-        cpos = torch.where(ok, d_ + ar, 0)
-        cslots = torch.where(ok, _slots(bt, d_ + ar, bs), SCRATCH_BLOCK * bs)
-        drafter.write_context(drafts.cache.data, pend.reshape(b * t, f), cpos.reshape(-1), cslots.reshape(-1),
-                              drafts.kv_fn)
-        ctx = d_ + n_
+        drafter.write_context(drafts.cache.data, pend.reshape(b * t, f), cpos, cslots, drafts.kv_fn)
         # 2) draft [x, MASK...]; columns past the row's width repeat its last position and are masked
-        pos = torch.minimum(p_ + ar, p_ + w - 1)
-        ids = torch.cat([x_, torch.full((b, t - 1), drafter.cfg.mask_token_id, device=st.device,
-                                        dtype=st.dtype)], dim=1)
         guess = drafter.draft_logits(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0],
                                      drafts.layer_fn).argmax(-1)
         # 3) verify [x, guesses]; columns past the width, and frozen rows, write scratch and are never read
-        vslots = torch.where((ar < w) & live[:, None], _slots(bt, pos, bs), SCRATCH_BLOCK * bs).reshape(-1)
-        _, tapped, logits = runner.model_step(torch.cat([x_, guess], dim=1), pos, vslots, bt)
-        truth = logits.argmax(-1)
+        _, tapped, logits = runner.model_step(torch.cat([st[:, X:X + 1], guess], dim=1), pos, vslots, bt)
         # 4) accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice
-        agree = (guess == truth[:, :t - 1]).to(st.dtype).cumprod(1).sum(1, keepdim=True)
-        a = torch.minimum(agree, w - 1)
-        bonus = truth.gather(1, a)
-        keep = live[:, None]
-        st[:, P:P + 1] = torch.where(keep, p_ + a + 1, p_)
-        st[:, D:D + 1] = torch.where(keep, ctx, d_)
-        st[:, X:X + 1] = torch.where(keep, bonus, x_)
-        st[:, N:N + 1] = torch.where(keep, a + 1, 0)
-        st[:, O:O + 1] = torch.where(keep, st[:, O:O + 1] + a + 1, st[:, O:O + 1])
+        out = self._spec_out(st, logits, guess, w, live, ctx)
         pend.copy_(torch.cat(tapped, dim=-1) if len(tapped) > 1 else tapped[0])
-        return torch.cat([truth, a], dim=1)
+        return out
 
     # ---- host side ------------------------------------------------------------------------------
     def usable(self, seqs: list[Sequence]) -> bool:

@@ -112,12 +112,22 @@ def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: i
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int] | None] = [None] * len(prompts)
     t0 = time.perf_counter()
+    spent = [0.0, 0.0]  # prefill, decode (where a slow regeneration spends its time)
     for i in tqdm(range(0, len(prompts), batch), desc="regenerate", mininterval=5, disable=not sys.stderr.isatty()):
         idx = order[i:i + batch]
-        seqs = gen.generate([prompts[k] for k in idx], [SamplingParams(max_tokens=new_tokens)] * len(idx))
+        t_a = time.perf_counter()
+        seqs = gen.new_sequences([prompts[k] for k in idx], [SamplingParams(max_tokens=new_tokens)] * len(idx))
+        gen.reserve(seqs)
+        gen.prefill(seqs)
+        t_b = time.perf_counter()
+        gen.run_on_device(seqs)
+        gen.drive(seqs, gen.decode_step)
+        spent[0] += t_b - t_a
+        spent[1] += time.perf_counter() - t_b
         for k, s in zip(idx, seqs):
             out[k] = s.prompt + s.output
-    log(f"regenerated {len(out)} continuations of up to {new_tokens} tokens ({time.perf_counter() - t0:.0f} s)")
+    log(f"regenerated {len(out)} continuations of up to {new_tokens} tokens ({time.perf_counter() - t0:.0f} s: "
+        f"prefill {spent[0]:.0f} s, decode {spent[1]:.0f} s)")
     return out  # type: ignore[return-value]
 
 

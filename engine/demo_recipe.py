@@ -1,6 +1,6 @@
 """The demo pair's recipe: tokenizer, target from scratch, regenerated data, drafter, held-out tau.
 
-One command, fixed seeds and split:  flashpd make-demo-pair --out DIR  (about 5 minutes on an H200).
+One command, fixed seeds and split:  flashpd make-demo-pair --out DIR  (about 8 minutes on an H200).
 Text = the running interpreter's standard-library Python and the installed torch package's Python
 source (no network); held-out stdlib files are never trained on and give the evaluation prompts.
 """
@@ -49,7 +49,7 @@ def heldout_long_prompts(tok, n: int, length: int) -> list[list[int]]:
 
 
 def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: int = 600, target_batch: int = 32,
-                   seq_len: int = 2048, drafter_steps: int = 6000, num_prompts: int = 4096, new_tokens: int = 256,
+                   seq_len: int = 2048, drafter_steps: int = 10000, num_prompts: int = 4096, new_tokens: int = 256,
                    heldout_prompts: int = 16, vocab_size: int = TARGET_SHAPE["vocab_size"], drafter_seqs: int = 16,
                    drafter_lr: float = 1.5e-3, corpus: str = "stdlib+torch", kl_weight: float = 0.0,
                    log: Callable[[str], None] = print) -> dict:

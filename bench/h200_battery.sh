@@ -48,7 +48,7 @@ want ttft && CUDA_VISIBLE_DEVICES=$G step ttft_hit 150 python3 -m flashpd.bench.
 want cache && CUDA_VISIBLE_DEVICES=$G step cache_runs ${CACHE_LIMIT:-200} python3 -m flashpd.bench.cache_runs --device cuda --prompts 20 --prompt-tokens 2048 --new-tokens 64 --stores ${CACHE_STORES:-memory,device,disk,grpc,shm} --out "$OUT/cache_runs_demo_pair_h200.json"
 want profile && CUDA_VISIBLE_DEVICES=$G step profile ${PROFILE_LIMIT:-150} python3 -m flashpd.bench.profile_step --target $P/target --draft $P/drafter --out "$OUT/profile_step_h200.json"
 want speedup && CUDA_VISIBLE_DEVICES=$G step speedup ${SPEEDUP_LIMIT:-200} python3 -m flashpd.bench.speedup --target $P/target --draft $P/drafter --prompts ${PROMPTS:-4} --widths ${WIDTHS:-4,8,12,16} --reps 3 --out "$OUT/speedup_demo_pair_h200.json"
-want sweep1 && CUDA_VISIBLE_DEVICES=$G step sweep_1gpu 200 python3 -m flashpd.cluster.job_sweep $SWEEP --long-every 16 --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
+want sweep1 && CUDA_VISIBLE_DEVICES=$G step sweep_1gpu ${SWEEP1_LIMIT:-200} python3 -m flashpd.cluster.job_sweep $SWEEP --long-every 16 --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
 if [ "$NG" -ge 2 ]; then
   want sweep2 && CUDA_VISIBLE_DEVICES=0,1 step sweep_2gpu ${SWEEP2_LIMIT:-230} python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32 --out "$OUT/serve_sweep_demo_2gpu_h200.json"
 fi

@@ -1,8 +1,8 @@
 """`flashpd demo`: the shipped demo pair, native vs DFlash, on held-out prompts. No arguments, no network.
 
 The pair (flashpd/assets/demo_pair) is a small Qwen3-architecture target trained from scratch on
-standard-library Python with its own BPE tokenizer, and a 2-layer DFlash drafter trained for it
-(`flashpd make-demo-pair`). Prompts come from stdlib files that neither model trained on.
+standard-library and torch Python source with its own BPE tokenizer, and a 2-layer DFlash drafter
+trained for it (`flashpd make-demo-pair`). Prompts come from stdlib files that neither model trained on.
 """
 from __future__ import annotations
 
@@ -49,11 +49,13 @@ def run_demo(device: str | None = None) -> int:
     report = json.loads((PAIR / "eval.json").read_text())
     print(f"flashpd demo: the small demo pair ({native.model.cfg.num_hidden_layers}-layer target, "
           f"{spec.drafter.cfg.num_hidden_layers}-layer DFlash drafter, block {spec.block_size}), trained on "
-          f"standard-library Python; device {native.device}, {str(native.dtype).removeprefix('torch.')}.")
+          f"standard-library and torch Python source; device {native.device}, "
+          f"{str(native.dtype).removeprefix('torch.')}.")
     print(f"This is the small demo pair, not a real model. Its recorded held-out tau (block 16, 256 tokens) is "
-          f"{report['tau_mean']:.2f}, but it accepts less on arbitrary windows of unseen code, so the speedup is "
-          f"modest (geomean x1.2-x1.5 under the benchmark protocol on an H200, "
-          f"bench/results/speedup_demo_pair_h200.json; less on a CPU).")
+          f"{report['tau_mean']:.2f}, but it accepts less on arbitrary windows of unseen code (and most where its "
+          f"greedy output repeats itself), so the speedup varies widely by prompt: geomean x1.47 for 64 new "
+          f"tokens and x2.14 for 256 under the benchmark protocol on an H200 (per prompt x0.91-x4.05; "
+          f"bench/results/demo_pair_v2_h200/), less on a CPU.")
     prompts = heldout_prompts(native.encode)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     for p in prompts:

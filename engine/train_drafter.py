@@ -37,6 +37,9 @@ from flashpd.engine.spec_decode import DFlashGenerator
 @dataclass
 class DrafterTrainConfig:
     layers: int = 2
+    # the draft layers' MLP width (default: the target's); wider buys capacity without more layers (the
+    # drafter's share of a step's kernels stays the same)
+    intermediate_size: int | None = None
     block_size: int = 16
     target_layer_ids: tuple[int, ...] | None = None  # default: the DFlash spacing for `num_taps` taps
     num_taps: int = 5
@@ -62,7 +65,8 @@ def drafter_config_for(target: Qwen3ForCausalLM, tc: DrafterTrainConfig) -> DFla
         if n > top + 1:
             raise ValueError(f"{n} taps need a target of at least {n + 1} layers")
         ids = tuple(round(i * top / max(1, n - 1)) for i in range(n))
-    return DFlashConfig(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=tc.layers,
+    return DFlashConfig(hidden_size=t.hidden_size, intermediate_size=tc.intermediate_size or t.intermediate_size,
+                        num_hidden_layers=tc.layers,
                         num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
                         head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
                         block_size=tc.block_size, num_target_layers=t.num_hidden_layers, target_layer_ids=tuple(ids),
@@ -75,12 +79,15 @@ def drafter_config_for(target: Qwen3ForCausalLM, tc: DrafterTrainConfig) -> DFla
 def init_from_target(drafter: DFlashDrafter, target: Qwen3ForCausalLM) -> None:
     """Warm start: draft layers copy the target's last layers, the output norm copies the target's,
     and fc passes the deepest tap through. Random init puts the borrowed lm_head's logits on the
-    wrong scale and trains far slower."""
+    wrong scale and trains far slower. A wider draft MLP takes the target's units first and starts
+    its extra units silent (their down-projection columns zero), so it computes what the narrow
+    copy does until training moves it."""
     c, t = drafter.cfg, target.cfg
     first = t.num_hidden_layers - c.num_hidden_layers
-    same_shape = (c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
-        (t.intermediate_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim)
-    if same_shape:
+    same_attn = (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
+        (t.num_attention_heads, t.num_key_value_heads, t.head_dim)
+    it, ic = t.intermediate_size, c.intermediate_size
+    if same_attn:
         for i, layer in enumerate(drafter.layers):
             src = target.layers[first + i]
             a = src.self_attn
@@ -92,8 +99,12 @@ def init_from_target(drafter: DFlashDrafter, target: Qwen3ForCausalLM) -> None:
             layer.k_norm.copy_(a.k_norm.weight)
             layer.input_layernorm.copy_(src.input_layernorm.weight)
             layer.post_attention_layernorm.copy_(src.post_attention_layernorm.weight)
-            layer.gate_up_proj.copy_(src.mlp.gate_up_proj.weight)
-            layer.down_proj.copy_(src.mlp.down_proj.weight)
+            if ic >= it:
+                gate, up = src.mlp.gate_up_proj.weight.split([it, it])
+                layer.gate_up_proj[:it].copy_(gate)
+                layer.gate_up_proj[ic:ic + it].copy_(up)
+                layer.down_proj[:, :it].copy_(src.mlp.down_proj.weight)
+                layer.down_proj[:, it:].zero_()
     drafter.norm.copy_(target.norm.weight)
     deepest = max(range(len(c.target_layer_ids)), key=lambda j: c.target_layer_ids[j])
     drafter.fc.zero_()

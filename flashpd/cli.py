@@ -105,6 +105,7 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                                   "evaluate on), "
                                   "else random token prompts")
     t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--intermediate-size", type=int, help="draft MLP width (default: the target's)")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--taps", type=int, default=5, help="number of target layers tapped")
     t.add_argument("--mask-token-id", type=int)
@@ -135,6 +136,8 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                    help="training text: the stdlib's Python, or it and the installed torch package's")
     m.add_argument("--kl-weight", type=float, default=0.0,
                    help="weight of KL(target || drafter) beside the drafter's cross-entropy")
+    m.add_argument("--drafter-intermediate", type=int,
+                   help="the draft layers' MLP width (default: the target's 512; the pair must stay within 16 MB)")
 
 
 def cmd_train_drafter(a: argparse.Namespace) -> int:
@@ -158,9 +161,9 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         train_files, eval_files, eval_source = drafter_prompt_sources(a.data)
         prompts = []
         for files, count in ((train_files, a.num_prompts), (eval_files, a.eval_prompts)):
-            stream = torch.tensor([t for text in read_texts(files) for t in tok.encode(text)])
+            stream = torch.tensor([t for ids in tok.encode_many(read_texts(files)) for t in ids])
             if stream.numel() < hi + 2:
-                raise ValueError(f"{'--data' if a.data else 'the stdlib split'} gives {stream.numel()} tokens, "
+                raise ValueError(f"{'--data' if a.data else 'the recipe split'} gives {stream.numel()} tokens, "
                                  f"fewer than --prompt-len max {hi}")
             prompts += windows(stream, count, lo, hi, gen)
     elif a.data:
@@ -171,7 +174,8 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
                    for k in torch.randint(lo, hi + 1, (n,), generator=gen)]
     train_prompts, eval_prompts = prompts[:a.num_prompts], prompts[a.num_prompts:]
     data = regenerate(target, train_prompts, a.new_tokens)
-    tc = DrafterTrainConfig(layers=a.layers, block_size=a.block_size, num_taps=a.taps, mask_token_id=a.mask_token_id,
+    tc = DrafterTrainConfig(layers=a.layers, intermediate_size=a.intermediate_size, block_size=a.block_size,
+                            num_taps=a.taps, mask_token_id=a.mask_token_id,
                             steps=a.steps, seqs_per_step=a.seqs_per_step, anchors=a.anchors, lr=a.lr, seed=a.seed,
                             save_every=max(1, a.steps // 4), kl_weight=a.kl_weight)
     train_drafter(target, data, [len(p) for p in train_prompts], a.out, tc, resume=a.resume)
@@ -213,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
             make_demo_pair(a.out, dev, seed=a.seed, target_steps=a.target_steps, drafter_steps=a.drafter_steps,
                            vocab_size=a.vocab_size, drafter_seqs=a.drafter_seqs, drafter_lr=a.drafter_lr,
-                           num_prompts=a.num_prompts, corpus=a.corpus, kl_weight=a.kl_weight)
+                           num_prompts=a.num_prompts, corpus=a.corpus, kl_weight=a.kl_weight,
+                           drafter_intermediate=a.drafter_intermediate)
             return 0
         from flashpd.demo import run_demo  # noqa: PLC0415
         return run_demo(device=a.device)

@@ -240,6 +240,40 @@ def test_drafter_training_with_the_kl_term_lowers_its_loss(tiny_target, tmp_path
     assert json.loads((tmp_path / "train_config.json").read_text())["kl_weight"] == 1.0
 
 
+def test_wider_draft_mlp_starts_as_the_narrow_copy_and_decodes_exactly(tiny_target, tmp_path):
+    """--drafter-intermediate: the extra MLP units start silent, so a wide drafter's first draft equals the
+    target-width one's; it saves, loads back with its width, and DFlash with it equals native greedy."""
+    from flashpd.engine.drafter import dummy_drafter
+    from flashpd.engine.train_drafter import drafter_config_for, init_from_target
+    _, target = tiny_target
+    made = []
+    for width in (None, 2 * target.cfg.intermediate_size):
+        tc = DrafterTrainConfig(layers=1, block_size=8, num_taps=2, intermediate_size=width)
+        d = dummy_drafter(drafter_config_for(target, tc), target, seed=5).float()
+        d.attach(target)
+        init_from_target(d, target)
+        made.append(d)
+    narrow, wide = made
+    assert wide.cfg.intermediate_size == 2 * narrow.cfg.intermediate_size
+    assert wide.layers[0].down_proj[:, narrow.cfg.intermediate_size:].abs().sum() == 0
+    g = torch.Generator().manual_seed(4)
+    seqs = torch.randint(0, 250, (2, 30), generator=g)
+    anchors = torch.tensor([[5, 12], [9, 20]])
+    with torch.no_grad():
+        torch.testing.assert_close(block_logits(wide, target, seqs, anchors), block_logits(narrow, target, seqs, anchors))
+    with torch.no_grad():  # then make the extra units matter before the round trip
+        wide.layers[0].down_proj.normal_(0, 0.02, generator=g)
+    out = save_drafter(wide, tmp_path / "wide")
+    loaded = load_drafter(out, target)
+    assert loaded.cfg.intermediate_size == wide.cfg.intermediate_size
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (7, 19)]
+    runner = ModelRunner(target, 64, 16, taps=tuple(loaded.cfg.target_layer_ids))
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 2
+    spec = DFlashGenerator(runner, loaded, target.cfg.eos_token_ids).generate(prompts, params)
+    native = NativeGenerator(runner, target.cfg.eos_token_ids).generate(prompts, params)
+    assert [s.output for s in spec] == [n.output for n in native]
+
+
 def test_target_training_reduces_loss():
     from flashpd.engine.config import Qwen3Config
     from flashpd.engine.train_target import train_target

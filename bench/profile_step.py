@@ -70,7 +70,7 @@ def measure(gen: NativeGenerator, step, prompt: list[int], steps: int, cuda: boo
 def measure_loop(gen: NativeGenerator, prompt: list[int], max_tokens: int, reps: int, cuda: bool) -> dict:
     """Wall time per step of whole requests in the device loop (engine/device_loop.py), no profiler:
     the host is one step behind the device there, so a step's cost is the loop's time over its steps."""
-    per_step, steps = [], 0
+    per_step, steps, tau = [], 0, None
     for r in range(reps + 1):  # the first run captures this shape
         seqs = _ready(gen, prompt, max_tokens)
         torch.cuda.synchronize() if cuda else None
@@ -80,10 +80,12 @@ def measure_loop(gen: NativeGenerator, prompt: list[int], max_tokens: int, reps:
         dt = (time.perf_counter() - t) * 1e3
         s = seqs[0]
         steps = len(s.stats.acceptance_lengths) or len(s.output) - 1
+        tau = s.stats.tau if s.stats.acceptance_lengths else None
         gen.finish(s)
         if r:
             per_step.append(dt / steps)
-    return {"wall_ms_per_step_median": statistics.median(per_step), "wall_ms_per_step": per_step, "steps": steps}
+    return {"wall_ms_per_step_median": statistics.median(per_step), "wall_ms_per_step": per_step, "steps": steps,
+            "tau": tau}
 
 
 def main() -> None:
@@ -94,6 +96,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,2048")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--loop-tokens", type=int, default=200, help="tokens per request of the device-loop rows")
+    ap.add_argument("--prompts", choices=["random", "heldout"], default="random",
+                    help="random ids (the drafter accepts about nothing: a step's floor) or windows of held-out "
+                         "text (steps at the pair's real acceptance)")
     ap.add_argument("--out", default="bench/results/profile_step.json")
     a = ap.parse_args()
     cuda = a.device.startswith("cuda")
@@ -104,7 +109,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows = []
     for n in (int(x) for x in a.contexts.split(",")):
-        prompt = torch.randint(2, target.cfg.vocab_size - 2, (n,), generator=g).tolist()
+        if a.prompts == "heldout":
+            from tokenizers import Tokenizer  # noqa: PLC0415
+
+            from flashpd.engine.demo_recipe import heldout_long_prompts  # noqa: PLC0415
+            prompt = heldout_long_prompts(Tokenizer.from_file(f"{a.target}/tokenizer.json"), 1, n)[0]
+        else:
+            prompt = torch.randint(2, target.cfg.vocab_size - 2, (n,), generator=g).tolist()
         row = {"context": n, "native": measure(native, native.decode_step, prompt, a.steps, cuda),
                "dflash": measure(spec, spec.spec_step, prompt, a.steps, cuda)}
         row["native_device_loop"] = measure_loop(native, prompt, a.loop_tokens, 5, cuda)
@@ -123,9 +134,9 @@ def main() -> None:
               + (f" / {dfl['gpu_busy_ms_per_step']:.3f} ms GPU ({dfl['kernels_per_step']:.0f} kernels)" if cuda else ""),
               flush=True)
     write_json(Path(a.out), {"bench": "profile_step", "target": a.target, "draft": a.draft, "device": a.device,
-                             "batch": 1, "steps": a.steps, "rows": rows,
+                             "batch": 1, "steps": a.steps, "prompts": a.prompts, "rows": rows,
                              "command": f"python -m flashpd.bench.profile_step --contexts {a.contexts} --steps {a.steps} "
-                                        f"--loop-tokens {a.loop_tokens} --out {a.out}"})
+                                        f"--loop-tokens {a.loop_tokens} --prompts {a.prompts} --out {a.out}"})
 
 
 if __name__ == "__main__":

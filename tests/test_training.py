@@ -274,6 +274,30 @@ def test_wider_draft_mlp_starts_as_the_narrow_copy_and_decodes_exactly(tiny_targ
     assert [s.output for s in spec] == [n.output for n in native]
 
 
+def test_draft_gap_block_accuracy_counts_runs_of_right_guesses(trained):
+    """bench/draft_gap: per block position, the share of whole blocks (all labels inside the sequence)
+    whose first k guesses are all right, checked against a block-by-block count."""
+    from flashpd.bench.draft_gap import block_accuracy
+    target, drafter, _, prompts, data, _ = trained
+    starts = [len(p) - 1 for p in prompts[:10]]
+    b, span, stride = drafter.cfg.block_size, 24, 3
+    got = block_accuracy(target, drafter, data[:10], starts, span, stride)
+    hits, count = [0] * (b - 1), 0
+    for seq, a0 in zip(data[:10], starts):
+        for a in range(a0, a0 + span - b, stride):
+            if a + b - 1 >= len(seq):
+                continue
+            with torch.no_grad():
+                guess = block_logits(drafter, target, torch.tensor([seq]), torch.tensor([[a]]))[0, 0].argmax(-1)
+            run = 0
+            while run < b - 1 and guess[run].item() == seq[a + 1 + run]:
+                run += 1
+            hits = [h + (k < run) for k, h in enumerate(hits)]
+            count += 1
+    assert count > 20 and 0 < got[0] < 1
+    assert got == pytest.approx([h / count for h in hits])
+
+
 def test_target_training_reduces_loss():
     from flashpd.engine.config import Qwen3Config
     from flashpd.engine.train_target import train_target

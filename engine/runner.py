@@ -52,6 +52,10 @@ class ModelRunner:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.graph_fns = tuple(torch.compile(f, fullgraph=True) for f in EAGER)
         self._graph = GraphedFn(self._graphed)
+        # a lone prompt longer than a prefill graph runs as consecutive graph-width chunks, each attending to
+        # the cache the earlier ones wrote, instead of one eager forward (whose Python and launch overhead
+        # set the TTFT of a long prompt on a small model); None: one forward, as on the CPU
+        self.prefill_chunk: int | None = PREFILL_GRAPH_TOKENS if self.cuda_graphs else None
 
     # ---- batch construction -------------------------------------------------------------
     def batch_arrays(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
@@ -104,6 +108,8 @@ class ModelRunner:
             raise ValueError("every sequence in a forward needs at least one new token")
         self.check_room(tables, lengths)
         t = max(lengths)
+        if self.prefill_chunk and len(tables) == 1 and t > self.prefill_chunk and want_logits != "all":
+            return self._chunked(tables[0], tokens[0], want_logits, taps)
         uniform = all(n == t for n in lengths)
         nblk_real = max(len(tb.blocks) for tb in tables)
         t_graph = self._graph_width(len(tables), t, uniform, want_logits)
@@ -123,6 +129,20 @@ class ModelRunner:
         for table, n in zip(tables, lengths):
             table.num_tokens += n
         return out
+
+    def _chunked(self, table: BlockTable, tokens: list[int], want_logits: str, taps: bool) -> StepOutput:
+        """One sequence's long forward as chunks of prefill_chunk tokens; the same outputs as one forward
+        (each chunk's hidden states and taps copied out before the next replay reuses the graph's buffers)."""
+        c = self.prefill_chunk
+        hidden, tapped, logits = [], [], None
+        for i in range(0, len(tokens), c):
+            last = i + c >= len(tokens)
+            out = self.forward([table], [tokens[i:i + c]], want_logits if last else "none", taps)
+            n = min(c, len(tokens) - i)
+            hidden.append(out.hidden[:, :n].clone())
+            tapped.append([x[:, :n].clone() for x in out.taps])
+            logits = out.logits if last else None
+        return StepOutput(torch.cat(hidden, dim=1), [torch.cat(x, dim=1) for x in zip(*tapped)], logits)
 
     # ---- CUDA graphs ---------------------------------------------------------------------
     def _graph_width(self, b: int, t: int, uniform: bool, want_logits: str) -> int:

@@ -88,3 +88,44 @@ def test_short_prefill_replays_a_padded_graph(dflash_pair):  # noqa: F811
     torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(got[True][1], got[False][1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_long_prompt_prefills_in_graph_width_chunks_with_the_one_forward_result(dflash_pair):  # noqa: F811
+    """A lone prompt longer than prefill_chunk runs as consecutive padded graph-path chunks, each attending
+    to the cache the earlier ones wrote: logits, hidden states and taps equal one forward's, and DFlash
+    and native generation are unchanged (tokens and acceptance)."""
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    taps = tuple(drafter.cfg.target_layer_ids)
+    prompt = _prompts(1, 11)[0] * 3  # well past the chunk width
+    assert len(prompt) > 150
+    plain = ModelRunner(target, 512, 16, taps=taps, cuda_graphs=False, compile=False)
+    chunked = ModelRunner(target, 512, 16, taps=taps, cuda_graphs=True, compile=False)
+    assert plain.prefill_chunk is None and chunked.prefill_chunk == 1024
+    chunked.prefill_chunk = 64
+    calls = []
+    real = chunked._chunked
+    chunked._chunked = lambda *a: calls.append(len(a[1])) or real(*a)
+    outs = []
+    for runner in (plain, chunked):
+        table = BlockTable()
+        runner.allocator.ensure(table, len(prompt))
+        o = runner.forward([table], [prompt], "last", taps=True)
+        assert table.num_tokens == len(prompt)
+        outs.append(o)
+        runner.allocator.free(table)
+    assert calls == [len(prompt)]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1].hidden, outs[0].hidden, rtol=1e-5, atol=1e-5)
+    assert len(outs[1].taps) == len(taps)
+    for a, b in zip(outs[1].taps, outs[0].taps):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    prompts = [prompt[:40], prompt, prompt[:50]]  # the long one prefills alone (its own group), chunked
+    params = [SamplingParams(max_tokens=30, ignore_eos=True)] * 3
+    res = {}
+    for name, runner in (("plain", plain), ("chunked", chunked)):
+        spec = DFlashGenerator(runner, drafter, (), 16).generate(prompts, params)
+        native = NativeGenerator(runner).generate(prompts, params)
+        res[name] = ([s.output for s in spec], [s.stats.acceptance_lengths for s in spec], [s.output for s in native])
+    assert calls == [len(prompt)] * 3  # the forward above, then DFlash's and native's prefill
+    assert res["chunked"] == res["plain"] and res["chunked"][0] == res["chunked"][2]

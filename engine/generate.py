@@ -85,10 +85,10 @@ class NativeGenerator:
         while i < len(seqs):
             group = [seqs[i]]
             chunk = self.runner.prefill_chunk  # a prompt past it prefills alone, in graph-width chunks
-            while (i + len(group) < len(seqs) and
-                   max(len(s.prompt) for s in group + [seqs[i + len(group)]]) * (len(group) + 1)
-                   <= self.prefill_token_budget and
-                   not (chunk and max(len(s.prompt) for s in group + [seqs[i + len(group)]]) > chunk)):
+            while i + len(group) < len(seqs):
+                longest = max(len(s.prompt) for s in group + [seqs[i + len(group)]])
+                if longest * (len(group) + 1) > self.prefill_token_budget or (chunk and longest > chunk):
+                    break
                 group.append(seqs[i + len(group)])
             i += len(group)
             cached = [s.table.num_tokens for s in group]

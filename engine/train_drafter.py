@@ -81,7 +81,7 @@ def init_from_target(drafter: DFlashDrafter, target: Qwen3ForCausalLM) -> None:
     and fc passes the deepest tap through. Random init puts the borrowed lm_head's logits on the
     wrong scale and trains far slower. A wider draft MLP takes the target's units first and starts
     its extra units silent (their down-projection columns zero), so it computes what the narrow
-    copy does until training moves it."""
+    copy does until training moves it; a narrower one keeps its random MLP (attention still copied)."""
     c, t = drafter.cfg, target.cfg
     first = t.num_hidden_layers - c.num_hidden_layers
     same_attn = (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \

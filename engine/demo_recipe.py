@@ -108,11 +108,11 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                          "device": device, "dtype_eval": str(dtype)},
               "heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows),
               "exact": f"{sum(r['exact'] for r in rows)}/{len(rows)}", "seconds": time.perf_counter() - t0}
+    pos = [sum(r["position_acceptance"][k] for r in rows) / len(rows) for k in range(len(rows[0]["position_acceptance"]))]
+    report["position_acceptance_mean"] = pos  # in eval.json too (it used to reach only the log)
     (out / "eval.json").write_text(json.dumps(report, indent=1))
     for r in rows:
         log(f"held-out prompt {r['prompt_len']:5d} tokens: tau {r['tau']:.2f} exact {r['exact']}")
-    pos = [sum(r["position_acceptance"][k] for r in rows) / len(rows) for k in range(len(rows[0]["position_acceptance"]))]
-    report["position_acceptance_mean"] = pos
     log("acceptance rate per draft position: " + " ".join(f"{x:.2f}" for x in pos))
     log(f"tau mean {report['tau_mean']:.2f}, exact {report['exact']}, total {report['seconds']:.0f} s")
     return report

@@ -5,9 +5,9 @@ for a native step and a DFlash step of the demo pair (or any pair) at batch 1.
 
 It also times whole requests in the device loop (engine/device_loop.py), per step and without the
 profiler: there the host runs one step behind the GPU, which is what a greedy `generate` uses.
-A step whose wall time far exceeds its GPU-busy time is host-bound (Python, launches, syncs, copies);
-that gap, not the kernels, is what separates a tiny model's DFlash step from its native one. On a CPU
-it runs too (a crash check; the split means little there).
+A step whose wall time far exceeds its GPU-busy time is host-bound (Python, launches, syncs, copies).
+On a CPU it runs too (a crash check; the split means little there). DFlash steps run at the drafter's block
+width (`dflash_block`); until this was fixed they ran at width 1 (see the README's profile table).
 """
 from __future__ import annotations
 
@@ -31,8 +31,11 @@ from flashpd.engine.spec_decode import DFlashGenerator
 
 def _ready(gen: NativeGenerator, prompt: list[int], max_tokens: int):
     seqs = gen.new_sequences([prompt], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])
-    gen.reserve(seqs)
     spec = isinstance(gen, DFlashGenerator)
+    if spec:  # new_sequences leaves width 1 (native); DFlash's generate sets the block: so must this
+        for s in seqs:
+            s.block_size = gen.block_size
+    gen.reserve(seqs)
     feats = gen.prefill(seqs, taps=spec)
     if spec:
         gen.drafts.write_prompt(seqs, feats)
@@ -134,7 +137,8 @@ def main() -> None:
               + (f" / {dfl['gpu_busy_ms_per_step']:.3f} ms GPU ({dfl['kernels_per_step']:.0f} kernels)" if cuda else ""),
               flush=True)
     write_json(Path(a.out), {"bench": "profile_step", "target": a.target, "draft": a.draft, "device": a.device,
-                             "batch": 1, "steps": a.steps, "prompts": a.prompts, "rows": rows,
+                             "batch": 1, "steps": a.steps, "prompts": a.prompts, "dflash_block": spec.block_size,
+                             "rows": rows,
                              "command": f"python -m flashpd.bench.profile_step --contexts {a.contexts} --steps {a.steps} "
                                         f"--loop-tokens {a.loop_tokens} --prompts {a.prompts} --out {a.out}"})
 

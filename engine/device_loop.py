@@ -154,7 +154,8 @@ class DeviceLoop:
         self.spec = hasattr(gen, "drafts")
         self.graph = InPlaceGraph(self._spec_fn if self.spec else self._native_fn, self.runner.cuda_graphs)
         # the bookkeeping's ~40 tiny ops, compiled (as the runner compiles its layers), are a few fused
-        # kernels in the captured graph: on an H200 a DFlash step went from 0.66 to 0.60 ms at context 256
+        # kernels in the captured graph: on an H200 a width-1 DFlash step went from 0.66 to 0.60 ms at context
+        # 256 (profile_step timed width 1 then: see the README's profile table)
         fuse = (lambda f: torch.compile(f, fullgraph=True)) if self.runner.compile else (lambda f: f)
         self._native_in, self._native_out = fuse(native_in), fuse(native_out)
         self._spec_in, self._spec_out = fuse(spec_in), fuse(spec_out)

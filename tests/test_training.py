@@ -342,3 +342,21 @@ def test_shipped_demo_pair_is_exact_on_heldout_prompts():
         assert s.output == n.output and s.stats.tau >= 1.0
     weights = sum(f.stat().st_size for f in DEMO.rglob("*.safetensors"))
     assert weights <= 16e6 and len(list(DEMO.rglob("*.safetensors"))) == 2
+
+
+def test_profile_step_times_dflash_steps_at_the_drafters_block_width():
+    """bench/profile_step: a DFlash request it times drafts blocks of the drafter's width (it once ran
+    width 1, a native step with extra work), so on held-out text the demo pair accepts guesses there."""
+    from flashpd.bench.profile_step import _ready, measure_loop
+    from flashpd.engine.demo_recipe import heldout_long_prompts
+    from flashpd.engine.tokenizer import TextTokenizer
+    target = load_target(DEMO / "target", "cpu", torch.float32)
+    drafter = load_drafter(DEMO / "drafter", target)
+    runner = ModelRunner(target, 256, 16, taps=tuple(drafter.cfg.target_layer_ids))
+    spec = DFlashGenerator(runner, drafter, (), 16)
+    prompt = heldout_long_prompts(TextTokenizer.from_dir(DEMO / "target")._tok, 1, 128)[0]
+    seqs = _ready(spec, prompt, 8)
+    assert seqs[0].block_size == 16
+    spec.finish(seqs[0])
+    row = measure_loop(spec, prompt, 48, 1, cuda=False)
+    assert row["steps"] < 47 and row["tau"] > 1.0

@@ -91,6 +91,41 @@ def measure_loop(gen: NativeGenerator, prompt: list[int], max_tokens: int, reps:
             "tau": tau}
 
 
+def measure_prefill(gen: NativeGenerator, prompt: list[int], reps: int, cuda: bool) -> float:
+    """Median ms from a prompt to its first token, the drafter's context written too for DFlash (what
+    a request waits for before its first step)."""
+    spec = isinstance(gen, DFlashGenerator)
+    times = []
+    for r in range(reps + 1):  # the first run captures / compiles
+        torch.cuda.synchronize() if cuda else None
+        t = time.perf_counter()
+        seqs = _ready(gen, prompt, 1)
+        torch.cuda.synchronize() if cuda else None
+        if r:
+            times.append((time.perf_counter() - t) * 1e3)
+        gen.finish(seqs[0])
+    return statistics.median(times)
+
+
+def prefill_rows(runner: ModelRunner, gens: dict[str, NativeGenerator], prompts: dict[int, list[int]], reps: int,
+                 cuda: bool) -> list[dict]:
+    """Prefill time per prompt length with the fresh-prefill causal kernel on and off, and long prompts
+    chunked to graph width or run as one eager forward: what each choice costs a long prompt's TTFT."""
+    rows = []
+    chunk0 = runner.prefill_chunk
+    for n, prompt in prompts.items():
+        for fresh in (True, False):
+            for chunk in ((chunk0, None) if chunk0 and n > chunk0 else (chunk0,)):
+                runner.fresh_prefill, runner.prefill_chunk = fresh, chunk
+                row = {"prompt_len": n, "fresh": fresh, "chunk": chunk}
+                row.update({f"{k}_ms": measure_prefill(g, prompt, reps, cuda) for k, g in gens.items()})
+                rows.append(row)
+                print(f"prefill {n} tokens, fresh {fresh}, chunk {chunk}: "
+                      + ", ".join(f"{k} {row[k + '_ms']:.2f} ms" for k in gens), flush=True)
+    runner.fresh_prefill, runner.prefill_chunk = True, chunk0
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default=str(PAIR / "target"))
@@ -102,23 +137,29 @@ def main() -> None:
     ap.add_argument("--prompts", choices=["random", "heldout"], default="random",
                     help="random ids (the drafter accepts about nothing: a step's floor) or windows of held-out "
                          "text (steps at the pair's real acceptance)")
+    ap.add_argument("--block", type=int, default=16, help="DFlash block width of the steps timed")
+    ap.add_argument("--prefill-lens", default="256,1024,2048",
+                    help="prompt lengths of the prefill rows (empty: none)")
     ap.add_argument("--out", default="bench/results/profile_step.json")
     a = ap.parse_args()
     cuda = a.device.startswith("cuda")
     target = load_target(a.target, a.device, torch.bfloat16 if cuda else torch.float32)
     drafter = load_drafter(a.draft, target)
     runner = ModelRunner(target, 4096, 16, taps=tuple(drafter.cfg.target_layer_ids))
-    native, spec = NativeGenerator(runner), DFlashGenerator(runner, drafter, (), 16)
+    native, spec = NativeGenerator(runner), DFlashGenerator(runner, drafter, (), a.block)
     g = torch.Generator().manual_seed(0)
-    rows = []
-    for n in (int(x) for x in a.contexts.split(",")):
+
+    def make_prompt(n: int) -> list[int]:
         if a.prompts == "heldout":
             from tokenizers import Tokenizer  # noqa: PLC0415
 
             from flashpd.engine.demo_recipe import heldout_long_prompts  # noqa: PLC0415
-            prompt = heldout_long_prompts(Tokenizer.from_file(f"{a.target}/tokenizer.json"), 1, n)[0]
-        else:
-            prompt = torch.randint(2, target.cfg.vocab_size - 2, (n,), generator=g).tolist()
+            return heldout_long_prompts(Tokenizer.from_file(f"{a.target}/tokenizer.json"), 1, n)[0]
+        return torch.randint(2, target.cfg.vocab_size - 2, (n,), generator=g).tolist()
+
+    rows = []
+    for n in (int(x) for x in a.contexts.split(",")):
+        prompt = make_prompt(n)
         row = {"context": n, "native": measure(native, native.decode_step, prompt, a.steps, cuda),
                "dflash": measure(spec, spec.spec_step, prompt, a.steps, cuda)}
         row["native_device_loop"] = measure_loop(native, prompt, a.loop_tokens, 5, cuda)
@@ -136,11 +177,14 @@ def main() -> None:
               + f"; dflash {dfl['wall_ms_median']:.3f} ms wall"
               + (f" / {dfl['gpu_busy_ms_per_step']:.3f} ms GPU ({dfl['kernels_per_step']:.0f} kernels)" if cuda else ""),
               flush=True)
+    lens = [int(x) for x in a.prefill_lens.split(",") if x]
+    prefill = prefill_rows(runner, {"native": native, "dflash": spec}, {n: make_prompt(n) for n in lens}, 5, cuda)
     write_json(Path(a.out), {"bench": "profile_step", "target": a.target, "draft": a.draft, "device": a.device,
                              "batch": 1, "steps": a.steps, "prompts": a.prompts, "dflash_block": spec.block_size,
-                             "rows": rows,
+                             "rows": rows, "prefill": prefill,
                              "command": f"python -m flashpd.bench.profile_step --contexts {a.contexts} --steps {a.steps} "
-                                        f"--loop-tokens {a.loop_tokens} --prompts {a.prompts} --out {a.out}"})
+                                        f"--loop-tokens {a.loop_tokens} --prompts {a.prompts} --block {a.block} "
+                                        f"--prefill-lens {a.prefill_lens} --out {a.out}"})
 
 
 if __name__ == "__main__":

@@ -20,12 +20,17 @@ class AttnBatch:
     positions: [B, T] absolute positions (padding rows use 0); slots: [B*T] flat cache slots
     (padding writes the scratch block); block_tables: [B, nblk] (padded with the scratch block);
     mask: [B, 1, T, nblk*block_size] boolean, True = visible (grouped once per forward by the model).
+    fresh: every row starts at position 0 (a prompt with no cached prefix): attention then needs only
+    this forward's own K/V under a causal mask, which a fused causal kernel runs without gathering the
+    cache or reading a mask (`causal_sdpa`); `mask` is unused. Right padding is harmless there: a real
+    query never sees a later (padding) key.
     """
 
     positions: torch.Tensor
     slots: torch.Tensor
     block_tables: torch.Tensor
     mask: torch.Tensor
+    fresh: bool = False
 
 
 def causal_position_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -87,3 +92,18 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     else:
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq * d)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Fresh-prefill attention: q [B, T, Hq, d] over this forward's own k, v [B*T, Hkv, d], causal.
+
+    Returns [B, T, Hq*d]. The same numbers as `grouped_sdpa` over the cache for rows that start at 0
+    (up to the kernels' rounding), without the cache gather or the [T, L] mask: a 2,000-token prompt's
+    prefill is a flash kernel instead of a masked one."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[1]
+    k = k.view(b, t, hkv, d).transpose(1, 2)
+    v = v.view(b, t, hkv, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=scale,
+                                         enable_gqa=hq != hkv)
+    return out.transpose(1, 2).reshape(b, t, hq * d)

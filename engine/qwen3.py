@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from dataclasses import replace
 
-from flashpd.engine.attention import AttnBatch, gather_kv, group_mask, grouped_sdpa, write_kv
+from flashpd.engine.attention import AttnBatch, causal_sdpa, gather_kv, group_mask, grouped_sdpa, write_kv
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm
 
@@ -41,6 +41,13 @@ def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return mlp_residual(h + F.linear(attn, w_o), w_post, w_gate_up, w_down, eps)
 
 
+def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor,
+                   w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float,
+                   scale: float) -> torch.Tensor:
+    """`attn_mlp` for a fresh prefill (AttnBatch.fresh): causal attention over this forward's own K/V."""
+    return mlp_residual(h + F.linear(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
+
+
 def mlp_residual(h: torch.Tensor, w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """h + SwiGLU(post_attention_layernorm(h)), gate and up fused."""
@@ -62,18 +69,21 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, fns: tuple[Callable, Callable]) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, fns: tuple[Callable, ...]) -> torch.Tensor:
         c, a = self.cfg, self.self_attn
-        pre, post = fns
+        pre, post, fresh = fns
         q, k, v = pre(h, cos, sin, self.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
                       a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         write_kv(k_cache, v_cache, batch.slots, k, v)
+        if batch.fresh:
+            return fresh(h, q, k, v, a.o_proj.weight, self.post_attention_layernorm.weight,
+                         self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, c.rms_norm_eps, c.head_dim ** -0.5)
         return post(h, q, k_cache, v_cache, batch.block_tables, batch.mask, a.o_proj.weight,
                     self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
                     c.rms_norm_eps, c.head_dim ** -0.5)
 
 
-EAGER = (attn_inputs, attn_mlp)
+EAGER = (attn_inputs, attn_mlp, attn_mlp_fresh)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -99,7 +109,7 @@ class Qwen3ForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: torch.Tensor, taps: tuple[int, ...] = (),
-                fns: tuple[Callable, Callable] = EAGER) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                fns: tuple[Callable, ...] = EAGER) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [B, T]; kv: the cache tensor [layers, 2, blocks, bs, kv_heads, d].
 
         Returns the normed final hidden states [B, T, H] and the raw outputs of the
@@ -110,7 +120,8 @@ class Qwen3ForCausalLM(nn.Module):
         if len(set(taps)) != len(taps) or any(not 0 <= j < len(self.layers) for j in taps):
             raise ValueError(f"tap ids {taps} must be distinct layer indices below {len(self.layers)}")
         h = self.embed(input_ids)
-        batch = replace(batch, mask=group_mask(batch.mask, self.cfg.num_attention_heads // self.cfg.num_key_value_heads))
+        if not batch.fresh:
+            batch = replace(batch, mask=group_mask(batch.mask, self.cfg.num_attention_heads // self.cfg.num_key_value_heads))
         cos, sin = self.rotary.tables(batch.positions, h.dtype)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

@@ -56,6 +56,9 @@ class ModelRunner:
         # the cache the earlier ones wrote, instead of one eager forward (whose Python and launch overhead
         # set the TTFT of a long prompt on a small model); None: one forward, as on the CPU
         self.prefill_chunk: int | None = PREFILL_GRAPH_TOKENS if self.cuda_graphs else None
+        # a prompt with no cached prefix attends over its own K/V with a fused causal kernel (AttnBatch.fresh);
+        # False: through the cache and the position mask like any other forward (benches compare the two)
+        self.fresh_prefill = True
 
     # ---- batch construction -------------------------------------------------------------
     def batch_arrays(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
@@ -112,12 +115,15 @@ class ModelRunner:
             return self._chunked(tables[0], tokens[0], want_logits, taps)
         uniform = all(n == t for n in lengths)
         nblk_real = max(len(tb.blocks) for tb in tables)
+        fresh = self.fresh_prefill and all(tb.num_tokens == 0 for tb in tables)  # no cached prefix
         t_graph = self._graph_width(len(tables), t, uniform, want_logits)
         if t_graph:
-            out = self._graph_forward(tables, tokens, t_graph, nblk_real, want_logits, taps)
+            out = self._graph_forward(tables, tokens, t_graph, nblk_real, want_logits, taps, fresh)
         else:
             ids, batch, _ = self._batch(tables, tokens, len(tables), t, nblk_real)
-            batch.mask = causal_position_mask(batch.positions, nblk_real * self.block_size)
+            batch.fresh = fresh
+            if not fresh:
+                batch.mask = causal_position_mask(batch.positions, nblk_real * self.block_size)
             hidden, tapped = self.model(ids, batch, self.cache.data, self.taps if taps else ())
             out = StepOutput(hidden, tapped, None)
             if want_logits == "all":
@@ -158,27 +164,30 @@ class ModelRunner:
             return bucket(t, 64)
         return 0
 
-    def _graphed(self, packed: torch.Tensor, b: int, t: int, nblk: int, last: bool
+    def _graphed(self, packed: torch.Tensor, b: int, t: int, nblk: int, last: bool, fresh: bool = False
                  ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """The captured forward: a pure function of one packed int64 input (ids, pos, slots, tables and,
         with `last`, each row's last real column, whose logits alone are computed)."""
         ids, pos, slots, bt, idx = packed.split([b * t, b * t, b * t, b * nblk, b if last else 0])
         hidden, tapped, logits = self.model_step(ids.view(b, t), pos.view(b, t), slots, bt.view(b, nblk),
-                                                 idx if last else None)
+                                                 idx if last else None, fresh)
         return hidden, tapped, logits
 
     def model_step(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, bt: torch.Tensor,
-                   last: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+                   last: torch.Tensor | None = None, fresh: bool = False
+                   ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """The target forward of device inputs (graph-safe): normed hidden, taps, and logits of every
-        column or, given `last` [B], of those columns only ([B, 1, V])."""
-        batch = AttnBatch(pos, slots, bt, causal_position_mask(pos, bt.shape[1] * self.block_size))
+        column or, given `last` [B], of those columns only ([B, 1, V]). `fresh`: every row starts at 0
+        (AttnBatch.fresh)."""
+        mask = torch.empty(0) if fresh else causal_position_mask(pos, bt.shape[1] * self.block_size)
+        batch = AttnBatch(pos, slots, bt, mask, fresh)
         hidden, tapped = self.model(ids, batch, self.cache.data, self.taps, self.graph_fns)
         if last is not None:
             return hidden, tapped, self.model.logits(hidden[torch.arange(ids.shape[0], device=ids.device), last][:, None])
         return hidden, tapped, self.model.logits(hidden)
 
     def _graph_forward(self, tables: list[BlockTable], tokens: list[list[int]], t: int, nblk: int,
-                       want_logits: str, taps: bool) -> StepOutput:
+                       want_logits: str, taps: bool, fresh: bool = False) -> StepOutput:
         b = len(tables)
         bp, nb = bucket(b), bucket(nblk, 4)
         arrays = self.batch_arrays(tables, tokens, bp, t, nb)
@@ -188,6 +197,6 @@ class ModelRunner:
             idx[:b] = [len(x) - 1 for x in tokens]
             arrays.append(idx)
         packed, _ = pack_host(arrays, self.device)
-        hidden, tapped, lg = self._graph([packed], b=bp, t=t, nblk=nb, last=last)
+        hidden, tapped, lg = self._graph([packed], b=bp, t=t, nblk=nb, last=last, fresh=fresh)
         return StepOutput(hidden[:b], [x[:b] for x in tapped] if taps else [],
                           lg[:b] if want_logits != "none" else None)

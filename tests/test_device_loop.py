@@ -84,3 +84,19 @@ def test_sampled_rows_keep_the_stepwise_loop(dflash_pair):  # noqa: F811
     gen.generate(_prompts(2, 3), [SamplingParams(max_tokens=8, ignore_eos=True),
                                   SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)])
     assert gen._loop is None or gen._loop.runs == 0
+
+
+def test_native_requests_launch_no_step_past_their_end(dflash_pair):  # noqa: F811
+    """The host reads the step in flight before launching another once that step surely ends every row
+    (native: one token to go), so a request never waits for a wasted step; DFlash reads first when the
+    step in flight is likely to end it, and launches past the end at most once per batch."""
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=False, compile=False)
+    prompts = _prompts(3, 5)
+    for spec in (False, True):
+        gen = DFlashGenerator(runner, drafter, (), 16) if spec else NativeGenerator(runner)
+        for n in (2, 9, 40):
+            gen.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True)] * 3)
+        assert gen._loop.runs == 3
+        assert gen._loop.wasted_steps <= (3 if spec else 0)

@@ -129,3 +129,42 @@ def test_long_prompt_prefills_in_graph_width_chunks_with_the_one_forward_result(
         res[name] = ([s.output for s in spec], [s.stats.acceptance_lengths for s in spec], [s.output for s in native])
     assert calls == [len(prompt)] * 3  # the forward above, then DFlash's and native's prefill
     assert res["chunked"] == res["plain"] and res["chunked"][0] == res["chunked"][2]
+
+
+def test_fresh_prefill_attends_causally_like_the_cache_path(dflash_pair):  # noqa: F811
+    """A prompt with no cached prefix attends over its own K/V with a fused causal kernel
+    (AttnBatch.fresh): the same hidden states, taps and logits as attention over the gathered cache
+    under the position mask, for right-padded rows of different lengths; a prefix hit keeps the mask path."""
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    runner = ModelRunner(target, 256, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True, compile=False)
+    prompts = _prompts(3, 11)
+    outs, seen = {}, []
+    step = runner.model_step
+
+    def spy(ids, pos, slots, bt, last=None, fresh=False):
+        seen.append(fresh)
+        return step(ids, pos, slots, bt, last, fresh)
+
+    runner.model_step = spy
+    for fresh in (True, False):
+        tables = [BlockTable() for _ in prompts]
+        for tb, p in zip(tables, prompts):
+            runner.allocator.ensure(tb, len(p))
+        ids, pos, slots, bt = (torch.as_tensor(x) for x in runner.batch_arrays(tables, prompts, 4, 200, 16))
+        outs[fresh] = step(ids, pos, slots, bt, None, fresh)
+        for tb in tables:
+            runner.allocator.free(tb)
+    for r, p in enumerate(prompts):
+        n = len(p)
+        torch.testing.assert_close(outs[True][0][r, :n], outs[False][0][r, :n])
+        torch.testing.assert_close(outs[True][2][r, :n], outs[False][2][r, :n])
+        for a, b in zip(outs[True][1], outs[False][1]):
+            torch.testing.assert_close(a[r, :n], b[r, :n])
+    # through forward: a fresh prompt takes the causal path; its cached tail (a prefix hit) does not
+    seen.clear()
+    table = BlockTable()
+    runner.allocator.ensure(table, 150)
+    runner.forward([table], [list(range(3, 103))], "last")
+    runner.forward([table], [list(range(3, 53))], "last")
+    assert seen == [True, False]

@@ -115,6 +115,8 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--kl-weight", type=float, default=0.0,
                    help="weight of KL(target || drafter) beside the cross-entropy on the target's tokens")
+    t.add_argument("--attention", choices=["auto", "mask", "flex"], default="auto",
+                   help="the blocks' attention in training: flex (CUDA), an explicit mask, or auto (flex on CUDA)")
     t.add_argument("--num-prompts", type=int, default=512)
     t.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens")
     t.add_argument("--new-tokens", type=int, default=256, help="tokens the target regenerates per prompt")
@@ -177,7 +179,8 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     tc = DrafterTrainConfig(layers=a.layers, intermediate_size=a.intermediate_size, block_size=a.block_size,
                             num_taps=a.taps, mask_token_id=a.mask_token_id,
                             steps=a.steps, seqs_per_step=a.seqs_per_step, anchors=a.anchors, lr=a.lr, seed=a.seed,
-                            save_every=max(1, a.steps // 4), kl_weight=a.kl_weight)
+                            save_every=max(1, a.steps // 4), kl_weight=a.kl_weight,
+                            attention=a.attention)
     train_drafter(target, data, [len(p) for p in train_prompts], a.out, tc, resume=a.resume)
     if eval_prompts:
         from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (evaluate what was written)

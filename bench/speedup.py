@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--widths", default="4,8,12,16")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-fresh-prefill", action="store_true",
+                    help="prefill through the cache and the position mask, not the fused causal kernel")
     ap.add_argument("--out", default="bench/results/speedup.json")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
@@ -131,6 +133,7 @@ def main() -> None:
     tok = TextTokenizer.from_dir(a.target)
     screen_p, confirm_p = heldout_prompt_sets(tok, a.prompts, a.seed)
     runner = ModelRunner(target, num_blocks=8192, block_size=16, taps=tuple(drafter.cfg.target_layer_ids))
+    runner.fresh_prefill = not a.no_fresh_prefill
     native = NativeGenerator(runner, target.cfg.eos_token_ids)
     spec = DFlashGenerator(runner, drafter, target.cfg.eos_token_ids)
     news = [int(x) for x in a.new_tokens.split(",")]
@@ -147,10 +150,12 @@ def main() -> None:
         write_json(out, {**partial, "partial": f"confirmed new_tokens {[c['new_tokens'] for c in confirm]}",
                          "confirm": confirm})
     payload = {"bench": "speedup", "target": a.target, "draft": a.draft, "device": a.device,
-               "dtype": str(dtype).removeprefix("torch."), "batch": 1, "screen": screen, "chosen_width": best,
+               "dtype": str(dtype).removeprefix("torch."), "batch": 1, "fresh_prefill": runner.fresh_prefill,
+               "screen": screen, "chosen_width": best,
                "confirm": confirm,
                "command": f"python -m flashpd.bench.speedup --target {a.target} --draft {a.draft} --prompts {a.prompts} "
-                          f"--new-tokens {a.new_tokens} --widths {a.widths} --reps {a.reps} --seed {a.seed} --out {a.out}"}
+                          f"--new-tokens {a.new_tokens} --widths {a.widths} --reps {a.reps} --seed {a.seed}"
+                          + (" --no-fresh-prefill" if a.no_fresh_prefill else "") + f" --out {a.out}"}
     write_json(out, payload)
     try:
         payload["charts"] = plot(payload, out)

@@ -1,0 +1,80 @@
+"""Where bfloat16 DFlash and native greedy decoding part, under each prefill attention path.
+
+In float32 on the CPU DFlash equals native token for token (tests assert it). In bfloat16 on a GPU a
+verify forward of w columns and a one-token forward round differently, so a near-tie can flip; the
+speedup protocol reports the match rate. This bench says which side moved when the rate changes: per
+prompt, the first differing position between native and DFlash with the fresh-prefill causal kernel
+(AttnBatch.fresh) and with the cache-and-mask path, and between the two prefill paths of each method.
+
+    python -m flashpd.bench.exact_probe --prompts 8 --new-tokens 256 --width 8 --out bench/results/exact_probe.json
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from flashpd.bench.common import write_json
+from flashpd.bench.speedup import heldout_prompt_sets
+from flashpd.demo import PAIR
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.tokenizer import TextTokenizer
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default=str(PAIR / "target"))
+    ap.add_argument("--draft", default=str(PAIR / "drafter"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prompts", type=int, default=8, help="per set; both of the speedup bench's sets are probed")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--width", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/exact_probe.json")
+    a = ap.parse_args()
+    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+    target = load_target(a.target, a.device, dtype)
+    drafter = load_drafter(a.draft, target)
+    screen, confirm = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.prompts, a.seed)
+    runner = ModelRunner(target, num_blocks=8192, block_size=16, taps=tuple(drafter.cfg.target_layer_ids))
+    native = NativeGenerator(runner, target.cfg.eos_token_ids)
+    spec = DFlashGenerator(runner, drafter, target.cfg.eos_token_ids)
+    params = [SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)]
+    rows = []
+    for name, prompts in (("screen", screen), ("confirm", confirm)):
+        for i, p in enumerate(prompts):
+            out = {}
+            for fresh in (True, False):
+                runner.fresh_prefill = fresh
+                out[("native", fresh)] = native.generate([p], params)[0].output
+                out[("dflash", fresh)] = spec.generate([p], params, [a.width])[0].output
+            runner.fresh_prefill = True
+            row = {"set": name, "prompt": i, "prompt_len": len(p),
+                   "dflash_vs_native_fresh": first_diff(out[("native", True)], out[("dflash", True)]),
+                   "dflash_vs_native_mask": first_diff(out[("native", False)], out[("dflash", False)]),
+                   "native_fresh_vs_mask": first_diff(out[("native", True)], out[("native", False)]),
+                   "dflash_fresh_vs_mask": first_diff(out[("dflash", True)], out[("dflash", False)])}
+            rows.append(row)
+            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    summary = {k: f"{sum(r[k] is None for r in rows)}/{len(rows)} equal"
+               for k in ("dflash_vs_native_fresh", "dflash_vs_native_mask", "native_fresh_vs_mask", "dflash_fresh_vs_mask")}
+    print(summary)
+    write_json(Path(a.out), {"bench": "exact_probe", "target": a.target, "draft": a.draft, "device": a.device,
+                             "dtype": str(dtype).removeprefix("torch."), "width": a.width, "new_tokens": a.new_tokens,
+                             "rows": rows, "summary": summary,
+                             "command": f"python -m flashpd.bench.exact_probe --prompts {a.prompts} --new-tokens "
+                                        f"{a.new_tokens} --width {a.width} --seed {a.seed} --out {a.out}"})
+
+
+if __name__ == "__main__":
+    main()

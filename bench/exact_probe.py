@@ -40,13 +40,23 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--paths", default="fresh,mask", help="prefill paths to probe (fresh, mask)")
+    ap.add_argument("--no-compile", action="store_true", help="CUDA graphs of the eager layer functions")
+    ap.add_argument("--static-shapes", action="store_true",
+                    help="torch.compile specialises every shape (no automatic dynamic-shape kernels)")
     ap.add_argument("--out", default="bench/results/exact_probe.json")
     a = ap.parse_args()
+    if a.static_shapes:
+        torch._dynamo.config.automatic_dynamic_shapes = False
+        torch._dynamo.config.recompile_limit = 256
+        torch._dynamo.config.cache_size_limit = 256
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     target = load_target(a.target, a.device, dtype)
     drafter = load_drafter(a.draft, target)
     screen, confirm = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.prompts, a.seed)
-    runner = ModelRunner(target, num_blocks=8192, block_size=16, taps=tuple(drafter.cfg.target_layer_ids))
+    runner = ModelRunner(target, num_blocks=8192, block_size=16, taps=tuple(drafter.cfg.target_layer_ids),
+                         compile=False if a.no_compile else None)
+    paths = [x == "fresh" for x in a.paths.split(",")]
     native = NativeGenerator(runner, target.cfg.eos_token_ids)
     spec = DFlashGenerator(runner, drafter, target.cfg.eos_token_ids)
     params = [SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)]
@@ -54,26 +64,31 @@ def main() -> None:
     for name, prompts in (("screen", screen), ("confirm", confirm)):
         for i, p in enumerate(prompts):
             out = {}
-            for fresh in (True, False):
+            for fresh in paths:
                 runner.fresh_prefill = fresh
                 out[("native", fresh)] = native.generate([p], params)[0].output
                 out[("dflash", fresh)] = spec.generate([p], params, [a.width])[0].output
             runner.fresh_prefill = True
-            row = {"set": name, "prompt": i, "prompt_len": len(p),
-                   "dflash_vs_native_fresh": first_diff(out[("native", True)], out[("dflash", True)]),
-                   "dflash_vs_native_mask": first_diff(out[("native", False)], out[("dflash", False)]),
-                   "native_fresh_vs_mask": first_diff(out[("native", True)], out[("native", False)]),
-                   "dflash_fresh_vs_mask": first_diff(out[("dflash", True)], out[("dflash", False)])}
+            row = {"set": name, "prompt": i, "prompt_len": len(p)}
+            for f, tag in ((True, "fresh"), (False, "mask")):
+                if f in paths:
+                    row[f"dflash_vs_native_{tag}"] = first_diff(out[("native", f)], out[("dflash", f)])
+            if len(paths) == 2:
+                row["native_fresh_vs_mask"] = first_diff(out[("native", True)], out[("native", False)])
+                row["dflash_fresh_vs_mask"] = first_diff(out[("dflash", True)], out[("dflash", False)])
             rows.append(row)
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    summary = {k: f"{sum(r[k] is None for r in rows)}/{len(rows)} equal"
-               for k in ("dflash_vs_native_fresh", "dflash_vs_native_mask", "native_fresh_vs_mask", "dflash_fresh_vs_mask")}
+    summary = {k: f"{sum(r[k] is None for r in rows)}/{len(rows)} equal" for k in rows[0] if k not in
+               ("set", "prompt", "prompt_len")}
     print(summary)
     write_json(Path(a.out), {"bench": "exact_probe", "target": a.target, "draft": a.draft, "device": a.device,
                              "dtype": str(dtype).removeprefix("torch."), "width": a.width, "new_tokens": a.new_tokens,
+                             "compile": runner.compile, "static_shapes": a.static_shapes,
                              "rows": rows, "summary": summary,
                              "command": f"python -m flashpd.bench.exact_probe --prompts {a.prompts} --new-tokens "
-                                        f"{a.new_tokens} --width {a.width} --seed {a.seed} --out {a.out}"})
+                                        f"{a.new_tokens} --width {a.width} --seed {a.seed} --paths {a.paths}"
+                                        + (" --no-compile" if a.no_compile else "")
+                                        + (" --static-shapes" if a.static_shapes else "") + f" --out {a.out}"})
 
 
 if __name__ == "__main__":

@@ -53,9 +53,9 @@ def run_demo(device: str | None = None) -> int:
           f"{str(native.dtype).removeprefix('torch.')}.")
     print(f"This is the small demo pair, not a real model. Its recorded held-out tau (block 16, 256 tokens) is "
           f"{report['tau_mean']:.2f}, but it accepts less on arbitrary windows of unseen code (and most where its "
-          f"greedy output repeats itself), so the speedup varies widely by prompt: geomean x1.47 for 64 new "
-          f"tokens and x2.14 for 256 under the benchmark protocol on an H200 (per prompt x0.91-x4.05; "
-          f"bench/results/demo_pair_v2_h200/), less on a CPU.")
+          f"greedy output repeats itself), so the speedup varies widely by prompt: geomean x1.57 for 64 new "
+          f"tokens and x2.39-x2.56 for 256 in two runs of the benchmark protocol on an H200 (per prompt "
+          f"x0.85-x5.02; bench/results/demo_pair_v2_h200_fresh/), less on a CPU.")
     prompts = heldout_prompts(native.encode)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     for p in prompts:

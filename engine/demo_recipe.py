@@ -52,7 +52,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                    seq_len: int = 2048, drafter_steps: int = 10000, num_prompts: int = 4096, new_tokens: int = 256,
                    heldout_prompts: int = 16, vocab_size: int = TARGET_SHAPE["vocab_size"], drafter_seqs: int = 16,
                    drafter_lr: float = 1.5e-3, corpus: str = "stdlib+torch", kl_weight: float = 0.0,
-                   drafter_intermediate: int | None = None,
+                   drafter_intermediate: int | None = None, drafter_attention: str = "auto",
                    log: Callable[[str], None] = print) -> dict:
     out = Path(out)
     shape = {**TARGET_SHAPE, "vocab_size": vocab_size}
@@ -90,7 +90,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     tc = DrafterTrainConfig(layers=2, intermediate_size=drafter_intermediate, block_size=16, num_taps=5,
                             mask_token_id=mask, steps=drafter_steps,
                             seqs_per_step=drafter_seqs, anchors=128, lr=drafter_lr, seed=seed, save_every=1000,
-                            kl_weight=kl_weight)
+                            kl_weight=kl_weight, attention=drafter_attention)
     drafter = train_drafter(target, data, [len(p) for p in prompts], out / "drafter-train", tc, log=log)
     log(f"drafter trained ({time.perf_counter() - t0:.0f} s)")
     ddir = save_drafter(drafter, out / "drafter", dtype=torch.bfloat16)
@@ -104,6 +104,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                          "target_shape": shape, "drafter": {"layers": 2, "block_size": 16, "taps": 5,
                                                                     "seqs_per_step": drafter_seqs, "lr": drafter_lr,
                                                                     "kl_weight": kl_weight,
+                                                                    "attention": drafter_attention,
                                                                     "intermediate_size": drafter.cfg.intermediate_size},
                          "device": device, "dtype_eval": str(dtype)},
               "heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows),

@@ -138,6 +138,8 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                    help="training text: the stdlib's Python, or it and the installed torch package's")
     m.add_argument("--kl-weight", type=float, default=0.0,
                    help="weight of KL(target || drafter) beside the drafter's cross-entropy")
+    m.add_argument("--drafter-attention", choices=["auto", "mask", "flex"], default="auto",
+                   help="the drafter's training attention: flex on CUDA by default (auto); mask is how v2 was made")
     m.add_argument("--drafter-intermediate", type=int,
                    help="the draft layers' MLP width (default: the target's 512; the pair must stay within 16 MB)")
 
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             make_demo_pair(a.out, dev, seed=a.seed, target_steps=a.target_steps, drafter_steps=a.drafter_steps,
                            vocab_size=a.vocab_size, drafter_seqs=a.drafter_seqs, drafter_lr=a.drafter_lr,
                            num_prompts=a.num_prompts, corpus=a.corpus, kl_weight=a.kl_weight,
-                           drafter_intermediate=a.drafter_intermediate)
+                           drafter_intermediate=a.drafter_intermediate, drafter_attention=a.drafter_attention)
             return 0
         from flashpd.demo import run_demo  # noqa: PLC0415
         return run_demo(device=a.device)

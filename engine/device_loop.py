@@ -157,7 +157,7 @@ class DeviceLoop:
         # the bookkeeping's ~40 tiny ops, compiled (as the runner compiles its layers), are a few fused
         # kernels in the captured graph: on an H200 a width-1 DFlash step went from 0.66 to 0.60 ms at context
         # 256 (profile_step timed width 1 then: see the README's profile table)
-        fuse = (lambda f: torch.compile(f, fullgraph=True)) if self.runner.compile else (lambda f: f)
+        fuse = self.runner.compiled
         self._native_in, self._native_out = fuse(native_in), fuse(native_out)
         self._spec_in, self._spec_out = fuse(spec_in), fuse(spec_out)
         self._bufs: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -182,8 +182,7 @@ class DeviceLoop:
         # 1) the accepted positions' context K/V join the draft cache; padding rows write scratch
         drafter.write_context(drafts.cache.data, pend.reshape(b * t, f), cpos, cslots, drafts.kv_fn)
         # 2) draft [x, MASK...]; columns past the row's width repeat its last position and are masked
-        guess = drafter.draft_logits(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0],
-                                     drafts.layer_fn).argmax(-1)
+        guess = drafts.guess_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0])
         # 3) verify [x, guesses]; columns past the width, and frozen rows, write scratch and are never read
         _, tapped, logits = runner.model_step(torch.cat([st[:, X:X + 1], guess], dim=1), pos, vslots, bt)
         # 4) accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice

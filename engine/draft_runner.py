@@ -27,8 +27,11 @@ class DraftRunner:
         # Same block geometry as the target cache: the sequence's block table indexes both.
         self.cache = PagedKVCache(c.num_hidden_layers, runner.cache.num_blocks, runner.block_size,
                                   c.num_key_value_heads, c.head_dim, runner.dtype, runner.device)
-        compiled = (lambda f: torch.compile(f, fullgraph=True)) if runner.compile else (lambda f: f)
+        compiled = runner.compiled
         self.layer_fn, self.kv_fn = compiled(draft_layer), compiled(context_kv_all)
+        # the greedy draft (whole pass + argmax) as one compiled function: its glue (rotary tables, masks, cache
+        # gathers, final norm, argmax: about 25 eager kernels a step) fuses with the layers
+        self.guess_fn = compiled(self.guess)
         self._graph = GraphedFn(self._step) if runner.cuda_graphs else None
 
     def _step(self, new_taps: torch.Tensor, packed: torch.Tensor, b: int, t: int, rows: int, nblk: int) -> torch.Tensor:
@@ -39,6 +42,11 @@ class DraftRunner:
             self.drafter.write_context(self.cache.data, new_taps, new_pos, new_slots, self.kv_fn)
         return self.drafter.draft_logits(ids.view(b, t), pos.view(b, t), self.cache.data, bt.view(b, nblk),
                                          ctx_lens, blens, self.layer_fn)
+
+    def guess(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
+              ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens [B, T-1] of blocks ids/pos [B, T] (see DFlashDrafter.draft_logits)."""
+        return self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer).argmax(-1)
 
     def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:
         p = np.arange(start, start + n)

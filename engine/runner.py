@@ -7,6 +7,7 @@ T=block) so that the per-step cost on a GPU is the weights' read, not Python and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -45,12 +46,11 @@ class ModelRunner:
         self.max_positions = model.rotary.max_positions if model.rotary else cfg.max_position_embeddings
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         # torch.compile fuses each layer's small ops (norms, RoPE, SwiGLU) inside captured graphs;
-        # the same two layer functions run eagerly everywhere else.
+        # the same layer functions run eagerly everywhere else.
         self.compile = self.cuda_graphs if compile is None else compile
-        self.graph_fns = EAGER
         if self.compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.graph_fns = tuple(torch.compile(f, fullgraph=True) for f in EAGER)
+        self.graph_fns = tuple(self.compiled(f) for f in EAGER)
         self._graph = GraphedFn(self._graphed)
         # a lone prompt longer than a prefill graph runs as consecutive graph-width chunks, each attending to
         # the cache the earlier ones wrote, instead of one eager forward (whose Python and launch overhead
@@ -59,6 +59,15 @@ class ModelRunner:
         # a prompt with no cached prefix attends over its own K/V with a fused causal kernel (AttnBatch.fresh);
         # False: through the cache and the position mask like any other forward (benches compare the two)
         self.fresh_prefill = True
+
+    # tests set "aot_eager": dynamo traces every compiled function whole (fullgraph: a graph break fails)
+    # and runs the traced ATen ops without code generation, fast on a CPU
+    COMPILE_BACKEND = "inductor"
+
+    def compiled(self, fn: Callable) -> Callable:
+        """fn through torch.compile (whole graph) when this runner compiles, else fn itself: the layer
+        functions here, and the drafter's and the device loop's step functions beside them."""
+        return torch.compile(fn, fullgraph=True, backend=self.COMPILE_BACKEND) if self.compile else fn
 
     # ---- batch construction -------------------------------------------------------------
     def batch_arrays(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,

@@ -100,3 +100,32 @@ def test_native_requests_launch_no_step_past_their_end(dflash_pair):  # noqa: F8
             gen.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True)] * 3)
         assert gen._loop.runs == 3
         assert gen._loop.wasted_steps <= (3 if spec else 0)
+
+
+def test_compiled_step_functions_trace_whole_and_give_the_eager_tokens(dflash_pair, monkeypatch):  # noqa: F811
+    """What torch.compile fuses on a GPU (the layer functions, the final norm, the drafter's whole greedy pass
+    with its argmax, its context K/V, the loop's bookkeeping) must trace as whole graphs: dynamo traces them
+    here (fullgraph, so a graph break fails) and runs the traced ops without code generation."""
+    import torch._dynamo  # noqa: PLC0415
+
+    monkeypatch.setattr(ModelRunner, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    prompts = _prompts(2, 9)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (23, 30)]
+    got = {}
+    for comp in (True, False):
+        runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=False,
+                             compile=comp)
+        spec, native = DFlashGenerator(runner, drafter, (), 16), NativeGenerator(runner)
+        before = sum(torch._dynamo.utils.counters["stats"].values())
+        out = [(s.output, s.stats.acceptance_lengths) for s in spec.generate(prompts, params)]
+        out += [(s.output, None) for s in native.generate(prompts, params)]
+        got[comp] = out
+        if comp:
+            assert spec._loop.runs == 1 and native._loop.runs == 1
+            assert sum(torch._dynamo.utils.counters["stats"].values()) > before, "nothing went through dynamo"
+    assert got[True] == got[False]
+    assert max(max(a) for _, a in got[True][:2]) > 1
+    torch._dynamo.reset()

@@ -93,8 +93,7 @@ def measure_loop(gen: NativeGenerator, prompt: list[int], max_tokens: int, reps:
 
 def measure_prefill(gen: NativeGenerator, prompt: list[int], reps: int, cuda: bool) -> float:
     """Median ms from a prompt to its first token, the drafter's context written too for DFlash (what
-    a request waits for before its first step)."""
-    spec = isinstance(gen, DFlashGenerator)
+    a request waits for before its first step; `_ready` writes it)."""
     times = []
     for r in range(reps + 1):  # the first run captures / compiles
         torch.cuda.synchronize() if cuda else None

@@ -231,6 +231,21 @@ def context_kv_all(taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_f
     return torch.stack([k, v.view(n_l, n, n_kv, d)], dim=1)
 
 
+def draft_qkv(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+              w_in: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
+              eps: float, n_q: int, n_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft layer's attention inputs: queries [B, T, n_q, d] of the block, and keys and values
+    [B, kv, L + T, d], the context's then the block's own (normed and roped as the target's are)."""
+    b, t, _ = h.shape
+    x = rms_norm(h, w_in, eps)
+    q = apply_rotary(rms_norm(F.linear(x, w_q).view(b, t, n_q, d), w_qn, eps), cos, sin)
+    k, v = F.linear(x, w_kv).split([n_kv * d, n_kv * d], dim=-1)
+    k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
+    keys = torch.cat([ctx_k, k.transpose(1, 2)], dim=2)
+    vals = torch.cat([ctx_v, v.view(b, t, n_kv, d).transpose(1, 2)], dim=2)
+    return q, keys, vals
+
+
 def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, mask: torch.Tensor, w_in: torch.Tensor,
                 w_q: torch.Tensor, w_kv: torch.Tensor, w_o: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
@@ -240,13 +255,7 @@ def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: to
 
     The same function serves inference (context gathered from the paged cache) and training
     (context computed for a whole sequence, many blocks masked apart)."""
-    b, t, _ = h.shape
-    x = rms_norm(h, w_in, eps)
-    q = apply_rotary(rms_norm(F.linear(x, w_q).view(b, t, n_q, d), w_qn, eps), cos, sin)
-    k, v = F.linear(x, w_kv).split([n_kv * d, n_kv * d], dim=-1)
-    k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
-    keys = torch.cat([ctx_k, k.transpose(1, 2)], dim=2)
-    vals = torch.cat([ctx_v, v.view(b, t, n_kv, d).transpose(1, 2)], dim=2)
+    q, keys, vals = draft_qkv(h, cos, sin, ctx_k, ctx_v, w_in, w_q, w_kv, w_qn, w_kn, eps, n_q, n_kv, d)
     return mlp_residual(h + F.linear(grouped_sdpa(q, keys, vals, mask, d ** -0.5), w_o), w_post, w_gate_up,
                         w_down, eps)
 

@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from flashpd.engine.attention import group_mask
 from flashpd.engine.drafter import DFlashConfig, DFlashDrafter, context_kv_all, default_target_layer_ids, \
-    draft_layer, dummy_drafter, load_drafter
+    draft_layer, draft_qkv, dummy_drafter, load_drafter
 from flashpd.engine.export import save_drafter
 from flashpd.engine.generate import NativeGenerator
-from flashpd.engine.layers import apply_rotary, rms_norm
+from flashpd.engine.layers import rms_norm
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, mlp_residual
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
@@ -252,12 +252,7 @@ def flex_draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_
     The same math line for line; the explicit mask it takes costs S*groups*K*B*(N + K*B) booleans per
     step and forces SDPA's masked kernel over every tile, most of which the block mask skips."""
     b, t, _ = h.shape
-    x = rms_norm(h, w_in, eps)
-    q = apply_rotary(rms_norm(F.linear(x, w_q).view(b, t, n_q, d), w_qn, eps), cos, sin)
-    k, v = F.linear(x, w_kv).split([n_kv * d, n_kv * d], dim=-1)
-    k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
-    keys = torch.cat([ctx_k, k.transpose(1, 2)], dim=2)
-    vals = torch.cat([ctx_v, v.view(b, t, n_kv, d).transpose(1, 2)], dim=2)
+    q, keys, vals = draft_qkv(h, cos, sin, ctx_k, ctx_v, w_in, w_q, w_kv, w_qn, w_kn, eps, n_q, n_kv, d)
     dt = vals.dtype  # under autocast: the projections' low precision (flex wants one dtype, SDPA casts itself)
     out = flex_attention(q.transpose(1, 2).to(dt), keys.to(dt), vals, block_mask=block_mask, scale=d ** -0.5,
                          enable_gqa=n_q != n_kv)

@@ -26,6 +26,15 @@ def git_revision() -> str:
         return "unknown"
 
 
+def static_shapes() -> None:
+    """torch.compile specialises every shape it meets (no automatic dynamic-shape kernels), with room for
+    the bucketed shapes of a run: whether a kernel's numerics depend on the order shapes arrive in."""
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    torch._dynamo.config.cache_size_limit = 512
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 512
+
+
 def machine() -> dict:
     m = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
     if torch.cuda.is_available():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from flashpd.bench.common import write_json
+from flashpd.bench.common import static_shapes, write_json
 from flashpd.bench.speedup import heldout_prompt_sets
 from flashpd.demo import PAIR
 from flashpd.engine.drafter import load_drafter
@@ -47,9 +47,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/exact_probe.json")
     a = ap.parse_args()
     if a.static_shapes:
-        torch._dynamo.config.automatic_dynamic_shapes = False
-        torch._dynamo.config.recompile_limit = 256
-        torch._dynamo.config.cache_size_limit = 256
+        static_shapes()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     target = load_target(a.target, a.device, dtype)
     drafter = load_drafter(a.draft, target)

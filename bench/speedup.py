@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from flashpd.bench.common import write_json
+from flashpd.bench.common import static_shapes, write_json
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
@@ -125,8 +125,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-fresh-prefill", action="store_true",
                     help="prefill through the cache and the position mask, not the fused causal kernel")
+    ap.add_argument("--static-shapes", action="store_true",
+                    help="torch.compile specialises every shape (no automatic dynamic-shape kernels)")
     ap.add_argument("--out", default="bench/results/speedup.json")
     a = ap.parse_args()
+    if a.static_shapes:
+        static_shapes()
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     target = load_target(a.target, a.device, dtype)
     drafter = load_drafter(a.draft, target)
@@ -151,11 +155,13 @@ def main() -> None:
                          "confirm": confirm})
     payload = {"bench": "speedup", "target": a.target, "draft": a.draft, "device": a.device,
                "dtype": str(dtype).removeprefix("torch."), "batch": 1, "fresh_prefill": runner.fresh_prefill,
+               "static_shapes": a.static_shapes,
                "screen": screen, "chosen_width": best,
                "confirm": confirm,
                "command": f"python -m flashpd.bench.speedup --target {a.target} --draft {a.draft} --prompts {a.prompts} "
                           f"--new-tokens {a.new_tokens} --widths {a.widths} --reps {a.reps} --seed {a.seed}"
-                          + (" --no-fresh-prefill" if a.no_fresh_prefill else "") + f" --out {a.out}"}
+                          + (" --no-fresh-prefill" if a.no_fresh_prefill else "")
+                          + (" --static-shapes" if a.static_shapes else "") + f" --out {a.out}"}
     write_json(out, payload)
     try:
         payload["charts"] = plot(payload, out)

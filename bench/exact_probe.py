@@ -16,14 +16,9 @@ from pathlib import Path
 import torch
 
 from flashpd.bench.common import static_shapes, write_json
-from flashpd.bench.speedup import heldout_prompt_sets
+from flashpd.bench.speedup import heldout_prompt_sets, pair_generators
 from flashpd.demo import PAIR
-from flashpd.engine.drafter import load_drafter
-from flashpd.engine.generate import NativeGenerator
-from flashpd.engine.loader import load_target
-from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
-from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.engine.tokenizer import TextTokenizer
 
 
@@ -48,15 +43,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.static_shapes:
         static_shapes()
-    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
-    target = load_target(a.target, a.device, dtype)
-    drafter = load_drafter(a.draft, target)
+    runner, native, spec = pair_generators(a.target, a.draft, a.device, False if a.no_compile else None)
+    dtype = runner.dtype
     screen, confirm = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.prompts, a.seed)
-    runner = ModelRunner(target, num_blocks=8192, block_size=16, taps=tuple(drafter.cfg.target_layer_ids),
-                         compile=False if a.no_compile else None)
     paths = [x == "fresh" for x in a.paths.split(",")]
-    native = NativeGenerator(runner, target.cfg.eos_token_ids)
-    spec = DFlashGenerator(runner, drafter, target.cfg.eos_token_ids)
     params = [SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)]
     rows = []
     for name, prompts in (("screen", screen), ("confirm", confirm)):

@@ -46,6 +46,19 @@ def heldout_prompt_sets(tok: TextTokenizer, n: int, seed: int) -> tuple[list[lis
     return sets[0], sets[1]
 
 
+def pair_generators(target_dir: str, draft_dir: str, device: str, compile: bool | None = None
+                    ) -> tuple[ModelRunner, NativeGenerator, DFlashGenerator]:
+    """Native and DFlash generators of one pair on one runner (bf16 on a GPU, float32 on the CPU), so
+    both methods share the cache, the graphs and the compiled kernels."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    target = load_target(target_dir, device, dtype)
+    drafter = load_drafter(draft_dir, target)
+    runner = ModelRunner(target, num_blocks=8192, block_size=16, taps=tuple(drafter.cfg.target_layer_ids),
+                         compile=compile)
+    return (runner, NativeGenerator(runner, target.cfg.eos_token_ids),
+            DFlashGenerator(runner, drafter, target.cfg.eos_token_ids))
+
+
 def _timed(fn) -> tuple[float, object]:
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     t = time.perf_counter()
@@ -131,15 +144,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.static_shapes:
         static_shapes()
-    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    target = load_target(a.target, a.device, dtype)
-    drafter = load_drafter(a.draft, target)
-    tok = TextTokenizer.from_dir(a.target)
-    screen_p, confirm_p = heldout_prompt_sets(tok, a.prompts, a.seed)
-    runner = ModelRunner(target, num_blocks=8192, block_size=16, taps=tuple(drafter.cfg.target_layer_ids))
+    runner, native, spec = pair_generators(a.target, a.draft, a.device)
+    dtype = runner.dtype
+    screen_p, confirm_p = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.prompts, a.seed)
     runner.fresh_prefill = not a.no_fresh_prefill
-    native = NativeGenerator(runner, target.cfg.eos_token_ids)
-    spec = DFlashGenerator(runner, drafter, target.cfg.eos_token_ids)
     news = [int(x) for x in a.new_tokens.split(",")]
     print("screen (1 timed run each):", flush=True)
     screen = [run_set(native, spec, screen_p, w, news[0], 1) for w in (int(x) for x in a.widths.split(","))]

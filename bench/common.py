@@ -35,6 +35,14 @@ def static_shapes() -> None:
         torch._dynamo.config.recompile_limit = 512
 
 
+def no_split_reductions() -> None:
+    """Inductor sums every reduction row by row (no split across thread blocks for long, few-row reductions):
+    whether a one-token step and a verify round a softmax apart because only one of them is split."""
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    inductor_config.split_reductions = False
+
+
 def machine() -> dict:
     m = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
     if torch.cuda.is_available():

@@ -17,6 +17,7 @@
 # (../shared/tools/gpu-wheels.sh .whl-lm lmcache, about 28 MB, plus the grpcio and protobuf wheels above) instead of
 # Ray's, as both do not fit one carry, and set WHEELS=.whl-lm.
 # BRIDGE=shm moves the sweeps' KV through shared memory (gRPC carries handles) instead of inside the gRPC messages.
+# probe (the bf16 exactness lead in the README: exact_probe with compile as is, without it, with static shapes, without split reductions).
 # PROFILE_ARGS adds flags to the profile step (e.g. "--prompts heldout --block 8"). PROMPTS sets the speedup step's prompts per set (default 4). RECIPE_ARGS adds flags to the pair step (e.g. "--drafter-steps 9000"); PAIR=new points profile and speedup at
 # the pair that step made (STEPS="pair speedup" PAIR=new: a candidate pair judged under the protocol in one call).
 # LAUNCHER=local runs the sweeps with local processes instead of Ray (fractional GPUs on one, whole GPUs on two).
@@ -56,6 +57,16 @@ if want sweep8b; then
   step dummy8b 80 python3 -m flashpd.bench.make_dummy_pair --config qwen3-8b --tokenizer flashpd/assets/demo_pair/target/tokenizer.json --out .dummy8b
   GPUS=0; [ "$NG" -ge 2 ] && GPUS=0,1
   CUDA_VISIBLE_DEVICES=$GPUS step sweep_8b ${SWEEP8B_LIMIT:-230} python3 -m flashpd.cluster.job_sweep --device cuda --dtype bfloat16 --kv-cache-tokens 65536 --max-tokens 32 --long-every 8 --bridge-transport ${BRIDGE:-inline} --launcher $L --concurrency 1,8,32 --requests 16 --target .dummy8b/target --draft .dummy8b/drafter --out "$OUT/serve_sweep_8b_dummy_h200.json"
+fi
+# probe: where bf16 DFlash and native part, with the runner's compile as is, without compile, with every shape
+# specialised, and with Inductor's split reductions off (four processes side by side on one GPU; exactness only)
+if want probe; then
+  for v in default no-compile static-shapes no-split-reductions; do
+    f=""; [ $v != default ] && f="--$v"
+    CUDA_VISIBLE_DEVICES=$G timeout ${PROBE_LIMIT:-150} python3 -m flashpd.bench.exact_probe --prompts 8 --paths fresh $f \
+      --out "$OUT/exact_probe_$v.json" > "$OUT/probe_$v.log" 2>&1 &
+  done
+  wait; for v in default no-compile static-shapes no-split-reductions; do echo "probe $v: $(tail -1 "$OUT/probe_$v.log")"; done
 fi
 want draft && CUDA_VISIBLE_DEVICES=$G step draft_state 40 python3 -m flashpd.bench.draft_state --device cuda --reps 3 --out "$OUT/draft_state_h200.json"
 ls -la "$OUT"

@@ -70,10 +70,39 @@ def measure(gen: NativeGenerator, step, prompt: list[int], steps: int, cuda: boo
                               "calls_per_step": e.count / steps} for e in host]}
 
 
+def kernel_table(prof, steps: int) -> tuple[float, float, list[dict]]:
+    """(GPU-busy ms per step, kernels per step, every kernel's ms and calls per step, costliest first)."""
+    ev = prof.key_averages()
+    kernels = [e for e in ev if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
+    gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in kernels)
+    table = [{"name": e.key[:120], "ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps,
+              "calls_per_step": e.count / steps}
+             for e in sorted(kernels, key=lambda e: -getattr(e, "self_device_time_total", 0.0))]
+    return gpu_us / 1e3 / steps, sum(e.count for e in kernels) / steps, table
+
+
 def measure_loop(gen: NativeGenerator, prompt: list[int], max_tokens: int, reps: int, cuda: bool) -> dict:
     """Wall time per step of whole requests in the device loop (engine/device_loop.py), no profiler:
-    the host is one step behind the device there, so a step's cost is the loop's time over its steps."""
+    the host is one step behind the device there, so a step's cost is the loop's time over its steps.
+    On a GPU one more request runs under the profiler: the kernels its graph replays, per step (what a
+    step is made of in the path `generate` takes, where the stepwise rows above time another path)."""
     per_step, steps, tau = [], 0, None
+    out: dict = {}
+    if cuda:
+        seqs = _ready(gen, prompt, max_tokens)
+        gen.run_on_device(seqs)  # captures this shape outside the profile
+        gen.finish(seqs[0])
+        seqs = _ready(gen, prompt, max_tokens)
+        wasted = gen.loop().wasted_steps
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            gen.run_on_device(seqs)
+            torch.cuda.synchronize()
+        s = seqs[0]
+        n = (len(s.stats.acceptance_lengths) or len(s.output) - 1) + gen.loop().wasted_steps - wasted
+        gpu, kern, table = kernel_table(prof, n)
+        gen.finish(s)
+        out = {"gpu_busy_ms_per_step": gpu, "kernels_per_step": kern, "kernels": table}
     for r in range(reps + 1):  # the first run captures this shape
         seqs = _ready(gen, prompt, max_tokens)
         torch.cuda.synchronize() if cuda else None
@@ -88,7 +117,7 @@ def measure_loop(gen: NativeGenerator, prompt: list[int], max_tokens: int, reps:
         if r:
             per_step.append(dt / steps)
     return {"wall_ms_per_step_median": statistics.median(per_step), "wall_ms_per_step": per_step, "steps": steps,
-            "tau": tau}
+            "tau": tau, **out}
 
 
 def measure_prefill(gen: NativeGenerator, prompt: list[int], reps: int, cuda: bool) -> float:
@@ -167,6 +196,10 @@ def main() -> None:
         nl, dl = row["native_device_loop"], row["dflash_device_loop"]
         print(f"context {n}, device loop: native {nl['wall_ms_per_step_median']:.3f} ms per step, dflash "
               f"{dl['wall_ms_per_step_median']:.3f} ms per step ({dl['steps']} steps)", flush=True)
+        if cuda:
+            print(f"  device-loop kernels per step: native {nl['kernels_per_step']:.1f} "
+                  f"({nl['gpu_busy_ms_per_step']:.3f} ms GPU), dflash {dl['kernels_per_step']:.1f} "
+                  f"({dl['gpu_busy_ms_per_step']:.3f} ms GPU)", flush=True)
         row["dflash_over_native_wall"] = dfl["wall_ms_median"] / nat["wall_ms_median"]
         if cuda:
             row["dflash_over_native_gpu_busy"] = dfl["gpu_busy_ms_per_step"] / nat["gpu_busy_ms_per_step"]

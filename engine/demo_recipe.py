@@ -7,6 +7,7 @@ source (no network); held-out stdlib files are never trained on and give the eva
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -53,13 +54,26 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                    heldout_prompts: int = 16, vocab_size: int = TARGET_SHAPE["vocab_size"], drafter_seqs: int = 16,
                    drafter_lr: float = 1.5e-3, corpus: str = "stdlib+torch", kl_weight: float = 0.0,
                    drafter_intermediate: int | None = None, drafter_attention: str = "auto",
+                   regen_batch: int | None = None, target_dir: str | Path | None = None,
                    log: Callable[[str], None] = print) -> dict:
+    """The whole recipe into `out` (target/, drafter/, eval.json). With `target_dir`, a target this recipe
+    made before (its tokenizer.json beside it) is copied in and only the drafter's stages run: the same
+    split, prompts and seeds, so drafter settings compare on one target (targets of two runs differ: GPU
+    training is not bit-reproducible, and a pair's acceptance depends much on its target)."""
     out = Path(out)
     shape = {**TARGET_SHAPE, "vocab_size": vocab_size}
     t0 = time.perf_counter()
     train_files, draft_files, held_files = split_three(corpus_files(corpus))
     texts, draft_texts, held_texts = read_texts(train_files), read_texts(draft_files), read_texts(held_files)
-    tok = train_tokenizer(texts, vocab_size)
+    if target_dir is not None:
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
+        src = Path(target_dir)
+        if not (src / "tokenizer.json").exists():
+            raise ValueError(f"{src}: no tokenizer.json (the recipe's targets carry theirs)")
+        tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(texts, vocab_size)
     eos, mask = tok.token_to_id(SPECIAL_TOKENS[0]), tok.token_to_id(SPECIAL_TOKENS[1])
 
     def stream_of(part: list[str]) -> torch.Tensor:
@@ -70,22 +84,29 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
         f"({draft_stream.numel()} tokens), {len(held_texts)} held-out files ({held_stream.numel()} tokens) of {corpus}; "
         f"tokenizer {tok.get_vocab_size()} ids ({time.perf_counter() - t0:.0f} s)")
 
-    cfg = Qwen3Config.from_dict({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
-                                 "eos_token_id": eos})
-    model = train_target(cfg, stream, steps=target_steps, batch=target_batch, seq_len=seq_len, lr=2e-3,
-                         device=device, seed=seed, val_stream=draft_stream, log=log)
-    log(f"target trained ({time.perf_counter() - t0:.0f} s)")
     tdir = out / "target"
-    save_target(model, tdir, dtype=torch.bfloat16)
-    tok.save(str(tdir / "tokenizer.json"))
-    (tdir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    del model
+    if target_dir is not None:
+        if Path(target_dir).resolve() != tdir.resolve():
+            shutil.copytree(target_dir, tdir, dirs_exist_ok=True)
+        shape = {k: json.loads((tdir / "config.json").read_text()).get(k, v) for k, v in shape.items()}
+        log(f"target reused from {target_dir}")
+    else:
+        cfg = Qwen3Config.from_dict({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
+                                     "eos_token_id": eos})
+        model = train_target(cfg, stream, steps=target_steps, batch=target_batch, seq_len=seq_len, lr=2e-3,
+                             device=device, seed=seed, val_stream=draft_stream, log=log)
+        log(f"target trained ({time.perf_counter() - t0:.0f} s)")
+        save_target(model, tdir, dtype=torch.bfloat16)
+        tok.save(str(tdir / "tokenizer.json"))
+        (tdir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        del model
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = load_target(tdir, device, dtype)
 
     gen = torch.Generator().manual_seed(seed + 7)
     prompts = windows(draft_stream, num_prompts, 32, seq_len - new_tokens - 16, gen)
-    data = regenerate(target, prompts, new_tokens, batch=256 if device.startswith("cuda") else 32, log=log)
+    data = regenerate(target, prompts, new_tokens, batch=regen_batch or (256 if device.startswith("cuda") else 32),
+                      log=log)
     log(f"regenerated ({time.perf_counter() - t0:.0f} s)")
     tc = DrafterTrainConfig(layers=2, intermediate_size=drafter_intermediate, block_size=16, num_taps=5,
                             mask_token_id=mask, steps=drafter_steps,
@@ -98,7 +119,8 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     held = heldout_windows(tok, heldout_prompts, seed)
     from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (reload what ships, as users will)
     rows = evaluate_tau(target, load_drafter(ddir, target), held, max_tokens=256)
-    report = {"recipe": {"seed": seed, "target_steps": target_steps, "target_batch": target_batch, "seq_len": seq_len,
+    report = {"recipe": {"seed": seed, "target_steps": None if target_dir is not None else target_steps,
+                         "target_from": str(target_dir) if target_dir is not None else None, "target_batch": target_batch, "seq_len": seq_len,
                          "drafter_steps": drafter_steps, "num_prompts": num_prompts, "new_tokens": new_tokens,
                          "corpus": corpus,
                          "target_shape": shape, "drafter": {"layers": 2, "block_size": 16, "taps": 5,
@@ -108,12 +130,14 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                                                                     "intermediate_size": drafter.cfg.intermediate_size},
                          "device": device, "dtype_eval": str(dtype)},
               "heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows),
+              "tau_64_mean": sum(r["tau_64"] for r in rows) / len(rows),
               "exact": f"{sum(r['exact'] for r in rows)}/{len(rows)}", "seconds": time.perf_counter() - t0}
     pos = [sum(r["position_acceptance"][k] for r in rows) / len(rows) for k in range(len(rows[0]["position_acceptance"]))]
     report["position_acceptance_mean"] = pos  # in eval.json too (it used to reach only the log)
     (out / "eval.json").write_text(json.dumps(report, indent=1))
     for r in rows:
-        log(f"held-out prompt {r['prompt_len']:5d} tokens: tau {r['tau']:.2f} exact {r['exact']}")
+        log(f"held-out prompt {r['prompt_len']:5d} tokens: tau {r['tau']:.2f} (first 64 tokens {r['tau_64']:.2f}) "
+            f"exact {r['exact']}")
     log("acceptance rate per draft position: " + " ".join(f"{x:.2f}" for x in pos))
-    log(f"tau mean {report['tau_mean']:.2f}, exact {report['exact']}, total {report['seconds']:.0f} s")
+    log(f"tau mean {report['tau_mean']:.2f} (first 64 tokens {report['tau_64_mean']:.2f}), exact {report['exact']}, total {report['seconds']:.0f} s")
     return report

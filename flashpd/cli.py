@@ -142,6 +142,10 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                    help="the drafter's training attention: flex on CUDA by default (auto); mask is how v2 was made")
     m.add_argument("--drafter-intermediate", type=int,
                    help="the draft layers' MLP width (default: the target's 512; the pair must stay within 16 MB)")
+    m.add_argument("--new-tokens", type=int, default=256, help="tokens the target regenerates per prompt")
+    m.add_argument("--regen-batch", type=int, help="prompts regenerated at once (default: 256 on CUDA, 32 on CPU)")
+    m.add_argument("--target", help="a target this recipe made before (with its tokenizer.json): copied into --out, "
+                                    "and only the drafter's stages run (drafter settings compared on one target)")
 
 
 def cmd_train_drafter(a: argparse.Namespace) -> int:
@@ -223,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             make_demo_pair(a.out, dev, seed=a.seed, target_steps=a.target_steps, drafter_steps=a.drafter_steps,
                            vocab_size=a.vocab_size, drafter_seqs=a.drafter_seqs, drafter_lr=a.drafter_lr,
                            num_prompts=a.num_prompts, corpus=a.corpus, kl_weight=a.kl_weight,
-                           drafter_intermediate=a.drafter_intermediate, drafter_attention=a.drafter_attention)
+                           drafter_intermediate=a.drafter_intermediate, drafter_attention=a.drafter_attention,
+                           regen_batch=a.regen_batch, target_dir=a.target, new_tokens=a.new_tokens)
             return 0
         from flashpd.demo import run_demo  # noqa: PLC0415
         return run_demo(device=a.device)

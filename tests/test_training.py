@@ -360,3 +360,29 @@ def test_profile_step_times_dflash_steps_at_the_drafters_block_width():
     spec.finish(seqs[0])
     row = measure_loop(spec, prompt, 48, 1, cuda=False)
     assert row["steps"] < 47 and row["tau"] > 1.0
+
+
+def test_tau_within_counts_the_steps_that_made_the_first_tokens():
+    from flashpd.engine.train_drafter import tau_within
+    assert tau_within([3, 1, 5, 16, 16], 8) == 8 / 3  # the third step passes 8 tokens: capped there
+    assert tau_within([3, 1, 5, 16, 16], 64) == 41 / 5  # fewer tokens than n: all steps
+    assert tau_within([], 64) is None
+
+
+def test_recipe_on_a_given_target_copies_it_and_trains_only_the_drafter(tmp_path):
+    """make-demo-pair --target: the shipped demo target is copied in unchanged (no target training),
+    its own tokenizer cuts the prompts, and a drafter is trained, saved, reloaded and evaluated."""
+    from flashpd.engine.demo_recipe import make_demo_pair
+    logs: list[str] = []
+    report = make_demo_pair(tmp_path / "pair", "cpu", drafter_steps=2, num_prompts=4, new_tokens=8,
+                            heldout_prompts=2, drafter_seqs=2, regen_batch=4, target_dir=DEMO / "target",
+                            corpus="stdlib", log=logs.append)
+    for f in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / "pair" / "target" / f).read_bytes() == (DEMO / "target" / f).read_bytes()
+    assert not any("target step" in m for m in logs) and any("target reused" in m for m in logs)
+    assert report["recipe"]["target_from"] == str(DEMO / "target") and report["recipe"]["target_steps"] is None
+    target = load_target(tmp_path / "pair" / "target")
+    load_drafter(tmp_path / "pair" / "drafter", target)  # fits the reused target
+    saved = json.loads((tmp_path / "pair" / "eval.json").read_text())
+    assert len(saved["heldout"]) == 2 and all(r["tau_64"] >= 1.0 for r in saved["heldout"])
+    assert saved["tau_64_mean"] == sum(r["tau_64"] for r in saved["heldout"]) / 2

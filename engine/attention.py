@@ -19,17 +19,18 @@ class AttnBatch:
 
     positions: [B, T] absolute positions (padding rows use 0); slots: [B*T] flat cache slots
     (padding writes the scratch block); block_tables: [B, nblk] (padded with the scratch block);
-    mask: [B, 1, T, nblk*block_size] boolean, True = visible (grouped once per forward by the model).
+    mask: set by the model from the positions and tables (qwen3.step_inputs), grouped for
+    `grouped_attention`: [B, 1, groups*T, nblk*block_size] boolean, True = visible.
     fresh: every row starts at position 0 (a prompt with no cached prefix): attention then needs only
     this forward's own K/V under a causal mask, which a fused causal kernel runs without gathering the
-    cache or reading a mask (`causal_sdpa`); `mask` is unused. Right padding is harmless there: a real
+    cache or reading a mask (`causal_sdpa`); there is no mask. Right padding is harmless there: a real
     query never sees a later (padding) key.
     """
 
     positions: torch.Tensor
     slots: torch.Tensor
     block_tables: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None = None
     fresh: bool = False
 
 
@@ -38,12 +39,14 @@ def causal_position_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor
     return (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+def write_kv(k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    """k_cache: [blocks, block_size, kv_heads, d]; k: [N, kv_heads, d]; slots: [N]."""
-    kh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kh, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, kh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    """k_slots: a layer's K cache as [blocks*block_size, kv_heads, d] (a view made by the caller); k: [N,
+    kv_heads, d]; slots: [N]. The scatter mutates its argument itself, not a view made here: compiled
+    (inside `attn_inputs`), Inductor then stores K/V from the kernel that computes them, where a view
+    made inside the compiled function would make it copy the whole layer cache out and back."""
+    k_slots.index_put_((slots,), k.to(k_slots.dtype))
+    v_slots.index_put_((slots,), v.to(v_slots.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -71,39 +74,52 @@ def use_matmul(q: torch.Tensor, keys: int) -> bool:
     bench/results/attn_micro_h200.json); large score matrices (prefill) keep the fused kernel."""
     if FORCE_IMPL is not None:
         return FORCE_IMPL == "matmul"
-    b, t, hq, _ = q.shape
-    return q.device.type == "cuda" and b * hq * t * keys <= MATMUL_MAX_SCORES
+    rows = q.shape[0] * q.shape[1] * q.shape[2]  # B*T*Hq, in either query layout (group_queries)
+    return q.device.type == "cuda" and rows * keys <= MATMUL_MAX_SCORES
 
 
-def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                 scale: float) -> torch.Tensor:
-    """q: [B, T, Hq, d]; k, v: [B, Hkv, L, d]; mask: [B, 1, (Hq/Hkv)*T, L] (see group_mask) or None.
-
-    Returns [B, T, Hq*d]. Every query row must see at least one key."""
+def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """[B, T, Hq, d] -> [B, Hkv, (Hq/Hkv)*T, d]: each KV head's query groups folded into its query axis
+    (group-major). Query head h = kv * groups + j reads KV head kv, as in GQA's usual head order, so a view
+    [B, Hq, T, d] of this layout is the per-head layout SDPA takes. A layer's `attn_inputs` writes its
+    queries in this layout from the kernel that ropes them: at T > 1 a permute here would be a copy."""
     b, t, hq, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-    if use_matmul(q, k.shape[2]):
+    return q.view(b, t, n_kv, hq // n_kv, d).permute(0, 2, 3, 1, 4).reshape(b, n_kv, hq * t // n_kv, d)
+
+
+def grouped_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float, t: int) -> torch.Tensor:
+    """qg: [B, Hkv, groups*T, d] (group_queries); k, v: [B, Hkv, L, d]; mask: [B, 1, groups*T, L]
+    (see group_mask) or None. Returns [B, T, Hq*d]. Every query row must see at least one key."""
+    b, hkv, gt, d = qg.shape
+    if use_matmul(qg, k.shape[2]):
         s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         out = torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
     else:
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq * d)
+    return out.view(b, hkv, gt // t, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hkv * gt // t * d)
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Fresh-prefill attention: q [B, T, Hq, d] over this forward's own k, v [B*T, Hkv, d], causal.
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
+    """`grouped_attention` of queries q [B, T, Hq, d] in the usual layout."""
+    return grouped_attention(group_queries(q, k.shape[1]), k, v, mask, scale, q.shape[1])
 
-    Returns [B, T, Hq*d]. The same numbers as `grouped_sdpa` over the cache for rows that start at 0
+
+def causal_sdpa(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Fresh-prefill attention: queries qg [B, Hkv, groups*T, d] (group_queries) over this forward's own
+    k, v [B*T, Hkv, d], causal.
+
+    Returns [B, T, Hq*d]. The same numbers as `grouped_attention` over the cache for rows that start at 0
     (up to the kernels' rounding), without the cache gather or the [T, L] mask: a 2,000-token prompt's
     prefill is a flash kernel instead of a masked one."""
-    b, t, hq, d = q.shape
-    hkv = k.shape[1]
+    b, hkv, gt, d = qg.shape
+    t = k.shape[0] // b
+    hq = hkv * gt // t
     k = k.view(b, t, hkv, d).transpose(1, 2)
     v = v.view(b, t, hkv, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=scale,
+    out = F.scaled_dot_product_attention(qg.view(b, hq, t, d), k, v, is_causal=True, scale=scale,
                                          enable_gqa=hq != hkv)
     return out.transpose(1, 2).reshape(b, t, hq * d)

@@ -181,13 +181,17 @@ class DeviceLoop:
                                                                      drafter.cfg.mask_token_id)
         # 1) the accepted positions' context K/V join the draft cache; padding rows write scratch
         drafter.write_context(drafts.cache.data, pend.reshape(b * t, f), cpos, cslots, drafts.kv_fn)
-        # 2) draft [x, MASK...]; columns past the row's width repeat its last position and are masked
-        guess = drafts.guess_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0])
-        # 3) verify [x, guesses]; columns past the width, and frozen rows, write scratch and are never read
-        _, tapped, logits = runner.model_step(torch.cat([st[:, X:X + 1], guess], dim=1), pos, vslots, bt)
+        # 2) draft [x, MASK...] -> [x, guesses]; columns past the row's width repeat its last position and
+        # are masked
+        block = drafts.guess_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0])
+        # 3) verify it; columns past the width, and frozen rows, write scratch and are never read
+        _, tapped, logits = runner.model_step(block, pos, vslots, bt)
         # 4) accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice
-        out = self._spec_out(st, logits, guess, w, live, ctx)
-        pend.copy_(torch.cat(tapped, dim=-1) if len(tapped) > 1 else tapped[0])
+        out = self._spec_out(st, logits, block[:, 1:], w, live, ctx)
+        if len(tapped) > 1:
+            torch.cat(tapped, dim=-1, out=pend)  # one kernel (a cat, then a copy, were two)
+        else:
+            pend.copy_(tapped[0])
         return out
 
     # ---- host side ------------------------------------------------------------------------------

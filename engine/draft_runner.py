@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from flashpd.engine.cuda_graph import GraphedFn, bucket, pack_host
-from flashpd.engine.drafter import DFlashDrafter, context_kv_all, draft_layer
+from flashpd.engine.drafter import DFlashDrafter, draft_layer, write_context_kv
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, PagedKVCache
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sequence import Sequence
@@ -28,7 +28,7 @@ class DraftRunner:
         self.cache = PagedKVCache(c.num_hidden_layers, runner.cache.num_blocks, runner.block_size,
                                   c.num_key_value_heads, c.head_dim, runner.dtype, runner.device)
         compiled = runner.compiled
-        self.layer_fn, self.kv_fn = compiled(draft_layer), compiled(context_kv_all)
+        self.layer_fn, self.kv_fn = compiled(draft_layer), compiled(write_context_kv)
         # the greedy draft (whole pass + argmax) as one compiled function: its glue (rotary tables, masks, cache
         # gathers, final norm, argmax: about 25 eager kernels a step) fuses with the layers
         self.guess_fn = compiled(self.guess)
@@ -45,8 +45,10 @@ class DraftRunner:
 
     def guess(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
               ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens [B, T-1] of blocks ids/pos [B, T] (see DFlashDrafter.draft_logits)."""
-        return self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer).argmax(-1)
+        """The block to verify [B, T]: each row's first id, then its greedy draft tokens (see
+        DFlashDrafter.draft_logits) for blocks ids/pos [B, T]."""
+        guess = self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer).argmax(-1)
+        return torch.cat([ids[:, :1], guess], dim=1)
 
     def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:
         p = np.arange(start, start + n)

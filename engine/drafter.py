@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from flashpd.engine.attention import gather_kv, group_mask, grouped_sdpa
 from flashpd.engine.config import CheckpointError, HeadGeometry, rope_theta_of
-from flashpd.engine.layers import Rotary, apply_rotary, rms_norm
+from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
 from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, mlp_residual
 
@@ -174,11 +174,10 @@ class DFlashDrafter(nn.Module):
         cache [draft_layers, 2, blocks, bs, kv, d]; taps [N, n_taps*H]; positions, slots [N].
         """
         c = self.cfg
-        cos, sin = self.rotary.tables(positions, taps.dtype)
-        kv = (kv_fn or context_kv_all)(taps, cos, sin, self.fc, self.hidden_norm, self._kv_all, self._kn_all,
-                                       c.rms_norm_eps, c.num_key_value_heads, c.head_dim)
         n_l, _, nb, bs, h, d = cache.shape
-        cache.view(n_l * 2, nb * bs, h, d).index_copy_(1, slots, kv.view(n_l * 2, -1, h, d).to(cache.dtype))
+        (kv_fn or write_context_kv)(cache.view(n_l * 2, nb * bs, h, d), taps, positions, slots, self.rotary.cos,
+                                    self.rotary.sin, self.fc, self.hidden_norm, self._kv_all, self._kn_all,
+                                    c.rms_norm_eps, c.num_key_value_heads, c.head_dim)
 
     # ---- drafting ----------------------------------------------------------------------
     def layer_weights(self, i: int) -> tuple[torch.Tensor, ...]:
@@ -229,6 +228,19 @@ def context_kv_all(taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_f
     k, v = kv.split([n_kv * d, n_kv * d], dim=-1)
     k = apply_rotary(rms_norm(k.view(n_l, n, n_kv, d), w_kn_all.view(n_l, 1, 1, d), eps), cos, sin)
     return torch.stack([k, v.view(n_l, n, n_kv, d)], dim=1)
+
+
+def write_context_kv(cache: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     cos_t: torch.Tensor, sin_t: torch.Tensor, w_fc: torch.Tensor, w_hidden_norm: torch.Tensor,
+                     w_kv_all: torch.Tensor, w_kn_all: torch.Tensor, eps: float, n_kv: int, d: int) -> None:
+    """`context_kv_all` of taps [N, n_taps*H] at `positions`, scattered into the draft cache viewed as
+    [layers*2, slots, n_kv, d] at `slots` [N]. The scatter mutates the argument itself, so compiled (the
+    runner's kv_fn) the RoPE lookup, K/V and their store are fused kernels, not eager gathers and casts
+    and an index_copy (see attention.write_kv)."""
+    cos, sin = rope_tables(cos_t, sin_t, positions, taps.dtype)
+    kv = context_kv_all(taps, cos, sin, w_fc, w_hidden_norm, w_kv_all, w_kn_all, eps, n_kv, d)
+    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
+    cache.index_put_((rows, slots[None, :]), kv.view(cache.shape[0], -1, n_kv, d).to(cache.dtype))
 
 
 def draft_qkv(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,

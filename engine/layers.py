@@ -39,7 +39,14 @@ class Rotary:
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape positions.shape + [head_dim], in `dtype`."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return rope_tables(self.cos, self.sin, positions, dtype)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `positions` of the float32 tables, in `dtype` (a pure function: compiled step functions look
+    their tables up themselves, fused, instead of taking four eager gather and cast kernels a step)."""
+    return cos[positions].to(dtype), sin[positions].to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The Qwen3 target in plain PyTorch, reading and writing a paged KV cache.
 
 Q/K/V and gate/up are fused into single matmuls (the loader fills the slices). A decoder layer
-is two pure functions around the cache write: `attn_inputs` (norm, QKV, q/k norms, RoPE) and
-`attn_mlp` (paged attention, output projection, MLP). The same functions run eagerly on the
+is two functions: `attn_inputs` (norm, QKV, q/k norms, RoPE, the cache write) and `attn_mlp` (paged
+attention, output projection, MLP). The same functions run eagerly on the
 CPU (where exactness is tested) and, on a GPU, through torch.compile inside a CUDA graph.
 `forward` returns the final normed hidden states plus the outputs of the tapped decoder
 layers, which the DFlash drafter conditions on.
@@ -17,27 +17,37 @@ import torch.nn.functional as F
 
 from dataclasses import replace
 
-from flashpd.engine.attention import AttnBatch, causal_sdpa, gather_kv, group_mask, grouped_sdpa, write_kv
+from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
+    group_queries, grouped_attention, write_kv
 from flashpd.engine.config import Qwen3Config
-from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm
+from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 
 
 def attn_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_norm: torch.Tensor,
                 w_qkv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, eps: float,
-                n_q: int, n_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [B, T, H] -> q [B, T, n_q, d], k and v [B*T, n_kv, d] (k roped and normed)."""
+                n_q: int, n_kv: int, d: int, k_slots: torch.Tensor | None = None,
+                v_slots: torch.Tensor | None = None, slots: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [B, T, H] -> queries [B, n_kv, groups*T, d] (attention.group_queries), k and v [B*T, n_kv, d]
+    (k roped and normed). Given a layer's cache as [slots, n_kv, d] views, k and v are written at `slots`
+    here, so that compiled they are stored by the kernel that makes them (on an H200 the separate
+    index_copy kernels were 28 of a demo-pair step's 238 kernels, 1.3-2.4 us each)."""
     b, t, _ = h.shape
     q, k, v = F.linear(rms_norm(h, w_norm, eps), w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
-    q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
-    k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
-    return q, k.reshape(b * t, n_kv, d), v.reshape(b * t, n_kv, d)
+    q = group_queries(apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin), n_kv)
+    k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin).reshape(b * t, n_kv, d)
+    v = v.reshape(b * t, n_kv, d)
+    if k_slots is not None:
+        write_kv(k_slots, v_slots, slots, k, v)
+    return q, k, v
 
 
 def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              block_tables: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
              w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
-    """Attention over the gathered cache, then the residual MLP; returns the layer output."""
-    attn = grouped_sdpa(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask, scale)
+    """Attention of grouped queries (attn_inputs) over the gathered cache, then the residual MLP."""
+    attn = grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask, scale,
+                             h.shape[1])
     return mlp_residual(h + F.linear(attn, w_o), w_post, w_gate_up, w_down, eps)
 
 
@@ -72,9 +82,10 @@ class Qwen3DecoderLayer(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, fns: tuple[Callable, ...]) -> torch.Tensor:
         c, a = self.cfg, self.self_attn
         pre, post, fresh = fns[:3]
+        n_kv, d = c.num_key_value_heads, c.head_dim
         q, k, v = pre(h, cos, sin, self.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
-                      a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        write_kv(k_cache, v_cache, batch.slots, k, v)
+                      a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, n_kv, d,
+                      k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), batch.slots)
         if batch.fresh:
             return fresh(h, q, k, v, a.o_proj.weight, self.post_attention_layernorm.weight,
                          self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, c.rms_norm_eps, c.head_dim ** -0.5)
@@ -83,8 +94,23 @@ class Qwen3DecoderLayer(nn.Module):
                     c.rms_norm_eps, c.head_dim ** -0.5)
 
 
-# the layer functions and the final norm: the runner compiles each (eagerly the final norm is 8 kernels)
-EAGER = (attn_inputs, attn_mlp, attn_mlp_fresh, rms_norm)
+def step_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, w_embed: torch.Tensor,
+                cos_t: torch.Tensor, sin_t: torch.Tensor, block_size: int, groups: int, fresh: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A forward's prologue: embeddings [B, T, H], RoPE tables, and (unless fresh) the grouped position
+    mask over the block tables' keys (key j visible to the query at position p iff j <= p). Eagerly this
+    is about ten small kernels a step (an embedding lookup of 16 ids took 6 us on an H200); compiled,
+    one or two."""
+    h = F.embedding(ids, w_embed)
+    cos, sin = rope_tables(cos_t, sin_t, positions, h.dtype)
+    if fresh:
+        return h, cos, sin, None
+    return h, cos, sin, group_mask(causal_position_mask(positions, block_tables.shape[1] * block_size), groups)
+
+
+# the prologue, the layer functions and the final norm: the runner compiles each (eagerly the final norm is
+# 8 kernels)
+EAGER = (attn_inputs, attn_mlp, attn_mlp_fresh, rms_norm, step_inputs)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -111,7 +137,8 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: torch.Tensor, taps: tuple[int, ...] = (),
                 fns: tuple[Callable, ...] = EAGER) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """input_ids [B, T]; kv: the cache tensor [layers, 2, blocks, bs, kv_heads, d].
+        """input_ids [B, T]; kv: the cache tensor [layers, 2, blocks, bs, kv_heads, d]. The attention mask
+        comes from the positions and block tables (step_inputs); batch.mask is not read.
 
         Returns the normed final hidden states [B, T, H] and the raw outputs of the
         decoder layers listed in `taps`, in that order (tap j = output of layer j =
@@ -120,10 +147,10 @@ class Qwen3ForCausalLM(nn.Module):
         assert self.rotary is not None, "call init_rotary() after loading weights"
         if len(set(taps)) != len(taps) or any(not 0 <= j < len(self.layers) for j in taps):
             raise ValueError(f"tap ids {taps} must be distinct layer indices below {len(self.layers)}")
-        h = self.embed(input_ids)
-        if not batch.fresh:
-            batch = replace(batch, mask=group_mask(batch.mask, self.cfg.num_attention_heads // self.cfg.num_key_value_heads))
-        cos, sin = self.rotary.tables(batch.positions, h.dtype)
+        h, cos, sin, mask = fns[4](input_ids, batch.positions, batch.block_tables, self.embed_tokens.weight,
+                                   self.rotary.cos, self.rotary.sin, kv.shape[3],
+                                   self.cfg.num_attention_heads // self.cfg.num_key_value_heads, batch.fresh)
+        batch = replace(batch, mask=mask)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch, kv[i, 0], kv[i, 1], fns)
@@ -147,10 +174,7 @@ class Qwen3ForCausalLM(nn.Module):
             q, k, v = attn_inputs(h, cos, sin, layer.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
                                   a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads,
                                   c.head_dim)
-            k = k.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-            v = v.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True)
-            h = h + F.linear(o.transpose(1, 2).reshape(b, t, c.q_size), a.o_proj.weight)
+            h = h + F.linear(causal_sdpa(q, k, v, c.head_dim ** -0.5), a.o_proj.weight)
             h = mlp_residual(h, layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
                              layer.mlp.down_proj.weight, c.rms_norm_eps)
             if i in taps:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from flashpd.engine.cuda_graph import GraphedFn, bucket, pack_host
-from flashpd.engine.attention import AttnBatch, causal_position_mask
+from flashpd.engine.attention import AttnBatch
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, BlockTable, PagedKVCache
 from flashpd.engine.qwen3 import EAGER, Qwen3ForCausalLM
 
@@ -94,7 +94,7 @@ class ModelRunner:
         """Device inputs of `batch_arrays`: ids, the attention metadata, and the packed flat tensor."""
         flat, (d_ids, d_pos, d_slots, d_bt) = pack_host(self.batch_arrays(tables, tokens, b_pad, t_pad, nblk),
                                                         self.device)
-        return d_ids, AttnBatch(d_pos, d_slots, d_bt, torch.empty(0)), flat
+        return d_ids, AttnBatch(d_pos, d_slots, d_bt), flat
 
     def check_room(self, tables: list[BlockTable], lengths: list[int]) -> None:
         """Every row's new positions exist in the model and have reserved KV blocks."""
@@ -131,8 +131,6 @@ class ModelRunner:
         else:
             ids, batch, _ = self._batch(tables, tokens, len(tables), t, nblk_real)
             batch.fresh = fresh
-            if not fresh:
-                batch.mask = causal_position_mask(batch.positions, nblk_real * self.block_size)
             hidden, tapped = self.model(ids, batch, self.cache.data, self.taps if taps else ())
             out = StepOutput(hidden, tapped, None)
             if want_logits == "all":
@@ -188,8 +186,7 @@ class ModelRunner:
         """The target forward of device inputs (graph-safe): normed hidden, taps, and logits of every
         column or, given `last` [B], of those columns only ([B, 1, V]). `fresh`: every row starts at 0
         (AttnBatch.fresh)."""
-        mask = torch.empty(0) if fresh else causal_position_mask(pos, bt.shape[1] * self.block_size)
-        batch = AttnBatch(pos, slots, bt, mask, fresh)
+        batch = AttnBatch(pos, slots, bt, fresh=fresh)  # the model builds the mask (qwen3.step_inputs)
         hidden, tapped = self.model(ids, batch, self.cache.data, self.taps, self.graph_fns)
         if last is not None:
             return hidden, tapped, self.model.logits(hidden[torch.arange(ids.shape[0], device=ids.device), last][:, None])

@@ -129,8 +129,8 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--device", choices=["cpu", "cuda"])
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--target-steps", type=int, default=600)
-    m.add_argument("--drafter-steps", type=int, default=10000)
-    m.add_argument("--num-prompts", type=int, default=4096, help="prompts whose continuations the target regenerates")
+    m.add_argument("--drafter-steps", type=int, default=9000)
+    m.add_argument("--num-prompts", type=int, default=12288, help="prompts whose continuations the target regenerates")
     m.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary of the demo tokenizer")
     m.add_argument("--drafter-seqs", type=int, default=16, help="sequences per drafter step (128 anchors each)")
     m.add_argument("--drafter-lr", type=float, default=1.5e-3)
@@ -140,9 +140,9 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                    help="weight of KL(target || drafter) beside the drafter's cross-entropy")
     m.add_argument("--drafter-attention", choices=["auto", "mask", "flex"], default="auto",
                    help="the drafter's training attention: flex on CUDA by default (auto); mask is how v2 was made")
-    m.add_argument("--drafter-intermediate", type=int,
-                   help="the draft layers' MLP width (default: the target's 512; the pair must stay within 16 MB)")
-    m.add_argument("--new-tokens", type=int, default=256, help="tokens the target regenerates per prompt")
+    m.add_argument("--drafter-intermediate", type=int, default=896,
+                   help="the draft layers' MLP width (the target's is 512; the pair must stay within 16 MB)")
+    m.add_argument("--new-tokens", type=int, default=128, help="tokens the target regenerates per prompt")
     m.add_argument("--regen-batch", type=int, help="prompts regenerated at once (default: 256 on CUDA, 32 on CPU)")
     m.add_argument("--target", help="a target this recipe made before (with its tokenizer.json): copied into --out, "
                                     "and only the drafter's stages run (drafter settings compared on one target)")

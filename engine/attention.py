@@ -83,15 +83,16 @@ def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     (group-major). Query head h = kv * groups + j reads KV head kv, as in GQA's usual head order, so a view
     [B, Hq, T, d] of this layout is the per-head layout SDPA takes. A layer's `attn_inputs` writes its
     queries in this layout from the kernel that ropes them: at T > 1 a permute here would be a copy."""
-    b, t, hq, d = q.shape
-    return q.view(b, t, n_kv, hq // n_kv, d).permute(0, 2, 3, 1, 4).reshape(b, n_kv, hq * t // n_kv, d)
+    b, _, hq, d = q.shape
+    return q.view(b, -1, n_kv, hq // n_kv, d).permute(0, 2, 3, 1, 4).reshape(b, n_kv, -1, d)
 
 
 def grouped_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float, t: int) -> torch.Tensor:
-    """qg: [B, Hkv, groups*T, d] (group_queries); k, v: [B, Hkv, L, d]; mask: [B, 1, groups*T, L]
-    (see group_mask) or None. Returns [B, T, Hq*d]. Every query row must see at least one key."""
-    b, hkv, gt, d = qg.shape
+                      scale: float, n_q: int) -> torch.Tensor:
+    """qg: [B, Hkv, groups*T, d] (group_queries) of n_q heads; k, v: [B, Hkv, L, d]; mask: [B, 1,
+    groups*T, L] (see group_mask) or None. Returns [B, T, Hq*d]. Every query row must see at least one
+    key. Shapes follow from the int head count, T stays -1 (symbolic when compiled for many widths)."""
+    b, hkv, _, d = qg.shape
     if use_matmul(qg, k.shape[2]):
         s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
         if mask is not None:
@@ -99,27 +100,26 @@ def grouped_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         out = torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
     else:
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-    return out.view(b, hkv, gt // t, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hkv * gt // t * d)
+    return out.view(b, hkv, n_q // hkv, -1, d).permute(0, 3, 1, 2, 4).reshape(b, -1, n_q * d)
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  scale: float) -> torch.Tensor:
     """`grouped_attention` of queries q [B, T, Hq, d] in the usual layout."""
-    return grouped_attention(group_queries(q, k.shape[1]), k, v, mask, scale, q.shape[1])
+    return grouped_attention(group_queries(q, k.shape[1]), k, v, mask, scale, q.shape[2])
 
 
-def causal_sdpa(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Fresh-prefill attention: queries qg [B, Hkv, groups*T, d] (group_queries) over this forward's own
-    k, v [B*T, Hkv, d], causal.
+def causal_sdpa(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, n_q: int) -> torch.Tensor:
+    """Fresh-prefill attention: queries qg [B, Hkv, groups*T, d] (group_queries) of n_q heads over this
+    forward's own k, v [B*T, Hkv, d], causal.
 
     Returns [B, T, Hq*d]. The same numbers as `grouped_attention` over the cache for rows that start at 0
     (up to the kernels' rounding), without the cache gather or the [T, L] mask: a 2,000-token prompt's
-    prefill is a flash kernel instead of a masked one."""
-    b, hkv, gt, d = qg.shape
-    t = k.shape[0] // b
-    hq = hkv * gt // t
-    k = k.view(b, t, hkv, d).transpose(1, 2)
-    v = v.view(b, t, hkv, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg.view(b, hq, t, d), k, v, is_causal=True, scale=scale,
-                                         enable_gqa=hq != hkv)
-    return out.transpose(1, 2).reshape(b, t, hq * d)
+    prefill is a flash kernel instead of a masked one. The head count comes in as an int and T stays -1:
+    compiled for prompts of many lengths, T is symbolic, and a head count derived from it would be too."""
+    b, hkv, _, d = qg.shape
+    k = k.view(b, -1, hkv, d).transpose(1, 2)
+    v = v.view(b, -1, hkv, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qg.view(b, n_q, -1, d), k, v, is_causal=True, scale=scale,
+                                         enable_gqa=n_q != hkv)
+    return out.transpose(1, 2).reshape(b, -1, n_q * d)

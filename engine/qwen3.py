@@ -44,18 +44,18 @@ def attn_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_norm: t
 
 def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              block_tables: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
-             w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
+             w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float, n_q: int) -> torch.Tensor:
     """Attention of grouped queries (attn_inputs) over the gathered cache, then the residual MLP."""
     attn = grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask, scale,
-                             h.shape[1])
+                             n_q)
     return mlp_residual(h + F.linear(attn, w_o), w_post, w_gate_up, w_down, eps)
 
 
 def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor,
                    w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float,
-                   scale: float) -> torch.Tensor:
+                   scale: float, n_q: int) -> torch.Tensor:
     """`attn_mlp` for a fresh prefill (AttnBatch.fresh): causal attention over this forward's own K/V."""
-    return mlp_residual(h + F.linear(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
+    return mlp_residual(h + F.linear(causal_sdpa(q, k, v, scale, n_q), w_o), w_post, w_gate_up, w_down, eps)
 
 
 def mlp_residual(h: torch.Tensor, w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -88,10 +88,11 @@ class Qwen3DecoderLayer(nn.Module):
                       k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), batch.slots)
         if batch.fresh:
             return fresh(h, q, k, v, a.o_proj.weight, self.post_attention_layernorm.weight,
-                         self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, c.rms_norm_eps, c.head_dim ** -0.5)
+                         self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, c.rms_norm_eps, c.head_dim ** -0.5,
+                         c.num_attention_heads)
         return post(h, q, k_cache, v_cache, batch.block_tables, batch.mask, a.o_proj.weight,
                     self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
-                    c.rms_norm_eps, c.head_dim ** -0.5)
+                    c.rms_norm_eps, c.head_dim ** -0.5, c.num_attention_heads)
 
 
 def step_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, w_embed: torch.Tensor,
@@ -174,7 +175,7 @@ class Qwen3ForCausalLM(nn.Module):
             q, k, v = attn_inputs(h, cos, sin, layer.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
                                   a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads,
                                   c.head_dim)
-            h = h + F.linear(causal_sdpa(q, k, v, c.head_dim ** -0.5), a.o_proj.weight)
+            h = h + F.linear(causal_sdpa(q, k, v, c.head_dim ** -0.5, c.num_attention_heads), a.o_proj.weight)
             h = mlp_residual(h, layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
                              layer.mlp.down_proj.weight, c.rms_norm_eps)
             if i in taps:

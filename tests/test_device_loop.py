@@ -135,3 +135,31 @@ def test_compiled_step_functions_trace_whole_and_give_the_eager_tokens(dflash_pa
     assert got[True] == got[False]
     assert max(max(a) for _, a in got[True][:2]) > 1
     torch._dynamo.reset()
+
+
+def test_compiled_layers_trace_prompts_of_many_lengths(dflash_pair, monkeypatch):  # noqa: F811
+    """A compiled function meeting a second shape recompiles with symbolic sizes (dynamo's automatic
+    dynamic shapes), which every GPU run does with prompts of several lengths. The layer functions must
+    trace there too: a head count once derived from a symbolic length made SDPA's enable_gqa a SymBool,
+    and every prefill after the first failed on the H200 (no single-shape test could see it). Fresh prompts
+    and chunked ones (the later chunks attend through the cache and the mask) give the eager tokens."""
+    import torch._dynamo  # noqa: PLC0415
+
+    monkeypatch.setattr(ModelRunner, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 126, (n,), generator=g).tolist() for n in (9, 70, 150)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)]
+    got = {}
+    for comp in (True, False):
+        # the graph path (on a CPU its functions run directly): prefills padded to 64 and 128 columns
+        runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True,
+                             compile=comp)
+        runner.prefill_chunk = 128  # the 150-token prompt: a fresh chunk of 128, then 22 through the mask
+        spec, native = DFlashGenerator(runner, drafter, (), 16), NativeGenerator(runner)
+        got[comp] = [s.output for p in prompts for s in spec.generate([p], params)]
+        got[comp] += [s.output for p in prompts for s in native.generate([p], params)]
+    assert got[True] == got[False]
+    torch._dynamo.reset()

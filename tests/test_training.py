@@ -386,3 +386,17 @@ def test_recipe_on_a_given_target_copies_it_and_trains_only_the_drafter(tmp_path
     saved = json.loads((tmp_path / "pair" / "eval.json").read_text())
     assert len(saved["heldout"]) == 2 and all(r["tau_64"] >= 1.0 for r in saved["heldout"])
     assert saved["tau_64_mean"] == sum(r["tau_64"] for r in saved["heldout"]) / 2
+
+
+def test_demo_states_the_speedup_of_the_json_it_names():
+    """`flashpd demo` prints fixed speedup figures and names their JSON: they must be that JSON's
+    confirmation geomeans and per-prompt range (a new run or pair has to update both together)."""
+    from flashpd import demo
+    run = json.loads((DEMO.parents[2] / demo.SPEEDUP_JSON).read_text())
+    assert run["target"].endswith("target") and run["bench"] == "speedup"
+    got = {c["new_tokens"]: c for c in run["confirm"]}
+    assert set(got) == set(demo.SPEEDUP_GEOMEAN)
+    for n, c in got.items():
+        assert round(c["geomean_speedup"], 2) == demo.SPEEDUP_GEOMEAN[n]
+    assert round(min(c["min_speedup"] for c in got.values()), 2) == demo.SPEEDUP_RANGE[0]
+    assert round(max(c["max_speedup"] for c in got.values()), 2) == demo.SPEEDUP_RANGE[1]

@@ -41,7 +41,8 @@ fi
 python3 -c "import google.protobuf, grpc, torch; print('protobuf', google.protobuf.__version__, 'grpc', grpc.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())"
 NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
 SWEEP="--device cuda --dtype bfloat16 --kv-cache-tokens 262144 --max-tokens 64 --long-every 8 --bridge-transport ${BRIDGE:-inline}"  # 1 prompt in 8 of 2,048 tokens
-want pair && CUDA_VISIBLE_DEVICES=$G step make_demo_pair ${PAIR_LIMIT:-570} flashpd make-demo-pair --out "$OUT/pair" ${RECIPE_ARGS:-} && rm -rf "$OUT/pair/drafter-train"
+# the training checkpoints go only once the recipe finished (eval.json written): a run its limit cut keeps them
+want pair && CUDA_VISIBLE_DEVICES=$G step make_demo_pair ${PAIR_LIMIT:-570} flashpd make-demo-pair --out "$OUT/pair" ${RECIPE_ARGS:-} && [ -f "$OUT/pair/eval.json" ] && rm -rf "$OUT/pair/drafter-train"
 # the pair the profile and speedup steps measure: the shipped one, or (PAIR=new) the one the pair step just made
 P=flashpd/assets/demo_pair; [ "${PAIR:-}" = new ] && P="$OUT/pair"
 want attn && CUDA_VISIBLE_DEVICES=$G step attn_micro 120 python3 -m flashpd.bench.attn_micro --out "$OUT/attn_micro_h200.json"

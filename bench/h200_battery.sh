@@ -23,6 +23,8 @@
 # LAUNCHER=local runs the sweeps with local processes instead of Ray (fractional GPUs on one, whole GPUs on two).
 set -u
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+# On the device machine $OUT is already the folder that comes back: leave it so, and whatever a step writes before
+# a time limit cuts the call still returns (results packed at a command's end are lost with it)
 OUT=${OUT:-bench/results/battery}; mkdir -p "$OUT"
 STEPS=${STEPS:-ttft cache profile speedup sweep1 sweep2 sweep8b draft}
 L=${LAUNCHER:-ray}

@@ -43,6 +43,24 @@ def no_split_reductions() -> None:
     inductor_config.split_reductions = False
 
 
+def add_compile_args(ap) -> None:
+    """The compile-numerics flags the exactness probe and the speedup bench share."""
+    ap.add_argument("--static-shapes", action="store_true",
+                    help="torch.compile specialises every shape (no automatic dynamic-shape kernels)")
+    ap.add_argument("--no-split-reductions", action="store_true",
+                    help="Inductor reduces row by row (no split reductions)")
+
+
+def apply_compile_args(a) -> tuple[dict, str]:
+    """Apply `add_compile_args`' flags before anything compiles; -> (their JSON fields, their command text)."""
+    if a.static_shapes:
+        static_shapes()
+    if a.no_split_reductions:
+        no_split_reductions()
+    return ({"static_shapes": a.static_shapes, "split_reductions": not a.no_split_reductions},
+            (" --static-shapes" if a.static_shapes else "") + (" --no-split-reductions" if a.no_split_reductions else ""))
+
+
 def machine() -> dict:
     m = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
     if torch.cuda.is_available():

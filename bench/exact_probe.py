@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from flashpd.bench.common import no_split_reductions, static_shapes, write_json
+from flashpd.bench.common import add_compile_args, apply_compile_args, write_json
 from flashpd.bench.speedup import heldout_prompt_sets, pair_generators
 from flashpd.demo import PAIR
 from flashpd.engine.sampling import SamplingParams
@@ -37,16 +37,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--paths", default="fresh,mask", help="prefill paths to probe (fresh, mask)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs of the eager layer functions")
-    ap.add_argument("--static-shapes", action="store_true",
-                    help="torch.compile specialises every shape (no automatic dynamic-shape kernels)")
-    ap.add_argument("--no-split-reductions", action="store_true",
-                    help="Inductor reduces row by row (no split reductions)")
+    add_compile_args(ap)
     ap.add_argument("--out", default="bench/results/exact_probe.json")
     a = ap.parse_args()
-    if a.static_shapes:
-        static_shapes()
-    if a.no_split_reductions:
-        no_split_reductions()
+    compile_fields, compile_flags = apply_compile_args(a)
     runner, native, spec = pair_generators(a.target, a.draft, a.device, False if a.no_compile else None)
     dtype = runner.dtype
     screen, confirm = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.prompts, a.seed)
@@ -75,14 +69,11 @@ def main() -> None:
     print(summary)
     write_json(Path(a.out), {"bench": "exact_probe", "target": a.target, "draft": a.draft, "device": a.device,
                              "dtype": str(dtype).removeprefix("torch."), "width": a.width, "new_tokens": a.new_tokens,
-                             "compile": runner.compile, "static_shapes": a.static_shapes,
-                             "split_reductions": not a.no_split_reductions,
+                             "compile": runner.compile, **compile_fields,
                              "rows": rows, "summary": summary,
                              "command": f"python -m flashpd.bench.exact_probe --prompts {a.prompts} --new-tokens "
                                         f"{a.new_tokens} --width {a.width} --seed {a.seed} --paths {a.paths}"
-                                        + (" --no-compile" if a.no_compile else "")
-                                        + (" --static-shapes" if a.static_shapes else "")
-                                        + (" --no-split-reductions" if a.no_split_reductions else "")
+                                        + (" --no-compile" if a.no_compile else "") + compile_flags
                                         + f" --out {a.out}"})
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from flashpd.bench.common import no_split_reductions, static_shapes, write_json
+from flashpd.bench.common import add_compile_args, apply_compile_args, write_json
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
@@ -138,16 +138,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-fresh-prefill", action="store_true",
                     help="prefill through the cache and the position mask, not the fused causal kernel")
-    ap.add_argument("--static-shapes", action="store_true",
-                    help="torch.compile specialises every shape (no automatic dynamic-shape kernels)")
-    ap.add_argument("--no-split-reductions", action="store_true",
-                    help="Inductor reduces row by row (no split reductions)")
+    add_compile_args(ap)
     ap.add_argument("--out", default="bench/results/speedup.json")
     a = ap.parse_args()
-    if a.static_shapes:
-        static_shapes()
-    if a.no_split_reductions:
-        no_split_reductions()
+    compile_fields, compile_flags = apply_compile_args(a)
     runner, native, spec = pair_generators(a.target, a.draft, a.device)
     dtype = runner.dtype
     screen_p, confirm_p = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.prompts, a.seed)
@@ -167,14 +161,13 @@ def main() -> None:
                          "confirm": confirm})
     payload = {"bench": "speedup", "target": a.target, "draft": a.draft, "device": a.device,
                "dtype": str(dtype).removeprefix("torch."), "batch": 1, "fresh_prefill": runner.fresh_prefill,
-               "static_shapes": a.static_shapes, "split_reductions": not a.no_split_reductions,
+               **compile_fields,
                "screen": screen, "chosen_width": best,
                "confirm": confirm,
                "command": f"python -m flashpd.bench.speedup --target {a.target} --draft {a.draft} --prompts {a.prompts} "
                           f"--new-tokens {a.new_tokens} --widths {a.widths} --reps {a.reps} --seed {a.seed}"
                           + (" --no-fresh-prefill" if a.no_fresh_prefill else "")
-                          + (" --static-shapes" if a.static_shapes else "")
-                          + (" --no-split-reductions" if a.no_split_reductions else "") + f" --out {a.out}"}
+                          + compile_flags + f" --out {a.out}"}
     write_json(out, payload)
     try:
         payload["charts"] = plot(payload, out)

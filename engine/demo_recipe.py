@@ -57,7 +57,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                    drafter_lr: float = 1.5e-3, corpus: str = "stdlib+torch", kl_weight: float = 0.0,
                    drafter_intermediate: int | None = 896, drafter_attention: str = "auto",
                    regen_batch: int | None = None, target_dir: str | Path | None = None,
-                   stdlib_share: float | None = None, log: Callable[[str], None] = print) -> dict:
+                   stdlib_share: float | None = None, drafter_gamma: float | None = None, log: Callable[[str], None] = print) -> dict:
     """The whole recipe into `out` (target/, drafter/, eval.json). With `target_dir`, a target this recipe
     made before (its tokenizer.json beside it) is copied in and only the drafter's stages run: the same
     split, prompts and seeds, so drafter settings compare on one target (targets of two runs differ: GPU
@@ -130,7 +130,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     log(f"regenerated ({time.perf_counter() - t0:.0f} s)")
     tc = DrafterTrainConfig(layers=2, intermediate_size=drafter_intermediate, block_size=16, num_taps=5,
                             mask_token_id=mask, steps=drafter_steps,
-                            seqs_per_step=drafter_seqs, anchors=128, lr=drafter_lr, seed=seed, save_every=1000,
+                            seqs_per_step=drafter_seqs, anchors=128, lr=drafter_lr, seed=seed, save_every=1000, gamma=drafter_gamma,
                             kl_weight=kl_weight, attention=drafter_attention)
     drafter = train_drafter(target, data, [len(p) for p in prompts], out / "drafter-train", tc, log=log)
     log(f"drafter trained ({time.perf_counter() - t0:.0f} s)")
@@ -146,7 +146,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                          "corpus": corpus,
                          "target_shape": shape, "drafter": {"layers": 2, "block_size": 16, "taps": 5,
                                                                     "seqs_per_step": drafter_seqs, "lr": drafter_lr,
-                                                                    "kl_weight": kl_weight,
+                                                                    "kl_weight": kl_weight, "gamma": drafter_gamma,
                                                                     "attention": drafter_attention,
                                                                     "intermediate_size": drafter.cfg.intermediate_size},
                          "device": device, "dtype_eval": str(dtype)},

@@ -144,6 +144,9 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                    help="the draft layers' MLP width (the target's is 512; the pair must stay within 16 MB)")
     m.add_argument("--new-tokens", type=int, default=128, help="tokens the target regenerates per prompt")
     m.add_argument("--regen-batch", type=int, help="prompts regenerated at once (default: 256 on CUDA, 32 on CPU)")
+    m.add_argument("--drafter-gamma", type=float,
+                   help="decay of the drafter's loss weight over block positions, exp(-(k-1)/gamma) "
+                        "(default: 7 at block 16, as DFlash trains)")
     m.add_argument("--stdlib-share", type=float,
                    help="fraction of the drafter's prompts from the drafter-prompt split's stdlib files (the "
                         "evaluation prompts are stdlib text); default: windows of the whole split alike")
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                            num_prompts=a.num_prompts, corpus=a.corpus, kl_weight=a.kl_weight,
                            drafter_intermediate=a.drafter_intermediate, drafter_attention=a.drafter_attention,
                            regen_batch=a.regen_batch, target_dir=a.target, new_tokens=a.new_tokens,
-                           stdlib_share=a.stdlib_share)
+                           stdlib_share=a.stdlib_share, drafter_gamma=a.drafter_gamma)
             return 0
         from flashpd.demo import run_demo  # noqa: PLC0415
         return run_demo(device=a.device)

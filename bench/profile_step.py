@@ -36,9 +36,10 @@ def _ready(gen: NativeGenerator, prompt: list[int], max_tokens: int):
         for s in seqs:
             s.block_size = gen.block_size
     gen.reserve(seqs)
-    feats = gen.prefill(seqs, taps=spec)
     if spec:
-        gen.drafts.write_prompt(seqs, feats)
+        gen.prefill_with_context(seqs)
+    else:
+        gen.prefill(seqs)
     return seqs
 
 

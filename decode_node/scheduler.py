@@ -185,11 +185,10 @@ class Scheduler:
             group = [r.seq for r in admitted if r.method == method and r.id not in preempted]
             if group:
                 gen.restore_prefixes(group, self.prefix_cache)
-                feats = gen.prefill(group, taps=method == "dflash")
                 if method == "dflash":
-                    live = [(s, f) for s, f in zip(group, feats) if not s.done]
-                    if live:
-                        gen.drafts.write_prompt([s for s, _ in live], [f for _, f in live])
+                    gen.prefill_with_context(group)
+                else:
+                    gen.prefill(group)
             back = [r.seq for r in admitted if r.method == method and r.id in preempted]
             if back:  # preempted earlier: rebuild their caches, sample nothing
                 self.stats.recomputed_tokens += recompute(gen, back, self.prefix_cache, taps=method == "dflash")

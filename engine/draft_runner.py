@@ -65,6 +65,14 @@ class DraftRunner:
         _, (d_pos, d_slots) = pack_host([np.concatenate(pos), np.concatenate(slots)], self.device)
         self.drafter.write_context(self.cache.data, torch.cat(feats), d_pos, d_slots, self.kv_fn)
 
+    def write_forward_context(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """A target forward's sink (ModelRunner.forward): its taps become draft context at the forward's own
+        positions and slots, inside the forward's graph. Valid where a sequence's draft context is as long
+        as its target cache (a prompt's prefill, with or without a restored prefix: both halves)."""
+        feats = torch.cat(taps, dim=-1) if len(taps) > 1 else taps[0]
+        self.drafter.write_context(self.cache.data, feats.reshape(-1, feats.shape[-1]), positions.reshape(-1),
+                                   slots.reshape(-1), self.kv_fn)
+
     def inputs(self, seqs: list[Sequence], widths: list[int], t: int | None = None
                ) -> tuple[torch.Tensor, list[np.ndarray], dict]:
         """A draft step's inputs at block width t (default: the widest row): the pending context rows

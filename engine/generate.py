@@ -12,7 +12,7 @@ import torch
 
 from flashpd.engine.device_loop import DeviceLoop
 from flashpd.engine.kv_cache import OutOfBlocks
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, TapSink
 from flashpd.engine.sampling import SamplingParams, make_generator, sample
 from flashpd.engine.sequence import Sequence
 
@@ -72,12 +72,12 @@ class NativeGenerator:
             seqs.append(Sequence(list(p), sp, self.stop_ids, gen))
         return seqs
 
-    def prefill(self, seqs: list[Sequence], taps: bool = False) -> list[torch.Tensor]:
+    def prefill(self, seqs: list[Sequence], taps: bool = False, sink: TapSink | None = None) -> list[torch.Tensor]:
         """Prefill prompts in padded groups under a token budget; sample each first token.
 
         Returns, when `taps` is set, the tapped hidden states of every prompt position not already
         cached, one [len(prompt) - cached, n_taps * H] tensor per sequence (what the drafter
-        conditions on).
+        conditions on). `sink` consumes them inside each forward instead (ModelRunner.forward).
         """
         alloc = self.runner.allocator
         features: list[torch.Tensor] = []
@@ -96,7 +96,7 @@ class NativeGenerator:
                 alloc.ensure(s.table, len(s.prompt))
             # a prefix-cache hit already holds positions [0, num_tokens): compute only the rest
             out = self.runner.forward([s.table for s in group], [s.prompt[s.table.num_tokens:] for s in group],
-                                      "last", taps)
+                                      "last", taps, sink)
             firsts = sample_rows(out.logits[:, -1], group)
             _sync(self.runner.device)
             now = time.perf_counter()

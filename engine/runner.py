@@ -27,6 +27,9 @@ class StepOutput:
     logits: torch.Tensor | None
 
 
+# A forward's tap consumer: (taps [B, T, H] per tap id, positions [B, T], flat slots [B*T]) -> None.
+TapSink = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
+
 # Short prefills (rows x padded width, in tokens) at or under this replay a CUDA graph.
 PREFILL_GRAPH_TOKENS = 1024
 
@@ -106,11 +109,15 @@ class ModelRunner:
                 raise RuntimeError("KV blocks not reserved for this forward (call allocator.ensure first)")
 
     def forward(self, tables: list[BlockTable], tokens: list[list[int]], want_logits: str = "last",
-                taps: bool = False) -> StepOutput:
+                taps: bool = False, sink: TapSink | None = None) -> StepOutput:
         """Run `tokens[i]` appended to sequence `tables[i]`; advances each table's num_tokens.
 
         want_logits: "last" (logits of each row's last real token, [B, 1, V]), "all" ([B, T, V]),
         or "none". Blocks must already be reserved (allocator.ensure) for the new length.
+        sink: called with the taps [B, T, H] each, positions [B, T] and slots [B*T] of this forward
+        inside it (in its CUDA graph when it replays one): the drafter's prompt context is written there
+        (DraftRunner.write_forward_context), with no host work between prefill and context write.
+        Padding columns carry position 0 and the scratch slot.
         """
         assert len(tables) == len(tokens) and tables
         if want_logits not in ("last", "all", "none"):
@@ -121,18 +128,20 @@ class ModelRunner:
         self.check_room(tables, lengths)
         t = max(lengths)
         if self.prefill_chunk and len(tables) == 1 and t > self.prefill_chunk and want_logits != "all":
-            return self._chunked(tables[0], tokens[0], want_logits, taps)
+            return self._chunked(tables[0], tokens[0], want_logits, taps, sink)
         uniform = all(n == t for n in lengths)
         nblk_real = max(len(tb.blocks) for tb in tables)
         fresh = self.fresh_prefill and all(tb.num_tokens == 0 for tb in tables)  # no cached prefix
         t_graph = self._graph_width(len(tables), t, uniform, want_logits)
         if t_graph:
-            out = self._graph_forward(tables, tokens, t_graph, nblk_real, want_logits, taps, fresh)
+            out = self._graph_forward(tables, tokens, t_graph, nblk_real, want_logits, taps, fresh, sink)
         else:
             ids, batch, _ = self._batch(tables, tokens, len(tables), t, nblk_real)
             batch.fresh = fresh
-            hidden, tapped = self.model(ids, batch, self.cache.data, self.taps if taps else ())
-            out = StepOutput(hidden, tapped, None)
+            hidden, tapped = self.model(ids, batch, self.cache.data, self.taps if taps or sink else ())
+            if sink is not None:
+                sink(tapped, batch.positions, batch.slots)
+            out = StepOutput(hidden, tapped if taps else [], None)
             if want_logits == "all":
                 out.logits = self.model.logits(hidden)
             elif want_logits == "last":
@@ -143,14 +152,15 @@ class ModelRunner:
             table.num_tokens += n
         return out
 
-    def _chunked(self, table: BlockTable, tokens: list[int], want_logits: str, taps: bool) -> StepOutput:
+    def _chunked(self, table: BlockTable, tokens: list[int], want_logits: str, taps: bool,
+                 sink: TapSink | None = None) -> StepOutput:
         """One sequence's long forward as chunks of prefill_chunk tokens; the same outputs as one forward
         (each chunk's hidden states and taps copied out before the next replay reuses the graph's buffers)."""
         c = self.prefill_chunk
         hidden, tapped, logits = [], [], None
         for i in range(0, len(tokens), c):
             last = i + c >= len(tokens)
-            out = self.forward([table], [tokens[i:i + c]], want_logits if last else "none", taps)
+            out = self.forward([table], [tokens[i:i + c]], want_logits if last else "none", taps, sink)
             n = min(c, len(tokens) - i)
             hidden.append(out.hidden[:, :n].clone())
             tapped.append([x[:, :n].clone() for x in out.taps])
@@ -171,13 +181,16 @@ class ModelRunner:
             return bucket(t, 64)
         return 0
 
-    def _graphed(self, packed: torch.Tensor, b: int, t: int, nblk: int, last: bool, fresh: bool = False
-                 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    def _graphed(self, packed: torch.Tensor, b: int, t: int, nblk: int, last: bool, fresh: bool = False,
+                 sink: TapSink | None = None) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """The captured forward: a pure function of one packed int64 input (ids, pos, slots, tables and,
-        with `last`, each row's last real column, whose logits alone are computed)."""
+        with `last`, each row's last real column, whose logits alone are computed), and the sink's
+        writes (a graph per sink: it is part of the shape key)."""
         ids, pos, slots, bt, idx = packed.split([b * t, b * t, b * t, b * nblk, b if last else 0])
         hidden, tapped, logits = self.model_step(ids.view(b, t), pos.view(b, t), slots, bt.view(b, nblk),
                                                  idx if last else None, fresh)
+        if sink is not None:
+            sink(tapped, pos.view(b, t), slots)
         return hidden, tapped, logits
 
     def model_step(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, bt: torch.Tensor,
@@ -193,7 +206,8 @@ class ModelRunner:
         return hidden, tapped, self.model.logits(hidden)
 
     def _graph_forward(self, tables: list[BlockTable], tokens: list[list[int]], t: int, nblk: int,
-                       want_logits: str, taps: bool, fresh: bool = False) -> StepOutput:
+                       want_logits: str, taps: bool, fresh: bool = False, sink: TapSink | None = None
+                       ) -> StepOutput:
         b = len(tables)
         bp, nb = bucket(b), bucket(nblk, 4)
         arrays = self.batch_arrays(tables, tokens, bp, t, nb)
@@ -203,6 +217,6 @@ class ModelRunner:
             idx[:b] = [len(x) - 1 for x in tokens]
             arrays.append(idx)
         packed, _ = pack_host(arrays, self.device)
-        hidden, tapped, lg = self._graph([packed], b=bp, t=t, nblk=nb, last=last, fresh=fresh)
+        hidden, tapped, lg = self._graph([packed], b=bp, t=t, nblk=nb, last=last, fresh=fresh, sink=sink)
         return StepOutput(hidden[:b], [x[:b] for x in tapped] if taps else [],
                           lg[:b] if want_logits != "none" else None)

@@ -193,6 +193,20 @@ class DFlashGenerator(NativeGenerator):
             alloc.truncate(s.table, starts[i] + a + 1)
             s.pending, s.pending_rows = feats[i], a + 1  # joins the draft cache in the next draft pass
 
+    def prefill_with_context(self, seqs: list[Sequence]) -> None:
+        """Prefill, and write each prompt's draft context (its taps' K/V) inside the same forwards: in the
+        prefill's CUDA graph on a GPU, where a separate write (host-side slots, a copy, a dynamic-shape
+        compiled call) cost a request about 0.75 ms (bench/results/demo_pair_v3_h200/engine_e59da1c).
+        Every sequence's draft context must be as long as its target cache (a restored prefix restores
+        both halves), so the forward's own positions and slots are the draft context's."""
+        for s in seqs:
+            if s.draft_len != s.table.num_tokens or s.pending is not None:
+                raise RuntimeError(f"draft context ({s.draft_len} positions) out of step with the target cache "
+                                   f"({s.table.num_tokens}) before prefill")
+        self.prefill(seqs, sink=self.drafts.write_forward_context)
+        for s in seqs:
+            s.draft_len = len(s.prompt)
+
     # ---- whole requests --------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  block_sizes: list[int | None] | None = None, prefix_cache=None) -> list[Sequence]:
@@ -203,9 +217,6 @@ class DFlashGenerator(NativeGenerator):
             s.block_size = self._check_block(w) if w is not None else self.block_size
         self.reserve(seqs)
         self.restore_prefixes(seqs, prefix_cache)
-        feats = self.prefill(seqs, taps=True)
-        live = [s for s in seqs if not s.done]
-        if live:
-            self.drafts.write_prompt(live, [f for s, f in zip(seqs, feats) if not s.done])
+        self.prefill_with_context(seqs)
         self.run_on_device(seqs)
         return self.drive(seqs, self.spec_step, prefix_cache)

@@ -71,9 +71,10 @@ def warm_prefill(gen, lengths: list[int]) -> dict:
     for p in random_prompts(lengths, gen.runner.model.cfg.vocab_size):
         seq = gen.new_sequences([p], [SamplingParams(max_tokens=1)])[0]
         gen.reserve([seq])
-        feats = gen.prefill([seq], taps=spec)
         if spec:
-            gen.drafts.write_prompt([seq], feats)
+            gen.prefill_with_context([seq])
+        else:
+            gen.prefill([seq])
         gen.runner.allocator.free(seq.table)
     if gen.runner.allocator.num_free != free:
         raise RuntimeError(f"warm-up leaked KV blocks ({free - gen.runner.allocator.num_free})")

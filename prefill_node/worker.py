@@ -42,9 +42,10 @@ class PrefillWorker:
         gen.reserve([seq])
         before = self.cache.stats.hit_tokens
         gen.restore_prefixes([seq], self.cache)
-        feats = gen.prefill([seq], taps=isinstance(gen, DFlashGenerator))
         if isinstance(gen, DFlashGenerator):
-            gen.drafts.write_prompt([seq], feats)
+            gen.prefill_with_context([seq])
+        else:
+            gen.prefill([seq])
         published = self.cache.publish(gen, seq)
         gen.runner.allocator.free(seq.table)
         return PrefillResult(seq.output[0], seq.finish_reason, published, self.cache.stats.hit_tokens - before,

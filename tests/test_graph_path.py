@@ -168,3 +168,37 @@ def test_fresh_prefill_attends_causally_like_the_cache_path(dflash_pair):  # noq
     runner.forward([table], [list(range(3, 103))], "last")
     runner.forward([table], [list(range(3, 53))], "last")
     assert seen == [True, False]
+
+
+def test_prefill_writes_the_draft_context_inside_its_forwards(dflash_pair):  # noqa: F811
+    """prefill_with_context (the drafter's prompt context written by the prefill forwards themselves, in
+    their graphs on a GPU) leaves the draft cache as the two-pass way does (prefill with taps, then
+    write_prompt): a padded batch of several lengths (eager), one prompt in a padded graph, one prompt
+    in graph-width chunks; the sink is part of each graph's key."""
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    taps = tuple(drafter.cfg.target_layer_ids)
+    cases = [(False, None, _prompts(3, 11)), (True, None, _prompts(1, 12)), (True, 32, [list(range(1, 101))])]
+    for graphs, chunk, prompts in cases:
+        caches = []
+        for fused in (False, True):
+            runner = ModelRunner(target, 256, 16, taps=taps, cuda_graphs=graphs, compile=False)
+            runner.prefill_chunk = chunk
+            gen = DFlashGenerator(runner, drafter, (), 16)
+            sinks: list[bool] = []  # per graphed forward, whether it carried the sink (graphs run eagerly here)
+            graph = runner._graph
+            graph.fn = lambda *a, fn=graph.fn, sinks=sinks, **kw: sinks.append(kw["sink"] is not None) or fn(*a, **kw)
+            seqs = gen.new_sequences(prompts, [SamplingParams(max_tokens=4, ignore_eos=True)] * len(prompts))
+            gen.reserve(seqs)
+            if fused:
+                gen.prefill_with_context(seqs)
+            else:
+                gen.drafts.write_prompt(seqs, gen.prefill(seqs, taps=True))
+            assert [s.draft_len for s in seqs] == [len(p) for p in prompts]
+            slots = [torch.tensor(gen.drafts._slots(s, 0, len(s.prompt))) for s in seqs]
+            caches.append([gen.drafts.cache.data[:, :, :].flatten(2, 3)[:, :, sl] for sl in slots])
+            # the graph path: every prefill forward a graph, each with the sink only when fused
+            assert sinks == ([fused] * (-(-100 // chunk) if chunk else 1) if graphs else [])
+        for a, b in zip(*caches):
+            assert a.abs().sum() > 0
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)

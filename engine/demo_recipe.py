@@ -57,24 +57,16 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                    drafter_lr: float = 1.5e-3, corpus: str = "stdlib+torch", kl_weight: float = 0.0,
                    drafter_intermediate: int | None = 896, drafter_attention: str = "auto",
                    regen_batch: int | None = None, target_dir: str | Path | None = None,
-                   stdlib_share: float | None = None, drafter_gamma: float | None = None, log: Callable[[str], None] = print) -> dict:
+                   drafter_gamma: float | None = None, log: Callable[[str], None] = print) -> dict:
     """The whole recipe into `out` (target/, drafter/, eval.json). With `target_dir`, a target this recipe
     made before (its tokenizer.json beside it) is copied in and only the drafter's stages run: the same
     split, prompts and seeds, so drafter settings compare on one target (targets of two runs differ: GPU
-    training is not bit-reproducible, and a pair's acceptance depends much on its target).
-    `stdlib_share`: the fraction of the drafter's prompts taken from the stdlib files of the drafter-prompt
-    split (the rest from its torch files); None takes windows of the whole split alike (torch's files are
-    most of its tokens, while every evaluation prompt is held-out stdlib text)."""
-    if stdlib_share is not None and not 0.0 <= stdlib_share <= 1.0:
-        raise ValueError(f"stdlib_share must be in [0, 1], got {stdlib_share}")
+    training is not bit-reproducible, and a pair's acceptance depends much on its target)."""
     out = Path(out)
     shape = {**TARGET_SHAPE, "vocab_size": vocab_size}
     t0 = time.perf_counter()
     train_files, draft_files, held_files = split_three(corpus_files(corpus))
     texts, draft_texts, held_texts = read_texts(train_files), read_texts(draft_files), read_texts(held_files)
-    std = set(stdlib_files())
-    draft_std = read_texts([f for f in draft_files if f in std])
-    draft_other = read_texts([f for f in draft_files if f not in std])
     if target_dir is not None:
         from tokenizers import Tokenizer  # noqa: PLC0415
 
@@ -114,24 +106,14 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     target = load_target(tdir, device, dtype)
 
     gen = torch.Generator().manual_seed(seed + 7)
-    hi = seq_len - new_tokens - 16
-    if stdlib_share is None:
-        prompts = windows(draft_stream, num_prompts, 32, hi, gen)
-    else:
-        n_std = round(num_prompts * stdlib_share)
-        if n_std and not draft_std or num_prompts - n_std and not draft_other:
-            raise ValueError(f"stdlib_share {stdlib_share}: the drafter-prompt split lacks the files to draw from")
-        prompts = (windows(stream_of(draft_std), n_std, 32, hi, gen) if n_std else []) + \
-            (windows(stream_of(draft_other), num_prompts - n_std, 32, hi, gen) if num_prompts - n_std else [])
-        log(f"drafter prompts: {n_std} from {len(draft_std)} stdlib files, {num_prompts - n_std} from "
-            f"{len(draft_other)} other files")
+    prompts = windows(draft_stream, num_prompts, 32, seq_len - new_tokens - 16, gen)
     data = regenerate(target, prompts, new_tokens, batch=regen_batch or (256 if device.startswith("cuda") else 32),
                       log=log)
     log(f"regenerated ({time.perf_counter() - t0:.0f} s)")
     tc = DrafterTrainConfig(layers=2, intermediate_size=drafter_intermediate, block_size=16, num_taps=5,
                             mask_token_id=mask, steps=drafter_steps,
-                            seqs_per_step=drafter_seqs, anchors=128, lr=drafter_lr, seed=seed, save_every=1000, gamma=drafter_gamma,
-                            kl_weight=kl_weight, attention=drafter_attention)
+                            seqs_per_step=drafter_seqs, anchors=128, lr=drafter_lr, seed=seed, save_every=1000,
+                            gamma=drafter_gamma, kl_weight=kl_weight, attention=drafter_attention)
     drafter = train_drafter(target, data, [len(p) for p in prompts], out / "drafter-train", tc, log=log)
     log(f"drafter trained ({time.perf_counter() - t0:.0f} s)")
     ddir = save_drafter(drafter, out / "drafter", dtype=torch.bfloat16)
@@ -142,7 +124,6 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     report = {"recipe": {"seed": seed, "target_steps": None if target_dir is not None else target_steps,
                          "target_from": str(target_dir) if target_dir is not None else None, "target_batch": target_batch, "seq_len": seq_len,
                          "drafter_steps": drafter_steps, "num_prompts": num_prompts, "new_tokens": new_tokens,
-                         "stdlib_share": stdlib_share,
                          "corpus": corpus,
                          "target_shape": shape, "drafter": {"layers": 2, "block_size": 16, "taps": 5,
                                                                     "seqs_per_step": drafter_seqs, "lr": drafter_lr,

@@ -147,9 +147,6 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--drafter-gamma", type=float,
                    help="decay of the drafter's loss weight over block positions, exp(-(k-1)/gamma) "
                         "(default: 7 at block 16, as DFlash trains)")
-    m.add_argument("--stdlib-share", type=float,
-                   help="fraction of the drafter's prompts from the drafter-prompt split's stdlib files (the "
-                        "evaluation prompts are stdlib text); default: windows of the whole split alike")
     m.add_argument("--target", help="a target this recipe made before (with its tokenizer.json): copied into --out, "
                                     "and only the drafter's stages run (drafter settings compared on one target)")
 
@@ -235,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                            num_prompts=a.num_prompts, corpus=a.corpus, kl_weight=a.kl_weight,
                            drafter_intermediate=a.drafter_intermediate, drafter_attention=a.drafter_attention,
                            regen_batch=a.regen_batch, target_dir=a.target, new_tokens=a.new_tokens,
-                           stdlib_share=a.stdlib_share, drafter_gamma=a.drafter_gamma)
+                           drafter_gamma=a.drafter_gamma)
             return 0
         from flashpd.demo import run_demo  # noqa: PLC0415
         return run_demo(device=a.device)

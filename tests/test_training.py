@@ -376,25 +376,18 @@ def test_recipe_on_a_given_target_copies_it_and_trains_only_the_drafter(tmp_path
     logs: list[str] = []
     report = make_demo_pair(tmp_path / "pair", "cpu", drafter_steps=2, num_prompts=4, new_tokens=8,
                             heldout_prompts=2, drafter_seqs=2, regen_batch=4, target_dir=DEMO / "target",
-                            corpus="stdlib", stdlib_share=1.0, log=logs.append)
+                            corpus="stdlib", drafter_gamma=5.0, log=logs.append)
     for f in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "pair" / "target" / f).read_bytes() == (DEMO / "target" / f).read_bytes()
     assert not any("target step" in m for m in logs) and any("target reused" in m for m in logs)
     assert report["recipe"]["target_from"] == str(DEMO / "target") and report["recipe"]["target_steps"] is None
-    assert report["recipe"]["stdlib_share"] == 1.0
-    assert any(m.startswith("drafter prompts: 4 from ") and m.endswith(", 0 from 0 other files") for m in logs)
+    assert report["recipe"]["drafter"]["gamma"] == 5.0
+    assert json.loads((tmp_path / "pair" / "drafter-train" / "train_config.json").read_text())["gamma"] == 5.0
     target = load_target(tmp_path / "pair" / "target")
     load_drafter(tmp_path / "pair" / "drafter", target)  # fits the reused target
     saved = json.loads((tmp_path / "pair" / "eval.json").read_text())
     assert len(saved["heldout"]) == 2 and all(r["tau_64"] >= 1.0 for r in saved["heldout"])
     assert saved["tau_64_mean"] == sum(r["tau_64"] for r in saved["heldout"]) / 2
-
-
-def test_recipe_refuses_a_stdlib_share_outside_0_1(tmp_path):
-    from flashpd.engine.demo_recipe import make_demo_pair
-    with pytest.raises(ValueError, match="stdlib_share"):
-        make_demo_pair(tmp_path / "pair", "cpu", stdlib_share=1.5)
-    assert not (tmp_path / "pair").exists()
 
 
 def test_demo_states_the_speedup_of_the_json_it_names():

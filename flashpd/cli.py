@@ -129,7 +129,7 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--device", choices=["cpu", "cuda"])
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--target-steps", type=int, default=600)
-    m.add_argument("--drafter-steps", type=int, default=9000)
+    m.add_argument("--drafter-steps", type=int, default=14000)
     m.add_argument("--num-prompts", type=int, default=12288, help="prompts whose continuations the target regenerates")
     m.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary of the demo tokenizer")
     m.add_argument("--drafter-seqs", type=int, default=16, help="sequences per drafter step (128 anchors each)")

@@ -340,8 +340,11 @@ def test_shipped_demo_pair_is_exact_on_heldout_prompts():
     params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 2
     for s, n in zip(spec.generator.generate(prompts, params), native.generate(prompts, params)):
         assert s.output == n.output and s.stats.tau >= 1.0
+    # the pair and its tokenizer: at most 16 MiB (it travels to the GPU machine within a 64 MiB carry) in
+    # two weight files; the weights alone are under 16e6 bytes too
     weights = sum(f.stat().st_size for f in DEMO.rglob("*.safetensors"))
     assert weights <= 16e6 and len(list(DEMO.rglob("*.safetensors"))) == 2
+    assert weights + (DEMO / "target" / "tokenizer.json").stat().st_size <= 16 * 2**20
 
 
 def test_profile_step_times_dflash_steps_at_the_drafters_block_width():

@@ -26,6 +26,8 @@ from flashpd.engine.train_drafter import evaluate_tau
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pair", default=str(PAIR), help="directory with target/ and drafter/")
+    ap.add_argument("--drafter", help="a drafter directory for the pair's target (default: the pair's drafter/): "
+                                      "candidates compare on one target and one prompt set")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--prompts", type=int, default=16)
@@ -35,7 +37,7 @@ def main() -> None:
     a = ap.parse_args()
     pair = Path(a.pair)
     target = load_target(pair / "target", a.device, getattr(torch, a.dtype))
-    drafter = load_drafter(pair / "drafter", target)
+    drafter = load_drafter(a.drafter or pair / "drafter", target)
     prompts = heldout_windows(Tokenizer.from_file(str(pair / "target" / "tokenizer.json")), a.prompts, a.seed)
     t0 = time.perf_counter()
     rows = []
@@ -45,12 +47,13 @@ def main() -> None:
         print(f"prompt {i:2d} ({r['prompt_len']:4d} tokens): tau {r['tau']:.2f} exact {r['exact']} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     taus = [r["tau"] for r in rows]
-    payload = {"bench": "demo_eval", "pair": str(a.pair), "device": a.device, "dtype": a.dtype, "block_size": 16,
+    payload = {"bench": "demo_eval", "pair": str(a.pair), "drafter": a.drafter, "device": a.device, "dtype": a.dtype, "block_size": 16,
                "max_tokens": a.max_tokens, "prompts": rows, "tau_mean": statistics.mean(taus),
                "tau_geomean": statistics.geometric_mean(taus),
                "tau_64_mean": statistics.mean(r["tau_64"] for r in rows), "exact": f"{sum(r['exact'] for r in rows)}/{len(rows)}",
                "command": f"python -m flashpd.bench.demo_eval --device {a.device} --dtype {a.dtype} "
-                          f"--prompts {a.prompts} --max-tokens {a.max_tokens} --out {a.out}"}
+                          f"--prompts {a.prompts} --max-tokens {a.max_tokens} --seed {a.seed}"
+                          + (f" --drafter {a.drafter}" if a.drafter else "") + f" --out {a.out}"}
     write_json(Path(a.out), payload)
     print(f"tau mean {payload['tau_mean']:.2f} (geomean {payload['tau_geomean']:.2f}, first 64 tokens "
           f"{payload['tau_64_mean']:.2f}), exact {payload['exact']}")

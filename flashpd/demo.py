@@ -20,9 +20,9 @@ PAIR = Path(__file__).parent / "assets" / "demo_pair"
 # The speedup the demo states: fixed figures from one run of the benchmark protocol on an H200 (the JSON named
 # here, in the repository; a test checks these figures against it). A CPU run of the demo times itself too,
 # but a CPU is not where the protocol measures.
-SPEEDUP_JSON = "bench/results/demo_pair_v4_h200/call3_ebe203c/speedup_X.json"
-SPEEDUP_GEOMEAN = {64: 2.34, 256: 3.57}  # new tokens -> geomean over the confirmation prompts
-SPEEDUP_RANGE = (1.02, 8.67)  # per prompt, both lengths
+SPEEDUP_JSON = "bench/results/demo_pair_v4_h200/speedup_demo_pair_h200.json"
+SPEEDUP_GEOMEAN = {64: 2.33, 256: 3.55}  # new tokens -> geomean over the confirmation prompts
+SPEEDUP_RANGE = (1.06, 8.61)  # per prompt, both lengths
 
 
 def heldout_prompts(encode, n: int = 3, tokens: int = 200) -> list[list[int]]:

@@ -405,3 +405,17 @@ def test_demo_states_the_speedup_of_the_json_it_names():
         assert round(c["geomean_speedup"], 2) == demo.SPEEDUP_GEOMEAN[n]
     assert round(min(c["min_speedup"] for c in got.values()), 2) == demo.SPEEDUP_RANGE[0]
     assert round(max(c["max_speedup"] for c in got.values()), 2) == demo.SPEEDUP_RANGE[1]
+
+
+def test_demo_eval_scores_a_given_drafter_on_the_pairs_target(tmp_path):
+    """bench/demo_eval --drafter: a candidate drafter judged on the pair's target and prompts (how v4's
+    candidates compared on the CPU); the JSON names the drafter and the command that reproduces it."""
+    out = tmp_path / "eval.json"
+    drafter = DEMO / "drafter"
+    subprocess.run([sys.executable, "-m", "flashpd.bench.demo_eval", "--device", "cpu", "--prompts", "1",
+                    "--max-tokens", "8", "--seed", "1", "--drafter", str(drafter), "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    run = json.loads(out.read_text())
+    # (write_json keeps paths repository-relative)
+    assert run["drafter"].endswith("demo_pair/drafter") and "--drafter " in run["command"] and "--seed 1" in run["command"]
+    assert run["exact"] == "1/1" and run["max_tokens"] == 8 and run["prompts"][0]["tau"] >= 1.0

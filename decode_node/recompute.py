@@ -9,8 +9,6 @@ seeded generator stays in step and the continuation equals an uninterrupted run.
 """
 from __future__ import annotations
 
-import torch
-
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.sequence import Sequence
 
@@ -28,8 +26,12 @@ def recompute(gen: NativeGenerator, seqs: list[Sequence], prefix_cache=None, tap
         if prefix_cache is not None:
             prefix_cache.restore(gen, s)  # sets num_tokens (and draft_len) to the restored prefix
         rest = ctx[s.table.num_tokens:]
-        out = runner.forward([s.table], [rest], "none", taps)
+        if taps and s.draft_len != s.table.num_tokens:
+            raise RuntimeError(f"restored draft context ({s.draft_len}) out of step with the target cache "
+                               f"({s.table.num_tokens})")
+        # DFlash: the forward's taps become drafter context inside the forward (its sink), as in a prefill
+        runner.forward([s.table], [rest], "none", sink=gen.drafts.write_forward_context if taps else None)
         if taps:
-            gen.drafts.write_prompt([s], [torch.cat([x[0, :len(rest)] for x in out.taps], dim=-1)])
+            s.draft_len = len(ctx)
         computed += len(rest)
     return computed

@@ -7,7 +7,7 @@
 # demo pair), sweep1 (issue 6: the service on one GPU, demo pair), sweep2 (issue 7: prefill and decode on
 # two GPUs vs colocated, demo pair), sweep8b (issues 6/7: Qwen3-8B-shape dummy weights), draft (issue 5:
 # draft-state import), pair (issue 4: the demo pair's whole recipe, about 8 minutes), attn (attention
-# implementations at batch 1), profile (issue 4: wall vs GPU-busy time of a native and a DFlash step). Default: all of them (more than one 10-minute command holds).
+# implementations at batch 1), profile (issue 4: wall vs GPU-busy time of a native and a DFlash step), anatomy (issue 4: a whole request's phases, native and DFlash, and a Chrome trace of each). Default: all of them (more than one 10-minute command holds).
 # Wheels carried in .whl (all of it fits one 64 MiB carry beside the repository):
 #   ../shared/tools/gpu-wheels.sh .whl ray prometheus_client
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -51,6 +51,7 @@ want attn && CUDA_VISIBLE_DEVICES=$G step attn_micro 120 python3 -m flashpd.benc
 want ttft && CUDA_VISIBLE_DEVICES=$G step ttft_hit 150 python3 -m flashpd.bench.ttft_hit --config qwen3-8b --prompts 3 --reps 3 --modes ${TTFT_MODES:-cold,device,memory,shm,grpc} --out "$OUT/ttft_hit_h200.json"
 want cache && CUDA_VISIBLE_DEVICES=$G step cache_runs ${CACHE_LIMIT:-200} python3 -m flashpd.bench.cache_runs --device cuda --prompts 20 --prompt-tokens 2048 --new-tokens 64 --stores ${CACHE_STORES:-memory,device,disk,grpc,shm} --out "$OUT/cache_runs_demo_pair_h200.json"
 want profile && CUDA_VISIBLE_DEVICES=$G step profile ${PROFILE_LIMIT:-150} python3 -m flashpd.bench.profile_step --target $P/target --draft $P/drafter ${PROFILE_ARGS:-} --out "$OUT/profile_step_h200.json"
+want anatomy && CUDA_VISIBLE_DEVICES=$G step anatomy ${ANATOMY_LIMIT:-200} python3 -m flashpd.bench.request_anatomy --target $P/target --draft $P/drafter --prompts ${PROMPTS:-8} --trace "$OUT" --out "$OUT/request_anatomy_h200.json"
 want speedup && CUDA_VISIBLE_DEVICES=$G step speedup ${SPEEDUP_LIMIT:-200} python3 -m flashpd.bench.speedup --target $P/target --draft $P/drafter --prompts ${PROMPTS:-4} --widths ${WIDTHS:-4,8,12,16} --reps 3 --out "$OUT/speedup_demo_pair_h200.json"
 want sweep1 && CUDA_VISIBLE_DEVICES=$G step sweep_1gpu ${SWEEP1_LIMIT:-200} python3 -m flashpd.cluster.job_sweep $SWEEP --long-every 16 --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
 if [ "$NG" -ge 2 ]; then

@@ -1,0 +1,140 @@
+"""Where a whole greedy request's time goes outside its steps, native and DFlash, batch 1.
+
+    python -m flashpd.bench.request_anatomy --out bench/results/request_anatomy.json
+
+A request's latency is its steps plus a fixed part (sequence setup, prefill and first token, the device
+loop's start and end, finish). The fixed part is paid once by both methods, so the fewer steps DFlash
+takes, the larger its share of DFlash's time: it caps the speedup of prompts the drafter does well on.
+Each phase here is timed with a device sync at its end, over `--reps` runs of the protocol's
+confirmation prompts (bench/speedup.py's held-out sets); the whole `generate` is timed beside it, as the
+protocol times it. With `--trace DIR`, one request of each method is also saved as a gzipped Chrome trace.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from flashpd.bench.common import write_json
+from flashpd.bench.speedup import heldout_prompt_sets, pair_generators
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.tokenizer import TextTokenizer
+
+
+def _sync(cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def phases(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int | None, cuda: bool) -> dict:
+    """One request, phase by phase (ms), the same calls `generate` makes, a sync after each phase."""
+    params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
+    spec = isinstance(gen, DFlashGenerator)
+    t0 = _sync(cuda)
+    seqs = gen.new_sequences([prompt], params)
+    if spec:
+        seqs[0].block_size = width
+    gen.reserve(seqs)
+    t1 = _sync(cuda)
+    gen.prefill_with_context(seqs) if spec else gen.prefill(seqs)
+    t2 = _sync(cuda)
+    loop = gen.loop()
+    sess = loop.begin(seqs)
+    t3 = _sync(cuda)
+    while not all(s.done for s in seqs):  # DeviceLoop.run, its end timed apart
+        if sess.queued and loop._may_finish(sess):
+            loop.read(sess)
+            continue
+        loop.launch(sess)
+        if len(sess.queued) == 2:
+            loop.read(sess)
+    t4 = _sync(cuda)
+    wasted = len(sess.queued)
+    sess.queued.clear()
+    loop.end(sess)
+    t5 = _sync(cuda)
+    gen.drive(seqs, gen.spec_step if spec else gen.decode_step)
+    t6 = _sync(cuda)
+    s = seqs[0]
+    steps = len(s.stats.acceptance_lengths) if spec else len(s.output) - 1
+    ms = lambda a, b: (b - a) * 1e3  # noqa: E731
+    return {"setup_ms": ms(t0, t1), "prefill_first_token_ms": ms(t1, t2), "loop_begin_ms": ms(t2, t3),
+            "steps_ms": ms(t3, t4), "loop_end_ms": ms(t4, t5), "finish_ms": ms(t5, t6), "total_ms": ms(t0, t6),
+            "steps": steps, "wasted_steps": wasted, "step_ms": ms(t3, t4) / max(steps, 1)}
+
+
+def whole(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int | None, cuda: bool) -> float:
+    params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
+    t = _sync(cuda)
+    if isinstance(gen, DFlashGenerator):
+        gen.generate([prompt], params, [width])
+    else:
+        gen.generate([prompt], params)
+    return (_sync(cuda) - t) * 1e3
+
+
+def trace(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int | None, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        whole(gen, prompt, new_tokens, width, True)
+    raw = path.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as f, gzip.open(path, "wb") as g:
+        shutil.copyfileobj(f, g)
+    raw.unlink()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="flashpd/assets/demo_pair/target")
+    ap.add_argument("--draft", default="flashpd/assets/demo_pair/drafter")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prompts", type=int, default=8, help="per set, as in bench/speedup.py (confirmation set used)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--width", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", default="", help="folder for gzipped Chrome traces of one request each")
+    ap.add_argument("--trace-prompt", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/request_anatomy.json")
+    a = ap.parse_args()
+    cuda = a.device.startswith("cuda")
+    _, native, spec = pair_generators(a.target, a.draft, a.device)
+    _, confirm = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.prompts, a.seed)
+    rows = []
+    for i, p in enumerate(confirm):
+        row = {"prompt": i, "prompt_len": len(p)}
+        for name, gen, w in (("native", native, None), ("dflash", spec, a.width)):
+            whole(gen, p, a.new_tokens, w, cuda)  # warm-up: captures this prompt's shapes
+            runs = [phases(gen, p, a.new_tokens, w, cuda) for _ in range(a.reps)]
+            row[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            row[name]["generate_ms"] = statistics.median(whole(gen, p, a.new_tokens, w, cuda) for _ in range(a.reps))
+            d = row[name]
+            print(f"prompt {i} ({len(p)} tok) {name:6s}: generate {d['generate_ms']:6.2f} ms = setup "
+                  f"{d['setup_ms']:.2f} + prefill {d['prefill_first_token_ms']:.2f} + begin {d['loop_begin_ms']:.2f} + "
+                  f"{d['steps']:.0f} steps {d['steps_ms']:.2f} ({d['step_ms']:.3f}/step) + end {d['loop_end_ms']:.2f} "
+                  f"+ finish {d['finish_ms']:.2f} (phased total {d['total_ms']:.2f})", flush=True)
+        rows.append(row)
+    if a.trace and cuda:
+        folder = Path(a.trace)
+        folder.mkdir(parents=True, exist_ok=True)
+        p = confirm[a.trace_prompt]
+        trace(native, p, a.new_tokens, None, folder / "trace_native.json.gz")
+        trace(spec, p, a.new_tokens, a.width, folder / "trace_dflash.json.gz")
+    write_json(Path(a.out), {"bench": "request_anatomy", "target": a.target, "draft": a.draft, "device": a.device,
+                             "batch": 1, "new_tokens": a.new_tokens, "width": a.width, "reps": a.reps, "rows": rows,
+                             "command": f"python -m flashpd.bench.request_anatomy --prompts {a.prompts} --new-tokens "
+                                        f"{a.new_tokens} --width {a.width} --reps {a.reps} --seed {a.seed} --out {a.out}"})
+
+
+if __name__ == "__main__":
+    main()

@@ -14,19 +14,19 @@ import argparse
 import torch
 
 from flashpd.bench.common import write_json
-from flashpd.engine.attention import grouped_sdpa
+from flashpd.engine.attention import group_mask, group_queries, grouped_sdpa
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The explicit-matmul form in the engine's kv-major layout (attention.group_queries), from and to the
+    usual layouts: q [B, T, Hq, d], k, v [B, Hkv, L, d], a `group_mask` mask -> [B, T, Hq*d]."""
     b, t, hq, d = q.shape
     hkv = k.shape[1]
-    g = hq // hkv
-    qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-    s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    qg = group_queries(q, hkv)
+    s = torch.matmul(qg, k.transpose(0, 1).transpose(-1, -2)).float() * scale
     s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(v.dtype)
-    out = torch.matmul(p, v)
-    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq * d)
+    out = torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v.transpose(0, 1))
+    return out.view(hkv, b, t, hq // hkv, d).permute(1, 2, 0, 3, 4).reshape(b, t, hq * d)
 
 
 def graph_time(fn, reps: int = 50, inner: int = 14) -> float:
@@ -70,7 +70,7 @@ def main() -> None:
                     v = torch.randn(b, hkv, keys, d, device=dev, dtype=dt)
                     pos = torch.arange(ctx, ctx + t, device=dev)[None].expand(b, t)
                     m = (torch.arange(keys, device=dev)[None, None, :] <= pos[:, :, None]).unsqueeze(1)
-                    gm = m.unsqueeze(2).expand(b, 1, hq // hkv, t, keys).reshape(b, 1, hq // hkv * t, keys)
+                    gm = group_mask(m, hq // hkv)
                     sc = d ** -0.5
                     ref = matmul_attention(q.float(), k.float(), v.float(), gm, sc)
                     row = {"shape": name, "batch": b, "queries": t, "context": ctx + t, "padded_keys": keys}

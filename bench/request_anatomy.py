@@ -6,8 +6,9 @@ A request's latency is its steps plus a fixed part (sequence setup, prefill and 
 loop's start and end, finish). The fixed part is paid once by both methods, so the fewer steps DFlash
 takes, the larger its share of DFlash's time: it caps the speedup of prompts the drafter does well on.
 Each phase here is timed with a device sync at its end, over `--reps` runs of the protocol's
-confirmation prompts (bench/speedup.py's held-out sets); the whole `generate` is timed beside it, as the
-protocol times it. With `--trace DIR`, one request of each method is also saved as a gzipped Chrome trace.
+confirmation prompts (bench/speedup.py's held-out sets): the sequential path (prefill and first token,
+then the device loop's start), which `generate` took until it queued the first step behind the prefill
+(NativeGenerator.start). The whole `generate` is timed beside it, as the protocol times it. With `--trace DIR`, one request of each method is also saved as a gzipped Chrome trace.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Each layer writes this forward's K/V into its slots first, then gathers the sequence's blocks
 through its block table and runs SDPA with a position mask (key j visible to a query at
 position p iff j <= p). Grouped-query attention folds the query groups into the query axis
-([B, kv_heads, groups*T, d]) so K/V are never repeated in memory.
+([kv_heads, B, T*groups, d], kv-major: see `group_queries`) so K/V are never repeated in memory.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class AttnBatch:
     positions: [B, T] absolute positions (padding rows use 0); slots: [B*T] flat cache slots
     (padding writes the scratch block); block_tables: [B, nblk] (padded with the scratch block);
     mask: set by the model from the positions and tables (qwen3.step_inputs), grouped for
-    `grouped_attention`: [B, 1, groups*T, nblk*block_size] boolean, True = visible.
+    `grouped_attention`: [1, B, T*groups, nblk*block_size] boolean, True = visible.
     fresh: every row starts at position 0 (a prompt with no cached prefix): attention then needs only
     this forward's own K/V under a causal mask, which a fused causal kernel runs without gathering the
     cache or reading a mask (`causal_sdpa`); there is no mask. Right padding is harmless there: a real
@@ -50,16 +50,17 @@ def write_kv(k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor,
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[blocks, bs, kv_heads, d] gathered by [B, nblk] -> [B, kv_heads, nblk*bs, d]."""
+    """[blocks, bs, kv_heads, d] gathered by [B, nblk] -> [kv_heads, B, nblk*bs, d] (the kv-major layout of
+    `grouped_attention`; compiled, the gather kernel writes it directly)."""
     b, n = block_tables.shape
     g = cache[block_tables]
-    return g.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+    return g.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).permute(2, 0, 1, 3)
 
 
 def group_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, 1, T, L] -> [B, 1, groups*T, L], the query layout of `grouped_sdpa` (built once per forward)."""
+    """[B, 1, T, L] -> [1, B, T*groups, L], the query layout of `group_queries` (built once per forward)."""
     b, _, t, n = mask.shape
-    return mask.unsqueeze(2).expand(b, 1, groups, t, n).reshape(b, 1, groups * t, n)
+    return mask.unsqueeze(3).expand(b, 1, t, groups, n).reshape(b, 1, t * groups, n).transpose(0, 1)
 
 
 # Scores of at most this many elements take the explicit-matmul form on a GPU (see `use_matmul`).
@@ -74,52 +75,70 @@ def use_matmul(q: torch.Tensor, keys: int) -> bool:
     bench/results/attn_micro_h200.json); large score matrices (prefill) keep the fused kernel."""
     if FORCE_IMPL is not None:
         return FORCE_IMPL == "matmul"
-    rows = q.shape[0] * q.shape[1] * q.shape[2]  # B*T*Hq, in either query layout (group_queries)
+    rows = q.shape[0] * q.shape[1] * q.shape[2]  # B*T*Hq, in either query layout
     return q.device.type == "cuda" and rows * keys <= MATMUL_MAX_SCORES
 
 
 def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """[B, T, Hq, d] -> [B, Hkv, (Hq/Hkv)*T, d]: each KV head's query groups folded into its query axis
-    (group-major). Query head h = kv * groups + j reads KV head kv, as in GQA's usual head order, so a view
-    [B, Hq, T, d] of this layout is the per-head layout SDPA takes. A layer's `attn_inputs` writes its
-    queries in this layout from the kernel that ropes them: at T > 1 a permute here would be a copy."""
-    b, _, hq, d = q.shape
-    return q.view(b, -1, n_kv, hq // n_kv, d).permute(0, 2, 3, 1, 4).reshape(b, n_kv, -1, d)
+    """[B, T, Hq, d] -> [Hkv, B, T*groups, d]: kv-major, each KV head's query groups folded into its query
+    axis token-major (row t*groups + j is query head kv*groups + j at token t, GQA's usual head order).
+
+    Why this layout: attention's output [Hkv, B, T*groups, d] is then [Hkv, B*T, groups*d] as a view, which
+    `out_proj` multiplies per KV head with no copy. A [B, T, Hq*d] output needs a permute copy at T > 1:
+    on an H200 that was one kernel per layer of every verify and draft pass (16 of a demo-pair DFlash
+    step's 281 kernels), and none in a one-token decode. A layer's `attn_inputs` writes its queries in
+    this layout from the kernel that ropes them."""
+    b, t, hq, d = q.shape
+    return q.view(b, t, n_kv, hq // n_kv, d).permute(2, 0, 1, 3, 4).reshape(n_kv, b, -1, d)
 
 
 def grouped_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float, n_q: int) -> torch.Tensor:
-    """qg: [B, Hkv, groups*T, d] (group_queries) of n_q heads; k, v: [B, Hkv, L, d]; mask: [B, 1,
-    groups*T, L] (see group_mask) or None. Returns [B, T, Hq*d]. Every query row must see at least one
-    key. Shapes follow from the int head count, T stays -1 (symbolic when compiled for many widths)."""
-    b, hkv, _, d = qg.shape
+                      scale: float) -> torch.Tensor:
+    """qg: [Hkv, B, groups*T, d] (group_queries); k, v: [Hkv, B, L, d] (gather_kv); mask: [1, B,
+    groups*T, L] (group_mask) or None. Returns [Hkv, B, groups*T, d] in the query layout (see
+    `out_proj`). Every query row must see at least one key."""
     if use_matmul(qg, k.shape[2]):
         s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
-        out = torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
-    else:
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-    return out.view(b, hkv, n_q // hkv, -1, d).permute(0, 3, 1, 2, 4).reshape(b, -1, n_q * d)
+        return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+
+
+def out_proj(attn: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """The output projection of `grouped_attention`'s [Hkv, B, groups*T, d] -> [B, T, H]: one batched
+    matmul over KV heads ([Hkv, B*T, groups*d] by w_o's per-head column slices, views both) and their
+    sum, which compiled is folded into the kernel that adds the residual (a reduction this short is
+    unrolled). Per head, the columns of w_o [H, Hq*d] are the heads kv*groups .. kv*groups + groups - 1."""
+    hkv, b = attn.shape[0], attn.shape[1]
+    h_out = w_o.shape[0]
+    x = attn.reshape(hkv, -1, w_o.shape[1] // hkv)
+    w = w_o.view(h_out, hkv, -1).permute(1, 2, 0)
+    return torch.bmm(x, w).sum(0).view(b, -1, h_out)
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  scale: float) -> torch.Tensor:
-    """`grouped_attention` of queries q [B, T, Hq, d] in the usual layout."""
-    return grouped_attention(group_queries(q, k.shape[1]), k, v, mask, scale, q.shape[2])
+    """`grouped_attention` of q [B, T, Hq, d] and k, v [B, Hkv, L, d] under a `group_mask` mask ->
+    [B, T, Hq*d] (tests and micro-benchmarks; the model keeps the kv-major layout)."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[1]
+    out = grouped_attention(group_queries(q, hkv), k.transpose(0, 1), v.transpose(0, 1), mask, scale)
+    return out.view(hkv, b, t, hq // hkv, d).permute(1, 2, 0, 3, 4).reshape(b, t, hq * d)
 
 
-def causal_sdpa(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, n_q: int) -> torch.Tensor:
-    """Fresh-prefill attention: queries qg [B, Hkv, groups*T, d] (group_queries) of n_q heads over this
-    forward's own k, v [B*T, Hkv, d], causal.
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Fresh-prefill attention: queries q [B, Hq, T, d] (attn_inputs with fresh=True) over this forward's
+    own k, v [B*T, Hkv, d], causal.
 
-    Returns [B, T, Hq*d]. The same numbers as `grouped_attention` over the cache for rows that start at 0
-    (up to the kernels' rounding), without the cache gather or the [T, L] mask: a 2,000-token prompt's
-    prefill is a flash kernel instead of a masked one. The head count comes in as an int and T stays -1:
-    compiled for prompts of many lengths, T is symbolic, and a head count derived from it would be too."""
-    b, hkv, _, d = qg.shape
+    Returns [Hkv, B, T*groups, d], `grouped_attention`'s output layout, so that `out_proj` sums the same
+    way on both paths. The same numbers as `grouped_attention` over the cache for rows that start at 0 (up
+    to the kernels' rounding), without the cache gather or the [T, L] mask: a 2,000-token prompt's prefill
+    is a flash kernel instead of a masked one. T stays -1: compiled for prompts of many lengths, T is
+    symbolic."""
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
     k = k.view(b, -1, hkv, d).transpose(1, 2)
     v = v.view(b, -1, hkv, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg.view(b, n_q, -1, d), k, v, is_causal=True, scale=scale,
-                                         enable_gqa=n_q != hkv)
-    return out.transpose(1, 2).reshape(b, -1, n_q * d)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+    return out.view(b, hkv, hq // hkv, -1, d).permute(1, 0, 3, 2, 4).reshape(hkv, b, -1, d)

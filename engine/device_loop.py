@@ -19,6 +19,7 @@ still in flight and restores each row's host state (cache length, draft context,
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -222,9 +223,13 @@ class DeviceLoop:
     # in flight finishes every running row with at least this probability (from the emissions so far).
     READ_FIRST_P = 0.1
 
-    def run(self, seqs: list[Sequence]) -> None:
-        """Drive every sequence (prefilled, not done) to its end."""
-        sess = self.begin(seqs)
+    def run(self, seqs: list[Sequence], first: torch.Tensor | None = None) -> None:
+        """Drive every sequence (prefilled, not done) to its end. `first` [len(seqs)]: their greedy first
+        tokens, still on the device and not committed (NativeGenerator.start): the first step is queued
+        behind them before the host reads and commits them."""
+        sess = self.begin(seqs, first)
+        if first is not None:
+            self._commit_first(sess, first)
         while not all(s.done for s in seqs):
             if sess.queued and self._may_finish(sess):
                 self.read(sess)
@@ -253,9 +258,26 @@ class DeviceLoop:
                 return False
         return True
 
-    def begin(self, seqs: list[Sequence]) -> "Session":
+    def _commit_first(self, sess: "Session", first: torch.Tensor) -> None:
+        """Queue the first step, then read the first tokens (their prefill done by then or soon) and commit
+        them as the prefill would have (time to first token, stop tokens)."""
+        host = torch.empty(first.shape, dtype=first.dtype, pin_memory=sess.cuda)
+        host.copy_(first, non_blocking=sess.cuda)
+        ev = torch.cuda.Event() if sess.cuda else None
+        if ev is not None:
+            ev.record()
+        self.launch(sess)
+        if ev is not None:
+            ev.synchronize()
+        now = time.perf_counter()
+        for s, tok in zip(sess.seqs, host.tolist()):
+            s.stats.ttft_ms = (now - s.t_start) * 1e3
+            s.commit([tok])
+
+    def begin(self, seqs: list[Sequence], first: torch.Tensor | None = None) -> "Session":
         """Put these sequences' state on the device (their KV reserved to their ends: no allocation while
-        steps are in flight); capture the step's graph for this shape if it is new."""
+        steps are in flight); capture the step's graph for this shape if it is new. `first`: the rows'
+        first tokens on the device, not yet committed (`run`); the state then counts them as emitted."""
         runner, alloc = self.runner, self.runner.allocator
         t = seqs[0].block_size if self.spec else 1
         for s in seqs:
@@ -270,12 +292,16 @@ class DeviceLoop:
         feat = (len(self.gen.drafter.cfg.target_layer_ids) * self.gen.drafter.cfg.hidden_size) if self.spec else 0
         bufs = self._buffers(b, t, nblk, feat)
         st, bt = bufs[0], bufs[1]
-        host_st = torch.zeros(b, 6, dtype=torch.int64)
-        host_bt = torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.int64)
+        cuda = runner.device.type == "cuda"
+        # pinned: the uploads below return at once, and the host goes on to launch while the GPU still runs
+        # the prefill (a pageable copy waits for its turn on the stream)
+        host_st = torch.zeros(b, 6, dtype=torch.int64, pin_memory=cuda)
+        host_bt = torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.int64, pin_memory=cuda)
+        emitted = 0 if first is None else 1
         for i, s in enumerate(seqs):
             # the last token is not in the target cache yet; its pending draft rows are in s.pending
-            host_st[i] = torch.tensor([s.table.num_tokens, s.draft_len, s.last_token, s.pending_rows,
-                                       len(s.output), s.params.max_tokens])
+            host_st[i] = torch.tensor([s.table.num_tokens, s.draft_len, s.last_token if first is None else 0,
+                                       s.pending_rows, len(s.output) + emitted, s.params.max_tokens])
             host_bt[i, :len(s.table.blocks)] = torch.tensor(s.table.blocks)
         host_st[len(seqs):, D] = 1  # padding rows: frozen (O = M = 0), one harmless context key
 
@@ -285,8 +311,10 @@ class DeviceLoop:
             bt.fill_(SCRATCH_BLOCK)
 
         def fill() -> None:
-            st.copy_(host_st)
-            bt.copy_(host_bt)
+            st.copy_(host_st, non_blocking=cuda)
+            bt.copy_(host_bt, non_blocking=cuda)
+            if first is not None:
+                st[:len(seqs), X] = first
             if self.spec:
                 pend = bufs[2]
                 pend.zero_()
@@ -295,7 +323,6 @@ class DeviceLoop:
                         pend[i, :s.pending_rows] = s.pending[:s.pending_rows]
         fill()
         key = (b, t, nblk)
-        cuda = runner.device.type == "cuda"
         if cuda and self.graph.enabled and key not in self.graph._graphs:
             self.graph(key, bufs, reset)
             fill()

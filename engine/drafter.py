@@ -19,7 +19,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from flashpd.engine.attention import gather_kv, group_mask, grouped_sdpa
+from flashpd.engine.attention import gather_kv, group_mask, group_queries, grouped_attention, out_proj
 from flashpd.engine.config import CheckpointError, HeadGeometry, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
 from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
@@ -247,14 +247,15 @@ def draft_qkv(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torc
               w_in: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
               eps: float, n_q: int, n_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A draft layer's attention inputs: queries [B, T, n_q, d] of the block, and keys and values
-    [B, kv, L + T, d], the context's then the block's own (normed and roped as the target's are)."""
+    [kv, B, L + T, d] (kv-major, as attention.gather_kv gives the context [kv, B, L, d]), the context's
+    then the block's own (normed and roped as the target's are)."""
     b, t, _ = h.shape
     x = rms_norm(h, w_in, eps)
     q = apply_rotary(rms_norm(F.linear(x, w_q).view(b, t, n_q, d), w_qn, eps), cos, sin)
     k, v = F.linear(x, w_kv).split([n_kv * d, n_kv * d], dim=-1)
     k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
-    keys = torch.cat([ctx_k, k.transpose(1, 2)], dim=2)
-    vals = torch.cat([ctx_v, v.view(b, t, n_kv, d).transpose(1, 2)], dim=2)
+    keys = torch.cat([ctx_k, k.permute(2, 0, 1, 3)], dim=2)
+    vals = torch.cat([ctx_v, v.view(b, t, n_kv, d).permute(2, 0, 1, 3)], dim=2)
     return q, keys, vals
 
 
@@ -263,13 +264,14 @@ def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: to
                 w_q: torch.Tensor, w_kv: torch.Tensor, w_o: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
                 w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, n_q: int,
                 n_kv: int, d: int) -> torch.Tensor:
-    """One draft layer over a block: queries see the context K/V [B, kv, L, d] and every block key.
+    """One draft layer over a block: queries see the context K/V [kv, B, L, d] and every block key; mask
+    [1, B, T*groups, L + T] (attention.group_mask).
 
     The same function serves inference (context gathered from the paged cache) and training
     (context computed for a whole sequence, many blocks masked apart)."""
     q, keys, vals = draft_qkv(h, cos, sin, ctx_k, ctx_v, w_in, w_q, w_kv, w_qn, w_kn, eps, n_q, n_kv, d)
-    return mlp_residual(h + F.linear(grouped_sdpa(q, keys, vals, mask, d ** -0.5), w_o), w_post, w_gate_up,
-                        w_down, eps)
+    attn = grouped_attention(group_queries(q, n_kv), keys, vals, mask, d ** -0.5)
+    return mlp_residual(h + out_proj(attn, w_o), w_post, w_gate_up, w_down, eps)
 
 
 def draft_slices(m: DFlashDrafter) -> dict[str, tuple[torch.Tensor, int, int]]:

@@ -58,6 +58,25 @@ class NativeGenerator:
         self.loop().run(live)
         return True
 
+    def overlaps_start(self, seqs: list[Sequence]) -> bool:
+        """Whether these fresh requests start in the device loop straight from their prefill (`start`):
+        greedy rows the loop takes, with no first token forced by a prefill worker, each wanting more than
+        the prefill's token (a step queued for a one-token batch would only be waited for)."""
+        return self.device_loop and bool(seqs) and self.loop().usable(seqs) and \
+            all(s.forced_first is None and not s.output and s.params.max_tokens > 1 for s in seqs)
+
+    def start(self, seqs: list[Sequence], prefill) -> None:
+        """Prefill, then drive the requests in the device loop with no host round trip in between: the
+        first decode step is queued behind the prefill, its first tokens still on the device, and the host
+        reads them while that step runs. Sequentially (prefill, sync, commit, then the loop's state upload
+        and its first graph launch) the GPU idled through the host's part of the handover, 0.15-0.35 ms of
+        a request on an H200 (bench/results/demo_pair_v4_h200/request_anatomy_h200.json) plus the
+        launch, a fixed cost a request pays once, native and DFlash alike.
+        `prefill(seqs, defer)` is `prefill` or DFlash's `prefill_with_context`."""
+        first: list[torch.Tensor] = []
+        prefill(seqs, defer=first)
+        self.loop().run(seqs, first=torch.cat(first) if len(first) > 1 else first[0])
+
     def new_sequences(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
         seqs = []
         limit = self.runner.max_positions
@@ -72,12 +91,16 @@ class NativeGenerator:
             seqs.append(Sequence(list(p), sp, self.stop_ids, gen))
         return seqs
 
-    def prefill(self, seqs: list[Sequence], taps: bool = False, sink: TapSink | None = None) -> list[torch.Tensor]:
+    def prefill(self, seqs: list[Sequence], taps: bool = False, sink: TapSink | None = None,
+                defer: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Prefill prompts in padded groups under a token budget; sample each first token.
 
         Returns, when `taps` is set, the tapped hidden states of every prompt position not already
         cached, one [len(prompt) - cached, n_taps * H] tensor per sequence (what the drafter
         conditions on). `sink` consumes them inside each forward instead (ModelRunner.forward).
+        `defer` (greedy rows only): each group's greedy first tokens are appended there as a device tensor,
+        with no host sync and nothing committed; the device loop starts from them and commits them
+        (DeviceLoop.run's `first`).
         """
         alloc = self.runner.allocator
         features: list[torch.Tensor] = []
@@ -97,6 +120,9 @@ class NativeGenerator:
             # a prefix-cache hit already holds positions [0, num_tokens): compute only the rest
             out = self.runner.forward([s.table for s in group], [s.prompt[s.table.num_tokens:] for s in group],
                                       "last", taps, sink)
+            if defer is not None:
+                defer.append(out.logits[:, -1].argmax(dim=-1))  # read before the next replay reuses the buffer
+                continue
             firsts = sample_rows(out.logits[:, -1], group)
             _sync(self.runner.device)
             now = time.perf_counter()
@@ -146,8 +172,11 @@ class NativeGenerator:
         seqs = self.new_sequences(prompts, params)
         self.reserve(seqs)
         self.restore_prefixes(seqs, prefix_cache)
-        self.prefill(seqs)
-        self.run_on_device(seqs)
+        if self.overlaps_start(seqs):
+            self.start(seqs, self.prefill)
+        else:
+            self.prefill(seqs)
+            self.run_on_device(seqs)
         return self.drive(seqs, self.decode_step, prefix_cache)
 
     def drive(self, seqs: list[Sequence], step, prefix_cache=None) -> list[Sequence]:

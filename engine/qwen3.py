@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from dataclasses import replace
 
 from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
-    group_queries, grouped_attention, write_kv
+    group_queries, grouped_attention, out_proj, write_kv
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 
@@ -26,15 +26,17 @@ from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_nor
 def attn_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_norm: torch.Tensor,
                 w_qkv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, eps: float,
                 n_q: int, n_kv: int, d: int, k_slots: torch.Tensor | None = None,
-                v_slots: torch.Tensor | None = None, slots: torch.Tensor | None = None
+                v_slots: torch.Tensor | None = None, slots: torch.Tensor | None = None, fresh: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [B, T, H] -> queries [B, n_kv, groups*T, d] (attention.group_queries), k and v [B*T, n_kv, d]
-    (k roped and normed). Given a layer's cache as [slots, n_kv, d] views, k and v are written at `slots`
-    here, so that compiled they are stored by the kernel that makes them (on an H200 the separate
-    index_copy kernels were 28 of a demo-pair step's 238 kernels, 1.3-2.4 us each)."""
+    """h [B, T, H] -> queries, k and v [B*T, n_kv, d] (k roped and normed). Queries come in the layout
+    their attention reads: [n_kv, B, T*groups, d] (attention.group_queries) over the cache, or [B, n_q, T,
+    d] for a fresh prefill's causal kernel (`fresh`). Given a layer's cache as [slots, n_kv, d] views, k and
+    v are written at `slots` here, so that compiled they are stored by the kernel that makes them (on an
+    H200 the separate index_copy kernels were 28 of a demo-pair step's 238 kernels, 1.3-2.4 us each)."""
     b, t, _ = h.shape
     q, k, v = F.linear(rms_norm(h, w_norm, eps), w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
-    q = group_queries(apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin), n_kv)
+    q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
+    q = q.transpose(1, 2).contiguous() if fresh else group_queries(q, n_kv)
     k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin).reshape(b * t, n_kv, d)
     v = v.reshape(b * t, n_kv, d)
     if k_slots is not None:
@@ -44,18 +46,17 @@ def attn_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_norm: t
 
 def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              block_tables: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
-             w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float, n_q: int) -> torch.Tensor:
+             w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
     """Attention of grouped queries (attn_inputs) over the gathered cache, then the residual MLP."""
-    attn = grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask, scale,
-                             n_q)
-    return mlp_residual(h + F.linear(attn, w_o), w_post, w_gate_up, w_down, eps)
+    attn = grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask, scale)
+    return mlp_residual(h + out_proj(attn, w_o), w_post, w_gate_up, w_down, eps)
 
 
 def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor,
                    w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float,
-                   scale: float, n_q: int) -> torch.Tensor:
+                   scale: float) -> torch.Tensor:
     """`attn_mlp` for a fresh prefill (AttnBatch.fresh): causal attention over this forward's own K/V."""
-    return mlp_residual(h + F.linear(causal_sdpa(q, k, v, scale, n_q), w_o), w_post, w_gate_up, w_down, eps)
+    return mlp_residual(h + out_proj(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
 
 
 def mlp_residual(h: torch.Tensor, w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -85,14 +86,13 @@ class Qwen3DecoderLayer(nn.Module):
         n_kv, d = c.num_key_value_heads, c.head_dim
         q, k, v = pre(h, cos, sin, self.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
                       a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, n_kv, d,
-                      k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), batch.slots)
+                      k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), batch.slots, batch.fresh)
         if batch.fresh:
             return fresh(h, q, k, v, a.o_proj.weight, self.post_attention_layernorm.weight,
-                         self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, c.rms_norm_eps, c.head_dim ** -0.5,
-                         c.num_attention_heads)
+                         self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, c.rms_norm_eps, c.head_dim ** -0.5)
         return post(h, q, k_cache, v_cache, batch.block_tables, batch.mask, a.o_proj.weight,
                     self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
-                    c.rms_norm_eps, c.head_dim ** -0.5, c.num_attention_heads)
+                    c.rms_norm_eps, c.head_dim ** -0.5)
 
 
 def step_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, w_embed: torch.Tensor,
@@ -174,8 +174,8 @@ class Qwen3ForCausalLM(nn.Module):
             a = layer.self_attn
             q, k, v = attn_inputs(h, cos, sin, layer.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
                                   a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads,
-                                  c.head_dim)
-            h = h + F.linear(causal_sdpa(q, k, v, c.head_dim ** -0.5, c.num_attention_heads), a.o_proj.weight)
+                                  c.head_dim, fresh=True)
+            h = h + out_proj(causal_sdpa(q, k, v, c.head_dim ** -0.5), a.o_proj.weight)
             h = mlp_residual(h, layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
                              layer.mlp.down_proj.weight, c.rms_norm_eps)
             if i in taps:

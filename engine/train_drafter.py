@@ -258,7 +258,8 @@ def flex_draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_
     b, t, _ = h.shape
     q, keys, vals = draft_qkv(h, cos, sin, ctx_k, ctx_v, w_in, w_q, w_kv, w_qn, w_kn, eps, n_q, n_kv, d)
     dt = vals.dtype  # under autocast: the projections' low precision (flex wants one dtype, SDPA casts itself)
-    out = flex_attention(q.transpose(1, 2).to(dt), keys.to(dt), vals, block_mask=block_mask, scale=d ** -0.5,
+    out = flex_attention(q.transpose(1, 2).to(dt), keys.transpose(0, 1).to(dt), vals.transpose(0, 1),
+                         block_mask=block_mask, scale=d ** -0.5,
                          enable_gqa=n_q != n_kv)
     return mlp_residual(h + F.linear(out.transpose(1, 2).reshape(b, t, n_q * d), w_o), w_post, w_gate_up,
                         w_down, eps)
@@ -329,7 +330,7 @@ def block_logits(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.T
         mask = group_mask(torch.cat([ctx_ok, blk_ok], dim=2)[:, None], c.num_attention_heads // c.num_key_value_heads)
         layer = draft_layer
     for i in range(c.num_hidden_layers):
-        h = layer(h, bcos, bsin, kv[i, 0].transpose(1, 2), kv[i, 1].transpose(1, 2), mask,
+        h = layer(h, bcos, bsin, kv[i, 0].permute(2, 0, 1, 3), kv[i, 1].permute(2, 0, 1, 3), mask,
                   *drafter.layer_weights(i), c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads,
                   c.head_dim)
     h = h.view(s_, anchors, b, -1)

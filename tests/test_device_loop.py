@@ -86,6 +86,42 @@ def test_sampled_rows_keep_the_stepwise_loop(dflash_pair):  # noqa: F811
     assert gen._loop is None or gen._loop.runs == 0
 
 
+@pytest.mark.parametrize("spec", [True, False], ids=["dflash", "native"])
+def test_the_first_step_is_queued_behind_the_prefill(dflash_pair, spec):  # noqa: F811
+    """`generate` starts the device loop from the prefill's first tokens while they are still on the
+    device (NativeGenerator.start): the same tokens, finish reasons and acceptance as the sequential start
+    (prefill, commit, then the loop), with a row whose first token is a stop token, and the time to first
+    token recorded. A batch with a one-token request keeps the sequential start."""
+    prompts = _prompts(4, 33)
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True, compile=False)
+    starts = []
+
+    def run(params, stops, overlap):
+        gen = DFlashGenerator(runner, drafter, stops, 16) if spec else NativeGenerator(runner, stops)
+        start = gen.start
+        gen.start = lambda seqs, prefill: (starts.append(len(seqs)), start(seqs, prefill))
+        if not overlap:
+            gen.overlaps_start = lambda seqs: False
+        seqs = gen.generate(prompts, params)
+        assert gen._loop.runs == 1
+        assert all(s.stats.ttft_ms is not None and s.stats.ttft_ms <= s.stats.latency_ms for s in seqs)
+        return [(s.output, s.finish_reason, s.stats.acceptance_lengths) for s in seqs]
+
+    first = run([SamplingParams(max_tokens=30, ignore_eos=True)] * 4, (), True)[1][0][0]
+    params = [SamplingParams(max_tokens=m) for m in (30, 30, 12, 25)]
+    got = run(params, (first,), True)
+    assert starts == [4, 4]
+    want = run(params, (first,), False)
+    assert starts == [4, 4], "the sequential start was not taken"
+    assert got == want
+    assert got[1][:2] == ([first], "stop")
+    assert any(len(g[0]) > 1 for g in got)
+    run([SamplingParams(max_tokens=m, ignore_eos=True) for m in (30, 1, 12, 25)], (), True)
+    assert starts == [4, 4], "a one-token request took the overlapped start"
+
+
 def test_native_requests_launch_no_step_past_their_end(dflash_pair):  # noqa: F811
     """The host reads the step in flight before launching another once that step surely ends every row
     (native: one token to go; DFlash: one token to go too, as every step emits at least one), so such a

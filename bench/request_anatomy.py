@@ -8,7 +8,9 @@ takes, the larger its share of DFlash's time: it caps the speedup of prompts the
 Each phase here is timed with a device sync at its end, over `--reps` runs of the protocol's
 confirmation prompts (bench/speedup.py's held-out sets): the sequential path (prefill and first token,
 then the device loop's start), which `generate` took until it queued the first step behind the prefill
-(NativeGenerator.start). The whole `generate` is timed beside it, as the protocol times it. With `--trace DIR`, one request of each method is also saved as a gzipped Chrome trace.
+(NativeGenerator.start). The whole `generate` is timed beside it, as the protocol times it, and again right after a request of the other method (as the protocol interleaves them).
+With `--trace DIR`, a DFlash request right after a native one and one right after another DFlash request
+are saved as gzipped Chrome traces.
 """
 from __future__ import annotations
 
@@ -119,18 +121,26 @@ def main() -> None:
             runs = [phases(gen, p, a.new_tokens, w, cuda) for _ in range(a.reps)]
             row[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             row[name]["generate_ms"] = statistics.median(whole(gen, p, a.new_tokens, w, cuda) for _ in range(a.reps))
+            other, ow = (spec, a.width) if gen is native else (native, None)
+            after = []
+            for _ in range(a.reps):  # as the protocol times it: right after a request of the other method
+                whole(other, p, a.new_tokens, ow, cuda)
+                after.append(whole(gen, p, a.new_tokens, w, cuda))
+            row[name]["generate_after_other_ms"] = statistics.median(after)
             d = row[name]
             print(f"prompt {i} ({len(p)} tok) {name:6s}: generate {d['generate_ms']:6.2f} ms = setup "
                   f"{d['setup_ms']:.2f} + prefill {d['prefill_first_token_ms']:.2f} + begin {d['loop_begin_ms']:.2f} + "
                   f"{d['steps']:.0f} steps {d['steps_ms']:.2f} ({d['step_ms']:.3f}/step) + end {d['loop_end_ms']:.2f} "
-                  f"+ finish {d['finish_ms']:.2f} (phased total {d['total_ms']:.2f})", flush=True)
+                  f"+ finish {d['finish_ms']:.2f} (phased total {d['total_ms']:.2f}); after the other method "
+                  f"{d['generate_after_other_ms']:.2f} ms", flush=True)
         rows.append(row)
     if a.trace and cuda:
         folder = Path(a.trace)
         folder.mkdir(parents=True, exist_ok=True)
         p = confirm[a.trace_prompt]
-        trace(native, p, a.new_tokens, None, folder / "trace_native.json.gz")
-        trace(spec, p, a.new_tokens, a.width, folder / "trace_dflash.json.gz")
+        whole(native, p, a.new_tokens, None, cuda)
+        trace(spec, p, a.new_tokens, a.width, folder / "trace_dflash_after_native.json.gz")
+        trace(spec, p, a.new_tokens, a.width, folder / "trace_dflash_after_dflash.json.gz")
     write_json(Path(a.out), {"bench": "request_anatomy", "target": a.target, "draft": a.draft, "device": a.device,
                              "batch": 1, "new_tokens": a.new_tokens, "width": a.width, "reps": a.reps, "rows": rows,
                              "command": f"python -m flashpd.bench.request_anatomy --prompts {a.prompts} --new-tokens "

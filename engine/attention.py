@@ -131,14 +131,15 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     """Fresh-prefill attention: queries q [B, Hq, T, d] (attn_inputs with fresh=True) over this forward's
     own k, v [B*T, Hkv, d], causal.
 
-    Returns [Hkv, B, T*groups, d], `grouped_attention`'s output layout, so that `out_proj` sums the same
-    way on both paths. The same numbers as `grouped_attention` over the cache for rows that start at 0 (up
-    to the kernels' rounding), without the cache gather or the [T, L] mask: a 2,000-token prompt's prefill
-    is a flash kernel instead of a masked one. T stays -1: compiled for prompts of many lengths, T is
-    symbolic."""
+    Returns [B, T, Hq*d] (one copy out of SDPA's head layout), which the layer multiplies by o_proj whole:
+    at prefill widths the kv-major form's batched matmul takes a copy of the weight and a memset besides (two
+    kernels a layer on an H200). The same numbers as `grouped_attention` and `out_proj` over the cache for
+    rows that start at 0, up to the rounding of a differently ordered sum, without the cache gather or the
+    [T, L] mask: a 2,000-token prompt's prefill is a flash kernel instead of a masked one. T stays -1:
+    compiled for prompts of many lengths, T is symbolic."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     k = k.view(b, -1, hkv, d).transpose(1, 2)
     v = v.view(b, -1, hkv, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hq != hkv)
-    return out.view(b, hkv, hq // hkv, -1, d).permute(1, 0, 3, 2, 4).reshape(hkv, b, -1, d)
+    return out.transpose(1, 2).reshape(b, -1, hq * d)

@@ -131,6 +131,18 @@ def spec_out(st: torch.Tensor, logits: torch.Tensor, guess: torch.Tensor, w: tor
 
 
 @dataclass
+class HostBuffers:
+    """Pinned host memory a shape's sessions reuse: the state and block tables uploaded by `begin`, the two
+    result buffers steps are copied into, and the first tokens `run` reads. A pinned allocation per request
+    cost tens of microseconds of the host's time between a prefill and its first step."""
+
+    st: torch.Tensor
+    bt: torch.Tensor
+    ring: list[tuple[torch.Tensor, "torch.cuda.Event | None"]]
+    first: torch.Tensor
+
+
+@dataclass
 class Session:
     """A batch of sequences stepping on the device (DeviceLoop.begin .. end)."""
 
@@ -162,6 +174,8 @@ class DeviceLoop:
         self._native_in, self._native_out = fuse(native_in), fuse(native_out)
         self._spec_in, self._spec_out = fuse(spec_in), fuse(spec_out)
         self._bufs: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._host: dict[tuple, "HostBuffers"] = {}
+        self._uploaded: "torch.cuda.Event | None" = None  # the last begin's uploads from the host buffers
         self.runs = 0  # requests batches driven here (tests check the path is taken)
         self.wasted_steps = 0  # steps launched after every row had finished (run's tail)
 
@@ -205,6 +219,17 @@ class DeviceLoop:
                           or self.gen.accept_override is not None):
             return False
         return True
+
+    def _host_buffers(self, key: tuple, b: int, t: int, nblk: int, cuda: bool) -> HostBuffers:
+        if key not in self._host:
+            width = t + 1 if self.spec else 1
+            self._host[key] = HostBuffers(
+                torch.zeros(b, 6, dtype=torch.int64, pin_memory=cuda),
+                torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.int64, pin_memory=cuda),
+                [(torch.empty((b, width), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                 for _ in range(2)] if cuda else [],
+                torch.zeros(b, dtype=torch.int64, pin_memory=cuda))
+        return self._host[key]
 
     def _buffers(self, b: int, t: int, nblk: int, feat: int) -> tuple[torch.Tensor, ...]:
         key = (b, t, nblk)
@@ -261,7 +286,7 @@ class DeviceLoop:
     def _commit_first(self, sess: "Session", first: torch.Tensor) -> None:
         """Queue the first step, then read the first tokens (their prefill done by then or soon) and commit
         them as the prefill would have (time to first token, stop tokens)."""
-        host = torch.empty(first.shape, dtype=first.dtype, pin_memory=sess.cuda)
+        host = self._host[sess.key].first[:first.shape[0]]
         host.copy_(first, non_blocking=sess.cuda)
         ev = torch.cuda.Event() if sess.cuda else None
         if ev is not None:
@@ -293,17 +318,23 @@ class DeviceLoop:
         bufs = self._buffers(b, t, nblk, feat)
         st, bt = bufs[0], bufs[1]
         cuda = runner.device.type == "cuda"
-        # pinned: the uploads below return at once, and the host goes on to launch while the GPU still runs
-        # the prefill (a pageable copy waits for its turn on the stream)
-        host_st = torch.zeros(b, 6, dtype=torch.int64, pin_memory=cuda)
-        host_bt = torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.int64, pin_memory=cuda)
+        key = (b, t, nblk)
+        hb = self._host_buffers(key, b, t, nblk, cuda)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last session's uploads read these buffers: done long since
+        # filled through numpy views, uploaded without waiting: the host goes on to launch while the GPU still
+        # runs the prefill
+        st_np, bt_np = hb.st.numpy(), hb.bt.numpy()
+        st_np.fill(0)
+        bt_np.fill(SCRATCH_BLOCK)
         emitted = 0 if first is None else 1
         for i, s in enumerate(seqs):
             # the last token is not in the target cache yet; its pending draft rows are in s.pending
-            host_st[i] = torch.tensor([s.table.num_tokens, s.draft_len, s.last_token if first is None else 0,
-                                       s.pending_rows, len(s.output) + emitted, s.params.max_tokens])
-            host_bt[i, :len(s.table.blocks)] = torch.tensor(s.table.blocks)
-        host_st[len(seqs):, D] = 1  # padding rows: frozen (O = M = 0), one harmless context key
+            st_np[i] = (s.table.num_tokens, s.draft_len, s.last_token if first is None else 0, s.pending_rows,
+                        len(s.output) + emitted, s.params.max_tokens)
+            bt_np[i, :len(s.table.blocks)] = s.table.blocks
+        st_np[len(seqs):, D] = 1  # padding rows: frozen (O = M = 0), one harmless context key
+        host_st, host_bt = hb.st, hb.bt
 
         def reset() -> None:  # a harmless state (every row frozen, scratch tables) for warm-up and capture
             st.zero_()
@@ -315,21 +346,22 @@ class DeviceLoop:
             bt.copy_(host_bt, non_blocking=cuda)
             if first is not None:
                 st[:len(seqs), X] = first
-            if self.spec:
+            if self.spec and any(s.pending is not None and s.pending_rows for s in seqs):
+                # rows past a row's pending count are never read (their context K/V go to the scratch block);
+                # the buffer only ever holds zeros or taps, so it stays finite without a clear per request
                 pend = bufs[2]
-                pend.zero_()
                 for i, s in enumerate(seqs):
                     if s.pending is not None and s.pending_rows:
                         pend[i, :s.pending_rows] = s.pending[:s.pending_rows]
         fill()
-        key = (b, t, nblk)
         if cuda and self.graph.enabled and key not in self.graph._graphs:
             self.graph(key, bufs, reset)
             fill()
+        if cuda:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
         self.runs += 1
-        ring = [(torch.empty((b, t + 1 if self.spec else 1), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                for _ in range(2)] if cuda else []
-        return Session(seqs, key, bufs, reset, cuda, ring, [s.draft_len for s in seqs],
+        return Session(seqs, key, bufs, reset, cuda, hb.ring, [s.draft_len for s in seqs],
                        [s.pending_rows for s in seqs], emits=[0] * (t + 1))
 
     def launch(self, sess: "Session") -> None:

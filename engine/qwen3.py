@@ -56,7 +56,7 @@ def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                    w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float,
                    scale: float) -> torch.Tensor:
     """`attn_mlp` for a fresh prefill (AttnBatch.fresh): causal attention over this forward's own K/V."""
-    return mlp_residual(h + out_proj(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
+    return mlp_residual(h + F.linear(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
 
 
 def mlp_residual(h: torch.Tensor, w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -175,7 +175,7 @@ class Qwen3ForCausalLM(nn.Module):
             q, k, v = attn_inputs(h, cos, sin, layer.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
                                   a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads,
                                   c.head_dim, fresh=True)
-            h = h + out_proj(causal_sdpa(q, k, v, c.head_dim ** -0.5), a.o_proj.weight)
+            h = h + F.linear(causal_sdpa(q, k, v, c.head_dim ** -0.5), a.o_proj.weight)
             h = mlp_residual(h, layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
                              layer.mlp.down_proj.weight, c.rms_norm_eps)
             if i in taps:

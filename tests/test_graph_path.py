@@ -155,12 +155,17 @@ def test_fresh_prefill_attends_causally_like_the_cache_path(dflash_pair):  # noq
         outs[fresh] = step(ids, pos, slots, bt, None, fresh)
         for tb in tables:
             runner.allocator.free(tb)
+    # the cache path's o_proj sums per KV head (attention.out_proj), the fresh path's in one matmul: float32
+    # rounding of a differently ordered sum, a few ulps of each tensor's scale
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
     for r, p in enumerate(prompts):
         n = len(p)
-        torch.testing.assert_close(outs[True][0][r, :n], outs[False][0][r, :n])
-        torch.testing.assert_close(outs[True][2][r, :n], outs[False][2][r, :n])
+        close(outs[True][0][r, :n], outs[False][0][r, :n])
+        close(outs[True][2][r, :n], outs[False][2][r, :n])
         for a, b in zip(outs[True][1], outs[False][1]):
-            torch.testing.assert_close(a[r, :n], b[r, :n])
+            close(a[r, :n], b[r, :n])
     # through forward: a fresh prompt takes the causal path; its cached tail (a prefix hit) does not
     seen.clear()
     table = BlockTable()

@@ -1,8 +1,9 @@
 """The demo pair's recipe: tokenizer, target from scratch, regenerated data, drafter, held-out tau.
 
-One command, fixed seeds and split:  flashpd make-demo-pair --out DIR  (about 8 minutes on an H200,
-estimated from its stages: the target's took 65 s in demo pair v2's run, the drafter's 411 s in v4's).
-`--target DIR` runs the drafter's stages alone on a target the recipe made before (how v3 was made).
+One command, fixed seeds and split:  flashpd make-demo-pair --out DIR  (about 9.5 minutes on an H200,
+estimated from its stages: the target's took 65 s in demo pair v2's run, the drafter's 505 s in v5's).
+`--target DIR` runs the drafter's stages alone on a target the recipe made before (how v3, v4 and v5 were
+made).
 Text = the running interpreter's standard-library Python and the installed torch package's Python
 source (no network); held-out stdlib files are never trained on and give the evaluation prompts.
 """
@@ -52,12 +53,12 @@ def heldout_long_prompts(tok, n: int, length: int) -> list[list[int]]:
 
 
 def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: int = 600, target_batch: int = 32,
-                   seq_len: int = 2048, drafter_steps: int = 14000, num_prompts: int = 12288, new_tokens: int = 128,
+                   seq_len: int = 2048, drafter_steps: int = 17000, num_prompts: int = 12288, new_tokens: int = 128,
                    heldout_prompts: int = 16, vocab_size: int = TARGET_SHAPE["vocab_size"], drafter_seqs: int = 16,
                    drafter_lr: float = 1.5e-3, corpus: str = "stdlib+torch", kl_weight: float = 0.0,
                    drafter_intermediate: int | None = 896, drafter_attention: str = "auto",
                    regen_batch: int | None = None, target_dir: str | Path | None = None,
-                   drafter_gamma: float | None = None, log: Callable[[str], None] = print) -> dict:
+                   drafter_gamma: float | None = 4.0, log: Callable[[str], None] = print) -> dict:
     """The whole recipe into `out` (target/, drafter/, eval.json). With `target_dir`, a target this recipe
     made before (its tokenizer.json beside it) is copied in and only the drafter's stages run: the same
     split, prompts and seeds, so drafter settings compare on one target (targets of two runs differ: GPU

@@ -119,8 +119,9 @@ class DraftLayer(nn.Module):
     def __init__(self, c: DFlashConfig) -> None:
         super().__init__()
         self.input_layernorm = nn.Parameter(torch.ones(c.hidden_size))
-        self.q_proj = nn.Parameter(torch.empty(c.q_size, c.hidden_size))
-        self.kv_proj = nn.Parameter(torch.empty(2 * c.kv_size, c.hidden_size))  # k then v
+        # q, k, v in one matrix: one matmul a layer in a draft pass (two were two kernels a step); the k/v
+        # rows of every layer also feed the context write, through `_kv_all` (attach)
+        self.qkv_proj = nn.Parameter(torch.empty(c.q_size + 2 * c.kv_size, c.hidden_size))
         self.o_proj = nn.Parameter(torch.empty(c.hidden_size, c.q_size))
         self.q_norm = nn.Parameter(torch.ones(c.head_dim))
         self.k_norm = nn.Parameter(torch.ones(c.head_dim))
@@ -144,14 +145,16 @@ class DFlashDrafter(nn.Module):
         self._target: tuple[Qwen3ForCausalLM] | None = None  # a tuple keeps it out of this module's params
 
     def attach(self, target: Qwen3ForCausalLM) -> None:
-        """Borrow the target's embedding / head / RoPE; stack per-layer K/V weights (views share storage)."""
+        """Borrow the target's embedding / head / RoPE; stack per-layer weights (views share storage): the
+        context write reads every layer's k/v rows as one [layers, 2*kv, H] view of the stacked q/k/v."""
         self.cfg.check_fits(target)
         with torch.no_grad():
-            self._kv_all = torch.stack([l.kv_proj for l in self.layers])
+            qkv_all = torch.stack([l.qkv_proj for l in self.layers])
             self._kn_all = torch.stack([l.k_norm for l in self.layers])
             for i, l in enumerate(self.layers):
-                l.kv_proj.data = self._kv_all[i]
+                l.qkv_proj.data = qkv_all[i]
                 l.k_norm.data = self._kn_all[i]
+            self._kv_all = qkv_all[:, self.cfg.q_size:]
         self._target = (target,)
         self.rotary = target.rotary if target.cfg.head_dim == self.cfg.head_dim and \
             target.cfg.rope_theta == self.cfg.rope_theta else \
@@ -182,7 +185,7 @@ class DFlashDrafter(nn.Module):
     # ---- drafting ----------------------------------------------------------------------
     def layer_weights(self, i: int) -> tuple[torch.Tensor, ...]:
         l = self.layers[i]
-        return (l.input_layernorm, l.q_proj, l.kv_proj, l.o_proj, l.q_norm, l.k_norm,
+        return (l.input_layernorm, l.qkv_proj, l.o_proj, l.q_norm, l.k_norm,
                 l.post_attention_layernorm, l.gate_up_proj, l.down_proj)
 
     def draft_logits(self, block_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
@@ -244,15 +247,15 @@ def write_context_kv(cache: torch.Tensor, taps: torch.Tensor, positions: torch.T
 
 
 def draft_qkv(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-              w_in: torch.Tensor, w_q: torch.Tensor, w_kv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
+              w_in: torch.Tensor, w_qkv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
               eps: float, n_q: int, n_kv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A draft layer's attention inputs: queries [B, T, n_q, d] of the block, and keys and values
     [kv, B, L + T, d] (kv-major, as attention.gather_kv gives the context [kv, B, L, d]), the context's
     then the block's own (normed and roped as the target's are)."""
     b, t, _ = h.shape
     x = rms_norm(h, w_in, eps)
-    q = apply_rotary(rms_norm(F.linear(x, w_q).view(b, t, n_q, d), w_qn, eps), cos, sin)
-    k, v = F.linear(x, w_kv).split([n_kv * d, n_kv * d], dim=-1)
+    q, k, v = F.linear(x, w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+    q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
     k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
     keys = torch.cat([ctx_k, k.permute(2, 0, 1, 3)], dim=2)
     vals = torch.cat([ctx_v, v.view(b, t, n_kv, d).permute(2, 0, 1, 3)], dim=2)
@@ -261,7 +264,7 @@ def draft_qkv(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torc
 
 def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, mask: torch.Tensor, w_in: torch.Tensor,
-                w_q: torch.Tensor, w_kv: torch.Tensor, w_o: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
+                w_qkv: torch.Tensor, w_o: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
                 w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, n_q: int,
                 n_kv: int, d: int) -> torch.Tensor:
     """One draft layer over a block: queries see the context K/V [kv, B, L, d] and every block key; mask
@@ -269,7 +272,7 @@ def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: to
 
     The same function serves inference (context gathered from the paged cache) and training
     (context computed for a whole sequence, many blocks masked apart)."""
-    q, keys, vals = draft_qkv(h, cos, sin, ctx_k, ctx_v, w_in, w_q, w_kv, w_qn, w_kn, eps, n_q, n_kv, d)
+    q, keys, vals = draft_qkv(h, cos, sin, ctx_k, ctx_v, w_in, w_qkv, w_qn, w_kn, eps, n_q, n_kv, d)
     attn = grouped_attention(group_queries(q, n_kv), keys, vals, mask, d ** -0.5)
     return mlp_residual(h + out_proj(attn, w_o), w_post, w_gate_up, w_down, eps)
 
@@ -286,9 +289,9 @@ def draft_slices(m: DFlashDrafter) -> dict[str, tuple[torch.Tensor, int, int]]:
     whole("norm.weight", m.norm)
     for i, layer in enumerate(m.layers):
         pre = f"layers.{i}."
-        whole(pre + "self_attn.q_proj.weight", layer.q_proj)
-        out[pre + "self_attn.k_proj.weight"] = (layer.kv_proj, 0, c.kv_size)
-        out[pre + "self_attn.v_proj.weight"] = (layer.kv_proj, c.kv_size, c.kv_size)
+        out[pre + "self_attn.q_proj.weight"] = (layer.qkv_proj, 0, c.q_size)
+        out[pre + "self_attn.k_proj.weight"] = (layer.qkv_proj, c.q_size, c.kv_size)
+        out[pre + "self_attn.v_proj.weight"] = (layer.qkv_proj, c.q_size + c.kv_size, c.kv_size)
         whole(pre + "self_attn.o_proj.weight", layer.o_proj)
         whole(pre + "self_attn.q_norm.weight", layer.q_norm)
         whole(pre + "self_attn.k_norm.weight", layer.k_norm)

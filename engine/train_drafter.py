@@ -96,9 +96,7 @@ def init_from_target(drafter: DFlashDrafter, target: Qwen3ForCausalLM) -> None:
         for i, layer in enumerate(drafter.layers):
             src = target.layers[first + i]
             a = src.self_attn
-            q, kv = a.qkv_proj.weight.split([t.q_size, 2 * t.kv_size])
-            layer.q_proj.copy_(q)
-            layer.kv_proj.copy_(kv)
+            layer.qkv_proj.copy_(a.qkv_proj.weight)  # q, k, v rows in the same order
             layer.o_proj.copy_(a.o_proj.weight)
             layer.q_norm.copy_(a.q_norm.weight)
             layer.k_norm.copy_(a.k_norm.weight)
@@ -246,8 +244,8 @@ def anchor_block_mask(a: torch.Tensor, n: int, b: int, tile: int = 128) -> Block
 
 
 def flex_draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                     ctx_v: torch.Tensor, block_mask: BlockMask, w_in: torch.Tensor, w_q: torch.Tensor,
-                     w_kv: torch.Tensor, w_o: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
+                     ctx_v: torch.Tensor, block_mask: BlockMask, w_in: torch.Tensor, w_qkv: torch.Tensor,
+                     w_o: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
                      w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, n_q: int,
                      n_kv: int, d: int) -> torch.Tensor:
     """`draft_layer` (engine/drafter.py) with its attention through flex and a BlockMask: training only
@@ -256,7 +254,7 @@ def flex_draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_
     The same math line for line; the explicit mask it takes costs S*groups*K*B*(N + K*B) booleans per
     step and forces SDPA's masked kernel over every tile, most of which the block mask skips."""
     b, t, _ = h.shape
-    q, keys, vals = draft_qkv(h, cos, sin, ctx_k, ctx_v, w_in, w_q, w_kv, w_qn, w_kn, eps, n_q, n_kv, d)
+    q, keys, vals = draft_qkv(h, cos, sin, ctx_k, ctx_v, w_in, w_qkv, w_qn, w_kn, eps, n_q, n_kv, d)
     dt = vals.dtype  # under autocast: the projections' low precision (flex wants one dtype, SDPA casts itself)
     out = flex_attention(q.transpose(1, 2).to(dt), keys.transpose(0, 1).to(dt), vals.transpose(0, 1),
                          block_mask=block_mask, scale=d ** -0.5,
@@ -307,7 +305,7 @@ def block_logits(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.T
     pos_ctx = torch.arange(n, device=dev)
     cos, sin = drafter.rotary.tables(pos_ctx.repeat(s_), feats.dtype)
     kv = context_kv_all(feats.view(s_ * n, -1), cos, sin, drafter.fc, drafter.hidden_norm,
-                        torch.stack([l.kv_proj for l in drafter.layers]),
+                        torch.stack([l.qkv_proj[c.q_size:] for l in drafter.layers]),
                         torch.stack([l.k_norm for l in drafter.layers]), c.rms_norm_eps, c.num_key_value_heads,
                         c.head_dim)
     kv = kv.view(kv.shape[0], 2, s_, n, c.num_key_value_heads, c.head_dim)  # [L, 2, S, N, kv, d]

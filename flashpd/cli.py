@@ -129,7 +129,7 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--device", choices=["cpu", "cuda"])
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--target-steps", type=int, default=600)
-    m.add_argument("--drafter-steps", type=int, default=14000)
+    m.add_argument("--drafter-steps", type=int, default=17000)
     m.add_argument("--num-prompts", type=int, default=12288, help="prompts whose continuations the target regenerates")
     m.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary of the demo tokenizer")
     m.add_argument("--drafter-seqs", type=int, default=16, help="sequences per drafter step (128 anchors each)")
@@ -144,9 +144,9 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                    help="the draft layers' MLP width (the target's is 512; the pair must stay within 16 MB)")
     m.add_argument("--new-tokens", type=int, default=128, help="tokens the target regenerates per prompt")
     m.add_argument("--regen-batch", type=int, help="prompts regenerated at once (default: 256 on CUDA, 32 on CPU)")
-    m.add_argument("--drafter-gamma", type=float,
-                   help="decay of the drafter's loss weight over block positions, exp(-(k-1)/gamma) "
-                        "(default: 7 at block 16, as DFlash trains)")
+    m.add_argument("--drafter-gamma", type=float, default=4.0,
+                   help="decay of the drafter's loss weight over block positions, exp(-(k-1)/gamma): 4 (demo pair "
+                        "v5) weighs a block's first guesses more than DFlash's 7 at block 16")
     m.add_argument("--target", help="a target this recipe made before (with its tokenizer.json): copied into --out, "
                                     "and only the drafter's stages run (drafter settings compared on one target)")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import shutil
+import json
 import statistics
 import time
 from pathlib import Path
@@ -91,8 +91,10 @@ def trace(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int |
         whole(gen, prompt, new_tokens, width, True)
     raw = path.with_suffix("")
     prof.export_chrome_trace(str(raw))
-    with open(raw, "rb") as f, gzip.open(path, "wb") as g:
-        shutil.copyfileobj(f, g)
+    trace_json = json.loads(raw.read_text())
+    trace_json["traceName"] = raw.name  # the file's name, not the machine's path to it
+    with gzip.open(path, "wt") as g:
+        json.dump(trace_json, g)
     raw.unlink()
 
 

@@ -70,7 +70,7 @@ class NativeGenerator:
         first decode step is queued behind the prefill, its first tokens still on the device, and the host
         reads them while that step runs. Sequentially (prefill, sync, commit, then the loop's state upload
         and its first graph launch) the GPU idled through the host's part of the handover, 0.15-0.35 ms of
-        a request on an H200 (bench/results/demo_pair_v4_h200/request_anatomy_h200.json) plus the
+        a request on an H200 (bench/results/demo_pair_v5_h200/anatomy_125a794/request_anatomy_h200.json) plus the
         launch, a fixed cost a request pays once, native and DFlash alike.
         `prefill(seqs, defer)` is `prefill` or DFlash's `prefill_with_context`."""
         first: list[torch.Tensor] = []

@@ -94,8 +94,8 @@ def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 def grouped_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       scale: float) -> torch.Tensor:
-    """qg: [Hkv, B, groups*T, d] (group_queries); k, v: [Hkv, B, L, d] (gather_kv); mask: [1, B,
-    groups*T, L] (group_mask) or None. Returns [Hkv, B, groups*T, d] in the query layout (see
+    """qg: [Hkv, B, T*groups, d] (group_queries); k, v: [Hkv, B, L, d] (gather_kv); mask: [1, B,
+    T*groups, L] (group_mask) or None. Returns [Hkv, B, T*groups, d] in the query layout (see
     `out_proj`). Every query row must see at least one key."""
     if use_matmul(qg, k.shape[2]):
         s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
@@ -106,7 +106,7 @@ def grouped_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 def out_proj(attn: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
-    """The output projection of `grouped_attention`'s [Hkv, B, groups*T, d] -> [B, T, H]: one batched
+    """The output projection of `grouped_attention`'s [Hkv, B, T*groups, d] -> [B, T, H]: one batched
     matmul over KV heads ([Hkv, B*T, groups*d] by w_o's per-head column slices, views both) and their
     sum, which compiled is folded into the kernel that adds the residual (a reduction this short is
     unrolled). Per head, the columns of w_o [H, Hq*d] are the heads kv*groups .. kv*groups + groups - 1."""

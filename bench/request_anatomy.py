@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from flashpd.bench.common import write_json
-from flashpd.bench.speedup import heldout_prompt_sets, pair_generators
+from flashpd.bench.speedup import _timed, heldout_prompt_sets, pair_generators
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
@@ -52,43 +52,32 @@ def phases(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int 
     loop = gen.loop()
     sess = loop.begin(seqs)
     t3 = _sync(cuda)
-    while not all(s.done for s in seqs):  # DeviceLoop.run, its end timed apart
-        if sess.queued and loop._may_finish(sess):
-            loop.read(sess)
-            continue
-        loop.launch(sess)
-        if len(sess.queued) == 2:
-            loop.read(sess)
+    wasted = loop.wasted_steps
+    loop.step_to_end(sess)  # DeviceLoop.run after its begin (its end too: tens of microseconds)
     t4 = _sync(cuda)
-    wasted = len(sess.queued)
-    sess.queued.clear()
-    loop.end(sess)
-    t5 = _sync(cuda)
     gen.drive(seqs, gen.spec_step if spec else gen.decode_step)
-    t6 = _sync(cuda)
+    t5 = _sync(cuda)
     s = seqs[0]
     steps = len(s.stats.acceptance_lengths) if spec else len(s.output) - 1
     ms = lambda a, b: (b - a) * 1e3  # noqa: E731
     return {"setup_ms": ms(t0, t1), "prefill_first_token_ms": ms(t1, t2), "loop_begin_ms": ms(t2, t3),
-            "steps_ms": ms(t3, t4), "loop_end_ms": ms(t4, t5), "finish_ms": ms(t5, t6), "total_ms": ms(t0, t6),
-            "steps": steps, "wasted_steps": wasted, "step_ms": ms(t3, t4) / max(steps, 1)}
+            "steps_ms": ms(t3, t4), "finish_ms": ms(t4, t5), "total_ms": ms(t0, t5),
+            "steps": steps, "wasted_steps": loop.wasted_steps - wasted, "step_ms": ms(t3, t4) / max(steps, 1)}
 
 
-def whole(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int | None, cuda: bool) -> float:
+def whole(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int | None) -> float:
+    """The whole `generate`, timed as the protocol times it (bench/speedup.py)."""
     params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
-    t = _sync(cuda)
     if isinstance(gen, DFlashGenerator):
-        gen.generate([prompt], params, [width])
-    else:
-        gen.generate([prompt], params)
-    return (_sync(cuda) - t) * 1e3
+        return _timed(lambda: gen.generate([prompt], params, [width]))[0]
+    return _timed(lambda: gen.generate([prompt], params))[0]
 
 
 def trace(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int | None, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        whole(gen, prompt, new_tokens, width, True)
+        whole(gen, prompt, new_tokens, width)
     raw = path.with_suffix("")
     prof.export_chrome_trace(str(raw))
     trace_json = json.loads(raw.read_text())
@@ -119,20 +108,20 @@ def main() -> None:
     for i, p in enumerate(confirm):
         row = {"prompt": i, "prompt_len": len(p)}
         for name, gen, w in (("native", native, None), ("dflash", spec, a.width)):
-            whole(gen, p, a.new_tokens, w, cuda)  # warm-up: captures this prompt's shapes
+            whole(gen, p, a.new_tokens, w)  # warm-up: captures this prompt's shapes
             runs = [phases(gen, p, a.new_tokens, w, cuda) for _ in range(a.reps)]
             row[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            row[name]["generate_ms"] = statistics.median(whole(gen, p, a.new_tokens, w, cuda) for _ in range(a.reps))
+            row[name]["generate_ms"] = statistics.median(whole(gen, p, a.new_tokens, w) for _ in range(a.reps))
             other, ow = (spec, a.width) if gen is native else (native, None)
             after = []
             for _ in range(a.reps):  # as the protocol times it: right after a request of the other method
-                whole(other, p, a.new_tokens, ow, cuda)
-                after.append(whole(gen, p, a.new_tokens, w, cuda))
+                whole(other, p, a.new_tokens, ow)
+                after.append(whole(gen, p, a.new_tokens, w))
             row[name]["generate_after_other_ms"] = statistics.median(after)
             d = row[name]
             print(f"prompt {i} ({len(p)} tok) {name:6s}: generate {d['generate_ms']:6.2f} ms = setup "
                   f"{d['setup_ms']:.2f} + prefill {d['prefill_first_token_ms']:.2f} + begin {d['loop_begin_ms']:.2f} + "
-                  f"{d['steps']:.0f} steps {d['steps_ms']:.2f} ({d['step_ms']:.3f}/step) + end {d['loop_end_ms']:.2f} "
+                  f"{d['steps']:.0f} steps {d['steps_ms']:.2f} ({d['step_ms']:.3f}/step, with the loop's end) "
                   f"+ finish {d['finish_ms']:.2f} (phased total {d['total_ms']:.2f}); after the other method "
                   f"{d['generate_after_other_ms']:.2f} ms", flush=True)
         rows.append(row)
@@ -140,7 +129,7 @@ def main() -> None:
         folder = Path(a.trace)
         folder.mkdir(parents=True, exist_ok=True)
         p = confirm[a.trace_prompt]
-        whole(native, p, a.new_tokens, None, cuda)
+        whole(native, p, a.new_tokens, None)
         trace(spec, p, a.new_tokens, a.width, folder / "trace_dflash_after_native.json.gz")
         trace(spec, p, a.new_tokens, a.width, folder / "trace_dflash_after_dflash.json.gz")
     write_json(Path(a.out), {"bench": "request_anatomy", "target": a.target, "draft": a.draft, "device": a.device,

@@ -255,7 +255,11 @@ class DeviceLoop:
         sess = self.begin(seqs, first)
         if first is not None:
             self._commit_first(sess, first)
-        while not all(s.done for s in seqs):
+        self.step_to_end(sess)
+
+    def step_to_end(self, sess: "Session") -> None:
+        """Launch and read steps until every row of a session is done, then `end` it."""
+        while not all(s.done for s in sess.seqs):
             if sess.queued and self._may_finish(sess):
                 self.read(sess)
                 continue

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -405,6 +406,29 @@ def test_demo_states_the_speedup_of_the_json_it_names():
         assert round(c["geomean_speedup"], 2) == demo.SPEEDUP_GEOMEAN[n]
     assert round(min(c["min_speedup"] for c in got.values()), 2) == demo.SPEEDUP_RANGE[0]
     assert round(max(c["max_speedup"] for c in got.values()), 2) == demo.SPEEDUP_RANGE[1]
+
+
+def test_demo_explains_a_difference_by_the_two_tokens_float32_logits(make_checkpoint):
+    """Where bf16 DFlash and native part, the demo prints both tokens' float32 logits there (from a float32
+    copy of the weights, as transformers computes them), the top-2 gap and one bf16 step."""
+    from conftest import hf_greedy, hf_logits, random_prompts
+
+    from flashpd.demo import explain_difference, float32_logits
+    hf, path = make_checkpoint()
+    prompt = random_prompts([20], hf.config.vocab_size, seed=3)[0]
+    native = hf_greedy(hf, prompt, 6)
+    ref = hf_logits(hf, prompt + native[:3])[-1]
+    runner_up = ref.topk(2).indices[1].item()
+    dflash = native[:3] + [runner_up, native[4]]
+    model = load_target(path, "cpu", torch.bfloat16)
+    assert float32_logits(model, prompt).dtype == torch.float32 and next(model.parameters()).dtype == torch.bfloat16
+    msg = explain_difference(load_target(path, "cpu", torch.float32), prompt, native, dflash)
+    assert f"parts at new token 3: native took id {native[3]}, DFlash id {runner_up}" in msg
+    got = [float(x) for x in re.search(r"there (\S+) and (\S+) \(gap (\S+); top-2 gap (\S+);", msg).groups()]
+    gap = (ref[native[3]] - ref[runner_up]).item()
+    assert got == pytest.approx([ref[native[3]].item(), ref[runner_up].item(), abs(gap), gap], abs=2e-3)
+    assert explain_difference(model, prompt, native, native) == "equal"
+    assert "prefix" in explain_difference(model, prompt, native, native[:4])
 
 
 def test_demo_eval_scores_a_given_drafter_on_the_pairs_target(tmp_path):

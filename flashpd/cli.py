@@ -145,8 +145,8 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--new-tokens", type=int, default=128, help="tokens the target regenerates per prompt")
     m.add_argument("--regen-batch", type=int, help="prompts regenerated at once (default: 256 on CUDA, 32 on CPU)")
     m.add_argument("--drafter-gamma", type=float, default=4.0,
-                   help="decay of the drafter's loss weight over block positions, exp(-(k-1)/gamma): 4 (demo pair "
-                        "v5) weighs a block's first guesses more than DFlash's 7 at block 16")
+                   help="decay of the drafter's loss weight over block positions, exp(-(k-1)/gamma): 4 (demo pairs "
+                        "v5 and v6) weighs a block's first guesses more than DFlash's 7 at block 16")
     m.add_argument("--target", help="a target this recipe made before (with its tokenizer.json): copied into --out, "
                                     "and only the drafter's stages run (drafter settings compared on one target)")
 

@@ -17,13 +17,9 @@ import torch
 
 from flashpd.bench.common import add_compile_args, apply_compile_args, write_json
 from flashpd.bench.speedup import heldout_prompt_sets, pair_generators
-from flashpd.demo import PAIR
+from flashpd.demo import PAIR, first_diff
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.tokenizer import TextTokenizer
-
-
-def first_diff(a: list[int], b: list[int]) -> int | None:
-    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def main() -> None:

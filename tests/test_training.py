@@ -451,6 +451,30 @@ def test_demo_explains_a_difference_by_the_two_tokens_float32_logits(make_checkp
     assert "prefix" in explain_difference(model, prompt, native, native[:4])
 
 
+def test_demo_runs_on_cpu_and_fails_loudly_if_float32_dflash_differs(monkeypatch, capsys):
+    """`flashpd demo` on the CPU (float32): three prompts, DFlash identical to native, exit 0. A DFlash output
+    corrupted at one token (what a broken verify would give) is reported with its float32 logits and exits 1."""
+    from flashpd import demo
+    from flashpd.llm import LLM
+    assert demo.run_demo("cpu") == 0
+    out = capsys.readouterr().out
+    assert out.count("identical to native: True") == 3 and "differ" not in out and "float32" in out.splitlines()[0]
+    real = LLM.generate
+
+    def corrupted(self, prompts, params=None):
+        outs = real(self, prompts, params)
+        if self.drafter is not None:
+            for o in outs:
+                o.token_ids[5] = (o.token_ids[5] + 1) % self.model.cfg.vocab_size
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", corrupted)
+    assert demo.run_demo("cpu") == 1
+    out = capsys.readouterr().out
+    assert out.count("identical to native: False") == 3 and out.count("parts at new token 5") == 3
+    assert "in float32: that is a bug" in out
+
+
 def test_demo_eval_scores_a_given_drafter_on_the_pairs_target(tmp_path):
     """bench/demo_eval --drafter: a candidate drafter judged on the pair's target and prompts (how v4's
     candidates compared on the CPU); the JSON names the drafter and the command that reproduces it."""

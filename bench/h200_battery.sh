@@ -18,7 +18,7 @@
 # Ray's, as both do not fit one carry, and set WHEELS=.whl-lm.
 # BRIDGE=shm moves the sweeps' KV through shared memory (gRPC carries handles) instead of inside the gRPC messages.
 # probe (the bf16 exactness lead in the README: exact_probe with compile as is, without it, with static shapes, without split reductions).
-# PROFILE_ARGS adds flags to the profile step (e.g. "--prompts heldout --block 8"). PROMPTS sets the speedup step's prompts per set (default 4). RECIPE_ARGS adds flags to the pair step (e.g. "--drafter-steps 9000"); PAIR=new points profile and speedup at
+# PROFILE_ARGS adds flags to the profile step (e.g. "--prompts heldout --block 8"). PROMPTS sets the speedup step's prompts per set (default 8, as the headline runs). RECIPE_ARGS adds flags to the pair step (e.g. "--drafter-steps 9000"); PAIR=new points profile and speedup at
 # the pair that step made (STEPS="pair speedup" PAIR=new: a candidate pair judged under the protocol in one call).
 # LAUNCHER=local runs the sweeps with local processes instead of Ray (fractional GPUs on one, whole GPUs on two).
 set -u
@@ -52,7 +52,7 @@ want ttft && CUDA_VISIBLE_DEVICES=$G step ttft_hit 150 python3 -m flashpd.bench.
 want cache && CUDA_VISIBLE_DEVICES=$G step cache_runs ${CACHE_LIMIT:-200} python3 -m flashpd.bench.cache_runs --device cuda --prompts 20 --prompt-tokens 2048 --new-tokens 64 --stores ${CACHE_STORES:-memory,device,disk,grpc,shm} --out "$OUT/cache_runs_demo_pair_h200.json"
 want profile && CUDA_VISIBLE_DEVICES=$G step profile ${PROFILE_LIMIT:-150} python3 -m flashpd.bench.profile_step --target $P/target --draft $P/drafter ${PROFILE_ARGS:-} --out "$OUT/profile_step_h200.json"
 want anatomy && CUDA_VISIBLE_DEVICES=$G step anatomy ${ANATOMY_LIMIT:-200} python3 -m flashpd.bench.request_anatomy --target $P/target --draft $P/drafter --prompts ${PROMPTS:-8} --trace "$OUT" --out "$OUT/request_anatomy_h200.json"
-want speedup && CUDA_VISIBLE_DEVICES=$G step speedup ${SPEEDUP_LIMIT:-200} python3 -m flashpd.bench.speedup --target $P/target --draft $P/drafter --prompts ${PROMPTS:-4} --widths ${WIDTHS:-4,8,12,16} --reps 3 --out "$OUT/speedup_demo_pair_h200.json"
+want speedup && CUDA_VISIBLE_DEVICES=$G step speedup ${SPEEDUP_LIMIT:-200} python3 -m flashpd.bench.speedup --target $P/target --draft $P/drafter --prompts ${PROMPTS:-8} --widths ${WIDTHS:-4,8,12,16} --reps 3 --out "$OUT/speedup_demo_pair_h200.json"
 want sweep1 && CUDA_VISIBLE_DEVICES=$G step sweep_1gpu ${SWEEP1_LIMIT:-200} python3 -m flashpd.cluster.job_sweep $SWEEP --long-every 16 --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
 if [ "$NG" -ge 2 ]; then
   want sweep2 && CUDA_VISIBLE_DEVICES=0,1 step sweep_2gpu ${SWEEP2_LIMIT:-230} python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32 --out "$OUT/serve_sweep_demo_2gpu_h200.json"

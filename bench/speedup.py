@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--prompts", type=int, default=4, help="per set (screen and confirmation)")
+    ap.add_argument("--prompts", type=int, default=8, help="per set (screen and confirmation; 8 in every headline run since demo pair v2)")
     ap.add_argument("--new-tokens", default="64,256")
     ap.add_argument("--widths", default="4,8,12,16")
     ap.add_argument("--reps", type=int, default=3)

@@ -34,7 +34,9 @@ def test_speedup_bench_follows_the_protocol_on_the_demo_pair(tmp_path):
             assert p["native_median_ms"] == statistics.median(p["native_ms"])
             assert math.isclose(p["speedup"], p["native_median_ms"] / p["dflash_median_ms"])
             assert p["exact"] == "2/2" and p["first_diff"] == [None, None] and p["tau"] >= 1.0
-            assert len(p["position_acceptance"]) == c["width"] - 1
+            # acceptance rate per draft position (a short request drafts fewer positions than the width)
+            acc = p["position_acceptance"]
+            assert 1 <= len(acc) <= c["width"] - 1 and all(0.0 <= x <= 1.0 for x in acc)
         sp = [p["speedup"] for p in c["prompts"]]
         assert math.isclose(c["geomean_speedup"], math.exp(statistics.mean(math.log(x) for x in sp)))
         assert (c["min_speedup"], c["max_speedup"]) == (min(sp), max(sp)) and c["exact"] == "4/4"

@@ -36,10 +36,7 @@ def _ready(gen: NativeGenerator, prompt: list[int], max_tokens: int):
         for s in seqs:
             s.block_size = gen.block_size
     gen.reserve(seqs)
-    if spec:
-        gen.prefill_with_context(seqs)
-    else:
-        gen.prefill(seqs)
+    gen.prefill_request(seqs)
     return seqs
 
 

@@ -47,7 +47,7 @@ def phases(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int 
         seqs[0].block_size = width
     gen.reserve(seqs)
     t1 = _sync(cuda)
-    gen.prefill_with_context(seqs) if spec else gen.prefill(seqs)
+    gen.prefill_request(seqs)
     t2 = _sync(cuda)
     loop = gen.loop()
     sess = loop.begin(seqs)

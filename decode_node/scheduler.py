@@ -185,10 +185,7 @@ class Scheduler:
             group = [r.seq for r in admitted if r.method == method and r.id not in preempted]
             if group:
                 gen.restore_prefixes(group, self.prefix_cache)
-                if method == "dflash":
-                    gen.prefill_with_context(group)
-                else:
-                    gen.prefill(group)
+                gen.prefill_request(group)
             back = [r.seq for r in admitted if r.method == method and r.id in preempted]
             if back:  # preempted earlier: rebuild their caches, sample nothing
                 self.stats.recomputed_tokens += recompute(gen, back, self.prefix_cache, taps=method == "dflash")

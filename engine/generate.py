@@ -65,16 +65,29 @@ class NativeGenerator:
         return self.device_loop and bool(seqs) and self.loop().usable(seqs) and \
             all(s.forced_first is None and not s.output and s.params.max_tokens > 1 for s in seqs)
 
-    def start(self, seqs: list[Sequence], prefill) -> None:
+    def prefill_request(self, seqs: list[Sequence], defer: list[torch.Tensor] | None = None) -> None:
+        """The prefill a request needs: the target's (DFlashGenerator writes the drafter's context in the same
+        forwards). `defer`: as `prefill`'s."""
+        self.prefill(seqs, defer=defer)
+
+    def prefill_and_run(self, seqs: list[Sequence]) -> None:
+        """Prefill fresh requests and drive those the device loop takes to their ends (the rest stay for
+        `drive`), overlapping the two where it can (`start`)."""
+        if self.overlaps_start(seqs):
+            self.start(seqs)
+        else:
+            self.prefill_request(seqs)
+            self.run_on_device(seqs)
+
+    def start(self, seqs: list[Sequence]) -> None:
         """Prefill, then drive the requests in the device loop with no host round trip in between: the
         first decode step is queued behind the prefill, its first tokens still on the device, and the host
         reads them while that step runs. Sequentially (prefill, sync, commit, then the loop's state upload
         and its first graph launch) the GPU idled through the host's part of the handover, 0.15-0.35 ms of
         a request on an H200 (bench/results/demo_pair_v5_h200/anatomy_125a794/request_anatomy_h200.json) plus the
-        launch, a fixed cost a request pays once, native and DFlash alike.
-        `prefill(seqs, defer)` is `prefill` or DFlash's `prefill_with_context`."""
+        launch, a fixed cost a request pays once, native and DFlash alike."""
         first: list[torch.Tensor] = []
-        prefill(seqs, defer=first)
+        self.prefill_request(seqs, defer=first)
         self.loop().run(seqs, first=torch.cat(first) if len(first) > 1 else first[0])
 
     def new_sequences(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
@@ -172,11 +185,7 @@ class NativeGenerator:
         seqs = self.new_sequences(prompts, params)
         self.reserve(seqs)
         self.restore_prefixes(seqs, prefix_cache)
-        if self.overlaps_start(seqs):
-            self.start(seqs, self.prefill)
-        else:
-            self.prefill(seqs)
-            self.run_on_device(seqs)
+        self.prefill_and_run(seqs)
         return self.drive(seqs, self.decode_step, prefix_cache)
 
     def drive(self, seqs: list[Sequence], step, prefix_cache=None) -> list[Sequence]:

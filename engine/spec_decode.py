@@ -193,7 +193,7 @@ class DFlashGenerator(NativeGenerator):
             alloc.truncate(s.table, starts[i] + a + 1)
             s.pending, s.pending_rows = feats[i], a + 1  # joins the draft cache in the next draft pass
 
-    def prefill_with_context(self, seqs: list[Sequence], defer: list[torch.Tensor] | None = None) -> None:
+    def prefill_request(self, seqs: list[Sequence], defer: list[torch.Tensor] | None = None) -> None:
         """Prefill, and write each prompt's draft context (its taps' K/V) inside the same forwards: in the
         prefill's CUDA graph on a GPU, where a separate write (host-side slots, a copy, a dynamic-shape
         compiled call) cost a request about 0.75 ms (bench/results/demo_pair_v3_h200/engine_e59da1c).
@@ -217,9 +217,5 @@ class DFlashGenerator(NativeGenerator):
             s.block_size = self._check_block(w) if w is not None else self.block_size
         self.reserve(seqs)
         self.restore_prefixes(seqs, prefix_cache)
-        if self.overlaps_start(seqs):
-            self.start(seqs, self.prefill_with_context)
-        else:
-            self.prefill_with_context(seqs)
-            self.run_on_device(seqs)
+        self.prefill_and_run(seqs)
         return self.drive(seqs, self.spec_step, prefix_cache)

@@ -67,14 +67,10 @@ def warm_prefill(gen, lengths: list[int]) -> dict:
     """Prefill each prompt (with the drafter's context write where there is a drafter), publish nothing."""
     free = gen.runner.allocator.num_free
     t0 = time.perf_counter()
-    spec = getattr(gen, "drafts", None) is not None
     for p in random_prompts(lengths, gen.runner.model.cfg.vocab_size):
         seq = gen.new_sequences([p], [SamplingParams(max_tokens=1)])[0]
         gen.reserve([seq])
-        if spec:
-            gen.prefill_with_context([seq])
-        else:
-            gen.prefill([seq])
+        gen.prefill_request([seq])
         gen.runner.allocator.free(seq.table)
     if gen.runner.allocator.num_free != free:
         raise RuntimeError(f"warm-up leaked KV blocks ({free - gen.runner.allocator.num_free})")

@@ -42,10 +42,7 @@ class PrefillWorker:
         gen.reserve([seq])
         before = self.cache.stats.hit_tokens
         gen.restore_prefixes([seq], self.cache)
-        if isinstance(gen, DFlashGenerator):
-            gen.prefill_with_context([seq])
-        else:
-            gen.prefill([seq])
+        gen.prefill_request([seq])  # DFlash: the drafter's context too, in the same forwards
         published = self.cache.publish(gen, seq)
         gen.runner.allocator.free(seq.table)
         return PrefillResult(seq.output[0], seq.finish_reason, published, self.cache.stats.hit_tokens - before,

@@ -101,7 +101,7 @@ def test_the_first_step_is_queued_behind_the_prefill(dflash_pair, spec):  # noqa
     def run(params, stops, overlap):
         gen = DFlashGenerator(runner, drafter, stops, 16) if spec else NativeGenerator(runner, stops)
         start = gen.start
-        gen.start = lambda seqs, prefill: (starts.append(len(seqs)), start(seqs, prefill))
+        gen.start = lambda seqs: (starts.append(len(seqs)), start(seqs))
         if not overlap:
             gen.overlaps_start = lambda seqs: False
         seqs = gen.generate(prompts, params)

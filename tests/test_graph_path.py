@@ -176,7 +176,7 @@ def test_fresh_prefill_attends_causally_like_the_cache_path(dflash_pair):  # noq
 
 
 def test_prefill_writes_the_draft_context_inside_its_forwards(dflash_pair):  # noqa: F811
-    """prefill_with_context (the drafter's prompt context written by the prefill forwards themselves, in
+    """DFlash's prefill_request (the drafter's prompt context written by the prefill forwards themselves, in
     their graphs on a GPU) leaves the draft cache as the two-pass way does (prefill with taps, then
     write_prompt): a padded batch of several lengths (eager), one prompt in a padded graph, one prompt
     in graph-width chunks; the sink is part of each graph's key."""
@@ -196,7 +196,7 @@ def test_prefill_writes_the_draft_context_inside_its_forwards(dflash_pair):  # n
             seqs = gen.new_sequences(prompts, [SamplingParams(max_tokens=4, ignore_eos=True)] * len(prompts))
             gen.reserve(seqs)
             if fused:
-                gen.prefill_with_context(seqs)
+                gen.prefill_request(seqs)
             else:
                 gen.drafts.write_prompt(seqs, gen.prefill(seqs, taps=True))
             assert [s.draft_len for s in seqs] == [len(p) for p in prompts]

@@ -1,0 +1,123 @@
+"""Register a gRPC servicer so that undecodable requests and missing credentials get clear statuses.
+
+grpcio's generated `add_XServicer_to_server` parses each request with the message's FromString
+before the handler runs; bytes that do not parse (garbage, a truncated message, invalid UTF-8 in a
+string field, an over-long varint) then end the call with INTERNAL "Exception deserializing
+request!". A client error is INVALID_ARGUMENT, so `add_guarded` builds the method handlers itself
+from the service descriptor: the deserializer never raises, and the handler answers
+INVALID_ARGUMENT for a request that did not parse. With `authorize`, a call whose metadata does not
+pass it gets UNAUTHENTICATED before the handler sees a byte of its request.
+"""
+from __future__ import annotations
+
+import hmac
+from typing import Any, Callable, Iterator
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+
+TOKEN_HEADER = "x-flashpd-token"
+MAX_ECHO = 64  # characters of a client's value an error message may quote
+
+
+def echo(value: object) -> str:
+    """repr() of a client-supplied value, capped at MAX_ECHO characters (error messages travel in
+    trailing metadata, whose size is limited: a long echo would turn INVALID_ARGUMENT into
+    RESOURCE_EXHAUSTED)."""
+    r = repr(value)
+    return r if len(r) <= MAX_ECHO else r[:MAX_ECHO] + f"...({len(r)} chars)"
+
+
+class _Undecodable:
+    """What the guarded deserializer returns for bytes that are not a valid message."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.type_name = type_name
+        self.reason = str(error).split(": ", 1)[-1][:MAX_ECHO]
+
+
+def _deserializer(cls: type) -> Callable[[bytes], Any]:
+    name = cls.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # noqa: BLE001  DecodeError, RuntimeWarning-as-error, anything the runtime raises
+            return _Undecodable(name, e)
+
+    return parse
+
+
+def _reject(msg: Any, context: grpc.ServicerContext) -> None:
+    if isinstance(msg, _Undecodable):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"request: not a valid {msg.type_name} message ({msg.reason})")
+
+
+def _checked_stream(it: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    for msg in it:
+        _reject(msg, context)
+        yield msg
+
+
+def token_authorizer(token: str) -> Callable[[grpc.ServicerContext], bool]:
+    """Accept a call whose metadata carries `x-flashpd-token: <token>` (constant-time comparison)."""
+    want = token.encode()
+
+    def ok(context: grpc.ServicerContext) -> bool:
+        for k, v in context.invocation_metadata() or ():
+            if k == TOKEN_HEADER:
+                got = v.encode() if isinstance(v, str) else bytes(v)
+                return hmac.compare_digest(got, want)
+        return False
+
+    return ok
+
+
+def _wrap(fn: Callable, m: MethodDescriptor, authorize: Callable[[grpc.ServicerContext], bool] | None) -> Callable:
+    def gate(context: grpc.ServicerContext) -> None:
+        if authorize is not None and not authorize(context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{m.name}: missing or wrong {TOKEN_HEADER}")
+
+    if m.client_streaming and m.server_streaming:
+        def behavior(it, context):
+            gate(context)
+            yield from fn(_checked_stream(it, context), context)
+    elif m.client_streaming:
+        def behavior(it, context):
+            gate(context)
+            return fn(_checked_stream(it, context), context)
+    elif m.server_streaming:
+        def behavior(req, context):
+            gate(context)
+            _reject(req, context)
+            yield from fn(req, context)
+    else:
+        def behavior(req, context):
+            gate(context)
+            _reject(req, context)
+            return fn(req, context)
+    return behavior
+
+
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_guarded(server: grpc.Server, servicer: object, service: ServiceDescriptor,
+                authorize: Callable[[grpc.ServicerContext], bool] | None = None) -> None:
+    """Add every method of `service` (a ServiceDescriptor of a generated _pb2 module) to `server`,
+    served by the servicer's method of the same name, behind the guards above."""
+    handlers = {}
+    for m in service.methods:
+        fn = getattr(servicer, m.name)
+        in_cls = message_factory.GetMessageClass(m.input_type)
+        factory = _FACTORIES[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = factory(_wrap(fn, m, authorize), request_deserializer=_deserializer(in_cls),
+                                   response_serializer=lambda msg: msg.SerializeToString())
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -127,6 +127,31 @@ def new_runner(model_dir: Path | str, num_blocks: int = 256, block_size: int = 1
                        cuda_graphs=False)
 
 
+
+# ---- float32 comparisons against an oracle ------------------------------------------------------------
+# Two correct float32 computations of the same network differ only by rounding: the engine and the
+# oracle sum the same products in other orders (fused projections, paged attention, batched rows), and
+# each reordered reduction of n terms moves the result by a few ulp of its largest term. Errors are
+# therefore bounded RELATIVE to the magnitude of the values compared, never by a fixed atol: a fixed
+# 1e-5 is 84 ulp of a value of 1 but 4 ulp of a value of 20, so it passes or fails with the model's
+# scale and with the BLAS build (a tap after the final norm failed it by 1.23e-5 under another
+# transformers/torch pair). The bound: FP32_ULPS ulp of the largest |value| in the reference. Over the
+# 1,162 comparisons of test_target_parity, test_loader, test_dflash_parity and test_training the worst
+# was 32.4 ulp (a decode after a truncate over 40 single-token steps), most under 10; 128 leaves a
+# factor of 4, while an indexing or masking bug moves values by O(1), about 1e6 ulp.
+FP32_ULPS = 128
+
+
+def fp32_atol(want: torch.Tensor, ulps: float = FP32_ULPS) -> float:
+    """The absolute tolerance that FP32_ULPS ulp of want's largest magnitude gives (see above)."""
+    return ulps * torch.finfo(torch.float32).eps * max(float(want.abs().max()), torch.finfo(torch.float32).tiny)
+
+
+def assert_fp32_close(got: torch.Tensor, want: torch.Tensor, ulps: float = FP32_ULPS, msg=None) -> None:
+    """got equals want up to float32 rounding (fp32_atol), elementwise."""
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=fp32_atol(want.float(), ulps), msg=msg)
+
+
 def random_prompts(lengths: list[int], vocab: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from _dflash_helpers import (  # noqa: F401  (fixtures are used by name)
     Engine, Pair, dflash_engine, dflash_pair, greedy, plain_greedy, reference_generate, run_checked,
     target_features)
+from conftest import assert_fp32_close
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sequence import Sequence
 
-LOGIT_TOL = 1e-4
 
 
 # ---- (a) one draft pass ---------------------------------------------------------------------------
@@ -81,8 +81,7 @@ def test_draft_logits_match_reference(dflash_pair, dflash_engine, prompt_index, 
     want = reference_draft_logits(pair, feats, first, width)
     got = engine_draft_logits(dflash_engine, [(prompt, feats, first, width, n_pending)])[0]
     assert got.shape == want.shape == (width - 1, dflash_engine.vocab)
-    err = (got - want).abs().max().item()
-    assert err <= LOGIT_TOL, f"max |draft logit diff| {err:.2e} (P={len(prompt)}, width={width})"
+    assert_fp32_close(got, want, msg=lambda m: f"draft logits (P={len(prompt)}, width={width}): {m}")
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
@@ -98,8 +97,7 @@ def test_draft_logits_batch_of_mixed_rows_match_reference(dflash_pair, dflash_en
     got = engine_draft_logits(dflash_engine, items)
     for (prompt, feats, first, width, _), g in zip(items, got):
         want = reference_draft_logits(pair, feats, first, width)
-        err = (g - want).abs().max().item()
-        assert err <= LOGIT_TOL, f"P={len(prompt)} width={width}: max diff {err:.2e}"
+        assert_fp32_close(g, want, msg=lambda m: f"P={len(prompt)} width={width}: {m}")
 
 
 def test_prefill_taps_match_hf_hidden_states(dflash_pair, dflash_engine):
@@ -114,8 +112,7 @@ def test_prefill_taps_match_hf_hidden_states(dflash_pair, dflash_engine):
     for p, f in zip(prompts, feats):
         want = _feats(pair, p)
         assert f.shape == want.shape
-        err = (f - want).abs().max().item()
-        assert err <= LOGIT_TOL, f"taps differ from HF hidden_states[j+1] by {err:.2e}"
+        assert_fp32_close(f, want, msg=lambda m: f"taps vs HF hidden_states[j+1]: {m}")
 
 
 # ---- (b) whole generations ------------------------------------------------------------------------
@@ -245,7 +242,7 @@ def test_exotic_drafter_draft_logits_and_generation_match_reference(exotic_pair,
     ver = runner.forward([seq.table], [block], "all", taps=True)
     runner.allocator.free(seq.table)
     for got, want in ((torch.cat(pre.taps, -1)[0], full[:len(prompt)]), (torch.cat(ver.taps, -1)[0], full[len(prompt):])):
-        assert (got - want).abs().max().item() <= LOGIT_TOL, "runner taps differ from HF hidden_states[j + 1]"
+        assert_fp32_close(got, want, msg=lambda m: f"runner taps differ from HF hidden_states[j + 1]: {m}")
     items = []
     for idx, width, n_pending in [(0, 8, 0), (4, 3, 2), (6, 16, 1)]:
         prompt = pair.prompts[idx]
@@ -255,8 +252,7 @@ def test_exotic_drafter_draft_logits_and_generation_match_reference(exotic_pair,
     for (prompt, feats, first, width, _), g in zip(items, got):
         want = _exotic_reference_logits(pair, feats, first, width)
         assert want.abs().max() <= 20.0  # the softcap is in force
-        err = (g - want).abs().max().item()
-        assert err <= LOGIT_TOL, f"P={len(prompt)} width={width}: max diff {err:.2e}"
+        assert_fp32_close(g, want, msg=lambda m: f"P={len(prompt)} width={width}: {m}")
     # whole generations: tokens and acceptance lengths of dflash_generate (default block 8 and 5)
     for width in (None, 5):
         gen = eng.dflash(block_size=width)

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import build_hf_model, hf_logits, new_runner, random_prompts, save_checkpoint, save_sharded_checkpoint
+from conftest import assert_fp32_close, build_hf_model, hf_logits, new_runner, random_prompts, save_checkpoint, save_sharded_checkpoint
 from flashpd.engine.config import CheckpointError, Qwen3Config, builtin_config_path, load_config
 from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.loader import dummy_target, load_target
@@ -59,7 +59,7 @@ def test_sharded_checkpoint_matches_single_file_exactly(make_checkpoint, tie):
     assert (b.lm_head is None) == tie
     tokens = random_prompts([19], 256, seed=2)[0]
     assert torch.equal(_engine_logits(single, tokens), _engine_logits(sharded, tokens))
-    torch.testing.assert_close(_engine_logits(sharded, tokens), hf_logits(hf, tokens), rtol=0, atol=1e-4)
+    assert_fp32_close(_engine_logits(sharded, tokens), hf_logits(hf, tokens))
 
 
 def test_fused_weights_are_filled_from_the_right_hf_tensors(make_checkpoint):
@@ -97,7 +97,7 @@ def test_tied_checkpoint_shares_the_embedding_and_ignores_an_exported_lm_head(ma
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     tokens = random_prompts([11], 256, seed=3)[0]
-    torch.testing.assert_close(_engine_logits(d, tokens), hf_logits(hf, tokens), rtol=0, atol=1e-4)
+    assert_fp32_close(_engine_logits(d, tokens), hf_logits(hf, tokens))
 
 
 def test_bfloat16_checkpoint_loads_into_float32(tmp_path):
@@ -117,14 +117,14 @@ def test_transformers_v4_style_config_loads(make_checkpoint):
     assert "rope_parameters" not in cfg
     assert load_config(d).rope_theta == 10_000.0
     tokens = random_prompts([23], 256, seed=4)[0]
-    torch.testing.assert_close(_engine_logits(d, tokens), hf_logits(hf, tokens), rtol=0, atol=1e-4)
+    assert_fp32_close(_engine_logits(d, tokens), hf_logits(hf, tokens))
 
 
 def test_safetensors_without_the_standard_name_are_found(make_checkpoint):
     hf, d = make_checkpoint(**SPEC, seed=8, fresh=True)
     (d / "model.safetensors").rename(d / "weights-a.safetensors")
     tokens = random_prompts([9], 256, seed=5)[0]
-    torch.testing.assert_close(_engine_logits(d, tokens), hf_logits(hf, tokens), rtol=0, atol=1e-4)
+    assert_fp32_close(_engine_logits(d, tokens), hf_logits(hf, tokens))
 
 
 # ---- clear errors -----------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def test_ignored_rotary_buffer_is_accepted(make_checkpoint):
     sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(12)
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     tokens = random_prompts([5], 256, seed=6)[0]
-    torch.testing.assert_close(_engine_logits(d, tokens), hf_logits(hf, tokens), rtol=0, atol=1e-4)
+    assert_fp32_close(_engine_logits(d, tokens), hf_logits(hf, tokens))
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.01, 0.999])

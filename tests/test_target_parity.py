@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, hf_logits, new_runner, random_prompts
+from conftest import assert_fp32_close, hf_greedy, hf_logits, new_runner, random_prompts
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.sampling import SamplingParams
 
-LOGIT_TOL = 1e-4
 
 # name -> checkpoint options (conftest.TINY holds the defaults: vocab 256, hidden 64, ...).
 CONFIGS = {
@@ -57,8 +56,7 @@ def test_prefill_and_decode_logits_match_hf(make_checkpoint, name, block_size):
     out = runner.forward(tables, prompts, want_logits="all")
     assert out.logits.shape == (len(prompts), max(map(len, prompts)), vocab)
     for i, p in enumerate(prompts):
-        err = (out.logits[i, :len(p)] - refs[i][:len(p)]).abs().max().item()
-        assert err < LOGIT_TOL, f"prefill row {i} (len {len(p)}): max |diff| {err}"
+        assert_fp32_close(out.logits[i, :len(p)], refs[i][:len(p)], msg=f"prefill row {i} (len {len(p)})")
         assert tables[i].num_tokens == len(p)
 
     # decode: feed each sequence HF's greedy token, compare the next logits at every step
@@ -68,8 +66,7 @@ def test_prefill_and_decode_logits_match_hf(make_checkpoint, name, block_size):
         assert out.logits.shape == (len(prompts), 1, vocab)
         for i, p in enumerate(prompts):
             ref = refs[i][len(p) + k]
-            err = (out.logits[i, 0] - ref).abs().max().item()
-            assert err < LOGIT_TOL, f"decode step {k} row {i} (len {len(p)}): max |diff| {err}"
+            assert_fp32_close(out.logits[i, 0], ref, msg=f"decode step {k} row {i} (len {len(p)})")
             if k + 1 < steps:
                 assert out.logits[i, 0].argmax().item() == conts[i][k + 1]
 
@@ -84,8 +81,8 @@ def test_prefill_last_logits_equal_all_logits_at_last_position(make_checkpoint):
         _ensure(runner, tables, [len(p) for p in prompts])
         outs[mode] = runner.forward(tables, prompts, want_logits=mode).logits
     for i, p in enumerate(prompts):
-        torch.testing.assert_close(outs["last"][i, 0], outs["all"][i, len(p) - 1], rtol=0, atol=1e-5)
-        torch.testing.assert_close(outs["last"][i, 0], hf_logits(hf, p)[-1], rtol=0, atol=LOGIT_TOL)
+        assert_fp32_close(outs["last"][i, 0], outs["all"][i, len(p) - 1])
+        assert_fp32_close(outs["last"][i, 0], hf_logits(hf, p)[-1])
 
 
 def test_chunked_prefill_matches_hf(make_checkpoint):
@@ -99,7 +96,7 @@ def test_chunked_prefill_matches_hf(make_checkpoint):
         _ensure(runner, [table], [n])
         got.append(runner.forward([table], [p[start:start + n]], want_logits="all").logits[0])
         start += n
-    torch.testing.assert_close(torch.cat(got), ref, rtol=0, atol=LOGIT_TOL)
+    assert_fp32_close(torch.cat(got), ref)
 
 
 GREEDY_LENGTHS = [1, 7, 64, 130, 301]
@@ -151,7 +148,7 @@ def test_batch_size_independence(make_checkpoint):
     t2 = [BlockTable() for _ in batch]
     _ensure(r2, t2, [len(p) for p in batch])
     l2 = r2.forward(t2, batch, want_logits="all").logits[1, :len(q)]
-    torch.testing.assert_close(l2, l1, rtol=0, atol=1e-5)
+    assert_fp32_close(l2, l1)
 
 
 # ---- paged cache: truncate (speculative rollback) and block reuse -----------------------------
@@ -194,10 +191,10 @@ def test_truncate_then_decode_equals_fresh_sequence(make_checkpoint, n):
     f = BlockTable()
     _feed(fresh_runner, f, _history_chunks(prompt, went, n))   # same steps, but never went past n
     want = _feed(fresh_runner, f, chunks)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert_fp32_close(got, want)
     # and both are what HF says for history[:n] + new
     ref = hf_logits(hf, history[:n] + new)[n:]
-    torch.testing.assert_close(got, ref, rtol=0, atol=LOGIT_TOL)
+    assert_fp32_close(got, ref)
 
     with pytest.raises(ValueError):
         runner.allocator.truncate(a, a.num_tokens + 1)  # cannot "truncate" upwards
@@ -233,7 +230,7 @@ def test_truncate_frees_blocks_that_another_sequence_reuses(make_checkpoint):
     runner.allocator.ensure(b, len(other))
     assert set(b.blocks) == freed                                # B lives in A's old blocks
     b_logits = runner.forward([b], [other], want_logits="all").logits[0]
-    torch.testing.assert_close(b_logits, hf_logits(hf, other), rtol=0, atol=LOGIT_TOL)
+    assert_fp32_close(b_logits, hf_logits(hf, other))
 
     # A continues (needs 2 more blocks: give them back to the pool by finishing B first)
     runner.allocator.free(b)
@@ -242,8 +239,8 @@ def test_truncate_frees_blocks_that_another_sequence_reuses(make_checkpoint):
     f = BlockTable()
     _feed(ref_runner, f, _history_chunks(prompt, went, n))
     want = _feed(ref_runner, f, [[t] for t in new])
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got, hf_logits(hf, (prompt + went)[:n] + new)[n:], rtol=0, atol=LOGIT_TOL)
+    assert_fp32_close(got, want)
+    assert_fp32_close(got, hf_logits(hf, (prompt + went)[:n] + new)[n:])
 
 
 def test_interleaved_sequences_sharing_a_pool(make_checkpoint):
@@ -263,8 +260,8 @@ def test_interleaved_sequences_sharing_a_pool(make_checkpoint):
         out = runner.forward([a, b], [[t1], [t2]], want_logits="last")
         ga.append(out.logits[0, 0])
         gb.append(out.logits[1, 0])
-    torch.testing.assert_close(torch.stack(ga), hf_logits(hf, p1 + c1)[len(p1):], rtol=0, atol=LOGIT_TOL)
-    torch.testing.assert_close(torch.stack(gb), hf_logits(hf, p2 + c2)[len(p2):], rtol=0, atol=LOGIT_TOL)
+    assert_fp32_close(torch.stack(ga), hf_logits(hf, p1 + c1)[len(p1):])
+    assert_fp32_close(torch.stack(gb), hf_logits(hf, p2 + c2)[len(p2):])
 
 
 # ---- taps -------------------------------------------------------------------------------------
@@ -292,9 +289,9 @@ def test_taps_equal_hf_hidden_states_in_requested_order(make_checkpoint, taps):
     for i, p in enumerate(prompts):
         hs = _hf_hidden_states(hf, p + [nxt[i]])
         for k, j in enumerate(taps):
-            torch.testing.assert_close(out.taps[k][i, :len(p)], hs[j + 1][:len(p)], rtol=0, atol=1e-5,
-                                       msg=lambda m: f"tap {j} (slot {k}) row {i}: {m}")
-            torch.testing.assert_close(step.taps[k][i, 0], hs[j + 1][len(p)], rtol=0, atol=1e-5)
+            assert_fp32_close(out.taps[k][i, :len(p)], hs[j + 1][:len(p)],
+                              msg=lambda m: f"tap {j} (slot {k}) row {i}: {m}")
+            assert_fp32_close(step.taps[k][i, 0], hs[j + 1][len(p)])
     # taps=False gives none even when the runner has tap ids
     _ensure(runner, tables, [1, 1, 1])
     assert runner.forward(tables, [[1], [2], [3]], want_logits="none").taps == []
@@ -311,7 +308,7 @@ def test_prefill_features_concatenate_taps_in_requested_order(make_checkpoint):
     for s, p, f in zip(seqs, prompts, feats):
         hs = _hf_hidden_states(hf, p)
         assert f.shape == (len(p), len(taps) * h)
-        torch.testing.assert_close(f, torch.cat([hs[j + 1] for j in taps], dim=-1), rtol=0, atol=1e-5)
+        assert_fp32_close(f, torch.cat([hs[j + 1] for j in taps], dim=-1))
         assert s.output == [hf_logits(hf, p)[-1].argmax().item()]
 
 
@@ -341,5 +338,5 @@ def test_runner_refuses_unreserved_blocks_and_positions_past_the_end(make_checkp
     # the last position the model has works, and matches HF
     (p,) = random_prompts([1024], hf.config.vocab_size, seed=13)
     out = runner.forward([t], [p], want_logits="last")
-    torch.testing.assert_close(out.logits[0, 0], hf_logits(hf, p)[-1], rtol=0, atol=LOGIT_TOL)
+    assert_fp32_close(out.logits[0, 0], hf_logits(hf, p)[-1])
     assert t.num_tokens == 1024

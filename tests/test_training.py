@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import assert_fp32_close
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.export import save_drafter, save_target
 from flashpd.engine.generate import NativeGenerator
@@ -76,7 +77,7 @@ def test_training_forward_is_the_inference_draft_pass(trained):
     gen.drafts.write_prompt([s], feats)
     s.output = [seq[a]]  # the committed last token of a draft at length a
     infer_logits = gen.drafts.draft([s], [8])[0]
-    torch.testing.assert_close(train_logits, infer_logits, rtol=0, atol=1e-4)
+    assert_fp32_close(train_logits, infer_logits)
 
 
 def test_resume_continues_from_the_saved_step(trained, tmp_path):
@@ -98,7 +99,7 @@ def test_exports_load_in_transformers_and_the_reference_drafter(trained, tmp_pat
     x = torch.tensor([prompts[0]])
     with torch.no_grad():
         ours, _ = target.causal_forward(x)
-        torch.testing.assert_close(target.logits(ours), hf(x).logits, rtol=0, atol=1e-4)
+        assert_fp32_close(target.logits(ours), hf(x).logits)
     ref = DFlashDraftModel.from_pretrained(ddir)
     assert ref.target_layer_ids == list(drafter.cfg.target_layer_ids) and ref.block_size == 8
     torch.testing.assert_close(ref.fc.weight, drafter.fc)

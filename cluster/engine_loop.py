@@ -7,6 +7,10 @@ back to the submitter through a future. Each request's new tokens go to its hand
 they are produced, then one final event. When there is nothing to do the thread sleeps on a
 condition variable (with a timeout), never spinning. Every wait here is bounded.
 An `on_finish` hook (metrics) sees each finished request in the loop thread.
+
+A request the scheduler fails alone (RequestFailed) ends with an "error" event while the others go
+on. Should a step still raise, every request in flight fails with that error, every block is freed,
+and the loop keeps serving new requests: no request can stop the loop.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable
 
-from flashpd.decode_node.scheduler import Request, Scheduler
+from flashpd.decode_node.scheduler import Request, RequestFailed, Scheduler
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -155,18 +159,35 @@ class EngineLoop:
                     inbox, self._inbox = self._inbox, []
                     cancels, self._cancels = self._cancels, []
                 self._take(inbox)
-                self._drop(cancels)
-                if not self.scheduler.idle:
-                    self._step()
+                try:
+                    self._drop(cancels)
+                    if not self.scheduler.idle:
+                        self._step()
+                except Exception as e:  # noqa: BLE001  uncontained: fail what is in flight, keep serving
+                    self._abort_in_flight(e)
         except BaseException as e:  # noqa: BLE001  a failed step: nothing in flight can continue
             log.exception("engine loop failed")
             self._error = e
         finally:
             self._shutdown()
 
+    def _abort_in_flight(self, e: Exception) -> None:
+        log.exception("engine step failed; failing the %d request(s) in flight and serving on", len(self._live))
+        for r, err in self.scheduler.abort_all(e):
+            h = self._live.pop(r.id, None)
+            if h is not None:
+                h.events.put(Event("error", error=err))
+        for h in self._live.values():  # registered but not in the scheduler any more: cannot happen; be safe
+            h.events.put(Event("error", error=RequestFailed(f"request failed: {type(e).__name__}: {e}")))
+        self._live.clear()
+
     def _take(self, inbox: list[tuple[Handle, Future]]) -> None:
         for h, fut in inbox:
-            if h.cancel_requested or not fut.set_running_or_notify_cancel():
+            if not fut.set_running_or_notify_cancel():
+                continue
+            if h.cancel_requested:  # cancelled before the loop took it: never scheduled, submit returns now
+                h.events.put(Event("cancelled", finish_reason="cancelled"))
+                fut.set_result(h)
                 continue
             try:
                 h.request = self.scheduler.add(h.prompt, h.params, h.method, h.block_size, h.first_token)
@@ -189,6 +210,10 @@ class EngineLoop:
             h = self._live.get(rid)
             if h is not None:
                 h.events.put(Event("tokens", tokens=list(toks)))
+        for r, err in res.failed:
+            h = self._live.pop(r.id, None)
+            if h is not None:
+                h.events.put(Event("error", error=err))
         for r in res.finished:
             if self.on_finish is not None:
                 try:

@@ -12,6 +12,15 @@ while the GPU runs step k+1, so a token reaches the stream one step later than i
 arrival, a cancel or a finished row ends that session: the step in flight is read and the rows go
 back to the stepwise loop with their state and only the blocks they use. `overlap = False` turns it off.
 
+One request fails alone. An exception while admitting a group (prefix restore, prefill, recompute)
+retries each of its requests alone from scratch, and fails only those that fail alone. An exception
+in a batch step rolls every row back to the tokens it already streamed and preempts it; re-admitted
+(recomputed exactly), each such suspect takes its next step alone, and a row whose solo step fails
+too is failed. A failed request frees its blocks and comes back in `StepResult.failed`; the other
+rows go on, with the tokens and acceptance lengths of an undisturbed run (greedy or seeded-greedy:
+a sampled row rolled back keeps its generator's later state, so its continuation is a valid but
+different sample).
+
 Two admission policies:
 - reserve (default): a request reserves its worst case up front (prompt + max_tokens + one block of
   drafts), so a running request never runs out of blocks and nothing is ever preempted.
@@ -24,6 +33,7 @@ Two admission policies:
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +45,17 @@ from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.decode_node.recompute import recompute
+
+log = logging.getLogger(__name__)
+
+# A row implicated in this many failed batch steps is failed even if its solo steps pass: a fault
+# that only shows in a batch (e.g. memory) must not loop forever through recover / re-admit.
+MAX_BATCH_FAULTS = 3
+
+
+class RequestFailed(RuntimeError):
+    """One request could not be served (an exception while computing it); the other requests go on.
+    The API answers it with INTERNAL and this message."""
 
 
 class PromptTooLong(ValueError):
@@ -51,6 +72,9 @@ def blocks_needed(prompt_len: int, max_tokens: int, width: int, kv_block: int) -
 class SchedulerStats:
     preemptions: int = 0
     recomputed_tokens: int = 0  # positions recomputed when preempted requests were re-admitted
+    failed_requests: int = 0  # requests failed alone (an exception while serving them)
+    batch_faults: int = 0  # batch steps that raised and were recovered by re-admitting their rows
+    finish_errors: int = 0  # publishes to the prefix cache that raised at a request's end (output unaffected)
 
 
 @dataclass
@@ -61,6 +85,8 @@ class Request:
     reserved_blocks: int
     emitted: int = 0  # tokens already handed to the caller
     preemptions: int = 0
+    holds_reservation: bool = False  # policy "reserve": counted in Scheduler._reserved
+    batch_faults: int = 0  # failed batch steps it was part of
 
 
 @dataclass
@@ -69,6 +95,7 @@ class StepResult:
 
     new_tokens: dict[int, list[int]] = field(default_factory=dict)
     finished: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, RequestFailed]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -94,6 +121,7 @@ class Scheduler:
         self._session = None
         self._session_gen: NativeGenerator | None = None
         self.overlapped_steps = 0  # steps run that way (tests check the path is taken)
+        self._suspects: set[int] = set()  # rows of a failed batch step: their next step runs alone
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams, method: str = "native",
@@ -126,13 +154,31 @@ class Scheduler:
         self._end_session()  # the batch changes: the device hands the others back first
         if req in self.waiting:
             self.waiting.remove(req)
-            self.runner.allocator.free(req.seq.table)  # a preempted request holds none; no-op
         elif req in self.running:
             self.running.remove(req)
-            self.runner.allocator.free(req.seq.table)
-            if self.policy == "reserve":
-                self._reserved -= req.reserved_blocks
+        self._release(req)
         req.seq.finish_reason = req.seq.finish_reason or "cancelled"
+
+    def _release(self, req: Request) -> None:
+        """Give back everything a request holds: its KV blocks and (policy reserve) its reservation."""
+        self.runner.allocator.free(req.seq.table)  # no-op for one that holds none
+        if req.holds_reservation:
+            self._reserved -= req.reserved_blocks
+            req.holds_reservation = False
+        self._suspects.discard(req.id)
+
+    def _fail(self, req: Request, e: BaseException, result: StepResult) -> None:
+        """Fail one request alone: free what it holds and report it; the others are untouched."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.seq.finish_reason = "error"
+        self.stats.failed_requests += 1
+        log.warning("request %d failed alone (%s: %s)", req.id, type(e).__name__, e)
+        err = e if isinstance(e, RequestFailed) else RequestFailed(f"request failed: {type(e).__name__}: {e}")
+        result.failed.append((req, err))
 
     @property
     def capacity(self) -> int:
@@ -167,6 +213,7 @@ class Scheduler:
                     self._reserved + self.waiting[0].reserved_blocks <= self._capacity:
                 req = self.waiting.popleft()
                 self._reserved += req.reserved_blocks
+                req.holds_reservation = True
                 admitted.append(req)
             return admitted
         free = self.runner.allocator.num_free - sum(self._step_blocks(r) for r in self.running)
@@ -178,18 +225,51 @@ class Scheduler:
             admitted.append(self.waiting.popleft())
         return admitted
 
-    def _admit(self) -> list[Request]:
+    def _admit(self, result: StepResult) -> list[Request]:
+        """Prefill (or, preempted earlier, recompute) the requests _pick lets in; a group that raises is
+        retried one request at a time from scratch, and a request that fails alone is failed."""
         admitted = self._pick()
         preempted = {r.id for r in admitted if r.seq.output}  # before any prefill gives the fresh ones output
+        ok: list[Request] = []
         for method, gen in (("native", self.native), ("dflash", self.spec)):
-            group = [r.seq for r in admitted if r.method == method and r.id not in preempted]
-            if group:
-                gen.restore_prefixes(group, self.prefix_cache)
-                gen.prefill_request(group)
-            back = [r.seq for r in admitted if r.method == method and r.id in preempted]
-            if back:  # preempted earlier: rebuild their caches, sample nothing
-                self.stats.recomputed_tokens += recompute(gen, back, self.prefix_cache, taps=method == "dflash")
-        return admitted
+            for fresh in (True, False):
+                group = [r for r in admitted if r.method == method and (r.id not in preempted) == fresh]
+                if not group:
+                    continue
+                try:
+                    self._prepare(gen, group, fresh, method)
+                    ok.extend(group)
+                    continue
+                except Exception as e:  # noqa: BLE001  which request is at fault is not known yet
+                    log.warning("admitting %d %s request(s) failed (%s: %s); retrying each alone", len(group),
+                                method, type(e).__name__, e)
+                for r in group:
+                    try:
+                        self._reset(gen, r, fresh)
+                        self._prepare(gen, [r], fresh, method)
+                        ok.append(r)
+                    except Exception as e:  # noqa: BLE001
+                        self._fail(r, e, result)
+        return ok
+
+    def _prepare(self, gen: NativeGenerator, group: list[Request], fresh: bool, method: str) -> None:
+        seqs = [r.seq for r in group]
+        if fresh:
+            gen.restore_prefixes(seqs, self.prefix_cache)
+            gen.prefill_request(seqs)
+        else:  # preempted earlier: rebuild their caches, sample nothing
+            self.stats.recomputed_tokens += recompute(gen, seqs, self.prefix_cache, taps=method == "dflash")
+
+    def _reset(self, gen: NativeGenerator, r: Request, fresh: bool) -> None:
+        """Undo a failed admission: no blocks, no draft state; a fresh request also gets a fresh sequence
+        (its first token and its generator's draws start over, as if it had never been tried)."""
+        s = r.seq
+        self.runner.allocator.free(s.table)
+        s.draft_len, s.pending, s.pending_rows = 0, None, 0
+        if fresh:
+            new = gen.new_sequences([s.prompt], [s.params])[0]
+            new.forced_first, new.block_size, new.t_start = s.forced_first, s.block_size, s.t_start
+            r.seq = new
 
     def _make_room(self) -> None:
         """Preempt the newest running requests until every other one can take its next step."""
@@ -203,11 +283,15 @@ class Scheduler:
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
-        s = r.seq
-        self.runner.allocator.free(s.table)
-        s.draft_len, s.pending, s.pending_rows = 0, None, 0
+        self._preempt_out(r)
         r.preemptions += 1
         self.stats.preemptions += 1
+
+    def _preempt_out(self, r: Request) -> None:
+        """Free a request's blocks and queue it first again; re-admitted, it is recomputed."""
+        s = r.seq
+        self._release(r)
+        s.draft_len, s.pending, s.pending_rows = 0, None, 0
         self.waiting.appendleft(r)  # victims are taken newest first, so the queue keeps their order
 
     # ---- the device loop for stable batches -----------------------------------------------
@@ -233,7 +317,61 @@ class Scheduler:
             self._session_gen.loop().end(self._session)
             self._session, self._session_gen = None, None
 
-    def _advance(self) -> None:
+    def _advance(self, result: StepResult) -> None:
+        """One step of every running request; a step that raises is recovered (see the module doc)."""
+        try:
+            if self._suspects:
+                self._advance_suspects(result)
+            else:
+                self._advance_batch()
+        except Exception as e:  # noqa: BLE001  one row's fault must not end the others
+            self._recover(e, result)
+
+    def _advance_suspects(self, result: StepResult) -> None:
+        """Rows of a failed batch step take their next step alone (a row that fails alone is failed); the
+        others step together."""
+        for r in [r for r in self.running if r.id in self._suspects]:
+            if r.seq.done:
+                self._suspects.discard(r.id)
+                continue
+            try:
+                self._step_rows([r])
+                self._suspects.discard(r.id)
+            except Exception as e:  # noqa: BLE001
+                self._fail(r, e, result)
+        rest = [r for r in self.running if r.id not in self._suspects and not r.seq.done]
+        if rest:
+            self._step_rows(rest)
+
+    def _step_rows(self, rows: list[Request]) -> None:
+        spec_rows = [r.seq for r in rows if r.method == "dflash" and not r.seq.done]
+        native_rows = [r.seq for r in rows if r.method == "native" and not r.seq.done]
+        if spec_rows:
+            self.spec.spec_step(spec_rows)
+        if native_rows:
+            self.native.decode_step(native_rows)
+
+    def _recover(self, e: BaseException, result: StepResult) -> None:
+        """A batch step raised: the device session (if any) is dropped, every running row goes back to the
+        tokens it already streamed and is preempted (re-admitted by recompute, then stepped alone once)."""
+        self.stats.batch_faults += 1
+        log.warning("a step of %d row(s) failed (%s: %s); re-admitting each to find the faulty one",
+                    len(self.running), type(e).__name__, e)
+        try:
+            self._end_session()
+        except Exception:  # noqa: BLE001  the session's state is unknown: its rows are rebuilt below
+            self._session, self._session_gen = None, None
+        for r in list(reversed(self.running)):  # newest first: appendleft keeps the queue's order
+            r.batch_faults += 1
+            if r.batch_faults >= MAX_BATCH_FAULTS:
+                self._fail(r, e, result)
+                continue
+            _rollback(r)
+            self.running.remove(r)
+            self._preempt_out(r)
+            self._suspects.add(r.id)
+
+    def _advance_batch(self) -> None:
         """One step of every running request: in the device loop when the batch allows, else stepwise."""
         if self._session is not None:
             loop = self._session_gen.loop()
@@ -247,24 +385,19 @@ class Scheduler:
             gen.loop().launch(self._session)  # read by the next step
             self.overlapped_steps += 1
             return
-        spec_rows = [r.seq for r in self.running if r.method == "dflash" and not r.seq.done]
-        native_rows = [r.seq for r in self.running if r.method == "native" and not r.seq.done]
-        if spec_rows:
-            self.spec.spec_step(spec_rows)
-        if native_rows:
-            self.native.decode_step(native_rows)
+        self._step_rows(self.running)
 
     def step(self) -> StepResult:
-        if self.waiting or not self.overlap:
+        result = StepResult()
+        if self.waiting or not self.overlap or self._suspects:
             self._end_session()  # admissions (and preemptions) work on the host's view of the batch
         if self._session is None:
-            self.running.extend(self._admit())
+            self.running.extend(self._admit(result))
             if self.policy == "preempt":
                 self._make_room()
-        self._advance()
+        self._advance(result)
         if any(r.seq.done for r in self.running):
             self._end_session()  # a finished row leaves the batch: the others' in-flight step is read
-        result = StepResult()
         still = []
         for r in self.running:
             out = r.seq.output
@@ -272,14 +405,30 @@ class Scheduler:
                 result.new_tokens[r.id] = out[r.emitted:]
                 r.emitted = len(out)
             if r.seq.done:
-                (self.spec if r.method == "dflash" else self.native).finish(r.seq, self.prefix_cache)
-                if self.policy == "reserve":
-                    self._reserved -= r.reserved_blocks
+                self._finish(r)
                 result.finished.append(r)
             else:
                 still.append(r)
         self.running = still
         return result
+
+    def _finish(self, r: Request) -> None:
+        """A request's end: publish its prompt (a failure there is counted, the output stands) and free."""
+        try:
+            (self.spec if r.method == "dflash" else self.native).finish(r.seq, self.prefix_cache)
+        except Exception as e:  # noqa: BLE001  finish frees the blocks whatever publish does
+            self.stats.finish_errors += 1
+            log.warning("finishing request %d: %s: %s (its output is complete)", r.id, type(e).__name__, e)
+        self._release(r)
+
+    def abort_all(self, e: BaseException) -> list[tuple[Request, RequestFailed]]:
+        """Last resort after an error the step could not contain: fail every request, free every block,
+        and leave the scheduler empty and usable."""
+        result = StepResult()
+        self._session, self._session_gen = None, None
+        for r in list(self.running) + list(self.waiting):
+            self._fail(r, e, result)
+        return result.failed
 
     def reset_stats(self) -> None:
         """Zero the counters (after a warm-up, whose requests are not the service's)."""
@@ -292,3 +441,15 @@ class Scheduler:
                 return done
             done.extend(self.step().finished)
         raise RuntimeError(f"scheduler still busy after {max_steps} steps")
+
+
+def _rollback(r: Request) -> None:
+    """Back to the tokens already streamed (whole steps): a failed step may have committed part of its
+    rows' tokens; with them go their steps' acceptance lengths and any finish they set."""
+    s = r.seq
+    if len(s.output) > r.emitted:
+        del s.output[r.emitted:]
+        s.finish_reason = None
+    al = s.stats.acceptance_lengths
+    while al and 1 + sum(al) > len(s.output):
+        al.pop()

@@ -41,9 +41,11 @@ class PrefillWorker:
         seq = gen.new_sequences([prompt], [params])[0]
         gen.reserve([seq])
         before = self.cache.stats.hit_tokens
-        gen.restore_prefixes([seq], self.cache)
-        gen.prefill_request([seq])  # DFlash: the drafter's context too, in the same forwards
-        published = self.cache.publish(gen, seq)
-        gen.runner.allocator.free(seq.table)
+        try:  # whatever fails (restore, prefill, publish), the blocks go back
+            gen.restore_prefixes([seq], self.cache)
+            gen.prefill_request([seq])  # DFlash: the drafter's context too, in the same forwards
+            published = self.cache.publish(gen, seq)
+        finally:
+            gen.runner.allocator.free(seq.table)
         return PrefillResult(seq.output[0], seq.finish_reason, published, self.cache.stats.hit_tokens - before,
                              (time.perf_counter() - t0) * 1e3)

@@ -1,0 +1,290 @@
+"""One request fails alone: a fault while serving one request fails only that request, frees its blocks,
+and leaves every other request's tokens and acceptance lengths those of an undisturbed run.
+
+Faults are injected by the tests into one generator or store object (wrapping its method on the
+instance), never through a hook in the engine: a prefix-cache store that raises for one prompt, a
+batch step that raises whenever one request's row is in it, and a step that raises once for all.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from flashpd.cluster.engine_loop import EngineLoop
+from flashpd.decode_node.scheduler import RequestFailed, Scheduler
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge.keys import chunk_keys
+from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.store import MemoryStore
+from flashpd.prefill_node.worker import PrefillWorker
+
+from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+
+BLOCKS = 512
+
+
+@pytest.fixture(scope="module")
+def pair(dflash_pair):  # noqa: F811
+    target = load_target(dflash_pair.target_dir)
+    return target, load_drafter(dflash_pair.draft_dir, target)
+
+
+def _prompts(n: int, seed: int, lo: int = 20, hi: int = 90) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+
+
+def _runner(target, drafter, blocks: int = BLOCKS) -> ModelRunner:
+    return ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids))
+
+
+def _solo(target, drafter, prompt, params, method):
+    runner = _runner(target, drafter, 256)
+    gen = DFlashGenerator(runner, drafter, ()) if method == "dflash" else NativeGenerator(runner)
+    s = gen.generate([prompt], [params])[0]
+    return s.output, s.stats.acceptance_lengths
+
+
+def _run(sched: Scheduler, reqs, streamed: dict | None = None, steps: int = 10_000) -> tuple[dict, dict]:
+    """Step to idle (or `steps` steps); (streamed tokens by request id, failures by request id)."""
+    streamed = {} if streamed is None else streamed
+    for r in reqs:
+        streamed.setdefault(r.id, [])
+    failed: dict[int, RequestFailed] = {}
+    for _ in range(steps):
+        if sched.idle:
+            return streamed, failed
+        res = sched.step()
+        for rid, toks in res.new_tokens.items():
+            streamed[rid].extend(toks)
+        for r, err in res.failed:
+            failed[r.id] = err
+    if steps == 10_000:
+        raise AssertionError("scheduler did not go idle")
+    return streamed, failed
+
+
+def _check_others_exact(target, drafter, reqs, prompts, params, methods, streamed, bad: set[int]) -> None:
+    for r, p, sp, m in zip(reqs, prompts, params, methods):
+        if r.id in bad:
+            continue
+        out, acc = _solo(target, drafter, p, sp, m)
+        assert r.seq.finish_reason == "length"
+        assert streamed[r.id] == out == r.seq.output, f"request {r.id} ({m}) differs from its solo run"
+        assert r.seq.stats.acceptance_lengths == acc, f"request {r.id}: acceptance lengths differ"
+
+
+def _rows_raise_for(gen, method_name: str, bad_prompt: list[int]) -> None:
+    """Make gen's batch step raise whenever the row of bad_prompt is in it (alone too)."""
+    orig = getattr(gen, method_name)
+
+    def faulty(seqs, *a, **kw):
+        if any(s.prompt == bad_prompt for s in seqs):
+            raise RuntimeError("injected fault in one row")
+        return orig(seqs, *a, **kw)
+
+    setattr(gen, method_name, faulty)
+
+
+@pytest.mark.parametrize("method", ["native", "dflash"])
+def test_a_row_that_faults_in_every_step_fails_alone(pair, method):
+    target, drafter = pair
+    prompts = _prompts(5, 3)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 25, 33, 50, 28)]
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    sched.overlap = False  # the stepwise path: the fault sits in its step function
+    free0 = sched.runner.allocator.num_free
+    reqs = [sched.add(p, sp, method) for p, sp in zip(prompts[:3], params[:3])]
+    early, _ = _run(sched, reqs, steps=2)
+    _rows_raise_for(sched.spec if method == "dflash" else sched.native,
+                    "spec_step" if method == "dflash" else "decode_step", prompts[1])
+    reqs += [sched.add(p, sp, method) for p, sp in zip(prompts[3:], params[3:])]  # join a running batch
+    streamed, failed = _run(sched, reqs, early)
+    assert set(failed) == {reqs[1].id}
+    assert "injected fault" in str(failed[reqs[1].id])
+    assert reqs[1].seq.finish_reason == "error"
+    assert sched.stats.failed_requests == 1 and sched.stats.batch_faults >= 1
+    assert sched.runner.allocator.num_free == free0 and not sched._suspects
+    _check_others_exact(target, drafter, reqs, prompts, params, [method] * 5, streamed, {reqs[1].id})
+
+
+def test_a_transient_batch_fault_fails_nobody_and_changes_nothing(pair):
+    target, drafter = pair
+    prompts = _prompts(4, 5)
+    methods = ["dflash", "native", "dflash", "native"]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (36, 30, 44, 26)]
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    sched.overlap = False
+    free0 = sched.runner.allocator.num_free
+    reqs = [sched.add(p, sp, m) for p, sp, m in zip(prompts, params, methods)]
+    orig, calls = sched.spec.spec_step, []
+
+    def once(seqs, *a, **kw):  # the third DFlash step of the batch raises, once
+        calls.append(len(seqs))
+        if len(calls) == 3:
+            raise RuntimeError("transient")
+        return orig(seqs, *a, **kw)
+
+    sched.spec.spec_step = once
+    streamed, failed = _run(sched, reqs)
+    assert failed == {} and sched.stats.batch_faults == 1
+    assert sched.runner.allocator.num_free == free0
+    _check_others_exact(target, drafter, reqs, prompts, params, methods, streamed, set())
+
+
+class _RaisingStore(MemoryStore):
+    """A real memory store whose reads of one key raise an error the bridge guard does not expect."""
+
+    def __init__(self, bad_key: str) -> None:
+        super().__init__(1 << 26)
+        self.bad_key = bad_key
+
+    def lookup(self, keys: list[str]) -> int:
+        if self.bad_key in keys:
+            raise RuntimeError("injected store fault")
+        return super().lookup(keys)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_admission_fault_fails_that_request_only_while_a_batch_runs(pair, overlap):
+    target, drafter = pair
+    prompts = _prompts(4, 7, lo=40, hi=90)
+    runner = _runner(target, drafter)
+    fp = "f" * 64
+    bad = chunk_keys(prompts[3][:-1], 16, fp)[0]
+    cache = PrefixCache(_RaisingStore(bad), fp, chunk_tokens=16)
+    sched = Scheduler(runner, drafter, prefix_cache=cache, policy="preempt")
+    sched.overlap = overlap
+    free0 = runner.allocator.num_free
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 34, 45, 30)]
+    reqs = [sched.add(p, sp, "dflash") for p, sp in zip(prompts[:3], params[:3])]
+    early, _ = _run(sched, reqs, steps=2)
+    reqs.append(sched.add(prompts[3], params[3], "dflash"))  # arrives while the others run
+    streamed, failed = _run(sched, reqs, early)
+    assert set(failed) == {reqs[3].id} and "injected store fault" in str(failed[reqs[3].id])
+    assert runner.allocator.num_free == free0
+    _check_others_exact(target, drafter, reqs, prompts, params, ["dflash"] * 4, streamed, {reqs[3].id})
+
+
+def test_engine_loop_reports_the_failure_and_keeps_serving(pair):
+    target, drafter = pair
+    prompts = _prompts(3, 9)
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    sched.overlap = False
+    _rows_raise_for(sched.native, "decode_step", prompts[0])
+    free0 = sched.runner.allocator.num_free
+    loop = EngineLoop(sched)
+    try:
+        sp = SamplingParams(max_tokens=30, ignore_eos=True)
+        hs = [loop.submit(p, sp, "native") for p in prompts]
+        ends = {}
+        deadline = time.monotonic() + 120
+        while len(ends) < 3 and time.monotonic() < deadline:
+            for i, h in enumerate(hs):
+                if i not in ends:
+                    ev = h.get(0.05)
+                    if ev is not None and ev.kind in ("done", "error", "cancelled"):
+                        ends[i] = ev
+        assert ends[0].kind == "error" and isinstance(ends[0].error, RequestFailed)
+        assert ends[1].kind == ends[2].kind == "done"
+        assert loop.alive
+        h = loop.submit(prompts[1], sp, "native")  # still serving
+        toks = []
+        while True:
+            ev = h.get(30)
+            assert ev is not None
+            if ev.kind == "tokens":
+                toks += ev.tokens
+            else:
+                break
+        assert ev.kind == "done" and toks == _solo(target, drafter, prompts[1], sp, "native")[0]
+        t0 = time.monotonic()
+        while sched.runner.allocator.num_free != free0 and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        assert sched.runner.allocator.num_free == free0
+    finally:
+        loop.stop()
+
+
+def test_an_uncontained_step_error_fails_the_batch_not_the_loop(pair):
+    """Should a step still raise past the scheduler's own recovery (here: the admission bookkeeping),
+    the loop fails what is in flight, frees every block and keeps serving."""
+    target, drafter = pair
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    sched.overlap = False  # _make_room runs on every stepwise step
+    free0 = sched.runner.allocator.num_free
+    orig, n = sched._make_room, []
+
+    def broken() -> None:
+        n.append(1)
+        if len(n) == 2:
+            raise RuntimeError("scheduler bug")
+        orig()
+
+    sched._make_room = broken
+    loop = EngineLoop(sched)
+    try:
+        sp = SamplingParams(max_tokens=20, ignore_eos=True)
+        h = loop.submit(_prompts(1, 2)[0], sp, "dflash")
+        kinds = []
+        while not kinds or kinds[-1] not in ("done", "error"):
+            ev = h.get(30)
+            assert ev is not None
+            kinds.append(ev.kind)
+        assert kinds[-1] == "error" and loop.alive
+        assert sched.runner.allocator.num_free == free0 and sched.idle
+        h2 = loop.submit(_prompts(1, 4)[0], sp, "native")
+        while (ev := h2.get(30)) is not None and ev.kind == "tokens":
+            pass
+        assert ev is not None and ev.kind == "done"
+    finally:
+        loop.stop()
+
+
+def test_prefill_worker_frees_its_blocks_when_a_prefill_fails(pair):
+    target, drafter = pair
+    runner = _runner(target, drafter)
+    fp = "a" * 64
+    prompt = _prompts(1, 11, lo=60, hi=61)[0]
+    cache = PrefixCache(_RaisingStore(chunk_keys(prompt[:-1], 16, fp)[0]), fp, chunk_tokens=16)
+    worker = PrefillWorker(runner, drafter, cache)
+    free0 = runner.allocator.num_free
+    for _ in range(5):
+        with pytest.raises(RuntimeError, match="injected store fault"):
+            worker.prefill(prompt, SamplingParams(max_tokens=8))
+    assert runner.allocator.num_free == free0
+    ok = worker.prefill(_prompts(1, 12)[0], SamplingParams(max_tokens=8))  # the worker still works
+    assert ok.first_token >= 0 and runner.allocator.num_free == free0
+
+
+def test_a_fault_inside_the_device_loop_session_is_recovered_exactly(pair):
+    """The stable greedy batch steps in the device loop; its read raising once ends the session, and
+    every row continues from the tokens it had streamed, as in an undisturbed run."""
+    target, drafter = pair
+    prompts = _prompts(3, 13)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 35, 45)]
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    free0 = sched.runner.allocator.num_free
+    loop = sched.spec.loop()
+    orig, calls = loop.read, []
+
+    def read_once(sess) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device loop fault")
+        orig(sess)
+
+    loop.read = read_once
+    reqs = [sched.add(p, sp, "dflash") for p, sp in zip(prompts, params)]
+    streamed, failed = _run(sched, reqs)
+    assert len(calls) >= 2 and sched.overlapped_steps > 0, "the batch never stepped in the device loop"
+    assert failed == {} and sched.stats.batch_faults == 1
+    assert sched.runner.allocator.num_free == free0
+    _check_others_exact(target, drafter, reqs, prompts, params, ["dflash"] * 3, streamed, set())

@@ -6,7 +6,7 @@ Per token a chunk carries the target's K/V (36 layers x 2 x 8 kv heads x 128 dim
 and the drafter's (5 layers x 2 x 8 x 128 bf16 = 20,480 B): 167,936 B/token. For each chunk size
 (tokens per chunk), frame size, transport (INLINE frames or same-host SHM handles) and number of
 parallel client streams, the client Puts `--total-mib` of chunks, then Gets them back, through
-the public BridgeClient API (serialize + checksum on one side, reassemble + verify on the other).
+the public BridgeClient API (serialize + MAC on one side, reassemble + verify on the other).
 The server runs in its own process (its own GIL), as a bridge beside an engine would.
 GB/s = serialized chunk bytes moved / wall time of the whole phase (1 GB = 1e9 B).
 """
@@ -26,6 +26,7 @@ import torch
 
 from flashpd.bench.common import write_json
 from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.auth import process_secret
 from flashpd.kv_bridge.client import BridgeClient
 
 TARGET_LAYERS, DRAFT_LAYERS, KV_HEADS, HEAD_DIM = 36, 5, 8, 128
@@ -42,8 +43,9 @@ def make_chunks(tokens: int, count: int) -> list[KVChunk]:
 
 
 def start_server(memory_bytes: int) -> tuple[subprocess.Popen, str]:
+    # the bridge shares this process's cluster secret, so the default clients here may use it
     proc = subprocess.Popen([sys.executable, "-m", "flashpd.kv_bridge.server", "--memory-bytes", str(memory_bytes)],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, **process_secret().child_env()))
     line = proc.stdout.readline().strip()  # "PORT n", printed once the server listens
     if not line.startswith("PORT "):
         proc.kill()
@@ -80,7 +82,7 @@ def parallel(fn, shares: list, timeout_s: float) -> float:
 
 def run_config(address: str, tokens: int, frame_bytes: int, transport: str, streams: int, total_bytes: int,
                timeout_s: float) -> dict:
-    chunk_bytes = len(make_chunks(tokens, 1)[0].to_bytes())
+    chunk_bytes = len(make_chunks(tokens, 1)[0].to_bytes(process_secret().mac_key))
     count = max(streams, round(total_bytes / chunk_bytes))
     chunks = make_chunks(tokens, count)
     shares = [chunks[i::streams] for i in range(streams)]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
-from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
+from flashpd.kv_bridge.layout import ChunkLayout
 
 
 class MeteredStore:
@@ -38,20 +39,23 @@ class MeteredStore:
         self._add("export", [chunk], t0)
         return ok
 
-    def get(self, key: str) -> KVChunk | None:
+    def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
         t0 = time.perf_counter()
-        c = self.store.get(key)
+        c = self.store.get(key, layout)
         self._add("import", [c] if c is not None else [], t0)
         return c
 
-    def get_many(self, keys: list[str]) -> list[KVChunk]:
+    def get_many(self, keys: list[str], layout: ChunkLayout | None = None) -> list[KVChunk]:
         t0 = time.perf_counter()
         if hasattr(self.store, "get_many"):
-            got = self.store.get_many(keys)
-        else:  # the leading present chunks, as get_many gives them
+            got = self.store.get_many(keys, layout)
+        else:  # the leading present chunks that fit, as get_many gives them
             got = []
             for k in keys:
-                c = self.store.get(k)
+                try:
+                    c = self.store.get(k, layout)
+                except LayoutMismatch:
+                    break
                 if c is None:
                     break
                 got.append(c)

@@ -45,6 +45,12 @@ class ServeConfig:
     bridge_transport: str = "inline"  # "shm": same-host shared memory for imports
     bridge_timeout_s: float = 10.0
     bridge_address: str | None = None  # set by the launcher for the workers it starts
+    # TLS of the KV bridge (PEM file paths, readable wherever a worker runs; None = plaintext). The bridge
+    # serves tls_cert/tls_key (its certificate must name the address workers dial, e.g. an IP SAN); its
+    # clients verify it against tls_ca (None: the system's roots). Wanted whenever allow_remote is on.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
     # supervision and bounds
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
@@ -75,6 +81,10 @@ class ServeConfig:
             if getattr(self, name) < (0 if name == "prefill_workers" else 1):
                 raise ValueError(f"{name}: must be >= {0 if name == 'prefill_workers' else 1}, "
                                  f"got {getattr(self, name)}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: give both (the bridge's certificate and its key) or neither")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_ca: only with tls_cert and tls_key (clients verify a bridge that serves TLS)")
         if self.device_cache_bytes < 0:
             raise ValueError(f"device_cache_bytes: must be >= 0, got {self.device_cache_bytes}")
         for name in ("chunk_tokens", "max_running", "max_concurrent", "health_failures"):

@@ -22,7 +22,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable
 
-from flashpd.decode_node.scheduler import Request, RequestFailed, Scheduler
+from flashpd.decode_node.scheduler import REQUEST_FAILED, Request, RequestFailed, Scheduler
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,9 @@ class EngineLoop:
     def counts(self) -> dict:
         """Rough, lock-free snapshot (for health): running, waiting, free and total KV blocks, block size."""
         s = self.scheduler
-        return dict(running=len(s.running), waiting=len(s.waiting), kv_blocks_free=s.runner.allocator.num_free,
+        # submitted but not yet taken by the loop count as waiting, so an idle reading means idle
+        return dict(running=len(s.running), waiting=len(s.waiting) + len(self._inbox),
+                    kv_blocks_free=s.runner.allocator.num_free,
                     kv_blocks_total=s.capacity, kv_block_size=s.runner.block_size)
 
     # ---- from other threads --------------------------------------------------------------------
@@ -178,7 +180,7 @@ class EngineLoop:
             if h is not None:
                 h.events.put(Event("error", error=err))
         for h in self._live.values():  # registered but not in the scheduler any more: cannot happen; be safe
-            h.events.put(Event("error", error=RequestFailed(f"request failed: {type(e).__name__}: {e}")))
+            h.events.put(Event("error", error=RequestFailed(f"{REQUEST_FAILED}: {type(e).__name__}: {e}")))
         self._live.clear()
 
     def _take(self, inbox: list[tuple[Handle, Future]]) -> None:

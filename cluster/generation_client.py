@@ -157,4 +157,5 @@ class GenerationClient:
         self._check_version("Health", r.version)
         return {"serving": r.serving, "has_drafter": r.has_drafter, "has_tokenizer": r.has_tokenizer,
                 "running": r.running, "waiting": r.waiting, "kv_blocks_free": r.kv_blocks_free,
-                "vocab_size": r.vocab_size}
+                "kv_blocks_total": r.kv_blocks_total, "kv_block_size": r.kv_block_size, "vocab_size": r.vocab_size,
+                "max_positions": r.max_positions, "default_block_size": r.default_block_size or None}

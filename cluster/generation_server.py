@@ -4,27 +4,37 @@ A backend is what serves the requests: an `EngineLoop` (one process, colocated) 
 (prefill and decode workers behind it); the request checks, status codes, streaming and
 cancellation here are the same for both. Bad requests get INVALID_ARGUMENT with the field named;
 a prompt that cannot fit gets RESOURCE_EXHAUSTED; method "dflash" on a server without a drafter
-gets FAILED_PRECONDITION; a worker that is gone gives UNAVAILABLE. When the client goes away or
-its deadline passes, gRPC ends the RPC and its termination callback cancels the request in the
-backend (its KV blocks are freed). Loopback only unless allow_remote (no authentication).
+gets FAILED_PRECONDITION; a worker that is gone gives UNAVAILABLE. Bytes that are not a request
+message get INVALID_ARGUMENT too (services are registered through kv_bridge/rpc_guard.add_guarded),
+and an error message quotes at most 64 characters of a client's value (a long echo would overflow
+the trailing metadata and turn the status into RESOURCE_EXHAUSTED). When the client goes away or its
+deadline passes, the request is cancelled in the backend (its KV blocks are freed): by the RPC's
+termination callback, or at once when the RPC had already ended before the request was submitted,
+or when the streaming stops early for any other reason. Loopback only unless allow_remote (no
+authentication).
 """
 from __future__ import annotations
 
 import math
 from concurrent import futures
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Mapping, Protocol
 
 import grpc
 
 from flashpd.cluster.engine_loop import EngineStopped, Event
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
-from flashpd.decode_node.scheduler import PromptTooLong
+from flashpd.decode_node.scheduler import PromptTooLong, RequestFailed
 from flashpd.engine.sampling import SamplingParams
+from flashpd.kv_bridge.rpc_guard import add_guarded, echo
 from flashpd.kv_bridge.server import is_loopback
 
 PROTOCOL_VERSION = 1
 POLL_S = 0.1  # how often a waiting RPC re-checks that its client and the loop are still there
+# A prompt_text longer than max_positions * this many characters cannot fit (no tokenizer's tokens
+# average that much); it is refused before tokenizing (4 MiB of text took 5 s of a core).
+MAX_CHARS_PER_TOKEN = 64
+MAX_DETAILS = 1024  # characters of an internal error's message a status carries
 
 
 class Stream(Protocol):
@@ -51,14 +61,22 @@ class Backend(Protocol):
 
 
 def abort_for(context: grpc.ServicerContext, e: BaseException) -> None:
-    """End the RPC with the status code the contract gives this failure."""
+    """End the RPC with the status code the contract gives this failure (the message capped: it
+    travels in trailing metadata)."""
+    if isinstance(e, RequestFailed):  # this request alone failed while being served; the server goes on
+        context.abort(grpc.StatusCode.INTERNAL, _cap(str(e)))
     if isinstance(e, PromptTooLong):
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt: {e}")
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _cap(f"prompt: {e}"))
     if isinstance(e, TimeoutError):
-        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _cap(str(e)))
     if isinstance(e, ValueError):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    context.abort(grpc.StatusCode.UNAVAILABLE, str(e) if isinstance(e, EngineStopped) else f"{type(e).__name__}: {e}")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, _cap(str(e)))
+    context.abort(grpc.StatusCode.UNAVAILABLE,
+                  _cap(str(e) if isinstance(e, EngineStopped) else f"{type(e).__name__}: {e}"))
+
+
+def _cap(details: str) -> str:
+    return details if len(details) <= MAX_DETAILS else details[:MAX_DETAILS] + "..."
 
 
 def stats_message(d: dict | None) -> pb.Stats:
@@ -95,22 +113,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ---- request checks --------------------------------------------------------------------------
     def _parse(self, r: pb.GenerateRequest, context: grpc.ServicerContext):
+        """The request's prompt, SamplingParams, method and block size; every other request ends here
+        with INVALID_ARGUMENT (or RESOURCE_EXHAUSTED: cannot fit) naming the field."""
         bad = lambda msg: context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)  # noqa: E731
+        too_big = lambda msg: context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)  # noqa: E731
         if r.version != PROTOCOL_VERSION:
             bad(f"version: {r.version} is not supported (this server speaks {PROTOCOL_VERSION})")
+        limit = self.loop.max_positions
         which = r.WhichOneof("prompt")
         if which == "prompt_text":
-            if not r.prompt_text:
-                bad("prompt_text: the prompt is empty")
-            if self.tokenizer is None:
-                bad("prompt_text: this server has no tokenizer; send prompt_ids")
-            prompt = self.tokenizer.encode(r.prompt_text)
-            if not prompt:
-                bad("prompt_text: the prompt encodes to no tokens")
+            prompt = self._encode(r.prompt_text, limit, bad, too_big)
         elif which == "prompt_ids":
             prompt = list(r.prompt_ids.ids)
             if not prompt:
                 bad("prompt_ids: the prompt is empty")
+            if len(prompt) >= limit:
+                too_big(f"prompt_ids: {len(prompt)} tokens leave no room for output in the model's {limit} positions")
             vocab = self.loop.vocab_size
             for i, t in enumerate(prompt):
                 if t >= vocab:
@@ -121,7 +139,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             bad(f"max_tokens: must be positive, got {r.max_tokens}")
         method = r.method or ("dflash" if self.loop.has_drafter else "native")
         if method not in ("native", "dflash"):
-            bad(f"method: must be 'native' or 'dflash', got {r.method!r}")
+            bad(f"method: must be 'native' or 'dflash', got {echo(r.method)}")
         if method == "dflash" and not self.loop.has_drafter:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "method: 'dflash' needs a server with a drafter")
         block_size = None
@@ -130,21 +148,36 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 bad(f"block_size: must be in [2, 16] for dflash (0 = the drafter's default), got {r.block_size}")
             block_size = int(r.block_size)
         if not (r.temperature >= 0 and math.isfinite(r.temperature)):
-            bad(f"temperature: must be a finite number >= 0, got {r.temperature}")
+            bad(f"temperature: must be a finite number >= 0 (below 1e-5: greedy), got {r.temperature}")
         top_p = r.top_p if r.top_p != 0 else 1.0
-        if not 0 < top_p <= 1:
+        if not 0 < top_p <= 1:  # NaN fails too
             bad(f"top_p: must be in (0, 1] (0 = 1.0), got {r.top_p}")
         if r.top_k < 0:
             bad(f"top_k: must be >= 0, got {r.top_k}")
-        limit = self.loop.max_positions
         if len(prompt) + r.max_tokens > limit:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"prompt: {len(prompt)} tokens + max_tokens {r.max_tokens} exceed the model's "
-                          f"{limit} positions")
+            too_big(f"max_tokens: {r.max_tokens} with the prompt's {len(prompt)} tokens exceeds the model's "
+                    f"{limit} positions")
         params = SamplingParams(max_tokens=int(r.max_tokens), temperature=float(r.temperature), top_p=float(top_p),
                                 top_k=int(r.top_k), seed=int(r.seed) if r.HasField("seed") else None,
                                 ignore_eos=bool(r.ignore_eos))
         return prompt, params, method, block_size
+
+    def _encode(self, text: str, limit: int, bad: Callable[[str], None], too_big: Callable[[str], None]) -> list[int]:
+        if not text:
+            bad("prompt_text: the prompt is empty")
+        if self.tokenizer is None:
+            bad("prompt_text: this server has no tokenizer; send prompt_ids")
+        if len(text) > limit * MAX_CHARS_PER_TOKEN:
+            too_big(f"prompt_text: {len(text)} characters cannot fit the model's {limit} positions")
+        try:
+            prompt = self.tokenizer.encode(text)
+        except Exception as e:  # noqa: BLE001  whatever the tokenizer refuses is the client's text
+            bad(f"prompt_text: the tokenizer refused it ({echo(str(e))})")
+        if not prompt:
+            bad("prompt_text: the prompt encodes to no tokens")
+        if len(prompt) >= limit:
+            too_big(f"prompt_text: {len(prompt)} tokens leave no room for output in the model's {limit} positions")
+        return prompt
 
     def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
                first_token: int | None = None) -> Stream:
@@ -152,15 +185,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if first_token is not None and not 0 <= first_token < self.loop.vocab_size:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"first_token: {first_token} is out of the vocabulary (size {self.loop.vocab_size})")
+        if not context.is_active():  # the client went away already: submit nothing
+            context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
         timeout = context.time_remaining()
         try:
             h = self.loop.submit(prompt, params, method, block_size,
                                  timeout_s=min(timeout, 60.0) if timeout is not None else 60.0,
                                  first_token=first_token)
-        except (PromptTooLong, EngineStopped, TimeoutError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001  each failure gets its status code; none escapes as UNKNOWN
             abort_for(context, e)
-        # from here on, however the RPC ends (done, client cancel, deadline), the request is dropped
-        context.add_callback(lambda: self.loop.cancel(h))
+        # from here on, however the RPC ends (done, client cancel, deadline), the request is dropped. An
+        # RPC that ended while the submit waited runs no callbacks (add_callback returns False): drop it now.
+        if not context.add_callback(lambda: self.loop.cancel(h)):
+            self.loop.cancel(h)
+            context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
         return h
 
     def _events(self, h: Stream, context: grpc.ServicerContext):
@@ -189,24 +227,36 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _stream(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
                 first_token: int | None = None) -> Iterator[pb.GenerateChunk]:
         h = self._start(request, context, first_token)
-        detok = _Detok(self.tokenizer)
-        for ev in self._events(h, context):
-            if ev.kind == "tokens":
-                yield pb.GenerateChunk(version=PROTOCOL_VERSION, token_ids=ev.tokens, text=detok.push(ev.tokens))
-            else:
-                yield pb.GenerateChunk(version=PROTOCOL_VERSION, text=detok.push([], final=True), finished=True,
-                                       finish_reason=ev.finish_reason or "", stats=stats_message(ev.stats))
+        done = False
+        try:
+            detok = _Detok(self.tokenizer)
+            for ev in self._events(h, context):
+                if ev.kind == "tokens":
+                    yield pb.GenerateChunk(version=PROTOCOL_VERSION, token_ids=ev.tokens, text=detok.push(ev.tokens))
+                else:
+                    done = True
+                    yield pb.GenerateChunk(version=PROTOCOL_VERSION, text=detok.push([], final=True), finished=True,
+                                           finish_reason=ev.finish_reason or "", stats=stats_message(ev.stats))
+        finally:
+            if not done:  # the client left, an abort, the generator closed: the backend drops the request now
+                self.loop.cancel(h)
 
     def GenerateOnce(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateReply:
         h = self._start(request, context)
-        toks: list[int] = []
-        for ev in self._events(h, context):
-            if ev.kind == "tokens":
-                toks.extend(ev.tokens)
-            else:
-                text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
-                return pb.GenerateReply(version=PROTOCOL_VERSION, token_ids=toks, text=text,
-                                        finish_reason=ev.finish_reason or "", stats=stats_message(ev.stats))
+        done = False
+        try:
+            toks: list[int] = []
+            for ev in self._events(h, context):
+                if ev.kind == "tokens":
+                    toks.extend(ev.tokens)
+                else:
+                    done = True
+                    text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
+                    return pb.GenerateReply(version=PROTOCOL_VERSION, token_ids=toks, text=text,
+                                            finish_reason=ev.finish_reason or "", stats=stats_message(ev.stats))
+        finally:
+            if not done:
+                self.loop.cancel(h)
         context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
@@ -225,14 +275,18 @@ def health_reply(backend: Backend, has_tokenizer: bool) -> pb.HealthReply:
                           max_positions=backend.max_positions, default_block_size=backend.default_block_size or 0)
 
 
-def new_server(host: str, port: int, allow_remote: bool, max_workers: int, add) -> tuple[grpc.Server, int]:
-    """A started gRPC server on host:port (0 picks a free port) with services added by add(server).
+def new_server(host: str, port: int, allow_remote: bool, max_workers: int, services: Mapping[str, object],
+               authorize: Callable[[grpc.ServicerContext], bool] | None = None) -> tuple[grpc.Server, int]:
+    """A started gRPC server on host:port (0 picks a free port) serving `services`: service name in
+    proto/generation.proto ("Generation", "PrefillWorker", "DecodeWorker") -> its servicer, each
+    registered through add_guarded (undecodable requests get INVALID_ARGUMENT; `authorize` as there).
     Each in-flight RPC holds one worker thread, so max_workers bounds the concurrent requests."""
     if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation"),
                          maximum_concurrent_rpcs=max_workers)
-    add(server)
+    for name, servicer in services.items():
+        add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name[name], authorize)
     bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
@@ -243,5 +297,4 @@ def new_server(host: str, port: int, allow_remote: bool, max_workers: int, add) 
 def serve_generation(loop: Backend, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
                      allow_remote: bool = False, max_workers: int = 64) -> tuple[grpc.Server, int]:
     """Start the service on host:port (0 picks a free port); returns the started server and its port."""
-    return new_server(host, port, allow_remote, max_workers,
-                      lambda srv: pb_grpc.add_GenerationServicer_to_server(GenerationServicer(loop, tokenizer), srv))
+    return new_server(host, port, allow_remote, max_workers, {"Generation": GenerationServicer(loop, tokenizer)})

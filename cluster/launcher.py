@@ -33,6 +33,7 @@ class WorkerStartError(RuntimeError):
 
 class Launcher(Protocol):
     name: str
+    secret: Any  # kv_bridge.auth.ClusterSecret: handed to every worker it starts, never on a command line
 
     def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[Launched]: ...
 

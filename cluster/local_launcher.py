@@ -2,7 +2,9 @@
 
 Each child gets its role and the config as JSON, prints `listening on ADDR` when it serves, logs
 to its own file (whose tail is in the error when it fails to start), is placed on a GPU by
-CUDA_VISIBLE_DEVICES (placement.local_gpu) and exits by itself when this process is gone.
+CUDA_VISIBLE_DEVICES (placement.local_gpu) and exits by itself when this process is gone. Each
+child gets the launcher's cluster secret in FLASHPD_CLUSTER_SECRET (its environment, never its
+command line, which any user of the machine can read).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from flashpd.cluster.launcher import Launched, WorkerSpec, WorkerStartError
 from flashpd.cluster.placement import local_gpu
+from flashpd.kv_bridge.auth import ClusterSecret
 
 
 def _cuda_count() -> int:
@@ -53,7 +56,8 @@ class _Child:
 class LocalLauncher:
     name = "local"
 
-    def __init__(self, log_dir: str | Path | None = None) -> None:
+    def __init__(self, log_dir: str | Path | None = None, secret: ClusterSecret | None = None) -> None:
+        self.secret = secret if secret is not None else ClusterSecret.generate()  # the workers' and the router's
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="flashpd-workers-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.gpus = _cuda_count()
@@ -61,7 +65,7 @@ class LocalLauncher:
         self._seq = 0
 
     def _spawn(self, spec: WorkerSpec) -> _Child:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.secret.child_env())
         gpu = local_gpu(spec.role, spec.index, spec.cfg, self.gpus)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)

@@ -2,7 +2,8 @@
 
 It builds the same worker as the local launcher's child process (worker_main.build_worker),
 advertising its node's address when the service is exposed beyond loopback. The router talks to
-the worker over gRPC; Ray places it (placement.py), and tells the router when it is dead.
+the worker over gRPC; Ray places it (placement.py), and tells the router when it is dead. The
+cluster secret comes as an argument (hex) and goes straight to the worker, never to the log.
 """
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ import os
 
 from flashpd.cluster.config import ServeConfig
 from flashpd.cluster.worker_main import build_worker
+from flashpd.kv_bridge.auth import ClusterSecret
 
 
 class WorkerActor:
-    def __init__(self, role: str, cfg: dict, port: int = 0) -> None:
+    def __init__(self, role: str, cfg: dict, port: int = 0, secret_hex: str | None = None) -> None:
         import logging  # noqa: PLC0415
 
         import ray  # noqa: PLC0415
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
         os.environ.setdefault("FLASHPD_ADVERTISE_HOST", ray.util.get_node_ip_address())
-        self.worker = build_worker(role, ServeConfig.from_dict(cfg, f"{role} actor config"), port)
+        secret = ClusterSecret.from_hex(secret_hex, "actor secret") if secret_hex else None
+        self.worker = build_worker(role, ServeConfig.from_dict(cfg, f"{role} actor config"), port, secret)
         # where Ray put this worker, in the service's log (a sweep keeps that log beside its JSON)
         logging.getLogger("flashpd.ray_actor").info(
             "%s worker placed on node %s, Ray GPU ids %s, CUDA_VISIBLE_DEVICES=%s", role,

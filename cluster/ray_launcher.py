@@ -1,6 +1,7 @@
 """Workers as Ray actors: placed by placement.ray_options, probed with ray.get(ping, timeout), killed
 with ray.kill. The router restarts a dead one itself (a new actor; Ray's own restarts are off), so
-it learns the new worker's address."""
+it learns the new worker's address. Each actor gets the launcher's cluster secret as a constructor
+argument (not a runtime_env variable, which Ray's dashboard and state API show)."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from flashpd.cluster.launcher import Launched, WorkerSpec, WorkerStartError
 from flashpd.cluster.placement import ray_options
 from flashpd.cluster.ray_actors import WorkerActor
+from flashpd.kv_bridge.auth import ClusterSecret
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +20,8 @@ log = logging.getLogger(__name__)
 class RayLauncher:
     name = "ray"
 
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None, secret: ClusterSecret | None = None) -> None:
+        self.secret = secret if secret is not None else ClusterSecret.generate()  # the workers' and the router's
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=address)  # inside a Ray job this joins the job's cluster
@@ -31,7 +34,8 @@ class RayLauncher:
         for s in specs:
             opts = ray_options(s.role, s.cfg, resources)
             log.info("starting %s worker %d as a Ray actor with %s", s.role, s.index, opts)
-            actors.append(self.actor_cls.options(**opts).remote(s.role, s.cfg.to_dict(), s.port))
+            actors.append(self.actor_cls.options(**opts).remote(s.role, s.cfg.to_dict(), s.port,
+                                                                self.secret.export_hex()))
         self._actors.extend(actors)
         try:
             infos = ray.get([a.info.remote() for a in actors], timeout=timeout_s)

@@ -27,7 +27,7 @@ from flashpd.cluster.generation_server import PROTOCOL_VERSION
 from flashpd.cluster.metrics import Metrics
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.worker_pool import Slot, WorkerPool
-from flashpd.decode_node.scheduler import PromptTooLong, blocks_needed
+from flashpd.decode_node.scheduler import REQUEST_FAILED, PromptTooLong, RequestFailed, blocks_needed
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,11 @@ class RouterHandle:
         if left <= 0:
             raise TimeoutError("the request's internal deadline (request_timeout_s) passed")
         return left
+
+    def check(self) -> None:
+        """Raise _Cancelled once the client cancelled: no internal call starts for such a request."""
+        if self.cancelled:
+            raise _Cancelled
 
     def track(self, call) -> None:
         """Remember a call so a cancel reaches it (cancelled at once if the request already was)."""
@@ -204,6 +209,7 @@ class Router:
     def _prefill(self, h: RouterHandle, req: pb.GenerateRequest) -> pb.PrefillReply | None:
         if not self.pool.slots["prefill"]:
             return None  # no prefill workers configured: the decode worker prefills (not a fallback)
+        h.check()
         s = self.pool.pick("prefill")
         if s is None:
             self._fallback("no_prefill_worker", "every prefill worker is down")
@@ -220,7 +226,7 @@ class Router:
             code = e.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from None
-            if code in WORKER_GONE:
+            if code in WORKER_GONE and not _request_failed(code, e.details()):
                 self.pool.mark_down(s, f"Prefill failed: {code.name}")
             self._fallback(code.name.lower(), e.details() or "")
             return None
@@ -237,6 +243,8 @@ class Router:
                 if h.cancelled:
                     raise _Cancelled from None
                 code, details = e.code(), e.details() or ""
+                if _request_failed(code, details):  # this request failed on a healthy worker: it alone ends
+                    raise RequestFailed(details) from None
                 if code not in WORKER_GONE:
                     raise _error_for(code, details) from None
                 self.pool.mark_down(d, f"Decode failed: {code.name} {details}")
@@ -255,6 +263,7 @@ class Router:
     def _stream(self, h: RouterHandle, req: pb.GenerateRequest, d: Slot, first: pb.PrefillReply | None,
                 emitted: list[int]) -> tuple[str, dict]:
         try:
+            h.check()  # a decode worker would only take (and then drop) a cancelled request
             dreq = pb.DecodeRequest(version=PROTOCOL_VERSION, request=req)
             if first is not None:
                 dreq.first_token = first.first_token
@@ -278,6 +287,11 @@ class Router:
             raise EngineStopped(f"decode worker {d.index} ended the stream without its final chunk")
         finally:
             self.pool.release(d)
+
+
+def _request_failed(code: grpc.StatusCode, details: str | None) -> bool:
+    """A worker's INTERNAL for one request that failed alone (RequestFailed), not a worker gone."""
+    return code == grpc.StatusCode.INTERNAL and (details or "").startswith(REQUEST_FAILED)
 
 
 def _error_for(code: grpc.StatusCode, details: str) -> Exception:

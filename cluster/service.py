@@ -4,7 +4,9 @@
 - local: the router in this process; bridge, prefill and decode workers as local processes.
 - ray: the router in this process; the workers as Ray actors (joins the Ray job's cluster, or
   `ray_address`, or starts a local one). Nothing imports ray unless this mode is asked for.
-The generation API (proto/generation.proto) is the same in all three.
+The generation API (proto/generation.proto) is the same in all three. A disaggregated start makes
+a fresh cluster secret (kv_bridge/auth.py) that its launcher hands to every worker: the bridge
+accepts calls and chunks only from this start's processes.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from flashpd.cluster.config import ServeConfig
 from flashpd.cluster.generation_server import serve_generation
 from flashpd.cluster.launcher import Launcher
 from flashpd.cluster.metrics import Metrics
+from flashpd.kv_bridge.auth import ClusterSecret
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +52,21 @@ class Service:
         self.closers.clear()
 
 
-def make_launcher(cfg: ServeConfig) -> Launcher:
+def make_launcher(cfg: ServeConfig, secret: ClusterSecret) -> Launcher:
     if cfg.mode == "local":
         from flashpd.cluster.local_launcher import LocalLauncher  # noqa: PLC0415
-        return LocalLauncher()
+        return LocalLauncher(secret=secret)
     from flashpd.cluster.ray_launcher import RayLauncher  # noqa: PLC0415  (imports ray)
-    return RayLauncher(cfg.ray_address)
+    return RayLauncher(cfg.ray_address, secret)
 
 
 def start_service(cfg: ServeConfig, launcher: Launcher | None = None) -> Service:
+    """launcher: one made for this start (default: by mode, with a fresh cluster secret); a launcher
+    passed in made its own fresh secret when it was built."""
     if cfg.mode == "colocated":
         svc = _colocated(cfg)
     else:
-        svc = _disaggregated(cfg, launcher or make_launcher(cfg))
+        svc = _disaggregated(cfg, launcher or make_launcher(cfg, ClusterSecret.generate()))
     if cfg.metrics_port is not None:
         port = svc.metrics.serve(cfg.metrics_port, "0.0.0.0" if cfg.allow_remote else cfg.host)
         svc.metrics_address = f"{cfg.host}:{port}"
@@ -100,7 +105,8 @@ def _disaggregated(cfg: ServeConfig, launcher: Launcher) -> Service:
     from flashpd.cluster.worker_pool import WorkerPool  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
 
-    pool = WorkerPool(cfg, launcher)
+    # the secret its workers got from the launcher (a Launcher without one: this process's own)
+    pool = WorkerPool(cfg, launcher, launcher.secret)
     try:
         pool.start()
         router = Router(cfg, pool)

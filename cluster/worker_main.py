@@ -1,9 +1,11 @@
 """Build and run one worker of the service: the KV bridge, a prefill worker or a decode worker.
 
-`build_worker(role, cfg)` is what a Ray actor calls in its process and what
+`build_worker(role, cfg, port, secret)` is what a Ray actor calls in its process and what
 `python -m flashpd.cluster.worker_main` (the local launcher's child) calls; the worker is the
-same either way. It prints `metrics on ADDR` (when enabled) and then `listening on ADDR` once it
-serves, and stops on SIGTERM/SIGINT or when the process that launched it is gone.
+same either way. Its cluster secret (the bridge's token and chunk MAC key) comes from the launcher:
+a Ray actor's argument, or the child's FLASHPD_CLUSTER_SECRET. It prints `metrics on ADDR` (when
+enabled) and then `listening on ADDR` once it serves, and stops on SIGTERM/SIGINT or when the
+process that launched it is gone.
 """
 from __future__ import annotations
 
@@ -58,17 +60,43 @@ def _serve_metrics(w: RunningWorker, metrics, cfg, bind: str, adv: str) -> None:
         w.closers.append(metrics.close)
 
 
-def _bridge(cfg, port: int) -> RunningWorker:
+def bridge_tls(cfg):
+    """The bridge's TLS material from the config (None: plaintext), for the bridge and its clients."""
+    from flashpd.kv_bridge.tls import BridgeTls  # noqa: PLC0415
+
+    return BridgeTls.from_paths(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+
+
+def max_chunk_bytes(cfg) -> int:
+    """The largest chunk this service's model pair makes (its tensors at cfg.chunk_tokens, a header,
+    the MAC): what the bridge accepts at most, read from the checkpoints' config.json without loading
+    weights. An unset dtype counts as float32, the widest a worker may run."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from flashpd.engine.config import load_config  # noqa: PLC0415
+    from flashpd.engine.drafter import DFlashConfig  # noqa: PLC0415
+    from flashpd.kv_bridge.chunk import max_chunk_bytes as chunk_limit  # noqa: PLC0415
+    from flashpd.kv_bridge.layout import ChunkLayout  # noqa: PLC0415
+
+    t = load_config(cfg.target)
+    d = DFlashConfig.from_dict(json.loads((Path(cfg.draft) / "config.json").read_text())) if cfg.draft else None
+    return chunk_limit(ChunkLayout(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, cfg.chunk_tokens,
+                                   cfg.dtype or "float32", d.num_hidden_layers if d else None, None,
+                                   d.num_key_value_heads if d else None, d.head_dim if d else None))
+
+
+def _bridge(cfg, port: int, secret) -> RunningWorker:
     from flashpd.cluster.metrics import Metrics  # noqa: PLC0415
     from flashpd.kv_bridge.server import serve  # noqa: PLC0415
     from flashpd.kv_bridge.store import MemoryStore  # noqa: PLC0415
 
-    store = MemoryStore(cfg.bridge_memory_bytes)
+    store = MemoryStore(cfg.bridge_memory_bytes, secret)
     if cfg.bridge_disk_dir:
         from flashpd.kv_bridge.disk import DiskStore, TieredStore  # noqa: PLC0415
-        store = TieredStore(store, DiskStore(cfg.bridge_disk_dir, cfg.bridge_disk_bytes))
+        store = TieredStore(store, DiskStore(cfg.bridge_disk_dir, cfg.bridge_disk_bytes, secret))
     bind, adv = _hosts(cfg)
-    server, bound = serve(store, bind, port, max_workers=32, allow_remote=cfg.allow_remote)
+    server, bound = serve(store, bind, port, max_workers=32, max_chunk_bytes=max_chunk_bytes(cfg),
+                          allow_remote=cfg.allow_remote, secret=secret, tls=bridge_tls(cfg))
     w = RunningWorker("bridge", f"{adv}:{bound}", closers=[lambda: server.stop(grace=1.0).wait(5)])
     m = Metrics("bridge")
 
@@ -125,13 +153,14 @@ def device_tier(cfg, llm, backing, metrics):
     return store
 
 
-def _bridge_cache(cfg, llm, w: RunningWorker, metrics):
+def _bridge_cache(cfg, llm, w: RunningWorker, metrics, secret):
     """A PrefixCache on the bridge, metered; its bytes / seconds / GB/s become live metrics."""
     from flashpd.cluster.bridge_meter import MeteredStore  # noqa: PLC0415
     from flashpd.kv_bridge.client import BridgeClient, RemoteStore  # noqa: PLC0415
     from flashpd.kv_bridge.prefix_cache import PrefixCache  # noqa: PLC0415
 
-    client = BridgeClient(cfg.bridge_address, timeout_s=cfg.bridge_timeout_s)
+    client = BridgeClient(cfg.bridge_address, timeout_s=cfg.bridge_timeout_s, secret=secret, tls=bridge_tls(cfg),
+                          max_chunk_bytes=max_chunk_bytes(cfg))
     w.closers.append(client.close)
     meter = MeteredStore(RemoteStore(client, cfg.bridge_transport))
     cache = PrefixCache(device_tier(cfg, llm, meter, metrics), fingerprint(cfg, llm), cfg.chunk_tokens)
@@ -148,10 +177,9 @@ def _bridge_cache(cfg, llm, w: RunningWorker, metrics):
     return cache
 
 
-def _prefill(cfg, port: int) -> RunningWorker:
+def _prefill(cfg, port: int, secret) -> RunningWorker:
     from flashpd.cluster.generation_server import new_server  # noqa: PLC0415
     from flashpd.cluster.metrics import Metrics  # noqa: PLC0415
-    from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc  # noqa: PLC0415
     from flashpd.cluster.worker_services import PrefillHost, PrefillWorkerServicer  # noqa: PLC0415
     from flashpd.prefill_node.worker import PrefillWorker  # noqa: PLC0415
 
@@ -161,7 +189,7 @@ def _prefill(cfg, port: int) -> RunningWorker:
     bind, adv = _hosts(cfg)
     metrics = Metrics("prefill")
     w = RunningWorker("prefill", "")
-    cache = _bridge_cache(cfg, llm, w, metrics)
+    cache = _bridge_cache(cfg, llm, w, metrics, secret)
     worker = PrefillWorker(llm.runner, llm.drafter, cache, tuple(llm.stop_ids))
     if wants_warmup(cfg, llm.runner):  # before serving: nothing else runs on this runner yet
         from flashpd.engine.warmup import lengths_for, warm_prefill  # noqa: PLC0415
@@ -172,8 +200,7 @@ def _prefill(cfg, port: int) -> RunningWorker:
                        cfg.fault_prefill_delay_s)
     metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): host.waiting})
     servicer = PrefillWorkerServicer(host, metrics)
-    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent,
-                               lambda s: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, s))
+    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent, {"PrefillWorker": servicer})
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
     _serve_metrics(w, metrics, cfg, bind, adv)
@@ -212,26 +239,21 @@ def build_decode(cfg, llm, cache, metrics):
     return worker
 
 
-def _decode(cfg, port: int) -> RunningWorker:
+def _decode(cfg, port: int, secret) -> RunningWorker:
     from flashpd.cluster.generation_server import new_server  # noqa: PLC0415
     from flashpd.cluster.metrics import Metrics  # noqa: PLC0415
-    from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc  # noqa: PLC0415
     from flashpd.cluster.worker_services import DecodeWorkerServicer  # noqa: PLC0415
 
     llm = load_model(cfg)
     bind, adv = _hosts(cfg)
     metrics = Metrics("decode")
     w = RunningWorker("decode", "")
-    cache = _bridge_cache(cfg, llm, w, metrics) if cfg.bridge_address else None
+    cache = _bridge_cache(cfg, llm, w, metrics, secret) if cfg.bridge_address else None
     worker = build_decode(cfg, llm, cache, metrics)
     w.closers.append(lambda: worker.stop(10))
     servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer)
-
-    def add(s) -> None:
-        pb_grpc.add_DecodeWorkerServicer_to_server(servicer, s)
-        pb_grpc.add_GenerationServicer_to_server(servicer, s)
-
-    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent, add)
+    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent,
+                               {"DecodeWorker": servicer, "Generation": servicer})
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
     w.alive_fn = lambda: worker.loop.alive
@@ -239,11 +261,14 @@ def _decode(cfg, port: int) -> RunningWorker:
     return w
 
 
-def build_worker(role: str, cfg, port: int = 0) -> RunningWorker:
-    """Start one worker in this process (its servers run on their own threads)."""
+def build_worker(role: str, cfg, port: int = 0, secret=None) -> RunningWorker:
+    """Start one worker in this process (its servers run on their own threads). secret: the cluster's
+    ClusterSecret (default: FLASHPD_CLUSTER_SECRET, else a random one of this process)."""
+    from flashpd.kv_bridge.auth import resolve  # noqa: PLC0415
+
     if role not in ROLES:
         raise ValueError(f"role: must be one of {list(ROLES)}, got {role!r}")
-    return {"bridge": _bridge, "prefill": _prefill, "decode": _decode}[role](cfg, port)
+    return {"bridge": _bridge, "prefill": _prefill, "decode": _decode}[role](cfg, port, resolve(secret))
 
 
 def _parent_gone(pid: int | None) -> bool:

@@ -4,7 +4,8 @@ A supervisor thread probes every worker each `health_interval_s` (the launcher's
 then the worker's Health RPC, each bounded). A worker whose process/actor is gone, or that failed
 `health_failures` probes in a row, is stopped and started again (a restarted bridge asks for its
 old port, so the workers' bridge address stays valid). A request that sees a worker fail marks
-it down at once, so no new request is routed there while it restarts.
+it down at once, so no new request is routed there while it restarts. The pool's own bridge
+client (its health probes) presents the cluster secret the launcher gave the workers.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from dataclasses import dataclass, field
 
 from flashpd.cluster.launcher import Launched, Launcher, WorkerSpec
 from flashpd.cluster.worker_client import WorkerClient
+from flashpd.kv_bridge.auth import ClusterSecret
 from flashpd.kv_bridge.client import BridgeClient
+from flashpd.kv_bridge.tls import BridgeTls
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +40,12 @@ class Slot:
 
 
 class WorkerPool:
-    def __init__(self, cfg, launcher: Launcher) -> None:
+    """secret: the cluster secret the launcher hands its workers (default: this process's)."""
+
+    def __init__(self, cfg, launcher: Launcher, secret: ClusterSecret | None = None) -> None:
         self.cfg = cfg
         self.launcher = launcher
+        self.secret = secret
         self.slots: dict[str, list[Slot]] = {"bridge": [], "prefill": [], "decode": []}
         self.restarts: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -57,7 +63,9 @@ class WorkerPool:
 
     def _client(self, w: Launched):
         if w.role == "bridge":
-            return BridgeClient(w.address, timeout_s=self.cfg.health_timeout_s)
+            c = self.cfg
+            return BridgeClient(w.address, timeout_s=c.health_timeout_s, secret=self.secret,
+                                tls=BridgeTls.from_paths(c.tls_cert, c.tls_key, c.tls_ca))
         return WorkerClient(w.role, w.address)
 
     def start(self) -> None:

@@ -3,25 +3,31 @@
 Both reuse GenerationServicer's request checks and Health; the decode one also reuses its
 streaming, so a decode worker answers Decode exactly as a colocated server answers Generate
 (it serves Generation too, for colocated runs). A prefill worker runs one prefill at a time
-(its runner is not thread-safe); a waiting prefill is bounded by the call's deadline.
+(its runner is not thread-safe); a waiting prefill is bounded by the call's deadline, and one whose
+call ended while it waited (the router cancelled it: its client went away) never runs.
 """
 from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 
-from flashpd.cluster.generation_server import PROTOCOL_VERSION, GenerationServicer, abort_for
+from flashpd.cluster.generation_server import POLL_S, PROTOCOL_VERSION, GenerationServicer, abort_for
 from flashpd.cluster.metrics import Metrics
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
+from flashpd.decode_node.scheduler import REQUEST_FAILED, RequestFailed
 from flashpd.engine.kv_cache import OutOfBlocks
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.client import BridgeError
 from flashpd.prefill_node.worker import PrefillResult, PrefillWorker
+
+
+class CallEnded(Exception):
+    """The call of a waiting prefill ended (cancelled, or its deadline passed): nothing to run."""
 
 
 class PrefillHost:
@@ -38,6 +44,7 @@ class PrefillHost:
         self.alive = True
         self.delay_s = delay_s  # fault injection (tests): a window in which the worker can be killed mid-request
         self._lock = threading.Lock()
+        self._waiting_lock = threading.Lock()  # waiting changes on many threads (running only under _lock)
         self._capacity = runner.allocator.num_free
         self.waiting = 0
         self.running = 0
@@ -47,13 +54,14 @@ class PrefillHost:
         return dict(running=self.running, waiting=self.waiting, kv_blocks_free=self.runner.allocator.num_free,
                     kv_blocks_total=self._capacity, kv_block_size=self.runner.block_size)
 
-    def prefill(self, prompt: list[int], params: SamplingParams, timeout_s: float) -> PrefillResult:
-        self.waiting += 1
+    def prefill(self, prompt: list[int], params: SamplingParams, timeout_s: float,
+                active: Callable[[], bool] = lambda: True) -> PrefillResult:
+        """Run one prefill once the worker is free; raises CallEnded when `active()` turns false first."""
+        self._count_waiting(1)
         try:
-            if not self._lock.acquire(timeout=timeout_s):
-                raise TimeoutError(f"prefill worker busy for {timeout_s:g} s")
+            self._acquire(timeout_s, active)
         finally:
-            self.waiting -= 1
+            self._count_waiting(-1)
         try:
             self.running += 1
             if self.delay_s:
@@ -64,6 +72,22 @@ class PrefillHost:
         finally:
             self.running -= 1
             self._lock.release()
+
+    def _count_waiting(self, d: int) -> None:
+        with self._waiting_lock:
+            self.waiting += d
+
+    def _acquire(self, timeout_s: float, active: Callable[[], bool]) -> None:
+        """Take the lock for a call that is still active (checked again once it is taken)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._lock.acquire(timeout=max(0.0, min(POLL_S, deadline - time.monotonic()))):
+            if not active():
+                raise CallEnded
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"prefill worker busy for {timeout_s:g} s")
+        if not active():
+            self._lock.release()
+            raise CallEnded
 
 
 class PrefillWorkerServicer(GenerationServicer, pb_grpc.PrefillWorkerServicer):
@@ -76,13 +100,17 @@ class PrefillWorkerServicer(GenerationServicer, pb_grpc.PrefillWorkerServicer):
         prompt, params, method, _ = self._parse(request, context)
         remaining = context.time_remaining()
         try:
-            res = self.host.prefill(prompt, params, remaining if remaining is not None else 120.0)
+            res = self.host.prefill(prompt, params, remaining if remaining is not None else 120.0, context.is_active)
+        except CallEnded:
+            context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
         except OutOfBlocks as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt: the prefill worker's KV cache: {e}")
         except BridgeError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"publishing to the KV bridge failed: {e}")
         except (TimeoutError, ValueError) as e:
             abort_for(context, e)
+        except Exception as e:  # noqa: BLE001  this prefill failed alone; its blocks are back, the worker goes on
+            abort_for(context, RequestFailed(f"{REQUEST_FAILED}: prefill: {type(e).__name__}: {e}"))
         if self.metrics is not None:
             self.metrics.ttft.labels("prefill", method).observe(res.prefill_ms / 1e3)
         return pb.PrefillReply(version=PROTOCOL_VERSION, first_token=res.first_token,

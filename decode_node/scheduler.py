@@ -53,9 +53,13 @@ log = logging.getLogger(__name__)
 MAX_BATCH_FAULTS = 3
 
 
+REQUEST_FAILED = "request failed"  # how a RequestFailed's message (an INTERNAL status's details) starts
+
+
 class RequestFailed(RuntimeError):
     """One request could not be served (an exception while computing it); the other requests go on.
-    The API answers it with INTERNAL and this message."""
+    The API answers it with INTERNAL and this message, which starts with REQUEST_FAILED (so a router
+    tells it from a worker that went away)."""
 
 
 class PromptTooLong(ValueError):
@@ -177,7 +181,7 @@ class Scheduler:
         req.seq.finish_reason = "error"
         self.stats.failed_requests += 1
         log.warning("request %d failed alone (%s: %s)", req.id, type(e).__name__, e)
-        err = e if isinstance(e, RequestFailed) else RequestFailed(f"request failed: {type(e).__name__}: {e}")
+        err = e if isinstance(e, RequestFailed) else RequestFailed(f"{REQUEST_FAILED}: {type(e).__name__}: {e}")
         result.failed.append((req, err))
 
     @property

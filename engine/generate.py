@@ -6,7 +6,8 @@ goes through the paged cache; finished sequences free their blocks at once.
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 
@@ -20,6 +21,17 @@ from flashpd.engine.sequence import Sequence
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextmanager
+def freed_on_error(runner: ModelRunner, seqs: list[Sequence]) -> Iterator[None]:
+    """Free every sequence's blocks if the body raises: a failed offline batch leaks no KV block."""
+    try:
+        yield
+    except BaseException:
+        for s in seqs:
+            runner.allocator.free(s.table)
+        raise
 
 
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -159,9 +171,12 @@ class NativeGenerator:
             s.commit([tok])
 
     def finish(self, s: Sequence, prefix_cache=None) -> None:
-        if prefix_cache is not None:
-            prefix_cache.publish(self, s)
-        self.runner.allocator.free(s.table)
+        """Publish the prompt to the prefix cache (if any) and free the blocks, whatever publish does."""
+        try:
+            if prefix_cache is not None:
+                prefix_cache.publish(self, s)
+        finally:
+            self.runner.allocator.free(s.table)
         _sync(self.runner.device)
         s.stats.latency_ms = (time.perf_counter() - s.t_start) * 1e3
 
@@ -184,9 +199,10 @@ class NativeGenerator:
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], prefix_cache=None) -> list[Sequence]:
         seqs = self.new_sequences(prompts, params)
         self.reserve(seqs)
-        self.restore_prefixes(seqs, prefix_cache)
-        self.prefill_and_run(seqs)
-        return self.drive(seqs, self.decode_step, prefix_cache)
+        with freed_on_error(self.runner, seqs):
+            self.restore_prefixes(seqs, prefix_cache)
+            self.prefill_and_run(seqs)
+            return self.drive(seqs, self.decode_step, prefix_cache)
 
     def drive(self, seqs: list[Sequence], step, prefix_cache=None) -> list[Sequence]:
         """Run `step` over the unfinished sequences until all are done, finishing each as it ends."""

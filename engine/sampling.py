@@ -5,14 +5,26 @@ so both sides of DFlash use one definition of the filtered distribution.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this are greedy decoding. Dividing float32 logits by a temperature this small
+# overflows (1e-38 gave inf - inf = NaN in the softmax and killed the engine loop), and below it a
+# sampled distribution is one-hot on the argmax anyway, up to near-ties (vLLM uses the same bound).
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes (half-open)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks for. max_tokens counts every generated token, the first included."""
+    """What a request asks for. max_tokens counts every generated token, the first included.
+
+    temperature: any finite number >= 0. Below GREEDY_BELOW (1e-5), 0 included, the request is
+    greedy (argmax; top_p, top_k and seed are unused): `greedy` is the one test of that, which every
+    greedy-or-sampled branch reads. Otherwise tokens are drawn from softmax(logits / temperature)
+    after top-k, then top-p filtering (top_p in (0, 1]; top_k 0 = off, >= the vocabulary = off)."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -24,29 +36,40 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
-    """Filtered, renormalised distribution over the vocabulary (float32), rows = leading dims."""
-    scores = logits.float() / temperature
+    """Filtered, renormalised distribution over the vocabulary (float32), rows = leading dims.
+
+    A valid distribution for finite logits at any temperature (one below GREEDY_BELOW counts as
+    GREEDY_BELOW): the logits are shifted so their maximum is 0 before the division, so every score
+    is finite or -inf and the top one is exactly 0 (no overflow, never inf - inf). Both filters rank
+    tokens by their logits, not by the probabilities: a huge temperature rounds those into ties (the
+    filters would then keep arbitrary tokens)."""
+    scores = logits.float()
     vocab = scores.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
+    ranked = scores  # the order of the logits, which the division below may round into ties
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / max(temperature, GREEDY_BELOW)
     probs = torch.softmax(scores, dim=-1)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p
+        order = ranked.argsort(dim=-1, descending=True)
+        sorted_probs = probs.gather(-1, order)
+        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p  # the most likely token always stays
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)

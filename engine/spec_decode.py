@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import torch
 
 from flashpd.engine.drafter import DFlashDrafter
-from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.generate import NativeGenerator, freed_on_error
 from flashpd.engine.draft_runner import DraftRunner
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams, draw, probs_from_logits
@@ -216,6 +216,7 @@ class DFlashGenerator(NativeGenerator):
         for s, w in zip(seqs, block_sizes or [None] * len(seqs)):
             s.block_size = self._check_block(w) if w is not None else self.block_size
         self.reserve(seqs)
-        self.restore_prefixes(seqs, prefix_cache)
-        self.prefill_and_run(seqs)
-        return self.drive(seqs, self.spec_step, prefix_cache)
+        with freed_on_error(self.runner, seqs):
+            self.restore_prefixes(seqs, prefix_cache)
+            self.prefill_and_run(seqs)
+            return self.drive(seqs, self.spec_step, prefix_cache)

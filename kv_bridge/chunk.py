@@ -2,7 +2,13 @@
 
 target_kv [target_layers, 2, T, kv_heads, head_dim] and, for DFlash, draft_kv [draft_layers, 2, T,
 kv_heads, head_dim] (the drafter's context K/V for the same positions, moved as is: bit-exact,
-no recompute). They are serialized, checksummed, stored, moved and evicted as one unit.
+no recompute). They are serialized, authenticated, stored, moved and evicted as one unit.
+
+Bytes from outside are untrusted: a reader checks the keyed MAC first (nothing is parsed from
+bytes that do not authenticate), then the header against a strict schema, then that the header's
+shapes account for exactly the bytes present, and (given a ChunkLayout) that the chunk is one
+this reader can use, all before a tensor is built. Every failure is a CorruptChunk (or a
+LayoutMismatch for an authentic chunk that does not fit), never a KeyError or TypeError.
 """
 from __future__ import annotations
 
@@ -11,15 +17,25 @@ import struct
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
-_MAGIC = b"FPKV"
-_DIGEST = 16
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from flashpd.kv_bridge.auth import MAC_BYTES, MacKey
+from flashpd.kv_bridge.layout import DTYPES, ITEM_BYTES, ChunkLayout, dtype_name, numel
+
+MAGIC = b"FPKV"
+FORMAT_VERSION = 2  # 1: XXH3-128 checksum, no version field; 2: keyed BLAKE3 MAC
+PREFIX = struct.Struct("<4sII")  # magic, format version, header length
+HEADER_FIELDS = frozenset({"key", "parent", "fingerprint", "token_ids", "dtype", "target_shape", "draft_shape"})
+MAX_TOKEN_ID = 2**32 - 1
 
 
 class CorruptChunk(ValueError):
-    """Bytes that are not a valid chunk (bad magic, short, checksum mismatch): never used."""
+    """Bytes that are not a valid chunk (bad magic or format, MAC mismatch, bad header, wrong length):
+    never used."""
+
+
+class LayoutMismatch(ValueError):
+    """An authentic, well-formed chunk that is not what this reader can use (another geometry, dtype,
+    token count or method): a miss for this reader; the entry itself is left alone."""
 
 
 @dataclass
@@ -39,71 +55,124 @@ class KVChunk:
         n = self.target_kv.numel() * self.target_kv.element_size()
         return n + (self.draft_kv.numel() * self.draft_kv.element_size() if self.draft_kv is not None else 0)
 
-    def to_bytes(self) -> bytes:
-        """Layout: magic, u32 header length, JSON header, target bytes, draft bytes, 16-byte XXH3-128.
+    def to_bytes(self, mac: MacKey) -> bytes:
+        """Layout: magic, u32 format, u32 header length, JSON header, target bytes, draft bytes, then a
+        32-byte keyed BLAKE3 MAC over everything before it."""
+        return b"".join(self.to_parts(mac))
 
-        XXH3 detects corruption (not tampering: the bridge trusts its peers) at memory speed; a
-        cryptographic hash capped the bridge at the ~1 GB/s one core hashes."""
-        return b"".join(self.to_parts())
-
-    def to_parts(self) -> list[bytes | memoryview]:
+    def to_parts(self, mac: MacKey) -> list[bytes | memoryview]:
         """to_bytes' pieces in order, the tensors' bytes not copied (a same-host writer puts them
-        straight into a segment: one copy of the chunk less); b"".join(parts) == to_bytes()."""
+        straight into a segment: one copy of the chunk less); b"".join(parts) == to_bytes(mac)."""
         tk = self.target_kv.detach().contiguous().cpu()
         dk = self.draft_kv.detach().contiguous().cpu() if self.draft_kv is not None else None
+        dt = dtype_name(tk.dtype)
+        if dt not in DTYPES or (dk is not None and dk.dtype != tk.dtype):
+            raise ValueError(f"chunk {self.key[:16]}...: K/V dtypes {tk.dtype} / {None if dk is None else dk.dtype} "
+                             f"cannot be serialized; both halves must be one dtype of {sorted(DTYPES)}")
         header = {"key": self.key, "parent": self.parent, "fingerprint": self.fingerprint,
-                  "token_ids": self.token_ids, "dtype": str(tk.dtype).removeprefix("torch."),
+                  "token_ids": [int(t) for t in self.token_ids], "dtype": dt,
                   "target_shape": list(tk.shape), "draft_shape": list(dk.shape) if dk is not None else None}
-        hb = json.dumps(header).encode()
-        parts = [_MAGIC, struct.pack("<I", len(hb)), hb, _raw(tk)] + ([_raw(dk)] if dk is not None else [])
-        h = xxhash.xxh3_128()
-        for part in parts:  # hash the tensors in place; the caller copies them once
-            h.update(part)
-        return parts + [h.digest()]
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        parts = [PREFIX.pack(MAGIC, FORMAT_VERSION, len(hb)), hb, _raw(tk)] + ([_raw(dk)] if dk is not None else [])
+        return parts + [mac.tag(parts)]  # the tensors hashed in place; the caller copies them once
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, own: bool = False) -> "KVChunk":
-        """own: the caller hands over a writable buffer nobody else holds (a segment just taken, a
-        stream just assembled), and the tensors are views of it instead of copies: one copy of the
-        chunk less on the import path. Otherwise (a store's own bytes) the tensors are copies."""
-        h, offsets = verify_bytes(data)
-        body = memoryview(data)[:-_DIGEST]
+    def from_bytes(cls, data: bytes | bytearray | memoryview, mac: MacKey, own: bool = False,
+                   layout: ChunkLayout | None = None, key: str | None = None) -> "KVChunk":
+        """Verify (see verify_bytes) and build the tensors. own: the caller hands over a writable buffer
+        nobody else holds (a segment just taken, a stream just assembled), and the tensors are views of
+        it instead of copies: one copy of the chunk less on the import path. Otherwise (a store's own
+        bytes) the tensors are copies."""
+        h, offsets = verify_bytes(data, mac, layout, key)
+        body = memoryview(data)[:-MAC_BYTES]
         alias = own and not body.readonly
-        dtype = _DTYPES[h["dtype"]]
+        dtype = DTYPES[h["dtype"]]
         tk = _tensor(body, offsets[0], h["target_shape"], dtype, alias)
         dk = _tensor(body, offsets[1], h["draft_shape"], dtype, alias) if h["draft_shape"] is not None else None
         return cls(h["key"], h["parent"], h["fingerprint"], h["token_ids"], tk, dk)
 
 
-def verify_bytes(data: bytes | memoryview) -> tuple[dict, tuple[int, int]]:
-    """Check magic, checksum and lengths without building tensors (what a store or a relay needs).
+def verify_bytes(data: bytes | bytearray | memoryview, mac: MacKey, layout: ChunkLayout | None = None,
+                 key: str | None = None) -> tuple[dict, tuple[int, int]]:
+    """Check format, MAC, header schema, lengths, the key the bytes are filed under and the layout
+    (each when given) without building tensors.
 
-    Returns the header and the byte offsets of the target and draft tensors."""
-    data = memoryview(data)
-    if len(data) < 8 + _DIGEST or bytes(data[:4]) != _MAGIC:
-        raise CorruptChunk("not a flashpd KV chunk (bad magic or too short)")
-    body, digest = data[:-_DIGEST], bytes(data[-_DIGEST:])
-    if xxhash.xxh3_128_digest(body) != digest:
-        raise CorruptChunk("chunk checksum mismatch")
-    (hl,) = struct.unpack("<I", body[4:8])
-    try:
-        h = json.loads(bytes(body[8:8 + hl]))
-        item = torch.empty((), dtype=_DTYPES[h["dtype"]]).element_size()
-    except (ValueError, KeyError) as e:
-        raise CorruptChunk(f"chunk header is unreadable ({e})") from None
-    t_off = 8 + hl
-    d_off = t_off + _numel(h["target_shape"]) * item
-    end = d_off + (_numel(h["draft_shape"]) * item if h["draft_shape"] is not None else 0)
+    Returns the header and the byte offsets of the target and draft tensors. Raises CorruptChunk, or
+    LayoutMismatch for a valid chunk that does not fit `layout`."""
+    data = memoryview(data).cast("B")
+    if len(data) < PREFIX.size + MAC_BYTES:
+        raise CorruptChunk("not a flashpd KV chunk (too short)")
+    magic, version, hl = PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptChunk("not a flashpd KV chunk (bad magic)")
+    if version != FORMAT_VERSION:
+        raise CorruptChunk(f"chunk format {version}; this reader reads format {FORMAT_VERSION}")
+    body = data[:-MAC_BYTES]
+    if hl > len(body) - PREFIX.size:
+        raise CorruptChunk("chunk header length runs past the chunk")
+    if not mac.verify([body], data[-MAC_BYTES:]):
+        raise CorruptChunk("chunk MAC mismatch (corrupt, or not made with this cluster's secret)")
+    h = parse_header(body[PREFIX.size:PREFIX.size + hl])
+    item = ITEM_BYTES[h["dtype"]]
+    t_off = PREFIX.size + hl
+    d_off = t_off + numel(h["target_shape"]) * item
+    end = d_off + (numel(h["draft_shape"]) * item if h["draft_shape"] is not None else 0)
     if end != len(body):
         raise CorruptChunk("chunk length does not match its header")
+    if key is not None and h["key"] != key:  # a valid chunk filed under another key is corrupt too
+        raise CorruptChunk(f"chunk header names key {h['key'][:16]}..., filed under {key[:16]}...")
+    if layout is not None:
+        why = layout.check_header(h, end - t_off)
+        if why is not None:
+            raise LayoutMismatch(f"chunk {h['key'][:16]}...: {why}")
     return h, (t_off, d_off)
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def parse_header(raw: bytes | memoryview) -> dict:
+    """The JSON header, held to the schema: exactly HEADER_FIELDS; key/parent/fingerprint strings
+    (key non-empty); token_ids a list of ints in [0, 2**32); dtype a known name; target_shape 5
+    non-negative ints [layers, 2, T, kv_heads, head_dim] with T = len(token_ids); draft_shape None or
+    the same. bool, float, str and nested values are refused."""
+    try:
+        h = json.loads(bytes(raw))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, over-long ints, deep nesting
+        raise CorruptChunk(f"chunk header is not JSON ({type(e).__name__})") from None
+    if not isinstance(h, dict) or set(h) != HEADER_FIELDS:
+        raise CorruptChunk(f"chunk header must have exactly the fields {sorted(HEADER_FIELDS)}")
+    check_identity(h)
+    if type(h["dtype"]) is not str or h["dtype"] not in DTYPES:
+        raise CorruptChunk(f"chunk header dtype is not one of {sorted(DTYPES)}")
+    n = len(h["token_ids"])
+    _check_shape(h["target_shape"], "target_shape", n)
+    if h["draft_shape"] is not None:
+        _check_shape(h["draft_shape"], "draft_shape", n)
+    return h
+
+
+def check_identity(h: dict) -> None:
+    """key, parent, fingerprint and token_ids of a header (shared with the LMCache object header)."""
+    for name in ("key", "parent", "fingerprint"):
+        if type(h.get(name)) is not str:
+            raise CorruptChunk(f"chunk header {name} is not a string")
+    if not h["key"]:
+        raise CorruptChunk("chunk header key is empty")
+    ids = h.get("token_ids")
+    if type(ids) is not list or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise CorruptChunk("chunk header token_ids is not a list of token ids")
+
+
+def _check_shape(shape: object, name: str, n_tokens: int) -> None:
+    if type(shape) is not list or len(shape) != 5 or not all(type(d) is int and d >= 0 for d in shape):
+        raise CorruptChunk(f"chunk header {name} is not 5 non-negative integers")
+    if shape[1] != 2 or shape[2] != n_tokens:
+        raise CorruptChunk(f"chunk header {name} is not [layers, 2, {n_tokens} tokens, kv_heads, head_dim]")
+
+
+def max_chunk_bytes(layout: ChunkLayout) -> int:
+    """The largest serialized chunk of this layout: its tensors, a generous header (token ids of up to
+    10 digits, three 64-character keys), the fixed prefix and the MAC. What a bridge accepts at most."""
+    header = 4096 + 12 * layout.chunk_tokens
+    return PREFIX.size + header + layout.payload_bytes() + MAC_BYTES
 
 
 def _raw(t: torch.Tensor) -> memoryview | bytes:
@@ -112,7 +181,7 @@ def _raw(t: torch.Tensor) -> memoryview | bytes:
 
 
 def _tensor(body: memoryview, off: int, shape: list[int], dtype: torch.dtype, alias: bool = False) -> torch.Tensor:
-    nb = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    nb = numel(shape) * ITEM_BYTES[dtype_name(dtype)]
     if nb == 0:
         return torch.empty(shape, dtype=dtype)
     buf = body[off:off + nb] if alias else bytearray(body[off:off + nb])

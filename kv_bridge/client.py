@@ -1,6 +1,8 @@
-"""Client of the KV bridge: every call carries a deadline, and gRPC failures become Python exceptions
-that say which call failed (timeouts are TimeoutErrors, an unreachable bridge a ConnectionError).
-Received chunks are verified (checksum, and the key asked for) before they are returned.
+"""Client of the KV bridge: every call carries a deadline and the cluster's bearer token, and gRPC
+failures become Python exceptions that say which call failed (timeouts are TimeoutErrors, an
+unreachable bridge a ConnectionError, a refused token UNAUTHENTICATED). Chunks are sealed with the
+cluster's MAC key on the way out; received chunks are verified (MAC, header, lengths, the key asked
+for, and the reader's layout when given) before a tensor is built from them.
 """
 from __future__ import annotations
 
@@ -11,12 +13,16 @@ from typing import Iterable, Iterator, Literal
 import grpc
 
 from flashpd.kv_bridge import shm
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+from flashpd.kv_bridge.auth import ClusterSecret, resolve
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch
+from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
+from flashpd.kv_bridge.rpc_guard import with_token
 from flashpd.kv_bridge.store import decode_checked
-from flashpd.kv_bridge.wire import (DEFAULT_FRAME_BYTES, GRPC_OPTIONS, PROTOCOL_VERSION, Assembler, FrameError,
-                                    clamp_frame_bytes, fill_frame, frame_spans)
+from flashpd.kv_bridge.tls import BridgeTls
+from flashpd.kv_bridge.wire import (DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES, GRPC_OPTIONS, PROTOCOL_VERSION,
+                                    Assembler, FrameError, clamp_frame_bytes, fill_frame, frame_spans)
 
 Transport = Literal["inline", "shm"]
 _TRANSPORTS = {"inline": pb.INLINE, "shm": pb.SHM}
@@ -41,6 +47,10 @@ class BridgeUnavailable(BridgeError, ConnectionError):
 
 class BridgeInvalidArgument(BridgeError, ValueError):
     """The server refused the request (INVALID_ARGUMENT); the message names the field."""
+
+
+class BridgeUnauthenticated(BridgeError, PermissionError):
+    """The bridge refused this client's token (UNAUTHENTICATED): not this cluster's secret."""
 
 
 class BridgeProtocolError(BridgeError):
@@ -68,18 +78,30 @@ def _map_error(call: str, e: grpc.RpcError, timeout_s: float) -> BridgeError:
         return BridgeUnavailable(call, f"bridge unavailable: {details}", code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return BridgeInvalidArgument(call, details, code)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return BridgeUnauthenticated(call, details, code)
     return BridgeError(call, f"{code.name if code else 'error'}: {details}", code)
 
 
 class BridgeClient:
-    """One channel to one bridge. Thread-safe (gRPC channels are); close() when done."""
+    """One channel to one bridge. Thread-safe (gRPC channels are); close() when done.
 
-    def __init__(self, address: str, timeout_s: float = 30.0, frame_bytes: int = DEFAULT_FRAME_BYTES) -> None:
+    secret: the cluster's (default: this process's): its token goes with every call (the stub
+    included), its MAC key seals and checks chunks. tls: verify the bridge's certificate against
+    tls.ca (None: plaintext). max_chunk_bytes: the largest chunk a Get may hand this client."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0, frame_bytes: int = DEFAULT_FRAME_BYTES, *,
+                 secret: ClusterSecret | None = None, tls: BridgeTls | None = None,
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.frame_bytes = clamp_frame_bytes(frame_bytes)
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        self.stub = pb_grpc.KVBridgeStub(self._channel)
+        self.max_chunk_bytes = max_chunk_bytes
+        secret = resolve(secret)
+        self._mac = secret.mac_key
+        self._channel = grpc.secure_channel(address, tls.channel_credentials(), options=GRPC_OPTIONS) \
+            if tls is not None else grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = pb_grpc.KVBridgeStub(with_token(self._channel, secret.token))
 
     def close(self) -> None:
         self._channel.close()
@@ -132,8 +154,8 @@ class BridgeClient:
         """Stream chunks to the bridge (serialized lazily, one at a time; over shared memory the tensors'
         bytes go straight into the segment)."""
         if transport == "shm":
-            return self.put_bytes(((c.key, c.to_parts()) for c in chunks), transport, timeout_s)
-        return self.put_bytes(((c.key, c.to_bytes()) for c in chunks), transport, timeout_s)
+            return self.put_bytes(((c.key, c.to_parts(self._mac)) for c in chunks), transport, timeout_s)
+        return self.put_bytes(((c.key, c.to_bytes(self._mac)) for c in chunks), transport, timeout_s)
 
     def put_bytes(self, items: Iterable[tuple[str, bytes | list[bytes | memoryview]]], transport: Transport = "inline",
                   timeout_s: float | None = None) -> PutSummary:
@@ -170,12 +192,14 @@ class BridgeClient:
         return PutSummary(r.stored, r.duplicates, list(r.refused_keys), list(r.incomplete_keys))
 
     # -- Get ------------------------------------------------------------------------------------
-    def get(self, keys: list[str], transport: Transport = "inline", timeout_s: float | None = None) -> list[KVChunk]:
-        """The leading present chunks of keys, in order (stops at the first missing key)."""
-        return list(self.iter_get(keys, transport, timeout_s))
+    def get(self, keys: list[str], transport: Transport = "inline", timeout_s: float | None = None,
+            layout: ChunkLayout | None = None) -> list[KVChunk]:
+        """The leading present chunks of keys, in order (stops at the first missing key). With a layout,
+        a chunk that does not fit it raises LayoutMismatch (checked before its tensors are built)."""
+        return list(self.iter_get(keys, transport, timeout_s, layout))
 
-    def iter_get(self, keys: list[str], transport: Transport = "inline",
-                 timeout_s: float | None = None) -> Iterator[KVChunk]:
+    def iter_get(self, keys: list[str], transport: Transport = "inline", timeout_s: float | None = None,
+                 layout: ChunkLayout | None = None) -> Iterator[KVChunk]:
         """Like get, one chunk at a time. Closing it early cancels the stream (an SHM stream is read
         to its end first, unlinking the segments it names, so none is left behind)."""
         if transport not in _TRANSPORTS:
@@ -185,7 +209,7 @@ class BridgeClient:
         t = timeout_s or self.timeout_s
         call = self.stub.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=keys, transport=_TRANSPORTS[transport],
                                            frame_bytes=self.frame_bytes), timeout=t)
-        asm = Assembler(writable=True)  # this call owns what it assembles: chunks are views of it
+        asm = Assembler(self.max_chunk_bytes, writable=True)  # this call owns what it assembles: chunks are views of it
         got = 0
         complete = False
         try:
@@ -197,14 +221,14 @@ class BridgeClient:
                         if msg.done.found != got:
                             raise BridgeProtocolError("Get", f"server says {msg.done.found} found, sent {got}")
                         return
-                    done = self._receive(msg.frame, asm)
+                    done = self._receive(msg.frame, asm, self.max_chunk_bytes)
                     if done is None:
                         continue
                     key, data = done
                     if got >= len(keys) or key != keys[got]:
                         raise BridgeProtocolError("Get", f"chunk {got} has key {key[:16]}..., not the one asked for")
-                    try:
-                        chunk = decode_checked(key, data, own=True)  # a buffer only this call holds
+                    try:  # a buffer only this call holds; LayoutMismatch goes to the caller as is
+                        chunk = decode_checked(key, data, self._mac, own=True, layout=layout)
                     except CorruptChunk as e:
                         raise BridgeProtocolError("Get", f"chunk {key[:16]}... failed verification: {e}") from None
                     got += 1
@@ -217,11 +241,14 @@ class BridgeClient:
                 call.cancel()  # stops the server when the stream is closed early
 
     @staticmethod
-    def _receive(f: pb.ChunkFrame, asm: Assembler) -> tuple[str, bytes | bytearray] | None:
+    def _receive(f: pb.ChunkFrame, asm: Assembler, max_bytes: int) -> tuple[str, bytes | bytearray] | None:
         try:
             if f.HasField("shm"):
                 if asm.in_flight is not None:
                     raise FrameError("frame.shm", "handle inside an incomplete chunk")
+                if not 0 < f.shm.length <= max_bytes:
+                    shm.unlink_segment(f.shm.name)
+                    raise FrameError("frame.shm.length", f"{f.shm.length} not in 1..{max_bytes}")
                 return f.key, shm.take_segment(f.shm.name, f.shm.length, writable=True)
             return asm.feed(f)
         except (FrameError, shm.ShmError) as e:
@@ -255,13 +282,20 @@ class RemoteStore:
         s = self.client.put([chunk], self.transport)
         return s.stored + s.duplicates == 1
 
-    def get(self, key: str) -> KVChunk | None:
-        got = self.client.get([key], self.transport)
+    def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
+        got = self.client.get([key], self.transport, layout=layout)
         return got[0] if got else None
 
-    def get_many(self, keys: list[str]) -> list[KVChunk]:
-        """The leading present chunks of `keys` in ONE streamed call (a prefix restore)."""
-        return self.client.get(keys, self.transport)
+    def get_many(self, keys: list[str], layout: ChunkLayout | None = None) -> list[KVChunk]:
+        """The leading present chunks of `keys` that fit `layout`, in ONE streamed call (a prefix
+        restore); the run ends before a missing chunk or one that does not fit (get() says which)."""
+        out: list[KVChunk] = []
+        try:
+            for chunk in self.client.iter_get(keys, self.transport, layout=layout):
+                out.append(chunk)
+        except LayoutMismatch:
+            pass
+        return out
 
     def contains(self, key: str) -> bool:
         return self.client.lookup([key]) == 1

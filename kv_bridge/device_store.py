@@ -1,15 +1,16 @@
 """A worker's hot tier: cache entries kept as tensors on the KV cache's own device.
 
-Every other store serialises a chunk (bytes + XXH3 checksum) and a hit copies it back through the
+Every other store serialises a chunk (bytes + keyed MAC) and a hit copies it back through the
 host: on an H200 that path restored a 2,723-token Qwen3-8B prefix slower (0.37 s) than recomputing
 it (0.11 s; bench/results/ttft_hit_h200.json). Here a hit is a device-to-device copy into the paged
 caches. Entries are whole (target and drafter halves together), evicted least-recently-used under a
 byte budget; a `backing` store (memory, disk, a remote bridge) receives every put and serves what
 this tier evicted, promoting it back.
 
-No checksum in this tier: its tensors never leave the process and are never serialised, so there is
-nothing in transit to corrupt. What every hit still checks is the PrefixCache's: key chain, method
-fingerprint, token ids, presence of the drafter half. The backing tier keeps its own checksums.
+No MAC in this tier: its tensors never leave the process and are never serialised, so there is
+nothing in transit to corrupt or forge. What every hit still checks is the reader's layout
+(geometry, dtype, token count, method fingerprint, drafter half) and the PrefixCache's token ids.
+The backing tier verifies its own MACs before anything from it is promoted here.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from collections import OrderedDict
 
 import torch
 
-from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
+from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.store import leading
 
 
@@ -63,42 +65,50 @@ class DeviceStore:
             self._c["puts"] += 1
         return True
 
-    def get(self, key: str) -> KVChunk | None:
+    def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
+        """The entry (LayoutMismatch when it is not of `layout`), else the backing store's, promoted."""
         with self._lock:
             chunk = self._entries.get(key)
             if chunk is not None:
                 self._entries.move_to_end(key)
                 self._c["hits_device"] += 1
-                return chunk
-        chunk = self.backing.get(key) if self.backing is not None else None
+        if chunk is not None:
+            why = layout.check(chunk) if layout is not None else None
+            if why is not None:
+                raise LayoutMismatch(f"chunk {key[:16]}...: {why}")
+            return chunk
+        chunk = self.backing.get(key, layout) if self.backing is not None else None
         with self._lock:
             self._c["hits_backing" if chunk is not None else "misses"] += 1
         if chunk is not None:
             self._keep(chunk)  # promote: the next hit on this prefix stays on the device
         return chunk
 
-    def get_many(self, keys: list[str]) -> list[KVChunk | None]:
+    def get_many(self, keys: list[str], layout: ChunkLayout | None = None) -> list[KVChunk | None]:
         """A run of keys: device hits first, then the rest from the backing store in one call when it can
-        batch (a remote bridge fetches a run in one RPC)."""
+        batch (a remote bridge fetches a run in one RPC). The run ends before an entry that does not fit
+        `layout` (get() then says why)."""
         out: list[KVChunk | None] = []
         for i, k in enumerate(keys):
             with self._lock:
                 chunk = self._entries.get(k)
-                if chunk is not None:
-                    self._entries.move_to_end(k)
-                    self._c["hits_device"] += 1
+            if chunk is not None and layout is not None and layout.check(chunk) is not None:
+                return out
             if chunk is None:
-                return out + self._from_backing(keys[i:])
+                return out + self._from_backing(keys[i:], layout)
+            with self._lock:
+                self._entries.move_to_end(k)
+                self._c["hits_device"] += 1
             out.append(chunk)
         return out
 
-    def _from_backing(self, keys: list[str]) -> list[KVChunk | None]:
+    def _from_backing(self, keys: list[str], layout: ChunkLayout | None) -> list[KVChunk | None]:
         if self.backing is None:
             with self._lock:
                 self._c["misses"] += 1
             return [None]
         many = getattr(self.backing, "get_many", None)
-        got = list(many(keys)) if many is not None else [self.backing.get(k) for k in keys]
+        got = list(many(keys, layout)) if many is not None else _leading_gets(self.backing, keys, layout)
         with self._lock:
             self._c["hits_backing"] += sum(c is not None for c in got)
             self._c["misses"] += len(keys) - sum(c is not None for c in got)
@@ -124,3 +134,17 @@ class DeviceStore:
         if self.backing is not None:
             out["backing"] = self.backing.stats()
         return out
+
+
+def _leading_gets(store, keys: list[str], layout: ChunkLayout | None) -> list[KVChunk]:
+    """What get_many gives, from single gets: the leading present chunks that fit `layout`."""
+    out = []
+    for k in keys:
+        try:
+            chunk = store.get(k, layout)
+        except LayoutMismatch:
+            break
+        if chunk is None:
+            break
+        out.append(chunk)
+    return out

@@ -4,6 +4,10 @@ A file appears under its key's name only once it is complete: bytes go to a hidd
 are fsynced, then hard-linked (or renamed) into place, so a crash mid-write leaves at most a
 temp file that the next start deletes. The index is rebuilt by scanning the directory, so a
 restarted process sees every entry; LRU order is the files' mtime, touched on every hit.
+A file is trusted no more than bytes off the network: every read checks its MAC (under the store's
+cluster secret), header and key, and a file that fails is deleted and read as a miss (counted in
+`corrupt_dropped`). A file written under another secret (another service start, or an older chunk
+format) is such a file.
 """
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
+from flashpd.kv_bridge.auth import ClusterSecret
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.shm import write_all
-from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked, verify_checked, leading
+from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked, leading, verify_checked
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a file name, never a path
 _TMP_PREFIX = ".tmp-"
@@ -33,8 +39,8 @@ class DiskStore(IndexedStore):
 
     _index: OrderedDict[str, int]  # key -> file size, least recently used first
 
-    def __init__(self, directory: str | Path, byte_budget: int) -> None:
-        super().__init__(byte_budget)
+    def __init__(self, directory: str | Path, byte_budget: int, secret: ClusterSecret | None = None) -> None:
+        super().__init__(byte_budget, secret)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._c.update(write_errors=0, temp_files_removed=0)
@@ -107,16 +113,13 @@ class DiskStore(IndexedStore):
             self._c["evictions"] += 1
 
     # -- reads ----------------------------------------------------------------------------------
-    def get(self, key: str) -> KVChunk | None:
+    def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
         data = self._read(key)
         if data is None:
             return None
-        try:
-            chunk = decode_checked(key, data)
-        except CorruptChunk:
-            self._drop_corrupt(key)
-            return None
-        self._touch(key)
+        chunk = self._decode(key, data, layout)
+        if chunk is not None:
+            self._touch(key)
         return chunk
 
     def get_bytes(self, key: str) -> bytes | None:
@@ -124,9 +127,9 @@ class DiskStore(IndexedStore):
         if data is None:
             return None
         try:
-            verify_checked(key, data)
+            verify_checked(key, data, self._mac)
         except CorruptChunk:
-            self._drop_corrupt(key)
+            self._drop_corrupt(key, data)
             return None
         self._touch(key)
         return data
@@ -156,7 +159,7 @@ class DiskStore(IndexedStore):
         except FileNotFoundError:
             pass
 
-    def _drop_corrupt(self, key: str) -> None:
+    def _drop_corrupt(self, key: str, data: bytes) -> None:
         with self._lock:
             size = self._index.pop(key, None)
             if size is not None:
@@ -171,21 +174,26 @@ class DiskStore(IndexedStore):
 
 
 class TieredStore:
-    """Memory over disk: reads try memory then disk (promoting a disk hit), writes go to both."""
+    """Memory over disk: reads try memory then disk (promoting a disk hit), writes go to both. Both
+    tiers must hold one cluster secret (what one verifies, the other stores unverified)."""
 
     def __init__(self, memory: MemoryStore, disk: DiskStore) -> None:
+        if memory.secret != disk.secret:
+            raise ValueError("the memory and disk tiers were given different cluster secrets")
         self.memory = memory
         self.disk = disk
+        self.secret = memory.secret
+        self._mac = memory.secret.mac_key
         self._lock = threading.Lock()
         self._c = dict(hits_memory=0, hits_disk=0, misses=0, corrupt_refused=0)
 
     def put(self, chunk: KVChunk) -> bool:
-        return self.put_bytes(chunk.key, chunk.to_bytes(), verified=True) is not PutResult.REFUSED
+        return self.put_bytes(chunk.key, chunk.to_bytes(self._mac), verified=True) is not PutResult.REFUSED
 
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
         if not verified:
             try:
-                verify_checked(key, data)  # once for both tiers
+                verify_checked(key, data, self._mac)  # once for both tiers
             except CorruptChunk:
                 self._count("corrupt_refused")
                 raise
@@ -194,13 +202,13 @@ class TieredStore:
         # the disk tier is the record of what exists (first writer wins there); memory only if disk refused
         return d if d is not PutResult.REFUSED else m
 
-    def get(self, key: str) -> KVChunk | None:
-        chunk = self.memory.get(key)
+    def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
+        chunk = self.memory.get(key, layout)
         if chunk is not None:
             self._count("hits_memory")
             return chunk
         data = self._from_disk(key)
-        return None if data is None else KVChunk.from_bytes(data)
+        return None if data is None else decode_checked(key, data, self._mac, layout=layout)
 
     def get_bytes(self, key: str) -> bytes | None:
         data = self.memory.get_bytes(key)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-LAYOUT_VERSION = 2  # bump when the byte layout of a chunk's tensors changes
+LAYOUT_VERSION = 3  # bump when a chunk's byte layout changes (3: keyed BLAKE3 MAC, chunk format 2)
 
 
 @dataclass(frozen=True)

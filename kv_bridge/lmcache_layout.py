@@ -4,22 +4,26 @@ LMCache stores a chunk as a tensor [2, layers, tokens, kv_heads * head_dim] (K/V
 packs its chunk into it as rows: the target's layers, then the drafter's layers, then one header
 row. So LMCache allocates, stores, evicts and moves the two halves as one object, and the
 bridge's guarantees travel inside it: the header row holds the chunk's key, parent, method
-fingerprint and token ids plus an XXH3-128 digest over every other byte of the object, checked
-on every read. Pure torch: no LMCache import here.
+fingerprint and token ids plus a keyed BLAKE3 MAC (the store's cluster secret) over every other
+byte of the object, checked on every read before the header is parsed. Pure torch: no LMCache
+import here.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import struct
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+from flashpd.kv_bridge.auth import MAC_BYTES, MacKey
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, check_identity
+from flashpd.kv_bridge.layout import ChunkLayout, dtype_name
 
-_MAGIC = b"FPLM"
-_FIXED = len(_MAGIC) + 16 + 4  # magic, digest, u32 length of the JSON header
+_MAGIC = b"FPL2"  # FPLM: XXH3-128 digest; FPL2: keyed BLAKE3 MAC
+_TAG = slice(len(_MAGIC), len(_MAGIC) + MAC_BYTES)
+_FIXED = len(_MAGIC) + MAC_BYTES + 4  # magic, MAC, u32 length of the JSON header
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,11 @@ class PackedLayout:
         return torch.Size([2, self.rows, self.chunk_tokens, self.width])
 
     @property
+    def payload_bytes(self) -> int:
+        """Bytes of the chunk's tensors (both halves) an object holds."""
+        return (self.target_layers + self.draft_layers) * self.header_capacity
+
+    @property
     def header_capacity(self) -> int:
         """Bytes of the header row (its K and V halves together)."""
         return 2 * self.chunk_tokens * self.width * torch.empty((), dtype=self.dtype).element_size()
@@ -89,8 +98,8 @@ class PackedLayout:
         return None
 
 
-def pack(layout: PackedLayout, chunk: KVChunk, out: torch.Tensor) -> None:
-    """Write chunk into out [2, rows, T, width] (an LMCache memory object's tensor)."""
+def pack(layout: PackedLayout, chunk: KVChunk, out: torch.Tensor, mac: MacKey) -> None:
+    """Write chunk into out [2, rows, T, width] (an LMCache memory object's tensor), sealed with mac."""
     why = layout.fits(chunk)
     if why is not None:
         raise ValueError(f"chunk {chunk.key[:16]}... does not fit the store's layout: {why}")
@@ -104,33 +113,40 @@ def pack(layout: PackedLayout, chunk: KVChunk, out: torch.Tensor) -> None:
                        "token_ids": chunk.token_ids}).encode()
     if _FIXED + len(meta) > layout.header_capacity:
         raise ValueError(f"chunk metadata of {len(meta)} bytes exceeds the header row ({layout.header_capacity})")
-    _write_header(out, _MAGIC + bytes(16) + struct.pack("<I", len(meta)) + meta)
-    _header_rows(out)[0][4:20].copy_(torch.frombuffer(bytearray(_digest(layout, out)), dtype=torch.uint8))
+    _write_header(out, _MAGIC + bytes(MAC_BYTES) + struct.pack("<I", len(meta)) + meta)
+    _header_rows(out)[0][_TAG].copy_(torch.frombuffer(bytearray(_mac(layout, out, mac)), dtype=torch.uint8))
 
 
-def unpack(layout: PackedLayout, obj: torch.Tensor, key: str) -> KVChunk:
-    """Verify the object (magic, digest, key) and copy the chunk out; raises CorruptChunk."""
+def unpack(layout: PackedLayout, obj: torch.Tensor, key: str, mac: MacKey,
+           reader: ChunkLayout | None = None) -> KVChunk:
+    """Verify the object (magic, MAC, header, key; and the reader's layout, if given) and copy the chunk
+    out; raises CorruptChunk, or LayoutMismatch for a valid object the reader cannot use."""
     if tuple(obj.shape) != tuple(layout.object_shape) or obj.dtype != layout.dtype:
         raise CorruptChunk(f"LMCache object {list(obj.shape)} {obj.dtype} is not this store's layout")
     head = _read_header(obj, _FIXED)
-    if head[:4] != _MAGIC:
-        raise CorruptChunk("LMCache object has no flashpd header (bad magic)")
-    digest = head[4:20]
-    (n,) = struct.unpack("<I", head[20:24])
+    if head[:len(_MAGIC)] != _MAGIC:
+        raise CorruptChunk("LMCache object has no flashpd header (bad magic or an older format)")
+    (n,) = struct.unpack("<I", head[_FIXED - 4:_FIXED])
     if _FIXED + n > layout.header_capacity:
         raise CorruptChunk("LMCache object header length is out of range")
-    if _digest(layout, obj) != digest:
-        raise CorruptChunk("LMCache object checksum mismatch")
+    if not hmac.compare_digest(_mac(layout, obj, mac), head[_TAG]):
+        raise CorruptChunk("LMCache object MAC mismatch (corrupt, or not sealed with this cluster's secret)")
     meta = _read_header(obj, _FIXED + n)[_FIXED:]
     try:
         h = json.loads(meta)
-        missing = {"key", "parent", "fingerprint", "token_ids"} - set(h)
-    except (ValueError, TypeError) as e:
-        raise CorruptChunk(f"LMCache object header is unreadable ({e})") from None
-    if missing:
-        raise CorruptChunk(f"LMCache object header lacks {sorted(missing)}")
+    except (ValueError, RecursionError) as e:
+        raise CorruptChunk(f"LMCache object header is unreadable ({type(e).__name__})") from None
+    if not isinstance(h, dict) or set(h) != {"key", "parent", "fingerprint", "token_ids"}:
+        raise CorruptChunk("LMCache object header does not have exactly key, parent, fingerprint, token_ids")
+    check_identity(h)
+    if len(h["token_ids"]) != layout.chunk_tokens:
+        raise CorruptChunk(f"LMCache object header has {len(h['token_ids'])} token ids for {layout.chunk_tokens} rows")
     if h["key"] != key:
         raise CorruptChunk(f"LMCache object holds key {h['key'][:16]}..., asked for {key[:16]}...")
+    if reader is not None:
+        why = reader.check_header(_as_header(layout, h), layout.payload_bytes)
+        if why is not None:
+            raise LayoutMismatch(f"chunk {key[:16]}...: {why}")
     lt, ld, t = layout.target_layers, layout.draft_layers, layout.chunk_tokens
     kv = (t, layout.kv_heads, layout.head_dim)
     tk = obj[:, :lt].reshape(2, lt, *kv).permute(1, 0, 2, 3, 4).contiguous()
@@ -138,18 +154,25 @@ def unpack(layout: PackedLayout, obj: torch.Tensor, key: str) -> KVChunk:
     return KVChunk(h["key"], h["parent"], h["fingerprint"], h["token_ids"], tk, dk)
 
 
-def _digest(layout: PackedLayout, obj: torch.Tensor) -> bytes:
-    """XXH3-128 over every byte of the object (both halves' K/V rows and the whole header row,
-    padding included) except the digest field itself. Reads memory in place, copies nothing."""
-    h = xxhash.xxh3_128()
+def _as_header(layout: PackedLayout, h: dict) -> dict:
+    """The chunk header an object of this store stands for (what a reader's ChunkLayout checks)."""
+    kv = [layout.chunk_tokens, layout.kv_heads, layout.head_dim]
+    return {**h, "dtype": dtype_name(layout.dtype), "target_shape": [layout.target_layers, 2, *kv],
+            "draft_shape": [layout.draft_layers, 2, *kv] if layout.draft_layers else None}
+
+
+def _mac(layout: PackedLayout, obj: torch.Tensor, mac: MacKey) -> bytes:
+    """Keyed BLAKE3 over every byte of the object (both halves' K/V rows and the whole header row,
+    padding included) except the MAC field itself. Reads memory in place, copies nothing."""
+    h = mac.hasher()
     body = layout.rows - 1
     for kv in (0, 1):  # obj[kv, :body] is one contiguous run of memory
         h.update(_bytes(obj[kv, :body]))
     k, v = (_bytes(r) for r in _header_rows(obj))
-    h.update(k[:4])
-    h.update(k[20:])
+    h.update(k[:_TAG.start])
+    h.update(k[_TAG.stop:])
     h.update(v)
-    return h.digest()
+    return h.digest(MAC_BYTES)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

@@ -3,7 +3,7 @@
 What of LMCache runs here, precisely: an `LMCacheEngine` built by `LMCacheEngineBuilder` with its
 `StorageManager` and `LocalCPUBackend` (LMCache's own CPU buffer allocator, LRU eviction, first
 put of a key wins), and a flashpd GPU connector (`PackedChunkConnector`, a
-`GPUConnectorInterface`) that packs a chunk's target layers, drafter layers and a checksummed
+`GPUConnectorInterface`) that packs a chunk's target layers, drafter layers and a MAC-sealed
 header row into ONE LMCache KV_2LTD memory object (kv_bridge/lmcache_layout.py). Writes go
 through `LMCacheEngine.store` and lookups through `LMCacheEngine.lookup`, both in LMCache's
 hash mode with flashpd's method-aware keys, so LMCache's own method-blind token hashing never
@@ -12,9 +12,11 @@ the connector: what `LMCacheEngine.retrieve` does inside, minus its token hashin
 accepts only token ids). LMCache's CUDA ops (`c_ops`, the vLLM paged connectors) are not used:
 they need libtorch_cuda; the connector is plain torch, so the same code runs on CPU and GPU.
 
-Guarantees kept: every read re-verifies the chunk's XXH3-128 digest and its key (a corrupt or
-mismatched object is removed, counted and read as a miss); a method fingerprint is part of
-every key, so another method's entry is a miss; an entry has both halves or does not exist.
+Guarantees kept: every read re-verifies the object's keyed BLAKE3 MAC (the store's cluster
+secret), its header and its key (a corrupt or mismatched object is removed, counted and read as a
+miss) and, for a reader that gives its ChunkLayout, that the chunk is one it can use (else
+LayoutMismatch, the object kept); a method fingerprint is part of every key, so another method's
+entry is a miss; an entry has both halves or does not exist.
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ from typing import Iterator
 
 import torch
 
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+from flashpd.kv_bridge.auth import ClusterSecret, MacKey, resolve
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch
+from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.lmcache_layout import PackedLayout, pack, unpack
 
 
@@ -62,11 +66,12 @@ class PackedChunkConnector(GPUConnectorInterface):
     """LMCache's side of flashpd's KV layout: chunk tensors in, one KV_2LTD object per chunk.
 
     Stores pass `chunks=[KVChunk, ...]` (exported from the paged caches by
-    engine/kv_transfer.py); reads pass `out=[]` and get, per object, a KVChunk or the
-    CorruptChunk that verification raised."""
+    engine/kv_transfer.py); reads pass `out=[]`, `keys=[...]` and optionally `reader` (a ChunkLayout)
+    and get, per object, a KVChunk or the CorruptChunk / LayoutMismatch that verification raised."""
 
-    def __init__(self, layout: PackedLayout) -> None:
+    def __init__(self, layout: PackedLayout, mac: MacKey) -> None:
         self.layout = layout
+        self._mac = mac
 
     def get_shape(self, num_tokens: int) -> torch.Size:
         return torch.Size([2, self.layout.rows, num_tokens, self.layout.width])
@@ -80,14 +85,14 @@ class PackedChunkConnector(GPUConnectorInterface):
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
         chunks: list[KVChunk] = kwargs["chunks"]
         for obj, start, chunk in zip(memory_objs, starts, chunks, strict=True):
-            pack(self.layout, chunk, obj.tensor)
+            pack(self.layout, chunk, obj.tensor, self._mac)
 
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
-        out: list[KVChunk | CorruptChunk] = kwargs["out"]
+        out: list[KVChunk | CorruptChunk | LayoutMismatch] = kwargs["out"]
         for obj, key in zip(memory_objs, kwargs["keys"], strict=True):
             try:
-                out.append(unpack(self.layout, obj.tensor, key))
-            except CorruptChunk as e:
+                out.append(unpack(self.layout, obj.tensor, key, self._mac, kwargs.get("reader")))
+            except (CorruptChunk, LayoutMismatch) as e:
                 out.append(e)
 
 
@@ -99,12 +104,14 @@ def chunk_hash(key: str) -> int:
 class LMCacheStore:
     """A ChunkStore whose bytes live in LMCache's local CPU backend. close() when done."""
 
-    def __init__(self, layout: PackedLayout, cpu_bytes: int, name: str = "flashpd") -> None:
+    def __init__(self, layout: PackedLayout, cpu_bytes: int, name: str = "flashpd",
+                 secret: ClusterSecret | None = None) -> None:
         if cpu_bytes <= 0:
             raise ValueError("cpu_bytes must be positive")
         self.layout = layout
+        self.secret = resolve(secret)
         self.instance_id = f"flashpd-{uuid.uuid4().hex[:12]}"
-        self.connector = PackedChunkConnector(layout)
+        self.connector = PackedChunkConnector(layout, self.secret.mac_key)
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=layout.chunk_tokens, local_cpu=True, max_local_cpu_size=cpu_bytes / 2**30,
             local_disk=None, max_local_disk_size=0, remote_url=None)
@@ -120,7 +127,8 @@ class LMCacheStore:
         finally:  # LMCacheEngine forces the process-wide start method to "spawn": put it back
             multiprocessing.set_start_method(method, force=True)
         self._lock = threading.Lock()
-        self._c = dict(hits=0, misses=0, puts=0, duplicate_puts=0, refused=0, layout_refused=0, corrupt_dropped=0)
+        self._c = dict(hits=0, misses=0, puts=0, duplicate_puts=0, refused=0, layout_refused=0, corrupt_dropped=0,
+                       read_layout_refused=0)
 
     def close(self) -> None:
         LMCacheEngineBuilder.destroy(self.instance_id)
@@ -154,19 +162,24 @@ class LMCacheStore:
             self._count("puts" if ok else "refused")  # not stored: LMCache could not allocate
             return ok
 
-    def get(self, key: str) -> KVChunk | None:
-        """The chunk, verified; a missing, corrupt or mismatched object is a miss."""
+    def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
+        """The chunk, verified; a missing, corrupt or mismatched object is a miss. LayoutMismatch when
+        it is valid but not of `layout` (the object stays)."""
         with self._lock:
             ck = self._key(key)
             obj = self.engine.storage_manager.get(ck)
             if obj is None:
                 self._count("misses")
                 return None
-            out: list[KVChunk | CorruptChunk] = []
+            out: list[KVChunk | CorruptChunk | LayoutMismatch] = []
             try:
-                self.connector.batched_to_gpu([obj], [0], [self.layout.chunk_tokens], out=out, keys=[key])
+                self.connector.batched_to_gpu([obj], [0], [self.layout.chunk_tokens], out=out, keys=[key],
+                                              reader=layout)
             finally:
                 obj.ref_count_down()
+            if isinstance(out[0], LayoutMismatch):
+                self._count("read_layout_refused")
+                raise out[0]
             if isinstance(out[0], CorruptChunk):
                 self.engine.storage_manager.remove(ck)
                 self._count("corrupt_dropped")

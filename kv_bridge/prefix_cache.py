@@ -8,6 +8,11 @@ native request's, target K/V only, go to a separate target-only chain; see _read
 restore_draft=False is the "target-only" CONTROL that reproduces what generic connectors do
 (draft state not restored; its slots are zeroed, i.e. state absent): outputs stay exact, and
 whatever acceptance the drafter drew from that context is lost. Never use it to serve.
+
+What comes from the store is checked against the layout of the caches it is written into (shape,
+dtype, token count, fingerprint, byte length), by byte stores before they build tensors and here
+again before writing; a chunk that does not fit, or whose write fails in any way, ends the hit
+there and is counted in `refused_chunks`: the rest of the prompt is recomputed, never an exception.
 """
 from __future__ import annotations
 
@@ -19,13 +24,17 @@ import torch
 
 from flashpd.engine.kv_transfer import position_slots, read_positions, write_positions
 from flashpd.engine.sequence import Sequence
-from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch
 from flashpd.kv_bridge.keys import chunk_keys
+from flashpd.kv_bridge.layout import ChunkLayout
 
 
 class Store(Protocol):
+    """get(key, layout) returns None for a miss and raises LayoutMismatch for an entry not of `layout`.
+    An optional get_many(keys, layout) returns the leading chunks that are present and fit."""
+
     def put(self, chunk: KVChunk) -> bool: ...
-    def get(self, key: str) -> KVChunk | None: ...
+    def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None: ...
     def lookup(self, keys: list[str]) -> int: ...
 
 
@@ -35,7 +44,7 @@ class PrefixCacheStats:
     hit_tokens: int = 0
     prompt_tokens: int = 0
     published_chunks: int = 0
-    refused_chunks: int = 0  # present in the store but unusable (token mismatch, wrong shape): recomputed
+    refused_chunks: int = 0  # present but unusable (tokens, layout, fingerprint, a failed write): recomputed
     per_request_hits: list[int] = field(default_factory=list)
 
 
@@ -71,31 +80,25 @@ class PrefixCache:
             if m > n:
                 n, keys, fp = m, k, chain
         runner, drafts = gen.runner, getattr(gen, "drafts", None)
+        layout = ChunkLayout.of_caches(runner.cache.data, drafts.cache.data if drafts is not None else None,
+                                       self.chunk_tokens, fp)
         get_many = getattr(self.store, "get_many", None)  # a remote store fetches the run in one call
-        fetched = get_many(keys[:n]) if get_many is not None and n else None
+        fetched = get_many(keys[:n], layout) if get_many is not None and n else None
         hit = 0
         for i in range(n):
-            if fetched is not None:
-                chunk = fetched[i] if i < len(fetched) else None
-            else:
-                chunk = self.store.get(keys[i])
             lo = i * self.chunk_tokens
             hi = lo + self.chunk_tokens
-            if chunk is None:  # evicted between lookup and get: the rest is recomputed
-                break
-            if chunk.token_ids != seq.prompt[lo:hi] or chunk.fingerprint != fp or \
-                    (drafts is not None and chunk.draft_kv is None):
+            try:  # past the fetched run, get() tells a miss (None) from a chunk that does not fit
+                chunk = fetched[i] if fetched is not None and i < len(fetched) else self.store.get(keys[i], layout)
+            except (LayoutMismatch, CorruptChunk):
                 self.stats.refused_chunks += 1
                 break
-            slots = position_slots(seq.table, lo, hi, runner.block_size, runner.device)
-            try:
-                write_positions(runner.cache.data, slots, chunk.target_kv)
-                if drafts is not None:
-                    # the control zeroes the drafter's slots: "not restored" must not silently read
-                    # stale state that happens to match (freed blocks are reused LIFO)
-                    write_positions(drafts.cache.data, slots, chunk.draft_kv if self.restore_draft
-                                    else torch.zeros_like(chunk.draft_kv))
-            except ValueError:
+            if chunk is None:  # evicted between lookup and get: the rest is recomputed
+                break
+            if layout.check(chunk) is not None or chunk.token_ids != seq.prompt[lo:hi]:
+                self.stats.refused_chunks += 1
+                break
+            if not self._write(runner, drafts, seq, lo, hi, chunk):
                 self.stats.refused_chunks += 1
                 break
             hit = hi
@@ -104,6 +107,21 @@ class PrefixCache:
         self.stats.hit_tokens += hit
         self.stats.per_request_hits.append(hit)
         return hit
+
+    def _write(self, runner, drafts, seq: Sequence, lo: int, hi: int, chunk: KVChunk) -> bool:
+        """Write one chunk into the sequence's slots; False if anything fails (positions from lo on are
+        then recomputed, overwriting whatever part was written)."""
+        try:
+            slots = position_slots(seq.table, lo, hi, runner.block_size, runner.device)
+            write_positions(runner.cache.data, slots, chunk.target_kv)
+            if drafts is not None:
+                # the control zeroes the drafter's slots: "not restored" must not silently read
+                # stale state that happens to match (freed blocks are reused LIFO)
+                write_positions(drafts.cache.data, slots, chunk.draft_kv if self.restore_draft
+                                else torch.zeros_like(chunk.draft_kv))
+        except Exception:  # noqa: BLE001  whatever a chunk does, it never takes the engine loop down
+            return False
+        return True
 
     def publish(self, gen, seq: Sequence) -> int:
         """Store the prompt's full chunks (both halves) not yet in the store; returns how many were put."""

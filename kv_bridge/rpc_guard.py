@@ -121,3 +121,37 @@ def add_guarded(server: grpc.Server, servicer: object, service: ServiceDescripto
         handlers[m.name] = factory(_wrap(fn, m, authorize), request_deserializer=_deserializer(in_cls),
                                    response_serializer=lambda msg: msg.SerializeToString())
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, d: grpc.ClientCallDetails, metadata: list[tuple[str, str]]) -> None:
+        self.method, self.timeout, self.credentials = d.method, d.timeout, d.credentials
+        self.wait_for_ready, self.compression = getattr(d, "wait_for_ready", None), getattr(d, "compression", None)
+        self.metadata = metadata
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._entry = (TOKEN_HEADER, token)
+
+    def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(d, [*(d.metadata or ()), self._entry])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+def with_token(channel: grpc.Channel, token: str) -> grpc.Channel:
+    """The channel, with `x-flashpd-token: <token>` added to every call's metadata (what
+    token_authorizer checks on the other side)."""
+    return grpc.intercept_channel(channel, _TokenInterceptor(token))

@@ -1,14 +1,19 @@
 """The KV bridge's gRPC service over a ChunkStore: `python -m flashpd.kv_bridge.server`.
 
-Put reassembles frames and hands whole chunks to the store, which verifies them; nothing of a
+Every call must carry the cluster's bearer token (UNAUTHENTICATED otherwise, before a byte of
+the request is read); request bytes that do not parse get INVALID_ARGUMENT (rpc_guard.py). Put
+refuses a chunk larger than the largest valid one on its FIRST frame, before buffering anything,
+reassembles the rest and hands whole chunks to the store, which verifies them (MAC, header,
+lengths, key): a chunk that fails is refused and counted and the stream goes on; nothing of a
 chunk is visible before its last frame arrived and verified. Get streams the leading present
-chunks, inline or by same-host shared-memory handle. Bad requests get INVALID_ARGUMENT with
-the field named; the server binds loopback unless told otherwise.
+chunks, inline or by same-host shared-memory handle. Bad requests get INVALID_ARGUMENT with the
+field named; the server binds loopback unless told otherwise, and serves TLS when given a cert.
 """
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import signal
 import sys
@@ -20,27 +25,34 @@ from typing import Iterator
 import grpc
 
 from flashpd.kv_bridge import shm
+from flashpd.kv_bridge.auth import ENV_VAR, ClusterSecret, resolve
 from flashpd.kv_bridge.chunk import CorruptChunk
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
+from flashpd.kv_bridge.rpc_guard import add_guarded, token_authorizer
 from flashpd.kv_bridge.store import ChunkStore, PutResult, decode_checked
-from flashpd.kv_bridge.wire import (DEFAULT_MAX_CHUNK_BYTES, GRPC_OPTIONS, PROTOCOL_VERSION, Assembler, FrameError,
-                                    clamp_frame_bytes, fill_frame, frame_spans)
+from flashpd.kv_bridge.tls import BridgeTls
+from flashpd.kv_bridge.wire import (DEFAULT_MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Assembler,
+                                    FrameError, clamp_frame_bytes, fill_frame, frame_spans)
+
+log = logging.getLogger(__name__)
 
 SHM_SWEEP_AGE_S = 600.0  # at start: any bridge segment this old was never taken by its reader
 DEFAULT_SHM_TTL_S = 60.0  # this server's own segments: a reader takes one within milliseconds
 
 
 class _Bytes:
-    """Byte-level access to any ChunkStore: put_bytes/get_bytes when it has them, else decode/encode."""
+    """Byte-level access to any ChunkStore: put_bytes/get_bytes when it has them (the store verifies with
+    its own secret), else decode/encode with the bridge's."""
 
-    def __init__(self, store: ChunkStore) -> None:
+    def __init__(self, store: ChunkStore, secret: ClusterSecret) -> None:
         self.store = store
+        self._mac = secret.mac_key
 
     def put(self, key: str, data: bytes) -> PutResult:
         if hasattr(self.store, "put_bytes"):
             return self.store.put_bytes(key, data)
-        chunk = decode_checked(key, data)
+        chunk = decode_checked(key, data, self._mac)
         if self.store.contains(key):
             return PutResult.PRESENT
         return PutResult.STORED if self.store.put(chunk) else PutResult.REFUSED
@@ -49,21 +61,47 @@ class _Bytes:
         if hasattr(self.store, "get_bytes"):
             return self.store.get_bytes(key)
         chunk = self.store.get(key)
-        return None if chunk is None else chunk.to_bytes()
+        return None if chunk is None else chunk.to_bytes(self._mac)
+
+
+def bridge_secret(store: ChunkStore, secret: ClusterSecret | None) -> ClusterSecret:
+    """The bridge's secret: `secret`, else its store's, else the process default. A store holding
+    another secret would refuse every chunk the bridge's clients send: refused here, at start."""
+    own = getattr(store, "secret", None)
+    chosen = secret if secret is not None else own if own is not None else resolve(None)
+    if own is not None and own != chosen:
+        raise ValueError("the bridge and its store were given different cluster secrets")
+    return chosen
 
 
 class KVBridgeServicer(pb_grpc.KVBridgeServicer):
+    """max_chunk_bytes: the largest valid chunk (chunk.max_chunk_bytes of the service's layout); a Put
+    announcing more is refused on its first frame."""
+
     def __init__(self, store: ChunkStore, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                 shm_ttl_s: float = DEFAULT_SHM_TTL_S) -> None:
+                 shm_ttl_s: float = DEFAULT_SHM_TTL_S, secret: ClusterSecret | None = None) -> None:
         self.store = store
-        self.bytes = _Bytes(store)
+        self.secret = bridge_secret(store, secret)
+        self.bytes = _Bytes(store, self.secret)
         self.max_chunk_bytes = max_chunk_bytes
         self.shm_ttl_s = shm_ttl_s
         self._lock = threading.Lock()
         self._c = dict(lookups=0, puts_streams=0, frames_received=0, chunks_stored=0, chunks_duplicate=0,
                        chunks_refused_corrupt=0, chunks_refused_store=0, chunks_incomplete=0, gets_streams=0,
                        chunks_sent=0, frames_sent=0, shm_segments_sent=0, shm_segments_reclaimed=0, shm_segments_expired=0,
-                       invalid_requests=0)
+                       invalid_requests=0, unauthenticated_calls=0)
+
+    def authorizer(self):
+        """token_authorizer for this bridge's secret, counting the calls it turns away."""
+        check = token_authorizer(self.secret.token)
+
+        def ok(context: grpc.ServicerContext) -> bool:
+            if check(context):
+                return True
+            self._count("unauthenticated_calls")
+            return False
+
+        return ok
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -132,10 +170,14 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
     def _store(self, reply: pb.PutReply, key: str, data: bytes) -> None:
         try:
             result = self.bytes.put(key, data)
-        except CorruptChunk:
+        except CorruptChunk:  # malformed, lying header, wrong key, MAC mismatch
             self._refuse(reply, key, "chunks_refused_corrupt")
             return
         except ValueError:  # e.g. a key the disk tier cannot name a file after
+            self._refuse(reply, key, "chunks_refused_store")
+            return
+        except Exception:  # noqa: BLE001  a store failure refuses this chunk; the stream goes on (never UNKNOWN)
+            log.exception("the bridge's store failed to take chunk %s...", key[:16])
             self._refuse(reply, key, "chunks_refused_store")
             return
         if result is PutResult.STORED:
@@ -257,19 +299,30 @@ def is_loopback(host: str) -> bool:
 
 def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16,
           max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, allow_remote: bool = False,
-          shm_ttl_s: float = DEFAULT_SHM_TTL_S) -> tuple[grpc.Server, int]:
+          shm_ttl_s: float = DEFAULT_SHM_TTL_S, *, secret: ClusterSecret | None = None,
+          tls: BridgeTls | None = None) -> tuple[grpc.Server, int]:
     """Start the bridge on host:port (0 picks a free port); returns the started server and its port.
 
     max_workers bounds concurrent RPCs (each Put/Get stream holds a worker for its duration).
-    Only loopback hosts are accepted unless allow_remote (the service has no authentication).
+    max_chunk_bytes: the largest chunk accepted (also bounds a request message to it plus 1 MiB).
+    Only loopback hosts are accepted unless allow_remote; beyond loopback, give `tls` (cert and key).
+    secret: whose token callers must present (default: the store's, else this process's).
     shm_ttl_s: a shared-memory segment this server handed out and nobody took is unlinked after it."""
     if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the bridge")
+    if not is_loopback(host) and tls is None:
+        log.warning("the KV bridge serves %s without TLS: chunks and the bearer token cross the network in the "
+                    "clear (chunk MACs still refuse forged chunks)", host)
+    servicer = KVBridgeServicer(store, max_chunk_bytes, shm_ttl_s, secret)
     shm.sweep_segments(SHM_SWEEP_AGE_S)
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", min(MAX_MESSAGE_BYTES, max_chunk_bytes + (1 << 20)))]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvbridge"),
-                         options=GRPC_OPTIONS, maximum_concurrent_rpcs=max_workers * 4)
-    pb_grpc.add_KVBridgeServicer_to_server(KVBridgeServicer(store, max_chunk_bytes, shm_ttl_s), server)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+                         options=options, maximum_concurrent_rpcs=max_workers * 4)
+    add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name["KVBridge"], servicer.authorizer())
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.server_credentials()) if tls is not None \
+        else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()
@@ -277,7 +330,8 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a bridge with a memory (and optionally disk) tier until SIGINT/SIGTERM; prints 'PORT n'."""
+    """Run a bridge with a memory (and optionally disk) tier until SIGINT/SIGTERM; prints 'PORT n'.
+    Its clients need its secret: set FLASHPD_CLUSTER_SECRET (64 hex digits) for both."""
     from flashpd.kv_bridge.disk import DiskStore, TieredStore
     from flashpd.kv_bridge.store import MemoryStore
 
@@ -288,11 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--disk-bytes", type=int, default=64 << 30)
     ap.add_argument("--max-workers", type=int, default=16)
+    ap.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES)
+    ap.add_argument("--tls-cert", default=None)
+    ap.add_argument("--tls-key", default=None)
     args = ap.parse_args(argv)
-    store: ChunkStore = MemoryStore(args.memory_bytes)
+    secret = ClusterSecret.from_env()
+    if secret is None:  # a random secret of its own would admit no client at all
+        ap.error(f"set {ENV_VAR} (64 hex digits, e.g. from secrets.token_hex(32)) here and for its clients")
+    store: ChunkStore = MemoryStore(args.memory_bytes, secret)
     if args.disk_dir:
-        store = TieredStore(store, DiskStore(args.disk_dir, args.disk_bytes))
-    server, port = serve(store, args.host, args.port, args.max_workers)
+        store = TieredStore(store, DiskStore(args.disk_dir, args.disk_bytes, secret))
+    server, port = serve(store, args.host, args.port, args.max_workers, args.max_chunk_bytes, secret=secret,
+                         tls=BridgeTls.from_paths(args.tls_cert, args.tls_key, None))
     print(f"PORT {port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,8 +1,9 @@
 """The chunk store interface and its in-memory tier.
 
 Entries are kept as the chunk's serialized bytes (KVChunk.to_bytes): one immutable object holds
-both halves (target K/V and drafter K/V), so they are stored, evicted and dropped together, and
-every read re-verifies the checksum (KVChunk.from_bytes) before anything is handed out.
+both halves (target K/V and drafter K/V), so they are stored, evicted and dropped together. Bytes
+are verified (MAC under the store's cluster secret, header schema, lengths, the key they are
+filed under) when they arrive and again on every read before anything is handed out.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import threading
 from collections import OrderedDict
 from typing import Protocol, runtime_checkable
 
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, verify_bytes
+from flashpd.kv_bridge.auth import ClusterSecret, MacKey, resolve
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, verify_bytes
+from flashpd.kv_bridge.layout import ChunkLayout
 
 
 class PutResult(enum.Enum):
@@ -22,8 +25,11 @@ class PutResult(enum.Enum):
 
 @runtime_checkable
 class ChunkStore(Protocol):
+    """get(key, layout): None when absent (or corrupt: dropped); raises LayoutMismatch when the entry
+    is valid but not of `layout` (left in place: another reader may use it)."""
+
     def put(self, chunk: KVChunk) -> bool: ...
-    def get(self, key: str) -> KVChunk | None: ...
+    def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None: ...
     def contains(self, key: str) -> bool: ...
     def lookup(self, keys: list[str]) -> int: ...
     def stats(self) -> dict: ...
@@ -47,38 +53,37 @@ def leading(keys: list[str], contains) -> int:
     return n
 
 
-def verify_checked(key: str, data: bytes | memoryview) -> None:
-    """Checksum, lengths and key of serialized bytes, without materialising the tensors."""
-    header, _ = verify_bytes(data)
-    if header["key"] != key:
-        raise CorruptChunk(f"chunk header names key {header['key'][:16]}..., filed under {key[:16]}...")
+def verify_checked(key: str, data: bytes | memoryview, mac: MacKey) -> None:
+    """MAC, header, lengths and key of serialized bytes, without materialising the tensors."""
+    verify_bytes(data, mac, key=key)
 
 
-def decode_checked(key: str, data: bytes | bytearray | memoryview, own: bool = False) -> KVChunk:
-    """KVChunk.from_bytes (own: see there) plus the key check: a valid chunk filed under another key is
-    corrupt too."""
-    chunk = KVChunk.from_bytes(data, own)
-    if chunk.key != key:
-        raise CorruptChunk(f"chunk header names key {chunk.key[:16]}..., filed under {key[:16]}...")
-    return chunk
+def decode_checked(key: str, data: bytes | bytearray | memoryview, mac: MacKey, own: bool = False,
+                   layout: ChunkLayout | None = None) -> KVChunk:
+    """KVChunk.from_bytes (own, layout: see there) of bytes filed under `key`."""
+    return KVChunk.from_bytes(data, mac, own, layout, key)
 
 
 class IndexedStore:
     """What the memory and disk stores share: an LRU-ordered index of whole entries under one lock,
-    counters, checksum verification of incoming bytes, and the first-put-wins admission rule."""
+    counters, verification of incoming bytes, and the first-put-wins admission rule.
 
-    def __init__(self, byte_budget: int) -> None:
+    secret: the cluster secret whose MAC key entries must carry (default: this process's)."""
+
+    def __init__(self, byte_budget: int, secret: ClusterSecret | None = None) -> None:
         if byte_budget <= 0:
             raise ValueError("byte_budget must be positive")
         self.byte_budget = byte_budget
+        self.secret = resolve(secret)
+        self._mac = self.secret.mac_key
         self._index: OrderedDict[str, object] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self._c = dict(hits=0, misses=0, puts=0, duplicate_puts=0, evictions=0, corrupt_refused=0,
-                       corrupt_dropped=0, oversize_refused=0)
+                       corrupt_dropped=0, oversize_refused=0, layout_refused=0)
 
     def put(self, chunk: KVChunk) -> bool:
-        return self.put_bytes(chunk.key, chunk.to_bytes(), verified=True) is not PutResult.REFUSED
+        return self.put_bytes(chunk.key, chunk.to_bytes(self._mac), verified=True) is not PutResult.REFUSED
 
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
         raise NotImplementedError
@@ -88,7 +93,7 @@ class IndexedStore:
         if verified:
             return
         try:
-            verify_checked(key, data)
+            verify_checked(key, data, self._mac)
         except CorruptChunk:
             with self._lock:
                 self._c["corrupt_refused"] += 1
@@ -114,6 +119,22 @@ class IndexedStore:
         """How many LEADING keys are held (a prefix hit stops at the first gap)."""
         with self._lock:
             return leading(keys, self._index.__contains__)
+
+    def _decode(self, key: str, data: bytes, layout: ChunkLayout | None) -> KVChunk | None:
+        """The entry's chunk; None (dropped, counted) when it no longer verifies; LayoutMismatch
+        (counted, the entry kept) when it is valid but not of `layout`."""
+        try:
+            return decode_checked(key, data, self._mac, layout=layout)
+        except LayoutMismatch:
+            with self._lock:
+                self._c["layout_refused"] += 1
+            raise
+        except CorruptChunk:
+            self._drop_corrupt(key, data)
+            return None
+
+    def _drop_corrupt(self, key: str, data: bytes) -> None:
+        raise NotImplementedError
 
 
 class MemoryStore(IndexedStore):
@@ -143,22 +164,16 @@ class MemoryStore(IndexedStore):
             return PutResult.STORED
 
     # -- reads ----------------------------------------------------------------------------------
-    def get(self, key: str) -> KVChunk | None:
+    def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
         data = self._take(key)
-        if data is None:
-            return None
-        try:
-            return decode_checked(key, data)
-        except CorruptChunk:
-            self._drop_corrupt(key, data)
-            return None
+        return None if data is None else self._decode(key, data, layout)
 
     def get_bytes(self, key: str) -> bytes | None:
         data = self._take(key)
         if data is None:
             return None
         try:
-            verify_checked(key, data)
+            verify_checked(key, data, self._mac)
         except CorruptChunk:
             self._drop_corrupt(key, data)
             return None

@@ -2,7 +2,8 @@
 
 A chunk's bytes are cut into frames of at most frame_bytes; the receiver (Assembler) accepts
 frames strictly in order and releases a chunk only when its last byte arrived, so an
-interrupted stream can never surface a partial entry. Checksums are checked by the store.
+interrupted stream can never surface a partial entry. MACs are checked by the store. A chunk
+announcing more than max_chunk_bytes is refused on its first frame, before a byte is kept.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ DEFAULT_FRAME_BYTES = 1 << 20  # 1 MiB: large enough to amortise per-message cos
 MIN_FRAME_BYTES = 4 << 10
 MAX_FRAME_BYTES = 32 << 20
 MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + (1 << 20)  # a frame plus its key and fields
-DEFAULT_MAX_CHUNK_BYTES = 1 << 30  # refuse a total_length above this before buffering anything
+DEFAULT_MAX_CHUNK_BYTES = 1 << 30  # without a model's layout; a service passes chunk.max_chunk_bytes(layout)
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

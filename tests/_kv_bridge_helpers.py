@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import torch
 
+from flashpd.kv_bridge.auth import process_secret
 from flashpd.kv_bridge.chunk import KVChunk
 from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys
+
+# What every store, server and client built without an explicit secret uses (tests in one process).
+SECRET = process_secret()
+MAC = SECRET.mac_key
 
 CHUNK_TOKENS = 16
 # Small shapes: [layers, 2, T, kv_heads, head_dim]; the drafter has fewer layers than the target.
@@ -36,7 +41,7 @@ def prompt_chunks(tokens: list[int], fp: str, dtype: torch.dtype = torch.bfloat1
 
 def same(a: KVChunk, b: KVChunk) -> bool:
     """Byte-exact equality of two chunks (both halves, header included)."""
-    return a.to_bytes() == b.to_bytes()
+    return a.to_bytes(MAC) == b.to_bytes(MAC)
 
 
 def flip_byte(data: bytes, index: int) -> bytes:

@@ -194,6 +194,24 @@ def test_chi_square_catches_a_broken_rejection_sampler(tiny, monkeypatch, broken
     assert p_family < 1e-4, f"a broken sampler went unnoticed: {tests}"
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-38, 1e-6, 1e30, 3.4e38])
+def test_extreme_temperatures_are_safe_in_dflash(tiny, temperature):
+    """Tiny temperatures are greedy (the fused greedy step, exact); huge ones sample near-uniformly through
+    rejection sampling, and top_k 1 there is still greedy (one-hot p and q). 1e-38 used to end the run
+    with NaN probabilities."""
+    greedy_out = [s.output for s in run_checked(NativeGenerator(tiny["runner"]),
+                                                [PROMPT], [SamplingParams(max_tokens=12, ignore_eos=True)])]
+    params = [SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True, **kw)
+              for i, kw in enumerate([{}, dict(top_k=1), dict(top_p=1e-9), dict(top_k=3, top_p=0.5)])]
+    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], block_size=4)
+    seqs = run_checked(gen, [PROMPT] * len(params), params)
+    assert all(len(s.output) == 12 and all(0 <= t < V for t in s.output) for s in seqs)
+    if temperature < 1e-5:
+        assert [s.output for s in seqs] == greedy_out * len(params)
+    else:
+        assert seqs[1].output == greedy_out[0] and seqs[2].output == greedy_out[0]
+
+
 # ---- rejection_sample on fixed p, q ---------------------------------------------------------------
 
 def _fixed_pq(vocab: int = 6, g: int = 3, seed: int = 0):

@@ -288,3 +288,58 @@ def test_a_fault_inside_the_device_loop_session_is_recovered_exactly(pair):
     assert failed == {} and sched.stats.batch_faults == 1
     assert sched.runner.allocator.num_free == free0
     _check_others_exact(target, drafter, reqs, prompts, params, ["dflash"] * 3, streamed, set())
+
+
+def test_through_the_grpc_api_the_faulty_request_gets_internal_and_the_batch_finishes_exactly(pair):
+    """A real generation server on 127.0.0.1 over a scheduler whose step raises for one request's row:
+    that stream ends INTERNAL with its cause, the concurrent streams finish with their solo tokens and
+    acceptance lengths, and Health shows every KV block free again."""
+    import threading
+
+    import grpc
+
+    from flashpd.cluster.generation_client import GenerationClient
+    from flashpd.cluster.generation_server import serve_generation
+    from tests._cluster_helpers import stream_chunks
+
+    target, drafter = pair
+    prompts = _prompts(5, 17)
+    methods = ["dflash", "native", "dflash", "dflash", "native"]
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    sched.overlap = False
+    _rows_raise_for(sched.spec, "spec_step", prompts[2])
+    loop = EngineLoop(sched)
+    server, port = serve_generation(loop)
+    client = GenerationClient(f"127.0.0.1:{port}")
+    try:
+        free0 = client.health()["kv_blocks_free"]
+        results: dict[int, object] = {}
+
+        def one(i: int) -> None:
+            try:
+                results[i] = stream_chunks(client, prompts[i], max_tokens=40, method=methods[i], ignore_eos=True)
+            except Exception as e:  # noqa: BLE001  the faulty one
+                results[i] = e
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        err = results[2]
+        assert getattr(err, "code", None) == grpc.StatusCode.INTERNAL, err
+        assert "injected fault in one row" in str(err)
+        sp = SamplingParams(max_tokens=40, ignore_eos=True)
+        for i in (0, 1, 3, 4):
+            toks, last = results[i]
+            out, acc = _solo(target, drafter, prompts[i], sp, methods[i])
+            assert toks == out and list(last.stats["acceptance_lengths"]) == acc, f"request {i} ({methods[i]})"
+        t0 = time.monotonic()
+        while client.health()["kv_blocks_free"] != free0 and time.monotonic() - t0 < 1.0:
+            time.sleep(0.01)
+        h = client.health()
+        assert h["kv_blocks_free"] == free0 and h["running"] == 0 and h["serving"]
+    finally:
+        client.close()
+        server.stop(0)
+        loop.stop()

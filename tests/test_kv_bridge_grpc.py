@@ -22,9 +22,10 @@ from flashpd.kv_bridge.store import MemoryStore
 from flashpd.kv_bridge.wire import PROTOCOL_VERSION, split_frames
 
 try:
-    from tests._kv_bridge_helpers import CHUNK_TOKENS, fingerprint, flip_byte, make_chunk, prompt_chunks, same
+    from tests._kv_bridge_helpers import CHUNK_TOKENS, MAC, fingerprint, flip_byte, make_chunk, prompt_chunks, same
 except ImportError:
-    from _kv_bridge_helpers import CHUNK_TOKENS, fingerprint, flip_byte, make_chunk, prompt_chunks, same  # type: ignore
+    from _kv_bridge_helpers import (CHUNK_TOKENS, MAC, fingerprint, flip_byte, make_chunk,  # type: ignore
+                                    prompt_chunks, same)
 
 FRAME = 4096  # the minimum frame size: every test chunk (~6 KB) spans several frames
 TIMEOUT_S = 10.0
@@ -69,7 +70,7 @@ def test_round_trip_byte_exact(bridge, transport):
     chunks = [make_chunk(f"k{i}", dtype=dt, draft=d, seed=i)
               for i, (dt, d) in enumerate([(torch.bfloat16, True), (torch.bfloat16, False),
                                            (torch.float32, True), (torch.float32, False)])]
-    assert len(chunks[2].to_bytes()) > 2 * FRAME  # multi-frame
+    assert len(chunks[2].to_bytes(MAC)) > 2 * FRAME  # multi-frame
     s = bridge.client.put(chunks, transport=transport)
     assert (s.stored, s.ok) == (4, True)
     got = bridge.client.get([c.key for c in chunks], transport=transport)
@@ -113,7 +114,7 @@ def test_wrong_fingerprint_never_hits(bridge):
 
 
 def test_lru_eviction_over_the_bridge_drops_whole_entries():
-    n = len(make_chunk("x").to_bytes())
+    n = len(make_chunk("x").to_bytes(MAC))
     b = Bridge(MemoryStore(2 * n + n // 2))
     try:
         b.client.put([make_chunk(k, seed=i) for i, k in enumerate("abc")])
@@ -126,8 +127,8 @@ def test_lru_eviction_over_the_bridge_drops_whole_entries():
 
 
 def test_corrupt_chunk_refused_at_put_and_counted(bridge):
-    good, bad = make_chunk("good"), make_chunk("bad", seed=1).to_bytes()
-    s = bridge.client.put_bytes([("bad", flip_byte(bad, len(bad) // 2)), ("good", good.to_bytes()),
+    good, bad = make_chunk("good"), make_chunk("bad", seed=1).to_bytes(MAC)
+    s = bridge.client.put_bytes([("bad", flip_byte(bad, len(bad) // 2)), ("good", good.to_bytes(MAC)),
                                  ("wrongkey", bad)])
     assert (s.stored, s.refused_keys) == (1, ["bad", "wrongkey"])
     assert bridge.client.lookup(["bad"]) == 0 and bridge.client.lookup(["wrongkey"]) == 0
@@ -137,7 +138,7 @@ def test_corrupt_chunk_refused_at_put_and_counted(bridge):
 
 
 def test_truncated_stream_leaves_no_entry(bridge):
-    data = make_chunk("cut").to_bytes()
+    data = make_chunk("cut").to_bytes(MAC)
     frames = frames_of("cut", data)
     assert len(frames) >= 2
     half = frames[: len(frames) // 2]
@@ -194,7 +195,7 @@ def test_server_validation_names_the_field(bridge):
         (lambda: list(stub.Get(pb.GetRequest(version=PROTOCOL_VERSION), timeout=TIMEOUT_S)), "keys"),
         (lambda: stub.Stats(pb.StatsRequest(version=2), timeout=TIMEOUT_S), "version"),
     ]
-    data = make_chunk("k", dtype=torch.float32).to_bytes()
+    data = make_chunk("k", dtype=torch.float32).to_bytes(MAC)
     f = frames_of("k", data)
     assert len(f) >= 3
     cases += [

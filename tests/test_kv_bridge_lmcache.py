@@ -1,5 +1,5 @@
 """The LMCache backend (kv_bridge/lmcache_store.py) on a real LMCache 0.5.3 engine and CPU backend:
-both halves packed in one object, checksum verified on every read, wrong method a miss, layout
+both halves packed in one object, MAC verified on every read, wrong method a miss, layout
 refusals, whole-entry eviction, concurrent puts, and the store behind a real gRPC bridge.
 lmcache is a test requirement: a missing lmcache fails this module, it is never skipped."""
 from __future__ import annotations
@@ -17,11 +17,11 @@ from flashpd.kv_bridge.lmcache_store import LMCacheStore
 from flashpd.kv_bridge.server import serve
 
 try:
-    from tests._kv_bridge_helpers import (CHUNK_TOKENS, DRAFT_LAYERS, HEAD_DIM, KV_HEADS, TARGET_LAYERS, fingerprint,
-                                          flip_byte, make_chunk, prompt_chunks, same)
+    from tests._kv_bridge_helpers import (CHUNK_TOKENS, DRAFT_LAYERS, HEAD_DIM, KV_HEADS, MAC, TARGET_LAYERS,
+                                          fingerprint, flip_byte, make_chunk, prompt_chunks, same)
 except ImportError:
-    from _kv_bridge_helpers import (CHUNK_TOKENS, DRAFT_LAYERS, HEAD_DIM, KV_HEADS, TARGET_LAYERS,  # type: ignore
-                                    fingerprint, flip_byte, make_chunk, prompt_chunks, same)
+    from _kv_bridge_helpers import (CHUNK_TOKENS, DRAFT_LAYERS, HEAD_DIM, KV_HEADS, MAC,  # type: ignore
+                                    TARGET_LAYERS, fingerprint, flip_byte, make_chunk, prompt_chunks, same)
 
 
 def layout(dtype: torch.dtype = torch.bfloat16, draft: bool = True) -> PackedLayout:
@@ -131,7 +131,7 @@ def test_behind_a_real_grpc_bridge(store):
             assert client.put(chunks).stored == 3
             got = client.get([c.key for c in chunks])
             assert len(got) == 3 and all(same(a, b) for a, b in zip(got, chunks))
-            data = make_chunk("bad").to_bytes()
+            data = make_chunk("bad").to_bytes(MAC)
             s = client.put_bytes([("bad", flip_byte(data, len(data) // 2))])
             assert s.refused_keys == ["bad"] and client.lookup(["bad"]) == 0
             assert client.stats()["store.entries"] == 3

@@ -7,15 +7,17 @@ import threading
 import pytest
 import torch
 
+from flashpd.kv_bridge.auth import ClusterSecret
 from flashpd.kv_bridge.chunk import CorruptChunk
 from flashpd.kv_bridge.disk import DiskStore, TieredStore
 from flashpd.kv_bridge.keys import chunk_keys
 from flashpd.kv_bridge.store import ByteStore, ChunkStore, MemoryStore, PutResult
 
 try:
-    from tests._kv_bridge_helpers import CHUNK_TOKENS, fingerprint, flip_byte, make_chunk, prompt_chunks, same
+    from tests._kv_bridge_helpers import CHUNK_TOKENS, MAC, fingerprint, flip_byte, make_chunk, prompt_chunks, same
 except ImportError:
-    from _kv_bridge_helpers import CHUNK_TOKENS, fingerprint, flip_byte, make_chunk, prompt_chunks, same  # type: ignore
+    from _kv_bridge_helpers import (CHUNK_TOKENS, MAC, fingerprint, flip_byte, make_chunk,  # type: ignore
+                                    prompt_chunks, same)
 
 VARIANTS = [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True), (torch.float32, False)]
 
@@ -43,7 +45,7 @@ def test_round_trip_byte_exact(store, dtype, draft):
     assert torch.equal(got.target_kv, c.target_kv)
     if draft:
         assert torch.equal(got.draft_kv, c.draft_kv)
-    assert store.get_bytes("k0") == c.to_bytes()
+    assert store.get_bytes("k0") == c.to_bytes(MAC)
 
 
 def test_lookup_counts_leading_hits_only(store):
@@ -69,19 +71,20 @@ def test_wrong_fingerprint_is_a_miss(store):
 
 
 def test_corrupt_put_refused_and_counted(store):
-    data = make_chunk("k0").to_bytes()
-    for bad in (flip_byte(data, len(data) // 2), data[:-1], make_chunk("other").to_bytes()):
+    data = make_chunk("k0").to_bytes(MAC)
+    foreign = make_chunk("k0").to_bytes(ClusterSecret.generate().mac_key)  # sealed under another secret
+    for bad in (flip_byte(data, len(data) // 2), data[:-1], make_chunk("other").to_bytes(MAC), foreign):
         with pytest.raises(CorruptChunk):
             store.put_bytes("k0", bad)
     assert not store.contains("k0") and store.get("k0") is None
     s = store.stats()
-    assert s["corrupt_refused"] == 3
+    assert s["corrupt_refused"] == 4
     assert store.put_bytes("k0", data) is PutResult.STORED
 
 
 def test_concurrent_puts_of_one_key(store):
     c = make_chunk("same", seed=7)
-    data = c.to_bytes()
+    data = c.to_bytes(MAC)
     barrier = threading.Barrier(8, timeout=10)
     results: list[PutResult] = []
 
@@ -103,7 +106,7 @@ def test_concurrent_puts_of_one_key(store):
 
 # -- memory tier --------------------------------------------------------------------------------
 def _size() -> int:
-    return len(make_chunk("x").to_bytes())
+    return len(make_chunk("x").to_bytes(MAC))
 
 
 def test_memory_lru_evicts_whole_entries():
@@ -145,7 +148,7 @@ def test_disk_survives_restart_byte_exact(tmp_path):
         store.put(c)
     again = DiskStore(tmp_path, 1 << 24)
     assert again.lookup([c.key for c in chunks]) == len(chunks)
-    assert again.stats()["bytes"] == sum(len(c.to_bytes()) for c in chunks)
+    assert again.stats()["bytes"] == sum(len(c.to_bytes(MAC)) for c in chunks)
     for c in chunks:
         assert same(again.get(c.key), c)
 
@@ -172,11 +175,11 @@ def test_disk_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "fsync", crash)
-    assert store.put_bytes("k", make_chunk("k").to_bytes()) is PutResult.REFUSED
+    assert store.put_bytes("k", make_chunk("k").to_bytes(MAC)) is PutResult.REFUSED
     monkeypatch.undo()
     assert os.listdir(tmp_path) == [] and not store.contains("k") and store.stats()["write_errors"] == 1
     # a process killed mid-write leaves a temp file: never visible, deleted at the next start
-    (tmp_path / ".tmp-k-123").write_bytes(make_chunk("k").to_bytes()[:500])
+    (tmp_path / ".tmp-k-123").write_bytes(make_chunk("k").to_bytes(MAC)[:500])
     again = DiskStore(tmp_path, 1 << 24)
     assert again.lookup(["k"]) == 0 and os.listdir(tmp_path) == []
     assert again.stats()["temp_files_removed"] == 1
@@ -199,7 +202,7 @@ def test_disk_rejects_keys_that_are_paths(tmp_path):
     store = DiskStore(tmp_path / "d", 1 << 24)
     for bad in ("../escape", "a/b", ".hidden", ""):
         with pytest.raises(ValueError):
-            store.put_bytes(bad, make_chunk(bad or "x").to_bytes(), verified=True)
+            store.put_bytes(bad, make_chunk(bad or "x").to_bytes(MAC), verified=True)
 
 
 # -- tiered -------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ class DictStore:
     def put(self, c: KVChunk) -> bool:
         return self.d.setdefault(c.key, c) is c
 
-    def get(self, k: str) -> KVChunk | None:
+    def get(self, k: str, layout=None) -> KVChunk | None:  # the layout is checked by the PrefixCache
         return self.d.get(k)
 
     def lookup(self, keys: list[str]) -> int:

@@ -7,7 +7,7 @@ import torch
 from conftest import hf_greedy, hf_logits, new_runner, random_prompts
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.kv_cache import OutOfBlocks
-from flashpd.engine.sampling import SamplingParams, probs_from_logits
+from flashpd.engine.sampling import GREEDY_BELOW, SamplingParams, draw, probs_from_logits, sample
 from flashpd.engine.sequence import Sequence
 
 SPEC = dict(tie=False, layers=2, heads=4, kv_heads=2, hidden=64, head_dim=16, seed=30)
@@ -33,7 +33,12 @@ def _generate(d, prompts, params, stop_ids=(), num_blocks=96):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens must be positive, got 0"),
     (dict(max_tokens=-3), "max_tokens must be positive, got -3"),
-    (dict(temperature=-0.1), "temperature must be >= 0, got -0.1"),
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0, got -0.1"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+    (dict(top_p=float("nan")), r"top_p must be in \(0, 1\], got nan"),
+    (dict(seed=1 << 64), r"seed must be in \[-2\*\*63, 2\*\*64\)"),
+    (dict(seed=-(1 << 63) - 1), r"seed must be in \[-2\*\*63, 2\*\*64\)"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
     (dict(top_p=1.01), r"top_p must be in \(0, 1\], got 1.01"),
     (dict(top_p=-0.5), r"top_p must be in \(0, 1\], got -0.5"),
@@ -48,7 +53,9 @@ def test_validate_rejects(kwargs, match, ckpt):
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(max_tokens=1), dict(temperature=0.0), dict(top_p=1.0),
-                                    dict(top_p=1e-9), dict(top_k=0), dict(top_k=1), dict(temperature=2.5)])
+                                    dict(top_p=1e-9), dict(top_k=0), dict(top_k=1), dict(temperature=2.5),
+                                    dict(temperature=1e-45), dict(temperature=1e-40), dict(temperature=3.4e38),
+                                    dict(top_k=(1 << 31) - 1), dict(seed=(1 << 64) - 1), dict(seed=-(1 << 63))])
 def test_validate_accepts(kwargs):
     SamplingParams(**kwargs).validate()
 
@@ -56,6 +63,11 @@ def test_validate_accepts(kwargs):
 def test_greedy_property():
     assert SamplingParams().greedy and SamplingParams(temperature=0.0, top_k=5).greedy
     assert not SamplingParams(temperature=0.8).greedy
+    # below GREEDY_BELOW a temperature is greedy (dividing by it would overflow float32)
+    assert GREEDY_BELOW == 1e-5
+    for t in (1e-45, 1e-40, 1e-38, 1e-30, 1e-6, 9.99e-6):
+        assert SamplingParams(temperature=t, seed=3).greedy, t
+    assert not SamplingParams(temperature=1e-5).greedy and not SamplingParams(temperature=1e30).greedy
 
 
 # ---- probs_from_logits ------------------------------------------------------------------------
@@ -113,6 +125,57 @@ def test_top_k_zero_outside_exactly_k():
     torch.testing.assert_close(p[0, [1, 3, 4]], e / e.sum())
     # top_k >= vocab keeps everything
     torch.testing.assert_close(probs_from_logits(logits, 1.0, top_k=6), torch.softmax(logits, -1))
+
+
+EXTREME_T = [0.0, 1e-45, 1e-40, 1e-38, 1e-30, 1e-6, 1e-5, 1e-4, 1.0, 1e30, 3.4e38]
+FILTERS = [(1.0, 0), (1e-9, 0), (1e-45, 0), (0.5, 0), (1.0, 1), (1.0, 3), (0.9, 5), (1.0, (1 << 31) - 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 30.0, 3e4])
+def test_probs_from_logits_is_a_distribution_at_any_temperature(dtype, scale):
+    """Finite, >= 0, rows summing to 1 and accepted by multinomial, for every temperature a request may
+    carry and every filter; 1e-38 used to give NaN (logits / t overflowed to inf, then inf - inf)."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 64, generator=g) * scale).clamp(-3e4, 3e4)
+    logits[:, 7] = 2 * logits.abs().max()  # one clear maximum per row (ties make the argmax ambiguous)
+    logits = logits.to(dtype)
+    for t in EXTREME_T:
+        for top_p, top_k in FILTERS:
+            p = probs_from_logits(logits, t, top_p, top_k)
+            assert p.dtype == torch.float32 and torch.isfinite(p).all() and (p >= 0).all(), (t, top_p, top_k)
+            torch.testing.assert_close(p.sum(-1), torch.ones(3), rtol=0, atol=1e-5)
+            tok = draw(p, torch.Generator().manual_seed(0))
+            assert (p.gather(-1, tok[:, None]) > 0).all()
+            if t < GREEDY_BELOW or top_k == 1 or top_p < 1e-6:
+                assert torch.equal(p.argmax(-1), logits.float().argmax(-1)) and (p.max(-1).values > 0.99).all()
+            if top_k and top_k < 64 and top_p == 1.0:  # chosen on the logits (ties included), whatever t is
+                kept = logits.float() >= logits.float().topk(top_k, dim=-1).values[:, -1:]
+                assert not (p > 0)[~kept].any(), (t, top_k)
+                if t >= 1e30:  # flat: every kept token has mass, and only those
+                    assert torch.equal(p > 0, kept), (t, top_k)
+
+
+def test_huge_temperature_is_near_uniform_and_tiny_is_argmax():
+    logits = torch.tensor([[2.0, -1.0, 5.0, 0.5]])
+    torch.testing.assert_close(probs_from_logits(logits, 1e30), torch.full((1, 4), 0.25))
+    torch.testing.assert_close(probs_from_logits(logits, 1e30, top_k=2), torch.tensor([[0.5, 0.0, 0.5, 0.0]]))
+    for t in (1e-40, 1e-6):
+        assert probs_from_logits(logits, t).tolist() == [[0.0, 0.0, 1.0, 0.0]]
+        assert sample(logits, SamplingParams(temperature=t, seed=1), None).tolist() == [2]
+
+
+def test_extreme_temperatures_through_the_generator(ckpt):
+    """A batch mixing tiny, huge and ordinary temperatures runs to the end; the tiny ones are greedy."""
+    hf, d = ckpt
+    prompts = random_prompts([6, 20, 9, 13, 30], hf.config.vocab_size, seed=39)
+    temps = [1e-40, 1e-38, 0.8, 1e30, 1e-6]
+    params = [SamplingParams(max_tokens=16, temperature=t, seed=i, ignore_eos=True) for i, t in enumerate(temps)]
+    seqs = _generate(d, prompts, params)
+    for s, p, t in zip(seqs, prompts, temps):
+        assert len(s.output) == 16 and all(0 <= x < hf.config.vocab_size for x in s.output)
+        if t < GREEDY_BELOW:
+            assert s.output == hf_greedy(hf, p, 16), t
 
 
 # ---- sampling through NativeGenerator -------------------------------------------------------

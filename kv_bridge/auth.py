@@ -1,0 +1,144 @@
+"""The cluster secret: what makes the KV bridge a trust boundary.
+
+One 32-byte secret per service start, made by the launcher and handed to every worker process
+in FLASHPD_CLUSTER_SECRET (hex). Two independent subkeys are derived from it with BLAKE3's
+derive_key mode: the chunk MAC key (every chunk carries a keyed BLAKE3 MAC over header and
+payload) and the bridge's gRPC bearer token. They are separate so that a token seen on the wire
+(a bridge without TLS) lets nobody forge a chunk. A process without the variable (a single
+process, tests) uses a random secret of its own: MACs then still refuse anything made outside
+the process. The secret never appears in repr, str, logs or exception text.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import threading
+from typing import Iterable, Mapping
+
+import blake3
+
+ENV_VAR = "FLASHPD_CLUSTER_SECRET"
+SECRET_BYTES = 32
+MAC_BYTES = 32
+_MAC_CONTEXT = "flashpd 2025 kv-bridge chunk MAC v1"
+_TOKEN_CONTEXT = "flashpd 2025 kv-bridge gRPC bearer token v1"
+
+
+class MacKey:
+    """The chunk-MAC subkey: makes and checks keyed BLAKE3 tags (multi-threaded for large inputs)."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != SECRET_BYTES:
+            raise ValueError(f"a MAC key has {SECRET_BYTES} bytes")
+        self._key = bytes(key)
+
+    def hasher(self) -> blake3.blake3:
+        return blake3.blake3(key=self._key, max_threads=blake3.blake3.AUTO)
+
+    def tag(self, parts: Iterable[bytes | bytearray | memoryview]) -> bytes:
+        """The MAC of the parts' concatenation (each hashed in place, never joined)."""
+        h = self.hasher()
+        for p in parts:
+            h.update(p)
+        return h.digest(MAC_BYTES)
+
+    def verify(self, parts: Iterable[bytes | bytearray | memoryview], tag: bytes | memoryview) -> bool:
+        return hmac.compare_digest(self.tag(parts), bytes(tag))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MacKey) and hmac.compare_digest(self._key, other._key)
+
+    __hash__ = None  # type: ignore[assignment]  (compared, never used as a dict key)
+
+    def __repr__(self) -> str:
+        return "MacKey(<hidden>)"
+
+    __str__ = __repr__
+
+
+class ClusterSecret:
+    """The service's shared secret (32 random bytes). Hands out subkeys, never itself, except to a
+    child process through `child_env()` / `export_hex()`."""
+
+    __slots__ = ("_secret", "_mac", "_token")
+
+    def __init__(self, secret: bytes) -> None:
+        if not isinstance(secret, (bytes, bytearray)) or len(secret) != SECRET_BYTES:
+            raise ValueError(f"a cluster secret is {SECRET_BYTES} bytes")
+        self._secret = bytes(secret)
+        self._mac = MacKey(blake3.blake3(self._secret, derive_key_context=_MAC_CONTEXT).digest())
+        self._token = blake3.blake3(self._secret, derive_key_context=_TOKEN_CONTEXT).hexdigest()
+
+    @classmethod
+    def generate(cls) -> "ClusterSecret":
+        return cls(secrets.token_bytes(SECRET_BYTES))
+
+    @classmethod
+    def from_hex(cls, text: str, source: str = "cluster secret") -> "ClusterSecret":
+        """Parse a hex secret; the error names the source, never the value."""
+        try:
+            raw = bytes.fromhex(text.strip())
+        except (ValueError, AttributeError):
+            raise ValueError(f"{source}: not a hex string") from None
+        if len(raw) != SECRET_BYTES:
+            raise ValueError(f"{source}: {len(raw)} bytes, a cluster secret has {SECRET_BYTES} "
+                             f"({2 * SECRET_BYTES} hex digits)")
+        return cls(raw)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ClusterSecret | None":
+        """The secret in FLASHPD_CLUSTER_SECRET, or None when it is unset or empty."""
+        text = (os.environ if environ is None else environ).get(ENV_VAR, "")
+        return cls.from_hex(text, ENV_VAR) if text else None
+
+    @property
+    def mac_key(self) -> MacKey:
+        return self._mac
+
+    @property
+    def token(self) -> str:
+        """The bridge's bearer token (hex): sent as gRPC metadata, so never log a call's metadata."""
+        return self._token
+
+    def export_hex(self) -> str:
+        """The secret itself, for handing to a worker process (environment or actor argument) only."""
+        return self._secret.hex()
+
+    def child_env(self) -> dict[str, str]:
+        """The environment entry that gives a child process this secret."""
+        return {ENV_VAR: self.export_hex()}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ClusterSecret) and hmac.compare_digest(self._secret, other._secret)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self):
+        raise TypeError("a ClusterSecret is not pickled: pass export_hex() to the process that needs it")
+
+    def __repr__(self) -> str:
+        return "ClusterSecret(<hidden>)"
+
+    __str__ = __repr__
+
+
+_process_secret: ClusterSecret | None = None
+_process_lock = threading.Lock()
+
+
+def process_secret() -> ClusterSecret:
+    """This process's default: FLASHPD_CLUSTER_SECRET when set (a launched worker), else a random
+    secret made once per process (nothing outside the process can then write a chunk it accepts)."""
+    global _process_secret
+    with _process_lock:
+        if _process_secret is None:
+            _process_secret = ClusterSecret.from_env() or ClusterSecret.generate()
+        return _process_secret
+
+
+def resolve(secret: ClusterSecret | None) -> ClusterSecret:
+    """`secret`, or the process default when None (what every constructor taking a secret does)."""
+    return secret if secret is not None else process_secret()

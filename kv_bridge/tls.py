@@ -1,0 +1,38 @@
+"""TLS for the bridge's gRPC channel: what a bridge exposed beyond loopback should use.
+
+Without it, chunks and the bearer token cross the network in the clear: the token (not the MAC
+key, a separate subkey) could then be replayed to read or fill the store, though never to forge a
+chunk a reader accepts. One BridgeTls is handed to both sides: the server uses cert and key; a
+client trusts `ca` (None: the system's roots). The certificate must name the address clients dial
+(for an IP address, an IP subjectAltName).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+@dataclass(frozen=True)
+class BridgeTls:
+    cert: str | None = None  # PEM certificate chain of the server (file path)
+    key: str | None = None  # its PEM private key (file path)
+    ca: str | None = None  # PEM roots a client verifies the server against (file path)
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("TLS: a certificate and its private key go together (give both or neither)")
+
+    @classmethod
+    def from_paths(cls, cert: str | None, key: str | None, ca: str | None) -> "BridgeTls | None":
+        """None when no TLS material is given (plaintext)."""
+        return None if cert is None and key is None and ca is None else cls(cert, key, ca)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if self.cert is None or self.key is None:
+            raise ValueError("TLS: serving needs a certificate and its private key")
+        return grpc.ssl_server_credentials([(Path(self.key).read_bytes(), Path(self.cert).read_bytes())])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=Path(self.ca).read_bytes() if self.ca else None)

@@ -9,7 +9,7 @@
 # draft-state import), pair (issue 4: the demo pair's whole recipe, about 8 minutes), attn (attention
 # implementations at batch 1), profile (issue 4: wall vs GPU-busy time of a native and a DFlash step), anatomy (issue 4: a whole request's phases, native and DFlash, and a Chrome trace of each). Default: all of them (more than one 10-minute command holds).
 # Wheels carried in .whl (all of it fits one 64 MiB carry beside the repository):
-#   ../shared/tools/gpu-wheels.sh .whl ray prometheus_client
+#   ../shared/tools/gpu-wheels.sh .whl ray prometheus_client blake3   (blake3: the bridge's chunk MACs)
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl grpcio==1.85.1 protobuf==7.36.2
 #   python3 bench/trim_ray_wheel.py .whl/ray-*.whl

@@ -43,6 +43,11 @@ class ServeConfig:
     device_cache_bytes: int = 0
     bridge_disk_bytes: int = 16 << 30
     bridge_transport: str = "inline"  # "shm": same-host shared memory for imports
+    # how a prefill's KV reaches its decode worker: "bridge" (published chunks, imported by key) or "device"
+    # (same host: the decode worker copies the prefill worker's blocks device to device, kv_bridge/handoff.py;
+    # the prefill holds them under a lease until released or handoff_lease_s passes)
+    kv_transport: str = "bridge"
+    handoff_lease_s: float = 10.0
     bridge_timeout_s: float = 10.0
     bridge_address: str | None = None  # set by the launcher for the workers it starts
     # TLS of the KV bridge (PEM file paths, readable wherever a worker runs; None = plaintext). The bridge
@@ -75,6 +80,10 @@ class ServeConfig:
             raise ValueError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
         if self.policy not in ("preempt", "reserve"):
             raise ValueError(f"policy: must be 'preempt' or 'reserve', got {self.policy!r}")
+        if self.kv_transport not in ("bridge", "device"):
+            raise ValueError(f"kv_transport: must be 'bridge' or 'device', got {self.kv_transport!r}")
+        if not self.handoff_lease_s > 0:
+            raise ValueError(f"handoff_lease_s: must be > 0, got {self.handoff_lease_s}")
         if self.bridge_transport not in ("inline", "shm"):
             raise ValueError(f"bridge_transport: must be 'inline' or 'shm', got {self.bridge_transport!r}")
         for name in ("prefill_workers", "decode_workers"):

@@ -50,12 +50,13 @@ class Handle:
     """One submitted request as seen from outside the loop."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
-                 first_token: int | None = None) -> None:
+                 first_token: int | None = None, handoff=None) -> None:
         self.prompt = prompt
         self.params = params
         self.method = method
         self.block_size = block_size
         self.first_token = first_token  # disaggregation: the prefill worker's first token
+        self.handoff = handoff  # disaggregation over the device path: the prefill worker's lease
         self.events: queue.Queue[Event] = queue.Queue()
         self.request: Request | None = None  # set in the loop thread once the scheduler took it
         self.cancel_requested = False
@@ -116,10 +117,10 @@ class EngineLoop:
     # ---- from other threads --------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native",
                block_size: int | None = None, timeout_s: float = DEFAULT_SUBMIT_TIMEOUT_S,
-               first_token: int | None = None) -> Handle:
+               first_token: int | None = None, handoff=None) -> Handle:
         """Queue a request; returns its handle once the scheduler accepted it. Raises what
         Scheduler.add raises (PromptTooLong, ValueError), EngineStopped, or TimeoutError."""
-        h = Handle(list(prompt), params, method, block_size, first_token)
+        h = Handle(list(prompt), params, method, block_size, first_token, handoff)
         fut: Future = Future()
         with self._cv:
             if not self.alive:
@@ -192,7 +193,8 @@ class EngineLoop:
                 fut.set_result(h)
                 continue
             try:
-                h.request = self.scheduler.add(h.prompt, h.params, h.method, h.block_size, h.first_token)
+                h.request = self.scheduler.add(h.prompt, h.params, h.method, h.block_size, h.first_token,
+                                               h.handoff)
             except Exception as e:  # noqa: BLE001  the submitter gets the scheduler's refusal
                 fut.set_exception(e)
                 continue

@@ -180,7 +180,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return prompt
 
     def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
-               first_token: int | None = None) -> Stream:
+               first_token: int | None = None, handoff=None) -> Stream:
         prompt, params, method, block_size = self._parse(request, context)
         if first_token is not None and not 0 <= first_token < self.loop.vocab_size:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -189,9 +189,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
         timeout = context.time_remaining()
         try:
+            extra = {"handoff": handoff} if handoff is not None else {}  # a decode worker's device-path import
             h = self.loop.submit(prompt, params, method, block_size,
                                  timeout_s=min(timeout, 60.0) if timeout is not None else 60.0,
-                                 first_token=first_token)
+                                 first_token=first_token, **extra)
         except Exception as e:  # noqa: BLE001  each failure gets its status code; none escapes as UNKNOWN
             abort_for(context, e)
         # from here on, however the RPC ends (done, client cancel, deadline), the request is dropped. An
@@ -225,8 +226,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self._stream(request, context)
 
     def _stream(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
-                first_token: int | None = None) -> Iterator[pb.GenerateChunk]:
-        h = self._start(request, context, first_token)
+                first_token: int | None = None, handoff=None) -> Iterator[pb.GenerateChunk]:
+        h = self._start(request, context, first_token, handoff)
         done = False
         try:
             detok = _Detok(self.tokenizer)

@@ -267,6 +267,8 @@ class Router:
             dreq = pb.DecodeRequest(version=PROTOCOL_VERSION, request=req)
             if first is not None:
                 dreq.first_token = first.first_token
+                if first.HasField("handoff"):  # the device path: the decode worker copies the prompt's KV
+                    dreq.handoff.CopyFrom(first.handoff)
             call = d.client.decode(dreq, h.remaining())
             h.track(call)
             seen = 0

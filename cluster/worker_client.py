@@ -1,11 +1,18 @@
 """The router's channel to one prefill or decode worker (proto/generation.proto's worker services)."""
 from __future__ import annotations
 
+import logging
+import threading
+
 import grpc
 
 from flashpd.cluster.generation_server import PROTOCOL_VERSION
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
+from flashpd.kv_bridge.handoff import Handoff
+
+log = logging.getLogger(__name__)
+RELEASE_TIMEOUT_S = 5.0
 
 
 def health_dict(r: pb.HealthReply) -> dict:
@@ -39,3 +46,52 @@ class WorkerClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class LeaseReleaser:
+    """Releases device-path leases at their prefill workers without waiting (a decode worker's engine loop
+    calls it): a lost release only holds the blocks until the lease's deadline. Counted, logged."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, h: Handoff) -> None:
+        if not h.exporter_address:
+            return
+        req = pb.ReleaseRequest(version=PROTOCOL_VERSION, exporter_id=h.exporter_id, lease_id=h.lease_id)
+        try:
+            fut = self._stub(h.exporter_address).Release.future(req, timeout=RELEASE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001  a release never fails the request
+            self._failed(h, e)
+            return
+        fut.add_done_callback(lambda f: self._done(h, f))
+
+    def _done(self, h: Handoff, f) -> None:
+        try:
+            e = f.exception()
+        except Exception as x:  # noqa: BLE001  cancelled
+            e = x
+        if e is not None:
+            self._failed(h, e)
+
+    def _failed(self, h: Handoff, e: BaseException | None) -> None:
+        with self._lock:
+            self.failures += 1
+        log.warning("releasing lease %d at %s failed (%s); it expires at its deadline", h.lease_id,
+                    h.exporter_address, e)
+
+    def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
+        with self._lock:
+            got = self._stubs.get(address)
+            if got is None:
+                ch = grpc.insecure_channel(address)
+                got = self._stubs[address] = (ch, pb_grpc.PrefillWorkerStub(ch))
+            return got[1]
+
+    def close(self) -> None:
+        with self._lock:
+            chans, self._stubs = [c for c, _ in self._stubs.values()], {}
+        for c in chans:
+            c.close()

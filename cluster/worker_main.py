@@ -196,6 +196,8 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
         done = warm_prefill(worker.gen, lengths_for(llm.runner.max_positions, 1))
         log.info("prefill warm-up: %d prompts of %s tokens in %.1f s", done["requests"], done["lengths"],
                  done["seconds"])
+    if cfg.kv_transport == "device":
+        worker.exporter = cache_exporter(cfg, llm, worker.gen, secret)
     host = PrefillHost(worker, llm.runner, llm.drafter.cfg.block_size if llm.drafter is not None else None,
                        cfg.fault_prefill_delay_s)
     metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): host.waiting})
@@ -203,8 +205,54 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent, {"PrefillWorker": servicer})
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
+    if worker.exporter is not None:
+        worker.exporter.address = w.address  # where decode workers release its leases
+        stop = threading.Event()
+        threading.Thread(target=_reap, args=(host, stop, cfg.handoff_lease_s), name="lease-reaper", daemon=True).start()
+        w.closers.append(stop.set)
     _serve_metrics(w, metrics, cfg, bind, adv)
     return w
+
+
+def _shared_caches(gen) -> tuple:
+    """The generator's target cache and (DFlash) drafter context cache; on a CPU moved into shared memory
+    (the device path's stand-in; a GPU shares them through CUDA IPC as they are)."""
+    caches = (gen.runner.cache.data, gen.drafts.cache.data if getattr(gen, "drafts", None) is not None else None)
+    for t in caches:
+        if t is not None and t.device.type == "cpu":
+            import torch.multiprocessing as mp  # noqa: PLC0415
+            mp.set_sharing_strategy("file_system")  # unrelated processes share CPU tensors by file name only
+            t.share_memory_()
+    return caches
+
+
+def cache_exporter(cfg, llm, gen, secret):
+    """The prefill worker's side of the same-host device path (cfg.kv_transport == "device")."""
+    from flashpd.kv_bridge.handoff import CacheExporter  # noqa: PLC0415
+
+    target, draft = _shared_caches(gen)
+    return CacheExporter(target, draft, fingerprint(cfg, llm), secret.mac_key, lease_s=cfg.handoff_lease_s)
+
+
+def cache_importer(cfg, llm, scheduler, secret):
+    """The decode worker's side: a HandoffImport over its scheduler's caches, releasing leases by RPC."""
+    from flashpd.cluster.worker_client import LeaseReleaser  # noqa: PLC0415
+    from flashpd.decode_node.handoff_import import HandoffImport  # noqa: PLC0415
+    from flashpd.kv_bridge.handoff import CacheImporter  # noqa: PLC0415
+
+    gen = scheduler.spec if scheduler.spec is not None else scheduler.native
+    target = gen.runner.cache.data
+    draft = gen.drafts.cache.data if getattr(gen, "drafts", None) is not None else None
+    return HandoffImport(CacheImporter(target, draft, fingerprint(cfg, llm), secret.mac_key), LeaseReleaser())
+
+
+def _reap(host, stop: threading.Event, lease_s: float) -> None:
+    """Free leases past their deadline even when no prefill comes to do it."""
+    while not stop.wait(max(0.05, lease_s / 4)):
+        try:
+            host.expire()
+        except Exception:  # noqa: BLE001  the reaper outlives a failed pass; it is logged
+            log.exception("expiring leases")
 
 
 def decode_metrics(metrics, worker) -> None:
@@ -215,6 +263,10 @@ def decode_metrics(metrics, worker) -> None:
     metrics.live("flashpd_kv_blocks_free", "Free KV blocks", "gauge", (), lambda: {(): st()["kv_blocks_free"]})
     metrics.live("flashpd_preemptions", "Requests preempted (recomputed when re-admitted)", "counter", (),
                  lambda: {(): st()["preemptions"]})
+    metrics.live("flashpd_handoff_imports", "Prompts whose KV came over the same-host device path", "counter", (),
+                 lambda: {(): st()["handoff_imports"]})
+    metrics.live("flashpd_handoff_fallbacks", "Device-path imports that failed and were recomputed locally",
+                 "counter", (), lambda: {(): st()["handoff_fallbacks"]})
     if worker.cache is not None:
         metrics.live("flashpd_recompute_fallbacks", "Bridge imports that failed and were recomputed locally",
                      "counter", ("reason",), lambda: {(k,): v for k, v in worker.cache.import_failures.items()})
@@ -250,6 +302,8 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
     w = RunningWorker("decode", "")
     cache = _bridge_cache(cfg, llm, w, metrics, secret) if cfg.bridge_address else None
     worker = build_decode(cfg, llm, cache, metrics)
+    if cfg.kv_transport == "device":  # before the engine loop takes its first request
+        worker.scheduler.handoff = cache_importer(cfg, llm, worker.scheduler, secret)
     w.closers.append(lambda: worker.stop(10))
     servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent,

@@ -23,6 +23,7 @@ from flashpd.engine.kv_cache import OutOfBlocks
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.client import BridgeError
+from flashpd.kv_bridge.handoff import Handoff
 from flashpd.prefill_node.worker import PrefillResult, PrefillWorker
 
 
@@ -73,6 +74,25 @@ class PrefillHost:
             self.running -= 1
             self._lock.release()
 
+    def release(self, exporter_id: str, lease_id: int) -> bool:
+        """Free a device-path lease (the decode worker is done with it); under the runner's lock, as the
+        allocator is not thread-safe."""
+        ex = self.worker.exporter
+        if ex is None or exporter_id != ex.exporter_id:
+            return False
+        with self._lock:
+            return self.worker.release(lease_id)
+
+    def expire(self) -> int:
+        """Free leases past their deadline (a decode worker that died or never came)."""
+        ex = self.worker.exporter
+        if ex is None or not ex.held or not self._lock.acquire(timeout=POLL_S):
+            return 0
+        try:
+            return ex.expire()
+        finally:
+            self._lock.release()
+
     def _count_waiting(self, d: int) -> None:
         with self._waiting_lock:
             self.waiting += d
@@ -113,9 +133,25 @@ class PrefillWorkerServicer(GenerationServicer, pb_grpc.PrefillWorkerServicer):
             abort_for(context, RequestFailed(f"{REQUEST_FAILED}: prefill: {type(e).__name__}: {e}"))
         if self.metrics is not None:
             self.metrics.ttft.labels("prefill", method).observe(res.prefill_ms / 1e3)
-        return pb.PrefillReply(version=PROTOCOL_VERSION, first_token=res.first_token,
-                               finish_reason=res.finish_reason or "", published_chunks=res.published_chunks,
-                               cached_tokens=res.cached_tokens, prefill_ms=res.prefill_ms)
+        reply = pb.PrefillReply(version=PROTOCOL_VERSION, first_token=res.first_token,
+                                finish_reason=res.finish_reason or "", published_chunks=res.published_chunks,
+                                cached_tokens=res.cached_tokens, prefill_ms=res.prefill_ms)
+        if res.handoff is not None:
+            h = res.handoff
+            reply.handoff.CopyFrom(pb.Handoff(exporter_id=h.exporter_id, exporter_address=h.exporter_address,
+                                              blob=h.blob, lease_id=h.lease_id, blocks=h.blocks, epochs=h.epochs,
+                                              num_tokens=h.num_tokens))
+            if res.finish_reason or not context.is_active():  # nobody will import it: free it now
+                self.host.release(h.exporter_id, h.lease_id)
+                reply.ClearField("handoff")
+        return reply
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
+        if request.version != PROTOCOL_VERSION:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
+        return pb.ReleaseReply(version=PROTOCOL_VERSION,
+                               released=self.host.release(request.exporter_id, int(request.lease_id)))
 
 
 class DecodeWorkerServicer(GenerationServicer, pb_grpc.DecodeWorkerServicer):
@@ -126,4 +162,11 @@ class DecodeWorkerServicer(GenerationServicer, pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
         first = request.first_token if request.HasField("first_token") else None
-        return self._stream(request.request, context, first)
+        handoff = None
+        if request.HasField("handoff"):
+            if first is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handoff: needs first_token (the prefill's)")
+            h = request.handoff
+            handoff = Handoff(h.exporter_id, h.exporter_address, bytes(h.blob), int(h.lease_id), tuple(h.blocks),
+                              tuple(h.epochs), int(h.num_tokens))
+        return self._stream(request.request, context, first, handoff)

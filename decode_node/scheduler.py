@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,7 +45,9 @@ from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.decode_node.handoff_import import HandoffImport
 from flashpd.decode_node.recompute import recompute
+from flashpd.kv_bridge.handoff import Handoff, HandoffError
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ class SchedulerStats:
     preemptions: int = 0
     recomputed_tokens: int = 0  # positions recomputed when preempted requests were re-admitted
     failed_requests: int = 0  # requests failed alone (an exception while serving them)
+    handoff_imports: int = 0  # prompts whose KV came over the device path (no prefill here)
     batch_faults: int = 0  # batch steps that raised and were recovered by re-admitting their rows
     finish_errors: int = 0  # publishes to the prefix cache that raised at a request's end (output unaffected)
 
@@ -90,6 +94,7 @@ class Request:
     emitted: int = 0  # tokens already handed to the caller
     preemptions: int = 0
     holds_reservation: bool = False  # policy "reserve": counted in Scheduler._reserved
+    handoff: Handoff | None = None  # the prefill worker's lease on the prompt's KV, until imported or dropped
     batch_faults: int = 0  # failed batch steps it was part of
 
 
@@ -126,14 +131,29 @@ class Scheduler:
         self._session_gen: NativeGenerator | None = None
         self.overlapped_steps = 0  # steps run that way (tests check the path is taken)
         self._suspects: set[int] = set()  # rows of a failed batch step: their next step runs alone
+        self.handoff: HandoffImport | None = None  # the same-host device path's importer (decode_node/handoff_import.py)
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams, method: str = "native",
-            block_size: int | None = None, first_token: int | None = None) -> Request:
+            block_size: int | None = None, first_token: int | None = None, handoff: Handoff | None = None
+            ) -> Request:
         """Queue a request; refuses at once what can never run here.
 
         first_token: the token a prefill worker already computed and streamed; it is committed
-        as the first output instead of the decode side's own (identical in float32) choice."""
+        as the first output instead of the decode side's own (identical in float32) choice.
+        handoff: that prefill's lease on the prompt's KV (the device path): imported at admission
+        instead of prefilling, when this scheduler has a `handoff` importer."""
+        try:
+            req = self._add(prompt, params, method, block_size, first_token)
+        except BaseException:
+            if handoff is not None and self.handoff is not None:
+                self.handoff.release(handoff)
+            raise
+        req.handoff = handoff
+        return req
+
+    def _add(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
+             first_token: int | None) -> Request:
         if method not in ("native", "dflash"):
             raise ValueError(f"method must be 'native' or 'dflash', got {method!r}")
         if method == "dflash" and self.spec is None:
@@ -164,8 +184,13 @@ class Scheduler:
         req.seq.finish_reason = req.seq.finish_reason or "cancelled"
 
     def _release(self, req: Request) -> None:
-        """Give back everything a request holds: its KV blocks and (policy reserve) its reservation."""
+        """Give back everything a request holds: its KV blocks, (policy reserve) its reservation, and a
+        device-path lease it never imported."""
         self.runner.allocator.free(req.seq.table)  # no-op for one that holds none
+        if req.handoff is not None:
+            if self.handoff is not None:
+                self.handoff.release(req.handoff)
+            req.handoff = None
         if req.holds_reservation:
             self._reserved -= req.reserved_blocks
             req.holds_reservation = False
@@ -259,10 +284,44 @@ class Scheduler:
     def _prepare(self, gen: NativeGenerator, group: list[Request], fresh: bool, method: str) -> None:
         seqs = [r.seq for r in group]
         if fresh:
-            gen.restore_prefixes(seqs, self.prefix_cache)
-            gen.prefill_request(seqs)
+            seqs = [r.seq for r in group if not self._import(r, method)]
+            if seqs:
+                gen.restore_prefixes(seqs, self.prefix_cache)
+                gen.prefill_request(seqs)
         else:  # preempted earlier: rebuild their caches, sample nothing
             self.stats.recomputed_tokens += recompute(gen, seqs, self.prefix_cache, taps=method == "dflash")
+
+    def _import(self, r: Request, method: str) -> bool:
+        """Admit a fresh request by copying its prompt's KV (both halves) from the prefill worker's caches:
+        afterwards it is exactly as after a local prefill (every prompt position cached, the prefill's first
+        token committed). False: no handoff, or one that cannot be used (counted; the prompt is computed
+        here). The lease is released either way, and tried once: a retry computes the prompt."""
+        h, r.handoff = r.handoff, None
+        if h is None or self.handoff is None:  # a lease with no importer here expires at its deadline
+            return False
+        s, alloc = r.seq, self.runner.allocator
+        n = len(s.prompt)
+        try:
+            if h.num_tokens != n or s.forced_first is None or s.table.blocks or s.output:
+                raise HandoffError(f"lease of {h.num_tokens} positions for a {n}-token prompt")
+            alloc.ensure(s.table, n)
+            if len(h.blocks) != len(s.table.blocks):
+                raise HandoffError(f"lease of {len(h.blocks)} blocks; the prompt takes {len(s.table.blocks)} here")
+            self.handoff.copy(h, list(s.table.blocks))
+        except HandoffError as e:
+            alloc.free(s.table)
+            self.handoff.fallback(str(e).split(" (")[0][:60])
+            log.warning("device-path import of request %d failed (%s); computing its prompt here", r.id, e)
+            return False
+        finally:
+            self.handoff.release(h)
+        s.table.num_tokens = n
+        if method == "dflash":
+            s.draft_len = n
+        s.stats.ttft_ms = (time.perf_counter() - s.t_start) * 1e3
+        s.commit([s.forced_first])
+        self.stats.handoff_imports += 1
+        return True
 
     def _reset(self, gen: NativeGenerator, r: Request, fresh: bool) -> None:
         """Undo a failed admission: no blocks, no draft state; a fresh request also gets a fresh sequence

@@ -46,7 +46,9 @@ class DecodeWorker:
         """Counters since start (read from any thread; each value is a plain int)."""
         s = self.scheduler
         out = dict(self.loop.counts(), preemptions=s.stats.preemptions, recomputed_tokens=s.stats.recomputed_tokens,
-                   steps=self.loop.steps)
+                   steps=self.loop.steps, failed_requests=s.stats.failed_requests,
+                   handoff_imports=s.stats.handoff_imports,
+                   handoff_fallbacks=sum(s.handoff.fallbacks.values()) if s.handoff is not None else 0)
         if self.cache is not None:
             c = self.cache.stats
             out.update(cache_hit_tokens=c.hit_tokens, cache_prompt_tokens=c.prompt_tokens,

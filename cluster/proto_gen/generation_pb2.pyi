@@ -117,27 +117,67 @@ class HealthReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., serving: _Optional[bool] = ..., has_drafter: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., default_block_size: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("version", "first_token", "finish_reason", "published_chunks", "cached_tokens", "prefill_ms")
+    __slots__ = ("version", "first_token", "finish_reason", "published_chunks", "cached_tokens", "prefill_ms", "handoff")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     version: int
     first_token: int
     finish_reason: str
     published_chunks: int
     cached_tokens: int
     prefill_ms: float
-    def __init__(self, version: _Optional[int] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., published_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    handoff: Handoff
+    def __init__(self, version: _Optional[int] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., published_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
+
+class Handoff(_message.Message):
+    __slots__ = ("exporter_id", "exporter_address", "blob", "lease_id", "blocks", "epochs", "num_tokens")
+    EXPORTER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPORTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    exporter_id: str
+    exporter_address: str
+    blob: bytes
+    lease_id: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    epochs: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, exporter_id: _Optional[str] = ..., exporter_address: _Optional[str] = ..., blob: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., epochs: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("version", "exporter_id", "lease_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPORTER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    exporter_id: str
+    lease_id: int
+    def __init__(self, version: _Optional[int] = ..., exporter_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("version", "released")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    released: bool
+    def __init__(self, version: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("version", "request", "first_token")
+    __slots__ = ("version", "request", "first_token", "handoff")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     version: int
     request: GenerateRequest
     first_token: int
-    def __init__(self, version: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., first_token: _Optional[int] = ...) -> None: ...
+    handoff: Handoff
+    def __init__(self, version: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., first_token: _Optional[int] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...

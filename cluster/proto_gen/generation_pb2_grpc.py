@@ -207,6 +207,11 @@ class PrefillWorkerStub:
                 request_serializer=generation__pb2.HealthRequest.SerializeToString,
                 response_deserializer=generation__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/flashpd.generation.v1.PrefillWorker/Release',
+                request_serializer=generation__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=generation__pb2.ReleaseReply.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -228,6 +233,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """The decode worker is done with a handoff's lease (imported, or gave up): its blocks are freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -240,6 +252,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=generation__pb2.HealthRequest.FromString,
                     response_serializer=generation__pb2.HealthReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=generation__pb2.ReleaseRequest.FromString,
+                    response_serializer=generation__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -299,6 +316,33 @@ class PrefillWorker:
             '/flashpd.generation.v1.PrefillWorker/Health',
             generation__pb2.HealthRequest.SerializeToString,
             generation__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashpd.generation.v1.PrefillWorker/Release',
+            generation__pb2.ReleaseRequest.SerializeToString,
+            generation__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

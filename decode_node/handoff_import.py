@@ -1,0 +1,29 @@
+"""The decode side of the same-host device path: copy a request's prompt KV out of the prefill worker's
+caches (kv_bridge/handoff.py), then have the lease released at its exporter.
+
+A handoff that cannot be used (a seal that does not verify, other geometry, blocks freed before or
+during the copy, a dead exporter's handle) raises HandoffError: the scheduler counts it by reason and
+recomputes the prompt, so the output never depends on which path the KV took. `release` is given by
+the serving layer (an asynchronous RPC to the prefill worker); it must never block or raise.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+from flashpd.kv_bridge.handoff import CacheImporter, Handoff
+
+
+class HandoffImport:
+    """A CacheImporter, the lease release, and the fallbacks counted by reason."""
+
+    def __init__(self, importer: CacheImporter, release: Callable[[Handoff], None]) -> None:
+        self.importer = importer
+        self.release = release
+        self.fallbacks: Counter[str] = Counter()
+
+    def copy(self, h: Handoff, dst_blocks: list[int]) -> None:
+        self.importer.copy(h, dst_blocks)
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks[reason] += 1

@@ -1,0 +1,254 @@
+"""The same-host device path: a decode worker copies a request's target KV and drafter state straight out
+of the prefill worker's paged caches, device to device, with no host bytes and no per-chunk Python.
+
+The exporter (prefill worker) shares its two paged caches once: on a GPU through CUDA IPC handles, on a
+CPU through shared memory (torch.multiprocessing's file-system strategy: the stand-in the CPU tests
+run). What travels per request is control only: a lease (blocks, the number of positions, each block's
+epoch). The prefill worker holds the lease's blocks until the decode worker releases them or the
+lease's deadline passes. The importer maps an exporter's caches once, then per request copies whole
+blocks of both caches with one gather and one scatter each.
+
+Trust: the exported handles are pickles, so their blob is sealed with the cluster's MAC key and only a
+blob that verifies is unpickled, by an unpickler that admits torch's tensor-rebuild functions alone.
+
+Use after free: the exporter bumps a block's epoch (in a shared host tensor) before the block can be
+reused. The importer checks the lease's epochs before the copy and again after it completed; any
+change means the blocks were freed meanwhile, and the copy is discarded (a counted fallback: the
+prompt is recomputed).
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import pickle
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from flashpd.kv_bridge.auth import MacKey
+
+_BLOB_MAGIC = b"FPHO1"
+_ALLOWED = {  # what a sealed export blob may name: torch's rebuild functions and the types they take
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
+    ("torch.storage", "TypedStorage"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch", "UntypedStorage"),
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("collections", "OrderedDict"),
+    ("torch", "device"),
+}
+
+
+class HandoffError(RuntimeError):
+    """A handoff that cannot be used (bad seal, other geometry, freed blocks): the prompt is recomputed."""
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):  # noqa: D102
+        if (module, name) in _ALLOWED or (module == "torch" and name.endswith("Storage")) or \
+                (module == "torch" and name in ("float32", "bfloat16", "float16", "int64")):
+            return super().find_class(module, name)
+        raise HandoffError(f"export blob names {module}.{name}, which a cache export never contains")
+
+
+def _share_strategy(t: torch.Tensor) -> None:
+    """CPU tensors cross unrelated processes only by file name (fds need a multiprocessing pipe)."""
+    if t.device.type == "cpu":
+        import torch.multiprocessing as mp  # noqa: PLC0415
+        mp.set_sharing_strategy("file_system")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What an importer checks before it copies: both caches' shapes (blocks aside) and dtype."""
+
+    target: tuple[int, ...]  # [layers, 2, block_size, kv_heads, head_dim]
+    draft: tuple[int, ...] | None
+    dtype: str
+    fingerprint: str
+
+    @classmethod
+    def of(cls, target: torch.Tensor, draft: torch.Tensor | None, fingerprint: str) -> "Geometry":
+        strip = lambda t: tuple(t.shape[:2]) + tuple(t.shape[3:])  # noqa: E731  (blocks are per worker)
+        return cls(strip(target), strip(draft) if draft is not None else None,
+                   str(target.dtype).removeprefix("torch."), fingerprint)
+
+
+@dataclass
+class Lease:
+    """One request's prompt KV held by the exporter for one importer."""
+
+    lease_id: int
+    blocks: list[int]
+    epochs: list[int]
+    num_tokens: int
+    deadline: float
+    release: object = None  # what frees the blocks (the exporter's callback)
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the decode side receives per request (inside its DecodeRequest): control data only."""
+
+    exporter_id: str
+    exporter_address: str
+    blob: bytes  # the sealed export (the same for every lease of one exporter)
+    lease_id: int
+    blocks: tuple[int, ...]
+    epochs: tuple[int, ...]
+    num_tokens: int
+
+
+class CacheExporter:
+    """The prefill side: shares its caches once, hands out leases, frees them on release or deadline."""
+
+    def __init__(self, target: torch.Tensor, draft: torch.Tensor | None, fingerprint: str, mac: MacKey,
+                 address: str = "", lease_s: float = 10.0) -> None:
+        for t in (target, draft):
+            if t is not None:
+                _share_strategy(t)
+                if t.device.type == "cpu" and not t.is_shared():
+                    raise ValueError("a CPU cache must be allocated shared (share_memory_()) before it is exported")
+        self.exporter_id = uuid.uuid4().hex
+        self.address = address
+        self.lease_s = lease_s
+        self.geometry = Geometry.of(target, draft, fingerprint)
+        self.epochs = torch.zeros(target.shape[2], dtype=torch.int64)  # host memory, shared by file name
+        _share_strategy(self.epochs)
+        self.epochs.share_memory_()
+        from multiprocessing.reduction import ForkingPickler  # noqa: PLC0415
+
+        payload = bytes(ForkingPickler.dumps((target, draft, self.epochs)))
+        head = pickle.dumps(self.geometry.__dict__, protocol=4)
+        body = _BLOB_MAGIC + len(head).to_bytes(4, "little") + head + payload
+        self.blob = body + mac.tag([body])
+        self._leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.stats = dict(leases=0, released=0, expired=0, unknown_releases=0)
+
+    def lease(self, blocks: list[int], num_tokens: int, release) -> Handoff:
+        """Hold `blocks` for an importer until release(lease_id) or the deadline; `release()` frees them."""
+        with self._lock:
+            lid = next(self._ids)
+            epochs = self.epochs[blocks].tolist() if blocks else []
+            self._leases[lid] = Lease(lid, list(blocks), epochs, num_tokens, time.monotonic() + self.lease_s, release)
+            self.stats["leases"] += 1
+        return Handoff(self.exporter_id, self.address, self.blob, lid, tuple(blocks), tuple(epochs), num_tokens)
+
+    def release(self, lease_id: int) -> bool:
+        """The importer is done (or gave up): free the lease's blocks. False for an unknown or expired lease."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                self.stats["unknown_releases"] += 1
+                return False
+            self._free(lease)
+            self.stats["released"] += 1
+        return True
+
+    def expire(self, now: float | None = None) -> int:
+        """Free every lease past its deadline (an importer that died or never came); returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            late = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+            for lid in late:
+                self._free(self._leases.pop(lid))
+            self.stats["expired"] += len(late)
+        return len(late)
+
+    def _free(self, lease: Lease) -> None:
+        if lease.blocks:  # bump first: an importer mid-copy sees the change and discards its copy
+            self.epochs[lease.blocks] += 1
+        lease.release()
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+
+class CacheImporter:
+    """The decode side: maps each exporter's caches once, copies a lease's blocks into its own caches."""
+
+    def __init__(self, target: torch.Tensor, draft: torch.Tensor | None, fingerprint: str, mac: MacKey) -> None:
+        self.target, self.draft = target, draft
+        self.geometry = Geometry.of(target, draft, fingerprint)
+        self.mac = mac
+        self._maps: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+        self.stats = dict(imports=0, failures=0, positions=0, mapped_exporters=0)
+
+    def _map(self, h: Handoff) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        got = self._maps.get(h.exporter_id)
+        if got is not None:
+            return got
+        blob = h.blob
+        if len(blob) < len(_BLOB_MAGIC) + 4 + 32 or not blob.startswith(_BLOB_MAGIC):
+            raise HandoffError("export blob: not a flashpd cache export")
+        body, tag = blob[:-32], blob[-32:]
+        if not self.mac.verify([body], tag):
+            raise HandoffError("export blob: MAC does not verify (not made with this cluster's secret)")
+        n = int.from_bytes(body[len(_BLOB_MAGIC):len(_BLOB_MAGIC) + 4], "little")
+        off = len(_BLOB_MAGIC) + 4
+        geometry = Geometry(**_Unpickler(io.BytesIO(body[off:off + n])).load())
+        if (geometry.target, geometry.draft, geometry.dtype) != \
+                (self.geometry.target, self.geometry.draft, self.geometry.dtype):
+            raise HandoffError(f"exporter's caches {geometry} do not fit this worker's {self.geometry}")
+        if geometry.fingerprint != self.geometry.fingerprint:
+            raise HandoffError("exporter runs another method (fingerprint differs)")
+        if self.target.device.type == "cpu":
+            import torch.multiprocessing as mp  # noqa: PLC0415
+            mp.set_sharing_strategy("file_system")
+        src_t, src_d, epochs = _Unpickler(io.BytesIO(body[off + n:])).load()
+        self._maps[h.exporter_id] = (src_t, src_d, epochs)
+        self.stats["mapped_exporters"] = len(self._maps)
+        return src_t, src_d, epochs
+
+    def forget(self, exporter_id: str) -> None:
+        """Drop an exporter's mapping (it went away; a restarted one comes with a new id)."""
+        self._maps.pop(exporter_id, None)
+
+    def copy(self, h: Handoff, dst_blocks: list[int]) -> None:
+        """Copy the lease's blocks into dst_blocks of this worker's caches (both halves). Raises
+        HandoffError when the handoff cannot be used; then nothing copied may be read."""
+        try:
+            src_t, src_d, epochs = self._map(h)
+            nblk = len(h.blocks)
+            if nblk != len(dst_blocks) or nblk != len(h.epochs):
+                raise HandoffError(f"lease of {nblk} blocks for {len(dst_blocks)} destination blocks")
+            if nblk == 0:
+                return
+            if max(h.blocks) >= src_t.shape[2] or min(h.blocks) < 0:
+                raise HandoffError("lease names blocks outside the exporter's cache")
+            want = torch.tensor(h.epochs, dtype=torch.int64)
+            idx = torch.tensor(h.blocks, dtype=torch.int64)
+            if not torch.equal(epochs[idx], want):
+                raise HandoffError("lease's blocks were freed before the import (epoch changed)")
+            didx = torch.tensor(dst_blocks, dtype=torch.int64, device=self.target.device)
+            for src, dst in ((src_t, self.target), (src_d, self.draft)):
+                if dst is None:
+                    continue
+                vals = src.index_select(2, idx.to(src.device))
+                dst.index_copy_(2, didx, vals.to(dst.device, non_blocking=True))
+            if self.target.device.type == "cuda":
+                torch.cuda.current_stream(self.target.device).synchronize()  # copies done before the re-check
+            if not torch.equal(epochs[idx], want):
+                raise HandoffError("lease's blocks were freed during the import (epoch changed)")
+            self.stats["imports"] += 1
+            self.stats["positions"] += h.num_tokens
+        except HandoffError:
+            self.stats["failures"] += 1
+            raise
+        except Exception as e:  # noqa: BLE001  a handle that does not open, a dead exporter's segment, ...
+            self.stats["failures"] += 1
+            raise HandoffError(f"{type(e).__name__}: {e}") from None

@@ -1,0 +1,253 @@
+"""The same-host device path (kv_bridge/handoff.py): a decode worker copies a prefill worker's blocks.
+
+On the CPU the caches are shared through torch.multiprocessing's file-system strategy, the stand-in of
+CUDA IPC; the code path is the same. Outputs and per-step acceptance lengths after a handoff equal a
+cold colocated run; every unusable handoff (blocks freed before the import, a forged seal, other
+geometry, a dead exporter) is a counted fallback that recomputes the prompt; leases free their blocks on
+release or at their deadline.
+"""
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from flashpd.decode_node.handoff_import import HandoffImport
+from flashpd.decode_node.scheduler import Scheduler
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge.auth import ClusterSecret
+from flashpd.kv_bridge.handoff import CacheExporter, CacheImporter, Handoff, HandoffError
+from flashpd.prefill_node.worker import PrefillWorker
+
+from tests._cluster_helpers import colocated_reference  # noqa: F401  (module fixture)
+from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+
+SECRET = ClusterSecret.generate()
+
+
+@pytest.fixture(scope="module")
+def pair(dflash_pair):  # noqa: F811
+    target = load_target(dflash_pair.target_dir)
+    return target, load_drafter(dflash_pair.draft_dir, target)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(20, 120, (n,), generator=g)]
+
+
+def _runner(target, drafter, blocks: int = 256) -> ModelRunner:
+    return ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids))
+
+
+def _prefill_side(target, drafter, lease_s: float = 10.0) -> PrefillWorker:
+    import torch.multiprocessing as mp
+
+    mp.set_sharing_strategy("file_system")
+    worker = PrefillWorker(_runner(target, drafter), drafter, None)
+    caches = (worker.gen.runner.cache.data, worker.gen.drafts.cache.data)
+    for t in caches:
+        t.share_memory_()
+    worker.exporter = CacheExporter(*caches, "fp", SECRET.mac_key, lease_s=lease_s)
+    return worker
+
+
+def _decode_side(target, drafter, secret: ClusterSecret = SECRET, fingerprint: str = "fp"):
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    released: list[int] = []
+    imp = CacheImporter(sched.runner.cache.data, sched.spec.drafts.cache.data, fingerprint, secret.mac_key)
+    sched.handoff = HandoffImport(imp, lambda h: released.append(h.lease_id))
+    return sched, released
+
+
+def _cold(target, drafter, prompt, params, method):
+    """A colocated run from scratch: the oracle of every handoff."""
+    runner = _runner(target, drafter)
+    gen = DFlashGenerator(runner, drafter, ()) if method == "dflash" else NativeGenerator(runner)
+    s = gen.generate([prompt], [params])[0]
+    return s.output, s.stats.acceptance_lengths
+
+
+def _drain(sched: Scheduler) -> None:
+    for _ in range(10_000):
+        if sched.idle:
+            return
+        sched.step()
+    raise AssertionError("not idle")
+
+
+@pytest.mark.parametrize("method", ["dflash", "native"])
+def test_handoff_equals_a_cold_colocated_run_and_frees_the_prefill_blocks(pair, method):
+    target, drafter = pair
+    pw = _prefill_side(target, drafter)
+    free0 = pw.gen.runner.allocator.num_free
+    sched, released = _decode_side(target, drafter)
+    prompts = _prompts(4, 1)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    reqs = []
+    for p in prompts:
+        res = pw.prefill(p, sp)
+        assert res.handoff is not None and res.published_chunks == 0
+        reqs.append(sched.add(p, sp, method, first_token=res.first_token, handoff=res.handoff))
+    assert pw.gen.runner.allocator.num_free < free0  # held under the leases
+    _drain(sched)
+    assert sched.stats.handoff_imports == 4 and not sched.handoff.fallbacks
+    for lid in released:
+        assert pw.release(lid)
+    assert pw.gen.runner.allocator.num_free == free0 and pw.exporter.held == 0
+    for r, p in zip(reqs, prompts):
+        out, acc = _cold(target, drafter, p, sp, method)
+        assert r.seq.output == out and r.seq.stats.acceptance_lengths == acc
+
+
+def _run_one(sched: Scheduler, p, sp, first, handoff):
+    r = sched.add(p, sp, "dflash", first_token=first, handoff=handoff)
+    _drain(sched)
+    return r
+
+
+def test_blocks_freed_before_the_import_are_a_counted_fallback_with_exact_output(pair):
+    target, drafter = pair
+    pw = _prefill_side(target, drafter)
+    sched, _ = _decode_side(target, drafter)
+    p, sp = _prompts(1, 2)[0], SamplingParams(max_tokens=30, ignore_eos=True)
+    res = pw.prefill(p, sp)
+    assert pw.release(res.handoff.lease_id)  # the lease ends (say, its deadline) before the decode side copies
+    pw.prefill(_prompts(1, 3)[0], sp)  # and another prompt reuses its blocks
+    r = _run_one(sched, p, sp, res.first_token, res.handoff)
+    assert sched.stats.handoff_imports == 0 and sum(sched.handoff.fallbacks.values()) == 1
+    assert "freed" in next(iter(sched.handoff.fallbacks))
+    assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, p, sp, "dflash")
+
+
+def test_a_forged_seal_or_other_geometry_is_refused_and_recomputed(pair):
+    target, drafter = pair
+    pw = _prefill_side(target, drafter)
+    p, sp = _prompts(1, 4)[0], SamplingParams(max_tokens=24, ignore_eos=True)
+    want = _cold(target, drafter, p, sp, "dflash")
+    cases = {
+        "stranger": _decode_side(target, drafter, secret=ClusterSecret.generate()),  # another cluster's key
+        "fingerprint": _decode_side(target, drafter, fingerprint="other"),
+    }
+    for name, (sched, _) in cases.items():
+        res = pw.prefill(p, sp)
+        r = _run_one(sched, p, sp, res.first_token, res.handoff)
+        assert sum(sched.handoff.fallbacks.values()) == 1, name
+        assert (r.seq.output, r.seq.stats.acceptance_lengths) == want, name
+        pw.release(res.handoff.lease_id)
+    # a blob altered after sealing
+    sched, _ = _decode_side(target, drafter)
+    res = pw.prefill(p, sp)
+    bad = bytearray(res.handoff.blob)
+    bad[10] ^= 1
+    forged = Handoff(**{**res.handoff.__dict__, "blob": bytes(bad)})
+    r = _run_one(sched, p, sp, res.first_token, forged)
+    assert "MAC" in next(iter(sched.handoff.fallbacks)) and r.seq.output == want[0]
+
+
+def test_leases_expire_at_their_deadline(pair):
+    """A decode worker that dies mid-import never releases: the lease's deadline frees its blocks."""
+    target, drafter = pair
+    pw = _prefill_side(target, drafter, lease_s=0.2)
+    free0 = pw.gen.runner.allocator.num_free
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    for p in _prompts(3, 5):
+        pw.prefill(p, sp)
+    assert pw.exporter.held == 3 and pw.gen.runner.allocator.num_free < free0
+    time.sleep(0.25)
+    assert pw.exporter.expire() == 3
+    assert pw.exporter.held == 0 and pw.gen.runner.allocator.num_free == free0
+    assert not pw.release(1)  # a late release of an expired lease is refused
+
+
+_CHILD = r'''
+import pickle, sys, torch
+import torch.multiprocessing as mp
+mp.set_sharing_strategy("file_system")
+from flashpd.kv_bridge.auth import ClusterSecret
+from flashpd.kv_bridge.handoff import CacheExporter
+t = torch.randn(2, 2, 8, 4, 1, 3); t.share_memory_()
+d = torch.randn(1, 2, 8, 4, 1, 3); d.share_memory_()
+ex = CacheExporter(t, d, "fp", ClusterSecret.from_hex(sys.argv[1]).mac_key)
+h = ex.lease([5, 2], 20, lambda: None)
+sys.stdout.buffer.write(pickle.dumps((h.__dict__, t[:, :, [5, 2]].clone(), d[:, :, [5, 2]].clone())))
+sys.stdout.flush()
+if sys.argv[2] == "wait":
+    sys.stdin.read()  # alive until the parent has imported
+'''
+
+
+@pytest.mark.parametrize("exporter_alive", [True, False])
+def test_import_across_processes_and_from_a_dead_exporter(exporter_alive):
+    """Another process's caches are copied bit for bit; once the exporter died, the import either still
+    reads its intact segment or fails as a counted HandoffError, never with other bytes."""
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, SECRET.export_hex(), "wait" if exporter_alive else "exit"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    if exporter_alive:
+        data = b""
+        while True:  # read the whole pickle while the child stays alive
+            chunk = proc.stdout.read1(1 << 16)
+            data += chunk
+            try:
+                hd, want_t, want_d = pickle.loads(data)
+                break
+            except Exception:  # noqa: BLE001  incomplete yet
+                assert chunk, "child ended early"
+    else:
+        data, _ = proc.communicate(timeout=60)
+        hd, want_t, want_d = pickle.loads(data)
+    t, d = torch.zeros(2, 2, 6, 4, 1, 3), torch.zeros(1, 2, 6, 4, 1, 3)
+    imp = CacheImporter(t, d, "fp", SECRET.mac_key)
+    try:
+        imp.copy(Handoff(**hd), [3, 0])
+        assert torch.equal(t[:, :, [3, 0]], want_t) and torch.equal(d[:, :, [3, 0]], want_d)
+    except HandoffError:
+        assert not exporter_alive and imp.stats["failures"] == 1
+    finally:
+        if exporter_alive:
+            proc.stdin.close()
+        proc.wait(30)
+
+
+def _metric(address: str, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ") or
+               ln.startswith(name + "{"))
+
+
+def test_local_service_over_the_device_path_equals_colocated(dflash_pair, colocated_reference):  # noqa: F811
+    """`kv_transport: device` with the prefill and decode workers as separate local processes: every
+    prompt's KV crosses by shared caches (counted at the decode worker), outputs and acceptance lengths
+    equal the colocated server's, and the prefill worker's blocks all come back."""
+    from flashpd.cluster.generation_client import GenerationClient
+    from flashpd.cluster.service import start_service
+    from tests._cluster_helpers import N_PROMPTS, run_concurrently, serve_cfg, wait_until
+
+    ps, ref = colocated_reference
+    svc = start_service(serve_cfg(dflash_pair, "local", prefill_workers=1, decode_workers=1, kv_transport="device"))
+    try:
+        got = run_concurrently(svc.address, list(range(N_PROMPTS)), ps)
+        for i in range(N_PROMPTS):
+            assert got[i] == ref[i], f"request {i}: tokens / acceptance lengths differ from colocated"
+        assert sum(svc.backend.fallbacks.values()) == 0
+        dec = svc.pool.slots["decode"][0].launched.metrics_address
+        assert _metric(dec, "flashpd_handoff_imports_total") == N_PROMPTS
+        assert _metric(dec, "flashpd_handoff_fallbacks_total") == 0
+        pre = svc.pool.slots["prefill"][0]
+        wait_until(lambda: (lambda h: h["kv_blocks_free"] == h["kv_blocks_total"])(pre.client.health(5)),
+                   "the prefill worker's leases to be released", timeout_s=10)
+        with GenerationClient(svc.address) as c:
+            assert c.health()["serving"]
+    finally:
+        svc.stop()

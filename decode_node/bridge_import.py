@@ -14,7 +14,7 @@ from collections import Counter
 from flashpd.engine.sequence import Sequence
 from flashpd.kv_bridge.chunk import CorruptChunk
 from flashpd.kv_bridge.client import BridgeError
-from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.prefix_cache import Fetched, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,25 @@ class GuardedPrefixCache:
             log.warning("KV import from the bridge failed (%s: %s); recomputing the %d-token prompt locally",
                         type(e).__name__, e, len(seq.prompt))
             return 0
+
+    def lookup_tokens(self, gen, prompt: list[int]) -> int:
+        try:
+            return self.cache.lookup_tokens(gen, prompt)
+        except IMPORT_ERRORS:
+            return 0
+
+    def fetch(self, gen, prompt: list[int]) -> Fetched:
+        """As PrefixCache.fetch; a failing bridge gives an empty fetch (counted, logged): recomputed."""
+        try:
+            return self.cache.fetch(gen, prompt)
+        except IMPORT_ERRORS as e:
+            self.import_failures[type(e).__name__] += 1
+            log.warning("KV import from the bridge failed (%s: %s); recomputing the %d-token prompt locally",
+                        type(e).__name__, e, len(prompt))
+            return Fetched(len(prompt))
+
+    def apply(self, gen, seq: Sequence, got: Fetched) -> int:
+        return self.cache.apply(gen, seq, got)
 
     def publish(self, gen, seq: Sequence) -> int:
         try:

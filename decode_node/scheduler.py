@@ -36,6 +36,7 @@ import itertools
 import logging
 import math
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 # A row implicated in this many failed batch steps is failed even if its solo steps pass: a fault
 # that only shows in a batch (e.g. memory) must not loop forever through recover / re-admit.
 MAX_BATCH_FAULTS = 3
+LOAD_THREADS = 4  # prefix fetches in flight at once (each mostly waits on the bridge)
+LOAD_POLL_S = 0.05  # an idle engine waits this long at most for a load before looking again
 
 
 REQUEST_FAILED = "request failed"  # how a RequestFailed's message (an INTERNAL status's details) starts
@@ -95,6 +98,7 @@ class Request:
     preemptions: int = 0
     holds_reservation: bool = False  # policy "reserve": counted in Scheduler._reserved
     handoff: Handoff | None = None  # the prefill worker's lease on the prompt's KV, until imported or dropped
+    load: Future | None = None  # the prefix cache's fetch of its prompt, running off the engine loop
     batch_faults: int = 0  # failed batch steps it was part of
 
 
@@ -132,6 +136,8 @@ class Scheduler:
         self.overlapped_steps = 0  # steps run that way (tests check the path is taken)
         self._suspects: set[int] = set()  # rows of a failed batch step: their next step runs alone
         self.handoff: HandoffImport | None = None  # the same-host device path's importer (decode_node/handoff_import.py)
+        self.async_load = True  # prefix fetches on a thread pool (False: inside admission, as restore does)
+        self._loader: ThreadPoolExecutor | None = None
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams, method: str = "native",
@@ -150,7 +156,25 @@ class Scheduler:
                 self.handoff.release(handoff)
             raise
         req.handoff = handoff
+        if handoff is None and self.async_load and hasattr(self.prefix_cache, "fetch"):
+            # the worker side's start-load: bridge I/O and verification run off the engine loop; the request
+            # is admitted once its data is here, and the running batch never waits for it
+            gen = self.spec if method == "dflash" else self.native
+            req.load = self._loads().submit(self.prefix_cache.fetch, gen, list(prompt))
         return req
+
+    def _loads(self) -> ThreadPoolExecutor:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix="kv-load")
+        return self._loader
+
+    @staticmethod
+    def _ready(r: Request) -> bool:
+        """Admissible now: nothing loading for it, or its load finished."""
+        return r.load is None or r.load.done()
+
+    def _has_ready(self) -> bool:
+        return any(self._ready(r) for r in self.waiting)
 
     def _add(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
              first_token: int | None) -> Request:
@@ -191,6 +215,9 @@ class Scheduler:
             if self.handoff is not None:
                 self.handoff.release(req.handoff)
             req.handoff = None
+        if req.load is not None:
+            req.load.cancel()  # a fetch already running finishes on its thread; its result is dropped
+            req.load = None
         if req.holds_reservation:
             self._reserved -= req.reserved_blocks
             req.holds_reservation = False
@@ -236,22 +263,28 @@ class Scheduler:
         return math.ceil((ctx + self._width(r)) / self.runner.block_size)
 
     def _pick(self) -> list[Request]:
+        """Waiting requests to admit now, in queue order, skipping those whose prefix is still loading."""
         admitted: list[Request] = []
         if self.policy == "reserve":
-            while self.waiting and len(self.running) + len(admitted) < self.max_running and \
-                    self._reserved + self.waiting[0].reserved_blocks <= self._capacity:
-                req = self.waiting.popleft()
+            for req in [r for r in self.waiting if self._ready(r)]:
+                if len(self.running) + len(admitted) >= self.max_running or \
+                        self._reserved + req.reserved_blocks > self._capacity:
+                    break
                 self._reserved += req.reserved_blocks
                 req.holds_reservation = True
                 admitted.append(req)
-            return admitted
-        free = self.runner.allocator.num_free - sum(self._step_blocks(r) for r in self.running)
-        while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            need = self._admit_blocks(self.waiting[0])
-            if need > free:
-                break
-            free -= need
-            admitted.append(self.waiting.popleft())
+        else:
+            free = self.runner.allocator.num_free - sum(self._step_blocks(r) for r in self.running)
+            for req in [r for r in self.waiting if self._ready(r)]:
+                if len(self.running) + len(admitted) >= self.max_running:
+                    break
+                need = self._admit_blocks(req)
+                if need > free:
+                    break
+                free -= need
+                admitted.append(req)
+        for req in admitted:
+            self.waiting.remove(req)
         return admitted
 
     def _admit(self, result: StepResult) -> list[Request]:
@@ -284,10 +317,18 @@ class Scheduler:
     def _prepare(self, gen: NativeGenerator, group: list[Request], fresh: bool, method: str) -> None:
         seqs = [r.seq for r in group]
         if fresh:
-            seqs = [r.seq for r in group if not self._import(r, method)]
-            if seqs:
-                gen.restore_prefixes(seqs, self.prefix_cache)
-                gen.prefill_request(seqs)
+            local = [r for r in group if not self._import(r, method)]
+            sync = []
+            for r in local:
+                if r.load is None:
+                    sync.append(r.seq)
+                    continue
+                got, r.load = r.load.result(), None  # finished: _pick admits no request still loading
+                self.runner.allocator.ensure(r.seq.table, len(r.seq.prompt))
+                self.prefix_cache.apply(gen, r.seq, got)
+            if local:
+                gen.restore_prefixes(sync, self.prefix_cache)
+                gen.prefill_request([r.seq for r in local])
         else:  # preempted earlier: rebuild their caches, sample nothing
             self.stats.recomputed_tokens += recompute(gen, seqs, self.prefix_cache, taps=method == "dflash")
 
@@ -361,7 +402,7 @@ class Scheduler:
     def _overlap_gen(self) -> NativeGenerator | None:
         """The generator whose device loop can step the whole running batch now, or None: nothing
         waiting, one method, greedy rows its loop takes, and free KV to every row's end."""
-        if not self.overlap or self.waiting or not self.running or any(r.seq.done for r in self.running):
+        if not self.overlap or self._has_ready() or not self.running or any(r.seq.done for r in self.running):
             return None
         methods = {r.method for r in self.running}
         if len(methods) != 1:
@@ -452,7 +493,9 @@ class Scheduler:
 
     def step(self) -> StepResult:
         result = StepResult()
-        if self.waiting or not self.overlap or self._suspects:
+        if not self.running and self.waiting and not self._has_ready():  # only loads in flight: wait for one
+            wait([r.load for r in self.waiting if r.load is not None], timeout=LOAD_POLL_S, return_when=FIRST_COMPLETED)
+        if self._has_ready() or not self.overlap or self._suspects:
             self._end_session()  # admissions (and preemptions) work on the host's view of the batch
         if self._session is None:
             self.running.extend(self._admit(result))

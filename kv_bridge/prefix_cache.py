@@ -48,6 +48,15 @@ class PrefixCacheStats:
     per_request_hits: list[int] = field(default_factory=list)
 
 
+@dataclass
+class Fetched:
+    """A restore's data, read but not yet written: the leading usable chunks of one prompt."""
+
+    prompt_len: int
+    chunks: list[KVChunk] = field(default_factory=list)
+    refused: bool = False  # a present chunk that could not be used ended the run (counted when applied)
+
+
 class PrefixCache:
     def __init__(self, store: Store, fingerprint: str, chunk_tokens: int = 256, restore_draft: bool = True) -> None:
         if chunk_tokens <= 0:
@@ -69,13 +78,22 @@ class PrefixCache:
         request uses a full entry's target half, or the target-only chain."""
         return [self.fingerprint] if getattr(gen, "drafts", None) is not None else [self.fingerprint, self.target_only]
 
-    def restore(self, gen, seq: Sequence) -> int:
-        """Import the cached prefix of seq.prompt into its (already reserved) blocks; returns its length."""
-        self.stats.requests += 1
-        self.stats.prompt_tokens += len(seq.prompt)
+    def lookup_tokens(self, gen, prompt: list[int]) -> int:
+        """How many prompt positions a restore would take from the store now (the scheduler side of the
+        connector: no side effects, no data moved; entries can still be evicted before the fetch)."""
+        best = 0
+        for chain in self._readable(gen):
+            k = self._keys(prompt[:len(prompt) - 1], chain)
+            best = max(best, self.store.lookup(k) if k else 0)
+        return best * self.chunk_tokens
+
+    def fetch(self, gen, prompt: list[int]) -> Fetched:
+        """The I/O half of a restore: find and read the longest usable run of the prompt's leading chunks,
+        each checked against the generator's layout and the prompt's tokens. Touches neither the caches nor
+        the stats, so it may run on another thread while the engine steps (apply() writes the result)."""
         n, keys, fp = 0, [], self.fingerprint
         for chain in self._readable(gen):
-            k = self._keys(seq.prompt[:len(seq.prompt) - 1], chain)
+            k = self._keys(prompt[:len(prompt) - 1], chain)
             m = self.store.lookup(k) if k else 0
             if m > n:
                 n, keys, fp = m, k, chain
@@ -84,29 +102,47 @@ class PrefixCache:
                                        self.chunk_tokens, fp)
         get_many = getattr(self.store, "get_many", None)  # a remote store fetches the run in one call
         fetched = get_many(keys[:n], layout) if get_many is not None and n else None
-        hit = 0
+        out = Fetched(len(prompt))
         for i in range(n):
-            lo = i * self.chunk_tokens
-            hi = lo + self.chunk_tokens
+            lo, hi = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
             try:  # past the fetched run, get() tells a miss (None) from a chunk that does not fit
                 chunk = fetched[i] if fetched is not None and i < len(fetched) else self.store.get(keys[i], layout)
             except (LayoutMismatch, CorruptChunk):
-                self.stats.refused_chunks += 1
+                out.refused = True
                 break
             if chunk is None:  # evicted between lookup and get: the rest is recomputed
                 break
-            if layout.check(chunk) is not None or chunk.token_ids != seq.prompt[lo:hi]:
-                self.stats.refused_chunks += 1
+            if layout.check(chunk) is not None or chunk.token_ids != prompt[lo:hi]:
+                out.refused = True
                 break
+            out.chunks.append(chunk)
+        return out
+
+    def apply(self, gen, seq: Sequence, got: Fetched) -> int:
+        """The write half of a restore: the fetched run into the sequence's (already reserved) blocks, both
+        halves; returns the positions restored (a chunk that fails to write ends the run)."""
+        if got.prompt_len != len(seq.prompt):
+            raise ValueError(f"fetched for a {got.prompt_len}-token prompt, applied to {len(seq.prompt)}")
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(seq.prompt)
+        runner, drafts = gen.runner, getattr(gen, "drafts", None)
+        hit, refused = 0, got.refused
+        for i, chunk in enumerate(got.chunks):
+            lo, hi = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
             if not self._write(runner, drafts, seq, lo, hi, chunk):
-                self.stats.refused_chunks += 1
+                refused = True
                 break
             hit = hi
+        self.stats.refused_chunks += int(refused)
         seq.table.num_tokens = hit
         seq.draft_len = hit  # with restore_draft=False these positions hold NO valid draft state (the control)
         self.stats.hit_tokens += hit
         self.stats.per_request_hits.append(hit)
         return hit
+
+    def restore(self, gen, seq: Sequence) -> int:
+        """Import the cached prefix of seq.prompt into its (already reserved) blocks; returns its length."""
+        return self.apply(gen, seq, self.fetch(gen, seq.prompt))
 
     def _write(self, runner, drafts, seq: Sequence, lo: int, hi: int, chunk: KVChunk) -> bool:
         """Write one chunk into the sequence's slots; False if anything fails (positions from lo on are

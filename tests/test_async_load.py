@@ -1,0 +1,87 @@
+"""The worker side of the KV connector: a prefix fetch runs off the engine loop.
+
+A request whose prefix is still loading from a slow store waits on its own: the running batch keeps
+stepping (and streaming) meanwhile, and once the data is here the request is admitted with the hit,
+its tokens and acceptance lengths equal to a cold run's. The scheduler side's lookup counts what a
+restore would take without moving data or counting a request.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from flashpd.decode_node.scheduler import Scheduler
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.store import MemoryStore
+
+from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+
+
+@pytest.fixture(scope="module")
+def pair(dflash_pair):  # noqa: F811
+    target = load_target(dflash_pair.target_dir)
+    return target, load_drafter(dflash_pair.draft_dir, target)
+
+
+class _GatedStore(MemoryStore):
+    """A real memory store whose reads block until `gate` is set (a slow bridge)."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 28)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.reading = threading.Event()
+
+    def get(self, key, layout=None):
+        self.reading.set()
+        assert self.gate.wait(60), "test gate never opened"
+        return super().get(key, layout)
+
+
+def _runner(target, drafter) -> ModelRunner:
+    return ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids))
+
+
+def _prompts(n: int, seed: int, lo: int, hi: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+
+
+def test_a_loading_request_does_not_stop_the_running_batch(pair):
+    target, drafter = pair
+    store = _GatedStore()
+    cache = PrefixCache(store, "f" * 64, chunk_tokens=32)
+    slow = _prompts(1, 21, 150, 151)[0]
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    warm.add(slow, sp, "dflash")
+    warm.run_until_idle()  # publishes the slow prompt's chunks (both halves)
+    assert store.stats()["entries"] == 4
+
+    cold = DFlashGenerator(_runner(target, drafter), drafter, ()).generate([slow], [sp])[0]
+    sched = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    assert cache.lookup_tokens(sched.spec, slow) == 128 and cache.stats.requests == 1  # no side effect
+    others = [sched.add(p, SamplingParams(max_tokens=60, ignore_eos=True), "native")
+              for p in _prompts(3, 22, 20, 40)]
+    for _ in range(3):
+        sched.step()
+    store.gate.clear()
+    store.reading.clear()
+    r = sched.add(slow, sp, "dflash")
+    assert store.reading.wait(30), "the fetch did not start"
+    before = {o.id: len(o.seq.output) for o in others}
+    for _ in range(5):  # the fetch is blocked: the batch steps on without it
+        sched.step()
+    assert r in sched.waiting and not r.seq.output
+    assert all(len(o.seq.output) > before[o.id] for o in others), "the running batch stalled on a load"
+    store.gate.set()
+    sched.run_until_idle()
+    assert cache.stats.per_request_hits[-1] == 128  # admitted with its prefix restored
+    assert r.seq.output == cold.output and r.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths

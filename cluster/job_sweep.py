@@ -143,7 +143,7 @@ class ServeProcess:
 def _cfg(a: argparse.Namespace, mode: str) -> ServeConfig:
     base = json.loads(Path(a.config).read_text()) if a.config else {}
     base.update(target=a.target, draft=a.draft, mode="colocated" if mode == "colocated" else a.launcher)
-    for k in ("device", "dtype", "kv_cache_tokens", "torch_threads", "bridge_transport"):
+    for k in ("device", "dtype", "kv_cache_tokens", "torch_threads", "bridge_transport", "kv_transport"):
         if getattr(a, k) is not None:
             base[k] = getattr(a, k)
     base.update(prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, chunk_tokens=a.chunk_tokens,
@@ -205,7 +205,8 @@ def sweep(a: argparse.Namespace) -> dict:
                          "long_prompt_tokens": a.long_prompt_tokens, "launcher": a.launcher, "device": a.device,
                          "dtype": a.dtype, "prefill_workers": a.prefill_workers,
                          "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens,
-                         "bridge_transport": _cfg(a, "disaggregated").bridge_transport}}
+                         "bridge_transport": _cfg(a, "disaggregated").bridge_transport,
+                         "kv_transport": _cfg(a, "disaggregated").kv_transport}}
 
 
 def _exactness(outputs: dict, modes: list[str]) -> dict:
@@ -258,6 +259,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bridge-transport", choices=["inline", "shm"], dest="bridge_transport",
                     help="how KV chunks move between workers and the bridge: in the gRPC messages, or through "
                          "shared memory with gRPC carrying handles (same host)")
+    ap.add_argument("--kv-transport", choices=["bridge", "device"], dest="kv_transport",
+                    help="how a prefill's KV reaches its decode worker: through the bridge, or (same host) by the "
+                         "device path, the decode worker copying the prefill worker's blocks")
     ap.add_argument("--prefill-workers", type=int, default=1)
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--chunk-tokens", type=int, default=256)

@@ -41,6 +41,9 @@ class ServeConfig:
     # in bytes; 0 = none. Colocated: the server's own prefix cache. Prefill / decode workers: in front of
     # the bridge (writes go through to it, what it serves is promoted). A hit is then a device copy.
     device_cache_bytes: int = 0
+    # a worker-local tier of cache entries in pinned host memory (kv_bridge/host_store.py), in bytes; 0 = none.
+    # Under the device tier when both are set; a hit is one host-to-device copy per chunk.
+    host_cache_bytes: int = 0
     bridge_disk_bytes: int = 16 << 30
     bridge_transport: str = "inline"  # "shm": same-host shared memory for imports
     # how a prefill's KV reaches its decode worker: "bridge" (published chunks, imported by key) or "device"
@@ -96,6 +99,8 @@ class ServeConfig:
             raise ValueError("tls_ca: only with tls_cert and tls_key (clients verify a bridge that serves TLS)")
         if self.device_cache_bytes < 0:
             raise ValueError(f"device_cache_bytes: must be >= 0, got {self.device_cache_bytes}")
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes: must be >= 0, got {self.host_cache_bytes}")
         for name in ("chunk_tokens", "max_running", "max_concurrent", "health_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -91,8 +91,8 @@ def _colocated(cfg: ServeConfig) -> Service:
 
 
 def _local_cache(cfg: ServeConfig, llm, metrics: Metrics):
-    """Colocated: a prefix cache on the device tier alone (cfg.device_cache_bytes > 0), else none."""
-    if not cfg.device_cache_bytes:
+    """Colocated: a prefix cache on the worker-local tiers (device and/or pinned host), else none."""
+    if not cfg.device_cache_bytes and not cfg.host_cache_bytes:
         return None
     from flashpd.cluster.worker_main import device_tier, fingerprint  # noqa: PLC0415
     from flashpd.kv_bridge.prefix_cache import PrefixCache  # noqa: PLC0415

@@ -132,9 +132,25 @@ def fingerprint(cfg, llm) -> str:
                              taps, str(llm.dtype).removeprefix("torch.")).digest()
 
 
+def host_tier(cfg, llm, backing):
+    """A pinned host tier (cfg.host_cache_bytes) in front of `backing`, its slots sized to a full chunk of this
+    model pair (a first, smaller target-only chunk must not size them) and allocated before serving."""
+    from flashpd.kv_bridge.host_store import HostStore  # noqa: PLC0415
+    from flashpd.kv_bridge.layout import ChunkLayout  # noqa: PLC0415
+
+    drafts = getattr(llm.generator, "drafts", None)
+    layout = ChunkLayout.of_caches(llm.runner.cache.data, drafts.cache.data if drafts is not None else None,
+                                   cfg.chunk_tokens, None)
+    store = HostStore(cfg.host_cache_bytes, llm.device, backing=backing, slot_bytes=layout.payload_bytes())
+    store.reserve()
+    return store
+
+
 def device_tier(cfg, llm, backing, metrics):
-    """`backing` itself, or a DeviceStore in front of it (cfg.device_cache_bytes > 0) whose reads by tier
-    become a live metric."""
+    """`backing` itself, or the worker-local tiers in front of it: pinned host (cfg.host_cache_bytes > 0), then
+    a DeviceStore (cfg.device_cache_bytes > 0) whose reads by tier become a live metric."""
+    if cfg.host_cache_bytes:
+        backing = host_tier(cfg, llm, backing)
     if not cfg.device_cache_bytes:
         return backing
     from flashpd.kv_bridge.device_store import DeviceStore  # noqa: PLC0415

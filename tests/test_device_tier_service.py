@@ -28,3 +28,23 @@ def test_repeated_prompts_hit_the_device_tier_and_equal_their_cold_runs(dflash_p
         assert st["entries"] == sum(len(p) // chunk for p in ps)
     finally:
         svc.stop()
+
+
+def test_repeated_prompts_hit_the_pinned_host_tier_and_equal_their_cold_runs(dflash_pair):  # noqa: F811
+    """host_cache_bytes alone: the colocated server's prefix cache is the host tier (pinned on a GPU)."""
+    svc = start_service(serve_cfg(dflash_pair, "colocated", host_cache_bytes=64 << 20))
+    try:
+        ps = prompts()[:4]
+        runs = []
+        with GenerationClient(svc.address, timeout_s=60) as c:
+            for _ in range(2):
+                runs.append([stream(c, p, **request_kw(i + 1)) for i, p in enumerate(ps)])
+        for (t0, s0), (t1, s1) in zip(*runs):
+            assert t0 == t1 and s0["acceptance_lengths"] == s1["acceptance_lengths"]
+        cache = svc.worker.cache.cache
+        chunk = cache.chunk_tokens
+        assert type(cache.store).__name__ == "HostStore"
+        assert cache.stats.per_request_hits == [0] * 4 + [((len(p) - 1) // chunk) * chunk for p in ps]
+        assert cache.store.stats()["allocations"] <= 1  # the arena, made before serving
+    finally:
+        svc.stop()

@@ -5,23 +5,24 @@
 Per token a chunk carries the target's K/V (36 layers x 2 x 8 kv heads x 128 dim bf16 = 147,456 B)
 and the drafter's (5 layers x 2 x 8 x 128 bf16 = 20,480 B): 167,936 B/token. For each chunk size
 (tokens per chunk), frame size, transport (INLINE frames or same-host SHM handles) and number of
-parallel client streams, the client Puts `--total-mib` of chunks, then Gets them back, through
-the public BridgeClient API (serialize + MAC on one side, reassemble + verify on the other).
-The server runs in its own process (its own GIL), as a bridge beside an engine would.
-GB/s = serialized chunk bytes moved / wall time of the whole phase (1 GB = 1e9 B).
+parallel streams, one BridgeClient(streams=N) Puts `--total-mib` of chunks in one call, then Gets
+them back in one call (a prefix moved as one transfer), through the public API (serialize + MAC on
+one side, reassemble + verify on the other). The server runs in its own process (its own GIL), as a
+bridge beside an engine would. GB/s = serialized chunk bytes moved / wall time of the whole phase
+(1 GB = 1e9 B). The CPU seconds each process spent per GB moved are recorded too: on a machine with
+few cores, or busy with other work, they say more about the byte path than the wall time does.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shlex
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
+import blake3
 import torch
 
 from flashpd.bench.common import write_json
@@ -53,62 +54,48 @@ def start_server(memory_bytes: int) -> tuple[subprocess.Popen, str]:
     return proc, f"127.0.0.1:{line.split()[1]}"
 
 
-def parallel(fn, shares: list, timeout_s: float) -> float:
-    """Run fn(i, share) on one thread per share from a common start; returns the wall seconds."""
-    barrier = threading.Barrier(len(shares) + 1, timeout=timeout_s)
-    errors: list[BaseException] = []
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by this process, or by process `pid`."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def run(i: int, share) -> None:
-        barrier.wait()
-        try:
-            fn(i, share)
-        except BaseException as e:  # noqa: BLE001 - reported after the join
-            errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(shares)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join(timeout_s)
+def timed(fn, server_pid: int) -> tuple[float, float, float]:
+    """Wall seconds of fn(), and the CPU seconds this process and the server spent meanwhile."""
+    c0, s0, t0 = cpu_s(), cpu_s(server_pid), time.perf_counter()
+    fn()
     wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    if any(t.is_alive() for t in threads):
-        raise TimeoutError("a bench stream did not finish in time")
-    return wall
+    return wall, cpu_s() - c0, cpu_s(server_pid) - s0
 
 
-def run_config(address: str, tokens: int, frame_bytes: int, transport: str, streams: int, total_bytes: int,
-               timeout_s: float) -> dict:
+def run_config(address: str, server_pid: int, tokens: int, frame_bytes: int, transport: str, streams: int,
+               total_bytes: int, timeout_s: float) -> dict:
     chunk_bytes = len(make_chunks(tokens, 1)[0].to_bytes(process_secret().mac_key))
     count = max(streams, round(total_bytes / chunk_bytes))
     chunks = make_chunks(tokens, count)
-    shares = [chunks[i::streams] for i in range(streams)]
-    clients = [BridgeClient(address, timeout_s=timeout_s, frame_bytes=frame_bytes) for _ in range(streams)]
-    try:
-        for c in clients:
-            c.health()  # connect before timing
-        put_s = parallel(lambda i, share: _check_put(clients[i].put(share, transport=transport), len(share)),
-                         shares, timeout_s)
-        got = [0] * streams
-
-        def get(i: int, share: list[KVChunk]) -> None:
-            got[i] = len(clients[i].get([c.key for c in share], transport=transport))
-
-        get_s = parallel(get, shares, timeout_s)
-        if sum(got) != count:
-            raise RuntimeError(f"got {sum(got)} of {count} chunks back (store budget too small?)")
-    finally:
-        for c in clients:
-            c.close()
+    keys = [c.key for c in chunks]
+    got: list = []
+    with BridgeClient(address, timeout_s=timeout_s, frame_bytes=frame_bytes, streams=streams) as client:
+        warm = make_chunks(16, streams)  # every stream's channel connects before timing
+        _check_put(client.put(warm, transport=transport), streams)
+        client.get([c.key for c in warm], transport=transport)
+        put = timed(lambda: _check_put(client.put(chunks, transport=transport), count), server_pid)
+        get = timed(lambda: got.extend(client.get(keys, transport=transport)), server_pid)
+    if len(got) != count:
+        raise RuntimeError(f"got {len(got)} of {count} chunks back (store budget too small?)")
     moved = count * chunk_bytes
+    gb = moved / 1e9
     return {"transport": transport, "chunk_tokens": tokens, "chunk_bytes": chunk_bytes,
             "frame_bytes": frame_bytes if transport == "inline" else None, "streams": streams, "chunks": count,
-            "bytes_moved": moved, "put_s": put_s, "get_s": get_s,
-            "put_gb_per_s": moved / put_s / 1e9, "get_gb_per_s": moved / get_s / 1e9,
-            "put_tokens_per_s": count * tokens / put_s, "get_tokens_per_s": count * tokens / get_s}
+            "bytes_moved": moved, "put_s": put[0], "get_s": get[0],
+            "put_gb_per_s": gb / put[0], "get_gb_per_s": gb / get[0],
+            "put_cpu_s_per_gb": {"client": put[1] / gb, "server": put[2] / gb},
+            "get_cpu_s_per_gb": {"client": get[1] / gb, "server": get[2] / gb},
+            "put_tokens_per_s": count * tokens / put[0], "get_tokens_per_s": count * tokens / get[0]}
 
 
 def _check_put(summary, n: int) -> None:
@@ -117,15 +104,15 @@ def _check_put(summary, n: int) -> None:
 
 
 def reference_rates(nbytes: int = 64 << 20) -> dict:
-    """What one core does to the same bytes: blake2b (the chunk checksum) and a memcpy."""
+    """What one core does to the same bytes: keyed BLAKE3 (the chunk MAC) and a copy into fresh memory."""
     data = os.urandom(nbytes)
     t = time.perf_counter()
-    hashlib.blake2b(data, digest_size=32).digest()
+    blake3.blake3(data, key=bytes(32), max_threads=1).digest()
     h = time.perf_counter() - t
     t = time.perf_counter()
     bytearray(data)
     c = time.perf_counter() - t
-    return {"blake2b_gb_per_s": nbytes / h / 1e9, "memcpy_gb_per_s": nbytes / c / 1e9}
+    return {"blake3_gb_per_s": nbytes / h / 1e9, "memcpy_gb_per_s": nbytes / c / 1e9}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,18 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     proc, address = start_server(memory_bytes=4 * total + (256 << 20))
     rows = []
     try:
-        run_config(address, 16, 1 << 20, "inline", 1, 8 << 20, args.timeout_s)  # warm-up
+        run_config(address, proc.pid, 16, 1 << 20, "inline", 1, 8 << 20, args.timeout_s)  # warm-up
         for transport in args.transports:
             frames = [int(f * (1 << 20)) for f in args.frame_mib] if transport == "inline" else [1 << 20]
             for tokens in args.chunk_tokens:
                 for frame in frames:
                     for streams in args.streams:
-                        r = run_config(address, tokens, frame, transport, streams, total, args.timeout_s)
+                        r = run_config(address, proc.pid, tokens, frame, transport, streams, total, args.timeout_s)
                         rows.append(r)
                         fb = "-" if r["frame_bytes"] is None else f"{r['frame_bytes'] / (1 << 20):g}"
+                        pc, gc = r["put_cpu_s_per_gb"], r["get_cpu_s_per_gb"]
                         print(f"{transport:6s} tokens={tokens:4d} chunk={r['chunk_bytes'] / (1 << 20):6.2f}MiB "
                               f"frame={fb:>4s}MiB streams={streams} put={r['put_gb_per_s']:.3f} GB/s "
-                              f"get={r['get_gb_per_s']:.3f} GB/s", flush=True)
+                              f"get={r['get_gb_per_s']:.3f} GB/s  cpu-s/GB put {pc['client']:.2f}+{pc['server']:.2f} "
+                              f"get {gc['client']:.2f}+{gc['server']:.2f} (client+server)", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -165,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json(args.out, {"command": cmd, "bytes_per_token": BYTES_PER_TOKEN, "total_bytes_per_config": total,
                                  "cpu_cores": os.cpu_count(), "loadavg_before": load_before,
                                  "loadavg_after": os.getloadavg(), "reference_single_core": ref, "results": rows})
-    print(f"single core: blake2b {ref['blake2b_gb_per_s']:.2f} GB/s, memcpy {ref['memcpy_gb_per_s']:.2f} GB/s")
+    print(f"single core: blake3 {ref['blake3_gb_per_s']:.2f} GB/s, memcpy {ref['memcpy_gb_per_s']:.2f} GB/s")
     print(f"wrote {path}")
     return 0
 

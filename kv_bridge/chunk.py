@@ -12,6 +12,7 @@ LayoutMismatch for an authentic chunk that does not fit), never a KeyError or Ty
 """
 from __future__ import annotations
 
+import hmac
 import json
 import struct
 from dataclasses import dataclass
@@ -63,6 +64,12 @@ class KVChunk:
     def to_parts(self, mac: MacKey) -> list[bytes | memoryview]:
         """to_bytes' pieces in order, the tensors' bytes not copied (a same-host writer puts them
         straight into a segment: one copy of the chunk less); b"".join(parts) == to_bytes(mac)."""
+        parts = self.body_parts()
+        return parts + [mac.tag(parts)]  # the tensors hashed in place; the caller copies them once
+
+    def body_parts(self) -> list[bytes | memoryview]:
+        """to_parts without the MAC: a streaming writer hashes them as it sends them (StreamingMac)
+        instead of in a pass of their own before the first byte leaves."""
         tk = self.target_kv.detach().contiguous().cpu()
         dk = self.draft_kv.detach().contiguous().cpu() if self.draft_kv is not None else None
         dt = dtype_name(tk.dtype)
@@ -73,17 +80,17 @@ class KVChunk:
                   "token_ids": [int(t) for t in self.token_ids], "dtype": dt,
                   "target_shape": list(tk.shape), "draft_shape": list(dk.shape) if dk is not None else None}
         hb = json.dumps(header, separators=(",", ":")).encode()
-        parts = [PREFIX.pack(MAGIC, FORMAT_VERSION, len(hb)), hb, _raw(tk)] + ([_raw(dk)] if dk is not None else [])
-        return parts + [mac.tag(parts)]  # the tensors hashed in place; the caller copies them once
+        return [PREFIX.pack(MAGIC, FORMAT_VERSION, len(hb)), hb, _raw(tk)] + ([_raw(dk)] if dk is not None else [])
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, mac: MacKey, own: bool = False,
-                   layout: ChunkLayout | None = None, key: str | None = None) -> "KVChunk":
+                   layout: ChunkLayout | None = None, key: str | None = None,
+                   body_mac: bytes | None = None) -> "KVChunk":
         """Verify (see verify_bytes) and build the tensors. own: the caller hands over a writable buffer
         nobody else holds (a segment just taken, a stream just assembled), and the tensors are views of
         it instead of copies: one copy of the chunk less on the import path. Otherwise (a store's own
-        bytes) the tensors are copies."""
-        h, offsets = verify_bytes(data, mac, layout, key)
+        bytes) the tensors are copies. body_mac: see verify_bytes."""
+        h, offsets = verify_bytes(data, mac, layout, key, body_mac)
         body = memoryview(data)[:-MAC_BYTES]
         alias = own and not body.readonly
         dtype = DTYPES[h["dtype"]]
@@ -93,9 +100,13 @@ class KVChunk:
 
 
 def verify_bytes(data: bytes | bytearray | memoryview, mac: MacKey, layout: ChunkLayout | None = None,
-                 key: str | None = None) -> tuple[dict, tuple[int, int]]:
+                 key: str | None = None, body_mac: bytes | None = None) -> tuple[dict, tuple[int, int]]:
     """Check format, MAC, header schema, lengths, the key the bytes are filed under and the layout
     (each when given) without building tensors.
+
+    body_mac: the MAC of exactly these bytes' body, computed by a StreamingMac as they arrived (a
+    receiver that hashed each frame while it was in cache): compared with the chunk's tag instead of
+    hashing the body again. Every other check is the same, in the same order.
 
     Returns the header and the byte offsets of the target and draft tensors. Raises CorruptChunk, or
     LayoutMismatch for a valid chunk that does not fit `layout`."""
@@ -110,7 +121,9 @@ def verify_bytes(data: bytes | bytearray | memoryview, mac: MacKey, layout: Chun
     body = data[:-MAC_BYTES]
     if hl > len(body) - PREFIX.size:
         raise CorruptChunk("chunk header length runs past the chunk")
-    if not mac.verify([body], data[-MAC_BYTES:]):
+    authentic = mac.verify([body], data[-MAC_BYTES:]) if body_mac is None \
+        else hmac.compare_digest(body_mac, bytes(data[-MAC_BYTES:]))
+    if not authentic:
         raise CorruptChunk("chunk MAC mismatch (corrupt, or not made with this cluster's secret)")
     h = parse_header(body[PREFIX.size:PREFIX.size + hl])
     item = ITEM_BYTES[h["dtype"]]
@@ -126,6 +139,34 @@ def verify_bytes(data: bytes | bytearray | memoryview, mac: MacKey, layout: Chun
         if why is not None:
             raise LayoutMismatch(f"chunk {h['key'][:16]}...: {why}")
     return h, (t_off, d_off)
+
+
+class StreamingMac:
+    """A chunk's MAC computed while its bytes pass in order (frames arriving or leaving), so that
+    sealing or verifying a streamed chunk costs no second pass over it, and each piece is hashed
+    while it is still in cache. Feed every byte of the chunk, in order, trailing tag included (the
+    tag is not hashed): `total` says where the body ends."""
+
+    __slots__ = ("_hasher", "_left")
+
+    def __init__(self, mac: MacKey, total: int) -> None:
+        self._hasher = mac.hasher()
+        self._left = total - MAC_BYTES  # body bytes still to hash (a chunk this short fails verify_bytes)
+
+    @property
+    def body_done(self) -> bool:
+        """Every body byte was fed: digest() is final."""
+        return self._left <= 0
+
+    def update(self, piece: bytes | bytearray | memoryview) -> None:
+        n = len(piece)
+        if self._left > 0:
+            take = min(n, self._left)
+            self._hasher.update(piece if take == n else memoryview(piece)[:take])
+            self._left -= take
+
+    def digest(self) -> bytes:
+        return self._hasher.digest(MAC_BYTES)
 
 
 def parse_header(raw: bytes | memoryview) -> dict:

@@ -3,29 +3,41 @@ failures become Python exceptions that say which call failed (timeouts are Timeo
 unreachable bridge a ConnectionError, a refused token UNAUTHENTICATED). Chunks are sealed with the
 cluster's MAC key on the way out; received chunks are verified (MAC, header, lengths, the key asked
 for, and the reader's layout when given) before a tensor is built from them.
+
+The byte path: a put or get of several chunks is split across `streams` concurrent gRPC streams,
+each on its own channel (its own HTTP/2 connection and flow-control window), each driven by a
+thread (gRPC and the copies and hashing below release the GIL). A chunk's bytes are copied once
+into each message going out and once out of each message coming in (frame_codec), and hashed
+frame by frame on the way (StreamingMac): no pass over a whole chunk besides those.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Literal
+from typing import Callable, Iterable, Iterator, Literal, TypeVar
 
 import grpc
 
-from flashpd.kv_bridge import shm
-from flashpd.kv_bridge.auth import ClusterSecret, resolve
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch
+from flashpd.kv_bridge import frame_codec, shm
+from flashpd.kv_bridge.auth import MAC_BYTES, ClusterSecret, resolve
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, StreamingMac
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
 from flashpd.kv_bridge.rpc_guard import with_token
-from flashpd.kv_bridge.store import decode_checked
 from flashpd.kv_bridge.tls import BridgeTls
 from flashpd.kv_bridge.wire import (DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES, GRPC_OPTIONS, PROTOCOL_VERSION,
-                                    Assembler, FrameError, clamp_frame_bytes, fill_frame, frame_spans)
+                                    Assembled, Assembler, Buffer, FrameError, clamp_frame_bytes, frame_pieces)
 
 Transport = Literal["inline", "shm"]
 _TRANSPORTS = {"inline": pb.INLINE, "shm": pb.SHM}
+DEFAULT_STREAMS = 4  # parallel streams (and connections) of one transfer of several chunks
+MAX_STREAMS = 32
+_PUT = "/flashpd.kvbridge.v1.KVBridge/Put"
+_GET = "/flashpd.kvbridge.v1.KVBridge/Get"
+_T = TypeVar("_T")
+_PutItem = tuple[str, Callable[[], list[Buffer]], bool]
 
 
 class BridgeError(Exception):
@@ -84,27 +96,43 @@ def _map_error(call: str, e: grpc.RpcError, timeout_s: float) -> BridgeError:
 
 
 class BridgeClient:
-    """One channel to one bridge. Thread-safe (gRPC channels are); close() when done.
+    """Channels to one bridge. Thread-safe (gRPC channels are); close() when done.
 
     secret: the cluster's (default: this process's): its token goes with every call (the stub
     included), its MAC key seals and checks chunks. tls: verify the bridge's certificate against
-    tls.ca (None: plaintext). max_chunk_bytes: the largest chunk a Get may hand this client."""
+    tls.ca (None: plaintext). max_chunk_bytes: the largest chunk a Get may hand this client.
+    streams: how many concurrent streams one put/get of several chunks is split across, each on a
+    channel of its own (channels connect on first use: a client that moves one chunk at a time
+    opens one connection)."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, frame_bytes: int = DEFAULT_FRAME_BYTES, *,
                  secret: ClusterSecret | None = None, tls: BridgeTls | None = None,
-                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, streams: int = DEFAULT_STREAMS) -> None:
+        if not 1 <= streams <= MAX_STREAMS:
+            raise ValueError(f"streams must be in 1..{MAX_STREAMS}, got {streams}")
         self.address = address
         self.timeout_s = timeout_s
         self.frame_bytes = clamp_frame_bytes(frame_bytes)
         self.max_chunk_bytes = max_chunk_bytes
+        self.streams = streams
         secret = resolve(secret)
         self._mac = secret.mac_key
-        self._channel = grpc.secure_channel(address, tls.channel_credentials(), options=GRPC_OPTIONS) \
-            if tls is not None else grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        self.stub = pb_grpc.KVBridgeStub(with_token(self._channel, secret.token))
+        # a pool of its own per channel: channels with equal options would otherwise share one connection
+        options = GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
+        self._channels = [grpc.secure_channel(address, tls.channel_credentials(), options=options)
+                          if tls is not None else grpc.insecure_channel(address, options=options)
+                          for _ in range(streams)]
+        authed = [with_token(c, secret.token) for c in self._channels]
+        self.stub = pb_grpc.KVBridgeStub(authed[0])
+        # the byte path: PutFrames go out as bytes made here, GetFrames are read by frame_codec
+        self._put_calls = [c.stream_unary(_PUT, response_deserializer=pb.PutReply.FromString) for c in authed]
+        get_frame = frame_codec.safe(frame_codec.decode_get_frame, frame_codec.GET_FRAME)
+        self._get_calls = [c.unary_stream(_GET, request_serializer=pb.GetRequest.SerializeToString,
+                                          response_deserializer=get_frame) for c in authed]
 
     def close(self) -> None:
-        self._channel.close()
+        for c in self._channels:
+            c.close()
 
     def __enter__(self) -> "BridgeClient":
         return self
@@ -128,10 +156,13 @@ class BridgeClient:
         """Number of LEADING keys the bridge holds."""
         if not keys:
             return 0
-        t = timeout_s or self.timeout_s
-        with self._rpc("Lookup", t):
+        return self._lookup("Lookup", keys, timeout_s or self.timeout_s)
+
+    def _lookup(self, call: str, keys: list[str], t: float) -> int:
+        """A Lookup whose failures name `call` (the one it is part of)."""
+        with self._rpc(call, t):
             r = self.stub.Lookup(pb.LookupRequest(version=PROTOCOL_VERSION, keys=keys), timeout=t)
-        self._check_version("Lookup", r.version)
+        self._check_version(call, r.version)
         return r.hits
 
     def stats(self, timeout_s: float | None = None) -> dict:
@@ -151,86 +182,155 @@ class BridgeClient:
     # -- Put ------------------------------------------------------------------------------------
     def put(self, chunks: Iterable[KVChunk], transport: Transport = "inline",
             timeout_s: float | None = None) -> PutSummary:
-        """Stream chunks to the bridge (serialized lazily, one at a time; over shared memory the tensors'
-        bytes go straight into the segment)."""
+        """Stream chunks to the bridge, split across the client's streams (each serialized when its
+        stream reaches it; inline, the MAC is computed frame by frame as the bytes go out; over shared
+        memory the tensors' bytes go straight into the segment). With several streams the store takes
+        the chunks in no particular order."""
         if transport == "shm":
-            return self.put_bytes(((c.key, c.to_parts(self._mac)) for c in chunks), transport, timeout_s)
-        return self.put_bytes(((c.key, c.to_bytes(self._mac)) for c in chunks), transport, timeout_s)
+            items = ((c.key, lambda c=c: c.to_parts(self._mac), False) for c in chunks)
+        else:
+            items = ((c.key, c.body_parts, True) for c in chunks)
+        return self._put(items, transport, timeout_s)
 
     def put_bytes(self, items: Iterable[tuple[str, bytes | list[bytes | memoryview]]], transport: Transport = "inline",
                   timeout_s: float | None = None) -> PutSummary:
-        """Stream already-serialized chunks (bytes, or for shm also a list of their parts in order); the
-        server verifies each one and reports refusals."""
+        """Stream already-serialized chunks (bytes, or a list of their parts in order); the server
+        verifies each one and reports refusals."""
+        return self._put(((key, lambda d=data: d if isinstance(d, list) else [d], False) for key, data in items),
+                         transport, timeout_s)
+
+    def _put(self, items: Iterable[_PutItem], transport: Transport, timeout_s: float | None) -> PutSummary:
+        """items: (key, parts, seal): parts() gives the chunk's bytes in pieces when its stream reaches it
+        (serialized lazily); seal: they are the body, the MAC to be computed on the way and sent last."""
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
         t = timeout_s or self.timeout_s
+        items = list(items)
+        shares = [items[j::self.streams] for j in range(min(self.streams, len(items)))] or [[]]
+        if len(shares) == 1:
+            return self._put_stream(shares[0], transport, t, 0)
+        outcomes = _run_all([lambda j=j: self._put_stream(shares[j], transport, t, j) for j in range(len(shares))])
+        for o in outcomes:
+            if isinstance(o, BaseException):
+                raise o
+        order = {}
+        for i, (key, _, _) in enumerate(items):
+            order.setdefault(key, i)
+        merged = PutSummary(sum(o.stored for o in outcomes), sum(o.duplicates for o in outcomes))
+        rank = lambda k: order.get(k, len(items))  # noqa: E731
+        merged.refused_keys = sorted((k for o in outcomes for k in o.refused_keys), key=rank)
+        merged.incomplete_keys = sorted((k for o in outcomes for k in o.incomplete_keys), key=rank)
+        return merged
+
+    def _put_stream(self, items: list[_PutItem], transport: Transport, t: float, channel: int) -> PutSummary:
+        """One Put stream of items (see _put) on one channel."""
         created: list[str] = []
 
-        def frames() -> Iterator[pb.PutFrame]:
-            for key, data in items:
+        def frames() -> Iterator[bytes]:
+            for key, make_parts, seal in items:
+                parts = make_parts()
                 if transport == "shm":
-                    name = shm.write_segment(data)
+                    name = shm.write_segment(parts)
                     created.append(name)
-                    size = sum(len(memoryview(p)) for p in data) if isinstance(data, list) else len(data)
+                    size = sum(len(memoryview(p).cast("B")) for p in parts)
                     yield pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
                         key=key, offset=0, total_length=size, last=True,
-                        shm=pb.ShmHandle(name=name, length=size)))
+                        shm=pb.ShmHandle(name=name, length=size))).SerializeToString()
                 else:
-                    data = b"".join(data) if isinstance(data, list) else data
-                    for off, piece, last in frame_spans(data, self.frame_bytes):
-                        m = pb.PutFrame(version=PROTOCOL_VERSION)
-                        fill_frame(m.frame, key, off, len(data), piece, last)
-                        yield m
+                    yield from self._messages(key, parts, seal)
 
         try:
             with self._rpc("Put", t):
-                r = self.stub.Put(frames(), timeout=t)
+                r = self._put_calls[channel](frames(), timeout=t)
         finally:
             for name in created:  # taken by the server already, unless the call failed
                 shm.unlink_segment(name)
         self._check_version("Put", r.version)
         return PutSummary(r.stored, r.duplicates, list(r.refused_keys), list(r.incomplete_keys))
 
+    def _messages(self, key: str, parts: list[Buffer], seal: bool) -> Iterator[bytes]:
+        """The serialized PutFrames of one chunk: each frame's envelope around views of the parts, joined
+        once. seal: the parts are the body; each frame is hashed as it is cut and the MAC follows the body."""
+        tag = bytearray(MAC_BYTES)
+        parts = [*parts, tag] if seal else parts
+        total = sum(len(memoryview(p).cast("B")) for p in parts)
+        mac = StreamingMac(self._mac, total) if seal else None
+        raw_key = key.encode()
+        for off, pieces, last in frame_pieces(parts, self.frame_bytes):
+            if mac is not None:
+                for p in pieces:
+                    mac.update(p)
+                if mac.body_done:  # the tag's bytes are in this frame or the next: fill them before use
+                    tag[:] = mac.digest()
+                    mac = None
+            n = sum(len(p) for p in pieces)
+            head, tail = frame_codec.frame_envelope(PROTOCOL_VERSION, raw_key, off, total, n, last)
+            yield b"".join([head, *pieces, tail])
+
     # -- Get ------------------------------------------------------------------------------------
     def get(self, keys: list[str], transport: Transport = "inline", timeout_s: float | None = None,
             layout: ChunkLayout | None = None) -> list[KVChunk]:
         """The leading present chunks of keys, in order (stops at the first missing key). With a layout,
-        a chunk that does not fit it raises LayoutMismatch (checked before its tensors are built)."""
+        a chunk that does not fit it raises LayoutMismatch (checked before its tensors are built). A
+        failed stream fails the whole call: no chunk of it is returned."""
         return list(self.iter_get(keys, transport, timeout_s, layout))
 
     def iter_get(self, keys: list[str], transport: Transport = "inline", timeout_s: float | None = None,
                  layout: ChunkLayout | None = None) -> Iterator[KVChunk]:
-        """Like get, one chunk at a time. Closing it early cancels the stream (an SHM stream is read
-        to its end first, unlinking the segments it names, so none is left behind)."""
+        """Like get, one chunk at a time, in order. With several streams, a Lookup first bounds the
+        transfer to the leading present keys, which the streams then fetch round-robin (key i on stream
+        i mod streams); a key evicted in between ends the run there. Closing it early cancels the
+        streams (an SHM stream is read to its end first, unlinking the segments it names, so none is
+        left behind)."""
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
         if not keys:
             return
         t = timeout_s or self.timeout_s
-        call = self.stub.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=keys, transport=_TRANSPORTS[transport],
-                                           frame_bytes=self.frame_bytes), timeout=t)
-        asm = Assembler(self.max_chunk_bytes, writable=True)  # this call owns what it assembles: chunks are views of it
+        if self.streams > 1 and len(keys) > 1:
+            keys = keys[:self._lookup("Get", keys, t)]
+            if not keys:
+                return
+        n = min(self.streams, len(keys))
+        calls = [self._get_calls[j](pb.GetRequest(version=PROTOCOL_VERSION, keys=keys[j::n],
+                                                  transport=_TRANSPORTS[transport], frame_bytes=self.frame_bytes),
+                                    timeout=t) for j in range(n)]
+        if n == 1:
+            yield from self._read_get(calls[0], keys, transport, t, layout)
+            return
+        yield from _in_order(len(keys), [lambda j=j: self._read_get(calls[j], keys[j::n], transport, t, layout)
+                                         for j in range(n)],
+                             stop=None if transport == "shm" else lambda: [c.cancel() for c in calls])
+
+    def _read_get(self, call, keys: list[str], transport: Transport, t: float,
+                  layout: ChunkLayout | None) -> Iterator[KVChunk]:
+        """The chunks of one Get stream, verified, in order. Closing it early cancels the stream (an SHM
+        stream is read to its end first, unlinking the segments it names)."""
+        asm = Assembler(self.max_chunk_bytes, writable=True, mac=self._mac)  # buffers of this call alone
         got = 0
         complete = False
         try:
             with self._rpc("Get", t):
                 for msg in call:
+                    if isinstance(msg, frame_codec.Undecodable):
+                        raise BridgeProtocolError("Get", f"reply: not a valid {msg.type_name} ({msg.reason})")
                     self._check_version("Get", msg.version)
-                    if msg.HasField("done"):
+                    if msg.done is not None:
                         complete = True
-                        if msg.done.found != got:
-                            raise BridgeProtocolError("Get", f"server says {msg.done.found} found, sent {got}")
+                        if msg.done != got:
+                            raise BridgeProtocolError("Get", f"server says {msg.done} found, sent {got}")
                         return
-                    done = self._receive(msg.frame, asm, self.max_chunk_bytes)
+                    done = self._receive(msg.frame or frame_codec.Frame(), asm, self.max_chunk_bytes)
                     if done is None:
                         continue
-                    key, data = done
-                    if got >= len(keys) or key != keys[got]:
-                        raise BridgeProtocolError("Get", f"chunk {got} has key {key[:16]}..., not the one asked for")
+                    if got >= len(keys) or done.key != keys[got]:
+                        raise BridgeProtocolError("Get", f"chunk {got} has key {done.key[:16]}..., "
+                                                         "not the one asked for")
                     try:  # a buffer only this call holds; LayoutMismatch goes to the caller as is
-                        chunk = decode_checked(key, data, self._mac, own=True, layout=layout)
+                        chunk = KVChunk.from_bytes(done.data, self._mac, own=True, layout=layout, key=done.key,
+                                                   body_mac=done.body_mac)
                     except CorruptChunk as e:
-                        raise BridgeProtocolError("Get", f"chunk {key[:16]}... failed verification: {e}") from None
+                        raise BridgeProtocolError("Get", f"chunk {done.key[:16]}... failed verification: {e}") from None
                     got += 1
                     yield chunk
             raise BridgeProtocolError("Get", "stream ended without its GetDone message")
@@ -241,21 +341,98 @@ class BridgeClient:
                 call.cancel()  # stops the server when the stream is closed early
 
     @staticmethod
-    def _receive(f: pb.ChunkFrame, asm: Assembler, max_bytes: int) -> tuple[str, bytes | bytearray] | None:
+    def _receive(f: frame_codec.Frame, asm: Assembler, max_bytes: int) -> Assembled | None:
         try:
-            if f.HasField("shm"):
+            if f.shm is not None:
                 if asm.in_flight is not None:
                     raise FrameError("frame.shm", "handle inside an incomplete chunk")
                 if not 0 < f.shm.length <= max_bytes:
                     shm.unlink_segment(f.shm.name)
                     raise FrameError("frame.shm.length", f"{f.shm.length} not in 1..{max_bytes}")
-                return f.key, shm.take_segment(f.shm.name, f.shm.length, writable=True)
+                return Assembled(f.key, shm.take_segment(f.shm.name, f.shm.length, writable=True), None)
             return asm.feed(f)
         except (FrameError, shm.ShmError) as e:
             raise BridgeProtocolError("Get", str(e)) from None
 
 
-def _drain_shm(call: Iterator[pb.GetFrame]) -> None:
+_MISS = object()  # a stream ended before this key: the key is missing
+
+
+def _in_order(n: int, streams: list[Callable[[], Iterator[_T]]], stop: Callable[[], object] | None) -> Iterator[_T]:
+    """Items 0..n-1 of streams read concurrently (stream j yields items j, j+S, j+2S, ... and stops at its
+    first missing one), yielded in order up to the first missing item; an error of a stream is raised
+    where it happened. On leaving (done, a miss, an error, or closed early) `stop` is called (it
+    cancels the streams' calls), every stream still reading is closed after its current item, and
+    every thread is joined: nothing runs on, no stream is left open."""
+    s = len(streams)
+    cond = threading.Condition()
+    slots: dict[int, object] = {}
+    leaving = threading.Event()
+
+    def read(j: int) -> None:
+        at = j
+        outcome: object = _MISS
+        it = streams[j]()
+        try:
+            for item in it:
+                with cond:
+                    slots[at] = item
+                    cond.notify_all()
+                at += s
+                if leaving.is_set():
+                    break
+        except BaseException as e:  # noqa: BLE001  raised in the caller's thread where the item was due
+            outcome = e
+        finally:
+            try:
+                it.close()  # an SHM stream drains here; an inline one cancels
+            finally:  # whatever happens, the caller is not left waiting for this stream's next item
+                if at < n:
+                    with cond:
+                        slots[at] = outcome
+                        cond.notify_all()
+
+    threads = [threading.Thread(target=read, args=(j,), name=f"kvbridge-get-{j}", daemon=True) for j in range(s)]
+    for th in threads:
+        th.start()
+    try:
+        for i in range(n):
+            with cond:
+                while i not in slots:
+                    cond.wait()
+                item = slots.pop(i)
+            if item is _MISS:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]
+    finally:
+        leaving.set()
+        if stop is not None:
+            stop()
+        for th in threads:
+            th.join()
+
+
+def _run_all(jobs: list[Callable[[], _T]]) -> list[_T | BaseException]:
+    """Run each job on a thread of its own; their results (or what they raised), in job order."""
+    out: list[_T | BaseException] = [None] * len(jobs)  # type: ignore[list-item]
+
+    def run(j: int) -> None:
+        try:
+            out[j] = jobs[j]()
+        except BaseException as e:  # noqa: BLE001  handed to the caller
+            out[j] = e
+
+    threads = [threading.Thread(target=run, args=(j,), name=f"kvbridge-put-{j}", daemon=True) for j in range(len(jobs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return out
+
+
+def _drain_shm(call: Iterator[frame_codec.FrameMessage]) -> None:
     """Read the rest of an abandoned SHM stream and unlink every segment it names.
 
     Cancelling would be faster, but the server may already have sent (and so handed over) the
@@ -263,9 +440,9 @@ def _drain_shm(call: Iterator[pb.GetFrame]) -> None:
     messages are tiny; the call's deadline bounds the wait."""
     try:
         for msg in call:
-            if msg.HasField("done"):
+            if isinstance(msg, frame_codec.Undecodable) or msg.done is not None:
                 return
-            if msg.frame.HasField("shm"):
+            if msg.frame is not None and msg.frame.shm is not None:
                 shm.unlink_segment(msg.frame.shm.name)
     except grpc.RpcError:
         pass  # the stream failed: the server reclaims the segments of an unfinished stream
@@ -281,6 +458,12 @@ class RemoteStore:
     def put(self, chunk: KVChunk) -> bool:
         s = self.client.put([chunk], self.transport)
         return s.stored + s.duplicates == 1
+
+    def put_many(self, chunks: list[KVChunk]) -> int:
+        """Store several chunks in ONE call, split across the client's streams (a prompt's chunks
+        published together); returns how many the bridge now holds of them."""
+        s = self.client.put(chunks, self.transport)
+        return s.stored + s.duplicates
 
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
         got = self.client.get([key], self.transport, layout=layout)

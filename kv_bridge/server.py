@@ -3,11 +3,14 @@
 Every call must carry the cluster's bearer token (UNAUTHENTICATED otherwise, before a byte of
 the request is read); request bytes that do not parse get INVALID_ARGUMENT (rpc_guard.py). Put
 refuses a chunk larger than the largest valid one on its FIRST frame, before buffering anything,
-reassembles the rest and hands whole chunks to the store, which verifies them (MAC, header,
-lengths, key): a chunk that fails is refused and counted and the stream goes on; nothing of a
-chunk is visible before its last frame arrived and verified. Get streams the leading present
-chunks, inline or by same-host shared-memory handle. Bad requests get INVALID_ARGUMENT with the
-field named; the server binds loopback unless told otherwise, and serves TLS when given a cert.
+reassembles the rest (hashing each frame as it arrives) and verifies whole chunks (MAC, header,
+lengths, key) before the store takes them: a chunk that fails is refused and counted and the stream
+goes on; nothing of a chunk is visible before its last frame arrived and verified. Get streams the
+leading present chunks, inline or by same-host shared-memory handle. Put and Get carry chunk bytes
+through frame_codec (no copy into or out of protobuf messages); each stream is one RPC on the
+thread pool, so a client's parallel streams are served side by side. Bad requests get
+INVALID_ARGUMENT with the field named; the server binds loopback unless told otherwise, and serves
+TLS when given a cert.
 """
 from __future__ import annotations
 
@@ -24,16 +27,16 @@ from typing import Iterator
 
 import grpc
 
-from flashpd.kv_bridge import shm
+from flashpd.kv_bridge import frame_codec, shm
 from flashpd.kv_bridge.auth import ENV_VAR, ClusterSecret, resolve
-from flashpd.kv_bridge.chunk import CorruptChunk
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, verify_bytes
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
-from flashpd.kv_bridge.rpc_guard import add_guarded, token_authorizer
-from flashpd.kv_bridge.store import ChunkStore, PutResult, decode_checked
+from flashpd.kv_bridge.rpc_guard import TOKEN_HEADER, add_guarded, token_authorizer
+from flashpd.kv_bridge.store import ChunkStore, PutResult
 from flashpd.kv_bridge.tls import BridgeTls
 from flashpd.kv_bridge.wire import (DEFAULT_MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Assembler,
-                                    FrameError, clamp_frame_bytes, fill_frame, frame_spans)
+                                    FrameError, clamp_frame_bytes, frame_pieces)
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +46,32 @@ DEFAULT_SHM_TTL_S = 60.0  # this server's own segments: a reader takes one withi
 
 class _Bytes:
     """Byte-level access to any ChunkStore: put_bytes/get_bytes when it has them (the store verifies with
-    its own secret), else decode/encode with the bridge's."""
+    its own secret, unless the bridge did with the same one), else decode/encode with the bridge's."""
 
     def __init__(self, store: ChunkStore, secret: ClusterSecret) -> None:
         self.store = store
         self._mac = secret.mac_key
+        self._same_secret = getattr(store, "secret", None) == secret
 
-    def put(self, key: str, data: bytes) -> PutResult:
+    def put(self, key: str, data: bytes | memoryview, body_mac: bytes | None = None) -> PutResult:
+        """body_mac: the digest the Assembler computed while the chunk arrived. Bytes that verify with
+        it go to a store of the same secret as verified (no second pass over them); any others go
+        unverified, for the store to refuse and count as it does every corrupt chunk."""
         if hasattr(self.store, "put_bytes"):
+            if body_mac is not None and self._same_secret and self._authentic(key, data, body_mac):
+                return self.store.put_bytes(key, data, verified=True)
             return self.store.put_bytes(key, data)
-        chunk = decode_checked(key, data, self._mac)
+        chunk = KVChunk.from_bytes(data, self._mac, key=key, body_mac=body_mac)
         if self.store.contains(key):
             return PutResult.PRESENT
         return PutResult.STORED if self.store.put(chunk) else PutResult.REFUSED
+
+    def _authentic(self, key: str, data: bytes | memoryview, body_mac: bytes) -> bool:
+        try:
+            verify_bytes(data, self._mac, key=key, body_mac=body_mac)
+        except CorruptChunk:
+            return False
+        return True
 
     def get(self, key: str) -> bytes | None:
         if hasattr(self.store, "get_bytes"):
@@ -129,32 +145,32 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         self._count("lookups")
         return pb.LookupReply(version=PROTOCOL_VERSION, hits=self.store.lookup(list(request.keys)))
 
-    def Put(self, request_iterator: Iterator[pb.PutFrame], context: grpc.ServicerContext) -> pb.PutReply:
+    def Put(self, request_iterator: Iterator[frame_codec.FrameMessage], context: grpc.ServicerContext) -> pb.PutReply:
         self._count("puts_streams")
-        asm = Assembler(self.max_chunk_bytes)
+        # each frame copied once, without the GIL, into a buffer of this stream's own: the store gets a
+        # read-only view of it (a store that keeps bytes copies it once more)
+        asm = Assembler(self.max_chunk_bytes, writable=True, mac=self.secret.mac_key)
         reply = pb.PutReply(version=PROTOCOL_VERSION)
         for msg in request_iterator:  # a cancelled client raises here: the in-flight chunk is dropped
             self._check_version(msg.version, context)
             self._count("frames_received")
-            f = msg.frame
+            f = msg.frame if msg.frame is not None else frame_codec.Frame()
             try:
-                if f.HasField("shm"):
-                    done = self._take_shm(f, asm, context)
-                else:
-                    done = asm.feed(f)
+                if f.shm is not None:
+                    key, data = self._take_shm(f, asm, context)
+                    self._store(reply, key, data, None)
+                elif (done := asm.feed(f)) is not None:
+                    self._store(reply, *done)
             except FrameError as e:
                 self._invalid(context, str(e))
             except shm.ShmError:  # missing or wrong-sized segment: that chunk is refused, the stream goes on
-                done = None
                 self._refuse(reply, f.key, "chunks_refused_corrupt")
-            if done is not None:
-                self._store(reply, *done)
         if asm.in_flight is not None:
             reply.incomplete_keys.append(asm.in_flight)
             self._count("chunks_incomplete")
         return reply
 
-    def _take_shm(self, f: pb.ChunkFrame, asm: Assembler, context: grpc.ServicerContext) -> tuple[str, bytes]:
+    def _take_shm(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext) -> tuple[str, bytes]:
         if asm.in_flight is not None:
             raise FrameError("frame.shm", f"handle sent while chunk {asm.in_flight[:16]}... is incomplete")
         if not f.key:
@@ -167,9 +183,11 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             raise FrameError("frame.shm", "shared memory needs a same-host client")
         return f.key, shm.take_segment(f.shm.name, f.shm.length)
 
-    def _store(self, reply: pb.PutReply, key: str, data: bytes) -> None:
+    def _store(self, reply: pb.PutReply, key: str, data: bytes | memoryview, body_mac: bytes | None) -> None:
+        if isinstance(data, memoryview):
+            data = data.toreadonly()  # nobody writes the buffer after this: a store may keep it as is
         try:
-            result = self.bytes.put(key, data)
+            result = self.bytes.put(key, data, body_mac)
         except CorruptChunk:  # malformed, lying header, wrong key, MAC mismatch
             self._refuse(reply, key, "chunks_refused_corrupt")
             return
@@ -194,7 +212,9 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         reply.refused_keys.append(key)
         self._count(counter)
 
-    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetFrame]:
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Serialized GetFrames: an inline frame is its envelope around views of the store's bytes,
+        joined once (the only copy before gRPC's own)."""
         self._check_version(request.version, context)
         self._check_keys(request.keys, context)
         if request.transport not in (pb.INLINE, pb.SHM):
@@ -234,16 +254,17 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                     self._count("shm_segments_sent")
                     yield pb.GetFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
                         key=key, offset=0, total_length=len(data), last=True,
-                        shm=pb.ShmHandle(name=name, length=len(data))))
+                        shm=pb.ShmHandle(name=name, length=len(data)))).SerializeToString()
                 else:
-                    for off, piece, last in frame_spans(data, frame_bytes):
-                        m = pb.GetFrame(version=PROTOCOL_VERSION)
-                        fill_frame(m.frame, key, off, len(data), piece, last)
+                    raw_key = key.encode()
+                    for off, pieces, last in frame_pieces([data], frame_bytes):
+                        n = sum(len(p) for p in pieces)
+                        head, tail = frame_codec.frame_envelope(PROTOCOL_VERSION, raw_key, off, len(data), n, last)
                         self._count("frames_sent")
-                        yield m
+                        yield b"".join([head, *pieces, tail])
                 found += 1
                 self._count("chunks_sent")
-            yield pb.GetFrame(version=PROTOCOL_VERSION, done=pb.GetDone(found=found))
+            yield pb.GetFrame(version=PROTOCOL_VERSION, done=pb.GetDone(found=found)).SerializeToString()
             # Reached once gRPC took the last message: the client owns the segments now (BridgeClient
             # takes or unlinks every handle it receives; the TTL sweep covers a reader that died).
             finished = True
@@ -261,6 +282,52 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
         self._check_version(request.version, context)
         return pb.HealthReply(version=PROTOCOL_VERSION, serving=True, store=type(self.store).__name__)
+
+
+def bulk_handler(servicer: KVBridgeServicer, authorize) -> grpc.GenericRpcHandler:
+    """Put and Get with frame_codec's messages (the byte path), behind the guards add_guarded gives the
+    other methods: the token is checked before a byte of the request is read (UNAUTHENTICATED), and a
+    request that does not decode gets INVALID_ARGUMENT. serve() adds it before add_guarded's handler,
+    which therefore answers only Lookup, Stats and Health."""
+    service = pb.DESCRIPTOR.services_by_name["KVBridge"]
+
+    def gate(name: str, context: grpc.ServicerContext) -> None:
+        if not authorize(context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_HEADER}")
+
+    def reject(msg: object, context: grpc.ServicerContext) -> None:
+        if isinstance(msg, frame_codec.Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request: not a valid {msg.type_name} message ({msg.reason})")
+
+    def checked(it, context):
+        for msg in it:
+            reject(msg, context)
+            yield msg
+
+    def put(it, context):
+        gate("Put", context)
+        return servicer.Put(checked(it, context), context)
+
+    def get(request, context):
+        gate("Get", context)
+        reject(request, context)
+        yield from servicer.Get(request, context)
+
+    def parse_get_request(data: bytes):
+        try:
+            return pb.GetRequest.FromString(data)
+        except Exception as e:  # noqa: BLE001  whatever the runtime raises for bytes that do not parse
+            return frame_codec.Undecodable(pb.GetRequest.DESCRIPTOR.full_name, e)
+
+    handlers = {
+        "Put": grpc.stream_unary_rpc_method_handler(
+            put, request_deserializer=frame_codec.safe(frame_codec.decode_put_frame, frame_codec.PUT_FRAME),
+            response_serializer=pb.PutReply.SerializeToString),
+        "Get": grpc.unary_stream_rpc_method_handler(  # the servicer yields serialized GetFrames
+            get, request_deserializer=parse_get_request),
+    }
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 def flatten(d: dict, prefix: str) -> dict[str, int]:
@@ -319,7 +386,9 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
                ("grpc.max_receive_message_length", min(MAX_MESSAGE_BYTES, max_chunk_bytes + (1 << 20)))]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvbridge"),
                          options=options, maximum_concurrent_rpcs=max_workers * 4)
-    add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name["KVBridge"], servicer.authorizer())
+    authorize = servicer.authorizer()
+    server.add_generic_rpc_handlers((bulk_handler(servicer, authorize),))  # first: it serves Put and Get
+    add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name["KVBridge"], authorize)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_secure_port(address, tls.server_credentials()) if tls is not None \
         else server.add_insecure_port(address)

@@ -147,8 +147,11 @@ class MemoryStore(IndexedStore):
         """Store serialized chunk bytes. Raises CorruptChunk (and counts it) unless they verify.
 
         The first complete put of a key wins; a later put of the same key is a no-op, so
-        concurrent writers never leave a torn or replaced entry."""
-        data = bytes(data)
+        concurrent writers never leave a torn or replaced entry. Immutable input is kept as is (bytes, or a
+        read-only view the caller hands over, as the server's freshly assembled buffers): a copy into fresh
+        memory here cost the bridge's Put more than the transport."""
+        if not (isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly)):
+            data = bytes(data)
         self._verify_incoming(key, data, verified)
         with self._lock:
             early = self._admission(key, len(data))

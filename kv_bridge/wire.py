@@ -2,18 +2,28 @@
 
 A chunk's bytes are cut into frames of at most frame_bytes; the receiver (Assembler) accepts
 frames strictly in order and releases a chunk only when its last byte arrived, so an
-interrupted stream can never surface a partial entry. MACs are checked by the store. A chunk
-announcing more than max_chunk_bytes is refused on its first frame, before a byte is kept.
+interrupted stream can never surface a partial entry. A chunk announcing more than
+max_chunk_bytes is refused on its first frame, before a byte is kept. With a MAC key the
+Assembler hashes each frame as it arrives (StreamingMac) and hands the digest on with the chunk:
+the verifier then compares tags instead of reading the whole chunk again.
+
+The messages that carry chunk bytes (PutFrame, GetFrame) go through the codec in frame_codec.py,
+which writes and reads the protobuf encoding of kv_bridge.proto without copying the bytes into or
+out of a message object.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple, Protocol, Sequence
 
+import numpy as np
+
+from flashpd.kv_bridge.auth import MacKey
+from flashpd.kv_bridge.chunk import StreamingMac
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 
 PROTOCOL_VERSION = 1
-DEFAULT_FRAME_BYTES = 1 << 20  # 1 MiB: large enough to amortise per-message cost, small for flow control
+DEFAULT_FRAME_BYTES = 4 << 20  # per-message costs amortised; larger frames fall out of cache and pipeline worse
 MIN_FRAME_BYTES = 4 << 10
 MAX_FRAME_BYTES = 32 << 20
 MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + (1 << 20)  # a frame plus its key and fields
@@ -23,6 +33,8 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+Buffer = bytes | bytearray | memoryview
 
 
 class FrameError(ValueError):
@@ -37,50 +49,83 @@ def clamp_frame_bytes(n: int) -> int:
     return DEFAULT_FRAME_BYTES if n <= 0 else max(MIN_FRAME_BYTES, min(MAX_FRAME_BYTES, n))
 
 
-def frame_spans(data: bytes, frame_bytes: int) -> Iterator[tuple[int, bytes, bool]]:
-    """(offset, piece, last) of each frame of one chunk's bytes, in order."""
-    total = len(data)
-    if total <= frame_bytes:  # one frame: no slice copy
-        yield 0, bytes(data), True
+def frame_pieces(parts: Sequence[Buffer], frame_bytes: int) -> Iterator[tuple[int, list[memoryview], bool]]:
+    """(offset, pieces, last) of each frame of the parts' concatenation, in order: the pieces are views
+    of the parts (a frame may span several), so cutting frames copies nothing. No bytes: one empty
+    frame (which a receiver refuses, as it must)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    total = sum(len(v) for v in views)
+    if total == 0:
+        yield 0, [], True
         return
-    view = memoryview(data)
-    for off in range(0, total, frame_bytes):
-        end = min(off + frame_bytes, total)
-        yield off, bytes(view[off:end]), end == total
-
-
-def fill_frame(f: pb.ChunkFrame, key: str, offset: int, total: int, piece: bytes, last: bool) -> None:
-    """Set a frame in place (inside its PutFrame/GetFrame): building a ChunkFrame and then
-    assigning it to the outer message would copy the data once more."""
-    f.key, f.offset, f.total_length, f.data, f.last = key, offset, total, piece, last
+    i, at, off = 0, 0, 0  # part index, position inside it, chunk offset
+    while off < total:
+        want, pieces = min(frame_bytes, total - off), []
+        while want:
+            v = views[i]
+            n = min(want, len(v) - at)
+            if n:
+                pieces.append(v[at:at + n])
+            at += n
+            want -= n
+            if at == len(v):
+                i, at = i + 1, 0
+        size = sum(len(p) for p in pieces)
+        yield off, pieces, off + size == total
+        off += size
 
 
 def split_frames(key: str, data: bytes, frame_bytes: int) -> Iterator[pb.ChunkFrame]:
-    """The frames of one chunk as standalone messages (tests and tools; the RPCs use fill_frame)."""
-    for off, piece, last in frame_spans(data, frame_bytes):
-        f = pb.ChunkFrame()
-        fill_frame(f, key, off, len(data), piece, last)
-        yield f
+    """The frames of one chunk as standalone protobuf messages (tests and tools; the RPCs use frame_codec)."""
+    for off, pieces, last in frame_pieces([data], frame_bytes):
+        yield pb.ChunkFrame(key=key, offset=off, total_length=len(data), data=b"".join(pieces), last=last)
+
+
+class InlineFrame(Protocol):
+    """What the Assembler reads of a frame: a pb.ChunkFrame or a frame_codec.Frame."""
+
+    key: str
+    offset: int
+    total_length: int
+    data: Buffer
+    last: bool
+
+
+class Assembled(NamedTuple):
+    key: str
+    data: bytes | memoryview  # bytes, or (writable) a view of the receiver's own buffer
+    body_mac: bytes | None  # the StreamingMac digest of the body when the Assembler had a MAC key
 
 
 @dataclass
 class Assembler:
-    """Reassembles frames into whole chunks, enforcing order; keeps at most one chunk in flight."""
+    """Reassembles frames into whole chunks, enforcing order; keeps at most one chunk in flight.
+
+    writable: each frame is copied once, as it arrives, into a buffer allocated from the chunk's
+    announced length, and the chunk is a writable view of it that nobody else holds (an importer's
+    tensors alias it; the bridge hands it to its store read-only). The copy runs without the GIL, so
+    parallel streams overlap, and the buffer is numpy's (huge pages where the kernel offers them: far
+    fewer page faults on fresh memory). Otherwise the frames' bytes are kept as views and joined once
+    into immutable bytes at the end. mac: hash each frame on arrival; Assembled.body_mac carries the
+    digest."""
 
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
-    writable: bool = False  # hand out bytearrays (an importer's own buffers) instead of bytes (what stores keep)
+    writable: bool = False
+    mac: MacKey | None = None
     key: str = ""
     total: int = 0
     received: int = 0
-    parts: list[bytes] = field(default_factory=list)
+    parts: list[Buffer] = field(default_factory=list)
+    _buf: np.ndarray | None = None
+    _hash: StreamingMac | None = None
 
     @property
     def in_flight(self) -> str | None:
         """Key of a chunk started but not finished (dropped if the stream ends now)."""
         return self.key if self.key else None
 
-    def feed(self, f: pb.ChunkFrame) -> tuple[str, bytes | bytearray] | None:
-        """Accept one inline frame; returns (key, bytes) when it completes a chunk."""
+    def feed(self, f: InlineFrame) -> Assembled | None:
+        """Accept one inline frame; returns the chunk when this frame completes it."""
         if not f.key:
             raise FrameError("frame.key", "empty")
         if self.key and f.key != self.key:
@@ -91,7 +136,7 @@ class Assembler:
             raise FrameError("frame.total_length", f"changed from {self.total} to {f.total_length} mid-chunk")
         if not 0 < f.total_length <= self.max_chunk_bytes:
             raise FrameError("frame.total_length", f"{f.total_length} not in 1..{self.max_chunk_bytes}")
-        data = f.data  # read once: every access to a bytes field copies it out of the message
+        data = f.data  # read once: on a pb.ChunkFrame every access copies the field out of the message
         end = f.offset + len(data)
         if end > f.total_length:
             raise FrameError("frame.data", f"ends at {end}, past total_length {f.total_length}")
@@ -99,12 +144,21 @@ class Assembler:
             raise FrameError("frame.last", f"last={f.last} but {end} of {f.total_length} bytes received")
         if not data:
             raise FrameError("frame.data", "empty")
-        self.key, self.total, self.received = f.key, f.total_length, end
-        self.parts.append(data)
+        if not self.key:  # the chunk's first frame, checked: now state is kept
+            self.key, self.total = f.key, f.total_length
+            self._hash = StreamingMac(self.mac, self.total) if self.mac is not None else None
+            if self.writable:  # not zeroed: every byte is written before the chunk is handed out
+                self._buf = np.empty(self.total, dtype=np.uint8)
+        if self._hash is not None:
+            self._hash.update(data)
+        if self._buf is not None:  # numpy copies without the GIL: parallel streams overlap here
+            self._buf[self.received:end] = np.frombuffer(data, dtype=np.uint8)
+        else:
+            self.parts.append(data)
+        self.received = end
         if not f.last:
             return None
-        # one copy either way; a bytearray lets KVChunk.from_bytes(own=True) keep it without another
-        data = bytearray().join(self.parts) if self.writable else b"".join(self.parts)
-        key = self.key
-        self.key, self.total, self.received, self.parts = "", 0, 0, []
-        return key, data
+        out = memoryview(self._buf) if self._buf is not None else b"".join(self.parts)
+        done = Assembled(self.key, out, self._hash.digest() if self._hash is not None else None)
+        self.key, self.total, self.received, self.parts, self._buf, self._hash = "", 0, 0, [], None, None
+        return done

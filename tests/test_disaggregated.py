@@ -42,7 +42,9 @@ def test_disaggregated_prefill_and_decode_equal_colocated(dflash_pair):  # noqa:
             sched.run_until_idle()
     finally:
         server.stop(grace=None).wait(10)
-    assert decode_cache.stats.per_request_hits == [((len(p) - 1) // 64) * 64 for p in prompts]
+    # fetches run concurrently off the engine loop, so requests are admitted (and counted) in the order their
+    # data arrived: every prompt's whole prefix hits, in some order
+    assert sorted(decode_cache.stats.per_request_hits) == sorted(((len(p) - 1) // 64) * 64 for p in prompts)
     for c, r, f in zip(colocated, reqs, firsts):
         assert r.seq.output[0] == f.first_token == c.output[0]
         assert r.seq.output == c.output

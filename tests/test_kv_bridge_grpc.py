@@ -11,15 +11,17 @@ import grpc
 import pytest
 import torch
 
-from flashpd.kv_bridge import shm
-from flashpd.kv_bridge.client import (BridgeClient, BridgeInvalidArgument, BridgeTimeout, BridgeUnavailable,
-                                      RemoteStore)
+from flashpd.kv_bridge import frame_codec, shm
+from flashpd.kv_bridge.auth import MAC_BYTES
+from flashpd.kv_bridge.chunk import CorruptChunk, StreamingMac, verify_bytes
+from flashpd.kv_bridge.client import (BridgeClient, BridgeError, BridgeInvalidArgument, BridgeProtocolError,
+                                      BridgeTimeout, BridgeUnavailable, RemoteStore)
 from flashpd.kv_bridge.disk import DiskStore, TieredStore
 from flashpd.kv_bridge.keys import chunk_keys
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.server import serve
 from flashpd.kv_bridge.store import MemoryStore
-from flashpd.kv_bridge.wire import PROTOCOL_VERSION, split_frames
+from flashpd.kv_bridge.wire import MIN_FRAME_BYTES, PROTOCOL_VERSION, Assembler, frame_pieces, split_frames
 
 try:
     from tests._kv_bridge_helpers import CHUNK_TOKENS, MAC, fingerprint, flip_byte, make_chunk, prompt_chunks, same
@@ -117,7 +119,8 @@ def test_lru_eviction_over_the_bridge_drops_whole_entries():
     n = len(make_chunk("x").to_bytes(MAC))
     b = Bridge(MemoryStore(2 * n + n // 2))
     try:
-        b.client.put([make_chunk(k, seed=i) for i, k in enumerate("abc")])
+        for i, k in enumerate("abc"):  # one call each: the streams of one call reach the store in any order
+            b.client.put([make_chunk(k, seed=i)])
         assert b.client.lookup(["a"]) == 0 and b.client.lookup(["b", "c"]) == 2
         got = b.client.get(["b", "c"])
         assert all(c.draft_kv is not None and c.target_kv is not None for c in got)
@@ -344,3 +347,254 @@ def test_generated_code_has_not_drifted(tmp_path):
         assert filecmp.cmp(p, committed, shallow=False), (
             f"{committed.name} differs from what proto/kv_bridge.proto generates: "
             "run python -m flashpd.kv_bridge.gen_proto (with the pinned grpcio-tools)")
+
+
+# ---- the byte path: frame codec, streaming MAC, frame sizes, parallel streams ----------------------
+
+def test_frame_codec_writes_and_reads_what_protobuf_does():
+    g = torch.Generator().manual_seed(0)
+    for i in range(200):
+        key = "".join(chr(int(c)) for c in torch.randint(32, 0x2FF, (int(torch.randint(0, 70, (1,), generator=g)),),
+                                                          generator=g))
+        data = os.urandom(int(torch.randint(0, 3, (1,), generator=g)) * 150)
+        off, total = int(torch.randint(0, 2**40, (1,), generator=g)) * (i % 2), (2**64 - 1) if i == 7 else 5 * i
+        version, last = (0, 1, 300, 2**32 - 1)[i % 4], bool(i % 3)
+        for cls, decode in ((pb.PutFrame, frame_codec.decode_put_frame), (pb.GetFrame, frame_codec.decode_get_frame)):
+            m = cls(version=version, frame=pb.ChunkFrame(key=key, offset=off, total_length=total, data=data, last=last))
+            head, tail = frame_codec.frame_envelope(version, key.encode(), off, total, len(data), last)
+            assert head + data + tail == m.SerializeToString()
+            d = decode(m.SerializeToString())
+            f = d.frame
+            assert (d.version, f.key, f.offset, f.total_length, bytes(f.data), f.last, f.shm) == \
+                (version, key, off, total, data, last, None)
+    # a handle (even an empty one), GetDone, merged repeats, a oneof's last member, unknown fields
+    d = frame_codec.decode_get_frame(pb.GetFrame(version=1, frame=pb.ChunkFrame(
+        key="k", shm=pb.ShmHandle(name="fpkv-a", length=9))).SerializeToString())
+    assert d.frame.shm == frame_codec.ShmRef("fpkv-a", 9)
+    assert frame_codec.decode_put_frame(pb.PutFrame(frame=pb.ChunkFrame(shm=pb.ShmHandle())).SerializeToString()
+                                        ).frame.shm == frame_codec.ShmRef()
+    done = pb.GetFrame(version=1, done=pb.GetDone(found=3)).SerializeToString()
+    frame = pb.GetFrame(frame=pb.ChunkFrame(key="a", data=b"xy")).SerializeToString()
+    last_wins = frame_codec.decode_get_frame(frame + done)
+    assert (last_wins.done, last_wins.frame) == (3, None)
+    assert frame_codec.decode_get_frame(done + frame).done is None
+    a = pb.PutFrame(version=1, frame=pb.ChunkFrame(key="a", offset=5, data=b"xy")).SerializeToString()
+    b = pb.PutFrame(frame=pb.ChunkFrame(total_length=9, last=True)).SerializeToString()
+    unknown = b"\x38\x05" + b"\x41" + bytes(8) + b"\x4a\x02hi" + b"\x55" + bytes(4) + b"\x0a\x01\x01"
+    ref, d = pb.PutFrame.FromString(a + b + unknown), frame_codec.decode_put_frame(a + b + unknown)
+    assert (d.version, d.frame.key, d.frame.offset, d.frame.total_length, bytes(d.frame.data), d.frame.last) == \
+        (ref.version, ref.frame.key, ref.frame.offset, ref.frame.total_length, ref.frame.data, ref.frame.last)
+    # what the protobuf runtime refuses, the codec refuses (and safe() turns into a value, never a raise)
+    for garbage in (b"\xff\xff\xff\xff", b"\x12\x05ab", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+                    b"\x12\x03\x0a\x01\xff", b"\x00", b"\x08"):
+        with pytest.raises(Exception):
+            pb.PutFrame.FromString(garbage)
+        with pytest.raises(frame_codec.DecodeError):
+            frame_codec.decode_put_frame(garbage)
+        bad = frame_codec.safe(frame_codec.decode_put_frame, frame_codec.PUT_FRAME)(garbage)
+        assert isinstance(bad, frame_codec.Undecodable) and bad.type_name == frame_codec.PUT_FRAME
+    with pytest.raises(frame_codec.DecodeError, match="wire type 3"):  # groups: the one documented difference
+        frame_codec.decode_put_frame(b"\x12\x02\x0b\x0c")
+
+
+def test_streaming_mac_is_the_chunk_mac_however_the_bytes_are_cut():
+    data = make_chunk("m", dtype=torch.float32, seed=4).to_bytes(MAC)
+    body_mac = MAC.tag([data[:-MAC_BYTES]])
+    for frame in (1, 7, MAC_BYTES, 1000, len(data) - 10, len(data), len(data) + 1):
+        sm = StreamingMac(MAC, len(data))
+        for _, pieces, _ in frame_pieces([data[:100], data[100:]], frame):
+            for p in pieces:
+                sm.update(p)
+        assert sm.body_done and sm.digest() == body_mac
+    verify_bytes(data, MAC, key="m", body_mac=body_mac)
+    with pytest.raises(CorruptChunk, match="MAC"):  # a digest of other bytes never passes
+        verify_bytes(data, MAC, key="m", body_mac=MAC.tag([b"other"]))
+    with pytest.raises(CorruptChunk, match="key"):  # every other check still runs
+        verify_bytes(data, MAC, key="n", body_mac=body_mac)
+
+
+def test_assembler_copies_each_frame_once_into_its_own_buffer():
+    data = make_chunk("a", dtype=torch.float32, seed=2).to_bytes(MAC)
+    for writable in (True, False):
+        asm = Assembler(len(data), writable=writable, mac=MAC)
+        out = [asm.feed(f) for f in split_frames("a", data, MIN_FRAME_BYTES)]
+        assert out[:-1] == [None] * (len(out) - 1) and asm.in_flight is None and asm.parts == []
+        done = out[-1]
+        assert done.key == "a" and bytes(done.data) == data and done.body_mac == MAC.tag([data[:-MAC_BYTES]])
+        assert isinstance(done.data, bytes) != writable and memoryview(done.data).readonly != writable
+    frames = list(split_frames("a", data, MIN_FRAME_BYTES))
+    asm = Assembler(len(data), writable=True)
+    asm.feed(frames[0])
+    with pytest.raises(ValueError, match="frame.offset"):
+        asm.feed(frames[2])
+
+
+@pytest.mark.parametrize("frame", [MIN_FRAME_BYTES, 5000, "tag", 1 << 20])
+def test_frame_sizes_round_trip_byte_exact(frame):
+    chunks = [make_chunk(f"f{i}", dtype=torch.float32, seed=i) for i in range(3)]
+    total = len(chunks[0].to_bytes(MAC))
+    frame_bytes = total - MAC_BYTES // 2 if frame == "tag" else frame  # "tag": the MAC straddles two frames
+    b = Bridge(MemoryStore(1 << 24))
+    try:
+        with BridgeClient(b.address, TIMEOUT_S, frame_bytes=frame_bytes, streams=2) as cl:
+            assert cl.put(chunks).stored == 3
+            got = cl.get([c.key for c in chunks])
+        assert len(got) == 3 and all(same(a, c) for a, c in zip(got, chunks))
+        per_chunk = -(-total // cl.frame_bytes)
+        st = b.client.stats()
+        assert st["server.frames_received"] == st["server.frames_sent"] == 3 * per_chunk
+        assert st["store.corrupt_refused"] == 0
+    finally:
+        b.stop()
+
+
+def test_protobuf_clients_still_read_and_write_the_byte_path(bridge):
+    """The hand-made messages are plain protobuf: a client built on the generated stub alone works."""
+    c = make_chunk("pb", dtype=torch.float32, seed=6)
+    data = c.to_bytes(MAC)
+    assert bridge.client.stub.Put(iter(frames_of("pb", data)), timeout=TIMEOUT_S).stored == 1
+    msgs = list(bridge.client.stub.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=["pb"], frame_bytes=FRAME),
+                                       timeout=TIMEOUT_S))
+    assert msgs[-1].done.found == 1 and all(m.version == PROTOCOL_VERSION for m in msgs)
+    assert b"".join(m.frame.data for m in msgs[:-1]) == data
+    assert [m.frame.offset for m in msgs[:-1]] == list(range(0, len(data), FRAME))
+
+
+class ByteFaults:
+    """A MemoryStore whose reads of some keys fail (raise) or return corrupted bytes."""
+
+    def __init__(self, inner: MemoryStore, fail: set[str] = frozenset(), corrupt: set[str] = frozenset()) -> None:
+        self.inner, self.fail, self.corrupt = inner, fail, corrupt
+        self.secret = inner.secret
+
+    def get_bytes(self, key):
+        if key in self.fail:
+            raise RuntimeError("disk on fire")
+        data = self.inner.get_bytes(key)
+        return flip_byte(data, len(data) // 2) if key in self.corrupt and data is not None else data
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def keys5(chunks) -> list[str]:
+    return [c.key for c in chunks[:5]]
+
+
+def get_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvbridge-")]
+
+
+@pytest.mark.parametrize("streams", [2, 3, 4])
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_parallel_streams_keep_order_and_stop_at_the_first_miss(bridge, streams, transport):
+    chunks = [make_chunk(f"p{i}", seed=i) for i in range(10)]
+    with BridgeClient(bridge.address, TIMEOUT_S, frame_bytes=FRAME, streams=streams) as cl:
+        s = cl.put(chunks[:6] + chunks[7:], transport=transport)  # p6 is missing
+        assert (s.stored, s.ok) == (9, True)
+        keys = [c.key for c in chunks]
+        got = cl.get(keys, transport=transport)
+        assert [c.key for c in got] == keys[:6] and all(same(a, b) for a, b in zip(got, chunks))
+        got = cl.get(keys[7:] + ["nope"] + keys[:3], transport=transport)
+        assert [c.key for c in got] == keys[7:]
+        assert cl.get(["nope"] + keys, transport=transport) == []
+        it = cl.iter_get(keys[:6], transport=transport)  # closed early: every stream stops, nothing left behind
+        assert same(next(it), chunks[0])
+        it.close()
+    assert shm.list_segments(os.getpid()) == [] and get_threads() == []
+    st = bridge.client.stats()
+    assert st["server.chunks_sent"] <= 6 + 3 + 6 + 6  # nothing past a miss (a Lookup bounds the streams)
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+@pytest.mark.parametrize("fault", ["fail", "corrupt"])
+def test_a_stream_failing_midway_fails_the_whole_get(transport, fault):
+    chunks = [make_chunk(f"q{i}", seed=i) for i in range(8)]
+    store = ByteFaults(MemoryStore(1 << 24), **{fault: {"q5"}})
+    b = Bridge(store)
+    try:
+        with BridgeClient(b.address, TIMEOUT_S, frame_bytes=FRAME, streams=3) as cl:
+            cl.put(chunks)
+            expected = BridgeProtocolError if fault == "corrupt" else BridgeError
+            with pytest.raises(expected, match="Get") as e:
+                cl.get([c.key for c in chunks], transport=transport)
+            if fault == "corrupt":
+                assert "failed verification" in str(e.value)
+            seen = []
+            with pytest.raises(expected):
+                for c in cl.iter_get([c.key for c in chunks], transport=transport):
+                    seen.append(c.key)
+            # in order, up to the chunk that failed (over SHM maybe fewer: a server whose stream fails
+            # reclaims the segments it made for that stream, taken or not)
+            assert seen == [c.key for c in chunks[:len(seen)]]
+            assert len(seen) == 5 or transport == "shm"
+            assert [c.key for c in cl.get([c.key for c in chunks[:5]], transport=transport)] == keys5(chunks)
+        assert shm.list_segments(os.getpid()) == [] and get_threads() == []
+        assert b.client.health()["serving"]
+    finally:
+        b.stop()
+
+
+def test_parallel_put_merges_the_streams_replies_in_key_order(bridge):
+    good = [make_chunk(f"g{i}", seed=i) for i in range(5)]
+    items = [(c.key, c.to_bytes(MAC)) for c in good]
+    items.insert(1, ("bad1", flip_byte(items[0][1], 100)))
+    items.insert(4, ("bad2", flip_byte(items[2][1], 200)))
+    with BridgeClient(bridge.address, TIMEOUT_S, frame_bytes=FRAME, streams=4) as cl:
+        s = cl.put_bytes(items)
+        assert (s.stored, s.duplicates, s.refused_keys, s.incomplete_keys) == (5, 0, ["bad1", "bad2"], [])
+        again = cl.put(good)
+        assert (again.stored, again.duplicates) == (0, 5)
+    assert get_threads() == []
+
+
+def test_a_parallel_put_whose_stream_fails_raises_and_leaves_no_segment(bridge):
+    good = [make_chunk(f"h{i}", seed=i) for i in range(4)]
+    bad = make_chunk("hx", seed=9)
+    bad.target_kv = bad.target_kv.to(torch.int32)  # cannot be serialized: that stream's generator raises
+    with BridgeClient(bridge.address, TIMEOUT_S, frame_bytes=FRAME, streams=2) as cl:
+        for transport in ("inline", "shm"):
+            with pytest.raises(BridgeError, match="Put"):
+                cl.put(good[:3] + [bad], transport=transport)
+    assert shm.list_segments(os.getpid()) == [] and get_threads() == []
+    assert bridge.client.health()["serving"]
+
+
+def test_streams_are_bounded():
+    with pytest.raises(ValueError, match="streams"):
+        BridgeClient("127.0.0.1:1", streams=0)
+
+
+class RecordingStore(MemoryStore):
+    """Records what the bridge hands put_bytes: the buffer's type and whether it came verified."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.calls: dict[str, tuple[type, bool, bool]] = {}
+
+    def put_bytes(self, key, data, verified=False):
+        self.calls[key] = (type(data), memoryview(data).readonly, verified)
+        return super().put_bytes(key, data, verified)
+
+
+def test_the_bridge_hashes_a_put_once_as_it_arrives_and_the_store_trusts_it():
+    store = RecordingStore(1 << 24)
+    b = Bridge(store)
+    try:
+        good = make_chunk("good", seed=1).to_bytes(MAC)
+        s = b.client.put_bytes([("good", good), ("bad", flip_byte(good, 300)), ("lying", good)])
+        assert (s.stored, sorted(s.refused_keys)) == (1, ["bad", "lying"])
+        # verified by the server (the digest taken frame by frame): the store skips its own pass; the rest
+        # reach it unverified and it refuses and counts them as always
+        assert store.calls == {"good": (memoryview, True, True), "bad": (memoryview, True, False),
+                               "lying": (memoryview, True, False)}
+        assert store.stats()["corrupt_refused"] == 2 and same(b.client.get(["good"])[0], make_chunk("good", seed=1))
+    finally:
+        b.stop()
+
+
+def test_remote_store_put_many(bridge):
+    rs = RemoteStore(bridge.client)
+    chunks = [make_chunk(f"m{i}", seed=i) for i in range(6)]
+    assert rs.put_many(chunks[:4]) == 4 and rs.put_many(chunks) == 6
+    assert [c.key for c in rs.get_many([c.key for c in chunks])] == [c.key for c in chunks]

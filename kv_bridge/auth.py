@@ -35,8 +35,10 @@ class MacKey:
             raise ValueError(f"a MAC key has {SECRET_BYTES} bytes")
         self._key = bytes(key)
 
-    def hasher(self) -> blake3.blake3:
-        return blake3.blake3(key=self._key, max_threads=blake3.blake3.AUTO)
+    def hasher(self, max_threads: int = blake3.blake3.AUTO) -> blake3.blake3:
+        """A keyed hasher; AUTO threads for a whole chunk in one update, 1 where pieces stream through on
+        several threads already (a frame's worth of threads cost more CPU than they save)."""
+        return blake3.blake3(key=self._key, max_threads=max_threads)
 
     def tag(self, parts: Iterable[bytes | bytearray | memoryview]) -> bytes:
         """The MAC of the parts' concatenation (each hashed in place, never joined)."""

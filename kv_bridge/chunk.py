@@ -150,7 +150,7 @@ class StreamingMac:
     __slots__ = ("_hasher", "_left")
 
     def __init__(self, mac: MacKey, total: int) -> None:
-        self._hasher = mac.hasher()
+        self._hasher = mac.hasher(max_threads=1)  # frames of parallel streams: the streams are the threads
         self._left = total - MAC_BYTES  # body bytes still to hash (a chunk this short fails verify_bytes)
 
     @property

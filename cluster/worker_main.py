@@ -206,6 +206,11 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
     metrics = Metrics("prefill")
     w = RunningWorker("prefill", "")
     cache = _bridge_cache(cfg, llm, w, metrics, secret)
+    if cfg.kv_transport == "device":
+        # the bridge only offers cached prefixes here (nothing is published): a bridge that fails is a miss,
+        # counted and logged, not a failed prefill
+        from flashpd.decode_node.bridge_import import GuardedPrefixCache  # noqa: PLC0415
+        cache = GuardedPrefixCache(cache)
     worker = PrefillWorker(llm.runner, llm.drafter, cache, tuple(llm.stop_ids))
     if wants_warmup(cfg, llm.runner):  # before serving: nothing else runs on this runner yet
         from flashpd.engine.warmup import lengths_for, warm_prefill  # noqa: PLC0415

@@ -229,7 +229,8 @@ def _metric(address: str, name: str) -> float:
 def test_local_service_over_the_device_path_equals_colocated(dflash_pair, colocated_reference):  # noqa: F811
     """`kv_transport: device` with the prefill and decode workers as separate local processes: every
     prompt's KV crosses by shared caches (counted at the decode worker), outputs and acceptance lengths
-    equal the colocated server's, and the prefill worker's blocks all come back."""
+    equal the colocated server's, the prefill worker's blocks all come back, and a killed bridge changes
+    none of that."""
     from flashpd.cluster.generation_client import GenerationClient
     from flashpd.cluster.service import start_service
     from tests._cluster_helpers import N_PROMPTS, run_concurrently, serve_cfg, wait_until
@@ -247,6 +248,11 @@ def test_local_service_over_the_device_path_equals_colocated(dflash_pair, coloca
         pre = svc.pool.slots["prefill"][0]
         wait_until(lambda: (lambda h: h["kv_blocks_free"] == h["kv_blocks_total"])(pre.client.health(5)),
                    "the prefill worker's leases to be released", timeout_s=10)
+        # the bridge dies: the device path does not need it, outputs stay exact, and the KV still crosses by it
+        svc.pool.launcher.kill(svc.pool.slots["bridge"][0].launched)
+        got = run_concurrently(svc.address, [1, 2], ps)
+        assert got[1] == ref[1] and got[2] == ref[2]
+        assert _metric(dec, "flashpd_handoff_imports_total") == N_PROMPTS + 2
         with GenerationClient(svc.address) as c:
             assert c.health()["serving"]
     finally:

@@ -204,7 +204,8 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashpd", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser.add_argument("--version", action="version", version=f"flashpd {_version()}")
+    sub = parser.add_subparsers(dest="cmd")
     _add_generate(sub)
     d = sub.add_parser("demo", help="run the shipped demo model: native vs DFlash")
     d.add_argument("--device", choices=["cpu", "cuda"])
@@ -213,6 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     cli_serve.add_serve(sub)
     cli_serve.add_client(sub, _prompt_ids)
     a = parser.parse_args(argv)
+    if a.cmd is None:  # no command: what there is to run
+        parser.print_help()
+        return 0
+    if getattr(a, "device", None) == "cuda":
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            print("flashpd: error: --device cuda, but this machine has no CUDA device (or torch is a CPU build); "
+                  "use --device cpu", file=sys.stderr)
+            return 2
     try:
         if a.cmd == "generate":
             return cmd_generate(a)
@@ -239,6 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, CheckpointError, FileNotFoundError) as e:
         print(f"flashpd: error: {e}", file=sys.stderr)
         return 2
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("flashpd")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from collections import Counter
 from flashpd.engine.sequence import Sequence
 from flashpd.kv_bridge.chunk import CorruptChunk
 from flashpd.kv_bridge.client import BridgeError
-from flashpd.kv_bridge.prefix_cache import Fetched, PrefixCache
+from flashpd.kv_bridge.prefix_cache import Fetched, Pending, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,14 @@ class GuardedPrefixCache:
         return self.cache.apply(gen, seq, got)
 
     def publish(self, gen, seq: Sequence) -> int:
+        return self.store_pending(self.collect(gen, seq))
+
+    def collect(self, gen, seq: Sequence) -> Pending:
+        return self.cache.collect(gen, seq)
+
+    def store_pending(self, p: Pending) -> int:
         try:
-            return self.cache.publish(gen, seq)
+            return self.cache.store_pending(p)
         except IMPORT_ERRORS as e:
             self.publish_failures[type(e).__name__] += 1
             log.warning("publishing a prompt to the bridge failed (%s: %s); not cached", type(e).__name__, e)

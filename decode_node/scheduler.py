@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH_FAULTS = 3
 LOAD_THREADS = 4  # prefix fetches in flight at once (each mostly waits on the bridge)
 LOAD_POLL_S = 0.05  # an idle engine waits this long at most for a load before looking again
+SAVE_WAIT_S = 60.0  # a fetch waits at most this long for the saves before it (each bounded by its store's timeout)
 
 
 REQUEST_FAILED = "request failed"  # how a RequestFailed's message (an INTERNAL status's details) starts
@@ -138,6 +139,8 @@ class Scheduler:
         self.handoff: HandoffImport | None = None  # the same-host device path's importer (decode_node/handoff_import.py)
         self.async_load = True  # prefix fetches on a thread pool (False: inside admission, as restore does)
         self._loader: ThreadPoolExecutor | None = None
+        self._save_pool: ThreadPoolExecutor | None = None
+        self._saves: list[Future] = []  # saves not yet known to be done
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams, method: str = "native",
@@ -160,7 +163,8 @@ class Scheduler:
             # the worker side's start-load: bridge I/O and verification run off the engine loop; the request
             # is admitted once its data is here, and the running batch never waits for it
             gen = self.spec if method == "dflash" else self.native
-            req.load = self._loads().submit(self.prefix_cache.fetch, gen, list(prompt))
+            req.load = self._loads().submit(self._fetch_after, [f for f in self._saves if not f.done()], gen,
+                                            list(prompt))
         return req
 
     def _loads(self) -> ThreadPoolExecutor:
@@ -519,13 +523,39 @@ class Scheduler:
         return result
 
     def _finish(self, r: Request) -> None:
-        """A request's end: publish its prompt (a failure there is counted, the output stands) and free."""
+        """A request's end: publish its prompt (a failure there is counted, the output stands) and free. With
+        async_load the save is split as the load is: the chunks are read out of the caches here, and stored
+        by a background thread (in order: a later fetch waits for the saves queued before it)."""
+        gen = self.spec if r.method == "dflash" else self.native
+        pc = self.prefix_cache
         try:
-            (self.spec if r.method == "dflash" else self.native).finish(r.seq, self.prefix_cache)
+            if self.async_load and pc is not None and hasattr(pc, "collect"):
+                pending = pc.collect(gen, r.seq)
+                gen.finish(r.seq, None)
+                if pending.target:
+                    self._saves = [f for f in self._saves if not f.done()]
+                    self._saves.append(self._saver().submit(pc.store_pending, pending))
+            else:
+                gen.finish(r.seq, pc)
         except Exception as e:  # noqa: BLE001  finish frees the blocks whatever publish does
             self.stats.finish_errors += 1
             log.warning("finishing request %d: %s: %s (its output is complete)", r.id, type(e).__name__, e)
         self._release(r)
+
+    def _saver(self) -> ThreadPoolExecutor:
+        if self._save_pool is None:  # one thread: saves reach the store in the order requests finished
+            self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-save")
+        return self._save_pool
+
+    def _fetch_after(self, saves: list[Future], gen, prompt: list[int]):
+        """A fetch that first waits for the saves queued before its request arrived (on the load thread), so
+        a prompt finished earlier is a hit exactly as it would be with synchronous saves."""
+        wait(saves, timeout=SAVE_WAIT_S)
+        return self.prefix_cache.fetch(gen, prompt)
+
+    def flush_saves(self, timeout_s: float = SAVE_WAIT_S) -> None:
+        """Wait until every queued save reached the store (a caller about to read the store directly)."""
+        wait(list(self._saves), timeout=timeout_s)
 
     def abort_all(self, e: BaseException) -> list[tuple[Request, RequestFailed]]:
         """Last resort after an error the step could not contain: fail every request, free every block,
@@ -544,6 +574,7 @@ class Scheduler:
         done = []
         for _ in range(max_steps):
             if self.idle:
+                self.flush_saves()  # idle includes the finished prompts' saves
                 return done
             done.extend(self.step().finished)
         raise RuntimeError(f"scheduler still busy after {max_steps} steps")

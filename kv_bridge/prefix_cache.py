@@ -57,6 +57,16 @@ class Fetched:
     refused: bool = False  # a present chunk that could not be used ended the run (counted when applied)
 
 
+@dataclass
+class Pending:
+    """A save read out of the caches but not yet stored: the prompt and its full chunks' K/V."""
+
+    prompt: list[int]
+    with_draft: bool
+    target: list[torch.Tensor] = field(default_factory=list)
+    draft: list[torch.Tensor] = field(default_factory=list)
+
+
 class PrefixCache:
     def __init__(self, store: Store, fingerprint: str, chunk_tokens: int = 256, restore_draft: bool = True) -> None:
         if chunk_tokens <= 0:
@@ -161,26 +171,42 @@ class PrefixCache:
 
     def publish(self, gen, seq: Sequence) -> int:
         """Store the prompt's full chunks (both halves) not yet in the store; returns how many were put."""
+        return self.store_pending(self.collect(gen, seq))
+
+    def collect(self, gen, seq: Sequence) -> Pending:
+        """The save's read half: copies of the prompt's full chunks out of the caches (before its blocks are
+        freed). No I/O, so the engine loop does it and hands store_pending to another thread."""
         runner, drafts = gen.runner, getattr(gen, "drafts", None)
+        ct = self.chunk_tokens
+        n = min(len(seq.prompt), seq.table.num_tokens, seq.draft_len if drafts is not None else len(seq.prompt)) // ct
+        out = Pending(list(seq.prompt), drafts is not None)
+        for i in range(n):
+            slots = position_slots(seq.table, i * ct, (i + 1) * ct, runner.block_size, runner.device)
+            # fresh tensors on the cache's device: a DeviceStore keeps them there, byte stores serialise
+            # them (KVChunk.to_bytes moves them to the host)
+            out.target.append(read_positions(runner.cache.data, slots))
+            if drafts is not None:
+                out.draft.append(read_positions(drafts.cache.data, slots))
+        return out
+
+    def store_pending(self, p: Pending) -> int:
+        """The save's I/O half: the collected chunks the store does not hold yet, in order; returns how many
+        were put. A native request's chunks (target K/V only) go to the target-only chain, unless full
+        entries already cover its prompt."""
         fp = self.fingerprint
-        keys = self._keys(seq.prompt)
-        if drafts is None and keys:  # native: nothing to add where full entries already cover the prompt
+        keys = self._keys(p.prompt)
+        if not p.with_draft and keys:
             if self.store.lookup(keys) == len(keys):
                 return 0
             fp = self.target_only
-            keys = self._keys(seq.prompt, fp)
+            keys = self._keys(p.prompt, fp)
         have = self.store.lookup(keys) if keys else 0
         put = 0
         parent = keys[have - 1] if have else ""
-        for i in range(have, len(keys)):
-            lo, hi = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
-            if seq.table.num_tokens < hi or (drafts is not None and seq.draft_len < hi):
-                break
-            slots = position_slots(seq.table, lo, hi, runner.block_size, runner.device)
-            # fresh tensors on the cache's device: a DeviceStore keeps them there, byte stores serialise
-            # them (KVChunk.to_bytes moves them to the host)
-            chunk = KVChunk(keys[i], parent, fp, seq.prompt[lo:hi], read_positions(runner.cache.data, slots),
-                            read_positions(drafts.cache.data, slots) if drafts is not None else None)
+        ct = self.chunk_tokens
+        for i in range(have, min(len(keys), len(p.target))):
+            chunk = KVChunk(keys[i], parent, fp, p.prompt[i * ct:(i + 1) * ct], p.target[i],
+                            p.draft[i] if p.with_draft else None)
             put += bool(self.store.put(chunk))
             parent = keys[i]
         self.stats.published_chunks += put

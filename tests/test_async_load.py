@@ -85,3 +85,41 @@ def test_a_loading_request_does_not_stop_the_running_batch(pair):
     sched.run_until_idle()
     assert cache.stats.per_request_hits[-1] == 128  # admitted with its prefix restored
     assert r.seq.output == cold.output and r.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths
+
+
+class _SlowPutStore(MemoryStore):
+    """A real memory store whose writes block until `gate` is set (a slow bridge)."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 28)
+        self.gate = threading.Event()
+        self.putting = threading.Event()
+
+    def put(self, chunk) -> bool:
+        self.putting.set()
+        assert self.gate.wait(60), "test gate never opened"
+        return super().put(chunk)
+
+
+def test_a_slow_save_does_not_stop_the_batch_and_a_later_fetch_waits_for_it(pair):
+    target, drafter = pair
+    store = _SlowPutStore()
+    cache = PrefixCache(store, "e" * 64, chunk_tokens=32)
+    first = _prompts(1, 31, 100, 101)[0]
+    sched = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    others = [sched.add(p, SamplingParams(max_tokens=50, ignore_eos=True), "native") for p in _prompts(2, 32, 20, 40)]
+    short = sched.add(first, SamplingParams(max_tokens=2, ignore_eos=True), "dflash")
+    while not short.seq.done:
+        sched.step()
+    assert store.putting.wait(30), "the save did not start"
+    before = {o.id: len(o.seq.output) for o in others}
+    for _ in range(4):  # the save is blocked in its thread: the batch steps on
+        sched.step()
+    assert all(len(o.seq.output) > before[o.id] for o in others), "the running batch stalled on a save"
+    again = sched.add(first, SamplingParams(max_tokens=20, ignore_eos=True), "dflash")  # queued behind the save
+    store.gate.set()
+    sched.run_until_idle()
+    assert cache.stats.per_request_hits[-1] == 96  # the save landed before the fetch read the store
+    cold = DFlashGenerator(_runner(target, drafter), drafter, ()).generate(
+        [first], [SamplingParams(max_tokens=20, ignore_eos=True)])[0]
+    assert again.seq.output == cold.output and again.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths

@@ -21,7 +21,7 @@ import torch
 
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
-from flashpd.kv_bridge.store import leading
+from flashpd.kv_bridge.store import leading, leading_gets
 
 
 class DeviceStore:
@@ -108,7 +108,7 @@ class DeviceStore:
                 self._c["misses"] += 1
             return [None]
         many = getattr(self.backing, "get_many", None)
-        got = list(many(keys, layout)) if many is not None else _leading_gets(self.backing, keys, layout)
+        got = list(many(keys, layout)) if many is not None else leading_gets(self.backing, keys, layout)
         with self._lock:
             self._c["hits_backing"] += sum(c is not None for c in got)
             self._c["misses"] += len(keys) - sum(c is not None for c in got)
@@ -134,17 +134,3 @@ class DeviceStore:
         if self.backing is not None:
             out["backing"] = self.backing.stats()
         return out
-
-
-def _leading_gets(store, keys: list[str], layout: ChunkLayout | None) -> list[KVChunk]:
-    """What get_many gives, from single gets: the leading present chunks that fit `layout`."""
-    out = []
-    for k in keys:
-        try:
-            chunk = store.get(k, layout)
-        except LayoutMismatch:
-            break
-        if chunk is None:
-            break
-        out.append(chunk)
-    return out

@@ -37,7 +37,7 @@ import torch
 
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
-from flashpd.kv_bridge.store import leading
+from flashpd.kv_bridge.store import leading, leading_gets
 
 ALIGN = 256  # slot and draft-half offsets: any dtype view is aligned, and DMA starts on a good boundary
 SEGMENT_BYTES = 1 << 30  # the largest single host allocation: bounds the stall when the arena grows
@@ -305,7 +305,7 @@ class HostStore:
     def _from_backing(self, keys: list[str], layout: ChunkLayout | None) -> list[KVChunk]:
         many = getattr(self.backing, "get_many", None)
         got = list(itertools.takewhile(lambda c: c is not None, many(keys, layout) if many is not None
-                                       else _leading_gets(self.backing, keys, layout)))
+                                       else leading_gets(self.backing, keys, layout)))
         with self._lock:
             self._c["hits_backing"] += len(got)
             self._c["misses"] += len(got) < len(keys)
@@ -337,17 +337,3 @@ class HostStore:
         if self.backing is not None:
             out["backing"] = self.backing.stats()
         return out
-
-
-def _leading_gets(store, keys: list[str], layout: ChunkLayout | None) -> list[KVChunk]:
-    """What get_many gives, from single gets: the leading present chunks that fit `layout`."""
-    out = []
-    for k in keys:
-        try:
-            chunk = store.get(k, layout)
-        except LayoutMismatch:
-            break
-        if chunk is None:
-            break
-        out.append(chunk)
-    return out

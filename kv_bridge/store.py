@@ -53,6 +53,21 @@ def leading(keys: list[str], contains) -> int:
     return n
 
 
+
+def leading_gets(store, keys: list[str], layout: ChunkLayout | None) -> list[KVChunk]:
+    """What get_many gives, from single gets: the leading present chunks that fit `layout` (a tier's backing
+    without get_many)."""
+    out = []
+    for k in keys:
+        try:
+            chunk = store.get(k, layout)
+        except LayoutMismatch:
+            break
+        if chunk is None:
+            break
+        out.append(chunk)
+    return out
+
 def verify_checked(key: str, data: bytes | memoryview, mac: MacKey) -> None:
     """MAC, header, lengths and key of serialized bytes, without materialising the tensors."""
     verify_bytes(data, mac, key=key)

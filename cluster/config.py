@@ -51,6 +51,10 @@ class ServeConfig:
     # the prefill holds them under a lease until released or handoff_lease_s passes)
     kv_transport: str = "bridge"
     handoff_lease_s: float = 10.0
+    # device path, prefill and decode worker on one GPU: the decode worker holds its next step while the
+    # prefill worker computes (at most this long for one prefill; 0 = never), as a colocated engine runs a
+    # prefill before its next decode step (kv_bridge/handoff.py says why)
+    prefill_hold_s: float = 0.5
     bridge_timeout_s: float = 10.0
     bridge_address: str | None = None  # set by the launcher for the workers it starts
     # TLS of the KV bridge (PEM file paths, readable wherever a worker runs; None = plaintext). The bridge
@@ -87,6 +91,8 @@ class ServeConfig:
             raise ValueError(f"kv_transport: must be 'bridge' or 'device', got {self.kv_transport!r}")
         if not self.handoff_lease_s > 0:
             raise ValueError(f"handoff_lease_s: must be > 0, got {self.handoff_lease_s}")
+        if not 0 <= self.prefill_hold_s <= 10:
+            raise ValueError(f"prefill_hold_s: must be in [0, 10] seconds, got {self.prefill_hold_s}")
         if self.bridge_transport not in ("inline", "shm"):
             raise ValueError(f"bridge_transport: must be 'inline' or 'shm', got {self.bridge_transport!r}")
         for name in ("prefill_workers", "decode_workers"):

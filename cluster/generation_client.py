@@ -84,7 +84,7 @@ class Result:
 
 def stats_dict(s: pb.Stats) -> dict:
     return {"acceptance_lengths": list(s.acceptance_lengths), "tau": s.tau or None,
-            "ttft_ms": s.ttft_ms, "latency_ms": s.latency_ms}
+            "ttft_ms": s.ttft_ms, "latency_ms": s.latency_ms, "prefill_ms": s.prefill_ms or None}
 
 
 def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "", block_size: int = 0,

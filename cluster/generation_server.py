@@ -82,7 +82,8 @@ def _cap(details: str) -> str:
 def stats_message(d: dict | None) -> pb.Stats:
     d = d or {}
     return pb.Stats(version=PROTOCOL_VERSION, acceptance_lengths=d.get("acceptance_lengths") or [],
-                    tau=d.get("tau") or 0.0, ttft_ms=d.get("ttft_ms") or 0.0, latency_ms=d.get("latency_ms") or 0.0)
+                    tau=d.get("tau") or 0.0, ttft_ms=d.get("ttft_ms") or 0.0, latency_ms=d.get("latency_ms") or 0.0,
+                    prefill_ms=d.get("prefill_ms") or 0.0)
 
 
 class _Detok:

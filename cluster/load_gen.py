@@ -21,6 +21,7 @@ class RequestResult:
     ttft_ms: float | None = None
     latency_ms: float | None = None
     acceptance_lengths: list[int] = field(default_factory=list)
+    prefill_ms: float | None = None  # the service's own figure (disaggregated: the prefill worker's prefill)
     error: str | None = None
 
 
@@ -48,6 +49,7 @@ def run_load(address: str, prompts: list[list[int]], concurrency: int, timeout_s
                         r.tokens.extend(ch.token_ids)
                         if ch.finished:
                             r.acceptance_lengths = list(ch.stats["acceptance_lengths"])
+                            r.prefill_ms = ch.stats.get("prefill_ms")
                     r.latency_ms = (time.perf_counter() - t0) * 1e3
                 except GenerationError as e:
                     r.error = str(e)
@@ -82,6 +84,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
             "first_errors": [r.error for r in results if r.error][:3],
             "ttft_ms": percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None]),
             "latency_ms": percentiles([r.latency_ms for r in ok]),
+            "prefill_ms": percentiles([r.prefill_ms for r in ok if r.prefill_ms is not None]),
             "output_tokens": out_tokens, "wall_s": wall_s,
             "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
             "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,

@@ -182,7 +182,8 @@ class Router:
             else:
                 held = None
                 reason, stats = self._decode(h, req, d, first, emitted)
-            stats.update(ttft_ms=h.ttft_ms, latency_ms=(time.perf_counter() - h.t0) * 1e3)
+            stats.update(ttft_ms=h.ttft_ms, latency_ms=(time.perf_counter() - h.t0) * 1e3,
+                         prefill_ms=first.prefill_ms if first is not None else None)
             stats.setdefault("acceptance_lengths", [])
             stats.setdefault("tau", None)
             h.events.put(Event("done", finish_reason=reason, stats=stats))

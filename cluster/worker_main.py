@@ -286,6 +286,8 @@ def decode_metrics(metrics, worker) -> None:
                  lambda: {(): st()["preemptions"]})
     metrics.live("flashpd_handoff_imports", "Prompts whose KV came over the same-host device path", "counter", (),
                  lambda: {(): st()["handoff_imports"]})
+    metrics.live("flashpd_prefill_holds", "Decode steps held while a prefill worker on the same GPU computed",
+                 "counter", (), lambda: {(): st()["prefill_holds"]})
     metrics.live("flashpd_handoff_fallbacks", "Device-path imports that failed and were recomputed locally",
                  "counter", (), lambda: {(): st()["handoff_fallbacks"]})
     if worker.cache is not None:
@@ -325,6 +327,7 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
     worker = build_decode(cfg, llm, cache, metrics)
     if cfg.kv_transport == "device":  # before the engine loop takes its first request
         worker.scheduler.handoff = cache_importer(cfg, llm, worker.scheduler, secret)
+        worker.scheduler.hold_for_prefill_s = cfg.prefill_hold_s
     w.closers.append(lambda: worker.stop(10))
     servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent,

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH_FAULTS = 3
 LOAD_THREADS = 4  # prefix fetches in flight at once (each mostly waits on the bridge)
 LOAD_POLL_S = 0.05  # an idle engine waits this long at most for a load before looking again
+HOLD_POLL_S = 0.0002  # how often a held step looks at the prefill worker's busy word again
 SAVE_WAIT_S = 60.0  # a fetch waits at most this long for the saves before it (each bounded by its store's timeout)
 
 
@@ -85,6 +86,8 @@ class SchedulerStats:
     recomputed_tokens: int = 0  # positions recomputed when preempted requests were re-admitted
     failed_requests: int = 0  # requests failed alone (an exception while serving them)
     handoff_imports: int = 0  # prompts whose KV came over the device path (no prefill here)
+    prefill_holds: int = 0  # steps held while a prefill worker on this GPU computed (see hold_for_prefill_s)
+    prefill_hold_ms: float = 0.0  # the time they waited in all
     batch_faults: int = 0  # batch steps that raised and were recovered by re-admitting their rows
     finish_errors: int = 0  # publishes to the prefix cache that raised at a request's end (output unaffected)
 
@@ -137,6 +140,9 @@ class Scheduler:
         self.overlapped_steps = 0  # steps run that way (tests check the path is taken)
         self._suspects: set[int] = set()  # rows of a failed batch step: their next step runs alone
         self.handoff: HandoffImport | None = None  # the same-host device path's importer (decode_node/handoff_import.py)
+        # > 0: while a prefill worker sharing this GPU computes (its exporter's busy word), the next step waits,
+        # at most this long for one prefill, so the prefill gets the GPU as it would in a colocated engine
+        self.hold_for_prefill_s = 0.0
         self.async_load = True  # prefix fetches on a thread pool (False: inside admission, as restore does)
         self._loader: ThreadPoolExecutor | None = None
         self._save_pool: ThreadPoolExecutor | None = None
@@ -505,6 +511,8 @@ class Scheduler:
             self.running.extend(self._admit(result))
             if self.policy == "preempt":
                 self._make_room()
+        if self.running:
+            self._hold_for_prefill()
         self._advance(result)
         if any(r.seq.done for r in self.running):
             self._end_session()  # a finished row leaves the batch: the others' in-flight step is read
@@ -521,6 +529,19 @@ class Scheduler:
                 still.append(r)
         self.running = still
         return result
+
+    def _hold_for_prefill(self) -> None:
+        """Wait while a prefill worker on this GPU computes (bounded: a flag older than the bound is stale)."""
+        if self.hold_for_prefill_s <= 0 or self.handoff is None:
+            return
+        imp = self.handoff.importer
+        if not imp.peer_busy(self.hold_for_prefill_s):
+            return
+        t0 = time.perf_counter()
+        while imp.peer_busy(self.hold_for_prefill_s) and time.perf_counter() - t0 < self.hold_for_prefill_s:
+            time.sleep(HOLD_POLL_S)
+        self.stats.prefill_holds += 1
+        self.stats.prefill_hold_ms += (time.perf_counter() - t0) * 1e3
 
     def _finish(self, r: Request) -> None:
         """A request's end: publish its prompt (a failure there is counted, the output stands) and free. With

@@ -47,7 +47,7 @@ class DecodeWorker:
         s = self.scheduler
         out = dict(self.loop.counts(), preemptions=s.stats.preemptions, recomputed_tokens=s.stats.recomputed_tokens,
                    steps=self.loop.steps, failed_requests=s.stats.failed_requests,
-                   handoff_imports=s.stats.handoff_imports,
+                   handoff_imports=s.stats.handoff_imports, prefill_holds=s.stats.prefill_holds,
                    handoff_fallbacks=sum(s.handoff.fallbacks.values()) if s.handoff is not None else 0)
         if self.cache is not None:
             c = self.cache.stats

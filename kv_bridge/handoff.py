@@ -11,6 +11,12 @@ blocks of both caches with one gather and one scatter each.
 Trust: the exported handles are pickles, so their blob is sealed with the cluster's MAC key and only a
 blob that verifies is unpickled, by an unpickler that admits torch's tensor-rebuild functions alone.
 
+One GPU, two processes: a GPU time-slices between the processes' contexts, so a prefill running beside
+the decode worker's steps takes about twice as long. The exporter shares one more host word, set while
+it computes a prefill (`computing()`); an importer on the same device (`peer_busy`) lets its engine
+hold its next step until the prefill is done, which gives the prefill the GPU as a colocated engine's
+scheduler does. A flag older than a bound is ignored (a prefill worker that died mid-prefill).
+
 Use after free: the exporter bumps a block's epoch (in a shared host tensor) before the block can be
 reused. The importer checks the lease's epochs before the copy and again after it completed; any
 change means the blocks were freed meanwhile, and the copy is discarded (a counted fallback: the
@@ -18,13 +24,16 @@ prompt is recomputed).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import pickle
+import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -76,12 +85,21 @@ class Geometry:
     draft: tuple[int, ...] | None
     dtype: str
     fingerprint: str
+    device_id: str = ""  # which physical device holds the caches (a GPU's UUID; a host's name for a CPU)
 
     @classmethod
     def of(cls, target: torch.Tensor, draft: torch.Tensor | None, fingerprint: str) -> "Geometry":
         strip = lambda t: tuple(t.shape[:2]) + tuple(t.shape[3:])  # noqa: E731  (blocks are per worker)
         return cls(strip(target), strip(draft) if draft is not None else None,
-                   str(target.dtype).removeprefix("torch."), fingerprint)
+                   str(target.dtype).removeprefix("torch."), fingerprint, device_id(target.device))
+
+
+def device_id(dev: torch.device) -> str:
+    """A name of the physical device that two processes agree on (CUDA indices depend on each one's
+    CUDA_VISIBLE_DEVICES; a GPU's UUID does not)."""
+    if dev.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_properties(dev).uuid}"
+    return f"{dev.type}:{socket.gethostname()}"
 
 
 @dataclass
@@ -126,9 +144,12 @@ class CacheExporter:
         self.epochs = torch.zeros(target.shape[2], dtype=torch.int64)  # host memory, shared by file name
         _share_strategy(self.epochs)
         self.epochs.share_memory_()
+        # [0]: CLOCK_MONOTONIC (ns, one clock for every process of a host) when the running prefill began, 0 idle
+        self.busy = torch.zeros(1, dtype=torch.int64)
+        self.busy.share_memory_()
         from multiprocessing.reduction import ForkingPickler  # noqa: PLC0415
 
-        payload = bytes(ForkingPickler.dumps((target, draft, self.epochs)))
+        payload = bytes(ForkingPickler.dumps((target, draft, self.epochs, self.busy)))
         head = pickle.dumps(self.geometry.__dict__, protocol=4)
         body = _BLOB_MAGIC + len(head).to_bytes(4, "little") + head + payload
         self.blob = body + mac.tag([body])
@@ -136,6 +157,15 @@ class CacheExporter:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.stats = dict(leases=0, released=0, expired=0, unknown_releases=0)
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Mark a prefill in progress for importers on the same device (see the module doc)."""
+        self.busy[0] = time.monotonic_ns()
+        try:
+            yield
+        finally:
+            self.busy[0] = 0
 
     def lease(self, blocks: list[int], num_tokens: int, release) -> Handoff:
         """Hold `blocks` for an importer until release(lease_id) or the deadline; `release()` frees them."""
@@ -186,6 +216,7 @@ class CacheImporter:
         self.geometry = Geometry.of(target, draft, fingerprint)
         self.mac = mac
         self._maps: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+        self._peers: dict[str, torch.Tensor] = {}  # busy words of the exporters on this worker's own device
         self.stats = dict(imports=0, failures=0, positions=0, mapped_exporters=0)
 
     def _map(self, h: Handoff) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -209,14 +240,24 @@ class CacheImporter:
         if self.target.device.type == "cpu":
             import torch.multiprocessing as mp  # noqa: PLC0415
             mp.set_sharing_strategy("file_system")
-        src_t, src_d, epochs = _Unpickler(io.BytesIO(body[off + n:])).load()
+        src_t, src_d, epochs, busy = _Unpickler(io.BytesIO(body[off + n:])).load()
         self._maps[h.exporter_id] = (src_t, src_d, epochs)
+        if geometry.device_id == self.geometry.device_id:
+            self._peers[h.exporter_id] = busy
         self.stats["mapped_exporters"] = len(self._maps)
         return src_t, src_d, epochs
 
     def forget(self, exporter_id: str) -> None:
         """Drop an exporter's mapping (it went away; a restarted one comes with a new id)."""
         self._maps.pop(exporter_id, None)
+        self._peers.pop(exporter_id, None)
+
+    def peer_busy(self, stale_s: float) -> bool:
+        """An exporter on this worker's device is computing a prefill that began less than stale_s ago."""
+        if not self._peers:
+            return False
+        now = time.monotonic_ns()
+        return any(0 < now - int(b[0]) < stale_s * 1e9 for b in list(self._peers.values()))
 
     def copy(self, h: Handoff, dst_blocks: list[int]) -> None:
         """Copy the lease's blocks into dst_blocks of this worker's caches (both halves). Raises

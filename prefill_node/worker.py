@@ -8,10 +8,12 @@ and recomputes only the partial tail, so its output and acceptance equal a coloc
 
 With an exporter (the same-host device path, kv_bridge/handoff.py) nothing is published: the
 prompt's blocks stay allocated under a lease that the result carries, the decode worker copies them
-device to device, and `release` (or the lease's deadline, `expire`) frees them.
+device to device, and `release` (or the lease's deadline, `expire`) frees them. While it computes, the
+exporter's busy word is set, so a decode worker on the same GPU holds its steps (kv_bridge/handoff.py).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -53,8 +55,9 @@ class PrefillWorker:
         before = self.cache.stats.hit_tokens if self.cache is not None else 0
         handoff, published = None, 0
         try:  # whatever fails (restore, prefill, publish, lease), the blocks go back
-            gen.restore_prefixes([seq], self.cache)
-            gen.prefill_request([seq])  # DFlash: the drafter's context too, in the same forwards
+            with self.exporter.computing() if self.exporter is not None else contextlib.nullcontext():
+                gen.restore_prefixes([seq], self.cache)
+                gen.prefill_request([seq])  # DFlash: the drafter's context too, in the same forwards
             if self.exporter is not None:
                 table, alloc = seq.table, gen.runner.allocator
                 handoff = self.exporter.lease(list(table.blocks), len(prompt), lambda: alloc.free(table))

@@ -109,6 +109,33 @@ def test_handoff_equals_a_cold_colocated_run_and_frees_the_prefill_blocks(pair, 
         assert r.seq.output == out and r.seq.stats.acceptance_lengths == acc
 
 
+def test_a_decode_step_waits_while_the_prefill_worker_on_its_device_computes(pair):
+    """The GPU-sharing hold: the busy word the exporter sets while it prefills holds the importer's next step
+    (bounded), a flag older than the bound is ignored, and the output stays exact."""
+    target, drafter = pair
+    pw = _prefill_side(target, drafter)
+    sched, _ = _decode_side(target, drafter)
+    sched.hold_for_prefill_s = 0.4
+    p, sp = _prompts(1, 4)[0], SamplingParams(max_tokens=24, ignore_eos=True)
+    res = pw.prefill(p, sp)
+    assert pw.exporter.busy[0] == 0  # cleared when the prefill ended
+    r = sched.add(p, sp, "dflash", first_token=res.first_token, handoff=res.handoff)
+    sched.step()  # imports (maps the exporter: same host, so a peer) and takes a first step
+    assert sched.handoff.importer.peer_busy(0.4) is False and sched.stats.prefill_holds == 0
+    with pw.exporter.computing():  # a prefill in progress on the same device
+        assert sched.handoff.importer.peer_busy(0.4)
+        t0 = time.perf_counter()
+        sched.step()
+        held = time.perf_counter() - t0
+    assert sched.stats.prefill_holds == 1 and 0.35 < held and sched.stats.prefill_hold_ms >= 350
+    pw.exporter.busy[0] = time.monotonic_ns() - int(1e9)  # a worker that died mid-prefill a second ago
+    sched.step()
+    assert sched.stats.prefill_holds == 1  # stale: not held
+    pw.exporter.busy[0] = 0
+    _drain(sched)
+    assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, p, sp, "dflash")
+
+
 def _run_one(sched: Scheduler, p, sp, first, handoff):
     r = sched.add(p, sp, "dflash", first_token=first, handoff=handoff)
     _drain(sched)

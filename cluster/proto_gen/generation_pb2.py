@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\x15\x66lashpd.generation.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x95\x02\n\x0fGenerateRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12\x35\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x1f.flashpd.generation.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06method\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x13\n\x0btemperature\x18\x07 \x01(\x02\x12\r\n\x05top_p\x18\x08 \x01(\x02\x12\r\n\x05top_k\x18\t \x01(\x05\x12\x11\n\x04seed\x18\n \x01(\x04H\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x42\x08\n\x06promptB\x07\n\x05_seed\"f\n\x05Stats\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65ptance_lengths\x18\x02 \x03(\r\x12\x0b\n\x03tau\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\"\x97\x01\n\rGenerateChunk\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.flashpd.generation.v1.Stats\"\x85\x01\n\rGenerateReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x05stats\x18\x05 \x01(\x0b\x32\x1c.flashpd.generation.v1.Stats\" \n\rHealthRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\"\x8c\x02\n\x0bHealthReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x13\n\x0bhas_drafter\x18\x03 \x01(\x08\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\r\x12\x15\n\rkv_block_size\x18\n \x01(\r\x12\x15\n\rmax_positions\x18\x0b \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_block_size\x18\x0c \x01(\r\"\xc1\x01\n\x0cPrefillReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x18\n\x10published_chunks\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12/\n\x07handoff\x18\x07 \x01(\x0b\x32\x1e.flashpd.generation.v1.Handoff\"\x8c\x01\n\x07Handoff\x12\x13\n\x0b\x65xporter_id\x18\x01 \x01(\t\x12\x18\n\x10\x65xporter_address\x18\x02 \x01(\t\x12\x0c\n\x04\x62lob\x18\x03 \x01(\x0c\x12\x10\n\x08lease_id\x18\x04 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x05 \x03(\r\x12\x0e\n\x06\x65pochs\x18\x06 \x03(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\"H\n\x0eReleaseRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0b\x65xporter_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\"1\n\x0cReleaseReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x10\n\x08released\x18\x02 \x01(\x08\"\xb4\x01\n\rDecodeRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x37\n\x07request\x18\x02 \x01(\x0b\x32&.flashpd.generation.v1.GenerateRequest\x12\x18\n\x0b\x66irst_token\x18\x03 \x01(\rH\x00\x88\x01\x01\x12/\n\x07handoff\x18\x04 \x01(\x0b\x32\x1e.flashpd.generation.v1.HandoffB\x0e\n\x0c_first_token2\x9a\x02\n\nGeneration\x12Z\n\x08Generate\x12&.flashpd.generation.v1.GenerateRequest\x1a$.flashpd.generation.v1.GenerateChunk0\x01\x12\\\n\x0cGenerateOnce\x12&.flashpd.generation.v1.GenerateRequest\x1a$.flashpd.generation.v1.GenerateReply\x12R\n\x06Health\x12$.flashpd.generation.v1.HealthRequest\x1a\".flashpd.generation.v1.HealthReply2\x92\x02\n\rPrefillWorker\x12V\n\x07Prefill\x12&.flashpd.generation.v1.GenerateRequest\x1a#.flashpd.generation.v1.PrefillReply\x12R\n\x06Health\x12$.flashpd.generation.v1.HealthRequest\x1a\".flashpd.generation.v1.HealthReply\x12U\n\x07Release\x12%.flashpd.generation.v1.ReleaseRequest\x1a#.flashpd.generation.v1.ReleaseReply2\xba\x01\n\x0c\x44\x65\x63odeWorker\x12V\n\x06\x44\x65\x63ode\x12$.flashpd.generation.v1.DecodeRequest\x1a$.flashpd.generation.v1.GenerateChunk0\x01\x12R\n\x06Health\x12$.flashpd.generation.v1.HealthRequest\x1a\".flashpd.generation.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10generation.proto\x12\x15\x66lashpd.generation.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x95\x02\n\x0fGenerateRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12\x35\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x1f.flashpd.generation.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06method\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x13\n\x0btemperature\x18\x07 \x01(\x02\x12\r\n\x05top_p\x18\x08 \x01(\x02\x12\r\n\x05top_k\x18\t \x01(\x05\x12\x11\n\x04seed\x18\n \x01(\x04H\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x42\x08\n\x06promptB\x07\n\x05_seed\"z\n\x05Stats\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65ptance_lengths\x18\x02 \x03(\r\x12\x0b\n\x03tau\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\"\x97\x01\n\rGenerateChunk\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.flashpd.generation.v1.Stats\"\x85\x01\n\rGenerateReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x05stats\x18\x05 \x01(\x0b\x32\x1c.flashpd.generation.v1.Stats\" \n\rHealthRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\"\x8c\x02\n\x0bHealthReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x13\n\x0bhas_drafter\x18\x03 \x01(\x08\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\r\x12\x15\n\rkv_block_size\x18\n \x01(\r\x12\x15\n\rmax_positions\x18\x0b \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_block_size\x18\x0c \x01(\r\"\xc1\x01\n\x0cPrefillReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x18\n\x10published_chunks\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12/\n\x07handoff\x18\x07 \x01(\x0b\x32\x1e.flashpd.generation.v1.Handoff\"\x8c\x01\n\x07Handoff\x12\x13\n\x0b\x65xporter_id\x18\x01 \x01(\t\x12\x18\n\x10\x65xporter_address\x18\x02 \x01(\t\x12\x0c\n\x04\x62lob\x18\x03 \x01(\x0c\x12\x10\n\x08lease_id\x18\x04 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x05 \x03(\r\x12\x0e\n\x06\x65pochs\x18\x06 \x03(\x04\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\"H\n\x0eReleaseRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0b\x65xporter_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\"1\n\x0cReleaseReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x10\n\x08released\x18\x02 \x01(\x08\"\xb4\x01\n\rDecodeRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x37\n\x07request\x18\x02 \x01(\x0b\x32&.flashpd.generation.v1.GenerateRequest\x12\x18\n\x0b\x66irst_token\x18\x03 \x01(\rH\x00\x88\x01\x01\x12/\n\x07handoff\x18\x04 \x01(\x0b\x32\x1e.flashpd.generation.v1.HandoffB\x0e\n\x0c_first_token2\x9a\x02\n\nGeneration\x12Z\n\x08Generate\x12&.flashpd.generation.v1.GenerateRequest\x1a$.flashpd.generation.v1.GenerateChunk0\x01\x12\\\n\x0cGenerateOnce\x12&.flashpd.generation.v1.GenerateRequest\x1a$.flashpd.generation.v1.GenerateReply\x12R\n\x06Health\x12$.flashpd.generation.v1.HealthRequest\x1a\".flashpd.generation.v1.HealthReply2\x92\x02\n\rPrefillWorker\x12V\n\x07Prefill\x12&.flashpd.generation.v1.GenerateRequest\x1a#.flashpd.generation.v1.PrefillReply\x12R\n\x06Health\x12$.flashpd.generation.v1.HealthRequest\x1a\".flashpd.generation.v1.HealthReply\x12U\n\x07Release\x12%.flashpd.generation.v1.ReleaseRequest\x1a#.flashpd.generation.v1.ReleaseReply2\xba\x01\n\x0c\x44\x65\x63odeWorker\x12V\n\x06\x44\x65\x63ode\x12$.flashpd.generation.v1.DecodeRequest\x1a$.flashpd.generation.v1.GenerateChunk0\x01\x12R\n\x06Health\x12$.flashpd.generation.v1.HealthRequest\x1a\".flashpd.generation.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=69
   _globals['_GENERATEREQUEST']._serialized_end=346
   _globals['_STATS']._serialized_start=348
-  _globals['_STATS']._serialized_end=450
-  _globals['_GENERATECHUNK']._serialized_start=453
-  _globals['_GENERATECHUNK']._serialized_end=604
-  _globals['_GENERATEREPLY']._serialized_start=607
-  _globals['_GENERATEREPLY']._serialized_end=740
-  _globals['_HEALTHREQUEST']._serialized_start=742
-  _globals['_HEALTHREQUEST']._serialized_end=774
-  _globals['_HEALTHREPLY']._serialized_start=777
-  _globals['_HEALTHREPLY']._serialized_end=1045
-  _globals['_PREFILLREPLY']._serialized_start=1048
-  _globals['_PREFILLREPLY']._serialized_end=1241
-  _globals['_HANDOFF']._serialized_start=1244
-  _globals['_HANDOFF']._serialized_end=1384
-  _globals['_RELEASEREQUEST']._serialized_start=1386
-  _globals['_RELEASEREQUEST']._serialized_end=1458
-  _globals['_RELEASEREPLY']._serialized_start=1460
-  _globals['_RELEASEREPLY']._serialized_end=1509
-  _globals['_DECODEREQUEST']._serialized_start=1512
-  _globals['_DECODEREQUEST']._serialized_end=1692
-  _globals['_GENERATION']._serialized_start=1695
-  _globals['_GENERATION']._serialized_end=1977
-  _globals['_PREFILLWORKER']._serialized_start=1980
-  _globals['_PREFILLWORKER']._serialized_end=2254
-  _globals['_DECODEWORKER']._serialized_start=2257
-  _globals['_DECODEWORKER']._serialized_end=2443
+  _globals['_STATS']._serialized_end=470
+  _globals['_GENERATECHUNK']._serialized_start=473
+  _globals['_GENERATECHUNK']._serialized_end=624
+  _globals['_GENERATEREPLY']._serialized_start=627
+  _globals['_GENERATEREPLY']._serialized_end=760
+  _globals['_HEALTHREQUEST']._serialized_start=762
+  _globals['_HEALTHREQUEST']._serialized_end=794
+  _globals['_HEALTHREPLY']._serialized_start=797
+  _globals['_HEALTHREPLY']._serialized_end=1065
+  _globals['_PREFILLREPLY']._serialized_start=1068
+  _globals['_PREFILLREPLY']._serialized_end=1261
+  _globals['_HANDOFF']._serialized_start=1264
+  _globals['_HANDOFF']._serialized_end=1404
+  _globals['_RELEASEREQUEST']._serialized_start=1406
+  _globals['_RELEASEREQUEST']._serialized_end=1478
+  _globals['_RELEASEREPLY']._serialized_start=1480
+  _globals['_RELEASEREPLY']._serialized_end=1529
+  _globals['_DECODEREQUEST']._serialized_start=1532
+  _globals['_DECODEREQUEST']._serialized_end=1712
+  _globals['_GENERATION']._serialized_start=1715
+  _globals['_GENERATION']._serialized_end=1997
+  _globals['_PREFILLWORKER']._serialized_start=2000
+  _globals['_PREFILLWORKER']._serialized_end=2274
+  _globals['_DECODEWORKER']._serialized_start=2277
+  _globals['_DECODEWORKER']._serialized_end=2463
 # @@protoc_insertion_point(module_scope)

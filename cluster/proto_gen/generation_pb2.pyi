@@ -39,18 +39,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("version", "acceptance_lengths", "tau", "ttft_ms", "latency_ms")
+    __slots__ = ("version", "acceptance_lengths", "tau", "ttft_ms", "latency_ms", "prefill_ms")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     TAU_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     version: int
     acceptance_lengths: _containers.RepeatedScalarFieldContainer[int]
     tau: float
     ttft_ms: float
     latency_ms: float
-    def __init__(self, version: _Optional[int] = ..., acceptance_lengths: _Optional[_Iterable[int]] = ..., tau: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ...) -> None: ...
+    prefill_ms: float
+    def __init__(self, version: _Optional[int] = ..., acceptance_lengths: _Optional[_Iterable[int]] = ..., tau: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., latency_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("version", "token_ids", "text", "finished", "finish_reason", "stats")

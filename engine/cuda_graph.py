@@ -67,6 +67,9 @@ class GraphedFn:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the serving threads beside the engine (a prefix cache's saves and loads) keep making
+        # their own CUDA calls while a graph is captured here; in the default "global" mode any such call
+        # fails the capture, and a failed capture leaves the memory pool unusable for every later one
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self.fn(*static, **kwargs)
         return graph, static, out

@@ -61,7 +61,7 @@ class InPlaceGraph:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):  # cuda_graph.py: why
                 out = self.fn(*bufs)
             entry = self._graphs[key] = (graph, out)
             reset()

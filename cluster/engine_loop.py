@@ -37,13 +37,15 @@ class EngineStopped(RuntimeError):
 @dataclass
 class Event:
     """What a handle's queue carries: kind "tokens" (new token ids), "done" (finish_reason + stats),
-    "cancelled", or "error" (the exception)."""
+    "cancelled", or "error" (the exception). `sent`, when given, is set by the front end once the event
+    has been handed to the client's transport (the router waits for it before its next internal call)."""
 
     kind: str
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: dict | None = None
     error: BaseException | None = None
+    sent: threading.Event | None = None
 
 
 class Handle:

@@ -235,6 +235,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             for ev in self._events(h, context):
                 if ev.kind == "tokens":
                     yield pb.GenerateChunk(version=PROTOCOL_VERSION, token_ids=ev.tokens, text=detok.push(ev.tokens))
+                    if ev.sent is not None:  # resumed: gRPC took the chunk and asks for the next one
+                        ev.sent.set()
                 else:
                     done = True
                     yield pb.GenerateChunk(version=PROTOCOL_VERSION, text=detok.push([], final=True), finished=True,
@@ -251,6 +253,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             for ev in self._events(h, context):
                 if ev.kind == "tokens":
                     toks.extend(ev.tokens)
+                    if ev.sent is not None:
+                        ev.sent.set()
                 else:
                     done = True
                     text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""

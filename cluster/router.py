@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # Codes with which a call ends when its worker went away (the router's own cancels are told apart).
 WORKER_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
+FIRST_TOKEN_WAIT_S = 0.01  # the longest the decode call waits for the first token to reach the client's transport
 
 
 class _Cancelled(Exception):
@@ -87,10 +88,10 @@ class RouterHandle:
         for c in calls:
             c.cancel()
 
-    def tokens(self, toks: list[int]) -> None:
+    def tokens(self, toks: list[int], sent: threading.Event | None = None) -> None:
         if self.ttft_ms is None:
             self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
-        self.events.put(Event("tokens", tokens=toks))
+        self.events.put(Event("tokens", tokens=toks, sent=sent))
 
 
 class Router:
@@ -176,7 +177,11 @@ class Router:
             first = self._prefill(h, req)
             if first is not None:
                 emitted.append(first.first_token)
-                h.tokens([first.first_token])
+                sent = threading.Event()
+                h.tokens([first.first_token], sent)
+                # the first token leaves before the decode call starts: started at once, the call's set-up
+                # competed with the delivery for the interpreter and added about 0.8 ms to TTFT (2-core CPU)
+                sent.wait(FIRST_TOKEN_WAIT_S)
             if first is not None and first.finish_reason:
                 reason = first.finish_reason
             else:

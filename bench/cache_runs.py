@@ -99,7 +99,7 @@ def main() -> None:
     tok_file = Path(a.target) / "tokenizer.json"
     if tok_file.exists():
         from tokenizers import Tokenizer
-        from flashpd.engine.demo_recipe import heldout_long_prompts
+        from flashpd.training.demo_recipe import heldout_long_prompts
         prompts = heldout_long_prompts(Tokenizer.from_file(str(tok_file)), a.prompts, a.prompt_tokens)
     else:  # a tokenizer-less pair (the tests' fixture pair): seeded random token prompts
         g = torch.Generator().manual_seed(0)

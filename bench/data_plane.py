@@ -7,7 +7,7 @@
                              processes on one device (both halves; the once-per-exporter mapping apart)
   host_tier_hit_speedup      bench/ttft_hit.py: geometric mean of cold TTFT over a host-tier hit's TTFT
   grpc_gbps                  bench/bridge_throughput.py: the best config's lower of Put and Get GB/s
-  disagg_over_colocated_ttft cluster/job_sweep.py: disaggregated TTFT P50 over colocated at concurrency 1,
+  disagg_over_colocated_ttft bench/job_sweep.py: disaggregated TTFT P50 over colocated at concurrency 1,
                              over all the level's prompts, the same in both modes (the worse of the methods)
   sweep_long_ttft_p50_ratio  the same sweep: long-prompt TTFT P50, disaggregated over colocated, worst level
 A figure whose input is missing is null, never guessed. The inputs are kept beside the output.

@@ -2,7 +2,7 @@
 
     python -m flashpd.bench.demo_eval --device cpu --dtype float32 --out bench/results/demo_pair_eval_cpu_fp32.json
 
-The prompts are the recipe's own evaluation prompts (engine/demo_recipe.heldout_windows), so a float32
+The prompts are the recipe's own evaluation prompts (training/demo_recipe.heldout_windows), so a float32
 CPU run checks, token for token, the exactness the recipe reports in bfloat16 on the GPU.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from tokenizers import Tokenizer
 
 from flashpd.bench.common import write_json
 from flashpd.demo import PAIR
-from flashpd.engine.demo_recipe import heldout_windows
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.loader import load_target
-from flashpd.engine.train_drafter import evaluate_tau
+from flashpd.training.demo_recipe import heldout_windows
+from flashpd.training.train_drafter import evaluate_tau
 
 
 def main() -> None:

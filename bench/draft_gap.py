@@ -18,12 +18,12 @@ from tokenizers import Tokenizer
 
 from flashpd.bench.common import write_json
 from flashpd.demo import PAIR
-from flashpd.engine.demo_recipe import windows
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.loader import load_target
-from flashpd.engine.text_data import CORPORA, corpus_files, encode_files, read_texts, split_files, split_three, \
+from flashpd.training.demo_recipe import windows
+from flashpd.training.text_data import CORPORA, corpus_files, encode_files, read_texts, split_files, split_three, \
     stdlib_files
-from flashpd.engine.train_drafter import _pad, block_logits, regenerate
+from flashpd.training.train_drafter import _pad, block_logits, regenerate
 
 
 @torch.no_grad()

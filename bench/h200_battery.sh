@@ -53,14 +53,14 @@ want cache && CUDA_VISIBLE_DEVICES=$G step cache_runs ${CACHE_LIMIT:-200} python
 want profile && CUDA_VISIBLE_DEVICES=$G step profile ${PROFILE_LIMIT:-150} python3 -m flashpd.bench.profile_step --target $P/target --draft $P/drafter ${PROFILE_ARGS:-} --out "$OUT/profile_step_h200.json"
 want anatomy && CUDA_VISIBLE_DEVICES=$G step anatomy ${ANATOMY_LIMIT:-200} python3 -m flashpd.bench.request_anatomy --target $P/target --draft $P/drafter --prompts ${PROMPTS:-8} --trace "$OUT" --out "$OUT/request_anatomy_h200.json"
 want speedup && CUDA_VISIBLE_DEVICES=$G step speedup ${SPEEDUP_LIMIT:-200} python3 -m flashpd.bench.speedup --target $P/target --draft $P/drafter --prompts ${PROMPTS:-8} --widths ${WIDTHS:-4,8,12,16} --reps 3 --out "$OUT/speedup_demo_pair_h200.json"
-want sweep1 && CUDA_VISIBLE_DEVICES=$G step sweep_1gpu ${SWEEP1_LIMIT:-200} python3 -m flashpd.cluster.job_sweep $SWEEP --long-every 16 --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
+want sweep1 && CUDA_VISIBLE_DEVICES=$G step sweep_1gpu ${SWEEP1_LIMIT:-200} python3 -m flashpd.bench.job_sweep $SWEEP --long-every 16 --launcher $L --concurrency 1,8,32,128 --out "$OUT/serve_sweep_demo_h200.json"
 if [ "$NG" -ge 2 ]; then
-  want sweep2 && CUDA_VISIBLE_DEVICES=0,1 step sweep_2gpu ${SWEEP2_LIMIT:-230} python3 -m flashpd.cluster.job_sweep $SWEEP --launcher $L --concurrency 1,8,32 --out "$OUT/serve_sweep_demo_2gpu_h200.json"
+  want sweep2 && CUDA_VISIBLE_DEVICES=0,1 step sweep_2gpu ${SWEEP2_LIMIT:-230} python3 -m flashpd.bench.job_sweep $SWEEP --launcher $L --concurrency 1,8,32 --out "$OUT/serve_sweep_demo_2gpu_h200.json"
 fi
 if want sweep8b; then
   step dummy8b 80 python3 -m flashpd.bench.make_dummy_pair --config qwen3-8b --tokenizer flashpd/assets/demo_pair/target/tokenizer.json --out .dummy8b
   GPUS=0; [ "$NG" -ge 2 ] && GPUS=0,1
-  CUDA_VISIBLE_DEVICES=$GPUS step sweep_8b ${SWEEP8B_LIMIT:-230} python3 -m flashpd.cluster.job_sweep --device cuda --dtype bfloat16 --kv-cache-tokens 65536 --max-tokens 32 --long-every 8 --bridge-transport ${BRIDGE:-inline} --launcher $L --concurrency 1,8,32 --requests 16 --target .dummy8b/target --draft .dummy8b/drafter --out "$OUT/serve_sweep_8b_dummy_h200.json"
+  CUDA_VISIBLE_DEVICES=$GPUS step sweep_8b ${SWEEP8B_LIMIT:-230} python3 -m flashpd.bench.job_sweep --device cuda --dtype bfloat16 --kv-cache-tokens 65536 --max-tokens 32 --long-every 8 --bridge-transport ${BRIDGE:-inline} --launcher $L --concurrency 1,8,32 --requests 16 --target .dummy8b/target --draft .dummy8b/drafter --out "$OUT/serve_sweep_8b_dummy_h200.json"
 fi
 # probe: where bf16 DFlash and native part, with the runner's compile as is, without compile, with every shape
 # specialised, and with Inductor's split reductions off (four processes side by side on one GPU; exactness only)

@@ -1,4 +1,4 @@
-"""Charts of a load sweep's JSON (cluster/job_sweep.py): TTFT P50, latency P50 and output tokens/s
+"""Charts of a load sweep's JSON (bench/job_sweep.py): TTFT P50, latency P50 and output tokens/s
 against concurrency, one line per (mode, method).
 
     python -m flashpd.bench.plot_sweep bench/results/serve_sweep_demo_2gpu_h200.json [...]

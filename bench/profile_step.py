@@ -179,7 +179,7 @@ def main() -> None:
         if a.prompts == "heldout":
             from tokenizers import Tokenizer  # noqa: PLC0415
 
-            from flashpd.engine.demo_recipe import heldout_long_prompts  # noqa: PLC0415
+            from flashpd.training.demo_recipe import heldout_long_prompts  # noqa: PLC0415
             return heldout_long_prompts(Tokenizer.from_file(f"{a.target}/tokenizer.json"), 1, n)[0]
         return torch.randint(2, target.cfg.vocab_size - 2, (n,), generator=g).tolist()
 

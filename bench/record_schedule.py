@@ -17,7 +17,7 @@ from pathlib import Path
 
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.loader import load_target
-from flashpd.engine.train_drafter import evaluate_tau
+from flashpd.training.train_drafter import evaluate_tau
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
-from flashpd.engine.text_data import read_texts, split_files, stdlib_files
 from flashpd.engine.tokenizer import TextTokenizer
+from flashpd.training.text_data import read_texts, split_files, stdlib_files
 
 
 def heldout_prompt_sets(tok: TextTokenizer, n: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:

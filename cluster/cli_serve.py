@@ -3,7 +3,8 @@
 FILE is JSON or YAML with the keys of cluster/config.py's ServeConfig, e.g. {"target": DIR,
 "draft": DIR, "mode": "colocated" | "local" | "ray", "device": "cpu"|"cuda", "dtype": ...,
 "host": "127.0.0.1", "port": 0, "kv_cache_tokens": N, "prefill_workers": 1, "decode_workers": 1,
-"metrics_port": 0}. The server prints `metrics on HOST:PORT` (when enabled) and then
+"metrics_port": 0, "http_port": 0}. The server prints `metrics on HOST:PORT` and `http on HOST:PORT` (the
+OpenAI-compatible HTTP API; `--http-port N` sets http_port too) when enabled, and then
 `listening on HOST:PORT` once it serves, and stops cleanly (workers included) on SIGINT/SIGTERM.
 """
 from __future__ import annotations
@@ -14,11 +15,25 @@ import signal
 import sys
 import threading
 
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling options every generating command takes (contract.md's defaults)."""
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
 def add_serve(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="serve the generation gRPC API from a JSON or YAML config")
     s.add_argument("config", nargs="?", help="the config file (or use --config)")
     s.add_argument("--config", dest="config_opt", metavar="FILE",
                    help="JSON or YAML: target, draft, mode (colocated|local|ray), device, dtype, host, port, ...")
+    s.add_argument("--http-port", type=int, metavar="PORT",
+                   help="also serve the OpenAI-compatible HTTP API on this port (0: any free port); "
+                        "overrides the config's http_port")
 
 
 def add_client(sub: argparse._SubParsersAction, prompt_ids) -> None:
@@ -29,7 +44,6 @@ def add_client(sub: argparse._SubParsersAction, prompt_ids) -> None:
     g.add_argument("--prompt-ids", type=prompt_ids, help="comma-separated token ids")
     c.add_argument("--method", default="", choices=["", "native", "dflash"])
     c.add_argument("--block-size", type=int, default=0)
-    from flashpd.cli import add_sampling_args  # noqa: PLC0415 (flashpd.cli imports this module lazily)
     add_sampling_args(c)
     c.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
     c.add_argument("--stream", action="store_true", help="print text/tokens as they arrive")
@@ -45,6 +59,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if not path or (a.config and a.config_opt and a.config != a.config_opt):
         raise ValueError("serve: give one config file (CONFIG or --config FILE)")
     cfg = load_config(path)
+    if a.http_port is not None:
+        cfg = cfg.with_(http_port=a.http_port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     svc = start_service(cfg)
     done = threading.Event()
@@ -52,6 +68,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: done.set())
     if svc.metrics_address:
         print(f"metrics on {svc.metrics_address}", flush=True)
+    if svc.http_address:
+        print(f"http on {svc.http_address}", flush=True)
     print(f"listening on {svc.address}", flush=True)
     while not done.wait(1.0) and svc.alive:
         pass

@@ -29,6 +29,10 @@ class ServeConfig:
     port: int = 0
     allow_remote: bool = False  # bind beyond loopback (no authentication: only on a trusted network)
     metrics_port: int | None = None  # Prometheus endpoint of the router / colocated server (0 = any free port)
+    # the OpenAI-compatible HTTP API (cluster/http_api.py) beside the gRPC one, on `host` (None = off, 0 = any
+    # free port); its model name is served_model_name (None: the target directory's name)
+    http_port: int | None = None
+    served_model_name: str | None = None
     worker_metrics: bool = True  # each worker serves its own Prometheus endpoint (a free port, logged)
     max_concurrent: int = 256  # concurrent RPCs per server (one thread each)
     # disaggregation
@@ -103,6 +107,13 @@ class ServeConfig:
             raise ValueError("tls_cert and tls_key: give both (the bridge's certificate and its key) or neither")
         if self.tls_ca is not None and self.tls_cert is None:
             raise ValueError("tls_ca: only with tls_cert and tls_key (clients verify a bridge that serves TLS)")
+        if self.http_port is not None and not (isinstance(self.http_port, int) and not isinstance(self.http_port, bool)
+                                               and 0 <= self.http_port <= 65535):
+            raise ValueError(f"http_port: must be a port number in [0, 65535] (0: any free port) or null (off), "
+                             f"got {self.http_port!r}")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name.strip()):
+            raise ValueError(f"served_model_name: must be a non-empty string, got {self.served_model_name!r}")
         if self.device_cache_bytes < 0:
             raise ValueError(f"device_cache_bytes: must be >= 0, got {self.device_cache_bytes}")
         if self.host_cache_bytes < 0:

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Mapping, Protocol
 
 import grpc
 
-from flashpd.cluster.engine_loop import EngineStopped, Event
+from flashpd.decode_node.engine_loop import EngineStopped, Event
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.decode_node.scheduler import PromptTooLong, RequestFailed

@@ -21,7 +21,7 @@ from collections import Counter
 
 import grpc
 
-from flashpd.cluster.engine_loop import EngineStopped, Event
+from flashpd.decode_node.engine_loop import EngineStopped, Event
 from flashpd.cluster.generation_client import build_request, stats_dict
 from flashpd.cluster.generation_server import PROTOCOL_VERSION
 from flashpd.cluster.metrics import Metrics
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # Codes with which a call ends when its worker went away (the router's own cancels are told apart).
 WORKER_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
+RELEASE_TIMEOUT_S = 2.0
 FIRST_TOKEN_WAIT_S = 0.01  # the longest the decode call waits for the first token to reach the client's transport
 
 
@@ -52,6 +53,8 @@ class RouterHandle:
         self.t0 = time.perf_counter()
         self.deadline = time.monotonic() + timeout_s
         self.ttft_ms: float | None = None
+        self.prefill_slot: Slot | None = None  # the prefill worker that answered (its lease is released there)
+        self.decode_started = False  # a decode worker got the request (and with it any lease)
         self._calls: list = []
         self._lock = threading.Lock()
 
@@ -173,6 +176,7 @@ class Router:
                             ignore_eos=p.ignore_eos)
         stats: dict = {}
         held: Slot | None = d  # picked for this request; _stream releases it once it runs
+        first: pb.PrefillReply | None = None
         try:
             first = self._prefill(h, req)
             if first is not None:
@@ -195,6 +199,8 @@ class Router:
             outcome = "ok"
         except _Cancelled:
             outcome = "cancelled"
+            if first is not None and not h.decode_started and h.prefill_slot is not None:
+                self._release_lease(h.prefill_slot, first)
         except Exception as e:  # noqa: BLE001  every failure reaches the client as a status code
             if h.cancelled:
                 outcome = "cancelled"
@@ -221,9 +227,21 @@ class Router:
             self._fallback("no_prefill_worker", "every prefill worker is down")
             return None
         try:
-            fut = s.client.prefill_future(req, min(self.cfg.prefill_timeout_s, h.remaining()))
+            timeout = min(self.cfg.prefill_timeout_s, h.remaining())
+            if s.inflight == 1:
+                # the worker had nothing else to do: a blocking call (faster, but a cancel cannot stop it; what
+                # a cancelled request costs is then this one prefill, and its lease is released below)
+                reply = s.client.prefill(req, timeout)
+                h.prefill_slot = s
+                if h.cancelled:
+                    self._release_lease(s, reply)
+                    raise _Cancelled
+                return reply
+            fut = s.client.prefill_future(req, timeout)
             h.track(fut)
-            return fut.result()
+            reply = fut.result()
+            h.prefill_slot = s
+            return reply
         except grpc.FutureCancelledError:
             raise _Cancelled from None
         except grpc.RpcError as e:
@@ -238,6 +256,17 @@ class Router:
             return None
         finally:
             self.pool.release(s)
+
+    def _release_lease(self, s: Slot, reply: pb.PrefillReply | None) -> None:
+        """A prefill's device-path lease that no decode worker will import (its request was cancelled): freed
+        now rather than at its deadline. Best effort: a failure leaves it to the deadline."""
+        if reply is None or not reply.HasField("handoff"):
+            return
+        try:
+            s.client.release(reply.handoff.exporter_id, int(reply.handoff.lease_id), RELEASE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            log.warning("releasing lease %d of a cancelled request failed (%s); it expires at its deadline",
+                        reply.handoff.lease_id, e.code().name)
 
     def _decode(self, h: RouterHandle, req: pb.GenerateRequest, d: Slot, first: pb.PrefillReply | None,
                 emitted: list[int]) -> tuple[str, dict]:
@@ -275,6 +304,7 @@ class Router:
                 dreq.first_token = first.first_token
                 if first.HasField("handoff"):  # the device path: the decode worker copies the prompt's KV
                     dreq.handoff.CopyFrom(first.handoff)
+            h.decode_started = True
             call = d.client.decode(dreq, h.remaining())
             h.track(call)
             seen = 0

@@ -4,7 +4,8 @@
 - local: the router in this process; bridge, prefill and decode workers as local processes.
 - ray: the router in this process; the workers as Ray actors (joins the Ray job's cluster, or
   `ray_address`, or starts a local one). Nothing imports ray unless this mode is asked for.
-The generation API (proto/generation.proto) is the same in all three. A disaggregated start makes
+The generation API (proto/generation.proto) is the same in all three, and so is the OpenAI-compatible
+HTTP API (cluster/http_api.py) that `http_port` adds over the same backend. A disaggregated start makes
 a fresh cluster secret (kv_bridge/auth.py) that its launcher hands to every worker: the bridge
 accepts calls and chunks only from this start's processes.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -36,6 +38,9 @@ class Service:
     worker: object | None = None  # colocated: the DecodeWorker
     pool: object | None = None  # ray / local: the WorkerPool
     closers: list[Callable[[], None]] = field(default_factory=list)
+    tokenizer: object | None = None  # the target's (engine/tokenizer.py), None without tokenizer.json
+    http: object | None = None  # the HTTP API's server (cluster/http_server.py) when http_port is set
+    http_address: str | None = None
 
     @property
     def alive(self) -> bool:
@@ -71,7 +76,28 @@ def start_service(cfg: ServeConfig, launcher: Launcher | None = None) -> Service
         port = svc.metrics.serve(cfg.metrics_port, "0.0.0.0" if cfg.allow_remote else cfg.host)
         svc.metrics_address = f"{cfg.host}:{port}"
         svc.closers.insert(0, svc.metrics.close)
+    if cfg.http_port is not None:
+        try:
+            _start_http(svc, cfg)
+        except BaseException:
+            svc.stop()
+            raise
     return svc
+
+
+def _start_http(svc: Service, cfg: ServeConfig) -> None:
+    """The HTTP API over the service's backend, on cfg.host:cfg.http_port; stopped first of the closers."""
+    from flashpd.cluster.chat_template import load_chat_template  # noqa: PLC0415
+    from flashpd.cluster.http_api import build_app, sampling_defaults  # noqa: PLC0415
+    from flashpd.cluster.http_server import start_http  # noqa: PLC0415
+
+    chat, why = load_chat_template(cfg.target)
+    name = cfg.served_model_name or Path(cfg.target).resolve().name
+    app = build_app(svc.backend, svc.tokenizer, name, svc.metrics, chat, why, sampling_defaults(cfg.target),
+                    cfg.max_concurrent)
+    svc.http = start_http(app, cfg.host, cfg.http_port, cfg.allow_remote, cfg.max_concurrent)
+    svc.http_address = svc.http.address
+    svc.closers.append(svc.http.stop)
 
 
 def _colocated(cfg: ServeConfig) -> Service:
@@ -87,7 +113,7 @@ def _colocated(cfg: ServeConfig) -> Service:
         worker.stop()
         raise
     return Service(cfg, f"{cfg.host}:{port}", server, worker.loop, metrics, worker=worker,
-                   closers=[lambda: worker.stop(10)])
+                   closers=[lambda: worker.stop(10)], tokenizer=llm.tokenizer)
 
 
 def _local_cache(cfg: ServeConfig, llm, metrics: Metrics):
@@ -110,10 +136,10 @@ def _disaggregated(cfg: ServeConfig, launcher: Launcher) -> Service:
     try:
         pool.start()
         router = Router(cfg, pool)
-        server, port = serve_generation(router, cfg.host, cfg.port, TextTokenizer.from_dir(cfg.target),
-                                        cfg.allow_remote, cfg.max_concurrent)
+        tokenizer = TextTokenizer.from_dir(cfg.target)
+        server, port = serve_generation(router, cfg.host, cfg.port, tokenizer, cfg.allow_remote, cfg.max_concurrent)
     except BaseException:
         pool.shutdown()
         raise
     return Service(cfg, f"{cfg.host}:{port}", server, router, router.metrics, pool=pool,
-                   closers=[pool.shutdown, router.stop])
+                   closers=[pool.shutdown, router.stop], tokenizer=tokenizer)

@@ -40,6 +40,16 @@ class WorkerClient:
         """A cancellable Prefill call (its .result() raises grpc.RpcError on failure)."""
         return self._stub.Prefill.future(request, timeout=timeout_s)
 
+    def prefill(self, request: pb.GenerateRequest, timeout_s: float) -> pb.PrefillReply:
+        """A blocking Prefill call: about 0.5 ms faster than a future's (no hand-off through the channel's
+        polling thread), but a cancel cannot reach it (raises grpc.RpcError on failure)."""
+        return self._stub.Prefill(request, timeout=timeout_s)
+
+    def release(self, exporter_id: str, lease_id: int, timeout_s: float) -> bool:
+        """Free a device-path lease this worker holds (False: unknown or expired already)."""
+        req = pb.ReleaseRequest(version=PROTOCOL_VERSION, exporter_id=exporter_id, lease_id=lease_id)
+        return self._stub.Release(req, timeout=timeout_s).released
+
     def decode(self, request: pb.DecodeRequest, timeout_s: float):
         """The streamed chunks of a Decode call (iterate; .cancel() ends it)."""
         return self._stub.Decode(request, timeout=timeout_s)

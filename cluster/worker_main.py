@@ -117,10 +117,11 @@ def _bridge(cfg, port: int, secret) -> RunningWorker:
 def load_model(cfg):
     import torch  # noqa: PLC0415
 
-    from flashpd.llm import LLM  # noqa: PLC0415
+    from flashpd.engine.factory import load_engine  # noqa: PLC0415
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    return LLM(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, kv_cache_tokens=cfg.kv_cache_tokens)
+    return load_engine(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype,
+                       kv_cache_tokens=cfg.kv_cache_tokens)
 
 
 def fingerprint(cfg, llm) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from flashpd.cluster.engine_loop import EngineLoop, Handle
+from flashpd.decode_node.engine_loop import EngineLoop, Handle
 from flashpd.decode_node.bridge_import import GuardedPrefixCache
 from flashpd.decode_node.scheduler import Request, Scheduler
 from flashpd.engine.drafter import DFlashDrafter

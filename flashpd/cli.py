@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from flashpd.cluster import cli_serve
+from flashpd.cluster.cli_serve import add_sampling_args
 from flashpd.engine.config import CheckpointError
 from flashpd.engine.sampling import SamplingParams
 
@@ -39,16 +41,6 @@ def parse_speculative_config(text: str) -> dict:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be a positive integer, got {k!r}")
         out["block_size"] = k + 1
     return out
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """The sampling options every generating command takes (contract.md's defaults)."""
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--ignore-eos", action="store_true")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -156,7 +148,7 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
 
     from flashpd.engine.loader import load_target  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
-    from flashpd.engine.train_drafter import DrafterTrainConfig, evaluate_tau, regenerate, train_drafter  # noqa
+    from flashpd.training.train_drafter import DrafterTrainConfig, evaluate_tau, regenerate, train_drafter  # noqa
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -167,8 +159,8 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     n = a.num_prompts + a.eval_prompts
     eval_source = "random token prompts"
     if tok is not None:
-        from flashpd.engine.demo_recipe import windows  # noqa: PLC0415
-        from flashpd.engine.text_data import drafter_prompt_sources, read_texts  # noqa: PLC0415
+        from flashpd.training.demo_recipe import windows  # noqa: PLC0415
+        from flashpd.training.text_data import drafter_prompt_sources, read_texts  # noqa: PLC0415
         train_files, eval_files, eval_source = drafter_prompt_sources(a.data)
         prompts = []
         for files, count in ((train_files, a.num_prompts), (eval_files, a.eval_prompts)):
@@ -210,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="run the shipped demo model: native vs DFlash")
     d.add_argument("--device", choices=["cpu", "cuda"])
     _add_training(sub)
-    from flashpd.cluster import cli_serve  # noqa: PLC0415
     cli_serve.add_serve(sub)
     cli_serve.add_client(sub, _prompt_ids)
     a = parser.parse_args(argv)
@@ -236,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "make-demo-pair":
             import torch  # noqa: PLC0415
 
-            from flashpd.engine.demo_recipe import make_demo_pair  # noqa: PLC0415
+            from flashpd.training.demo_recipe import make_demo_pair  # noqa: PLC0415
             dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
             make_demo_pair(a.out, dev, seed=a.seed, target_steps=a.target_steps, drafter_steps=a.drafter_steps,
                            vocab_size=a.vocab_size, drafter_seqs=a.drafter_seqs, drafter_lr=a.drafter_lr,

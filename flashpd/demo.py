@@ -29,7 +29,7 @@ SPEEDUP_RANGE = (1.04, 10.05)  # per prompt, both lengths
 
 
 def heldout_prompts(encode, n: int = 3, tokens: int = 200) -> list[list[int]]:
-    from flashpd.engine.text_data import read_texts, split_files, stdlib_files  # noqa: PLC0415
+    from flashpd.training.text_data import read_texts, split_files, stdlib_files  # noqa: PLC0415
 
     _, held = split_files(stdlib_files())
     out = []

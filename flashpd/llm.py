@@ -7,14 +7,10 @@ from pathlib import Path
 import torch
 
 from flashpd.engine.config import CheckpointError
-from flashpd.engine.generate import NativeGenerator
-from flashpd.engine.loader import load_target
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.factory import DTYPES, default_device, kv_blocks_for, resolve_dtype  # noqa: F401 (its names too)
+from flashpd.engine.factory import load_engine
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import RequestStats
-from flashpd.engine.tokenizer import TextTokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -32,67 +28,18 @@ class RequestOutput:
         return d
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is None:
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def kv_blocks_for(model: torch.nn.Module, block_size: int, device: torch.device, max_tokens: int | None) -> int:
-    """Size the paged cache: `max_tokens` positions if given, else a share of free device memory."""
-    cfg = model.cfg
-    per_token = 2 * cfg.num_hidden_layers * cfg.kv_size * model.embed_tokens.weight.element_size()
-    if max_tokens is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            max_tokens = int(free * 0.5) // per_token
-        else:
-            max_tokens = min(131072, (2 << 30) // per_token)
-    return max(2, max_tokens // block_size + 1)
-
-
 class LLM:
-    """A target (and optionally a DFlash drafter) loaded on one device, generating in batches."""
+    """A target (and optionally a DFlash drafter) loaded on one device (engine/factory.py's load_engine),
+    generating in batches."""
 
     def __init__(self, target: str | Path, draft: str | Path | None = None, method: str | None = None,
                  block_size: int | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
                  kv_cache_tokens: int | None = None, kv_block_size: int = 16) -> None:
-        self.device = torch.device(device or default_device())
-        self.dtype = resolve_dtype(dtype, str(self.device))
-        self.method = method or ("dflash" if draft else "native")
-        if self.method not in ("native", "dflash"):
-            raise ValueError(f"method must be 'native' or 'dflash', got {self.method!r}")
-        if self.method == "dflash" and draft is None:
-            raise ValueError("method 'dflash' needs a drafter (draft=DIR / --draft DIR)")
-        self.model = load_target(target, self.device, self.dtype)
-        self.tokenizer = TextTokenizer.from_dir(target)
-        self.stop_ids = self.model.cfg.eos_token_ids
-        self.drafter = None
-        taps: tuple[int, ...] = ()
-        if self.method == "dflash":
-            from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (only dflash needs it)
-            self.drafter = load_drafter(draft, self.model, self.device, self.dtype)
-            taps = tuple(self.drafter.cfg.target_layer_ids)
-            self.block_size = self.drafter.cfg.block_size if block_size is None else block_size
-        else:
-            if block_size not in (None, 1):
-                raise ValueError(f"block_size {block_size} needs method 'dflash' and a drafter")
-            self.block_size = 1
-        num_blocks = kv_blocks_for(self.model, kv_block_size, self.device, kv_cache_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, kv_block_size, taps=taps)
-        if self.drafter is not None:
-            from flashpd.engine.spec_decode import DFlashGenerator  # noqa: PLC0415
-            self.generator = DFlashGenerator(self.runner, self.drafter, self.stop_ids, self.block_size)
-        else:
-            self.generator = NativeGenerator(self.runner, self.stop_ids)
+        e = load_engine(target, draft, device, dtype, kv_cache_tokens, method=method, block_size=block_size,
+                        kv_block_size=kv_block_size)
+        self.device, self.dtype, self.method, self.block_size = e.device, e.dtype, e.method, e.block_size
+        self.model, self.tokenizer, self.stop_ids, self.drafter = e.model, e.tokenizer, e.stop_ids, e.drafter
+        self.runner, self.generator = e.runner, e.generator
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -53,7 +53,7 @@ def test_screen_and_confirmation_prompts_come_from_disjoint_files():
     """Even-indexed held-out files screen, odd ones confirm: no 32-token window of a confirmation prompt
     occurs in the screen set's text, and each set has one prompt of 2,000+ tokens."""
     from flashpd.bench.speedup import heldout_prompt_sets
-    from flashpd.engine.text_data import read_texts, split_files, stdlib_files
+    from flashpd.training.text_data import read_texts, split_files, stdlib_files
     from flashpd.engine.tokenizer import TextTokenizer
     tok = TextTokenizer.from_dir(PAIR / "target")
     screen, confirm = heldout_prompt_sets(tok, 4, seed=0)

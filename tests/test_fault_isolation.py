@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from flashpd.cluster.engine_loop import EngineLoop
+from flashpd.decode_node.engine_loop import EngineLoop
 from flashpd.decode_node.scheduler import RequestFailed, Scheduler
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from flashpd.cluster.engine_loop import EngineLoop
+from flashpd.decode_node.engine_loop import EngineLoop
 from flashpd.cluster.generation_client import (GenerationClient, GenerationFailedPrecondition,
                                                GenerationInvalidArgument, GenerationResourceExhausted,
                                                GenerationTimeout, build_request)

@@ -258,7 +258,10 @@ def test_local_service_over_the_device_path_equals_colocated(dflash_pair, coloca
     prompt's KV crosses by shared caches (counted at the decode worker), outputs and acceptance lengths
     equal the colocated server's, the prefill worker's blocks all come back, and a killed bridge changes
     none of that."""
-    from flashpd.cluster.generation_client import GenerationClient
+    import grpc
+
+    from flashpd.cluster.generation_client import GenerationClient, build_request
+    from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
     from flashpd.cluster.service import start_service
     from tests._cluster_helpers import N_PROMPTS, run_concurrently, serve_cfg, wait_until
 
@@ -273,13 +276,24 @@ def test_local_service_over_the_device_path_equals_colocated(dflash_pair, coloca
         assert _metric(dec, "flashpd_handoff_imports_total") == N_PROMPTS
         assert _metric(dec, "flashpd_handoff_fallbacks_total") == 0
         pre = svc.pool.slots["prefill"][0]
-        wait_until(lambda: (lambda h: h["kv_blocks_free"] == h["kv_blocks_total"])(pre.client.health(5)),
-                   "the prefill worker's leases to be released", timeout_s=10)
+        all_free = lambda: (lambda h: h["kv_blocks_free"] == h["kv_blocks_total"])(pre.client.health(5))  # noqa: E731
+        wait_until(all_free, "the prefill worker's leases to be released", timeout_s=10)
         # the bridge dies: the device path does not need it, outputs stay exact, and the KV still crosses by it
         svc.pool.launcher.kill(svc.pool.slots["bridge"][0].launched)
         got = run_concurrently(svc.address, [1, 2], ps)
         assert got[1] == ref[1] and got[2] == ref[2]
         assert _metric(dec, "flashpd_handoff_imports_total") == N_PROMPTS + 2
+        # cancelled while its prefill runs on an idle prefill worker (the router's blocking call, which a cancel
+        # cannot stop): the lease its reply carries is released at once, not at its 10 s deadline
+        g = torch.Generator().manual_seed(9)
+        for delay in (0.02, 0.06):
+            with grpc.insecure_channel(svc.address) as ch:
+                long_prompt = torch.randint(0, 126, (900,), generator=g).tolist()
+                call = pb_grpc.GenerationStub(ch).Generate(build_request(long_prompt, max_tokens=40, method="dflash"),
+                                                           timeout=30)
+                time.sleep(delay)
+                call.cancel()
+            wait_until(all_free, "the cancelled request's lease to be released", timeout_s=3)
         with GenerationClient(svc.address) as c:
             assert c.health()["serving"]
     finally:

@@ -1,4 +1,4 @@
-"""The load-sweep entrypoint (`python -m flashpd.cluster.job_sweep`): run without Ray importable (the
+"""The load-sweep entrypoint (`python -m flashpd.bench.job_sweep`): run without Ray importable (the
 local launcher, as on a GPU machine without ray), and submitted with `ray job submit` to a real
 local Ray cluster (`ray start --head` on free ports, stopped in teardown). Both write the JSON
 with every (mode, method, concurrency) run, and colocated and disaggregated outputs match."""
@@ -48,7 +48,7 @@ def test_sweep_runs_on_the_local_launcher_without_ray(dflash_pair, tmp_path):  #
     (hidden / "ray" / "__init__.py").write_text('raise ImportError("ray is hidden for this test")\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "sweep.json"
-    p = subprocess.run([sys.executable, "-m", "flashpd.cluster.job_sweep", "--target", str(dflash_pair.target_dir),
+    p = subprocess.run([sys.executable, "-m", "flashpd.bench.job_sweep", "--target", str(dflash_pair.target_dir),
                         "--draft", str(dflash_pair.draft_dir), "--out", str(out), *SMALL,
                         "--long-every", "4", "--long-prompt-tokens", "300", "--bridge-transport", "shm"],
                        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
@@ -59,7 +59,7 @@ def test_sweep_runs_on_the_local_launcher_without_ray(dflash_pair, tmp_path):  #
 
 
 def test_prompt_sets_mix_long_prompts(dflash_pair):  # noqa: F811
-    from flashpd.cluster.job_sweep import make_prompts, prompt_lengths
+    from flashpd.bench.job_sweep import make_prompts, prompt_lengths
 
     lens = prompt_lengths(9, 64, 4, 300)
     assert lens == [300, 64, 64, 64, 300, 64, 64, 64, 300] and prompt_lengths(3, 64, 0, 300) == [64] * 3
@@ -69,7 +69,7 @@ def test_prompt_sets_mix_long_prompts(dflash_pair):  # noqa: F811
 
 def test_prompt_sets_refuse_to_outgrow_the_held_out_text():
     """A trained pair's prompts come from held-out text; more than it holds is an error, not random ids."""
-    from flashpd.cluster.job_sweep import make_prompts
+    from flashpd.bench.job_sweep import make_prompts
     from flashpd.demo import PAIR
 
     with pytest.raises(ValueError, match="held-out text gives"):
@@ -135,7 +135,7 @@ def test_ray_job_submit_runs_the_sweep(ray_head, dflash_pair, tmp_path):  # noqa
                    "env_vars": {"PYTHONUNBUFFERED": "1"}}
     cmd = [str(ray_bin), "job", "submit", "--address", url, "--working-dir", str(REPO),
            "--runtime-env-json", json.dumps(runtime_env), "--",
-           sys.executable, "-m", "flashpd.cluster.job_sweep", "--launcher", "ray",
+           sys.executable, "-m", "flashpd.bench.job_sweep", "--launcher", "ray",
            "--target", str(dflash_pair.target_dir), "--draft", str(dflash_pair.draft_dir), "--out", str(out), *SMALL]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
     assert p.returncode == 0 and "succeeded" in p.stdout, p.stdout[-4000:] + p.stderr[-3000:]

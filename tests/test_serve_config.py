@@ -40,6 +40,8 @@ def test_bad_configs_are_refused_by_name(tmp_path, d, msg):
 def test_shipped_ray_configs_parse():
     cfg = load_config(REPO / "ray_configs" / "serve_ray.yaml")
     assert cfg.mode == "ray" and cfg.device == "cuda"
+    cpu = load_config(REPO / "ray_configs" / "serve_cpu.yaml")  # the CPU one beside it (started by hand: README)
+    assert cpu.mode == "local" and cpu.device == "cpu" and cpu.http_port == 8000
     cluster = yaml.safe_load((REPO / "ray_configs" / "cluster.yaml").read_text())
     types = cluster["available_node_types"]
     assert {"head", "prefill", "decode"} <= set(types)

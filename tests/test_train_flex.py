@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from flashpd.engine import train_drafter as td
 from flashpd.engine.drafter import dummy_drafter
 from flashpd.engine.loader import load_target
-from flashpd.engine.train_drafter import (DrafterTrainConfig, anchor_block_mask, attention_mode, block_logits,
-                                          block_loss, drafter_config_for, init_from_target)
+from flashpd.training import train_drafter as td
+from flashpd.training.train_drafter import (DrafterTrainConfig, anchor_block_mask, attention_mode, block_logits,
+                                            block_loss, drafter_config_for, init_from_target)
 
 # the CPU forward of flex is its eager reference, which says so once
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

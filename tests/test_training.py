@@ -18,8 +18,8 @@ from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
-from flashpd.engine.train_drafter import (DrafterTrainConfig, block_logits, evaluate_tau, regenerate,
-                                          train_drafter)
+from flashpd.training.train_drafter import (DrafterTrainConfig, block_logits, evaluate_tau, regenerate,
+                                            train_drafter)
 
 DEMO = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
 
@@ -138,8 +138,8 @@ def test_train_drafter_cli_on_the_demo_target_evaluates_on_held_out_files(tmp_pa
 def test_train_drafter_default_data_never_trains_on_the_held_out_files(tmp_path):
     """The stdlib default trains on the recipe's drafter-prompt files and evaluates on its held-out ones;
     a --data directory serves both, and the report says so."""
-    from flashpd.engine.text_data import drafter_prompt_sources, split_files, split_three, stdlib_files
-    from flashpd.engine.text_data import corpus_files
+    from flashpd.training.text_data import drafter_prompt_sources, split_files, split_three, stdlib_files
+    from flashpd.training.text_data import corpus_files
     train, held, what = drafter_prompt_sources()
     assert train == split_three(corpus_files())[1] and held == split_files(stdlib_files())[1]
     assert set(train).isdisjoint(held) and "held-out" in what
@@ -149,7 +149,7 @@ def test_train_drafter_default_data_never_trains_on_the_held_out_files(tmp_path)
 
 
 def test_text_split_is_three_disjoint_parts_and_tokenizer_round_trips():
-    from flashpd.engine.text_data import SPECIAL_TOKENS, read_texts, split_files, split_three, stdlib_files, \
+    from flashpd.training.text_data import SPECIAL_TOKENS, read_texts, split_files, split_three, stdlib_files, \
         train_tokenizer
     files = stdlib_files()
     a, b, c = split_three(files)
@@ -164,7 +164,7 @@ def test_text_split_is_three_disjoint_parts_and_tokenizer_round_trips():
 def test_corpus_adds_torch_source_to_every_part_and_keeps_the_stdlib_split():
     """The recipe's corpus (stdlib + torch's Python) splits both roots three ways; its stdlib files fall
     exactly where the stdlib-only split puts them, so the held-out stdlib prompts stay never trained on."""
-    from flashpd.engine.text_data import corpus_files, split_three, stdlib_files, torch_files
+    from flashpd.training.text_data import corpus_files, split_three, stdlib_files, torch_files
     tf = torch_files()
     assert len(tf) > 500 and all(p.suffix == ".py" for p in tf)
     parts = split_three(corpus_files())
@@ -195,7 +195,7 @@ def test_kl_term_is_the_targets_next_token_distribution_against_the_drafter(trai
     under the same position weights: checked against the target's own full-sequence logits."""
     import torch.nn.functional as F
 
-    from flashpd.engine.train_drafter import _pad, block_loss, target_features
+    from flashpd.training.train_drafter import _pad, block_loss, target_features
     target, drafter, _, prompts, data, _ = trained
     seqs, lengths = _pad(data[:3], "cpu")
     starts = torch.tensor([len(p) - 1 for p in prompts[:3]])
@@ -246,7 +246,7 @@ def test_wider_draft_mlp_starts_as_the_narrow_copy_and_decodes_exactly(tiny_targ
     """--drafter-intermediate: the extra MLP units start silent, so a wide drafter's first draft equals the
     target-width one's; it saves, loads back with its width, and DFlash with it equals native greedy."""
     from flashpd.engine.drafter import dummy_drafter
-    from flashpd.engine.train_drafter import drafter_config_for, init_from_target
+    from flashpd.training.train_drafter import drafter_config_for, init_from_target
     _, target = tiny_target
     made = []
     for width in (None, 2 * target.cfg.intermediate_size):
@@ -302,7 +302,7 @@ def test_draft_gap_block_accuracy_counts_runs_of_right_guesses(trained):
 
 def test_target_training_reduces_loss():
     from flashpd.engine.config import Qwen3Config
-    from flashpd.engine.train_target import train_target
+    from flashpd.training.train_target import train_target
     cfg = Qwen3Config.from_dict({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
     stream = torch.arange(2000) % 17  # a learnable periodic stream
@@ -315,7 +315,7 @@ def test_target_training_reduces_loss():
 def test_target_training_keeps_the_best_validation_weights():
     """Validation on a stream the model never trains on picks the returned weights."""
     from flashpd.engine.config import Qwen3Config
-    from flashpd.engine.train_target import train_target, validation_loss
+    from flashpd.training.train_target import train_target, validation_loss
     cfg = Qwen3Config.from_dict({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
     train, val = torch.arange(2000) % 17, (torch.arange(2000) * 5) % 23  # val follows another rule
@@ -325,7 +325,7 @@ def test_target_training_keeps_the_best_validation_weights():
     vals = [float(m.split(" val ")[1].split()[0]) for m in logs if " val " in m]
     assert len(vals) == 5 and logs[-1].startswith("kept the weights with the lowest validation loss")
     assert f"({min(vals):.4f})" in logs[-1]
-    from flashpd.engine.train_target import random_windows
+    from flashpd.training.train_target import random_windows
     fixed = random_windows(val, 4, 32, torch.Generator().manual_seed(1))  # the batch train_target validates on
     assert abs(validation_loss(model, fixed, torch.autocast("cpu", enabled=False)) - min(vals)) < 1e-4
 
@@ -353,7 +353,7 @@ def test_profile_step_times_dflash_steps_at_the_drafters_block_width():
     """bench/profile_step: a DFlash request it times drafts blocks of the drafter's width (it once ran
     width 1, a native step with extra work), so on held-out text the demo pair accepts guesses there."""
     from flashpd.bench.profile_step import _ready, measure_loop
-    from flashpd.engine.demo_recipe import heldout_long_prompts
+    from flashpd.training.demo_recipe import heldout_long_prompts
     from flashpd.engine.tokenizer import TextTokenizer
     target = load_target(DEMO / "target", "cpu", torch.float32)
     drafter = load_drafter(DEMO / "drafter", target)
@@ -368,7 +368,7 @@ def test_profile_step_times_dflash_steps_at_the_drafters_block_width():
 
 
 def test_tau_within_counts_the_steps_that_made_the_first_tokens():
-    from flashpd.engine.train_drafter import tau_within
+    from flashpd.training.train_drafter import tau_within
     assert tau_within([3, 1, 5, 16, 16], 8) == 8 / 3  # the third step passes 8 tokens: capped there
     assert tau_within([3, 1, 5, 16, 16], 64) == 41 / 5  # fewer tokens than n: all steps
     assert tau_within([], 64) is None
@@ -379,7 +379,7 @@ def test_recipe_from_scratch_makes_a_pair_that_loads_and_evaluates(tmp_path):
     validation loss falls), regenerated data, drafter, evaluation; the pair reloads as users load it."""
     from tokenizers import Tokenizer
 
-    from flashpd.engine.demo_recipe import make_demo_pair
+    from flashpd.training.demo_recipe import make_demo_pair
     logs: list[str] = []
     report = make_demo_pair(tmp_path / "pair", "cpu", target_steps=3, target_batch=2, seq_len=256, drafter_steps=2,
                             num_prompts=4, new_tokens=8, heldout_prompts=2, vocab_size=512, drafter_seqs=2,
@@ -397,7 +397,7 @@ def test_recipe_from_scratch_makes_a_pair_that_loads_and_evaluates(tmp_path):
 def test_recipe_on_a_given_target_copies_it_and_trains_only_the_drafter(tmp_path):
     """make-demo-pair --target: the shipped demo target is copied in unchanged (no target training),
     its own tokenizer cuts the prompts, and a drafter is trained, saved, reloaded and evaluated."""
-    from flashpd.engine.demo_recipe import make_demo_pair
+    from flashpd.training.demo_recipe import make_demo_pair
     logs: list[str] = []
     report = make_demo_pair(tmp_path / "pair", "cpu", drafter_steps=2, num_prompts=4, new_tokens=8,
                             heldout_prompts=2, drafter_seqs=2, regen_batch=4, target_dir=DEMO / "target",

@@ -19,10 +19,10 @@ import torch
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.export import save_drafter, save_target
 from flashpd.engine.loader import load_target
-from flashpd.engine.text_data import SPECIAL_TOKENS, corpus_files, encode_files, read_texts, split_three, \
+from flashpd.training.text_data import SPECIAL_TOKENS, corpus_files, encode_files, read_texts, split_three, \
     stdlib_files, train_tokenizer
-from flashpd.engine.train_drafter import DrafterTrainConfig, evaluate_tau, regenerate, train_drafter
-from flashpd.engine.train_target import train_target
+from flashpd.training.train_drafter import DrafterTrainConfig, evaluate_tau, regenerate, train_drafter
+from flashpd.training.train_target import train_target
 
 TARGET_SHAPE = dict(vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=14,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=48, max_position_embeddings=4096,

@@ -1,6 +1,6 @@
 """Load sweep through the gRPC API, as a `ray job submit` entrypoint (or a plain command).
 
-    python -m flashpd.cluster.job_sweep --out results.json [--modes colocated,disaggregated]
+    python -m flashpd.bench.job_sweep --out results.json [--modes colocated,disaggregated]
         [--methods native,dflash] [--concurrency 1,8,32,128] [--requests N] [--max-tokens 64]
         [--launcher ray|local] [--target DIR --draft DIR] [--address HOST:PORT]
 
@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from flashpd.cluster.config import ServeConfig
-from flashpd.cluster.load_gen import percentiles, run_load, summarize
+from flashpd.bench.http_load import run_load_http
+from flashpd.bench.load_gen import percentiles, run_load, summarize
 
 log = logging.getLogger("flashpd.job_sweep")
 
@@ -75,7 +76,7 @@ def make_prompts(target: str, lengths: list[int], seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     need = sum(lengths)
     if tok is not None:
-        from flashpd.engine.text_data import read_texts, split_files, stdlib_files  # noqa: PLC0415
+        from flashpd.training.text_data import read_texts, split_files, stdlib_files  # noqa: PLC0415
         _, held = split_files(stdlib_files())
         order = torch.randperm(len(held), generator=g).tolist()
         stream: list[int] = []
@@ -116,7 +117,7 @@ class ServeProcess:
 
         threading.Thread(target=pump, daemon=True).start()
         deadline = time.monotonic() + start_timeout_s
-        self.address = None
+        self.address, self.http_address = None, None
         while self.address is None:
             left = deadline - time.monotonic()
             try:
@@ -127,6 +128,8 @@ class ServeProcess:
                 self.stop()
                 raise RuntimeError(f"flashpd serve ({cfg.mode}) did not start; log {self.log_path}:\n"
                                    + self.log_path.read_text()[-3000:])
+            if ln.startswith("http on "):  # printed before "listening on"
+                self.http_address = ln.split()[-1]
             if ln.startswith("listening on "):
                 self.address = ln.split()[-1]
 
@@ -147,12 +150,14 @@ def _cfg(a: argparse.Namespace, mode: str) -> ServeConfig:
         if getattr(a, k) is not None:
             base[k] = getattr(a, k)
     base.update(prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, chunk_tokens=a.chunk_tokens,
-                max_running=a.max_running, port=0, metrics_port=None)
+                max_running=a.max_running, port=0, metrics_port=None,
+                http_port=0 if "http" in _names(a.api) else base.get("http_port"))
     return ServeConfig.from_dict(base, "job_sweep")
 
 
 def sweep(a: argparse.Namespace) -> dict:
     modes = ["external"] if a.address else _names(a.modes)
+    apis = _names(a.api)
     levels = _ints(a.concurrency)
     counts = {c: (a.requests or max(8, 2 * c)) for c in levels}
     methods = _names(a.methods)
@@ -173,32 +178,36 @@ def sweep(a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="flashpd-sweep-") as tmp:
         for mode in modes:
             srv = None if a.address else ServeProcess(_cfg(a, mode), Path(tmp), a.start_timeout_s)
-            address = a.address or srv.address
+            addresses = {"grpc": a.address or srv.address, "http": a.http_address or (srv and srv.http_address)}
+            if "http" in apis and not addresses["http"]:
+                raise RuntimeError("--api http: the service serves no HTTP API (give --http-address, or let the sweep "
+                                   "start it)")
             try:
-                for m in methods:
+                for m, c, api in ((m, c, api) for m in methods for c in levels for api in apis):
                     kw = dict(max_tokens=a.max_tokens, method=m, ignore_eos=True)
-                    for c in levels:
-                        if sets[(m, c, "warmup")]:  # compiles / captures this level's batch shapes first
-                            run_load(address, sets[(m, c, "warmup")], min(c, warm[c]), a.request_timeout_s, **kw)
-                        res, wall = run_load(address, sets[(m, c)], c, a.request_timeout_s, **kw)
-                        row = {"mode": mode, "method": m, "concurrency": c, **summarize(res, wall)}
-                        if a.long_every > 0:  # the long prompts' own TTFT: where transfer and prefill show
-                            row["ttft_long_ms"] = percentiles([r.ttft_ms for r, n in zip(res, lens[(m, c)])
-                                                               if n == a.long_prompt_tokens and r.error is None])
-                        log.info("%s %s c=%d: ttft p50 %.1f ms, latency p50 %.1f ms, %.1f tok/s, tau %s, %d errors",
-                                 mode, m, c, row["ttft_ms"]["p50"] or -1, row["latency_ms"]["p50"] or -1,
-                                 row["output_tokens_per_s"] or 0, row["tau"], row["errors"])
-                        runs.append(row)
-                        outputs[(mode, m, c)] = [r.tokens if r.error is None else None for r in res]
-                        # a sweep cut short (a time limit) still leaves every level it finished
-                        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-                        Path(a.out).write_text(json.dumps({"kind": "serve_sweep", "partial": True, "runs": runs}))
+                    load = run_load if api == "grpc" else run_load_http
+                    if sets[(m, c, "warmup")]:  # compiles / captures this level's batch shapes first
+                        load(addresses[api], sets[(m, c, "warmup")], min(c, warm[c]), a.request_timeout_s, **kw)
+                    res, wall = load(addresses[api], sets[(m, c)], c, a.request_timeout_s, **kw)
+                    row = {"mode": mode, "api": api, "method": m, "concurrency": c, **summarize(res, wall)}
+                    if a.long_every > 0:  # the long prompts' own TTFT: where transfer and prefill show
+                        row["ttft_long_ms"] = percentiles([r.ttft_ms for r, n in zip(res, lens[(m, c)])
+                                                           if n == a.long_prompt_tokens and r.error is None])
+                    log.info("%s %s %s c=%d: ttft p50 %.1f ms, latency p50 %.1f ms, %.1f tok/s, tau %s, %d errors",
+                             mode, api, m, c, row["ttft_ms"]["p50"] or -1, row["latency_ms"]["p50"] or -1,
+                             row["output_tokens_per_s"] or 0, row["tau"], row["errors"])
+                    runs.append(row)
+                    outputs[(_variant(mode, api), m, c)] = [r.tokens if r.error is None else None for r in res]
+                    # a sweep cut short (a time limit) still leaves every level it finished
+                    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(a.out).write_text(json.dumps({"kind": "serve_sweep", "partial": True, "runs": runs}))
             finally:
                 if srv is not None:
                     srv.stop()
                     # the service's own log (placement, worker errors) outlives the temporary directory
                     shutil.copyfile(srv.log_path, f"{a.out}.serve-{mode}.log")
-    return {"kind": "serve_sweep", "runs": runs, "exact": _exactness(outputs, modes),
+    variants = [_variant(mode, api) for mode in modes for api in apis]
+    return {"kind": "serve_sweep", "runs": runs, "exact": _exactness(outputs, variants),
             "settings": {"target": a.target, "draft": a.draft, "modes": modes, "methods": methods,
                          "concurrency": levels, "requests": counts, "warmup": warm, "max_tokens": a.max_tokens,
                          "prompt_tokens": a.prompt_tokens, "long_every": a.long_every,
@@ -206,7 +215,12 @@ def sweep(a: argparse.Namespace) -> dict:
                          "dtype": a.dtype, "prefill_workers": a.prefill_workers,
                          "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens,
                          "bridge_transport": _cfg(a, "disaggregated").bridge_transport,
-                         "kv_transport": _cfg(a, "disaggregated").kv_transport}}
+                         "kv_transport": _cfg(a, "disaggregated").kv_transport, "apis": apis}}
+
+
+def _variant(mode: str, api: str) -> str:
+    """A (mode, front door) pair's name in the exactness check: the mode itself for gRPC."""
+    return mode if api == "grpc" else f"{mode}/{api}"
 
 
 def _exactness(outputs: dict, modes: list[str]) -> dict:
@@ -251,6 +265,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--launcher", choices=["ray", "local"], default=None,
                     help="for the disaggregated mode (default: ray when importable, else local)")
     ap.add_argument("--address", help="measure a running service instead of starting one")
+    ap.add_argument("--http-address", dest="http_address",
+                    help="the running service's HTTP API (HOST:PORT), with --address and --api http")
+    ap.add_argument("--api", default="grpc",
+                    help="front doors to drive, each level through each: grpc, http (the OpenAI-compatible API), or "
+                         "grpc,http (the sweep's service then serves both)")
     ap.add_argument("--config", help="base serve config (JSON) the flags override")
     ap.add_argument("--device", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"])
@@ -273,6 +292,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.launcher = a.launcher or default_launcher()
     if a.target is None:
         a.target, a.draft = str(_demo_pair() / "target"), a.draft or str(_demo_pair() / "drafter")
+    for api in _names(a.api):
+        if api not in ("grpc", "http"):
+            ap.error(f"--api: unknown front door {api!r} (grpc, http)")
     for m in _names(a.modes):
         if m not in ("colocated", "disaggregated"):
             ap.error(f"--modes: unknown mode {m!r} (colocated, disaggregated)")

@@ -1,0 +1,753 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over the generation service's backend.
+
+`build_app(backend, tokenizer, model_name, metrics, ...)` serves, beside the gRPC API and over the same
+`Backend` (the colocated engine loop or the router):
+
+- POST /v1/completions and /v1/chat/completions, streamed (server-sent events ending with
+  `data: [DONE]`) or not. Parameters: model, prompt (a string, token ids, or a list of one of them) /
+  messages, max_tokens (chat: max_completion_tokens too), temperature, top_p, seed, stop (strings: the
+  text ends before the first one, finish_reason "stop"), n (1 only), stream, stream_options.include_usage;
+  extra body fields as vLLM takes them: top_k, ignore_eos, method ("dflash" | "native"), block_size,
+  return_token_ids, and for chat add_generation_prompt, continue_final_message, chat_template_kwargs.
+  Unknown fields are ignored; known ones flashpd cannot honour (penalties, logprobs, logit_bias, echo,
+  tools, ...) are refused with a 400 naming them. `usage` counts prompt and completion tokens (a stop
+  string's request counts the tokens up to the one that completed it). flashpd's own figures (method,
+  tau, acceptance_lengths, ttft_ms, prefill_ms, latency_ms) are in one vendor field, "flashpd" (when
+  streaming, on the chunk that carries the finish_reason).
+- GET /v1/models, GET /health (200 while serving, else 503; the backend's counts), GET /metrics (this
+  process's Prometheus metrics).
+
+Defaults: temperature 1.0 and top_p 1.0 (OpenAI's), overridden by the target's generation_config.json
+(temperature, top_p, top_k) as vLLM does; max_tokens 16 for completions (OpenAI's), for chat what the
+context and the KV cache leave. Chat prompts come from the target's chat template (cluster/chat_template.py).
+
+Errors have OpenAI's body {"error": {"message", "type", "param", "code"}} and the status the gRPC code
+would be: INVALID_ARGUMENT and FAILED_PRECONDITION -> 400, an unknown model -> 404, a prompt that cannot
+fit (RESOURCE_EXHAUSTED) -> 400 with code "context_length_exceeded", no worker / engine stopped
+(UNAVAILABLE) -> 503, a request that failed alone (RequestFailed, INTERNAL) -> 500, a timeout -> 504.
+A body over max_positions * 128 bytes (at least 1 MiB) gets 413. An error after a stream started is sent
+as a `data: {"error": ...}` event before `data: [DONE]`.
+
+A request is cancelled in the backend (its KV blocks freed) whenever its response does not run to the
+end: the client disconnects (mid-stream: the stream task is cancelled; non-streamed: polled), a stop
+string ends the text, or anything fails. Blocking backend calls run on worker threads (one per request
+at most), so the event loop never waits on the engine.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flashpd.cluster.chat_template import ChatTemplate, ChatTemplateError
+from flashpd.cluster.generation_server import MAX_CHARS_PER_TOKEN, POLL_S, Backend
+from flashpd.decode_node.engine_loop import EngineStopped
+from flashpd.decode_node.scheduler import PromptTooLong, RequestFailed, blocks_needed
+from flashpd.engine.sampling import SEED_RANGE, SamplingParams
+
+log = logging.getLogger(__name__)
+
+SUBMIT_TIMEOUT_S = 60.0  # as the gRPC API without a client deadline: the backend must take the request by then
+DISCONNECT_CHECK_S = 0.25  # how often a non-streamed request looks for its client between tokens
+MAX_STOPS = 16
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# fields flashpd cannot honour: refused (400) unless absent or at the value that means "off"
+UNSUPPORTED = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "length_penalty": (None, 1), "logit_bias": (None, {}), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,), "echo": (None, False), "best_of": (None, 1), "use_beam_search": (None, False),
+    "suffix": (None, ""), "min_tokens": (None, 0), "min_p": (None, 0), "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,)}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _cap(s: str, n: int = 64) -> str:
+    return s if len(s) <= n else s[:n] + f"...({len(s)} chars)"
+
+
+def _show(v: Any) -> str:
+    """A client's value in an error message: as JSON, capped."""
+    try:
+        return _cap(json.dumps(v))
+    except (TypeError, ValueError):
+        return _cap(repr(v))
+
+
+def _bad(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, f"{param}: {message}" if param else message, "invalid_request_error", param, code)
+
+
+def _too_long(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", "invalid_request_error", param, "context_length_exceeded")
+
+
+def error_for(e: BaseException) -> APIError:
+    """The HTTP error of a backend failure (the status its gRPC code maps to)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, RequestFailed):  # this request alone failed while being served
+        return APIError(500, str(e), "server_error", None, "internal_error")
+    if isinstance(e, PromptTooLong):
+        return APIError(400, f"prompt: {e}", "invalid_request_error", "prompt", "context_length_exceeded")
+    if isinstance(e, TimeoutError):
+        return APIError(504, str(e) or "timed out", "server_error", None, "timeout")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), "invalid_request_error", None, None)
+    msg = str(e) if isinstance(e, EngineStopped) else f"{type(e).__name__}: {e}"
+    return APIError(503, msg, "server_error", None, "service_unavailable")
+
+
+def sampling_defaults(model_dir: str | Path | None) -> dict:
+    """temperature / top_p / top_k from the model's generation_config.json (vLLM's default), when set."""
+    if model_dir is None:
+        return {}
+    p = Path(model_dir) / "generation_config.json"
+    try:
+        cfg = json.loads(p.read_text()) if p.exists() else {}
+    except (OSError, ValueError):
+        log.warning("%s is unreadable; OpenAI's sampling defaults apply", p)
+        return {}
+    return {k: cfg[k] for k in ("temperature", "top_p", "top_k") if isinstance(cfg.get(k), (int, float))
+            and not isinstance(cfg.get(k), bool)}
+
+
+# ---- request fields --------------------------------------------------------------------------------
+
+def _int(body: dict, name: str, default: int | None, lo: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(name, f"must be an integer, got {_show(v)}")
+    if lo is not None and v < lo:
+        raise _bad(name, f"must be >= {lo}, got {v}")
+    return v
+
+
+def _num(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return float(default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(name, f"must be a finite number, got {_show(v)}")
+    return float(v)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, f"must be true or false, got {_show(v)}")
+    return v
+
+
+@dataclass
+class _Req:
+    """A parsed request: what the backend gets and what the response needs."""
+
+    prompt: list[int]
+    params: SamplingParams
+    method: str
+    block_size: int | None
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+@dataclass
+class _State:
+    backend: Backend
+    tokenizer: Any
+    model_name: str
+    metrics: Any
+    chat: ChatTemplate | None
+    chat_error: str | None
+    defaults: dict
+    limiter: anyio.CapacityLimiter
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    # ---- parsing ---------------------------------------------------------------------------------
+    def check_model(self, body: dict) -> None:
+        m = body.get("model")
+        if m is None:
+            return
+        if not isinstance(m, str):
+            raise _bad("model", "must be a string")
+        if m != self.model_name:
+            raise APIError(404, f"The model `{_cap(m)}` does not exist (this server serves `{self.model_name}`).",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def encode(self, text: str, param: str) -> list[int]:
+        limit = self.backend.max_positions
+        if not text:
+            raise _bad(param, "the prompt is empty")
+        if self.tokenizer is None:
+            raise _bad(param, "this server has no tokenizer; send token ids")
+        if len(text) > limit * MAX_CHARS_PER_TOKEN:
+            raise _too_long(param, f"{len(text)} characters cannot fit the model's {limit} positions")
+        try:
+            ids = self.tokenizer.encode(text)
+        except Exception as e:  # noqa: BLE001  whatever the tokenizer refuses is the client's text
+            raise _bad(param, f"the tokenizer refused it ({_cap(str(e))})") from None
+        if not ids:
+            raise _bad(param, "the prompt encodes to no tokens")
+        return ids
+
+    def check_ids(self, ids: list, param: str) -> list[int]:
+        if not ids:
+            raise _bad(param, "the prompt is empty")
+        vocab = self.backend.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise _bad(param, f"[{i}]: token id {_show(t)} is not in the vocabulary (size {vocab})")
+        return list(ids)
+
+    def completion_prompt(self, body: dict) -> list[int]:
+        p = body.get("prompt")
+        if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            if len(p) != 1:
+                raise _bad("prompt", f"one prompt per request (got {len(p)}); send several requests")
+            p = p[0]
+        if isinstance(p, str):
+            return self.encode(p, "prompt")
+        if isinstance(p, list):
+            return self.check_ids(p, "prompt")
+        raise _bad("prompt", "must be a string, a list of token ids, or a list of one of them")
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        if self.chat is None:
+            raise APIError(400, self.chat_error or "this model has no chat template (tokenizer_config.json "
+                           "chat_template); use /v1/completions", "invalid_request_error", "messages",
+                           "no_chat_template")
+        if self.tokenizer is None:
+            raise _bad("messages", "this server has no tokenizer")
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise _bad("messages", "must be a non-empty list of messages")
+        conv = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise _bad(f"messages[{i}]", "must be an object with a string 'role'")
+            m = dict(m)
+            c = m.get("content")
+            if isinstance(c, list):  # content parts: the text ones, joined (a text-only model)
+                texts = []
+                for j, part in enumerate(c):
+                    text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+                    if not isinstance(text, str):
+                        raise _bad(f"messages[{i}].content[{j}]", "only text parts are supported")
+                    texts.append(text)
+                m["content"] = "\n".join(texts)
+            elif c is not None and not isinstance(c, str):
+                raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
+            conv.append(m)
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise _bad("chat_template_kwargs", "must be an object")
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "add_generation_prompt")}
+        cont = _bool(body, "continue_final_message", False)
+        try:
+            text = self.chat.render(conv, add_generation_prompt=_bool(body, "add_generation_prompt", not cont),
+                                    continue_final_message=cont, tools=None, documents=None, **kwargs)
+        except ChatTemplateError as e:
+            raise _bad("messages", str(e)) from None
+        return self.encode(text, "messages")
+
+    def parse(self, body: dict, prompt: list[int], chat: bool) -> _Req:
+        for name, offs in UNSUPPORTED.items():
+            if name in body and body[name] not in offs:
+                raise _bad(name, "is not supported by flashpd")
+        n = _int(body, "n", 1)
+        if n != 1:
+            raise _bad("n", f"only n=1 is supported, got {n}")
+        be = self.backend
+        limit = be.max_positions
+        if len(prompt) >= limit:
+            raise _too_long("prompt", f"{len(prompt)} tokens leave no room for output in the model's {limit} "
+                            "positions")
+        method = body.get("method")
+        if method is None:
+            method = "dflash" if be.has_drafter else "native"
+        if method not in ("native", "dflash"):
+            raise _bad("method", f"must be 'native' or 'dflash', got {_show(method)}")
+        if method == "dflash" and not be.has_drafter:
+            raise _bad("method", "'dflash' needs a server with a drafter")
+        block_size = _int(body, "block_size", 0)
+        if method == "dflash" and block_size != 0 and not 2 <= block_size <= 16:
+            raise _bad("block_size", f"must be in [2, 16] for dflash (0 = the drafter's default), got {block_size}")
+        block_size = block_size if method == "dflash" and block_size else None
+        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _int(body, name, None, lo=1)
+        if max_tokens is None:
+            max_tokens = COMPLETIONS_MAX_TOKENS if not chat else self._room(len(prompt), method, block_size)
+        if len(prompt) + max_tokens > limit:
+            raise _too_long(name, f"{max_tokens} with the prompt's {len(prompt)} tokens exceeds the model's "
+                            f"{limit} positions")
+        temperature = _num(body, "temperature", self.defaults.get("temperature", 1.0))
+        if temperature < 0:
+            raise _bad("temperature", f"must be >= 0 (below 1e-5: greedy), got {temperature}")
+        top_p = _num(body, "top_p", self.defaults.get("top_p", 1.0))
+        if not 0 < top_p <= 1:
+            raise _bad("top_p", f"must be in (0, 1], got {top_p}")
+        top_k = _int(body, "top_k", int(self.defaults.get("top_k", 0)))
+        if top_k == -1:  # vLLM's "off"
+            top_k = 0
+        if top_k < 0:
+            raise _bad("top_k", f"must be >= 0 (0 or -1: off), got {top_k}")
+        seed = _int(body, "seed", None)
+        if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            raise _bad("seed", "must be in [-2**63, 2**64)")
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
+            raise _bad("stop", f"must be a string or a list of at most {MAX_STOPS} strings")
+        stops = [s for s in stops if s]
+        if stops and self.tokenizer is None:
+            raise _bad("stop", "stop strings need a server with a tokenizer")
+        stream = _bool(body, "stream", False)
+        so = body.get("stream_options")
+        if so is not None and not isinstance(so, dict):
+            raise _bad("stream_options", "must be an object")
+        include_usage = _bool(so or {}, "include_usage", False)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                ignore_eos=_bool(body, "ignore_eos", False))
+        return _Req(prompt, params, method, block_size, stops, stream, include_usage,
+                    _bool(body, "return_token_ids", False))
+
+    def _room(self, prompt_len: int, method: str, block_size: int | None) -> int:
+        """Chat's default max_tokens: what the context and one worker's whole KV cache leave."""
+        be = self.backend
+        room = be.max_positions - prompt_len
+        c = be.counts()
+        total, bs = int(c.get("kv_blocks_total") or 0), int(c.get("kv_block_size") or 0)
+        if total and bs:
+            width = (block_size or be.default_block_size or 1) if method == "dflash" else 1
+            if room > 0 and blocks_needed(prompt_len, room, width, bs) > total:
+                room = total * bs - prompt_len - width  # then exactly `total` blocks
+        if room < 1:
+            raise _too_long("messages", f"the prompt's {prompt_len} tokens leave no room for output")
+        return room
+
+    # ---- running -----------------------------------------------------------------------------------
+    async def submit(self, r: _Req):
+        fn = partial(self.backend.submit, r.prompt, r.params, r.method, r.block_size, timeout_s=SUBMIT_TIMEOUT_S)
+        try:
+            with anyio.CancelScope(shield=True):  # a handle, once made, always reaches the caller's finally
+                return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+        except Exception as e:  # noqa: BLE001  each failure gets its status; none escapes as a bare 500
+            raise error_for(e) from None
+
+    async def run_once(self, r: _Req, request: Request) -> tuple[str, list[int], str, dict]:
+        """A non-streamed request: (text, tokens, finish_reason, flashpd stats)."""
+        run = _Run(self, r, await self.submit(r), request)
+        parts, toks = [], []
+        try:
+            async for p in run.pieces():
+                parts.append(p.text)
+                toks.extend(p.tokens)
+                if p.finish_reason is not None:
+                    text = "".join(parts)
+                    if not r.stops and self.tokenizer is not None:
+                        text = self.tokenizer.decode(toks)  # exactly the gRPC API's text
+                    return text, toks, p.finish_reason, p.stats
+        finally:
+            run.close()
+        raise APIError(499, "client disconnected")  # nobody reads this
+
+    async def start_stream(self, r: _Req, request: Request) -> tuple["_Run", AsyncIterator["_Piece"]] | None:
+        """Submit and wait for the first piece, so that failures so far get their HTTP status; returns the
+        run and its pieces, the first one included (None: the client left meanwhile)."""
+        run = _Run(self, r, await self.submit(r), request)
+        it = run.pieces()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return None
+        except BaseException:
+            run.close()
+            raise
+        run.request = None  # from here the response listens for the disconnect (and cancels the stream)
+        return run, _prepend(first, it)
+
+
+class _Run:
+    """One request in the backend: its pieces of output, and close() to cancel it unless it finished."""
+
+    def __init__(self, st: _State, r: _Req, h, request: Request | None) -> None:
+        self.st, self.r, self.h = st, r, h
+        self.request = request  # polled for a disconnect while set
+        self.done = False
+
+    def close(self) -> None:
+        """Drop the request in the backend (its KV blocks freed) unless it ran to its end."""
+        if not self.done:
+            self.done = True
+            self.st.backend.cancel(self.h)
+
+    async def pieces(self) -> AsyncIterator["_Piece"]:
+        """The output as pieces (new text and tokens), the last one with finish_reason and stats; ends
+        without one when the polled client left. However it ends before its last piece, close() runs."""
+        st, r, h = self.st, self.r, self.h
+        be = st.backend
+        text = _Text(st.tokenizer, r.stops)
+        t0 = time.perf_counter()
+        ttft = None
+        last_check = time.monotonic()
+        try:
+            while True:
+                ev = h.get(0)
+                if ev is None:
+                    ev = await anyio.to_thread.run_sync(h.get, POLL_S, limiter=st.limiter)
+                if self.request is not None and (ev is None or time.monotonic() - last_check > DISCONNECT_CHECK_S):
+                    last_check = time.monotonic()
+                    if await self.request.is_disconnected():
+                        return
+                if ev is None:
+                    if not be.alive:
+                        raise APIError(503, "engine loop stopped", "server_error", None, "service_unavailable")
+                    continue
+                if ev.kind == "tokens":
+                    if ttft is None:
+                        ttft = (time.perf_counter() - t0) * 1e3
+                    new, used, stopped = text.push(ev.tokens)
+                    if stopped:
+                        self.close()  # the text is complete: the backend stops generating now
+                        if ev.sent is not None:
+                            ev.sent.set()
+                        stats = {"ttft_ms": ttft, "latency_ms": (time.perf_counter() - t0) * 1e3}
+                        yield _Piece(new, ev.tokens[:used], "stop", _stats(r.method, stats))
+                        return
+                    yield _Piece(new, ev.tokens)
+                    if ev.sent is not None:  # resumed: the piece is with the client's transport
+                        ev.sent.set()
+                elif ev.kind == "done":
+                    self.done = True
+                    new, stopped = text.finish()
+                    reason = "stop" if stopped else (ev.finish_reason or "stop")
+                    yield _Piece(new, [], reason, _stats(r.method, ev.stats or {}))
+                    return
+                elif ev.kind == "error":
+                    raise error_for(ev.error)
+                else:  # "cancelled": only a cancel of ours, or the server going away
+                    raise APIError(503, "request cancelled", "server_error", None, "service_unavailable")
+        finally:
+            self.close()
+
+
+@dataclass
+class _Piece:
+    text: str
+    tokens: list[int]
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+async def _prepend(first, it):
+    try:
+        yield first
+        async for p in it:
+            yield p
+    finally:
+        await it.aclose()
+
+
+def _stats(method: str, s: dict) -> dict:
+    return {"method": method, "tau": s.get("tau"), "acceptance_lengths": s.get("acceptance_lengths"),
+            "ttft_ms": s.get("ttft_ms"), "prefill_ms": s.get("prefill_ms"), "latency_ms": s.get("latency_ms")}
+
+
+class _Text:
+    """Incremental detokenization with stop strings. Text is decoded over a short window of tokens (so
+    each token costs two small decodes), holds back a trailing incomplete character, and holds back the
+    last (longest stop - 1) characters until it is clear they do not start a stop string. At the end
+    the text is reconciled with the decode of all tokens, so the pieces add up to the gRPC API's text."""
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.tok = tokenizer
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.decoded = ""  # all text decoded so far (handed out + pending)
+        self.pending = ""  # decoded, not yet handed out
+
+    def _decode(self, toks: list[int]) -> str:
+        self.ids.extend(toks)
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        after = self.tok.decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""
+
+    def _add(self, new: str) -> tuple[str, bool]:
+        """Take new text: (what can be handed out now, whether a stop string ended the text)."""
+        start = max(0, len(self.pending) - self.hold)
+        self.decoded += new
+        self.pending += new
+        if self.stops:
+            hits = [i for s in self.stops if (i := self.pending.find(s, start)) >= 0]
+            if hits:
+                out, self.pending = self.pending[:min(hits)], ""
+                return out, True
+        cut = len(self.pending) - self.hold
+        if cut <= 0:
+            return "", False
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def push(self, toks: list[int]) -> tuple[str, int, bool]:
+        """(text to hand out, how many of toks count, whether a stop string ended the text)."""
+        if self.tok is None:
+            return "", len(toks), False
+        if not self.stops:
+            return self._add(self._decode(toks))[0], len(toks), False
+        out = []
+        for i, t in enumerate(toks):  # one at a time: the token that completes a stop is the last counted
+            s, stopped = self._add(self._decode([t]))
+            out.append(s)
+            if stopped:
+                return "".join(out), i + 1, True
+        return "".join(out), len(toks), False
+
+    def finish(self) -> tuple[str, bool]:
+        """The rest of the text once the backend finished: (text, whether a stop string ended it)."""
+        if self.tok is None:
+            return "", False
+        full = self.tok.decode(self.ids)
+        rest = full[len(self.decoded):] if full.startswith(self.decoded) else ""
+        self.hold = 0
+        return self._add(rest)
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise APIError(413, f"the request body is over {limit} bytes", "invalid_request_error", None,
+                       "request_too_large")
+    chunks, n = [], 0
+    async for c in request.stream():
+        n += len(c)
+        if n > limit:
+            raise APIError(413, f"the request body is over {limit} bytes", "invalid_request_error", None,
+                           "request_too_large")
+        chunks.append(c)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _bad(None, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise _bad(None, "the body must be a JSON object")
+    return body
+
+
+def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_template: ChatTemplate | None = None,
+              chat_error: str | None = None, defaults: dict | None = None, max_concurrent: int = 256) -> FastAPI:
+    """The HTTP API over `backend` (see the module's doc). tokenizer: engine/tokenizer.TextTokenizer or None;
+    metrics: cluster/metrics.Metrics whose registry /metrics exposes (None: 404); chat_template: the target's
+    (None: chat requests get 400, with chat_error as the reason when given); defaults: sampling defaults
+    (sampling_defaults(target)); max_concurrent: the config's bound on concurrent requests (the worker threads
+    that wait on the backend are bounded by twice that, as http_server bounds connections and requests)."""
+    st = _State(backend, tokenizer, model_name, metrics, chat_template, chat_error, dict(defaults or {}),
+                anyio.CapacityLimiter(2 * max_concurrent))
+    body_limit = max(1 << 20, backend.max_positions * MAX_CHARS_PER_TOKEN * 2)
+    app = FastAPI(title="flashpd", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.flashpd = st
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        typ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), typ).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception):
+        log.exception("HTTP API request failed")
+        return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", "server_error", None, "internal_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        c = backend.counts()
+        serving = bool(c.get("serving", backend.alive)) and backend.alive
+        return JSONResponse({"status": "ok" if serving else "unavailable", **c}, status_code=200 if serving else 503)
+
+    @app.get("/metrics")
+    async def metrics_():
+        if metrics is None:
+            raise APIError(404, "this server has no metrics", "not_found_error")
+        from prometheus_client import CONTENT_TYPE_LATEST  # noqa: PLC0415
+
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": st.created, "owned_by": "flashpd",
+                "root": model_name, "parent": None, "max_model_len": backend.max_positions}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != model_name:
+            raise APIError(404, f"The model `{_cap(model)}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found")
+        return _model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _read_json(request, body_limit)
+        st.check_model(body)
+        r = st.parse(body, st.completion_prompt(body), chat=False)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+
+        def choice(text: str, toks: list[int], reason: str | None) -> dict:
+            c = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            if r.return_token_ids:
+                c["token_ids"] = toks
+            return c
+
+        if not r.stream:
+            text, toks, reason, stats = await st.run_once(r, request)
+            out = {**head, "choices": [choice(text, toks, reason)], "usage": _usage(len(r.prompt), len(toks)),
+                   "flashpd": stats}
+            if r.return_token_ids:
+                out["prompt_token_ids"] = r.prompt
+            return JSONResponse(out)
+
+        started = await st.start_stream(r, request)
+        if started is None:
+            return Response(status_code=499)
+        run, pieces = started
+
+        async def events():
+            n = 0
+            try:
+                async for p in pieces:
+                    n += len(p.tokens)
+                    if p.finish_reason is None:
+                        if p.text or r.return_token_ids:
+                            yield _sse({**head, "choices": [choice(p.text, p.tokens, None)]})
+                        continue
+                    yield _sse({**head, "choices": [choice(p.text, p.tokens, p.finish_reason)], "flashpd": p.stats})
+                    if r.include_usage:
+                        yield _sse({**head, "choices": [], "usage": _usage(len(r.prompt), n)})
+            except APIError as e:
+                yield _sse(e.body())
+            yield _sse("[DONE]")
+
+        return _EventStream(events(), run.close)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _read_json(request, body_limit)
+        st.check_model(body)
+        r = st.parse(body, st.chat_prompt(body), chat=True)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
+
+        if not r.stream:
+            text, toks, reason, stats = await st.run_once(r, request)
+            c = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                 "finish_reason": reason}
+            if r.return_token_ids:
+                c["token_ids"] = toks
+            out = {**head, "choices": [c], "usage": _usage(len(r.prompt), len(toks)), "flashpd": stats}
+            if r.return_token_ids:
+                out["prompt_token_ids"] = r.prompt
+            return JSONResponse(out)
+
+        started = await st.start_stream(r, request)
+        if started is None:
+            return Response(status_code=499)
+        run, pieces = started
+        head = {**head, "object": "chat.completion.chunk"}
+
+        def chunk(delta: dict, toks: list[int], reason: str | None) -> dict:
+            c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            if r.return_token_ids:
+                c["token_ids"] = toks
+            return {**head, "choices": [c]}
+
+        async def events():
+            n = 0
+            yield _sse(chunk({"role": "assistant", "content": ""}, [], None))
+            try:
+                async for p in pieces:
+                    n += len(p.tokens)
+                    if p.finish_reason is None:
+                        if p.text or r.return_token_ids:
+                            yield _sse(chunk({"content": p.text}, p.tokens, None))
+                        continue
+                    if p.text:
+                        yield _sse(chunk({"content": p.text}, p.tokens, None))
+                    yield _sse({**chunk({}, [] if p.text else p.tokens, p.finish_reason), "flashpd": p.stats})
+                    if r.include_usage:
+                        yield _sse({**head, "choices": [], "usage": _usage(len(r.prompt), n)})
+            except APIError as e:
+                yield _sse(e.body())
+            yield _sse("[DONE]")
+
+        return _EventStream(events(), run.close)
+
+    return app
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events; on_close runs however the response ends (the client left: the stream task was
+    cancelled, maybe while the body's generator waited on the transport and so was never closed)."""
+
+    def __init__(self, content, on_close) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

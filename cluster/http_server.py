@@ -1,0 +1,100 @@
+"""The HTTP API's server: uvicorn on a thread of the serving process, started and stopped with the service.
+
+The listening socket is bound here, before uvicorn starts, so port 0 gets a free port whose number is
+known at once; the bind rule is the gRPC API's (loopback unless allow_remote). stop() lets requests in
+flight finish for a grace period, then cancels them (each cancel reaches the backend: cluster/http_api.py),
+and joins the thread; every wait is bounded.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+from flashpd.kv_bridge.server import is_loopback
+
+log = logging.getLogger(__name__)
+
+
+class HttpServer:
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
+                 max_concurrent: int = 256, grace_s: float = 2.0) -> None:
+        if not (allow_remote or is_loopback(host)):
+            raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
+        self.host = host
+        self.grace_s = grace_s
+        self.sock = _bind(host, port)
+        self.port = int(self.sock.getsockname()[1])
+        cfg = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+                             # connections and requests (past it: 503); idle keep-alive connections count too
+                             timeout_graceful_shutdown=grace_s, limit_concurrency=2 * max_concurrent + 16,
+                             timeout_keep_alive=30)
+        self.server = uvicorn.Server(cfg)
+        self._thread = threading.Thread(target=self._run, name="http-api", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        try:
+            self.server.run(sockets=[self.sock])
+        except BaseException as e:  # noqa: BLE001  start() reports it
+            self._error = e
+            log.exception("the HTTP server failed")
+
+    def start(self, timeout_s: float = 30.0) -> "HttpServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the HTTP server did not start on {self.address}: {self._error!r}")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, give requests in flight grace_s, cancel the rest, join the thread."""
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(self.grace_s + 1.0)
+        if self._thread.is_alive():
+            self.server.force_exit = True
+            self._thread.join(max(0.0, timeout_s - self.grace_s - 1.0))
+            if self._thread.is_alive():
+                log.warning("the HTTP server thread did not stop within %.0f s", timeout_s)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    infos = socket.getaddrinfo(host.strip("[]"), port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    if not infos:
+        raise OSError(f"could not resolve {host}")
+    fam, typ, proto, _, addr = infos[0]
+    s = socket.socket(fam, typ, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        s.listen(2048)
+        s.setblocking(False)
+    except OSError as e:
+        s.close()
+        raise OSError(f"could not bind {host}:{port}: {e}") from None
+    return s
+
+
+def start_http(app, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
+               max_concurrent: int = 256) -> HttpServer:
+    """A started HTTP server for `app` on host:port (0 picks a free port)."""
+    return HttpServer(app, host, port, allow_remote, max_concurrent).start()

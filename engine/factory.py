@@ -1,0 +1,103 @@
+"""Load a target (and optionally a DFlash drafter) onto one device, ready to generate.
+
+`load_engine(...)` is what the public `flashpd.LLM` and the service's workers
+(cluster/worker_main.py) build themselves from: the model, its tokenizer and stop ids, the
+drafter, a `ModelRunner` with a paged KV cache sized by `kv_blocks_for`, and a generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from flashpd.engine.drafter import DFlashDrafter
+    from flashpd.engine.qwen3 import Qwen3ForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def kv_blocks_for(model: torch.nn.Module, block_size: int, device: torch.device, max_tokens: int | None) -> int:
+    """Size the paged cache: `max_tokens` positions if given, else a share of free device memory."""
+    cfg = model.cfg
+    per_token = 2 * cfg.num_hidden_layers * cfg.kv_size * model.embed_tokens.weight.element_size()
+    if max_tokens is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            max_tokens = int(free * 0.5) // per_token
+        else:
+            max_tokens = min(131072, (2 << 30) // per_token)
+    return max(2, max_tokens // block_size + 1)
+
+
+@dataclass
+class EngineParts:
+    """A loaded model pair: what `LLM` and the service's workers use of it."""
+    device: torch.device
+    dtype: torch.dtype
+    method: str  # "native" | "dflash"
+    block_size: int  # DFlash's draft block (1 for native)
+    model: Qwen3ForCausalLM
+    tokenizer: TextTokenizer | None
+    stop_ids: tuple[int, ...]
+    drafter: DFlashDrafter | None
+    runner: ModelRunner
+    generator: NativeGenerator  # a DFlashGenerator when there is a drafter
+
+
+def load_engine(target: str | Path, draft: str | Path | None = None, device: str | None = None,
+                dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None, *,
+                method: str | None = None, block_size: int | None = None, kv_block_size: int = 16) -> EngineParts:
+    """Load `target` (and `draft`) on `device` (default: cuda when available) in `dtype` (default:
+    bfloat16 on cuda, float32 on cpu). `method` defaults to "dflash" with a drafter, else "native";
+    `kv_cache_tokens` sizes the paged cache (default: a share of free device memory)."""
+    dev = torch.device(device or default_device())
+    dt = resolve_dtype(dtype, str(dev))
+    method = method or ("dflash" if draft else "native")
+    if method not in ("native", "dflash"):
+        raise ValueError(f"method must be 'native' or 'dflash', got {method!r}")
+    if method == "dflash" and draft is None:
+        raise ValueError("method 'dflash' needs a drafter (draft=DIR / --draft DIR)")
+    model = load_target(target, dev, dt)
+    tokenizer = TextTokenizer.from_dir(target)
+    stop_ids = model.cfg.eos_token_ids
+    drafter = None
+    taps: tuple[int, ...] = ()
+    if method == "dflash":
+        from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (only dflash needs it)
+        drafter = load_drafter(draft, model, dev, dt)
+        taps = tuple(drafter.cfg.target_layer_ids)
+        block_size = drafter.cfg.block_size if block_size is None else block_size
+    else:
+        if block_size not in (None, 1):
+            raise ValueError(f"block_size {block_size} needs method 'dflash' and a drafter")
+        block_size = 1
+    num_blocks = kv_blocks_for(model, kv_block_size, dev, kv_cache_tokens)
+    runner = ModelRunner(model, num_blocks, kv_block_size, taps=taps)
+    if drafter is not None:
+        from flashpd.engine.spec_decode import DFlashGenerator  # noqa: PLC0415
+        generator = DFlashGenerator(runner, drafter, stop_ids, block_size)
+    else:
+        generator = NativeGenerator(runner, stop_ids)
+    return EngineParts(dev, dt, method, block_size, model, tokenizer, stop_ids, drafter, runner, generator)

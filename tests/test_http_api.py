@@ -1,0 +1,475 @@
+"""The OpenAI-compatible HTTP API (cluster/http_api.py), driven by the official `openai` client against a
+real `flashpd serve --http-port 0` (colocated, CPU, the shipped demo pair: it has a tokenizer and a chat
+template), with the same server's gRPC API as the reference: greedy completions (streamed or not, native
+and DFlash) equal the gRPC API's text and tokens; chat is deterministic and counts its tokens; stop
+strings; /v1/models, /health, /metrics; OpenAI error bodies and codes; a client that leaves mid-stream
+(or mid-request) frees the request's KV blocks; 32 concurrent streams equal the same requests served alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from flashpd.cluster.chat_template import ChatTemplate  # noqa: E402
+from flashpd.cluster.generation_client import GenerationClient  # noqa: E402
+from flashpd.engine.tokenizer import TextTokenizer  # noqa: E402
+
+DEMO = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
+MODEL = "target"  # the served model name: the target directory's name
+WAIT_S = 15.0  # bound on every poll here
+FREED_S = 3.0  # a dropped request's blocks are free by then (one engine step, one poll of the client)
+PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
+           "for i in range(10):\n", "def fib(n):\n    if n < 2:\n", "with open(path) as f:\n",
+           "try:\n    import numpy as np\n", "def main():\n    args = parse_args()\n"]
+TOKENIZER = TextTokenizer.from_dir(DEMO / "target")
+
+
+@contextlib.contextmanager
+def _serve(args: list[str], start_timeout_s: float = 90.0) -> Iterator[dict[str, str]]:
+    """`python -m flashpd.cli serve ARGS` as a child: yields what it printed ({"http": HOST:PORT, "listening":
+    HOST:PORT}); on exit it is terminated and must have exited cleanly."""
+    proc = subprocess.Popen([sys.executable, "-m", "flashpd.cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+    try:
+        found, seen = {}, []
+        deadline = time.monotonic() + start_timeout_s
+        while "listening" not in found and time.monotonic() < deadline:
+            try:
+                ln = lines.get(timeout=1)
+            except queue.Empty:
+                assert proc.poll() is None, "".join(seen)
+                continue
+            seen.append(ln)
+            for key in ("http", "listening"):
+                if ln.startswith(f"{key} on "):
+                    found[key] = ln.split()[-1]
+        assert "listening" in found and "http" in found, f"server did not start: {''.join(seen)}"
+        yield found
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0
+
+
+class _Server:
+    def __init__(self, http: str, grpc_address: str) -> None:
+        self.base = f"http://{http}"
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="none", max_retries=0, timeout=60.0)
+        self.grpc_address = grpc_address
+        self.grpc = GenerationClient(grpc_address, timeout_s=60.0)
+        self.http = self.client._client  # the openai client's own httpx client, for the non-OpenAI routes
+
+    def health(self) -> dict:
+        return self.http.get(f"{self.base}/health").json()
+
+    def free_blocks(self) -> float:
+        text = self.http.get(f"{self.base}/metrics").text
+        return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("flashpd_kv_blocks_free{")))
+
+    def finished(self) -> float:
+        """Requests the engine ran to their end (a cancelled one is not counted)."""
+        text = self.http.get(f"{self.base}/metrics").text
+        return sum(float(ln.split()[-1]) for ln in text.splitlines()
+                   if ln.startswith("flashpd_requests_total{") and 'outcome="ok"' in ln)
+
+    def wait_idle(self) -> float:
+        """Seconds until nothing runs or waits and every KV block is free (at most WAIT_S)."""
+        total = self.health()["kv_blocks_total"]
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + WAIT_S:
+            h = self.health()
+            if h["running"] == 0 and h["waiting"] == 0 and self.free_blocks() == total:
+                return time.monotonic() - t0
+            time.sleep(0.05)
+        raise AssertionError(f"KV not freed within {WAIT_S} s: {self.health()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("http") / "serve.json"
+    cfg.write_text(json.dumps({"target": str(DEMO / "target"), "draft": str(DEMO / "drafter"), "device": "cpu",
+                               "dtype": "float32", "kv_cache_tokens": 4096, "torch_threads": 1}))
+    with _serve([str(cfg), "--http-port", "0"]) as found:
+        s = _Server(found["http"], found["listening"])
+        yield s
+        s.client.close()
+        s.grpc.close()
+
+
+GREEDY = dict(temperature=0)
+
+
+def _extra(**kw) -> dict:
+    return {"extra_body": {"ignore_eos": True, "return_token_ids": True, **kw}}
+
+
+def _stream_text(stream) -> tuple[str, list[int], object, dict | None, object]:
+    """(text, token ids, finish_reason, the flashpd field, usage) of a streamed completion."""
+    text, toks, reason, stats, usage = [], [], None, None, None
+    for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            text.append(c.text)
+            toks.extend((c.model_extra or {}).get("token_ids") or [])
+            if c.finish_reason is not None:
+                reason = c.finish_reason
+                stats = ch.model_extra["flashpd"]
+    return "".join(text), toks, reason, stats, usage
+
+
+@pytest.mark.parametrize("method", ["native", "dflash"])
+def test_completions_equal_the_grpc_api(server, method):
+    c = server.client
+    for prompt in PROMPTS[:3]:
+        ref = server.grpc.generate_once(prompt, max_tokens=16, method=method, ignore_eos=True)
+        assert len(ref.token_ids) == 16 and ref.text
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY, **_extra(method=method))
+        ch = r.choices[0]
+        assert ch.text == ref.text and ch.model_extra["token_ids"] == ref.token_ids
+        assert ch.finish_reason == ref.finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(TOKENIZER.encode(prompt)), 16)
+        stats = r.model_extra["flashpd"]
+        assert stats["method"] == method and stats["acceptance_lengths"] == ref.stats["acceptance_lengths"]
+        assert (stats["tau"] is None) == (method == "native") and stats["ttft_ms"] > 0
+        text, toks, reason, sstats, usage = _stream_text(c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, stream=True, stream_options={"include_usage": True},
+            **GREEDY, **_extra(method=method)))
+        assert (text, toks, reason) == (ref.text, ref.token_ids, "length")
+        assert sstats["acceptance_lengths"] == ref.stats["acceptance_lengths"]
+        assert usage.completion_tokens == 16 and usage.total_tokens == 16 + usage.prompt_tokens
+    # a prompt of token ids is the same request
+    ids = TOKENIZER.encode(PROMPTS[0])
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=16, **GREEDY, **_extra(method=method))
+    assert r.choices[0].model_extra["token_ids"] == server.grpc.generate_once(
+        ids, max_tokens=16, method=method, ignore_eos=True).token_ids
+    server.wait_idle()
+
+
+def test_chat_completions(server):
+    c = server.client
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    prompt_len = len(TOKENIZER.encode(ChatTemplate.from_dir(DEMO / "target").render(msgs)))
+    a = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, **GREEDY, **_extra())
+    b = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, **GREEDY, **_extra())
+    assert a.choices[0].message.content and a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].message.role == "assistant" and a.choices[0].finish_reason == "length"
+    assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (prompt_len, 12)
+    assert a.model_extra["flashpd"]["method"] == "dflash"  # the default with a drafter
+    # the same prompt through /v1/completions gives the same tokens
+    rendered = ChatTemplate.from_dir(DEMO / "target").render(msgs)
+    ref = server.grpc.generate_once(rendered, max_tokens=12, ignore_eos=True)
+    assert a.choices[0].model_extra["token_ids"] == ref.token_ids and a.choices[0].message.content == ref.text
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY, **_extra()))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == prompt_len
+    # content parts; seeded sampling is reproducible
+    parts = [{"role": "user", "content": [{"type": "text", "text": "def add(a, b):"}]}]
+    s1, s2 = (c.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0.8, seed=3,
+                                        **_extra()).choices[0].model_extra["token_ids"] for _ in range(2))
+    assert s1 == s2 and len(s1) == 8
+    server.wait_idle()
+
+
+def test_stop_strings(server):
+    c = server.client
+    prompt = PROMPTS[4]
+    full = server.grpc.generate_once(prompt, max_tokens=32, ignore_eos=True)
+    stop = next(s for s in ("\n", ":", " ", "(") if full.text.find(s) > 0)  # occurs, and not at the start
+    cut = full.text.find(stop)
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=32, stop=[stop, "@@never@@"], **GREEDY,
+                             **_extra())
+    assert r.choices[0].text == full.text[:cut] and r.choices[0].finish_reason == "stop"
+    n = r.usage.completion_tokens  # up to the token that completed the stop string
+    assert 0 < n < 32 and r.choices[0].model_extra["token_ids"] == full.token_ids[:n]
+    assert stop in TOKENIZER.decode(full.token_ids[:n]) and stop not in TOKENIZER.decode(full.token_ids[:n - 1])
+    text, toks, reason, _, usage = _stream_text(c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=32, stop=stop, stream=True, stream_options={"include_usage": True},
+        **GREEDY, **_extra()))
+    assert (text, reason, usage.completion_tokens, toks) == (full.text[:cut], "stop", n, full.token_ids[:n])
+    server.wait_idle()  # the rest of the request was cancelled
+
+
+def test_models_health_metrics(server):
+    models = server.client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == 4096
+    assert server.client.models.retrieve(MODEL).id == MODEL
+    h = server.health()
+    assert h["status"] == "ok" and h["kv_blocks_total"] == 256 and h["kv_block_size"] == 16
+    assert 'flashpd_requests_total{method="dflash",outcome="ok",role="colocated"}' in \
+        server.http.get(f"{server.base}/metrics").text
+
+
+def _error(fn) -> tuple[type, int, dict]:
+    with pytest.raises(openai.APIStatusError) as ei:
+        fn()
+    e = ei.value
+    assert set(e.body) == {"message", "type", "param", "code"}, e.body  # the client unwraps {"error": {...}}
+    return type(e), e.status_code, e.body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_errors_have_openai_bodies_and_codes(server, stream):
+    c = server.client
+
+    def comp(**kw):
+        args = dict(model=MODEL, prompt="def f():\n", max_tokens=4, stream=stream)
+        call = partial(c.completions.create, **{**args, **kw})
+        return (lambda: list(call())) if stream else call
+
+    for kw, param in ((dict(temperature=-1), "temperature"), (dict(n=2), "n"), (dict(top_p=1.5), "top_p"),
+                      (dict(max_tokens=0), "max_tokens"), (dict(prompt=""), "prompt"),
+                      (dict(prompt=[1, 2, 99999]), "prompt"), (dict(presence_penalty=0.5), "presence_penalty"),
+                      (dict(extra_body={"method": "beam"}), "method"), (dict(extra_body={"top_k": -3}), "top_k")):
+        typ, status, body = _error(comp(**kw))
+        assert (typ, status, body["type"], body["param"]) == (openai.BadRequestError, 400, "invalid_request_error",
+                                                               param), (kw, body)
+        assert param in body["message"]
+    typ, status, body = _error(comp(model="no-such-model"))
+    assert (typ, status, body["code"], body["param"]) == (openai.NotFoundError, 404, "model_not_found", "model")
+    for kw, param in ((dict(prompt=[5] * 5000), "prompt"), (dict(prompt=[5] * 100, max_tokens=4000), "max_tokens"),
+                      (dict(prompt="x " * 300_000), "prompt")):
+        typ, status, body = _error(comp(**kw))
+        assert (typ, status, body["code"], body["param"]) == (openai.BadRequestError, 400, "context_length_exceeded",
+                                                               param), body
+    typ, status, body = _error(lambda: c.chat.completions.create(model=MODEL, messages=[], max_tokens=4,
+                                                                 stream=stream))
+    assert (typ, status, body["param"]) == (openai.BadRequestError, 400, "messages")
+    r = server.http.post(f"{server.base}/v1/completions", content=b"{not json")
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = server.http.get(f"{server.base}/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+    server.wait_idle()
+
+
+def test_a_client_that_leaves_frees_the_kv(server):
+    """3000 tokens take the engine tens of seconds here; a client that leaves after a few has its request
+    dropped at once (it never finishes) and every block free within a second or two."""
+    total = server.health()["kv_blocks_total"]
+    assert server.free_blocks() == total
+    done0 = server.finished()
+    for method in ("dflash", "native"):
+        stream = server.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3000, stream=True,
+                                                  **GREEDY, **_extra(method=method))
+        got = 0
+        for ch in stream:
+            got += len(ch.choices[0].model_extra["token_ids"]) if ch.choices else 0
+            if got >= 5:
+                break
+        assert server.free_blocks() < total  # it holds KV now
+        stream.close()
+        assert server.wait_idle() < FREED_S
+    # a non-streamed request whose client gives up is dropped as well
+    fast = server.client.with_options(timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        fast.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=3000, **GREEDY, **_extra())
+    assert server.wait_idle() < FREED_S
+    assert server.finished() == done0
+
+
+def test_32_concurrent_streams_equal_solo_runs(server):
+    n = 32
+    prompts = [PROMPTS[i % len(PROMPTS)] + "    " * (i // len(PROMPTS)) for i in range(n)]
+    methods = ["dflash" if i % 3 else "native" for i in range(n)]
+    lens = [8 + i % 5 for i in range(n)]
+    solo = [server.client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=lens[i], **GREEDY,
+                                             **_extra(method=methods[i])).choices[0] for i in range(n)]
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(n, timeout=WAIT_S)
+
+    def worker(i: int) -> None:
+        try:
+            start.wait()
+            results[i] = _stream_text(server.client.completions.create(
+                model=MODEL, prompt=prompts[i], max_tokens=lens[i], stream=True, **GREEDY, **_extra(method=methods[i])))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert not errors, errors[:3]
+    for i in range(n):
+        text, toks, reason, _, _ = results[i]
+        assert (text, toks, reason) == (solo[i].text, solo[i].model_extra["token_ids"], "length"), i
+        assert len(toks) == lens[i]
+    server.wait_idle()
+
+
+def test_chat_template_renders_as_transformers():
+    """A Qwen-style template with a system default, raise_exception and loop controls renders exactly as
+    transformers renders it (no server)."""
+    cu = pytest.importorskip("transformers.utils.chat_template_utils")
+    tpl = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}"
+           "{% endif %}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+           "{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
+           "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>\n' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and not "
+           "enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}{{ eos_token | tojson }}")
+    t = ChatTemplate(tpl, {"eos_token": "<|endoftext|>"})
+    msgs = [{"role": "user", "content": " hi \u00e9 "}, {"role": "assistant", "content": "ok"}, {"role": "user",
+                                                                                                   "content": "go"}]
+    for kw in ({}, {"enable_thinking": False}):
+        ref = cu.render_jinja_template([msgs], chat_template=tpl, add_generation_prompt=True,
+                                       eos_token="<|endoftext|>", **kw)[0][0]
+        assert t.render(msgs, add_generation_prompt=True, **kw) == ref
+    from flashpd.cluster.chat_template import ChatTemplateError
+    with pytest.raises(ChatTemplateError, match="bad role tool"):
+        t.render([{"role": "tool", "content": "x"}])
+
+
+def test_http_load_tool_matches_grpc_load(server):
+    from flashpd.bench.http_load import run_load_http
+    from flashpd.bench.load_gen import run_load, summarize
+
+    prompts = [TOKENIZER.encode(p) for p in PROMPTS[:6]]
+    kw = dict(max_tokens=10, method="dflash", ignore_eos=True)
+    via_http, wall = run_load_http(server.base, prompts, concurrency=3, timeout_s=60.0, **kw)
+    via_grpc, _ = run_load(server.grpc_address, prompts, concurrency=3, timeout_s=60.0, **kw)
+    for h, g in zip(via_http, via_grpc):
+        assert h.error is None and g.error is None, (h.error, g.error)
+        assert h.tokens == g.tokens and len(h.tokens) == 10
+        assert h.acceptance_lengths == g.acceptance_lengths and sum(h.acceptance_lengths) == 9
+        assert 0 < h.ttft_ms <= h.latency_ms
+    s = summarize(via_http, wall)
+    assert s["errors"] == 0 and s["output_tokens"] == 60 and s["tau"] > 1
+    bad, _ = run_load_http(server.base, [[1, 2, 99999]], concurrency=1, timeout_s=10.0, max_tokens=4)
+    assert bad[0].error.startswith("HTTP 400") and "prompt" in bad[0].error
+    server.wait_idle()
+
+
+def test_local_mode_serves_http_over_the_router():
+    """Mode "local" (router + bridge, prefill and decode worker processes): the HTTP API is the router's,
+    with the gRPC API's tokens and the prefill worker's prefill_ms."""
+    from flashpd.cluster.config import ServeConfig
+    from flashpd.cluster.service import start_service
+
+    svc = start_service(ServeConfig(target=str(DEMO / "target"), draft=str(DEMO / "drafter"), mode="local",
+                                    device="cpu", dtype="float32", kv_cache_tokens=4096, torch_threads=1, http_port=0,
+                                    served_model_name="demo", start_timeout_s=120.0))
+    try:
+        c = openai.OpenAI(base_url=f"http://{svc.http_address}/v1", api_key="none", max_retries=0, timeout=60.0)
+        with GenerationClient(svc.address, timeout_s=60.0) as g:
+            ref = g.generate_once(PROMPTS[0], max_tokens=12, ignore_eos=True)
+        r = c.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=12, **GREEDY, **_extra())
+        assert r.choices[0].model_extra["token_ids"] == ref.token_ids and r.choices[0].text == ref.text
+        assert r.model_extra["flashpd"]["prefill_ms"] > 0
+        text, toks, reason, stats, _ = _stream_text(c.completions.create(
+            model="demo", prompt=PROMPTS[0], max_tokens=12, stream=True, **GREEDY, **_extra()))
+        assert (text, toks, reason) == (ref.text, ref.token_ids, "length") and stats["acceptance_lengths"]
+        chat = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                         **GREEDY, **_extra())
+        assert chat.usage.completion_tokens == 6
+        assert _error(lambda: c.models.retrieve("target"))[1] == 404
+        c.close()
+    finally:
+        svc.stop()
+
+
+def test_config_http_port_and_model_name():
+    from flashpd.cluster.config import ServeConfig
+
+    assert ServeConfig(target="t").http_port is None  # off unless asked for
+    assert ServeConfig.from_dict({"target": "t", "http_port": 0, "served_model_name": "m"}).http_port == 0
+    for kw, field_ in ((dict(http_port=-1), "http_port"), (dict(http_port=70000), "http_port"),
+                       (dict(http_port="80"), "http_port"), (dict(http_port=True), "http_port"),
+                       (dict(served_model_name=""), "served_model_name")):
+        with pytest.raises(ValueError, match=field_):
+            ServeConfig.from_dict({"target": "t", **kw})
+    from flashpd.cluster.http_server import HttpServer
+    with pytest.raises(ValueError, match="loopback"):
+        HttpServer(None, host="0.0.0.0")
+
+
+class _FakeHandle:
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+
+    def get(self, timeout: float):
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class _FakeBackend:
+    """A backend whose requests fail as the prompt's first id says (no engine): for the status mapping."""
+
+    has_drafter, default_block_size, vocab_size, max_positions, alive = False, None, 100, 64, True
+
+    def __init__(self) -> None:
+        self.cancelled = []
+
+    def counts(self) -> dict:
+        return dict(running=0, waiting=0, kv_blocks_free=4, kv_blocks_total=4, kv_block_size=16)
+
+    def submit(self, prompt, params, method, block_size, timeout_s, first_token=None):
+        from flashpd.decode_node.engine_loop import EngineStopped, Event
+        from flashpd.decode_node.scheduler import PromptTooLong, RequestFailed
+
+        fail = {1: EngineStopped("no decode worker is available"), 2: TimeoutError("took too long"),
+                3: PromptTooLong("needs 9 KV blocks; a worker has 4")}
+        if prompt[0] in fail:
+            raise fail[prompt[0]]
+        h = _FakeHandle()
+        h.events.put(Event("tokens", tokens=[7]))
+        h.events.put(Event("error", error=RequestFailed("request failed: boom")) if prompt[0] == 4 else
+                     Event("done", finish_reason="length", stats={"acceptance_lengths": [], "tau": None}))
+        return h
+
+    def cancel(self, h) -> None:
+        self.cancelled.append(h)
+
+
+def test_backend_failures_map_to_http_statuses():
+    from flashpd.cluster.http_api import build_app
+    from flashpd.cluster.http_server import start_http
+
+    be = _FakeBackend()
+    srv = start_http(build_app(be, None, "fake", None))
+    try:
+        c = openai.OpenAI(base_url=f"http://{srv.address}/v1", api_key="none", max_retries=0, timeout=10.0)
+        for first, typ, status, code in ((1, openai.InternalServerError, 503, "service_unavailable"),
+                                         (2, openai.InternalServerError, 504, "timeout"),
+                                         (3, openai.BadRequestError, 400, "context_length_exceeded"),
+                                         (4, openai.InternalServerError, 500, "internal_error")):
+            got = _error(lambda: c.completions.create(model="fake", prompt=[first, 5], max_tokens=2))
+            assert (got[0], got[1], got[2]["code"]) == (typ, status, code), got
+        # after the first token a failure arrives in the stream: an error event, then [DONE]
+        with pytest.raises(openai.APIError, match="boom"):
+            list(c.completions.create(model="fake", prompt=[4, 5], max_tokens=2, stream=True))
+        r = c.completions.create(model="fake", prompt=[5], max_tokens=2, extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == [7] and r.choices[0].text == ""  # no tokenizer: ids only
+        for bad in (lambda: c.completions.create(model="fake", prompt="text", max_tokens=2),
+                    lambda: c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}])):
+            assert _error(bad)[1] == 400
+        c.close()
+    finally:
+        srv.stop()

@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 
 from flashpd.engine.cuda_graph import bucket
-from flashpd.engine.kv_cache import SCRATCH_BLOCK
+from flashpd.engine.kv_cache import SCRATCH_BLOCK, slots_of
+from flashpd.engine.sampling import accepted_greedy
 from flashpd.engine.sequence import Sequence
 
 # state columns (int64 [B, 6]): committed target length P, draft context length D, last token x,
@@ -70,18 +71,12 @@ class InPlaceGraph:
         return entry[1]
 
 
-def _slots(bt: torch.Tensor, pos: torch.Tensor, bs: int) -> torch.Tensor:
-    """Flat cache slots of positions [B, T] through block tables [B, nblk] (indices clamped in range)."""
-    blk = bt.gather(1, (pos // bs).clamp(0, bt.shape[1] - 1))
-    return blk * bs + pos % bs
-
-
 # ---- the step's bookkeeping: a few fused kernels when the runner compiles, else eager -----------------
 def native_in(st: torch.Tensor, bt: torch.Tensor, bs: int) -> tuple[torch.Tensor, ...]:
     """(live rows, positions [B, 1], flat slots): a frozen row (O >= M) writes scratch."""
     live = st[:, O] < st[:, M]
     pos = st[:, P:P + 1]
-    slots = torch.where(live[:, None], _slots(bt, pos, bs), SCRATCH_BLOCK * bs).view(-1)
+    slots = torch.where(live[:, None], slots_of(bt, pos, bs), SCRATCH_BLOCK * bs).view(-1)
     return live, pos, slots
 
 
@@ -105,10 +100,10 @@ def spec_in(st: torch.Tensor, bt: torch.Tensor, t: int, bs: int, mask_id: int) -
     w = (st[:, M:M + 1] - st[:, O:O + 1] + 1).clamp(1, t)
     ok = ar < n_
     cpos = torch.where(ok, d_ + ar, 0).reshape(-1)
-    cslots = torch.where(ok, _slots(bt, d_ + ar, bs), SCRATCH_BLOCK * bs).reshape(-1)
+    cslots = torch.where(ok, slots_of(bt, d_ + ar, bs), SCRATCH_BLOCK * bs).reshape(-1)
     pos = torch.minimum(p_ + ar, p_ + w - 1)
     ids = torch.cat([x_, torch.full_like(x_, mask_id).expand(-1, t - 1)], dim=1)
-    vslots = torch.where((ar < w) & live[:, None], _slots(bt, pos, bs), SCRATCH_BLOCK * bs).reshape(-1)
+    vslots = torch.where((ar < w) & live[:, None], slots_of(bt, pos, bs), SCRATCH_BLOCK * bs).reshape(-1)
     return cpos, cslots, d_ + n_, pos, ids, w, vslots, live
 
 
@@ -119,8 +114,7 @@ def spec_out(st: torch.Tensor, logits: torch.Tensor, guess: torch.Tensor, w: tor
     t = logits.shape[1]
     truth = logits.argmax(-1)
     p_, d_, x_ = st[:, P:P + 1], st[:, D:D + 1], st[:, X:X + 1]
-    agree = (guess == truth[:, :t - 1]).to(st.dtype).cumprod(1).sum(1, keepdim=True)
-    a = torch.minimum(agree, w - 1)
+    a = accepted_greedy(guess, truth[:, :t - 1], w)
     bonus = truth.gather(1, a)
     keep = live[:, None]
     o_ = st[:, O:O + 1]

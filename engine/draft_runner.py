@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from flashpd.engine.cuda_graph import GraphedFn, bucket, pack_host
 from flashpd.engine.drafter import DFlashDrafter, draft_layer, write_context_kv
-from flashpd.engine.kv_cache import SCRATCH_BLOCK, PagedKVCache
+from flashpd.engine.kv_cache import SCRATCH_BLOCK, PagedKVCache, slots_of
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sequence import Sequence
 
@@ -53,7 +53,7 @@ class DraftRunner:
     def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:
         p = np.arange(start, start + n)
         blocks = np.asarray(s.table.blocks, dtype=np.int64)
-        return blocks[p // self.block_size] * self.block_size + p % self.block_size
+        return slots_of(blocks, p, self.block_size)
 
     def write_prompt(self, seqs: list[Sequence], feats: list[torch.Tensor]) -> None:
         """Append long context (a prompt's taps) for each sequence, outside any graph (prompt lengths vary)

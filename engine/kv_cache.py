@@ -92,6 +92,13 @@ class PagedKVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def slot_mapping(table: BlockTable, start: int, end: int, block_size: int) -> list[int]:
-    """Flat cache slots of positions [start, end) of a sequence."""
-    return [table.blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+def slots_of(blocks, pos, block_size: int):
+    """The paged cache's one slot rule: position p of a sequence lives at flat slot
+    blocks[p // block_size] * block_size + p % block_size. `blocks` is one block table (a numpy array, `pos`
+    numpy positions) or a batch of them as a tensor [B, nblk] (`pos` [B, T]; block indices clamped in range,
+    so padded rows stay graph-safe: their callers send them to the scratch block)."""
+    if isinstance(blocks, torch.Tensor) and blocks.dim() == 2:
+        blk = blocks.gather(1, (pos // block_size).clamp(0, blocks.shape[1] - 1))
+    else:
+        blk = blocks[pos // block_size]
+    return blk * block_size + pos % block_size

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flashpd.engine.kv_cache import BlockTable
+from flashpd.engine.kv_cache import BlockTable, slots_of
 
 
 def position_slots(table: BlockTable, start: int, end: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -17,7 +17,7 @@ def position_slots(table: BlockTable, start: int, end: int, block_size: int, dev
     blocks = np.asarray(table.blocks, dtype=np.int64)
     if len(blocks) * block_size < end:
         raise ValueError(f"positions up to {end} are not backed by this table's {len(blocks)} blocks")
-    return torch.from_numpy(blocks[p // block_size] * block_size + p % block_size).to(device)
+    return torch.from_numpy(slots_of(blocks, p, block_size)).to(device)
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:

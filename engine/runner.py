@@ -14,7 +14,7 @@ import torch
 
 from flashpd.engine.cuda_graph import GraphedFn, bucket, pack_host
 from flashpd.engine.attention import AttnBatch
-from flashpd.engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, BlockTable, PagedKVCache
+from flashpd.engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, BlockTable, PagedKVCache, slots_of
 from flashpd.engine.qwen3 import EAGER, Qwen3ForCausalLM
 
 
@@ -89,7 +89,7 @@ class ModelRunner:
             pos[i, :n] = p
             blocks = np.asarray(table.blocks, dtype=np.int64)
             bt[i, :len(blocks)] = blocks
-            slots[i, :n] = blocks[p // bs] * bs + p % bs
+            slots[i, :n] = slots_of(blocks, p, bs)
         return [ids, pos, slots.reshape(-1), bt]
 
     def _batch(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,

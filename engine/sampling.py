@@ -89,6 +89,35 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return draw(probs_from_logits(logits, params.temperature, params.top_p, params.top_k), generator)
 
 
+def accepted_greedy(guess: torch.Tensor, truth: torch.Tensor, width: torch.Tensor | int) -> torch.Tensor:
+    """The greedy acceptance rule, the one definition every path uses: how many leading guesses equal the
+    target's own choice at their positions, at most width - 1. guess [B, g] (int64), truth [B, >= g] (the
+    target's argmax after each verified position), width an int or [B, 1]; -> [B, 1] int64. Pure tensor ops,
+    so it runs on the host and inside the captured device step alike."""
+    a = (guess == truth[:, :guess.shape[1]]).to(torch.int64).cumprod(1).sum(1, keepdim=True)
+    return torch.minimum(a, width - 1) if isinstance(width, torch.Tensor) else a.clamp_max(width - 1)
+
+
+def rejection_sample(guesses: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                     generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling: guesses [g] drawn from q [g, V]; target p [g+1, V].
+
+    Accepts guess k with probability min(1, p/q); on the first rejection draws from
+    norm(max(0, p - q)), else the bonus from p's last row. Preserves p's distribution exactly.
+    """
+    g = guesses.shape[0]
+    idx = guesses[:, None]
+    pk, qk = p[:g].gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]
+    u = torch.rand(g, device=p.device, generator=generator)
+    a = int((u * qk < pk).to(torch.int32).cumprod(0).sum())
+    if a == g:
+        return a, int(draw(p[g], generator))
+    residual = (p[a] - q[a]).clamp_min(0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else p[a]
+    return a, int(draw(residual, generator))
+
+
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     if seed is None:

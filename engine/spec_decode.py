@@ -21,7 +21,7 @@ from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.generate import NativeGenerator, freed_on_error
 from flashpd.engine.draft_runner import DraftRunner
 from flashpd.engine.runner import ModelRunner
-from flashpd.engine.sampling import SamplingParams, draw, probs_from_logits
+from flashpd.engine.sampling import SamplingParams, accepted_greedy, draw, probs_from_logits, rejection_sample
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_graph import FusedGreedyStep
 
@@ -57,26 +57,6 @@ class StepClock:
             self.events[i].record()
         else:
             self.t[i:] = [time.perf_counter()]
-
-
-def rejection_sample(guesses: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                     generator: torch.Generator | None) -> tuple[int, int]:
-    """Speculative sampling: guesses [g] drawn from q [g, V]; target p [g+1, V].
-
-    Accepts guess k with probability min(1, p/q); on the first rejection draws from
-    norm(max(0, p - q)), else the bonus from p's last row. Preserves p's distribution exactly.
-    """
-    g = guesses.shape[0]
-    idx = guesses[:, None]
-    pk, qk = p[:g].gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]
-    u = torch.rand(g, device=p.device, generator=generator)
-    a = int((u * qk < pk).to(torch.int32).cumprod(0).sum())
-    if a == g:
-        return a, int(draw(p[g], generator))
-    residual = (p[a] - q[a]).clamp_min(0)
-    total = residual.sum()
-    residual = residual / total if total > 0 else p[a]
-    return a, int(draw(residual, generator))
 
 
 class DFlashGenerator(NativeGenerator):
@@ -179,9 +159,8 @@ class DFlashGenerator(NativeGenerator):
                 a = min(self.accept_override(s), w - 1)
                 bonus = truth[i][a]
             elif q is None:
-                a = 0
-                while a < w - 1 and g[a] == truth[i][a]:
-                    a += 1
+                a = int(accepted_greedy(torch.tensor([g[:w - 1]], dtype=torch.int64),
+                                        torch.tensor([truth[i][:w - 1]], dtype=torch.int64), w))
                 bonus = truth[i][a]
             else:
                 sp = s.params

@@ -9,6 +9,9 @@ setuptools package-dir (`flashpd.llm`, `flashpd.cli`, ... are the flashpd/ folde
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 import functools
 import tomllib
 from collections import defaultdict
@@ -161,3 +164,27 @@ def test_engine_has_no_training():
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward":
                 hits.append(f"{rel}:{node.lineno} .backward(")
     assert not hits, "training code in engine/ (it belongs in training/):\n  " + "\n  ".join(hits)
+
+
+def _code_only(text: str) -> str:
+    """The source without its strings and comments (a docstring may state the rule it implements)."""
+    keep = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline)
+            if t.type not in (tokenize.STRING, tokenize.COMMENT)]
+    return " ".join(keep)
+
+
+def test_the_acceptance_rules_and_the_slot_rule_are_each_defined_once():
+    """Issue 21: the greedy and the sampled acceptance rule live in engine/sampling.py (accepted_greedy,
+    rejection_sample), the paged cache's slot rule in engine/kv_cache.py (slots_of); no other package module
+    spells either out again."""
+    slot = re.compile(r"[\]\w]\s*\*\s*[\w.]*(?:bs|block_size)\s*\+\s*\w+\s*%\s*[\w.]*(?:bs|block_size)")
+    accept = re.compile(r"\.\s*cumprod\s*\(")
+    found: dict[str, list[str]] = {"slot": [], "accept": []}
+    for folder in ("engine", "decode_node", "prefill_node", "kv_bridge", "cluster", "training", "flashpd"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = _code_only(path.read_text())
+            rel = path.relative_to(ROOT).as_posix()
+            found["slot"] += [rel] * len(slot.findall(text))
+            found["accept"] += [rel] * len(accept.findall(text))
+    assert found["slot"] == ["engine/kv_cache.py"], found["slot"]
+    assert found["accept"] == ["engine/sampling.py", "engine/sampling.py"], found["accept"]

@@ -17,7 +17,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from flashpd.bench.load_gen import RequestResult
+from flashpd.bench.load_gen import RequestResult, run_clients
 
 # the gRPC API's defaults where OpenAI's differ (greedy), so both APIs serve the same requests
 GRPC_DEFAULTS = {"temperature": 0.0}
@@ -136,15 +136,4 @@ def run_load_http(base_url: str, prompts: list, concurrency: int, timeout_s: flo
         finally:
             conn.close()
 
-    threads = [threading.Thread(target=client, daemon=True, name=f"http-load-{k}") for k in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s * (len(prompts) // max(concurrency, 1) + 1) + 30
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    wall = time.perf_counter() - t0
-    for r in results:
-        if r.latency_ms is None and r.error is None:
-            r.error = "not finished when the run's bound passed"
-    return results, wall
+    return run_clients(client, concurrency, results, timeout_s, "http-load")

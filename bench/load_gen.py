@@ -54,11 +54,18 @@ def run_load(address: str, prompts: list[list[int]], concurrency: int, timeout_s
                 except GenerationError as e:
                     r.error = str(e)
 
-    threads = [threading.Thread(target=client, daemon=True, name=f"load-{k}") for k in range(concurrency)]
+    return run_clients(client, concurrency, results, timeout_s, "load")
+
+
+def run_clients(client, concurrency: int, results: list[RequestResult], timeout_s: float,
+                name: str) -> tuple[list[RequestResult], float]:
+    """Run `concurrency` threads of `client` (each takes prompts until none is left) under one bound; a result
+    not finished by then is marked so. Returns the results and the wall time in seconds."""
+    threads = [threading.Thread(target=client, daemon=True, name=f"{name}-{k}") for k in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
-    deadline = time.monotonic() + timeout_s * (len(prompts) // max(concurrency, 1) + 1) + 30
+    deadline = time.monotonic() + timeout_s * (len(results) // max(concurrency, 1) + 1) + 30
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     wall = time.perf_counter() - t0

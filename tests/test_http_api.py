@@ -7,17 +7,12 @@ strings; /v1/models, /health, /metrics; OpenAI error bodies and codes; a client 
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import queue
-import subprocess
-import sys
 import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -26,6 +21,7 @@ openai = pytest.importorskip("openai")
 from flashpd.cluster.chat_template import ChatTemplate  # noqa: E402
 from flashpd.cluster.generation_client import GenerationClient  # noqa: E402
 from flashpd.engine.tokenizer import TextTokenizer  # noqa: E402
+from tests._serve_process import serve_lines  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
 MODEL = "target"  # the served model name: the target directory's name
@@ -35,39 +31,6 @@ PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n", "class Stack:\n    def
            "for i in range(10):\n", "def fib(n):\n    if n < 2:\n", "with open(path) as f:\n",
            "try:\n    import numpy as np\n", "def main():\n    args = parse_args()\n"]
 TOKENIZER = TextTokenizer.from_dir(DEMO / "target")
-
-
-@contextlib.contextmanager
-def _serve(args: list[str], start_timeout_s: float = 90.0) -> Iterator[dict[str, str]]:
-    """`python -m flashpd.cli serve ARGS` as a child: yields what it printed ({"http": HOST:PORT, "listening":
-    HOST:PORT}); on exit it is terminated and must have exited cleanly."""
-    proc = subprocess.Popen([sys.executable, "-m", "flashpd.cli", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
-    try:
-        found, seen = {}, []
-        deadline = time.monotonic() + start_timeout_s
-        while "listening" not in found and time.monotonic() < deadline:
-            try:
-                ln = lines.get(timeout=1)
-            except queue.Empty:
-                assert proc.poll() is None, "".join(seen)
-                continue
-            seen.append(ln)
-            for key in ("http", "listening"):
-                if ln.startswith(f"{key} on "):
-                    found[key] = ln.split()[-1]
-        assert "listening" in found and "http" in found, f"server did not start: {''.join(seen)}"
-        yield found
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0
 
 
 class _Server:
@@ -108,7 +71,8 @@ def server(tmp_path_factory):
     cfg = tmp_path_factory.mktemp("http") / "serve.json"
     cfg.write_text(json.dumps({"target": str(DEMO / "target"), "draft": str(DEMO / "drafter"), "device": "cpu",
                                "dtype": "float32", "kv_cache_tokens": 4096, "torch_threads": 1}))
-    with _serve([str(cfg), "--http-port", "0"]) as found:
+    with serve_lines([str(cfg), "--http-port", "0"], start_timeout_s=90.0) as found:
+        assert "http" in found, found
         s = _Server(found["http"], found["listening"])
         yield s
         s.client.close()

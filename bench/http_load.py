@@ -86,6 +86,7 @@ def _stream_one(conn: http.client.HTTPConnection, path: str, body: dict, r: Requ
                 stats = ev.get("flashpd") or {}
                 r.acceptance_lengths = list(stats.get("acceptance_lengths") or [])
                 r.prefill_ms = stats.get("prefill_ms")
+                r.service_ttft_ms = stats.get("ttft_ms")
     resp.read()  # the rest of the chunked body, so the connection can carry the next request
     if done and r.error is None:
         r.latency_ms = (time.perf_counter() - t0) * 1e3

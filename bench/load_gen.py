@@ -22,6 +22,7 @@ class RequestResult:
     latency_ms: float | None = None
     acceptance_lengths: list[int] = field(default_factory=list)
     prefill_ms: float | None = None  # the service's own figure (disaggregated: the prefill worker's prefill)
+    service_ttft_ms: float | None = None  # TTFT as the service saw it (router or engine loop): the rest is transport
     error: str | None = None
 
 
@@ -50,6 +51,7 @@ def run_load(address: str, prompts: list[list[int]], concurrency: int, timeout_s
                         if ch.finished:
                             r.acceptance_lengths = list(ch.stats["acceptance_lengths"])
                             r.prefill_ms = ch.stats.get("prefill_ms")
+                            r.service_ttft_ms = ch.stats.get("ttft_ms")
                     r.latency_ms = (time.perf_counter() - t0) * 1e3
                 except GenerationError as e:
                     r.error = str(e)
@@ -92,6 +94,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
             "ttft_ms": percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None]),
             "latency_ms": percentiles([r.latency_ms for r in ok]),
             "prefill_ms": percentiles([r.prefill_ms for r in ok if r.prefill_ms is not None]),
+            "service_ttft_ms": percentiles([r.service_ttft_ms for r in ok if r.service_ttft_ms is not None]),
             "output_tokens": out_tokens, "wall_s": wall_s,
             "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
             "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,

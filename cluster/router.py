@@ -97,6 +97,38 @@ class RouterHandle:
         self.events.put(Event("tokens", tokens=toks, sent=sent))
 
 
+class RequestThreads:
+    """Daemon threads that each run one request at a time and then wait for the next: starting a thread per
+    request put about 0.15 ms on every TTFT (2-core CPU). Never fewer idle threads than needed: a job with no
+    idle thread to take it starts a new one. Daemon, unlike concurrent.futures' workers, so a process that
+    exits with requests in flight does not wait out their deadlines."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def run(self, fn, *args) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # this job is that thread's
+        self._jobs.put((fn, args))
+        if start:
+            threading.Thread(target=self._work, name=self.name, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            fn, args = self._jobs.get()
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001  a job handles its own errors; this thread must survive anyway
+                log.exception("%s: a job raised", self.name)
+            with self._lock:
+                self._idle += 1
+
+
 class Router:
     """Backend of GenerationServicer (see generation_server.Backend)."""
 
@@ -109,6 +141,7 @@ class Router:
         self.inflight = 0
         self._lock = threading.Lock()
         self._stopped = False
+        self._threads = RequestThreads("router-request")
         info = pool.slots["decode"][0].info
         self.has_drafter = bool(info["has_drafter"])
         self.default_block_size = info["default_block_size"]
@@ -159,7 +192,7 @@ class Router:
         h = RouterHandle(prompt, params, method, block_size, self.cfg.request_timeout_s)
         with self._lock:
             self.inflight += 1
-        threading.Thread(target=self._run, args=(h, d), name="router-request", daemon=True).start()
+        self._threads.run(self._run, h, d)
         return h
 
     def cancel(self, h: RouterHandle) -> None:

@@ -49,6 +49,9 @@ class ServeConfig:
     # Under the device tier when both are set; a hit is one host-to-device copy per chunk.
     host_cache_bytes: int = 0
     bridge_disk_bytes: int = 16 << 30
+    # bytes of chunks waiting for the disk tier's background writer (kv_bridge/disk.py TieredStore); when full, a
+    # Put's disk copy is dropped (counted: store.disk_dropped) and its memory copy kept: a Put never waits for disk
+    bridge_disk_queue_bytes: int = 512 << 20
     bridge_transport: str = "inline"  # "shm": same-host shared memory for imports
     # how a prefill's KV reaches its decode worker: "bridge" (published chunks, imported by key) or "device"
     # (same host: the decode worker copies the prefill worker's blocks device to device, kv_bridge/handoff.py;
@@ -119,6 +122,8 @@ class ServeConfig:
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes: must be >= 0, got {self.host_cache_bytes}")
         for name in ("chunk_tokens", "max_running", "max_concurrent", "health_failures"):
+        if self.bridge_disk_queue_bytes < 1:
+            raise ValueError(f"bridge_disk_queue_bytes: must be >= 1, got {self.bridge_disk_queue_bytes}")
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("health_interval_s", "health_timeout_s", "start_timeout_s", "prefill_timeout_s",

@@ -93,11 +93,14 @@ def _bridge(cfg, port: int, secret) -> RunningWorker:
     store = MemoryStore(cfg.bridge_memory_bytes, secret)
     if cfg.bridge_disk_dir:
         from flashpd.kv_bridge.disk import DiskStore, TieredStore  # noqa: PLC0415
-        store = TieredStore(store, DiskStore(cfg.bridge_disk_dir, cfg.bridge_disk_bytes, secret))
+        store = TieredStore(store, DiskStore(cfg.bridge_disk_dir, cfg.bridge_disk_bytes, secret),
+                            queue_bytes=cfg.bridge_disk_queue_bytes)
     bind, adv = _hosts(cfg)
     server, bound = serve(store, bind, port, max_workers=32, max_chunk_bytes=max_chunk_bytes(cfg),
                           allow_remote=cfg.allow_remote, secret=secret, tls=bridge_tls(cfg))
     w = RunningWorker("bridge", f"{adv}:{bound}", closers=[lambda: server.stop(grace=1.0).wait(5)])
+    if hasattr(store, "close"):  # closers run last first: the server stops, then queued disk writes finish
+        w.closers.insert(0, store.close)
     m = Metrics("bridge")
 
     def lookups() -> dict:

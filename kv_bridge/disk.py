@@ -8,13 +8,19 @@ A file is trusted no more than bytes off the network: every read checks its MAC 
 cluster secret), header and key, and a file that fails is deleted and read as a miss (counted in
 `corrupt_dropped`). A file written under another secret (another service start, or an older chunk
 format) is such a file.
+
+The TieredStore writes its disk tier behind the caller's back: a put verifies once, stores in memory
+and queues the bytes for one background writer thread, so a Put never waits for a write, an fsync
+and a directory fsync. TieredStore says what a full queue, a failed write and a shutdown do.
 """
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -25,6 +31,11 @@ from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.shm import write_all
 from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked, leading, verify_checked
 
+log = logging.getLogger(__name__)
+
+DEFAULT_QUEUE_BYTES = 512 << 20  # bytes waiting for the disk writer (cluster/config.py: bridge_disk_queue_bytes)
+CLOSE_FLUSH_S = 5.0  # what a clean shutdown waits for the queue (a launcher SIGKILLs 10 s after SIGTERM)
+WRITER_IDLE_S = 5.0  # an idle writer thread exits; the next queued write starts another
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a file name, never a path
 _TMP_PREFIX = ".tmp-"
 
@@ -97,9 +108,13 @@ class DiskStore(IndexedStore):
                 self._c["puts"] += 1
             _fsync_dir(self.directory)
             return PutResult.STORED
-        except OSError:
+        except OSError as e:  # disk full, EIO, a directory gone: refused, counted, logged; never raised
             with self._lock:
                 self._c["write_errors"] += 1
+                n = self._c["write_errors"]
+            if _sparse(n):
+                log.warning("disk tier %s: writing %s... failed (%s); %d write errors so far",
+                            self.directory.name, key[:16], e, n)
             return PutResult.REFUSED
         finally:
             _unlink(tmp)
@@ -174,40 +189,174 @@ class DiskStore(IndexedStore):
 
 
 class TieredStore:
-    """Memory over disk: reads try memory then disk (promoting a disk hit), writes go to both. Both
-    tiers must hold one cluster secret (what one verifies, the other stores unverified)."""
+    """Memory over disk: reads try memory, then the disk writer's queue, then disk (promoting a hit
+    into memory); writes go to memory at once and to disk behind the caller (write-behind). Both tiers
+    must hold one cluster secret (what one verifies, the other stores unverified).
 
-    def __init__(self, memory: MemoryStore, disk: DiskStore) -> None:
+    Why write-behind: a synchronous disk write (write, fsync, directory fsync: milliseconds) sat on
+    every Put, i.e. on a prefill's hand-over to its decode worker. Now a put verifies the bytes once,
+    stores them in memory and queues them (the queue holds the bytes themselves, so a memory eviction
+    before the write loses nothing) for one daemon writer thread. Until written, a queued key reads
+    back from the queue and counts as present in contains/lookup.
+
+    A full queue (pending bytes + this entry > queue_bytes; an entry larger than the whole queue is
+    still taken when the queue is empty) drops this entry's DISK copy at once, counted in
+    `disk_dropped` and logged: the put never waits for the disk. The new entry is the one dropped,
+    not an older pending one, because it sits in memory as the most recently used entry, while an
+    older pending entry may already be gone from memory and exist nowhere else. A disk that cannot
+    keep up thus costs persistence and capacity beyond memory (a later miss is recomputed, exactly),
+    never Put latency. A failed write (disk full, EIO) is counted in `disk_write_errors` and logged;
+    the writer goes on.
+
+    put_bytes returns STORED when this put made the entry new to the store (held in memory, or its
+    disk copy queued), PRESENT when the key was already held (in memory, queued or on disk: the first
+    writer wins, a later put is an idempotent no-op), REFUSED when neither tier took it (too large
+    for memory, and its disk copy dropped or too large for the disk). Concurrent puts of one key give
+    exactly one STORED. A put of a key held in memory but not on disk (its copy was dropped, failed or
+    evicted) queues the disk copy again.
+
+    flush(timeout) waits for the queue to drain; close(timeout) flushes within the bound, then stops
+    the writer (what was still queued is dropped, counted); after close a put writes its disk copy
+    synchronously, as before write-behind."""
+
+    def __init__(self, memory: MemoryStore, disk: DiskStore, queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
         if memory.secret != disk.secret:
             raise ValueError("the memory and disk tiers were given different cluster secrets")
+        if queue_bytes < 1:
+            raise ValueError(f"queue_bytes: must be >= 1, got {queue_bytes}")
         self.memory = memory
         self.disk = disk
         self.secret = memory.secret
+        self.queue_bytes = queue_bytes
         self._mac = memory.secret.mac_key
         self._lock = threading.Lock()
-        self._c = dict(hits_memory=0, hits_disk=0, misses=0, corrupt_refused=0)
+        self._cond = threading.Condition(self._lock)  # signalled when the queue changes or the store closes
+        self._pending: OrderedDict[str, bytes | memoryview] = OrderedDict()  # key -> bytes, oldest first
+        self._pending_bytes = 0
+        self._writing: str | None = None  # the key the writer holds (still in _pending until written)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._c = dict(hits_memory=0, hits_disk=0, hits_pending=0, misses=0, corrupt_refused=0,
+                       disk_queued=0, disk_written=0, disk_dropped=0, disk_write_errors=0)
 
     def put(self, chunk: KVChunk) -> bool:
         return self.put_bytes(chunk.key, chunk.to_bytes(self._mac), verified=True) is not PutResult.REFUSED
 
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
+        """Verify once, store in memory, queue the disk copy; see the class docstring for the result."""
+        _check_key(key)  # before anything is kept: the disk tier could never name a file after it
+        if not (isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly)):
+            data = bytes(data)  # the queue keeps what was verified: never a buffer the caller may change
         if not verified:
             try:
                 verify_checked(key, data, self._mac)  # once for both tiers
             except CorruptChunk:
                 self._count("corrupt_refused")
                 raise
-        d = self.disk.put_bytes(key, data, verified=True)
-        m = self.memory.put_bytes(key, data, verified=True)
-        # the disk tier is the record of what exists (first writer wins there); memory only if disk refused
-        return d if d is not PutResult.REFUSED else m
+        with self._cond:
+            closed = self._closed
+            if not closed:  # one decision under the lock: concurrent puts of a key give one STORED
+                held = key in self._pending or self.disk.contains(key)
+                m = self.memory.put_bytes(key, data, verified=True)
+                queued = False if held else self._enqueue(key, data)
+        if closed:  # no writer any more: the disk copy is written here (the record of what exists)
+            d = self.disk.put_bytes(key, data, verified=True)
+            m = self.memory.put_bytes(key, data, verified=True)
+            return d if d is not PutResult.REFUSED else m
+        if held or m is PutResult.PRESENT:
+            return PutResult.PRESENT
+        return PutResult.STORED if m is PutResult.STORED or queued else PutResult.REFUSED
+
+    def _enqueue(self, key: str, data: bytes | memoryview) -> bool:
+        """Queue the disk copy (lock held); False when the disk can never take it or the queue is full."""
+        n = len(data)
+        if n > self.disk.byte_budget:  # the disk tier would refuse it: counted there, nothing queued
+            with self.disk._lock:
+                self.disk._c["oversize_refused"] += 1
+            return False
+        if self._pending and self._pending_bytes + n > self.queue_bytes:
+            self._c["disk_dropped"] += 1
+            if _sparse(self._c["disk_dropped"]):
+                log.warning("disk tier %s: write queue full (%d of %d bytes pending): disk copy of %s... dropped, "
+                            "the memory copy kept; %d dropped so far", self.disk.directory.name, self._pending_bytes,
+                            self.queue_bytes, key[:16], self._c["disk_dropped"])
+            return False
+        self._pending[key] = data
+        self._pending_bytes += n
+        self._c["disk_queued"] += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write_loop, name="tiered-disk-writer", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+        return True
+
+    def _write_loop(self) -> None:
+        """The writer thread: oldest queued entry first; a key leaves the queue only once it is on disk
+        (or its write failed), so a reader always finds it in one of the two."""
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    if not self._cond.wait(WRITER_IDLE_S) and not self._pending:
+                        self._thread = None  # idle: exit (the next _enqueue starts a writer again)
+                        return
+                if not self._pending:  # closed, nothing left
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                key, data = next(iter(self._pending.items()))
+                self._writing = key
+            try:
+                result = self.disk.put_bytes(key, data, verified=True)  # an OSError: REFUSED, counted, logged
+            except Exception:  # noqa: BLE001  whatever else goes wrong: counted, logged, the writer goes on
+                result = None
+                log.exception("disk tier %s: writing %s... failed", self.disk.directory.name, key[:16])
+            with self._cond:
+                self._pending.pop(key, None)
+                self._pending_bytes -= len(data)
+                self._writing = None
+                if result is PutResult.STORED:
+                    self._c["disk_written"] += 1
+                elif result is not PutResult.PRESENT:  # PRESENT: another process wrote it first
+                    self._c["disk_write_errors"] += 1
+                self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is done (None: without a bound); False if `timeout` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def close(self, timeout: float = CLOSE_FLUSH_S) -> bool:
+        """Flush within `timeout`, then stop the writer; what is still queued then is dropped (counted,
+        logged). Returns whether everything queued reached the disk tier."""
+        deadline = time.monotonic() + timeout
+        drained = self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            left = [k for k in self._pending if k != self._writing]
+            for k in left:
+                self._pending_bytes -= len(self._pending.pop(k))
+            self._c["disk_dropped"] += len(left)
+            thread = self._thread
+            self._cond.notify_all()
+        if left:
+            log.warning("disk tier %s: closed with %d writes still queued: dropped", self.disk.directory.name,
+                        len(left))
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return drained
 
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
         chunk = self.memory.get(key, layout)
         if chunk is not None:
             self._count("hits_memory")
             return chunk
-        data = self._from_disk(key)
+        data = self._from_below(key)
         return None if data is None else decode_checked(key, data, self._mac, layout=layout)
 
     def get_bytes(self, key: str) -> bytes | None:
@@ -215,15 +364,26 @@ class TieredStore:
         if data is not None:
             self._count("hits_memory")
             return data
-        return self._from_disk(key)
+        return self._from_below(key)
 
-    def _from_disk(self, key: str) -> bytes | None:
-        data = self.disk.get_bytes(key)
+    def _from_below(self, key: str) -> bytes | None:
+        """The disk tier's copy (its write queue first), verified, promoted into memory; None on a miss."""
+        with self._cond:
+            data = self._pending.get(key)
+        if data is not None:
+            try:
+                verify_checked(key, data, self._mac)  # as every tier checks what it hands out
+            except CorruptChunk:
+                data = None  # verified when queued: cannot happen short of memory rot; the disk read decides
+            else:
+                self._count("hits_pending")
+        if data is None:
+            data = self.disk.get_bytes(key)
         if data is None:
             self._count("misses")
             return None
         self.memory.put_bytes(key, data, verified=True)
-        self._count("hits_disk")
+        self._count("hits_disk")  # a queued entry counts here too (hits_pending: how many of these)
         return data
 
     def _count(self, name: str) -> None:
@@ -231,14 +391,21 @@ class TieredStore:
             self._c[name] += 1
 
     def contains(self, key: str) -> bool:
-        return self.memory.contains(key) or self.disk.contains(key)
+        if self.memory.contains(key):
+            return True
+        with self._cond:
+            if key in self._pending:
+                return True
+        return self.disk.contains(key)
 
     def lookup(self, keys: list[str]) -> int:
         return leading(keys, self.contains)
 
     def stats(self) -> dict:
+        """The tiered counters, the write queue's state (disk_pending_*) and each tier's own stats."""
         with self._lock:
-            own = dict(self._c)
+            own = dict(self._c, disk_pending_entries=len(self._pending), disk_pending_bytes=self._pending_bytes,
+                       disk_queue_bytes=self.queue_bytes)
         return {**own, "memory": self.memory.stats(), "disk": self.disk.stats()}
 
 
@@ -276,3 +443,8 @@ def _unlink(path: str | Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _sparse(n: int) -> bool:
+    """Log the 1st, 2nd, 4th, 8th... occurrence: a full or failing disk must not flood the log."""
+    return n > 0 and n & (n - 1) == 0

@@ -429,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=2).wait(5)
+    if isinstance(store, TieredStore):
+        store.close()  # the disk tier's queued writes, within a bound (disk.CLOSE_FLUSH_S)
     return 0
 
 

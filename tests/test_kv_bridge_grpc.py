@@ -319,6 +319,7 @@ def test_server_restart_with_disk_tier(tmp_path):
         assert b.client.put(chunks).stored == 3
     finally:
         b.stop()
+        assert b.store.close(10)  # what a clean stop does: the disk tier is written behind the puts
     b2 = Bridge(TieredStore(MemoryStore(1 << 24), DiskStore(tmp_path, 1 << 24)))
     try:
         assert b2.client.lookup(keys) == 3

@@ -213,6 +213,7 @@ def test_tiered_write_through_promotion_and_hits_by_tier(tmp_path):
     chunks = [make_chunk(k, seed=i) for i, k in enumerate("abc")]
     for c in chunks:
         store.put(c)
+    assert store.flush(10)  # the disk tier is written behind the puts
     assert disk.lookup(["a", "b", "c"]) == 3 and not mem.contains("a")  # a fell out of memory only
     assert store.lookup(["a", "b", "c", "z"]) == 3
     assert same(store.get("b"), chunks[1])  # memory

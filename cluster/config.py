@@ -121,9 +121,9 @@ class ServeConfig:
             raise ValueError(f"device_cache_bytes: must be >= 0, got {self.device_cache_bytes}")
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes: must be >= 0, got {self.host_cache_bytes}")
-        for name in ("chunk_tokens", "max_running", "max_concurrent", "health_failures"):
         if self.bridge_disk_queue_bytes < 1:
             raise ValueError(f"bridge_disk_queue_bytes: must be >= 1, got {self.bridge_disk_queue_bytes}")
+        for name in ("chunk_tokens", "max_running", "max_concurrent", "health_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("health_interval_s", "health_timeout_s", "start_timeout_s", "prefill_timeout_s",

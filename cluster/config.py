@@ -55,7 +55,8 @@ class ServeConfig:
     bridge_transport: str = "inline"  # "shm": same-host shared memory for imports
     # how a prefill's KV reaches its decode worker: "bridge" (published chunks, imported by key) or "device"
     # (same host: the decode worker copies the prefill worker's blocks device to device, kv_bridge/handoff.py;
-    # the prefill holds them under a lease until released or handoff_lease_s passes)
+    # the prefill holds them under a lease until released or handoff_lease_s passes) or "dist" (any hosts: the
+    # leased blocks travel over a torch.distributed pair, NCCL on GPUs, gloo on CPUs: kv_bridge/dist_transfer.py)
     kv_transport: str = "bridge"
     handoff_lease_s: float = 10.0
     # device path, prefill and decode worker on one GPU: the decode worker holds its next step while the
@@ -94,8 +95,8 @@ class ServeConfig:
             raise ValueError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
         if self.policy not in ("preempt", "reserve"):
             raise ValueError(f"policy: must be 'preempt' or 'reserve', got {self.policy!r}")
-        if self.kv_transport not in ("bridge", "device"):
-            raise ValueError(f"kv_transport: must be 'bridge' or 'device', got {self.kv_transport!r}")
+        if self.kv_transport not in ("bridge", "device", "dist"):
+            raise ValueError(f"kv_transport: must be 'bridge', 'device' or 'dist', got {self.kv_transport!r}")
         if not self.handoff_lease_s > 0:
             raise ValueError(f"handoff_lease_s: must be > 0, got {self.handoff_lease_s}")
         if not 0 <= self.prefill_hold_s <= 10:

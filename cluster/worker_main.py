@@ -210,7 +210,7 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
     metrics = Metrics("prefill")
     w = RunningWorker("prefill", "")
     cache = _bridge_cache(cfg, llm, w, metrics, secret)
-    if cfg.kv_transport == "device":
+    if cfg.kv_transport in ("device", "dist"):
         # the bridge only offers cached prefixes here (nothing is published): a bridge that fails is a miss,
         # counted and logged, not a failed prefill
         from flashpd.decode_node.bridge_import import GuardedPrefixCache  # noqa: PLC0415
@@ -221,12 +221,16 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
         done = warm_prefill(worker.gen, lengths_for(llm.runner.max_positions, 1))
         log.info("prefill warm-up: %d prompts of %s tokens in %.1f s", done["requests"], done["lengths"],
                  done["seconds"])
-    if cfg.kv_transport == "device":
+    dist = None
+    if cfg.kv_transport in ("device", "dist"):
         worker.exporter = cache_exporter(cfg, llm, worker.gen, secret)
+    if cfg.kv_transport == "dist":
+        dist = dist_exporter(cfg, worker.exporter, worker.gen, secret, adv)
+        w.closers.append(dist.close)
     host = PrefillHost(worker, llm.runner, llm.drafter.cfg.block_size if llm.drafter is not None else None,
                        cfg.fault_prefill_delay_s)
     metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): host.waiting})
-    servicer = PrefillWorkerServicer(host, metrics)
+    servicer = PrefillWorkerServicer(host, metrics, dist)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent, {"PrefillWorker": servicer})
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
@@ -257,6 +261,31 @@ def cache_exporter(cfg, llm, gen, secret):
 
     target, draft = _shared_caches(gen)
     return CacheExporter(target, draft, fingerprint(cfg, llm), secret.mac_key, lease_s=cfg.handoff_lease_s)
+
+
+def dist_exporter(cfg, exporter, gen, secret, host: str):
+    """The prefill worker's side of the cross-host path (cfg.kv_transport == "dist"): its leases, sent over
+    torch.distributed pairs (kv_bridge/dist_transfer.py); the device path's sealed export is not shipped."""
+    from flashpd.kv_bridge.dist_transfer import DistExporter  # noqa: PLC0415
+
+    exporter.blob = b""
+    target, draft = _shared_caches(gen)
+    return DistExporter(exporter, target, draft, secret.mac_key, host, timeout_s=cfg.handoff_lease_s)
+
+
+def dist_importer(cfg, llm, scheduler, secret, host: str):
+    """The decode worker's side of the cross-host path: a HandoffImport over a DistImporter (control by gRPC)."""
+    from flashpd.cluster.dist_control import DistControlClient  # noqa: PLC0415
+    from flashpd.cluster.worker_client import LeaseReleaser  # noqa: PLC0415
+    from flashpd.decode_node.handoff_import import HandoffImport  # noqa: PLC0415
+    from flashpd.kv_bridge.dist_transfer import DistImporter  # noqa: PLC0415
+
+    gen = scheduler.spec if scheduler.spec is not None else scheduler.native
+    target = gen.runner.cache.data
+    draft = gen.drafts.cache.data if getattr(gen, "drafts", None) is not None else None
+    control = DistControlClient(cfg.handoff_lease_s)
+    imp = DistImporter(target, draft, fingerprint(cfg, llm), secret.mac_key, control, host, cfg.handoff_lease_s)
+    return HandoffImport(imp, LeaseReleaser())  # type: ignore[arg-type]  (CacheImporter's copy / peer_busy)
 
 
 def cache_importer(cfg, llm, scheduler, secret):
@@ -332,6 +361,9 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
     if cfg.kv_transport == "device":  # before the engine loop takes its first request
         worker.scheduler.handoff = cache_importer(cfg, llm, worker.scheduler, secret)
         worker.scheduler.hold_for_prefill_s = cfg.prefill_hold_s
+    elif cfg.kv_transport == "dist":
+        worker.scheduler.handoff = dist_importer(cfg, llm, worker.scheduler, secret, adv)
+        w.closers.append(worker.scheduler.handoff.importer.close)
     w.closers.append(lambda: worker.stop(10))
     servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent,

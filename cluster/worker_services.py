@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import grpc
 
+from flashpd.cluster.dist_control import DistControlServicer
 from flashpd.cluster.generation_server import POLL_S, PROTOCOL_VERSION, GenerationServicer, abort_for
 from flashpd.cluster.metrics import Metrics
 from flashpd.cluster.proto_gen import generation_pb2 as pb
@@ -110,11 +111,12 @@ class PrefillHost:
             raise CallEnded
 
 
-class PrefillWorkerServicer(GenerationServicer, pb_grpc.PrefillWorkerServicer):
-    def __init__(self, host: PrefillHost, metrics: Metrics | None = None) -> None:
+class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.PrefillWorkerServicer):
+    def __init__(self, host: PrefillHost, metrics: Metrics | None = None, dist=None) -> None:
         super().__init__(host, None)  # type: ignore[arg-type]  (checks and Health only: no submit)
         self.host = host
         self.metrics = metrics
+        self.dist = dist  # kv_transport "dist": OpenPair / SendLease over this DistExporter (cluster/dist_control.py)
 
     def Prefill(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.PrefillReply:
         prompt, params, method, _ = self._parse(request, context)

@@ -172,6 +172,58 @@ class ReleaseReply(_message.Message):
     released: bool
     def __init__(self, version: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
 
+class OpenPairRequest(_message.Message):
+    __slots__ = ("version", "exporter_id", "importer_id", "nonce", "seal")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPORTER_ID_FIELD_NUMBER: _ClassVar[int]
+    IMPORTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    exporter_id: str
+    importer_id: str
+    nonce: bytes
+    seal: bytes
+    def __init__(self, version: _Optional[int] = ..., exporter_id: _Optional[str] = ..., importer_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., seal: _Optional[bytes] = ...) -> None: ...
+
+class OpenPairReply(_message.Message):
+    __slots__ = ("version", "store_address", "geometry", "seal")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    store_address: str
+    geometry: str
+    seal: bytes
+    def __init__(self, version: _Optional[int] = ..., store_address: _Optional[str] = ..., geometry: _Optional[str] = ..., seal: _Optional[bytes] = ...) -> None: ...
+
+class SendLeaseRequest(_message.Message):
+    __slots__ = ("version", "exporter_id", "nonce", "lease_id", "blocks", "epochs", "tag", "seal")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPORTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    exporter_id: str
+    nonce: bytes
+    lease_id: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    epochs: _containers.RepeatedScalarFieldContainer[int]
+    tag: int
+    seal: bytes
+    def __init__(self, version: _Optional[int] = ..., exporter_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., epochs: _Optional[_Iterable[int]] = ..., tag: _Optional[int] = ..., seal: _Optional[bytes] = ...) -> None: ...
+
+class SendLeaseReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("version", "request", "first_token", "handoff")
     VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -212,6 +212,16 @@ class PrefillWorkerStub:
                 request_serializer=generation__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=generation__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.OpenPair = channel.unary_unary(
+                '/flashpd.generation.v1.PrefillWorker/OpenPair',
+                request_serializer=generation__pb2.OpenPairRequest.SerializeToString,
+                response_deserializer=generation__pb2.OpenPairReply.FromString,
+                _registered_method=True)
+        self.SendLease = channel.unary_unary(
+                '/flashpd.generation.v1.PrefillWorker/SendLease',
+                request_serializer=generation__pb2.SendLeaseRequest.SerializeToString,
+                response_deserializer=generation__pb2.SendLeaseReply.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -240,6 +250,22 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenPair(self, request, context):
+        """The cross-host path (kv_transport "dist", kv_bridge/dist_transfer.py): a decode worker opens a pair (a
+        2-rank torch.distributed group) with this worker, then asks it per request to send a lease's blocks.
+        Requests and the OpenPair reply are MAC-sealed with the cluster secret; an unsealed one gets
+        UNAUTHENTICATED, a refused send FAILED_PRECONDITION, an unknown pair NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SendLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -257,6 +283,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=generation__pb2.ReleaseRequest.FromString,
                     response_serializer=generation__pb2.ReleaseReply.SerializeToString,
+            ),
+            'OpenPair': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenPair,
+                    request_deserializer=generation__pb2.OpenPairRequest.FromString,
+                    response_serializer=generation__pb2.OpenPairReply.SerializeToString,
+            ),
+            'SendLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendLease,
+                    request_deserializer=generation__pb2.SendLeaseRequest.FromString,
+                    response_serializer=generation__pb2.SendLeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -343,6 +379,60 @@ class PrefillWorker:
             '/flashpd.generation.v1.PrefillWorker/Release',
             generation__pb2.ReleaseRequest.SerializeToString,
             generation__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenPair(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashpd.generation.v1.PrefillWorker/OpenPair',
+            generation__pb2.OpenPairRequest.SerializeToString,
+            generation__pb2.OpenPairReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashpd.generation.v1.PrefillWorker/SendLease',
+            generation__pb2.SendLeaseRequest.SerializeToString,
+            generation__pb2.SendLeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,401 @@
+"""The cross-host KV path (kv_transport "dist"): a lease's blocks travel over a torch.distributed process
+group between the prefill worker that holds them and the decode worker that imports them: NCCL between
+GPUs (on one host or two), gloo between CPUs (what the tests run). The code is the same for both
+backends apart from the backend's name.
+
+One `PairGroup` per (exporter, importer): a 2-rank process group (exporter rank 0, importer rank 1) made
+without torch.distributed's default group, so one process holds one per peer. Its rendezvous is a
+TCPStore the exporter hosts on its advertised address (an ephemeral port, bound to that address alone),
+under a per-pair prefix derived from a random nonce with the cluster's MAC key: a process without the
+secret cannot compute the prefix, so cannot join the pair. Every wait is bounded.
+
+Control travels over gRPC (PrefillWorker.OpenPair / SendLease, cluster/dist_control.py), every request
+and the OpenPair reply MAC-sealed with the cluster key. Per request:
+
+  1 importer -> SendLease(pair, lease id, blocks, epochs, tag), sealed; the tag grows per pair (no replay)
+  2 exporter: the lease's epochs unchanged (the blocks still hold the prompt) -> one gather of the blocks
+    into one contiguous buffer per half -> epochs checked again (a lease freed during the gather is
+    refused, as CacheImporter refuses one freed during its copy) -> reply OK, and queue the send on the
+    pair's sender thread. From the gather on, the blocks are no longer read: the lease can go.
+  3 importer, on OK only: receives both halves (bounded), scatters them into its own blocks, and
+    releases the lease as on the device path (Release RPC). A refusal raises HandoffError with the pair
+    intact; any failure after OK (timeout, dead peer) drops the pair on both sides (the next request
+    opens a new one) and raises HandoffError: the scheduler counts it and recomputes the prompt.
+
+Ordering: one transfer at a time per pair (NCCL ignores tags), the sender sends in the order it said OK,
+and the importer posts its receives only after OK, so a refused request never leaves a receive waiting.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from flashpd.kv_bridge.auth import MacKey
+from flashpd.kv_bridge.handoff import CacheExporter, Geometry, Handoff, HandoffError
+
+log = logging.getLogger(__name__)
+_DOMAIN = "flashpd dist-transfer v1"
+MAX_PAIRS = 64  # pairs one exporter holds (one per importer; an importer's new pair replaces its old one)
+
+
+class PairLost(HandoffError):
+    """The pair cannot go on (the exporter dropped it, or is gone): the importer opens a new one next time."""
+
+
+def seal(mac: MacKey, *fields) -> bytes:
+    """The MAC of one control message's fields (JSON-encoded: unambiguous), under this module's domain."""
+    return mac.tag([_DOMAIN.encode(), json.dumps([f.hex() if isinstance(f, bytes) else f for f in fields]).encode()])
+
+
+def _verify(mac: MacKey, tag: bytes, *fields) -> bool:
+    import hmac  # noqa: PLC0415
+
+    return hmac.compare_digest(seal(mac, *fields), bytes(tag))
+
+
+def pair_prefix(mac: MacKey, nonce: bytes) -> str:
+    """The pair's key prefix in the exporter's store: needs the cluster secret, not only the nonce."""
+    return seal(mac, "pair", nonce).hex()[:32] + "/"
+
+
+def _td(s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=s)
+
+
+def _wait(work, timeout_s: float, what: str) -> None:
+    """Wait for one send/recv, at most timeout_s. gloo: Work.wait(timeout) raises when it passes. NCCL:
+    wait() only orders the current stream after the work, so completion is polled (bounded) too."""
+    deadline = time.monotonic() + timeout_s
+    work.wait(_td(timeout_s))
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not complete after {timeout_s:g} s")
+        time.sleep(0.0002)
+
+
+class PairGroup:
+    """A 2-rank process group (rank 0 exporter, rank 1 importer) on `store`, outside the default group.
+    Constructing it waits (at most timeout_s) until both ranks joined."""
+
+    def __init__(self, store: dist.Store, rank: int, device: torch.device, host: str, timeout_s: float) -> None:
+        self.rank, self.device, self.timeout_s = rank, device, timeout_s
+        if device.type == "cuda":
+            self.backend = "nccl"
+            torch.cuda.set_device(device)
+            opts = dist.ProcessGroupNCCL.Options()
+            # NCCL's watchdog acts on this timeout (by default it ends the process): well beyond the bounded
+            # waits below, so a stuck transfer is dropped by this code (abort) first. Connects lazily.
+            opts._timeout = _td(max(60.0, 3 * timeout_s))
+            self.pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+        else:
+            self.backend = "gloo"
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = _td(timeout_s)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # the advertised interface
+            self.pg = dist.ProcessGroupGloo(store, rank, 2, opts)
+
+    def send(self, bufs: Sequence[torch.Tensor], tag: int, timeout_s: float) -> None:
+        works = [self.pg.send([b], 1 - self.rank, 2 * tag + i) for i, b in enumerate(bufs)]
+        for w in works:
+            _wait(w, timeout_s, "send")
+
+    def recv(self, bufs: Sequence[torch.Tensor], tag: int, timeout_s: float) -> None:
+        works = [self.pg.recv([b], 1 - self.rank, 2 * tag + i) for i, b in enumerate(bufs)]
+        for w in works:
+            _wait(w, timeout_s, "recv")
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.pg.abort()
+
+
+def gather_blocks(target: torch.Tensor, draft: torch.Tensor | None, blocks: Sequence[int]) -> list[torch.Tensor]:
+    """The blocks of both halves, one contiguous buffer per half (one index_select each)."""
+    idx = torch.tensor(list(blocks), dtype=torch.int64, device=target.device)
+    return [c.index_select(2, idx) for c in (target, draft) if c is not None]
+
+
+def send_blocks(pair: PairGroup, target: torch.Tensor, draft: torch.Tensor | None, blocks: Sequence[int],
+                tag: int, timeout_s: float | None = None) -> None:
+    """Gather `blocks` of both caches and send them to the pair's other rank."""
+    pair.send(gather_blocks(target, draft, blocks), tag, timeout_s or pair.timeout_s)
+
+
+def recv_blocks(pair: PairGroup, target: torch.Tensor, draft: torch.Tensor | None, dst_blocks: Sequence[int],
+                tag: int, timeout_s: float | None = None) -> None:
+    """Receive len(dst_blocks) blocks of both halves and scatter them into dst_blocks of this side's caches."""
+    n = len(dst_blocks)
+    caches = [c for c in (target, draft) if c is not None]
+    bufs = [torch.empty(c.shape[:2] + (n,) + c.shape[3:], dtype=c.dtype, device=c.device) for c in caches]
+    pair.recv(bufs, tag, timeout_s or pair.timeout_s)
+    idx = torch.tensor(list(dst_blocks), dtype=torch.int64, device=target.device)
+    for c, b in zip(caches, bufs):
+        c.index_copy_(2, idx, b)
+
+
+def _geometry_json(g: Geometry) -> str:
+    return json.dumps([list(g.target), list(g.draft) if g.draft is not None else None, g.dtype, g.fingerprint])
+
+
+@dataclass
+class _ExportPair:
+    importer_id: str
+    ready: threading.Event
+    sender: ThreadPoolExecutor
+    group: PairGroup | None = None
+    last_tag: int = 0
+    broken: bool = False
+
+
+class DistExporter:
+    """The prefill side: a CacheExporter's leases, sent over per-importer PairGroups (see the module doc).
+    `host`: the address importers reach this worker at (its store and gloo bind there alone)."""
+
+    def __init__(self, exporter: CacheExporter, target: torch.Tensor, draft: torch.Tensor | None, mac: MacKey,
+                 host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
+        self.exporter, self.target, self.draft, self.mac = exporter, target, draft, mac
+        self.host, self.timeout_s = host, timeout_s
+        self.geometry = _geometry_json(exporter.geometry)
+        self._store: dist.TCPStore | None = None
+        self._sock: socket.socket | None = None
+        self._pairs: dict[bytes, _ExportPair] = {}
+        self._lock = threading.Lock()
+        self.stats = dict(pairs_opened=0, pairs_dropped=0, sends=0, refused=0, send_failures=0)
+        self.hook_after_gather = None  # tests: called with the lease id between the gather and the re-check
+        self.hook_before_send = None  # tests: called with the tag on the sender thread (stall, die)
+
+    @property
+    def exporter_id(self) -> str:
+        return self.exporter.exporter_id
+
+    def _store_address(self) -> str:
+        if self._store is None:  # one store per exporter; pairs differ by prefix. Bound to `host` only.
+            self._sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+            self._sock.bind((self.host, 0))
+            self._sock.listen(128)
+            port = self._sock.getsockname()[1]
+            self._store = dist.TCPStore(self.host, port, is_master=True, wait_for_workers=False,
+                                        timeout=_td(self.timeout_s), master_listen_fd=self._sock.fileno())
+        return f"[{self.host}]:{self._store.port}" if ":" in self.host else f"{self.host}:{self._store.port}"
+
+    def open_pair(self, exporter_id: str, importer_id: str, nonce: bytes, tag: bytes) -> tuple[str, str, bytes]:
+        """Start the pair's rank 0 (it joins on a thread of its own); returns (store address, geometry, seal)."""
+        if not _verify(self.mac, tag, "open", exporter_id, importer_id, nonce):
+            raise PermissionError("OpenPair: seal does not verify (not made with this cluster's secret)")
+        if exporter_id != self.exporter_id:
+            raise HandoffError("OpenPair: another exporter (it restarted)")
+        if len(nonce) < 16:
+            raise ValueError("OpenPair: nonce shorter than 16 bytes")
+        with self._lock:
+            address = self._store_address()
+            for k, p in list(self._pairs.items()):  # an importer's new pair replaces its old one
+                if p.importer_id == importer_id or k == nonce:
+                    self._drop(k)
+            if len(self._pairs) >= MAX_PAIRS:
+                raise HandoffError(f"OpenPair: {MAX_PAIRS} pairs open already")
+            pair = _ExportPair(importer_id, threading.Event(), ThreadPoolExecutor(1, thread_name_prefix="dist-send"))
+            self._pairs[nonce] = pair
+            store = dist.PrefixStore(pair_prefix(self.mac, nonce), self._store)
+        threading.Thread(target=self._join, args=(nonce, pair, store), name="dist-pair", daemon=True).start()
+        return address, self.geometry, seal(self.mac, "opened", nonce, address, self.geometry)
+
+    def _join(self, nonce: bytes, pair: _ExportPair, store) -> None:
+        try:
+            pair.group = PairGroup(store, 0, self.target.device, self.host, self.timeout_s)
+            self.stats["pairs_opened"] += 1
+        except Exception as e:  # noqa: BLE001  nobody (or a stranger) joined in time: the pair goes
+            log.warning("dist pair with importer %s not formed: %s", pair.importer_id, e)
+            with self._lock:
+                if self._pairs.get(nonce) is pair:
+                    self._drop(nonce)
+        finally:
+            pair.ready.set()
+
+    def _drop(self, nonce: bytes) -> None:  # under self._lock
+        pair = self._pairs.pop(nonce, None)
+        if pair is None:
+            return
+        pair.broken = True
+        self.stats["pairs_dropped"] += 1
+
+        def close() -> None:
+            if pair.group is not None:
+                pair.group.close()
+
+        pair.sender.submit(close)  # after the sends already queued (they fail against a closed peer)
+        pair.sender.shutdown(wait=False)
+
+    def send_lease(self, exporter_id: str, nonce: bytes, lease_id: int, blocks: Sequence[int],
+                   epochs: Sequence[int], tag: int, seal_: bytes) -> None:
+        """Check and gather a lease's blocks, then queue their send (returning means: they will be sent).
+        Raises (nothing queued) when the request is not sealed, the pair is unknown, or the blocks are freed."""
+        blocks, epochs = [int(b) for b in blocks], [int(e) for e in epochs]
+        if not _verify(self.mac, seal_, "send", exporter_id, nonce, int(lease_id), blocks, epochs, int(tag)):
+            raise PermissionError("SendLease: seal does not verify (not made with this cluster's secret)")
+        if exporter_id != self.exporter_id:
+            raise HandoffError("SendLease: another exporter (it restarted)")
+        with self._lock:
+            pair = self._pairs.get(nonce)
+        if pair is None or not pair.ready.wait(self.timeout_s) or pair.group is None or pair.broken:
+            raise PairLost("SendLease: no such pair (closed or never formed)")
+        try:
+            if not blocks or len(blocks) != len(epochs) or max(blocks) >= self.target.shape[2] or min(blocks) < 0:
+                raise HandoffError("SendLease: lease names blocks outside the exporter's cache")
+            with self._lock:
+                if tag <= pair.last_tag:
+                    raise HandoffError("SendLease: tag not above the pair's last (a replay)")
+                pair.last_tag = tag
+            idx = torch.tensor(blocks, dtype=torch.int64)
+            want = torch.tensor(epochs, dtype=torch.int64)
+            if not torch.equal(self.exporter.epochs[idx], want):
+                raise HandoffError("lease's blocks were freed before the send (epoch changed)")
+            bufs = gather_blocks(self.target, self.draft, blocks)
+            if self.target.device.type == "cuda":
+                torch.cuda.current_stream(self.target.device).synchronize()  # gathered before the re-check
+            if self.hook_after_gather is not None:
+                self.hook_after_gather(lease_id)
+            if not torch.equal(self.exporter.epochs[idx], want):
+                raise HandoffError("lease's blocks were freed during the gather (epoch changed)")
+        except HandoffError:
+            self.stats["refused"] += 1
+            raise
+        pair.sender.submit(self._send, nonce, pair, bufs, tag)
+
+    def _send(self, nonce: bytes, pair: _ExportPair, bufs: list[torch.Tensor], tag: int) -> None:
+        try:
+            if self.hook_before_send is not None:
+                self.hook_before_send(tag)
+            pair.group.send(bufs, tag, self.timeout_s)
+            self.stats["sends"] += 1
+        except Exception as e:  # noqa: BLE001  the importer died or gave up: the pair goes (it reopens one)
+            self.stats["send_failures"] += 1
+            log.warning("dist send of tag %d to importer %s failed: %s", tag, pair.importer_id, e)
+            with self._lock:
+                if self._pairs.get(nonce) is pair:
+                    self._drop(nonce)
+
+    def close(self) -> None:
+        with self._lock:
+            for k in list(self._pairs):
+                self._drop(k)
+        if self._sock is not None:
+            self._sock.close()
+
+
+class Control(Protocol):
+    """The importer's control channel to exporters (gRPC: cluster/dist_control.DistControlClient). Raises
+    HandoffError for a refusal that leaves the pair usable, PairLost for anything else (a failed call)."""
+
+    def open_pair(self, address: str, exporter_id: str, importer_id: str, nonce: bytes,
+                  seal_: bytes) -> tuple[str, str, bytes]: ...
+
+    def send_lease(self, address: str, exporter_id: str, nonce: bytes, lease_id: int, blocks: Sequence[int],
+                   epochs: Sequence[int], tag: int, seal_: bytes) -> None: ...
+
+
+@dataclass
+class _ImportPair:
+    nonce: bytes
+    group: PairGroup
+    tag: int = 0
+
+
+class DistImporter:
+    """The decode side: one PairGroup per exporter (opened on first use), `copy` as CacheImporter's."""
+
+    def __init__(self, target: torch.Tensor, draft: torch.Tensor | None, fingerprint: str, mac: MacKey,
+                 control: Control, host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
+        self.target, self.draft, self.mac, self.control = target, draft, mac, control
+        self.host, self.timeout_s = host, timeout_s
+        self.geometry = _geometry_json(Geometry.of(target, draft, fingerprint))
+        self.importer_id = uuid.uuid4().hex
+        self._pairs: dict[str, _ImportPair] = {}
+        self._lock = threading.Lock()  # one transfer at a time (pairs are used in order)
+        self.stats = dict(imports=0, failures=0, positions=0, pairs_opened=0, pairs_dropped=0)
+
+    def peer_busy(self, stale_s: float) -> bool:  # noqa: ARG002  (the device path's same-GPU hold: not here)
+        return False
+
+    def _pair(self, h: Handoff) -> _ImportPair:
+        got = self._pairs.get(h.exporter_id)
+        if got is not None:
+            return got
+        nonce = secrets.token_bytes(16)
+        address, geometry, tag = self.control.open_pair(
+            h.exporter_address, h.exporter_id, self.importer_id, nonce,
+            seal(self.mac, "open", h.exporter_id, self.importer_id, nonce))
+        if not _verify(self.mac, tag, "opened", nonce, address, geometry):
+            raise HandoffError("OpenPair reply: seal does not verify (not made with this cluster's secret)")
+        if geometry != self.geometry:
+            raise HandoffError(f"exporter's caches {geometry} do not fit this worker's {self.geometry}")
+        host, _, port = address.rpartition(":")
+        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=_td(self.timeout_s))
+        try:
+            group = PairGroup(dist.PrefixStore(pair_prefix(self.mac, nonce), store), 1, self.target.device,
+                              self.host, self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise HandoffError(f"pair with exporter not formed: {type(e).__name__}: {e}") from None
+        self._pairs[h.exporter_id] = pair = _ImportPair(nonce, group)
+        self.stats["pairs_opened"] += 1
+        return pair
+
+    def forget(self, exporter_id: str) -> None:
+        """Drop the pair with an exporter (it failed, or went away)."""
+        pair = self._pairs.pop(exporter_id, None)
+        if pair is not None:
+            pair.group.close()
+            self.stats["pairs_dropped"] += 1
+
+    def copy(self, h: Handoff, dst_blocks: list[int]) -> None:
+        """Receive the lease's blocks into dst_blocks of this worker's caches (both halves). Raises
+        HandoffError when that cannot be done; then nothing received may be read."""
+        with self._lock:
+            try:
+                nblk = len(h.blocks)
+                if nblk != len(dst_blocks) or nblk != len(h.epochs):
+                    raise HandoffError(f"lease of {nblk} blocks for {len(dst_blocks)} destination blocks")
+                if nblk == 0:
+                    return
+                pair = self._pair(h)
+                pair.tag += 1
+                blocks, epochs = [int(b) for b in h.blocks], [int(e) for e in h.epochs]
+                self.control.send_lease(h.exporter_address, h.exporter_id, pair.nonce, h.lease_id, blocks, epochs,
+                                        pair.tag, seal(self.mac, "send", h.exporter_id, pair.nonce, int(h.lease_id),
+                                                       blocks, epochs, pair.tag))
+                try:  # the exporter said it sends: receive, or the pair is out of step and goes
+                    recv_blocks(pair.group, self.target, self.draft, dst_blocks, pair.tag, self.timeout_s)
+                except Exception as e:  # noqa: BLE001
+                    self.forget(h.exporter_id)
+                    raise HandoffError(f"receive failed: {type(e).__name__}: {str(e)[:200]}") from None
+                self.stats["imports"] += 1
+                self.stats["positions"] += h.num_tokens
+            except PairLost:
+                self.stats["failures"] += 1
+                self.forget(h.exporter_id)
+                raise
+            except HandoffError:
+                self.stats["failures"] += 1
+                raise
+            except Exception as e:  # noqa: BLE001  a control call that failed in an unforeseen way
+                self.stats["failures"] += 1
+                self.forget(h.exporter_id)
+                raise HandoffError(f"{type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        for k in list(self._pairs):
+            self.forget(k)

@@ -1,0 +1,215 @@
+"""The cross-host KV path (kv_bridge/dist_transfer.py) between two real processes, on gloo (NCCL on GPUs runs
+the same code). A spawned child is the exporter (a CacheExporter's leases, a DistExporter, the PrefillWorker
+gRPC service's OpenPair/SendLease); this process is the importer. One child serves the whole module, in test
+order: bit-exact blocks of both halves, refused leases (freed before the send, freed during the gather),
+a seal or a pair prefix made without the secret, a stalled exporter (bounded), a dead one (bounded)."""
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flashpd.kv_bridge.auth import ClusterSecret
+from flashpd.kv_bridge.dist_transfer import DistImporter, PairGroup, PairLost, pair_prefix, seal
+from flashpd.kv_bridge.handoff import HandoffError
+
+from tests._cluster_helpers import colocated_reference  # noqa: F401  (session fixture)
+from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+
+TARGET = (2, 2, 8, 4, 2, 8)  # [layers, k/v, blocks, block_size, heads, head_dim]
+DRAFT = (1, 2, 8, 4, 2, 8)
+TIMEOUT_S = 2.0  # the importer's bound on a pair's formation and on one receive
+
+
+def _filled(shape, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _exporter(secret_hex: str, conn) -> None:
+    """The child: serve leases of two filled caches until told to stop (or to die mid-send)."""
+    import os  # noqa: PLC0415
+
+    from flashpd.cluster.dist_control import DistControlServicer  # noqa: PLC0415
+    from flashpd.cluster.generation_server import new_server  # noqa: PLC0415
+    from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc  # noqa: PLC0415
+    from flashpd.kv_bridge.dist_transfer import DistExporter  # noqa: PLC0415
+    from flashpd.kv_bridge.handoff import CacheExporter  # noqa: PLC0415
+
+    mp.set_sharing_strategy("file_system")
+    mac = ClusterSecret.from_hex(secret_hex).mac_key
+    target, draft = _filled(TARGET, 1).share_memory_(), _filled(DRAFT, 2).share_memory_()
+    ex = CacheExporter(target, draft, "fp", mac)
+    dx = DistExporter(ex, target, draft, mac, "127.0.0.1", timeout_s=3.0)
+
+    class Servicer(DistControlServicer, pb_grpc.PrefillWorkerServicer):
+        dist = dx
+
+    server, port = new_server("127.0.0.1", 0, False, 8, {"PrefillWorker": Servicer()})
+    ex.address = f"127.0.0.1:{port}"
+    conn.send("ready")
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "lease":
+            conn.send(ex.lease(arg, len(arg) * TARGET[3], lambda: None))
+        elif cmd == "release":
+            conn.send(ex.release(arg))
+        elif cmd == "free_during_gather":
+            dx.hook_after_gather = lambda lid: (ex.release(lid), setattr(dx, "hook_after_gather", None))
+            conn.send(True)
+        elif cmd == "stall":
+            dx.hook_before_send = lambda tag, s=arg: (setattr(dx, "hook_before_send", None), time.sleep(s))
+            conn.send(True)
+        elif cmd == "die":
+            dx.hook_before_send = lambda tag: os._exit(17)
+            conn.send(True)
+        elif cmd == "stats":
+            conn.send(dict(dx.stats))
+        elif cmd == "stop":
+            server.stop(0)
+            return
+
+
+@pytest.fixture(scope="module")
+def peer():
+    from flashpd.cluster.dist_control import DistControlClient  # noqa: PLC0415
+
+    secret = ClusterSecret.generate()
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_exporter, args=(secret.export_hex(), child_conn), daemon=True)
+    proc.start()
+    assert conn.poll(60) and conn.recv() == "ready"
+
+    def call(cmd, arg=None):
+        conn.send((cmd, arg))
+        assert conn.poll(20), f"exporter did not answer {cmd}"
+        return conn.recv()
+
+    target, draft = torch.zeros(TARGET[:2] + (10,) + TARGET[3:]), torch.zeros(DRAFT[:2] + (10,) + DRAFT[3:])
+    control = DistControlClient(TIMEOUT_S)
+    imp = DistImporter(target, draft, "fp", secret.mac_key, control, "127.0.0.1", timeout_s=TIMEOUT_S)
+    yield dict(call=call, imp=imp, target=target, draft=draft, proc=proc, secret=secret, control=control)
+    imp.close()
+    control.close()
+    if proc.is_alive():
+        try:
+            conn.send(("stop", None))
+        except OSError:
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _check_blocks(peer, src: list[int], dst: list[int]) -> None:
+    want_t, want_d = _filled(TARGET, 1), _filled(DRAFT, 2)
+    for s, d in zip(src, dst):
+        assert torch.equal(peer["target"][:, :, d], want_t[:, :, s])
+        assert torch.equal(peer["draft"][:, :, d], want_d[:, :, s])
+
+
+def test_blocks_of_both_halves_arrive_bit_exact_in_other_blocks(peer):
+    imp, call = peer["imp"], peer["call"]
+    for src, dst in (([3, 1, 6], [0, 9, 2]), ([7, 0], [4, 5])):  # two transfers over one pair
+        h = call("lease", src)
+        imp.copy(h, dst)
+        assert call("release", h.lease_id) is True
+        _check_blocks(peer, src, dst)
+    assert imp.stats["imports"] == 2 and imp.stats["pairs_opened"] == 1
+
+
+def test_a_lease_freed_before_or_during_the_send_is_refused_and_the_pair_goes_on(peer):
+    imp, call = peer["imp"], peer["call"]
+    peer["target"].zero_()
+    h = call("lease", [2, 4])
+    call("release", h.lease_id)  # freed before the send: its epochs changed
+    with pytest.raises(HandoffError, match="freed before"):
+        imp.copy(h, [1, 3])
+    h = call("lease", [2, 4])
+    call("free_during_gather")  # freed between the gather and the exporter's re-check
+    with pytest.raises(HandoffError, match="freed during"):
+        imp.copy(h, [1, 3])
+    assert not peer["target"].any()  # nothing was received
+    h = call("lease", [5])
+    imp.copy(h, [8])  # the same pair still works: refusals left nothing in flight
+    _check_blocks(peer, [5], [8])
+    assert imp.stats["pairs_opened"] == 1
+
+
+def test_no_pair_without_the_cluster_secret(peer):
+    imp, control = peer["imp"], peer["control"]
+    h = peer["call"]("lease", [1])
+    addr, nonce, other = h.exporter_address, b"n" * 16, ClusterSecret.generate().mac_key
+    with pytest.raises(PairLost, match="UNAUTHENTICATED"):  # an OpenPair sealed with another key
+        control.open_pair(addr, h.exporter_id, "intruder", nonce, seal(other, "open", h.exporter_id, "intruder", nonce))
+    # a pair opened properly (its nonce seen on the wire) cannot be joined without the secret: the prefix differs
+    mac = peer["secret"].mac_key
+    store_addr, _, _ = control.open_pair(addr, h.exporter_id, "intruder", nonce,
+                                         seal(mac, "open", h.exporter_id, "intruder", nonce))
+    host, _, port = store_addr.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=1))
+    t0 = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017  (gloo's or the store's timeout)
+        PairGroup(dist.PrefixStore(pair_prefix(other, nonce), store), 1, torch.device("cpu"), "127.0.0.1", 1.0)
+    assert time.monotonic() - t0 < 5
+    assert pair_prefix(other, nonce) != pair_prefix(mac, nonce)
+
+
+def test_a_stalled_exporter_is_a_bounded_failure_and_a_new_pair_follows(peer):
+    imp, call = peer["imp"], peer["call"]
+    call("stall", 2 * TIMEOUT_S)
+    h = call("lease", [6])
+    t0 = time.monotonic()
+    with pytest.raises(HandoffError, match="receive failed"):
+        imp.copy(h, [7])
+    assert TIMEOUT_S * 0.9 < time.monotonic() - t0 < TIMEOUT_S + 3
+    assert imp.stats["pairs_dropped"] == 1
+    h = call("lease", [6])
+    imp.copy(h, [7])  # a new pair (it replaces the old one at the exporter)
+    _check_blocks(peer, [6], [7])
+    assert imp.stats["pairs_opened"] == 2
+
+
+def test_an_exporter_dying_mid_transfer_fails_the_import_within_the_bound(peer):
+    imp, call = peer["imp"], peer["call"]
+    call("die")
+    h = call("lease", [3])
+    t0 = time.monotonic()
+    with pytest.raises(HandoffError):
+        imp.copy(h, [0])
+    assert time.monotonic() - t0 < TIMEOUT_S + 3
+    peer["proc"].join(10)
+    assert peer["proc"].exitcode == 17
+    with pytest.raises(HandoffError):  # and the next import fails fast too (nobody answers OpenPair)
+        imp.copy(h, [0])
+
+
+def test_local_service_over_the_dist_path_equals_colocated(dflash_pair, colocated_reference):  # noqa: F811
+    """`kv_transport: dist` with the prefill and decode workers as local processes (gloo on the CPU): the
+    prompts' KV crosses over the pair (counted at the decode worker, no fallback) and outputs and acceptance
+    lengths equal the colocated server's."""
+    import urllib.request  # noqa: PLC0415
+
+    from flashpd.cluster.service import start_service  # noqa: PLC0415
+    from tests._cluster_helpers import run_concurrently, serve_cfg  # noqa: PLC0415
+
+    def metric(address: str, name: str) -> float:
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+        return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith((name + " ", name + "{")))
+
+    ps, ref = colocated_reference
+    idx = [1, 2, 3]  # two DFlash requests and a native one
+    svc = start_service(serve_cfg(dflash_pair, "local", prefill_workers=1, decode_workers=1, kv_transport="dist"))
+    try:
+        got = run_concurrently(svc.address, idx, ps)
+        for i in idx:
+            assert got[i] == ref[i], f"request {i}: tokens / acceptance lengths differ from colocated"
+        dec = svc.pool.slots["decode"][0].launched.metrics_address
+        assert metric(dec, "flashpd_handoff_imports_total") == len(idx)
+        assert metric(dec, "flashpd_handoff_fallbacks_total") == 0
+    finally:
+        svc.stop()

@@ -289,6 +289,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     a = ap.parse_args(argv)
+    if not Path(a.out).is_absolute() and "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
+        ap.error("--out: a relative path inside a Ray job lands in Ray's temporary copy of the working_dir; give an "
+                 "absolute path on the head node (\"$PWD/bench/results/NAME.json\" when the head is this machine)")
     a.launcher = a.launcher or default_launcher()
     if a.target is None:
         a.target, a.draft = str(_demo_pair() / "target"), a.draft or str(_demo_pair() / "drafter")

@@ -18,7 +18,7 @@ import torch
 from flashpd.bench.dflash_step import drafter_config_for
 from flashpd.bench.ttft_hit import target_config
 from flashpd.engine.drafter import dummy_drafter
-from flashpd.engine.export import save_drafter, save_target
+from flashpd.engine.export import save_drafter, save_target, write_model_file
 from flashpd.engine.loader import dummy_target
 
 
@@ -36,7 +36,8 @@ def main() -> None:
     save_target(target, out / "target", dtype=torch.bfloat16)
     save_drafter(dummy_drafter(drafter_config_for(cfg, a.draft_layers), target), out / "drafter", dtype=torch.bfloat16)
     if a.tokenizer:
-        shutil.copy(a.tokenizer, out / "target" / "tokenizer.json")
+        src = a.tokenizer
+        write_model_file(out / "target" / "tokenizer.json", lambda tmp: shutil.copyfile(src, tmp))
     print(f"wrote {out}/target and {out}/drafter ({a.config}, dummy weights)")
 
 

@@ -18,35 +18,46 @@ import threading
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """The sampling options every generating command takes (contract.md's defaults)."""
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (the first token counts)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the likeliest tokens up to "
+                                                            "this probability mass (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens only (0: off)")
+    p.add_argument("--seed", type=int, help="seed of a sampled request (unset: unseeded; greedy ignores it)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep going past stop tokens until --max-tokens")
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("serve", help="serve the generation gRPC API from a JSON or YAML config")
-    s.add_argument("config", nargs="?", help="the config file (or use --config)")
-    s.add_argument("--config", dest="config_opt", metavar="FILE",
-                   help="JSON or YAML: target, draft, mode (colocated|local|ray), device, dtype, host, port, ...")
+    desc = "Serve the generation gRPC API (and optionally the OpenAI-compatible HTTP API) from a JSON or YAML config."
+    s = sub.add_parser("serve", help="serve the generation gRPC API from a JSON or YAML config", description=desc,
+                       epilog="The config's keys and defaults: ServeConfig in cluster/config.py (the README's "
+                              "Configuration table).")
+    s.add_argument("config", nargs="?", metavar="CONFIG",
+                   help="the config file: JSON or YAML with ServeConfig's keys (target, draft, mode, ...); "
+                        "this or --config")
+    s.add_argument("--config", dest="config_opt", metavar="FILE", help="the config file, as an option; this or CONFIG")
     s.add_argument("--http-port", type=int, metavar="PORT",
                    help="also serve the OpenAI-compatible HTTP API on this port (0: any free port); "
-                        "overrides the config's http_port")
+                        "overrides the config's http_port (unset: the config's)")
 
 
 def add_client(sub: argparse._SubParsersAction, prompt_ids) -> None:
-    c = sub.add_parser("client", help="send one request to a generation server")
-    c.add_argument("--address", default="127.0.0.1:50051")
+    c = sub.add_parser("client", help="send one request to a generation server",
+                       description="Send one request to a running `flashpd serve` (gRPC) and print the result as "
+                                   "JSON.")
+    c.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT of the server's gRPC API")
     g = c.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt", help="prompt text (the server needs a tokenizer)")
-    g.add_argument("--prompt-ids", type=prompt_ids, help="comma-separated token ids")
-    c.add_argument("--method", default="", choices=["", "native", "dflash"])
-    c.add_argument("--block-size", type=int, default=0)
+    g.add_argument("--prompt", help="prompt text (the server needs a tokenizer); this or --prompt-ids")
+    g.add_argument("--prompt-ids", type=prompt_ids, help="the prompt as comma-separated token ids; this or --prompt")
+    c.add_argument("--method", default="", choices=["native", "dflash"],
+                   help="decoding method (unset: the server's default, dflash when it has a drafter)")
+    c.add_argument("--block-size", type=int, default=0,
+                   help="DFlash block width, 2..16 (0: the server's default, its drafter's)")
     add_sampling_args(c)
-    c.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
-    c.add_argument("--stream", action="store_true", help="print text/tokens as they arrive")
+    c.add_argument("--timeout", type=float, default=60.0, help="deadline of the request in seconds")
+    c.add_argument("--stream", action="store_true",
+                   help="print text (or token ids) as they arrive, then the result as JSON")
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

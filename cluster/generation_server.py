@@ -32,7 +32,8 @@ from flashpd.kv_bridge.server import is_loopback
 PROTOCOL_VERSION = 1
 POLL_S = 0.1  # how often a waiting RPC re-checks that its client and the loop are still there
 # A prompt_text longer than max_positions * this many characters cannot fit (no tokenizer's tokens
-# average that much); it is refused before tokenizing (4 MiB of text took 5 s of a core).
+# average that much); it is refused before tokenizing (tokenizing megabytes of text holds a core for
+# seconds: docs/results.md).
 MAX_CHARS_PER_TOKEN = 64
 MAX_DETAILS = 1024  # characters of an internal error's message a status carries
 

@@ -70,9 +70,9 @@ FORCE_IMPL: str | None = None  # tests: "matmul" or "sdpa" on any device
 
 def use_matmul(q: torch.Tensor, keys: int) -> bool:
     """Small query sets (decode, verify, draft blocks) over a long, padded key range: a masked fused
-    SDPA kernel runs them on a few thread blocks that walk every key in turn (on an H200, 68 us per
-    call at 4,096 keys for the demo pair against 14 us as two matmuls and a softmax, from
-    bench/results/attn_micro_h200.json); large score matrices (prefill) keep the fused kernel."""
+    SDPA kernel runs them on a few thread blocks that walk every key in turn, several times slower on a
+    GPU than two matmuls and a softmax (docs/results.md); large score matrices (prefill) keep the fused
+    kernel."""
     if FORCE_IMPL is not None:
         return FORCE_IMPL == "matmul"
     rows = q.shape[0] * q.shape[1] * q.shape[2]  # B*T*Hq, in either query layout
@@ -85,8 +85,8 @@ def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
 
     Why this layout: attention's output [Hkv, B, T*groups, d] is then [Hkv, B*T, groups*d] as a view, which
     `out_proj` multiplies per KV head with no copy. A [B, T, Hq*d] output needs a permute copy at T > 1:
-    on an H200 that was one kernel per layer of every verify and draft pass (16 of a demo-pair DFlash
-    step's 281 kernels), and none in a one-token decode. A layer's `attn_inputs` writes its queries in
+    one more kernel per layer of every verify and draft pass (a visible share of a small model's DFlash
+    step: docs/results.md), and none in a one-token decode. A layer's `attn_inputs` writes its queries in
     this layout from the kernel that ropes them."""
     b, t, hq, d = q.shape
     return q.view(b, t, n_kv, hq // n_kv, d).permute(2, 0, 1, 3, 4).reshape(n_kv, b, -1, d)
@@ -133,7 +133,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
     Returns [B, T, Hq*d] (one copy out of SDPA's head layout), which the layer multiplies by o_proj whole:
     at prefill widths the kv-major form's batched matmul takes a copy of the weight and a memset besides (two
-    kernels a layer on an H200). The same numbers as `grouped_attention` and `out_proj` over the cache for
+    more kernels a layer). The same numbers as `grouped_attention` and `out_proj` over the cache for
     rows that start at 0, up to the rounding of a differently ordered sum, without the cache gather or the
     [T, L] mask: a 2,000-token prompt's prefill is a flash kernel instead of a masked one. T stays -1:
     compiled for prompts of many lengths, T is symbolic."""

@@ -1,12 +1,16 @@
 """Write flashpd models back as checkpoints others read: HF Qwen3 targets, z-lab DFlash drafters.
 
 The loaders' name -> (fused parameter, row slice) maps are inverted, so whatever flashpd writes
-loads in transformers / the reference dflash package and back here.
+loads in transformers / the reference dflash package and back here. Every model file flashpd writes
+(weights, configs, tokenizers, trainer state) goes through `write_model_file`: written beside its
+place, made world-readable (0644) and renamed in.
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -16,6 +20,28 @@ from flashpd.engine.loader import slices_state_dict, target_slices
 from flashpd.engine.qwen3 import Qwen3ForCausalLM
 
 
+# A model directory is read by other processes and often other accounts (a service user, Ray workers, a
+# copy on another machine, the shipped demo pair), so its files are 0644 whatever the writer's umask.
+MODEL_FILE_MODE = 0o644
+
+
+def write_model_file(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Write `path` through `write(tmp)` on a temporary name beside it, give it mode 0644 and rename it into
+    place: a reader never sees a half-written file, and the mode does not follow a private umask."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.chmod(tmp, MODEL_FILE_MODE)
+    tmp.replace(path)
+    return path
+
+
+def write_model_json(path: str | Path, obj, indent: int | None = None) -> Path:
+    """`obj` as JSON through `write_model_file`."""
+    text = json.dumps(obj, indent=indent)
+    return write_model_file(path, lambda tmp: tmp.write_text(text))
+
+
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -23,9 +49,7 @@ def _dtype_name(t: torch.Tensor) -> str:
 def _save(sd: dict[str, torch.Tensor], out: Path, dtype: torch.dtype | None) -> None:
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
-    tmp = out / "model.safetensors.tmp"
-    save_file(sd, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")  # a reader never sees a half-written file
+    write_model_file(out / "model.safetensors", lambda tmp: save_file(sd, str(tmp), metadata={"format": "pt"}))
 
 
 def hf_config_dict(model: Qwen3ForCausalLM, dtype: str = "float32") -> dict:
@@ -48,7 +72,7 @@ def save_target(model: Qwen3ForCausalLM, out_dir: str | Path, dtype: torch.dtype
     if model.cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     name = _dtype_name(next(iter(sd.values())).to(dtype) if dtype else next(iter(sd.values())))
-    (out / "config.json").write_text(json.dumps(hf_config_dict(model, name), indent=2))
+    write_model_json(out / "config.json", hf_config_dict(model, name), indent=2)
     _save(sd, out, dtype)
     return out
 
@@ -71,6 +95,6 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     sd = slices_state_dict(draft_slices(drafter))
     name = _dtype_name(next(iter(sd.values())).to(dtype) if dtype else next(iter(sd.values())))
     cfg = drafter_config_dict(drafter, drafter.target.cfg.vocab_size, name)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_model_json(out / "config.json", cfg, indent=2)
     _save(sd, out, dtype)
     return out

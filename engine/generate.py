@@ -95,9 +95,9 @@ class NativeGenerator:
         """Prefill, then drive the requests in the device loop with no host round trip in between: the
         first decode step is queued behind the prefill, its first tokens still on the device, and the host
         reads them while that step runs. Sequentially (prefill, sync, commit, then the loop's state upload
-        and its first graph launch) the GPU idled through the host's part of the handover, 0.15-0.35 ms of
-        a request on an H200 (bench/results/demo_pair_v5_h200/anatomy_125a794/request_anatomy_h200.json) plus the
-        launch, a fixed cost a request pays once, native and DFlash alike."""
+        and its first graph launch) the GPU idled through the host's part of the handover plus the launch: a
+        fixed cost a request pays once, native and DFlash alike, measurable against a small model's TTFT
+        (docs/results.md)."""
         first: list[torch.Tensor] = []
         self.prefill_request(seqs, defer=first)
         self.loop().run(seqs, first=torch.cat(first) if len(first) > 1 else first[0])

@@ -44,9 +44,6 @@ class BlockAllocator:
     def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
         return max(0, math.ceil(num_tokens / self.block_size) - len(table.blocks))
 
-    def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
-        return self.blocks_needed(table, num_tokens) <= self.num_free
-
     def ensure(self, table: BlockTable, num_tokens: int) -> None:
         """Give `table` enough blocks to hold `num_tokens` positions (does not move num_tokens)."""
         need = self.blocks_needed(table, num_tokens)
@@ -83,13 +80,6 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[i, 0], self.data[i, 1]
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def slots_of(blocks, pos, block_size: int):

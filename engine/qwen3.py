@@ -31,8 +31,8 @@ def attn_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_norm: t
     """h [B, T, H] -> queries, k and v [B*T, n_kv, d] (k roped and normed). Queries come in the layout
     their attention reads: [n_kv, B, T*groups, d] (attention.group_queries) over the cache, or [B, n_q, T,
     d] for a fresh prefill's causal kernel (`fresh`). Given a layer's cache as [slots, n_kv, d] views, k and
-    v are written at `slots` here, so that compiled they are stored by the kernel that makes them (on an
-    H200 the separate index_copy kernels were 28 of a demo-pair step's 238 kernels, 1.3-2.4 us each)."""
+    v are written at `slots` here, so that compiled they are stored by the kernel that makes them (separate
+    index_copy kernels, two a layer, were a sizeable share of a small model's step: docs/results.md)."""
     b, t, _ = h.shape
     q, k, v = F.linear(rms_norm(h, w_norm, eps), w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
     q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
@@ -100,8 +100,8 @@ def step_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A forward's prologue: embeddings [B, T, H], RoPE tables, and (unless fresh) the grouped position
     mask over the block tables' keys (key j visible to the query at position p iff j <= p). Eagerly this
-    is about ten small kernels a step (an embedding lookup of 16 ids took 6 us on an H200); compiled,
-    one or two."""
+    is about ten small kernels a step, each a launch a small model's step waits for; compiled, one or
+    two."""
     h = F.embedding(ids, w_embed)
     cos, sin = rope_tables(cos_t, sin_t, positions, h.dtype)
     if fresh:

@@ -3,9 +3,9 @@
 A greedy step needs nothing from the host between its draft and its verify: the verify's ids are
 the last token followed by the draft's argmax, and its positions, slots and block tables are known
 before the draft runs. Fusing both passes gives one input copy, one graph launch and one result
-copy per step. On the demo pair the host dominates a step: with two graphs, a DFlash step's wall
-time was 2.0 ms against 0.63 ms of GPU work (bench/results/profile_step_h200_46c3961.json).
-On the CPU the same function runs eagerly, so the tests exercise exactly what a GPU replays.
+copy per step. On a small model the host, not the GPU, sets a step's pace (with two graphs a DFlash
+step's wall time was several times its GPU work: docs/results.md), so every launch and copy saved
+shortens the step. On the CPU the same function runs eagerly, so the tests exercise exactly what a GPU replays.
 """
 from __future__ import annotations
 

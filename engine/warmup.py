@@ -2,8 +2,8 @@
 
 Graphs are captured lazily, one per shape (batch bucket, block-table bucket, padded prefill width,
 verify width). Without a warm-up the first requests of each shape pay for the capture and the
-compile inside their measured latency: a 5.6 s TTFT outlier at concurrency 1 in the two-H200 sweep
-at 04eea2b (bench/results/serve_sweep_demo_2gpu_ray_h200.json). The prompt lengths below cover
+compile inside their measured latency (a service sweep's TTFT outliers came from this: docs/results.md,
+"Figures behind design choices"). The prompt lengths below cover
 the padded prefill widths (64 to 1,024 tokens) and the block-table buckets of contexts up to about
 2,000 tokens, at batch 1 and as one batch; other shapes are still captured when first seen.
 

@@ -12,6 +12,34 @@ from flashpd.engine.config import CheckpointError
 from flashpd.engine.sampling import SamplingParams
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help line ends with its default: "(default: X)", "(default: off)" for a flag,
+    "(required)"; an option whose unset value is None or "" says in its own help line what unset means.
+    Description and epilog paragraphs are wrapped, except indented ones (commands to copy), kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required:
+            return text + " (required)"
+        if action.default in (None, "", argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return text + " (default: off)"
+        return text + " (default: %(default)s)"
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        fill = super()._fill_text
+        return "\n\n".join(p if p.startswith(" ") else fill(p, width, indent) for p in text.split("\n\n"))
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with `HelpFormatter`; its subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _prompt_ids(s: str) -> list[int]:
     try:
         return [int(x) for x in s.split(",") if x.strip()]
@@ -44,19 +72,25 @@ def parse_speculative_config(text: str) -> dict:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate for one prompt (native or DFlash)")
-    p.add_argument("--target", required=True, help="Hugging Face Qwen3 directory")
-    p.add_argument("--draft", help="z-lab DFlash drafter directory")
-    p.add_argument("--method", choices=["native", "dflash"])
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--speculative-config", help='vLLM form: \'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'')
+    p = sub.add_parser("generate", help="generate for one prompt (native or DFlash)",
+                       description="Generate for one prompt, natively or with DFlash, and print the text (with "
+                                   "--json: one JSON object).")
+    p.add_argument("--target", required=True, help="Hugging Face Qwen3 checkpoint directory")
+    p.add_argument("--draft", help="z-lab DFlash drafter directory (unset: native decoding only)")
+    p.add_argument("--method", choices=["native", "dflash"],
+                   help="decoding method (unset: dflash when a drafter is given, else native)")
+    p.add_argument("--block-size", type=int, help="DFlash block width, 2..16 (unset: the drafter's)")
+    p.add_argument("--speculative-config",
+                   help='the drafter in vLLM\'s form, instead of --draft: \'{"method": "dflash", "model": DIR, '
+                        '"num_speculative_tokens": 15}\' (K tokens: block width K+1; unset: --draft)')
     add_sampling_args(p)
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt")
-    g.add_argument("--prompt-ids", type=_prompt_ids)
-    p.add_argument("--device", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", choices=["float32", "bfloat16"])
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    g.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json); this or --prompt-ids")
+    g.add_argument("--prompt-ids", type=_prompt_ids, help="the prompt as comma-separated token ids; this or --prompt")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="unset: cuda when available, else cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="unset: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (token_ids, text, finish_reason, stats) as the last line")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -87,45 +121,74 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+TRAIN_EXAMPLE = """\
+How it runs: the target regenerates a continuation of each prompt (greedy: the drafter learns what the target
+says), the drafter trains on them, and the written drafter is evaluated on held-out prompts (tau, and
+exactness against native decoding) into OUT/eval.json. Progress bars go to stderr on a terminal; the
+log lines go to stdout.
+
+A small run that finishes in a few minutes on a 2-core CPU, from the repository root (the demo pair's
+target; a drafter trained this briefly accepts little: the run shows the pipeline end to end):
+
+  flashpd train-drafter --target flashpd/assets/demo_pair/target --out small-drafter \\
+      --device cpu --num-prompts 16 --prompt-len 32,64 --new-tokens 32 --steps 50 \\
+      --seqs-per-step 4 --anchors 16 --eval-prompts 2
+
+  flashpd generate --target flashpd/assets/demo_pair/target --draft small-drafter \\
+      --device cpu --prompt 'import os' --max-tokens 32
+"""
+
+
 def _add_training(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (z-lab format checkpoints)")
-    t.add_argument("--target", required=True)
+    t = sub.add_parser("train-drafter", help="train a DFlash drafter for a target (z-lab format checkpoints)",
+                       description="Train a DFlash drafter for a target; checkpoints are z-lab drafter directories.",
+                       epilog=TRAIN_EXAMPLE)
+    t.add_argument("--target", required=True, help="the target's Hugging Face Qwen3 checkpoint directory")
     t.add_argument("--out", required=True, help="drafter directory (checkpoints, trainer state, eval.json)")
     t.add_argument("--data", help="directory of text files to take prompts from (needs the target's tokenizer.json); "
-                                  "default: the demo recipe's text if the target has a tokenizer (its drafter-prompt "
+                                  "unset: the demo recipe's text if the target has a tokenizer (its drafter-prompt "
                                   "files of the stdlib and torch's source to train on, held-out stdlib files to "
-                                  "evaluate on), "
-                                  "else random token prompts")
-    t.add_argument("--layers", type=int, default=2)
-    t.add_argument("--intermediate-size", type=int, help="draft MLP width (default: the target's)")
-    t.add_argument("--block-size", type=int, default=16)
+                                  "evaluate on), else random token prompts")
+    t.add_argument("--layers", type=int, default=2, help="draft layers")
+    t.add_argument("--intermediate-size", type=int, help="draft MLP width (unset: the target's)")
+    t.add_argument("--block-size", type=int, default=16, help="DFlash block width the drafter is trained for")
     t.add_argument("--taps", type=int, default=5, help="number of target layers tapped")
-    t.add_argument("--mask-token-id", type=int)
-    t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--seqs-per-step", type=int, default=8)
-    t.add_argument("--anchors", type=int, default=128)
-    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--mask-token-id", type=int,
+                   help="token id of a block's masked positions (unset: the target's last vocabulary id)")
+    t.add_argument("--steps", type=int, default=1000, help="training steps (a checkpoint every quarter of them)")
+    t.add_argument("--seqs-per-step", type=int, default=8, help="sequences per training step")
+    t.add_argument("--anchors", type=int, default=128, help="blocks per sequence in a step (anchored at random "
+                                                            "positions of the regenerated part)")
+    t.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate (linear warm-up over the first 5%% of steps, cosine decay to a tenth)")
     t.add_argument("--kl-weight", type=float, default=0.0,
                    help="weight of KL(target || drafter) beside the cross-entropy on the target's tokens")
     t.add_argument("--attention", choices=["auto", "mask", "flex"], default="auto",
                    help="the blocks' attention in training: flex (CUDA), an explicit mask, or auto (flex on CUDA)")
-    t.add_argument("--num-prompts", type=int, default=512)
+    t.add_argument("--num-prompts", type=int, default=512,
+                   help="training prompts whose continuations the target regenerates")
     t.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens")
     t.add_argument("--new-tokens", type=int, default=256, help="tokens the target regenerates per prompt")
-    t.add_argument("--eval-prompts", type=int, default=8)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--resume", action="store_true")
-    t.add_argument("--device", choices=["cpu", "cuda"])
-    m = sub.add_parser("make-demo-pair", help="the demo pair's whole recipe (tokenizer, target, drafter, eval)")
-    m.add_argument("--out", required=True)
-    m.add_argument("--device", choices=["cpu", "cuda"])
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--target-steps", type=int, default=600)
-    m.add_argument("--drafter-steps", type=int, default=17000)
+    t.add_argument("--eval-prompts", type=int, default=8,
+                   help="held-out prompts the written drafter is evaluated on (0: no evaluation)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the prompts, the drafter's initialisation and "
+                                                       "its training")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint in --out (the continuations are regenerated first)")
+    t.add_argument("--device", choices=["cpu", "cuda"], help="unset: cuda when available, else cpu")
+    m = sub.add_parser("make-demo-pair", help="the demo pair's whole recipe (tokenizer, target, drafter, eval)",
+                       description="The demo pair's whole recipe: BPE tokenizer, target from scratch, regenerated "
+                                   "continuations, drafter, held-out evaluation (eval.json).")
+    m.add_argument("--out", required=True, help="directory of the pair: target/, drafter/, drafter-train/ "
+                                                "(checkpoints), eval.json")
+    m.add_argument("--device", choices=["cpu", "cuda"], help="unset: cuda when available, else cpu")
+    m.add_argument("--seed", type=int, default=0, help="seed of the prompts, training and evaluation")
+    m.add_argument("--target-steps", type=int, default=600, help="training steps of the target (from scratch)")
+    m.add_argument("--drafter-steps", type=int, default=17000, help="training steps of the drafter")
     m.add_argument("--num-prompts", type=int, default=12288, help="prompts whose continuations the target regenerates")
     m.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary of the demo tokenizer")
     m.add_argument("--drafter-seqs", type=int, default=16, help="sequences per drafter step (128 anchors each)")
-    m.add_argument("--drafter-lr", type=float, default=1.5e-3)
+    m.add_argument("--drafter-lr", type=float, default=1.5e-3, help="the drafter's peak learning rate")
     m.add_argument("--corpus", choices=["stdlib", "stdlib+torch"], default="stdlib+torch",
                    help="training text: the stdlib's Python, or it and the installed torch package's")
     m.add_argument("--kl-weight", type=float, default=0.0,
@@ -135,23 +198,27 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--drafter-intermediate", type=int, default=896,
                    help="the draft layers' MLP width (the target's is 512; the pair must stay within 16 MB)")
     m.add_argument("--new-tokens", type=int, default=128, help="tokens the target regenerates per prompt")
-    m.add_argument("--regen-batch", type=int, help="prompts regenerated at once (default: 256 on CUDA, 32 on CPU)")
+    m.add_argument("--regen-batch", type=int, help="prompts regenerated at once (unset: 256 on CUDA, 32 on CPU)")
     m.add_argument("--drafter-gamma", type=float, default=4.0,
                    help="decay of the drafter's loss weight over block positions, exp(-(k-1)/gamma): 4 (demo pairs "
                         "v5 and v6) weighs a block's first guesses more than DFlash's 7 at block 16")
     m.add_argument("--target", help="a target this recipe made before (with its tokenizer.json): copied into --out, "
-                                    "and only the drafter's stages run (drafter settings compared on one target)")
+                                    "and only the drafter's stages run (drafter settings compared on one target); "
+                                    "unset: the whole recipe")
 
 
 def cmd_train_drafter(a: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
+    from flashpd.engine.export import write_model_json  # noqa: PLC0415
     from flashpd.engine.loader import load_target  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
+    from flashpd.training.progress import log_line  # noqa: PLC0415
     from flashpd.training.train_drafter import DrafterTrainConfig, evaluate_tau, regenerate, train_drafter  # noqa
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    log_line(f"loading the target {a.target} ({device})")
     target = load_target(a.target, device, dtype)
     lo, hi = (int(x) for x in a.prompt_len.split(","))
     gen = torch.Generator().manual_seed(a.seed)
@@ -162,6 +229,7 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         from flashpd.training.demo_recipe import windows  # noqa: PLC0415
         from flashpd.training.text_data import drafter_prompt_sources, read_texts  # noqa: PLC0415
         train_files, eval_files, eval_source = drafter_prompt_sources(a.data)
+        log_line(f"tokenizing {len(train_files)} + {len(eval_files)} text files to take prompts from")
         prompts = []
         for files, count in ((train_files, a.num_prompts), (eval_files, a.eval_prompts)):
             stream = torch.tensor([t for ids in tok.encode_many(read_texts(files)) for t in ids])
@@ -176,7 +244,9 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
         prompts = [torch.randint(0, vocab, (int(k),), generator=gen).tolist()
                    for k in torch.randint(lo, hi + 1, (n,), generator=gen)]
     train_prompts, eval_prompts = prompts[:a.num_prompts], prompts[a.num_prompts:]
-    data = regenerate(target, train_prompts, a.new_tokens)
+    log_line(f"the target regenerates {len(train_prompts)} continuations of up to {a.new_tokens} tokens ({device})")
+    # 32 prompts at a time on a CPU, as the demo recipe does there: the progress bar moves as batches finish
+    data = regenerate(target, train_prompts, a.new_tokens, batch=128 if device == "cuda" else 32)
     tc = DrafterTrainConfig(layers=a.layers, intermediate_size=a.intermediate_size, block_size=a.block_size,
                             num_taps=a.taps, mask_token_id=a.mask_token_id,
                             steps=a.steps, seqs_per_step=a.seqs_per_step, anchors=a.anchors, lr=a.lr, seed=a.seed,
@@ -185,9 +255,10 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     train_drafter(target, data, [len(p) for p in train_prompts], a.out, tc, resume=a.resume)
     if eval_prompts:
         from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (evaluate what was written)
+        log_line(f"evaluating the drafter on {len(eval_prompts)} held-out prompts")
         rows = evaluate_tau(target, load_drafter(a.out, target), eval_prompts, max_tokens=min(128, a.new_tokens))
         report = {"heldout": rows, "tau_mean": sum(r["tau"] for r in rows) / len(rows), "eval_prompts": eval_source}
-        Path(a.out, "eval.json").write_text(json.dumps(report, indent=1))
+        write_model_json(Path(a.out, "eval.json"), report, indent=1)
         for r in rows:
             print(f"held-out prompt {r['prompt_len']:5d} tokens: tau {r['tau']:.2f} exact {r['exact']}")
     print(f"drafter written to {a.out}")
@@ -195,12 +266,15 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashpd", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"flashpd {_version()}")
-    sub = parser.add_subparsers(dest="cmd")
+    parser = Parser(prog="flashpd", description=__doc__, epilog="`flashpd COMMAND --help` lists a command's options "
+                                                              "with their defaults.")
+    parser.add_argument("--version", action="version", version=f"flashpd {_version()}",
+                        help="print flashpd's version and exit")
+    sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
     _add_generate(sub)
-    d = sub.add_parser("demo", help="run the shipped demo model: native vs DFlash")
-    d.add_argument("--device", choices=["cpu", "cuda"])
+    d = sub.add_parser("demo", help="run the shipped demo model: native vs DFlash",
+                       description="Run the shipped demo pair on three held-out prompts, native against DFlash.")
+    d.add_argument("--device", choices=["cpu", "cuda"], help="unset: cuda when available, else cpu")
     _add_training(sub)
     cli_serve.add_serve(sub)
     cli_serve.add_client(sub, _prompt_ids)

@@ -415,18 +415,13 @@ def test_recipe_on_a_given_target_copies_it_and_trains_only_the_drafter(tmp_path
     assert saved["tau_64_mean"] == sum(r["tau_64"] for r in saved["heldout"]) / 2
 
 
-def test_demo_states_the_speedup_of_the_json_it_names():
-    """`flashpd demo` prints fixed speedup figures and names their JSON: they must be that JSON's
-    confirmation geomeans and per-prompt range (a new run or pair has to update both together)."""
+def test_demo_prints_no_figure_from_a_file_the_wheel_does_not_ship():
+    """`flashpd demo` measures on this machine and points to docs/results.md for the GPU figures: it must not
+    quote figures or result paths (the wheel ships neither bench/results nor docs)."""
     from flashpd import demo
-    run = json.loads((DEMO.parents[2] / demo.SPEEDUP_JSON).read_text())
-    assert run["target"].endswith("target") and run["bench"] == "speedup"
-    got = {c["new_tokens"]: c for c in run["confirm"]}
-    assert set(got) == set(demo.SPEEDUP_GEOMEAN)
-    for n, c in got.items():
-        assert round(c["geomean_speedup"], 2) == demo.SPEEDUP_GEOMEAN[n]
-    assert round(min(c["min_speedup"] for c in got.values()), 2) == demo.SPEEDUP_RANGE[0]
-    assert round(max(c["max_speedup"] for c in got.values()), 2) == demo.SPEEDUP_RANGE[1]
+    src = Path(demo.__file__).read_text()
+    assert "bench/results" not in src and not re.search(r"\bx\d+\.\d+", src)
+    assert not any(hasattr(demo, n) for n in ("SPEEDUP_JSON", "SPEEDUP_GEOMEAN", "SPEEDUP_RANGE"))
 
 
 def test_demo_explains_a_difference_by_the_two_tokens_float32_logits(make_checkpoint):

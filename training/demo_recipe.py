@@ -1,7 +1,7 @@
 """The demo pair's recipe: tokenizer, target from scratch, regenerated data, drafter, held-out tau.
 
-One command, fixed seeds and split:  flashpd make-demo-pair --out DIR  (559 s on an H200 at b80a182; its
-output is demo pair v6 as shipped). `--target DIR` runs the drafter's stages alone on a target the recipe made
+One command, fixed seeds and split:  flashpd make-demo-pair --out DIR  (its output is demo pair v6 as
+shipped; the run's time: docs/results.md). `--target DIR` runs the drafter's stages alone on a target the recipe made
 before (how v3, v4 and v5 were made).
 Text = the running interpreter's standard-library Python and the installed torch package's Python
 source (no network); held-out stdlib files are never trained on and give the evaluation prompts.
@@ -17,8 +17,9 @@ from typing import Callable
 import torch
 
 from flashpd.engine.config import Qwen3Config
-from flashpd.engine.export import save_drafter, save_target
+from flashpd.engine.export import save_drafter, save_target, write_model_file, write_model_json
 from flashpd.engine.loader import load_target
+from flashpd.training.progress import log_line
 from flashpd.training.text_data import SPECIAL_TOKENS, corpus_files, encode_files, read_texts, split_three, \
     stdlib_files, train_tokenizer
 from flashpd.training.train_drafter import DrafterTrainConfig, evaluate_tau, regenerate, train_drafter
@@ -57,7 +58,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                    drafter_lr: float = 1.5e-3, corpus: str = "stdlib+torch", kl_weight: float = 0.0,
                    drafter_intermediate: int | None = 896, drafter_attention: str = "auto",
                    regen_batch: int | None = None, target_dir: str | Path | None = None,
-                   drafter_gamma: float | None = 4.0, log: Callable[[str], None] = print) -> dict:
+                   drafter_gamma: float | None = 4.0, log: Callable[[str], None] = log_line) -> dict:
     """The whole recipe into `out` (target/, drafter/, eval.json). With `target_dir`, a target this recipe
     made before (its tokenizer.json beside it) is copied in and only the drafter's stages run: the same
     split, prompts and seeds, so drafter settings compare on one target (targets of two runs differ: GPU
@@ -99,8 +100,9 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                              device=device, seed=seed, val_stream=draft_stream, log=log)
         log(f"target trained ({time.perf_counter() - t0:.0f} s)")
         save_target(model, tdir, dtype=torch.bfloat16)
-        tok.save(str(tdir / "tokenizer.json"), pretty=False)  # compact: 104 KB against 260 KB indented (16 MB bound)
-        (tdir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        # compact (not indented): the shipped pair and its tokenizer must stay within 16 MB
+        write_model_file(tdir / "tokenizer.json", lambda tmp: tok.save(str(tmp), pretty=False))
+        write_model_json(tdir / "generation_config.json", {"eos_token_id": eos})
         del model
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = load_target(tdir, device, dtype)
@@ -136,7 +138,7 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
               "exact": f"{sum(r['exact'] for r in rows)}/{len(rows)}", "seconds": time.perf_counter() - t0}
     pos = [sum(r["position_acceptance"][k] for r in rows) / len(rows) for k in range(len(rows[0]["position_acceptance"]))]
     report["position_acceptance_mean"] = pos  # in eval.json too (it used to reach only the log)
-    (out / "eval.json").write_text(json.dumps(report, indent=1))
+    write_model_json(out / "eval.json", report, indent=1)
     for r in rows:
         log(f"held-out prompt {r['prompt_len']:5d} tokens: tau {r['tau']:.2f} (first 64 tokens {r['tau_64']:.2f}) "
             f"exact {r['exact']}")

@@ -11,9 +11,7 @@ Target, embedding and lm_head stay frozen. Checkpoints are z-lab drafter directo
 """
 from __future__ import annotations
 
-import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,18 +20,18 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from tqdm import tqdm
 
 from flashpd.engine.attention import group_mask
 from flashpd.engine.drafter import DFlashConfig, DFlashDrafter, context_kv_all, default_target_layer_ids, \
     draft_layer, draft_qkv, dummy_drafter, load_drafter
-from flashpd.engine.export import save_drafter
+from flashpd.engine.export import save_drafter, write_model_file, write_model_json
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.layers import rms_norm
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, mlp_residual
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.training.progress import bar, log_line
 
 
 @dataclass
@@ -116,22 +114,24 @@ def init_from_target(drafter: DFlashDrafter, target: Qwen3ForCausalLM) -> None:
 
 @torch.inference_mode()
 def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: int, batch: int = 128,
-               log: Callable[[str], None] = print) -> list[list[int]]:
+               log: Callable[[str], None] = log_line) -> list[list[int]]:
     """prompt + the target's greedy continuation (stops included), batched through the engine. Prompts
     go in batches of similar length (then back in their order): a batch's attention and padding cost
     follow its longest prompt."""
     longest = max(len(p) for p in prompts) + new_tokens
     runner = ModelRunner(target, num_blocks=batch * (longest // 16 + 2) + 2, block_size=16, compile=False)
-    # a GPU prefills a whole batch of prompts in a few forwards: 8,192-token forwards (the serving default)
-    # spent 21 s of the demo recipe's regeneration in Python and launches, eagerly (the prompts are fresh:
-    # causal SDPA, no [T, L] masks, so a wide forward costs little memory)
+    # a GPU prefills a whole batch of prompts in a few forwards: with 8,192-token forwards (the serving
+    # default) the demo recipe's regeneration spent much of its prefill time in Python and launches, eagerly
+    # (docs/results.md; the prompts are fresh: causal SDPA, no [T, L] masks, so a wide forward costs little
+    # memory)
     budget = 1 << 16 if runner.device.type == "cuda" else 8192
     gen = NativeGenerator(runner, target.cfg.eos_token_ids, prefill_token_budget=budget)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int] | None] = [None] * len(prompts)
     t0 = time.perf_counter()
     spent = [0.0, 0.0]  # prefill, decode (where a slow regeneration spends its time)
-    for i in tqdm(range(0, len(prompts), batch), desc="regenerate", mininterval=5, disable=not sys.stderr.isatty()):
+    progress = bar(desc="regenerate", total=len(prompts), unit="prompt")
+    for i in range(0, len(prompts), batch):
         idx = order[i:i + batch]
         t_a = time.perf_counter()
         seqs = gen.new_sequences([prompts[k] for k in idx], [SamplingParams(max_tokens=new_tokens)] * len(idx))
@@ -144,6 +144,8 @@ def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: i
         spent[1] += time.perf_counter() - t_b
         for k, s in zip(idx, seqs):
             out[k] = s.prompt + s.output
+        progress.update(len(idx))
+    progress.close()
     log(f"regenerated {len(out)} continuations of up to {new_tokens} tokens ({time.perf_counter() - t0:.0f} s: "
         f"prefill {spent[0]:.0f} s, decode {spent[1]:.0f} s)")
     return out  # type: ignore[return-value]
@@ -165,6 +167,7 @@ def feature_cache(target: Qwen3ForCausalLM, layer_ids: tuple[int, ...], data: li
     its forward would otherwise cost as much as the drafter's step."""
     order = sorted(range(len(data)), key=lambda i: len(data[i]))
     out: list[torch.Tensor | None] = [None] * len(data)
+    progress = bar(desc="target features", total=len(data), unit="seq")
     i = 0
     while i < len(order):
         j = i + 1
@@ -176,7 +179,9 @@ def feature_cache(target: Qwen3ForCausalLM, layer_ids: tuple[int, ...], data: li
             f = target_features(target, layer_ids, seqs, final)
         for r, k in enumerate(group):
             out[k] = f[r, :len(data[k])].clone()
+        progress.update(len(group))
         i = j
+    progress.close()
     return out  # type: ignore[return-value]
 
 
@@ -207,7 +212,7 @@ def anchor_block_mask(a: torch.Tensor, n: int, b: int, tile: int = 128) -> Block
     k' == k, the same as the explicit mask in `block_logits`; the block-sparse form skips the masked
     tiles instead of materialising a [S, groups*K*B, n + K*B] mask for a masked SDPA kernel. The
     tiles are classified from the anchors directly (a few small ops; create_block_mask would evaluate
-    the mask at all S*K*B*(n + K*B) points, 8.6 ms a step at S=16, K=128, n=2300 on an H200): a
+    the mask at all S*K*B*(n + K*B) points every step, a large share of a training step: docs/results.md): a
     query tile's context tiles are full below its blocks' least anchor, partial up to their greatest,
     skipped past it. With anchors sorted along K those bounds are close, so about half the context
     tiles are skipped and most others full; in random order nearly every one would be partial."""
@@ -265,10 +270,10 @@ def flex_draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_
 
 def _flex_layer(device: torch.device) -> Callable:
     """`flex_draft_layer` compiled whole on CUDA (created once): flex attention is compiled into its
-    fused kernel there, and the norms, rotary and casts around it fuse too. On an H200 (demo pair,
-    S=16, K=128, N=2300, bf16) a training step takes 10.5-11.5 ms so (2.1 GiB peak), against 18 ms
-    (3.4 GiB) through the mask and 18-23 ms with only flex_attention compiled (the step is then bound
-    by kernel launches); the first step compiles for about 20 s. Training compiles it twice (the
+    fused kernel there, and the norms, rotary and casts around it fuse too. So compiled, a training step
+    is faster and needs less memory than through the mask, and faster than with only flex_attention
+    compiled (the step is then bound by kernel launches); the first step pays for the compile
+    (docs/results.md). Training compiles it twice (the
     first N, then N dynamic); a process that also runs it under other dtypes, grad modes or S, K
     can pass dynamo's recompile limit (8), past which dynamo runs it eagerly and flex materialises
     the scores. On CPU (forward only, for checks) the layer runs eagerly, flex through its eager
@@ -379,7 +384,8 @@ def _pad(batch: list[list[int]], device: str) -> tuple[torch.Tensor, torch.Tenso
 
 
 def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: list[int], out_dir: str | Path,
-                  tc: DrafterTrainConfig, resume: bool = False, log: Callable[[str], None] = print) -> DFlashDrafter:
+                  tc: DrafterTrainConfig, resume: bool = False,
+                  log: Callable[[str], None] = log_line) -> DFlashDrafter:
     """data[i] = prompt + target continuation; anchors fall in the continuation (from prompt_lens[i] - 1)."""
     dev = str(target.embed_tokens.weight.device)
     attention_mode(tc.attention, dev)  # refuse a path that cannot train here before any work
@@ -411,9 +417,9 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
     cache = feature_cache(target, tuple(drafter.cfg.target_layer_ids), data, dev, amp, final=kl)
     nf = len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size
     log(f"target features of {len(data)} sequences cached ({time.perf_counter() - t_f:.0f} s)")
-    bar = tqdm(range(start, tc.steps), desc="drafter", mininterval=5, disable=not sys.stderr.isatty(), initial=start, total=tc.steps)
+    steps = bar(range(start, tc.steps), desc="drafter", total=tc.steps, unit="step", initial=start)
     losses: list[float] = []
-    for step in bar:
+    for step in steps:
         idx = torch.randint(0, len(data), (tc.seqs_per_step,), generator=pick).tolist()
         seqs, lengths = _pad([data[i] for i in idx], dev)
         starts = torch.tensor([max(0, prompt_lens[i] - 1) for i in idx], device=dev)
@@ -430,20 +436,21 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
         opt.step()
         losses.append(loss.item())
         if step % 50 == 0 or step == tc.steps - 1:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            steps.set_postfix(loss=f"{losses[-1]:.3f}")
             log(f"drafter step {step} loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)")
         if (step + 1) % tc.save_every == 0 or step == tc.steps - 1:
             save_checkpoint(drafter, opt, step + 1, out, tc, losses)
+    steps.close()
     return drafter.eval().requires_grad_(False)
 
 
 def save_checkpoint(drafter: DFlashDrafter, opt: torch.optim.Optimizer, step: int, out: Path,
                     tc: DrafterTrainConfig, losses: list[float]) -> None:
     save_drafter(drafter, out)
-    torch.save({"step": step, "optimizer": opt.state_dict()}, out / "trainer_state.pt.tmp")
-    (out / "trainer_state.pt.tmp").replace(out / "trainer_state.pt")
-    (out / "train_config.json").write_text(json.dumps({**asdict(tc), "last_step": step,
-                                                       "last_losses": losses[-20:]}, indent=2))
+    write_model_file(out / "trainer_state.pt",
+                     lambda tmp: torch.save({"step": step, "optimizer": opt.state_dict()}, tmp))
+    write_model_json(out / "train_config.json", {**asdict(tc), "last_step": step, "last_losses": losses[-20:]},
+                     indent=2)
 
 
 def tau_within(lengths: list[int], n: int) -> float | None:
@@ -468,6 +475,7 @@ def evaluate_tau(target: Qwen3ForCausalLM, drafter: DFlashDrafter, prompts: list
     spec = DFlashGenerator(runner, drafter, target.cfg.eos_token_ids, block_size)
     native = NativeGenerator(runner, target.cfg.eos_token_ids)
     rows = []
+    progress = bar(desc="evaluate", total=len(prompts), unit="prompt")
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(chunk)
@@ -477,4 +485,6 @@ def evaluate_tau(target: Qwen3ForCausalLM, drafter: DFlashDrafter, prompts: list
                          "acceptance_lengths": st.acceptance_lengths,
                          "position_acceptance": [a / max(1, d) for a, d in zip(st.position_accepts, st.position_drafted)],
                          "exact": s.output == n.output})
+        progress.update(len(chunk))
+    progress.close()
     return rows

@@ -6,17 +6,16 @@ bf16 autocast on a GPU. Whatever it writes is a Hugging Face Qwen3 directory.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.loader import dummy_target
 from flashpd.engine.qwen3 import Qwen3ForCausalLM
+from flashpd.training.progress import bar, log_line
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -33,7 +32,7 @@ def random_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Gen
 
 def train_target(cfg: Qwen3Config, stream: torch.Tensor, *, steps: int, batch: int, seq_len: int, lr: float,
                  device: str, seed: int = 0, val_stream: torch.Tensor | None = None, eval_every: int = 100,
-                 log: Callable[[str], None] = print) -> Qwen3ForCausalLM:
+                 log: Callable[[str], None] = log_line) -> Qwen3ForCausalLM:
     """stream: one long int64 token tensor (files joined by eos). Returns the trained model (float32).
 
     With val_stream (text the target never trains on), the loss on a fixed batch of it is logged
@@ -54,8 +53,8 @@ def train_target(cfg: Qwen3Config, stream: torch.Tensor, *, steps: int, batch: i
         val = random_windows(val_stream, min(batch, 16), seq_len, torch.Generator().manual_seed(seed + 1)).to(device)
     best: tuple[float, dict[str, torch.Tensor]] | None = None
     t0 = time.perf_counter()
-    bar = tqdm(range(steps), desc="target", mininterval=5, disable=not sys.stderr.isatty())
-    for step in bar:
+    progress = bar(range(steps), desc="target", unit="step")
+    for step in progress:
         x = random_windows(stream, batch, seq_len, gen).to(device, non_blocking=True)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, max(1, steps // 20))
@@ -73,8 +72,9 @@ def train_target(cfg: Qwen3Config, stream: torch.Tensor, *, steps: int, batch: i
                 msg += f" val {v:.4f}"
                 if best is None or v < best[0]:
                     best = (v, {k: t.detach().clone() for k, t in model.state_dict().items()})
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            progress.set_postfix(loss=f"{loss.item():.3f}")
             log(f"{msg} ({time.perf_counter() - t0:.0f} s)")
+    progress.close()
     if best is not None:
         model.load_state_dict(best[1])
         log(f"kept the weights with the lowest validation loss ({best[0]:.4f})")

@@ -99,7 +99,7 @@ class RouterHandle:
 
 class RequestThreads:
     """Daemon threads that each run one request at a time and then wait for the next: starting a thread per
-    request put about 0.15 ms on every TTFT (2-core CPU). Never fewer idle threads than needed: a job with no
+    request put a thread's start on every TTFT (docs/results.md). Never fewer idle threads than needed: a job with no
     idle thread to take it starts a new one. Daemon, unlike concurrent.futures' workers, so a process that
     exits with requests in flight does not wait out their deadlines."""
 
@@ -217,7 +217,7 @@ class Router:
                 sent = threading.Event()
                 h.tokens([first.first_token], sent)
                 # the first token leaves before the decode call starts: started at once, the call's set-up
-                # competed with the delivery for the interpreter and added about 0.8 ms to TTFT (2-core CPU)
+                # competed with the delivery for the interpreter and lengthened TTFT (docs/results.md)
                 sent.wait(FIRST_TOKEN_WAIT_S)
             if first is not None and first.finish_reason:
                 reason = first.finish_reason

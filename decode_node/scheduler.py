@@ -46,6 +46,7 @@ from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.width_policy import WidthPolicy
 from flashpd.decode_node.handoff_import import HandoffImport
 from flashpd.decode_node.recompute import recompute
 from flashpd.kv_bridge.handoff import Handoff, HandoffError
@@ -117,14 +118,18 @@ class StepResult:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter | None = None, stop_ids: tuple[int, ...] = (),
-                 prefix_cache=None, max_running: int = 64, policy: str = "reserve") -> None:
+                 prefix_cache=None, max_running: int = 64, policy: str = "reserve",
+                 width_policy: WidthPolicy | None = None) -> None:
+        """policy: KV admission ('reserve' or 'preempt', module doc). width_policy: how wide a DFlash step
+        verifies (engine/width_policy.py; default the request's whole block). A policy that cuts by
+        confidence keeps those batch sizes out of the device loop (DeviceLoop.usable), so they step here."""
         if policy not in ("reserve", "preempt"):
             raise ValueError(f"policy must be 'reserve' or 'preempt', got {policy!r}")
         self.policy = policy
         self.stats = SchedulerStats()
         self.runner = runner
         self.native = NativeGenerator(runner, stop_ids)
-        self.spec = DFlashGenerator(runner, drafter, stop_ids) if drafter is not None else None
+        self.spec = DFlashGenerator(runner, drafter, stop_ids, width_policy=width_policy) if drafter is not None else None
         self.prefix_cache = prefix_cache
         self.max_running = max_running
         self.waiting: deque[Request] = deque()

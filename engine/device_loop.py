@@ -151,6 +151,7 @@ class Session:
     queued: list[tuple[torch.Tensor, "torch.cuda.Event | None"]] = field(default_factory=list)
     launched: int = 0
     emits: list[int] = field(default_factory=list)  # DFlash: emits[k] = row-steps that emitted k tokens
+    width: int = 1  # DFlash: the block width every step of this session verifies
 
 
 class DeviceLoop:
@@ -205,11 +206,14 @@ class DeviceLoop:
 
     # ---- host side ------------------------------------------------------------------------------
     def usable(self, seqs: list[Sequence]) -> bool:
-        """Greedy rows sharing one block width, with no test hook (draft or accept override) set. `run`
-        reserves each row's KV to its end, so the caller must have checked the room (generate's reserve)."""
+        """Greedy rows sharing one block width (each row's block under the width policy's cap for this batch
+        size), with no test hook (draft or accept override) set and no confidence cut at this batch size
+        (DFlashGenerator.loop_width: the cut needs the host between draft and verify, so those steps stay
+        stepwise). `run` reserves each row's KV to its end, so the caller must have checked the room
+        (generate's reserve)."""
         if not seqs or not all(s.params.greedy for s in seqs):
             return False
-        if self.spec and (len({s.block_size for s in seqs}) != 1 or self.gen.draft_override is not None
+        if self.spec and (self.gen.loop_width(seqs) is None or self.gen.draft_override is not None
                           or self.gen.accept_override is not None):
             return False
         return True
@@ -302,7 +306,7 @@ class DeviceLoop:
         steps are in flight); capture the step's graph for this shape if it is new. `first`: the rows'
         first tokens on the device, not yet committed (`run`); the state then counts them as emitted."""
         runner, alloc = self.runner, self.runner.allocator
-        t = seqs[0].block_size if self.spec else 1
+        t = self.gen.loop_width(seqs) if self.spec else 1  # a session keeps the width it began with
         for s in seqs:
             end = len(s.prompt) + s.params.max_tokens
             if end > runner.max_positions:
@@ -360,7 +364,7 @@ class DeviceLoop:
             self._uploaded.record()
         self.runs += 1
         return Session(seqs, key, bufs, reset, cuda, hb.ring, [s.draft_len for s in seqs],
-                       [s.pending_rows for s in seqs], emits=[0] * (t + 1))
+                       [s.pending_rows for s in seqs], emits=[0] * (t + 1), width=t)
 
     def launch(self, sess: "Session") -> None:
         """Queue one step; its result is copied to the host without waiting for it."""
@@ -384,7 +388,7 @@ class DeviceLoop:
             if self.spec and not s.done:  # mirror the device's draft bookkeeping for `end`
                 sess.draft_len[i] += sess.pending[i]
                 sess.pending[i] = row[-1] + 1
-        self._commit(sess.seqs, rows, sess.emits)
+        self._commit(sess.seqs, rows, sess.emits, sess.width)
 
     def end(self, sess: "Session") -> None:
         """Read every step still queued, then hand the sequences back to the stepwise loop: their cache
@@ -404,17 +408,17 @@ class DeviceLoop:
             if not s.done:  # a finished row's blocks go back with the whole table (finish)
                 alloc.truncate(s.table, s.table.num_tokens)
 
-    def _commit(self, seqs: list[Sequence], rows: list[list[int]], emits: list[int]) -> None:
+    def _commit(self, seqs: list[Sequence], rows: list[list[int]], emits: list[int], t: int) -> None:
         """Apply one step's device results to each row still running, exactly as the stepwise loop does.
-        A running row's host state here equals its device state when the step began, so its width is
-        the one the device used."""
+        A running row's host state here equals its device state when the step began, so its width (the
+        session's block t, or what max_tokens still admits) is the one the device used."""
         for s, row in zip(seqs, rows):
             if s.done:
                 continue
             if not self.spec:
                 s.commit([row[0]])
                 continue
-            w = min(s.block_size, s.params.max_tokens - len(s.output) + 1)
+            w = min(t, s.params.max_tokens - len(s.output) + 1)
             a = row[-1]
             assert 0 <= a <= w - 1, f"device accepted {a} guesses at width {w}"
             s.stats.record_step(len(s.commit(row[:a + 1])), w, a)

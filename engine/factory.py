@@ -20,6 +20,7 @@ from flashpd.engine.tokenizer import TextTokenizer
 if TYPE_CHECKING:
     from flashpd.engine.drafter import DFlashDrafter
     from flashpd.engine.qwen3 import Qwen3ForCausalLM
+    from flashpd.engine.width_policy import WidthPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,10 +69,12 @@ class EngineParts:
 
 def load_engine(target: str | Path, draft: str | Path | None = None, device: str | None = None,
                 dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None, *,
-                method: str | None = None, block_size: int | None = None, kv_block_size: int = 16) -> EngineParts:
+                method: str | None = None, block_size: int | None = None, kv_block_size: int = 16,
+                width_policy: WidthPolicy | None = None) -> EngineParts:
     """Load `target` (and `draft`) on `device` (default: cuda when available) in `dtype` (default:
     bfloat16 on cuda, float32 on cpu). `method` defaults to "dflash" with a drafter, else "native";
-    `kv_cache_tokens` sizes the paged cache (default: a share of free device memory)."""
+    `kv_cache_tokens` sizes the paged cache (default: a share of free device memory); `width_policy`: how
+    wide a DFlash step verifies (engine/width_policy.py; default the whole block)."""
     dev = torch.device(device or default_device())
     dt = resolve_dtype(dtype, str(dev))
     method = method or ("dflash" if draft else "native")
@@ -97,7 +100,7 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
     runner = ModelRunner(model, num_blocks, kv_block_size, taps=taps)
     if drafter is not None:
         from flashpd.engine.spec_decode import DFlashGenerator  # noqa: PLC0415
-        generator = DFlashGenerator(runner, drafter, stop_ids, block_size)
+        generator = DFlashGenerator(runner, drafter, stop_ids, block_size, width_policy=width_policy)
     else:
         generator = NativeGenerator(runner, stop_ids)
     return EngineParts(dev, dt, method, block_size, model, tokenizer, stop_ids, drafter, runner, generator)

@@ -9,6 +9,9 @@ Per step and sequence (committed length P, last token x not yet in the caches):
           P+a+1 and only those accepted positions' context K/V join the draft cache.
 Every committed token is the target's own choice, so greedy output equals native greedy decoding.
 Near max_tokens the block shrinks to what can still be committed (as the reference loop does).
+A width policy (engine/width_policy.py, a constructor argument) may verify fewer positions than the
+block: a width cap by batch size, which every path runs, and a cut by the draft's confidence, which runs
+through the unfused step only (its widths need the draft on the host before the verify launches).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams, accepted_greedy, draw, probs_from_logits, rejection_sample
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_graph import FusedGreedyStep
+from flashpd.engine.width_policy import FixedWidth, WidthPolicy, WidthStats
 
 DraftOverride = Callable[[Sequence, int], list[int]]
 
@@ -63,8 +67,10 @@ class DFlashGenerator(NativeGenerator):
     """Batch generation with DFlash steps; sequences in one step may accept different lengths."""
 
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter, stop_ids: Iterable[int] = (),
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, width_policy: WidthPolicy | None = None) -> None:
         super().__init__(runner, stop_ids)
+        self.width_policy = width_policy or FixedWidth()
+        self.width_stats = WidthStats()
         c = drafter.cfg
         if tuple(runner.taps) != tuple(c.target_layer_ids):
             raise ValueError(f"runner taps {runner.taps} != drafter target_layer_ids {c.target_layer_ids}")
@@ -87,18 +93,38 @@ class DFlashGenerator(NativeGenerator):
     def _fused_width(self, seqs: list[Sequence], widths: list[int]) -> int:
         """The width T at which draft and verify run as one graph (spec_graph.py), or 0 when they cannot:
         sampled rows and test hooks need the host between the passes. Rows narrower than T are padded with
-        the drafter's further guesses, whose verdicts are never read. T is the batch's block size when
-        every row shares it, so a request's last steps (narrower as max_tokens nears) replay the graph of
-        its other steps instead of capturing one per width; else the widest row. A row never writes past
-        its own block width, which is what its KV reservation covers."""
+        the drafter's further guesses, whose verdicts are never read. T is the batch's block size (at most
+        the width policy's cap) when every row shares it, so a request's last steps (narrower as
+        max_tokens nears) replay the graph of its other steps instead of capturing one per width; else the
+        widest row. A row never writes past its own block width, which is what its KV reservation covers."""
         if self.draft_override is not None or self.accept_override is not None:
             return 0
         if not all(s.params.greedy for s in seqs):
             return 0
-        for t in (max(s.block_size for s in seqs), max(widths)):
-            if all(t <= s.block_size and s.table.num_tokens + t <= self.runner.max_positions for s in seqs):
+        cap = self.width_policy.cap(len(seqs))
+        for t in (min(cap, max(s.block_size for s in seqs)), max(widths)):
+            if self._fits(seqs, t):
                 return t
         return 0
+
+    def _fits(self, seqs: list[Sequence], t: int) -> bool:
+        """Every row may write t verify positions: within its block (its KV reservation) and the model."""
+        return all(t <= s.block_size and s.table.num_tokens + t <= self.runner.max_positions for s in seqs)
+
+    def limits(self, seqs: list[Sequence]) -> list[int]:
+        """Each row's widest verify this step: its block, the policy's cap for this batch size, and what
+        max_tokens still admits."""
+        cap = self.width_policy.cap(len(seqs))
+        return [min(s.block_size, cap, s.params.max_tokens - len(s.output) + 1) for s in seqs]
+
+    def loop_width(self, seqs: list[Sequence]) -> int | None:
+        """The block width the device loop steps these rows at, or None where it cannot: rows of different
+        widths, or a policy that cuts by confidence at this batch size (that needs the host mid-step)."""
+        pol = self.width_policy
+        if pol.cuts(len(seqs)):
+            return None
+        widths = {min(s.block_size, pol.cap(len(seqs))) for s in seqs}
+        return widths.pop() if len(widths) == 1 else None
 
     # ---- one speculative step ------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -127,9 +153,59 @@ class DFlashGenerator(NativeGenerator):
         """The verify pass's taps [B, w, F], copied out of the graph's static buffers for the next draft."""
         return torch.cat(out.taps, dim=-1) if len(out.taps) > 1 else out.taps[0].clone()
 
+    def _cut_step(self, seqs: list[Sequence], limits: list[int]) -> None:
+        """A step whose widths the policy chooses from the draft's confidence: draft at each row's limit,
+        read the guesses and the confidences, choose, then verify every row padded to the batch's width T
+        (one graph shape on a GPU; a padded position's verdict is never read) and accept each row within
+        its own width. Sampled rows draw their guesses only after the widths are fixed (module doc of
+        width_policy: why that keeps them exact)."""
+        alloc, ws = self.runner.allocator, self.width_stats
+        for s in seqs:
+            assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
+        self.clock.start()
+        logits = self.drafts.draft(seqs, limits)  # [B, max(limits) - 1, V]
+        greedy = logits.argmax(-1).tolist()  # the draft is on the host: the policy's time starts here
+        t0 = time.perf_counter()
+        lf = logits.float()
+        conf = torch.exp(lf.amax(-1) - torch.logsumexp(lf, -1)).tolist()  # p of the drafter's own greedy token
+        widths = self.width_policy.choose([s.stats.acceptance_lengths for s in seqs], limits, conf)
+        ws.policy_ms += (time.perf_counter() - t0) * 1e3
+        guesses, qs = [], []
+        for i, (s, w) in enumerate(zip(seqs, widths)):
+            assert 1 <= w <= limits[i], f"width policy chose {w} for a row limited to {limits[i]}"
+            sp = s.params
+            if sp.greedy:
+                guesses.append(greedy[i][:w - 1])
+                qs.append(None)
+            else:
+                q = probs_from_logits(logits[i, :w - 1], sp.temperature, sp.top_p, sp.top_k)
+                guesses.append(draw(q, s.generator).tolist())
+                qs.append(q)
+        t = self.width_policy.batch_width(widths, limits)
+        pad = self._fits(seqs, t)  # one width for every row: a captured verify graph on a GPU
+        tokens = [[s.last_token] + (g + greedy[i][len(g):t - 1] if pad else g) for i, (s, g) in enumerate(zip(seqs, guesses))]
+        t = max(len(x) for x in tokens)
+        for s, toks in zip(seqs, tokens):
+            alloc.ensure(s.table, s.table.num_tokens + len(toks))
+        starts = [s.table.num_tokens for s in seqs]
+        self.clock.mark()
+        out = self.runner.forward([s.table for s in seqs], tokens, "all", taps=True)
+        feats = self._pending_features(out)
+        truth = out.logits.argmax(-1).tolist()
+        draft_ms, verify_ms = self.clock.stop()
+        ws.steps += 1
+        ws.cut_steps += 1
+        ws.rows += len(seqs)
+        ws.verified += len(seqs) * t  # a ragged verify pads to its widest row too
+        ws.widths[t] = ws.widths.get(t, 0) + 1
+        self._accept(seqs, guesses, qs, widths, truth, out, feats, starts, draft_ms, verify_ms)
+
     def spec_step(self, seqs: list[Sequence]) -> None:
         alloc = self.runner.allocator
-        widths = [min(s.block_size, s.params.max_tokens - len(s.output) + 1) for s in seqs]
+        widths = self.limits(seqs)
+        if self.width_policy.cuts(len(seqs)) and self.draft_override is None and self.accept_override is None:
+            return self._cut_step(seqs, widths)
+        self.width_stats.steps += 1
         t_fused = self._fused_width(seqs, widths)
         one_sync = t_fused > 0
         t = t_fused or max(widths)
@@ -154,6 +230,14 @@ class DFlashGenerator(NativeGenerator):
             feats = self._pending_features(out)
             truth = out.logits.argmax(-1).tolist()
         draft_ms, verify_ms = self.clock.stop()
+        self._accept(seqs, guesses, qs, widths, truth, None if one_sync else out, feats, starts, draft_ms, verify_ms)
+
+    def _accept(self, seqs: list[Sequence], guesses: list[list[int]], qs: list[torch.Tensor | None],
+                widths: list[int], truth: list[list[int]], out, feats: torch.Tensor, starts: list[int],
+                draft_ms: float, verify_ms: float) -> None:
+        """Accept within each row's width (greedy: longest agreeing prefix; sampled: rejection sampling),
+        commit, roll the target cache back to the accepted positions and keep their taps as pending."""
+        alloc = self.runner.allocator
         for i, (s, g, q, w) in enumerate(zip(seqs, guesses, qs, widths)):
             if self.accept_override is not None:
                 a = min(self.accept_override(s), w - 1)

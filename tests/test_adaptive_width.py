@@ -1,0 +1,160 @@
+"""Width policies (engine/width_policy.py) keep DFlash exact: any verify width, chosen any way that does not
+look at the step's own drawn guesses, gives native greedy output token for token, and sampled rows keep
+the target's distribution.
+
+float32 CPU, the tiny fixture pair: a confidence cut at several thresholds (per-row and batch-shared
+widths), fixed caps 4/8/16 (on the device loop and stepwise, and equal to a plain block of that width),
+the batch-size rule in a scheduler whose batch grows and shrinks (device-loop steps and cutting steps
+mixed), and a chi-square test of sampled rows whose widths the cut varies.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpd.decode_node.scheduler import Scheduler
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.width_policy import ConfidenceWidth, FixedWidth, parse_width_policy
+from tests._dflash_helpers import dflash_engine, dflash_pair, greedy, run_checked  # noqa: F401  (fixtures by name)
+from tests.test_dflash_sampling import N_TOKENS, PROMPT, _family_p, exact_joint, tiny  # noqa: F401  (fixture)
+
+LENGTHS = [3, 9, 17, 40, 64, 100, 150, 230]  # batch 8, mixed lengths
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def batch(dflash_engine):
+    g = torch.Generator().manual_seed(77)
+    prompts = [torch.randint(0, 126, (n,), generator=g).tolist() for n in LENGTHS]
+    return prompts, dflash_engine.native(prompts, MAX_NEW)
+
+
+def _gen(engine, policy, block: int = 16) -> DFlashGenerator:
+    return DFlashGenerator(engine.runner, engine.drafter, (), block, width_policy=policy)
+
+
+# ---- the rule itself --------------------------------------------------------------------------
+
+def test_confidence_rule_cuts_floors_and_shares():
+    pol = ConfidenceWidth(threshold=0.5, min_width=2, window=2, share_batch_width=False)
+    conf = [[0.9, 0.8, 0.3, 0.9], [0.1, 0.9, 0.9, 0.9], [0.9, 0.9, 0.9, 0.9]]
+    assert pol.choose([[], [], []], [5, 5, 3], conf) == [3, 2, 3]  # cut before 0.3; min width; the row's limit
+    assert pol.choose([[], [4, 5], []], [5, 5, 3], conf) == [3, 5, 3]  # recent acceptance (mean 4.5) floors it
+    shared = ConfidenceWidth(threshold=0.5, window=0, verify_multiple=1)
+    assert shared.choose([[], [], []], [5, 5, 3], conf) == [3, 3, 3]  # the batch's widest, each row's limit
+    rounded = ConfidenceWidth(threshold=0.5, window=0)  # T rounds up to a multiple of 4, within the limits
+    assert rounded.choose([[], [], []], [5, 5, 3], conf) == [4, 4, 3] and rounded.batch_width([3, 2], [3, 3]) == 3
+    assert [shared.cap(b) for b in (1, 8, 9, 16, 17, 64)] == [16, 16, 8, 8, 4, 4]
+    assert not shared.cuts(1) and shared.cuts(2)
+    assert FixedWidth(8).cap(32) == 8 and not FixedWidth().cuts(64)
+
+
+def test_policy_text_and_refusals():
+    assert parse_width_policy("fixed:8") == FixedWidth(8) and parse_width_policy("fixed") == FixedWidth()
+    p = parse_width_policy("confidence:threshold=0.4,cut_from_batch=1,caps=1-16/9-8,window=0,share=0,verify_multiple=2")
+    assert p == ConfidenceWidth(0.4, 2, 0, ((1, 16), (9, 8)), 1, False, 2)
+    for bad in ("wide", "confidence:speed=2"):
+        with pytest.raises(ValueError):
+            parse_width_policy(bad)
+    with pytest.raises(ValueError):
+        ConfidenceWidth(max_width_by_batch=((2, 16),))
+    with pytest.raises(ValueError):
+        FixedWidth(1)
+
+
+# ---- greedy exactness -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threshold,share", [(0.3, True), (0.7, False), (0.95, True), (0.95, False)])
+def test_confidence_cut_equals_native_greedy(dflash_engine, batch, threshold, share):
+    prompts, native = batch
+    gen = _gen(dflash_engine, ConfidenceWidth(threshold=threshold, cut_from_batch=1, share_batch_width=share))
+    seqs = run_checked(gen, prompts, [greedy(MAX_NEW)] * len(prompts))
+    assert [s.output for s in seqs] == native
+    ws = gen.width_stats
+    assert ws.cut_steps == ws.steps > 0 and (gen._loop is None or gen._loop.runs == 0), "every step must cut"
+    assert len(ws.widths) >= 2 and 0 <= ws.policy_ms
+    if not share:  # rows of one step verified at different widths
+        assert len({sum(s.stats.position_drafted) / len(s.stats.acceptance_lengths) for s in seqs}) > 1
+    assert max(a for s in seqs for a in s.stats.acceptance_lengths) > 1
+
+
+def test_confidence_cut_batch1_and_next_to_sampled_rows(dflash_engine, batch):
+    prompts, native = batch
+    gen = _gen(dflash_engine, ConfidenceWidth(threshold=0.6, cut_from_batch=1, window=3))
+    for p, want in list(zip(prompts, native))[1:7:2]:
+        assert run_checked(gen, [p], [greedy(MAX_NEW)])[0].output == want
+    params = [greedy(MAX_NEW) if i % 2 == 0 else
+              SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_k=20, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    seqs = run_checked(gen, prompts, params)
+    assert [s.output for s in seqs[::2]] == native[::2]
+
+
+@pytest.mark.parametrize("width", [4, 8, 16])
+def test_fixed_caps_equal_native_and_plain_blocks(dflash_engine, batch, width):
+    """FixedWidth(w) under a 16 block runs the device loop at w, and gives exactly the tokens and acceptance
+    lengths of a plain block of w (stepwise, too)."""
+    prompts, native = batch
+    gen = _gen(dflash_engine, FixedWidth(width))
+    seqs = run_checked(gen, prompts, [greedy(MAX_NEW)] * len(prompts))
+    assert [s.output for s in seqs] == native
+    assert gen._loop is not None and gen._loop.runs == 1
+    plain = run_checked(_gen(dflash_engine, None, block=width), prompts, [greedy(MAX_NEW)] * len(prompts))
+    assert [s.stats.acceptance_lengths for s in seqs] == [s.stats.acceptance_lengths for s in plain]
+    step = _gen(dflash_engine, FixedWidth(width))
+    step.device_loop = False
+    got = run_checked(step, prompts[:4], [greedy(MAX_NEW)] * 4)
+    assert [s.output for s in got] == native[:4] and step.width_stats.steps > 0
+    assert all(max(s.stats.acceptance_lengths) <= width for s in got)
+
+
+def test_no_cut_below_cut_from_batch_takes_the_device_loop(dflash_engine, batch):
+    prompts, native = batch
+    gen = _gen(dflash_engine, ConfidenceWidth(threshold=0.9, cut_from_batch=2))
+    assert run_checked(gen, prompts[:1], [greedy(MAX_NEW)])[0].output == native[0]
+    assert gen._loop.runs == 1 and gen.width_stats.cut_steps == 0
+
+
+def test_batch_rule_in_a_scheduler_with_a_changing_batch(dflash_engine, batch):
+    """Arrivals and finishes move the batch between sizes: below cut_from_batch it steps in the device loop
+    at the size's cap, from it through the cut; a native row shares the batch. Every request gives its native
+    tokens."""
+    prompts, native = batch
+    runner = ModelRunner(dflash_engine.target, 512, 16, taps=tuple(dflash_engine.drafter.cfg.target_layer_ids),
+                         compile=False)
+    pol = ConfidenceWidth(threshold=0.8, max_width_by_batch=((1, 16), (3, 8), (5, 4)), cut_from_batch=3)
+    sched = Scheduler(runner, dflash_engine.drafter, width_policy=pol)
+    maxes = [MAX_NEW, 12, 30, MAX_NEW, 20, 25]
+    plan = {0: [0, 1], 6: [2, 3, 4], 9: [5]}  # step -> prompts that arrive
+    reqs, step = {}, 0
+    while plan or not sched.idle:
+        for i in plan.pop(step, []):
+            reqs[i] = sched.add(prompts[i], greedy(maxes[i]), "native" if i == 4 else "dflash")
+        sched.step()
+        step += 1
+        assert step < 500
+    for i, r in reqs.items():
+        assert r.seq.output == native[i][:maxes[i]], f"request {i}"
+    assert sched.overlapped_steps > 0 and sched.spec.width_stats.cut_steps > 0
+    assert set(sched.spec.width_stats.widths) <= set(range(2, 9))  # batches of 3+ never verify past 8
+    assert runner.allocator.num_free == 511
+
+
+# ---- sampled rows -----------------------------------------------------------------------------
+
+def test_sampled_rows_with_cut_widths_follow_the_target(tiny):  # noqa: F811
+    """Rows cut at different widths per step (per row, from the draft's confidence) still sample the target:
+    chi-square of every position and adjacent pair against the enumerated joint, as test_dflash_sampling does."""
+    n = 2000
+    joint = exact_joint(tiny["hf"], PROMPT, N_TOKENS, 1.0, 1.0, 0)
+    pol = ConfidenceWidth(threshold=0.2, cut_from_batch=1, window=0, share_batch_width=False)
+    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], block_size=4, width_policy=pol)
+    params = [SamplingParams(max_tokens=N_TOKENS, temperature=1.0, seed=7000 + i, ignore_eos=True) for i in range(n)]
+    seqs = run_checked(gen, [PROMPT] * n, params)
+    drafted = [sum(s.stats.position_drafted[k] for s in seqs if len(s.stats.position_drafted) > k) for k in range(3)]
+    steps = sum(len(s.stats.acceptance_lengths) for s in seqs)
+    assert drafted[0] == steps and steps * 0.2 < drafted[1] < steps * 0.9, (drafted, steps)  # widths vary
+    p_family, tests = _family_p(torch.tensor([s.output for s in seqs]), joint)
+    assert p_family > 0.01, f"cut-width samples do not follow the target distribution: {tests}"

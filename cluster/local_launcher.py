@@ -33,6 +33,17 @@ def _cuda_count() -> int:
         return 0
 
 
+def visible_device(gpu: int, parent_visible: str | None) -> str:
+    """The CUDA_VISIBLE_DEVICES entry for a child pinned to this process's logical GPU `gpu`: under a parent
+    mask ("2,3", UUIDs, MIG names) logical GPU i is the mask's i-th entry, not physical GPU i."""
+    entries = [e.strip() for e in (parent_visible or "").split(",") if e.strip()]
+    if not entries:
+        return str(gpu)
+    if gpu >= len(entries):
+        raise ValueError(f"GPU {gpu} is not among this process's CUDA_VISIBLE_DEVICES={parent_visible!r}")
+    return entries[gpu]
+
+
 class _Child:
     def __init__(self, spec: WorkerSpec, proc: subprocess.Popen, log_path: Path) -> None:
         self.spec = spec
@@ -68,7 +79,7 @@ class LocalLauncher:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.secret.child_env())
         gpu = local_gpu(spec.role, spec.index, spec.cfg, self.gpus)
         if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            env["CUDA_VISIBLE_DEVICES"] = visible_device(gpu, os.environ.get("CUDA_VISIBLE_DEVICES"))
         self._seq += 1
         log_path = self.log_dir / f"{spec.role}{spec.index}-{self._seq}.log"
         with open(log_path, "w") as logf:

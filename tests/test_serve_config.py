@@ -80,3 +80,13 @@ def test_local_gpu_keeps_prefill_and_decode_apart():
     assert (local_gpu("prefill", 0, c, 1), local_gpu("decode", 0, c, 1)) == (0, 0)
     assert local_gpu("decode", 0, c, 0) is None and local_gpu("bridge", 0, c, 2) is None
     assert local_gpu("decode", 0, _cfg(device="cpu"), 2) is None
+
+
+def test_a_local_worker_is_pinned_through_the_parents_gpu_mask():
+    """Under CUDA_VISIBLE_DEVICES=2,3 this process's GPU 1 is physical GPU 3: the child must get "3", not "1"."""
+    from flashpd.cluster.local_launcher import visible_device
+    assert visible_device(1, None) == "1" and visible_device(0, "") == "0"
+    assert visible_device(1, "2,3") == "3" and visible_device(0, " 2 , 3 ") == "2"
+    assert visible_device(0, "GPU-aaaa,GPU-bbbb") == "GPU-aaaa"
+    with pytest.raises(ValueError, match="not among"):
+        visible_device(2, "2,3")

@@ -24,6 +24,9 @@ class ServeConfig:
     kv_cache_tokens: int | None = None  # per worker; default: half the free device memory
     max_running: int = 64  # requests one decode worker batches at most
     policy: str = "preempt"  # decode admission: "preempt" (by free blocks, preempt by recompute) or "reserve"
+    # how wide a DFlash step verifies (engine/width_policy.py parse_width_policy): "fixed" (the whole block),
+    # "fixed:W", or "confidence[:threshold=..,caps=1-16/9-8/17-4,...]" (cut at the draft's first unsure position)
+    draft_width_policy: str = "fixed"
     # the public endpoint (router, or the colocated server)
     host: str = "127.0.0.1"
     port: int = 0
@@ -95,6 +98,11 @@ class ServeConfig:
             raise ValueError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
         if self.policy not in ("preempt", "reserve"):
             raise ValueError(f"policy: must be 'preempt' or 'reserve', got {self.policy!r}")
+        from flashpd.engine.width_policy import parse_width_policy  # noqa: PLC0415  (torch only when validated)
+        try:
+            parse_width_policy(str(self.draft_width_policy))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"draft_width_policy: {e}") from None
         if self.kv_transport not in ("bridge", "device", "dist"):
             raise ValueError(f"kv_transport: must be 'bridge', 'device' or 'dist', got {self.kv_transport!r}")
         if not self.handoff_lease_s > 0:

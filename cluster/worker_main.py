@@ -337,12 +337,13 @@ def wants_warmup(cfg, runner) -> bool:
 def build_decode(cfg, llm, cache, metrics):
     """A DecodeWorker whose finished requests feed the metrics."""
     from flashpd.decode_node.worker import DecodeWorker  # noqa: PLC0415
+    from flashpd.engine.width_policy import parse_width_policy  # noqa: PLC0415
 
     def finished(r) -> None:
         metrics.observe_request(r.method, r.seq.stats.as_dict(), "ok", len(r.seq.output))
 
     worker = DecodeWorker(llm.runner, llm.drafter, tuple(llm.stop_ids), cache, cfg.max_running, cfg.policy, finished,
-                          warmup=wants_warmup(cfg, llm.runner))
+                          warmup=wants_warmup(cfg, llm.runner), width_policy=parse_width_policy(cfg.draft_width_policy))
     decode_metrics(metrics, worker)
     return worker
 

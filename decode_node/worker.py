@@ -18,6 +18,7 @@ from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.engine.width_policy import WidthPolicy
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +26,10 @@ log = logging.getLogger(__name__)
 class DecodeWorker:
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter | None = None, stop_ids: tuple[int, ...] = (),
                  prefix_cache: PrefixCache | None = None, max_running: int = 64, policy: str = "preempt",
-                 on_finish: Callable[[Request], None] | None = None, warmup: bool = False) -> None:
+                 on_finish: Callable[[Request], None] | None = None, warmup: bool = False,
+                 width_policy: WidthPolicy | None = None) -> None:
         self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
-        self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy)
+        self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy, width_policy)
         self.warmup = None
         if warmup:  # before the engine thread starts: nothing else touches the scheduler yet
             from flashpd.engine.warmup import lengths_for, warm_scheduler  # noqa: PLC0415

@@ -158,3 +158,29 @@ def test_sampled_rows_with_cut_widths_follow_the_target(tiny):  # noqa: F811
     assert drafted[0] == steps and steps * 0.2 < drafted[1] < steps * 0.9, (drafted, steps)  # widths vary
     p_family, tests = _family_p(torch.tensor([s.output for s in seqs]), joint)
     assert p_family > 0.01, f"cut-width samples do not follow the target distribution: {tests}"
+
+
+# ---- serving ----------------------------------------------------------------------------------
+
+def test_a_served_decode_worker_takes_the_configs_width_policy(dflash_pair, batch):  # noqa: F811
+    """`draft_width_policy` in the serve config reaches the decode worker's scheduler (build_decode, as every
+    mode builds it), and requests served under a confidence cut give their native tokens."""
+    from flashpd.cluster.config import ServeConfig
+    from flashpd.cluster.metrics import Metrics
+    from flashpd.cluster.worker_main import build_decode, load_model
+    from tests.test_decode_worker import _drain
+
+    prompts, native = batch
+    spec = "confidence:threshold=0.8,cut_from_batch=1"
+    cfg = ServeConfig(target=str(dflash_pair.target_dir), draft=str(dflash_pair.draft_dir), device="cpu",
+                      dtype="float32", kv_cache_tokens=4096, draft_width_policy=spec)
+    worker = build_decode(cfg, load_model(cfg), None, Metrics("test"))
+    try:
+        assert worker.scheduler.spec.width_policy == parse_width_policy(spec)
+        handles = [worker.submit(prompts[i], greedy(16), "dflash") for i in (1, 3)]
+        assert [_drain(h)[0] for h in handles] == [native[1][:16], native[3][:16]]
+        assert worker.scheduler.spec.width_stats.cut_steps > 0
+    finally:
+        worker.stop(10)
+    with pytest.raises(ValueError, match="draft_width_policy"):
+        ServeConfig(target="t", draft_width_policy="widest")

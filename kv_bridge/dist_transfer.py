@@ -176,8 +176,6 @@ class DistExporter:
         self._pairs: dict[bytes, _ExportPair] = {}
         self._lock = threading.Lock()
         self.stats = dict(pairs_opened=0, pairs_dropped=0, sends=0, refused=0, send_failures=0)
-        self.hook_after_gather = None  # tests: called with the lease id between the gather and the re-check
-        self.hook_before_send = None  # tests: called with the tag on the sender thread (stall, die)
 
     @property
     def exporter_id(self) -> str:
@@ -267,8 +265,7 @@ class DistExporter:
             bufs = gather_blocks(self.target, self.draft, blocks)
             if self.target.device.type == "cuda":
                 torch.cuda.current_stream(self.target.device).synchronize()  # gathered before the re-check
-            if self.hook_after_gather is not None:
-                self.hook_after_gather(lease_id)
+            self._after_gather(lease_id)
             if not torch.equal(self.exporter.epochs[idx], want):
                 raise HandoffError("lease's blocks were freed during the gather (epoch changed)")
         except HandoffError:
@@ -276,10 +273,16 @@ class DistExporter:
             raise
         pair.sender.submit(self._send, nonce, pair, bufs, tag)
 
+    def _after_gather(self, lease_id: int) -> None:
+        """Between the gather and the epochs' re-check: nothing here; a subclass may act (the fault tests free
+        the lease there)."""
+
+    def _before_send(self, tag: int) -> None:
+        """On the sender thread before a send: nothing here; a subclass may act (the fault tests stall or die)."""
+
     def _send(self, nonce: bytes, pair: _ExportPair, bufs: list[torch.Tensor], tag: int) -> None:
         try:
-            if self.hook_before_send is not None:
-                self.hook_before_send(tag)
+            self._before_send(tag)
             pair.group.send(bufs, tag, self.timeout_s)
             self.stats["sends"] += 1
         except Exception as e:  # noqa: BLE001  the importer died or gave up: the pair goes (it reopens one)

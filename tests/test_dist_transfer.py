@@ -43,7 +43,22 @@ def _exporter(secret_hex: str, conn) -> None:
     mac = ClusterSecret.from_hex(secret_hex).mac_key
     target, draft = _filled(TARGET, 1).share_memory_(), _filled(DRAFT, 2).share_memory_()
     ex = CacheExporter(target, draft, "fp", mac)
-    dx = DistExporter(ex, target, draft, mac, "127.0.0.1", timeout_s=3.0)
+
+    class Faulty(DistExporter):
+        """Faults on demand at the exporter's two seams (one shot each)."""
+        after_gather = before_send = None
+
+        def _after_gather(self, lease_id: int) -> None:
+            fn, self.after_gather = self.after_gather, None
+            if fn is not None:
+                fn(lease_id)
+
+        def _before_send(self, tag: int) -> None:
+            fn, self.before_send = self.before_send, None
+            if fn is not None:
+                fn(tag)
+
+    dx = Faulty(ex, target, draft, mac, "127.0.0.1", timeout_s=3.0)
 
     class Servicer(DistControlServicer, pb_grpc.PrefillWorkerServicer):
         dist = dx
@@ -58,13 +73,13 @@ def _exporter(secret_hex: str, conn) -> None:
         elif cmd == "release":
             conn.send(ex.release(arg))
         elif cmd == "free_during_gather":
-            dx.hook_after_gather = lambda lid: (ex.release(lid), setattr(dx, "hook_after_gather", None))
+            dx.after_gather = ex.release
             conn.send(True)
         elif cmd == "stall":
-            dx.hook_before_send = lambda tag, s=arg: (setattr(dx, "hook_before_send", None), time.sleep(s))
+            dx.before_send = lambda tag, s=arg: time.sleep(s)
             conn.send(True)
         elif cmd == "die":
-            dx.hook_before_send = lambda tag: os._exit(17)
+            dx.before_send = lambda tag: os._exit(17)
             conn.send(True)
         elif cmd == "stats":
             conn.send(dict(dx.stats))

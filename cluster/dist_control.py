@@ -3,7 +3,6 @@ worker's OpenPair / SendLease handlers and the decode worker's client for them. 
 here; the KV itself goes over the pair's process group (NCCL or gloo)."""
 from __future__ import annotations
 
-import threading
 from typing import Sequence
 
 import grpc
@@ -11,6 +10,7 @@ import grpc
 from flashpd.cluster.generation_server import PROTOCOL_VERSION
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
+from flashpd.cluster.worker_client import PrefillStubs
 from flashpd.kv_bridge.dist_transfer import DistExporter, PairLost
 from flashpd.kv_bridge.handoff import HandoffError
 
@@ -60,18 +60,12 @@ class DistControlClient:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s + CONTROL_MARGIN_S
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]] = {}
-        self._lock = threading.Lock()
+        self._stubs = PrefillStubs()
 
     def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
         if not address:
             raise PairLost("the handoff names no exporter address")
-        with self._lock:
-            got = self._stubs.get(address)
-            if got is None:
-                ch = grpc.insecure_channel(address)
-                got = self._stubs[address] = (ch, pb_grpc.PrefillWorkerStub(ch))
-            return got[1]
+        return self._stubs.get(address)
 
     def _call(self, what: str, fn):
         try:
@@ -96,7 +90,4 @@ class DistControlClient:
         self._call("SendLease", lambda: self._stub(address).SendLease(req, timeout=self.timeout_s))
 
     def close(self) -> None:
-        with self._lock:
-            chans, self._stubs = [c for c, _ in self._stubs.values()], {}
-        for c in chans:
-            c.close()
+        self._stubs.close()

@@ -59,13 +59,35 @@ class WorkerClient:
         self._channel.close()
 
 
+class PrefillStubs:
+    """One channel and PrefillWorker stub per prefill worker address, made on first use (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> pb_grpc.PrefillWorkerStub:
+        with self._lock:
+            got = self._stubs.get(address)
+            if got is None:
+                ch = grpc.insecure_channel(address)
+                got = self._stubs[address] = (ch, pb_grpc.PrefillWorkerStub(ch))
+            return got[1]
+
+    def close(self) -> None:
+        with self._lock:
+            chans, self._stubs = [c for c, _ in self._stubs.values()], {}
+        for c in chans:
+            c.close()
+
+
 class LeaseReleaser:
     """Releases device-path leases at their prefill workers without waiting (a decode worker's engine loop
     calls it): a lost release only holds the blocks until the lease's deadline. Counted, logged."""
 
     def __init__(self) -> None:
         self.failures = 0
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]] = {}
+        self._stubs = PrefillStubs()
         self._lock = threading.Lock()
 
     def __call__(self, h: Handoff) -> None:
@@ -73,7 +95,7 @@ class LeaseReleaser:
             return
         req = pb.ReleaseRequest(version=PROTOCOL_VERSION, exporter_id=h.exporter_id, lease_id=h.lease_id)
         try:
-            fut = self._stub(h.exporter_address).Release.future(req, timeout=RELEASE_TIMEOUT_S)
+            fut = self._stubs.get(h.exporter_address).Release.future(req, timeout=RELEASE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  a release never fails the request
             self._failed(h, e)
             return
@@ -93,16 +115,5 @@ class LeaseReleaser:
         log.warning("releasing lease %d at %s failed (%s); it expires at its deadline", h.lease_id,
                     h.exporter_address, e)
 
-    def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
-        with self._lock:
-            got = self._stubs.get(address)
-            if got is None:
-                ch = grpc.insecure_channel(address)
-                got = self._stubs[address] = (ch, pb_grpc.PrefillWorkerStub(ch))
-            return got[1]
-
     def close(self) -> None:
-        with self._lock:
-            chans, self._stubs = [c for c, _ in self._stubs.values()], {}
-        for c in chans:
-            c.close()
+        self._stubs.close()

@@ -130,7 +130,12 @@ class DFlashGenerator(NativeGenerator):
     def _draft(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Guesses per sequence (width-1 tokens) and, for sampled rows, the draft distribution q."""
         logits = self.drafts.draft(seqs, widths)
-        greedy = logits.argmax(-1).tolist()
+        return self._guesses(seqs, widths, logits, logits.argmax(-1).tolist())
+
+    def _guesses(self, seqs: list[Sequence], widths: list[int], logits: torch.Tensor, greedy: list[list[int]]
+                 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Each row's first width-1 guesses from the draft's logits: greedy rows its argmax, sampled rows a draw
+        from q (returned beside them for the rejection sampler)."""
         guesses, qs = [], []
         for i, (s, w) in enumerate(zip(seqs, widths)):
             sp = s.params
@@ -170,17 +175,9 @@ class DFlashGenerator(NativeGenerator):
         conf = torch.exp(lf.amax(-1) - torch.logsumexp(lf, -1)).tolist()  # p of the drafter's own greedy token
         widths = self.width_policy.choose([s.stats.acceptance_lengths for s in seqs], limits, conf)
         ws.policy_ms += (time.perf_counter() - t0) * 1e3
-        guesses, qs = [], []
-        for i, (s, w) in enumerate(zip(seqs, widths)):
-            assert 1 <= w <= limits[i], f"width policy chose {w} for a row limited to {limits[i]}"
-            sp = s.params
-            if sp.greedy:
-                guesses.append(greedy[i][:w - 1])
-                qs.append(None)
-            else:
-                q = probs_from_logits(logits[i, :w - 1], sp.temperature, sp.top_p, sp.top_k)
-                guesses.append(draw(q, s.generator).tolist())
-                qs.append(q)
+        for w, lim in zip(widths, limits):
+            assert 1 <= w <= lim, f"width policy chose {w} for a row limited to {lim}"
+        guesses, qs = self._guesses(seqs, widths, logits, greedy)  # cut steps never run with a draft override
         t = self.width_policy.batch_width(widths, limits)
         pad = self._fits(seqs, t)  # one width for every row: a captured verify graph on a GPU
         tokens = [[s.last_token] + (g + greedy[i][len(g):t - 1] if pad else g) for i, (s, g) in enumerate(zip(seqs, guesses))]

@@ -176,9 +176,18 @@ class DeviceLoop:
 
     # ---- the device step functions (graph-safe: fixed shapes, no host sync) ----------------------
     def _native_fn(self, st: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
-        """One token per row: forward x at P; a frozen row (O >= M) writes scratch and stays put."""
-        live, pos, slots = self._native_in(st, bt, self.runner.block_size)
-        _, _, logits = self.runner.model_step(st[:, X:X + 1], pos, slots, bt)
+        """One token per row: forward x at P; a frozen row (O >= M) writes scratch and stays put. At the
+        generator's step_width w > 1 the token is column 0 of a w-column forward whose other columns repeat
+        it at P, write scratch and are never read (a verify's shapes: NativeGenerator)."""
+        bs, w = self.runner.block_size, self.gen.step_width
+        live, pos, slots = self._native_in(st, bt, bs)
+        ids = st[:, X:X + 1]
+        if w > 1:
+            b = st.shape[0]
+            ids, pos = ids.expand(b, w), pos.expand(b, w)
+            slots = torch.cat([slots.view(b, 1), torch.full((b, w - 1), SCRATCH_BLOCK * bs, dtype=slots.dtype,
+                                                               device=slots.device)], dim=1).view(-1)
+        _, _, logits = self.runner.model_step(ids, pos, slots, bt)
         return self._native_out(st, logits, live)
 
     def _spec_fn(self, st: torch.Tensor, bt: torch.Tensor, pend: torch.Tensor) -> torch.Tensor:
@@ -306,7 +315,7 @@ class DeviceLoop:
         steps are in flight); capture the step's graph for this shape if it is new. `first`: the rows'
         first tokens on the device, not yet committed (`run`); the state then counts them as emitted."""
         runner, alloc = self.runner, self.runner.allocator
-        t = self.gen.loop_width(seqs) if self.spec else 1  # a session keeps the width it began with
+        t = self.gen.loop_width(seqs) if self.spec else self.gen.step_width  # a session keeps its width
         for s in seqs:
             end = len(s.prompt) + s.params.max_tokens
             if end > runner.max_positions:

@@ -47,8 +47,16 @@ def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 class NativeGenerator:
     """Plain (non-speculative) decoding of a batch of requests."""
 
-    def __init__(self, runner: ModelRunner, stop_ids: Iterable[int] = (), prefill_token_budget: int = 8192) -> None:
+    def __init__(self, runner: ModelRunner, stop_ids: Iterable[int] = (), prefill_token_budget: int = 8192,
+                 step_width: int = 1) -> None:
+        if step_width < 1:
+            raise ValueError(f"step_width must be at least 1, got {step_width}")
         self.runner = runner
+        # > 1: the device loop forwards each token with step_width - 1 padding columns and computes every
+        # column's logits, the kernel shapes of a DFlash verify of that width. In bf16 a matmul's rounding
+        # depends on its M, so a one-token step and a verify can part on a near-tie; at the verify's shapes a
+        # position's logits are the verify's bit for bit (bench/speed_8b.py reports the match and the cost).
+        self.step_width = step_width
         self.stop_ids = frozenset(stop_ids)
         self.prefill_token_budget = prefill_token_budget
         # whole greedy requests run with their step bookkeeping on the device, the host one step

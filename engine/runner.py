@@ -58,6 +58,7 @@ class ModelRunner:
         # a lone prompt longer than a prefill graph runs as consecutive graph-width chunks, each attending to
         # the cache the earlier ones wrote, instead of one eager forward (whose Python and launch overhead
         # set the TTFT of a long prompt on a small model); None: one forward, as on the CPU
+        self.prefill_graph_tokens = PREFILL_GRAPH_TOKENS
         self.prefill_chunk: int | None = PREFILL_GRAPH_TOKENS if self.cuda_graphs else None
         # a prompt with no cached prefix attends over its own K/V with a fused causal kernel (AttnBatch.fresh);
         # False: through the cache and the position mask like any other forward (benches compare the two)
@@ -177,7 +178,7 @@ class ModelRunner:
             return 0
         if uniform and t <= 32:
             return t
-        if want_logits != "all" and bucket(b) * bucket(t, 64) <= PREFILL_GRAPH_TOKENS:
+        if want_logits != "all" and bucket(b) * bucket(t, 64) <= self.prefill_graph_tokens:
             return bucket(t, 64)
         return 0
 

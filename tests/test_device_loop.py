@@ -24,11 +24,12 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(1, 120, (n,), generator=g)]
 
 
-def _run(pair, prompts, params, on_device: bool, graphs: bool, spec: bool, stop_ids=()):
+def _run(pair, prompts, params, on_device: bool, graphs: bool, spec: bool, stop_ids=(), step_width: int = 1):
     target = load_target(pair.target_dir)
     drafter = load_drafter(pair.draft_dir, target)
     runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=graphs, compile=False)
-    gen = DFlashGenerator(runner, drafter, stop_ids, 16) if spec else NativeGenerator(runner, stop_ids)
+    gen = DFlashGenerator(runner, drafter, stop_ids, 16) if spec else \
+        NativeGenerator(runner, stop_ids, step_width=step_width)
     gen.device_loop = on_device
     seqs = gen.generate(prompts, params)
     runs = gen._loop.runs if gen._loop is not None else 0
@@ -49,6 +50,22 @@ def test_device_loop_equals_stepwise_loop(dflash_pair, spec, graphs):  # noqa: F
     assert [len(g[0]) for g in got] == [1, 2, 17, 40, 33]
     if spec:
         assert max(a for g in got for a in g[2]) > 1, "nothing accepted: the comparison would be weak"
+
+
+def test_native_at_the_verify_shapes_gives_the_same_tokens(dflash_pair):  # noqa: F811
+    """step_width 16: each token rides in a 16-column forward (padding columns write scratch); the tokens,
+    finish reasons and freed blocks are those of the one-token step, with a row finishing mid-batch."""
+    prompts = _prompts(3, 8)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 30, 17)]
+    got = _run(dflash_pair, prompts, params, True, True, False, step_width=16)
+    assert got == _run(dflash_pair, prompts, params, True, True, False)
+    runner = ModelRunner(load_target(dflash_pair.target_dir), 512, 16, cuda_graphs=True, compile=False)
+    widths, forward = [], runner.model_step
+    runner.model_step = lambda ids, *a, **k: (widths.append(ids.shape[1]), forward(ids, *a, **k))[1]
+    NativeGenerator(runner, step_width=16).generate(prompts[:1], params[1:2])
+    assert widths.count(16) == 29, "the device loop's steps did not run at the verify's width"
+    with pytest.raises(ValueError, match="step_width"):
+        NativeGenerator(None, step_width=0)
 
 
 @pytest.mark.parametrize("spec", [True, False], ids=["dflash", "native"])

@@ -1,0 +1,318 @@
+"""Decode, DFlash and prefill speed at the Qwen3-8B shape against the GPU's own limits, and bf16 exactness, in one run.
+
+    python -m flashpd.bench.speed_8b --out bench/results/speed_8b_h200.json
+
+Every figure is a ratio of two things measured in this process (dummy weights of the real config, bf16, CUDA
+graphs, torch.compile on):
+- the floor of a decode step = (weight bytes + KV bytes read a step) / the device-to-device copy rate (bytes read
+  plus written). Weight bytes are every parameter's (the floor the issue set its aims against); the floor of the
+  bytes a step really reads (the embedding table once, not all of it) is reported beside it;
+- native decode in the device loop (engine/device_loop.py: state on the device, the host one step behind), wall
+  time per step over `--steps` steps after a `--context`-token prompt, at batch 1 to 256; batch 1 also under the
+  profiler (GPU-busy time, kernels a step);
+- the same batches through the serving scheduler (decode_node/scheduler.py);
+- a DFlash width-16 step at batch 1 (a dummy drafter accepts about nothing: a step's cost, not a speedup);
+- a fresh `--prefill-tokens` prefill against the bf16 matmul rate (an 8192-cube matmul) of this GPU;
+- exactness: DFlash against native on the speedup protocol's prompts (the demo pair, 256 new tokens, width 16),
+  with native at the verify's kernel shapes (NativeGenerator.step_width) and, for reference, at one column.
+The JSON is written after every section (a run cut short keeps what it measured).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashpd.bench.common import copy_bandwidth_gbs, time_ms, write_json
+from flashpd.bench.dflash_step import drafter_config_for
+from flashpd.bench.profile_step import kernel_table
+from flashpd.engine.config import builtin_config_path, load_config
+from flashpd.engine.drafter import dummy_drafter
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import dummy_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.spec_decode import DFlashGenerator
+
+
+def log(msg: str) -> None:
+    print(f"[speed_8b {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """bf16 dense matmul rate of an n-cube product, TFLOP/s (median of 20)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n ** 3 / (statistics.median(time_ms(lambda: a @ b, warmup=5, reps=20)) * 1e-3) / 1e12
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+def ready(gen: NativeGenerator, prompts: list[list[int]], max_tokens: int, width: int | None = None):
+    seqs = gen.new_sequences(prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(prompts))
+    for s in seqs:
+        if width is not None:
+            s.block_size = width
+    gen.reserve(seqs)
+    gen.prefill_request(seqs)
+    return seqs
+
+
+def loop_steps(gen: NativeGenerator, prompts: list[list[int]], steps: int, width: int | None = None,
+               profiled: bool = False) -> dict:
+    """Wall ms per device-loop step over `steps` steps (after 3 untimed), the host one step behind as in
+    `DeviceLoop.step_to_end`; with `profiled`, GPU-busy ms and kernels per step from a second, profiled pass."""
+    budget = (steps + 8) * (width or 1)  # no row may finish inside the timed steps
+    seqs = ready(gen, prompts, budget, width)
+    loop = gen.loop()
+    sess = loop.begin(seqs)
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            loop.launch(sess)
+            if len(sess.queued) == 2:
+                loop.read(sess)
+        while sess.queued:
+            loop.read(sess)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / n
+
+    run(3)
+    out = {"ms_per_step": run(steps), "steps": steps, "batch": len(prompts), "context_start": len(prompts[0]),
+           # the mean context of the steps run so far (the timed ones dominate)
+           "context_mean": len(prompts[0]) + statistics.mean(len(s.output) for s in seqs) / 2}
+    if profiled:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(min(steps, 20))
+        busy, kernels, table = kernel_table(prof, min(steps, 20))
+        out.update(gpu_busy_ms_per_step=busy, kernels_per_step=kernels, top_kernels=table[:15])
+    if width is not None:
+        emitted = sum(len(s.output) for s in seqs)
+        out["tokens_per_step"] = emitted / max(1, sess.launched)
+    loop.end(sess)
+    for s in seqs:
+        gen.runner.allocator.free(s.table)
+    return out
+
+
+def scheduler_steps(runner: ModelRunner, batch: int, context: int, steps: int, vocab: int) -> dict:
+    """Native decode of `batch` requests through the serving scheduler: wall ms per step once every request
+    runs (admission and prefill excluded), timed over `steps` steps."""
+    from flashpd.decode_node.scheduler import Scheduler  # noqa: PLC0415  (bench-only dependency direction)
+
+    sched = Scheduler(runner, max_running=batch)
+    params = SamplingParams(max_tokens=steps + 24, ignore_eos=True)
+    for p in random_prompts(batch, context, vocab, seed=batch):
+        sched.add(p, params, "native")
+    while sched.waiting or len(sched.running) < batch:
+        sched.step()
+    for _ in range(3):
+        sched.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    made = 0
+    for _ in range(steps):
+        made += sum(len(v) for v in sched.step().new_tokens.values())
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) * 1e3
+    sched.run_until_idle()
+    return {"batch": batch, "ms_per_step": dt / steps, "tokens_per_step": made / steps,
+            "tokens_per_s": made / dt * 1e3, "steps": steps}
+
+
+def prefill_ms(gen: NativeGenerator, prompt: list[int], reps: int = 5) -> float:
+    """Median ms of a fresh prefill to its first token (one untimed run first)."""
+    times = []
+    for r in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        seqs = ready(gen, [prompt], 1)
+        torch.cuda.synchronize()
+        if r:
+            times.append((time.perf_counter() - t0) * 1e3)
+        gen.runner.allocator.free(seqs[0].table)
+    return statistics.median(times)
+
+
+def prefill_flops(cfg, tokens: int) -> float:
+    """Matmul FLOPs of a fresh prefill: every linear layer over every token, causal attention (QK^T and PV
+    over the lower triangle), and the head for the last token only."""
+    h, d, hq, hkv, i = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
+        cfg.intermediate_size
+    per_token = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i
+    attn = 2 * 2 * hq * d * tokens * (tokens + 1) / 2
+    return cfg.num_hidden_layers * (2 * tokens * per_token + attn) + 2 * h * cfg.vocab_size
+
+
+def exactness(target: str, draft: str, prompts: int, new_tokens: int, width: int, seed: int) -> dict:
+    """DFlash against native, greedy, on the speedup protocol's prompts: native at the verify's shapes
+    (step_width = width) and at one column."""
+    from flashpd.bench.speedup import heldout_prompt_sets, pair_generators  # noqa: PLC0415
+    from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
+
+    runner, native, spec = pair_generators(target, draft, "cuda")
+    screen, confirm = heldout_prompt_sets(TextTokenizer.from_dir(target), prompts, seed)
+    params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
+    wide = NativeGenerator(runner, native.stop_ids, step_width=width)
+    rows = []
+    for i, p in enumerate(screen + confirm):
+        d = spec.generate([p], params, [width])[0].output
+        n1 = native.generate([p], params)[0].output
+        nw = wide.generate([p], params)[0].output
+        first = next((k for k, (x, y) in enumerate(zip(d, nw)) if x != y), None)
+        rows.append({"prompt": i, "prompt_len": len(p), "equal_at_verify_shapes": d == nw,
+                     "equal_at_one_column": d == n1, "first_diff_at_verify_shapes": first})
+        log(f"exact prompt {i}: verify shapes {d == nw}, one column {d == n1}")
+    n = len(rows)
+    return {"target": target, "draft": draft, "width": width, "new_tokens": new_tokens, "prompts": rows,
+            "exact_verify_shapes": f"{sum(r['equal_at_verify_shapes'] for r in rows)}/{n}",
+            "exact_one_column": f"{sum(r['equal_at_one_column'] for r in rows)}/{n}"}
+
+
+def fields(res: dict) -> dict:
+    """The issue's top-level figures from the sections present."""
+    out: dict = {}
+    curve = {r["batch"]: r for r in res.get("native_curve", [])}
+    if 1 in curve:
+        out["native_b1_x_floor"] = curve[1]["ms_per_step"] / curve[1]["floor_ms"]
+        out["native_b1_x_floor_bytes_read"] = curve[1]["ms_per_step"] / curve[1]["floor_ms_bytes_read"]
+        out["native_b1_gpu_busy_ms"] = curve[1].get("gpu_busy_ms_per_step")
+        out["native_b1_kernels_per_step"] = curve[1].get("kernels_per_step")
+        out["native_step_ms_b1"] = curve[1]["ms_per_step"]
+    for b in (32, 128):
+        if b in curve:
+            out[f"b{b}_floor_fraction"] = curve[b]["floor_fraction"]
+    for r in res.get("scheduler", []):
+        out[f"b{r['batch']}_scheduler_floor_fraction"] = r["floor_fraction"]
+    if "dflash_b1" in res and 1 in curve:
+        out["dflash_step_ms_b1"] = res["dflash_b1"]["ms_per_step"]
+        out["dflash_over_native_step"] = res["dflash_b1"]["ms_per_step"] / curve[1]["ms_per_step"]
+    if "native_b1_verify_shapes" in res and 1 in curve:
+        out["verify_shapes_cost"] = res["native_b1_verify_shapes"]["ms_per_step"] / curve[1]["ms_per_step"]
+    if "prefill" in res:
+        out["prefill_matmul_fraction"] = res["prefill"]["matmul_fraction"]
+    if "exact" in res:
+        out["bf16_exact"] = res["exact"]["exact_verify_shapes"]
+        out["bf16_exact_one_column"] = res["exact"]["exact_one_column"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--config", default="qwen3-8b", help="a builtin config name or a config.json path")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens per row before the timed steps")
+    ap.add_argument("--steps", type=int, default=48, help="timed decode steps per measurement")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256", help="the device-loop curve's batch sizes")
+    ap.add_argument("--scheduler-batches", default="32,128", help="batch sizes also run through the scheduler")
+    ap.add_argument("--width", type=int, default=16, help="DFlash block width")
+    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--exact-target", default="flashpd/assets/demo_pair/target")
+    ap.add_argument("--exact-draft", default="flashpd/assets/demo_pair/drafter")
+    ap.add_argument("--exact-prompts", type=int, default=8, help="per set of the speedup protocol (two sets)")
+    ap.add_argument("--exact-new-tokens", type=int, default=256)
+    ap.add_argument("--sections", default="curve,scheduler,dflash,prefill,exact")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/speed_8b.json")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("speed_8b needs a CUDA GPU")
+    sections = set(a.sections.split(","))
+    res: dict = {"bench": "speed_8b", "config": a.config, "dtype": "bfloat16", "weights": "dummy",
+                 "command": "python -m flashpd.bench.speed_8b " + " ".join(
+                     f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items())}
+
+    def save() -> None:
+        write_json(Path(a.out), {**res, **fields(res)})
+
+    cfg = load_config(builtin_config_path(a.config) if not a.config.endswith(".json") else a.config)
+    res["copy_bandwidth"] = copy_bandwidth_gbs()
+    rate = res["copy_bandwidth"]["gb_per_s"] * 1e9
+    res["matmul_tflops_bf16"] = matmul_tflops()
+    log(f"copy {rate / 1e9:.0f} GB/s, matmul {res['matmul_tflops_bf16']:.0f} TFLOP/s")
+    batches = [int(x) for x in a.batches.split(",")]
+    sched_batches = [int(x) for x in a.scheduler_batches.split(",") if x] if "scheduler" in sections else []
+    tokens = (max(batches + sched_batches) + 1) * (a.context + (a.steps + 40) * 1) + 4 * (a.prefill_tokens + 64) \
+        + (a.context + (a.steps + 12) * a.width) * 2
+    target = dummy_target(cfg, "cuda", torch.bfloat16)
+    drafter = dummy_drafter(drafter_config_for(cfg, 5), target)
+    runner = ModelRunner(target, num_blocks=tokens // 16 + 64, block_size=16, taps=tuple(drafter.cfg.target_layer_ids))
+    native = NativeGenerator(runner, ())
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    embed = target.embed_tokens.weight
+    read_bytes = weight_bytes - embed.numel() * embed.element_size() + embed.shape[1] * embed.element_size()
+    kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    res.update(weight_bytes=weight_bytes, weight_bytes_read=read_bytes, kv_bytes_per_token=kv_token,
+               floor_ms_b1_weights_only=weight_bytes / rate * 1e3)
+
+    def floor(row: dict) -> dict:
+        kv = kv_token * row["batch"] * row["context_mean"]
+        row["floor_ms"] = (weight_bytes + kv) / rate * 1e3
+        row["floor_ms_bytes_read"] = (read_bytes + kv) / rate * 1e3
+        row["floor_fraction"] = row["floor_ms"] / row["ms_per_step"]
+        row["tokens_per_s"] = row["batch"] / row["ms_per_step"] * 1e3 if "tokens_per_s" not in row else \
+            row["tokens_per_s"]
+        return row
+
+    if "curve" in sections:
+        res["native_curve"] = []
+        for b in batches:
+            t0 = time.perf_counter()
+            row = floor(loop_steps(native, random_prompts(b, a.context, cfg.vocab_size, a.seed + b), a.steps,
+                                   profiled=b == 1))
+            res["native_curve"].append(row)
+            log(f"native b={b}: {row['ms_per_step']:.3f} ms/step, floor {row['floor_ms']:.3f} "
+                f"(x{row['ms_per_step'] / row['floor_ms']:.3f}; {time.perf_counter() - t0:.0f} s)")
+            save()
+    if "scheduler" in sections:
+        res["scheduler"] = []
+        for b in sched_batches:
+            row = scheduler_steps(runner, b, a.context, a.steps, cfg.vocab_size)
+            row["context_mean"] = a.context + a.steps / 2
+            res["scheduler"].append(floor(row))
+            log(f"scheduler b={b}: {row['ms_per_step']:.3f} ms/step, fraction {row['floor_fraction']:.3f}")
+            save()
+    if "dflash" in sections:
+        spec = DFlashGenerator(runner, drafter, ())
+        prompt = random_prompts(1, a.context, cfg.vocab_size, a.seed)
+        res["dflash_b1"] = loop_steps(spec, prompt, a.steps, width=a.width, profiled=True)
+        wide = NativeGenerator(runner, (), step_width=a.width)
+        res["native_b1_verify_shapes"] = loop_steps(wide, prompt, a.steps, profiled=True)
+        log(f"dflash b=1 width {a.width}: {res['dflash_b1']['ms_per_step']:.3f} ms/step; native at the verify's "
+            f"shapes {res['native_b1_verify_shapes']['ms_per_step']:.3f}")
+        save()
+    if "prefill" in sections:
+        prompt = random_prompts(1, a.prefill_tokens, cfg.vocab_size, a.seed)[0]
+        rows = {}
+        for chunk in (runner.prefill_chunk, a.prefill_tokens):
+            runner.prefill_chunk = runner.prefill_graph_tokens = chunk
+            rows[str(chunk)] = prefill_ms(native, prompt)
+        best = min(rows, key=rows.get)
+        flops = prefill_flops(cfg, a.prefill_tokens)
+        ms = rows[best]
+        res["prefill"] = {"tokens": a.prefill_tokens, "ms_by_graph_tokens": rows, "graph_tokens": int(best),
+                          "ms": ms, "flops": flops, "tflops": flops / (ms * 1e-3) / 1e12,
+                          "matmul_fraction": flops / (ms * 1e-3) / 1e12 / res["matmul_tflops_bf16"]}
+        log(f"prefill {a.prefill_tokens}: {rows} ms; {res['prefill']['tflops']:.0f} TFLOP/s")
+        save()
+    if "exact" in sections:
+        del runner, native, target, drafter
+        torch.cuda.empty_cache()
+        res["exact"] = exactness(a.exact_target, a.exact_draft, a.exact_prompts, a.exact_new_tokens, a.width,
+                                 a.seed)
+        save()
+    save()
+    log("done: " + ", ".join(f"{k} {v}" for k, v in fields(res).items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,17 @@ modes, so the bridge never serves a prompt twice and the modes are compared on e
 and records TTFT and latency P50/P95, output tokens/s and tau, then checks that every mode gave
 the same tokens for the same prompt (exact in float32; reported, not asserted, in bfloat16).
 The JSON goes through flashpd.bench.common.write_json (git revision, machine, time).
+
+With --prompt-pool N the levels are compared on the same prompts instead: ONE pool of N prompts (made as
+the disjoint sets are: held-out text for a pair with a tokenizer) and every level draws its requests from it
+(`pool_sample`: a permutation of the pool seeded by --seed and the level, the same for every method and
+mode; with --requests N, every level sends the whole pool). Difficulty then no longer varies with the level:
+tau and tokens/s move with concurrency alone. Warm-ups still take prompts of their own, outside the pool. A
+prompt that comes back must not be served from a cache: colocated, the sweep turns the service's prefix
+cache off (no device or host cache tier); disaggregated, the KV bridge IS that cache (a prompt served before
+is restored from it, so a repeat's TTFT is a hit's), which the JSON says (`prefix_cache` per run and in
+`settings.prompt_pool`). With both methods, each level also compares native and DFlash tokens prompt by
+prompt (`exact_methods`; exact in float32).
 """
 from __future__ import annotations
 
@@ -20,6 +31,7 @@ import json
 import logging
 import os
 import queue
+import random
 import shutil
 import subprocess
 import sys
@@ -95,6 +107,18 @@ def make_prompts(target: str, lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab - 2, (n,), generator=g).tolist() for n in lengths]
 
 
+def pool_sample(pool_size: int, n: int, seed: int, level: int) -> list[int]:
+    """Indices into the prompt pool of one level's n requests: a permutation of the pool seeded by (seed, level),
+    repeated (a fresh permutation each time) while n exceeds the pool. The same for every method and mode."""
+    rng = random.Random(f"flashpd-pool:{seed}:{level}")
+    out: list[int] = []
+    while len(out) < n:
+        perm = list(range(pool_size))
+        rng.shuffle(perm)
+        out.extend(perm[:n - len(out)])
+    return out
+
+
 class ServeProcess:
     """`flashpd serve --config FILE` as a child; its address once it listens; stopped with a bound."""
 
@@ -146,34 +170,60 @@ class ServeProcess:
 def _cfg(a: argparse.Namespace, mode: str) -> ServeConfig:
     base = json.loads(Path(a.config).read_text()) if a.config else {}
     base.update(target=a.target, draft=a.draft, mode="colocated" if mode == "colocated" else a.launcher)
-    for k in ("device", "dtype", "kv_cache_tokens", "torch_threads", "bridge_transport", "kv_transport"):
+    for k in ("device", "dtype", "kv_cache_tokens", "torch_threads", "bridge_transport", "kv_transport",
+              "draft_width_policy"):
         if getattr(a, k) is not None:
             base[k] = getattr(a, k)
+    if a.prompt_pool and mode == "colocated":  # a pool's repeats must not be prefix-cache hits: no cache tier
+        base.update(device_cache_bytes=0, host_cache_bytes=0)
     base.update(prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, chunk_tokens=a.chunk_tokens,
                 max_running=a.max_running, port=0, metrics_port=None,
                 http_port=0 if "http" in _names(a.api) else base.get("http_port"))
     return ServeConfig.from_dict(base, "job_sweep")
 
 
+def _prefix_cache(a: argparse.Namespace, mode: str) -> str:
+    """What serves a prompt the service saw before, as the JSON states it."""
+    if mode == "colocated":
+        cfg = _cfg(a, mode)
+        return "device/host cache tier" if cfg.device_cache_bytes or cfg.host_cache_bytes else "off"
+    if mode == "external":
+        return "unknown (a running service)"
+    return "bridge (a prompt served before is restored from the KV bridge)"
+
+
 def sweep(a: argparse.Namespace) -> dict:
     modes = ["external"] if a.address else _names(a.modes)
     apis = _names(a.api)
     levels = _ints(a.concurrency)
-    counts = {c: (a.requests or max(8, 2 * c)) for c in levels}
+    counts = {c: (a.requests or (a.prompt_pool if a.prompt_pool else max(8, 2 * c))) for c in levels}
     methods = _names(a.methods)
     # default warm-up: c requests, and at least one long and one short prompt, so that both prompt
     # shapes' graphs are captured before the timed run (at c=1 a capture inside it was a 5 s outlier)
     warm = {c: (max(c, 2 * a.long_every) if a.long_every > 0 else c) if a.warmup < 0 else a.warmup
             for c in levels}
     # disjoint prompt sets per (method, concurrency) and for their warmups, shared by all modes
-    # each set (warmups too, so they capture the long prompts' shapes) has its own long prompts
+    # each set (warmups too, so they capture the long prompts' shapes) has its own long prompts;
+    # with a pool, the timed sets are drawn from ONE set (the pool) instead
+    timed = {} if a.prompt_pool else counts  # (the order of the keys is the order prompts are cut from the text)
     lens = {key: prompt_lengths(n, a.prompt_tokens, a.long_every, a.long_prompt_tokens)
-            for m in methods for c in levels for key, n in (((m, c, "warmup"), warm[c]), ((m, c), counts[c]))}
+            for m in methods for c in levels
+            for key, n in (((m, c, "warmup"), warm[c]), ((m, c), timed.get(c))) if n is not None}
+    if a.prompt_pool:
+        lens["pool"] = prompt_lengths(a.prompt_pool, a.prompt_tokens, a.long_every, a.long_prompt_tokens)
     allp = make_prompts(a.target, [n for ls in lens.values() for n in ls], a.seed)
     sets, k = {}, 0
     for key, ls in lens.items():
         sets[key] = allp[k:k + len(ls)]
         k += len(ls)
+    samples = {}
+    if a.prompt_pool:
+        pool = sets.pop("pool")
+        for c in levels:
+            samples[c] = pool_sample(a.prompt_pool, counts[c], a.seed, c)
+            for m in methods:
+                sets[(m, c)] = [pool[i] for i in samples[c]]
+                lens[(m, c)] = [len(pool[i]) for i in samples[c]]
     runs, outputs = [], {}
     with tempfile.TemporaryDirectory(prefix="flashpd-sweep-") as tmp:
         for mode in modes:
@@ -189,7 +239,11 @@ def sweep(a: argparse.Namespace) -> dict:
                     if sets[(m, c, "warmup")]:  # compiles / captures this level's batch shapes first
                         load(addresses[api], sets[(m, c, "warmup")], min(c, warm[c]), a.request_timeout_s, **kw)
                     res, wall = load(addresses[api], sets[(m, c)], c, a.request_timeout_s, **kw)
-                    row = {"mode": mode, "api": api, "method": m, "concurrency": c, **summarize(res, wall)}
+                    row = {"mode": mode, "api": api, "method": m, "concurrency": c, **summarize(res, wall),
+                           "prefix_cache": _prefix_cache(a, mode)}
+                    if a.prompt_pool:
+                        row["prompt_pool"] = {"size": a.prompt_pool, "seed": a.seed,
+                                              "distinct_prompts": len(set(samples[c]))}
                     if a.long_every > 0:  # the long prompts' own TTFT: where transfer and prefill show
                         row["ttft_long_ms"] = percentiles([r.ttft_ms for r, n in zip(res, lens[(m, c)])
                                                            if n == a.long_prompt_tokens and r.error is None])
@@ -207,7 +261,10 @@ def sweep(a: argparse.Namespace) -> dict:
                     # the service's own log (placement, worker errors) outlives the temporary directory
                     shutil.copyfile(srv.log_path, f"{a.out}.serve-{mode}.log")
     variants = [_variant(mode, api) for mode in modes for api in apis]
-    return {"kind": "serve_sweep", "runs": runs, "exact": _exactness(outputs, variants),
+    out = {"kind": "serve_sweep", "runs": runs, "exact": _exactness(outputs, variants)}
+    if a.prompt_pool and {"native", "dflash"} <= set(methods):
+        out["exact_methods"] = _method_exactness(outputs, variants, levels)
+    return {**out,
             "settings": {"target": a.target, "draft": a.draft, "modes": modes, "methods": methods,
                          "concurrency": levels, "requests": counts, "warmup": warm, "max_tokens": a.max_tokens,
                          "prompt_tokens": a.prompt_tokens, "long_every": a.long_every,
@@ -215,7 +272,16 @@ def sweep(a: argparse.Namespace) -> dict:
                          "dtype": a.dtype, "prefill_workers": a.prefill_workers,
                          "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens,
                          "bridge_transport": _cfg(a, "disaggregated").bridge_transport,
-                         "kv_transport": _cfg(a, "disaggregated").kv_transport, "apis": apis}}
+                         "kv_transport": _cfg(a, "disaggregated").kv_transport, "apis": apis,
+                         "max_running": a.max_running,
+                         "draft_width_policy": ("unknown (a running service)" if a.address
+                                                else _cfg(a, "colocated").draft_width_policy),
+                         "prompt_pool": ({"size": a.prompt_pool, "seed": a.seed,
+                                          "rule": "every level's requests are pool_sample(size, requests, seed, "
+                                                  "level) of one pool; the same for every method and mode",
+                                          "prefix_cache": {mode: _prefix_cache(a, mode) for mode in modes},
+                                          "samples": {c: samples[c] for c in levels}}
+                                         if a.prompt_pool else None)}}
 
 
 def _variant(mode: str, api: str) -> str:
@@ -245,6 +311,20 @@ def _exactness(outputs: dict, modes: list[str]) -> dict:
             "mismatches": mismatches}
 
 
+def _method_exactness(outputs: dict, variants: list[str], levels: list[int]) -> dict:
+    """Per (variant, concurrency) of a pooled sweep: do native and DFlash give the same tokens for each prompt
+    (the same prompts, in the same order)?"""
+    out = {}
+    for v in variants:
+        for c in levels:
+            pairs = [(x, y) for x, y in zip(outputs.get((v, "native", c), []), outputs.get((v, "dflash", c), []))
+                     if x is not None and y is not None]
+            same = sum(x == y for x, y in pairs)
+            out[f"{v} c={c}"] = {"compared": len(pairs), "identical": same,
+                                 "match_rate": same / len(pairs) if pairs else None}
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the JSON to write")
@@ -253,7 +333,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", default="colocated,disaggregated")
     ap.add_argument("--methods", default="native,dflash")
     ap.add_argument("--concurrency", default="1,8,32,128")
-    ap.add_argument("--requests", type=int, default=0, help="per concurrency level and method (0: max(8, 2c))")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="per concurrency level and method (0: max(8, 2c); with --prompt-pool: the pool's size)")
+    ap.add_argument("--prompt-pool", type=int, default=0, dest="prompt_pool",
+                    help="N > 0: every level draws its requests from ONE pool of N prompts (seeded by --seed and the "
+                         "level, the same for every method), so that levels differ in concurrency alone; colocated, "
+                         "the prefix cache is off (module doc). 0: a disjoint prompt set per level and method")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--long-every", type=int, default=0,
@@ -274,6 +359,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"])
     ap.add_argument("--kv-cache-tokens", type=int, dest="kv_cache_tokens")
+    ap.add_argument("--draft-width-policy", dest="draft_width_policy",
+                    help="the serve config's draft_width_policy (engine/width_policy.py), e.g. batch:caps=1-16/65-1 "
+                         "(no speculation from 65 DFlash rows a step)")
     ap.add_argument("--torch-threads", type=int, dest="torch_threads")
     ap.add_argument("--bridge-transport", choices=["inline", "shm"], dest="bridge_transport",
                     help="how KV chunks move between workers and the bridge: in the gRPC messages, or through "
@@ -301,6 +389,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for m in _names(a.modes):
         if m not in ("colocated", "disaggregated"):
             ap.error(f"--modes: unknown mode {m!r} (colocated, disaggregated)")
+    if a.prompt_pool < 0:
+        ap.error("--prompt-pool: must be >= 0")
+    if a.draft_width_policy is not None:
+        from flashpd.engine.width_policy import parse_width_policy  # noqa: PLC0415
+
+        try:
+            parse_width_policy(a.draft_width_policy)
+        except ValueError as e:
+            ap.error(f"--draft-width-policy: {e}")
     return a
 
 

@@ -153,13 +153,14 @@ def prefill_flops(cfg, tokens: int) -> float:
     return cfg.num_hidden_layers * (2 * tokens * per_token + attn) + 2 * h * cfg.vocab_size
 
 
-def exactness(target: str, draft: str, prompts: int, new_tokens: int, width: int, seed: int) -> dict:
+def exactness(target: str, draft: str, prompts: int, new_tokens: int, width: int, seed: int,
+              device: str = "cuda") -> dict:
     """DFlash against native, greedy, on the speedup protocol's prompts: native at the verify's shapes
     (step_width = width) and at one column."""
     from flashpd.bench.speedup import heldout_prompt_sets, pair_generators  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
 
-    runner, native, spec = pair_generators(target, draft, "cuda")
+    runner, native, spec = pair_generators(target, draft, device)
     screen, confirm = heldout_prompt_sets(TextTokenizer.from_dir(target), prompts, seed)
     params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
     wide = NativeGenerator(runner, native.stop_ids, step_width=width)

@@ -25,7 +25,9 @@ class ServeConfig:
     max_running: int = 64  # requests one decode worker batches at most
     policy: str = "preempt"  # decode admission: "preempt" (by free blocks, preempt by recompute) or "reserve"
     # how wide a DFlash step verifies (engine/width_policy.py parse_width_policy): "fixed" (the whole block),
-    # "fixed:W", or "confidence[:threshold=..,caps=1-16/9-8/17-4,...]" (cut at the draft's first unsure position)
+    # "fixed:W", "batch:caps=1-16/33-8/65-1" (a width by the step's DFlash rows; 1 = no speculation from that
+    # size on: those rows step natively, keeping their draft context, and draft again once fewer), or
+    # "confidence[:threshold=..,caps=1-16/9-8/17-4,...]" (cut at the draft's first unsure position)
     draft_width_policy: str = "fixed"
     # the public endpoint (router, or the colocated server)
     host: str = "127.0.0.1"
@@ -78,7 +80,7 @@ class ServeConfig:
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     health_failures: int = 3  # consecutive failed probes of a live-looking worker before it is restarted
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = 900.0  # a worker compiles and captures its graphs before it is ready (engine/warmup.py)
     prefill_timeout_s: float = 120.0
     request_timeout_s: float = 600.0  # bound on one request's decode stream when the client set no deadline
     decode_retries: int = 1  # a reproducible request whose decode worker died is retried on another

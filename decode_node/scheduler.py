@@ -21,6 +21,11 @@ rows go on, with the tokens and acceptance lengths of an undisturbed run (greedy
 a sampled row rolled back keeps its generator's later state, so its continuation is a valid but
 different sample).
 
+A width policy whose cap is 1 at a batch size (engine/width_policy.py: BatchWidth, "batch:caps=1-16/65-1")
+turns speculation off there: when a step's DFlash rows are at least that many, they step with no draft pass
+(`step_undrafted`: a native step that also writes the drafter's context), stepwise, and draft again from the
+first step with fewer rows. Their tokens are the target's either way.
+
 Two admission policies:
 - reserve (default): a request reserves its worst case up front (prompt + max_tokens + one block of
   drafts), so a running request never runs out of blocks and nothing is ever preempted.
@@ -40,8 +45,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
 from flashpd.engine.drafter import DFlashDrafter
-from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.generate import NativeGenerator, sample_rows
+from flashpd.engine.kv_cache import slots_of
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
@@ -91,6 +100,7 @@ class SchedulerStats:
     prefill_hold_ms: float = 0.0  # the time they waited in all
     batch_faults: int = 0  # batch steps that raised and were recovered by re-admitting their rows
     finish_errors: int = 0  # publishes to the prefix cache that raised at a request's end (output unaffected)
+    undrafted_row_steps: int = 0  # DFlash row-steps taken with no draft (the width policy's cap of 1: step_undrafted)
 
 
 @dataclass
@@ -424,6 +434,8 @@ class Scheduler:
             return None
         gen = self.spec if methods == {"dflash"} else self.native
         seqs = [r.seq for r in self.running]
+        if gen is self.spec and not gen.width_policy.speculates(len(seqs)):
+            return None  # no speculation at this size: step_undrafted, stepwise (the loop's DFlash step drafts)
         if not gen.device_loop or not gen.loop().usable(seqs):
             return None
         alloc = self.runner.allocator
@@ -466,7 +478,11 @@ class Scheduler:
         spec_rows = [r.seq for r in rows if r.method == "dflash" and not r.seq.done]
         native_rows = [r.seq for r in rows if r.method == "native" and not r.seq.done]
         if spec_rows:
-            self.spec.spec_step(spec_rows)
+            if self.spec.width_policy.speculates(len(spec_rows)):
+                self.spec.spec_step(spec_rows)
+            else:
+                step_undrafted(self.spec, spec_rows)
+                self.stats.undrafted_row_steps += len(spec_rows)
         if native_rows:
             self.native.decode_step(native_rows)
 
@@ -604,6 +620,37 @@ class Scheduler:
                 return done
             done.extend(self.step().finished)
         raise RuntimeError(f"scheduler still busy after {max_steps} steps")
+
+
+def step_undrafted(gen: DFlashGenerator, seqs: list[Sequence]) -> None:
+    """One token for each DFlash row with no draft pass: a native step (the target's own token: greedy rows
+    take its argmax, sampled rows draw from it) whose forward also writes the drafter's context of the new
+    position (its taps, through the sink a prefill uses), so that the row can draft again at the next step.
+    A row's pending context (the positions its last verify accepted) is written first, eagerly (no compile or
+    capture for these few rows). The step counts as one of acceptance length 1 (tau: tokens per target step).
+    What it costs beside a native step: engine/width_policy.py's module doc."""
+    runner = gen.runner
+    alloc, dev = runner.allocator, runner.device
+    pend = [s for s in seqs if s.pending is not None and s.pending_rows]
+    if pend:
+        feats = torch.cat([s.pending[:s.pending_rows] for s in pend])
+        pos = np.concatenate([np.arange(s.draft_len, s.draft_len + s.pending_rows) for s in pend])
+        slots = np.concatenate([slots_of(np.asarray(s.table.blocks, dtype=np.int64),
+                                         np.arange(s.draft_len, s.draft_len + s.pending_rows), runner.block_size)
+                                for s in pend])
+        gen.drafter.write_context(gen.drafts.cache.data, feats, torch.from_numpy(pos).to(dev),
+                                  torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(dev))
+    for s in seqs:
+        if s.pending is not None:
+            s.draft_len += s.pending_rows
+            s.pending, s.pending_rows = None, 0
+        assert s.draft_len == s.table.num_tokens, "draft context out of step with the target"
+        alloc.ensure(s.table, s.table.num_tokens + 1)
+    out = runner.forward([s.table for s in seqs], [[s.last_token] for s in seqs], "last",
+                         sink=gen.drafts.write_forward_context)
+    for s, tok in zip(seqs, sample_rows(out.logits[:, -1], seqs)):
+        s.draft_len += 1
+        s.stats.record_step(len(s.commit([tok])), 1, 0)
 
 
 def _rollback(r: Request) -> None:

@@ -5,7 +5,13 @@ verify width). Without a warm-up the first requests of each shape pay for the ca
 compile inside their measured latency (a service sweep's TTFT outliers came from this: docs/results.md,
 "Figures behind design choices"). The prompt lengths below cover
 the padded prefill widths (64 to 1,024 tokens) and the block-table buckets of contexts up to about
-2,000 tokens, at batch 1 and as one batch; other shapes are still captured when first seen.
+2,000 tokens, at batch 1 and as one batch. Then every power-of-two batch bucket (engine/cuda_graph.py
+`bucket`) up to the scheduler's max_running runs a few tokens of short prompts per method, once in the
+device loop and once stepwise (a closed-loop load moves its batch through every bucket under its
+concurrency, through both paths: a 3.7 s stall at concurrency 32 was such a shape first met inside a
+measured level); a width policy's batch rule (narrower widths, no speculation past a size) applies there as
+it will when serving. Other shapes (other block-table buckets at large batches, pending-row counts) are still
+captured when first seen.
 
 Warm-up requests never touch a prefix cache or a bridge (nothing is published or imported), and
 leave every KV block free. Random token ids: only the shapes matter.
@@ -23,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # one prompt per padded prefill width (64 .. 1,024 tokens) and block-table bucket, plus a long one
 DEFAULT_LENGTHS = (16, 100, 200, 400, 900, 2000)
+BUCKET_PROMPT = 16  # tokens of each prompt of the batch-bucket pass (one prefill width, one block-table bucket)
+BUCKET_TOKENS = 4  # tokens each request of that pass generates: its prefill's token, then a few steps
 
 
 def lengths_for(max_positions: int, new_tokens: int, lengths: tuple[int, ...] = DEFAULT_LENGTHS) -> list[int]:
@@ -35,32 +43,69 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[i
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def warm_scheduler(scheduler, lengths: list[int], new_tokens: int) -> dict:
-    """Each prompt alone, then all at once, through every method the scheduler has; its prefix cache is
-    detached meanwhile and its counters reset after. Returns what ran (for the log and the tests)."""
+def batch_sizes(max_batch: int) -> list[int]:
+    """One batch per power-of-two bucket from 2 up to the bucket of max_batch (the last one max_batch itself:
+    it pads to that bucket)."""
+    out, b = [], 2
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + ([max_batch] if max_batch >= 2 else [])
+
+
+def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: int | None = None,
+                   bucket_tokens: int = BUCKET_TOKENS) -> dict:
+    """Each prompt alone, then all at once, through every method the scheduler has; then, per method, a batch of
+    short prompts at every power-of-two bucket up to max_batch (default: the scheduler's max_running) for
+    `bucket_tokens` tokens, in the device loop and stepwise. Its prefix cache is detached meanwhile and its
+    counters reset after; a group whose worst case does not fit the free KV blocks at once is skipped (a small
+    cache), never preempted. Returns what ran (for the log and the tests)."""
     runner = scheduler.runner
     free = runner.allocator.num_free
     methods = ["native"] + (["dflash"] if scheduler.spec is not None else [])
-    prompts = random_prompts(lengths, scheduler.runner.model.cfg.vocab_size)
+    vocab = scheduler.runner.model.cfg.vocab_size
+    prompts = random_prompts(lengths, vocab)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    sizes = batch_sizes(scheduler.max_running if max_batch is None else min(max_batch, scheduler.max_running))
+    short = SamplingParams(max_tokens=bucket_tokens, ignore_eos=True)
     cache, scheduler.prefix_cache = scheduler.prefix_cache, None
+    overlap = scheduler.overlap
     t0 = time.perf_counter()
-    n = 0
+    n, batches, skipped, bucket_s = 0, {m: [] for m in methods}, {m: [] for m in methods}, 0.0
+
+    def fits(group: list[list[int]], tokens: int) -> bool:
+        return sum(-(-(len(p) + tokens + 16) // runner.block_size) + 1 for p in group) <= free
+
+    def run(group: list[list[int]], sp: SamplingParams, method: str) -> None:
+        nonlocal n
+        for p in group:
+            scheduler.add(p, sp, method)
+            n += 1
+        scheduler.run_until_idle()
+
     try:
         for method in methods:
             for group in [[p] for p in prompts] + [prompts]:
-                if sum(-(-(len(p) + new_tokens + 16) // runner.block_size) + 1 for p in group) > free:
-                    continue  # a small KV cache: skip what cannot run at once rather than preempt
-                for p in group:
-                    scheduler.add(p, params, method)
-                    n += 1
-                scheduler.run_until_idle()
+                if fits(group, new_tokens):  # a small KV cache: skip what cannot run at once rather than preempt
+                    run(group, params, method)
+            t1 = time.perf_counter()
+            for b in sizes:
+                group = random_prompts([BUCKET_PROMPT] * b, vocab, seed=b)
+                if not fits(group, bucket_tokens):
+                    skipped[method].append(b)
+                    continue
+                for scheduler.overlap in ([True, False] if overlap else [False]):  # device loop, then stepwise
+                    run(group, short, method)
+                batches[method].append(b)
+            bucket_s += time.perf_counter() - t1
     finally:
         scheduler.prefix_cache = cache
+        scheduler.overlap = overlap
     scheduler.reset_stats()
     if runner.allocator.num_free != free:
         raise RuntimeError(f"warm-up leaked KV blocks ({free - runner.allocator.num_free})")
-    return {"requests": n, "methods": methods, "lengths": lengths, "seconds": time.perf_counter() - t0}
+    return {"requests": n, "methods": methods, "lengths": lengths, "batches": batches, "skipped_batches": skipped,
+            "seconds": time.perf_counter() - t0, "batch_seconds": bucket_s}
 
 
 def warm_prefill(gen, lengths: list[int]) -> dict:

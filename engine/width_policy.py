@@ -33,6 +33,20 @@ own cost, `WidthStats.policy_ms`: host time from the draft's guesses reaching th
 waits for the draft pass, which is not counted) to the widths chosen: the confidences' softmax, their
 copy back and the rule. The route's cost beside the fused step is what bench/adaptive.py's route control
 (the cut path at threshold 0: the fixed block's tokens, two passes) measures.
+
+No speculation past a batch size (`BatchWidth`, or a cap of 1 in any policy's caps): under load a verify
+pass is bound by compute, not weights, and every rejected position is spent for nothing; SGLang and vLLM
+turn speculation off past a batch size for that reason. A cap of 1 at a batch size means "no draft": the
+serving scheduler (decode_node/scheduler.py, `step_undrafted`) then steps those DFlash rows as native steps
+(one target position each, the target's own token, so greedy output is native's and sampled rows sample the
+target) whose forward also writes the drafter's context for the new position (its taps, through the same
+sink a prefill uses), so that drafting resumes, exact and with a complete draft context, as soon as the
+batch shrinks under the size. Its cost beside a native step: the drafter's context write of one position per
+row (fc, norm and the K/V projections of each draft layer: at the Qwen3-8B / DFlash-b16 shape about 1.5% of
+the target's weights), and, on a step that follows a drafted one, an eager write of the accepted positions'
+pending context; those rows step stepwise, not in the device loop (whose DFlash step always drafts).
+Anywhere else (DFlashGenerator on its own, the device loop) a width of 1 still runs the draft pass of a
+1-wide block: exact, but it costs a drafter forward for no guess.
 """
 from __future__ import annotations
 
@@ -72,6 +86,11 @@ class WidthPolicy:
     def cuts(self, batch: int) -> bool:
         """Whether a step of `batch` rows chooses widths from the draft's confidence (a host round trip)."""
         return False
+
+    def speculates(self, batch: int) -> bool:
+        """Whether a step of `batch` DFlash rows drafts at all: a cap of 1 means no speculation at that size
+        (the serving scheduler steps those rows natively, keeping their draft context: module doc)."""
+        return self.cap(batch) >= 2
 
     def choose(self, recent: list[list[int]], limits: list[int], conf: list[list[float]]) -> list[int]:
         """Verify width of each row, 2 <= w <= limits[i]: recent acceptance lengths per row, the row's
@@ -127,16 +146,13 @@ class ConfidenceWidth(WidthPolicy):
                              f"{self.window}, {self.cut_from_batch}, {self.verify_multiple}")
         steps = tuple((int(b), int(w)) for b, w in self.max_width_by_batch)
         object.__setattr__(self, "max_width_by_batch", steps)
-        if not steps or steps[0][0] != 1 or any(b2 <= b1 for (b1, _), (b2, _) in zip(steps, steps[1:])):
-            raise ValueError(f"max_width_by_batch must start at batch 1 and ascend, got {steps}")
-        if any(not 2 <= w <= MAX_BLOCK for _, w in steps):
-            raise ValueError(f"max_width_by_batch widths must be in [2, {MAX_BLOCK}], got {steps}")
+        _check_caps(steps)
 
     def cap(self, batch: int) -> int:
-        return next(w for b, w in reversed(self.max_width_by_batch) if batch >= b)
+        return _cap(self.max_width_by_batch, batch)
 
     def cuts(self, batch: int) -> bool:
-        return batch >= self.cut_from_batch
+        return batch >= self.cut_from_batch and self.speculates(batch)
 
     def choose(self, recent: list[list[int]], limits: list[int], conf: list[list[float]]) -> list[int]:
         want = []
@@ -159,22 +175,74 @@ class ConfidenceWidth(WidthPolicy):
         return min(-(-max(widths) // m) * m, max(limits))
 
 
+@dataclass(frozen=True)
+class BatchWidth(WidthPolicy):
+    """A width by batch size and nothing else (no confidence cut, so every path runs it as a fixed width: the
+    fused step, the device loop): `max_width_by_batch` as ConfidenceWidth's, (batch size at least, max width)
+    ascending from batch 1. A width of 1 turns speculation off from that size on: "1-16/65-1" drafts 16 wide
+    below 65 DFlash rows in a step and not at all from 65 (module doc: what a row costs then, and why it stays
+    exact). The batch size is the step's DFlash rows (native rows beside them are not counted)."""
+
+    max_width_by_batch: tuple[tuple[int, int], ...] = ((1, MAX_BLOCK),)
+
+    def __post_init__(self) -> None:
+        steps = tuple((int(b), int(w)) for b, w in self.max_width_by_batch)
+        object.__setattr__(self, "max_width_by_batch", steps)
+        _check_caps(steps)
+
+    def cap(self, batch: int) -> int:
+        return _cap(self.max_width_by_batch, batch)
+
+
+def _check_caps(steps: tuple[tuple[int, int], ...]) -> None:
+    if not steps or steps[0][0] != 1 or any(b2 <= b1 for (b1, _), (b2, _) in zip(steps, steps[1:])):
+        raise ValueError(f"max_width_by_batch must start at batch 1 and ascend, got {steps}")
+    if any(not 1 <= w <= MAX_BLOCK for _, w in steps):
+        raise ValueError(f"max_width_by_batch widths must be in [1, {MAX_BLOCK}] (1: no speculation), got {steps}")
+
+
+def _cap(steps: tuple[tuple[int, int], ...], batch: int) -> int:
+    return next(w for b, w in reversed(steps) if batch >= b)
+
+
+def _caps(text: str) -> tuple[tuple[int, int], ...]:
+    """caps= text ("1-16/9-8/65-1": from batch size b, at most width w) as max_width_by_batch."""
+    try:
+        steps = [tuple(int(x) for x in step.split("-")) for step in text.split("/")]
+    except ValueError:
+        steps = []
+    if not steps or any(len(st) != 2 for st in steps):
+        raise ValueError(f"caps must read like 1-16/9-8/65-1 (from batch size b, at most width w), got {text!r}")
+    return tuple((b, w) for b, w in steps)
+
+
 def parse_width_policy(spec: str) -> WidthPolicy:
-    """A policy from text (command lines, configs): "fixed", "fixed:8", "confidence" or
+    """A policy from text (command lines, configs): "fixed", "fixed:8", "batch:caps=1-16/65-1" (16 wide under
+    65 DFlash rows a step, no speculation from 65), "confidence" or
     "confidence:threshold=0.4,cut_from_batch=1,caps=1-16/9-8/17-4,window=0,share=0,verify_multiple=1"."""
     name, _, args = spec.partition(":")
-    kv = dict(a.split("=", 1) for a in args.split(",") if a) if name == "confidence" else {}
+    if name in ("confidence", "batch"):
+        pairs = [a for a in args.split(",") if a]
+        if any("=" not in a for a in pairs):
+            raise ValueError(f"{name} width options are k=v pairs, got {spec!r}")
+        kv = dict(a.split("=", 1) for a in pairs)
+    else:
+        kv = {}
     if name == "fixed":
         return FixedWidth(int(args)) if args else FixedWidth()
+    if name == "batch":
+        if set(kv) - {"caps"}:
+            raise ValueError(f"unknown batch width option(s) {sorted(set(kv) - {'caps'})} in {spec!r} (caps=...)")
+        return BatchWidth(_caps(kv["caps"])) if "caps" in kv else BatchWidth()
     if name != "confidence":
-        raise ValueError(f"width policy must be 'fixed[:W]' or 'confidence[:k=v,...]', got {spec!r}")
+        raise ValueError(f"width policy must be 'fixed[:W]', 'batch:caps=...' or 'confidence[:k=v,...]', got {spec!r}")
     known = {"threshold": float, "min_width": int, "window": int, "cut_from_batch": int, "verify_multiple": int}
     out: dict = {}
     for k, v in kv.items():
         if k in known:
             out[k] = known[k](v)
         elif k == "caps":
-            out["max_width_by_batch"] = tuple(tuple(int(x) for x in step.split("-")) for step in v.split("/"))
+            out["max_width_by_batch"] = _caps(v)
         elif k == "share":
             out["share_batch_width"] = v not in ("0", "false", "False")
         else:

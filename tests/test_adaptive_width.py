@@ -5,18 +5,21 @@ the target's distribution.
 float32 CPU, the tiny fixture pair: a confidence cut at several thresholds (per-row and batch-shared
 widths), fixed caps 4/8/16 (on the device loop and stepwise, and equal to a plain block of that width),
 the batch-size rule in a scheduler whose batch grows and shrinks (device-loop steps and cutting steps
-mixed), and a chi-square test of sampled rows whose widths the cut varies.
+mixed), no speculation past a batch size (a cap of 1: the rows step undrafted and draft again when the batch
+shrinks, with the draft context a recompute would give), and a chi-square test of sampled rows whose widths
+the cut varies.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashpd.decode_node.scheduler import Scheduler
+from flashpd.decode_node.recompute import recompute
+from flashpd.decode_node.scheduler import Scheduler, step_undrafted
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
-from flashpd.engine.width_policy import ConfidenceWidth, FixedWidth, parse_width_policy
+from flashpd.engine.width_policy import BatchWidth, ConfidenceWidth, FixedWidth, parse_width_policy
 from tests._dflash_helpers import dflash_engine, dflash_pair, greedy, run_checked  # noqa: F401  (fixtures by name)
 from tests.test_dflash_sampling import N_TOKENS, PROMPT, _family_p, exact_joint, tiny  # noqa: F401  (fixture)
 
@@ -62,6 +65,14 @@ def test_policy_text_and_refusals():
         ConfidenceWidth(max_width_by_batch=((2, 16),))
     with pytest.raises(ValueError):
         FixedWidth(1)
+    off = parse_width_policy("batch:caps=1-16/9-4/65-1")
+    assert off == BatchWidth(((1, 16), (9, 4), (65, 1))) and parse_width_policy("batch") == BatchWidth()
+    assert [off.cap(b) for b in (1, 8, 9, 64, 65, 128)] == [16, 16, 4, 4, 1, 1]
+    assert off.speculates(64) and not off.speculates(65) and not any(off.cuts(b) for b in (1, 65))
+    assert not ConfidenceWidth(max_width_by_batch=((1, 16), (9, 1))).cuts(9)  # no cut where nothing is drafted
+    for bad in ("batch:caps=2-16", "batch:caps=1-17", "batch:caps=1-16/8", "batch:width=4", "batch:1-16"):
+        with pytest.raises(ValueError):
+            parse_width_policy(bad)
 
 
 # ---- greedy exactness -------------------------------------------------------------------------
@@ -140,6 +151,63 @@ def test_batch_rule_in_a_scheduler_with_a_changing_batch(dflash_engine, batch):
     assert sched.overlapped_steps > 0 and sched.spec.width_stats.cut_steps > 0
     assert set(sched.spec.width_stats.widths) <= set(range(2, 9))  # batches of 3+ never verify past 8
     assert runner.allocator.num_free == 511
+
+
+def test_no_speculation_past_a_batch_size_in_a_served_batch(dflash_engine, batch):
+    """A cap of 1 from 3 DFlash rows: two rows draft (device loop), three more arrive (the five step undrafted,
+    the first two writing their pending draft context first), rows finish and the last two draft again. Every
+    request gives its native tokens; a native row beside them is not counted in the batch size."""
+    prompts, native = batch
+    runner = ModelRunner(dflash_engine.target, 512, 16, taps=tuple(dflash_engine.drafter.cfg.target_layer_ids),
+                         compile=False)
+    sched = Scheduler(runner, dflash_engine.drafter, width_policy=parse_width_policy("batch:caps=1-16/3-1"))
+    maxes = [MAX_NEW, 30, 8, 10, 12, MAX_NEW]
+    plan = {0: [0, 1], 3: [2, 3, 4, 5]}  # step -> prompts that arrive (5: native)
+    reqs, step, undrafted_at = {}, 0, []
+    while plan or not sched.idle:
+        for i in plan.pop(step, []):
+            reqs[i] = sched.add(prompts[i], greedy(maxes[i]), "native" if i == 5 else "dflash")
+        before = sched.stats.undrafted_row_steps
+        sched.step()
+        undrafted_at.append(sched.stats.undrafted_row_steps > before)
+        step += 1
+        assert step < 500
+    for i, r in reqs.items():
+        assert r.seq.output == native[i][:maxes[i]], f"request {i}"
+    first, last = undrafted_at.index(True), len(undrafted_at) - 1 - undrafted_at[::-1].index(True)
+    assert sched.overlapped_steps > 0 and first > 0 and last < step - 2  # drafted before, undrafted, drafted after
+    assert sched.stats.undrafted_row_steps >= 3 * (last - first + 1) - 2
+    al = reqs[0].seq.stats.acceptance_lengths
+    assert 1 + sum(al) == MAX_NEW and max(al[-4:]) > 1, al  # drafting resumed, and pays
+    assert runner.allocator.num_free == 511
+
+
+def test_undrafted_steps_keep_the_draft_context(dflash_engine, batch):
+    """After drafted and undrafted steps in turn, a row's draft context (every position's K/V in each draft
+    layer) equals what a recompute of its tokens writes, and its tokens are native's."""
+    prompts, native = batch
+    drafter = dflash_engine.drafter
+    runner = ModelRunner(dflash_engine.target, 64, 16, taps=tuple(drafter.cfg.target_layer_ids), compile=False)
+    gen = DFlashGenerator(runner, drafter, (), 16)
+    s = gen.new_sequences([prompts[3]], [greedy(MAX_NEW)])[0]
+    s.block_size = 16
+    gen.reserve([s])
+    gen.prefill_request([s])
+    for undrafted in (False, True, True, False, True):
+        step_undrafted(gen, [s]) if undrafted else gen.spec_step([s])
+    assert s.pending is None and s.draft_len == s.table.num_tokens and s.output == native[3][:len(s.output)]
+    ref = gen.new_sequences([prompts[3]], [greedy(MAX_NEW)])[0]
+    ref.output = list(s.output)
+    recompute(gen, [ref], taps=True)
+    n = s.draft_len
+    assert ref.draft_len == n
+    cache = gen.drafts.cache.data  # [layers, 2, blocks, bs, kv, d]
+    slot = lambda q, pos: (q.table.blocks[pos // 16], pos % 16)  # noqa: E731
+    got = torch.stack([cache[:, :, b, o] for b, o in (slot(s, i) for i in range(n))])
+    want = torch.stack([cache[:, :, b, o] for b, o in (slot(ref, i) for i in range(n))])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for q in (s, ref):
+        runner.allocator.free(q.table)
 
 
 # ---- sampled rows -----------------------------------------------------------------------------

@@ -144,3 +144,78 @@ def test_ray_job_submit_runs_the_sweep(ray_head, dflash_pair, tmp_path):  # noqa
     served = Path(f"{out}.serve-disaggregated.log").read_text()
     for role in ("bridge", "prefill", "decode"):
         assert f"{role} worker placed on node" in served, served[-3000:]
+
+
+def _fake_service(monkeypatch, tmp_path):
+    """job_sweep with its service and its load replaced: what each call sent, and the configs it would serve."""
+    from flashpd.bench import job_sweep as js
+    from flashpd.bench.load_gen import RequestResult
+
+    cfgs, sent = [], []
+
+    class FakeServe:
+        def __init__(self, cfg, workdir, start_timeout_s):
+            cfgs.append(cfg)
+            self.address, self.http_address, self.log_path = "127.0.0.1:1", None, workdir / "serve.log"
+            self.log_path.write_text("")
+
+        def stop(self):
+            pass
+
+    def load(address, prompts, c, timeout_s, **kw):
+        sent.append((kw["method"], c, [tuple(p) for p in prompts]))
+        al = [2, 3] if kw["method"] == "dflash" else []
+        return [RequestResult(i, tokens=list(p[:kw["max_tokens"]]), ttft_ms=1.0, latency_ms=2.0, acceptance_lengths=al)
+                for i, p in enumerate(prompts)], 1.0
+
+    monkeypatch.setattr(js, "ServeProcess", FakeServe)
+    monkeypatch.setattr(js, "run_load", load)
+    target = tmp_path / "target"
+    target.mkdir(exist_ok=True)
+    (target / "config.json").write_text(json.dumps({"vocab_size": 100}))  # no tokenizer: random prompt ids
+    return js, cfgs, sent, str(target)
+
+
+def test_prompt_pool_levels_draw_from_one_pool(monkeypatch, tmp_path):
+    """--prompt-pool: every level's requests come from one pool (the same sample for both methods; warm-ups from
+    outside it), the colocated service's prefix cache is off whatever the base config says, and the JSON records
+    the pool, each level's sample and native against DFlash per level."""
+    js, cfgs, sent, target = _fake_service(monkeypatch, tmp_path)
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"target": "x", "device_cache_bytes": 1 << 20, "host_cache_bytes": 1 << 20}))
+    out = tmp_path / "sweep.json"
+    a = js.parse_args(["--out", str(out), "--target", target, "--draft", target, "--modes", "colocated",
+                       "--concurrency", "1,4", "--prompt-pool", "5", "--requests", "7", "--warmup", "1",
+                       "--max-tokens", "4", "--prompt-tokens", "6", "--config", str(base),
+                       "--draft-width-policy", "batch:caps=1-16/4-1"])
+    d = js.sweep(a)
+    assert cfgs[0].device_cache_bytes == 0 == cfgs[0].host_cache_bytes
+    assert cfgs[0].draft_width_policy == "batch:caps=1-16/4-1" == d["settings"]["draft_width_policy"]
+    timed = {(m, c): p for m, c, p in sent if len(p) == 7}
+    warm = {p for m, c, ps in sent if len(ps) == 1 for p in ps}
+    pool = {p for ps in timed.values() for p in ps}
+    assert len(timed) == 4 and len(pool) == 5 and not warm & pool
+    for c in (1, 4):
+        assert timed[("native", c)] == timed[("dflash", c)]
+        assert d["settings"]["prompt_pool"]["samples"][c] == js.pool_sample(5, 7, 0, c)
+    assert timed[("native", 1)] != timed[("native", 4)]  # each level its own draw of the same pool
+    for r in d["runs"]:
+        assert r["prompt_pool"] == {"size": 5, "seed": 0, "distinct_prompts": 5} and r["prefix_cache"] == "off", r
+        assert r["requests"] == 7 and r["tau"] == (2.5 if r["method"] == "dflash" else None)
+    assert d["exact_methods"] == {f"colocated c={c}": {"compared": 7, "identical": 7, "match_rate": 1.0}
+                                  for c in (1, 4)}
+    assert sorted(js.pool_sample(5, 12, 3, 8)[:5]) == list(range(5)) and len(set(js.pool_sample(5, 12, 3, 8))) == 5
+
+
+def test_default_sweep_cuts_disjoint_sets_as_before(monkeypatch, tmp_path):
+    """Without a pool: per method and level a warm-up set, then its timed set, cut in that order from one stream."""
+    js, cfgs, sent, target = _fake_service(monkeypatch, tmp_path)
+    a = js.parse_args(["--out", str(tmp_path / "s.json"), "--target", target, "--draft", target, "--modes",
+                       "colocated", "--concurrency", "1,2", "--requests", "3", "--warmup", "1", "--max-tokens", "4",
+                       "--prompt-tokens", "6"])
+    d = js.sweep(a)
+    stream = js.make_prompts(target, [6] * 16, 0)
+    assert [ps for _, _, ps in sent] == [[tuple(p) for p in stream[i:i + n]]
+                                        for i, n in zip((0, 1, 4, 5, 8, 9, 12, 13), (1, 3) * 4)]
+    assert "exact_methods" not in d and d["settings"]["prompt_pool"] is None
+    assert all(r["prefix_cache"] == "off" and "prompt_pool" not in r for r in d["runs"])

@@ -1,6 +1,7 @@
 """Worker warm-up (engine/warmup.py): throwaway requests at start run every method through the worker's
 own scheduler, then leave no trace: every KV block free, nothing published to or read from the prefix
-cache, counters zero, and the next requests' tokens and acceptance lengths as without a warm-up."""
+cache, counters zero, and the next requests' tokens and acceptance lengths as without a warm-up; the decode
+warm-up steps every power-of-two batch bucket up to max_running that fits the cache."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,7 @@ from flashpd.engine.drafter import load_drafter
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
-from flashpd.engine.warmup import lengths_for, warm_prefill
+from flashpd.engine.warmup import batch_sizes, lengths_for, warm_prefill
 from flashpd.kv_bridge.keys import MethodFingerprint
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.store import MemoryStore
@@ -49,6 +50,9 @@ def test_decode_warmup_leaves_no_trace(dflash_pair):  # noqa: F811
                 done = w.warmup
                 assert done["methods"] == ["native", "dflash"] and done["requests"] >= 2 * len(done["lengths"])
                 assert done["lengths"] == lengths_for(runner.max_positions, 33) and done["lengths"]
+                # every batch bucket up to max_running (64), but 64 rows of short prompts do not fit 255 blocks
+                assert done["batches"] == {m: [2, 4, 8, 16, 32] for m in ("native", "dflash")}, done
+                assert done["skipped_batches"] == {m: [64] for m in ("native", "dflash")}
             else:
                 assert w.warmup is None
             assert runner.allocator.num_free == free
@@ -81,3 +85,5 @@ def test_warmup_setting():
     assert wants_warmup(ServeConfig(target="x", warmup=True), cpu)
     assert ServeConfig.from_dict({"target": "x", "warmup": False}).warmup is False
     assert lengths_for(300, 33) == [16, 100, 200] and lengths_for(10, 33) == []
+    assert batch_sizes(128) == [2, 4, 8, 16, 32, 64, 128] and batch_sizes(100) == [2, 4, 8, 16, 32, 64, 100]
+    assert batch_sizes(2) == [2] and batch_sizes(1) == []

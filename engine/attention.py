@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flashpd.engine import paged_attention
+
 
 @dataclass
 class AttnBatch:
@@ -77,6 +79,18 @@ def use_matmul(q: torch.Tensor, keys: int) -> bool:
         return FORCE_IMPL == "matmul"
     rows = q.shape[0] * q.shape[1] * q.shape[2]  # B*T*Hq, in either query layout
     return q.device.type == "cuda" and rows * keys <= MATMUL_MAX_SCORES
+
+
+# Forwards of at most this many query positions (decode, verify) attend with the paged kernel on a GPU.
+PAGED_MAX_T = 32
+
+
+def use_paged(q: torch.Tensor, t: int) -> bool:
+    """Decode and verify on a GPU read K/V straight from the paged cache (engine/paged_attention.py): the
+    gather of `gather_kv` copies every row's whole padded KV first, and the masked softmax reads a mask, which
+    triples a small-query step's KV traffic. Prefill, the CPU and a forced `FORCE_IMPL` keep
+    `grouped_attention`."""
+    return q.device.type == "cuda" and t <= PAGED_MAX_T and FORCE_IMPL is None and paged_attention.available()
 
 
 def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from dataclasses import replace
 
 from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
-    group_queries, grouped_attention, out_proj, write_kv
+    group_queries, grouped_attention, out_proj, use_paged, write_kv
+from flashpd.engine.paged_attention import paged_attention
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 
@@ -45,10 +46,16 @@ def attn_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_norm: t
 
 
 def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             block_tables: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
-             w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float) -> torch.Tensor:
-    """Attention of grouped queries (attn_inputs) over the gathered cache, then the residual MLP."""
-    attn = grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask, scale)
+             block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor,
+             w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float
+             ) -> torch.Tensor:
+    """Attention of grouped queries (attn_inputs) over the cache, then the residual MLP. Decode and verify on
+    a GPU read the cache in place by position (paged_attention); elsewhere it is gathered and masked."""
+    if use_paged(q, positions.shape[1]):
+        attn = paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
+    else:
+        attn = grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask,
+                                 scale)
     return mlp_residual(h + out_proj(attn, w_o), w_post, w_gate_up, w_down, eps)
 
 
@@ -90,7 +97,7 @@ class Qwen3DecoderLayer(nn.Module):
         if batch.fresh:
             return fresh(h, q, k, v, a.o_proj.weight, self.post_attention_layernorm.weight,
                          self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, c.rms_norm_eps, c.head_dim ** -0.5)
-        return post(h, q, k_cache, v_cache, batch.block_tables, batch.mask, a.o_proj.weight,
+        return post(h, q, k_cache, v_cache, batch.block_tables, batch.positions, batch.mask, a.o_proj.weight,
                     self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
                     c.rms_norm_eps, c.head_dim ** -0.5)
 

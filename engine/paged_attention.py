@@ -1,0 +1,264 @@
+"""Paged decode/verify attention in Triton: queries read K/V straight from the paged cache.
+
+The plain-PyTorch path (attention.gather_kv + grouped_attention) copies every row's whole padded KV into a
+new tensor and reads a materialized mask, tripling a decode step's KV traffic. Here each program holds a
+tile of BLOCK_M query rows of one (kv head, sequence) and walks that sequence's keys BLOCK_N at a time
+through its block table, with an fp32 online softmax.
+
+Batch invariance (a position's output must not depend on what shares its forward): tile sizes, warps and
+stages are constants; every tile walks key blocks in increasing order from key 0 with fixed block
+boundaries; a key block with none of a row's visible keys leaves that row's state bitwise unchanged (its
+running max stays, so alpha = 2^0 = 1 and every p = 0; K/V past the tile's last position are masked loads,
+those before it are written K/V, so 0 * v adds exact zeros; the output adds 0.0 so that an exact zero has one
+sign); and tl.dot computes each output row from that row alone, in the same order wherever it sits in the
+tile. Long contexts split the keys into fixed chunks of KEYS_PER_SPLIT (a row's chunks depend only on its
+position) whose partial states a second kernel merges in chunk order; a row inside the first chunk gets the
+same bits from that merge as from the unsplit kernel (weight 2^0 = 1, sum 0 + x).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton's CPU interpreter (tests)
+LOG2E = 1.4426950408889634  # scores are kept in the log2 domain: exp2 is the hardware's exponential
+
+triton = None
+# the kernel runs on CUDA only (and on the CPU under the interpreter): a CPU build of torch skips importing
+# triton (a third of a second a process)
+if torch.backends.cuda.is_built() or INTERPRET:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # no triton: the plain-PyTorch attention is the only path
+        triton = None
+
+# Fixed tile constants: changing any of them changes results (bitwise), never their dependence on the batch.
+# BLOCK_M = 64 rows: a verify of 16 tokens x 4 query groups is one tile that reads its K/V once; a decode's
+# 4 rows leave MMA rows idle, which costs less than a 16-row tile's re-read of K/V per 16 rows at T = 16.
+BLOCK_M = 64  # query rows per program
+BLOCK_N = 32  # keys per iteration
+NUM_WARPS = 4
+NUM_STAGES = 2
+KEYS_PER_SPLIT = 512  # keys per split program; a multiple of BLOCK_N
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _dot(a, b, acc, F32: tl.constexpr, ROWWISE: tl.constexpr):
+        """acc + a @ b. F32: in fp32 (fp32 inputs: no tf32). ROWWISE (the interpreter only): a broadcast
+        product summed in key order, because the interpreter's dot is numpy's matmul, whose BLAS rounds a row
+        differently by its place in the tile (a GPU's MMA does not), and multiplies bf16 operands as their raw
+        16-bit integers (triton 3.7-3.9); bf16 products are exact in fp32."""
+        if ROWWISE:
+            return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        elif F32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                     qk_scale, B, M, n_keys,
+                     sq_h, sq_b, sq_m, so_h, so_b, so_m,
+                     sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
+                     G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, KPS: tl.constexpr, SPLIT: tl.constexpr,
+                     F32: tl.constexpr, INTERPRET: tl.constexpr):
+        """One (row tile, kv head * batch, key split) program. SPLIT: write the unnormalized partial state
+        (m, l, acc) of keys [split*KPS, (split+1)*KPS) for `_combine_kernel`; else the output."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        h = pid_bh // B
+        b = pid_bh % B
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
+        max_pos = tl.max(pos, 0)
+        dd = tl.arange(0, D_PAD)
+        d_ok = dd < D
+        q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if SPLIT:
+            lo = pid_s * KPS
+            hi = tl.minimum(max_pos + 1, lo + KPS)
+        else:
+            lo = 0
+            hi = max_pos + 1
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D_PAD], tl.float32)
+        qk_scale = tl.cast(qk_scale, tl.float32)  # a compiled caller passes the float as fp64
+        k_base = k_ptr + h * sk_h + dd[None, :]
+        v_base = v_ptr + h * sv_h + dd[None, :]
+        for start in range(lo, hi, BN):
+            keys = start + tl.arange(0, BN)
+            k_ok = (keys <= max_pos) & (keys < n_keys)
+            page = tl.load(bt_ptr + b * sbt_b + keys // PAGE, mask=k_ok, other=0)
+            off = keys % PAGE
+            ld = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=ld, other=0.0)
+            v = tl.load(v_base + page[:, None] * sv_blk + off[:, None] * sv_off, mask=ld, other=0.0)
+            s = _dot(q, tl.trans(k), tl.zeros([BM, BN], tl.float32), F32, INTERPRET)
+            s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))  # log2 domain
+            # a row that sees no key of this block keeps m (alpha = 2^0 = 1, p = 0): its l and acc stay
+            # bitwise as they were; m_sub = 0 for a row that has seen no key yet (no -inf - -inf)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(s - m_sub[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32, INTERPRET)
+            m_i = m_new
+        if SPLIT:
+            ws = (pid_s * tl.num_programs(1) + pid_bh) * M + rows
+            tl.store(m_ptr + ws, m_i, mask=row_ok)
+            tl.store(l_ptr + ws, l_i, mask=row_ok)
+            tl.store(acc_ptr + ws[:, None] * D_PAD + dd[None, :], acc, mask=row_ok[:, None])
+        else:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] + 0.0  # + 0.0: one sign for an exact zero
+            tl.store(out_ptr + h * so_h + b * so_b + rows[:, None] * so_m + dd[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, B, M, n_splits, spos_b, so_h, so_b, so_m,
+                        G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr,
+                        KPS: tl.constexpr):
+        """Merge a row's key splits in split order (log-sum-exp); splits past its position are skipped."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        h = pid_bh // B
+        b = pid_bh % B
+        rows = pid_m * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
+        dd = tl.arange(0, D_PAD)
+        bh = tl.num_programs(1)
+        m_max = tl.full([BM], float("-inf"), tl.float32)
+        for s in range(0, n_splits):
+            on = row_ok & (s * KPS <= pos)
+            m_max = tl.maximum(m_max, tl.load(m_ptr + (s * bh + pid_bh) * M + rows, mask=on, other=float("-inf")))
+        m_max = tl.where(row_ok, m_max, 0.0)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D_PAD], tl.float32)
+        for s in range(0, n_splits):
+            on = row_ok & (s * KPS <= pos)
+            ws = (s * bh + pid_bh) * M + rows
+            w = tl.exp2(tl.load(m_ptr + ws, mask=on, other=float("-inf")) - m_max)
+            l_s = tl.load(l_ptr + ws, mask=on, other=0.0)
+            acc_s = tl.load(acc_ptr + ws[:, None] * D_PAD + dd[None, :], mask=on[:, None], other=0.0)
+            l_i = tl.where(on, l_i + l_s * w, l_i)
+            acc = tl.where(on[:, None], acc + acc_s * w[:, None], acc)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] + 0.0
+        tl.store(out_ptr + h * so_h + b * so_b + rows[:, None] * so_m + dd[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dd < D)[None, :])
+
+    @torch.library.triton_op("flashpd::paged_attention", mutates_args=())
+    def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
+                            keys_per_split: int) -> torch.Tensor:
+        hkv, b, m, d = q.shape
+        t = positions.shape[1]
+        page = k_cache.shape[1]
+        n_keys = block_tables.shape[1] * page
+        d_pad = max(16, triton.next_power_of_2(d))
+        f32 = q.dtype == torch.float32
+        out = torch.empty_like(q)
+        n_splits = triton.cdiv(n_keys, keys_per_split)
+        split = n_splits > 1
+        if split:
+            m_ws = torch.empty((n_splits, hkv * b, m), dtype=torch.float32, device=q.device)
+            l_ws = torch.empty_like(m_ws)
+            acc_ws = torch.empty((n_splits, hkv * b, m, d_pad), dtype=torch.float32, device=q.device)
+        else:
+            m_ws = l_ws = acc_ws = out  # unused
+        grid = (triton.cdiv(m, BLOCK_M), hkv * b, n_splits)
+        torch.library.wrap_triton(_attn_kernel)[grid](
+            q, k_cache, v_cache, block_tables, positions, out, m_ws, l_ws, acc_ws,
+            scale * LOG2E, b, m, n_keys,
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0), positions.stride(0),
+            G=m // t, PAGE=page, D=d, D_PAD=d_pad, BM=BLOCK_M, BN=BLOCK_N, KPS=keys_per_split, SPLIT=split,
+            F32=f32, INTERPRET=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        if split:
+            torch.library.wrap_triton(_combine_kernel)[(triton.cdiv(m, BLOCK_M), hkv * b)](
+                m_ws, l_ws, acc_ws, positions, out, b, m, n_splits, positions.stride(0),
+                out.stride(0), out.stride(1), out.stride(2),
+                G=m // t, D=d, D_PAD=d_pad, BM=BLOCK_M, KPS=keys_per_split, num_warps=NUM_WARPS)
+        return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    positions: torch.Tensor, scale: float, keys_per_split: int = KEYS_PER_SPLIT) -> torch.Tensor:
+    """q [Hkv, B, T*G, d] (attention.group_queries), k/v_cache [blocks, bs, Hkv, d], block_tables [B, nblk],
+    positions [B, T] -> [Hkv, B, T*G, d] like q. Row t*G + j of (head, b) attends to keys 0..positions[b, t]
+    (key i in block block_tables[b, i // bs] at offset i % bs). keys_per_split: tests only (a multiple of
+    BLOCK_N); the engine always uses KEYS_PER_SPLIT."""
+    if triton is None:
+        raise RuntimeError("paged_attention needs triton")
+    assert q.shape[2] % positions.shape[1] == 0 and keys_per_split % BLOCK_N == 0
+    assert q.stride(3) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    return torch.ops.flashpd.paged_attention(q, k_cache, v_cache, block_tables, positions, float(scale),
+                                             keys_per_split)
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+              positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The plain-PyTorch path the kernel replaces: gather_kv + the position mask + grouped_attention."""
+    from flashpd.engine.attention import causal_position_mask, gather_kv, group_mask, grouped_attention
+    mask = group_mask(causal_position_mask(positions, block_tables.shape[1] * k_cache.shape[1]),
+                      q.shape[2] // positions.shape[1])
+    return grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask, scale)
+
+
+def random_case(b: int, t: int, hkv: int, groups: int, d: int, block_size: int, nblk: int, num_blocks: int,
+                dtype: torch.dtype, device: torch.device | str, seed: int = 0, min_pos: int = 0
+                ) -> tuple[torch.Tensor, ...]:
+    """Random q, caches, block tables (distinct blocks >= 1 per row, the tail padded with the scratch block 0)
+    and positions [B, T] (consecutive from a random start, so every row fits its blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(hkv, b, t * groups, d, generator=g).to(dtype)
+    k = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    tables = torch.zeros(b, nblk, dtype=torch.int64)
+    pos = torch.zeros(b, t, dtype=torch.int64)
+    for i in range(b):
+        end = int(torch.randint(max(t, min_pos + t), nblk * block_size + 1, (1,), generator=g))  # positions < end
+        used = -(-end // block_size)
+        tables[i, :used] = torch.randperm(num_blocks - 1, generator=g)[:used] + 1
+        pos[i] = torch.arange(end - t, end)
+    return tuple(x.to(device) for x in (q, k, v, tables, pos))
+
+
+def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
+                            ) -> dict[str, float | bool]:
+    """GPU self-check at Qwen3-8B's head shape: max abs error against `reference` (one case per path: no
+    split, split, decode and verify), and whether a row's output is bitwise the same alone (T=1, B=1), inside
+    a verify of 16, and inside a bigger batch with a wider table."""
+    scale = 128 ** -0.5
+    errs = []
+    for b, t, nblk, seed in ((8, 1, 20, 0), (4, 16, 20, 1), (3, 1, 70, 2), (2, 16, 70, 3)):
+        q, k, v, bt, pos = random_case(b, t, 8, 4, 128, 16, nblk, 300, dtype, device, seed)
+        out = paged_attention(q, k, v, bt, pos, scale)
+        ref = reference(q.float(), k.float(), v.float(), bt, pos, scale)
+        errs.append((out.float() - ref).abs().max().item())
+    invariant = True
+    for nblk in (20, 70):  # without and with the split
+        q, k, v, bt, pos = random_case(6, 16, 8, 4, 128, 16, nblk, 600, dtype, device, seed=nblk)
+        full = paged_attention(q, k, v, bt, pos, scale)
+        wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)
+        for row, col in ((0, 0), (2, 7), (5, 15)):
+            alone = paged_attention(q[:, row:row + 1, col * 4:col * 4 + 4].contiguous(), k, v, bt[row:row + 1],
+                                    pos[row:row + 1, col:col + 1], scale)
+            big = paged_attention(q, k, v, wide, pos, scale)[:, row:row + 1, col * 4:col * 4 + 4]
+            mine = full[:, row:row + 1, col * 4:col * 4 + 4]
+            invariant &= torch.equal(alone, mine) and torch.equal(big, mine)
+    return {"max_abs_err": max(errs), "invariant": bool(invariant)}

@@ -1,0 +1,137 @@
+"""The Triton paged attention kernel (engine/paged_attention.py) against the gather + mask + softmax path it
+replaces, and its batch invariance: a row's output is bitwise the same whatever shares its forward.
+
+Without a GPU the kernels run under triton's interpreter (numpy on CPU tensors), which triton.jit picks at
+decoration time, its own library's functions (tl.max, ...) included: TRITON_INTERPRET=1 must be set before
+triton is first imported, and this process imported it long before (torch.compile does). So one child
+process, started with the variable, runs every case below and reports each; each test here checks its
+case's report. On a GPU the cases run in this process on CUDA tensors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import pytest
+import torch
+
+import flashpd.engine.attention as attention
+import flashpd.engine.paged_attention as engine_pa
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALE = 24 ** -0.5
+CASES: dict[str, Callable[[ModuleType, str], None]] = {}
+
+
+def random_case(pa: ModuleType, device: str, dtype: torch.dtype, b: int, t: int, nblk: int, seed: int,
+                min_pos: int = 0, hkv: int = 2) -> tuple[torch.Tensor, ...]:
+    """4 query groups, head_dim 24 (padded to 32 in the kernel), blocks of 8 keys, 64 blocks."""
+    return pa.random_case(b, t, hkv, 4, 24, 8, nblk, 64, dtype, device, seed=seed, min_pos=min_pos)
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def matches_the_gathered_reference(pa: ModuleType, dev: str, dtype: torch.dtype, b: int, t: int, nblk: int,
+                                   kps: int) -> None:
+    """Rows at different positions, decode (T=1) and verify (T=16, G=4), padded table entries (the scratch
+    block 0 holds random data), and (kps=64, 200 keys) a split into 4 chunks merged by the combine kernel."""
+    q, k, v, bt, pos = random_case(pa, dev, dtype, b, t, nblk, seed=b * 10 + t, min_pos=70 if kps == 64 else 0)
+    assert (bt == 0).any()  # some table entries are padding
+    if kps == 64:
+        assert pos.max() >= 128  # 3 splits or more
+    out = pa.paged_attention(q, k, v, bt, pos, SCALE, keys_per_split=kps)
+    ref = pa.reference(q.float(), k.float(), v.float(), bt, pos, SCALE)
+    check_close(out, ref, dtype)
+
+
+for _dt in (torch.float32, torch.bfloat16):
+    for _b, _t, _nblk, _kps in ((3, 1, 12, 512), (2, 16, 12, 512), (3, 2, 25, 64)):
+        CASES[f"reference-{str(_dt)[6:]}-b{_b}-t{_t}-nblk{_nblk}-kps{_kps}"] = (
+            lambda pa, dev, a=(_dt, _b, _t, _nblk, _kps): matches_the_gathered_reference(pa, dev, *a))
+
+
+def unwritten_slots_are_never_read(pa: ModuleType, dev: str) -> None:
+    """Cache slots past every query's position (here NaN) leave the output finite and unchanged: keys past a
+    tile's last position are masked loads, not zero-weighted ones."""
+    q, k, v, bt, pos = random_case(pa, dev, torch.float32, 2, 4, 10, seed=7)
+    ref = pa.paged_attention(q, k, v, bt, pos, SCALE)
+    for i in range(bt.shape[0]):
+        for key in range(int(pos[i].max()) + 1, bt.shape[1] * 8):
+            k[bt[i, key // 8], key % 8] = float("nan")
+            v[bt[i, key // 8], key % 8] = float("nan")
+    out = pa.paged_attention(q, k, v, bt, pos, SCALE)
+    assert torch.equal(out, ref)
+
+
+CASES["unwritten-slots"] = unwritten_slots_are_never_read
+
+
+def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dtype) -> None:
+    """A row computed alone (B=1, T=1), inside a verify of T=16 beside rows at other positions, and inside a
+    call with a wider block table is bitwise the same, wherever it sits in its row tile (cols 0, 9 and 15),
+    with and without the key split: rows under one split's keys (min_pos 30, no split), and rows over three
+    splits (min_pos 130, kps=64), where the wider table adds two more."""
+    for min_pos, kps in ((30, 512), (130, 64)):
+        q, k, v, bt, pos = random_case(pa, dev, dtype, 2, 16, 20, seed=min_pos, min_pos=min_pos, hkv=1)
+        full = pa.paged_attention(q, k, v, bt, pos, SCALE, keys_per_split=kps)
+        wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)  # 320 keys: 5 splits at kps=64, none at 512
+        assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, keys_per_split=kps), full)
+        for col in (0, 9, 15):
+            rows = slice(col * 4, col * 4 + 4)
+            alone = pa.paged_attention(q[:, 1:2, rows].contiguous(), k, v, bt[1:2], pos[1:2, col:col + 1], SCALE,
+                                       keys_per_split=kps)
+            assert torch.equal(alone, full[:, 1:2, rows]), (min_pos, col)
+
+
+CASES["invariance-float32"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.float32)
+CASES["invariance-bfloat16"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.bfloat16)
+
+
+def run_cases() -> None:
+    """The child: every case under the interpreter; prints {name: "ok" or the traceback} as JSON."""
+    assert engine_pa.available() and engine_pa.INTERPRET, "start the child with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    report = {}
+    for name, fn in CASES.items():
+        try:
+            fn(engine_pa, "cpu")
+            report[name] = "ok"
+        except Exception:  # noqa: BLE001 (reported to the parent)
+            report[name] = traceback.format_exc()
+    print(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", "from tests.test_paged_attention import run_cases; run_cases()"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel(name: str, request: pytest.FixtureRequest) -> None:
+    if torch.cuda.is_available():  # pragma: no cover (GPU machines: the compiled kernels)
+        CASES[name](engine_pa, "cuda")
+        return
+    result = request.getfixturevalue("interpreted")[name]
+    assert result == "ok", result
+
+
+def test_the_engine_dispatches_small_query_sets_on_a_gpu_only():
+    q = torch.zeros(8, 4, 4, 128)
+    assert not attention.use_paged(q, 1)  # the CPU keeps grouped_attention, bitwise as before
+    if torch.cuda.is_available():  # pragma: no cover (GPU machines)
+        qc = q.cuda()
+        assert attention.use_paged(qc, 1) and attention.use_paged(qc, 32) and not attention.use_paged(qc, 33)
+    assert engine_pa.KEYS_PER_SPLIT % engine_pa.BLOCK_N == 0

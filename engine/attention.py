@@ -81,16 +81,24 @@ def use_matmul(q: torch.Tensor, keys: int) -> bool:
     return q.device.type == "cuda" and rows * keys <= MATMUL_MAX_SCORES
 
 
-# Forwards of at most this many query positions (decode, verify) attend with the paged kernel on a GPU.
-PAGED_MAX_T = 32
+def use_paged(q: torch.Tensor, t: int, keys: int) -> bool:
+    """One-token decode of at least PAGED_MIN_BATCH rows (q [Hkv, B, T*G, d]) on a GPU, over at most
+    paged_attention.KEYS_PER_SPLIT keys, reads K/V straight from the paged cache (engine/paged_attention.py):
+    the gather of `gather_kv` copies every row's whole padded KV first, and the masked softmax reads a mask,
+    which triples a decode step's KV traffic at large batches.
+
+    Why only there: that is what has run end to end on an H200 (a Qwen3-8B-shape decode curve, batch 1 to
+    256, and the serving scheduler). The kernel also takes verify widths (t <= 32) and longer contexts (its
+    key split), tested on the CPU under triton's interpreter and in isolation on a GPU, but the first whole
+    DFlash run with them at the 8B shape did not finish (docs/results.md), so they keep `grouped_attention`
+    until a GPU run clears them. Prefill, the CPU and a forced `FORCE_IMPL` keep it too."""
+    return (q.device.type == "cuda" and t == 1 and q.shape[1] >= PAGED_MIN_BATCH
+            and keys <= paged_attention.KEYS_PER_SPLIT and FORCE_IMPL is None and paged_attention.available())
 
 
-def use_paged(q: torch.Tensor, t: int) -> bool:
-    """Decode and verify on a GPU read K/V straight from the paged cache (engine/paged_attention.py): the
-    gather of `gather_kv` copies every row's whole padded KV first, and the masked softmax reads a mask, which
-    triples a small-query step's KV traffic. Prefill, the CPU and a forced `FORCE_IMPL` keep
-    `grouped_attention`."""
-    return q.device.type == "cuda" and t <= PAGED_MAX_T and FORCE_IMPL is None and paged_attention.available()
+# Under this many rows the kernel's few programs (rows x KV heads) walk their keys in turn, slower than the
+# gather path; above it the gather's copy dominates (docs/results.md: per-layer times at the 8B shape).
+PAGED_MIN_BATCH = 4
 
 
 def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:

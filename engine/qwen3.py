@@ -50,8 +50,8 @@ def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float
              ) -> torch.Tensor:
     """Attention of grouped queries (attn_inputs) over the cache, then the residual MLP. Decode and verify on
-    a GPU read the cache in place by position (paged_attention); elsewhere it is gathered and masked."""
-    if use_paged(q, positions.shape[1]):
+    a GPU read the cache in place by position (attention.use_paged); elsewhere it is gathered and masked."""
+    if use_paged(q, positions.shape[1], block_tables.shape[1] * k_cache.shape[1]):
         attn = paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
     else:
         attn = grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask,

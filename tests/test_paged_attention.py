@@ -128,10 +128,13 @@ def test_kernel(name: str, request: pytest.FixtureRequest) -> None:
     assert result == "ok", result
 
 
-def test_the_engine_dispatches_small_query_sets_on_a_gpu_only():
+def test_the_engine_dispatches_one_token_decode_on_a_gpu_only():
     q = torch.zeros(8, 4, 4, 128)
-    assert not attention.use_paged(q, 1)  # the CPU keeps grouped_attention, bitwise as before
+    assert not attention.use_paged(q, 1, 256)  # the CPU keeps grouped_attention, bitwise as before
     if torch.cuda.is_available():  # pragma: no cover (GPU machines)
         qc = q.cuda()
-        assert attention.use_paged(qc, 1) and attention.use_paged(qc, 32) and not attention.use_paged(qc, 33)
+        keys = engine_pa.KEYS_PER_SPLIT
+        assert attention.use_paged(qc, 1, keys)
+        assert not attention.use_paged(qc, 16, 256) and not attention.use_paged(qc, 1, keys + 16)
+        assert not attention.use_paged(qc[:, :attention.PAGED_MIN_BATCH - 1], 1, keys)
     assert engine_pa.KEYS_PER_SPLIT % engine_pa.BLOCK_N == 0

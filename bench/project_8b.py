@@ -40,7 +40,7 @@ ASSUMPTIONS = [
 ]
 
 SEED = {
-    "source": "../shared/seed/000_41645b891a36b562.txt",
+    "source": "the project seed results page (seed 000: the vLLM DFlash run)",
     "geomean_speedup": 2.154,
     "quote": "On four disjoint prompts, native Qwen3-8B took a median 804 to 845 milliseconds to generate 64 greedy "
              "tokens. DFlash completed the same requests in 318 to 432 milliseconds. Every prompt won, with paired "
@@ -52,7 +52,7 @@ SEED = {
 }
 
 PUBLISHED = {
-    "source": "../shared/design/dflash.md, section \"Published figures (for the compass, not for tests)\"",
+    "source": "the design card dflash.md, section \"Published figures (for the compass, not for tests)\"",
     "quote": "Reference implementation, B200, transformers backend, batch 1, temperature 0, Qwen3-8B-DFlash-b16 "
              "against plain decoding in the same code: speedup 5.2x / tau 6.55 on GSM8K, 6.17x / 7.87 on MATH500, "
              "5.2x / 6.55 on HumanEval, 2.79x / 4.25 on MT-Bench, 2.27x / 3.16 on Alpaca. EAGLE-3 in the same "

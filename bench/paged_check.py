@@ -162,7 +162,6 @@ def bench_one(b, t, ctx=256, layers=36, fn="paged", reps=20):
         times.append(e0.elapsed_time(e1))
     ms = sorted(times)[len(times) // 2] / layers
     kv_bytes = b * (ctx + t) * hkv * d * 2 * 2
-    del kv
     return {"us_per_layer": round(ms * 1000, 2), "TBps": round(kv_bytes / (ms * 1e-3) / 1e12, 3)}
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections import deque
@@ -50,7 +49,7 @@ import torch
 
 from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.generate import NativeGenerator, sample_rows
-from flashpd.engine.kv_cache import slots_of
+from flashpd.engine.kv_cache import blocks_needed, slots_of
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
@@ -82,12 +81,6 @@ class RequestFailed(RuntimeError):
 
 class PromptTooLong(ValueError):
     """The request can never fit this worker's KV cache or context (RESOURCE_EXHAUSTED at the API)."""
-
-
-def blocks_needed(prompt_len: int, max_tokens: int, width: int, kv_block: int) -> int:
-    """Worst-case KV blocks of one request: prompt + every output token + one block of drafts.
-    A request needing more than a worker's whole cache can never run there (PromptTooLong)."""
-    return math.ceil((prompt_len + max_tokens + width) / kv_block)
 
 
 @dataclass
@@ -285,7 +278,7 @@ class Scheduler:
         """Blocks a waiting request needs to be prefilled (or recomputed) and take its first step."""
         s = r.seq
         ctx = len(s.prompt) + max(len(s.output) - 1, 0)
-        return math.ceil((ctx + self._width(r)) / self.runner.block_size)
+        return blocks_needed(ctx, 0, self._width(r), self.runner.block_size)
 
     def _pick(self) -> list[Request]:
         """Waiting requests to admit now, in queue order, skipping those whose prefix is still loading."""

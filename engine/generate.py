@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 import torch
 
 from flashpd.engine.device_loop import DeviceLoop
-from flashpd.engine.kv_cache import OutOfBlocks
+from flashpd.engine.kv_cache import OutOfBlocks, blocks_needed
 from flashpd.engine.runner import ModelRunner, TapSink
 from flashpd.engine.sampling import SamplingParams, make_generator, sample
 from flashpd.engine.sequence import Sequence
@@ -191,7 +191,7 @@ class NativeGenerator:
     def reserve(self, seqs: list[Sequence]) -> None:
         """Refuse a batch the cache cannot hold to the end (this loop has no preemption)."""
         bs = self.runner.block_size
-        need = sum(-(-(len(s.prompt) + s.params.max_tokens + s.block_size) // bs) for s in seqs)
+        need = sum(blocks_needed(len(s.prompt), s.params.max_tokens, s.block_size, bs) for s in seqs)
         if need > self.runner.allocator.num_free:
             raise OutOfBlocks(f"{len(seqs)} requests need up to {need} KV blocks; "
                               f"{self.runner.allocator.num_free} are free")

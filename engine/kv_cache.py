@@ -82,6 +82,12 @@ class PagedKVCache:
                                 dtype=dtype, device=device)
 
 
+def blocks_needed(prompt_len: int, max_tokens: int, width: int, kv_block: int) -> int:
+    """Worst-case KV blocks of one request: prompt + every output token + one block of drafts (width 1 for
+    native decoding). A request needing more than a worker's whole cache can never run there."""
+    return math.ceil((prompt_len + max_tokens + width) / kv_block)
+
+
 def slots_of(blocks, pos, block_size: int):
     """The paged cache's one slot rule: position p of a sequence lives at flat slot
     blocks[p // block_size] * block_size + p % block_size. `blocks` is one block table (a numpy array, `pos`

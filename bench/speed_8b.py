@@ -20,8 +20,11 @@ The JSON is written after every section (a run cut short keeps what it measured)
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import statistics
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,6 +44,19 @@ from flashpd.engine.spec_decode import DFlashGenerator
 
 def log(msg: str) -> None:
     print(f"[speed_8b {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+@contextmanager
+def watched(name: str, res: dict, dump_s: float):
+    """Time a section into res["section_s"]; if it runs past dump_s, every thread's Python stack goes to stderr
+    (and again each dump_s), so a run that stalls says where (the first run's DFlash section stalled unseen)."""
+    faulthandler.dump_traceback_later(dump_s, repeat=True, file=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        res.setdefault("section_s", {})[name] = time.perf_counter() - t0
 
 
 def matmul_tflops(n: int = 8192) -> float:
@@ -223,6 +239,8 @@ def main() -> None:
     ap.add_argument("--exact-new-tokens", type=int, default=256)
     ap.add_argument("--sections", default="curve,scheduler,dflash,prefill,exact")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stall-dump-s", type=float, default=120.0,
+                    help="print every thread's stack when a section runs this long, and again each as long")
     ap.add_argument("--out", default="bench/results/speed_8b.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -264,7 +282,7 @@ def main() -> None:
             row["tokens_per_s"]
         return row
 
-    if "curve" in sections:
+    def curve() -> None:
         res["native_curve"] = []
         for b in batches:
             t0 = time.perf_counter()
@@ -274,7 +292,8 @@ def main() -> None:
             log(f"native b={b}: {row['ms_per_step']:.3f} ms/step, floor {row['floor_ms']:.3f} "
                 f"(x{row['ms_per_step'] / row['floor_ms']:.3f}; {time.perf_counter() - t0:.0f} s)")
             save()
-    if "scheduler" in sections:
+
+    def scheduler() -> None:
         res["scheduler"] = []
         for b in sched_batches:
             row = scheduler_steps(runner, b, a.context, a.steps, cfg.vocab_size)
@@ -282,16 +301,18 @@ def main() -> None:
             res["scheduler"].append(floor(row))
             log(f"scheduler b={b}: {row['ms_per_step']:.3f} ms/step, fraction {row['floor_fraction']:.3f}")
             save()
-    if "dflash" in sections:
-        spec = DFlashGenerator(runner, drafter, ())
+
+    def dflash() -> None:
         prompt = random_prompts(1, a.context, cfg.vocab_size, a.seed)
-        res["dflash_b1"] = loop_steps(spec, prompt, a.steps, width=a.width, profiled=True)
         wide = NativeGenerator(runner, (), step_width=a.width)
         res["native_b1_verify_shapes"] = loop_steps(wide, prompt, a.steps, profiled=True)
-        log(f"dflash b=1 width {a.width}: {res['dflash_b1']['ms_per_step']:.3f} ms/step; native at the verify's "
-            f"shapes {res['native_b1_verify_shapes']['ms_per_step']:.3f}")
+        log(f"native b=1 at the verify's shapes: {res['native_b1_verify_shapes']['ms_per_step']:.3f} ms/step")
         save()
-    if "prefill" in sections:
+        res["dflash_b1"] = loop_steps(DFlashGenerator(runner, drafter, ()), prompt, a.steps, width=a.width,
+                                      profiled=True)
+        log(f"dflash b=1 width {a.width}: {res['dflash_b1']['ms_per_step']:.3f} ms/step")
+
+    def prefill() -> None:
         prompt = random_prompts(1, a.prefill_tokens, cfg.vocab_size, a.seed)[0]
         rows = {}
         for chunk in (runner.prefill_chunk, a.prefill_tokens):
@@ -304,14 +325,17 @@ def main() -> None:
                           "ms": ms, "flops": flops, "tflops": flops / (ms * 1e-3) / 1e12,
                           "matmul_fraction": flops / (ms * 1e-3) / 1e12 / res["matmul_tflops_bf16"]}
         log(f"prefill {a.prefill_tokens}: {rows} ms; {res['prefill']['tflops']:.0f} TFLOP/s")
-        save()
-    if "exact" in sections:
-        del runner, native, target, drafter
-        torch.cuda.empty_cache()
+
+    def exact() -> None:
         res["exact"] = exactness(a.exact_target, a.exact_draft, a.exact_prompts, a.exact_new_tokens, a.width,
                                  a.seed)
-        save()
-    save()
+
+    for name, fn in (("curve", curve), ("scheduler", scheduler), ("dflash", dflash), ("prefill", prefill),
+                     ("exact", exact)):
+        if name in sections:
+            with watched(name, res, a.stall_dump_s):
+                fn()
+            save()
     log("done: " + ", ".join(f"{k} {v}" for k, v in fields(res).items()))
 
 

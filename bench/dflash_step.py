@@ -31,6 +31,21 @@ from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_decode import DFlashGenerator
 
 
+class ReplayDFlash(DFlashGenerator):
+    """DFlash whose accepted lengths are replayed from a recorded run (`replay()`: accepted drafts this step):
+    every kernel of the loop runs at the real shape, but the tokens are not the target's (dummy weights).
+    Its steps take the stepwise path (DFlashGenerator.model_steps)."""
+
+    replay = None
+
+    def model_steps(self) -> bool:
+        return False
+
+    def _verdict(self, s, g, q, w, truth, logits) -> tuple[int, int]:
+        a = min(self.replay(), w - 1)
+        return a, truth[a]
+
+
 def drafter_config_for(tcfg, layers: int = 5, block: int = 16) -> DFlashConfig:
     """The public Qwen3-8B-DFlash-b16 shape for any Qwen3 target."""
     from flashpd.engine.drafter import default_target_layer_ids
@@ -80,16 +95,14 @@ def replay(model, drafter, schedule: list[list[int]], prompt_lens: list[int], ne
     """Native vs DFlash latency per prompt, accepted lengths replayed from `schedule` (one list per prompt)."""
     taps = tuple(drafter.cfg.target_layer_ids)
     runner = ModelRunner(model, num_blocks=4096, block_size=16, taps=taps)
-    native, spec = NativeGenerator(runner), DFlashGenerator(runner, drafter, (), 16)
+    native, spec = NativeGenerator(runner), ReplayDFlash(runner, drafter, (), 16)
     rows = []
     for n_new in new_tokens:
         for i, plen in enumerate(prompt_lens):
             sched = schedule[i % len(schedule)]
             it = None
 
-            def override(s, sched=sched):
-                return next(it) - 1  # recorded acceptance length = accepted drafts + 1
-            spec.accept_override = override
+            spec.replay = lambda: next(it) - 1  # recorded acceptance length = accepted drafts + 1
             prompt = [(7 * j + i) % 1000 + 10 for j in range(plen)]
             params = [SamplingParams(max_tokens=n_new, ignore_eos=True)]
             t_nat, t_spec, taus = [], [], []

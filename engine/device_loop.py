@@ -216,14 +216,13 @@ class DeviceLoop:
     # ---- host side ------------------------------------------------------------------------------
     def usable(self, seqs: list[Sequence]) -> bool:
         """Greedy rows sharing one block width (each row's block under the width policy's cap for this batch
-        size), with no test hook (draft or accept override) set and no confidence cut at this batch size
-        (DFlashGenerator.loop_width: the cut needs the host between draft and verify, so those steps stay
-        stepwise). `run` reserves each row's KV to its end, so the caller must have checked the room
+        size), whose guesses and verdicts are the generator's own (DFlashGenerator.model_steps), and no
+        confidence cut at this batch size (DFlashGenerator.loop_width: the cut needs the host between draft
+        and verify, so those steps stay stepwise). `run` reserves each row's KV to its end, so the caller must have checked the room
         (generate's reserve)."""
         if not seqs or not all(s.params.greedy for s in seqs):
             return False
-        if self.spec and (self.gen.loop_width(seqs) is None or self.gen.draft_override is not None
-                          or self.gen.accept_override is not None):
+        if self.spec and (self.gen.loop_width(seqs) is None or not self.gen.model_steps()):
             return False
         return True
 

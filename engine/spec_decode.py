@@ -16,7 +16,7 @@ through the unfused step only (its widths need the draft on the host before the 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
@@ -28,8 +28,6 @@ from flashpd.engine.sampling import SamplingParams, accepted_greedy, draw, probs
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_graph import FusedGreedyStep
 from flashpd.engine.width_policy import FixedWidth, WidthPolicy, WidthStats
-
-DraftOverride = Callable[[Sequence, int], list[int]]
 
 
 class StepClock:
@@ -79,10 +77,13 @@ class DFlashGenerator(NativeGenerator):
         self.drafts = DraftRunner(drafter, runner)
         self.fused = FusedGreedyStep(runner, self.drafts)
         self.clock = StepClock(runner.device)
-        self.draft_override: DraftOverride | None = None  # test hook: (seq, width) -> width-1 guesses
-        # Benchmark replay: (seq) -> accepted drafts this step, taken from a recorded run. Output is then
-        # NOT the target's (dummy weights); only the cost of the loop at a realistic tau is real.
-        self.accept_override: Callable[[Sequence], int] | None = None
+
+    def model_steps(self) -> bool:
+        """Whether every step's guesses and verdicts are this generator's own (`_guesses`, `_verdict`): the
+        fused step, the device loop and the confidence cut compute them inside their graphs. The seam for
+        tests and benches: a subclass that supplies its own guesses (an oracle drafter) or acceptance (a
+        recorded schedule replayed at real shapes) returns False, and its steps take the stepwise path."""
+        return True
 
     @staticmethod
     def _check_block(w: int) -> int:
@@ -97,9 +98,7 @@ class DFlashGenerator(NativeGenerator):
         the width policy's cap) when every row shares it, so a request's last steps (narrower as
         max_tokens nears) replay the graph of its other steps instead of capturing one per width; else the
         widest row. A row never writes past its own block width, which is what its KV reservation covers."""
-        if self.draft_override is not None or self.accept_override is not None:
-            return 0
-        if not all(s.params.greedy for s in seqs):
+        if not self.model_steps() or not all(s.params.greedy for s in seqs):
             return 0
         cap = self.width_policy.cap(len(seqs))
         for t in (min(cap, max(s.block_size for s in seqs)), max(widths)):
@@ -139,12 +138,7 @@ class DFlashGenerator(NativeGenerator):
         guesses, qs = [], []
         for i, (s, w) in enumerate(zip(seqs, widths)):
             sp = s.params
-            if self.draft_override is not None:
-                if not sp.greedy:
-                    raise ValueError("draft_override is a greedy-only test hook (sampled rows need a draft q)")
-                guesses.append(list(self.draft_override(s, w))[:w - 1])
-                qs.append(None)
-            elif sp.greedy:
+            if sp.greedy:
                 guesses.append(greedy[i][:w - 1])
                 qs.append(None)
             else:
@@ -177,7 +171,7 @@ class DFlashGenerator(NativeGenerator):
         ws.policy_ms += (time.perf_counter() - t0) * 1e3
         for w, lim in zip(widths, limits):
             assert 1 <= w <= lim, f"width policy chose {w} for a row limited to {lim}"
-        guesses, qs = self._guesses(seqs, widths, logits, greedy)  # cut steps never run with a draft override
+        guesses, qs = self._guesses(seqs, widths, logits, greedy)  # cut steps run only with model_steps()
         t = self.width_policy.batch_width(widths, limits)
         pad = self._fits(seqs, t)  # one width for every row: a captured verify graph on a GPU
         tokens = [[s.last_token] + (g + greedy[i][len(g):t - 1] if pad else g) for i, (s, g) in enumerate(zip(seqs, guesses))]
@@ -200,7 +194,7 @@ class DFlashGenerator(NativeGenerator):
     def spec_step(self, seqs: list[Sequence]) -> None:
         alloc = self.runner.allocator
         widths = self.limits(seqs)
-        if self.width_policy.cuts(len(seqs)) and self.draft_override is None and self.accept_override is None:
+        if self.width_policy.cuts(len(seqs)) and self.model_steps():
             return self._cut_step(seqs, widths)
         self.width_stats.steps += 1
         t_fused = self._fused_width(seqs, widths)
@@ -236,22 +230,26 @@ class DFlashGenerator(NativeGenerator):
         commit, roll the target cache back to the accepted positions and keep their taps as pending."""
         alloc = self.runner.allocator
         for i, (s, g, q, w) in enumerate(zip(seqs, guesses, qs, widths)):
-            if self.accept_override is not None:
-                a = min(self.accept_override(s), w - 1)
-                bonus = truth[i][a]
-            elif q is None:
-                a = int(accepted_greedy(torch.tensor([g[:w - 1]], dtype=torch.int64),
-                                        torch.tensor([truth[i][:w - 1]], dtype=torch.int64), w))
-                bonus = truth[i][a]
-            else:
-                sp = s.params
-                p = probs_from_logits(out.logits[i, :w], sp.temperature, sp.top_p, sp.top_k)
-                a, bonus = rejection_sample(torch.tensor(g, device=p.device), p, q, s.generator)
+            a, bonus = self._verdict(s, g, q, w, truth[i], None if out is None else out.logits[i])
             s.stats.record_step(len(s.commit(g[:a] + [bonus])), w, a)
             s.stats.draft_ms += draft_ms
             s.stats.verify_ms += verify_ms
             alloc.truncate(s.table, starts[i] + a + 1)
             s.pending, s.pending_rows = feats[i], a + 1  # joins the draft cache in the next draft pass
+
+    @staticmethod
+    def _verdict(s: Sequence, g: list[int], q: torch.Tensor | None, w: int, truth: list[int],
+                 logits: torch.Tensor | None) -> tuple[int, int]:
+        """(accepted guesses, the token after them) of one row within its width w: greedy rows the longest
+        prefix agreeing with the target's argmax `truth`, sampled rows rejection sampling against the
+        target's `logits` [w, V] (q: the draft distribution they drew from)."""
+        if q is None:
+            a = int(accepted_greedy(torch.tensor([g[:w - 1]], dtype=torch.int64),
+                                    torch.tensor([truth[:w - 1]], dtype=torch.int64), w))
+            return a, truth[a]
+        sp = s.params
+        p = probs_from_logits(logits[:w], sp.temperature, sp.top_p, sp.top_k)
+        return rejection_sample(torch.tensor(g, device=p.device), p, q, s.generator)
 
     def prefill_request(self, seqs: list[Sequence], defer: list[torch.Tensor] | None = None) -> None:
         """Prefill, and write each prompt's draft context (its taps' K/V) inside the same forwards: in the

@@ -53,8 +53,11 @@ class Engine:
     def vocab(self) -> int:
         return self.target.cfg.vocab_size
 
-    def dflash(self, stop_ids: Iterable[int] = (), block_size: int | None = None) -> DFlashGenerator:
-        """A fresh DFlashGenerator (own draft cache, no overrides) on the shared runner."""
+    def dflash(self, stop_ids: Iterable[int] = (), block_size: int | None = None, guesses=None) -> DFlashGenerator:
+        """A fresh DFlashGenerator (own draft cache) on the shared runner; given `guesses` ((seq, width) ->
+        width-1 tokens), a GuessingDFlash whose drafts are those instead of the drafter's."""
+        if guesses is not None:
+            return GuessingDFlash(self.runner, self.drafter, stop_ids, block_size, guesses=guesses)
         return DFlashGenerator(self.runner, self.drafter, stop_ids, block_size)
 
     def native(self, prompts: list[list[int]], max_tokens: int | list[int], stop_ids: Iterable[int] = (),
@@ -107,7 +110,24 @@ def run_checked(gen, prompts: list[list[int]], params: list[SamplingParams], **k
     return seqs
 
 
-# ---- override drafters (DFlashGenerator.draft_override) ------------------------------------------
+# ---- drafters that are not the model (the DFlashGenerator.model_steps seam) -----------------------
+
+class GuessingDFlash(DFlashGenerator):
+    """DFlash whose guesses come from `guesses(seq, width)` (greedy rows only): the drafter still runs (its
+    context stays in step), the target verifies and accepts as always, on the stepwise path."""
+
+    def __init__(self, *args, guesses, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.guess_fn = guesses
+
+    def model_steps(self) -> bool:
+        return False
+
+    def _guesses(self, seqs, widths, logits, greedy):
+        if not all(s.params.greedy for s in seqs):
+            raise ValueError("GuessingDFlash is greedy-only (sampled rows need a draft distribution)")
+        return [list(self.guess_fn(s, w))[:w - 1] for s, w in zip(seqs, widths)], [None] * len(seqs)
+
 
 def oracle_override(continuations: dict[tuple, list[int]], shift: int = 0, vocab: int | None = None):
     """Guesses = the target's own native continuation (shift=0) or a guaranteed-wrong token

@@ -2,7 +2,7 @@
 
 Against NativeGenerator on the same runner (same target weights, same cache), over prompts of
 1..500 tokens, block widths 2..16, batch 1 and batch 8 (mixed lengths in one generate call).
-Then the two extreme drafters through `DFlashGenerator.draft_override` (always wrong: tau == 1;
+Then the two extreme drafters through a GuessingDFlash (the `DFlashGenerator.model_steps` seam) (always wrong: tau == 1;
 oracle: full blocks), and stop / max_tokens landing inside an accepted block.
 """
 from __future__ import annotations
@@ -97,11 +97,10 @@ def test_tiny_max_tokens(dflash_engine, exact_set, max_tokens):
 def test_always_wrong_drafter_gives_tau_one(dflash_engine, exact_set, width):
     prompts, maxes, native = exact_set
     ps, ms, nat = prompts[:8], maxes[:8], native[:8]
-    gen = dflash_engine.dflash(block_size=width)
-    gen.draft_override = oracle_override({tuple(p): n for p, n in zip(ps, nat)}, shift=1,
-                                         vocab=dflash_engine.vocab)
+    wrong = oracle_override({tuple(p): n for p, n in zip(ps, nat)}, shift=1, vocab=dflash_engine.vocab)
+    gen = dflash_engine.dflash(block_size=width, guesses=wrong)
     seqs = run_checked(gen, ps, [greedy(m) for m in ms])
-    assert gen.draft_override.calls, "the override was never consulted"
+    assert gen.guess_fn.calls, "the override was never consulted"
     for s, m, want in zip(seqs, ms, nat):
         assert s.output == want
         assert s.stats.acceptance_lengths == [1] * (m - 1)
@@ -113,22 +112,20 @@ def test_always_wrong_drafter_gives_tau_one(dflash_engine, exact_set, width):
 def test_oracle_drafter_accepts_full_blocks(dflash_engine, exact_set, width):
     prompts, maxes, native = exact_set
     ps, ms, nat = prompts[8:16], maxes[8:16], native[8:16]
-    gen = dflash_engine.dflash(block_size=width)
-    gen.draft_override = oracle_override({tuple(p): n for p, n in zip(ps, nat)})
+    gen = dflash_engine.dflash(block_size=width, guesses=oracle_override({tuple(p): n for p, n in zip(ps, nat)}))
     seqs = run_checked(gen, ps, [greedy(m) for m in ms])
     for s, m, want in zip(seqs, ms, nat):
         assert s.output == want
         assert s.stats.acceptance_lengths == oracle_acceptance(m, width), (m, width)
         assert s.stats.position_accepts == s.stats.position_drafted
     # the last block shrinks to what can still be committed: never drafts past max_tokens
-    assert max(gen.draft_override.calls) == width
+    assert max(gen.guess_fn.calls) == width
 
 
 def test_oracle_drafter_batch1_long_prompt(dflash_engine, exact_set):
     prompts, maxes, native = exact_set
     i = max(range(len(prompts)), key=lambda k: len(prompts[k]))  # the 500-token prompt
-    gen = dflash_engine.dflash(block_size=16)
-    gen.draft_override = oracle_override({tuple(prompts[i]): native[i]})
+    gen = dflash_engine.dflash(block_size=16, guesses=oracle_override({tuple(prompts[i]): native[i]}))
     s = run_checked(gen, [prompts[i]], [greedy(maxes[i])])[0]
     assert s.output == native[i]
     assert s.stats.acceptance_lengths == oracle_acceptance(maxes[i], 16)
@@ -155,8 +152,7 @@ def test_stop_token_inside_accepted_block(dflash_engine, exact_set, width):
             continue
         found += 1
         stop = nat[j]
-        gen = dflash_engine.dflash(stop_ids=[stop], block_size=width)
-        gen.draft_override = oracle_override({tuple(p): nat})
+        gen = dflash_engine.dflash(stop_ids=[stop], block_size=width, guesses=oracle_override({tuple(p): nat}))
         s = run_checked(gen, [p], [greedy(m, ignore_eos=False)])[0]
         assert s.output == nat[:j + 1], "output must end exactly at (and include) the first stop token"
         assert s.finish_reason == "stop"
@@ -210,8 +206,7 @@ def test_max_tokens_inside_block(dflash_engine, exact_set, width, max_tokens):
     ps = prompts[10:18]
     nat = dflash_engine.native(ps, max_tokens)
     # oracle: the final verify step shrinks to the remaining tokens
-    gen = dflash_engine.dflash(block_size=width)
-    gen.draft_override = oracle_override({tuple(p): n for p, n in zip(ps, nat)})
+    gen = dflash_engine.dflash(block_size=width, guesses=oracle_override({tuple(p): n for p, n in zip(ps, nat)}))
     for s, want in zip(run_checked(gen, ps, [greedy(max_tokens)] * 8), nat):
         assert s.output == want and len(s.output) == max_tokens
         assert s.finish_reason == "length"

@@ -160,7 +160,7 @@ class DeviceLoop:
     def __init__(self, gen) -> None:
         self.gen = gen  # NativeGenerator or DFlashGenerator
         self.runner = gen.runner
-        self.spec = hasattr(gen, "drafts")
+        self.spec = gen.speculative
         self.graph = InPlaceGraph(self._spec_fn if self.spec else self._native_fn, self.runner.cuda_graphs)
         # the bookkeeping's ~40 tiny ops, compiled (as the runner compiles its layers), are a few fused
         # kernels in the captured graph: on an H200 a width-1 DFlash step went from 0.66 to 0.60 ms at context

@@ -47,6 +47,8 @@ def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 class NativeGenerator:
     """Plain (non-speculative) decoding of a batch of requests."""
 
+    speculative = False  # DFlashGenerator: True (its requests draft and verify)
+
     def __init__(self, runner: ModelRunner, stop_ids: Iterable[int] = (), prefill_token_budget: int = 8192,
                  step_width: int = 1) -> None:
         if step_width < 1:

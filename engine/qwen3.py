@@ -9,7 +9,7 @@ layers, which the DFlash drafter conditions on.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -87,9 +87,9 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, fns: tuple[Callable, ...]) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, fns: "StepFns") -> torch.Tensor:
         c, a = self.cfg, self.self_attn
-        pre, post, fresh = fns[:3]
+        pre, post, fresh = fns.attn_inputs, fns.attn_mlp, fns.attn_mlp_fresh
         n_kv, d = c.num_key_value_heads, c.head_dim
         q, k, v = pre(h, cos, sin, self.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
                       a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, n_kv, d,
@@ -116,9 +116,17 @@ def step_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.
     return h, cos, sin, group_mask(causal_position_mask(positions, block_tables.shape[1] * block_size), groups)
 
 
-# the prologue, the layer functions and the final norm: the runner compiles each (eagerly the final norm is
-# 8 kernels)
-EAGER = (attn_inputs, attn_mlp, attn_mlp_fresh, rms_norm, step_inputs)
+class StepFns(NamedTuple):
+    """The functions a forward is made of: the runner compiles each (eagerly the final norm is 8 kernels)."""
+
+    attn_inputs: Callable
+    attn_mlp: Callable
+    attn_mlp_fresh: Callable
+    norm: Callable
+    step_inputs: Callable
+
+
+EAGER = StepFns(attn_inputs, attn_mlp, attn_mlp_fresh, rms_norm, step_inputs)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -144,7 +152,7 @@ class Qwen3ForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, batch: AttnBatch, kv: torch.Tensor, taps: tuple[int, ...] = (),
-                fns: tuple[Callable, ...] = EAGER) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                fns: StepFns = EAGER) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [B, T]; kv: the cache tensor [layers, 2, blocks, bs, kv_heads, d]. The attention mask
         comes from the positions and block tables (step_inputs); batch.mask is not read.
 
@@ -155,7 +163,7 @@ class Qwen3ForCausalLM(nn.Module):
         assert self.rotary is not None, "call init_rotary() after loading weights"
         if len(set(taps)) != len(taps) or any(not 0 <= j < len(self.layers) for j in taps):
             raise ValueError(f"tap ids {taps} must be distinct layer indices below {len(self.layers)}")
-        h, cos, sin, mask = fns[4](input_ids, batch.positions, batch.block_tables, self.embed_tokens.weight,
+        h, cos, sin, mask = fns.step_inputs(input_ids, batch.positions, batch.block_tables, self.embed_tokens.weight,
                                    self.rotary.cos, self.rotary.sin, kv.shape[3],
                                    self.cfg.num_attention_heads // self.cfg.num_key_value_heads, batch.fresh)
         batch = replace(batch, mask=mask)
@@ -164,7 +172,7 @@ class Qwen3ForCausalLM(nn.Module):
             h = layer(h, cos, sin, batch, kv[i, 0], kv[i, 1], fns)
             if i in taps:
                 tapped[i] = h
-        out = fns[3](h, self.norm.weight, self.cfg.rms_norm_eps)
+        out = fns.norm(h, self.norm.weight, self.cfg.rms_norm_eps)
         if len(self.layers) - 1 in tapped:  # HF's last hidden state comes after the final norm
             tapped[len(self.layers) - 1] = out
         return out, [tapped[j] for j in taps]

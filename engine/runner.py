@@ -15,7 +15,7 @@ import torch
 from flashpd.engine.cuda_graph import GraphedFn, bucket, pack_host
 from flashpd.engine.attention import AttnBatch
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, BlockTable, PagedKVCache, slots_of
-from flashpd.engine.qwen3 import EAGER, Qwen3ForCausalLM
+from flashpd.engine.qwen3 import EAGER, Qwen3ForCausalLM, StepFns
 
 
 @dataclass
@@ -53,7 +53,7 @@ class ModelRunner:
         self.compile = self.cuda_graphs if compile is None else compile
         if self.compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        self.graph_fns = tuple(self.compiled(f) for f in EAGER)
+        self.graph_fns = StepFns(*(self.compiled(f) for f in EAGER))
         self._graph = GraphedFn(self._graphed)
         # a lone prompt longer than a prefill graph runs as consecutive graph-width chunks, each attending to
         # the cache the earlier ones wrote, instead of one eager forward (whose Python and launch overhead

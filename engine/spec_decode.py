@@ -64,6 +64,8 @@ class StepClock:
 class DFlashGenerator(NativeGenerator):
     """Batch generation with DFlash steps; sequences in one step may accept different lengths."""
 
+    speculative = True
+
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter, stop_ids: Iterable[int] = (),
                  block_size: int | None = None, width_policy: WidthPolicy | None = None) -> None:
         super().__init__(runner, stop_ids)

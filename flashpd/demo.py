@@ -73,7 +73,7 @@ def explain_difference(model, prompt: list[int], native: list[int], dflash: list
             f"{2.0 ** (torch.frexp(top[0].abs()).exponent.item() - 8):.3f})")
 
 
-def run_demo(device: str | None = None) -> int:
+def run_demo(device: str | None = None, max_tokens: int = 64) -> int:
     from flashpd.llm import LLM  # noqa: PLC0415
 
     native = LLM(target=PAIR / "target", device=device)
@@ -89,7 +89,7 @@ def run_demo(device: str | None = None) -> int:
           f"widely by prompt. The times below are this machine's; the speedup measured on a GPU under the "
           f"benchmark protocol is in docs/results.md of the flashpd repository.")
     prompts = heldout_prompts(native.encode)
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     differed = 0
     for p in prompts:
         _timed(native, [p], params), _timed(spec, [p], params)  # warm-up

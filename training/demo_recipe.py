@@ -58,7 +58,8 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                    drafter_lr: float = 1.5e-3, corpus: str = "stdlib+torch", kl_weight: float = 0.0,
                    drafter_intermediate: int | None = 896, drafter_attention: str = "auto",
                    regen_batch: int | None = None, target_dir: str | Path | None = None,
-                   drafter_gamma: float | None = 4.0, log: Callable[[str], None] = log_line) -> dict:
+                   drafter_gamma: float | None = 4.0, eval_tokens: int = 256,
+                   log: Callable[[str], None] = log_line) -> dict:
     """The whole recipe into `out` (target/, drafter/, eval.json). With `target_dir`, a target this recipe
     made before (its tokenizer.json beside it) is copied in and only the drafter's stages run: the same
     split, prompts and seeds, so drafter settings compare on one target (targets of two runs differ: GPU
@@ -122,11 +123,11 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
 
     held = heldout_windows(tok, heldout_prompts, seed)
     from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (reload what ships, as users will)
-    rows = evaluate_tau(target, load_drafter(ddir, target), held, max_tokens=256)
+    rows = evaluate_tau(target, load_drafter(ddir, target), held, max_tokens=eval_tokens)
     report = {"recipe": {"seed": seed, "target_steps": None if target_dir is not None else target_steps,
                          "target_from": str(target_dir) if target_dir is not None else None, "target_batch": target_batch, "seq_len": seq_len,
                          "drafter_steps": drafter_steps, "num_prompts": num_prompts, "new_tokens": new_tokens,
-                         "corpus": corpus,
+                         "corpus": corpus, "eval_tokens": eval_tokens,
                          "target_shape": shape, "drafter": {"layers": 2, "block_size": 16, "taps": 5,
                                                                     "seqs_per_step": drafter_seqs, "lr": drafter_lr,
                                                                     "kl_weight": kl_weight, "gamma": drafter_gamma,

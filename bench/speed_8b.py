@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashpd.bench.common import copy_bandwidth_gbs, time_ms, write_json
 from flashpd.bench.dflash_step import drafter_config_for
-from flashpd.bench.profile_step import kernel_table
+from flashpd.bench.profile_step import kernel_table, measure_prefill
 from flashpd.engine.config import builtin_config_path, load_config
 from flashpd.engine.drafter import dummy_drafter
 from flashpd.engine.generate import NativeGenerator
@@ -143,20 +143,6 @@ def scheduler_steps(runner: ModelRunner, batch: int, context: int, steps: int, v
     sched.run_until_idle()
     return {"batch": batch, "ms_per_step": dt / steps, "tokens_per_step": made / steps,
             "tokens_per_s": made / dt * 1e3, "steps": steps}
-
-
-def prefill_ms(gen: NativeGenerator, prompt: list[int], reps: int = 5) -> float:
-    """Median ms of a fresh prefill to its first token (one untimed run first)."""
-    times = []
-    for r in range(reps + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        seqs = ready(gen, [prompt], 1)
-        torch.cuda.synchronize()
-        if r:
-            times.append((time.perf_counter() - t0) * 1e3)
-        gen.runner.allocator.free(seqs[0].table)
-    return statistics.median(times)
 
 
 def prefill_flops(cfg, tokens: int) -> float:
@@ -317,7 +303,7 @@ def main() -> None:
         rows = {}
         for chunk in (runner.prefill_chunk, a.prefill_tokens):
             runner.prefill_chunk = runner.prefill_graph_tokens = chunk
-            rows[str(chunk)] = prefill_ms(native, prompt)
+            rows[str(chunk)] = measure_prefill(native, prompt, 5, cuda=True)
         best = min(rows, key=rows.get)
         flops = prefill_flops(cfg, a.prefill_tokens)
         ms = rows[best]

@@ -40,6 +40,7 @@ from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.engine.tokenizer import TextTokenizer
 from flashpd.engine.width_policy import (ConfidenceWidth, FixedWidth, WidthPolicy, WidthStats, caps_text,
                                          parse_width_policy)
+from flashpd.engine.scheduler import generate
 
 NEVER = 1 << 30  # cut_from_batch when the screen found no batch size where the cut paid
 
@@ -58,9 +59,9 @@ def run_config(spec: DFlashGenerator, native: NativeGenerator, policy: WidthPoli
     """One timed batch. The bench swaps the generator's policy between configs (one draft cache and one set of
     captured graphs for all); policy None is native."""
     if policy is None:
-        return _timed(lambda: native.generate(prompts, params))
+        return _timed(lambda: generate(native, prompts, params))
     spec.width_policy, spec.width_stats = policy, WidthStats()
-    return _timed(lambda: spec.generate(prompts, params))
+    return _timed(lambda: generate(spec, prompts, params))
 
 
 def measure(spec, native, configs: dict[str, WidthPolicy | None], groups: list[list[list[int]]], new_tokens: int,

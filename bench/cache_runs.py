@@ -31,6 +31,7 @@ from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.kv_bridge.keys import MethodFingerprint, weights_identity
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.store import MemoryStore
+from flashpd.engine.scheduler import generate
 
 STORES = ("memory", "device", "disk", "grpc", "shm", "lmcache")
 
@@ -71,7 +72,7 @@ def open_stores(names: list[str], gen: DFlashGenerator, chunk: int, budget: int,
 
 
 def _run(gen, p, params, pc) -> dict:
-    s = gen.generate([p], params, prefix_cache=pc)[0]
+    s = generate(gen, [p], params, prefix_cache=pc)[0]
     return {"ttft_ms": s.stats.ttft_ms, "latency_ms": s.stats.latency_ms, "tau": s.stats.tau,
             "hit_tokens": pc.stats.hit_tokens if pc is not None else 0, "tokens": s.output,
             "acceptance_lengths": s.stats.acceptance_lengths}
@@ -111,7 +112,7 @@ def main() -> None:
     runner = ModelRunner(target, num_blocks=(a.prompt_tokens + a.new_tokens) // 16 * 2 + 64, block_size=16,
                          taps=tuple(drafter.cfg.target_layer_ids))
     gen = DFlashGenerator(runner, drafter, (), 16)
-    gen.generate([prompts[0][:64]], params)  # warm-up
+    generate(gen, [prompts[0][:64]], params)  # warm-up
     item = torch.empty((), dtype=dtype).element_size()
     per_token = (target.cfg.num_hidden_layers + drafter.cfg.num_hidden_layers) * 2 * target.cfg.num_key_value_heads \
         * target.cfg.head_dim * item

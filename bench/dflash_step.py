@@ -29,6 +29,7 @@ from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.scheduler import generate
 
 
 class ReplayDFlash(DFlashGenerator):
@@ -108,9 +109,9 @@ def replay(model, drafter, schedule: list[list[int]], prompt_lens: list[int], ne
             t_nat, t_spec, taus = [], [], []
             for r in range(reps + 1):  # first round is the warm-up
                 it = itertools.cycle(sched)
-                a = time_ms(lambda: native.generate([prompt], params), warmup=0, reps=1, device=device)[0]
+                a = time_ms(lambda: generate(native, [prompt], params), warmup=0, reps=1, device=device)[0]
                 box = {}
-                b = time_ms(lambda: box.__setitem__("s", spec.generate([prompt], params)), warmup=0, reps=1,
+                b = time_ms(lambda: box.__setitem__("s", generate(spec, [prompt], params)), warmup=0, reps=1,
                             device=device)[0]
                 if r:
                     t_nat.append(a)

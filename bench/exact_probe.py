@@ -20,6 +20,7 @@ from flashpd.bench.speedup import heldout_prompt_sets, pair_generators
 from flashpd.demo import PAIR, first_diff
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.tokenizer import TextTokenizer
+from flashpd.engine.scheduler import generate
 
 
 def main() -> None:
@@ -47,10 +48,10 @@ def main() -> None:
         for i, p in enumerate(prompts):
             out = {}
             for fresh in paths:
-                runner.fresh_prefill = fresh
-                out[("native", fresh)] = native.generate([p], params)[0].output
-                out[("dflash", fresh)] = spec.generate([p], params, [a.width])[0].output
-            runner.fresh_prefill = True
+                runner.reconfigure(fresh_prefill=fresh)
+                out[("native", fresh)] = generate(native, [p], params)[0].output
+                out[("dflash", fresh)] = generate(spec, [p], params, [a.width])[0].output
+            runner.reconfigure(fresh_prefill=True)
             row = {"set": name, "prompt": i, "prompt_len": len(p)}
             for f, tag in ((True, "fresh"), (False, "mask")):
                 if f in paths:

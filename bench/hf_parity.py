@@ -19,8 +19,9 @@ from flashpd.bench.common import write_json
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.loader import load_target
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.scheduler import generate
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     hf32 = Qwen3ForCausalLM.from_pretrained(d, dtype=torch.float32).to("cuda").eval()
     ours32 = load_target(d, "cuda", torch.float32)
-    r32 = ModelRunner(ours32, num_blocks=256, block_size=16, cuda_graphs=False)
+    r32 = ModelRunner(ours32, num_blocks=256, block_size=16, config=RunnerConfig(cuda_graphs=False))
     errs = []
     for p in prompts[:4]:
         x = torch.tensor([p], device="cuda")
@@ -74,7 +75,7 @@ def main() -> None:
         errs.append(row)
         print(row, flush=True)
     del hf32, ours32, r32
-    seqs = gen.generate(prompts, [SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)] * len(prompts))
+    seqs = generate(gen, prompts, [SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)] * len(prompts))
     rows = []
     for p, s in zip(prompts, seqs):
         with torch.no_grad():

@@ -17,7 +17,7 @@ from flashpd.bench.common import copy_bandwidth_gbs, summary, time_ms, write_jso
 from flashpd.engine.config import builtin_config_path, load_config
 from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.loader import dummy_target
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 
 
 
@@ -39,7 +39,8 @@ def main() -> None:
     results = []
     for b in [int(x) for x in a.batches.split(",")]:
         for graphs in (True, False):
-            runner = ModelRunner(model, num_blocks=b * (a.context // 16 + 64) + 8, block_size=16, cuda_graphs=graphs)
+            runner = ModelRunner(model, num_blocks=b * (a.context // 16 + 64) + 8, block_size=16,
+                                 config=RunnerConfig(cuda_graphs=graphs))
             tables = [BlockTable() for _ in range(b)]
             for t in tables:
                 runner.allocator.ensure(t, a.context + 512)

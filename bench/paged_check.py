@@ -18,7 +18,6 @@ import torch
 import triton
 
 from flashpd.engine import paged_attention as pa
-import flashpd.engine.attention as attention
 from flashpd.engine.attention import causal_position_mask, gather_kv, group_mask, grouped_attention
 
 R = {}
@@ -86,14 +85,14 @@ def runner_e2e():
     from flashpd.engine.config import Qwen3Config
     from flashpd.engine.kv_cache import BlockTable
     from flashpd.engine.loader import dummy_target
-    from flashpd.engine.runner import ModelRunner
+    from flashpd.engine.runner import ModelRunner, RunnerConfig
     cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=128)
     model = dummy_target(cfg, "cuda", torch.bfloat16)
 
     def run(graphs, force):
-        attention.FORCE_IMPL = force
-        r = ModelRunner(model, num_blocks=128, block_size=16, cuda_graphs=graphs)
+        r = ModelRunner(model, num_blocks=128, block_size=16,
+                        config=RunnerConfig(cuda_graphs=graphs, attention_impl=force))
         tables = [BlockTable() for _ in range(3)]
         prompts = [[(i * 7 + j) % 500 for j in range(n)] for i, n in enumerate((15, 40, 600))]
         for t, p in zip(tables, prompts):
@@ -104,7 +103,6 @@ def runner_e2e():
             logits.append(r.forward(tables, [[7 + step], [8], [9]], "last").logits.float())
         for step in range(2):
             logits.append(r.forward(tables, [[3 + step] * 16] * 3, "all").logits.float())
-        attention.FORCE_IMPL = None
         return logits
 
     new = run(True, None)

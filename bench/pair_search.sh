@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Candidate demo pairs in one device call, one per GPU: each runs the recipe with its own flags, then the
 # speedup protocol on the pair it made (the screen decides between candidates, never the confirmation:
-# bench/results/demo_pair_v2_candidates/README.md). Each pair comes back as one tar (about 15 MB, under
+# bench/results/2026-11-29_demo_pair_v2_candidates_356c307/README.md). Each pair comes back as one tar (about 15 MB, under
 # the device's 16 MiB a returned file); logs, evals and speedup JSONs as one tgz. From the repository root:
 #   FLASHPD_GIT_REV=<rev> bash bench/pair_search.sh "$OUT" "--drafter-steps 10000" "--drafter-intermediate 768"
 # Demo pair v2 came from two such candidates at a time on nvidia-h200-x2 (about 9 minutes a call).

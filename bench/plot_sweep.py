@@ -1,7 +1,7 @@
 """Charts of a load sweep's JSON (bench/job_sweep.py): TTFT P50, latency P50, output tokens/s and tau
 against concurrency, one line per (mode, method); the title says whether the levels shared one prompt pool.
 
-    python -m flashpd.bench.plot_sweep bench/results/serve_sweep_demo_2gpu_h200.json [...]
+    python -m flashpd.bench.plot_sweep bench/results/2026-11-29_h200_battery_54ed0c7/serve_sweep_demo_2gpu_h200.json [...]
 
 Writes <json stem>.png beside each JSON and prints its name.
 """

@@ -142,13 +142,13 @@ def prefill_rows(runner: ModelRunner, gens: dict[str, NativeGenerator], prompts:
     for n, prompt in prompts.items():
         for fresh in (True, False):
             for chunk in ((chunk0, None) if chunk0 and n > chunk0 else (chunk0,)):
-                runner.fresh_prefill, runner.prefill_chunk = fresh, chunk
+                runner.reconfigure(fresh_prefill=fresh, prefill_chunk=chunk)
                 row = {"prompt_len": n, "fresh": fresh, "chunk": chunk}
                 row.update({f"{k}_ms": measure_prefill(g, prompt, reps, cuda) for k, g in gens.items()})
                 rows.append(row)
                 print(f"prefill {n} tokens, fresh {fresh}, chunk {chunk}: "
                       + ", ".join(f"{k} {row[k + '_ms']:.2f} ms" for k in gens), flush=True)
-    runner.fresh_prefill, runner.prefill_chunk = True, chunk0
+    runner.reconfigure(fresh_prefill=True, prefill_chunk=chunk0)
     return rows
 
 

@@ -1,7 +1,7 @@
 """A projection, not a measurement: the demo pair's measured acceptance (tau) on Qwen3-8B-shape step costs.
 
-    python -m flashpd.bench.project_8b --speedup bench/results/demo_pair_v6_h200/speedup_demo_pair_h200.json \
-        --steps bench/results/dflash_step_h200.json --out bench/results/project_8b_h200.json
+    python -m flashpd.bench.project_8b --speedup bench/results/2026-11-30_demo_pair_v6_b80a182/speedup_demo_pair_h200.json \
+        --steps bench/results/2026-11-29_dflash_step_6463c8e/dflash_step_h200.json --out bench/results/project_8b_h200.json
 
 The formula, per prompt: speedup ~= tau x native_step_ms / dflash_step_ms. A native request of N tokens takes
 about N native steps; a DFlash request commits tau tokens a step, so it takes about N / tau DFlash steps. Its
@@ -142,10 +142,10 @@ def project(speedup: dict, steps: dict, width: int = 16) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--speedup", default="bench/results/demo_pair_v6_h200/speedup_demo_pair_h200.json",
+    ap.add_argument("--speedup", default="bench/results/2026-11-30_demo_pair_v6_b80a182/speedup_demo_pair_h200.json",
                     help="the demo pair's speedup JSON (bench/speedup.py); default: the shipped pair's (v6; "
-                         "bench/results/speedup_demo_pair_h200.json is v1's, with width 16 in its screen only)")
-    ap.add_argument("--steps", default="bench/results/dflash_step_h200.json",
+                         "bench/results/2026-11-29_speedup_v1_54a9057/speedup_demo_pair_h200.json is v1's, with width 16 in its screen only)")
+    ap.add_argument("--steps", default="bench/results/2026-11-29_dflash_step_6463c8e/dflash_step_h200.json",
                     help="8B-shape step costs: bench/speed_8b.py's JSON or bench/dflash_step.py's")
     ap.add_argument("--width", type=int, default=16, help="the DFlash block width the step costs are for")
     ap.add_argument("--out", required=True)

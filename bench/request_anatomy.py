@@ -29,6 +29,7 @@ from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.engine.tokenizer import TextTokenizer
+from flashpd.engine.scheduler import generate
 
 
 def _sync(cuda: bool) -> float:
@@ -38,7 +39,8 @@ def _sync(cuda: bool) -> float:
 
 
 def phases(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int | None, cuda: bool) -> dict:
-    """One request, phase by phase (ms), the same calls `generate` makes, a sync after each phase."""
+    """One request, phase by phase (ms), the calls the scheduler makes for it (engine/scheduler.py; prefill and
+    the loop's begin as two phases here), a sync after each phase."""
     params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
     spec = isinstance(gen, DFlashGenerator)
     t0 = _sync(cuda)
@@ -55,7 +57,8 @@ def phases(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int 
     wasted = loop.wasted_steps
     loop.step_to_end(sess)  # DeviceLoop.run after its begin (its end too: tens of microseconds)
     t4 = _sync(cuda)
-    gen.drive(seqs, gen.spec_step if spec else gen.decode_step)
+    for s in seqs:
+        gen.finish(s)  # every row is done: publish nothing, free the blocks
     t5 = _sync(cuda)
     s = seqs[0]
     steps = len(s.stats.acceptance_lengths) if spec else len(s.output) - 1
@@ -69,8 +72,8 @@ def whole(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int |
     """The whole `generate`, timed as the protocol times it (bench/speedup.py)."""
     params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
     if isinstance(gen, DFlashGenerator):
-        return _timed(lambda: gen.generate([prompt], params, [width]))[0]
-    return _timed(lambda: gen.generate([prompt], params))[0]
+        return _timed(lambda: generate(gen, [prompt], params, [width]))[0]
+    return _timed(lambda: generate(gen, [prompt], params))[0]
 
 
 def trace(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int | None, path: Path) -> None:

@@ -40,6 +40,7 @@ from flashpd.engine.loader import dummy_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.scheduler import Scheduler, generate
 
 
 def log(msg: str) -> None:
@@ -123,8 +124,6 @@ def loop_steps(gen: NativeGenerator, prompts: list[list[int]], steps: int, width
 def scheduler_steps(runner: ModelRunner, batch: int, context: int, steps: int, vocab: int) -> dict:
     """Native decode of `batch` requests through the serving scheduler: wall ms per step once every request
     runs (admission and prefill excluded), timed over `steps` steps."""
-    from flashpd.decode_node.scheduler import Scheduler  # noqa: PLC0415  (bench-only dependency direction)
-
     sched = Scheduler(runner, max_running=batch)
     params = SamplingParams(max_tokens=steps + 24, ignore_eos=True)
     for p in random_prompts(batch, context, vocab, seed=batch):
@@ -168,9 +167,9 @@ def exactness(target: str, draft: str, prompts: int, new_tokens: int, width: int
     wide = NativeGenerator(runner, native.stop_ids, step_width=width)
     rows = []
     for i, p in enumerate(screen + confirm):
-        d = spec.generate([p], params, [width])[0].output
-        n1 = native.generate([p], params)[0].output
-        nw = wide.generate([p], params)[0].output
+        d = generate(spec, [p], params, [width])[0].output
+        n1 = generate(native, [p], params)[0].output
+        nw = generate(wide, [p], params)[0].output
         first = next((k for k, (x, y) in enumerate(zip(d, nw)) if x != y), None)
         rows.append({"prompt": i, "prompt_len": len(p), "equal_at_verify_shapes": d == nw,
                      "equal_at_one_column": d == n1, "first_diff_at_verify_shapes": first})
@@ -224,6 +223,8 @@ def main() -> None:
     ap.add_argument("--exact-prompts", type=int, default=8, help="per set of the speedup protocol (two sets)")
     ap.add_argument("--exact-new-tokens", type=int, default=256)
     ap.add_argument("--sections", default="curve,scheduler,dflash,prefill,exact")
+    ap.add_argument("--profile-batches", default="1,4,128",
+                    help="curve batch sizes also profiled (GPU-busy time, kernels, the top kernels by time)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stall-dump-s", type=float, default=120.0,
                     help="print every thread's stack when a section runs this long, and again each as long")
@@ -245,6 +246,7 @@ def main() -> None:
     res["matmul_tflops_bf16"] = matmul_tflops()
     log(f"copy {rate / 1e9:.0f} GB/s, matmul {res['matmul_tflops_bf16']:.0f} TFLOP/s")
     batches = [int(x) for x in a.batches.split(",")]
+    profiled_batches = {int(x) for x in a.profile_batches.split(",") if x}
     sched_batches = [int(x) for x in a.scheduler_batches.split(",") if x] if "scheduler" in sections else []
     tokens = (max(batches + sched_batches) + 1) * (a.context + (a.steps + 40) * 1) + 4 * (a.prefill_tokens + 64) \
         + (a.context + (a.steps + 12) * a.width) * 2
@@ -273,10 +275,13 @@ def main() -> None:
         for b in batches:
             t0 = time.perf_counter()
             row = floor(loop_steps(native, random_prompts(b, a.context, cfg.vocab_size, a.seed + b), a.steps,
-                                   profiled=b == 1))
+                                   profiled=b in profiled_batches))
             res["native_curve"].append(row)
             log(f"native b={b}: {row['ms_per_step']:.3f} ms/step, floor {row['floor_ms']:.3f} "
                 f"(x{row['ms_per_step'] / row['floor_ms']:.3f}; {time.perf_counter() - t0:.0f} s)")
+            if "top_kernels" in row:
+                log(f"  b={b} profiled: {row['gpu_busy_ms_per_step']:.3f} ms GPU-busy, {row['kernels_per_step']:.0f} "
+                    "kernels; top: " + "; ".join(f"{k['name'][:48]} {k['ms_per_step']:.3f}" for k in row["top_kernels"][:4]))
             save()
 
     def scheduler() -> None:
@@ -302,7 +307,7 @@ def main() -> None:
         prompt = random_prompts(1, a.prefill_tokens, cfg.vocab_size, a.seed)[0]
         rows = {}
         for chunk in (runner.prefill_chunk, a.prefill_tokens):
-            runner.prefill_chunk = runner.prefill_graph_tokens = chunk
+            runner.reconfigure(prefill_chunk=chunk, prefill_graph_tokens=chunk or runner.prefill_graph_tokens)
             rows[str(chunk)] = measure_prefill(native, prompt, 5, cuda=True)
         best = min(rows, key=rows.get)
         flops = prefill_flops(cfg, a.prefill_tokens)

@@ -25,11 +25,12 @@ from flashpd.bench.common import add_compile_args, apply_compile_args, write_jso
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.engine.tokenizer import TextTokenizer
 from flashpd.training.text_data import read_texts, split_files, stdlib_files
+from flashpd.engine.scheduler import generate
 
 
 def heldout_prompt_sets(tok: TextTokenizer, n: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -54,7 +55,7 @@ def pair_generators(target_dir: str, draft_dir: str, device: str, compile: bool 
     target = load_target(target_dir, device, dtype)
     drafter = load_drafter(draft_dir, target)
     runner = ModelRunner(target, num_blocks=8192, block_size=16, taps=tuple(drafter.cfg.target_layer_ids),
-                         compile=compile)
+                         config=RunnerConfig(compile=compile))
     return (runner, NativeGenerator(runner, target.cfg.eos_token_ids),
             DFlashGenerator(runner, drafter, target.cfg.eos_token_ids))
 
@@ -72,12 +73,12 @@ def run_set(native: NativeGenerator, spec: DFlashGenerator, prompts: list[list[i
     params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
     rows = []
     for i, p in enumerate(prompts):
-        base = native.generate([p], params)[0].output  # warm-up (and the exactness baseline)
-        spec.generate([p], params, [width])
+        base = generate(native, [p], params)[0].output  # warm-up (and the exactness baseline)
+        generate(spec, [p], params, [width])
         t_nat, t_spec, exact, first, taus, hist_acc, hist_n = [], [], 0, [], [], None, None
         for _ in range(reps):
-            a, n_out = _timed(lambda: native.generate([p], params)[0])
-            b, s_out = _timed(lambda: spec.generate([p], params, [width])[0])
+            a, n_out = _timed(lambda: generate(native, [p], params)[0])
+            b, s_out = _timed(lambda: generate(spec, [p], params, [width])[0])
             t_nat.append(a)
             t_spec.append(b)
             exact += s_out.output == base
@@ -145,7 +146,7 @@ def main() -> None:
     runner, native, spec = pair_generators(a.target, a.draft, a.device)
     dtype = runner.dtype
     screen_p, confirm_p = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.prompts, a.seed)
-    runner.fresh_prefill = not a.no_fresh_prefill
+    runner.reconfigure(fresh_prefill=not a.no_fresh_prefill)
     news = [int(x) for x in a.new_tokens.split(",")]
     print("screen (1 timed run each):", flush=True)
     screen = [run_set(native, spec, screen_p, w, news[0], 1) for w in (int(x) for x in a.widths.split(","))]

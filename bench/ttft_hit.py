@@ -47,6 +47,7 @@ from flashpd.kv_bridge.client import BridgeClient, RemoteStore
 from flashpd.kv_bridge.keys import MethodFingerprint
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.store import MemoryStore
+from flashpd.engine.scheduler import generate
 
 MODES = ("cold", "device", "host", "memory", "shm", "grpc", "lmcache")
 TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
@@ -103,7 +104,7 @@ class TimedPrefixCache(PrefixCache):
 
 
 def run(gen: DFlashGenerator, prompt: list[int], params: SamplingParams, cache: TimedPrefixCache | None) -> dict:
-    s = gen.generate([prompt], [params], prefix_cache=cache)[0]
+    s = generate(gen, [prompt], [params], prefix_cache=cache)[0]
     return {"ttft_ms": s.stats.ttft_ms, "latency_ms": s.stats.latency_ms, "tokens": list(s.output),
             "hit_tokens": cache.stats.hit_tokens if cache is not None else 0,
             "restore_ms": cache.restore_ms if cache is not None else 0.0}

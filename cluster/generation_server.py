@@ -24,7 +24,7 @@ import grpc
 from flashpd.decode_node.engine_loop import EngineStopped, Event
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
-from flashpd.decode_node.scheduler import PromptTooLong, RequestFailed
+from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.rpc_guard import add_guarded, echo
 from flashpd.kv_bridge.server import is_loopback

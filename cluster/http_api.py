@@ -53,7 +53,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flashpd.cluster.chat_template import ChatTemplate, ChatTemplateError
 from flashpd.cluster.generation_server import MAX_CHARS_PER_TOKEN, POLL_S, Backend
 from flashpd.decode_node.engine_loop import EngineStopped
-from flashpd.decode_node.scheduler import PromptTooLong, RequestFailed, blocks_needed
+from flashpd.engine.kv_cache import blocks_needed
+from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 from flashpd.engine.sampling import SEED_RANGE, SamplingParams
 
 log = logging.getLogger(__name__)

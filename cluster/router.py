@@ -27,7 +27,8 @@ from flashpd.cluster.generation_server import PROTOCOL_VERSION
 from flashpd.cluster.metrics import Metrics
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.worker_pool import Slot, WorkerPool
-from flashpd.decode_node.scheduler import REQUEST_FAILED, PromptTooLong, RequestFailed, blocks_needed
+from flashpd.engine.kv_cache import blocks_needed
+from flashpd.engine.scheduler import REQUEST_FAILED, PromptTooLong, RequestFailed
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

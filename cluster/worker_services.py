@@ -19,7 +19,7 @@ from flashpd.cluster.generation_server import POLL_S, PROTOCOL_VERSION, Generati
 from flashpd.cluster.metrics import Metrics
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
-from flashpd.decode_node.scheduler import REQUEST_FAILED, RequestFailed
+from flashpd.engine.scheduler import REQUEST_FAILED, RequestFailed
 from flashpd.engine.kv_cache import OutOfBlocks
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams

@@ -22,7 +22,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable
 
-from flashpd.decode_node.scheduler import REQUEST_FAILED, Request, RequestFailed, Scheduler
+from flashpd.decode_node.scheduler import Scheduler
+from flashpd.engine.scheduler import REQUEST_FAILED, Request, RequestFailed
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

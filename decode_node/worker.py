@@ -13,7 +13,8 @@ from typing import Callable
 
 from flashpd.decode_node.engine_loop import EngineLoop, Handle
 from flashpd.decode_node.bridge_import import GuardedPrefixCache
-from flashpd.decode_node.scheduler import Request, Scheduler
+from flashpd.decode_node.scheduler import Scheduler
+from flashpd.engine.scheduler import Request
 from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams

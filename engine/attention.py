@@ -27,6 +27,9 @@ class AttnBatch:
     this forward's own K/V under a causal mask, which a fused causal kernel runs without gathering the
     cache or reading a mask (`causal_sdpa`); there is no mask. Right padding is harmless there: a real
     query never sees a later (padding) key.
+    impl: None chooses the attention form per shape and device (`use_matmul`, `use_paged`); "matmul" or
+    "sdpa" forces that form of `grouped_attention` on any device (ModelRunner sets it from
+    RunnerConfig.attention_impl: tests, kernel checks).
     """
 
     positions: torch.Tensor
@@ -34,6 +37,7 @@ class AttnBatch:
     block_tables: torch.Tensor
     mask: torch.Tensor | None = None
     fresh: bool = False
+    impl: str | None = None
 
 
 def causal_position_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -67,21 +71,20 @@ def group_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
 
 # Scores of at most this many elements take the explicit-matmul form on a GPU (see `use_matmul`).
 MATMUL_MAX_SCORES = 1 << 22
-FORCE_IMPL: str | None = None  # tests: "matmul" or "sdpa" on any device
 
 
-def use_matmul(q: torch.Tensor, keys: int) -> bool:
+def use_matmul(q: torch.Tensor, keys: int, impl: str | None = None) -> bool:
     """Small query sets (decode, verify, draft blocks) over a long, padded key range: a masked fused
     SDPA kernel runs them on a few thread blocks that walk every key in turn, several times slower on a
     GPU than two matmuls and a softmax (docs/results.md); large score matrices (prefill) keep the fused
-    kernel."""
-    if FORCE_IMPL is not None:
-        return FORCE_IMPL == "matmul"
+    kernel. `impl` ("matmul" or "sdpa", AttnBatch.impl) forces one on any device."""
+    if impl is not None:
+        return impl == "matmul"
     rows = q.shape[0] * q.shape[1] * q.shape[2]  # B*T*Hq, in either query layout
     return q.device.type == "cuda" and rows * keys <= MATMUL_MAX_SCORES
 
 
-def use_paged(q: torch.Tensor, t: int, keys: int) -> bool:
+def use_paged(q: torch.Tensor, t: int, keys: int, impl: str | None = None) -> bool:
     """One-token decode of at least PAGED_MIN_BATCH rows (q [Hkv, B, T*G, d]) on a GPU, over at most
     paged_attention.KEYS_PER_SPLIT keys, reads K/V straight from the paged cache (engine/paged_attention.py):
     the gather of `gather_kv` copies every row's whole padded KV first, and the masked softmax reads a mask,
@@ -91,9 +94,9 @@ def use_paged(q: torch.Tensor, t: int, keys: int) -> bool:
     256, and the serving scheduler). The kernel also takes verify widths (t <= 32) and longer contexts (its
     key split), tested on the CPU under triton's interpreter and in isolation on a GPU, but the first whole
     DFlash run with them at the 8B shape did not finish (docs/results.md), so they keep `grouped_attention`
-    until a GPU run clears them. Prefill, the CPU and a forced `FORCE_IMPL` keep it too."""
-    return (q.device.type == "cuda" and t == 1 and q.shape[1] >= PAGED_MIN_BATCH
-            and keys <= paged_attention.KEYS_PER_SPLIT and FORCE_IMPL is None and paged_attention.available())
+    until a GPU run clears them. Prefill, the CPU and a forced `impl` (AttnBatch.impl) keep it too."""
+    return (impl is None and q.device.type == "cuda" and t == 1 and q.shape[1] >= PAGED_MIN_BATCH
+            and keys <= paged_attention.KEYS_PER_SPLIT and paged_attention.available())
 
 
 # Under this many rows the kernel's few programs (rows x KV heads) walk their keys in turn, slower than the
@@ -115,11 +118,11 @@ def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 
 def grouped_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float) -> torch.Tensor:
+                      scale: float, impl: str | None = None) -> torch.Tensor:
     """qg: [Hkv, B, T*groups, d] (group_queries); k, v: [Hkv, B, L, d] (gather_kv); mask: [1, B,
     T*groups, L] (group_mask) or None. Returns [Hkv, B, T*groups, d] in the query layout (see
-    `out_proj`). Every query row must see at least one key."""
-    if use_matmul(qg, k.shape[2]):
+    `out_proj`). Every query row must see at least one key. impl: see `use_matmul`."""
+    if use_matmul(qg, k.shape[2], impl):
         s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
@@ -140,12 +143,12 @@ def out_proj(attn: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                 scale: float) -> torch.Tensor:
+                 scale: float, impl: str | None = None) -> torch.Tensor:
     """`grouped_attention` of q [B, T, Hq, d] and k, v [B, Hkv, L, d] under a `group_mask` mask ->
     [B, T, Hq*d] (tests and micro-benchmarks; the model keeps the kv-major layout)."""
     b, t, hq, d = q.shape
     hkv = k.shape[1]
-    out = grouped_attention(group_queries(q, hkv), k.transpose(0, 1), v.transpose(0, 1), mask, scale)
+    out = grouped_attention(group_queries(q, hkv), k.transpose(0, 1), v.transpose(0, 1), mask, scale, impl)
     return out.view(hkv, b, t, hq // hkv, d).permute(1, 2, 0, 3, 4).reshape(b, t, hq * d)
 
 
@@ -163,5 +166,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     hkv = k.shape[1]
     k = k.view(b, -1, hkv, d).transpose(1, 2)
     v = v.view(b, -1, hkv, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+    # bool(): with shapes turned dynamic (one compiled function over several models' head counts) the
+    # comparison is a SymBool, which SDPA refuses; bool() specializes it under a guard
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=bool(hq != hkv))
     return out.transpose(1, 2).reshape(b, -1, hq * d)

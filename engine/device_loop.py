@@ -2,7 +2,7 @@
 
 At batch 1 on a small model the host, not the GPU, sets a step's pace: building the step's inputs,
 launching its graph and waiting for its result take longer than the GPU work
-(bench/results/profile_step_h200.json). Here each row's state (committed length, draft context
+(docs/results.md). Here each row's state (committed length, draft context
 length, last token, pending draft rows, tokens emitted) lives on the device. One captured step
 drafts, verifies, accepts and advances that state in place, so step k+1 can be launched before
 step k's result reaches the host. The host reads each step's tokens one step late, while the GPU
@@ -41,7 +41,7 @@ class InPlaceGraph:
 
     def __init__(self, fn: Callable[..., torch.Tensor], enabled: bool = True) -> None:
         self.fn = fn
-        self.enabled = enabled  # False: run the function directly on any device (ModelRunner(cuda_graphs=False))
+        self.enabled = enabled  # False: run the function directly on any device (RunnerConfig(cuda_graphs=False))
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
@@ -163,8 +163,7 @@ class DeviceLoop:
         self.spec = gen.speculative
         self.graph = InPlaceGraph(self._spec_fn if self.spec else self._native_fn, self.runner.cuda_graphs)
         # the bookkeeping's ~40 tiny ops, compiled (as the runner compiles its layers), are a few fused
-        # kernels in the captured graph: on an H200 a width-1 DFlash step went from 0.66 to 0.60 ms at context
-        # 256 (profile_step timed width 1 then: see the README's profile table)
+        # kernels in the captured graph instead of ~40 launches a step (docs/results.md)
         fuse = self.runner.compiled
         self._native_in, self._native_out = fuse(native_in), fuse(native_out)
         self._spec_in, self._spec_out = fuse(spec_in), fuse(spec_out)
@@ -248,8 +247,8 @@ class DeviceLoop:
             self._bufs[key] = bufs
         return self._bufs[key]
 
-    # A step launched after the one in flight finished every row is wasted: a whole step (0.5 ms native,
-    # 0.75 DFlash on the demo pair) the request waits for. Reading the step in flight first costs the GPU
+    # A step launched after the one in flight finished every row is wasted: a whole step the request waits
+    # for. Reading the step in flight first costs the GPU
     # only the host's turnaround (sync, commit, launch: tens of microseconds). So read first once the step
     # in flight finishes every running row with at least this probability (from the emissions so far).
     READ_FIRST_P = 0.1
@@ -258,15 +257,20 @@ class DeviceLoop:
         """Drive every sequence (prefilled, not done) to its end. `first` [len(seqs)]: their greedy first
         tokens, still on the device and not committed (NativeGenerator.start): the first step is queued
         behind them before the host reads and commits them."""
+        self.step_to_end(self.begin(seqs, first) if first is None else self.begin_after_prefill(seqs, first))
+
+    def begin_after_prefill(self, seqs: list[Sequence], first: torch.Tensor) -> "Session":
+        """`begin` straight from a prefill whose greedy first tokens are still on the device (`first`, not
+        committed): the first step is queued behind them, then the host reads and commits them (one step is
+        in flight when this returns)."""
         sess = self.begin(seqs, first)
-        if first is not None:
-            self._commit_first(sess, first)
-        self.step_to_end(sess)
+        self._commit_first(sess, first)
+        return sess
 
     def step_to_end(self, sess: "Session") -> None:
         """Launch and read steps until every row of a session is done, then `end` it."""
         while not all(s.done for s in sess.seqs):
-            if sess.queued and self._may_finish(sess):
+            if sess.queued and self.may_finish(sess):
                 self.read(sess)
                 continue
             self.launch(sess)  # step k is queued before step k-1 is read
@@ -277,7 +281,7 @@ class DeviceLoop:
         sess.queued.clear()
         self.end(sess)
 
-    def _may_finish(self, sess: "Session") -> bool:
+    def may_finish(self, sess: "Session") -> bool:
         """Whether the step in flight finishes every running row with probability >= READ_FIRST_P: a row
         with r tokens to go ends if that step emits r or more (native: always one; DFlash: the share of
         this batch's steps so far that emitted at least r). Stop tokens are not foreseen."""

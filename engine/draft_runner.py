@@ -41,13 +41,14 @@ class DraftRunner:
         if n:
             self.drafter.write_context(self.cache.data, new_taps, new_pos, new_slots, self.kv_fn)
         return self.drafter.draft_logits(ids.view(b, t), pos.view(b, t), self.cache.data, bt.view(b, nblk),
-                                         ctx_lens, blens, self.layer_fn)
+                                         ctx_lens, blens, self.layer_fn, self.runner.config.attention_impl)
 
     def guess(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
               ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
         """The block to verify [B, T]: each row's first id, then its greedy draft tokens (see
         DFlashDrafter.draft_logits) for blocks ids/pos [B, T]."""
-        guess = self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer).argmax(-1)
+        guess = self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer,
+                                          self.runner.config.attention_impl).argmax(-1)
         return torch.cat([ids[:, :1], guess], dim=1)
 
     def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:

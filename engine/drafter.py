@@ -190,9 +190,10 @@ class DFlashDrafter(nn.Module):
 
     def draft_logits(self, block_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
                      block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_lens: torch.Tensor,
-                     layer_fn: Callable = None) -> torch.Tensor:
+                     layer_fn: Callable = None, attention_impl: str | None = None) -> torch.Tensor:
         """One draft pass. block_ids/positions [B, T]; ctx_lens [B] valid context positions;
-        block_lens [B] real block width per row (shorter rows mask their tail keys).
+        block_lens [B] real block width per row (shorter rows mask their tail keys). attention_impl: the
+        forced attention form (RunnerConfig.attention_impl, via DraftRunner), None: automatic.
         Returns logits [B, T-1, V] for block positions 1..T-1 (position i predicts token start+i).
         """
         c = self.cfg
@@ -211,7 +212,7 @@ class DFlashDrafter(nn.Module):
         for i in range(c.num_hidden_layers):
             h = fn(h, cos, sin, gather_kv(cache[i, 0], block_tables), gather_kv(cache[i, 1], block_tables), mask,
                    *self.layer_weights(i),
-                   c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+                   c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim, impl=attention_impl)
         logits = tgt.logits(rms_norm(h[:, 1:], self.norm, c.rms_norm_eps))
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
@@ -266,14 +267,14 @@ def draft_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: to
                 ctx_v: torch.Tensor, mask: torch.Tensor, w_in: torch.Tensor,
                 w_qkv: torch.Tensor, w_o: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
                 w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, n_q: int,
-                n_kv: int, d: int) -> torch.Tensor:
+                n_kv: int, d: int, impl: str | None = None) -> torch.Tensor:
     """One draft layer over a block: queries see the context K/V [kv, B, L, d] and every block key; mask
-    [1, B, T*groups, L + T] (attention.group_mask).
+    [1, B, T*groups, L + T] (attention.group_mask); impl: attention.use_matmul's forced form, None: automatic.
 
     The same function serves inference (context gathered from the paged cache) and training
     (context computed for a whole sequence, many blocks masked apart)."""
     q, keys, vals = draft_qkv(h, cos, sin, ctx_k, ctx_v, w_in, w_qkv, w_qn, w_kn, eps, n_q, n_kv, d)
-    attn = grouped_attention(group_queries(q, n_kv), keys, vals, mask, d ** -0.5)
+    attn = grouped_attention(group_queries(q, n_kv), keys, vals, mask, d ** -0.5, impl)
     return mlp_residual(h + out_proj(attn, w_o), w_post, w_gate_up, w_down, eps)
 
 

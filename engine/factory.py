@@ -14,7 +14,7 @@ import torch
 
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
@@ -70,11 +70,12 @@ class EngineParts:
 def load_engine(target: str | Path, draft: str | Path | None = None, device: str | None = None,
                 dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None, *,
                 method: str | None = None, block_size: int | None = None, kv_block_size: int = 16,
-                width_policy: WidthPolicy | None = None) -> EngineParts:
+                width_policy: WidthPolicy | None = None, runner_config: RunnerConfig | None = None) -> EngineParts:
     """Load `target` (and `draft`) on `device` (default: cuda when available) in `dtype` (default:
     bfloat16 on cuda, float32 on cpu). `method` defaults to "dflash" with a drafter, else "native";
     `kv_cache_tokens` sizes the paged cache (default: a share of free device memory); `width_policy`: how
-    wide a DFlash step verifies (engine/width_policy.py; default the whole block)."""
+    wide a DFlash step verifies (engine/width_policy.py; default the whole block); `runner_config`: the
+    ModelRunner's knobs (engine/runner_config.py; default RunnerConfig(): graphs and compile iff CUDA)."""
     dev = torch.device(device or default_device())
     dt = resolve_dtype(dtype, str(dev))
     method = method or ("dflash" if draft else "native")
@@ -97,7 +98,7 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
             raise ValueError(f"block_size {block_size} needs method 'dflash' and a drafter")
         block_size = 1
     num_blocks = kv_blocks_for(model, kv_block_size, dev, kv_cache_tokens)
-    runner = ModelRunner(model, num_blocks, kv_block_size, taps=taps)
+    runner = ModelRunner(model, num_blocks, kv_block_size, taps=taps, config=runner_config)
     if drafter is not None:
         from flashpd.engine.spec_decode import DFlashGenerator  # noqa: PLC0415
         generator = DFlashGenerator(runner, drafter, stop_ids, block_size, width_policy=width_policy)

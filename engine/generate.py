@@ -1,13 +1,12 @@
-"""Batch generation on one ModelRunner: batched prefill, then native decode steps.
+"""The native executor on one ModelRunner: batched prefill, native decode steps, the device loop.
 
-This is the engine-level loop the public `LLM` and the workers build on. Every forward
-goes through the paged cache; finished sequences free their blocks at once.
+It runs steps; it does not decide which requests run. The one driver is engine/scheduler.py (its
+`generate` for a whole batch, its Scheduler for serving). Every forward goes through the paged cache.
 """
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
@@ -21,17 +20,6 @@ from flashpd.engine.sequence import Sequence
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextmanager
-def freed_on_error(runner: ModelRunner, seqs: list[Sequence]) -> Iterator[None]:
-    """Free every sequence's blocks if the body raises: a failed offline batch leaks no KV block."""
-    try:
-        yield
-    except BaseException:
-        for s in seqs:
-            runner.allocator.free(s.table)
-        raise
 
 
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -81,7 +69,8 @@ class NativeGenerator:
         return True
 
     def overlaps_start(self, seqs: list[Sequence]) -> bool:
-        """Whether these fresh requests start in the device loop straight from their prefill (`start`):
+        """Whether these fresh requests may start in the device loop straight from their prefill
+        (engine/scheduler.py, Scheduler._may_start):
         greedy rows the loop takes, with no first token forced by a prefill worker, each wanting more than
         the prefill's token (a step queued for a one-token batch would only be waited for)."""
         return self.device_loop and bool(seqs) and self.loop().usable(seqs) and \
@@ -91,26 +80,6 @@ class NativeGenerator:
         """The prefill a request needs: the target's (DFlashGenerator writes the drafter's context in the same
         forwards). `defer`: as `prefill`'s."""
         self.prefill(seqs, defer=defer)
-
-    def prefill_and_run(self, seqs: list[Sequence]) -> None:
-        """Prefill fresh requests and drive those the device loop takes to their ends (the rest stay for
-        `drive`), overlapping the two where it can (`start`)."""
-        if self.overlaps_start(seqs):
-            self.start(seqs)
-        else:
-            self.prefill_request(seqs)
-            self.run_on_device(seqs)
-
-    def start(self, seqs: list[Sequence]) -> None:
-        """Prefill, then drive the requests in the device loop with no host round trip in between: the
-        first decode step is queued behind the prefill, its first tokens still on the device, and the host
-        reads them while that step runs. Sequentially (prefill, sync, commit, then the loop's state upload
-        and its first graph launch) the GPU idled through the host's part of the handover plus the launch: a
-        fixed cost a request pays once, native and DFlash alike, measurable against a small model's TTFT
-        (docs/results.md)."""
-        first: list[torch.Tensor] = []
-        self.prefill_request(seqs, defer=first)
-        self.loop().run(seqs, first=torch.cat(first) if len(first) > 1 else first[0])
 
     def new_sequences(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
         seqs = []
@@ -205,27 +174,3 @@ class NativeGenerator:
         for s in seqs:
             self.runner.allocator.ensure(s.table, len(s.prompt))
             prefix_cache.restore(self, s)
-
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], prefix_cache=None) -> list[Sequence]:
-        seqs = self.new_sequences(prompts, params)
-        self.reserve(seqs)
-        with freed_on_error(self.runner, seqs):
-            self.restore_prefixes(seqs, prefix_cache)
-            self.prefill_and_run(seqs)
-            return self.drive(seqs, self.decode_step, prefix_cache)
-
-    def drive(self, seqs: list[Sequence], step, prefix_cache=None) -> list[Sequence]:
-        """Run `step` over the unfinished sequences until all are done, finishing each as it ends."""
-        running = []
-        for s in seqs:
-            if s.done:
-                self.finish(s, prefix_cache)
-            else:
-                running.append(s)
-        while running:
-            step(running)
-            for s in running:
-                if s.done:
-                    self.finish(s, prefix_cache)
-            running = [s for s in running if not s.done]
-        return seqs

@@ -47,15 +47,16 @@ def attn_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_norm: t
 
 def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor,
-             w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float
-             ) -> torch.Tensor:
+             w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float,
+             impl: str | None = None) -> torch.Tensor:
     """Attention of grouped queries (attn_inputs) over the cache, then the residual MLP. Decode and verify on
-    a GPU read the cache in place by position (attention.use_paged); elsewhere it is gathered and masked."""
-    if use_paged(q, positions.shape[1], block_tables.shape[1] * k_cache.shape[1]):
+    a GPU read the cache in place by position (attention.use_paged); elsewhere it is gathered and masked.
+    impl: AttnBatch.impl (None: chosen per shape and device)."""
+    if use_paged(q, positions.shape[1], block_tables.shape[1] * k_cache.shape[1], impl):
         attn = paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
     else:
         attn = grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask,
-                                 scale)
+                                 scale, impl)
     return mlp_residual(h + out_proj(attn, w_o), w_post, w_gate_up, w_down, eps)
 
 
@@ -99,7 +100,7 @@ class Qwen3DecoderLayer(nn.Module):
                          self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, c.rms_norm_eps, c.head_dim ** -0.5)
         return post(h, q, k_cache, v_cache, batch.block_tables, batch.positions, batch.mask, a.o_proj.weight,
                     self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
-                    c.rms_norm_eps, c.head_dim ** -0.5)
+                    c.rms_norm_eps, c.head_dim ** -0.5, batch.impl)
 
 
 def step_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, w_embed: torch.Tensor,

@@ -6,7 +6,7 @@ T=block) so that the per-step cost on a GPU is the weights' read, not Python and
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -16,6 +16,9 @@ from flashpd.engine.cuda_graph import GraphedFn, bucket, pack_host
 from flashpd.engine.attention import AttnBatch
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, BlockAllocator, BlockTable, PagedKVCache, slots_of
 from flashpd.engine.qwen3 import EAGER, Qwen3ForCausalLM, StepFns
+from flashpd.engine.runner_config import PREFILL_KNOBS, RunnerConfig
+
+__all__ = ["ModelRunner", "RunnerConfig", "StepOutput", "TapSink"]
 
 
 @dataclass
@@ -30,13 +33,13 @@ class StepOutput:
 # A forward's tap consumer: (taps [B, T, H] per tap id, positions [B, T], flat slots [B*T]) -> None.
 TapSink = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
 
-# Short prefills (rows x padded width, in tokens) at or under this replay a CUDA graph.
-PREFILL_GRAPH_TOKENS = 1024
-
 
 class ModelRunner:
+    """config: the runner's knobs (engine/runner_config.py; default RunnerConfig()); `self.config` holds
+    them resolved for the model's device."""
+
     def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int = 16,
-                 taps: tuple[int, ...] = (), cuda_graphs: bool | None = None, compile: bool | None = None) -> None:
+                 taps: tuple[int, ...] = (), config: RunnerConfig | None = None) -> None:
         cfg = model.cfg
         self.model = model
         self.device = model.embed_tokens.weight.device
@@ -47,31 +50,55 @@ class ModelRunner:
         self.cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
                                   cfg.head_dim, self.dtype, self.device)
         self.max_positions = model.rotary.max_positions if model.rotary else cfg.max_position_embeddings
-        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self.config: RunnerConfig = (config or RunnerConfig()).resolved(self.device)  # automatic values decided
         # torch.compile fuses each layer's small ops (norms, RoPE, SwiGLU) inside captured graphs;
         # the same layer functions run eagerly everywhere else.
-        self.compile = self.cuda_graphs if compile is None else compile
-        if self.compile:
+        if self.config.compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         self.graph_fns = StepFns(*(self.compiled(f) for f in EAGER))
         self._graph = GraphedFn(self._graphed)
-        # a lone prompt longer than a prefill graph runs as consecutive graph-width chunks, each attending to
-        # the cache the earlier ones wrote, instead of one eager forward (whose Python and launch overhead
-        # set the TTFT of a long prompt on a small model); None: one forward, as on the CPU
-        self.prefill_graph_tokens = PREFILL_GRAPH_TOKENS
-        self.prefill_chunk: int | None = PREFILL_GRAPH_TOKENS if self.cuda_graphs else None
-        # a prompt with no cached prefix attends over its own K/V with a fused causal kernel (AttnBatch.fresh);
-        # False: through the cache and the position mask like any other forward (benches compare the two)
-        self.fresh_prefill = True
 
-    # tests set "aot_eager": dynamo traces every compiled function whole (fullgraph: a graph break fails)
-    # and runs the traced ATen ops without code generation, fast on a CPU
-    COMPILE_BACKEND = "inductor"
+    def reconfigure(self, **changes) -> RunnerConfig:
+        """Change the prefill knobs (prefill_graph_tokens, prefill_chunk, fresh_prefill) of this loaded
+        runner, for benches that compare them on one model; returns the previous config (pass its values
+        back to restore). Graphs and compilation are fixed at construction: build another runner for those."""
+        bad = set(changes) - PREFILL_KNOBS
+        if bad:
+            raise ValueError(f"reconfigure changes only {sorted(PREFILL_KNOBS)}, not {sorted(bad)}")
+        old = self.config
+        self.config = replace(old, **changes).resolved(self.device)
+        return old
+
+    # read-only views of the resolved config (engine/device_loop.py, draft_runner.py, spec_graph.py and
+    # generate.py read them)
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.config.cuda_graphs
+
+    @property
+    def compile(self) -> bool:
+        return self.config.compile
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self.config.prefill_chunk
+
+    @property
+    def prefill_graph_tokens(self) -> int:
+        return self.config.prefill_graph_tokens
+
+    @property
+    def fresh_prefill(self) -> bool:
+        return self.config.fresh_prefill
+
+    @property
+    def attention_impl(self) -> str | None:
+        return self.config.attention_impl
 
     def compiled(self, fn: Callable) -> Callable:
-        """fn through torch.compile (whole graph) when this runner compiles, else fn itself: the layer
-        functions here, and the drafter's and the device loop's step functions beside them."""
-        return torch.compile(fn, fullgraph=True, backend=self.COMPILE_BACKEND) if self.compile else fn
+        """fn through torch.compile (whole graph, config.compile_backend) when this runner compiles, else fn
+        itself: the layer functions here, and the drafter's and the device loop's step functions beside them."""
+        return torch.compile(fn, fullgraph=True, backend=self.config.compile_backend) if self.config.compile else fn
 
     # ---- batch construction -------------------------------------------------------------
     def batch_arrays(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,
@@ -98,7 +125,7 @@ class ModelRunner:
         """Device inputs of `batch_arrays`: ids, the attention metadata, and the packed flat tensor."""
         flat, (d_ids, d_pos, d_slots, d_bt) = pack_host(self.batch_arrays(tables, tokens, b_pad, t_pad, nblk),
                                                         self.device)
-        return d_ids, AttnBatch(d_pos, d_slots, d_bt), flat
+        return d_ids, AttnBatch(d_pos, d_slots, d_bt, impl=self.config.attention_impl), flat
 
     def check_room(self, tables: list[BlockTable], lengths: list[int]) -> None:
         """Every row's new positions exist in the model and have reserved KV blocks."""
@@ -128,11 +155,12 @@ class ModelRunner:
             raise ValueError("every sequence in a forward needs at least one new token")
         self.check_room(tables, lengths)
         t = max(lengths)
-        if self.prefill_chunk and len(tables) == 1 and t > self.prefill_chunk and want_logits != "all":
+        chunk = self.config.prefill_chunk
+        if chunk and len(tables) == 1 and t > chunk and want_logits != "all":
             return self._chunked(tables[0], tokens[0], want_logits, taps, sink)
         uniform = all(n == t for n in lengths)
         nblk_real = max(len(tb.blocks) for tb in tables)
-        fresh = self.fresh_prefill and all(tb.num_tokens == 0 for tb in tables)  # no cached prefix
+        fresh = self.config.fresh_prefill and all(tb.num_tokens == 0 for tb in tables)  # no cached prefix
         t_graph = self._graph_width(len(tables), t, uniform, want_logits)
         if t_graph:
             out = self._graph_forward(tables, tokens, t_graph, nblk_real, want_logits, taps, fresh, sink)
@@ -157,7 +185,7 @@ class ModelRunner:
                  sink: TapSink | None = None) -> StepOutput:
         """One sequence's long forward as chunks of prefill_chunk tokens; the same outputs as one forward
         (each chunk's hidden states and taps copied out before the next replay reuses the graph's buffers)."""
-        c = self.prefill_chunk
+        c = self.config.prefill_chunk
         hidden, tapped, logits = [], [], None
         for i in range(0, len(tokens), c):
             last = i + c >= len(tokens)
@@ -172,13 +200,13 @@ class ModelRunner:
     def _graph_width(self, b: int, t: int, uniform: bool, want_logits: str) -> int:
         """The padded width T of the graph that runs this forward, or 0 for the eager path. Decode and
         verify (equal rows, T <= 32) replay a graph of their own width; short prefills (a prefix hit's
-        tail, a short prompt) pad to a multiple of 64 up to PREFILL_GRAPH_TOKENS, so that their Python
+        tail, a short prompt) pad to a multiple of 64 up to config.prefill_graph_tokens, so that their Python
         and launch overhead (tens of ms on Qwen3-8B, eagerly) is one graph launch."""
-        if not self.cuda_graphs or b > 256:
+        if not self.config.cuda_graphs or b > 256:
             return 0
         if uniform and t <= 32:
             return t
-        if want_logits != "all" and bucket(b) * bucket(t, 64) <= self.prefill_graph_tokens:
+        if want_logits != "all" and bucket(b) * bucket(t, 64) <= self.config.prefill_graph_tokens:
             return bucket(t, 64)
         return 0
 
@@ -200,7 +228,7 @@ class ModelRunner:
         """The target forward of device inputs (graph-safe): normed hidden, taps, and logits of every
         column or, given `last` [B], of those columns only ([B, 1, V]). `fresh`: every row starts at 0
         (AttnBatch.fresh)."""
-        batch = AttnBatch(pos, slots, bt, fresh=fresh)  # the model builds the mask (qwen3.step_inputs)
+        batch = AttnBatch(pos, slots, bt, fresh=fresh, impl=self.config.attention_impl)  # mask: qwen3.step_inputs
         hidden, tapped = self.model(ids, batch, self.cache.data, self.taps, self.graph_fns)
         if last is not None:
             return hidden, tapped, self.model.logits(hidden[torch.arange(ids.shape[0], device=ids.device), last][:, None])

@@ -12,15 +12,14 @@ from flashpd.engine.sampling import SamplingParams
 
 @dataclass
 class RequestStats:
-    """Per request. acceptance_lengths: tokens committed per DFlash verify step (empty for native).
-    draft_ms / verify_ms: a fused greedy step (one graph for both passes) counts wholly as verify time;
-    the device loop (device_loop.py) does not time its steps, so both stay 0 there."""
+    """Per request, the same from every step path (stepwise, fused, device loop). acceptance_lengths: tokens
+    committed per DFlash verify step (empty for native). No draft or verify times: the fused step and the
+    device loop run both passes in one graph with no sync between them, so a split would exist only on the
+    stepwise path (the benches time the passes: bench/dflash_step.py, bench/profile_step.py)."""
 
     acceptance_lengths: list[int] = field(default_factory=list)
     ttft_ms: float | None = None
     latency_ms: float | None = None
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
     position_accepts: list[int] = field(default_factory=list)  # per draft position k: steps that accepted it
     position_drafted: list[int] = field(default_factory=list)  # per draft position k: steps that drafted it
 
@@ -43,8 +42,7 @@ class RequestStats:
         d = {"acceptance_lengths": list(self.acceptance_lengths), "tau": self.tau,
              "ttft_ms": self.ttft_ms, "latency_ms": self.latency_ms}
         if self.acceptance_lengths:
-            d.update(draft_ms=self.draft_ms, verify_ms=self.verify_ms,
-                     position_acceptance=[a / n for a, n in zip(self.position_accepts, self.position_drafted)])
+            d.update(position_acceptance=[a / n for a, n in zip(self.position_accepts, self.position_drafted)])
         return d
 
 

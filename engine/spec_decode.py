@@ -21,44 +21,13 @@ from typing import Iterable
 import torch
 
 from flashpd.engine.drafter import DFlashDrafter
-from flashpd.engine.generate import NativeGenerator, freed_on_error
+from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.draft_runner import DraftRunner
 from flashpd.engine.runner import ModelRunner
-from flashpd.engine.sampling import SamplingParams, accepted_greedy, draw, probs_from_logits, rejection_sample
+from flashpd.engine.sampling import accepted_greedy, draw, probs_from_logits, rejection_sample
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_graph import FusedGreedyStep
 from flashpd.engine.width_policy import FixedWidth, WidthPolicy, WidthStats
-
-
-class StepClock:
-    """Draft and verify time of a step. On a GPU, CUDA events: the single-sync step never waits between
-    draft and verify, so host clocks would only time the launches. Read after the step's sync."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        self.t: list[float] = []
-
-    def start(self) -> None:
-        self._at(0)
-
-    def mark(self) -> None:
-        self._at(1)
-
-    def stop(self) -> tuple[float, float]:
-        """(draft_ms, verify_ms); call after the step's results reached the host."""
-        self._at(2)
-        if self.cuda:
-            self.events[2].synchronize()
-            return self.events[0].elapsed_time(self.events[1]), self.events[1].elapsed_time(self.events[2])
-        return (self.t[1] - self.t[0]) * 1e3, (self.t[2] - self.t[1]) * 1e3
-
-    def _at(self, i: int) -> None:
-        if self.cuda:
-            self.events[i].record()
-        else:
-            self.t[i:] = [time.perf_counter()]
 
 
 class DFlashGenerator(NativeGenerator):
@@ -78,7 +47,6 @@ class DFlashGenerator(NativeGenerator):
         self.block_size = self._check_block(c.block_size if block_size is None else block_size)
         self.drafts = DraftRunner(drafter, runner)
         self.fused = FusedGreedyStep(runner, self.drafts)
-        self.clock = StepClock(runner.device)
 
     def model_steps(self) -> bool:
         """Whether every step's guesses and verdicts are this generator's own (`_guesses`, `_verdict`): the
@@ -163,7 +131,6 @@ class DFlashGenerator(NativeGenerator):
         alloc, ws = self.runner.allocator, self.width_stats
         for s in seqs:
             assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
-        self.clock.start()
         logits = self.drafts.draft(seqs, limits)  # [B, max(limits) - 1, V]
         greedy = logits.argmax(-1).tolist()  # the draft is on the host: the policy's time starts here
         t0 = time.perf_counter()
@@ -181,17 +148,15 @@ class DFlashGenerator(NativeGenerator):
         for s, toks in zip(seqs, tokens):
             alloc.ensure(s.table, s.table.num_tokens + len(toks))
         starts = [s.table.num_tokens for s in seqs]
-        self.clock.mark()
         out = self.runner.forward([s.table for s in seqs], tokens, "all", taps=True)
         feats = self._pending_features(out)
         truth = out.logits.argmax(-1).tolist()
-        draft_ms, verify_ms = self.clock.stop()
         ws.steps += 1
         ws.cut_steps += 1
         ws.rows += len(seqs)
         ws.verified += len(seqs) * t  # a ragged verify pads to its widest row too
         ws.widths[t] = ws.widths.get(t, 0) + 1
-        self._accept(seqs, guesses, qs, widths, truth, out, feats, starts, draft_ms, verify_ms)
+        self._accept(seqs, guesses, qs, widths, truth, out, feats, starts)
 
     def spec_step(self, seqs: list[Sequence]) -> None:
         alloc = self.runner.allocator
@@ -205,12 +170,9 @@ class DFlashGenerator(NativeGenerator):
         for s, w in zip(seqs, widths):
             assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
             alloc.ensure(s.table, s.table.num_tokens + (t if one_sync else w))  # padding rows write there too
-        self.clock.start()
         starts = [s.table.num_tokens for s in seqs]
         if one_sync:
-            # greedy: draft, argmax and verify in one graph (spec_graph.py), one copy back; the clock cannot
-            # split a fused step, so its whole time counts as verify time
-            self.clock.mark()
+            # greedy: draft, argmax and verify in one graph (spec_graph.py), one copy back
             rows, feats = self.fused(seqs, widths, t)
             # row i reads only its first w_i - 1 guesses and w_i verdicts: padding never decides anything
             guesses = [r[:w - 1] for r, w in zip(rows, widths)]
@@ -218,24 +180,19 @@ class DFlashGenerator(NativeGenerator):
             qs = [None] * len(seqs)
         else:
             guesses, qs = self._draft(seqs, widths)
-            self.clock.mark()
             out = self.runner.forward([s.table for s in seqs], [[s.last_token] + g for s, g in zip(seqs, guesses)], "all", taps=True)
             feats = self._pending_features(out)
             truth = out.logits.argmax(-1).tolist()
-        draft_ms, verify_ms = self.clock.stop()
-        self._accept(seqs, guesses, qs, widths, truth, None if one_sync else out, feats, starts, draft_ms, verify_ms)
+        self._accept(seqs, guesses, qs, widths, truth, None if one_sync else out, feats, starts)
 
     def _accept(self, seqs: list[Sequence], guesses: list[list[int]], qs: list[torch.Tensor | None],
-                widths: list[int], truth: list[list[int]], out, feats: torch.Tensor, starts: list[int],
-                draft_ms: float, verify_ms: float) -> None:
+                widths: list[int], truth: list[list[int]], out, feats: torch.Tensor, starts: list[int]) -> None:
         """Accept within each row's width (greedy: longest agreeing prefix; sampled: rejection sampling),
         commit, roll the target cache back to the accepted positions and keep their taps as pending."""
         alloc = self.runner.allocator
         for i, (s, g, q, w) in enumerate(zip(seqs, guesses, qs, widths)):
             a, bonus = self._verdict(s, g, q, w, truth[i], None if out is None else out.logits[i])
             s.stats.record_step(len(s.commit(g[:a] + [bonus])), w, a)
-            s.stats.draft_ms += draft_ms
-            s.stats.verify_ms += verify_ms
             alloc.truncate(s.table, starts[i] + a + 1)
             s.pending, s.pending_rows = feats[i], a + 1  # joins the draft cache in the next draft pass
 
@@ -256,7 +213,7 @@ class DFlashGenerator(NativeGenerator):
     def prefill_request(self, seqs: list[Sequence], defer: list[torch.Tensor] | None = None) -> None:
         """Prefill, and write each prompt's draft context (its taps' K/V) inside the same forwards: in the
         prefill's CUDA graph on a GPU, where a separate write (host-side slots, a copy, a dynamic-shape
-        compiled call) cost a request about 0.75 ms (bench/results/demo_pair_v3_h200/engine_e59da1c).
+        compiled call) cost each request a fixed time (docs/results.md).
         Every sequence's draft context must be as long as its target cache (a restored prefix restores
         both halves), so the forward's own positions and slots are the draft context's."""
         for s in seqs:
@@ -266,17 +223,3 @@ class DFlashGenerator(NativeGenerator):
         self.prefill(seqs, sink=self.drafts.write_forward_context, defer=defer)
         for s in seqs:
             s.draft_len = len(s.prompt)
-
-    # ---- whole requests --------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 block_sizes: list[int | None] | None = None, prefix_cache=None) -> list[Sequence]:
-        if block_sizes is not None and len(block_sizes) != len(prompts):
-            raise ValueError(f"{len(block_sizes)} block sizes for {len(prompts)} prompts")
-        seqs = self.new_sequences(prompts, params)
-        for s, w in zip(seqs, block_sizes or [None] * len(seqs)):
-            s.block_size = self._check_block(w) if w is not None else self.block_size
-        self.reserve(seqs)
-        with freed_on_error(self.runner, seqs):
-            self.restore_prefixes(seqs, prefix_cache)
-            self.prefill_and_run(seqs)
-            return self.drive(seqs, self.spec_step, prefix_cache)

@@ -9,6 +9,7 @@ import torch
 from flashpd.engine.config import CheckpointError
 from flashpd.engine.factory import DTYPES, default_device, kv_blocks_for, resolve_dtype  # noqa: F401 (its names too)
 from flashpd.engine.factory import load_engine
+from flashpd.engine import scheduler
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import RequestStats
 
@@ -61,7 +62,7 @@ class LLM:
         ids = [self.encode(p) for p in prompts]  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(ids)
-        seqs = self.generator.generate(ids, plist)
+        seqs = scheduler.generate(self.generator, ids, plist)  # the engine's one driver, as a worker's
         return [RequestOutput(s.prompt, s.output, self.tokenizer.decode(s.output) if self.tokenizer else None,
                               s.finish_reason or "length", s.stats) for s in seqs]
 

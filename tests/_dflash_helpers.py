@@ -27,10 +27,11 @@ from flashpd.engine.drafter import DFlashDrafter, load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
 from flashpd.engine.qwen3 import Qwen3ForCausalLM
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.scheduler import generate
 
 KV_BLOCK = 16  # paged-cache block size of every runner built here
 
@@ -83,7 +84,7 @@ def engine_for(pair: Pair, num_blocks: int = 1024) -> Engine:
         target = load_target(pair.target_dir)
         drafter = load_drafter(pair.draft_dir, target)
         runner = ModelRunner(target, num_blocks=num_blocks, block_size=KV_BLOCK,
-                             taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=False)
+                             taps=tuple(drafter.cfg.target_layer_ids), config=RunnerConfig(cuda_graphs=False))
         _ENGINES[id(pair)] = Engine(pair, target, drafter, runner)
     return _ENGINES[id(pair)]
 
@@ -94,11 +95,11 @@ def dflash_engine(dflash_pair: Pair) -> Engine:  # noqa: F811  (dflash_pair is t
 
 
 def run_checked(gen, prompts: list[list[int]], params: list[SamplingParams], **kw) -> list[Sequence]:
-    """gen.generate(...) plus the invariants every run must keep: every KV block handed back,
+    """generate(gen, ...) plus the invariants every run must keep: every KV block handed back,
     output within max_tokens, a finish reason, and (DFlash) sum(acceptance_lengths) == len(output) - 1."""
     alloc = gen.runner.allocator
     free_before = alloc.num_free
-    seqs = gen.generate(prompts, params, **kw)
+    seqs = generate(gen, prompts, params, **kw)
     assert alloc.num_free == free_before, f"KV blocks leaked: {free_before - alloc.num_free}"
     for s, sp in zip(seqs, params):
         assert 1 <= len(s.output) <= sp.max_tokens

@@ -26,7 +26,7 @@ from transformers import Qwen3Config as HFQwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from flashpd.engine.loader import load_target
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 
 # One intra-op thread: the models are tiny (every matmul is a few microseconds), and with two
 # threads each op pays an OpenMP barrier; when the 2 cores are shared with anything else the
@@ -121,10 +121,10 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., t
 
 
 def new_runner(model_dir: Path | str, num_blocks: int = 256, block_size: int = 16,
-               taps: tuple[int, ...] = ()) -> ModelRunner:
-    """A CPU float32 runner over a freshly loaded target."""
+               taps: tuple[int, ...] = (), config: RunnerConfig | None = None) -> ModelRunner:
+    """A CPU float32 runner over a freshly loaded target (default config: no CUDA graphs)."""
     return ModelRunner(load_target(model_dir), num_blocks=num_blocks, block_size=block_size, taps=taps,
-                       cuda_graphs=False)
+                       config=config or RunnerConfig(cuda_graphs=False))
 
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashpd.decode_node.recompute import recompute
-from flashpd.decode_node.scheduler import Scheduler, step_undrafted
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.recompute import recompute
+from flashpd.engine.scheduler import Scheduler, step_undrafted
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.engine.width_policy import BatchWidth, ConfidenceWidth, FixedWidth, parse_width_policy
@@ -134,7 +134,7 @@ def test_batch_rule_in_a_scheduler_with_a_changing_batch(dflash_engine, batch):
     tokens."""
     prompts, native = batch
     runner = ModelRunner(dflash_engine.target, 512, 16, taps=tuple(dflash_engine.drafter.cfg.target_layer_ids),
-                         compile=False)
+                         config=RunnerConfig(compile=False))
     pol = ConfidenceWidth(threshold=0.8, max_width_by_batch=((1, 16), (3, 8), (5, 4)), cut_from_batch=3)
     sched = Scheduler(runner, dflash_engine.drafter, width_policy=pol)
     maxes = [MAX_NEW, 12, 30, MAX_NEW, 20, 25]
@@ -159,7 +159,7 @@ def test_no_speculation_past_a_batch_size_in_a_served_batch(dflash_engine, batch
     request gives its native tokens; a native row beside them is not counted in the batch size."""
     prompts, native = batch
     runner = ModelRunner(dflash_engine.target, 512, 16, taps=tuple(dflash_engine.drafter.cfg.target_layer_ids),
-                         compile=False)
+                         config=RunnerConfig(compile=False))
     sched = Scheduler(runner, dflash_engine.drafter, width_policy=parse_width_policy("batch:caps=1-16/3-1"))
     maxes = [MAX_NEW, 30, 8, 10, 12, MAX_NEW]
     plan = {0: [0, 1], 3: [2, 3, 4, 5]}  # step -> prompts that arrive (5: native)
@@ -187,7 +187,8 @@ def test_undrafted_steps_keep_the_draft_context(dflash_engine, batch):
     layer) equals what a recompute of its tokens writes, and its tokens are native's."""
     prompts, native = batch
     drafter = dflash_engine.drafter
-    runner = ModelRunner(dflash_engine.target, 64, 16, taps=tuple(drafter.cfg.target_layer_ids), compile=False)
+    runner = ModelRunner(dflash_engine.target, 64, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(compile=False))
     gen = DFlashGenerator(runner, drafter, (), 16)
     s = gen.new_sequences([prompts[3]], [greedy(MAX_NEW)])[0]
     s.block_size = 16

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from flashpd.decode_node.scheduler import Scheduler
+from flashpd.engine.scheduler import generate, Scheduler
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
@@ -65,7 +65,7 @@ def test_a_loading_request_does_not_stop_the_running_batch(pair):
     warm.run_until_idle()  # publishes the slow prompt's chunks (both halves)
     assert store.stats()["entries"] == 4
 
-    cold = DFlashGenerator(_runner(target, drafter), drafter, ()).generate([slow], [sp])[0]
+    cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()), [slow], [sp])[0]
     sched = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
     assert cache.lookup_tokens(sched.spec, slow) == 128 and cache.stats.requests == 1  # no side effect
     others = [sched.add(p, SamplingParams(max_tokens=60, ignore_eos=True), "native")
@@ -120,6 +120,6 @@ def test_a_slow_save_does_not_stop_the_batch_and_a_later_fetch_waits_for_it(pair
     store.gate.set()
     sched.run_until_idle()
     assert cache.stats.per_request_hits[-1] == 96  # the save landed before the fetch read the store
-    cold = DFlashGenerator(_runner(target, drafter), drafter, ()).generate(
+    cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()),
         [first], [SamplingParams(max_tokens=20, ignore_eos=True)])[0]
     assert again.seq.output == cold.output and again.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths

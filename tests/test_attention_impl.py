@@ -3,24 +3,31 @@ SDPA kernel, and the engine's oracles re-run with it forced on the CPU: the targ
 DFlash against the reference package's loop, token for token and step for step."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import flashpd.engine.attention as attention
 from flashpd.engine.attention import grouped_sdpa, group_mask
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 
-from tests._dflash_helpers import dflash_engine, dflash_pair  # noqa: F401  (session fixtures)
+from conftest import new_runner
+from tests._dflash_helpers import KV_BLOCK, Engine, dflash_engine, dflash_pair  # noqa: F401  (session fixtures)
 import tests.test_dflash_parity as dflash_parity
 import tests.test_target_parity as target_parity
+
+MATMUL = RunnerConfig(cuda_graphs=False, attention_impl="matmul")  # reaches attention through AttnBatch.impl
 
 
 @pytest.fixture
 def force_matmul(monkeypatch):
-    monkeypatch.setattr(attention, "FORCE_IMPL", "matmul")
+    """The target oracle's runners (conftest.new_runner) built with the matmul form forced."""
+    monkeypatch.setattr(target_parity, "new_runner", functools.partial(new_runner, config=MATMUL))
 
 
 @pytest.mark.parametrize("b,t,hq,hkv,keys", [(1, 1, 4, 2, 256), (3, 16, 4, 2, 96), (2, 5, 8, 1, 64), (1, 7, 6, 6, 33)])
-def test_matmul_form_equals_sdpa(monkeypatch, b, t, hq, hkv, keys):
+def test_matmul_form_equals_sdpa(b, t, hq, hkv, keys):
     g = torch.Generator().manual_seed(b * 100 + t)
     d = 24
     q = torch.randn(b, t, hq, d, generator=g)
@@ -31,16 +38,15 @@ def test_matmul_form_equals_sdpa(monkeypatch, b, t, hq, hkv, keys):
     gm = group_mask(mask, hq // hkv)
     out = {}
     for impl in ("sdpa", "matmul"):
-        monkeypatch.setattr(attention, "FORCE_IMPL", impl)
-        out[impl] = grouped_sdpa(q, k, v, gm, d ** -0.5)
+        out[impl] = grouped_sdpa(q, k, v, gm, d ** -0.5, impl)
     assert out["matmul"].shape == (b, t, hq * d)
     torch.testing.assert_close(out["matmul"], out["sdpa"], rtol=1e-5, atol=1e-5)
 
 
 def test_the_choice_follows_the_score_size():
-    assert attention.FORCE_IMPL is None
     q = torch.zeros(1, 16, 4, 8)
     assert not attention.use_matmul(q, 4096)  # never on a CPU unless forced
+    assert attention.use_matmul(q, 4096, "matmul") and not attention.use_matmul(q, 1, "sdpa")
     if torch.cuda.is_available():  # pragma: no cover (GPU machines)
         assert attention.use_matmul(q.cuda(), 4096) and not attention.use_matmul(q.cuda(), 1 << 20)
 
@@ -50,5 +56,10 @@ def test_target_matches_hf_with_matmul_attention(force_matmul, make_checkpoint, 
     target_parity.test_prefill_and_decode_logits_match_hf(make_checkpoint, name, 16)
 
 
-def test_dflash_matches_reference_with_matmul_attention(force_matmul, dflash_pair, dflash_engine):  # noqa: F811
-    dflash_parity.test_generate_matches_reference_dflash_generate(dflash_pair, dflash_engine, 16)
+def test_dflash_matches_reference_with_matmul_attention(dflash_pair, dflash_engine):  # noqa: F811
+    """The target and the drafter (DraftRunner passes runner.config.attention_impl on) both forced."""
+    eng = dflash_engine
+    runner = ModelRunner(eng.target, num_blocks=1024, block_size=KV_BLOCK, taps=tuple(eng.drafter.cfg.target_layer_ids),
+                         config=MATMUL)
+    dflash_parity.test_generate_matches_reference_dflash_generate(dflash_pair, Engine(dflash_pair, eng.target,
+                                                                                     eng.drafter, runner), 16)

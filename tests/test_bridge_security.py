@@ -43,6 +43,7 @@ from flashpd.kv_bridge.server import serve
 from flashpd.kv_bridge.store import MemoryStore
 from flashpd.kv_bridge.tls import BridgeTls
 from flashpd.kv_bridge.wire import PROTOCOL_VERSION, Assembler, FrameError, split_frames
+from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
 
@@ -64,7 +65,7 @@ def setup(dflash_pair):  # noqa: F811
     g = torch.Generator().manual_seed(1919)
     prompts = [torch.randint(0, 126, (int(n),), generator=g).tolist()
                for n in torch.randint(140, 200, (N_PROMPTS,), generator=g)]
-    cold = gen_for(target, drafter).generate(prompts, [PARAMS] * N_PROMPTS)
+    cold = generate(gen_for(target, drafter), prompts, [PARAMS] * N_PROMPTS)
     layout = ChunkLayout.of_caches(*caches(gen_for(target, drafter)), CHUNK, fp)
     return dict(target=target, drafter=drafter, fp=fp, prompts=prompts, cold=cold, layout=layout)
 
@@ -80,7 +81,7 @@ def caches(gen: DFlashGenerator) -> tuple[torch.Tensor, torch.Tensor]:
 def run_and_compare(setup, store, idx: list[int]) -> PrefixCache:
     """Requests for prompts[idx] through a PrefixCache on `store`: tokens and acceptance equal cold."""
     pc = PrefixCache(store, setup["fp"], CHUNK)
-    seqs = gen_for(setup["target"], setup["drafter"]).generate([setup["prompts"][i] for i in idx],
+    seqs = generate(gen_for(setup["target"], setup["drafter"]), [setup["prompts"][i] for i in idx],
                                                                [PARAMS] * len(idx), prefix_cache=pc)
     for i, s in zip(idx, seqs):
         cold = setup["cold"][i]

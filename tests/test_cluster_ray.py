@@ -26,6 +26,7 @@ from tests._cluster_helpers import (N_PROMPTS, colocated_reference, dflash_pair,
 
 ray = pytest.importorskip("ray")
 from flashpd.cluster.ray_launcher import RayLauncher  # noqa: E402  (needs ray)
+from flashpd.engine.scheduler import generate
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +204,7 @@ def test_decode_actor_killed_fails_or_retries_its_requests_and_the_service_keeps
     drafter = load_drafter(dflash_pair.draft_dir, target)
     solo = DFlashGenerator(ModelRunner(target, 256, 16, taps=tuple(drafter.cfg.target_layer_ids)), drafter, ())
     pa, pc = list(range(5, 70)), list(range(40, 100))
-    ref = {id(p): solo.generate([p], [SamplingParams(max_tokens=400, ignore_eos=True)])[0] for p in (pa, pc)}
+    ref = {id(p): generate(solo, [p], [SamplingParams(max_tokens=400, ignore_eos=True)])[0] for p in (pa, pc)}
 
     a = _Streamer(svc.address, pa, max_tokens=400, method="dflash", ignore_eos=True)
     wait_until(lambda: len(a.tokens) >= 5, "request A to stream")

@@ -22,6 +22,7 @@ from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.server import serve
 from flashpd.kv_bridge.store import MemoryStore
 from flashpd.prefill_node.worker import PrefillWorker
+from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
 
@@ -44,7 +45,7 @@ def _solo(pair, prompt, params, method):
     target, drafter, taps = pair
     runner = ModelRunner(target, 256, 16, taps=taps)
     gen = DFlashGenerator(runner, drafter, ()) if method == "dflash" else NativeGenerator(runner)
-    s = gen.generate([prompt], [params])[0]
+    s = generate(gen, [prompt], [params])[0]
     return s.output, s.stats.acceptance_lengths
 
 

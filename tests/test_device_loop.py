@@ -12,9 +12,10 @@ import torch
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair, reference_generate  # noqa: F401  (session fixture)
 
@@ -27,11 +28,12 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 def _run(pair, prompts, params, on_device: bool, graphs: bool, spec: bool, stop_ids=(), step_width: int = 1):
     target = load_target(pair.target_dir)
     drafter = load_drafter(pair.draft_dir, target)
-    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=graphs, compile=False)
+    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(cuda_graphs=graphs, compile=False))
     gen = DFlashGenerator(runner, drafter, stop_ids, 16) if spec else \
         NativeGenerator(runner, stop_ids, step_width=step_width)
     gen.device_loop = on_device
-    seqs = gen.generate(prompts, params)
+    seqs = generate(gen, prompts, params)
     runs = gen._loop.runs if gen._loop is not None else 0
     assert runs == (1 if on_device else 0), "the loop asked for was not the one that ran"
     assert runner.allocator.num_free == runner.allocator.num_blocks - 1, "blocks leaked"
@@ -59,10 +61,11 @@ def test_native_at_the_verify_shapes_gives_the_same_tokens(dflash_pair):  # noqa
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 12, 7)]
     got = _run(dflash_pair, prompts, params, True, True, False, step_width=16)
     assert got == _run(dflash_pair, prompts, params, True, True, False)
-    runner = ModelRunner(load_target(dflash_pair.target_dir), 512, 16, cuda_graphs=True, compile=False)
+    runner = ModelRunner(load_target(dflash_pair.target_dir), 512, 16,
+                         config=RunnerConfig(cuda_graphs=True, compile=False))
     widths, forward = [], runner.model_step
     runner.model_step = lambda ids, *a, **k: (widths.append(ids.shape[1]), forward(ids, *a, **k))[1]
-    NativeGenerator(runner, step_width=16).generate(prompts[:1], params[1:2])
+    generate(NativeGenerator(runner, step_width=16), prompts[:1], params[1:2])
     assert widths.count(16) == 11, "the device loop's steps did not run at the verify's width"
     with pytest.raises(ValueError, match="step_width"):
         NativeGenerator(None, step_width=0)
@@ -96,9 +99,9 @@ def test_device_loop_matches_reference_dflash(dflash_pair):  # noqa: F811
 def test_sampled_rows_keep_the_stepwise_loop(dflash_pair):  # noqa: F811
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
-    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), compile=False)
+    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), config=RunnerConfig(compile=False))
     gen = DFlashGenerator(runner, drafter, (), 16)
-    gen.generate(_prompts(2, 3), [SamplingParams(max_tokens=8, ignore_eos=True),
+    generate(gen, _prompts(2, 3), [SamplingParams(max_tokens=8, ignore_eos=True),
                                   SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)])
     assert gen._loop is None or gen._loop.runs == 0
 
@@ -106,22 +109,24 @@ def test_sampled_rows_keep_the_stepwise_loop(dflash_pair):  # noqa: F811
 @pytest.mark.parametrize("spec", [True, False], ids=["dflash", "native"])
 def test_the_first_step_is_queued_behind_the_prefill(dflash_pair, spec):  # noqa: F811
     """`generate` starts the device loop from the prefill's first tokens while they are still on the
-    device (NativeGenerator.start): the same tokens, finish reasons and acceptance as the sequential start
+    device (the scheduler's DeviceLoop.begin_after_prefill): the same tokens, finish reasons and acceptance as the sequential start
     (prefill, commit, then the loop), with a row whose first token is a stop token, and the time to first
     token recorded. A batch with a one-token request keeps the sequential start."""
     prompts = _prompts(4, 33)
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
-    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True, compile=False)
+    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(cuda_graphs=True, compile=False))
     starts = []
 
     def run(params, stops, overlap):
         gen = DFlashGenerator(runner, drafter, stops, 16) if spec else NativeGenerator(runner, stops)
-        start = gen.start
-        gen.start = lambda seqs: (starts.append(len(seqs)), start(seqs))
+        loop = gen.loop()
+        begin = loop.begin_after_prefill
+        loop.begin_after_prefill = lambda seqs, first: (starts.append(len(seqs)), begin(seqs, first))[1]
         if not overlap:
             gen.overlaps_start = lambda seqs: False
-        seqs = gen.generate(prompts, params)
+        seqs = generate(gen, prompts, params)
         assert gen._loop.runs == 1
         assert all(s.stats.ttft_ms is not None and s.stats.ttft_ms <= s.stats.latency_ms for s in seqs)
         return [(s.output, s.finish_reason, s.stats.acceptance_lengths) for s in seqs]
@@ -146,14 +151,15 @@ def test_native_requests_launch_no_step_past_their_end(dflash_pair):  # noqa: F8
     flight is likely to end it, so it may launch one step past the end there."""
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
-    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=False, compile=False)
+    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(cuda_graphs=False, compile=False))
     prompts = _prompts(3, 5)
     for spec in (False, True):
         gen = DFlashGenerator(runner, drafter, (), 16) if spec else NativeGenerator(runner)
         wasted = []
         for n in (2, 9, 40):  # n = 2: the prefill's token, then one step that surely ends each row
             before = gen._loop.wasted_steps if gen._loop is not None else 0
-            gen.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True)] * 3)
+            generate(gen, prompts, [SamplingParams(max_tokens=n, ignore_eos=True)] * 3)
             wasted.append(gen._loop.wasted_steps - before)
         assert gen._loop.runs == 3
         assert wasted[0] == 0
@@ -167,7 +173,6 @@ def test_compiled_step_functions_trace_whole_and_give_the_eager_tokens(dflash_pa
     here (fullgraph, so a graph break fails) and runs the traced ops without code generation."""
     import torch._dynamo  # noqa: PLC0415
 
-    monkeypatch.setattr(ModelRunner, "COMPILE_BACKEND", "aot_eager")
     torch._dynamo.reset()
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
@@ -175,12 +180,12 @@ def test_compiled_step_functions_trace_whole_and_give_the_eager_tokens(dflash_pa
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (23, 30)]
     got = {}
     for comp in (True, False):
-        runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=False,
-                             compile=comp)
+        runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                             config=RunnerConfig(cuda_graphs=False, compile=comp, compile_backend="aot_eager"))
         spec, native = DFlashGenerator(runner, drafter, (), 16), NativeGenerator(runner)
         before = sum(torch._dynamo.utils.counters["stats"].values())
-        out = [(s.output, s.stats.acceptance_lengths) for s in spec.generate(prompts, params)]
-        out += [(s.output, None) for s in native.generate(prompts, params)]
+        out = [(s.output, s.stats.acceptance_lengths) for s in generate(spec, prompts, params)]
+        out += [(s.output, None) for s in generate(native, prompts, params)]
         got[comp] = out
         if comp:
             assert spec._loop.runs == 1 and native._loop.runs == 1
@@ -198,7 +203,6 @@ def test_compiled_layers_trace_prompts_of_many_lengths(dflash_pair, monkeypatch)
     and chunked ones (the later chunks attend through the cache and the mask) give the eager tokens."""
     import torch._dynamo  # noqa: PLC0415
 
-    monkeypatch.setattr(ModelRunner, "COMPILE_BACKEND", "aot_eager")
     torch._dynamo.reset()
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
@@ -208,11 +212,12 @@ def test_compiled_layers_trace_prompts_of_many_lengths(dflash_pair, monkeypatch)
     got = {}
     for comp in (True, False):
         # the graph path (on a CPU its functions run directly): prefills padded to 64 and 128 columns
-        runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True,
-                             compile=comp)
-        runner.prefill_chunk = 128  # the 150-token prompt: a fresh chunk of 128, then 22 through the mask
+        # prefill_chunk: the 150-token prompt is a fresh chunk of 128, then 22 through the mask
+        runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                             config=RunnerConfig(cuda_graphs=True, compile=comp, compile_backend="aot_eager",
+                                                 prefill_chunk=128))
         spec, native = DFlashGenerator(runner, drafter, (), 16), NativeGenerator(runner)
-        got[comp] = [s.output for p in prompts for s in spec.generate([p], params)]
-        got[comp] += [s.output for p in prompts for s in native.generate([p], params)]
+        got[comp] = [s.output for p in prompts for s in generate(spec, [p], params)]
+        got[comp] += [s.output for p in prompts for s in generate(native, [p], params)]
     assert got[True] == got[False]
     torch._dynamo.reset()

@@ -20,7 +20,7 @@ from flashpd.llm import LLM  # (not `from flashpd import LLM`: see the report on
 from flashpd.cli import main as cli_main
 from flashpd.engine.config import CheckpointError
 from flashpd.engine.drafter import DFlashConfig, DrafterMismatch, default_target_layer_ids, load_drafter
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.spec_decode import DFlashGenerator
 
 
@@ -96,7 +96,8 @@ def test_missing_mask_token_is_refused(dflash_pair, dflash_engine, tmp_path):
 
 
 def test_runner_taps_must_match_drafter(dflash_engine):
-    runner = ModelRunner(dflash_engine.target, num_blocks=8, block_size=16, taps=(0, 1, 2), cuda_graphs=False)
+    runner = ModelRunner(dflash_engine.target, num_blocks=8, block_size=16, taps=(0, 1, 2),
+                         config=RunnerConfig(cuda_graphs=False))
     with pytest.raises(ValueError, match="target_layer_ids"):
         DFlashGenerator(runner, dflash_engine.drafter)
 

@@ -13,6 +13,7 @@ import torch
 from _dflash_helpers import (  # noqa: F401  (fixtures are used by name)
     Engine, dflash_engine, dflash_pair, greedy, oracle_acceptance, oracle_override, run_checked)
 from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.scheduler import generate
 
 WIDTHS = [2, 4, 8, 12, 16]
 LENGTHS = [1, 2, 3, 5, 8, 13, 16, 17, 31, 47, 64, 97, 128, 150, 201, 256, 300, 377, 450, 500]
@@ -221,7 +222,7 @@ def test_generator_refuses_bad_block_sizes(dflash_engine):
     with pytest.raises(ValueError, match="block_size"):
         dflash_engine.dflash(block_size=17)
     with pytest.raises(ValueError, match="block_size"):
-        dflash_engine.dflash().generate([[1, 2, 3]], [SamplingParams(max_tokens=4)], block_sizes=[1])
+        generate(dflash_engine.dflash(), [[1, 2, 3]], [SamplingParams(max_tokens=4)], block_sizes=[1])
 
 
 def test_stop_at_first_token_for_one_row_of_a_batch(dflash_engine, exact_set):

@@ -17,7 +17,7 @@ from _dflash_helpers import (  # noqa: F401  (fixtures are used by name)
     target_features)
 from conftest import assert_fp32_close
 from flashpd.engine.drafter import load_drafter
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sequence import Sequence
 
 
@@ -229,7 +229,8 @@ def test_exotic_drafter_draft_logits_and_generation_match_reference(exotic_pair,
     drafter = load_drafter(pair.draft_dir, dflash_engine.target)
     assert drafter.cfg.target_layer_ids == (4, 1) and drafter.cfg.head_dim == 32
     assert drafter.rotary is not dflash_engine.target.rotary
-    runner = ModelRunner(dflash_engine.target, num_blocks=256, block_size=16, taps=(4, 1), cuda_graphs=False)
+    runner = ModelRunner(dflash_engine.target, num_blocks=256, block_size=16, taps=(4, 1),
+                         config=RunnerConfig(cuda_graphs=False))
     eng = Engine(pair, dflash_engine.target, drafter, runner)
     # the features flashpd conditions on, in the drafter's tap order [4, 1], from a prefill and from a
     # verify-shaped forward (block of 6 tokens after the prompt)

@@ -19,7 +19,7 @@ from flashpd.engine import spec_decode
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams, draw
 from flashpd.engine.spec_decode import DFlashGenerator, rejection_sample
 
@@ -63,7 +63,7 @@ def tiny(tmp_path_factory):
     target = load_target(d / "target")
     drafter = load_drafter(d / "drafter", target)
     runner = ModelRunner(target, num_blocks=2 * N_SAMPLES + 8, block_size=16,
-                         taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=False)
+                         taps=tuple(drafter.cfg.target_layer_ids), config=RunnerConfig(cuda_graphs=False))
     return {"hf": hf, "target": target, "drafter": drafter, "runner": runner, "dir": d}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashpd.decode_node.scheduler import Scheduler
+from flashpd.engine.scheduler import generate, Scheduler
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
@@ -28,7 +28,7 @@ def test_disaggregated_prefill_and_decode_equal_colocated(dflash_pair):  # noqa:
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(0, 126, (int(n),), generator=g).tolist() for n in torch.randint(130, 400, (10,), generator=g)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    colocated = DFlashGenerator(ModelRunner(target, 1024, 16, taps=taps), drafter, ()).generate(prompts, [params] * 10)
+    colocated = generate(DFlashGenerator(ModelRunner(target, 1024, 16, taps=taps), drafter, ()), prompts, [params] * 10)
 
     server, port = serve(MemoryStore(1 << 30))
     try:
@@ -57,11 +57,11 @@ def test_forced_first_token_is_committed_and_decoding_continues_from_it(dflash_p
     target = load_target(dflash_pair.target_dir)
     prompt = list(range(3, 60))
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    own = NativeGenerator(ModelRunner(target, 64, 16)).generate([prompt], [params])[0].output
+    own = generate(NativeGenerator(ModelRunner(target, 64, 16)), [prompt], [params])[0].output
     forced = (own[0] + 1) % 120
     sched = Scheduler(ModelRunner(target, 64, 16))
     r = sched.add(prompt, params, "native", first_token=forced)
     sched.run_until_idle()
-    cont = NativeGenerator(ModelRunner(target, 64, 16)).generate([prompt + [forced]], [SamplingParams(
+    cont = generate(NativeGenerator(ModelRunner(target, 64, 16)), [prompt + [forced]], [SamplingParams(
         max_tokens=11, ignore_eos=True)])[0].output
     assert r.seq.output == [forced] + cont

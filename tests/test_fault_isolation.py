@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flashpd.decode_node.engine_loop import EngineLoop
-from flashpd.decode_node.scheduler import RequestFailed, Scheduler
+from flashpd.engine.scheduler import generate, RequestFailed, Scheduler
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
@@ -48,7 +48,7 @@ def _runner(target, drafter, blocks: int = BLOCKS) -> ModelRunner:
 def _solo(target, drafter, prompt, params, method):
     runner = _runner(target, drafter, 256)
     gen = DFlashGenerator(runner, drafter, ()) if method == "dflash" else NativeGenerator(runner)
-    s = gen.generate([prompt], [params])[0]
+    s = generate(gen, [prompt], [params])[0]
     return s.output, s.stats.acceptance_lengths
 
 

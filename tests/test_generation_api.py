@@ -24,6 +24,7 @@ from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
 from tests._cluster_helpers import stream_chunks
@@ -88,7 +89,7 @@ def solo(pair):
     gens = {"native": NativeGenerator(runner), "dflash": DFlashGenerator(runner, drafter, ())}
 
     def run(prompt, max_tokens, method):
-        s = gens[method].generate([prompt], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])[0]
+        s = generate(gens[method], [prompt], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])[0]
         return s.output, s.stats.acceptance_lengths
     return run
 

@@ -8,9 +8,10 @@ from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.loader import load_target
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
 
@@ -28,9 +29,9 @@ def test_padded_graph_path_equals_plain_path(dflash_pair):  # noqa: F811
     params = [SamplingParams(max_tokens=37, ignore_eos=True)] * 5
     outs = {}
     for graphs in (False, True):
-        runner = ModelRunner(target, 512, 16, taps=taps, cuda_graphs=graphs, compile=False)
-        spec = DFlashGenerator(runner, drafter, (), 16).generate(prompts, params, block_sizes=[16, 4, 8, 16, 2])
-        native = NativeGenerator(runner).generate(prompts, params)
+        runner = ModelRunner(target, 512, 16, taps=taps, config=RunnerConfig(cuda_graphs=graphs, compile=False))
+        spec = generate(DFlashGenerator(runner, drafter, (), 16), prompts, params, block_sizes=[16, 4, 8, 16, 2])
+        native = generate(NativeGenerator(runner), prompts, params)
         outs[graphs] = ([s.output for s in spec], [s.stats.acceptance_lengths for s in spec], [s.output for s in native])
     assert outs[True] == outs[False]
     assert outs[True][0] == outs[True][2]  # and DFlash equals native on the padded path too
@@ -46,14 +47,15 @@ def test_fused_greedy_step_equals_host_round_trip(dflash_pair):  # noqa: F811
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 23, 31)]  # widths differ near the ends
     results, calls, shapes = {}, {}, {}
     for fused in (True, False):
-        runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True, compile=False)
+        runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                             config=RunnerConfig(cuda_graphs=True, compile=False))
         gen = DFlashGenerator(runner, drafter, (), 16)
         gen.device_loop = False  # the stepwise loop (a serving batch's), whose steps fuse here
         if not fused:
             gen._fused_width = lambda seqs, widths: 0
         graph, seen = gen.fused._graph, shapes.setdefault(fused, set())  # the graphed path, run eagerly here
         graph.fn = lambda *a, fn=graph.fn, seen=seen, **kw: seen.add(kw["t"]) or fn(*a, **kw)
-        seqs = gen.generate(prompts, params)
+        seqs = generate(gen, prompts, params)
         results[fused] = ([s.output for s in seqs], [s.stats.acceptance_lengths for s in seqs])
         calls[fused] = (gen.fused.calls, max(len(s.stats.acceptance_lengths) for s in seqs))
     assert results[True] == results[False]
@@ -75,7 +77,7 @@ def test_short_prefill_replays_a_padded_graph(dflash_pair):  # noqa: F811
     heads = [p[:len(p) // 3] for p in prompts]  # cached before the tail, as after a prefix hit
     got = {}
     for graphs in (False, True):
-        runner = ModelRunner(target, 512, 16, taps=taps, cuda_graphs=graphs, compile=False)
+        runner = ModelRunner(target, 512, 16, taps=taps, config=RunnerConfig(cuda_graphs=graphs, compile=False))
         tables = [BlockTable() for _ in prompts]
         for tb, p in zip(tables, prompts):
             runner.allocator.ensure(tb, len(p))
@@ -99,10 +101,10 @@ def test_long_prompt_prefills_in_graph_width_chunks_with_the_one_forward_result(
     taps = tuple(drafter.cfg.target_layer_ids)
     prompt = _prompts(1, 11)[0] * 3  # well past the chunk width
     assert len(prompt) > 150
-    plain = ModelRunner(target, 512, 16, taps=taps, cuda_graphs=False, compile=False)
-    chunked = ModelRunner(target, 512, 16, taps=taps, cuda_graphs=True, compile=False)
+    plain = ModelRunner(target, 512, 16, taps=taps, config=RunnerConfig(cuda_graphs=False, compile=False))
+    chunked = ModelRunner(target, 512, 16, taps=taps, config=RunnerConfig(cuda_graphs=True, compile=False))
     assert plain.prefill_chunk is None and chunked.prefill_chunk == 1024
-    chunked.prefill_chunk = 64
+    chunked.reconfigure(prefill_chunk=64)
     calls = []
     real = chunked._chunked
     chunked._chunked = lambda *a: calls.append(len(a[1])) or real(*a)
@@ -124,8 +126,8 @@ def test_long_prompt_prefills_in_graph_width_chunks_with_the_one_forward_result(
     params = [SamplingParams(max_tokens=30, ignore_eos=True)] * 3
     res = {}
     for name, runner in (("plain", plain), ("chunked", chunked)):
-        spec = DFlashGenerator(runner, drafter, (), 16).generate(prompts, params)
-        native = NativeGenerator(runner).generate(prompts, params)
+        spec = generate(DFlashGenerator(runner, drafter, (), 16), prompts, params)
+        native = generate(NativeGenerator(runner), prompts, params)
         res[name] = ([s.output for s in spec], [s.stats.acceptance_lengths for s in spec], [s.output for s in native])
     assert calls == [len(prompt)] * 3  # the forward above, then DFlash's and native's prefill
     assert res["chunked"] == res["plain"] and res["chunked"][0] == res["chunked"][2]
@@ -137,7 +139,8 @@ def test_fresh_prefill_attends_causally_like_the_cache_path(dflash_pair):  # noq
     under the position mask, for right-padded rows of different lengths; a prefix hit keeps the mask path."""
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
-    runner = ModelRunner(target, 256, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=True, compile=False)
+    runner = ModelRunner(target, 256, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(cuda_graphs=True, compile=False))
     prompts = _prompts(3, 11)
     outs, seen = {}, []
     step = runner.model_step
@@ -187,8 +190,8 @@ def test_prefill_writes_the_draft_context_inside_its_forwards(dflash_pair):  # n
     for graphs, chunk, prompts in cases:
         caches = []
         for fused in (False, True):
-            runner = ModelRunner(target, 256, 16, taps=taps, cuda_graphs=graphs, compile=False)
-            runner.prefill_chunk = chunk
+            runner = ModelRunner(target, 256, 16, taps=taps,
+                                 config=RunnerConfig(cuda_graphs=graphs, compile=False, prefill_chunk=chunk))
             gen = DFlashGenerator(runner, drafter, (), 16)
             sinks: list[bool] = []  # per graphed forward, whether it carried the sink (graphs run eagerly here)
             graph = runner._graph

@@ -23,6 +23,7 @@ from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.scheduler import generate
 from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.kv_bridge.auth import ClusterSecret
 from flashpd.kv_bridge.handoff import CacheExporter, CacheImporter, Handoff, HandoffError
@@ -73,7 +74,7 @@ def _cold(target, drafter, prompt, params, method):
     """A colocated run from scratch: the oracle of every handoff."""
     runner = _runner(target, drafter)
     gen = DFlashGenerator(runner, drafter, ()) if method == "dflash" else NativeGenerator(runner)
-    s = gen.generate([prompt], [params])[0]
+    s = generate(gen, [prompt], [params])[0]
     return s.output, s.stats.acceptance_lengths
 
 

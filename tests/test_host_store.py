@@ -15,6 +15,7 @@ from flashpd.kv_bridge.host_store import HostStore
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.store import MemoryStore
+from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
 
@@ -197,10 +198,10 @@ def test_prefix_hit_through_the_host_tier_equals_a_cold_run(dflash_pair):  # noq
     gen = spec_gen(target, drafter)
     lay = ChunkLayout.of_caches(gen.runner.cache.data, gen.drafts.cache.data, chunk_tokens, fp)
     store = HostStore(64 << 20, "cpu", slot_bytes=lay.payload_bytes())
-    cold = gen.generate(prompts, params, prefix_cache=PrefixCache(store, fp, chunk_tokens))
+    cold = generate(gen, prompts, params, prefix_cache=PrefixCache(store, fp, chunk_tokens))
     assert store.stats()["entries"] == sum(len(p) // chunk_tokens for p in prompts)
     pc = PrefixCache(store, fp, chunk_tokens)
-    hit = spec_gen(target, drafter).generate(prompts, params, prefix_cache=pc)
+    hit = generate(spec_gen(target, drafter), prompts, params, prefix_cache=pc)
     assert pc.stats.per_request_hits == [((len(p) - 1) // chunk_tokens) * chunk_tokens for p in prompts]
     assert pc.stats.refused_chunks == 0
     for a, b in zip(cold, hit):

@@ -396,7 +396,7 @@ class _FakeBackend:
 
     def submit(self, prompt, params, method, block_size, timeout_s, first_token=None):
         from flashpd.decode_node.engine_loop import EngineStopped, Event
-        from flashpd.decode_node.scheduler import PromptTooLong, RequestFailed
+        from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 
         fail = {1: EngineStopped("no decode worker is available"), 2: TimeoutError("took too long"),
                 3: PromptTooLong("needs 9 KV blocks; a worker has 4")}

@@ -15,7 +15,7 @@ from conftest import assert_fp32_close, build_hf_model, hf_logits, new_runner, r
 from flashpd.engine.config import CheckpointError, Qwen3Config, builtin_config_path, load_config
 from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.loader import dummy_target, load_target
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 
 SPEC = dict(tie=False, layers=2, heads=4, kv_heads=2, hidden=64, head_dim=24, intermediate=96)
 
@@ -355,7 +355,7 @@ TINY_DICT = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_s
 
 
 def _dummy_logits(model, tokens):
-    runner = ModelRunner(model, num_blocks=8, block_size=16, cuda_graphs=False)
+    runner = ModelRunner(model, num_blocks=8, block_size=16, config=RunnerConfig(cuda_graphs=False))
     t = BlockTable()
     runner.allocator.ensure(t, len(tokens))
     return runner.forward([t], [tokens], want_logits="all").logits[0]

@@ -14,6 +14,7 @@ from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.kv_bridge.chunk import KVChunk
 from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys, weights_identity
 from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
 
@@ -60,11 +61,11 @@ PARAMS = [SamplingParams(max_tokens=40, ignore_eos=True)]
 def test_hit_gives_same_tokens_and_acceptance_as_cold(setup):
     target, drafter, fp, prompts = setup
     store = DictStore()
-    cold = spec_gen(target, drafter).generate(prompts, PARAMS * len(prompts), prefix_cache=PrefixCache(store, fp, CHUNK))
+    cold = generate(spec_gen(target, drafter), prompts, PARAMS * len(prompts), prefix_cache=PrefixCache(store, fp, CHUNK))
     assert len(store.d) == sum(len(p) // CHUNK for p in prompts)
     assert all(c.draft_kv is not None for c in store.d.values())  # both halves, always
     pc = PrefixCache(store, fp, CHUNK)
-    hit = spec_gen(target, drafter).generate(prompts, PARAMS * len(prompts), prefix_cache=pc)
+    hit = generate(spec_gen(target, drafter), prompts, PARAMS * len(prompts), prefix_cache=pc)
     assert pc.stats.per_request_hits == [((len(p) - 1) // CHUNK) * CHUNK for p in prompts]
     assert min(pc.stats.per_request_hits) >= 256
     for a, b in zip(cold, hit):
@@ -76,9 +77,9 @@ def test_hit_gives_same_tokens_and_acceptance_as_cold(setup):
 def test_hit_in_the_same_worker_reuses_freed_blocks(setup):
     target, drafter, fp, prompts = setup
     gen, store = spec_gen(target, drafter), DictStore()
-    cold = gen.generate(prompts[:8], PARAMS * 8, prefix_cache=PrefixCache(store, fp, CHUNK))
+    cold = generate(gen, prompts[:8], PARAMS * 8, prefix_cache=PrefixCache(store, fp, CHUNK))
     free = gen.runner.allocator.num_free
-    hit = gen.generate(prompts[:8], PARAMS * 8, prefix_cache=PrefixCache(store, fp, CHUNK))
+    hit = generate(gen, prompts[:8], PARAMS * 8, prefix_cache=PrefixCache(store, fp, CHUNK))
     assert gen.runner.allocator.num_free == free
     assert [s.output for s in cold] == [s.output for s in hit]
     assert [s.stats.acceptance_lengths for s in cold] == [s.stats.acceptance_lengths for s in hit]
@@ -87,10 +88,10 @@ def test_hit_in_the_same_worker_reuses_freed_blocks(setup):
 def test_other_fingerprint_is_a_miss_never_a_hit(setup):
     target, drafter, fp, prompts = setup
     store = DictStore()
-    spec_gen(target, drafter).generate(prompts[:3], PARAMS * 3, prefix_cache=PrefixCache(store, fp, CHUNK))
+    generate(spec_gen(target, drafter), prompts[:3], PARAMS * 3, prefix_cache=PrefixCache(store, fp, CHUNK))
     other = MethodFingerprint("other-target", "d", tuple(drafter.cfg.target_layer_ids), "float32").digest()
     pc = PrefixCache(store, other, CHUNK)
-    spec_gen(target, drafter).generate(prompts[:3], PARAMS * 3, prefix_cache=pc)
+    generate(spec_gen(target, drafter), prompts[:3], PARAMS * 3, prefix_cache=pc)
     assert pc.stats.hit_tokens == 0
     assert chunk_keys(prompts[0], CHUNK, fp)[0] != chunk_keys(prompts[0], CHUNK, other)[0]
 
@@ -98,13 +99,13 @@ def test_other_fingerprint_is_a_miss_never_a_hit(setup):
 def test_a_chunk_whose_tokens_disagree_is_refused_and_recomputed(setup):
     target, drafter, fp, prompts = setup
     store = DictStore()
-    cold = spec_gen(target, drafter).generate(prompts[:2], PARAMS * 2, prefix_cache=PrefixCache(store, fp, CHUNK))
+    cold = generate(spec_gen(target, drafter), prompts[:2], PARAMS * 2, prefix_cache=PrefixCache(store, fp, CHUNK))
     key = chunk_keys(prompts[0], CHUNK, fp)[1]
     bad = store.d[key]
     store.d[key] = KVChunk(bad.key, bad.parent, bad.fingerprint, [t + 1 for t in bad.token_ids], bad.target_kv,
                            bad.draft_kv)
     pc = PrefixCache(store, fp, CHUNK)
-    again = spec_gen(target, drafter).generate(prompts[:2], PARAMS * 2, prefix_cache=pc)
+    again = generate(spec_gen(target, drafter), prompts[:2], PARAMS * 2, prefix_cache=pc)
     assert pc.stats.refused_chunks == 1 and pc.stats.per_request_hits[0] == CHUNK
     assert [s.output for s in again] == [s.output for s in cold]
     assert [s.stats.acceptance_lengths for s in again] == [s.stats.acceptance_lengths for s in cold]
@@ -115,10 +116,10 @@ def test_native_prefix_cache_stores_target_kv_only_and_is_exact(setup):
     fp = MethodFingerprint("t", "none", (), "float32").digest()
     store = DictStore()
     gen = NativeGenerator(ModelRunner(target, 2048, 16))
-    cold = gen.generate(prompts[:4], PARAMS * 4, prefix_cache=PrefixCache(store, fp, CHUNK))
+    cold = generate(gen, prompts[:4], PARAMS * 4, prefix_cache=PrefixCache(store, fp, CHUNK))
     assert all(c.draft_kv is None for c in store.d.values())
     pc = PrefixCache(store, fp, CHUNK)
-    hit = gen.generate(prompts[:4], PARAMS * 4, prefix_cache=pc)
+    hit = generate(gen, prompts[:4], PARAMS * 4, prefix_cache=pc)
     assert pc.stats.hit_tokens > 0 and [s.output for s in hit] == [s.output for s in cold]
 
 
@@ -126,18 +127,18 @@ def test_target_only_control_keeps_tokens_exact(setup):
     """The control restores target KV only: the output stays exact (every token is the target's)."""
     target, drafter, fp, prompts = setup
     store = DictStore()
-    cold = spec_gen(target, drafter).generate(prompts[:6], PARAMS * 6, prefix_cache=PrefixCache(store, fp, CHUNK))
+    cold = generate(spec_gen(target, drafter), prompts[:6], PARAMS * 6, prefix_cache=PrefixCache(store, fp, CHUNK))
     pc = PrefixCache(store, fp, CHUNK, restore_draft=False)
-    ctl = spec_gen(target, drafter).generate(prompts[:6], PARAMS * 6, prefix_cache=pc)
+    ctl = generate(spec_gen(target, drafter), prompts[:6], PARAMS * 6, prefix_cache=pc)
     assert pc.stats.hit_tokens > 0
     assert [s.output for s in ctl] == [s.output for s in cold]
 
 
 def _cold_and_hit(setup, publish_store, hit_store_factory, n: int = 20):
     target, drafter, fp, prompts = setup
-    cold = spec_gen(target, drafter).generate(prompts[:n], PARAMS * n, prefix_cache=PrefixCache(publish_store, fp, CHUNK))
+    cold = generate(spec_gen(target, drafter), prompts[:n], PARAMS * n, prefix_cache=PrefixCache(publish_store, fp, CHUNK))
     pc = PrefixCache(hit_store_factory(), fp, CHUNK)
-    hit = spec_gen(target, drafter).generate(prompts[:n], PARAMS * n, prefix_cache=pc)
+    hit = generate(spec_gen(target, drafter), prompts[:n], PARAMS * n, prefix_cache=pc)
     assert pc.stats.per_request_hits == [((len(p) - 1) // CHUNK) * CHUNK for p in prompts[:n]]
     for a, b in zip(cold, hit):
         assert a.output == b.output and a.stats.acceptance_lengths == b.stats.acceptance_lengths
@@ -179,7 +180,7 @@ def test_hit_through_the_lmcache_backend_equals_cold(setup):
         assert s["corrupt_dropped"] == s["layout_refused"] == 0
         other = MethodFingerprint("other-target", "d", tuple(drafter.cfg.target_layer_ids), "float32").digest()
         pc = PrefixCache(store, other, CHUNK)  # another method over the same LMCache: a miss, never a hit
-        spec_gen(target, drafter).generate(prompts[:2], PARAMS * 2, prefix_cache=pc)
+        generate(spec_gen(target, drafter), prompts[:2], PARAMS * 2, prefix_cache=pc)
         assert pc.stats.hit_tokens == 0
 
 
@@ -200,7 +201,7 @@ def test_device_tier_evicts_whole_entries_and_its_backing_serves_them(setup):
     from flashpd.kv_bridge.store import MemoryStore
     target, drafter, fp, prompts = setup
     probe = DeviceStore(1 << 30, "cpu")
-    spec_gen(target, drafter).generate(prompts[:1], PARAMS, prefix_cache=PrefixCache(probe, fp, CHUNK))
+    generate(spec_gen(target, drafter), prompts[:1], PARAMS, prefix_cache=PrefixCache(probe, fp, CHUNK))
     entry = probe.stats()["bytes"] // probe.stats()["entries"]
     store = DeviceStore(3 * entry, "cpu", backing=MemoryStore(1 << 30))
     _cold_and_hit(setup, store, lambda: store)
@@ -221,14 +222,14 @@ def test_native_entries_never_shadow_the_full_entries_dflash_needs(setup):
     p = prompts[:1]
     full = ((len(p[0]) - 1) // CHUNK) * CHUNK
     pc = PrefixCache(store, fp, CHUNK)
-    first_native = native.generate(p, PARAMS, prefix_cache=pc)
+    first_native = generate(native, p, PARAMS, prefix_cache=pc)
     assert pc.stats.published_chunks == len(p[0]) // CHUNK and all(c.draft_kv is None for c in store.d.values())
-    cold = spec.generate(p, PARAMS, prefix_cache=pc)  # target-only entries are not for DFlash: a plain miss
+    cold = generate(spec, p, PARAMS, prefix_cache=pc)  # target-only entries are not for DFlash: a plain miss
     assert pc.stats.per_request_hits[-1] == 0 and pc.stats.refused_chunks == 0
-    hit = spec.generate(p, PARAMS, prefix_cache=pc)
+    hit = generate(spec, p, PARAMS, prefix_cache=pc)
     assert pc.stats.per_request_hits[-1] == full and pc.stats.refused_chunks == 0
     assert hit[0].output == cold[0].output and hit[0].stats.acceptance_lengths == cold[0].stats.acceptance_lengths
-    again = native.generate(p, PARAMS, prefix_cache=pc)
+    again = generate(native, p, PARAMS, prefix_cache=pc)
     assert pc.stats.per_request_hits[-1] == full and again[0].output == first_native[0].output == cold[0].output
 
 
@@ -251,7 +252,7 @@ def test_device_tier_over_a_real_grpc_bridge_promotes_what_it_fetches(setup):
             st = tier.stats()
             assert st["hits_backing"] == hits and st["hits_device"] == 0 and st["entries"] == hits
             pc = PrefixCache(tier, fp, CHUNK)
-            spec_gen(target, drafter).generate(prompts[:8], PARAMS * 8, prefix_cache=pc)
+            generate(spec_gen(target, drafter), prompts[:8], PARAMS * 8, prefix_cache=pc)
             assert tier.stats()["hits_device"] == hits and tier.stats()["hits_backing"] == hits
     finally:
         server.stop(grace=None).wait(10)

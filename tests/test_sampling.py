@@ -6,9 +6,9 @@ import torch
 
 from conftest import hf_greedy, hf_logits, new_runner, random_prompts
 from flashpd.engine.generate import NativeGenerator
-from flashpd.engine.kv_cache import OutOfBlocks
 from flashpd.engine.sampling import GREEDY_BELOW, SamplingParams, draw, probs_from_logits, sample
 from flashpd.engine.sequence import Sequence
+from flashpd.engine.scheduler import PromptTooLong, generate
 
 SPEC = dict(tie=False, layers=2, heads=4, kv_heads=2, hidden=64, head_dim=16, seed=30)
 
@@ -23,7 +23,7 @@ def _generate(d, prompts, params, stop_ids=(), num_blocks=96):
         params = [params] * len(prompts)
     runner = new_runner(d, num_blocks=num_blocks)
     free0 = runner.allocator.num_free
-    seqs = NativeGenerator(runner, stop_ids=stop_ids).generate(prompts, params)
+    seqs = generate(NativeGenerator(runner, stop_ids=stop_ids), prompts, params)
     assert runner.allocator.num_free == free0, "finished sequences must free their blocks"
     return seqs
 
@@ -307,7 +307,7 @@ def test_max_tokens_counts_the_first_token(ckpt, max_tokens):
     runner.forward = lambda *a, **k: calls.append(len(a[0])) or forward(*a, **k)
     gen = NativeGenerator(runner)
     gen.device_loop = False  # the stepwise loop, whose forwards are counted here (test_device_loop.py: the other)
-    seqs = gen.generate(prompts, [SamplingParams(max_tokens=max_tokens)] * 2)
+    seqs = generate(gen, prompts, [SamplingParams(max_tokens=max_tokens)] * 2)
     for s, p in zip(seqs, prompts):
         assert s.output == hf_greedy(hf, p, max_tokens)
         assert s.finish_reason == "length"
@@ -329,5 +329,16 @@ def test_generate_refuses_bad_requests(ckpt):
         _generate(d, [[]], SamplingParams())
     with pytest.raises(ValueError, match="exceeds"):   # max_pos is 1024
         _generate(d, [[1] * 1000], SamplingParams(max_tokens=64), num_blocks=128)
-    with pytest.raises(OutOfBlocks):
+    with pytest.raises(PromptTooLong, match="KV cache has 7"):  # one request that can never fit
         _generate(d, [[1] * 100], SamplingParams(max_tokens=64), num_blocks=8)
+
+
+def test_generate_queues_a_batch_larger_than_the_cache(ckpt):
+    """Requests that fit one at a time but not together wait for room (the scheduler's reserve policy) and
+    come out as each would alone."""
+    hf, d = ckpt
+    prompts = random_prompts([40, 33, 47], hf.config.vocab_size, seed=39)
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    seqs = _generate(d, prompts, sp, num_blocks=9)  # each needs 4 blocks of the 8 usable: two at a time
+    for s, p in zip(seqs, prompts):
+        assert s.output == hf_greedy(hf, p, 20)

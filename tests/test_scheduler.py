@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashpd.decode_node.scheduler import PromptTooLong, Scheduler
+from flashpd.engine.scheduler import generate, PromptTooLong, Scheduler
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
@@ -29,7 +29,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 def _solo(target, drafter, prompt, params, method):
     runner = ModelRunner(target, 256, 16, taps=tuple(drafter.cfg.target_layer_ids))
     gen = DFlashGenerator(runner, drafter, ()) if method == "dflash" else NativeGenerator(runner)
-    s = gen.generate([prompt], [params])[0]
+    s = generate(gen, [prompt], [params])[0]
     return s.output, s.stats.acceptance_lengths
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashpd.decode_node.scheduler import Scheduler
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.scheduler import Scheduler
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
@@ -20,8 +20,8 @@ def _drive(pair, overlap: bool, script, blocks: int = 512, policy: str = "reserv
     index). Returns per request (output, finish reason, acceptance, position stats, streamed) and the
     scheduler."""
     target, drafter = pair
-    runner = ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids), cuda_graphs=graphs,
-                         compile=False)
+    runner = ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(cuda_graphs=graphs, compile=False))
     sched = Scheduler(runner, drafter, stop_ids, policy=policy)
     sched.overlap = overlap
     reqs, streamed, step = [], {}, 0
@@ -105,7 +105,8 @@ def test_a_handed_back_row_returns_the_blocks_reserved_for_its_end(pair):
     target, drafter = pair
     p, q = _prompts(2, 13)
     blocks = -(-(len(p) + 400) // 16) + 8  # the lone row's whole reservation, and too little beside it
-    runner = ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids), compile=False)
+    runner = ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(compile=False))
     sched = Scheduler(runner, drafter, policy="preempt")
     first = sched.add(p, SamplingParams(max_tokens=400, ignore_eos=True), "dflash")
     for _ in range(4):

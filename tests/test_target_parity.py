@@ -12,6 +12,7 @@ from conftest import assert_fp32_close, hf_greedy, hf_logits, new_runner, random
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.scheduler import generate
 
 
 # name -> checkpoint options (conftest.TINY holds the defaults: vocab 256, hidden 64, ...).
@@ -116,7 +117,7 @@ def test_greedy_64_tokens_match_hf_generate(make_checkpoint, name, budget):
     runner = new_runner(d, num_blocks=160)
     free0 = runner.allocator.num_free
     gen = NativeGenerator(runner, stop_ids=(), prefill_token_budget=budget)
-    seqs = gen.generate(prompts, [SamplingParams(max_tokens=64, ignore_eos=True)] * len(prompts))
+    seqs = generate(gen, prompts, [SamplingParams(max_tokens=64, ignore_eos=True)] * len(prompts))
     for s, p, e in zip(seqs, prompts, expected):
         assert s.prompt == p
         assert s.output == e, f"prompt len {len(p)}: first mismatch at " \
@@ -131,13 +132,13 @@ def test_batch_size_independence(make_checkpoint):
     (q,) = random_prompts([37], vocab, seed=5)
     others = random_prompts([5, 200, 1], vocab, seed=6)
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
-    alone = NativeGenerator(new_runner(d, num_blocks=64)).generate([q], [sp])[0].output
+    alone = generate(NativeGenerator(new_runner(d, num_blocks=64)), [q], [sp])[0].output
     batch = [others[0], q, others[1], others[2]]
-    together = NativeGenerator(new_runner(d, num_blocks=96)).generate(batch, [sp] * len(batch))
+    together = generate(NativeGenerator(new_runner(d, num_blocks=96)), batch, [sp] * len(batch))
     assert together[1].output == alone
     assert alone == hf_greedy(hf, q, 48)
     # and the same prompt twice in one batch, next to different neighbours
-    twice = NativeGenerator(new_runner(d, num_blocks=96)).generate([q, others[1], q], [sp] * 3)
+    twice = generate(NativeGenerator(new_runner(d, num_blocks=96)), [q, others[1], q], [sp] * 3)
     assert twice[0].output == alone and twice[2].output == alone
 
     # logits too: the prompt's prefill logits alone vs padded inside the mixed batch

@@ -20,6 +20,7 @@ from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.training.train_drafter import (DrafterTrainConfig, block_logits, evaluate_tau, regenerate,
                                             train_drafter)
+from flashpd.engine.scheduler import generate
 
 DEMO = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
 
@@ -186,7 +187,7 @@ def test_regenerate_keeps_the_prompt_order_and_equals_greedy_decoding(tiny_targe
     runner = ModelRunner(target, 64, 16)
     ref = NativeGenerator(runner, target.cfg.eos_token_ids)
     for p, d in zip(prompts, data):
-        s = ref.generate([p], [SamplingParams(max_tokens=12)])[0]
+        s = generate(ref, [p], [SamplingParams(max_tokens=12)])[0]
         assert d == p + s.output
 
 
@@ -271,8 +272,8 @@ def test_wider_draft_mlp_starts_as_the_narrow_copy_and_decodes_exactly(tiny_targ
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (7, 19)]
     runner = ModelRunner(target, 64, 16, taps=tuple(loaded.cfg.target_layer_ids))
     params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 2
-    spec = DFlashGenerator(runner, loaded, target.cfg.eos_token_ids).generate(prompts, params)
-    native = NativeGenerator(runner, target.cfg.eos_token_ids).generate(prompts, params)
+    spec = generate(DFlashGenerator(runner, loaded, target.cfg.eos_token_ids), prompts, params)
+    native = generate(NativeGenerator(runner, target.cfg.eos_token_ids), prompts, params)
     assert [s.output for s in spec] == [n.output for n in native]
 
 
@@ -340,7 +341,7 @@ def test_shipped_demo_pair_is_exact_on_heldout_prompts():
     assert len(prompts) == 2
     native = NativeGenerator(spec.runner, spec.stop_ids)
     params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 2
-    for s, n in zip(spec.generator.generate(prompts, params), native.generate(prompts, params)):
+    for s, n in zip(generate(spec.generator, prompts, params), generate(native, prompts, params)):
         assert s.output == n.output and s.stats.tau >= 1.0
     # the pair and its tokenizer: at most 16 MB together (it travels to the GPU machine within a 64 MiB carry),
     # in two weight files

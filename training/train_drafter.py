@@ -28,10 +28,11 @@ from flashpd.engine.export import save_drafter, write_model_file, write_model_js
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.layers import rms_norm
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, mlp_residual
-from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.training.progress import bar, log_line
+from flashpd.engine.scheduler import generate
 
 
 @dataclass
@@ -119,7 +120,8 @@ def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: i
     go in batches of similar length (then back in their order): a batch's attention and padding cost
     follow its longest prompt."""
     longest = max(len(p) for p in prompts) + new_tokens
-    runner = ModelRunner(target, num_blocks=batch * (longest // 16 + 2) + 2, block_size=16, compile=False)
+    runner = ModelRunner(target, num_blocks=batch * (longest // 16 + 2) + 2, block_size=16,
+                         config=RunnerConfig(compile=False))
     # a GPU prefills a whole batch of prompts in a few forwards: with 8,192-token forwards (the serving
     # default) the demo recipe's regeneration spent much of its prefill time in Python and launches, eagerly
     # (docs/results.md; the prompts are fresh: causal SDPA, no [T, L] masks, so a wide forward costs little
@@ -129,25 +131,15 @@ def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: i
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int] | None] = [None] * len(prompts)
     t0 = time.perf_counter()
-    spent = [0.0, 0.0]  # prefill, decode (where a slow regeneration spends its time)
     progress = bar(desc="regenerate", total=len(prompts), unit="prompt")
     for i in range(0, len(prompts), batch):
         idx = order[i:i + batch]
-        t_a = time.perf_counter()
-        seqs = gen.new_sequences([prompts[k] for k in idx], [SamplingParams(max_tokens=new_tokens)] * len(idx))
-        gen.reserve(seqs)
-        gen.prefill(seqs)
-        t_b = time.perf_counter()
-        gen.run_on_device(seqs)
-        gen.drive(seqs, gen.decode_step)
-        spent[0] += t_b - t_a
-        spent[1] += time.perf_counter() - t_b
+        seqs = generate(gen, [prompts[k] for k in idx], [SamplingParams(max_tokens=new_tokens)] * len(idx))
         for k, s in zip(idx, seqs):
             out[k] = s.prompt + s.output
         progress.update(len(idx))
     progress.close()
-    log(f"regenerated {len(out)} continuations of up to {new_tokens} tokens ({time.perf_counter() - t0:.0f} s: "
-        f"prefill {spent[0]:.0f} s, decode {spent[1]:.0f} s)")
+    log(f"regenerated {len(out)} continuations of up to {new_tokens} tokens ({time.perf_counter() - t0:.0f} s)")
     return out  # type: ignore[return-value]
 
 
@@ -471,7 +463,7 @@ def evaluate_tau(target: Qwen3ForCausalLM, drafter: DFlashDrafter, prompts: list
     """Greedy DFlash on held-out prompts: per prompt tau, acceptance lengths, and exactness vs native."""
     longest = max(len(p) for p in prompts) + max_tokens + 32
     runner = ModelRunner(target, num_blocks=batch * (longest // 16 + 2) + 2, block_size=16,
-                         taps=tuple(drafter.cfg.target_layer_ids), compile=False)
+                         taps=tuple(drafter.cfg.target_layer_ids), config=RunnerConfig(compile=False))
     spec = DFlashGenerator(runner, drafter, target.cfg.eos_token_ids, block_size)
     native = NativeGenerator(runner, target.cfg.eos_token_ids)
     rows = []
@@ -479,7 +471,7 @@ def evaluate_tau(target: Qwen3ForCausalLM, drafter: DFlashDrafter, prompts: list
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(chunk)
-        for p, s, n in zip(chunk, spec.generate(chunk, params), native.generate(chunk, params)):
+        for p, s, n in zip(chunk, generate(spec, chunk, params), generate(native, chunk, params)):
             st = s.stats
             rows.append({"prompt_len": len(p), "tau": st.tau, "tau_64": tau_within(st.acceptance_lengths, 64),
                          "acceptance_lengths": st.acceptance_lengths,

@@ -1,0 +1,79 @@
+"""RunnerConfig: every knob of a ModelRunner in one value, given at construction.
+
+One inspectable value instead of constructor flags, attributes set afterwards and patched globals: benches
+and tests build the runner they need, and a forced attention form reaches the attention dispatch through
+each forward's metadata (AttnBatch.impl), not through a module global read in the hot path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+AUTO = "auto"  # RunnerConfig.prefill_chunk's default: prefill_graph_tokens with CUDA graphs, else None
+ATTENTION_IMPLS = ("matmul", "sdpa")
+PREFILL_KNOBS = frozenset({"prefill_graph_tokens", "prefill_chunk", "fresh_prefill"})  # ModelRunner.reconfigure
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The knobs of a ModelRunner and why each exists.
+
+    cuda_graphs: replay CUDA graphs for small fixed shapes (decode, verify, short prefills, draft steps), so a
+        step costs the weights' read, not Python and launches. None: on iff the model is on a CUDA device;
+        False runs the same functions eagerly on any device (tests compare the two paths).
+    compile: torch.compile each layer's small ops (norms, RoPE, SwiGLU) inside the captured graphs. None: as
+        cuda_graphs. Tests turn it off (or use a cheap backend) to keep CPU runs fast.
+    compile_backend: torch.compile's backend. Tests use "aot_eager": dynamo still traces every compiled
+        function whole (a graph break fails) but runs the traced ATen ops without code generation.
+    attention_impl: None chooses per shape and device (engine/attention.py: matmul form for small score
+        sets on a GPU, the paged kernel for batched decode, fused SDPA otherwise); "matmul" or "sdpa" forces
+        that form of the gathered attention on any device, never the paged kernel (tests run the GPU's forms
+        against the oracles on a CPU; bench/paged_check.py compares kernels).
+    prefill_graph_tokens: short prefills (rows x padded width, in tokens) at or under this replay a graph.
+    prefill_chunk: a lone prompt longer than this runs as consecutive chunks of this many tokens, each
+        attending to the cache the earlier ones wrote, instead of one eager forward (whose overhead sets a
+        long prompt's TTFT on a small model). "auto": prefill_graph_tokens with CUDA graphs, else None;
+        None: one forward (as on the CPU).
+    fresh_prefill: a prompt with no cached prefix attends over its own K/V with a fused causal kernel
+        (AttnBatch.fresh); False: through the cache and the position mask like any other forward (benches
+        compare the two).
+    """
+
+    cuda_graphs: bool | None = None
+    compile: bool | None = None
+    compile_backend: str = "inductor"
+    attention_impl: str | None = None
+    prefill_graph_tokens: int = 1024
+    prefill_chunk: int | str | None = AUTO
+    fresh_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("cuda_graphs", "compile"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"RunnerConfig.{name} must be True, False or None, got {getattr(self, name)!r}")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ValueError(f"RunnerConfig.compile_backend must be a backend name, got {self.compile_backend!r}")
+        if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"RunnerConfig.attention_impl must be None, 'matmul' or 'sdpa', "
+                             f"got {self.attention_impl!r}")
+        if not _positive_int(self.prefill_graph_tokens):
+            raise ValueError(f"RunnerConfig.prefill_graph_tokens must be a positive int, "
+                             f"got {self.prefill_graph_tokens!r}")
+        if self.prefill_chunk is not None and self.prefill_chunk != AUTO and not _positive_int(self.prefill_chunk):
+            raise ValueError(f"RunnerConfig.prefill_chunk must be a positive int, None or {AUTO!r}, "
+                             f"got {self.prefill_chunk!r}")
+        if self.fresh_prefill not in (True, False):
+            raise ValueError(f"RunnerConfig.fresh_prefill must be True or False, got {self.fresh_prefill!r}")
+
+    def resolved(self, device: torch.device | str) -> RunnerConfig:
+        """This config with its automatic values decided for a model on `device`: cuda_graphs and compile
+        booleans, prefill_chunk an int or None (what ModelRunner.config holds)."""
+        graphs = torch.device(device).type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+        chunk = (self.prefill_graph_tokens if graphs else None) if self.prefill_chunk == AUTO else self.prefill_chunk
+        return replace(self, cuda_graphs=graphs, compile=graphs if self.compile is None else self.compile,
+                       prefill_chunk=chunk)
+
+
+def _positive_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0

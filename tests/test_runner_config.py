@@ -1,0 +1,65 @@
+"""RunnerConfig (engine/runner_config.py): validation, resolution for a device, and how a ModelRunner holds and
+hands on its knobs (issue 21: knobs in a config, not patched globals)."""
+from __future__ import annotations
+
+from dataclasses import FrozenInstanceError
+
+import pytest
+import torch
+
+from flashpd.engine.config import Qwen3Config
+from flashpd.engine.kv_cache import BlockTable
+from flashpd.engine.loader import dummy_target
+from flashpd.engine.runner import ModelRunner, RunnerConfig
+
+
+@pytest.mark.parametrize("bad", [dict(attention_impl="flash"), dict(prefill_graph_tokens=0),
+                                 dict(prefill_graph_tokens=True), dict(prefill_chunk=-1), dict(prefill_chunk="big"),
+                                 dict(compile_backend=""), dict(cuda_graphs="yes"), dict(fresh_prefill=None)])
+def test_bad_values_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        RunnerConfig(**bad)
+
+
+def test_resolution_follows_the_device():
+    cpu, gpu = RunnerConfig().resolved("cpu"), RunnerConfig().resolved("cuda")
+    assert (cpu.cuda_graphs, cpu.compile, cpu.prefill_chunk) == (False, False, None)
+    assert (gpu.cuda_graphs, gpu.compile, gpu.prefill_chunk) == (True, True, 1024)
+    c = RunnerConfig(cuda_graphs=True, compile=False, prefill_graph_tokens=256).resolved("cpu")
+    assert (c.cuda_graphs, c.compile, c.prefill_chunk) == (True, False, 256)
+    assert RunnerConfig(cuda_graphs=True, prefill_chunk=None).resolved("cpu").prefill_chunk is None
+
+
+def _model():
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return dummy_target(cfg, "cpu", torch.float32)
+
+
+def test_runner_holds_the_resolved_config_and_reconfigures_only_prefill_knobs():
+    r = ModelRunner(_model(), 8, 16, config=RunnerConfig(cuda_graphs=True, compile=False))
+    assert (r.config.prefill_chunk, r.prefill_chunk, r.cuda_graphs, r.compile) == (1024, 1024, True, False)
+    with pytest.raises(FrozenInstanceError):
+        setattr(r.config, "prefill_chunk", 64)
+    with pytest.raises(AttributeError):
+        setattr(r, "prefill_chunk", 64)  # a read-only view of the config
+    old = r.reconfigure(prefill_chunk=64, fresh_prefill=False)
+    assert (old.prefill_chunk, r.prefill_chunk, r.fresh_prefill) == (1024, 64, False)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        r.reconfigure(cuda_graphs=False)
+
+
+def test_forced_attention_reaches_the_forward_metadata(monkeypatch):
+    import flashpd.engine.qwen3 as qwen3  # noqa: PLC0415
+
+    seen = []
+    real = qwen3.grouped_attention
+    monkeypatch.setattr(qwen3, "grouped_attention", lambda *a: seen.append(a[-1]) or real(*a))
+    for impl in (None, "matmul", "sdpa"):
+        r = ModelRunner(_model(), 8, 16, config=RunnerConfig(cuda_graphs=False, attention_impl=impl))
+        t = BlockTable()
+        r.allocator.ensure(t, 4)
+        r.forward([t], [[1, 2, 3]])  # a fresh prefill (causal kernel), then a decode step over the cache
+        r.allocator.ensure(t, 5)
+        r.forward([t], [[4]])
+        assert seen[-1] == impl

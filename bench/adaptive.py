@@ -145,7 +145,7 @@ def main() -> None:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     compile_fields, compile_flags = apply_compile_args(a)
     runner, native, spec = pair_generators(a.target, a.draft, device)
-    block = spec.block_size
+    block = spec.draft_width
     cs = [int(x) for x in a.concurrency.split(",")]
     widths = [int(x) for x in a.widths.split(",")]
     thresholds = [float(x) for x in a.thresholds.split(",")]

@@ -109,7 +109,7 @@ def main() -> None:
     fp = MethodFingerprint(weights_identity(a.target), weights_identity(a.draft), tuple(drafter.cfg.target_layer_ids),
                            str(dtype).removeprefix("torch.")).digest()
     params = [SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)]
-    runner = ModelRunner(target, num_blocks=(a.prompt_tokens + a.new_tokens) // 16 * 2 + 64, block_size=16,
+    runner = ModelRunner(target, num_blocks=(a.prompt_tokens + a.new_tokens) // 16 * 2 + 64, kv_block_size=16,
                          taps=tuple(drafter.cfg.target_layer_ids))
     gen = DFlashGenerator(runner, drafter, (), 16)
     generate(gen, [prompts[0][:64]], params)  # warm-up

@@ -60,7 +60,7 @@ def drafter_config_for(tcfg, layers: int = 5, block: int = 16) -> DFlashConfig:
 
 def kernel_times(model, drafter, context: int, reps: int, device: str = "cuda") -> dict:
     taps = tuple(drafter.cfg.target_layer_ids)
-    runner = ModelRunner(model, num_blocks=(context + 64) // 16 + 16, block_size=16, taps=taps)
+    runner = ModelRunner(model, num_blocks=(context + 64) // 16 + 16, kv_block_size=16, taps=taps)
     gen = DFlashGenerator(runner, drafter, (), 16)
     table = BlockTable()
     runner.allocator.ensure(table, context + 32)
@@ -95,7 +95,7 @@ def replay(model, drafter, schedule: list[list[int]], prompt_lens: list[int], ne
            device: str = "cuda") -> list[dict]:
     """Native vs DFlash latency per prompt, accepted lengths replayed from `schedule` (one list per prompt)."""
     taps = tuple(drafter.cfg.target_layer_ids)
-    runner = ModelRunner(model, num_blocks=4096, block_size=16, taps=taps)
+    runner = ModelRunner(model, num_blocks=4096, kv_block_size=16, taps=taps)
     native, spec = NativeGenerator(runner), ReplayDFlash(runner, drafter, (), 16)
     rows = []
     for n_new in new_tokens:

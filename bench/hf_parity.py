@@ -44,7 +44,7 @@ def main() -> None:
     hf.save_pretrained(d)
     hf = hf.to("cuda", torch.bfloat16).eval()
     ours = load_target(d, "cuda", torch.bfloat16)
-    runner = ModelRunner(ours, num_blocks=4096, block_size=16)
+    runner = ModelRunner(ours, num_blocks=4096, kv_block_size=16)
     gen = NativeGenerator(runner)
     lengths = [1 + (i * 97) % 600 for i in range(a.prompts)]
     prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in lengths]
@@ -53,7 +53,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     hf32 = Qwen3ForCausalLM.from_pretrained(d, dtype=torch.float32).to("cuda").eval()
     ours32 = load_target(d, "cuda", torch.float32)
-    r32 = ModelRunner(ours32, num_blocks=256, block_size=16, config=RunnerConfig(cuda_graphs=False))
+    r32 = ModelRunner(ours32, num_blocks=256, kv_block_size=16, config=RunnerConfig(cuda_graphs=False))
     errs = []
     for p in prompts[:4]:
         x = torch.tensor([p], device="cuda")

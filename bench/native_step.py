@@ -39,7 +39,7 @@ def main() -> None:
     results = []
     for b in [int(x) for x in a.batches.split(",")]:
         for graphs in (True, False):
-            runner = ModelRunner(model, num_blocks=b * (a.context // 16 + 64) + 8, block_size=16,
+            runner = ModelRunner(model, num_blocks=b * (a.context // 16 + 64) + 8, kv_block_size=16,
                                  config=RunnerConfig(cuda_graphs=graphs))
             tables = [BlockTable() for _ in range(b)]
             for t in tables:

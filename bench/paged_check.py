@@ -91,7 +91,7 @@ def runner_e2e():
     model = dummy_target(cfg, "cuda", torch.bfloat16)
 
     def run(graphs, force):
-        r = ModelRunner(model, num_blocks=128, block_size=16,
+        r = ModelRunner(model, num_blocks=128, kv_block_size=16,
                         config=RunnerConfig(cuda_graphs=graphs, attention_impl=force))
         tables = [BlockTable() for _ in range(3)]
         prompts = [[(i * 7 + j) % 500 for j in range(n)] for i, n in enumerate((15, 40, 600))]

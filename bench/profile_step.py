@@ -32,9 +32,9 @@ from flashpd.engine.spec_decode import DFlashGenerator
 def _ready(gen: NativeGenerator, prompt: list[int], max_tokens: int):
     seqs = gen.new_sequences([prompt], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])
     spec = isinstance(gen, DFlashGenerator)
-    if spec:  # new_sequences leaves width 1 (native); DFlash's generate sets the block: so must this
+    if spec:  # new_sequences leaves width 1 (native); DFlash's generate sets the draft width: so must this
         for s in seqs:
-            s.block_size = gen.block_size
+            s.draft_width = gen.draft_width
     gen.reserve(seqs)
     gen.prefill_request(seqs)
     return seqs
@@ -210,7 +210,7 @@ def main() -> None:
     lens = [int(x) for x in a.prefill_lens.split(",") if x]
     prefill = prefill_rows(runner, {"native": native, "dflash": spec}, {n: make_prompt(n) for n in lens}, 5, cuda)
     write_json(Path(a.out), {"bench": "profile_step", "target": a.target, "draft": a.draft, "device": a.device,
-                             "batch": 1, "steps": a.steps, "prompts": a.prompts, "dflash_block": spec.block_size,
+                             "batch": 1, "steps": a.steps, "prompts": a.prompts, "dflash_block": spec.draft_width,
                              "rows": rows, "prefill": prefill,
                              "command": f"python -m flashpd.bench.profile_step --contexts {a.contexts} --steps {a.steps} "
                                         f"--loop-tokens {a.loop_tokens} --prompts {a.prompts} --block {a.block} "

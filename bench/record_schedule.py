@@ -32,7 +32,7 @@ def main() -> None:
         from tests.dflash_fixtures import build_pair  # noqa: PLC0415 (test-only helper, run from the repo root)
         pair = build_pair(Path(tempfile.mkdtemp()))
         target = load_target(pair.target_dir)
-        rows = evaluate_tau(target, load_drafter(pair.draft_dir, target), pair.prompts, a.new_tokens, block_size=16)
+        rows = evaluate_tau(target, load_drafter(pair.draft_dir, target), pair.prompts, a.new_tokens, draft_width=16)
         source = "tests/dflash_fixtures.py build_pair(seed=0): tiny target + drafter trained on its greedy output (CPU fp32)"
     elif a.eval_json:
         rows = json.loads(Path(a.eval_json).read_text())["heldout"]

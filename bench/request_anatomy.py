@@ -46,7 +46,7 @@ def phases(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int 
     t0 = _sync(cuda)
     seqs = gen.new_sequences([prompt], params)
     if spec:
-        seqs[0].block_size = width
+        seqs[0].draft_width = width
     gen.reserve(seqs)
     t1 = _sync(cuda)
     gen.prefill_request(seqs)

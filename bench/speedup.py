@@ -54,7 +54,7 @@ def pair_generators(target_dir: str, draft_dir: str, device: str, compile: bool 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = load_target(target_dir, device, dtype)
     drafter = load_drafter(draft_dir, target)
-    runner = ModelRunner(target, num_blocks=8192, block_size=16, taps=tuple(drafter.cfg.target_layer_ids),
+    runner = ModelRunner(target, num_blocks=8192, kv_block_size=16, taps=tuple(drafter.cfg.target_layer_ids),
                          config=RunnerConfig(compile=compile))
     return (runner, NativeGenerator(runner, target.cfg.eos_token_ids),
             DFlashGenerator(runner, drafter, target.cfg.eos_token_ids))

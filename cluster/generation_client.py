@@ -90,6 +90,7 @@ def stats_dict(s: pb.Stats) -> dict:
 def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "", block_size: int = 0,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                   ignore_eos: bool = False) -> pb.GenerateRequest:
+    """A GenerateRequest; the keywords are its fields (block_size: the DFlash draft width, 0 = the drafter's)."""
     req = pb.GenerateRequest(version=PROTOCOL_VERSION, max_tokens=max_tokens, method=method, block_size=block_size,
                              temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
     if isinstance(prompt, str):

@@ -48,14 +48,14 @@ class Backend(Protocol):
     """What the servicer needs of whatever generates (EngineLoop, Router)."""
 
     has_drafter: bool
-    default_block_size: int | None
+    default_draft_width: int | None
     vocab_size: int
     max_positions: int
     alive: bool
 
     def counts(self) -> dict: ...
 
-    def submit(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
+    def submit(self, prompt: list[int], params: SamplingParams, method: str, draft_width: int | None,
                timeout_s: float, first_token: int | None = None) -> Stream: ...
 
     def cancel(self, h: Stream) -> None: ...
@@ -144,11 +144,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             bad(f"method: must be 'native' or 'dflash', got {echo(r.method)}")
         if method == "dflash" and not self.loop.has_drafter:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "method: 'dflash' needs a server with a drafter")
-        block_size = None
+        draft_width = None  # the request's field block_size is the DFlash draft width
         if method == "dflash" and r.block_size != 0:
             if not 2 <= r.block_size <= 16:
                 bad(f"block_size: must be in [2, 16] for dflash (0 = the drafter's default), got {r.block_size}")
-            block_size = int(r.block_size)
+            draft_width = int(r.block_size)
         if not (r.temperature >= 0 and math.isfinite(r.temperature)):
             bad(f"temperature: must be a finite number >= 0 (below 1e-5: greedy), got {r.temperature}")
         top_p = r.top_p if r.top_p != 0 else 1.0
@@ -162,7 +162,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         params = SamplingParams(max_tokens=int(r.max_tokens), temperature=float(r.temperature), top_p=float(top_p),
                                 top_k=int(r.top_k), seed=int(r.seed) if r.HasField("seed") else None,
                                 ignore_eos=bool(r.ignore_eos))
-        return prompt, params, method, block_size
+        return prompt, params, method, draft_width
 
     def _encode(self, text: str, limit: int, bad: Callable[[str], None], too_big: Callable[[str], None]) -> list[int]:
         if not text:
@@ -183,7 +183,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
                first_token: int | None = None, handoff=None) -> Stream:
-        prompt, params, method, block_size = self._parse(request, context)
+        prompt, params, method, draft_width = self._parse(request, context)
         if first_token is not None and not 0 <= first_token < self.loop.vocab_size:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"first_token: {first_token} is out of the vocabulary (size {self.loop.vocab_size})")
@@ -192,7 +192,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         timeout = context.time_remaining()
         try:
             extra = {"handoff": handoff} if handoff is not None else {}  # a decode worker's device-path import
-            h = self.loop.submit(prompt, params, method, block_size,
+            h = self.loop.submit(prompt, params, method, draft_width,
                                  timeout_s=min(timeout, 60.0) if timeout is not None else 60.0,
                                  first_token=first_token, **extra)
         except Exception as e:  # noqa: BLE001  each failure gets its status code; none escapes as UNKNOWN
@@ -279,7 +279,7 @@ def health_reply(backend: Backend, has_tokenizer: bool) -> pb.HealthReply:
                           has_drafter=backend.has_drafter, has_tokenizer=has_tokenizer, running=c["running"],
                           waiting=c["waiting"], kv_blocks_free=c["kv_blocks_free"], vocab_size=backend.vocab_size,
                           kv_blocks_total=c.get("kv_blocks_total", 0), kv_block_size=c.get("kv_block_size", 0),
-                          max_positions=backend.max_positions, default_block_size=backend.default_block_size or 0)
+                          max_positions=backend.max_positions, default_block_size=backend.default_draft_width or 0)
 
 
 def new_server(host: str, port: int, allow_remote: bool, max_workers: int, services: Mapping[str, object],

@@ -7,7 +7,7 @@
   `data: [DONE]`) or not. Parameters: model, prompt (a string, token ids, or a list of one of them) /
   messages, max_tokens (chat: max_completion_tokens too), temperature, top_p, seed, stop (strings: the
   text ends before the first one, finish_reason "stop"), n (1 only), stream, stream_options.include_usage;
-  extra body fields as vLLM takes them: top_k, ignore_eos, method ("dflash" | "native"), block_size,
+  extra body fields as vLLM takes them: top_k, ignore_eos, method ("dflash" | "native"), block_size (the draft width),
   return_token_ids, and for chat add_generation_prompt, continue_final_message, chat_template_kwargs.
   Unknown fields are ignored; known ones flashpd cannot honour (penalties, logprobs, logit_bias, echo,
   tools, ...) are refused with a 400 naming them. `usage` counts prompt and completion tokens (a stop
@@ -175,7 +175,7 @@ class _Req:
     prompt: list[int]
     params: SamplingParams
     method: str
-    block_size: int | None
+    draft_width: int | None
     stops: list[str]
     stream: bool
     include_usage: bool
@@ -300,14 +300,14 @@ class _State:
             raise _bad("method", f"must be 'native' or 'dflash', got {_show(method)}")
         if method == "dflash" and not be.has_drafter:
             raise _bad("method", "'dflash' needs a server with a drafter")
-        block_size = _int(body, "block_size", 0)
-        if method == "dflash" and block_size != 0 and not 2 <= block_size <= 16:
-            raise _bad("block_size", f"must be in [2, 16] for dflash (0 = the drafter's default), got {block_size}")
-        block_size = block_size if method == "dflash" and block_size else None
+        width = _int(body, "block_size", 0)  # the JSON field block_size is the DFlash draft width
+        if method == "dflash" and width != 0 and not 2 <= width <= 16:
+            raise _bad("block_size", f"must be in [2, 16] for dflash (0 = the drafter's default), got {width}")
+        draft_width = width if method == "dflash" and width else None
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _int(body, name, None, lo=1)
         if max_tokens is None:
-            max_tokens = COMPLETIONS_MAX_TOKENS if not chat else self._room(len(prompt), method, block_size)
+            max_tokens = COMPLETIONS_MAX_TOKENS if not chat else self._room(len(prompt), method, draft_width)
         if len(prompt) + max_tokens > limit:
             raise _too_long(name, f"{max_tokens} with the prompt's {len(prompt)} tokens exceeds the model's "
                             f"{limit} positions")
@@ -339,17 +339,17 @@ class _State:
         include_usage = _bool(so or {}, "include_usage", False)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 ignore_eos=_bool(body, "ignore_eos", False))
-        return _Req(prompt, params, method, block_size, stops, stream, include_usage,
+        return _Req(prompt, params, method, draft_width, stops, stream, include_usage,
                     _bool(body, "return_token_ids", False))
 
-    def _room(self, prompt_len: int, method: str, block_size: int | None) -> int:
+    def _room(self, prompt_len: int, method: str, draft_width: int | None) -> int:
         """Chat's default max_tokens: what the context and one worker's whole KV cache leave."""
         be = self.backend
         room = be.max_positions - prompt_len
         c = be.counts()
         total, bs = int(c.get("kv_blocks_total") or 0), int(c.get("kv_block_size") or 0)
         if total and bs:
-            width = (block_size or be.default_block_size or 1) if method == "dflash" else 1
+            width = (draft_width or be.default_draft_width or 1) if method == "dflash" else 1
             if room > 0 and blocks_needed(prompt_len, room, width, bs) > total:
                 room = total * bs - prompt_len - width  # then exactly `total` blocks
         if room < 1:
@@ -358,7 +358,7 @@ class _State:
 
     # ---- running -----------------------------------------------------------------------------------
     async def submit(self, r: _Req):
-        fn = partial(self.backend.submit, r.prompt, r.params, r.method, r.block_size, timeout_s=SUBMIT_TIMEOUT_S)
+        fn = partial(self.backend.submit, r.prompt, r.params, r.method, r.draft_width, timeout_s=SUBMIT_TIMEOUT_S)
         try:
             with anyio.CancelScope(shield=True):  # a handle, once made, always reaches the caller's finally
                 return await anyio.to_thread.run_sync(fn, limiter=self.limiter)

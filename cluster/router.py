@@ -46,9 +46,9 @@ class _Cancelled(Exception):
 class RouterHandle:
     """One request in the router: its events, and the internal calls to cancel with it."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
+    def __init__(self, prompt: list[int], params: SamplingParams, method: str, draft_width: int | None,
                  timeout_s: float) -> None:
-        self.prompt, self.params, self.method, self.block_size = prompt, params, method, block_size
+        self.prompt, self.params, self.method, self.draft_width = prompt, params, method, draft_width
         self.events: queue.Queue[Event] = queue.Queue()
         self.cancelled = False
         self.t0 = time.perf_counter()
@@ -145,7 +145,7 @@ class Router:
         self._threads = RequestThreads("router-request")
         info = pool.slots["decode"][0].info
         self.has_drafter = bool(info["has_drafter"])
-        self.default_block_size = info["default_block_size"]
+        self.default_draft_width = info["default_block_size"]  # HealthReply's field name
         self.vocab_size = int(info["vocab_size"])
         self.max_positions = int(info["max_positions"])
         self._live_metrics()
@@ -175,7 +175,7 @@ class Router:
                     kv_block_size=dec[0]["kv_block_size"] if dec else 0)
 
     # ---- requests ------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
+    def submit(self, prompt: list[int], params: SamplingParams, method: str, draft_width: int | None,
                timeout_s: float = 30.0, first_token: int | None = None) -> RouterHandle:
         if first_token is not None:
             raise ValueError("first_token: the router computes the first token itself")
@@ -184,13 +184,13 @@ class Router:
         d = self.pool.pick("decode")
         if d is None:
             raise EngineStopped("no decode worker is available (all are down or restarting)")
-        width = (block_size or self.default_block_size or 1) if method == "dflash" else 1
+        width = (draft_width or self.default_draft_width or 1) if method == "dflash" else 1
         need = blocks_needed(len(prompt), params.max_tokens, width, d.info["kv_block_size"])
         if need > d.info["kv_blocks_total"]:
             self.pool.release(d)
             raise PromptTooLong(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} needs {need} KV "
                                 f"blocks; a decode worker has {d.info['kv_blocks_total']}")
-        h = RouterHandle(prompt, params, method, block_size, self.cfg.request_timeout_s)
+        h = RouterHandle(prompt, params, method, draft_width, self.cfg.request_timeout_s)
         with self._lock:
             self.inflight += 1
         self._threads.run(self._run, h, d)
@@ -205,7 +205,7 @@ class Router:
     def _run(self, h: RouterHandle, d: Slot) -> None:
         outcome, emitted = "error", []
         p = h.params
-        req = build_request(h.prompt, max_tokens=p.max_tokens, method=h.method, block_size=h.block_size or 0,
+        req = build_request(h.prompt, max_tokens=p.max_tokens, method=h.method, block_size=h.draft_width or 0,
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
                             ignore_eos=p.ignore_eos)
         stats: dict = {}

@@ -227,7 +227,7 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
     if cfg.kv_transport == "dist":
         dist = dist_exporter(cfg, worker.exporter, worker.gen, secret, adv)
         w.closers.append(dist.close)
-    host = PrefillHost(worker, llm.runner, llm.drafter.cfg.block_size if llm.drafter is not None else None,
+    host = PrefillHost(worker, llm.runner, llm.draft_width if llm.drafter is not None else None,
                        cfg.fault_prefill_delay_s)
     metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): host.waiting})
     servicer = PrefillWorkerServicer(host, metrics, dist)

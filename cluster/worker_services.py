@@ -35,12 +35,12 @@ class CallEnded(Exception):
 class PrefillHost:
     """A PrefillWorker behind a lock, with the facts the request checks and Health read."""
 
-    def __init__(self, worker: PrefillWorker, runner: ModelRunner, default_block_size: int | None,
+    def __init__(self, worker: PrefillWorker, runner: ModelRunner, default_draft_width: int | None,
                  delay_s: float = 0.0) -> None:
         self.worker = worker
         self.runner = runner
-        self.has_drafter = default_block_size is not None
-        self.default_block_size = default_block_size
+        self.has_drafter = default_draft_width is not None
+        self.default_draft_width = default_draft_width
         self.vocab_size = int(runner.model.cfg.vocab_size)
         self.max_positions = int(runner.max_positions)
         self.alive = True
@@ -54,7 +54,7 @@ class PrefillHost:
 
     def counts(self) -> dict:
         return dict(running=self.running, waiting=self.waiting, kv_blocks_free=self.runner.allocator.num_free,
-                    kv_blocks_total=self._capacity, kv_block_size=self.runner.block_size)
+                    kv_blocks_total=self._capacity, kv_block_size=self.runner.kv_block_size)
 
     def prefill(self, prompt: list[int], params: SamplingParams, timeout_s: float,
                 active: Callable[[], bool] = lambda: True) -> PrefillResult:

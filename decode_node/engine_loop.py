@@ -52,12 +52,12 @@ class Event:
 class Handle:
     """One submitted request as seen from outside the loop."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
+    def __init__(self, prompt: list[int], params: SamplingParams, method: str, draft_width: int | None,
                  first_token: int | None = None, handoff=None) -> None:
         self.prompt = prompt
         self.params = params
         self.method = method
-        self.block_size = block_size
+        self.draft_width = draft_width
         self.first_token = first_token  # disaggregation: the prefill worker's first token
         self.handoff = handoff  # disaggregation over the device path: the prefill worker's lease
         self.events: queue.Queue[Event] = queue.Queue()
@@ -94,8 +94,8 @@ class EngineLoop:
         return self.scheduler.spec is not None
 
     @property
-    def default_block_size(self) -> int | None:
-        return self.scheduler.spec.block_size if self.scheduler.spec is not None else None
+    def default_draft_width(self) -> int | None:
+        return self.scheduler.spec.draft_width if self.scheduler.spec is not None else None
 
     @property
     def vocab_size(self) -> int:
@@ -110,20 +110,20 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stop and self._error is None
 
     def counts(self) -> dict:
-        """Rough, lock-free snapshot (for health): running, waiting, free and total KV blocks, block size."""
+        """Rough, lock-free snapshot (for health): running, waiting, free and total KV blocks, KV block size."""
         s = self.scheduler
         # submitted but not yet taken by the loop count as waiting, so an idle reading means idle
         return dict(running=len(s.running), waiting=len(s.waiting) + len(self._inbox),
                     kv_blocks_free=s.runner.allocator.num_free,
-                    kv_blocks_total=s.capacity, kv_block_size=s.runner.block_size)
+                    kv_blocks_total=s.capacity, kv_block_size=s.runner.kv_block_size)
 
     # ---- from other threads --------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native",
-               block_size: int | None = None, timeout_s: float = DEFAULT_SUBMIT_TIMEOUT_S,
+               draft_width: int | None = None, timeout_s: float = DEFAULT_SUBMIT_TIMEOUT_S,
                first_token: int | None = None, handoff=None) -> Handle:
         """Queue a request; returns its handle once the scheduler accepted it. Raises what
         Scheduler.add raises (PromptTooLong, ValueError), EngineStopped, or TimeoutError."""
-        h = Handle(list(prompt), params, method, block_size, first_token, handoff)
+        h = Handle(list(prompt), params, method, draft_width, first_token, handoff)
         fut: Future = Future()
         with self._cv:
             if not self.alive:
@@ -196,7 +196,7 @@ class EngineLoop:
                 fut.set_result(h)
                 continue
             try:
-                h.request = self.scheduler.add(h.prompt, h.params, h.method, h.block_size, h.first_token,
+                h.request = self.scheduler.add(h.prompt, h.params, h.method, h.draft_width, h.first_token,
                                                h.handoff)
             except Exception as e:  # noqa: BLE001  the submitter gets the scheduler's refusal
                 fut.set_exception(e)

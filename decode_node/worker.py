@@ -34,16 +34,17 @@ class DecodeWorker:
         self.warmup = None
         if warmup:  # before the engine thread starts: nothing else touches the scheduler yet
             from flashpd.engine.warmup import lengths_for, warm_scheduler  # noqa: PLC0415
-            new = 2 * (drafter.cfg.block_size if drafter is not None else 16) + 1
+            spec = self.scheduler.spec
+            new = 2 * (spec.draft_width if spec is not None else 16) + 1
             self.warmup = warm_scheduler(self.scheduler, lengths_for(runner.max_positions, new), new)
             log.info("decode warm-up: %d requests (%s; prompts of %s tokens) in %.1f s", self.warmup["requests"],
                      "/".join(self.warmup["methods"]), self.warmup["lengths"], self.warmup["seconds"])
         self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish)
 
-    def submit(self, prompt: list[int], params: SamplingParams, method: str = "native", block_size: int | None = None,
+    def submit(self, prompt: list[int], params: SamplingParams, method: str = "native", draft_width: int | None = None,
                first_token: int | None = None, timeout_s: float = 30.0) -> Handle:
         """Queue a request (see EngineLoop.submit); its events stream from the returned handle."""
-        return self.loop.submit(prompt, params, method, block_size, timeout_s, first_token)
+        return self.loop.submit(prompt, params, method, draft_width, timeout_s, first_token)
 
     def stats(self) -> dict:
         """Counters since start (read from any thread; each value is a plain int)."""

@@ -22,7 +22,7 @@ class AttnBatch:
     positions: [B, T] absolute positions (padding rows use 0); slots: [B*T] flat cache slots
     (padding writes the scratch block); block_tables: [B, nblk] (padded with the scratch block);
     mask: set by the model from the positions and tables (qwen3.step_inputs), grouped for
-    `grouped_attention`: [1, B, T*groups, nblk*block_size] boolean, True = visible.
+    `grouped_attention`: [1, B, T*groups, nblk*kv_block_size] boolean, True = visible.
     fresh: every row starts at position 0 (a prompt with no cached prefix): attention then needs only
     this forward's own K/V under a causal mask, which a fused causal kernel runs without gathering the
     cache or reading a mask (`causal_sdpa`); there is no mask. Right padding is harmless there: a real
@@ -47,7 +47,7 @@ def causal_position_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor
 
 def write_kv(k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    """k_slots: a layer's K cache as [blocks*block_size, kv_heads, d] (a view made by the caller); k: [N,
+    """k_slots: a layer's K cache as [blocks*kv_block_size, kv_heads, d] (a view made by the caller); k: [N,
     kv_heads, d]; slots: [N]. The scatter mutates its argument itself, not a view made here: compiled
     (inside `attn_inputs`), Inductor then stores K/V from the kernel that computes them, where a view
     made inside the compiled function would make it copy the whole layer cache out and back."""
@@ -142,6 +142,13 @@ def out_proj(attn: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, w).sum(0).view(b, -1, h_out)
 
 
+def heads_last(attn: torch.Tensor, t: int) -> torch.Tensor:
+    """`grouped_attention`'s (or the paged kernel's) [Hkv, B, T*groups, d] -> [B, T, Hq*d], query heads in
+    o_proj's column order (head kv*groups + j), for one plain matmul by o_proj (one copy)."""
+    hkv, b, tg, d = attn.shape
+    return attn.view(hkv, b, t, tg // t, d).permute(1, 2, 0, 3, 4).reshape(b, t, -1)
+
+
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  scale: float, impl: str | None = None) -> torch.Tensor:
     """`grouped_attention` of q [B, T, Hq, d] and k, v [B, Hkv, L, d] under a `group_mask` mask ->
@@ -149,7 +156,7 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     b, t, hq, d = q.shape
     hkv = k.shape[1]
     out = grouped_attention(group_queries(q, hkv), k.transpose(0, 1), v.transpose(0, 1), mask, scale, impl)
-    return out.view(hkv, b, t, hq // hkv, d).permute(1, 2, 0, 3, 4).reshape(b, t, hq * d)
+    return heads_last(out, t)
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -166,7 +173,8 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     hkv = k.shape[1]
     k = k.view(b, -1, hkv, d).transpose(1, 2)
     v = v.view(b, -1, hkv, d).transpose(1, 2)
-    # bool(): with shapes turned dynamic (one compiled function over several models' head counts) the
-    # comparison is a SymBool, which SDPA refuses; bool() specializes it under a guard
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=bool(hq != hkv))
+    # enable_gqa always: one group per KV head is plain multi-head attention. Not `hq != hkv`: in a process
+    # that compiles this for two models (dynamo's cache is per function), the head counts turn symbolic and
+    # the comparison is a SymBool, which SDPA refuses
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(b, -1, hq * d)

@@ -151,7 +151,7 @@ class Session:
     queued: list[tuple[torch.Tensor, "torch.cuda.Event | None"]] = field(default_factory=list)
     launched: int = 0
     emits: list[int] = field(default_factory=list)  # DFlash: emits[k] = row-steps that emitted k tokens
-    width: int = 1  # DFlash: the block width every step of this session verifies
+    width: int = 1  # DFlash: the draft width every step of this session verifies
 
 
 class DeviceLoop:
@@ -178,7 +178,7 @@ class DeviceLoop:
         """One token per row: forward x at P; a frozen row (O >= M) writes scratch and stays put. At the
         generator's step_width w > 1 the token is column 0 of a w-column forward whose other columns repeat
         it at P, write scratch and are never read (a verify's shapes: NativeGenerator)."""
-        bs, w = self.runner.block_size, self.gen.step_width
+        bs, w = self.runner.kv_block_size, self.gen.step_width
         live, pos, slots = self._native_in(st, bt, bs)
         ids = st[:, X:X + 1]
         if w > 1:
@@ -190,13 +190,13 @@ class DeviceLoop:
         return self._native_out(st, logits, live)
 
     def _spec_fn(self, st: torch.Tensor, bt: torch.Tensor, pend: torch.Tensor) -> torch.Tensor:
-        """One DFlash step per row at block width t (pend [B, t, F]): append the pending context rows to
+        """One DFlash step per row at draft width t (pend [B, t, F]): append the pending context rows to
         the draft cache, draft, verify, accept; -> [B, t + 1] (the target's t choices, accepted count)."""
         runner, drafts = self.runner, self.gen.drafts
         drafter = drafts.drafter
         b, t, f = pend.shape
-        cpos, cslots, ctx, pos, ids, w, vslots, live = self._spec_in(st, bt, t, runner.block_size,
-                                                                     drafter.cfg.mask_token_id)
+        cpos, cslots, ctx, pos, ids, w, vslots, live = self._spec_in(st, bt, t, runner.kv_block_size,
+                                                                        drafter.cfg.mask_token_id)
         # 1) the accepted positions' context K/V join the draft cache; padding rows write scratch
         drafter.write_context(drafts.cache.data, pend.reshape(b * t, f), cpos, cslots, drafts.kv_fn)
         # 2) draft [x, MASK...] -> [x, guesses]; columns past the row's width repeat its last position and
@@ -214,7 +214,7 @@ class DeviceLoop:
 
     # ---- host side ------------------------------------------------------------------------------
     def usable(self, seqs: list[Sequence]) -> bool:
-        """Greedy rows sharing one block width (each row's block under the width policy's cap for this batch
+        """Greedy rows sharing one draft width (each row's width under the width policy's cap for this batch
         size), whose guesses and verdicts are the generator's own (DFlashGenerator.model_steps), and no
         confidence cut at this batch size (DFlashGenerator.loop_width: the cut needs the host between draft
         and verify, so those steps stay stepwise). `run` reserves each row's KV to its end, so the caller must have checked the room

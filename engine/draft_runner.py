@@ -23,9 +23,9 @@ class DraftRunner:
         self.drafter = drafter
         self.runner = runner
         self.device = runner.device
-        self.block_size = runner.block_size
+        self.kv_block_size = runner.kv_block_size
         # Same block geometry as the target cache: the sequence's block table indexes both.
-        self.cache = PagedKVCache(c.num_hidden_layers, runner.cache.num_blocks, runner.block_size,
+        self.cache = PagedKVCache(c.num_hidden_layers, runner.cache.num_blocks, runner.kv_block_size,
                                   c.num_key_value_heads, c.head_dim, runner.dtype, runner.device)
         compiled = runner.compiled
         self.layer_fn, self.kv_fn = compiled(draft_layer), compiled(write_context_kv)
@@ -54,7 +54,7 @@ class DraftRunner:
     def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:
         p = np.arange(start, start + n)
         blocks = np.asarray(s.table.blocks, dtype=np.int64)
-        return slots_of(blocks, p, self.block_size)
+        return slots_of(blocks, p, self.kv_block_size)
 
     def write_prompt(self, seqs: list[Sequence], feats: list[torch.Tensor]) -> None:
         """Append long context (a prompt's taps) for each sequence, outside any graph (prompt lengths vary)
@@ -76,7 +76,7 @@ class DraftRunner:
 
     def inputs(self, seqs: list[Sequence], widths: list[int], t: int | None = None
                ) -> tuple[torch.Tensor, list[np.ndarray], dict]:
-        """A draft step's inputs at block width t (default: the widest row): the pending context rows
+        """A draft step's inputs at draft width t (default: the widest row): the pending context rows
         [B_pad * rows, F] (device), the host arrays (packed into one copy by the caller) and the step's
         shape. Consumes each sequence's pending rows."""
         b, t = len(seqs), (t or max(widths))
@@ -88,7 +88,7 @@ class DraftRunner:
         # a graph per pending-row count would mean up to 16 captures per batch shape (one per acceptance
         # length): round up to a power of two; padding rows write the scratch block
         rows = bucket(rows) if graphed and rows else rows
-        bs = self.block_size
+        bs = self.kv_block_size
         ids = np.full((b_pad, t), self.drafter.cfg.mask_token_id, dtype=np.int64)
         pos = np.zeros((b_pad, t), dtype=np.int64)
         bt = np.full((b_pad, nblk), SCRATCH_BLOCK, dtype=np.int64)

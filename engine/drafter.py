@@ -47,7 +47,7 @@ class DFlashConfig(HeadGeometry):
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    block_size: int
+    block_size: int  # config.json's spelling (z-lab format): the drafter's default draft width
     num_target_layers: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
@@ -109,7 +109,7 @@ class DFlashConfig(HeadGeometry):
             raise DrafterMismatch(f"drafter mask_token_id {self.mask_token_id} is outside the target "
                                   f"vocabulary [0, {t.vocab_size})")
         if not 2 <= self.block_size <= 16:
-            raise DrafterMismatch(f"drafter block_size {self.block_size} must be in [2, 16] (flashpd's block widths)")
+            raise DrafterMismatch(f"drafter block_size {self.block_size} must be in [2, 16] (flashpd's draft widths)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise DrafterMismatch(f"drafter num_attention_heads {self.num_attention_heads} is not a multiple "
                                   f"of num_key_value_heads {self.num_key_value_heads}")
@@ -192,7 +192,7 @@ class DFlashDrafter(nn.Module):
                      block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_lens: torch.Tensor,
                      layer_fn: Callable = None, attention_impl: str | None = None) -> torch.Tensor:
         """One draft pass. block_ids/positions [B, T]; ctx_lens [B] valid context positions;
-        block_lens [B] real block width per row (shorter rows mask their tail keys). attention_impl: the
+        block_lens [B] real draft width per row (shorter rows mask their tail keys). attention_impl: the
         forced attention form (RunnerConfig.attention_impl, via DraftRunner), None: automatic.
         Returns logits [B, T-1, V] for block positions 1..T-1 (position i predicts token start+i).
         """

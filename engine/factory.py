@@ -39,7 +39,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def kv_blocks_for(model: torch.nn.Module, block_size: int, device: torch.device, max_tokens: int | None) -> int:
+def kv_blocks_for(model: torch.nn.Module, kv_block_size: int, device: torch.device, max_tokens: int | None) -> int:
     """Size the paged cache: `max_tokens` positions if given, else a share of free device memory."""
     cfg = model.cfg
     per_token = 2 * cfg.num_hidden_layers * cfg.kv_size * model.embed_tokens.weight.element_size()
@@ -49,7 +49,7 @@ def kv_blocks_for(model: torch.nn.Module, block_size: int, device: torch.device,
             max_tokens = int(free * 0.5) // per_token
         else:
             max_tokens = min(131072, (2 << 30) // per_token)
-    return max(2, max_tokens // block_size + 1)
+    return max(2, max_tokens // kv_block_size + 1)
 
 
 @dataclass
@@ -58,7 +58,7 @@ class EngineParts:
     device: torch.device
     dtype: torch.dtype
     method: str  # "native" | "dflash"
-    block_size: int  # DFlash's draft block (1 for native)
+    draft_width: int  # DFlash's draft width (1 for native)
     model: Qwen3ForCausalLM
     tokenizer: TextTokenizer | None
     stop_ids: tuple[int, ...]
@@ -69,12 +69,12 @@ class EngineParts:
 
 def load_engine(target: str | Path, draft: str | Path | None = None, device: str | None = None,
                 dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None, *,
-                method: str | None = None, block_size: int | None = None, kv_block_size: int = 16,
+                method: str | None = None, draft_width: int | None = None, kv_block_size: int = 16,
                 width_policy: WidthPolicy | None = None, runner_config: RunnerConfig | None = None) -> EngineParts:
     """Load `target` (and `draft`) on `device` (default: cuda when available) in `dtype` (default:
     bfloat16 on cuda, float32 on cpu). `method` defaults to "dflash" with a drafter, else "native";
     `kv_cache_tokens` sizes the paged cache (default: a share of free device memory); `width_policy`: how
-    wide a DFlash step verifies (engine/width_policy.py; default the whole block); `runner_config`: the
+    wide a DFlash step verifies (engine/width_policy.py; default the whole draft width); `runner_config`: the
     ModelRunner's knobs (engine/runner_config.py; default RunnerConfig(): graphs and compile iff CUDA)."""
     dev = torch.device(device or default_device())
     dt = resolve_dtype(dtype, str(dev))
@@ -92,16 +92,16 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
         from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (only dflash needs it)
         drafter = load_drafter(draft, model, dev, dt)
         taps = tuple(drafter.cfg.target_layer_ids)
-        block_size = drafter.cfg.block_size if block_size is None else block_size
+        draft_width = drafter.cfg.block_size if draft_width is None else draft_width
     else:
-        if block_size not in (None, 1):
-            raise ValueError(f"block_size {block_size} needs method 'dflash' and a drafter")
-        block_size = 1
+        if draft_width not in (None, 1):  # the user's spelling is LLM's block_size
+            raise ValueError(f"block_size {draft_width} needs method 'dflash' and a drafter")
+        draft_width = 1
     num_blocks = kv_blocks_for(model, kv_block_size, dev, kv_cache_tokens)
     runner = ModelRunner(model, num_blocks, kv_block_size, taps=taps, config=runner_config)
     if drafter is not None:
         from flashpd.engine.spec_decode import DFlashGenerator  # noqa: PLC0415
-        generator = DFlashGenerator(runner, drafter, stop_ids, block_size, width_policy=width_policy)
+        generator = DFlashGenerator(runner, drafter, stop_ids, draft_width, width_policy=width_policy)
     else:
         generator = NativeGenerator(runner, stop_ids)
-    return EngineParts(dev, dt, method, block_size, model, tokenizer, stop_ids, drafter, runner, generator)
+    return EngineParts(dev, dt, method, draft_width, model, tokenizer, stop_ids, drafter, runner, generator)

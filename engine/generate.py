@@ -161,8 +161,8 @@ class NativeGenerator:
 
     def reserve(self, seqs: list[Sequence]) -> None:
         """Refuse a batch the cache cannot hold to the end (this loop has no preemption)."""
-        bs = self.runner.block_size
-        need = sum(blocks_needed(len(s.prompt), s.params.max_tokens, s.block_size, bs) for s in seqs)
+        bs = self.runner.kv_block_size
+        need = sum(blocks_needed(len(s.prompt), s.params.max_tokens, s.draft_width, bs) for s in seqs)
         if need > self.runner.allocator.num_free:
             raise OutOfBlocks(f"{len(seqs)} requests need up to {need} KV blocks; "
                               f"{self.runner.allocator.num_free} are free")

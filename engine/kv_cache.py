@@ -30,11 +30,11 @@ class BlockTable:
 class BlockAllocator:
     """A free list of block ids 1..num_blocks-1 (0 is scratch)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, kv_block_size: int) -> None:
         if num_blocks < 2:
             raise ValueError("a paged cache needs at least 2 blocks (block 0 is scratch)")
         self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.kv_block_size = kv_block_size
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))
 
     @property
@@ -42,7 +42,7 @@ class BlockAllocator:
         return len(self._free)
 
     def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
-        return max(0, math.ceil(num_tokens / self.block_size) - len(table.blocks))
+        return max(0, math.ceil(num_tokens / self.kv_block_size) - len(table.blocks))
 
     def ensure(self, table: BlockTable, num_tokens: int) -> None:
         """Give `table` enough blocks to hold `num_tokens` positions (does not move num_tokens)."""
@@ -61,7 +61,7 @@ class BlockAllocator:
         if not 0 <= num_tokens <= table.num_tokens:
             raise ValueError(f"cannot truncate a sequence of {table.num_tokens} tokens to {num_tokens}")
         table.num_tokens = num_tokens
-        keep = math.ceil(num_tokens / self.block_size)
+        keep = math.ceil(num_tokens / self.kv_block_size)
         while len(table.blocks) > keep:
             self._free.append(table.blocks.pop())
 
@@ -72,29 +72,29 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """K and V for `num_layers` layers: one tensor [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+    """K and V for `num_layers` layers: one tensor [layers, 2, blocks, kv_block_size, kv_heads, head_dim]."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+    def __init__(self, num_layers: int, num_blocks: int, kv_block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.block_size = block_size
+        self.kv_block_size = kv_block_size
         self.num_blocks = num_blocks
-        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+        self.data = torch.zeros(num_layers, 2, num_blocks, kv_block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
 
 
-def blocks_needed(prompt_len: int, max_tokens: int, width: int, kv_block: int) -> int:
+def blocks_needed(prompt_len: int, max_tokens: int, width: int, kv_block_size: int) -> int:
     """Worst-case KV blocks of one request: prompt + every output token + one block of drafts (width 1 for
     native decoding). A request needing more than a worker's whole cache can never run there."""
-    return math.ceil((prompt_len + max_tokens + width) / kv_block)
+    return math.ceil((prompt_len + max_tokens + width) / kv_block_size)
 
 
-def slots_of(blocks, pos, block_size: int):
+def slots_of(blocks, pos, kv_block_size: int):
     """The paged cache's one slot rule: position p of a sequence lives at flat slot
-    blocks[p // block_size] * block_size + p % block_size. `blocks` is one block table (a numpy array, `pos`
+    blocks[p // kv_block_size] * kv_block_size + p % kv_block_size. `blocks` is one block table (a numpy array, `pos`
     numpy positions) or a batch of them as a tensor [B, nblk] (`pos` [B, T]; block indices clamped in range,
     so padded rows stay graph-safe: their callers send them to the scratch block)."""
     if isinstance(blocks, torch.Tensor) and blocks.dim() == 2:
-        blk = blocks.gather(1, (pos // block_size).clamp(0, blocks.shape[1] - 1))
+        blk = blocks.gather(1, (pos // kv_block_size).clamp(0, blocks.shape[1] - 1))
     else:
-        blk = blocks[pos // block_size]
-    return blk * block_size + pos % block_size
+        blk = blocks[pos // kv_block_size]
+    return blk * kv_block_size + pos % kv_block_size

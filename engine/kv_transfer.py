@@ -12,12 +12,12 @@ import torch
 from flashpd.engine.kv_cache import BlockTable, slots_of
 
 
-def position_slots(table: BlockTable, start: int, end: int, block_size: int, device: torch.device) -> torch.Tensor:
+def position_slots(table: BlockTable, start: int, end: int, kv_block_size: int, device: torch.device) -> torch.Tensor:
     p = np.arange(start, end)
     blocks = np.asarray(table.blocks, dtype=np.int64)
-    if len(blocks) * block_size < end:
+    if len(blocks) * kv_block_size < end:
         raise ValueError(f"positions up to {end} are not backed by this table's {len(blocks)} blocks")
-    return torch.from_numpy(slots_of(blocks, p, block_size)).to(device)
+    return torch.from_numpy(slots_of(blocks, p, kv_block_size)).to(device)
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:

@@ -219,20 +219,20 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
     return grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask, scale)
 
 
-def random_case(b: int, t: int, hkv: int, groups: int, d: int, block_size: int, nblk: int, num_blocks: int,
+def random_case(b: int, t: int, hkv: int, groups: int, d: int, kv_block_size: int, nblk: int, num_blocks: int,
                 dtype: torch.dtype, device: torch.device | str, seed: int = 0, min_pos: int = 0
                 ) -> tuple[torch.Tensor, ...]:
     """Random q, caches, block tables (distinct blocks >= 1 per row, the tail padded with the scratch block 0)
     and positions [B, T] (consecutive from a random start, so every row fits its blocks)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(hkv, b, t * groups, d, generator=g).to(dtype)
-    k = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
-    v = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    k = torch.randn(num_blocks, kv_block_size, hkv, d, generator=g).to(dtype)
+    v = torch.randn(num_blocks, kv_block_size, hkv, d, generator=g).to(dtype)
     tables = torch.zeros(b, nblk, dtype=torch.int64)
     pos = torch.zeros(b, t, dtype=torch.int64)
     for i in range(b):
-        end = int(torch.randint(max(t, min_pos + t), nblk * block_size + 1, (1,), generator=g))  # positions < end
-        used = -(-end // block_size)
+        end = int(torch.randint(max(t, min_pos + t), nblk * kv_block_size + 1, (1,), generator=g))  # positions < end
+        used = -(-end // kv_block_size)
         tables[i, :used] = torch.randperm(num_blocks - 1, generator=g)[:used] + 1
         pos[i] = torch.arange(end - t, end)
     return tuple(x.to(device) for x in (q, k, v, tables, pos))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from dataclasses import replace
 
 from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
-    group_queries, grouped_attention, out_proj, use_paged, write_kv
+    group_queries, grouped_attention, heads_last, out_proj, use_paged, write_kv
 from flashpd.engine.paged_attention import paged_attention
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
@@ -53,11 +53,14 @@ def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     a GPU read the cache in place by position (attention.use_paged); elsewhere it is gathered and masked.
     impl: AttnBatch.impl (None: chosen per shape and device)."""
     if use_paged(q, positions.shape[1], block_tables.shape[1] * k_cache.shape[1], impl):
-        attn = paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
+        # a batched decode: o_proj as one matmul over [B, T, Hq*d] (the kv-major per-head matmuls and their
+        # sum cost several times the weight's read at large batches)
+        o = F.linear(heads_last(paged_attention(q, k_cache, v_cache, block_tables, positions, scale),
+                                positions.shape[1]), w_o)
     else:
-        attn = grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables), mask,
-                                 scale, impl)
-    return mlp_residual(h + out_proj(attn, w_o), w_post, w_gate_up, w_down, eps)
+        o = out_proj(grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables),
+                                       mask, scale, impl), w_o)
+    return mlp_residual(h + o, w_post, w_gate_up, w_down, eps)
 
 
 def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor,
@@ -104,7 +107,7 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 def step_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, w_embed: torch.Tensor,
-                cos_t: torch.Tensor, sin_t: torch.Tensor, block_size: int, groups: int, fresh: bool
+                cos_t: torch.Tensor, sin_t: torch.Tensor, kv_block_size: int, groups: int, fresh: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A forward's prologue: embeddings [B, T, H], RoPE tables, and (unless fresh) the grouped position
     mask over the block tables' keys (key j visible to the query at position p iff j <= p). Eagerly this
@@ -114,7 +117,7 @@ def step_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.
     cos, sin = rope_tables(cos_t, sin_t, positions, h.dtype)
     if fresh:
         return h, cos, sin, None
-    return h, cos, sin, group_mask(causal_position_mask(positions, block_tables.shape[1] * block_size), groups)
+    return h, cos, sin, group_mask(causal_position_mask(positions, block_tables.shape[1] * kv_block_size), groups)
 
 
 class StepFns(NamedTuple):

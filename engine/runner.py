@@ -38,16 +38,16 @@ class ModelRunner:
     """config: the runner's knobs (engine/runner_config.py; default RunnerConfig()); `self.config` holds
     them resolved for the model's device."""
 
-    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int = 16,
+    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, kv_block_size: int = 16,
                  taps: tuple[int, ...] = (), config: RunnerConfig | None = None) -> None:
         cfg = model.cfg
         self.model = model
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
-        self.block_size = block_size
+        self.kv_block_size = kv_block_size
         self.taps = tuple(taps)
-        self.allocator = BlockAllocator(num_blocks, block_size)
-        self.cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+        self.allocator = BlockAllocator(num_blocks, kv_block_size)
+        self.cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, kv_block_size, cfg.num_key_value_heads,
                                   cfg.head_dim, self.dtype, self.device)
         self.max_positions = model.rotary.max_positions if model.rotary else cfg.max_position_embeddings
         self.config: RunnerConfig = (config or RunnerConfig()).resolved(self.device)  # automatic values decided
@@ -105,7 +105,7 @@ class ModelRunner:
                      nblk: int) -> list[np.ndarray]:
         """Host [B, T] ids, positions, flat cache slots and [B, nblk] block tables, built in numpy (no
         per-token torch ops) so that they move to the device in one copy."""
-        bs = self.block_size
+        bs = self.kv_block_size
         ids = np.zeros((b_pad, t_pad), dtype=np.int64)
         pos = np.zeros((b_pad, t_pad), dtype=np.int64)
         slots = np.full((b_pad, t_pad), SCRATCH_BLOCK * bs, dtype=np.int64)
@@ -133,7 +133,7 @@ class ModelRunner:
             end = table.num_tokens + n
             if end > self.max_positions:
                 raise ValueError(f"position {end} exceeds the model's {self.max_positions} positions")
-            if len(table.blocks) * self.block_size < end:
+            if len(table.blocks) * self.kv_block_size < end:
                 raise RuntimeError("KV blocks not reserved for this forward (call allocator.ensure first)")
 
     def forward(self, tables: list[BlockTable], tokens: list[list[int]], want_logits: str = "last",

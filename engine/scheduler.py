@@ -30,7 +30,7 @@ turns speculation off there: when a step's DFlash rows are at least that many, t
 first step with fewer rows. Their tokens are the target's either way.
 
 Two admission policies:
-- reserve (default): a request reserves its worst case up front (prompt + max_tokens + one block of
+- reserve (default): a request reserves its worst case up front (prompt + max_tokens + one draft width of
   drafts), so a running request never runs out of blocks and nothing is ever preempted.
 - preempt: a request is admitted when the FREE blocks cover its next step (after what the running
   ones need for theirs), so many more requests share the cache; when a step cannot get its blocks,
@@ -127,7 +127,7 @@ class Scheduler:
                  width_policy: WidthPolicy | None = None, native: NativeGenerator | None = None,
                  spec: DFlashGenerator | None = None) -> None:
         """policy: KV admission ('reserve' or 'preempt', module doc). width_policy: how wide a DFlash step
-        verifies (engine/width_policy.py; default the request's whole block). A policy that cuts by
+        verifies (engine/width_policy.py; default the request's whole draft width). A policy that cuts by
         confidence keeps those batch sizes out of the device loop (DeviceLoop.usable), so they step here.
         native / spec: the executors to step with, when the caller has its own (a step width, a drafter's
         seams, a prefill budget: `generate`); by default they are built from runner, drafter and stop_ids."""
@@ -170,7 +170,7 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams, method: str = "native",
-            block_size: int | None = None, first_token: int | None = None, handoff: object | None = None
+            draft_width: int | None = None, first_token: int | None = None, handoff: object | None = None
             ) -> Request:
         """Queue a request; refuses at once what can never run here.
 
@@ -179,7 +179,7 @@ class Scheduler:
         handoff: that prefill's lease on the prompt's KV (the device path): imported at admission
         instead of prefilling, when this scheduler has a `handoff` importer."""
         try:
-            req = self._add(prompt, params, method, block_size, first_token)
+            req = self._add(prompt, params, method, draft_width, first_token)
         except BaseException:
             if handoff is not None:
                 self._release_lease(handoff)
@@ -206,7 +206,7 @@ class Scheduler:
     def _has_ready(self) -> bool:
         return any(self._ready(r) for r in self.waiting)
 
-    def _add(self, prompt: list[int], params: SamplingParams, method: str, block_size: int | None,
+    def _add(self, prompt: list[int], params: SamplingParams, method: str, draft_width: int | None,
              first_token: int | None) -> Request:
         if method not in ("native", "dflash"):
             raise ValueError(f"method must be 'native' or 'dflash', got {method!r}")
@@ -218,8 +218,8 @@ class Scheduler:
             raise ValueError(f"first_token {first_token} is outside the vocabulary")
         seq.forced_first = first_token
         if method == "dflash":
-            seq.block_size = self.spec._check_block(self.spec.block_size if block_size is None else block_size)
-        need = blocks_needed(len(prompt), params.max_tokens, seq.block_size, self.runner.block_size)
+            seq.draft_width = self.spec._check_width(self.spec.draft_width if draft_width is None else draft_width)
+        need = blocks_needed(len(prompt), params.max_tokens, seq.draft_width, self.runner.kv_block_size)
         if need > self._capacity:
             raise PromptTooLong(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} needs {need} KV "
                                 f"blocks; this KV cache has {self._capacity}")
@@ -278,9 +278,9 @@ class Scheduler:
 
     # ---- one iteration ------------------------------------------------------------------
     def _width(self, r: Request) -> int:
-        """Positions the request's next step may write: its whole DFlash block (a verify pads narrower rows to
-        the batch's widest, at most the block) or 1."""
-        return r.seq.block_size if r.method == "dflash" else 1
+        """Positions the request's next step may write: its whole DFlash draft width (a verify pads narrower rows
+        to the batch's widest, at most its draft width) or 1."""
+        return r.seq.draft_width if r.method == "dflash" else 1
 
     def _step_blocks(self, r: Request) -> int:
         """Blocks the request still has to get for its next step."""
@@ -291,7 +291,7 @@ class Scheduler:
         """Blocks a waiting request needs to be prefilled (or recomputed) and take its first step."""
         s = r.seq
         ctx = len(s.prompt) + max(len(s.output) - 1, 0)
-        return blocks_needed(ctx, 0, self._width(r), self.runner.block_size)
+        return blocks_needed(ctx, 0, self._width(r), self.runner.kv_block_size)
 
     def _pick(self) -> list[Request]:
         """Waiting requests to admit now, in queue order, skipping those whose prefix is still loading."""
@@ -392,7 +392,7 @@ class Scheduler:
         s.draft_len, s.pending, s.pending_rows = 0, None, 0
         if fresh:
             new = gen.new_sequences([s.prompt], [s.params])[0]
-            new.forced_first, new.block_size, new.t_start = s.forced_first, s.block_size, s.t_start
+            new.forced_first, new.draft_width, new.t_start = s.forced_first, s.draft_width, s.t_start
             r.seq = new
 
     def _make_room(self) -> None:
@@ -629,9 +629,9 @@ class Scheduler:
 
 
 def generate(gen: NativeGenerator, prompts: list[list[int]], params: list[SamplingParams],
-             block_sizes: list[int | None] | None = None, prefix_cache=None) -> list[Sequence]:
+             draft_widths: list[int | None] | None = None, prefix_cache=None) -> list[Sequence]:
     """Run a batch of requests to their ends through one Scheduler around `gen` (DFlash requests when it is a
-    DFlashGenerator, at `block_sizes` when given; else native ones) and return their sequences in order.
+    DFlashGenerator, at `draft_widths` when given; else native ones) and return their sequences in order.
 
     The offline form of what a decode worker does: requests that do not fit the KV cache together wait for
     room (policy reserve), one that can never fit raises PromptTooLong before anything runs, and a prefix
@@ -639,18 +639,18 @@ def generate(gen: NativeGenerator, prompts: list[list[int]], params: list[Sampli
     its error once the others have finished, with every KV block back."""
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-    if block_sizes is not None:
+    if draft_widths is not None:
         if not gen.speculative:
-            raise ValueError("block_sizes are DFlash widths; this generator is native")
-        if len(block_sizes) != len(prompts):
-            raise ValueError(f"{len(block_sizes)} block sizes for {len(prompts)} prompts")
+            raise ValueError("draft_widths are DFlash widths; this generator is native")
+        if len(draft_widths) != len(prompts):
+            raise ValueError(f"{len(draft_widths)} draft widths for {len(prompts)} prompts")
     sched = Scheduler(gen.runner, stop_ids=tuple(gen.stop_ids), prefix_cache=prefix_cache,
                       max_running=max(1, len(prompts)), native=None if gen.speculative else gen,
                       spec=gen if gen.speculative else None)
     sched.async_load, sched.drain = False, True
     method = "dflash" if gen.speculative else "native"
-    reqs = [sched.add(p, sp, method, block_size=w)
-            for p, sp, w in zip(prompts, params, block_sizes or [None] * len(prompts))]
+    reqs = [sched.add(p, sp, method, draft_width=w)
+            for p, sp, w in zip(prompts, params, draft_widths or [None] * len(prompts))]
     failed: list[tuple[Request, RequestFailed]] = []
     while not sched.idle:
         failed.extend(sched.step().failed)
@@ -674,7 +674,7 @@ def step_undrafted(gen: DFlashGenerator, seqs: list[Sequence]) -> None:
         feats = torch.cat([s.pending[:s.pending_rows] for s in pend])
         pos = np.concatenate([np.arange(s.draft_len, s.draft_len + s.pending_rows) for s in pend])
         slots = np.concatenate([slots_of(np.asarray(s.table.blocks, dtype=np.int64),
-                                         np.arange(s.draft_len, s.draft_len + s.pending_rows), runner.block_size)
+                                         np.arange(s.draft_len, s.draft_len + s.pending_rows), runner.kv_block_size)
                                 for s in pend])
         gen.drafter.write_context(gen.drafts.cache.data, feats, torch.from_numpy(pos).to(dev),
                                   torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(dev))

@@ -57,7 +57,7 @@ class Sequence:
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     t_start: float = field(default_factory=time.perf_counter)
-    block_size: int = 1  # DFlash block width of this request (1 = native)
+    draft_width: int = 1  # DFlash draft width of this request (1 = native)
     draft_len: int = 0  # positions whose drafter context K/V is cached
     pending: "torch.Tensor | None" = None  # tapped target states of accepted positions not yet in the draft cache
     pending_rows: int = 0  # how many leading rows of `pending` are real

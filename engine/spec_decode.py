@@ -36,7 +36,7 @@ class DFlashGenerator(NativeGenerator):
     speculative = True
 
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter, stop_ids: Iterable[int] = (),
-                 block_size: int | None = None, width_policy: WidthPolicy | None = None) -> None:
+                 draft_width: int | None = None, width_policy: WidthPolicy | None = None) -> None:
         super().__init__(runner, stop_ids)
         self.width_policy = width_policy or FixedWidth()
         self.width_stats = WidthStats()
@@ -44,7 +44,7 @@ class DFlashGenerator(NativeGenerator):
         if tuple(runner.taps) != tuple(c.target_layer_ids):
             raise ValueError(f"runner taps {runner.taps} != drafter target_layer_ids {c.target_layer_ids}")
         self.drafter = drafter
-        self.block_size = self._check_block(c.block_size if block_size is None else block_size)
+        self.draft_width = self._check_width(c.block_size if draft_width is None else draft_width)
         self.drafts = DraftRunner(drafter, runner)
         self.fused = FusedGreedyStep(runner, self.drafts)
 
@@ -56,43 +56,43 @@ class DFlashGenerator(NativeGenerator):
         return True
 
     @staticmethod
-    def _check_block(w: int) -> int:
+    def _check_width(w: int) -> int:
         if not 2 <= w <= 16:
-            raise ValueError(f"block_size must be in [2, 16], got {w}")
+            raise ValueError(f"draft width (block_size) must be in [2, 16], got {w}")
         return w
 
     def _fused_width(self, seqs: list[Sequence], widths: list[int]) -> int:
         """The width T at which draft and verify run as one graph (spec_graph.py), or 0 when they cannot:
         sampled rows and test hooks need the host between the passes. Rows narrower than T are padded with
-        the drafter's further guesses, whose verdicts are never read. T is the batch's block size (at most
+        the drafter's further guesses, whose verdicts are never read. T is the batch's draft width (at most
         the width policy's cap) when every row shares it, so a request's last steps (narrower as
         max_tokens nears) replay the graph of its other steps instead of capturing one per width; else the
-        widest row. A row never writes past its own block width, which is what its KV reservation covers."""
+        widest row. A row never writes past its own draft width, which is what its KV reservation covers."""
         if not self.model_steps() or not all(s.params.greedy for s in seqs):
             return 0
         cap = self.width_policy.cap(len(seqs))
-        for t in (min(cap, max(s.block_size for s in seqs)), max(widths)):
+        for t in (min(cap, max(s.draft_width for s in seqs)), max(widths)):
             if self._fits(seqs, t):
                 return t
         return 0
 
     def _fits(self, seqs: list[Sequence], t: int) -> bool:
-        """Every row may write t verify positions: within its block (its KV reservation) and the model."""
-        return all(t <= s.block_size and s.table.num_tokens + t <= self.runner.max_positions for s in seqs)
+        """Every row may write t verify positions: within its draft width (its KV reservation) and the model."""
+        return all(t <= s.draft_width and s.table.num_tokens + t <= self.runner.max_positions for s in seqs)
 
     def limits(self, seqs: list[Sequence]) -> list[int]:
-        """Each row's widest verify this step: its block, the policy's cap for this batch size, and what
+        """Each row's widest verify this step: its draft width, the policy's cap for this batch size, and what
         max_tokens still admits."""
         cap = self.width_policy.cap(len(seqs))
-        return [min(s.block_size, cap, s.params.max_tokens - len(s.output) + 1) for s in seqs]
+        return [min(s.draft_width, cap, s.params.max_tokens - len(s.output) + 1) for s in seqs]
 
     def loop_width(self, seqs: list[Sequence]) -> int | None:
-        """The block width the device loop steps these rows at, or None where it cannot: rows of different
+        """The draft width the device loop steps these rows at, or None where it cannot: rows of different
         widths, or a policy that cuts by confidence at this batch size (that needs the host mid-step)."""
         pol = self.width_policy
         if pol.cuts(len(seqs)):
             return None
-        widths = {min(s.block_size, pol.cap(len(seqs))) for s in seqs}
+        widths = {min(s.draft_width, pol.cap(len(seqs))) for s in seqs}
         return widths.pop() if len(widths) == 1 else None
 
     # ---- one speculative step ------------------------------------------------------------

@@ -74,10 +74,10 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     t0 = time.perf_counter()
     n, batches, skipped, bucket_s = 0, {m: [] for m in methods}, {m: [] for m in methods}, 0.0
 
-    width = scheduler.spec.block_size if scheduler.spec is not None else 1  # a DFlash request's draft block
+    width = scheduler.spec.draft_width if scheduler.spec is not None else 1  # a DFlash request's draft width
 
     def fits(group: list[list[int]], tokens: int) -> bool:
-        return sum(blocks_needed(len(p), tokens, width, runner.block_size) + 1 for p in group) <= free
+        return sum(blocks_needed(len(p), tokens, width, runner.kv_block_size) + 1 for p in group) <= free
 
     def run(group: list[list[int]], sp: SamplingParams, method: str) -> None:
         nonlocal n

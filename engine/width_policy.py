@@ -4,7 +4,7 @@ Why a policy: a verify pass costs the target rows x T positions (rows are padded
 T). At batch 1 a wide block is nearly free (the pass is bound by weights, not positions), so wider
 amortizes better; under load every drafted-and-rejected position is verify compute spent for nothing.
 
-`FixedWidth` is what a step always did: the request's block (or a fixed cap on it). `ConfidenceWidth`
+`FixedWidth` is what a step always did: the request's draft width (or a fixed cap on it). `ConfidenceWidth`
 picks the width per step and row from the draft's confidence: c_k, the drafter's probability of its own
 greedy token at block position k (a softmax at temperature 1 over the draft logits the step already
 computes, for greedy and sampled rows alike). A row
@@ -80,7 +80,7 @@ class WidthPolicy:
     """Base: the batch's width cap by batch size, whether this batch's step cuts by confidence, and the cut."""
 
     def cap(self, batch: int) -> int:
-        """The widest block a step of `batch` rows may verify (each row is also held to its own block)."""
+        """The widest block a step of `batch` rows may verify (each row is also held to its own draft width)."""
         return MAX_BLOCK
 
     def cuts(self, batch: int) -> bool:
@@ -107,7 +107,7 @@ class WidthPolicy:
 
 @dataclass(frozen=True)
 class FixedWidth(WidthPolicy):
-    """Every step verifies the row's whole block, at most `width` (16: the block itself, the default)."""
+    """Every step verifies the row's whole block (its draft width), at most `width` (16, the default: no cap)."""
 
     width: int = MAX_BLOCK
 

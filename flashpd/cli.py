@@ -48,7 +48,8 @@ def _prompt_ids(s: str) -> list[int]:
 
 
 def parse_speculative_config(text: str) -> dict:
-    """vLLM's spelling: {"method": "dflash", "model": DIR, "num_speculative_tokens": K} -> block K+1."""
+    """vLLM's spelling: {"method": "dflash", "model": DIR, "num_speculative_tokens": K} -> block_size
+    (--block-size's dest: the draft width) K+1."""
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
@@ -79,10 +80,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", help="z-lab DFlash drafter directory (unset: native decoding only)")
     p.add_argument("--method", choices=["native", "dflash"],
                    help="decoding method (unset: dflash when a drafter is given, else native)")
-    p.add_argument("--block-size", type=int, help="DFlash block width, 2..16 (unset: the drafter's)")
+    p.add_argument("--block-size", type=int, help="DFlash draft width, 2..16 (unset: the drafter's)")
     p.add_argument("--speculative-config",
                    help='the drafter in vLLM\'s form, instead of --draft: \'{"method": "dflash", "model": DIR, '
-                        '"num_speculative_tokens": 15}\' (K tokens: block width K+1; unset: --draft)')
+                        '"num_speculative_tokens": 15}\' (K tokens: draft width K+1; unset: --draft)')
     add_sampling_args(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json); this or --prompt-ids")
@@ -96,19 +97,19 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     from flashpd.llm import LLM  # noqa: PLC0415 (keeps `flashpd --help` fast)
 
-    method, draft, block = a.method, a.draft, a.block_size
+    method, draft, width = a.method, a.draft, a.block_size
     if a.speculative_config:
         spec = parse_speculative_config(a.speculative_config)
         if draft and draft != spec["draft"]:
             raise ValueError("--draft and --speculative-config name different drafters")
         method, draft = method or spec["method"], spec["draft"]
-        block = spec.get("block_size") if block is None else block
+        width = spec.get("block_size") if width is None else width
     if method == "native" and draft:
         draft = None  # an explicit native run ignores the drafter
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
     params.validate()
-    llm = LLM(target=a.target, draft=draft, method=method, block_size=block, device=a.device, dtype=a.dtype)
+    llm = LLM(target=a.target, draft=draft, method=method, block_size=width, device=a.device, dtype=a.dtype)
     out = llm.generate([a.prompt if a.prompt is not None else a.prompt_ids], params)[0]
     if a.json:
         print(json.dumps(out.as_dict()))
@@ -151,7 +152,7 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                                   "evaluate on), else random token prompts")
     t.add_argument("--layers", type=int, default=2, help="draft layers")
     t.add_argument("--intermediate-size", type=int, help="draft MLP width (unset: the target's)")
-    t.add_argument("--block-size", type=int, default=16, help="DFlash block width the drafter is trained for")
+    t.add_argument("--block-size", type=int, default=16, help="DFlash draft width the drafter is trained for")
     t.add_argument("--taps", type=int, default=5, help="number of target layers tapped")
     t.add_argument("--mask-token-id", type=int,
                    help="token id of a block's masked positions (unset: the target's last vocabulary id)")

@@ -81,7 +81,7 @@ def _share_strategy(t: torch.Tensor) -> None:
 class Geometry:
     """What an importer checks before it copies: both caches' shapes (blocks aside) and dtype."""
 
-    target: tuple[int, ...]  # [layers, 2, block_size, kv_heads, head_dim]
+    target: tuple[int, ...]  # [layers, 2, kv_block_size, kv_heads, head_dim]
     draft: tuple[int, ...] | None
     dtype: str
     fingerprint: str

@@ -55,7 +55,7 @@ class ChunkLayout:
     @classmethod
     def of_caches(cls, target_cache: torch.Tensor, draft_cache: torch.Tensor | None, chunk_tokens: int,
                   fingerprint: str | None) -> "ChunkLayout":
-        """The layout of what fits the paged caches [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+        """The layout of what fits the paged caches [layers, 2, blocks, kv_block_size, kv_heads, head_dim]."""
         lt, _, _, _, ht, dt = target_cache.shape
         ld, hd, dd = (draft_cache.shape[0], draft_cache.shape[4], draft_cache.shape[5]) if draft_cache is not None \
             else (None, None, None)

@@ -158,7 +158,7 @@ class PrefixCache:
         """Write one chunk into the sequence's slots; False if anything fails (positions from lo on are
         then recomputed, overwriting whatever part was written)."""
         try:
-            slots = position_slots(seq.table, lo, hi, runner.block_size, runner.device)
+            slots = position_slots(seq.table, lo, hi, runner.kv_block_size, runner.device)
             write_positions(runner.cache.data, slots, chunk.target_kv)
             if drafts is not None:
                 # the control zeroes the drafter's slots: "not restored" must not silently read
@@ -181,7 +181,7 @@ class PrefixCache:
         n = min(len(seq.prompt), seq.table.num_tokens, seq.draft_len if drafts is not None else len(seq.prompt)) // ct
         out = Pending(list(seq.prompt), drafts is not None)
         for i in range(n):
-            slots = position_slots(seq.table, i * ct, (i + 1) * ct, runner.block_size, runner.device)
+            slots = position_slots(seq.table, i * ct, (i + 1) * ct, runner.kv_block_size, runner.device)
             # fresh tensors on the cache's device: a DeviceStore keeps them there, byte stores serialise
             # them (KVChunk.to_bytes moves them to the host)
             out.target.append(read_positions(runner.cache.data, slots))

@@ -54,12 +54,12 @@ class Engine:
     def vocab(self) -> int:
         return self.target.cfg.vocab_size
 
-    def dflash(self, stop_ids: Iterable[int] = (), block_size: int | None = None, guesses=None) -> DFlashGenerator:
+    def dflash(self, stop_ids: Iterable[int] = (), draft_width: int | None = None, guesses=None) -> DFlashGenerator:
         """A fresh DFlashGenerator (own draft cache) on the shared runner; given `guesses` ((seq, width) ->
         width-1 tokens), a GuessingDFlash whose drafts are those instead of the drafter's."""
         if guesses is not None:
-            return GuessingDFlash(self.runner, self.drafter, stop_ids, block_size, guesses=guesses)
-        return DFlashGenerator(self.runner, self.drafter, stop_ids, block_size)
+            return GuessingDFlash(self.runner, self.drafter, stop_ids, draft_width, guesses=guesses)
+        return DFlashGenerator(self.runner, self.drafter, stop_ids, draft_width)
 
     def native(self, prompts: list[list[int]], max_tokens: int | list[int], stop_ids: Iterable[int] = (),
                ignore_eos: bool = True) -> list[list[int]]:
@@ -83,7 +83,7 @@ def engine_for(pair: Pair, num_blocks: int = 1024) -> Engine:
     if id(pair) not in _ENGINES:
         target = load_target(pair.target_dir)
         drafter = load_drafter(pair.draft_dir, target)
-        runner = ModelRunner(target, num_blocks=num_blocks, block_size=KV_BLOCK,
+        runner = ModelRunner(target, num_blocks=num_blocks, kv_block_size=KV_BLOCK,
                              taps=tuple(drafter.cfg.target_layer_ids), config=RunnerConfig(cuda_graphs=False))
         _ENGINES[id(pair)] = Engine(pair, target, drafter, runner)
     return _ENGINES[id(pair)]
@@ -107,7 +107,7 @@ def run_checked(gen, prompts: list[list[int]], params: list[SamplingParams], **k
         if isinstance(gen, DFlashGenerator):
             al = s.stats.acceptance_lengths
             assert sum(al) == len(s.output) - 1, (al, len(s.output))
-            assert all(1 <= a <= s.block_size for a in al), al
+            assert all(1 <= a <= s.draft_width for a in al), al
     return seqs
 
 

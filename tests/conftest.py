@@ -120,10 +120,10 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., t
     return make
 
 
-def new_runner(model_dir: Path | str, num_blocks: int = 256, block_size: int = 16,
+def new_runner(model_dir: Path | str, num_blocks: int = 256, kv_block_size: int = 16,
                taps: tuple[int, ...] = (), config: RunnerConfig | None = None) -> ModelRunner:
     """A CPU float32 runner over a freshly loaded target (default config: no CUDA graphs)."""
-    return ModelRunner(load_target(model_dir), num_blocks=num_blocks, block_size=block_size, taps=taps,
+    return ModelRunner(load_target(model_dir), num_blocks=num_blocks, kv_block_size=kv_block_size, taps=taps,
                        config=config or RunnerConfig(cuda_graphs=False))
 
 

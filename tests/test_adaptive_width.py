@@ -191,7 +191,7 @@ def test_undrafted_steps_keep_the_draft_context(dflash_engine, batch):
                          config=RunnerConfig(compile=False))
     gen = DFlashGenerator(runner, drafter, (), 16)
     s = gen.new_sequences([prompts[3]], [greedy(MAX_NEW)])[0]
-    s.block_size = 16
+    s.draft_width = 16
     gen.reserve([s])
     gen.prefill_request([s])
     for undrafted in (False, True, True, False, True):
@@ -219,7 +219,7 @@ def test_sampled_rows_with_cut_widths_follow_the_target(tiny):  # noqa: F811
     n = 2000
     joint = exact_joint(tiny["hf"], PROMPT, N_TOKENS, 1.0, 1.0, 0)
     pol = ConfidenceWidth(threshold=0.2, cut_from_batch=1, window=0, share_batch_width=False)
-    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], block_size=4, width_policy=pol)
+    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], draft_width=4, width_policy=pol)
     params = [SamplingParams(max_tokens=N_TOKENS, temperature=1.0, seed=7000 + i, ignore_eos=True) for i in range(n)]
     seqs = run_checked(gen, [PROMPT] * n, params)
     drafted = [sum(s.stats.position_drafted[k] for s in seqs if len(s.stats.position_drafted) > k) for k in range(3)]

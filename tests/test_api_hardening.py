@@ -286,7 +286,7 @@ def test_a_prefill_whose_call_ended_while_waiting_never_runs():
         return "result"
 
     runner = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=8)), max_positions=64,
-                             allocator=SimpleNamespace(num_free=4), block_size=16)
+                             allocator=SimpleNamespace(num_free=4), kv_block_size=16)
     host = PrefillHost(SimpleNamespace(prefill=prefill), runner, None)
     busy = threading.Thread(target=host.prefill, args=([1], SamplingParams(), 10.0))
     busy.start()

@@ -59,7 +59,36 @@ def test_target_matches_hf_with_matmul_attention(force_matmul, make_checkpoint, 
 def test_dflash_matches_reference_with_matmul_attention(dflash_pair, dflash_engine):  # noqa: F811
     """The target and the drafter (DraftRunner passes runner.config.attention_impl on) both forced."""
     eng = dflash_engine
-    runner = ModelRunner(eng.target, num_blocks=1024, block_size=KV_BLOCK, taps=tuple(eng.drafter.cfg.target_layer_ids),
-                         config=MATMUL)
+    runner = ModelRunner(eng.target, num_blocks=1024, kv_block_size=KV_BLOCK,
+                         taps=tuple(eng.drafter.cfg.target_layer_ids), config=MATMUL)
     dflash_parity.test_generate_matches_reference_dflash_generate(dflash_pair, Engine(dflash_pair, eng.target,
                                                                                      eng.drafter, runner), 16)
+
+
+@pytest.mark.parametrize("b,t,hq,hkv", [(5, 1, 8, 2), (4, 3, 6, 3), (2, 1, 4, 4)])
+def test_paged_branch_projects_like_the_gather_branch(monkeypatch, b, t, hq, hkv):
+    """The batched-decode branch of the layer (paged attention, then o_proj as one matmul over
+    attention.heads_last's [B, T, Hq*d]) against the gather branch (attention.out_proj's per-KV-head
+    matmuls and their sum), float32: the same layer output. The paged kernel is stood in for by the gather
+    path's own attention (the kernel itself: test_paged_attention.py), so what is compared is the head
+    order and the projection."""
+    import flashpd.engine.qwen3 as qwen3  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(b * 100 + t)
+    d, hidden, inter, bs, nblk = 16, 32, 48, 4, 3
+    keys = nblk * bs
+    q = torch.randn(hkv, b, t * (hq // hkv), d, generator=g)
+    k_cache, v_cache = torch.randn(2, b * nblk + 1, bs, hkv, d, generator=g).unbind(0)
+    bt = torch.arange(1, b * nblk + 1).view(b, nblk)
+    pos = torch.arange(keys - t, keys).repeat(b, 1)
+    mask = group_mask(attention.causal_position_mask(pos, keys), hq // hkv)
+    h = torch.randn(b, t, hidden, generator=g)
+    w_o, w_post = torch.randn(hidden, hq * d, generator=g) / 8, torch.rand(hidden, generator=g) + 0.5
+    w_gate_up, w_down = torch.randn(2 * inter, hidden, generator=g) / 6, torch.randn(hidden, inter, generator=g) / 7
+    args = (h, q, k_cache, v_cache, bt, pos, mask, w_o, w_post, w_gate_up, w_down, 1e-6, d ** -0.5)
+    gathered = qwen3.attn_mlp(*args)
+    monkeypatch.setattr(qwen3, "use_paged", lambda *a: True)
+    monkeypatch.setattr(qwen3, "paged_attention", lambda q_, kc, vc, bt_, pos_, scale: attention.grouped_attention(
+        q_, attention.gather_kv(kc, bt_), attention.gather_kv(vc, bt_), mask, scale))
+    paged = qwen3.attn_mlp(*args)
+    torch.testing.assert_close(paged, gathered, rtol=1e-5, atol=1e-5)

@@ -96,7 +96,7 @@ def test_missing_mask_token_is_refused(dflash_pair, dflash_engine, tmp_path):
 
 
 def test_runner_taps_must_match_drafter(dflash_engine):
-    runner = ModelRunner(dflash_engine.target, num_blocks=8, block_size=16, taps=(0, 1, 2),
+    runner = ModelRunner(dflash_engine.target, num_blocks=8, kv_block_size=16, taps=(0, 1, 2),
                          config=RunnerConfig(cuda_graphs=False))
     with pytest.raises(ValueError, match="target_layer_ids"):
         DFlashGenerator(runner, dflash_engine.drafter)

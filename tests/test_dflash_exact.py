@@ -49,7 +49,7 @@ def _tau(seqs) -> float:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_batch8_equals_native_greedy(dflash_engine, exact_set, width):
     prompts, maxes, native = exact_set
-    gen = dflash_engine.dflash(block_size=width)
+    gen = dflash_engine.dflash(draft_width=width)
     seqs = []
     for i in range(0, len(prompts), 8):
         seqs += run_checked(gen, prompts[i:i + 8], [greedy(m) for m in maxes[i:i + 8]])
@@ -63,7 +63,7 @@ def test_batch8_equals_native_greedy(dflash_engine, exact_set, width):
 
 def test_batch1_equals_native_greedy(dflash_engine, exact_set):
     prompts, maxes, native = exact_set
-    gens = {w: dflash_engine.dflash(block_size=w) for w in WIDTHS}
+    gens = {w: dflash_engine.dflash(draft_width=w) for w in WIDTHS}
     for i, (p, m, want) in enumerate(zip(prompts, maxes, native)):
         for w in (WIDTHS[i % 5], WIDTHS[(i + 2) % 5]):  # every prompt at two widths, every width 8 times
             s = run_checked(gens[w], [p], [greedy(m)])[0]
@@ -74,7 +74,7 @@ def test_mixed_widths_in_one_batch_equal_native(dflash_engine, exact_set):
     prompts, maxes, native = exact_set
     gen = dflash_engine.dflash()
     widths = [WIDTHS[i % 5] for i in range(8)]
-    seqs = run_checked(gen, prompts[4:12], [greedy(m) for m in maxes[4:12]], block_sizes=widths)
+    seqs = run_checked(gen, prompts[4:12], [greedy(m) for m in maxes[4:12]], draft_widths=widths)
     assert [s.output for s in seqs] == native[4:12]
 
 
@@ -84,7 +84,7 @@ def test_tiny_max_tokens(dflash_engine, exact_set, max_tokens):
     prompts, _, _ = exact_set
     ps = prompts[:8]
     native = dflash_engine.native(ps, max_tokens)
-    seqs = run_checked(dflash_engine.dflash(block_size=16), ps, [greedy(max_tokens)] * 8)
+    seqs = run_checked(dflash_engine.dflash(draft_width=16), ps, [greedy(max_tokens)] * 8)
     assert [s.output for s in seqs] == native
     for s in seqs:
         assert s.finish_reason == "length"
@@ -99,7 +99,7 @@ def test_always_wrong_drafter_gives_tau_one(dflash_engine, exact_set, width):
     prompts, maxes, native = exact_set
     ps, ms, nat = prompts[:8], maxes[:8], native[:8]
     wrong = oracle_override({tuple(p): n for p, n in zip(ps, nat)}, shift=1, vocab=dflash_engine.vocab)
-    gen = dflash_engine.dflash(block_size=width, guesses=wrong)
+    gen = dflash_engine.dflash(draft_width=width, guesses=wrong)
     seqs = run_checked(gen, ps, [greedy(m) for m in ms])
     assert gen.guess_fn.calls, "the override was never consulted"
     for s, m, want in zip(seqs, ms, nat):
@@ -113,7 +113,7 @@ def test_always_wrong_drafter_gives_tau_one(dflash_engine, exact_set, width):
 def test_oracle_drafter_accepts_full_blocks(dflash_engine, exact_set, width):
     prompts, maxes, native = exact_set
     ps, ms, nat = prompts[8:16], maxes[8:16], native[8:16]
-    gen = dflash_engine.dflash(block_size=width, guesses=oracle_override({tuple(p): n for p, n in zip(ps, nat)}))
+    gen = dflash_engine.dflash(draft_width=width, guesses=oracle_override({tuple(p): n for p, n in zip(ps, nat)}))
     seqs = run_checked(gen, ps, [greedy(m) for m in ms])
     for s, m, want in zip(seqs, ms, nat):
         assert s.output == want
@@ -126,7 +126,7 @@ def test_oracle_drafter_accepts_full_blocks(dflash_engine, exact_set, width):
 def test_oracle_drafter_batch1_long_prompt(dflash_engine, exact_set):
     prompts, maxes, native = exact_set
     i = max(range(len(prompts)), key=lambda k: len(prompts[k]))  # the 500-token prompt
-    gen = dflash_engine.dflash(block_size=16, guesses=oracle_override({tuple(prompts[i]): native[i]}))
+    gen = dflash_engine.dflash(draft_width=16, guesses=oracle_override({tuple(prompts[i]): native[i]}))
     s = run_checked(gen, [prompts[i]], [greedy(maxes[i])])[0]
     assert s.output == native[i]
     assert s.stats.acceptance_lengths == oracle_acceptance(maxes[i], 16)
@@ -153,7 +153,7 @@ def test_stop_token_inside_accepted_block(dflash_engine, exact_set, width):
             continue
         found += 1
         stop = nat[j]
-        gen = dflash_engine.dflash(stop_ids=[stop], block_size=width, guesses=oracle_override({tuple(p): nat}))
+        gen = dflash_engine.dflash(stop_ids=[stop], draft_width=width, guesses=oracle_override({tuple(p): nat}))
         s = run_checked(gen, [p], [greedy(m, ignore_eos=False)])[0]
         assert s.output == nat[:j + 1], "output must end exactly at (and include) the first stop token"
         assert s.finish_reason == "stop"
@@ -176,7 +176,7 @@ def test_stop_tokens_with_trained_drafter_batch(dflash_engine, exact_set):
     nat = dflash_engine.native(ps, ms)
     stops = {nat[0][20], nat[3][9]}  # tokens that occur in these continuations
     want = dflash_engine.native(ps, ms, stop_ids=stops, ignore_eos=False)
-    seqs = run_checked(dflash_engine.dflash(stop_ids=stops, block_size=8), ps,
+    seqs = run_checked(dflash_engine.dflash(stop_ids=stops, draft_width=8), ps,
                        [greedy(m, ignore_eos=False) for m in ms])
     n_stopped = 0
     for s, w in zip(seqs, want):
@@ -193,7 +193,7 @@ def test_stop_tokens_with_trained_drafter_batch(dflash_engine, exact_set):
 def test_stop_token_as_first_token(dflash_engine, exact_set):
     prompts, maxes, native = exact_set
     p, nat = prompts[2], native[2]
-    gen = dflash_engine.dflash(stop_ids=[nat[0]], block_size=16)
+    gen = dflash_engine.dflash(stop_ids=[nat[0]], draft_width=16)
     s = run_checked(gen, [p], [greedy(40, ignore_eos=False)])[0]
     assert s.output == [nat[0]] and s.finish_reason == "stop"
     assert s.stats.acceptance_lengths == [] and s.stats.tau is None
@@ -207,22 +207,22 @@ def test_max_tokens_inside_block(dflash_engine, exact_set, width, max_tokens):
     ps = prompts[10:18]
     nat = dflash_engine.native(ps, max_tokens)
     # oracle: the final verify step shrinks to the remaining tokens
-    gen = dflash_engine.dflash(block_size=width, guesses=oracle_override({tuple(p): n for p, n in zip(ps, nat)}))
+    gen = dflash_engine.dflash(draft_width=width, guesses=oracle_override({tuple(p): n for p, n in zip(ps, nat)}))
     for s, want in zip(run_checked(gen, ps, [greedy(max_tokens)] * 8), nat):
         assert s.output == want and len(s.output) == max_tokens
         assert s.finish_reason == "length"
         assert s.stats.acceptance_lengths == oracle_acceptance(max_tokens, width)
         assert s.stats.acceptance_lengths[-1] == (max_tokens - 1) % width
     # trained drafter
-    for s, want in zip(run_checked(dflash_engine.dflash(block_size=width), ps, [greedy(max_tokens)] * 8), nat):
+    for s, want in zip(run_checked(dflash_engine.dflash(draft_width=width), ps, [greedy(max_tokens)] * 8), nat):
         assert s.output == want and s.finish_reason == "length"
 
 
-def test_generator_refuses_bad_block_sizes(dflash_engine):
+def test_generator_refuses_bad_draft_widths(dflash_engine):
     with pytest.raises(ValueError, match="block_size"):
-        dflash_engine.dflash(block_size=17)
+        dflash_engine.dflash(draft_width=17)
     with pytest.raises(ValueError, match="block_size"):
-        generate(dflash_engine.dflash(), [[1, 2, 3]], [SamplingParams(max_tokens=4)], block_sizes=[1])
+        generate(dflash_engine.dflash(), [[1, 2, 3]], [SamplingParams(max_tokens=4)], draft_widths=[1])
 
 
 def test_stop_at_first_token_for_one_row_of_a_batch(dflash_engine, exact_set):
@@ -233,7 +233,7 @@ def test_stop_at_first_token_for_one_row_of_a_batch(dflash_engine, exact_set):
     stop = nat[2][0]
     want = dflash_engine.native(ps, 40, stop_ids=[stop], ignore_eos=False)
     assert want[2] == [stop] and any(len(w) > 1 for w in want)
-    seqs = run_checked(dflash_engine.dflash(stop_ids=[stop], block_size=8), ps, [greedy(40, ignore_eos=False)] * 6)
+    seqs = run_checked(dflash_engine.dflash(stop_ids=[stop], draft_width=8), ps, [greedy(40, ignore_eos=False)] * 6)
     assert [s.output for s in seqs] == want
     assert seqs[2].finish_reason == "stop" and seqs[2].stats.acceptance_lengths == []
 
@@ -244,7 +244,7 @@ def test_greedy_rows_stay_exact_next_to_sampled_rows(dflash_engine, exact_set):
     params = [greedy(m) if i % 2 == 0 else
               SamplingParams(max_tokens=m, temperature=1.0, top_k=20, seed=i, ignore_eos=True)
               for i, m in enumerate(ms)]
-    seqs = run_checked(dflash_engine.dflash(block_size=8), ps, params)
+    seqs = run_checked(dflash_engine.dflash(draft_width=8), ps, params)
     for i, s in enumerate(seqs):
         if i % 2 == 0:
             assert s.output == native[i]
@@ -259,7 +259,7 @@ def test_row_near_position_limit_next_to_a_wide_row(dflash_engine):
     a = torch.randint(0, dflash_engine.vocab, (limit - 12,), generator=g).tolist()
     b = torch.randint(0, dflash_engine.vocab, (20,), generator=g).tolist()
     want = dflash_engine.native([a, b], [12, 40])
-    seqs = run_checked(dflash_engine.dflash(block_size=16), [a, b], [greedy(12), greedy(40)])
+    seqs = run_checked(dflash_engine.dflash(draft_width=16), [a, b], [greedy(12), greedy(40)])
     assert [s.output for s in seqs] == want
 
 
@@ -269,4 +269,4 @@ def test_row_at_position_limit_alone(dflash_engine):
     g = torch.Generator().manual_seed(3)
     a = torch.randint(0, dflash_engine.vocab, (limit - 12,), generator=g).tolist()
     want = dflash_engine.native([a], 12)
-    assert run_checked(dflash_engine.dflash(block_size=16), [a], [greedy(12)])[0].output == want[0]
+    assert run_checked(dflash_engine.dflash(draft_width=16), [a], [greedy(12)])[0].output == want[0]

@@ -139,7 +139,7 @@ def test_generate_matches_reference_dflash_generate(dflash_pair, dflash_engine, 
         assert len(ids) == m and sum(al) == m - 1
     _check_acceptance_is_informative([al for _, al in refs], width)
 
-    gen = eng.dflash(block_size=width)
+    gen = eng.dflash(draft_width=width)
     # batch 1
     for i, (p, m, (ids, al)) in enumerate(zip(prompts, maxes, refs)):
         s = run_checked(gen, [p], [greedy(m)])[0]
@@ -153,16 +153,16 @@ def test_generate_matches_reference_dflash_generate(dflash_pair, dflash_engine, 
         assert s.stats.acceptance_lengths == al, f"batch row {i}: acceptance lengths differ"
 
 
-def test_mixed_block_sizes_in_one_batch_match_reference(dflash_pair, dflash_engine):
-    """Per-request block sizes (generate(block_sizes=...)): each row follows the reference at its width."""
+def test_mixed_draft_widths_in_one_batch_match_reference(dflash_pair, dflash_engine):
+    """Per-request draft widths (generate(draft_widths=...)): each row follows the reference at its width."""
     pair, eng = dflash_pair, dflash_engine
     widths = [8, 3, 16, 5, 2, 12, 8, 16]
     prompts = pair.prompts
     maxes = [41, 50, 33, 47, 29, 60, 45, 53]
-    seqs = run_checked(eng.dflash(), prompts, [greedy(m) for m in maxes], block_sizes=widths)
+    seqs = run_checked(eng.dflash(), prompts, [greedy(m) for m in maxes], draft_widths=widths)
     for i, (s, p, m, w) in enumerate(zip(seqs, prompts, maxes, widths)):
         ids, al = reference_generate(pair, p, m, block_size=w)
-        assert s.block_size == w
+        assert s.draft_width == w
         assert (s.output, s.stats.acceptance_lengths) == (ids, al), f"row {i} (width {w}) differs"
 
 
@@ -229,7 +229,7 @@ def test_exotic_drafter_draft_logits_and_generation_match_reference(exotic_pair,
     drafter = load_drafter(pair.draft_dir, dflash_engine.target)
     assert drafter.cfg.target_layer_ids == (4, 1) and drafter.cfg.head_dim == 32
     assert drafter.rotary is not dflash_engine.target.rotary
-    runner = ModelRunner(dflash_engine.target, num_blocks=256, block_size=16, taps=(4, 1),
+    runner = ModelRunner(dflash_engine.target, num_blocks=256, kv_block_size=16, taps=(4, 1),
                          config=RunnerConfig(cuda_graphs=False))
     eng = Engine(pair, dflash_engine.target, drafter, runner)
     # the features flashpd conditions on, in the drafter's tap order [4, 1], from a prefill and from a
@@ -256,7 +256,7 @@ def test_exotic_drafter_draft_logits_and_generation_match_reference(exotic_pair,
         assert_fp32_close(g, want, msg=lambda m: f"P={len(prompt)} width={width}: {m}")
     # whole generations: tokens and acceptance lengths of dflash_generate (default block 8 and 5)
     for width in (None, 5):
-        gen = eng.dflash(block_size=width)
+        gen = eng.dflash(draft_width=width)
         for p in pair.prompts[:4]:
             s = run_checked(gen, [p], [greedy(30)])[0]
             assert (s.output, s.stats.acceptance_lengths) == reference_generate(pair, p, 30, width)

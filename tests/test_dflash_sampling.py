@@ -62,7 +62,7 @@ def tiny(tmp_path_factory):
     ref.save_pretrained(d / "drafter")
     target = load_target(d / "target")
     drafter = load_drafter(d / "drafter", target)
-    runner = ModelRunner(target, num_blocks=2 * N_SAMPLES + 8, block_size=16,
+    runner = ModelRunner(target, num_blocks=2 * N_SAMPLES + 8, kv_block_size=16,
                          taps=tuple(drafter.cfg.target_layer_ids), config=RunnerConfig(cuda_graphs=False))
     return {"hf": hf, "target": target, "drafter": drafter, "runner": runner, "dir": d}
 
@@ -138,7 +138,7 @@ def test_dflash_sampling_matches_target_distribution(tiny, monkeypatch, name):
 
     counter = _Counting()
     monkeypatch.setattr(spec_decode, "rejection_sample", counter)
-    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], block_size=width)
+    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], draft_width=width)
     dflash = _samples(gen, params)
     # the drafter proposes non-trivially: both the residual and the bonus paths ran, many times
     assert counter.calls >= N_SAMPLES
@@ -158,7 +158,7 @@ def test_dflash_sampling_matches_target_distribution(tiny, monkeypatch, name):
 
 def test_sampling_is_reproducible_per_seed(tiny):
     params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (5, 6, 5)]
-    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], block_size=4)
+    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], draft_width=4)
     a = [s.output for s in run_checked(gen, [PROMPT] * 3, params)]
     b = [s.output for s in run_checked(gen, [PROMPT] * 3, params)]
     assert a == b and a[0] == a[2] and a[0] != a[1]
@@ -189,7 +189,7 @@ def test_chi_square_catches_a_broken_rejection_sampler(tiny, monkeypatch, broken
     params = [SamplingParams(max_tokens=N_TOKENS, temperature=temperature, seed=1000 + i, ignore_eos=True)
               for i in range(N_SAMPLES)]
     monkeypatch.setattr(spec_decode, "rejection_sample", broken)
-    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], block_size=width)
+    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], draft_width=width)
     p_family, tests = _family_p(_samples(gen, params), joint)
     assert p_family < 1e-4, f"a broken sampler went unnoticed: {tests}"
 
@@ -203,7 +203,7 @@ def test_extreme_temperatures_are_safe_in_dflash(tiny, temperature):
                                                 [PROMPT], [SamplingParams(max_tokens=12, ignore_eos=True)])]
     params = [SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True, **kw)
               for i, kw in enumerate([{}, dict(top_k=1), dict(top_p=1e-9), dict(top_k=3, top_p=0.5)])]
-    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], block_size=4)
+    gen = DFlashGenerator(tiny["runner"], tiny["drafter"], draft_width=4)
     seqs = run_checked(gen, [PROMPT] * len(params), params)
     assert all(len(s.output) == 12 and all(0 <= t < V for t in s.output) for s in seqs)
     if temperature < 1e-5:

@@ -20,7 +20,7 @@ from flashpd.kv_bridge.handoff import HandoffError
 from tests._cluster_helpers import colocated_reference  # noqa: F401  (session fixture)
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
 
-TARGET = (2, 2, 8, 4, 2, 8)  # [layers, k/v, blocks, block_size, heads, head_dim]
+TARGET = (2, 2, 8, 4, 2, 8)  # [layers, k/v, blocks, kv_block_size, heads, head_dim]
 DRAFT = (1, 2, 8, 4, 2, 8)
 TIMEOUT_S = 2.0  # the importer's bound on a pair's formation and on one receive
 

@@ -30,7 +30,7 @@ def test_padded_graph_path_equals_plain_path(dflash_pair):  # noqa: F811
     outs = {}
     for graphs in (False, True):
         runner = ModelRunner(target, 512, 16, taps=taps, config=RunnerConfig(cuda_graphs=graphs, compile=False))
-        spec = generate(DFlashGenerator(runner, drafter, (), 16), prompts, params, block_sizes=[16, 4, 8, 16, 2])
+        spec = generate(DFlashGenerator(runner, drafter, (), 16), prompts, params, draft_widths=[16, 4, 8, 16, 2])
         native = generate(NativeGenerator(runner), prompts, params)
         outs[graphs] = ([s.output for s in spec], [s.stats.acceptance_lengths for s in spec], [s.output for s in native])
     assert outs[True] == outs[False]

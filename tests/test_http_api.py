@@ -386,7 +386,7 @@ class _FakeHandle:
 class _FakeBackend:
     """A backend whose requests fail as the prompt's first id says (no engine): for the status mapping."""
 
-    has_drafter, default_block_size, vocab_size, max_positions, alive = False, None, 100, 64, True
+    has_drafter, default_draft_width, vocab_size, max_positions, alive = False, None, 100, 64, True
 
     def __init__(self) -> None:
         self.cancelled = []
@@ -394,7 +394,7 @@ class _FakeBackend:
     def counts(self) -> dict:
         return dict(running=0, waiting=0, kv_blocks_free=4, kv_blocks_total=4, kv_block_size=16)
 
-    def submit(self, prompt, params, method, block_size, timeout_s, first_token=None):
+    def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
         from flashpd.decode_node.engine_loop import EngineStopped, Event
         from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 

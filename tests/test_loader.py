@@ -355,7 +355,7 @@ TINY_DICT = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_s
 
 
 def _dummy_logits(model, tokens):
-    runner = ModelRunner(model, num_blocks=8, block_size=16, config=RunnerConfig(cuda_graphs=False))
+    runner = ModelRunner(model, num_blocks=8, kv_block_size=16, config=RunnerConfig(cuda_graphs=False))
     t = BlockTable()
     runner.allocator.ensure(t, len(tokens))
     return runner.forward([t], [tokens], want_logits="all").logits[0]

@@ -38,16 +38,17 @@ def _ensure(runner, tables, lengths):
         runner.allocator.ensure(t, t.num_tokens + n)
 
 
-@pytest.mark.parametrize("name,block_size", [(n, 16) for n in CONFIGS] + [
+@pytest.mark.parametrize("name,kv_block_size", [(n, 16) for n in CONFIGS] + [
     ("tied-gqa4to1-hd24-L2", 3),   # odd block size: blocks straddle every boundary
     ("untied-gqa4to1-hd24-L4", 1),  # one position per block: longest block tables
 ])
-def test_prefill_and_decode_logits_match_hf(make_checkpoint, name, block_size):
+def test_prefill_and_decode_logits_match_hf(make_checkpoint, name, kv_block_size):
     spec = CONFIGS[name]
     hf, d = make_checkpoint(**spec)
     vocab = hf.config.vocab_size
     steps = 32
-    runner = new_runner(d, num_blocks=(301 + 33 + 7 + 1 + 4 * steps) // block_size + 16, block_size=block_size)
+    runner = new_runner(d, num_blocks=(301 + 33 + 7 + 1 + 4 * steps) // kv_block_size + 16,
+                        kv_block_size=kv_block_size)
     prompts = random_prompts([1, 7, 33, 301], vocab, seed=11)
     conts = [hf_greedy(hf, p, steps) for p in prompts]          # HF's own greedy tokens
     refs = [hf_logits(hf, p + c) for p, c in zip(prompts, conts)]  # [len(p)+steps, V] each
@@ -89,7 +90,7 @@ def test_prefill_last_logits_equal_all_logits_at_last_position(make_checkpoint):
 def test_chunked_prefill_matches_hf(make_checkpoint):
     """A prompt fed in several multi-token chunks (odd block size) equals HF's one-shot forward."""
     hf, d = make_checkpoint(**CONFIGS["untied-gqa4to1-hd24-L4"])
-    runner = new_runner(d, num_blocks=64, block_size=5)
+    runner = new_runner(d, num_blocks=64, kv_block_size=5)
     (p,) = random_prompts([57], hf.config.vocab_size, seed=4)
     ref = hf_logits(hf, p)
     table, got, start = BlockTable(), [], 0
@@ -175,7 +176,7 @@ def test_truncate_then_decode_equals_fresh_sequence(make_checkpoint, n):
     prompt, went, new = random_prompts([21, 20, 9], vocab, seed=7)
     history = prompt + went  # 41 positions
 
-    runner = new_runner(d, num_blocks=32, block_size=bs)
+    runner = new_runner(d, num_blocks=32, kv_block_size=bs)
     a = BlockTable()
     _feed(runner, a, [prompt] + [[t] for t in went])          # prefill, then 20 decode steps
     assert a.num_tokens == 41 and len(a.blocks) == 11
@@ -188,7 +189,7 @@ def test_truncate_then_decode_equals_fresh_sequence(make_checkpoint, n):
     chunks = [new[:3]] + [[t] for t in new[3:]]
     got = _feed(runner, a, chunks)
 
-    fresh_runner = new_runner(d, num_blocks=32, block_size=bs)
+    fresh_runner = new_runner(d, num_blocks=32, kv_block_size=bs)
     f = BlockTable()
     _feed(fresh_runner, f, _history_chunks(prompt, went, n))   # same steps, but never went past n
     want = _feed(fresh_runner, f, chunks)
@@ -217,7 +218,7 @@ def test_truncate_frees_blocks_that_another_sequence_reuses(make_checkpoint):
     n = 26
     # exactly enough blocks for sequence A at its peak (41 positions = 11 blocks) + scratch:
     # after the truncate the only free blocks are the ones A gave back, so B must reuse them.
-    runner = new_runner(d, num_blocks=1 + 11, block_size=bs)
+    runner = new_runner(d, num_blocks=1 + 11, kv_block_size=bs)
     a = BlockTable()
     _feed(runner, a, [prompt] + [[t] for t in went])
     assert runner.allocator.num_free == 0
@@ -236,7 +237,7 @@ def test_truncate_frees_blocks_that_another_sequence_reuses(make_checkpoint):
     # A continues (needs 2 more blocks: give them back to the pool by finishing B first)
     runner.allocator.free(b)
     got = _feed(runner, a, [[t] for t in new])
-    ref_runner = new_runner(d, num_blocks=32, block_size=bs)
+    ref_runner = new_runner(d, num_blocks=32, kv_block_size=bs)
     f = BlockTable()
     _feed(ref_runner, f, _history_chunks(prompt, went, n))
     want = _feed(ref_runner, f, [[t] for t in new])
@@ -249,7 +250,7 @@ def test_interleaved_sequences_sharing_a_pool(make_checkpoint):
     hf, d = make_checkpoint(**CONFIGS["tied-gqa4to1-h8-L4"])
     vocab, bs = hf.config.vocab_size, 4
     p1, p2, junk, c1, c2 = random_prompts([13, 30, 12, 10, 10], vocab, seed=9)
-    runner = new_runner(d, num_blocks=40, block_size=bs)
+    runner = new_runner(d, num_blocks=40, kv_block_size=bs)
     a, b = BlockTable(), BlockTable()
     _feed(runner, a, [p1, junk])                      # A reads 13 + 12 junk positions
     runner.allocator.truncate(a, len(p1))             # ... and rolls the junk back
@@ -325,7 +326,7 @@ def test_bad_tap_ids_are_rejected(make_checkpoint, bad):
 
 def test_runner_refuses_unreserved_blocks_and_positions_past_the_end(make_checkpoint):
     hf, d = make_checkpoint(**CONFIGS["tied-gqa4to1-hd24-L2"])  # max_position_embeddings 1024
-    runner = new_runner(d, num_blocks=80, block_size=16)
+    runner = new_runner(d, num_blocks=80, kv_block_size=16)
     t = BlockTable()
     runner.allocator.ensure(t, 16)
     with pytest.raises(RuntimeError, match="allocator.ensure"):

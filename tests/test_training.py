@@ -362,7 +362,7 @@ def test_profile_step_times_dflash_steps_at_the_drafters_block_width():
     spec = DFlashGenerator(runner, drafter, (), 16)
     prompt = heldout_long_prompts(TextTokenizer.from_dir(DEMO / "target")._tok, 1, 128)[0]
     seqs = _ready(spec, prompt, 8)
-    assert seqs[0].block_size == 16
+    assert seqs[0].draft_width == 16
     spec.finish(seqs[0])
     row = measure_loop(spec, prompt, 48, 1, cuda=False)
     assert row["steps"] < 47 and row["tau"] > 1.0

@@ -41,7 +41,7 @@ class DrafterTrainConfig:
     # the draft layers' MLP width (default: the target's); wider buys capacity without more layers (the
     # drafter's share of a step's kernels stays the same)
     intermediate_size: int | None = None
-    block_size: int = 16
+    block_size: int = 16  # the drafter's draft width: config.json's and train_config.json's spelling
     target_layer_ids: tuple[int, ...] | None = None  # default: the DFlash spacing for `num_taps` taps
     num_taps: int = 5
     mask_token_id: int | None = None  # default: the target's last vocabulary id
@@ -120,7 +120,7 @@ def regenerate(target: Qwen3ForCausalLM, prompts: list[list[int]], new_tokens: i
     go in batches of similar length (then back in their order): a batch's attention and padding cost
     follow its longest prompt."""
     longest = max(len(p) for p in prompts) + new_tokens
-    runner = ModelRunner(target, num_blocks=batch * (longest // 16 + 2) + 2, block_size=16,
+    runner = ModelRunner(target, num_blocks=batch * (longest // 16 + 2) + 2, kv_block_size=16,
                          config=RunnerConfig(compile=False))
     # a GPU prefills a whole batch of prompts in a few forwards: with 8,192-token forwards (the serving
     # default) the demo recipe's regeneration spent much of its prefill time in Python and launches, eagerly
@@ -459,12 +459,12 @@ def tau_within(lengths: list[int], n: int) -> float | None:
 
 @torch.inference_mode()
 def evaluate_tau(target: Qwen3ForCausalLM, drafter: DFlashDrafter, prompts: list[list[int]], max_tokens: int,
-                 block_size: int | None = None, batch: int = 16) -> list[dict]:
+                 draft_width: int | None = None, batch: int = 16) -> list[dict]:
     """Greedy DFlash on held-out prompts: per prompt tau, acceptance lengths, and exactness vs native."""
     longest = max(len(p) for p in prompts) + max_tokens + 32
-    runner = ModelRunner(target, num_blocks=batch * (longest // 16 + 2) + 2, block_size=16,
+    runner = ModelRunner(target, num_blocks=batch * (longest // 16 + 2) + 2, kv_block_size=16,
                          taps=tuple(drafter.cfg.target_layer_ids), config=RunnerConfig(compile=False))
-    spec = DFlashGenerator(runner, drafter, target.cfg.eos_token_ids, block_size)
+    spec = DFlashGenerator(runner, drafter, target.cfg.eos_token_ids, draft_width)
     native = NativeGenerator(runner, target.cfg.eos_token_ids)
     rows = []
     progress = bar(desc="evaluate", total=len(prompts), unit="prompt")

@@ -27,7 +27,7 @@ import torch
 
 from flashpd.engine.cuda_graph import bucket
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, slots_of
-from flashpd.engine.sampling import accepted_greedy
+from flashpd.engine.sampling import accepted_greedy, step_width
 from flashpd.engine.sequence import Sequence
 
 # state columns (int64 [B, 6]): committed target length P, draft context length D, last token x,
@@ -96,8 +96,7 @@ def spec_in(st: torch.Tensor, bt: torch.Tensor, t: int, bs: int, mask_id: int) -
     ar = torch.arange(t, device=st.device)[None, :]
     p_, d_, x_, n_ = st[:, P:P + 1], st[:, D:D + 1], st[:, X:X + 1], st[:, N:N + 1]
     live = st[:, O] < st[:, M]
-    # this step's width: the block, or what max_tokens still admits (as the stepwise loop shrinks it)
-    w = (st[:, M:M + 1] - st[:, O:O + 1] + 1).clamp(1, t)
+    w = step_width(t, st[:, M:M + 1], st[:, O:O + 1])  # as the stepwise loop shrinks it near max_tokens
     ok = ar < n_
     cpos = torch.where(ok, d_ + ar, 0).reshape(-1)
     cslots = torch.where(ok, slots_of(bt, d_ + ar, bs), SCRATCH_BLOCK * bs).reshape(-1)
@@ -430,7 +429,7 @@ class DeviceLoop:
             if not self.spec:
                 s.commit([row[0]])
                 continue
-            w = min(t, s.params.max_tokens - len(s.output) + 1)
+            w = step_width(t, s.params.max_tokens, len(s.output))
             a = row[-1]
             assert 0 <= a <= w - 1, f"device accepted {a} guesses at width {w}"
             s.stats.record_step(len(s.commit(row[:a + 1])), w, a)

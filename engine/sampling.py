@@ -89,6 +89,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return draw(probs_from_logits(logits, params.temperature, params.top_p, params.top_k), generator)
 
 
+def step_width(width, max_tokens, emitted):
+    """The width rule, the one definition every path uses: a DFlash step verifies `width` positions (the
+    request's draft width under the policy's cap) or, near the end, only as many as max_tokens still admits
+    (the tokens left plus the one a full acceptance never needs). Ints on the host; [B, 1] tensors of
+    max_tokens and emitted tokens inside the captured device step (then `width` is the session's int)."""
+    room = max_tokens - emitted + 1
+    return room.clamp(1, width) if isinstance(room, torch.Tensor) else max(1, min(width, room))
+
+
 def accepted_greedy(guess: torch.Tensor, truth: torch.Tensor, width: torch.Tensor | int) -> torch.Tensor:
     """The greedy acceptance rule, the one definition every path uses: how many leading guesses equal the
     target's own choice at their positions, at most width - 1. guess [B, g] (int64), truth [B, >= g] (the

@@ -24,7 +24,7 @@ from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.draft_runner import DraftRunner
 from flashpd.engine.runner import ModelRunner
-from flashpd.engine.sampling import accepted_greedy, draw, probs_from_logits, rejection_sample
+from flashpd.engine.sampling import accepted_greedy, draw, probs_from_logits, rejection_sample, step_width
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.spec_graph import FusedGreedyStep
 from flashpd.engine.width_policy import FixedWidth, WidthPolicy, WidthStats
@@ -84,7 +84,7 @@ class DFlashGenerator(NativeGenerator):
         """Each row's widest verify this step: its draft width, the policy's cap for this batch size, and what
         max_tokens still admits."""
         cap = self.width_policy.cap(len(seqs))
-        return [min(s.draft_width, cap, s.params.max_tokens - len(s.output) + 1) for s in seqs]
+        return [step_width(min(s.draft_width, cap), s.params.max_tokens, len(s.output)) for s in seqs]
 
     def loop_width(self, seqs: list[Sequence]) -> int | None:
         """The draft width the device loop steps these rows at, or None where it cannot: rows of different

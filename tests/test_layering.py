@@ -173,18 +173,21 @@ def _code_only(text: str) -> str:
     return " ".join(keep)
 
 
-def test_the_acceptance_rules_and_the_slot_rule_are_each_defined_once():
-    """Issue 21: the greedy and the sampled acceptance rule live in engine/sampling.py (accepted_greedy,
-    rejection_sample), the paged cache's slot rule in engine/kv_cache.py (slots_of); no other package module
-    spells either out again."""
+def test_the_acceptance_rules_the_width_rule_and_the_slot_rule_are_each_defined_once():
+    """Issue 21: the greedy and the sampled acceptance rule and the step-width rule live in engine/sampling.py
+    (accepted_greedy, rejection_sample, step_width), the paged cache's slot rule in engine/kv_cache.py
+    (slots_of); no other package module spells any of them out again."""
     slot = re.compile(r"[\]\w]\s*\*\s*[\w.]*(?:bs|block_size)\s*\+\s*\w+\s*%\s*[\w.]*(?:bs|block_size)")
     accept = re.compile(r"\.\s*cumprod\s*\(")
-    found: dict[str, list[str]] = {"slot": [], "accept": []}
+    width = re.compile(r"(?:max_tokens|\bM\b)[^\n]*-[^\n]*\+\s*1\b")  # what max_tokens admits: left + 1
+    found: dict[str, list[str]] = {"slot": [], "accept": [], "width": []}
     for folder in ("engine", "decode_node", "prefill_node", "kv_bridge", "cluster", "training", "flashpd"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             text = _code_only(path.read_text())
             rel = path.relative_to(ROOT).as_posix()
             found["slot"] += [rel] * len(slot.findall(text))
             found["accept"] += [rel] * len(accept.findall(text))
+            found["width"] += [rel] * len(width.findall(text))
     assert found["slot"] == ["engine/kv_cache.py"], found["slot"]
+    assert found["width"] == ["engine/sampling.py"], found["width"]
     assert found["accept"] == ["engine/sampling.py", "engine/sampling.py"], found["accept"]

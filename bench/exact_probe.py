@@ -66,7 +66,7 @@ def main() -> None:
     print(summary)
     write_json(Path(a.out), {"bench": "exact_probe", "target": a.target, "draft": a.draft, "device": a.device,
                              "dtype": str(dtype).removeprefix("torch."), "width": a.width, "new_tokens": a.new_tokens,
-                             "compile": runner.compile, **compile_fields,
+                             "compile": runner.config.compile, **compile_fields,
                              "rows": rows, "summary": summary,
                              "command": f"python -m flashpd.bench.exact_probe --prompts {a.prompts} --new-tokens "
                                         f"{a.new_tokens} --width {a.width} --seed {a.seed} --paths {a.paths}"

@@ -138,7 +138,7 @@ def prefill_rows(runner: ModelRunner, gens: dict[str, NativeGenerator], prompts:
     """Prefill time per prompt length with the fresh-prefill causal kernel on and off, and long prompts
     chunked to graph width or run as one eager forward: what each choice costs a long prompt's TTFT."""
     rows = []
-    chunk0 = runner.prefill_chunk
+    chunk0 = runner.config.prefill_chunk
     for n, prompt in prompts.items():
         for fresh in (True, False):
             for chunk in ((chunk0, None) if chunk0 and n > chunk0 else (chunk0,)):

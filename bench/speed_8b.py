@@ -330,8 +330,8 @@ def main() -> None:
     def prefill() -> None:
         prompt = random_prompts(1, a.prefill_tokens, cfg.vocab_size, a.seed)[0]
         rows = {}
-        for chunk in (runner.prefill_chunk, a.prefill_tokens):
-            runner.reconfigure(prefill_chunk=chunk, prefill_graph_tokens=chunk or runner.prefill_graph_tokens)
+        for chunk in (runner.config.prefill_chunk, a.prefill_tokens):
+            runner.reconfigure(prefill_chunk=chunk, prefill_graph_tokens=chunk or runner.config.prefill_graph_tokens)
             rows[str(chunk)] = measure_prefill(native, prompt, 5, cuda=True)
         best = min(rows, key=rows.get)
         flops = prefill_flops(cfg, a.prefill_tokens)

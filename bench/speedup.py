@@ -161,7 +161,7 @@ def main() -> None:
         write_json(out, {**partial, "partial": f"confirmed new_tokens {[c['new_tokens'] for c in confirm]}",
                          "confirm": confirm})
     payload = {"bench": "speedup", "target": a.target, "draft": a.draft, "device": a.device,
-               "dtype": str(dtype).removeprefix("torch."), "batch": 1, "fresh_prefill": runner.fresh_prefill,
+               "dtype": str(dtype).removeprefix("torch."), "batch": 1, "fresh_prefill": runner.config.fresh_prefill,
                **compile_fields,
                "screen": screen, "chosen_width": best,
                "confirm": confirm,

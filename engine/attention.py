@@ -152,11 +152,9 @@ def heads_last(attn: torch.Tensor, t: int) -> torch.Tensor:
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  scale: float, impl: str | None = None) -> torch.Tensor:
     """`grouped_attention` of q [B, T, Hq, d] and k, v [B, Hkv, L, d] under a `group_mask` mask ->
-    [B, T, Hq*d] (tests and micro-benchmarks; the model keeps the kv-major layout)."""
-    b, t, hq, d = q.shape
-    hkv = k.shape[1]
-    out = grouped_attention(group_queries(q, hkv), k.transpose(0, 1), v.transpose(0, 1), mask, scale, impl)
-    return heads_last(out, t)
+    [B, T, Hq*d] (tests and micro-benchmarks; the model's gather path keeps the kv-major layout)."""
+    out = grouped_attention(group_queries(q, k.shape[1]), k.transpose(0, 1), v.transpose(0, 1), mask, scale, impl)
+    return heads_last(out, q.shape[1])
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

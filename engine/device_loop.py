@@ -160,7 +160,7 @@ class DeviceLoop:
         self.gen = gen  # NativeGenerator or DFlashGenerator
         self.runner = gen.runner
         self.spec = gen.speculative
-        self.graph = InPlaceGraph(self._spec_fn if self.spec else self._native_fn, self.runner.cuda_graphs)
+        self.graph = InPlaceGraph(self._spec_fn if self.spec else self._native_fn, self.runner.config.cuda_graphs)
         # the bookkeeping's ~40 tiny ops, compiled (as the runner compiles its layers), are a few fused
         # kernels in the captured graph instead of ~40 launches a step (docs/results.md)
         fuse = self.runner.compiled
@@ -323,7 +323,7 @@ class DeviceLoop:
             if end > runner.max_positions:
                 raise ValueError(f"position {end} exceeds the model's {runner.max_positions} positions")
             alloc.ensure(s.table, end)
-        graphed = runner.cuda_graphs
+        graphed = runner.config.cuda_graphs
         b = bucket(len(seqs)) if graphed else len(seqs)
         nblk = max(len(s.table.blocks) for s in seqs)
         nblk = bucket(nblk, 4) if graphed else nblk

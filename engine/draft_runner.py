@@ -32,7 +32,7 @@ class DraftRunner:
         # the greedy draft (whole pass + argmax) as one compiled function: its glue (rotary tables, masks, cache
         # gathers, final norm, argmax: about 25 eager kernels a step) fuses with the layers
         self.guess_fn = compiled(self.guess)
-        self._graph = GraphedFn(self._step) if runner.cuda_graphs else None
+        self._graph = GraphedFn(self._step) if runner.config.cuda_graphs else None
 
     def _step(self, new_taps: torch.Tensor, packed: torch.Tensor, b: int, t: int, rows: int, nblk: int) -> torch.Tensor:
         """Pure function of (pending context rows, one packed int64 tensor) -> draft logits."""

@@ -111,7 +111,7 @@ class NativeGenerator:
         i = 0
         while i < len(seqs):
             group = [seqs[i]]
-            chunk = self.runner.prefill_chunk  # a prompt past it prefills alone, in graph-width chunks
+            chunk = self.runner.config.prefill_chunk  # a prompt past it prefills alone, in graph-width chunks
             while i + len(group) < len(seqs):
                 longest = max(len(s.prompt) for s in group + [seqs[i + len(group)]])
                 if longest * (len(group) + 1) > self.prefill_token_budget or (chunk and longest > chunk):

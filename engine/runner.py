@@ -69,32 +69,6 @@ class ModelRunner:
         self.config = replace(old, **changes).resolved(self.device)
         return old
 
-    # read-only views of the resolved config (engine/device_loop.py, draft_runner.py, spec_graph.py and
-    # generate.py read them)
-    @property
-    def cuda_graphs(self) -> bool:
-        return self.config.cuda_graphs
-
-    @property
-    def compile(self) -> bool:
-        return self.config.compile
-
-    @property
-    def prefill_chunk(self) -> int | None:
-        return self.config.prefill_chunk
-
-    @property
-    def prefill_graph_tokens(self) -> int:
-        return self.config.prefill_graph_tokens
-
-    @property
-    def fresh_prefill(self) -> bool:
-        return self.config.fresh_prefill
-
-    @property
-    def attention_impl(self) -> str | None:
-        return self.config.attention_impl
-
     def compiled(self, fn: Callable) -> Callable:
         """fn through torch.compile (whole graph, config.compile_backend) when this runner compiles, else fn
         itself: the layer functions here, and the drafter's and the device loop's step functions beside them."""

@@ -21,7 +21,7 @@ class FusedGreedyStep:
     def __init__(self, runner: ModelRunner, drafts: DraftRunner) -> None:
         self.runner = runner
         self.drafts = drafts
-        self._graph = GraphedFn(self._fn) if runner.cuda_graphs else None
+        self._graph = GraphedFn(self._fn) if runner.config.cuda_graphs else None
         self.calls = 0  # steps run fused (tests check the path is taken)
 
     def _fn(self, new_taps: torch.Tensor, packed: torch.Tensor, b: int, t: int, rows: int, nblk: int

@@ -103,7 +103,7 @@ def test_long_prompt_prefills_in_graph_width_chunks_with_the_one_forward_result(
     assert len(prompt) > 150
     plain = ModelRunner(target, 512, 16, taps=taps, config=RunnerConfig(cuda_graphs=False, compile=False))
     chunked = ModelRunner(target, 512, 16, taps=taps, config=RunnerConfig(cuda_graphs=True, compile=False))
-    assert plain.prefill_chunk is None and chunked.prefill_chunk == 1024
+    assert plain.config.prefill_chunk is None and chunked.config.prefill_chunk == 1024
     chunked.reconfigure(prefill_chunk=64)
     calls = []
     real = chunked._chunked

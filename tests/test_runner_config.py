@@ -38,13 +38,12 @@ def _model():
 
 def test_runner_holds_the_resolved_config_and_reconfigures_only_prefill_knobs():
     r = ModelRunner(_model(), 8, 16, config=RunnerConfig(cuda_graphs=True, compile=False))
-    assert (r.config.prefill_chunk, r.prefill_chunk, r.cuda_graphs, r.compile) == (1024, 1024, True, False)
+    c = r.config
+    assert (c.prefill_chunk, c.cuda_graphs, c.compile) == (1024, True, False)
     with pytest.raises(FrozenInstanceError):
         setattr(r.config, "prefill_chunk", 64)
-    with pytest.raises(AttributeError):
-        setattr(r, "prefill_chunk", 64)  # a read-only view of the config
     old = r.reconfigure(prefill_chunk=64, fresh_prefill=False)
-    assert (old.prefill_chunk, r.prefill_chunk, r.fresh_prefill) == (1024, 64, False)
+    assert (old.prefill_chunk, r.config.prefill_chunk, r.config.fresh_prefill) == (1024, 64, False)
     with pytest.raises(ValueError, match="cuda_graphs"):
         r.reconfigure(cuda_graphs=False)
 

@@ -1,19 +1,25 @@
-"""Greedy whole-request decoding with the step's bookkeeping on the device, one step ahead of the host.
+"""Whole-request decoding with the step's bookkeeping on the device, one step ahead of the host.
 
 At batch 1 on a small model the host, not the GPU, sets a step's pace: building the step's inputs,
 launching its graph and waiting for its result take longer than the GPU work
 (docs/results.md). Here each row's state (committed length, draft context
-length, last token, pending draft rows, tokens emitted) lives on the device. One captured step
-drafts, verifies, accepts and advances that state in place, so step k+1 can be launched before
+length, last token, pending draft rows, tokens emitted, its seed and filters) lives on the device. One
+captured step drafts, verifies, accepts and advances that state in place, so step k+1 can be launched before
 step k's result reaches the host. The host reads each step's tokens one step late, while the GPU
 already runs the next one, and commits them through `Sequence.commit` as the stepwise loop does
 (stop tokens, max_tokens, acceptance stats). Steps launched after every row is done are wasted work,
 never output: a row that reaches its max_tokens freezes (its state stops moving and its writes go
 to the scratch block), and the host stops launching once every row is done.
 
+Sampled rows step here too: their draws are counter-based (engine/sampling.py), so the captured step draws
+the guesses from the draft's distributions, accepts by rejection sampling and draws the next token with no
+host round trip, and gives exactly the stepwise loop's tokens. A session whose rows are all greedy replays
+the greedy step, which computes no distribution; one with sampled rows replays the sampled step (with a
+sort only when some row asks for top-p or top-k): three graphs a shape at most.
+
 The same step functions run eagerly on the CPU, so the tests check exactly what a GPU replays
-against the stepwise loop and the reference DFlash implementation. `run` drives whole requests
-(`generate`); `begin` / `launch` / `read` / `end` let the serving scheduler step a stable batch here
+against the stepwise loop and the reference DFlash implementation. `run` drives whole requests;
+`begin` / `launch` / `read` / `end` let the serving scheduler step a stable batch here
 and hand it back to the stepwise loop (spec_decode.py) when the batch changes: `end` reads what is
 still in flight and restores each row's host state (cache length, draft context, pending draft rows).
 """
@@ -27,12 +33,17 @@ import torch
 
 from flashpd.engine.cuda_graph import bucket
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, slots_of
-from flashpd.engine.sampling import accepted_greedy, step_width
-from flashpd.engine.sequence import Sequence
+from flashpd.engine.sampling import (DRAFT, GREEDY_BELOW, accepted_greedy, draw, filtered_probs, sample_tokens,
+                                     speculative_accept, step_width)
+from flashpd.engine.sequence import FLOAT32_MAX, Sequence, any_filtered
 
-# state columns (int64 [B, 6]): committed target length P, draft context length D, last token x,
-# pending draft rows n, tokens emitted O, the row's max_tokens M
-P, D, X, N, O, M = range(6)
+# state columns (int64 [B, 8]): committed target length P, draft context length D, last token x,
+# pending draft rows n, tokens emitted O, the row's max_tokens M, its seed S and top_k K; a sampled session
+# also has a float32 [B, 2] buffer of each row's temperature and top_p
+P, D, X, N, O, M, S, K = range(8)
+NCOL = 8
+# a session's sampling mode (a graph each): every row greedy; some row sampled; some row sampled with top-p/top-k
+GREEDY, SAMPLED, FILTERED = 0, 1, 2
 
 
 class InPlaceGraph:
@@ -90,6 +101,18 @@ def native_out(st: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -> to
     return tok[:, None].clone()
 
 
+def native_out_sampled(st: torch.Tensor, sp: torch.Tensor, logits: torch.Tensor, live: torch.Tensor,
+                       filtered: bool) -> torch.Tensor:
+    """native_out for a session with sampled rows: each row's token from sampling.sample_tokens (greedy rows
+    their argmax), drawn at its next token index P + 1, as the stepwise loop draws it."""
+    tok = sample_tokens(logits[:, 0], sp[:, 0], sp[:, 1], st[:, K], st[:, S], st[:, P] + 1, filtered)
+    step = live.to(st.dtype)
+    st[:, P] += step
+    st[:, O] += step
+    st[:, X] = torch.where(live, tok, st[:, X])
+    return tok[:, None].clone()
+
+
 def spec_in(st: torch.Tensor, bt: torch.Tensor, t: int, bs: int, mask_id: int) -> tuple[torch.Tensor, ...]:
     """A DFlash step's inputs from the state: the pending context rows' positions and slots, the draft
     context length, the block's positions, draft ids [x, MASK...], width w, verify slots, live rows."""
@@ -106,21 +129,56 @@ def spec_in(st: torch.Tensor, bt: torch.Tensor, t: int, bs: int, mask_id: int) -
     return cpos, cslots, d_ + n_, pos, ids, w, vslots, live
 
 
+def _advance(st: torch.Tensor, a: torch.Tensor, bonus: torch.Tensor, live: torch.Tensor, ctx: torch.Tensor) -> None:
+    """A DFlash step's state update: live rows commit a accepted guesses and the token after them."""
+    p_, d_, x_ = st[:, P:P + 1], st[:, D:D + 1], st[:, X:X + 1]
+    keep = live[:, None]
+    o_ = st[:, O:O + 1]
+    new = torch.cat([torch.where(keep, p_ + a + 1, p_), torch.where(keep, ctx, d_), torch.where(keep, bonus, x_),
+                     torch.where(keep, a + 1, 0), torch.where(keep, o_ + a + 1, o_)], dim=1)
+    st[:, P:O + 1] = new
+
+
 def spec_out(st: torch.Tensor, logits: torch.Tensor, guess: torch.Tensor, w: torch.Tensor, live: torch.Tensor,
              ctx: torch.Tensor) -> torch.Tensor:
     """Accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice; live rows
     advance in place. -> [B, t + 1] (the target's t choices, accepted count)."""
     t = logits.shape[1]
     truth = logits.argmax(-1)
-    p_, d_, x_ = st[:, P:P + 1], st[:, D:D + 1], st[:, X:X + 1]
     a = accepted_greedy(guess, truth[:, :t - 1], w)
-    bonus = truth.gather(1, a)
-    keep = live[:, None]
-    o_ = st[:, O:O + 1]
-    new = torch.cat([torch.where(keep, p_ + a + 1, p_), torch.where(keep, ctx, d_), torch.where(keep, bonus, x_),
-                     torch.where(keep, a + 1, 0), torch.where(keep, o_ + a + 1, o_)], dim=1)
-    st[:, P:O + 1] = new
+    _advance(st, a, truth.gather(1, a), live, ctx)
     return torch.cat([truth, a], dim=1)
+
+
+def spec_draw(st: torch.Tensor, sp: torch.Tensor, draft_logits: torch.Tensor, filtered: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled session's guesses [B, t - 1] (greedy rows the draft's argmax, sampled rows a draw from q at
+    the indices the guesses would take, stream DRAFT) and the draft distributions q [B, t - 1, V]."""
+    q = filtered_probs(draft_logits, sp[:, 0], sp[:, 1], st[:, K], filtered)
+    index = st[:, P:P + 1] + 1 + torch.arange(draft_logits.shape[1], device=st.device)
+    drawn = draw(q, st[:, S], index, DRAFT)
+    return torch.where(sp[:, 0:1] < GREEDY_BELOW, draft_logits.argmax(-1), drawn), q
+
+
+def spec_out_sampled(st: torch.Tensor, sp: torch.Tensor, logits: torch.Tensor, guess: torch.Tensor,
+                     q: torch.Tensor, w: torch.Tensor, live: torch.Tensor, ctx: torch.Tensor, filtered: bool
+                     ) -> torch.Tensor:
+    """spec_out for a session with sampled rows: greedy rows accept as spec_out does, sampled rows by
+    sampling.speculative_accept (the stepwise loop's rule and draws). -> [B, t + 1]: each row's committed
+    tokens (its a accepted guesses, then the token after them; zeros past it), then a."""
+    t = logits.shape[1]
+    truth = logits.argmax(-1)
+    a_g = accepted_greedy(guess, truth[:, :t - 1], w)
+    p = filtered_probs(logits, sp[:, 0], sp[:, 1], st[:, K], filtered)
+    a_s, tok_s = speculative_accept(guess, q, p, w, st[:, S], st[:, P:P + 1] + 1)
+    greedy = sp[:, 0:1] < GREEDY_BELOW
+    a = torch.where(greedy, a_g, a_s)
+    bonus = torch.where(greedy, truth.gather(1, a_g), tok_s)
+    ks = torch.arange(t, device=st.device)
+    guessed = torch.cat([guess, torch.zeros_like(guess[:, :1])], dim=1)
+    tokens = torch.where(ks < a, guessed, torch.where(ks == a, bonus, 0))
+    _advance(st, a, bonus, live, ctx)
+    return torch.cat([tokens, a], dim=1)
 
 
 @dataclass
@@ -133,6 +191,7 @@ class HostBuffers:
     bt: torch.Tensor
     ring: list[tuple[torch.Tensor, "torch.cuda.Event | None"]]
     first: torch.Tensor
+    sp: torch.Tensor  # each row's temperature and top_p (sampled sessions)
 
 
 @dataclass
@@ -151,21 +210,34 @@ class Session:
     launched: int = 0
     emits: list[int] = field(default_factory=list)  # DFlash: emits[k] = row-steps that emitted k tokens
     width: int = 1  # DFlash: the draft width every step of this session verifies
+    mode: int = GREEDY  # GREEDY, SAMPLED or FILTERED: which step function (and graph) it replays
 
 
 class DeviceLoop:
-    """Runs whole greedy requests to the end with a step function over device state (see module doc)."""
+    """Runs whole requests to the end with a step function over device state (see module doc)."""
 
     def __init__(self, gen) -> None:
         self.gen = gen  # NativeGenerator or DFlashGenerator
         self.runner = gen.runner
         self.spec = gen.speculative
-        self.graph = InPlaceGraph(self._spec_fn if self.spec else self._native_fn, self.runner.config.cuda_graphs)
+        # one step function (and CUDA graph) per sampling mode: an all-greedy session replays the greedy step,
+        # which computes no distribution at all
+        on = self.runner.config.cuda_graphs
+        if self.spec:
+            self.graphs = {GREEDY: InPlaceGraph(self._spec_fn, on),
+                           SAMPLED: InPlaceGraph(lambda *b: self._spec_sampled_fn(*b, filtered=False), on),
+                           FILTERED: InPlaceGraph(lambda *b: self._spec_sampled_fn(*b, filtered=True), on)}
+        else:
+            self.graphs = {GREEDY: InPlaceGraph(self._native_fn, on),
+                           SAMPLED: InPlaceGraph(lambda *b: self._native_fn(*b, filtered=False), on),
+                           FILTERED: InPlaceGraph(lambda *b: self._native_fn(*b, filtered=True), on)}
         # the bookkeeping's ~40 tiny ops, compiled (as the runner compiles its layers), are a few fused
         # kernels in the captured graph instead of ~40 launches a step (docs/results.md)
         fuse = self.runner.compiled
         self._native_in, self._native_out = fuse(native_in), fuse(native_out)
         self._spec_in, self._spec_out = fuse(spec_in), fuse(spec_out)
+        self._native_out_sampled = fuse(native_out_sampled)
+        self._spec_draw, self._spec_out_sampled = fuse(spec_draw), fuse(spec_out_sampled)
         self._bufs: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._host: dict[tuple, "HostBuffers"] = {}
         self._uploaded: "torch.cuda.Event | None" = None  # the last begin's uploads from the host buffers
@@ -173,10 +245,12 @@ class DeviceLoop:
         self.wasted_steps = 0  # steps launched after every row had finished (run's tail)
 
     # ---- the device step functions (graph-safe: fixed shapes, no host sync) ----------------------
-    def _native_fn(self, st: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    def _native_fn(self, st: torch.Tensor, bt: torch.Tensor, sp: torch.Tensor | None = None,
+                   filtered: bool = False) -> torch.Tensor:
         """One token per row: forward x at P; a frozen row (O >= M) writes scratch and stays put. At the
         generator's step_width w > 1 the token is column 0 of a w-column forward whose other columns repeat
-        it at P, write scratch and are never read (a verify's shapes: NativeGenerator)."""
+        it at P, write scratch and are never read (a verify's shapes: NativeGenerator). `sp` (a sampled
+        session): the rows' temperature and top_p; the token is then native_out_sampled's."""
         bs, w = self.runner.kv_block_size, self.gen.step_width
         live, pos, slots = self._native_in(st, bt, bs)
         ids = st[:, X:X + 1]
@@ -186,18 +260,18 @@ class DeviceLoop:
             slots = torch.cat([slots.view(b, 1), torch.full((b, w - 1), SCRATCH_BLOCK * bs, dtype=slots.dtype,
                                                                device=slots.device)], dim=1).view(-1)
         _, _, logits = self.runner.model_step(ids, pos, slots, bt)
+        if sp is not None:
+            return self._native_out_sampled(st, sp, logits, live, filtered)
         return self._native_out(st, logits, live)
 
     def _spec_fn(self, st: torch.Tensor, bt: torch.Tensor, pend: torch.Tensor) -> torch.Tensor:
         """One DFlash step per row at draft width t (pend [B, t, F]): append the pending context rows to
         the draft cache, draft, verify, accept; -> [B, t + 1] (the target's t choices, accepted count)."""
         runner, drafts = self.runner, self.gen.drafts
-        drafter = drafts.drafter
-        b, t, f = pend.shape
+        t = pend.shape[1]
         cpos, cslots, ctx, pos, ids, w, vslots, live = self._spec_in(st, bt, t, runner.kv_block_size,
-                                                                        drafter.cfg.mask_token_id)
-        # 1) the accepted positions' context K/V join the draft cache; padding rows write scratch
-        drafter.write_context(drafts.cache.data, pend.reshape(b * t, f), cpos, cslots, drafts.kv_fn)
+                                                                        drafts.drafter.cfg.mask_token_id)
+        self._write_pending(pend, cpos, cslots)
         # 2) draft [x, MASK...] -> [x, guesses]; columns past the row's width repeat its last position and
         # are masked
         block = drafts.guess_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0])
@@ -205,20 +279,47 @@ class DeviceLoop:
         _, tapped, logits = runner.model_step(block, pos, vslots, bt)
         # 4) accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice
         out = self._spec_out(st, logits, block[:, 1:], w, live, ctx)
+        self._keep_taps(tapped, pend)
+        return out
+
+    def _spec_sampled_fn(self, st: torch.Tensor, bt: torch.Tensor, pend: torch.Tensor, sp: torch.Tensor,
+                         filtered: bool) -> torch.Tensor:
+        """_spec_fn for a session with sampled rows: the guesses are drawn from the draft's distributions and
+        accepted by rejection sampling (spec_draw, spec_out_sampled); -> [B, t + 1] (committed tokens, a)."""
+        runner, drafts = self.runner, self.gen.drafts
+        t = pend.shape[1]
+        cpos, cslots, ctx, pos, ids, w, vslots, live = self._spec_in(st, bt, t, runner.kv_block_size,
+                                                                        drafts.drafter.cfg.mask_token_id)
+        self._write_pending(pend, cpos, cslots)
+        draft_logits = drafts.logits_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0])
+        guess, q = self._spec_draw(st, sp, draft_logits, filtered)
+        _, tapped, logits = runner.model_step(torch.cat([ids[:, :1], guess], dim=1), pos, vslots, bt)
+        out = self._spec_out_sampled(st, sp, logits, guess, q, w, live, ctx, filtered)
+        self._keep_taps(tapped, pend)
+        return out
+
+    def _write_pending(self, pend: torch.Tensor, cpos: torch.Tensor, cslots: torch.Tensor) -> None:
+        """The accepted positions' context K/V join the draft cache; padding rows write scratch."""
+        drafts = self.gen.drafts
+        b, t, f = pend.shape
+        drafts.drafter.write_context(drafts.cache.data, pend.reshape(b * t, f), cpos, cslots, drafts.kv_fn)
+
+    @staticmethod
+    def _keep_taps(tapped: list[torch.Tensor], pend: torch.Tensor) -> None:
+        """The verify's taps become the next step's pending context rows."""
         if len(tapped) > 1:
             torch.cat(tapped, dim=-1, out=pend)  # one kernel (a cat, then a copy, were two)
         else:
             pend.copy_(tapped[0])
-        return out
 
     # ---- host side ------------------------------------------------------------------------------
     def usable(self, seqs: list[Sequence]) -> bool:
-        """Greedy rows sharing one draft width (each row's width under the width policy's cap for this batch
-        size), whose guesses and verdicts are the generator's own (DFlashGenerator.model_steps), and no
-        confidence cut at this batch size (DFlashGenerator.loop_width: the cut needs the host between draft
-        and verify, so those steps stay stepwise). `run` reserves each row's KV to its end, so the caller must have checked the room
-        (generate's reserve)."""
-        if not seqs or not all(s.params.greedy for s in seqs):
+        """Rows (greedy or sampled) sharing one draft width (each row's width under the width policy's cap for
+        this batch size), whose guesses and verdicts are the generator's own (DFlashGenerator.model_steps), and
+        no confidence cut at this batch size (DFlashGenerator.loop_width: the cut needs the host between draft
+        and verify, so those steps stay stepwise). `begin` reserves each row's KV to its end, so the caller
+        must have checked the room."""
+        if not seqs:
             return False
         if self.spec and (self.gen.loop_width(seqs) is None or not self.gen.model_steps()):
             return False
@@ -228,22 +329,23 @@ class DeviceLoop:
         if key not in self._host:
             width = t + 1 if self.spec else 1
             self._host[key] = HostBuffers(
-                torch.zeros(b, 6, dtype=torch.int64, pin_memory=cuda),
+                torch.zeros(b, NCOL, dtype=torch.int64, pin_memory=cuda),
                 torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.int64, pin_memory=cuda),
                 [(torch.empty((b, width), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
                  for _ in range(2)] if cuda else [],
-                torch.zeros(b, dtype=torch.int64, pin_memory=cuda))
+                torch.zeros(b, dtype=torch.int64, pin_memory=cuda),
+                torch.zeros(b, 2, dtype=torch.float32, pin_memory=cuda))
         return self._host[key]
 
     def _buffers(self, b: int, t: int, nblk: int, feat: int) -> tuple[torch.Tensor, ...]:
         key = (b, t, nblk)
         if key not in self._bufs:
             dev = self.runner.device
-            st = torch.zeros(b, 6, dtype=torch.int64, device=dev)
+            st = torch.zeros(b, NCOL, dtype=torch.int64, device=dev)
             bt = torch.full((b, nblk), SCRATCH_BLOCK, dtype=torch.int64, device=dev)
             bufs = (st, bt) if not self.spec else (st, bt, torch.zeros(b, t, feat, dtype=self.runner.dtype,
                                                                         device=dev))
-            self._bufs[key] = bufs
+            self._bufs[key] = bufs + (torch.zeros(b, 2, dtype=torch.float32, device=dev),)  # sp last
         return self._bufs[key]
 
     # A step launched after the one in flight finished every row is wasted: a whole step the request waits
@@ -328,8 +430,13 @@ class DeviceLoop:
         nblk = max(len(s.table.blocks) for s in seqs)
         nblk = bucket(nblk, 4) if graphed else nblk
         feat = (len(self.gen.drafter.cfg.target_layer_ids) * self.gen.drafter.cfg.hidden_size) if self.spec else 0
-        bufs = self._buffers(b, t, nblk, feat)
-        st, bt = bufs[0], bufs[1]
+        mode = GREEDY if all(s.params.greedy for s in seqs) else \
+            FILTERED if any_filtered(seqs, runner.model.cfg.vocab_size) else SAMPLED
+        if mode != GREEDY and first is not None:
+            raise ValueError("a session from deferred first tokens takes greedy rows only")
+        allbufs = self._buffers(b, t, nblk, feat)
+        bufs = allbufs[:-1] if mode == GREEDY else allbufs  # a greedy step reads no sampling parameters
+        st, bt, sp = bufs[0], bufs[1], allbufs[-1]
         cuda = runner.device.type == "cuda"
         key = (b, t, nblk)
         hb = self._host_buffers(key, b, t, nblk, cuda)
@@ -344,10 +451,15 @@ class DeviceLoop:
         for i, s in enumerate(seqs):
             # the last token is not in the target cache yet; its pending draft rows are in s.pending
             st_np[i] = (s.table.num_tokens, s.draft_len, s.last_token if first is None else 0, s.pending_rows,
-                        len(s.output) + emitted, s.params.max_tokens)
+                        len(s.output) + emitted, s.params.max_tokens, s.seed, s.params.top_k)
             bt_np[i, :len(s.table.blocks)] = s.table.blocks
         st_np[len(seqs):, D] = 1  # padding rows: frozen (O = M = 0), one harmless context key
-        host_st, host_bt = hb.st, hb.bt
+        host_st, host_bt, host_sp = hb.st, hb.bt, hb.sp
+        if mode != GREEDY:
+            sp_np = host_sp.numpy()
+            sp_np.fill(0.0)
+            for i, s in enumerate(seqs):
+                sp_np[i] = (min(s.params.temperature, FLOAT32_MAX), s.params.top_p)
 
         def reset() -> None:  # a harmless state (every row frozen, scratch tables) for warm-up and capture
             st.zero_()
@@ -357,6 +469,8 @@ class DeviceLoop:
         def fill() -> None:
             st.copy_(host_st, non_blocking=cuda)
             bt.copy_(host_bt, non_blocking=cuda)
+            if mode != GREEDY:
+                sp.copy_(host_sp, non_blocking=cuda)
             if first is not None:
                 st[:len(seqs), X] = first
             if self.spec and any(s.pending is not None and s.pending_rows for s in seqs):
@@ -367,19 +481,20 @@ class DeviceLoop:
                     if s.pending is not None and s.pending_rows:
                         pend[i, :s.pending_rows] = s.pending[:s.pending_rows]
         fill()
-        if cuda and self.graph.enabled and key not in self.graph._graphs:
-            self.graph(key, bufs, reset)
+        graph = self.graphs[mode]
+        if cuda and graph.enabled and key not in graph._graphs:
+            graph(key, bufs, reset)
             fill()
         if cuda:
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()
         self.runs += 1
         return Session(seqs, key, bufs, reset, cuda, hb.ring, [s.draft_len for s in seqs],
-                       [s.pending_rows for s in seqs], emits=[0] * (t + 1), width=t)
+                       [s.pending_rows for s in seqs], emits=[0] * (t + 1), width=t, mode=mode)
 
     def launch(self, sess: "Session") -> None:
         """Queue one step; its result is copied to the host without waiting for it."""
-        out = self.graph(sess.key, sess.bufs, sess.reset)
+        out = self.graphs[sess.mode](sess.key, sess.bufs, sess.reset)
         if sess.cuda:
             host, ev = sess.ring[sess.launched % 2]  # step k-2's buffer and event: already read
             host.copy_(out, non_blocking=True)

@@ -32,6 +32,7 @@ class DraftRunner:
         # the greedy draft (whole pass + argmax) as one compiled function: its glue (rotary tables, masks, cache
         # gathers, final norm, argmax: about 25 eager kernels a step) fuses with the layers
         self.guess_fn = compiled(self.guess)
+        self.logits_fn = compiled(self.block_logits)  # the same pass for a device step that samples its guesses
         self._graph = GraphedFn(self._step) if runner.config.cuda_graphs else None
 
     def _step(self, new_taps: torch.Tensor, packed: torch.Tensor, b: int, t: int, rows: int, nblk: int) -> torch.Tensor:
@@ -50,6 +51,12 @@ class DraftRunner:
         guess = self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer,
                                           self.runner.config.attention_impl).argmax(-1)
         return torch.cat([ids[:, :1], guess], dim=1)
+
+    def block_logits(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
+                     ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [B, T - 1, V] for blocks ids/pos [B, T] (guess's pass, before its argmax)."""
+        return self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer,
+                                         self.runner.config.attention_impl)
 
     def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:
         p = np.arange(start, start + n)

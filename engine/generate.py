@@ -13,8 +13,8 @@ import torch
 from flashpd.engine.device_loop import DeviceLoop
 from flashpd.engine.kv_cache import OutOfBlocks, blocks_needed
 from flashpd.engine.runner import ModelRunner, TapSink
-from flashpd.engine.sampling import SamplingParams, make_generator, sample
-from flashpd.engine.sequence import Sequence
+from flashpd.engine.sampling import SamplingParams, request_seed, sample_tokens
+from flashpd.engine.sequence import Sequence, any_filtered, next_index, row_params
 
 
 def _sync(device: torch.device) -> None:
@@ -23,13 +23,12 @@ def _sync(device: torch.device) -> None:
 
 
 def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of logits [B, V]; greedy rows share one argmax and one host sync."""
-    greedy = logits.argmax(dim=-1)
+    """One token per row of logits [B, V] (greedy rows their argmax), with one host sync."""
     if all(s.params.greedy for s in seqs):
-        return greedy.tolist()
-    toks = [greedy[j] if s.params.greedy else sample(logits[j], s.params, s.generator)
-            for j, s in enumerate(seqs)]
-    return torch.stack(toks).tolist()
+        return logits.argmax(dim=-1).tolist()
+    index = torch.tensor([next_index(s) for s in seqs], device=logits.device)
+    return sample_tokens(logits, *row_params(seqs, logits.device), index,
+                         filtered=any_filtered(seqs, logits.shape[-1])).tolist()
 
 
 class NativeGenerator:
@@ -70,11 +69,11 @@ class NativeGenerator:
 
     def overlaps_start(self, seqs: list[Sequence]) -> bool:
         """Whether these fresh requests may start in the device loop straight from their prefill
-        (engine/scheduler.py, Scheduler._may_start):
-        greedy rows the loop takes, with no first token forced by a prefill worker, each wanting more than
-        the prefill's token (a step queued for a one-token batch would only be waited for)."""
-        return self.device_loop and bool(seqs) and self.loop().usable(seqs) and \
-            all(s.forced_first is None and not s.output and s.params.max_tokens > 1 for s in seqs)
+        (engine/scheduler.py, Scheduler._may_start): greedy rows (the prefill defers argmaxes only) the loop
+        takes, with no first token forced by a prefill worker, each wanting more than the prefill's token (a
+        step queued for a one-token batch would only be waited for)."""
+        return self.device_loop and bool(seqs) and self.loop().usable(seqs) and all(
+            s.params.greedy and s.forced_first is None and not s.output and s.params.max_tokens > 1 for s in seqs)
 
     def prefill_request(self, seqs: list[Sequence], defer: list[torch.Tensor] | None = None) -> None:
         """The prefill a request needs: the target's (DFlashGenerator writes the drafter's context in the same
@@ -91,8 +90,7 @@ class NativeGenerator:
             if len(p) + sp.max_tokens > limit:
                 raise ValueError(f"prompt of {len(p)} tokens + max_tokens {sp.max_tokens} exceeds the "
                                  f"model's {limit} positions")
-            gen = None if sp.greedy else make_generator(sp.seed, self.runner.device)
-            seqs.append(Sequence(list(p), sp, self.stop_ids, gen))
+            seqs.append(Sequence(list(p), sp, self.stop_ids, seed=request_seed(sp.seed)))
         return seqs
 
     def prefill(self, seqs: list[Sequence], taps: bool = False, sink: TapSink | None = None,
@@ -132,8 +130,7 @@ class NativeGenerator:
             now = time.perf_counter()
             for j, (s, tok) in enumerate(zip(group, firsts)):
                 s.stats.ttft_ms = (now - s.t_start) * 1e3
-                # the token a prefill worker already streamed wins (bf16 recompute may round otherwise);
-                # sampling still drew above, so a seeded generator stays in step with a colocated run
+                # the token a prefill worker already streamed wins (bf16 recompute may round otherwise)
                 s.commit([tok if s.forced_first is None else s.forced_first])
                 if taps:
                     n = len(s.prompt) - cached[j]

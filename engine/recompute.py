@@ -4,8 +4,8 @@ A preempted request keeps its tokens (prompt + output so far) and its sampling s
 its KV blocks. Re-admitted, its context = prompt + output[:-1] goes through the target in one
 forward (after whatever prefix the prefix cache restores) and, for DFlash, the tapped states of
 those positions become its drafter context, exactly as after the verify steps it had taken. The
-last output token stays "not yet in the caches", as after any step. Nothing is sampled, so a
-seeded generator stays in step and the continuation equals an uninterrupted run.
+last output token stays "not yet in the caches", as after any step. Nothing is sampled, and a sampled
+request's draws are keyed by token index (engine/sampling.py), so the continuation equals an uninterrupted run.
 """
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
-"""Token sampling: greedy, temperature with top-k / top-p, seeded per request.
+"""Token sampling: greedy, temperature with top-k / top-p, seeded per request, without a host sync.
 
-`probs_from_logits` is also what speculative rejection sampling compares (target p vs draft q),
-so both sides of DFlash use one definition of the filtered distribution.
+`filtered_probs` is the one filtered distribution: what a token is drawn from and what speculative rejection
+sampling compares (target p against draft q). Randomness is counter-based (see `uniforms`), so every path,
+the captured device step included, draws the same tokens for a request.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +16,7 @@ import torch
 # overflows (1e-38 gave inf - inf = NaN in the softmax and killed the engine loop), and below it a
 # sampled distribution is one-hot on the argmax anyway, up to near-ties (vLLM uses the same bound).
 GREEDY_BELOW = 1e-5
-SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes (half-open)
+SEED_RANGE = (-(1 << 63), 1 << 64)  # signed or unsigned 64-bit (half-open)
 
 
 @dataclass(frozen=True)
@@ -50,43 +52,102 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
-    """Filtered, renormalised distribution over the vocabulary (float32), rows = leading dims.
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                   filtered: bool = True) -> torch.Tensor:
+    """Each row's filtered, renormalised distribution (float32): logits [R, ..., V]; temperature, top_p [R]
+    float32 and top_k [R] int64, one request's parameters a row. The one definition every path samples from
+    (host and captured device step alike), vectorised so a row's result does not depend on its batch.
 
-    A valid distribution for finite logits at any temperature (one below GREEDY_BELOW counts as
-    GREEDY_BELOW): the logits are shifted so their maximum is 0 before the division, so every score
-    is finite or -inf and the top one is exactly 0 (no overflow, never inf - inf). Both filters rank
-    tokens by their logits, not by the probabilities: a huge temperature rounds those into ties (the
-    filters would then keep arbitrary tokens)."""
+    Valid at any temperature (one below GREEDY_BELOW counts as GREEDY_BELOW): the logits are shifted so
+    their maximum is 0 before the division, so every score is finite or -inf and the top one is exactly 0
+    (no overflow, never inf - inf). Both filters rank tokens by their logits, not by the probabilities: a
+    huge temperature rounds those into ties (the filters would then keep arbitrary tokens). A row with
+    neither filter (top_p 1, top_k off) takes the plain softmax, whatever the other rows ask, so its values
+    are the same in any batch. `filtered=False` (no row filters: the caller knows) skips the sort."""
     scores = logits.float()
     vocab = scores.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    ranked = scores  # the order of the logits, which the division below may round into ties
-    scores = (scores - scores.amax(dim=-1, keepdim=True)) / max(temperature, GREEDY_BELOW)
-    probs = torch.softmax(scores, dim=-1)
-    if top_p < 1.0:
-        order = ranked.argsort(dim=-1, descending=True)
-        sorted_probs = probs.gather(-1, order)
-        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_p  # the most likely token always stays
-        sorted_probs = sorted_probs * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    shape = (-1,) + (1,) * (scores.dim() - 1)  # per-row parameters broadcast over the middle dims and V
+    temp = temperature.float().clamp_min(GREEDY_BELOW).view(shape)
+    plain = torch.softmax((scores - scores.amax(dim=-1, keepdim=True)) / temp, dim=-1)
+    if not filtered:
+        return plain
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).view(shape)
+    ranked, order = scores.sort(dim=-1, descending=True)  # one sort serves both filters
+    kth = ranked.gather(-1, (k - 1).expand(*ranked.shape[:-1], 1))
+    scores = scores.masked_fill(scores < kth, float("-inf"))  # top-k: ties with the k-th stay
+    probs = torch.softmax((scores - scores.amax(dim=-1, keepdim=True)) / temp, dim=-1)
+    sorted_probs = probs.gather(-1, order)  # top-k's dropped tokens sort last: they were the smallest
+    tp = top_p.float().view(shape)
+    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs < tp) | (tp >= 1.0)  # the most likely token always stays
+    probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    on = ((top_p < 1.0) | (k.view(-1) < vocab)).view(shape)
+    return torch.where(on, probs, plain)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One sample per row of probs [..., V]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """One request's filtered distribution over logits [..., V] (filtered_probs with the same parameters on
+    every row)."""
+    flat = logits.reshape(1, -1, logits.shape[-1])
+    f = torch.tensor([temperature], dtype=torch.float32, device=logits.device)
+    out = filtered_probs(flat, f, f.new_tensor([top_p]), torch.tensor([top_k], device=logits.device),
+                         filtered=top_p < 1.0 or 0 < top_k < logits.shape[-1])
+    return out.view(logits.shape)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [..., V] -> token ids [...]."""
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    return draw(probs_from_logits(logits, params.temperature, params.top_p, params.top_k), generator)
+# ---- counter-based randomness ----------------------------------------------------------------------
+# Every random number a request uses is a hash of (its seed, the index of the token it decides, a stream,
+# the vocabulary entry), not a draw from a stateful generator. So a token's draws do not depend on which
+# path, batch, step or retry computes it: the captured device step samples without a host round trip and
+# gives the stepwise loop's tokens, a preempted and recomputed row continues exactly as if undisturbed,
+# and a seeded request retried on another worker repeats itself. The hash is 32-bit arithmetic in int64
+# with multipliers below 2**31 (no overflow on any backend); its uniforms have 24 bits.
+TOKEN, DRAFT, ACCEPT = 1, 2, 3  # streams: a token drawn from the target (or a residual), a draft guess, an accept test
+_M32 = 0xFFFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply, multiplier 0x45d9f3b) of int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def _key(seed: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tensor:
+    """The 32-bit key of (seed [R] int64, token index [R, ...] int64, stream)."""
+    shape = (-1,) + (1,) * (index.dim() - 1)
+    s = seed.view(shape)
+    k = _mix((s >> 32) & _M32)
+    k = _mix(k ^ (s & _M32))
+    k = _mix(k ^ (index & _M32))
+    return _mix((k + stream * 0x3C6EF35F) & _M32)
+
+
+def uniforms(seed: torch.Tensor, index: torch.Tensor, stream: int, vocab: int | None = None) -> torch.Tensor:
+    """Uniforms in (0, 1), float32: one per (row, index) [R, ...], or with `vocab` one per entry [R, ..., vocab]."""
+    k = _key(seed, index, stream)
+    if vocab is not None:
+        v = torch.arange(vocab, dtype=torch.int64, device=k.device)
+        k = _mix((k[..., None] + v * 0x27D4EB2F) & _M32)
+    return ((k >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def draw(probs: torch.Tensor, seed: torch.Tensor, index: torch.Tensor, stream: int = TOKEN) -> torch.Tensor:
+    """One token per distribution: probs [R, ..., V], seed [R], index [R, ...] (the token's index in
+    prompt + output) -> [R, ...] int64. An exponential race, argmax(p / E) with E ~ Exp(1) per entry,
+    which picks token v with probability p_v (gpt-fast samples this way) and needs no host sync."""
+    e = -torch.log(uniforms(seed, index, stream, probs.shape[-1]))
+    return (probs / e).argmax(dim=-1)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                  seed: torch.Tensor, index: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+    """One token a row from logits [R, V]: greedy rows (temperature < GREEDY_BELOW) their argmax, the others a
+    draw at token index `index` [R]."""
+    probs = filtered_probs(logits, temperature, top_p, top_k, filtered)
+    return torch.where(temperature < GREEDY_BELOW, logits.argmax(dim=-1), draw(probs, seed, index))
 
 
 def step_width(width, max_tokens, emitted):
@@ -107,30 +168,34 @@ def accepted_greedy(guess: torch.Tensor, truth: torch.Tensor, width: torch.Tenso
     return torch.minimum(a, width - 1) if isinstance(width, torch.Tensor) else a.clamp_max(width - 1)
 
 
-def rejection_sample(guesses: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                     generator: torch.Generator | None) -> tuple[int, int]:
-    """Speculative sampling: guesses [g] drawn from q [g, V]; target p [g+1, V].
+def speculative_accept(guess: torch.Tensor, q: torch.Tensor, p: torch.Tensor, width: torch.Tensor,
+                       seed: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative rejection sampling, the one definition every path uses, vectorised over rows: guess
+    [R, g] drawn from the draft distributions q [R, g, V], the target's p [R, g + 1, V], each row verifying
+    width [R, 1] positions (at most width - 1 guesses count), index [R, 1] the token index of each row's first
+    guess. Accepts guess k with probability min(1, p_k / q_k) (uniform at index + k, stream ACCEPT); the
+    token after the a accepted ones is drawn at index + a (stream TOKEN) from norm(max(0, p_a - q_a)) after a
+    rejection, else from p_a. Preserves p's distribution exactly. -> (a [R, 1], that token [R, 1])."""
+    g = guess.shape[1]
+    ks = torch.arange(g, device=guess.device)
+    pk = p[:, :g].gather(-1, guess[..., None])[..., 0]
+    qk = q.gather(-1, guess[..., None])[..., 0]
+    u = uniforms(seed, index + ks, ACCEPT)
+    ok = (u * qk < pk) & (ks < width - 1)
+    a = ok.to(torch.int64).cumprod(1).sum(1, keepdim=True)
+    pa = p.gather(1, a[..., None].expand(-1, 1, p.shape[-1]))[:, 0]  # [R, V]
+    qa = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1).gather(1, a[..., None].expand(-1, 1, q.shape[-1]))[:, 0]
+    rejected = a < width - 1  # a row that took every guess it could draws its bonus from p_a itself
+    residual = torch.where(rejected, (pa - qa).clamp_min(0), pa)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), pa)
+    return a, draw(residual[:, None], seed, index + a)
 
-    Accepts guess k with probability min(1, p/q); on the first rejection draws from
-    norm(max(0, p - q)), else the bonus from p's last row. Preserves p's distribution exactly.
-    """
-    g = guesses.shape[0]
-    idx = guesses[:, None]
-    pk, qk = p[:g].gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]
-    u = torch.rand(g, device=p.device, generator=generator)
-    a = int((u * qk < pk).to(torch.int32).cumprod(0).sum())
-    if a == g:
-        return a, int(draw(p[g], generator))
-    residual = (p[a] - q[a]).clamp_min(0)
-    total = residual.sum()
-    residual = residual / total if total > 0 else p[a]
-    return a, int(draw(residual, generator))
 
-
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
+def request_seed(seed: int | None) -> int:
+    """A request's seed as the int64 its draws are keyed by: its own (any value SamplingParams takes, reduced
+    to 64 bits), or a fresh random one."""
     if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed)
-    return g
+        return int.from_bytes(os.urandom(8), "little", signed=True)
+    seed %= 1 << 64
+    return seed - (1 << 64) if seed >= 1 << 63 else seed

@@ -7,7 +7,7 @@ DFlash draft+verify for the DFlash ones, one decode token for the native ones. F
 free their blocks (and publish their prompt to the prefix cache) at once. Outputs equal a solo run
 of each request.
 
-While the batch is stable (nothing waiting, every running request greedy and of one method, and free
+While the batch is stable (nothing waiting, every running request of one method, and free
 KV for each to its end), it steps in the device loop (engine/device_loop.py): the host reads step k
 while the GPU runs step k+1, so a token reaches the stream one step later than it is computed. An
 arrival, a cancel or a finished row ends that session: the step in flight is read and the rows go
@@ -20,9 +20,8 @@ retries each of its requests alone from scratch, and fails only those that fail 
 in a batch step rolls every row back to the tokens it already streamed and preempts it; re-admitted
 (recomputed exactly), each such suspect takes its next step alone, and a row whose solo step fails
 too is failed. A failed request frees its blocks and comes back in `StepResult.failed`; the other
-rows go on, with the tokens and acceptance lengths of an undisturbed run (greedy or seeded-greedy:
-a sampled row rolled back keeps its generator's later state, so its continuation is a valid but
-different sample).
+rows go on, with the tokens and acceptance lengths of an undisturbed run (sampled rows too: their
+draws are keyed by token index, engine/sampling.py, so a rolled-back row draws the same tokens again).
 
 A width policy whose cap is 1 at a batch size (engine/width_policy.py: BatchWidth, "batch:caps=1-16/65-1")
 turns speculation off there: when a step's DFlash rows are at least that many, they step with no draft pass
@@ -386,13 +385,13 @@ class Scheduler:
 
     def _reset(self, gen: NativeGenerator, r: Request, fresh: bool) -> None:
         """Undo a failed admission: no blocks, no draft state; a fresh request also gets a fresh sequence
-        (its first token and its generator's draws start over, as if it had never been tried)."""
+        (its first token is decided again, with the same draws: as if it had never been tried)."""
         s = r.seq
         self.runner.allocator.free(s.table)
         s.draft_len, s.pending, s.pending_rows = 0, None, 0
         if fresh:
             new = gen.new_sequences([s.prompt], [s.params])[0]
-            new.forced_first, new.draft_width, new.t_start = s.forced_first, s.draft_width, s.t_start
+            new.forced_first, new.draft_width, new.t_start, new.seed = s.forced_first, s.draft_width, s.t_start, s.seed
             r.seq = new
 
     def _make_room(self) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashpd.engine.kv_cache import BlockTable
-from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.sampling import GREEDY_BELOW, SamplingParams
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
-    generator: torch.Generator | None = None
+    seed: int = 0  # what its draws are keyed by (sampling.request_seed); unused by greedy requests
     table: BlockTable = field(default_factory=BlockTable)
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -84,3 +84,28 @@ class Sequence:
             elif len(self.output) >= self.params.max_tokens:
                 self.finish_reason = "length"
         return kept
+
+
+FLOAT32_MAX = 3.4e38  # a larger finite temperature samples as this one (float32 would make it inf)
+
+
+def row_params(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The rows' sampling parameters as tensors (sampling.filtered_probs, sampling.draw): temperature and
+    top_p [R] float32, top_k and seed [R] int64."""
+    f32 = dict(dtype=torch.float32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    return (torch.tensor([min(s.params.temperature, FLOAT32_MAX) for s in seqs], **f32),
+            torch.tensor([s.params.top_p for s in seqs], **f32),
+            torch.tensor([s.params.top_k for s in seqs], **i64),
+            torch.tensor([s.seed for s in seqs], **i64))
+
+
+def any_filtered(seqs: list[Sequence], vocab: int) -> bool:
+    """Whether a sampled row asks for top-p or top-k (else filtered_probs may skip its sort)."""
+    return any(s.params.temperature >= GREEDY_BELOW and (s.params.top_p < 1.0 or 0 < s.params.top_k < vocab)
+               for s in seqs)
+
+
+def next_index(s: Sequence) -> int:
+    """The index in prompt + output of the token this sequence decides next (what its draws are keyed by)."""
+    return len(s.prompt) + len(s.output)

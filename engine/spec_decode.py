@@ -24,8 +24,8 @@ from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.draft_runner import DraftRunner
 from flashpd.engine.runner import ModelRunner
-from flashpd.engine.sampling import accepted_greedy, draw, probs_from_logits, rejection_sample, step_width
-from flashpd.engine.sequence import Sequence
+from flashpd.engine.sampling import DRAFT, accepted_greedy, draw, filtered_probs, speculative_accept, step_width
+from flashpd.engine.sequence import Sequence, any_filtered, next_index, row_params
 from flashpd.engine.spec_graph import FusedGreedyStep
 from flashpd.engine.width_policy import FixedWidth, WidthPolicy, WidthStats
 
@@ -103,18 +103,27 @@ class DFlashGenerator(NativeGenerator):
 
     def _guesses(self, seqs: list[Sequence], widths: list[int], logits: torch.Tensor, greedy: list[list[int]]
                  ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Each row's first width-1 guesses from the draft's logits: greedy rows its argmax, sampled rows a draw
-        from q (returned beside them for the rejection sampler)."""
+        """Each row's first width-1 guesses from the draft's logits [B, n, V]: greedy rows its argmax, sampled
+        rows a draw from the draft distribution q (returned beside them for the rejection sampler), keyed by the
+        indices the guesses would take (sampling.draw, stream DRAFT), as the device loop draws them."""
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        qs_all = drawn = None
+        if sampled:
+            sub = [seqs[i] for i in sampled]
+            temp, top_p, top_k, seed = row_params(sub, logits.device)
+            qs_all = filtered_probs(logits[sampled], temp, top_p, top_k, any_filtered(sub, logits.shape[-1]))
+            index = torch.tensor([next_index(s) for s in sub], device=logits.device)[:, None] + \
+                torch.arange(logits.shape[1], device=logits.device)
+            drawn = draw(qs_all, seed, index, DRAFT).tolist()
         guesses, qs = [], []
         for i, (s, w) in enumerate(zip(seqs, widths)):
-            sp = s.params
-            if sp.greedy:
+            if s.params.greedy:
                 guesses.append(greedy[i][:w - 1])
                 qs.append(None)
             else:
-                q = probs_from_logits(logits[i, :w - 1], sp.temperature, sp.top_p, sp.top_k)
-                guesses.append(draw(q, s.generator).tolist())
-                qs.append(q)
+                j = sampled.index(i)
+                guesses.append(drawn[j][:w - 1])
+                qs.append(qs_all[j, :w - 1])
         return guesses, qs
 
     @staticmethod
@@ -206,9 +215,12 @@ class DFlashGenerator(NativeGenerator):
             a = int(accepted_greedy(torch.tensor([g[:w - 1]], dtype=torch.int64),
                                     torch.tensor([truth[:w - 1]], dtype=torch.int64), w))
             return a, truth[a]
-        sp = s.params
-        p = probs_from_logits(logits[:w], sp.temperature, sp.top_p, sp.top_k)
-        return rejection_sample(torch.tensor(g, device=p.device), p, q, s.generator)
+        dev = logits.device
+        temp, top_p, top_k, seed = row_params([s], dev)
+        p = filtered_probs(logits[None, :w], temp, top_p, top_k, any_filtered([s], logits.shape[-1]))
+        a, tok = speculative_accept(torch.tensor([g], dtype=torch.int64, device=dev), q[None], p,
+                                    torch.tensor([[w]], device=dev), seed, torch.tensor([[next_index(s)]], device=dev))
+        return int(a), int(tok)
 
     def prefill_request(self, seqs: list[Sequence], defer: list[torch.Tensor] | None = None) -> None:
         """Prefill, and write each prompt's draft context (its taps' K/V) inside the same forwards: in the

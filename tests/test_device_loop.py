@@ -96,14 +96,32 @@ def test_device_loop_matches_reference_dflash(dflash_pair):  # noqa: F811
         assert (out, acc) == reference_generate(dflash_pair, p, m, block_size=16)
 
 
-def test_sampled_rows_keep_the_stepwise_loop(dflash_pair):  # noqa: F811
-    target = load_target(dflash_pair.target_dir)
-    drafter = load_drafter(dflash_pair.draft_dir, target)
-    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids), config=RunnerConfig(compile=False))
-    gen = DFlashGenerator(runner, drafter, (), 16)
-    generate(gen, _prompts(2, 3), [SamplingParams(max_tokens=8, ignore_eos=True),
-                                  SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)])
-    assert gen._loop is None or gen._loop.runs == 0
+SAMPLED_ROWS = {  # (temperature, top_p, top_k) a row; each set has a greedy row among its sampled ones
+    "plain": [(0.0, 1.0, 0), (0.8, 1.0, 0), (1.3, 1.0, 0), (1.0, 1.0, 0), (0.5, 1.0, 0)],
+    "filtered": [(0.9, 0.9, 0), (0.0, 1.0, 0), (1.2, 1.0, 5), (1.0, 1.0, 0), (0.6, 0.7, 3)],
+}
+
+
+@pytest.mark.parametrize("rows", list(SAMPLED_ROWS))
+@pytest.mark.parametrize("spec", [True, False], ids=["dflash", "native"])
+def test_sampled_rows_in_the_device_loop_equal_the_stepwise_loop(dflash_pair, spec, rows):  # noqa: F811
+    """Sampled rows step in the device loop: drawn inside the captured step (counter-keyed draws, rejection
+    sampling on the device, no host sync), they are the stepwise loop's tokens, acceptance and finishes, a
+    greedy row beside them stays greedy, and the graph path's padding rows change nothing."""
+    prompts = _prompts(5, 23)
+    params = [SamplingParams(max_tokens=n, temperature=t, top_p=tp, top_k=k, seed=100 + i, ignore_eos=True)
+              for i, (n, (t, tp, k)) in enumerate(zip((3, 17, 40, 33, 25), SAMPLED_ROWS[rows]))]
+    got = _run(dflash_pair, prompts, params, True, True, spec)
+    want = _run(dflash_pair, prompts, params, False, True, spec)
+    assert got == want
+    greedy = [i for i, p in enumerate(params) if p.greedy][0]
+    alone = _run(dflash_pair, [prompts[greedy]], [SamplingParams(max_tokens=params[greedy].max_tokens,
+                                                                 ignore_eos=True)], False, False, spec)
+    assert got[greedy] == alone[0]
+    assert len({tuple(g[0][:3]) for g in got}) == 5, "rows look alike: is anything sampled?"
+    if spec:
+        sampled = [a for i, g in enumerate(got) if i != greedy for a in g[2]]
+        assert max(sampled) > 1 and min(sampled) < 16, "the accept and the reject path both ran"
 
 
 @pytest.mark.parametrize("spec", [True, False], ids=["dflash", "native"])

@@ -6,7 +6,8 @@ The exact joint distribution of the first 4 generated tokens is enumerated from 
 (filtered with the reference package's `_sampling_probs`), and thousands of seeded DFlash samples
 (one batched generate call) are chi-square tested against it, per position and per adjacent pair.
 Native sampling is held to the same oracle, and a deliberately broken rejection sampler must be
-caught (the test has power). `rejection_sample` itself is tested on fixed p, q.
+caught (the test has power). The batch steps in the device loop (the sampler inside the captured step), so
+that is what the oracle judges. `speculative_accept` itself is tested on fixed p, q.
 """
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import pytest
 import torch
 
 from _dflash_helpers import chi2_gof, chi2_two_sample, run_checked
-from flashpd.engine import spec_decode
+from flashpd.engine import device_loop, spec_decode
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner, RunnerConfig
-from flashpd.engine.sampling import SamplingParams, draw
-from flashpd.engine.spec_decode import DFlashGenerator, rejection_sample
+from flashpd.engine.sampling import DRAFT, SamplingParams, draw, speculative_accept
+from flashpd.engine.spec_decode import DFlashGenerator
 
 V = 16
 PROMPT = [3, 7, 1, 12, 5]
@@ -104,21 +105,25 @@ def _family_p(samples: torch.Tensor, joint: torch.Tensor) -> tuple[float, dict]:
 
 
 class _Counting:
-    """Wraps spec_decode.rejection_sample: how often a step rejected a guess (residual draw) and how
-    often it accepted every guess (bonus draw), and how many guesses were accepted in all."""
+    """Wraps sampling.speculative_accept: over the rows it was asked about, how often a guess was rejected
+    (residual draw), how often every guess was accepted (bonus draw), and how many guesses were accepted."""
 
-    def __init__(self, fn=rejection_sample):
+    def __init__(self, fn=speculative_accept):
         self.fn, self.calls, self.rejected, self.all_accepted, self.accepted = fn, 0, 0, 0, 0
 
-    def __call__(self, guesses, p, q, generator):
-        a, tok = self.fn(guesses, p, q, generator)
-        self.calls += 1
-        self.accepted += a
-        if a < guesses.shape[0]:
-            self.rejected += 1
-        else:
-            self.all_accepted += 1
+    def __call__(self, guess, q, p, width, seed, index):
+        a, tok = self.fn(guess, q, p, width, seed, index)
+        self.calls += a.shape[0]
+        self.accepted += int(a.sum())
+        self.rejected += int((a < width - 1).sum())
+        self.all_accepted += int((a == width - 1).sum())
         return a, tok
+
+
+def _patch(monkeypatch, fn) -> None:
+    """Put `fn` in place of the acceptance rule on both paths (the device loop's step and the stepwise one)."""
+    monkeypatch.setattr(spec_decode, "speculative_accept", fn)
+    monkeypatch.setattr(device_loop, "speculative_accept", fn)
 
 
 CONFIGS = {  # name: (temperature, top_p, top_k, block width)
@@ -137,9 +142,10 @@ def test_dflash_sampling_matches_target_distribution(tiny, monkeypatch, name):
                              seed=1000 + i, ignore_eos=True) for i in range(N_SAMPLES)]
 
     counter = _Counting()
-    monkeypatch.setattr(spec_decode, "rejection_sample", counter)
+    _patch(monkeypatch, counter)
     gen = DFlashGenerator(tiny["runner"], tiny["drafter"], draft_width=width)
     dflash = _samples(gen, params)
+    assert gen._loop is not None and gen._loop.runs == 1, "the batch did not step in the device loop"
     # the drafter proposes non-trivially: both the residual and the bonus paths ran, many times
     assert counter.calls >= N_SAMPLES
     assert counter.rejected >= N_SAMPLES // 10, vars(counter)
@@ -164,21 +170,23 @@ def test_sampling_is_reproducible_per_seed(tiny):
     assert a == b and a[0] == a[2] and a[0] != a[1]
 
 
-def _broken_residual(guesses, p, q, generator):
+def _gather_row(p: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return p.gather(1, a[..., None].expand(-1, 1, p.shape[-1]))[:, 0]
+
+
+def _broken_residual(guess, q, p, width, seed, index):
     """A classic bug: on rejection, draw from p instead of norm(max(0, p - q))."""
-    g = guesses.shape[0]
-    idx = guesses[:, None]
-    pk, qk = p[:g].gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]
-    u = torch.rand(g, generator=generator)
-    a = int((u * qk < pk).to(torch.int32).cumprod(0).sum())
-    row = p[g] if a == g else p[a]
-    return a, int(draw(row, generator))
+    a, _ = speculative_accept(guess, q, p, width, seed, index)
+    return a, draw(_gather_row(p, a)[:, None], seed, index + a)
 
 
-def _always_accept_first(guesses, p, q, generator):
+def _always_accept_first(guess, q, p, width, seed, index):
     """Another: accept the first guess unconditionally (its distribution becomes q's)."""
-    a, tok = rejection_sample(guesses, p, q, generator)
-    return (a, tok) if a >= 1 else (1, int(draw(p[1], generator)))
+    a, tok = speculative_accept(guess, q, p, width, seed, index)
+    if p.shape[1] < 2:
+        return a, tok
+    force = (a == 0) & (width > 1)
+    return torch.where(force, 1, a), torch.where(force, draw(p[:, 1:2], seed, index + 1), tok)
 
 
 @pytest.mark.parametrize("broken", [_broken_residual, _always_accept_first])
@@ -188,7 +196,7 @@ def test_chi_square_catches_a_broken_rejection_sampler(tiny, monkeypatch, broken
     joint = exact_joint(tiny["hf"], PROMPT, N_TOKENS, temperature, top_p, top_k)
     params = [SamplingParams(max_tokens=N_TOKENS, temperature=temperature, seed=1000 + i, ignore_eos=True)
               for i in range(N_SAMPLES)]
-    monkeypatch.setattr(spec_decode, "rejection_sample", broken)
+    _patch(monkeypatch, broken)
     gen = DFlashGenerator(tiny["runner"], tiny["drafter"], draft_width=width)
     p_family, tests = _family_p(_samples(gen, params), joint)
     assert p_family < 1e-4, f"a broken sampler went unnoticed: {tests}"
@@ -212,7 +220,7 @@ def test_extreme_temperatures_are_safe_in_dflash(tiny, temperature):
         assert seqs[1].output == greedy_out[0] and seqs[2].output == greedy_out[0]
 
 
-# ---- rejection_sample on fixed p, q ---------------------------------------------------------------
+# ---- speculative_accept on fixed p, q -------------------------------------------------------------
 
 def _fixed_pq(vocab: int = 6, g: int = 3, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
@@ -223,15 +231,25 @@ def _fixed_pq(vocab: int = 6, g: int = 3, seed: int = 0):
     return p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
 
 
-def test_rejection_sample_preserves_target_distribution():
+def _accept_rows(p, q, n: int, seed0: int = 0, guesses=None):
+    """n independent rows (seeds seed0..) of one step over fixed p [g+1, V], q [g, V]: guesses drawn from q as
+    a draft step draws them (stream DRAFT) unless given, then speculative_accept at full width."""
+    g, vocab = q.shape
+    seed = torch.arange(seed0, seed0 + n)
+    index = torch.zeros(n, 1, dtype=torch.int64)
+    qn, pn = q.expand(n, g, vocab), p.expand(n, g + 1, vocab)
+    if guesses is None:
+        guesses = draw(qn, seed, index + torch.arange(g), DRAFT)
+    a, tok = speculative_accept(guesses, qn, pn, torch.full((n, 1), g + 1), seed, index)
+    return guesses, a[:, 0], tok[:, 0]
+
+
+def test_speculative_accept_preserves_target_distribution():
     p, q = _fixed_pq()
     g, vocab = q.shape
     n = 20000
-    gen = torch.Generator().manual_seed(42)
-    guesses = torch.stack([torch.multinomial(q[k], n, replacement=True, generator=gen) for k in range(g)], 1)
-    emitted = [rejection_sample(guesses[i], p, q, gen) for i in range(n)]
-    acc = torch.tensor([a for a, _ in emitted])
-    first = torch.tensor([guesses[i, 0].item() if a >= 1 else t for i, (a, t) in enumerate(emitted)])
+    guesses, acc, tok = _accept_rows(p, q, n)
+    first = torch.where(acc >= 1, guesses[:, 0], tok)
     _, _, p0 = chi2_gof(torch.bincount(first, minlength=vocab), p[0])
     assert p0 > ALPHA, "first emitted token is not distributed as p[0]"
     assert (first == 2).sum() == 0, "emitted a token of target probability 0"
@@ -241,28 +259,34 @@ def test_rejection_sample_preserves_target_distribution():
     # token k (emitted when the first k guesses were accepted) is distributed as p[k]
     for k in range(1, g + 1):
         rows = (acc >= k).nonzero()[:, 0]
-        tok = torch.tensor([guesses[i, k].item() if emitted[i][0] > k else emitted[i][1] for i in rows.tolist()])
-        assert len(tok) > 300
-        _, _, pk = chi2_gof(torch.bincount(tok, minlength=vocab), p[k])
+        emitted = torch.where(acc[rows] > k, guesses[rows, min(k, g - 1)], tok[rows])
+        assert len(emitted) > 300
+        _, _, pk = chi2_gof(torch.bincount(emitted, minlength=vocab), p[k])
         assert pk > ALPHA / g, f"token {k} is not distributed as p[{k}] (p-value {pk:.2e})"
 
 
-def test_rejection_sample_edge_cases():
+def test_speculative_accept_edge_cases():
     p, _ = _fixed_pq()
-    gen = torch.Generator().manual_seed(3)
     g = p.shape[0] - 1
     # q == p: every guess is accepted, the bonus comes from the last row
-    for _ in range(200):
-        guesses = torch.stack([torch.multinomial(p[k], 1, generator=gen)[0] for k in range(g)])
-        a, _ = rejection_sample(guesses, p, p[:g].clone(), gen)
-        assert a == g
+    _, a, _ = _accept_rows(p, p[:g].clone(), 200)
+    assert (a == g).all()
     # q puts all mass on a token p never emits: always rejected at 0, residual == p[0]
     q = torch.zeros(g, p.shape[1])
     q[:, 2] = 1.0
-    firsts = []
-    for _ in range(3000):
-        a, t = rejection_sample(torch.full((g,), 2), p, q, gen)
-        assert a == 0 and t != 2
-        firsts.append(t)
-    _, _, pv = chi2_gof(torch.bincount(torch.tensor(firsts), minlength=p.shape[1]), p[0])
+    _, a, firsts = _accept_rows(p, q, 3000, seed0=7, guesses=torch.full((3000, g), 2))
+    assert (a == 0).all() and (firsts != 2).all()
+    _, _, pv = chi2_gof(torch.bincount(firsts, minlength=p.shape[1]), p[0])
     assert pv > ALPHA
+    # a row's width caps what it accepts (at most width - 1 guesses), and its draws do not depend on the batch
+    n = 64
+    seed, index = torch.arange(n), torch.zeros(n, 1, dtype=torch.int64)
+    qn, pn = p[:g].clone().expand(n, g, -1), p.expand(n, g + 1, -1)
+    guesses = draw(qn, seed, index + torch.arange(g), DRAFT)
+    width = torch.randint(1, g + 2, (n, 1), generator=torch.Generator().manual_seed(0))
+    a, tok = speculative_accept(guesses, qn, pn, width, seed, index)
+    assert torch.equal(a, width - 1)
+    for i in (0, 5, 63):
+        a1, t1 = speculative_accept(guesses[i:i + 1], qn[i:i + 1], pn[i:i + 1], width[i:i + 1], seed[i:i + 1],
+                                    index[i:i + 1])
+        assert (a1.item(), t1.item()) == (a[i].item(), tok[i].item())

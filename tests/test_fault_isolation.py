@@ -119,18 +119,22 @@ def test_a_transient_batch_fault_fails_nobody_and_changes_nothing(pair):
     target, drafter = pair
     prompts = _prompts(4, 5)
     methods = ["dflash", "native", "dflash", "native"]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (36, 30, 44, 26)]
+    # sampled rows too: rolled back to what they streamed, they draw the same tokens again (draws keyed by
+    # token index, engine/sampling.py), so they also equal their solo runs
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **kw) for m, kw in
+              zip((36, 30, 44, 26), ({}, {}, dict(temperature=0.9, seed=5), dict(temperature=1.1, top_k=9, seed=6)))]
     sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
     sched.overlap = False
     free0 = sched.runner.allocator.num_free
     reqs = [sched.add(p, sp, m) for p, sp, m in zip(prompts, params, methods)]
     orig, calls = sched.spec.spec_step, []
 
-    def once(seqs, *a, **kw):  # the third DFlash step of the batch raises, once
+    def once(seqs, *a, **kw):  # the third DFlash step of the batch raises once, after committing its tokens
         calls.append(len(seqs))
+        out = orig(seqs, *a, **kw)
         if len(calls) == 3:
             raise RuntimeError("transient")
-        return orig(seqs, *a, **kw)
+        return out
 
     sched.spec.spec_step = once
     streamed, failed = _run(sched, reqs)

@@ -175,7 +175,7 @@ def _code_only(text: str) -> str:
 
 def test_the_acceptance_rules_the_width_rule_and_the_slot_rule_are_each_defined_once():
     """Issue 21: the greedy and the sampled acceptance rule and the step-width rule live in engine/sampling.py
-    (accepted_greedy, rejection_sample, step_width), the paged cache's slot rule in engine/kv_cache.py
+    (accepted_greedy, speculative_accept, step_width), the paged cache's slot rule in engine/kv_cache.py
     (slots_of); no other package module spells any of them out again."""
     slot = re.compile(r"[\]\w]\s*\*\s*[\w.]*(?:bs|block_size)\s*\+\s*\w+\s*%\s*[\w.]*(?:bs|block_size)")
     accept = re.compile(r"\.\s*cumprod\s*\(")

@@ -6,7 +6,7 @@ import torch
 
 from conftest import hf_greedy, hf_logits, new_runner, random_prompts
 from flashpd.engine.generate import NativeGenerator
-from flashpd.engine.sampling import GREEDY_BELOW, SamplingParams, draw, probs_from_logits, sample
+from flashpd.engine.sampling import GREEDY_BELOW, SamplingParams, draw, probs_from_logits, sample_tokens
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.scheduler import PromptTooLong, generate
 
@@ -145,7 +145,7 @@ def test_probs_from_logits_is_a_distribution_at_any_temperature(dtype, scale):
             p = probs_from_logits(logits, t, top_p, top_k)
             assert p.dtype == torch.float32 and torch.isfinite(p).all() and (p >= 0).all(), (t, top_p, top_k)
             torch.testing.assert_close(p.sum(-1), torch.ones(3), rtol=0, atol=1e-5)
-            tok = draw(p, torch.Generator().manual_seed(0))
+            tok = draw(p, torch.zeros(3, dtype=torch.int64), torch.arange(3))
             assert (p.gather(-1, tok[:, None]) > 0).all()
             if t < GREEDY_BELOW or top_k == 1 or top_p < 1e-6:
                 assert torch.equal(p.argmax(-1), logits.float().argmax(-1)) and (p.max(-1).values > 0.99).all()
@@ -162,7 +162,10 @@ def test_huge_temperature_is_near_uniform_and_tiny_is_argmax():
     torch.testing.assert_close(probs_from_logits(logits, 1e30, top_k=2), torch.tensor([[0.5, 0.0, 0.5, 0.0]]))
     for t in (1e-40, 1e-6):
         assert probs_from_logits(logits, t).tolist() == [[0.0, 0.0, 1.0, 0.0]]
-        assert sample(logits, SamplingParams(temperature=t, seed=1), None).tolist() == [2]
+        one = torch.tensor([1])
+        assert sample_tokens(logits, torch.tensor([t]), torch.tensor([1.0]), one * 0, one, one).tolist() == [2]
+        # sampled, not greedy, just above the bound: the one-hot distribution still gives the argmax
+        assert sample_tokens(logits, torch.tensor([2e-5]), torch.tensor([1.0]), one * 0, one, one).tolist() == [2]
 
 
 def test_extreme_temperatures_through_the_generator(ckpt):

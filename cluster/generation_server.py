@@ -25,6 +25,7 @@ from flashpd.decode_node.engine_loop import EngineStopped, Event
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.engine.scheduler import PromptTooLong, RequestFailed
+from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.rpc_guard import add_guarded, echo
 from flashpd.kv_bridge.server import is_loopback
@@ -53,7 +54,7 @@ class Backend(Protocol):
     max_positions: int
     alive: bool
 
-    def counts(self) -> dict: ...
+    def counts(self) -> Load: ...
 
     def submit(self, prompt: list[int], params: SamplingParams, method: str, draft_width: int | None,
                timeout_s: float, first_token: int | None = None) -> Stream: ...
@@ -275,10 +276,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 def health_reply(backend: Backend, has_tokenizer: bool) -> pb.HealthReply:
     c = backend.counts()
-    return pb.HealthReply(version=PROTOCOL_VERSION, serving=bool(c.get("serving", backend.alive)),
-                          has_drafter=backend.has_drafter, has_tokenizer=has_tokenizer, running=c["running"],
-                          waiting=c["waiting"], kv_blocks_free=c["kv_blocks_free"], vocab_size=backend.vocab_size,
-                          kv_blocks_total=c.get("kv_blocks_total", 0), kv_block_size=c.get("kv_block_size", 0),
+    return pb.HealthReply(version=PROTOCOL_VERSION, serving=backend.alive if c.serving is None else c.serving,
+                          has_drafter=backend.has_drafter, has_tokenizer=has_tokenizer, running=c.running,
+                          waiting=c.waiting, kv_blocks_free=c.kv_blocks_free, vocab_size=backend.vocab_size,
+                          kv_blocks_total=c.kv_blocks_total, kv_block_size=c.kv_block_size,
                           max_positions=backend.max_positions, default_block_size=backend.default_draft_width or 0)
 
 

@@ -347,7 +347,7 @@ class _State:
         be = self.backend
         room = be.max_positions - prompt_len
         c = be.counts()
-        total, bs = int(c.get("kv_blocks_total") or 0), int(c.get("kv_block_size") or 0)
+        total, bs = c.kv_blocks_total, c.kv_block_size
         if total and bs:
             width = (draft_width or be.default_draft_width or 1) if method == "dflash" else 1
             if room > 0 and blocks_needed(prompt_len, room, width, bs) > total:
@@ -612,8 +612,9 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
     @app.get("/health")
     async def health():
         c = backend.counts()
-        serving = bool(c.get("serving", backend.alive)) and backend.alive
-        return JSONResponse({"status": "ok" if serving else "unavailable", **c}, status_code=200 if serving else 503)
+        serving = (backend.alive if c.serving is None else c.serving) and backend.alive
+        return JSONResponse({"status": "ok" if serving else "unavailable", **c.as_dict()},
+                            status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def metrics_():

@@ -29,6 +29,7 @@ from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.worker_pool import Slot, WorkerPool
 from flashpd.engine.kv_cache import blocks_needed
 from flashpd.engine.scheduler import REQUEST_FAILED, PromptTooLong, RequestFailed
+from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -167,9 +168,9 @@ class Router:
     def alive(self) -> bool:
         return not self._stopped
 
-    def counts(self) -> dict:
+    def counts(self) -> Load:
         dec = [s.info for s in self.pool.slots["decode"] if s.healthy]
-        return dict(serving=bool(dec) and not self._stopped, running=sum(i["running"] for i in dec),
+        return Load(serving=bool(dec) and not self._stopped, running=sum(i["running"] for i in dec),
                     waiting=sum(i["waiting"] for i in dec), kv_blocks_free=sum(i["kv_blocks_free"] for i in dec),
                     kv_blocks_total=max((i["kv_blocks_total"] for i in dec), default=0),
                     kv_block_size=dec[0]["kv_block_size"] if dec else 0)

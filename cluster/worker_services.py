@@ -22,6 +22,7 @@ from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.engine.scheduler import REQUEST_FAILED, RequestFailed
 from flashpd.engine.kv_cache import OutOfBlocks
 from flashpd.engine.runner import ModelRunner
+from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.client import BridgeError
 from flashpd.kv_bridge.handoff import Handoff
@@ -52,8 +53,8 @@ class PrefillHost:
         self.running = 0
         self.prefills = 0
 
-    def counts(self) -> dict:
-        return dict(running=self.running, waiting=self.waiting, kv_blocks_free=self.runner.allocator.num_free,
+    def counts(self) -> Load:
+        return Load(running=self.running, waiting=self.waiting, kv_blocks_free=self.runner.allocator.num_free,
                     kv_blocks_total=self._capacity, kv_block_size=self.runner.kv_block_size)
 
     def prefill(self, prompt: list[int], params: SamplingParams, timeout_s: float,

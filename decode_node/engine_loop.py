@@ -24,6 +24,7 @@ from typing import Callable
 
 from flashpd.decode_node.scheduler import Scheduler
 from flashpd.engine.scheduler import REQUEST_FAILED, Request, RequestFailed
+from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -109,13 +110,13 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop and self._error is None
 
-    def counts(self) -> dict:
-        """Rough, lock-free snapshot (for health): running, waiting, free and total KV blocks, KV block size."""
+    def counts(self) -> Load:
+        """Rough, lock-free snapshot (for health)."""
         s = self.scheduler
         # submitted but not yet taken by the loop count as waiting, so an idle reading means idle
-        return dict(running=len(s.running), waiting=len(s.waiting) + len(self._inbox),
-                    kv_blocks_free=s.runner.allocator.num_free,
-                    kv_blocks_total=s.capacity, kv_block_size=s.runner.kv_block_size)
+        return Load(running=len(s.running), waiting=len(s.waiting) + len(self._inbox),
+                    kv_blocks_free=s.runner.allocator.num_free, kv_blocks_total=s.capacity,
+                    kv_block_size=s.runner.kv_block_size)
 
     # ---- from other threads --------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native",

@@ -49,7 +49,7 @@ class DecodeWorker:
     def stats(self) -> dict:
         """Counters since start (read from any thread; each value is a plain int)."""
         s = self.scheduler
-        out = dict(self.loop.counts(), preemptions=s.stats.preemptions, recomputed_tokens=s.stats.recomputed_tokens,
+        out = dict(self.loop.counts().as_dict(), preemptions=s.stats.preemptions, recomputed_tokens=s.stats.recomputed_tokens,
                    steps=self.loop.steps, failed_requests=s.stats.failed_requests,
                    handoff_imports=s.stats.handoff_imports, prefill_holds=s.stats.prefill_holds,
                    handoff_fallbacks=sum(s.handoff.fallbacks.values()) if s.handoff is not None else 0)

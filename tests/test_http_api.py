@@ -391,8 +391,9 @@ class _FakeBackend:
     def __init__(self) -> None:
         self.cancelled = []
 
-    def counts(self) -> dict:
-        return dict(running=0, waiting=0, kv_blocks_free=4, kv_blocks_total=4, kv_block_size=16)
+    def counts(self):
+        from flashpd.engine.load import Load
+        return Load(running=0, waiting=0, kv_blocks_free=4, kv_blocks_total=4, kv_block_size=16)
 
     def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
         from flashpd.decode_node.engine_loop import EngineStopped, Event

@@ -1,17 +1,19 @@
-"""Sampled requests in the device loop against the stepwise loop: time, tokens/s, tau and agreement.
+"""Sampled requests in the device loop's sessions against the stepwise loop: time, tokens/s, tau, agreement.
 
     python -m flashpd.bench.sampled_loop --target DIR --draft DIR --batches 1,8,32 --new-tokens 128 \
         --reps 3 --out bench/results/sampled_loop.json
 
-Before the counter-based sampler (engine/sampling.py) a sampled row could not join the device loop's
-captured step and stepped stepwise (host-built inputs, a sync a step). This bench runs the same sampled
-batch both ways on one runner: `device_loop` on (the default) and off (`NativeGenerator.device_loop = False`,
-the stepwise path). Per method (native, DFlash at the drafter's width), batch size and sampling setting
-("plain": temperature only; "filtered": with top-p, which sorts the vocabulary), it reports the median of
-`reps` timed `generate` calls after one warm-up, generated tokens per second, tau (DFlash: tokens per
-target step), and how many rows give the same tokens both ways. The draws are the same on both paths; in
-bf16 a logit may still round differently between their kernel shapes and part the two samples.
-Prompts: held-out text of the demo pair's recipe (bench/speedup.py), 64-1,024 tokens.
+The same sampled batch runs both ways on one runner: `device_loop` on (the default: one session of many
+steps, the host reading step k while the GPU runs step k+1) and off (`NativeGenerator.device_loop = False`:
+every step read before the next is launched, what a changing serving batch runs). Since the one step path
+both ways run the same captured device step; before it (e0bb4b5 and earlier) "off" was the two-pass host
+step (sampled rows drew on the host). Per method (native, DFlash at the drafter's width), batch size and
+sampling setting ("greedy"; "plain": temperature only; "filtered": with top-p, which sorts the vocabulary), it reports
+the median of `reps` timed `generate` calls after one warm-up, generated tokens per second, tau (DFlash:
+tokens per target step), and how many rows give the same tokens both ways (the draws are the same on both
+paths; in bf16 a logit can still round differently where the kernels' shapes differ, and part two samples).
+Prompts: held-out text of the demo pair's recipe (bench/speedup.py), 64-1,024 tokens. The JSON is rewritten
+after every row, so a run cut by its time limit keeps the rows it finished.
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.scheduler import generate
 from flashpd.engine.tokenizer import TextTokenizer
 
-SETTINGS = {"plain": dict(temperature=0.8), "filtered": dict(temperature=0.8, top_p=0.95)}
+SETTINGS = {"greedy": dict(temperature=0.0), "plain": dict(temperature=0.8),
+            "filtered": dict(temperature=0.8, top_p=0.95)}
 
 
 def run_case(gen: NativeGenerator, prompts: list[list[int]], params: list[SamplingParams], reps: int) -> dict:
     """Both paths on one batch: median time, tokens/s, tau, and the outputs of the last run."""
     out = {}
-    for path, on in (("device_loop", True), ("stepwise", False)):
+    for path, on in (("device_loop", True), ("stepwise", False)):  # stepwise: sessions of one step
         gen.device_loop = on
         generate(gen, prompts, params)  # warm-up: graphs and compiled kernels for these shapes
         times, seqs = [], None
@@ -60,7 +63,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--settings", default="plain,filtered", help=f"of {list(SETTINGS)}")
+    ap.add_argument("--settings", default="greedy,plain,filtered", help=f"of {list(SETTINGS)}")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/sampled_loop.json")
@@ -71,6 +74,13 @@ def main() -> None:
     _, pool = heldout_prompt_sets(tok, max(batches) + 1, a.seed)
     pool = [p[:1024] for p in pool[1:]]  # the 2,000-token first prompt of the set is left out
     rows = []
+    command = " ".join(["python -m flashpd.bench.sampled_loop"] +
+                       [f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()])
+
+    def save() -> None:  # after every row: a run cut by a time limit keeps what it measured
+        write_json(a.out, {"bench": "sampled_loop", "command": command, "git": git_revision(), "machine": machine(),
+                           "dtype": str(runner.dtype), "new_tokens": a.new_tokens, "reps": a.reps, "rows": rows})
+
     for setting in a.settings.split(","):
         for b in batches:
             params = [SamplingParams(max_tokens=a.new_tokens, ignore_eos=True, seed=a.seed * 1000 + i,
@@ -82,11 +92,7 @@ def main() -> None:
                       f"({r['device_loop']['tokens_per_s']:8.0f} tok/s)  stepwise {r['stepwise']['ms']:8.1f} ms "
                       f"({r['stepwise']['tokens_per_s']:8.0f} tok/s)  x{r['device_loop_speedup']:.2f}  "
                       f"equal {r['rows_equal']}", flush=True)
-    write_json(a.out, {"bench": "sampled_loop", "command": " ".join(["python -m flashpd.bench.sampled_loop"] +
-                                                                    [f"--{k.replace('_', '-')} {v}" for k, v in
-                                                                     vars(a).items()]),
-                       "git": git_revision(), "machine": machine(), "dtype": str(runner.dtype),
-                       "new_tokens": a.new_tokens, "reps": a.reps, "rows": rows})
+                save()
 
 
 if __name__ == "__main__":

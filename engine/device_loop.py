@@ -37,11 +37,12 @@ from flashpd.engine.sampling import (DRAFT, GREEDY_BELOW, accepted_greedy, draw,
                                      speculative_accept, step_width)
 from flashpd.engine.sequence import FLOAT32_MAX, Sequence, any_filtered
 
-# state columns (int64 [B, 8]): committed target length P, draft context length D, last token x,
-# pending draft rows n, tokens emitted O, the row's max_tokens M, its seed S and top_k K; a sampled session
-# also has a float32 [B, 2] buffer of each row's temperature and top_p
-P, D, X, N, O, M, S, K = range(8)
-NCOL = 8
+# state columns (int64 [B, 9]): committed target length P, draft context length D, last token x,
+# pending draft rows n, tokens emitted O, the row's max_tokens M, its seed S, top_k K and draft width W (its
+# own width under the policy's cap: a session's rows may differ); a sampled session also has a float32 [B, 2]
+# buffer of each row's temperature and top_p
+P, D, X, N, O, M, S, K, W = range(9)
+NCOL = 9
 # a session's sampling mode (a graph each): every row greedy; some row sampled; some row sampled with top-p/top-k
 GREEDY, SAMPLED, FILTERED = 0, 1, 2
 
@@ -119,7 +120,8 @@ def spec_in(st: torch.Tensor, bt: torch.Tensor, t: int, bs: int, mask_id: int) -
     ar = torch.arange(t, device=st.device)[None, :]
     p_, d_, x_, n_ = st[:, P:P + 1], st[:, D:D + 1], st[:, X:X + 1], st[:, N:N + 1]
     live = st[:, O] < st[:, M]
-    w = step_width(t, st[:, M:M + 1], st[:, O:O + 1])  # as the stepwise loop shrinks it near max_tokens
+    # each row's own width, shrunk near max_tokens as the stepwise loop shrinks it (t: the session's widest)
+    w = step_width(t, st[:, M:M + 1], st[:, O:O + 1]).minimum(st[:, W:W + 1].clamp_min(1))  # padding rows: W 0
     ok = ar < n_
     cpos = torch.where(ok, d_ + ar, 0).reshape(-1)
     cslots = torch.where(ok, slots_of(bt, d_ + ar, bs), SCRATCH_BLOCK * bs).reshape(-1)
@@ -209,7 +211,8 @@ class Session:
     queued: list[tuple[torch.Tensor, "torch.cuda.Event | None"]] = field(default_factory=list)
     launched: int = 0
     emits: list[int] = field(default_factory=list)  # DFlash: emits[k] = row-steps that emitted k tokens
-    width: int = 1  # DFlash: the draft width every step of this session verifies
+    width: int = 1  # DFlash: the widest draft width a step of this session verifies (its graph's)
+    widths: list[int] = field(default_factory=list)  # DFlash: each row's own draft width (at most `width`)
     mode: int = GREEDY  # GREEDY, SAMPLED or FILTERED: which step function (and graph) it replays
 
 
@@ -241,7 +244,8 @@ class DeviceLoop:
         self._bufs: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._host: dict[tuple, "HostBuffers"] = {}
         self._uploaded: "torch.cuda.Event | None" = None  # the last begin's uploads from the host buffers
-        self.runs = 0  # requests batches driven here (tests check the path is taken)
+        self.sessions = 0  # sessions of many steps begun here (tests check the path is taken)
+        self.single_steps = 0  # sessions of one step (`step`: the stepwise calls)
         self.wasted_steps = 0  # steps launched after every row had finished (run's tail)
 
     # ---- the device step functions (graph-safe: fixed shapes, no host sync) ----------------------
@@ -316,12 +320,12 @@ class DeviceLoop:
     def usable(self, seqs: list[Sequence]) -> bool:
         """Rows (greedy or sampled) sharing one draft width (each row's width under the width policy's cap for
         this batch size), whose guesses and verdicts are the generator's own (DFlashGenerator.model_steps), and
-        no confidence cut at this batch size (DFlashGenerator.loop_width: the cut needs the host between draft
+        no confidence cut at this batch size (DFlashGenerator.loop_widths: the cut needs the host between draft
         and verify, so those steps stay stepwise). `begin` reserves each row's KV to its end, so the caller
         must have checked the room."""
         if not seqs:
             return False
-        if self.spec and (self.gen.loop_width(seqs) is None or not self.gen.model_steps()):
+        if self.spec and (self.gen.loop_widths(seqs) is None or not self.gen.model_steps()):
             return False
         return True
 
@@ -414,17 +418,34 @@ class DeviceLoop:
             s.stats.ttft_ms = (now - s.t_start) * 1e3
             s.commit([tok])
 
-    def begin(self, seqs: list[Sequence], first: torch.Tensor | None = None) -> "Session":
-        """Put these sequences' state on the device (their KV reserved to their ends: no allocation while
-        steps are in flight); capture the step's graph for this shape if it is new. `first`: the rows'
-        first tokens on the device, not yet committed (`run`); the state then counts them as emitted."""
+    def step(self, seqs: list[Sequence]) -> None:
+        """One step of these rows: a session of one step (its KV reserved for that step only), read at once.
+        The executors' stepwise calls (NativeGenerator.decode_step, DFlashGenerator.spec_step) come here, so a
+        step of a changing batch is the captured step of a stable one."""
+        sess = self.begin(seqs, steps=1)
+        self.single_steps += 1
+        self.launch(sess)
+        self.end(sess)
+
+    def begin(self, seqs: list[Sequence], first: torch.Tensor | None = None, steps: int | None = None
+              ) -> "Session":
+        """Put these sequences' state on the device (their KV reserved to their ends, or for `steps` steps: no
+        allocation while steps are in flight); capture the step's graph for this shape if it is new. `first`:
+        the rows' first tokens on the device, not yet committed (`run`); the state then counts them as
+        emitted."""
         runner, alloc = self.runner, self.runner.allocator
-        t = self.gen.loop_width(seqs) if self.spec else self.gen.step_width  # a session keeps its width
-        for s in seqs:
+        if self.spec:
+            widths = self.gen.loop_widths(seqs)
+            t = max(widths)  # a session keeps its widths; its graph verifies the widest
+            self._flush_wide_pending(seqs, t)
+        else:
+            widths, t = [1] * len(seqs), self.gen.step_width
+        for s, w in zip(seqs, widths):
             end = len(s.prompt) + s.params.max_tokens
             if end > runner.max_positions:
                 raise ValueError(f"position {end} exceeds the model's {runner.max_positions} positions")
-            alloc.ensure(s.table, end)
+            # a step writes w verify positions (native: one; its padding columns write scratch)
+            alloc.ensure(s.table, end if steps is None else min(end, s.table.num_tokens + steps * w))
         graphed = runner.config.cuda_graphs
         b = bucket(len(seqs)) if graphed else len(seqs)
         nblk = max(len(s.table.blocks) for s in seqs)
@@ -451,7 +472,7 @@ class DeviceLoop:
         for i, s in enumerate(seqs):
             # the last token is not in the target cache yet; its pending draft rows are in s.pending
             st_np[i] = (s.table.num_tokens, s.draft_len, s.last_token if first is None else 0, s.pending_rows,
-                        len(s.output) + emitted, s.params.max_tokens, s.seed, s.params.top_k)
+                        len(s.output) + emitted, s.params.max_tokens, s.seed, s.params.top_k, widths[i])
             bt_np[i, :len(s.table.blocks)] = s.table.blocks
         st_np[len(seqs):, D] = 1  # padding rows: frozen (O = M = 0), one harmless context key
         host_st, host_bt, host_sp = hb.st, hb.bt, hb.sp
@@ -473,13 +494,8 @@ class DeviceLoop:
                 sp.copy_(host_sp, non_blocking=cuda)
             if first is not None:
                 st[:len(seqs), X] = first
-            if self.spec and any(s.pending is not None and s.pending_rows for s in seqs):
-                # rows past a row's pending count are never read (their context K/V go to the scratch block);
-                # the buffer only ever holds zeros or taps, so it stays finite without a clear per request
-                pend = bufs[2]
-                for i, s in enumerate(seqs):
-                    if s.pending is not None and s.pending_rows:
-                        pend[i, :s.pending_rows] = s.pending[:s.pending_rows]
+            if self.spec:
+                self._upload_pending(seqs, bufs[2])
         fill()
         graph = self.graphs[mode]
         if cuda and graph.enabled and key not in graph._graphs:
@@ -488,9 +504,30 @@ class DeviceLoop:
         if cuda:
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()
-        self.runs += 1
+        if steps is None:
+            self.sessions += 1
         return Session(seqs, key, bufs, reset, cuda, hb.ring, [s.draft_len for s in seqs],
-                       [s.pending_rows for s in seqs], emits=[0] * (t + 1), width=t, mode=mode)
+                       [s.pending_rows for s in seqs], emits=[0] * (t + 1), width=t, widths=widths, mode=mode)
+
+    def _upload_pending(self, seqs: list[Sequence], pend: torch.Tensor) -> None:
+        """Each row's pending draft rows into the step's buffer, in one copy. Rows past a row's pending count
+        are never read (their context K/V go to the scratch block); the buffer only ever holds zeros or taps,
+        so it stays finite without a clear per request."""
+        rows = [(i, s) for i, s in enumerate(seqs) if s.pending is not None and s.pending_rows]
+        if not rows:
+            return
+        t = pend.shape[1]
+        flat = [i * t + j for i, s in rows for j in range(s.pending_rows)]
+        src = torch.cat([s.pending[:s.pending_rows] for _, s in rows]) if len(rows) > 1 else \
+            rows[0][1].pending[:rows[0][1].pending_rows]
+        pend.view(-1, pend.shape[2]).index_copy_(0, torch.tensor(flat, device=pend.device), src)
+
+    def _flush_wide_pending(self, seqs: list[Sequence], t: int) -> None:
+        """A row whose pending draft rows outnumber this session's width (its last step verified wider, before
+        the width policy's cap for a larger batch applied) writes them into the draft cache now, eagerly."""
+        wide = [s for s in seqs if s.pending is not None and s.pending_rows > t]
+        if wide:
+            self.gen.drafts.write_pending(wide)
 
     def launch(self, sess: "Session") -> None:
         """Queue one step; its result is copied to the host without waiting for it."""
@@ -514,7 +551,7 @@ class DeviceLoop:
             if self.spec and not s.done:  # mirror the device's draft bookkeeping for `end`
                 sess.draft_len[i] += sess.pending[i]
                 sess.pending[i] = row[-1] + 1
-        self._commit(sess.seqs, rows, sess.emits, sess.width)
+        self._commit(sess.seqs, rows, sess.emits, sess.widths)
 
     def end(self, sess: "Session") -> None:
         """Read every step still queued, then hand the sequences back to the stepwise loop: their cache
@@ -523,22 +560,24 @@ class DeviceLoop:
         while sess.queued:
             self.read(sess)
         alloc = self.runner.allocator
+        # the rows' pending taps, copied once out of the buffer the next session overwrites
+        kept = sess.bufs[2][:len(sess.seqs)].clone() if self.spec else None
         for i, s in enumerate(sess.seqs):
             s.table.num_tokens = len(s.prompt) + len(s.output) - 1
             if self.spec and not s.done:
                 n = sess.pending[i]
                 s.draft_len, s.pending_rows = sess.draft_len[i], n
-                s.pending = sess.bufs[2][i, :n].clone()
+                s.pending = kept[i, :n]
             else:
                 s.pending, s.pending_rows = None, 0
             if not s.done:  # a finished row's blocks go back with the whole table (finish)
                 alloc.truncate(s.table, s.table.num_tokens)
 
-    def _commit(self, seqs: list[Sequence], rows: list[list[int]], emits: list[int], t: int) -> None:
+    def _commit(self, seqs: list[Sequence], rows: list[list[int]], emits: list[int], widths: list[int]) -> None:
         """Apply one step's device results to each row still running, exactly as the stepwise loop does.
-        A running row's host state here equals its device state when the step began, so its width (the
-        session's block t, or what max_tokens still admits) is the one the device used."""
-        for s, row in zip(seqs, rows):
+        A running row's host state here equals its device state when the step began, so its width (its own
+        draft width, or what max_tokens still admits) is the one the device used."""
+        for s, row, t in zip(seqs, rows, widths):
             if s.done:
                 continue
             if not self.spec:

@@ -73,6 +73,21 @@ class DraftRunner:
         _, (d_pos, d_slots) = pack_host([np.concatenate(pos), np.concatenate(slots)], self.device)
         self.drafter.write_context(self.cache.data, torch.cat(feats), d_pos, d_slots, self.kv_fn)
 
+    def write_pending(self, seqs: list[Sequence]) -> None:
+        """Write each sequence's pending draft rows (the taps of the positions its last verify accepted) into the
+        draft cache now, eagerly (no compile or capture for these few rows), outside any step."""
+        pend = [s for s in seqs if s.pending is not None and s.pending_rows]
+        if pend:
+            feats = torch.cat([s.pending[:s.pending_rows] for s in pend])
+            pos = np.concatenate([np.arange(s.draft_len, s.draft_len + s.pending_rows) for s in pend])
+            slots = np.concatenate([self._slots(s, s.draft_len, s.pending_rows) for s in pend])
+            self.drafter.write_context(self.cache.data, feats, torch.from_numpy(pos).to(self.device),
+                                       torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.device))
+        for s in seqs:
+            if s.pending is not None:
+                s.draft_len += s.pending_rows
+                s.pending, s.pending_rows = None, 0
+
     def write_forward_context(self, taps: list[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
         """A target forward's sink (ModelRunner.forward): its taps become draft context at the forward's own
         positions and slots, inside the forward's graph. Valid where a sequence's draft context is as long

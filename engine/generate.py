@@ -138,13 +138,8 @@ class NativeGenerator:
         return features
 
     def decode_step(self, seqs: list[Sequence]) -> None:
-        """One token for every running sequence."""
-        alloc = self.runner.allocator
-        for s in seqs:
-            alloc.ensure(s.table, s.table.num_tokens + 1)
-        out = self.runner.forward([s.table for s in seqs], [[s.last_token] for s in seqs], "last")
-        for s, tok in zip(seqs, sample_rows(out.logits[:, -1], seqs)):
-            s.commit([tok])
+        """One token for every running sequence: the device step (engine/device_loop.py), a session of one."""
+        self.loop().step(seqs)
 
     def finish(self, s: Sequence, prefix_cache=None) -> None:
         """Publish the prompt to the prefix cache (if any) and free the blocks, whatever publish does."""

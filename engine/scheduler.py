@@ -45,12 +45,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.generate import NativeGenerator, sample_rows
-from flashpd.engine.kv_cache import blocks_needed, slots_of
+from flashpd.engine.kv_cache import blocks_needed
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
@@ -667,20 +666,9 @@ def step_undrafted(gen: DFlashGenerator, seqs: list[Sequence]) -> None:
     capture for these few rows). The step counts as one of acceptance length 1 (tau: tokens per target step).
     What it costs beside a native step: engine/width_policy.py's module doc."""
     runner = gen.runner
-    alloc, dev = runner.allocator, runner.device
-    pend = [s for s in seqs if s.pending is not None and s.pending_rows]
-    if pend:
-        feats = torch.cat([s.pending[:s.pending_rows] for s in pend])
-        pos = np.concatenate([np.arange(s.draft_len, s.draft_len + s.pending_rows) for s in pend])
-        slots = np.concatenate([slots_of(np.asarray(s.table.blocks, dtype=np.int64),
-                                         np.arange(s.draft_len, s.draft_len + s.pending_rows), runner.kv_block_size)
-                                for s in pend])
-        gen.drafter.write_context(gen.drafts.cache.data, feats, torch.from_numpy(pos).to(dev),
-                                  torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(dev))
+    alloc = runner.allocator
+    gen.drafts.write_pending(seqs)
     for s in seqs:
-        if s.pending is not None:
-            s.draft_len += s.pending_rows
-            s.pending, s.pending_rows = None, 0
         assert s.draft_len == s.table.num_tokens, "draft context out of step with the target"
         alloc.ensure(s.table, s.table.num_tokens + 1)
     out = runner.forward([s.table for s in seqs], [[s.last_token] for s in seqs], "last",

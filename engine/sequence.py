@@ -12,10 +12,10 @@ from flashpd.engine.sampling import GREEDY_BELOW, SamplingParams
 
 @dataclass
 class RequestStats:
-    """Per request, the same from every step path (stepwise, fused, device loop). acceptance_lengths: tokens
-    committed per DFlash verify step (empty for native). No draft or verify times: the fused step and the
-    device loop run both passes in one graph with no sync between them, so a split would exist only on the
-    stepwise path (the benches time the passes: bench/dflash_step.py, bench/profile_step.py)."""
+    """Per request, the same from every step path (the device step, the two-pass seams, the confidence cut).
+    acceptance_lengths: tokens committed per DFlash verify step (empty for native). No draft or verify times: the
+    device step runs both passes in one graph with no sync between them, so a split would exist only on the
+    two-pass paths (the benches time the passes: bench/dflash_step.py, bench/profile_step.py)."""
 
     acceptance_lengths: list[int] = field(default_factory=list)
     ttft_ms: float | None = None

@@ -11,7 +11,11 @@ Every committed token is the target's own choice, so greedy output equals native
 Near max_tokens the block shrinks to what can still be committed (as the reference loop does).
 A width policy (engine/width_policy.py, a constructor argument) may verify fewer positions than the
 block: a width cap by batch size, which every path runs, and a cut by the draft's confidence, which runs
-through the unfused step only (its widths need the draft on the host before the verify launches).
+as two passes (`_cut_step`: its widths need the draft on the host before the verify launches).
+
+Every other step, greedy or sampled, of a stable batch or a changing one, is the device step
+(engine/device_loop.py): `spec_step` runs it as a session of one step. The two-pass step here is left for
+the seams (`model_steps`), a test's oracle drafter or a bench's recorded acceptance.
 """
 from __future__ import annotations
 
@@ -26,7 +30,6 @@ from flashpd.engine.draft_runner import DraftRunner
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import DRAFT, accepted_greedy, draw, filtered_probs, speculative_accept, step_width
 from flashpd.engine.sequence import Sequence, any_filtered, next_index, row_params
-from flashpd.engine.spec_graph import FusedGreedyStep
 from flashpd.engine.width_policy import FixedWidth, WidthPolicy, WidthStats
 
 
@@ -46,13 +49,12 @@ class DFlashGenerator(NativeGenerator):
         self.drafter = drafter
         self.draft_width = self._check_width(c.block_size if draft_width is None else draft_width)
         self.drafts = DraftRunner(drafter, runner)
-        self.fused = FusedGreedyStep(runner, self.drafts)
 
     def model_steps(self) -> bool:
-        """Whether every step's guesses and verdicts are this generator's own (`_guesses`, `_verdict`): the
-        fused step, the device loop and the confidence cut compute them inside their graphs. The seam for
-        tests and benches: a subclass that supplies its own guesses (an oracle drafter) or acceptance (a
-        recorded schedule replayed at real shapes) returns False, and its steps take the stepwise path."""
+        """Whether every step's guesses and verdicts are this generator's own: the device step (and the
+        confidence cut) computes them inside its graph. The seam for tests and benches: a subclass that
+        supplies its own guesses (an oracle drafter) or acceptance (a recorded schedule replayed at real shapes)
+        through `_draft` and `_verdict` returns False, and its steps run as two passes with the host between."""
         return True
 
     @staticmethod
@@ -60,21 +62,6 @@ class DFlashGenerator(NativeGenerator):
         if not 2 <= w <= 16:
             raise ValueError(f"draft width (block_size) must be in [2, 16], got {w}")
         return w
-
-    def _fused_width(self, seqs: list[Sequence], widths: list[int]) -> int:
-        """The width T at which draft and verify run as one graph (spec_graph.py), or 0 when they cannot:
-        sampled rows and test hooks need the host between the passes. Rows narrower than T are padded with
-        the drafter's further guesses, whose verdicts are never read. T is the batch's draft width (at most
-        the width policy's cap) when every row shares it, so a request's last steps (narrower as
-        max_tokens nears) replay the graph of its other steps instead of capturing one per width; else the
-        widest row. A row never writes past its own draft width, which is what its KV reservation covers."""
-        if not self.model_steps() or not all(s.params.greedy for s in seqs):
-            return 0
-        cap = self.width_policy.cap(len(seqs))
-        for t in (min(cap, max(s.draft_width for s in seqs)), max(widths)):
-            if self._fits(seqs, t):
-                return t
-        return 0
 
     def _fits(self, seqs: list[Sequence], t: int) -> bool:
         """Every row may write t verify positions: within its draft width (its KV reservation) and the model."""
@@ -86,14 +73,15 @@ class DFlashGenerator(NativeGenerator):
         cap = self.width_policy.cap(len(seqs))
         return [step_width(min(s.draft_width, cap), s.params.max_tokens, len(s.output)) for s in seqs]
 
-    def loop_width(self, seqs: list[Sequence]) -> int | None:
-        """The draft width the device loop steps these rows at, or None where it cannot: rows of different
-        widths, or a policy that cuts by confidence at this batch size (that needs the host mid-step)."""
+    def loop_widths(self, seqs: list[Sequence]) -> list[int] | None:
+        """Each row's draft width in the device step (its own under the policy's cap for this batch size), or
+        None where the step cannot run there: a policy that cuts by confidence at this batch size (the cut
+        needs the host between draft and verify)."""
         pol = self.width_policy
         if pol.cuts(len(seqs)):
             return None
-        widths = {min(s.draft_width, pol.cap(len(seqs))) for s in seqs}
-        return widths.pop() if len(widths) == 1 else None
+        cap = pol.cap(len(seqs))
+        return [min(s.draft_width, cap) for s in seqs]
 
     # ---- one speculative step ------------------------------------------------------------
     def _draft(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -168,31 +156,26 @@ class DFlashGenerator(NativeGenerator):
         self._accept(seqs, guesses, qs, widths, truth, out, feats, starts)
 
     def spec_step(self, seqs: list[Sequence]) -> None:
-        alloc = self.runner.allocator
+        """One DFlash step of every row: the device step (engine/device_loop.py), the one every session
+        replays; a confidence cut at this batch size runs `_cut_step`, and a subclass with its own guesses or
+        verdicts (model_steps False) the two-pass step below."""
         widths = self.limits(seqs)
-        if self.width_policy.cuts(len(seqs)) and self.model_steps():
-            return self._cut_step(seqs, widths)
+        if self.model_steps() and self.width_policy.cuts(len(seqs)):
+            return self._cut_step(seqs, widths)  # counts its own step
         self.width_stats.steps += 1
-        t_fused = self._fused_width(seqs, widths)
-        one_sync = t_fused > 0
-        t = t_fused or max(widths)
+        if self.model_steps():
+            return self.loop().step(seqs)
+        alloc = self.runner.allocator
         for s, w in zip(seqs, widths):
             assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
-            alloc.ensure(s.table, s.table.num_tokens + (t if one_sync else w))  # padding rows write there too
+            alloc.ensure(s.table, s.table.num_tokens + w)
         starts = [s.table.num_tokens for s in seqs]
-        if one_sync:
-            # greedy: draft, argmax and verify in one graph (spec_graph.py), one copy back
-            rows, feats = self.fused(seqs, widths, t)
-            # row i reads only its first w_i - 1 guesses and w_i verdicts: padding never decides anything
-            guesses = [r[:w - 1] for r, w in zip(rows, widths)]
-            truth = [r[t - 1:t - 1 + w] for r, w in zip(rows, widths)]
-            qs = [None] * len(seqs)
-        else:
-            guesses, qs = self._draft(seqs, widths)
-            out = self.runner.forward([s.table for s in seqs], [[s.last_token] + g for s, g in zip(seqs, guesses)], "all", taps=True)
-            feats = self._pending_features(out)
-            truth = out.logits.argmax(-1).tolist()
-        self._accept(seqs, guesses, qs, widths, truth, None if one_sync else out, feats, starts)
+        guesses, qs = self._draft(seqs, widths)
+        out = self.runner.forward([s.table for s in seqs], [[s.last_token] + g for s, g in zip(seqs, guesses)],
+                                  "all", taps=True)
+        feats = self._pending_features(out)
+        truth = out.logits.argmax(-1).tolist()
+        self._accept(seqs, guesses, qs, widths, truth, out, feats, starts)
 
     def _accept(self, seqs: list[Sequence], guesses: list[list[int]], qs: list[torch.Tensor | None],
                 widths: list[int], truth: list[list[int]], out, feats: torch.Tensor, starts: list[int]) -> None:

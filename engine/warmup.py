@@ -6,11 +6,12 @@ compile inside their measured latency (a service sweep's TTFT outliers came from
 "Figures behind design choices"). The prompt lengths below cover
 the padded prefill widths (64 to 1,024 tokens) and the block-table buckets of contexts up to about
 2,000 tokens, at batch 1 and as one batch. Then every power-of-two batch bucket (engine/cuda_graph.py
-`bucket`) up to the scheduler's max_running runs a few tokens of short prompts per method, once in the
-device loop and once stepwise (a closed-loop load moves its batch through every bucket under its
-concurrency, through both paths: a 3.7 s stall at concurrency 32 was such a shape first met inside a
-measured level); a width policy's batch rule (narrower widths, no speculation past a size) applies there as
-it will when serving. Other shapes (other block-table buckets at large batches, pending-row counts) are still
+`bucket`) up to the scheduler's max_running runs a few tokens of short prompts per method, greedy, sampled,
+and sampled with top-p: the device step's three graphs a shape (engine/device_loop.py), which a stable batch
+replays in a session and a changing one step by step (a closed-loop load moves its batch through every
+bucket under its concurrency: a 3.7 s stall at concurrency 32 was such a shape first met inside a measured
+level); a width policy's batch rule (narrower widths, no speculation past a size) applies there as it will
+when serving. Other shapes (other block-table buckets at large batches, pending-row counts) are still
 captured when first seen.
 
 Warm-up requests never touch a prefix cache or a bridge (nothing is published or imported), and
@@ -58,7 +59,7 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
                    bucket_tokens: int = BUCKET_TOKENS) -> dict:
     """Each prompt alone, then all at once, through every method the scheduler has; then, per method, a batch of
     short prompts at every power-of-two bucket up to max_batch (default: the scheduler's max_running) for
-    `bucket_tokens` tokens, in the device loop and stepwise. Its prefix cache is detached meanwhile and its
+    `bucket_tokens` tokens, greedy, sampled and filtered. Its prefix cache is detached meanwhile and its
     counters reset after; a group whose worst case does not fit the free KV blocks at once is skipped (a small
     cache), never preempted. Returns what ran (for the log and the tests)."""
     runner = scheduler.runner
@@ -68,9 +69,10 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     prompts = random_prompts(lengths, vocab)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     sizes = batch_sizes(scheduler.max_running if max_batch is None else min(max_batch, scheduler.max_running))
-    short = SamplingParams(max_tokens=bucket_tokens, ignore_eos=True)
+    # greedy, sampled, sampled with a filter: the device step's three graphs (its sampling modes)
+    shorts = [SamplingParams(max_tokens=bucket_tokens, ignore_eos=True, **kw)
+              for kw in ({}, dict(temperature=1.0, seed=0), dict(temperature=1.0, top_p=0.9, seed=0))]
     cache, scheduler.prefix_cache = scheduler.prefix_cache, None
-    overlap = scheduler.overlap
     t0 = time.perf_counter()
     n, batches, skipped, bucket_s = 0, {m: [] for m in methods}, {m: [] for m in methods}, 0.0
 
@@ -97,13 +99,12 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
                 if not fits(group, bucket_tokens):
                     skipped[method].append(b)
                     continue
-                for scheduler.overlap in ([True, False] if overlap else [False]):  # device loop, then stepwise
+                for short in shorts:
                     run(group, short, method)
                 batches[method].append(b)
             bucket_s += time.perf_counter() - t1
     finally:
         scheduler.prefix_cache = cache
-        scheduler.overlap = overlap
     scheduler.reset_stats()
     if runner.allocator.num_free != free:
         raise RuntimeError(f"warm-up leaked KV blocks ({free - runner.allocator.num_free})")

@@ -25,14 +25,14 @@ does not depend on its own draws keeps the target's distribution. A rule that lo
 (e.g. its own q(x)) to decide whether to verify it would bias it; none here does.
 
 Cost, stated: the cut needs the confidences on the host before the verify launches, so a cutting step
-runs draft and verify as two passes with a host round trip between (spec_decode's unfused path), never
-as the fused greedy step or the device loop (engine/device_loop.py), which replay one captured graph per
-fixed width. `cut_from_batch` is therefore the batch size from which the cut runs; below it the policy
-is a width by batch size, which the fused step and the device loop run as any fixed width. The policy's
-own cost, `WidthStats.policy_ms`: host time from the draft's guesses reaching the host (that readback
-waits for the draft pass, which is not counted) to the widths chosen: the confidences' softmax, their
-copy back and the rule. The route's cost beside the fused step is what bench/adaptive.py's route control
-(the cut path at threshold 0: the fixed block's tokens, two passes) measures.
+runs draft and verify as two passes with a host round trip between (spec_decode's `_cut_step`), never
+as the device step (engine/device_loop.py), which replays one captured graph per batch shape. `cut_from_batch`
+is therefore the batch size from which the cut runs; below it the policy is a width by batch size, which the
+device step runs as any fixed width. The policy's own cost, `WidthStats.policy_ms`: host time from the draft's
+guesses reaching the host (that readback waits for the draft pass, which is not counted) to the widths chosen:
+the confidences' softmax, their copy back and the rule. The route's cost beside the one-graph step is what
+bench/adaptive.py's route control (the cut path at threshold 0: the fixed block's tokens, two passes)
+measures.
 
 No speculation past a batch size (`BatchWidth`, or a cap of 1 in any policy's caps): under load a verify
 pass is bound by compute, not weights, and every rejected position is spent for nothing; SGLang and vLLM
@@ -177,8 +177,7 @@ class ConfidenceWidth(WidthPolicy):
 
 @dataclass(frozen=True)
 class BatchWidth(WidthPolicy):
-    """A width by batch size and nothing else (no confidence cut, so every path runs it as a fixed width: the
-    fused step, the device loop): `max_width_by_batch` as ConfidenceWidth's, (batch size at least, max width)
+    """A width by batch size and nothing else (no confidence cut, so the device step runs it as a fixed width): `max_width_by_batch` as ConfidenceWidth's, (batch size at least, max width)
     ascending from batch 1. A width of 1 turns speculation off from that size on: "1-16/65-1" drafts 16 wide
     below 65 DFlash rows in a step and not at all from 65 (module doc: what a row costs then, and why it stays
     exact). The batch size is the step's DFlash rows (native rows beside them are not counted)."""

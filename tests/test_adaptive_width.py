@@ -84,7 +84,7 @@ def test_confidence_cut_equals_native_greedy(dflash_engine, batch, threshold, sh
     seqs = run_checked(gen, prompts, [greedy(MAX_NEW)] * len(prompts))
     assert [s.output for s in seqs] == native
     ws = gen.width_stats
-    assert ws.cut_steps == ws.steps > 0 and (gen._loop is None or gen._loop.runs == 0), "every step must cut"
+    assert ws.cut_steps == ws.steps > 0 and (gen._loop is None or gen._loop.sessions == 0), "every step must cut"
     assert len(ws.widths) >= 2 and 0 <= ws.policy_ms
     if not share:  # rows of one step verified at different widths
         assert len({sum(s.stats.position_drafted) / len(s.stats.acceptance_lengths) for s in seqs}) > 1
@@ -111,7 +111,7 @@ def test_fixed_caps_equal_native_and_plain_blocks(dflash_engine, batch, width):
     gen = _gen(dflash_engine, FixedWidth(width))
     seqs = run_checked(gen, prompts, [greedy(MAX_NEW)] * len(prompts))
     assert [s.output for s in seqs] == native
-    assert gen._loop is not None and gen._loop.runs == 1
+    assert gen._loop is not None and gen._loop.sessions == 1
     plain = run_checked(_gen(dflash_engine, None, block=width), prompts, [greedy(MAX_NEW)] * len(prompts))
     assert [s.stats.acceptance_lengths for s in seqs] == [s.stats.acceptance_lengths for s in plain]
     step = _gen(dflash_engine, FixedWidth(width))
@@ -125,7 +125,7 @@ def test_no_cut_below_cut_from_batch_takes_the_device_loop(dflash_engine, batch)
     prompts, native = batch
     gen = _gen(dflash_engine, ConfidenceWidth(threshold=0.9, cut_from_batch=2))
     assert run_checked(gen, prompts[:1], [greedy(MAX_NEW)])[0].output == native[0]
-    assert gen._loop.runs == 1 and gen.width_stats.cut_steps == 0
+    assert gen._loop.sessions == 1 and gen.width_stats.cut_steps == 0
 
 
 def test_batch_rule_in_a_scheduler_with_a_changing_batch(dflash_engine, batch):

@@ -338,12 +338,11 @@ def test_a_put_announcing_more_than_the_largest_chunk_is_refused_on_its_first_fr
     try:
         genuine = forged(setup, 0)[0]
         assert len(genuine.to_bytes(b.secret.mac_key)) <= limit  # a real chunk fits
-        first_sent, release = threading.Event(), threading.Event()
+        release = threading.Event()
 
         def frames():
             yield pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
                 key="big", offset=0, total_length=limit + 1, data=b"x" * FRAME, last=False))
-            first_sent.set()
             release.wait(TIMEOUT_S)  # the rest would follow: the server must not wait for it
             yield pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
                 key="big", offset=FRAME, total_length=limit + 1, data=b"x" * FRAME, last=False))
@@ -354,8 +353,10 @@ def test_a_put_announcing_more_than_the_largest_chunk_is_refused_on_its_first_fr
         release.set()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert e.value.details().startswith("frame.total_length")
-        assert first_sent.is_set() and time.monotonic() - t0 < TIMEOUT_S / 2
+        assert time.monotonic() - t0 < TIMEOUT_S / 2
         st = b.client.stats()
+        # refused on the first frame (the one the server received), not after waiting for the rest; the client
+        # may not even have asked its iterator for a second frame yet (a flag set there raced the refusal)
         assert st["server.frames_received"] == 1 and st["store.entries"] == 0
         assert b.client.put([genuine]).stored == 1
     finally:

@@ -34,8 +34,8 @@ def _run(pair, prompts, params, on_device: bool, graphs: bool, spec: bool, stop_
         NativeGenerator(runner, stop_ids, step_width=step_width)
     gen.device_loop = on_device
     seqs = generate(gen, prompts, params)
-    runs = gen._loop.runs if gen._loop is not None else 0
-    assert runs == (1 if on_device else 0), "the loop asked for was not the one that ran"
+    sessions = gen._loop.sessions if gen._loop is not None else 0
+    assert sessions == (1 if on_device else 0), "the loop asked for was not the one that ran"
     assert runner.allocator.num_free == runner.allocator.num_blocks - 1, "blocks leaked"
     return [(s.output, s.finish_reason, s.stats.acceptance_lengths, s.stats.position_accepts,
              s.stats.position_drafted) for s in seqs]
@@ -145,7 +145,7 @@ def test_the_first_step_is_queued_behind_the_prefill(dflash_pair, spec):  # noqa
         if not overlap:
             gen.overlaps_start = lambda seqs: False
         seqs = generate(gen, prompts, params)
-        assert gen._loop.runs == 1
+        assert gen._loop.sessions == 1  # one session of many steps
         assert all(s.stats.ttft_ms is not None and s.stats.ttft_ms <= s.stats.latency_ms for s in seqs)
         return [(s.output, s.finish_reason, s.stats.acceptance_lengths) for s in seqs]
 
@@ -179,7 +179,7 @@ def test_native_requests_launch_no_step_past_their_end(dflash_pair):  # noqa: F8
             before = gen._loop.wasted_steps if gen._loop is not None else 0
             generate(gen, prompts, [SamplingParams(max_tokens=n, ignore_eos=True)] * 3)
             wasted.append(gen._loop.wasted_steps - before)
-        assert gen._loop.runs == 3
+        assert gen._loop.sessions == 3
         assert wasted[0] == 0
         if not spec:
             assert wasted == [0, 0, 0]
@@ -206,7 +206,7 @@ def test_compiled_step_functions_trace_whole_and_give_the_eager_tokens(dflash_pa
         out += [(s.output, None) for s in generate(native, prompts, params)]
         got[comp] = out
         if comp:
-            assert spec._loop.runs == 1 and native._loop.runs == 1
+            assert spec._loop.sessions == 1 and native._loop.sessions == 1
             assert sum(torch._dynamo.utils.counters["stats"].values()) > before, "nothing went through dynamo"
     assert got[True] == got[False]
     assert max(max(a) for _, a in got[True][:2]) > 1

@@ -145,7 +145,7 @@ def test_dflash_sampling_matches_target_distribution(tiny, monkeypatch, name):
     _patch(monkeypatch, counter)
     gen = DFlashGenerator(tiny["runner"], tiny["drafter"], draft_width=width)
     dflash = _samples(gen, params)
-    assert gen._loop is not None and gen._loop.runs == 1, "the batch did not step in the device loop"
+    assert gen._loop is not None and gen._loop.sessions == 1, "the batch did not step in the device loop"
     # the drafter proposes non-trivially: both the residual and the bonus paths ran, many times
     assert counter.calls >= N_SAMPLES
     assert counter.rejected >= N_SAMPLES // 10, vars(counter)

@@ -38,33 +38,40 @@ def test_padded_graph_path_equals_plain_path(dflash_pair):  # noqa: F811
     assert max(max(a) for a in outs[True][1]) > 1
 
 
-def test_fused_greedy_step_equals_host_round_trip(dflash_pair):  # noqa: F811
-    """Greedy rows skip the host between draft and verify (draft, argmax and verify in one function,
-    spec_graph.py): same tokens and acceptance as the two-pass step with a host round trip."""
+class _TwoPass(DFlashGenerator):
+    """The seam for own guesses or verdicts (model_steps False): steps as two passes with the host between
+    (host-built inputs, runner.forward, the acceptance on the host), an independent path to compare with."""
+
+    def model_steps(self) -> bool:
+        return False
+
+
+def test_stepwise_device_step_equals_host_round_trip(dflash_pair):  # noqa: F811
+    """A serving batch's stepwise steps are the device step in sessions of one (DeviceLoop.step): the same
+    tokens and acceptance as the two-pass step with a host round trip, for rows of different draft widths in
+    one step (each verifies its own width in the batch's widest graph) and rows narrowing near max_tokens."""
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
     prompts = _prompts(3, 7)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 23, 31)]  # widths differ near the ends
-    results, calls, shapes = {}, {}, {}
-    for fused in (True, False):
+    results, sessions = {}, {}
+    for cls in (DFlashGenerator, _TwoPass):
         runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids),
                              config=RunnerConfig(cuda_graphs=True, compile=False))
-        gen = DFlashGenerator(runner, drafter, (), 16)
-        gen.device_loop = False  # the stepwise loop (a serving batch's), whose steps fuse here
-        if not fused:
-            gen._fused_width = lambda seqs, widths: 0
-        graph, seen = gen.fused._graph, shapes.setdefault(fused, set())  # the graphed path, run eagerly here
-        graph.fn = lambda *a, fn=graph.fn, seen=seen, **kw: seen.add(kw["t"]) or fn(*a, **kw)
-        seqs = generate(gen, prompts, params)
-        results[fused] = ([s.output for s in seqs], [s.stats.acceptance_lengths for s in seqs])
-        calls[fused] = (gen.fused.calls, max(len(s.stats.acceptance_lengths) for s in seqs))
-    assert results[True] == results[False]
-    assert max(max(a) for a in results[True][1]) > 1
-    # the fused step ran for every verify of the first run (rows near max_tokens, narrower than the
-    # others, are padded to one shape), never in the second
-    assert calls[True][0] == calls[True][1] and calls[False][0] == 0
-    # and at one width, the block size, even in a request's last, narrower steps: one graph per batch shape
-    assert shapes[True] == {16} and not shapes[False]
+        gen = cls(runner, drafter, (), 16)
+        gen.device_loop = False  # no multi-step sessions: every step is a stepwise one
+        loop, keys = gen.loop(), sessions.setdefault(cls, [])
+        begin = loop.begin
+        loop.begin = lambda *a, begin=begin, keys=keys, **kw: keys.append(begin(*a, **kw)) or keys[-1]
+        seqs = generate(gen, prompts, params, draft_widths=[16, 4, 8])
+        results[cls] = ([s.output for s in seqs], [s.stats.acceptance_lengths for s in seqs])
+    assert results[DFlashGenerator] == results[_TwoPass]
+    assert max(max(a) for a in results[_TwoPass][1]) > 1
+    steps = max(len(a) for a in results[DFlashGenerator][1])
+    one = sessions[DFlashGenerator]
+    assert len(one) >= steps and all(s.launched == 1 for s in one) and not sessions[_TwoPass]
+    assert all(s.width == max(s.widths) for s in one)
+    assert {(s.width, tuple(s.widths)) for s in one if len(s.seqs) == 3} == {(16, (16, 4, 8))}
 
 
 def test_short_prefill_replays_a_padded_graph(dflash_pair):  # noqa: F811

@@ -309,12 +309,13 @@ def test_max_tokens_counts_the_first_token(ckpt, max_tokens):
     forward = runner.forward
     runner.forward = lambda *a, **k: calls.append(len(a[0])) or forward(*a, **k)
     gen = NativeGenerator(runner)
-    gen.device_loop = False  # the stepwise loop, whose forwards are counted here (test_device_loop.py: the other)
+    gen.device_loop = False  # the stepwise loop, whose steps are counted here (test_device_loop.py: the other)
     seqs = generate(gen, prompts, [SamplingParams(max_tokens=max_tokens)] * 2)
     for s, p in zip(seqs, prompts):
         assert s.output == hf_greedy(hf, p, max_tokens)
         assert s.finish_reason == "length"
-    assert len(calls) == max_tokens   # one prefill, then max_tokens - 1 decode steps
+    steps = gen._loop.single_steps if gen._loop is not None else 0
+    assert (len(calls), steps) == (1, max_tokens - 1)  # one prefill forward, then max_tokens - 1 decode steps
     assert runner.allocator.num_free == 15
 
 

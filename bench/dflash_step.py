@@ -28,23 +28,8 @@ from flashpd.engine.loader import dummy_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
-from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.spec_decode import DFlashGenerator, Seam
 from flashpd.engine.scheduler import generate
-
-
-class ReplayDFlash(DFlashGenerator):
-    """DFlash whose accepted lengths are replayed from a recorded run (`replay()`: accepted drafts this step):
-    every kernel of the loop runs at the real shape, but the tokens are not the target's (dummy weights).
-    Its steps take the stepwise path (DFlashGenerator.model_steps)."""
-
-    replay = None
-
-    def model_steps(self) -> bool:
-        return False
-
-    def _verdict(self, s, g, q, w, truth, logits) -> tuple[int, int]:
-        a = min(self.replay(), w - 1)
-        return a, truth[a]
 
 
 def drafter_config_for(tcfg, layers: int = 5, block: int = 16) -> DFlashConfig:
@@ -96,14 +81,16 @@ def replay(model, drafter, schedule: list[list[int]], prompt_lens: list[int], ne
     """Native vs DFlash latency per prompt, accepted lengths replayed from `schedule` (one list per prompt)."""
     taps = tuple(drafter.cfg.target_layer_ids)
     runner = ModelRunner(model, num_blocks=4096, kv_block_size=16, taps=taps)
-    native, spec = NativeGenerator(runner), ReplayDFlash(runner, drafter, (), 16)
+    replayed = {"next": None}  # accepted drafts this step, from the recorded run being replayed
+    # every kernel of the loop runs at the real shape, but the tokens are not the target's (dummy weights)
+    seam = Seam(accepted=lambda s, w: replayed["next"]())
+    native, spec = NativeGenerator(runner), DFlashGenerator(runner, drafter, (), 16, seam=seam)
     rows = []
     for n_new in new_tokens:
         for i, plen in enumerate(prompt_lens):
             sched = schedule[i % len(schedule)]
             it = None
-
-            spec.replay = lambda: next(it) - 1  # recorded acceptance length = accepted drafts + 1
+            replayed["next"] = lambda: next(it) - 1  # recorded acceptance length = accepted drafts + 1
             prompt = [(7 * j + i) % 1000 + 10 for j in range(plen)]
             params = [SamplingParams(max_tokens=n_new, ignore_eos=True)]
             t_nat, t_spec, taus = [], [], []

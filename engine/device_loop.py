@@ -13,15 +13,16 @@ to the scratch block), and the host stops launching once every row is done.
 
 Sampled rows step here too: their draws are counter-based (engine/sampling.py), so the captured step draws
 the guesses from the draft's distributions, accepts by rejection sampling and draws the next token with no
-host round trip, and gives exactly the stepwise loop's tokens. A session whose rows are all greedy replays
+host round trip, and gives exactly the two-pass host step's tokens (spec_decode.py). A session whose rows are all greedy replays
 the greedy step, which computes no distribution; one with sampled rows replays the sampled step (with a
 sort only when some row asks for top-p or top-k): three graphs a shape at most.
 
 The same step functions run eagerly on the CPU, so the tests check exactly what a GPU replays
-against the stepwise loop and the reference DFlash implementation. `run` drives whole requests;
-`begin` / `launch` / `read` / `end` let the serving scheduler step a stable batch here
-and hand it back to the stepwise loop (spec_decode.py) when the batch changes: `end` reads what is
-still in flight and restores each row's host state (cache length, draft context, pending draft rows).
+against the two-pass host step (spec_decode.py) and the reference DFlash implementation. `run` drives whole
+requests; `begin` / `launch` / `read` / `end` let the serving scheduler step a stable batch here in a session
+and end it when the batch changes: `end` reads what is still in flight and restores each row's host state
+(cache length, draft context, pending draft rows). A changing batch runs the same step as sessions of one
+(`step`), each reserving KV for its one step only.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def native_out(st: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -> to
 def native_out_sampled(st: torch.Tensor, sp: torch.Tensor, logits: torch.Tensor, live: torch.Tensor,
                        filtered: bool) -> torch.Tensor:
     """native_out for a session with sampled rows: each row's token from sampling.sample_tokens (greedy rows
-    their argmax), drawn at its next token index P + 1, as the stepwise loop draws it."""
+    their argmax), drawn at its next token index P + 1, as the host's sample_rows draws it."""
     tok = sample_tokens(logits[:, 0], sp[:, 0], sp[:, 1], st[:, K], st[:, S], st[:, P] + 1, filtered)
     step = live.to(st.dtype)
     st[:, P] += step
@@ -166,7 +167,7 @@ def spec_out_sampled(st: torch.Tensor, sp: torch.Tensor, logits: torch.Tensor, g
                      q: torch.Tensor, w: torch.Tensor, live: torch.Tensor, ctx: torch.Tensor, filtered: bool
                      ) -> torch.Tensor:
     """spec_out for a session with sampled rows: greedy rows accept as spec_out does, sampled rows by
-    sampling.speculative_accept (the stepwise loop's rule and draws). -> [B, t + 1]: each row's committed
+    sampling.speculative_accept (the two-pass host step's rule and draws). -> [B, t + 1]: each row's committed
     tokens (its a accepted guesses, then the token after them; zeros past it), then a."""
     t = logits.shape[1]
     truth = logits.argmax(-1)
@@ -318,10 +319,10 @@ class DeviceLoop:
 
     # ---- host side ------------------------------------------------------------------------------
     def usable(self, seqs: list[Sequence]) -> bool:
-        """Rows (greedy or sampled) sharing one draft width (each row's width under the width policy's cap for
-        this batch size), whose guesses and verdicts are the generator's own (DFlashGenerator.model_steps), and
-        no confidence cut at this batch size (DFlashGenerator.loop_widths: the cut needs the host between draft
-        and verify, so those steps stay stepwise). `begin` reserves each row's KV to its end, so the caller
+        """Rows, greedy or sampled, each at its own draft width under the width policy's cap for this batch size,
+        whose guesses and verdicts are the generator's own (DFlashGenerator.model_steps), and no confidence cut
+        at this batch size (DFlashGenerator.loop_widths: the cut needs the host between draft and verify, so
+        those steps run as two passes). A session of many steps reserves each row's KV to its end, so the caller
         must have checked the room."""
         if not seqs:
             return False

@@ -48,8 +48,9 @@ class NativeGenerator:
         self.step_width = step_width
         self.stop_ids = frozenset(stop_ids)
         self.prefill_token_budget = prefill_token_budget
-        # whole greedy requests run with their step bookkeeping on the device, the host one step
-        # behind (device_loop.py); False keeps the stepwise loop (what a serving batch uses)
+        # a stable batch steps in device-loop sessions of many steps, the host one step behind
+        # (device_loop.py); False: every step is a session of one, read before the next (what a changing
+        # serving batch runs)
         self.device_loop = True
         self._loop = None
 

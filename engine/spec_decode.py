@@ -15,12 +15,13 @@ as two passes (`_cut_step`: its widths need the draft on the host before the ver
 
 Every other step, greedy or sampled, of a stable batch or a changing one, is the device step
 (engine/device_loop.py): `spec_step` runs it as a session of one step. The two-pass step here is left for
-the seams (`model_steps`), a test's oracle drafter or a bench's recorded acceptance.
+an injected `Seam`: a test's oracle drafter or a bench's recorded acceptance.
 """
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 
@@ -33,14 +34,30 @@ from flashpd.engine.sequence import Sequence, any_filtered, next_index, row_para
 from flashpd.engine.width_policy import FixedWidth, WidthPolicy, WidthStats
 
 
+@dataclass(frozen=True)
+class Seam:
+    """What a test or a bench injects in place of the model's own draft or acceptance (DFlashGenerator(seam=...)):
+    `guesses(seq, width)`: the width - 1 tokens to verify instead of the drafter's (greedy rows only; the drafter
+    still runs, so its context stays in step), e.g. an oracle drafter; `accepted(seq, width)`: how many guesses to
+    accept instead of the acceptance rule's, the token after them being the target's own choice there, e.g. a
+    recorded run replayed at real shapes (its tokens are then not the target's). A generator with a seam steps as
+    two passes with the host between; the device step never reads one. `Seam()`, with neither: the two passes
+    with the model's own draft and acceptance (a path to compare the device step with)."""
+
+    guesses: Callable[[Sequence, int], list[int]] | None = None
+    accepted: Callable[[Sequence, int], int] | None = None
+
+
 class DFlashGenerator(NativeGenerator):
     """Batch generation with DFlash steps; sequences in one step may accept different lengths."""
 
     speculative = True
 
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter, stop_ids: Iterable[int] = (),
-                 draft_width: int | None = None, width_policy: WidthPolicy | None = None) -> None:
+                 draft_width: int | None = None, width_policy: WidthPolicy | None = None,
+                 seam: Seam | None = None) -> None:
         super().__init__(runner, stop_ids)
+        self.seam = seam
         self.width_policy = width_policy or FixedWidth()
         self.width_stats = WidthStats()
         c = drafter.cfg
@@ -51,11 +68,9 @@ class DFlashGenerator(NativeGenerator):
         self.drafts = DraftRunner(drafter, runner)
 
     def model_steps(self) -> bool:
-        """Whether every step's guesses and verdicts are this generator's own: the device step (and the
-        confidence cut) computes them inside its graph. The seam for tests and benches: a subclass that
-        supplies its own guesses (an oracle drafter) or acceptance (a recorded schedule replayed at real shapes)
-        through `_draft` and `_verdict` returns False, and its steps run as two passes with the host between."""
-        return True
+        """Whether every step's guesses and verdicts are this generator's own (no `Seam`): the device step (and the
+        confidence cut) then computes them inside its graph; with a seam, steps run as two passes."""
+        return self.seam is None
 
     @staticmethod
     def _check_width(w: int) -> int:
@@ -94,6 +109,10 @@ class DFlashGenerator(NativeGenerator):
         """Each row's first width-1 guesses from the draft's logits [B, n, V]: greedy rows its argmax, sampled
         rows a draw from the draft distribution q (returned beside them for the rejection sampler), keyed by the
         indices the guesses would take (sampling.draw, stream DRAFT), as the device loop draws them."""
+        if self.seam is not None and self.seam.guesses is not None:
+            if not all(s.params.greedy for s in seqs):
+                raise ValueError("a seam's guesses take greedy rows only (sampled rows draw from a distribution)")
+            return [list(self.seam.guesses(s, w))[:w - 1] for s, w in zip(seqs, widths)], [None] * len(seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         qs_all = drawn = None
         if sampled:
@@ -137,7 +156,7 @@ class DFlashGenerator(NativeGenerator):
         ws.policy_ms += (time.perf_counter() - t0) * 1e3
         for w, lim in zip(widths, limits):
             assert 1 <= w <= lim, f"width policy chose {w} for a row limited to {lim}"
-        guesses, qs = self._guesses(seqs, widths, logits, greedy)  # cut steps run only with model_steps()
+        guesses, qs = self._guesses(seqs, widths, logits, greedy)  # cut steps run only without a seam
         t = self.width_policy.batch_width(widths, limits)
         pad = self._fits(seqs, t)  # one width for every row: a captured verify graph on a GPU
         tokens = [[s.last_token] + (g + greedy[i][len(g):t - 1] if pad else g) for i, (s, g) in enumerate(zip(seqs, guesses))]
@@ -158,7 +177,7 @@ class DFlashGenerator(NativeGenerator):
     def spec_step(self, seqs: list[Sequence]) -> None:
         """One DFlash step of every row: the device step (engine/device_loop.py), the one every session
         replays; a confidence cut at this batch size runs `_cut_step`, and a subclass with its own guesses or
-        verdicts (model_steps False) the two-pass step below."""
+        verdicts (a `Seam`) the two-pass step below."""
         widths = self.limits(seqs)
         if self.model_steps() and self.width_policy.cuts(len(seqs)):
             return self._cut_step(seqs, widths)  # counts its own step
@@ -188,12 +207,14 @@ class DFlashGenerator(NativeGenerator):
             alloc.truncate(s.table, starts[i] + a + 1)
             s.pending, s.pending_rows = feats[i], a + 1  # joins the draft cache in the next draft pass
 
-    @staticmethod
-    def _verdict(s: Sequence, g: list[int], q: torch.Tensor | None, w: int, truth: list[int],
+    def _verdict(self, s: Sequence, g: list[int], q: torch.Tensor | None, w: int, truth: list[int],
                  logits: torch.Tensor | None) -> tuple[int, int]:
         """(accepted guesses, the token after them) of one row within its width w: greedy rows the longest
         prefix agreeing with the target's argmax `truth`, sampled rows rejection sampling against the
-        target's `logits` [w, V] (q: the draft distribution they drew from)."""
+        target's `logits` [w, V] (q: the draft distribution they drew from); a seam's `accepted` instead."""
+        if self.seam is not None and self.seam.accepted is not None:
+            a = min(self.seam.accepted(s, w), w - 1)
+            return a, truth[a]
         if q is None:
             a = int(accepted_greedy(torch.tensor([g[:w - 1]], dtype=torch.int64),
                                     torch.tensor([truth[:w - 1]], dtype=torch.int64), w))

@@ -59,7 +59,7 @@ MAX_BLOCK = 16  # flashpd's widest DFlash block
 
 @dataclass
 class WidthStats:
-    """What a generator's width policy did over the steps it ran stepwise (the device loop's steps are not
+    """What a generator's width policy did over its `spec_step` calls (a session's steps are not
     counted). policy_ms: host time of confidence readback plus width choice, in the cutting steps only."""
 
     steps: int = 0  # stepwise DFlash steps

@@ -30,7 +30,7 @@ from flashpd.engine.qwen3 import Qwen3ForCausalLM
 from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import Sequence
-from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.spec_decode import DFlashGenerator, Seam
 from flashpd.engine.scheduler import generate
 
 KV_BLOCK = 16  # paged-cache block size of every runner built here
@@ -56,10 +56,9 @@ class Engine:
 
     def dflash(self, stop_ids: Iterable[int] = (), draft_width: int | None = None, guesses=None) -> DFlashGenerator:
         """A fresh DFlashGenerator (own draft cache) on the shared runner; given `guesses` ((seq, width) ->
-        width-1 tokens), a GuessingDFlash whose drafts are those instead of the drafter's."""
-        if guesses is not None:
-            return GuessingDFlash(self.runner, self.drafter, stop_ids, draft_width, guesses=guesses)
-        return DFlashGenerator(self.runner, self.drafter, stop_ids, draft_width)
+        width-1 tokens), one whose drafts are those instead of the drafter's (an injected Seam)."""
+        seam = None if guesses is None else Seam(guesses=guesses)
+        return DFlashGenerator(self.runner, self.drafter, stop_ids, draft_width, seam=seam)
 
     def native(self, prompts: list[list[int]], max_tokens: int | list[int], stop_ids: Iterable[int] = (),
                ignore_eos: bool = True) -> list[list[int]]:
@@ -111,24 +110,7 @@ def run_checked(gen, prompts: list[list[int]], params: list[SamplingParams], **k
     return seqs
 
 
-# ---- drafters that are not the model (the DFlashGenerator.model_steps seam) -----------------------
-
-class GuessingDFlash(DFlashGenerator):
-    """DFlash whose guesses come from `guesses(seq, width)` (greedy rows only): the drafter still runs (its
-    context stays in step), the target verifies and accepts as always, on the stepwise path."""
-
-    def __init__(self, *args, guesses, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.guess_fn = guesses
-
-    def model_steps(self) -> bool:
-        return False
-
-    def _guesses(self, seqs, widths, logits, greedy):
-        if not all(s.params.greedy for s in seqs):
-            raise ValueError("GuessingDFlash is greedy-only (sampled rows need a draft distribution)")
-        return [list(self.guess_fn(s, w))[:w - 1] for s, w in zip(seqs, widths)], [None] * len(seqs)
-
+# ---- drafters that are not the model (an injected Seam) ------------------------------------------
 
 def oracle_override(continuations: dict[tuple, list[int]], shift: int = 0, vocab: int | None = None):
     """Guesses = the target's own native continuation (shift=0) or a guaranteed-wrong token

@@ -2,7 +2,7 @@
 
 Against NativeGenerator on the same runner (same target weights, same cache), over prompts of
 1..500 tokens, block widths 2..16, batch 1 and batch 8 (mixed lengths in one generate call).
-Then the two extreme drafters through a GuessingDFlash (the `DFlashGenerator.model_steps` seam) (always wrong: tau == 1;
+Then the two extreme drafters through an injected Seam (`DFlashGenerator(seam=...)`) (always wrong: tau == 1;
 oracle: full blocks), and stop / max_tokens landing inside an accepted block.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_always_wrong_drafter_gives_tau_one(dflash_engine, exact_set, width):
     wrong = oracle_override({tuple(p): n for p, n in zip(ps, nat)}, shift=1, vocab=dflash_engine.vocab)
     gen = dflash_engine.dflash(draft_width=width, guesses=wrong)
     seqs = run_checked(gen, ps, [greedy(m) for m in ms])
-    assert gen.guess_fn.calls, "the override was never consulted"
+    assert gen.seam.guesses.calls, "the override was never consulted"
     for s, m, want in zip(seqs, ms, nat):
         assert s.output == want
         assert s.stats.acceptance_lengths == [1] * (m - 1)
@@ -120,7 +120,7 @@ def test_oracle_drafter_accepts_full_blocks(dflash_engine, exact_set, width):
         assert s.stats.acceptance_lengths == oracle_acceptance(m, width), (m, width)
         assert s.stats.position_accepts == s.stats.position_drafted
     # the last block shrinks to what can still be committed: never drafts past max_tokens
-    assert max(gen.guess_fn.calls) == width
+    assert max(gen.seam.guesses.calls) == width
 
 
 def test_oracle_drafter_batch1_long_prompt(dflash_engine, exact_set):

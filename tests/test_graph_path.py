@@ -10,7 +10,7 @@ from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
-from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.spec_decode import DFlashGenerator, Seam
 from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
@@ -38,12 +38,10 @@ def test_padded_graph_path_equals_plain_path(dflash_pair):  # noqa: F811
     assert max(max(a) for a in outs[True][1]) > 1
 
 
-class _TwoPass(DFlashGenerator):
-    """The seam for own guesses or verdicts (model_steps False): steps as two passes with the host between
-    (host-built inputs, runner.forward, the acceptance on the host), an independent path to compare with."""
-
-    def model_steps(self) -> bool:
-        return False
+def _two_pass(runner, drafter, stop_ids, width):
+    """An empty seam: the model's own draft and acceptance as two passes with the host between (host-built
+    inputs, runner.forward, the acceptance on the host), an independent path to compare with."""
+    return DFlashGenerator(runner, drafter, stop_ids, width, seam=Seam())
 
 
 def test_stepwise_device_step_equals_host_round_trip(dflash_pair):  # noqa: F811
@@ -55,21 +53,21 @@ def test_stepwise_device_step_equals_host_round_trip(dflash_pair):  # noqa: F811
     prompts = _prompts(3, 7)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 23, 31)]  # widths differ near the ends
     results, sessions = {}, {}
-    for cls in (DFlashGenerator, _TwoPass):
+    for cls in ("device", "two-pass"):
         runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids),
                              config=RunnerConfig(cuda_graphs=True, compile=False))
-        gen = cls(runner, drafter, (), 16)
+        gen = DFlashGenerator(runner, drafter, (), 16) if cls == "device" else _two_pass(runner, drafter, (), 16)
         gen.device_loop = False  # no multi-step sessions: every step is a stepwise one
         loop, keys = gen.loop(), sessions.setdefault(cls, [])
         begin = loop.begin
         loop.begin = lambda *a, begin=begin, keys=keys, **kw: keys.append(begin(*a, **kw)) or keys[-1]
         seqs = generate(gen, prompts, params, draft_widths=[16, 4, 8])
         results[cls] = ([s.output for s in seqs], [s.stats.acceptance_lengths for s in seqs])
-    assert results[DFlashGenerator] == results[_TwoPass]
-    assert max(max(a) for a in results[_TwoPass][1]) > 1
-    steps = max(len(a) for a in results[DFlashGenerator][1])
-    one = sessions[DFlashGenerator]
-    assert len(one) >= steps and all(s.launched == 1 for s in one) and not sessions[_TwoPass]
+    assert results["device"] == results["two-pass"]
+    assert max(max(a) for a in results["two-pass"][1]) > 1
+    steps = max(len(a) for a in results["device"][1])
+    one = sessions["device"]
+    assert len(one) >= steps and all(s.launched == 1 for s in one) and not sessions["two-pass"]
     assert all(s.width == max(s.widths) for s in one)
     assert {(s.width, tuple(s.widths)) for s in one if len(s.seqs) == 3} == {(16, (16, 4, 8))}
 

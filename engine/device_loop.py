@@ -360,13 +360,13 @@ class DeviceLoop:
     READ_FIRST_P = 0.1
 
     def run(self, seqs: list[Sequence], first: torch.Tensor | None = None) -> None:
-        """Drive every sequence (prefilled, not done) to its end. `first` [len(seqs)]: their greedy first
-        tokens, still on the device and not committed (NativeGenerator.start): the first step is queued
-        behind them before the host reads and commits them."""
+        """Drive every sequence (prefilled, not done) to its end. `first` [len(seqs)]: their first tokens, still
+        on the device and not committed (NativeGenerator.prefill's `defer`): the first step is queued behind
+        them before the host reads and commits them."""
         self.step_to_end(self.begin(seqs, first) if first is None else self.begin_after_prefill(seqs, first))
 
     def begin_after_prefill(self, seqs: list[Sequence], first: torch.Tensor) -> "Session":
-        """`begin` straight from a prefill whose greedy first tokens are still on the device (`first`, not
+        """`begin` straight from a prefill whose first tokens are still on the device (`first`, not
         committed): the first step is queued behind them, then the host reads and commits them (one step is
         in flight when this returns)."""
         sess = self.begin(seqs, first)
@@ -454,8 +454,6 @@ class DeviceLoop:
         feat = (len(self.gen.drafter.cfg.target_layer_ids) * self.gen.drafter.cfg.hidden_size) if self.spec else 0
         mode = GREEDY if all(s.params.greedy for s in seqs) else \
             FILTERED if any_filtered(seqs, runner.model.cfg.vocab_size) else SAMPLED
-        if mode != GREEDY and first is not None:
-            raise ValueError("a session from deferred first tokens takes greedy rows only")
         allbufs = self._buffers(b, t, nblk, feat)
         bufs = allbufs[:-1] if mode == GREEDY else allbufs  # a greedy step reads no sampling parameters
         st, bt, sp = bufs[0], bufs[1], allbufs[-1]

@@ -22,13 +22,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of logits [B, V] (greedy rows their argmax), with one host sync."""
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """One token per row of logits [B, V] (greedy rows their argmax), on the device, with no host sync."""
     if all(s.params.greedy for s in seqs):
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     index = torch.tensor([next_index(s) for s in seqs], device=logits.device)
     return sample_tokens(logits, *row_params(seqs, logits.device), index,
-                         filtered=any_filtered(seqs, logits.shape[-1])).tolist()
+                         filtered=any_filtered(seqs, logits.shape[-1]))
+
+
+def sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One token per row of logits [B, V] (greedy rows their argmax), with one host sync."""
+    return sample_on_device(logits, seqs).tolist()
 
 
 class NativeGenerator:
@@ -70,11 +75,11 @@ class NativeGenerator:
 
     def overlaps_start(self, seqs: list[Sequence]) -> bool:
         """Whether these fresh requests may start in the device loop straight from their prefill
-        (engine/scheduler.py, Scheduler._may_start): greedy rows (the prefill defers argmaxes only) the loop
-        takes, with no first token forced by a prefill worker, each wanting more than the prefill's token (a
-        step queued for a one-token batch would only be waited for)."""
+        (engine/scheduler.py, Scheduler._may_start): rows the loop takes, with no first token forced by a prefill
+        worker, each wanting more than the prefill's token (a step queued for a one-token batch would only be
+        waited for)."""
         return self.device_loop and bool(seqs) and self.loop().usable(seqs) and all(
-            s.params.greedy and s.forced_first is None and not s.output and s.params.max_tokens > 1 for s in seqs)
+            s.forced_first is None and not s.output and s.params.max_tokens > 1 for s in seqs)
 
     def prefill_request(self, seqs: list[Sequence], defer: list[torch.Tensor] | None = None) -> None:
         """The prefill a request needs: the target's (DFlashGenerator writes the drafter's context in the same
@@ -101,7 +106,7 @@ class NativeGenerator:
         Returns, when `taps` is set, the tapped hidden states of every prompt position not already
         cached, one [len(prompt) - cached, n_taps * H] tensor per sequence (what the drafter
         conditions on). `sink` consumes them inside each forward instead (ModelRunner.forward).
-        `defer` (greedy rows only): each group's greedy first tokens are appended there as a device tensor,
+        `defer`: each group's first tokens (greedy or drawn) are appended there as a device tensor,
         with no host sync and nothing committed; the device loop starts from them and commits them
         (DeviceLoop.run's `first`).
         """
@@ -123,8 +128,8 @@ class NativeGenerator:
             # a prefix-cache hit already holds positions [0, num_tokens): compute only the rest
             out = self.runner.forward([s.table for s in group], [s.prompt[s.table.num_tokens:] for s in group],
                                       "last", taps, sink)
-            if defer is not None:
-                defer.append(out.logits[:, -1].argmax(dim=-1))  # read before the next replay reuses the buffer
+            if defer is not None:  # read before the next replay reuses the buffer; no host sync either way
+                defer.append(sample_on_device(out.logits[:, -1], group))
                 continue
             firsts = sample_rows(out.logits[:, -1], group)
             _sync(self.runner.device)

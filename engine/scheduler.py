@@ -12,7 +12,7 @@ KV for each to its end), it steps in the device loop (engine/device_loop.py): th
 while the GPU runs step k+1, so a token reaches the stream one step later than it is computed. An
 arrival, a cancel or a finished row ends that session: the step in flight is read and the rows go
 back to the stepwise loop with their state and only the blocks they use. `overlap = False` turns it off.
-Fresh greedy requests admitted into an empty batch go from their prefill into a session with no host round
+Fresh requests admitted into an empty batch go from their prefill into a session with no host round
 trip in between (DeviceLoop.begin_after_prefill): the first step is queued behind the prefill.
 
 One request fails alone. An exception while admitting a group (prefix restore, prefill, recompute)

@@ -129,7 +129,7 @@ def test_the_first_step_is_queued_behind_the_prefill(dflash_pair, spec):  # noqa
     """`generate` starts the device loop from the prefill's first tokens while they are still on the
     device (the scheduler's DeviceLoop.begin_after_prefill): the same tokens, finish reasons and acceptance as the sequential start
     (prefill, commit, then the loop), with a row whose first token is a stop token, and the time to first
-    token recorded. A batch with a one-token request keeps the sequential start."""
+    token recorded, greedy and sampled rows alike. A batch with a one-token request keeps the sequential start."""
     prompts = _prompts(4, 33)
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
@@ -158,8 +158,14 @@ def test_the_first_step_is_queued_behind_the_prefill(dflash_pair, spec):  # noqa
     assert got == want
     assert got[1][:2] == ([first], "stop")
     assert any(len(g[0]) > 1 for g in got)
+    # sampled rows start from the prefill too: their first tokens are drawn on the device, unsynced
+    sampled = [SamplingParams(max_tokens=m, temperature=t, top_p=tp, seed=i, ignore_eos=True)
+               for i, (m, t, tp) in enumerate(((30, 0.9, 1.0), (20, 0.0, 1.0), (12, 1.2, 0.8), (25, 0.7, 1.0)))]
+    got = run(sampled, (), True)
+    assert starts == [4, 4, 4]
+    assert got == run(sampled, (), False) and starts == [4, 4, 4]
     run([SamplingParams(max_tokens=m, ignore_eos=True) for m in (30, 1, 12, 25)], (), True)
-    assert starts == [4, 4], "a one-token request took the overlapped start"
+    assert starts == [4, 4, 4], "a one-token request took the overlapped start"
 
 
 def test_native_requests_launch_no_step_past_their_end(dflash_pair):  # noqa: F811

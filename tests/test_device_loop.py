@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from flashpd.engine.drafter import load_drafter
-from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.generate import NativeGenerator, sample_rows
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.sampling import SamplingParams
-from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.spec_decode import DFlashGenerator, Seam
 from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair, reference_generate  # noqa: F401  (session fixture)
@@ -102,18 +102,46 @@ SAMPLED_ROWS = {  # (temperature, top_p, top_k) a row; each set has a greedy row
 }
 
 
+def _host_sampled(pair, prompts, params, spec: bool):
+    """An independent host path for sampled rows. DFlash: the two-pass step of an empty Seam (the draft's q and
+    the verify's p on the host, guesses drawn and accepted there, keyed by the host's token index). Native: a
+    loop written here, a forward and `sample_rows` a token (the host's draw, keyed by `next_index`)."""
+    target = load_target(pair.target_dir)
+    drafter = load_drafter(pair.draft_dir, target)
+    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(cuda_graphs=False, compile=False))
+    if spec:
+        seqs = generate(DFlashGenerator(runner, drafter, (), 16, seam=Seam()), prompts, params)
+    else:
+        gen = NativeGenerator(runner)
+        seqs = gen.new_sequences(prompts, params)
+        for sq in seqs:
+            runner.allocator.ensure(sq.table, len(sq.prompt) + sq.params.max_tokens)
+        gen.prefill(seqs)
+        while live := [sq for sq in seqs if not sq.done]:
+            out = runner.forward([sq.table for sq in live], [[sq.last_token] for sq in live], "last")
+            for sq, tok in zip(live, sample_rows(out.logits[:, -1], live)):
+                sq.commit([tok])
+        for sq in seqs:
+            runner.allocator.free(sq.table)
+    assert runner.allocator.num_free == runner.allocator.num_blocks - 1, "blocks leaked"
+    return [(sq.output, sq.finish_reason, sq.stats.acceptance_lengths, sq.stats.position_accepts,
+             sq.stats.position_drafted) for sq in seqs]
+
+
 @pytest.mark.parametrize("rows", list(SAMPLED_ROWS))
 @pytest.mark.parametrize("spec", [True, False], ids=["dflash", "native"])
-def test_sampled_rows_in_the_device_loop_equal_the_stepwise_loop(dflash_pair, spec, rows):  # noqa: F811
+def test_sampled_rows_in_the_device_loop_equal_the_host_path(dflash_pair, spec, rows):  # noqa: F811
     """Sampled rows step in the device loop: drawn inside the captured step (counter-keyed draws, rejection
-    sampling on the device, no host sync), they are the stepwise loop's tokens, acceptance and finishes, a
-    greedy row beside them stays greedy, and the graph path's padding rows change nothing."""
+    sampling on the device, no host sync), they are the host path's tokens, acceptance and finishes (the
+    device keys a draw by its state's P + 1, the host by prompt + output), a greedy row beside them stays
+    greedy, and the graph path's padding rows change nothing; sessions of one step give them too."""
     prompts = _prompts(5, 23)
     params = [SamplingParams(max_tokens=n, temperature=t, top_p=tp, top_k=k, seed=100 + i, ignore_eos=True)
               for i, (n, (t, tp, k)) in enumerate(zip((3, 17, 40, 33, 25), SAMPLED_ROWS[rows]))]
     got = _run(dflash_pair, prompts, params, True, True, spec)
-    want = _run(dflash_pair, prompts, params, False, True, spec)
-    assert got == want
+    assert got == _host_sampled(dflash_pair, prompts, params, spec)
+    assert got == _run(dflash_pair, prompts, params, False, True, spec)
     greedy = [i for i, p in enumerate(params) if p.greedy][0]
     alone = _run(dflash_pair, [prompts[greedy]], [SamplingParams(max_tokens=params[greedy].max_tokens,
                                                                  ignore_eos=True)], False, False, spec)

@@ -273,10 +273,7 @@ class DeviceLoop:
         """One DFlash step per row at draft width t (pend [B, t, F]): append the pending context rows to
         the draft cache, draft, verify, accept; -> [B, t + 1] (the target's t choices, accepted count)."""
         runner, drafts = self.runner, self.gen.drafts
-        t = pend.shape[1]
-        cpos, cslots, ctx, pos, ids, w, vslots, live = self._spec_in(st, bt, t, runner.kv_block_size,
-                                                                        drafts.drafter.cfg.mask_token_id)
-        self._write_pending(pend, cpos, cslots)
+        ctx, pos, ids, w, vslots, live = self._spec_begin(st, bt, pend)
         # 2) draft [x, MASK...] -> [x, guesses]; columns past the row's width repeat its last position and
         # are masked
         block = drafts.guess_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0])
@@ -292,10 +289,7 @@ class DeviceLoop:
         """_spec_fn for a session with sampled rows: the guesses are drawn from the draft's distributions and
         accepted by rejection sampling (spec_draw, spec_out_sampled); -> [B, t + 1] (committed tokens, a)."""
         runner, drafts = self.runner, self.gen.drafts
-        t = pend.shape[1]
-        cpos, cslots, ctx, pos, ids, w, vslots, live = self._spec_in(st, bt, t, runner.kv_block_size,
-                                                                        drafts.drafter.cfg.mask_token_id)
-        self._write_pending(pend, cpos, cslots)
+        ctx, pos, ids, w, vslots, live = self._spec_begin(st, bt, pend)
         draft_logits = drafts.logits_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0])
         guess, q = self._spec_draw(st, sp, draft_logits, filtered)
         _, tapped, logits = runner.model_step(torch.cat([ids[:, :1], guess], dim=1), pos, vslots, bt)
@@ -303,11 +297,15 @@ class DeviceLoop:
         self._keep_taps(tapped, pend)
         return out
 
-    def _write_pending(self, pend: torch.Tensor, cpos: torch.Tensor, cslots: torch.Tensor) -> None:
-        """The accepted positions' context K/V join the draft cache; padding rows write scratch."""
+    def _spec_begin(self, st: torch.Tensor, bt: torch.Tensor, pend: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A DFlash step's inputs from the state (spec_in; the draft width t is pend's), after 1) the accepted
+        positions' context K/V join the draft cache (padding rows write scratch). -> (draft context lengths,
+        block positions, draft ids, widths, verify slots, live rows)."""
         drafts = self.gen.drafts
         b, t, f = pend.shape
+        cpos, cslots, *rest = self._spec_in(st, bt, t, self.runner.kv_block_size, drafts.drafter.cfg.mask_token_id)
         drafts.drafter.write_context(drafts.cache.data, pend.reshape(b * t, f), cpos, cslots, drafts.kv_fn)
+        return tuple(rest)
 
     @staticmethod
     def _keep_taps(tapped: list[torch.Tensor], pend: torch.Tensor) -> None:

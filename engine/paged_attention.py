@@ -159,10 +159,11 @@ if triton is not None:
         tl.store(out_ptr + h * so_h + b * so_b + rows[:, None] * so_m + dd[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dd < D)[None, :])
 
-    @torch.library.triton_op("flashpd::paged_attention", mutates_args=())
-    def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
-                            keys_per_split: int) -> torch.Tensor:
+    def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+               positions: torch.Tensor, scale: float, keys_per_split: int, block_m: int = BLOCK_M,
+               block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> torch.Tensor:
+        """The two kernels' launch. The tile arguments exist for bench/paged_split's sweep; the op passes the
+        module's constants."""
         hkv, b, m, d = q.shape
         t = positions.shape[1]
         page = k_cache.shape[1]
@@ -178,7 +179,7 @@ if triton is not None:
             acc_ws = torch.empty((n_splits, hkv * b, m, d_pad), dtype=torch.float32, device=q.device)
         else:
             m_ws = l_ws = acc_ws = out  # unused
-        grid = (triton.cdiv(m, BLOCK_M), hkv * b, n_splits)
+        grid = (triton.cdiv(m, block_m), hkv * b, n_splits)
         torch.library.wrap_triton(_attn_kernel)[grid](
             q, k_cache, v_cache, block_tables, positions, out, m_ws, l_ws, acc_ws,
             scale * LOG2E, b, m, n_keys,
@@ -186,14 +187,20 @@ if triton is not None:
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), positions.stride(0),
-            G=m // t, PAGE=page, D=d, D_PAD=d_pad, BM=BLOCK_M, BN=BLOCK_N, KPS=keys_per_split, SPLIT=split,
-            F32=f32, INTERPRET=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            G=m // t, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPS=keys_per_split, SPLIT=split,
+            F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         if split:
-            torch.library.wrap_triton(_combine_kernel)[(triton.cdiv(m, BLOCK_M), hkv * b)](
+            torch.library.wrap_triton(_combine_kernel)[(triton.cdiv(m, block_m), hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, b, m, n_splits, positions.stride(0),
                 out.stride(0), out.stride(1), out.stride(2),
-                G=m // t, D=d, D_PAD=d_pad, BM=BLOCK_M, KPS=keys_per_split, num_warps=NUM_WARPS)
+                G=m // t, D=d, D_PAD=d_pad, BM=block_m, KPS=keys_per_split, num_warps=num_warps)
         return out
+
+    @torch.library.triton_op("flashpd::paged_attention", mutates_args=())
+    def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
+                            keys_per_split: int) -> torch.Tensor:
+        return launch(q, k_cache, v_cache, block_tables, positions, scale, keys_per_split)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

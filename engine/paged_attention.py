@@ -35,10 +35,16 @@ if torch.backends.cuda.is_built() or INTERPRET:
         triton = None
 
 # Fixed tile constants: changing any of them changes results (bitwise), never their dependence on the batch.
-# BLOCK_M = 64 rows: a verify of 16 tokens x 4 query groups is one tile that reads its K/V once; a decode's
-# 4 rows leave MMA rows idle, which costs less than a 16-row tile's re-read of K/V per 16 rows at T = 16.
-BLOCK_M = 64  # query rows per program
-BLOCK_N = 32  # keys per iteration
+# A program's query rows are one (kv head, sequence)'s T*G rows. A decode's G rows (4 at Qwen3's GQA) take
+# DECODE_BLOCK_M, the smallest tile tl.dot takes: a 64-row tile would idle 60 MMA rows and hold registers that
+# limit how many programs share an SM. Wider row sets take BLOCK_M: a verify of 16 tokens x 4 groups is one
+# tile that reads its K/V once. Which tile a call takes depends on T*G only, never on the batch; and tl.dot
+# computes each output row from that row alone, so a row's bits are the same in either tile (the GPU self-check
+# `check_against_reference` tests a row alone against the same row inside a verify of 16).
+# The constants were picked by bench/paged_split.py's sweep at the Qwen3-8B head shape (docs/results.md).
+BLOCK_M = 64  # query rows per program (T*G > DECODE_BLOCK_M)
+DECODE_BLOCK_M = 16  # query rows per program (T*G <= 16)
+BLOCK_N = 64  # keys per iteration
 NUM_WARPS = 4
 NUM_STAGES = 2
 KEYS_PER_SPLIT = 512  # keys per split program; a multiple of BLOCK_N
@@ -160,11 +166,13 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dd < D)[None, :])
 
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               positions: torch.Tensor, scale: float, keys_per_split: int, block_m: int = BLOCK_M,
+               positions: torch.Tensor, scale: float, keys_per_split: int, block_m: int | None = None,
                block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> torch.Tensor:
         """The two kernels' launch. The tile arguments exist for bench/paged_split's sweep; the op passes the
-        module's constants."""
+        module's constants (block_m None: DECODE_BLOCK_M or BLOCK_M by the row count T*G)."""
         hkv, b, m, d = q.shape
+        if block_m is None:
+            block_m = DECODE_BLOCK_M if m <= DECODE_BLOCK_M else BLOCK_M
         t = positions.shape[1]
         page = k_cache.shape[1]
         n_keys = block_tables.shape[1] * page

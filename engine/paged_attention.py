@@ -35,15 +35,13 @@ if torch.backends.cuda.is_built() or INTERPRET:
         triton = None
 
 # Fixed tile constants: changing any of them changes results (bitwise), never their dependence on the batch.
-# A program's query rows are one (kv head, sequence)'s T*G rows. A decode's G rows (4 at Qwen3's GQA) take
-# DECODE_BLOCK_M, the smallest tile tl.dot takes: a 64-row tile would idle 60 MMA rows and hold registers that
-# limit how many programs share an SM. Wider row sets take BLOCK_M: a verify of 16 tokens x 4 groups is one
-# tile that reads its K/V once. Which tile a call takes depends on T*G only, never on the batch; and tl.dot
-# computes each output row from that row alone, so a row's bits are the same in either tile (the GPU self-check
-# `check_against_reference` tests a row alone against the same row inside a verify of 16).
+# BLOCK_M = 16 rows, the smallest tile tl.dot takes: a decode's G rows (4 at Qwen3's GQA) fill a quarter of it;
+# a 64-row tile would idle 60 MMA rows and hold registers that limit how many programs share an SM. A verify of
+# 16 tokens x 4 groups takes 4 tiles, each reading the keys again (from L2, mostly). One tile size for every
+# width keeps a row's bits the same alone and inside a verify: on an H200 a 16-row and a 64-row tile (different
+# MMA instructions) round the same row differently (`check_against_reference` tests this).
 # The constants were picked by bench/paged_split.py's sweep at the Qwen3-8B head shape (docs/results.md).
-BLOCK_M = 64  # query rows per program (T*G > DECODE_BLOCK_M)
-DECODE_BLOCK_M = 16  # query rows per program (T*G <= 16)
+BLOCK_M = 16  # query rows per program
 BLOCK_N = 64  # keys per iteration
 NUM_WARPS = 4
 NUM_STAGES = 2
@@ -166,13 +164,11 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dd < D)[None, :])
 
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               positions: torch.Tensor, scale: float, keys_per_split: int, block_m: int | None = None,
+               positions: torch.Tensor, scale: float, keys_per_split: int, block_m: int = BLOCK_M,
                block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> torch.Tensor:
         """The two kernels' launch. The tile arguments exist for bench/paged_split's sweep; the op passes the
-        module's constants (block_m None: DECODE_BLOCK_M or BLOCK_M by the row count T*G)."""
+        module's constants."""
         hkv, b, m, d = q.shape
-        if block_m is None:
-            block_m = DECODE_BLOCK_M if m <= DECODE_BLOCK_M else BLOCK_M
         t = positions.shape[1]
         page = k_cache.shape[1]
         n_keys = block_tables.shape[1] * page

@@ -437,6 +437,8 @@ class DeviceLoop:
             widths = self.gen.loop_widths(seqs)
             t = max(widths)  # a session keeps its widths; its graph verifies the widest
             self._flush_wide_pending(seqs, t)
+            for s in seqs:
+                assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
         else:
             widths, t = [1] * len(seqs), self.gen.step_width
         for s, w in zip(seqs, widths):

@@ -204,7 +204,9 @@ if triton is not None:
     def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
                             keys_per_split: int) -> torch.Tensor:
-        return launch(q, k_cache, v_cache, block_tables, positions, scale, keys_per_split)
+        # the constants are read here, at call time (bench/paged_check.py's sweep sets them)
+        return launch(q, k_cache, v_cache, block_tables, positions, scale, keys_per_split, BLOCK_M, BLOCK_N,
+                      NUM_WARPS, NUM_STAGES)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -1,7 +1,7 @@
 """The paged decode kernel's key split against batch size: how many keys one program walks.
 
     python -m flashpd.bench.paged_split --batches 1,4,32,128 --splits 64,128,256,512 --context 282 \
-        --tiles m64-n32-w4-s2,m16-n64-w4-s3 --out bench/results/paged_split.json
+        --tiles m16-n32-w4-s2,m16-n64-w4-s2 --out bench/results/paged_split.json
 
 At the Qwen3-8B head shape (8 KV heads, 4 query heads each, head dim 128, bf16, 16-token pages) a decode step's
 kernel runs one program per (KV head, row) and key split (engine/paged_attention.py). With KEYS_PER_SPLIT 512 a

@@ -89,15 +89,20 @@ class Sequence:
 FLOAT32_MAX = 3.4e38  # a larger finite temperature samples as this one (float32 would make it inf)
 
 
+def host_values(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a host sync: on a GPU through pinned memory, asynchronously (a copy
+    from pageable memory waits for the stream, e.g. for the prefill just queued)."""
+    cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
+
+
 def row_params(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, ...]:
     """The rows' sampling parameters as tensors (sampling.filtered_probs, sampling.draw): temperature and
     top_p [R] float32, top_k and seed [R] int64."""
-    f32 = dict(dtype=torch.float32, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
-    return (torch.tensor([min(s.params.temperature, FLOAT32_MAX) for s in seqs], **f32),
-            torch.tensor([s.params.top_p for s in seqs], **f32),
-            torch.tensor([s.params.top_k for s in seqs], **i64),
-            torch.tensor([s.seed for s in seqs], **i64))
+    return (host_values([min(s.params.temperature, FLOAT32_MAX) for s in seqs], torch.float32, device),
+            host_values([s.params.top_p for s in seqs], torch.float32, device),
+            host_values([s.params.top_k for s in seqs], torch.int64, device),
+            host_values([s.seed for s in seqs], torch.int64, device))
 
 
 def any_filtered(seqs: list[Sequence], vocab: int) -> bool:

@@ -10,8 +10,8 @@ graph of 36 calls, one per layer, replayed) for each batch and split size, with 
 and reports microseconds a call, the KV bytes it reads, and that as GB/s. Changing the split size changes a
 row's bits (a different merge), never their dependence on the batch. `--tiles` adds tile shapes (rows, keys an
 iteration, warps, stages; the engine's constants first); a "gather" row per batch times the plain-PyTorch path
-(`paged_attention.reference` in bf16, eager; the engine compiles and fuses part of it) that batches under
-attention.PAGED_MIN_BATCH take today.
+(`paged_attention.reference` in bf16, eager; the engine compiles and fuses part of it), which decode took
+at batches 1-3 before the kernel ran every decode and verify.
 """
 from __future__ import annotations
 

@@ -84,24 +84,22 @@ def use_matmul(q: torch.Tensor, keys: int, impl: str | None = None) -> bool:
     return q.device.type == "cuda" and rows * keys <= MATMUL_MAX_SCORES
 
 
-def use_paged(q: torch.Tensor, t: int, keys: int, impl: str | None = None) -> bool:
-    """One-token decode of at least PAGED_MIN_BATCH rows (q [Hkv, B, T*G, d]) on a GPU, over at most
-    paged_attention.KEYS_PER_SPLIT keys, reads K/V straight from the paged cache (engine/paged_attention.py):
-    the gather of `gather_kv` copies every row's whole padded KV first, and the masked softmax reads a mask,
-    which triples a decode step's KV traffic at large batches.
+def use_paged(q: torch.Tensor, t: int, impl: str | None = None) -> bool:
+    """Decode and verify (q [Hkv, B, T*G, d], T <= PAGED_MAX_T) on a GPU read K/V straight from the paged
+    cache (engine/paged_attention.py), at every batch size and context length: the gather of `gather_kv`
+    copies every row's whole padded KV first and the masked softmax reads a mask, which triples a step's KV
+    traffic at large batches; and the gathered form's kernels (a cuBLAS bmm whose reduction runs over the
+    padded key count, a softmax tuned per length) may round a position differently by how long the table is
+    when it runs, so a DFlash verify and a native decode of one token could part in bf16. The kernel's row
+    bits depend only on the row's own position and keys (its docstring), at any width and batch.
 
-    Why only there: that is what has run end to end on an H200 (a Qwen3-8B-shape decode curve, batch 1 to
-    256, and the serving scheduler). The kernel also takes verify widths (t <= 32) and longer contexts (its
-    key split), tested on the CPU under triton's interpreter and in isolation on a GPU, but the first whole
-    DFlash run with them at the 8B shape did not finish (docs/results.md), so they keep `grouped_attention`
-    until a GPU run clears them. Prefill, the CPU and a forced `impl` (AttnBatch.impl) keep it too."""
-    return (impl is None and q.device.type == "cuda" and t == 1 and q.shape[1] >= PAGED_MIN_BATCH
-            and keys <= paged_attention.KEYS_PER_SPLIT and paged_attention.available())
+    Prefill chunks (wider than PAGED_MAX_T: a 16-row tile per 4 tokens would re-read every key per tile), the
+    CPU and a forced `impl` (AttnBatch.impl) keep `grouped_attention`."""
+    return impl is None and q.device.type == "cuda" and t <= PAGED_MAX_T and paged_attention.available()
 
 
-# Under this many rows the kernel's few programs (rows x KV heads) walk their keys in turn, slower than the
-# gather path; above it the gather's copy dominates (docs/results.md: per-layer times at the 8B shape).
-PAGED_MIN_BATCH = 4
+# The widest forward the paged kernel takes: DFlash verify blocks (16) with room to spare.
+PAGED_MAX_T = 32
 
 
 def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:

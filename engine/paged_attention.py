@@ -68,8 +68,8 @@ if triton is not None:
 
     @triton.jit
     def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                     qk_scale, B, M, n_keys,
-                     sq_h, sq_b, sq_m, so_h, so_b, so_m,
+                     qk_scale, HKV, M, n_keys,
+                     sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
                      sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
                      G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, KPS: tl.constexpr, SPLIT: tl.constexpr,
@@ -79,8 +79,10 @@ if triton is not None:
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         pid_s = tl.program_id(2)
-        h = pid_bh // B
-        b = pid_bh % B
+        # a sequence's KV heads are neighbouring programs: its heads' keys share each cache page (the layout
+        # is [blocks, bs, Hkv, d]), which programs running side by side then read together
+        b = pid_bh // HKV
+        h = pid_bh % HKV
         rows = pid_m * BM + tl.arange(0, BM)
         row_ok = rows < M
         pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
@@ -94,7 +96,7 @@ if triton is not None:
             hi = tl.minimum(max_pos + 1, lo + KPS)
         else:
             lo = 0
-            hi = max_pos + 1
+            hi = tl.minimum(max_pos + 1, n_keys)
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D_PAD], tl.float32)
@@ -127,18 +129,19 @@ if triton is not None:
             tl.store(acc_ptr + ws[:, None] * D_PAD + dd[None, :], acc, mask=row_ok[:, None])
         else:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] + 0.0  # + 0.0: one sign for an exact zero
-            tl.store(out_ptr + h * so_h + b * so_b + rows[:, None] * so_m + dd[None, :],
+            o_rows = (rows // G) * so_t + (rows % G) * so_g  # row t*G + j: token t, query group j
+            tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, B, M, n_splits, spos_b, so_h, so_b, so_m,
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_splits, spos_b, so_h, so_b, so_t, so_g,
                         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr,
                         KPS: tl.constexpr):
         """Merge a row's key splits in split order (log-sum-exp); splits past its position are skipped."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
-        h = pid_bh // B
-        b = pid_bh % B
+        b = pid_bh // HKV
+        h = pid_bh % HKV
         rows = pid_m * BM + tl.arange(0, BM)
         row_ok = rows < M
         pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
@@ -160,21 +163,29 @@ if triton is not None:
             l_i = tl.where(on, l_i + l_s * w, l_i)
             acc = tl.where(on[:, None], acc + acc_s * w[:, None], acc)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] + 0.0
-        tl.store(out_ptr + h * so_h + b * so_b + rows[:, None] * so_m + dd[None, :],
+        o_rows = (rows // G) * so_t + (rows % G) * so_g
+        tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dd < D)[None, :])
 
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                positions: torch.Tensor, scale: float, keys_per_split: int, block_m: int = BLOCK_M,
-               block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> torch.Tensor:
+               block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+               heads_last: bool = False) -> torch.Tensor:
         """The two kernels' launch. The tile arguments exist for bench/paged_split's sweep; the op passes the
-        module's constants."""
+        module's constants. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q."""
         hkv, b, m, d = q.shape
         t = positions.shape[1]
+        g = m // t
         page = k_cache.shape[1]
         n_keys = block_tables.shape[1] * page
         d_pad = max(16, triton.next_power_of_2(d))
         f32 = q.dtype == torch.float32
-        out = torch.empty_like(q)
+        if heads_last:  # row t*G + j of head h at [b, t, (h*G + j)*d]
+            out = torch.empty((b, t, hkv * g * d), dtype=q.dtype, device=q.device)
+            so = (g * d, out.stride(0), out.stride(1), d)
+        else:
+            out = torch.empty_like(q)
+            so = (out.stride(0), out.stride(1), g * out.stride(2), out.stride(2))
         n_splits = triton.cdiv(n_keys, keys_per_split)
         split = n_splits > 1
         if split:
@@ -186,41 +197,42 @@ if triton is not None:
         grid = (triton.cdiv(m, block_m), hkv * b, n_splits)
         torch.library.wrap_triton(_attn_kernel)[grid](
             q, k_cache, v_cache, block_tables, positions, out, m_ws, l_ws, acc_ws,
-            scale * LOG2E, b, m, n_keys,
-            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            scale * LOG2E, hkv, m, n_keys,
+            q.stride(0), q.stride(1), q.stride(2), *so,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), positions.stride(0),
-            G=m // t, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPS=keys_per_split, SPLIT=split,
+            G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPS=keys_per_split, SPLIT=split,
             F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         if split:
             torch.library.wrap_triton(_combine_kernel)[(triton.cdiv(m, block_m), hkv * b)](
-                m_ws, l_ws, acc_ws, positions, out, b, m, n_splits, positions.stride(0),
-                out.stride(0), out.stride(1), out.stride(2),
-                G=m // t, D=d, D_PAD=d_pad, BM=block_m, KPS=keys_per_split, num_warps=num_warps)
+                m_ws, l_ws, acc_ws, positions, out, hkv, m, n_splits, positions.stride(0), *so,
+                G=g, D=d, D_PAD=d_pad, BM=block_m, KPS=keys_per_split, num_warps=num_warps)
         return out
 
     @torch.library.triton_op("flashpd::paged_attention", mutates_args=())
     def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
-                            keys_per_split: int) -> torch.Tensor:
+                            keys_per_split: int, heads_last: bool) -> torch.Tensor:
         # the constants are read here, at call time (bench/paged_check.py's sweep sets them)
         return launch(q, k_cache, v_cache, block_tables, positions, scale, keys_per_split, BLOCK_M, BLOCK_N,
-                      NUM_WARPS, NUM_STAGES)
+                      NUM_WARPS, NUM_STAGES, heads_last)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    positions: torch.Tensor, scale: float, keys_per_split: int = KEYS_PER_SPLIT) -> torch.Tensor:
+                    positions: torch.Tensor, scale: float, keys_per_split: int = KEYS_PER_SPLIT,
+                    heads_last: bool = False) -> torch.Tensor:
     """q [Hkv, B, T*G, d] (attention.group_queries), k/v_cache [blocks, bs, Hkv, d], block_tables [B, nblk],
-    positions [B, T] -> [Hkv, B, T*G, d] like q. Row t*G + j of (head, b) attends to keys 0..positions[b, t]
-    (key i in block block_tables[b, i // bs] at offset i % bs). keys_per_split: tests only (a multiple of
-    BLOCK_N); the engine always uses KEYS_PER_SPLIT."""
+    positions [B, T] -> [Hkv, B, T*G, d] like q, or with heads_last [B, T, Hq*d] in o_proj's column order
+    (query head h*G + j; attention.heads_last's layout, written by the kernel: no copy). Row t*G + j of (head,
+    b) attends to keys 0..positions[b, t] (key i in block block_tables[b, i // bs] at offset i % bs).
+    keys_per_split: tests only (a multiple of BLOCK_N); the engine always uses KEYS_PER_SPLIT."""
     if triton is None:
         raise RuntimeError("paged_attention needs triton")
     assert q.shape[2] % positions.shape[1] == 0 and keys_per_split % BLOCK_N == 0
     assert q.stride(3) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     return torch.ops.flashpd.paged_attention(q, k_cache, v_cache, block_tables, positions, float(scale),
-                                             keys_per_split)
+                                             keys_per_split, heads_last)
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -255,7 +267,7 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
                             ) -> dict[str, float | bool]:
     """GPU self-check at Qwen3-8B's head shape: max abs error against `reference` (one case per path: no
     split, split, decode and verify), and whether a row's output is bitwise the same alone (T=1, B=1), inside
-    a verify of 16, and inside a bigger batch with a wider table."""
+    a verify of 16, inside a bigger batch with a wider table, and written in o_proj's layout (heads_last)."""
     scale = 128 ** -0.5
     errs = []
     for b, t, nblk, seed in ((8, 1, 20, 0), (4, 16, 20, 1), (3, 1, 70, 2), (2, 16, 70, 3)):
@@ -274,4 +286,6 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
             big = paged_attention(q, k, v, wide, pos, scale)[:, row:row + 1, col * 4:col * 4 + 4]
             mine = full[:, row:row + 1, col * 4:col * 4 + 4]
             invariant &= torch.equal(alone, mine) and torch.equal(big, mine)
+        last = paged_attention(q, k, v, bt, pos, scale, heads_last=True)  # the engine's layout
+        invariant &= torch.equal(last, full.view(8, 6, 16, 4, 128).permute(1, 2, 0, 3, 4).reshape(6, 16, -1))
     return {"max_abs_err": max(errs), "invariant": bool(invariant)}

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from dataclasses import replace
 
 from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
-    group_queries, grouped_attention, heads_last, out_proj, use_paged, write_kv
+    group_queries, grouped_attention, out_proj, use_paged, write_kv
 from flashpd.engine.paged_attention import paged_attention
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
@@ -52,11 +52,10 @@ def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Attention of grouped queries (attn_inputs) over the cache, then the residual MLP. Decode and verify on
     a GPU read the cache in place by position (attention.use_paged); elsewhere it is gathered and masked.
     impl: AttnBatch.impl (None: chosen per shape and device)."""
-    if use_paged(q, positions.shape[1], block_tables.shape[1] * k_cache.shape[1], impl):
-        # a batched decode: o_proj as one matmul over [B, T, Hq*d] (the kv-major per-head matmuls and their
+    if use_paged(q, positions.shape[1], impl):
+        # o_proj as one matmul over the kernel's [B, T, Hq*d] output (the kv-major per-head matmuls and their
         # sum cost several times the weight's read at large batches)
-        o = F.linear(heads_last(paged_attention(q, k_cache, v_cache, block_tables, positions, scale),
-                                positions.shape[1]), w_o)
+        o = F.linear(paged_attention(q, k_cache, v_cache, block_tables, positions, scale, heads_last=True), w_o)
     else:
         o = out_proj(grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables),
                                        mask, scale, impl), w_o)

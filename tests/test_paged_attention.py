@@ -92,6 +92,18 @@ def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dty
             assert torch.equal(alone, full[:, 1:2, rows]), (min_pos, col)
 
 
+def heads_last_is_the_same_numbers_in_o_proj_order(pa: ModuleType, dev: str) -> None:
+    """The kernel writing [B, T, Hq*d] itself gives bitwise attention.heads_last of its kv-major output, with
+    and without the key split (the combine kernel writes the split case)."""
+    for kps in (512, 64):
+        q, k, v, bt, pos = random_case(pa, dev, torch.bfloat16, 3, 5, 25, seed=kps, min_pos=70)
+        kv_major = pa.paged_attention(q, k, v, bt, pos, SCALE, keys_per_split=kps)
+        out = pa.paged_attention(q, k, v, bt, pos, SCALE, keys_per_split=kps, heads_last=True)
+        assert out.shape == (3, 5, 2 * 4 * 24)
+        assert torch.equal(out, attention.heads_last(kv_major, 5)), kps
+
+
+CASES["heads-last"] = heads_last_is_the_same_numbers_in_o_proj_order
 CASES["invariance-float32"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.float32)
 CASES["invariance-bfloat16"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.bfloat16)
 
@@ -128,13 +140,13 @@ def test_kernel(name: str, request: pytest.FixtureRequest) -> None:
     assert result == "ok", result
 
 
-def test_the_engine_dispatches_one_token_decode_on_a_gpu_only():
+def test_the_engine_dispatches_decode_and_verify_on_a_gpu_only():
     q = torch.zeros(8, 4, 4, 128)
-    assert not attention.use_paged(q, 1, 256)  # the CPU keeps grouped_attention, bitwise as before
+    assert not attention.use_paged(q, 1)  # the CPU keeps grouped_attention, bitwise as before
     if torch.cuda.is_available():  # pragma: no cover (GPU machines)
         qc = q.cuda()
-        keys = engine_pa.KEYS_PER_SPLIT
-        assert attention.use_paged(qc, 1, keys)
-        assert not attention.use_paged(qc, 16, 256) and not attention.use_paged(qc, 1, keys + 16)
-        assert not attention.use_paged(qc[:, :attention.PAGED_MIN_BATCH - 1], 1, keys)
+        assert attention.use_paged(qc, 1) and attention.use_paged(qc[:, :1], 1)  # any batch
+        assert attention.use_paged(qc, attention.PAGED_MAX_T)  # verify widths
+        assert not attention.use_paged(qc, attention.PAGED_MAX_T + 1)  # prefill chunks
+        assert not attention.use_paged(qc, 1, "matmul")  # a forced form
     assert engine_pa.KEYS_PER_SPLIT % engine_pa.BLOCK_N == 0

@@ -175,6 +175,7 @@ if triton is not None:
         module's constants. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q."""
         hkv, b, m, d = q.shape
         t = positions.shape[1]
+        assert positions.stride(1) == 1 or t == 1, "positions: each row's must be consecutive"
         g = m // t
         page = k_cache.shape[1]
         n_keys = block_tables.shape[1] * page
@@ -193,7 +194,7 @@ if triton is not None:
             l_ws = torch.empty_like(m_ws)
             acc_ws = torch.empty((n_splits, hkv * b, m, d_pad), dtype=torch.float32, device=q.device)
         else:
-            m_ws = l_ws = acc_ws = out  # unused
+            m_ws = l_ws = acc_ws = torch.empty(1, dtype=torch.float32, device=q.device)  # unused (no alias of out)
         grid = (triton.cdiv(m, block_m), hkv * b, n_splits)
         torch.library.wrap_triton(_attn_kernel)[grid](
             q, k_cache, v_cache, block_tables, positions, out, m_ws, l_ws, acc_ws,
@@ -231,6 +232,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise RuntimeError("paged_attention needs triton")
     assert q.shape[2] % positions.shape[1] == 0 and keys_per_split % BLOCK_N == 0
     assert q.stride(3) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    # the kernel reads a row's positions as consecutive elements; a native decode at a verify's width passes
+    # one position expanded (stride 0), which compiled must be a buffer of its own, not a view, for inductor
+    positions = positions.contiguous()
     return torch.ops.flashpd.paged_attention(q, k_cache, v_cache, block_tables, positions, float(scale),
                                              keys_per_split, heads_last)
 

@@ -145,8 +145,9 @@ def test_the_engine_dispatches_decode_and_verify_on_a_gpu_only():
     assert not attention.use_paged(q, 1)  # the CPU keeps grouped_attention, bitwise as before
     if torch.cuda.is_available():  # pragma: no cover (GPU machines)
         qc = q.cuda()
-        assert attention.use_paged(qc, 1) and attention.use_paged(qc[:, :1], 1)  # any batch
-        assert attention.use_paged(qc, attention.PAGED_MAX_T)  # verify widths
+        assert attention.use_paged(qc, 1) and not attention.use_paged(qc[:, :attention.PAGED_MIN_BATCH - 1], 1)
+        assert attention.use_paged(qc[:, :1], 16)  # a verify at any batch
+        assert attention.use_paged(qc, attention.PAGED_MAX_T)
         assert not attention.use_paged(qc, attention.PAGED_MAX_T + 1)  # prefill chunks
         assert not attention.use_paged(qc, 1, "matmul")  # a forced form
     assert engine_pa.KEYS_PER_SPLIT % engine_pa.BLOCK_N == 0

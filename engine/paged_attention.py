@@ -196,7 +196,7 @@ if triton is not None:
         else:
             m_ws = l_ws = acc_ws = torch.empty(1, dtype=torch.float32, device=q.device)  # unused (no alias of out)
         grid = (triton.cdiv(m, block_m), hkv * b, n_splits)
-        torch.library.wrap_triton(_attn_kernel)[grid](
+        _attn_kernel[grid](
             q, k_cache, v_cache, block_tables, positions, out, m_ws, l_ws, acc_ws,
             scale * LOG2E, hkv, m, n_keys,
             q.stride(0), q.stride(1), q.stride(2), *so,
@@ -206,18 +206,29 @@ if triton is not None:
             G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPS=keys_per_split, SPLIT=split,
             F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         if split:
-            torch.library.wrap_triton(_combine_kernel)[(triton.cdiv(m, block_m), hkv * b)](
+            _combine_kernel[(triton.cdiv(m, block_m), hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_splits, positions.stride(0), *so,
                 G=g, D=d, D_PAD=d_pad, BM=block_m, KPS=keys_per_split, num_warps=num_warps)
         return out
 
-    @torch.library.triton_op("flashpd::paged_attention", mutates_args=())
+    # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern
+    # kernel instead of tracing into its launches, whose buffers (the output, the split's workspaces) its
+    # scheduler mis-ordered for a verify-width decode on torch 2.11 (KeyError in compute_ancestors, H200).
+    # Nothing around the kernel fused with it anyway.
+    @torch.library.custom_op("flashpd::paged_attention", mutates_args=())
     def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
                             keys_per_split: int, heads_last: bool) -> torch.Tensor:
         # the constants are read here, at call time (bench/paged_check.py's sweep sets them)
         return launch(q, k_cache, v_cache, block_tables, positions, scale, keys_per_split, BLOCK_M, BLOCK_N,
                       NUM_WARPS, NUM_STAGES, heads_last)
+
+    @_paged_attention_op.register_fake
+    def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          positions: torch.Tensor, scale: float, keys_per_split: int, heads_last: bool) -> torch.Tensor:
+        hkv, b, m, d = q.shape
+        t = positions.shape[1]
+        return q.new_empty((b, t, hkv * (m // t) * d)) if heads_last else torch.empty_like(q)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -104,6 +104,22 @@ def heads_last_is_the_same_numbers_in_o_proj_order(pa: ModuleType, dev: str) -> 
 
 
 CASES["heads-last"] = heads_last_is_the_same_numbers_in_o_proj_order
+
+
+def compiles_at_a_verify_width_with_expanded_positions(pa: ModuleType, dev: str) -> None:
+    """torch.compile (inductor) of a caller that passes one position expanded over a verify's width, as a
+    native decode at the verify's shapes does, with the key split: the compiled call gives the eager bits.
+    (A triton_op form of the kernel failed in inductor's scheduler on exactly this call on an H200.)"""
+    q, k, v, bt, pos = random_case(pa, dev, torch.float32, 3, 16, 20, seed=5, min_pos=70)
+
+    def f(q, k, v, bt, p1):
+        return pa.paged_attention(q, k, v, bt, p1.expand(3, 16), SCALE, keys_per_split=64, heads_last=True) * 2
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, fullgraph=True)(q, k, v, bt, pos[:, :1]), f(q, k, v, bt, pos[:, :1]))
+
+
+CASES["compiled-verify-width"] = compiles_at_a_verify_width_with_expanded_positions
 CASES["invariance-float32"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.float32)
 CASES["invariance-bfloat16"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.bfloat16)
 

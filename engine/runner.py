@@ -71,8 +71,17 @@ class ModelRunner:
 
     def compiled(self, fn: Callable) -> Callable:
         """fn through torch.compile (whole graph, config.compile_backend) when this runner compiles, else fn
-        itself: the layer functions here, and the drafter's and the device loop's step functions beside them."""
-        return torch.compile(fn, fullgraph=True, backend=self.config.compile_backend) if self.config.compile else fn
+        itself: the layer functions here, and the drafter's and the device loop's step functions beside them.
+
+        dynamic=True: sizes are symbolic from a function's first compile. Under dynamo's default a first
+        shape compiles static and the next recompiles symbolic, and a later call of the first shape then runs
+        the symbolic code; a CUDA graph captured before that keeps the static code, one captured after gets
+        the other, and the two can round a position differently. DFlash and native capture their graphs at
+        different times, so in bf16 on an H200 a native decode at the verify's shapes parted from DFlash
+        on a long prompt by this alone (docs/results.md). A shape's code now depends on its guards only
+        (sizes 0 and 1 still specialize), not on what ran before it."""
+        return (torch.compile(fn, fullgraph=True, dynamic=True, backend=self.config.compile_backend)
+                if self.config.compile else fn)
 
     # ---- batch construction -------------------------------------------------------------
     def batch_arrays(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,

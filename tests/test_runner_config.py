@@ -10,6 +10,7 @@ import torch
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.loader import dummy_target
+from flashpd.engine.qwen3 import EAGER
 from flashpd.engine.runner import ModelRunner, RunnerConfig
 
 
@@ -64,24 +65,20 @@ def test_forced_attention_reaches_the_forward_metadata(monkeypatch):
         assert seen[-1] == impl
 
 
-def test_a_compiled_function_runs_one_code_for_every_size_whatever_came_first():
-    """ModelRunner.compiled traces with symbolic sizes from the first call: sizes 3, 5 and 3 again run one
-    compiled graph. Under dynamo's default, 3 would compile static, 5 symbolic, and a CUDA graph captured for
-    3 before 5 was seen would keep other code than one captured after (in bf16 on a GPU, DFlash and native
-    then parted on a long prompt: docs/results.md)."""
+def test_the_target_layer_functions_run_one_code_for_every_size_whatever_came_first():
+    """ModelRunner compiles the target's layer functions with symbolic sizes from the first call: rows of 3, 5
+    and 3 tokens through its compiled final norm run one compiled graph. Under dynamo's default, 3 would compile
+    static, 5 symbolic, and a CUDA graph captured for 3 before 5 was seen would keep other code than one
+    captured after (in bf16 on a GPU, DFlash and native then parted on a long prompt: docs/results.md)."""
     import torch._dynamo  # noqa: PLC0415
 
     torch._dynamo.reset()
-    r = ModelRunner(_model(), 8, 16, config=RunnerConfig(cuda_graphs=False, compile=True,
-                                                         compile_backend="aot_eager"))
-
-    def scaled_sum(x: torch.Tensor) -> torch.Tensor:
-        return (x * 2 + 1).sum(-1)
-
-    fn = r.compiled(scaled_sum)
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model = _model()
+    r = ModelRunner(model, 8, 16, config=RunnerConfig(cuda_graphs=False, compile=True, compile_backend="aot_eager"))
+    w, eps = model.norm.weight, model.cfg.rms_norm_eps
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for n in (3, 5, 3):
-        x = torch.arange(2 * n, dtype=torch.float32).view(2, n)
-        assert torch.equal(fn(x), scaled_sum(x))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
+        x = torch.randn(2, n, 32)
+        assert torch.equal(r.graph_fns.norm(x, w, eps), EAGER.norm(x, w, eps))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
     torch._dynamo.reset()

@@ -99,7 +99,13 @@ def use_paged(q: torch.Tensor, t: int, impl: str | None = None) -> bool:
     width (NativeGenerator.step_width), which takes the kernel. Prefill chunks (wider than PAGED_MAX_T: a
     16-row tile per 4 tokens would re-read every key per tile), the CPU and a forced `impl` (AttnBatch.impl)
     keep `grouped_attention` too."""
-    return (impl is None and q.device.type == "cuda" and t <= PAGED_MAX_T and (t > 1 or q.shape[1] >= PAGED_MIN_BATCH)
+    return paged_applies(q.device, q.shape[1], t, impl)
+
+
+def paged_applies(device: torch.device, b: int, t: int, impl: str | None = None) -> bool:
+    """`use_paged` for a forward of B rows of T tokens on `device`, decided before its queries exist (the
+    forward builds the gather path's position mask only when this is False)."""
+    return (impl is None and device.type == "cuda" and t <= PAGED_MAX_T and (t > 1 or b >= PAGED_MIN_BATCH)
             and paged_attention.available())
 
 

@@ -34,8 +34,8 @@ import torch
 
 from flashpd.engine.cuda_graph import bucket
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, slots_of
-from flashpd.engine.sampling import (DRAFT, GREEDY_BELOW, accepted_greedy, draw, filtered_probs, sample_tokens,
-                                     speculative_accept, step_width)
+from flashpd.engine.sampling import (DRAFT, GREEDY_BELOW, accepted_greedy, draw, filtered_probs, greedy_tokens,
+                                     sample_tokens, speculative_accept, step_width)
 from flashpd.engine.sequence import FLOAT32_MAX, Sequence, any_filtered
 
 # state columns (int64 [B, 9]): committed target length P, draft context length D, last token x,
@@ -86,16 +86,18 @@ class InPlaceGraph:
 
 # ---- the step's bookkeeping: a few fused kernels when the runner compiles, else eager -----------------
 def native_in(st: torch.Tensor, bt: torch.Tensor, bs: int) -> tuple[torch.Tensor, ...]:
-    """(live rows, positions [B, 1], flat slots): a frozen row (O >= M) writes scratch."""
+    """(live rows, positions [B, 1], flat slots): a frozen row (O >= M) writes scratch. The positions are a
+    buffer of their own, not a column view of the state: the paged kernel reads a row's positions as
+    consecutive elements, and a strided view would be copied again in every layer (36 copies a step)."""
     live = st[:, O] < st[:, M]
-    pos = st[:, P:P + 1]
+    pos = st[:, P:P + 1].contiguous()
     slots = torch.where(live[:, None], slots_of(bt, pos, bs), SCRATCH_BLOCK * bs).view(-1)
     return live, pos, slots
 
 
 def native_out(st: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     """Greedy token of each row; live rows advance (P, O, X) in place. -> [B, 1]."""
-    tok = logits[:, 0].argmax(-1)
+    tok = greedy_tokens(logits[:, 0])
     step = live.to(st.dtype)
     st[:, P] += step
     st[:, O] += step
@@ -147,7 +149,7 @@ def spec_out(st: torch.Tensor, logits: torch.Tensor, guess: torch.Tensor, w: tor
     """Accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice; live rows
     advance in place. -> [B, t + 1] (the target's t choices, accepted count)."""
     t = logits.shape[1]
-    truth = logits.argmax(-1)
+    truth = greedy_tokens(logits)
     a = accepted_greedy(guess, truth[:, :t - 1], w)
     _advance(st, a, truth.gather(1, a), live, ctx)
     return torch.cat([truth, a], dim=1)
@@ -261,7 +263,7 @@ class DeviceLoop:
         ids = st[:, X:X + 1]
         if w > 1:
             b = st.shape[0]
-            ids, pos = ids.expand(b, w), pos.expand(b, w)
+            ids, pos = ids.expand(b, w), pos.expand(b, w).contiguous()  # once here, not in every layer
             slots = torch.cat([slots.view(b, 1), torch.full((b, w - 1), SCRATCH_BLOCK * bs, dtype=slots.dtype,
                                                                device=slots.device)], dim=1).view(-1)
         _, _, logits = self.runner.model_step(ids, pos, slots, bt)

@@ -14,6 +14,7 @@ from flashpd.engine.cuda_graph import GraphedFn, bucket, pack_host
 from flashpd.engine.drafter import DFlashDrafter, draft_layer, write_context_kv
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, PagedKVCache, slots_of
 from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import greedy_tokens
 from flashpd.engine.sequence import Sequence
 
 
@@ -48,8 +49,8 @@ class DraftRunner:
               ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
         """The block to verify [B, T]: each row's first id, then its greedy draft tokens (see
         DFlashDrafter.draft_logits) for blocks ids/pos [B, T]."""
-        guess = self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer,
-                                          self.runner.config.attention_impl).argmax(-1)
+        guess = greedy_tokens(self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer,
+                                                        self.runner.config.attention_impl))
         return torch.cat([ids[:, :1], guess], dim=1)
 
     def block_logits(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,

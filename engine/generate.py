@@ -13,7 +13,7 @@ import torch
 from flashpd.engine.device_loop import DeviceLoop
 from flashpd.engine.kv_cache import OutOfBlocks, blocks_needed
 from flashpd.engine.runner import ModelRunner, TapSink
-from flashpd.engine.sampling import SamplingParams, request_seed, sample_tokens
+from flashpd.engine.sampling import SamplingParams, greedy_tokens, request_seed, sample_tokens
 from flashpd.engine.sequence import Sequence, any_filtered, host_values, next_index, row_params
 
 
@@ -25,7 +25,7 @@ def _sync(device: torch.device) -> None:
 def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """One token per row of logits [B, V] (greedy rows their argmax), on the device, with no host sync."""
     if all(s.params.greedy for s in seqs):
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     index = host_values([next_index(s) for s in seqs], torch.int64, logits.device)
     return sample_tokens(logits, *row_params(seqs, logits.device), index,
                          filtered=any_filtered(seqs, logits.shape[-1]))

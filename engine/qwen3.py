@@ -1,8 +1,8 @@
 """The Qwen3 target in plain PyTorch, reading and writing a paged KV cache.
 
 Q/K/V and gate/up are fused into single matmuls (the loader fills the slices). A decoder layer
-is two functions: `attn_inputs` (norm, QKV, q/k norms, RoPE, the cache write) and `attn_mlp` (paged
-attention, output projection, MLP). The same functions run eagerly on the
+is two functions: `attn_inputs` (QKV of the normed input, q/k norms, RoPE, the cache write) and `attn_mlp`
+(paged attention, output projection, MLP, and the next layer's input norm). The same functions run eagerly on the
 CPU (where exactness is tested) and, on a GPU, through torch.compile inside a CUDA graph.
 `forward` returns the final normed hidden states plus the outputs of the tapped decoder
 layers, which the DFlash drafter conditions on.
@@ -18,24 +18,24 @@ import torch.nn.functional as F
 from dataclasses import replace
 
 from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
-    group_queries, grouped_attention, out_proj, use_paged, write_kv
+    group_queries, grouped_attention, out_proj, paged_applies, use_paged, write_kv
 from flashpd.engine.paged_attention import paged_attention
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 
 
-def attn_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_norm: torch.Tensor,
-                w_qkv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, eps: float,
-                n_q: int, n_kv: int, d: int, k_slots: torch.Tensor | None = None,
+def attn_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor, w_qn: torch.Tensor,
+                w_kn: torch.Tensor, eps: float, n_q: int, n_kv: int, d: int, k_slots: torch.Tensor | None = None,
                 v_slots: torch.Tensor | None = None, slots: torch.Tensor | None = None, fresh: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [B, T, H] -> queries, k and v [B*T, n_kv, d] (k roped and normed). Queries come in the layout
+    """x [B, T, H], the layer's input already normed (the previous layer's `attn_mlp`, or the forward's
+    first norm) -> queries, k and v [B*T, n_kv, d] (k roped and normed). Queries come in the layout
     their attention reads: [n_kv, B, T*groups, d] (attention.group_queries) over the cache, or [B, n_q, T,
     d] for a fresh prefill's causal kernel (`fresh`). Given a layer's cache as [slots, n_kv, d] views, k and
     v are written at `slots` here, so that compiled they are stored by the kernel that makes them (separate
     index_copy kernels, two a layer, were a sizeable share of a small model's step: docs/results.md)."""
-    b, t, _ = h.shape
-    q, k, v = F.linear(rms_norm(h, w_norm, eps), w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+    b, t, _ = x.shape
+    q, k, v = F.linear(x, w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
     q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
     q = q.transpose(1, 2).contiguous() if fresh else group_queries(q, n_kv)
     k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin).reshape(b * t, n_kv, d)
@@ -46,27 +46,39 @@ def attn_inputs(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_norm: t
 
 
 def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, w_o: torch.Tensor,
-             w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, scale: float,
-             impl: str | None = None) -> torch.Tensor:
-    """Attention of grouped queries (attn_inputs) over the cache, then the residual MLP. Decode and verify on
-    a GPU read the cache in place by position (attention.use_paged); elsewhere it is gathered and masked.
-    impl: AttnBatch.impl (None: chosen per shape and device)."""
+             block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, w_o: torch.Tensor,
+             w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, w_next: torch.Tensor, eps: float,
+             scale: float, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of grouped queries (attn_inputs) over the cache, then the residual MLP -> (the layer's
+    output h, h normed by w_next: the next layer's input norm, or the model's final norm after the last).
+    Decode and verify on a GPU read the cache in place by position (attention.use_paged); elsewhere it is
+    gathered and masked (`mask`: step_inputs builds it exactly when this branch runs). impl: AttnBatch.impl
+    (None: chosen per shape and device)."""
     if use_paged(q, positions.shape[1], impl):
         # o_proj as one matmul over the kernel's [B, T, Hq*d] output (the kv-major per-head matmuls and their
         # sum cost several times the weight's read at large batches)
         o = F.linear(paged_attention(q, k_cache, v_cache, block_tables, positions, scale, heads_last=True), w_o)
     else:
+        if mask is None:
+            raise ValueError("the gathered attention needs the position mask (qwen3.step_inputs)")
         o = out_proj(grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables),
                                        mask, scale, impl), w_o)
-    return mlp_residual(h + o, w_post, w_gate_up, w_down, eps)
+    return residual_and_norm(mlp_residual(h + o, w_post, w_gate_up, w_down, eps), w_next, eps)
 
 
 def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_o: torch.Tensor,
-                   w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float,
-                   scale: float) -> torch.Tensor:
+                   w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, w_next: torch.Tensor,
+                   eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`attn_mlp` for a fresh prefill (AttnBatch.fresh): causal attention over this forward's own K/V."""
-    return mlp_residual(h + F.linear(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
+    h = mlp_residual(h + F.linear(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
+    return residual_and_norm(h, w_next, eps)
+
+
+def residual_and_norm(h: torch.Tensor, w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)): the next layer's input norm taken in the layer that makes h. Compiled, the MLP's
+    residual add and this norm are one kernel; with the norm at the start of the next layer's function (a
+    graph of its own) they were two, each a launch and a pass over h, 36 a step at Qwen3-8B."""
+    return h, rms_norm(h, w_next, eps)
 
 
 def mlp_residual(h: torch.Tensor, w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -89,32 +101,36 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, fns: "StepFns") -> torch.Tensor:
+    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttnBatch,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, w_next: torch.Tensor, fns: "StepFns"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the residual stream [B, T, H]; x: h under this layer's input norm. -> (the layer's output,
+        it normed by w_next)."""
         c, a = self.cfg, self.self_attn
         pre, post, fresh = fns.attn_inputs, fns.attn_mlp, fns.attn_mlp_fresh
         n_kv, d = c.num_key_value_heads, c.head_dim
-        q, k, v = pre(h, cos, sin, self.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
-                      a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, n_kv, d,
-                      k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), batch.slots, batch.fresh)
+        q, k, v = pre(x, cos, sin, a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight, c.rms_norm_eps,
+                      c.num_attention_heads, n_kv, d, k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d),
+                      batch.slots, batch.fresh)
         if batch.fresh:
             return fresh(h, q, k, v, a.o_proj.weight, self.post_attention_layernorm.weight,
-                         self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, c.rms_norm_eps, c.head_dim ** -0.5)
+                         self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, w_next, c.rms_norm_eps,
+                         c.head_dim ** -0.5)
         return post(h, q, k_cache, v_cache, batch.block_tables, batch.positions, batch.mask, a.o_proj.weight,
                     self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight,
-                    c.rms_norm_eps, c.head_dim ** -0.5, batch.impl)
+                    w_next, c.rms_norm_eps, c.head_dim ** -0.5, batch.impl)
 
 
 def step_inputs(ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, w_embed: torch.Tensor,
-                cos_t: torch.Tensor, sin_t: torch.Tensor, kv_block_size: int, groups: int, fresh: bool
+                cos_t: torch.Tensor, sin_t: torch.Tensor, kv_block_size: int, groups: int, mask: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A forward's prologue: embeddings [B, T, H], RoPE tables, and (unless fresh) the grouped position
-    mask over the block tables' keys (key j visible to the query at position p iff j <= p). Eagerly this
-    is about ten small kernels a step, each a launch a small model's step waits for; compiled, one or
-    two."""
+    """A forward's prologue: embeddings [B, T, H], RoPE tables, and (with `mask`: the layers gather the
+    cache) the grouped position mask over the block tables' keys (key j visible to the query at position p
+    iff j <= p). Eagerly this is about ten small kernels a step, each a launch a small model's step waits for;
+    compiled, one or two. Fresh prefills and the paged kernel's decode and verify read no mask."""
     h = F.embedding(ids, w_embed)
     cos, sin = rope_tables(cos_t, sin_t, positions, h.dtype)
-    if fresh:
+    if not mask:
         return h, cos, sin, None
     return h, cos, sin, group_mask(causal_position_mask(positions, block_tables.shape[1] * kv_block_size), groups)
 
@@ -166,18 +182,23 @@ class Qwen3ForCausalLM(nn.Module):
         assert self.rotary is not None, "call init_rotary() after loading weights"
         if len(set(taps)) != len(taps) or any(not 0 <= j < len(self.layers) for j in taps):
             raise ValueError(f"tap ids {taps} must be distinct layer indices below {len(self.layers)}")
+        b, t = input_ids.shape
+        gathers = not batch.fresh and not paged_applies(input_ids.device, b, t, batch.impl)
         h, cos, sin, mask = fns.step_inputs(input_ids, batch.positions, batch.block_tables, self.embed_tokens.weight,
-                                   self.rotary.cos, self.rotary.sin, kv.shape[3],
-                                   self.cfg.num_attention_heads // self.cfg.num_key_value_heads, batch.fresh)
+                                            self.rotary.cos, self.rotary.sin, kv.shape[3],
+                                            self.cfg.num_attention_heads // self.cfg.num_key_value_heads, gathers)
         batch = replace(batch, mask=mask)
+        eps, layers = self.cfg.rms_norm_eps, self.layers
+        x = fns.norm(h, layers[0].input_layernorm.weight, eps)
         tapped: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch, kv[i, 0], kv[i, 1], fns)
+        for i, layer in enumerate(layers):
+            w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.norm.weight
+            h, x = layer(h, x, cos, sin, batch, kv[i, 0], kv[i, 1], w_next, fns)
             if i in taps:
                 tapped[i] = h
-        out = fns.norm(h, self.norm.weight, self.cfg.rms_norm_eps)
-        if len(self.layers) - 1 in tapped:  # HF's last hidden state comes after the final norm
-            tapped[len(self.layers) - 1] = out
+        out = x  # the last layer's output under the final norm
+        if len(layers) - 1 in tapped:  # HF's last hidden state comes after the final norm
+            tapped[len(layers) - 1] = out
         return out, [tapped[j] for j in taps]
 
     def causal_forward(self, input_ids: torch.Tensor, taps: tuple[int, ...] = ()
@@ -190,9 +211,9 @@ class Qwen3ForCausalLM(nn.Module):
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            q, k, v = attn_inputs(h, cos, sin, layer.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
-                                  a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads,
-                                  c.head_dim, fresh=True)
+            q, k, v = attn_inputs(rms_norm(h, layer.input_layernorm.weight, c.rms_norm_eps), cos, sin,
+                                  a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight, c.rms_norm_eps,
+                                  c.num_attention_heads, c.num_key_value_heads, c.head_dim, fresh=True)
             h = h + F.linear(causal_sdpa(q, k, v, c.head_dim ** -0.5), a.o_proj.weight)
             h = mlp_residual(h, layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
                              layer.mlp.down_proj.weight, c.rms_norm_eps)

@@ -6,7 +6,8 @@ import torch
 
 from conftest import hf_greedy, hf_logits, new_runner, random_prompts
 from flashpd.engine.generate import NativeGenerator
-from flashpd.engine.sampling import GREEDY_BELOW, SamplingParams, draw, probs_from_logits, sample_tokens
+from flashpd.engine.sampling import (GREEDY_BELOW, SamplingParams, argmax_chunks, draw, greedy_tokens,
+                                    probs_from_logits, sample_tokens)
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.scheduler import PromptTooLong, generate
 
@@ -26,6 +27,25 @@ def _generate(d, prompts, params, stop_ids=(), num_blocks=96):
     seqs = generate(NativeGenerator(runner, stop_ids=stop_ids), prompts, params)
     assert runner.allocator.num_free == free0, "finished sequences must free their blocks"
     return seqs
+
+
+# ---- greedy_tokens: argmax in two reductions -------------------------------------------------------
+
+def test_greedy_tokens_is_argmax_first_maximum_ties_and_nan():
+    """The chunked argmax gives torch.argmax's index everywhere: Qwen3's vocabulary (128 chunks), a
+    vocabulary no chunking splits (plain argmax), rows of many ties (integer logits in a narrow range, so the
+    maximum recurs across chunks and the first must win), bf16, and NaN (argmax's maximum)."""
+    assert argmax_chunks(151936) == 128 and argmax_chunks(4096) == 8 and argmax_chunks(1021) == 1
+    g = torch.Generator().manual_seed(0)
+    for v, dtype in ((151936, torch.bfloat16), (4096, torch.float32), (1021, torch.float32)):
+        x = torch.randint(-3, 4, (3, 5, v), generator=g).to(dtype)  # each row's maximum many times over
+        x[0, 0] = -1.0
+        x[0, 0, v - 1] = 5.0  # the maximum only in the last chunk
+        x[1, 1, 7] = float("nan")  # NaN wins
+        x[2, 2] = 2.0  # every entry ties
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+        y = torch.randn(4, v, generator=g).to(dtype)
+        assert torch.equal(greedy_tokens(y), y.argmax(-1))
 
 
 # ---- SamplingParams.validate ------------------------------------------------------------------

@@ -145,17 +145,22 @@ def draw(probs: torch.Tensor, seed: torch.Tensor, index: torch.Tensor, stream: i
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1), the same index (the first maximum) in two reductions: the maximum of each of n equal
     chunks of the vocabulary, then the first chunk holding the largest. Compiled, one argmax over a 151,936-
-    token row is one program walking it alone (38 us on an H200, whatever the batch: a row of a decode or one
-    of a verify's 16); the chunks spread it over n programs a row. Exact: the first chunk that holds the
-    maximum holds its first index (and NaN, argmax's maximum, propagates through amax the same way)."""
+    entry row is one program walking it alone (38 us on an H200 for any number of rows up to about one per
+    SM: a decode of one row, or a verify's 16); the chunks spread a row over n programs, n chosen so that
+    all rows make about ARGMAX_PROGRAMS programs (more, small ones took 84 us at 128 rows). Exact: the first
+    chunk that holds the maximum holds its first index, and NaN, argmax's maximum, propagates through amax
+    the same way."""
     v = logits.shape[-1]
-    n = argmax_chunks(v)
+    n = argmax_chunks(v, min(256, max(1, ARGMAX_PROGRAMS // max(1, logits.numel() // v))))
     if n == 1:
         return logits.argmax(-1)
     parts = logits.reshape(*logits.shape[:-1], n, v // n)
     first = parts.argmax(-1)  # [..., n] the first maximum of each chunk
     best = parts.amax(-1).argmax(-1, keepdim=True)  # the first chunk holding the largest
     return (best * (v // n) + first.gather(-1, best)).squeeze(-1)
+
+
+ARGMAX_PROGRAMS = 4096  # rows x chunks of greedy_tokens' first reduction
 
 
 def argmax_chunks(v: int, most: int = 256, least: int = 512) -> int:

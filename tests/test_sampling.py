@@ -35,7 +35,8 @@ def test_greedy_tokens_is_argmax_first_maximum_ties_and_nan():
     """The chunked argmax gives torch.argmax's index everywhere: Qwen3's vocabulary (128 chunks), a
     vocabulary no chunking splits (plain argmax), rows of many ties (integer logits in a narrow range, so the
     maximum recurs across chunks and the first must win), bf16, and NaN (argmax's maximum)."""
-    assert argmax_chunks(151936) == 128 and argmax_chunks(4096) == 8 and argmax_chunks(1021) == 1
+    assert argmax_chunks(151936) == 128 and argmax_chunks(151936, 32) == 32 and argmax_chunks(151936, 1) == 1
+    assert argmax_chunks(4096) == 8 and argmax_chunks(1021) == 1
     g = torch.Generator().manual_seed(0)
     for v, dtype in ((151936, torch.bfloat16), (4096, torch.float32), (1021, torch.float32)):
         x = torch.randint(-3, 4, (3, 5, v), generator=g).to(dtype)  # each row's maximum many times over
@@ -44,8 +45,9 @@ def test_greedy_tokens_is_argmax_first_maximum_ties_and_nan():
         x[1, 1, 7] = float("nan")  # NaN wins
         x[2, 2] = 2.0  # every entry ties
         assert torch.equal(greedy_tokens(x), x.argmax(-1))
-        y = torch.randn(4, v, generator=g).to(dtype)
-        assert torch.equal(greedy_tokens(y), y.argmax(-1))
+        for rows in (1, 4, 300):  # 128, 128 and 8 chunks at Qwen3's vocabulary
+            y = torch.randn(rows, v, generator=g).to(dtype)
+            assert torch.equal(greedy_tokens(y), y.argmax(-1))
 
 
 # ---- SamplingParams.validate ------------------------------------------------------------------

@@ -162,7 +162,7 @@ def spec_draw(st: torch.Tensor, sp: torch.Tensor, draft_logits: torch.Tensor, fi
     q = filtered_probs(draft_logits, sp[:, 0], sp[:, 1], st[:, K], filtered)
     index = st[:, P:P + 1] + 1 + torch.arange(draft_logits.shape[1], device=st.device)
     drawn = draw(q, st[:, S], index, DRAFT)
-    return torch.where(sp[:, 0:1] < GREEDY_BELOW, draft_logits.argmax(-1), drawn), q
+    return torch.where(sp[:, 0:1] < GREEDY_BELOW, greedy_tokens(draft_logits), drawn), q
 
 
 def spec_out_sampled(st: torch.Tensor, sp: torch.Tensor, logits: torch.Tensor, guess: torch.Tensor,
@@ -172,7 +172,7 @@ def spec_out_sampled(st: torch.Tensor, sp: torch.Tensor, logits: torch.Tensor, g
     sampling.speculative_accept (the two-pass host step's rule and draws). -> [B, t + 1]: each row's committed
     tokens (its a accepted guesses, then the token after them; zeros past it), then a."""
     t = logits.shape[1]
-    truth = logits.argmax(-1)
+    truth = greedy_tokens(logits)
     a_g = accepted_greedy(guess, truth[:, :t - 1], w)
     p = filtered_probs(logits, sp[:, 0], sp[:, 1], st[:, K], filtered)
     a_s, tok_s = speculative_accept(guess, q, p, w, st[:, S], st[:, P:P + 1] + 1)

@@ -143,21 +143,22 @@ def draw(probs: torch.Tensor, seed: torch.Tensor, index: torch.Tensor, stream: i
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1), the same index (the first maximum) in two reductions: the maximum of each of n equal
-    chunks of the vocabulary, then the first chunk holding the largest. Compiled, one argmax over a 151,936-
-    entry row is one program walking it alone (38 us on an H200 for any number of rows up to about one per
-    SM: a decode of one row, or a verify's 16); the chunks spread a row over n programs, n chosen so that
-    all rows make about ARGMAX_PROGRAMS programs (more, small ones took 84 us at 128 rows). Exact: the first
-    chunk that holds the maximum holds its first index, and NaN, argmax's maximum, propagates through amax
-    the same way."""
+    """logits.argmax(-1) (the first maximum; the first NaN if any), computed as the maximum, then the least
+    index that holds it: both reductions are exact in any order, so every kernel a compiler makes of them,
+    for any shape, picks the same token. An argmax reduction breaks ties by comparing indices as it goes,
+    and its compiled kernels differ by shape and by compile history (static or symbolic sizes); in bf16,
+    where two top logits tie often, a native decode's argmax and a verify's parted (docs/results.md).
+
+    Each row is split into n equal chunks first: one compiled reduction over a 151,936-entry row is one
+    program walking it alone (38 us on an H200, for any number of rows up to about one per SM); n is chosen
+    so that all rows make about ARGMAX_PROGRAMS programs."""
     v = logits.shape[-1]
     n = argmax_chunks(v, min(256, max(1, ARGMAX_PROGRAMS // max(1, logits.numel() // v))))
-    if n == 1:
-        return logits.argmax(-1)
     parts = logits.reshape(*logits.shape[:-1], n, v // n)
-    first = parts.argmax(-1)  # [..., n] the first maximum of each chunk
-    best = parts.amax(-1).argmax(-1, keepdim=True)  # the first chunk holding the largest
-    return (best * (v // n) + first.gather(-1, best)).squeeze(-1)
+    top = parts.amax(-1).amax(-1)[..., None, None]  # NaN if the row has one
+    hit = (parts == top) | parts.isnan()
+    index = torch.arange(v, device=logits.device).view(n, v // n)
+    return torch.where(hit, index, v).amin(-1).amin(-1)
 
 
 ARGMAX_PROGRAMS = 4096  # rows x chunks of greedy_tokens' first reduction
@@ -178,7 +179,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     """One token a row from logits [R, V]: greedy rows (temperature < GREEDY_BELOW) their argmax, the others a
     draw at token index `index` [R]."""
     probs = filtered_probs(logits, temperature, top_p, top_k, filtered)
-    return torch.where(temperature < GREEDY_BELOW, logits.argmax(dim=-1), draw(probs, seed, index))
+    return torch.where(temperature < GREEDY_BELOW, greedy_tokens(logits), draw(probs, seed, index))
 
 
 def step_width(width, max_tokens, emitted):

@@ -29,7 +29,8 @@ from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.draft_runner import DraftRunner
 from flashpd.engine.runner import ModelRunner
-from flashpd.engine.sampling import DRAFT, accepted_greedy, draw, filtered_probs, speculative_accept, step_width
+from flashpd.engine.sampling import (DRAFT, accepted_greedy, draw, filtered_probs, greedy_tokens, speculative_accept,
+                                     step_width)
 from flashpd.engine.sequence import Sequence, any_filtered, next_index, row_params
 from flashpd.engine.width_policy import FixedWidth, WidthPolicy, WidthStats
 
@@ -102,7 +103,7 @@ class DFlashGenerator(NativeGenerator):
     def _draft(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Guesses per sequence (width-1 tokens) and, for sampled rows, the draft distribution q."""
         logits = self.drafts.draft(seqs, widths)
-        return self._guesses(seqs, widths, logits, logits.argmax(-1).tolist())
+        return self._guesses(seqs, widths, logits, greedy_tokens(logits).tolist())
 
     def _guesses(self, seqs: list[Sequence], widths: list[int], logits: torch.Tensor, greedy: list[list[int]]
                  ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -148,7 +149,7 @@ class DFlashGenerator(NativeGenerator):
         for s in seqs:
             assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
         logits = self.drafts.draft(seqs, limits)  # [B, max(limits) - 1, V]
-        greedy = logits.argmax(-1).tolist()  # the draft is on the host: the policy's time starts here
+        greedy = greedy_tokens(logits).tolist()  # the draft is on the host: the policy's time starts here
         t0 = time.perf_counter()
         lf = logits.float()
         conf = torch.exp(lf.amax(-1) - torch.logsumexp(lf, -1)).tolist()  # p of the drafter's own greedy token
@@ -166,7 +167,7 @@ class DFlashGenerator(NativeGenerator):
         starts = [s.table.num_tokens for s in seqs]
         out = self.runner.forward([s.table for s in seqs], tokens, "all", taps=True)
         feats = self._pending_features(out)
-        truth = out.logits.argmax(-1).tolist()
+        truth = greedy_tokens(out.logits).tolist()
         ws.steps += 1
         ws.cut_steps += 1
         ws.rows += len(seqs)
@@ -193,7 +194,7 @@ class DFlashGenerator(NativeGenerator):
         out = self.runner.forward([s.table for s in seqs], [[s.last_token] + g for s, g in zip(seqs, guesses)],
                                   "all", taps=True)
         feats = self._pending_features(out)
-        truth = out.logits.argmax(-1).tolist()
+        truth = greedy_tokens(out.logits).tolist()
         self._accept(seqs, guesses, qs, widths, truth, out, feats, starts)
 
     def _accept(self, seqs: list[Sequence], guesses: list[list[int]], qs: list[torch.Tensor | None],

@@ -32,8 +32,8 @@ def _generate(d, prompts, params, stop_ids=(), num_blocks=96):
 # ---- greedy_tokens: argmax in two reductions -------------------------------------------------------
 
 def test_greedy_tokens_is_argmax_first_maximum_ties_and_nan():
-    """The chunked argmax gives torch.argmax's index everywhere: Qwen3's vocabulary (128 chunks), a
-    vocabulary no chunking splits (plain argmax), rows of many ties (integer logits in a narrow range, so the
+    """greedy_tokens gives torch.argmax's index everywhere: Qwen3's vocabulary (128 chunks), a
+    vocabulary no chunking splits (one chunk), rows of many ties (integer logits in a narrow range, so the
     maximum recurs across chunks and the first must win), bf16, and NaN (argmax's maximum)."""
     assert argmax_chunks(151936) == 128 and argmax_chunks(151936, 32) == 32 and argmax_chunks(151936, 1) == 1
     assert argmax_chunks(4096) == 8 and argmax_chunks(1021) == 1

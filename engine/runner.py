@@ -55,7 +55,7 @@ class ModelRunner:
         # the same layer functions run eagerly everywhere else.
         if self.config.compile:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        self.graph_fns = StepFns(*(self.compiled(f, symbolic=True) for f in EAGER))
+        self.graph_fns = StepFns(*(self.compiled(f) for f in EAGER))
         self._graph = GraphedFn(self._graphed)
 
     def reconfigure(self, **changes) -> RunnerConfig:
@@ -69,24 +69,22 @@ class ModelRunner:
         self.config = replace(old, **changes).resolved(self.device)
         return old
 
-    def compiled(self, fn: Callable, symbolic: bool = False) -> Callable:
+    def compiled(self, fn: Callable) -> Callable:
         """fn through torch.compile (whole graph, config.compile_backend) when this runner compiles, else fn
         itself: the layer functions here, and the drafter's and the device loop's step functions beside them.
 
-        symbolic (the target's layer functions, `graph_fns`): sizes are symbolic from the first compile
-        (dynamic=True). Under dynamo's default a first shape compiles static and the next recompiles
-        symbolic, and a later call of the first shape then runs the symbolic code; a CUDA graph captured
-        before that keeps the static code, one captured after gets the other, and the two can round a position
-        differently. DFlash and native capture their graphs at different times, so in bf16 on an H200 a native
-        decode at the verify's shapes parted from DFlash on a long prompt by this alone (docs/results.md).
-        Symbolic from the start, a shape's code depends on its guards only (sizes 0 and 1 still specialize),
-        not on what ran before it. The target's logits alone decide the tokens (the drafter's guesses are
-        verified, the loop's argmax is exact), and symbolic tracing compiles several times slower, so the
-        drafter and the loop keep dynamo's default."""
+        dynamic=True: sizes are symbolic from a function's first compile. Under dynamo's default a first
+        shape compiles static and the next recompiles symbolic, and a later call of the first shape then runs
+        the symbolic code; a CUDA graph captured before that keeps the static code, one captured after gets
+        the other, and the two can round a position differently. DFlash and native capture their graphs at
+        different times, so in bf16 on an H200 a native decode at the verify's shapes parted from DFlash
+        on a long prompt by this alone (docs/results.md). A shape's code now depends on its guards only
+        (sizes 0 and 1 still specialize), not on what ran before it. Every compiled function takes it, not the
+        target's layers alone: with the drafter's and the loop's under dynamo's default, DFlash parted from
+        native on one prompt of 16 in both full speed_8b runs on an H200 (docs/results.md)."""
         if not self.config.compile:
             return fn
-        return torch.compile(fn, fullgraph=True, dynamic=True if symbolic else None,
-                             backend=self.config.compile_backend)
+        return torch.compile(fn, fullgraph=True, dynamic=True, backend=self.config.compile_backend)
 
     # ---- batch construction -------------------------------------------------------------
     def batch_arrays(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,

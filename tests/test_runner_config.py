@@ -65,8 +65,8 @@ def test_forced_attention_reaches_the_forward_metadata(monkeypatch):
         assert seen[-1] == impl
 
 
-def test_the_target_layer_functions_run_one_code_for_every_size_whatever_came_first():
-    """ModelRunner compiles the target's layer functions with symbolic sizes from the first call: rows of 3, 5
+def test_the_step_functions_run_one_code_for_every_size_whatever_came_first():
+    """ModelRunner compiles every step function with symbolic sizes from the first call: rows of 3, 5
     and 3 tokens through its compiled final norm run one compiled graph. Under dynamo's default, 3 would compile
     static, 5 symbolic, and a CUDA graph captured for 3 before 5 was seen would keep other code than one
     captured after (in bf16 on a GPU, DFlash and native then parted on a long prompt: docs/results.md)."""

@@ -234,7 +234,7 @@ def test_compiled_step_functions_trace_whole_and_give_the_eager_tokens(dflash_pa
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
     g = torch.Generator().manual_seed(5)
-    singles = [torch.randint(0, 126, (n,), generator=g).tolist() for n in (9, 70, 150)]
+    singles = [torch.randint(0, 126, (n,), generator=g).tolist() for n in (9, 150)]
     one = [SamplingParams(max_tokens=12, ignore_eos=True)]
     pair_prompts = _prompts(2, 9)
     pair_params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (23, 30)]
@@ -257,5 +257,5 @@ def test_compiled_step_functions_trace_whole_and_give_the_eager_tokens(dflash_pa
         if comp:
             assert sum(torch._dynamo.utils.counters["stats"].values()) > before, "nothing went through dynamo"
     assert got[True] == got[False]
-    assert max(max(a) for _, a in got[True][6:8]) > 1
+    assert max(max(a) for _, a in got[True][4:6]) > 1
     torch._dynamo.reset()

@@ -449,11 +449,12 @@ def test_demo_explains_a_difference_by_the_two_tokens_float32_logits(make_checkp
 
 
 def test_demo_runs_on_cpu_and_fails_loudly_if_float32_dflash_differs(monkeypatch, capsys):
-    """`flashpd demo` on the CPU (float32): three prompts, DFlash identical to native, exit 0. A DFlash output
-    corrupted at one token (what a broken verify would give) is reported with its float32 logits and exits 1."""
+    """`flashpd demo` on the CPU (float32): three prompts, DFlash identical to native, exit 0 (24 tokens each,
+    to keep the suite's time: exactness at length is test_dflash_exact's). A DFlash output corrupted at one
+    token (what a broken verify would give) is reported with its float32 logits and exits 1."""
     from flashpd import demo
     from flashpd.llm import LLM
-    assert demo.run_demo("cpu") == 0
+    assert demo.run_demo("cpu", max_tokens=24) == 0
     out = capsys.readouterr().out
     assert out.count("identical to native: True") == 3 and "differ" not in out and "float32" in out.splitlines()[0]
     real = LLM.generate

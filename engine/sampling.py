@@ -145,9 +145,8 @@ def draw(probs: torch.Tensor, seed: torch.Tensor, index: torch.Tensor, stream: i
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) (the first maximum; the first NaN if any), computed as the maximum, then the least
     index that holds it: both reductions are exact in any order, so every kernel a compiler makes of them,
-    for any shape, picks the same token. An argmax reduction breaks ties by comparing indices as it goes,
-    and its compiled kernels differ by shape and by compile history (static or symbolic sizes); in bf16,
-    where two top logits tie often, a native decode's argmax and a verify's parted (docs/results.md).
+    for any shape, picks the same token by construction. (Inductor's argmax kernels also broke ties as eager
+    does in every case tried on an H200: docs/results.md.)
 
     Each row is split into n equal chunks first: one compiled reduction over a 151,936-entry row is one
     program walking it alone (38 us on an H200, for any number of rows up to about one per SM); n is chosen

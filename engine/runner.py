@@ -34,6 +34,11 @@ class StepOutput:
 TapSink = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
 
 
+def inductor_options(config: RunnerConfig) -> dict[str, bool]:
+    """torch.compile's inductor options for `config` (RunnerConfig.compile_deterministic)."""
+    return {"deterministic": config.compile_deterministic}
+
+
 class ModelRunner:
     """config: the runner's knobs (engine/runner_config.py; default RunnerConfig()); `self.config` holds
     them resolved for the model's device."""
@@ -81,10 +86,13 @@ class ModelRunner:
         on a long prompt by this alone (docs/results.md). A shape's code now depends on its guards only
         (sizes 0 and 1 still specialize), not on what ran before it. Every compiled function takes it, not the
         target's layers alone: with the drafter's and the loop's under dynamo's default, DFlash parted from
-        native on one prompt of 16 in both full speed_8b runs on an H200 (docs/results.md)."""
+        native on one prompt of 16 in both full speed_8b runs on an H200 (docs/results.md). Inductor's options:
+        `inductor_options`."""
         if not self.config.compile:
             return fn
-        return torch.compile(fn, fullgraph=True, dynamic=True, backend=self.config.compile_backend)
+        backend = self.config.compile_backend
+        options = inductor_options(self.config) if backend == "inductor" else None
+        return torch.compile(fn, fullgraph=True, dynamic=True, backend=backend, options=options)
 
     # ---- batch construction -------------------------------------------------------------
     def batch_arrays(self, tables: list[BlockTable], tokens: list[list[int]], b_pad: int, t_pad: int,

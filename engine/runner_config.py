@@ -26,6 +26,11 @@ class RunnerConfig:
         cuda_graphs. Tests turn it off (or use a cheap backend) to keep CPU runs fast.
     compile_backend: torch.compile's backend. Tests use "aot_eager": dynamo still traces every compiled
         function whole (a graph break fails) but runs the traced ATen ops without code generation.
+    compile_deterministic: inductor's reduction kernels (norms, softmax, argmax) take one fixed launch config
+        (its deterministic mode) instead of timing several at their first launch and keeping the fastest. The
+        configs reduce in different orders, so a timed pick made a kernel's bits depend on timing noise and on
+        what ran first: two compiled functions that both norm a verify's rows could round them apart, and
+        DFlash parted from native in bf16 (docs/results.md). False: inductor's default (benches compare).
     attention_impl: None chooses per shape and device (engine/attention.py: matmul form for small score
         sets on a GPU, the paged kernel for batched decode, fused SDPA otherwise); "matmul" or "sdpa" forces
         that form of the gathered attention on any device, never the paged kernel (tests run the GPU's forms
@@ -43,6 +48,7 @@ class RunnerConfig:
     cuda_graphs: bool | None = None
     compile: bool | None = None
     compile_backend: str = "inductor"
+    compile_deterministic: bool = True
     attention_impl: str | None = None
     prefill_graph_tokens: int = 1024
     prefill_chunk: int | str | None = AUTO
@@ -52,6 +58,9 @@ class RunnerConfig:
         for name in ("cuda_graphs", "compile"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"RunnerConfig.{name} must be True, False or None, got {getattr(self, name)!r}")
+        if self.compile_deterministic not in (True, False):
+            raise ValueError(f"RunnerConfig.compile_deterministic must be True or False, "
+                             f"got {self.compile_deterministic!r}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"RunnerConfig.compile_backend must be a backend name, got {self.compile_backend!r}")
         if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:

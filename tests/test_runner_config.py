@@ -11,12 +11,13 @@ from flashpd.engine.config import Qwen3Config
 from flashpd.engine.kv_cache import BlockTable
 from flashpd.engine.loader import dummy_target
 from flashpd.engine.qwen3 import EAGER
-from flashpd.engine.runner import ModelRunner, RunnerConfig
+from flashpd.engine.runner import ModelRunner, RunnerConfig, inductor_options
 
 
 @pytest.mark.parametrize("bad", [dict(attention_impl="flash"), dict(prefill_graph_tokens=0),
                                  dict(prefill_graph_tokens=True), dict(prefill_chunk=-1), dict(prefill_chunk="big"),
-                                 dict(compile_backend=""), dict(cuda_graphs="yes"), dict(fresh_prefill=None)])
+                                 dict(compile_backend=""), dict(cuda_graphs="yes"), dict(fresh_prefill=None),
+                                 dict(compile_deterministic=1)])
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         RunnerConfig(**bad)
@@ -29,6 +30,16 @@ def test_resolution_follows_the_device():
     c = RunnerConfig(cuda_graphs=True, compile=False, prefill_graph_tokens=256).resolved("cpu")
     assert (c.cuda_graphs, c.compile, c.prefill_chunk) == (True, False, 256)
     assert RunnerConfig(cuda_graphs=True, prefill_chunk=None).resolved("cpu").prefill_chunk is None
+
+
+def test_inductor_runs_in_its_deterministic_mode_unless_told_not_to():
+    """Inductor's reduction configs are fixed, not timed at first launch (RunnerConfig.compile_deterministic):
+    the option must be one that this torch's inductor knows (torch.compile refuses unknown ones)."""
+    import torch._inductor.config as inductor_config
+
+    assert inductor_options(RunnerConfig()) == {"deterministic": True}
+    assert inductor_options(RunnerConfig(compile_deterministic=False)) == {"deterministic": False}
+    assert all(hasattr(inductor_config, k) for k in inductor_options(RunnerConfig()))
 
 
 def _model():

@@ -17,7 +17,7 @@ from flashpd.engine.runner import ModelRunner, RunnerConfig, inductor_options
 @pytest.mark.parametrize("bad", [dict(attention_impl="flash"), dict(prefill_graph_tokens=0),
                                  dict(prefill_graph_tokens=True), dict(prefill_chunk=-1), dict(prefill_chunk="big"),
                                  dict(compile_backend=""), dict(cuda_graphs="yes"), dict(fresh_prefill=None),
-                                 dict(compile_deterministic=1)])
+                                 dict(compile_deterministic="yes")])
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         RunnerConfig(**bad)

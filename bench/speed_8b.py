@@ -73,7 +73,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 def paged_agreement(target, prompts: list[list[int]]) -> dict:
-    """One batched decode forward (B = len(prompts) >= attention.PAGED_MIN_BATCH: the paged kernel and
+    """One batched decode forward (the paged kernel and
     o_proj as one matmul) against the same forward through the gather path (attention_impl "matmul"), both
     eager, bf16: how far the logits differ and how often the argmax agrees (a wrong head order or a wrong
     key would show as disagreement far beyond bf16 rounding)."""

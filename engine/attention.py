@@ -93,26 +93,21 @@ def use_paged(q: torch.Tensor, t: int, impl: str | None = None) -> bool:
     when it runs, so a DFlash verify and a native decode of one token could part in bf16. The kernel's row
     bits depend only on the row's own position and keys (its docstring), at any width and batch.
 
-    One-token decode of fewer than PAGED_MIN_BATCH rows keeps the gathered form: there the kernel runs one
-    program per KV head (8 at Qwen3-8B's shape), each walking its keys in turn from memory, slower than the
-    gather (docs/results.md). A native decode that must match a DFlash verify bit for bit runs at the verify's
-    width (NativeGenerator.step_width), which takes the kernel. Prefill chunks (wider than PAGED_MAX_T: a
-    16-row tile per 4 tokens would re-read every key per tile), the CPU and a forced `impl` (AttnBatch.impl)
-    keep `grouped_attention` too."""
+    A decode of one row (8 programs at Qwen3-8B's shape, one per KV head) or a verify runs a program per key
+    chunk and a merge (paged_attention.use_split), with the same bits as one program per row. Prefill chunks
+    (wider than PAGED_MAX_T: a 16-row tile per 4 tokens would re-read every key per tile), the CPU and a forced
+    `impl` (AttnBatch.impl) keep `grouped_attention` too."""
     return paged_applies(q.device, q.shape[1], t, impl)
 
 
 def paged_applies(device: torch.device, b: int, t: int, impl: str | None = None) -> bool:
     """`use_paged` for a forward of B rows of T tokens on `device`, decided before its queries exist (the
     forward builds the gather path's position mask only when this is False)."""
-    return (impl is None and device.type == "cuda" and t <= PAGED_MAX_T and (t > 1 or b >= PAGED_MIN_BATCH)
-            and paged_attention.available())
+    return (impl is None and device.type == "cuda" and t <= PAGED_MAX_T and paged_attention.available())
 
 
 # The widest forward the paged kernel takes: DFlash verify blocks (16) with room to spare.
 PAGED_MAX_T = 32
-# One-token decodes of fewer rows than this keep the gathered form (see use_paged).
-PAGED_MIN_BATCH = 4
 
 
 def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:

@@ -11,12 +11,20 @@ boundaries; a key block with none of a row's visible keys leaves that row's stat
 running max stays, so alpha = 2^0 = 1 and every p = 0; K/V past the tile's last position are masked loads,
 those before it are written K/V, so 0 * v adds exact zeros; the output adds 0.0 so that an exact zero has one
 sign); and tl.dot computes each output row from that row alone, in the same order wherever it sits in the
-tile. Long contexts split the keys into fixed chunks of KEYS_PER_SPLIT (a row's chunks depend only on its
-position) whose partial states a second kernel merges in chunk order; a row inside the first chunk gets the
-same bits from that merge as from the unsplit kernel (weight 2^0 = 1, sum 0 + x).
+tile.
+
+Key chunks, so that how the keys are spread over programs never changes a bit: a row's keys fall into fixed
+chunks of KEYS_PER_CHUNK. Each chunk's softmax state (max, sum, weighted values) starts from nothing, and the
+row's state is the chunks' states merged one by one in chunk order (`_merge`, explicit FMAs: no contraction
+left to the compiler). One program can walk all of a row's chunks and merge them as it goes (`split` off:
+many rows, enough programs to fill the GPU), or each chunk can run in its own program and a second kernel
+merge their states in the same order with the same `_merge` (`split` on: few rows, a decode at batch 1 or a
+verify, where one program per row and KV head would leave most SMs idle). Merging a chunk into an empty state
+copies it exactly, so both give the same bits, and the choice is made per call from the shape alone.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -45,7 +53,11 @@ BLOCK_M = 16  # query rows per program
 BLOCK_N = 32  # keys per iteration
 NUM_WARPS = 4
 NUM_STAGES = 2
-KEYS_PER_SPLIT = 512  # keys per split program; a multiple of BLOCK_N
+KEYS_PER_CHUNK = 64  # keys per chunk state (see the module's docstring); a multiple of BLOCK_N
+# split (a program per key chunk) when one program per (row tile, KV head, sequence) would give fewer programs
+# than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES
+SPLIT_BELOW_PROGRAMS_PER_SM = 1
+WORKSPACE_MAX_BYTES = 64 << 20
 
 
 def available() -> bool:
@@ -67,15 +79,27 @@ if triton is not None:
             return tl.dot(a, b, acc)
 
     @triton.jit
+    def _merge(m_run, l_run, acc_run, m_c, l_c, acc_c):
+        """A row state merged with the next chunk's (log-sum-exp). A chunk with none of a row's keys (m -inf,
+        l 0, acc 0) leaves it as it was; an empty state takes the chunk's exactly (weights 2^0 = 1 and 0)."""
+        m_new = tl.maximum(m_run, m_c)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp2(m_run - m_sub)
+        b = tl.exp2(m_c - m_sub)
+        l_new = tl.fma(l_run, a, l_c * b)
+        acc_new = tl.fma(acc_run, a[:, None], acc_c * b[:, None])
+        return m_new, l_new, acc_new
+
+    @triton.jit
     def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                      qk_scale, HKV, M, n_keys,
                      sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
                      sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
                      G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, KPS: tl.constexpr, SPLIT: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, SPLIT: tl.constexpr,
                      F32: tl.constexpr, INTERPRET: tl.constexpr):
-        """One (row tile, kv head * batch, key split) program. SPLIT: write the unnormalized partial state
-        (m, l, acc) of keys [split*KPS, (split+1)*KPS) for `_combine_kernel`; else the output."""
+        """One (row tile, kv head * batch, key chunk) program. SPLIT: write the state of the keys of chunk
+        `program_id(2)` for `_combine_kernel`; else walk every chunk, merge, and write the output."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -92,11 +116,15 @@ if triton is not None:
         q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if SPLIT:
-            lo = pid_s * KPS
-            hi = tl.minimum(max_pos + 1, lo + KPS)
+            lo = pid_s * KPC
+            hi = tl.minimum(tl.minimum(max_pos + 1, n_keys), lo + KPC)
         else:
             lo = 0
             hi = tl.minimum(max_pos + 1, n_keys)
+        # the row's merged state, and the current chunk's
+        m_run = tl.full([BM], float("-inf"), tl.float32)
+        l_run = tl.zeros([BM], tl.float32)
+        acc_run = tl.zeros([BM, D_PAD], tl.float32)
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D_PAD], tl.float32)
@@ -122,22 +150,35 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32, INTERPRET)
             m_i = m_new
+            # a chunk ends at a multiple of KPC or at the tile's last key: its state joins the row's, and the
+            # next chunk starts from nothing (computed every block, kept only at a chunk's end: no branch in
+            # the pipelined loop)
+            end = ((start + BN) % KPC == 0) | (start + BN >= hi)
+            m_mg, l_mg, acc_mg = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
+            m_run = tl.where(end, m_mg, m_run)
+            l_run = tl.where(end, l_mg, l_run)
+            acc_run = tl.where(end, acc_mg, acc_run)
+            m_i = tl.where(end, float("-inf"), m_i)
+            l_i = tl.where(end, 0.0, l_i)
+            acc = tl.where(end, 0.0, acc)
         if SPLIT:
             ws = (pid_s * tl.num_programs(1) + pid_bh) * M + rows
-            tl.store(m_ptr + ws, m_i, mask=row_ok)
-            tl.store(l_ptr + ws, l_i, mask=row_ok)
-            tl.store(acc_ptr + ws[:, None] * D_PAD + dd[None, :], acc, mask=row_ok[:, None])
+            keep = row_ok & (lo <= max_pos)  # a chunk past the tile's keys: no row reads it
+            tl.store(m_ptr + ws, m_run, mask=keep)
+            tl.store(l_ptr + ws, l_run, mask=keep)
+            tl.store(acc_ptr + ws[:, None] * D_PAD + dd[None, :], acc_run, mask=keep[:, None])
         else:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] + 0.0  # + 0.0: one sign for an exact zero
+            out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None] + 0.0  # + 0.0: one sign for an exact zero
             o_rows = (rows // G) * so_t + (rows % G) * so_g  # row t*G + j: token t, query group j
             tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_splits, spos_b, so_h, so_b, so_t, so_g,
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_chunks, spos_b, so_h, so_b, so_t, so_g,
                         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr,
-                        KPS: tl.constexpr):
-        """Merge a row's key splits in split order (log-sum-exp); splits past its position are skipped."""
+                        KPC: tl.constexpr):
+        """Merge a row's chunk states in chunk order with `_merge`, as the unsplit kernel does; chunks past
+        its position are skipped (merging one would change nothing)."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // HKV
@@ -147,35 +188,36 @@ if triton is not None:
         pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
         dd = tl.arange(0, D_PAD)
         bh = tl.num_programs(1)
-        m_max = tl.full([BM], float("-inf"), tl.float32)
-        for s in range(0, n_splits):
-            on = row_ok & (s * KPS <= pos)
-            m_max = tl.maximum(m_max, tl.load(m_ptr + (s * bh + pid_bh) * M + rows, mask=on, other=float("-inf")))
-        m_max = tl.where(row_ok, m_max, 0.0)
-        l_i = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D_PAD], tl.float32)
-        for s in range(0, n_splits):
-            on = row_ok & (s * KPS <= pos)
-            ws = (s * bh + pid_bh) * M + rows
-            w = tl.exp2(tl.load(m_ptr + ws, mask=on, other=float("-inf")) - m_max)
-            l_s = tl.load(l_ptr + ws, mask=on, other=0.0)
-            acc_s = tl.load(acc_ptr + ws[:, None] * D_PAD + dd[None, :], mask=on[:, None], other=0.0)
-            l_i = tl.where(on, l_i + l_s * w, l_i)
-            acc = tl.where(on[:, None], acc + acc_s * w[:, None], acc)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] + 0.0
+        m_run = tl.full([BM], float("-inf"), tl.float32)
+        l_run = tl.zeros([BM], tl.float32)
+        acc_run = tl.zeros([BM, D_PAD], tl.float32)
+        for c in range(0, n_chunks):
+            on = row_ok & (c * KPC <= pos)
+            ws = (c * bh + pid_bh) * M + rows
+            m_c = tl.load(m_ptr + ws, mask=on, other=float("-inf"))
+            l_c = tl.load(l_ptr + ws, mask=on, other=0.0)
+            acc_c = tl.load(acc_ptr + ws[:, None] * D_PAD + dd[None, :], mask=on[:, None], other=0.0)
+            m_mg, l_mg, acc_mg = _merge(m_run, l_run, acc_run, m_c, l_c, acc_c)
+            m_run = tl.where(on, m_mg, m_run)
+            l_run = tl.where(on, l_mg, l_run)
+            acc_run = tl.where(on[:, None], acc_mg, acc_run)
+        out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None] + 0.0
         o_rows = (rows // G) * so_t + (rows % G) * so_g
         tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dd < D)[None, :])
 
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               positions: torch.Tensor, scale: float, keys_per_split: int, block_m: int = BLOCK_M,
+               positions: torch.Tensor, scale: float, split: bool | None = None, block_m: int = BLOCK_M,
                block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-               heads_last: bool = False) -> torch.Tensor:
-        """The two kernels' launch. The tile arguments exist for bench/paged_split's sweep; the op passes the
-        module's constants. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q."""
+               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK) -> torch.Tensor:
+        """The two kernels' launch. split: a program per key chunk and the combine kernel (None: `use_split`
+        decides); the same bits either way. The tile and chunk arguments exist for bench/paged_split's sweep
+        (they change bits); the op passes the module's constants. heads_last: the output as [B, T, Hq*d]
+        (o_proj's input), else like q."""
         hkv, b, m, d = q.shape
         t = positions.shape[1]
         assert positions.stride(1) == 1 or t == 1, "positions: each row's must be consecutive"
+        assert keys_per_chunk % block_n == 0
         g = m // t
         page = k_cache.shape[1]
         n_keys = block_tables.shape[1] * page
@@ -187,28 +229,29 @@ if triton is not None:
         else:
             out = torch.empty_like(q)
             so = (out.stride(0), out.stride(1), g * out.stride(2), out.stride(2))
-        n_splits = triton.cdiv(n_keys, keys_per_split)
-        split = n_splits > 1
+        tiles = triton.cdiv(m, block_m)
+        n_chunks = triton.cdiv(n_keys, keys_per_chunk)
+        if split is None:
+            split = use_split(q.device, tiles * hkv * b, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks)
         if split:
-            m_ws = torch.empty((n_splits, hkv * b, m), dtype=torch.float32, device=q.device)
+            m_ws = torch.empty((n_chunks, hkv * b, m), dtype=torch.float32, device=q.device)
             l_ws = torch.empty_like(m_ws)
-            acc_ws = torch.empty((n_splits, hkv * b, m, d_pad), dtype=torch.float32, device=q.device)
+            acc_ws = torch.empty((n_chunks, hkv * b, m, d_pad), dtype=torch.float32, device=q.device)
         else:
             m_ws = l_ws = acc_ws = torch.empty(1, dtype=torch.float32, device=q.device)  # unused (no alias of out)
-        grid = (triton.cdiv(m, block_m), hkv * b, n_splits)
-        _attn_kernel[grid](
+        _attn_kernel[(tiles, hkv * b, n_chunks if split else 1)](
             q, k_cache, v_cache, block_tables, positions, out, m_ws, l_ws, acc_ws,
             scale * LOG2E, hkv, m, n_keys,
             q.stride(0), q.stride(1), q.stride(2), *so,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), positions.stride(0),
-            G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPS=keys_per_split, SPLIT=split,
+            G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
             F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         if split:
-            _combine_kernel[(triton.cdiv(m, block_m), hkv * b)](
-                m_ws, l_ws, acc_ws, positions, out, hkv, m, n_splits, positions.stride(0), *so,
-                G=g, D=d, D_PAD=d_pad, BM=block_m, KPS=keys_per_split, num_warps=num_warps)
+            _combine_kernel[(tiles, hkv * b)](
+                m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
+                G=g, D=d, D_PAD=d_pad, BM=block_m, KPC=keys_per_chunk, num_warps=num_warps)
         return out
 
     # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern
@@ -218,36 +261,49 @@ if triton is not None:
     @torch.library.custom_op("flashpd::paged_attention", mutates_args=())
     def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
-                            keys_per_split: int, heads_last: bool) -> torch.Tensor:
+                            split: int, heads_last: bool) -> torch.Tensor:
         # the constants are read here, at call time (bench/paged_check.py's sweep sets them)
-        return launch(q, k_cache, v_cache, block_tables, positions, scale, keys_per_split, BLOCK_M, BLOCK_N,
-                      NUM_WARPS, NUM_STAGES, heads_last)
+        return launch(q, k_cache, v_cache, block_tables, positions, scale, None if split < 0 else bool(split),
+                      BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, heads_last)
 
     @_paged_attention_op.register_fake
     def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-          positions: torch.Tensor, scale: float, keys_per_split: int, heads_last: bool) -> torch.Tensor:
+          positions: torch.Tensor, scale: float, split: int, heads_last: bool) -> torch.Tensor:
         hkv, b, m, d = q.shape
         t = positions.shape[1]
         return q.new_empty((b, t, hkv * (m // t) * d)) if heads_last else torch.empty_like(q)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def use_split(device: torch.device, programs: int, workspace_bytes: int, n_chunks: int) -> bool:
+    """Whether a call runs a program per key chunk: when one program per (row tile, KV head, sequence) would
+    leave SMs idle (SPLIT_BELOW_PROGRAMS_PER_SM), the keys span more than one chunk, and the chunk states fit
+    WORKSPACE_MAX_BYTES. Speed only: the bits are the same either way (the module's docstring)."""
+    return (n_chunks > 1 and programs < SPLIT_BELOW_PROGRAMS_PER_SM * _sm_count(device)
+            and workspace_bytes <= WORKSPACE_MAX_BYTES)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    positions: torch.Tensor, scale: float, keys_per_split: int = KEYS_PER_SPLIT,
-                    heads_last: bool = False) -> torch.Tensor:
+                    positions: torch.Tensor, scale: float, heads_last: bool = False,
+                    split: bool | None = None) -> torch.Tensor:
     """q [Hkv, B, T*G, d] (attention.group_queries), k/v_cache [blocks, bs, Hkv, d], block_tables [B, nblk],
     positions [B, T] -> [Hkv, B, T*G, d] like q, or with heads_last [B, T, Hq*d] in o_proj's column order
     (query head h*G + j; attention.heads_last's layout, written by the kernel: no copy). Row t*G + j of (head,
     b) attends to keys 0..positions[b, t] (key i in block block_tables[b, i // bs] at offset i % bs).
-    keys_per_split: tests only (a multiple of BLOCK_N); the engine always uses KEYS_PER_SPLIT."""
+    split: None lets `use_split` choose by shape (the engine); True or False forces it (tests: the same bits)."""
     if triton is None:
         raise RuntimeError("paged_attention needs triton")
-    assert q.shape[2] % positions.shape[1] == 0 and keys_per_split % BLOCK_N == 0
+    assert q.shape[2] % positions.shape[1] == 0
     assert q.stride(3) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     # the kernel reads a row's positions as consecutive elements; a native decode at a verify's width passes
     # one position expanded (stride 0), which compiled must be a buffer of its own, not a view, for inductor
     positions = positions.contiguous()
     return torch.ops.flashpd.paged_attention(q, k_cache, v_cache, block_tables, positions, float(scale),
-                                             keys_per_split, heads_last)
+                                             -1 if split is None else int(split), heads_last)
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -280,27 +336,30 @@ def random_case(b: int, t: int, hkv: int, groups: int, d: int, kv_block_size: in
 
 def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
                             ) -> dict[str, float | bool]:
-    """GPU self-check at Qwen3-8B's head shape: max abs error against `reference` (one case per path: no
-    split, split, decode and verify), and whether a row's output is bitwise the same alone (T=1, B=1), inside
-    a verify of 16, inside a bigger batch with a wider table, and written in o_proj's layout (heads_last)."""
+    """GPU self-check at Qwen3-8B's head shape: max abs error against `reference` (decode and verify over one
+    and over several key chunks, each with and without a program per chunk), and whether a row's output is
+    bitwise the same alone (T=1, B=1), inside a verify of 16, inside a bigger batch with a wider table, with and
+    without a program per chunk, and written in o_proj's layout (heads_last)."""
     scale = 128 ** -0.5
     errs = []
-    for b, t, nblk, seed in ((8, 1, 20, 0), (4, 16, 20, 1), (3, 1, 70, 2), (2, 16, 70, 3)):
+    for b, t, nblk, seed in ((8, 1, 4, 0), (4, 16, 4, 1), (3, 1, 70, 2), (2, 16, 70, 3)):
         q, k, v, bt, pos = random_case(b, t, 8, 4, 128, 16, nblk, 300, dtype, device, seed)
-        out = paged_attention(q, k, v, bt, pos, scale)
         ref = reference(q.float(), k.float(), v.float(), bt, pos, scale)
-        errs.append((out.float() - ref).abs().max().item())
+        for split in (False, True):
+            errs.append((paged_attention(q, k, v, bt, pos, scale, split=split).float() - ref).abs().max().item())
     invariant = True
-    for nblk in (20, 70):  # without and with the split
+    for nblk in (4, 70):  # one chunk, many
         q, k, v, bt, pos = random_case(6, 16, 8, 4, 128, 16, nblk, 600, dtype, device, seed=nblk)
-        full = paged_attention(q, k, v, bt, pos, scale)
+        full = paged_attention(q, k, v, bt, pos, scale, split=False)
         wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)
-        for row, col in ((0, 0), (2, 7), (5, 15)):
-            alone = paged_attention(q[:, row:row + 1, col * 4:col * 4 + 4].contiguous(), k, v, bt[row:row + 1],
-                                    pos[row:row + 1, col:col + 1], scale)
-            big = paged_attention(q, k, v, wide, pos, scale)[:, row:row + 1, col * 4:col * 4 + 4]
-            mine = full[:, row:row + 1, col * 4:col * 4 + 4]
-            invariant &= torch.equal(alone, mine) and torch.equal(big, mine)
+        for split in (False, True):
+            invariant &= torch.equal(paged_attention(q, k, v, bt, pos, scale, split=split), full)
+            for row, col in ((0, 0), (2, 7), (5, 15)):
+                alone = paged_attention(q[:, row:row + 1, col * 4:col * 4 + 4].contiguous(), k, v,
+                                        bt[row:row + 1], pos[row:row + 1, col:col + 1], scale, split=split)
+                big = paged_attention(q, k, v, wide, pos, scale, split=split)[:, row:row + 1, col * 4:col * 4 + 4]
+                mine = full[:, row:row + 1, col * 4:col * 4 + 4]
+                invariant &= torch.equal(alone, mine) and torch.equal(big, mine)
         last = paged_attention(q, k, v, bt, pos, scale, heads_last=True)  # the engine's layout
         invariant &= torch.equal(last, full.view(8, 6, 16, 4, 128).permute(1, 2, 0, 3, 4).reshape(6, 16, -1))
     return {"max_abs_err": max(errs), "invariant": bool(invariant)}

@@ -41,22 +41,22 @@ def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Non
 
 
 def matches_the_gathered_reference(pa: ModuleType, dev: str, dtype: torch.dtype, b: int, t: int, nblk: int,
-                                   kps: int) -> None:
+                                   split: bool) -> None:
     """Rows at different positions, decode (T=1) and verify (T=16, G=4), padded table entries (the scratch
-    block 0 holds random data), and (kps=64, 200 keys) a split into 4 chunks merged by the combine kernel."""
-    q, k, v, bt, pos = random_case(pa, dev, dtype, b, t, nblk, seed=b * 10 + t, min_pos=70 if kps == 64 else 0)
+    block 0 holds random data), keys over 2 (96 keys) or 4 chunks (200 keys, rows past key 70), each chunk in a
+    program of its own merged by the combine kernel (split) or all merged in one program."""
+    q, k, v, bt, pos = random_case(pa, dev, dtype, b, t, nblk, seed=b * 10 + t, min_pos=70 if nblk > 20 else 0)
     assert (bt == 0).any()  # some table entries are padding
-    if kps == 64:
-        assert pos.max() >= 128  # 3 splits or more
-    out = pa.paged_attention(q, k, v, bt, pos, SCALE, keys_per_split=kps)
+    assert pos.max() >= pa.KEYS_PER_CHUNK  # two chunks or more
+    out = pa.paged_attention(q, k, v, bt, pos, SCALE, split=split)
     ref = pa.reference(q.float(), k.float(), v.float(), bt, pos, SCALE)
     check_close(out, ref, dtype)
 
 
 for _dt in (torch.float32, torch.bfloat16):
-    for _b, _t, _nblk, _kps in ((3, 1, 12, 512), (2, 16, 12, 512), (3, 2, 25, 64)):
-        CASES[f"reference-{str(_dt)[6:]}-b{_b}-t{_t}-nblk{_nblk}-kps{_kps}"] = (
-            lambda pa, dev, a=(_dt, _b, _t, _nblk, _kps): matches_the_gathered_reference(pa, dev, *a))
+    for _b, _t, _nblk, _split in ((3, 1, 12, False), (2, 16, 12, True), (3, 2, 25, True), (3, 2, 25, False)):
+        CASES[f"reference-{str(_dt)[6:]}-b{_b}-t{_t}-nblk{_nblk}-split{int(_split)}"] = (
+            lambda pa, dev, a=(_dt, _b, _t, _nblk, _split): matches_the_gathered_reference(pa, dev, *a))
 
 
 def unwritten_slots_are_never_read(pa: ModuleType, dev: str) -> None:
@@ -78,29 +78,32 @@ CASES["unwritten-slots"] = unwritten_slots_are_never_read
 def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dtype) -> None:
     """A row computed alone (B=1, T=1), inside a verify of T=16 beside rows at other positions, and inside a
     call with a wider block table is bitwise the same, wherever it sits in its row tile (cols 0, 9 and 15),
-    with and without the key split: rows under one split's keys (min_pos 30, no split), and rows over three
-    splits (min_pos 130, kps=64), where the wider table adds two more."""
-    for min_pos, kps in ((30, 512), (130, 64)):
+    with its key chunks merged in one program or each chunk in its own program and the combine kernel: rows
+    within the first chunks (min_pos 30) and rows over three or more (min_pos 130), where the wider table
+    adds more chunks past every row."""
+    for min_pos in (30, 130):
         q, k, v, bt, pos = random_case(pa, dev, dtype, 2, 16, 20, seed=min_pos, min_pos=min_pos, hkv=1)
-        full = pa.paged_attention(q, k, v, bt, pos, SCALE, keys_per_split=kps)
-        wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)  # 320 keys: 5 splits at kps=64, none at 512
-        assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, keys_per_split=kps), full)
-        for col in (0, 9, 15):
-            rows = slice(col * 4, col * 4 + 4)
-            alone = pa.paged_attention(q[:, 1:2, rows].contiguous(), k, v, bt[1:2], pos[1:2, col:col + 1], SCALE,
-                                       keys_per_split=kps)
-            assert torch.equal(alone, full[:, 1:2, rows]), (min_pos, col)
+        full = pa.paged_attention(q, k, v, bt, pos, SCALE, split=False)
+        assert torch.equal(pa.paged_attention(q, k, v, bt, pos, SCALE, split=True), full), min_pos
+        wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)  # 320 keys: 5 chunks
+        for split in (False, True):
+            assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, split=split), full), (min_pos, split)
+            for col in (0, 9, 15):
+                rows = slice(col * 4, col * 4 + 4)
+                alone = pa.paged_attention(q[:, 1:2, rows].contiguous(), k, v, bt[1:2], pos[1:2, col:col + 1],
+                                           SCALE, split=split)
+                assert torch.equal(alone, full[:, 1:2, rows]), (min_pos, split, col)
 
 
 def heads_last_is_the_same_numbers_in_o_proj_order(pa: ModuleType, dev: str) -> None:
-    """The kernel writing [B, T, Hq*d] itself gives bitwise attention.heads_last of its kv-major output, with
-    and without the key split (the combine kernel writes the split case)."""
-    for kps in (512, 64):
-        q, k, v, bt, pos = random_case(pa, dev, torch.bfloat16, 2, 3, 20, seed=kps, min_pos=70)
-        kv_major = pa.paged_attention(q, k, v, bt, pos, SCALE, keys_per_split=kps)
-        out = pa.paged_attention(q, k, v, bt, pos, SCALE, keys_per_split=kps, heads_last=True)
+    """The kernel writing [B, T, Hq*d] itself gives bitwise attention.heads_last of its kv-major output, in
+    one program per row and with a program per chunk (the combine kernel writes that case)."""
+    for split in (False, True):
+        q, k, v, bt, pos = random_case(pa, dev, torch.bfloat16, 2, 3, 20, seed=int(split), min_pos=70)
+        kv_major = pa.paged_attention(q, k, v, bt, pos, SCALE, split=split)
+        out = pa.paged_attention(q, k, v, bt, pos, SCALE, heads_last=True, split=split)
         assert out.shape == (2, 3, 2 * 4 * 24)
-        assert torch.equal(out, attention.heads_last(kv_major, 3)), kps
+        assert torch.equal(out, attention.heads_last(kv_major, 3)), split
 
 
 CASES["heads-last"] = heads_last_is_the_same_numbers_in_o_proj_order
@@ -108,13 +111,13 @@ CASES["heads-last"] = heads_last_is_the_same_numbers_in_o_proj_order
 
 def compiles_at_a_verify_width_with_expanded_positions(pa: ModuleType, dev: str) -> None:
     """torch.compile of a caller that passes one position expanded over a verify's width, as a native decode at
-    the verify's shapes does, with the key split: the compiled call gives the eager bits. On a GPU through
+    the verify's shapes does, a program per key chunk: the compiled call gives the eager bits. On a GPU through
     inductor (a triton_op form of the kernel failed in its scheduler on exactly this call on an H200); on the
     CPU through aot_eager (the op's fake and functionalization; inductor's CPU code adds only a C++ compile)."""
     q, k, v, bt, pos = random_case(pa, dev, torch.float32, 3, 16, 20, seed=5, min_pos=70)
 
     def f(q, k, v, bt, p1):
-        return pa.paged_attention(q, k, v, bt, p1.expand(3, 16), SCALE, keys_per_split=64, heads_last=True) * 2
+        return pa.paged_attention(q, k, v, bt, p1.expand(3, 16), SCALE, heads_last=True, split=True) * 2
 
     torch._dynamo.reset()
     backend = "inductor" if dev == "cuda" else "aot_eager"
@@ -164,9 +167,9 @@ def test_the_engine_dispatches_decode_and_verify_on_a_gpu_only():
     assert not attention.use_paged(q, 1)  # the CPU keeps grouped_attention, bitwise as before
     if torch.cuda.is_available():  # pragma: no cover (GPU machines)
         qc = q.cuda()
-        assert attention.use_paged(qc, 1) and not attention.use_paged(qc[:, :attention.PAGED_MIN_BATCH - 1], 1)
+        assert attention.use_paged(qc, 1) and attention.use_paged(qc[:, :1], 1)  # decode at any batch
         assert attention.use_paged(qc[:, :1], 16)  # a verify at any batch
         assert attention.use_paged(qc, attention.PAGED_MAX_T)
         assert not attention.use_paged(qc, attention.PAGED_MAX_T + 1)  # prefill chunks
         assert not attention.use_paged(qc, 1, "matmul")  # a forced form
-    assert engine_pa.KEYS_PER_SPLIT % engine_pa.BLOCK_N == 0
+    assert engine_pa.KEYS_PER_CHUNK % engine_pa.BLOCK_N == 0

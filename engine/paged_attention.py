@@ -121,46 +121,39 @@ if triton is not None:
         else:
             lo = 0
             hi = tl.minimum(max_pos + 1, n_keys)
-        # the row's merged state, and the current chunk's
+        # the row's state: its chunks' states merged in order
         m_run = tl.full([BM], float("-inf"), tl.float32)
         l_run = tl.zeros([BM], tl.float32)
         acc_run = tl.zeros([BM, D_PAD], tl.float32)
-        m_i = tl.full([BM], float("-inf"), tl.float32)
-        l_i = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D_PAD], tl.float32)
         qk_scale = tl.cast(qk_scale, tl.float32)  # a compiled caller passes the float as fp64
         k_base = k_ptr + h * sk_h + dd[None, :]
         v_base = v_ptr + h * sv_h + dd[None, :]
-        for start in range(lo, hi, BN):
-            keys = start + tl.arange(0, BN)
-            k_ok = (keys <= max_pos) & (keys < n_keys)
-            page = tl.load(bt_ptr + b * sbt_b + keys // PAGE, mask=k_ok, other=0)
-            off = keys % PAGE
-            ld = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=ld, other=0.0)
-            v = tl.load(v_base + page[:, None] * sv_blk + off[:, None] * sv_off, mask=ld, other=0.0)
-            s = _dot(q, tl.trans(k), tl.zeros([BM, BN], tl.float32), F32, INTERPRET)
-            s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))  # log2 domain
-            # a row that sees no key of this block keeps m (alpha = 2^0 = 1, p = 0): its l and acc stay
-            # bitwise as they were; m_sub = 0 for a row that has seen no key yet (no -inf - -inf)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(s - m_sub[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32, INTERPRET)
-            m_i = m_new
-            # a chunk ends at a multiple of KPC or at the tile's last key: its state joins the row's, and the
-            # next chunk starts from nothing (computed every block, kept only at a chunk's end: no branch in
-            # the pipelined loop)
-            end = ((start + BN) % KPC == 0) | (start + BN >= hi)
-            m_mg, l_mg, acc_mg = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
-            m_run = tl.where(end, m_mg, m_run)
-            l_run = tl.where(end, l_mg, l_run)
-            acc_run = tl.where(end, acc_mg, acc_run)
-            m_i = tl.where(end, float("-inf"), m_i)
-            l_i = tl.where(end, 0.0, l_i)
-            acc = tl.where(end, 0.0, acc)
+        for c_lo in range(lo, hi, KPC):
+            # one chunk from nothing, its blocks unrolled (the pipelined loop is the chunk loop); a block past
+            # the tile's last key loads nothing and changes nothing
+            m_i = tl.full([BM], float("-inf"), tl.float32)
+            l_i = tl.zeros([BM], tl.float32)
+            acc = tl.zeros([BM, D_PAD], tl.float32)
+            for j in tl.static_range(0, KPC, BN):
+                keys = c_lo + j + tl.arange(0, BN)
+                k_ok = (keys <= max_pos) & (keys < n_keys)
+                page = tl.load(bt_ptr + b * sbt_b + keys // PAGE, mask=k_ok, other=0)
+                off = keys % PAGE
+                ld = k_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=ld, other=0.0)
+                v = tl.load(v_base + page[:, None] * sv_blk + off[:, None] * sv_off, mask=ld, other=0.0)
+                s = _dot(q, tl.trans(k), tl.zeros([BM, BN], tl.float32), F32, INTERPRET)
+                s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))  # log2 domain
+                # a row that sees no key of this block keeps m (alpha = 2^0 = 1, p = 0): its l and acc stay
+                # bitwise as they were; m_sub = 0 for a row that has seen no key yet (no -inf - -inf)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_sub)
+                p = tl.exp2(s - m_sub[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32, INTERPRET)
+                m_i = m_new
+            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         if SPLIT:
             ws = (pid_s * tl.num_programs(1) + pid_bh) * M + rows
             keep = row_ok & (lo <= max_pos)  # a chunk past the tile's keys: no row reads it

@@ -257,7 +257,7 @@ if triton is not None:
                             split: int, heads_last: bool) -> torch.Tensor:
         # the constants are read here, at call time (bench/paged_check.py's sweep sets them)
         return launch(q, k_cache, v_cache, block_tables, positions, scale, None if split < 0 else bool(split),
-                      BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, heads_last)
+                      BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, heads_last, KEYS_PER_CHUNK)
 
     @_paged_attention_op.register_fake
     def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -97,12 +97,12 @@ def use_paged(q: torch.Tensor, t: int, impl: str | None = None) -> bool:
     chunk and a merge (paged_attention.use_split), with the same bits as one program per row. Prefill chunks
     (wider than PAGED_MAX_T: a 16-row tile per 4 tokens would re-read every key per tile), the CPU and a forced
     `impl` (AttnBatch.impl) keep `grouped_attention` too."""
-    return paged_applies(q.device, q.shape[1], t, impl)
+    return paged_applies(q.device, t, impl)
 
 
-def paged_applies(device: torch.device, b: int, t: int, impl: str | None = None) -> bool:
-    """`use_paged` for a forward of B rows of T tokens on `device`, decided before its queries exist (the
-    forward builds the gather path's position mask only when this is False)."""
+def paged_applies(device: torch.device, t: int, impl: str | None = None) -> bool:
+    """`use_paged` for a forward of T tokens a row on `device` (at any batch), decided before its queries exist
+    (the forward builds the gather path's position mask only when this is False)."""
     return (impl is None and device.type == "cuda" and t <= PAGED_MAX_T and paged_attention.available())
 
 

@@ -183,7 +183,7 @@ class Qwen3ForCausalLM(nn.Module):
         if len(set(taps)) != len(taps) or any(not 0 <= j < len(self.layers) for j in taps):
             raise ValueError(f"tap ids {taps} must be distinct layer indices below {len(self.layers)}")
         b, t = input_ids.shape
-        gathers = not batch.fresh and not paged_applies(input_ids.device, b, t, batch.impl)
+        gathers = not batch.fresh and not paged_applies(input_ids.device, t, batch.impl)
         h, cos, sin, mask = fns.step_inputs(input_ids, batch.positions, batch.block_tables, self.embed_tokens.weight,
                                             self.rotary.cos, self.rotary.sin, kv.shape[3],
                                             self.cfg.num_attention_heads // self.cfg.num_key_value_heads, gathers)

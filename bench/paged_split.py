@@ -4,13 +4,14 @@
         --out bench/results/paged_split.json
 
 At the Qwen3-8B head shape (8 KV heads, 4 query heads each, head dim 128, bf16, 16-token pages) a decode step's
-kernel (engine/paged_attention.py) merges a row's keys chunk by chunk, either all in one program per (KV head,
-row) or with a program per chunk and a combine kernel ("split"). This times one call (a CUDA graph of 36 calls,
-one per layer, replayed) for each batch, chunk size and mode, with every row at `context` keys, and reports
-microseconds a call, the KV bytes it reads, and that as GB/s. The chunk size changes a row's bits; the mode
-never does (each row's output is compared bitwise across the modes). `--tiles` adds tile shapes (rows, keys
-an iteration, warps, stages; the engine's constants first); a "gather" row per batch times the plain-PyTorch
-path (`paged_attention.reference` in bf16, eager).
+kernel (engine/paged_attention.py) merges a row's keys chunk by chunk, either all in one program per (KV head, row)
+or with a program per chunk and a combine kernel ("split"). This times one call (a CUDA graph of 36 calls, one per
+layer, replayed) for each batch, chunk size and mode, with every row at `context` keys, and reports microseconds a
+call, the KV bytes it reads, and that as GB/s, and whether a row's bits are the same as with the first tile shape
+at the same chunk size. The chunk size changes a row's bits; the mode never does (each row's output is compared
+bitwise across the modes). `--tiles` adds tile shapes (rows, keys an iteration, warps, stages, unrolled chunks; the
+engine's constants first); a "gather" row per batch times the plain-PyTorch path (`paged_attention.reference` in
+bf16, eager).
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def case(b: int, context: int, hkv: int = 8, groups: int = 4, d: int = 128, page
 
 
 def tile(spec: str) -> dict[str, int]:
-    """"m64-n32-w4-s2" -> launch's tile arguments."""
-    names = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages"}
+    """"m64-n32-w4-s2-u1" -> launch's tile arguments (u: a chunk's blocks unrolled, or one loop over blocks)."""
+    names = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages", "u": "unroll"}
     return {names[p[0]]: int(p[1:]) for p in spec.split("-")}
 
 
@@ -49,7 +50,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,32,128")
     ap.add_argument("--chunks", default=str(pa.KEYS_PER_CHUNK), help="keys per chunk (multiples of the tile's keys)")
     ap.add_argument("--context", type=int, default=282)
-    ap.add_argument("--tiles", default=f"m{pa.BLOCK_M}-n{pa.BLOCK_N}-w{pa.NUM_WARPS}-s{pa.NUM_STAGES}")
+    ap.add_argument("--tiles", default=f"m{pa.BLOCK_M}-n{pa.BLOCK_N}-w{pa.NUM_WARPS}-s{pa.NUM_STAGES}"
+                                        f"-u{int(pa.UNROLL)}")
     ap.add_argument("--out", default="bench/results/paged_split.json")
     a = ap.parse_args()
     rows = []
@@ -75,12 +77,15 @@ def main() -> None:
                 continue
             err = (out.float() - ref).abs().max().item()
             same = None if split is None else torch.equal(first.setdefault((spec, kpc), out), out)
+            same_tiles = None if split is None else torch.equal(first.setdefault(kpc, out), out)
             auto = None if split is None else pa.use_split(q.device, q.shape[0] * b, 0, -(-bt.shape[1] * 16 // kpc))
             rows.append({"batch": b, "tiles": spec, "keys_per_chunk": kpc, "split": split, "auto_split": auto,
                          "us_per_call": us, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / us / 1e3,
-                         "max_abs_err_vs_fp32": err, "bitwise_same_across_modes": same})
+                         "max_abs_err_vs_fp32": err, "bitwise_same_across_modes": same,
+                         "bitwise_same_as_first_tiles": same_tiles})
             print(f"b={b:4d} {spec:14s} kpc={kpc} split={split}: {us:7.2f} us a call, "
-                  f"{kv_bytes / us / 1e3:7.1f} GB/s, err {err:.2e}, same bits {same}", flush=True)
+                  f"{kv_bytes / us / 1e3:7.1f} GB/s, err {err:.2e}, same bits {same} "
+                  f"(as the first tiles: {same_tiles})", flush=True)
             write_json(a.out, {"bench": "paged_split", "git": git_revision(), "machine": machine(),
                                "command": "python -m flashpd.bench.paged_split " + " ".join(
                                    f"--{k_.replace('_', '-')} {v_}" for k_, v_ in vars(a).items()),

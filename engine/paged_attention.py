@@ -59,10 +59,6 @@ UNROLL = True
 # split (a program per key chunk) when one program per (row tile, KV head, sequence) would give fewer programs
 # than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
-# the combine kernel's program: rows, head-dim columns and warps (speed only)
-COMBINE_ROWS = 16
-COMBINE_COLS = 32
-COMBINE_WARPS = 1
 WORKSPACE_MAX_BYTES = 64 << 20
 
 
@@ -197,57 +193,33 @@ if triton is not None:
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _chunk_state(m_ptr, l_ptr, acc_ptr, c, bh, pid_bh, M, rows, row_ok, pos, last, dd, D_PAD: tl.constexpr,
-                     KPC: tl.constexpr):
-        """Chunk c's state of `rows` (columns dd) from the workspace, and which rows have a key in it."""
-        on = row_ok & (c * KPC <= pos) & (c < last)
-        ws = (c * bh + pid_bh) * M + rows
-        m_c = tl.load(m_ptr + ws, mask=on, other=float("-inf"))
-        l_c = tl.load(l_ptr + ws, mask=on, other=0.0)
-        acc_c = tl.load(acc_ptr + ws[:, None] * D_PAD + dd[None, :], mask=on[:, None], other=0.0)
-        return m_c, l_c, acc_c, on
-
-    @triton.jit
-    def _merge_if(m_run, l_run, acc_run, m_c, l_c, acc_c, on):
-        """`_merge` for the rows where `on`; the others keep their state."""
-        m_mg, l_mg, acc_mg = _merge(m_run, l_run, acc_run, m_c, l_c, acc_c)
-        return tl.where(on, m_mg, m_run), tl.where(on, l_mg, l_run), tl.where(on[:, None], acc_mg, acc_run)
-
-    @triton.jit
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_chunks, spos_b, so_h, so_b, so_t, so_g,
-                        G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, RB: tl.constexpr, DS: tl.constexpr,
+                        G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr,
                         KPC: tl.constexpr):
-        """Merge a row's chunk states in chunk order with `_merge`, as the unsplit kernel does. A program takes
-        RB rows and DS of the head dim (merging is per row and element: how rows and columns are tiled here
-        never changes a bit); chunks past the tile's last position are never read (merging one would change
-        nothing), and four chunks load before they merge, so their loads overlap."""
+        """Merge a row's chunk states in chunk order with `_merge`, as the unsplit kernel does; chunks past
+        its position are skipped (merging one would change nothing)."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
-        pid_d = tl.program_id(2)
         b = pid_bh // HKV
         h = pid_bh % HKV
-        rows = pid_m * RB + tl.arange(0, RB)
+        rows = pid_m * BM + tl.arange(0, BM)
         row_ok = rows < M
         pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
-        dd = pid_d * DS + tl.arange(0, DS)
+        dd = tl.arange(0, D_PAD)
         bh = tl.num_programs(1)
-        m_run = tl.full([RB], float("-inf"), tl.float32)
-        l_run = tl.zeros([RB], tl.float32)
-        acc_run = tl.zeros([RB, DS], tl.float32)
-        last = tl.minimum(n_chunks, tl.max(pos, 0) // KPC + 1)  # chunks that hold a key of some row
-        for c in range(0, last, 4):  # four chunks' loads, then their merges in order
-            m0, l0, a0, on0 = _chunk_state(m_ptr, l_ptr, acc_ptr, c, bh, pid_bh, M, rows, row_ok, pos, last, dd,
-                                           D_PAD, KPC)
-            m1, l1, a1, on1 = _chunk_state(m_ptr, l_ptr, acc_ptr, c + 1, bh, pid_bh, M, rows, row_ok, pos, last,
-                                           dd, D_PAD, KPC)
-            m2, l2, a2, on2 = _chunk_state(m_ptr, l_ptr, acc_ptr, c + 2, bh, pid_bh, M, rows, row_ok, pos, last,
-                                           dd, D_PAD, KPC)
-            m3, l3, a3, on3 = _chunk_state(m_ptr, l_ptr, acc_ptr, c + 3, bh, pid_bh, M, rows, row_ok, pos, last,
-                                           dd, D_PAD, KPC)
-            m_run, l_run, acc_run = _merge_if(m_run, l_run, acc_run, m0, l0, a0, on0)
-            m_run, l_run, acc_run = _merge_if(m_run, l_run, acc_run, m1, l1, a1, on1)
-            m_run, l_run, acc_run = _merge_if(m_run, l_run, acc_run, m2, l2, a2, on2)
-            m_run, l_run, acc_run = _merge_if(m_run, l_run, acc_run, m3, l3, a3, on3)
+        m_run = tl.full([BM], float("-inf"), tl.float32)
+        l_run = tl.zeros([BM], tl.float32)
+        acc_run = tl.zeros([BM, D_PAD], tl.float32)
+        for c in range(0, n_chunks):
+            on = row_ok & (c * KPC <= pos)
+            ws = (c * bh + pid_bh) * M + rows
+            m_c = tl.load(m_ptr + ws, mask=on, other=float("-inf"))
+            l_c = tl.load(l_ptr + ws, mask=on, other=0.0)
+            acc_c = tl.load(acc_ptr + ws[:, None] * D_PAD + dd[None, :], mask=on[:, None], other=0.0)
+            m_mg, l_mg, acc_mg = _merge(m_run, l_run, acc_run, m_c, l_c, acc_c)
+            m_run = tl.where(on, m_mg, m_run)
+            l_run = tl.where(on, l_mg, l_run)
+            acc_run = tl.where(on[:, None], acc_mg, acc_run)
         out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None] + 0.0
         o_rows = (rows // G) * so_t + (rows % G) * so_g
         tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
@@ -297,11 +269,9 @@ if triton is not None:
             G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
             UNROLL=unroll, F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         if split:
-            rb = min(COMBINE_ROWS, triton.next_power_of_2(m))
-            ds = min(COMBINE_COLS, d_pad)
-            _combine_kernel[(triton.cdiv(m, rb), hkv * b, d_pad // ds)](
+            _combine_kernel[(tiles, hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
-                G=g, D=d, D_PAD=d_pad, RB=rb, DS=ds, KPC=keys_per_chunk, num_warps=COMBINE_WARPS)
+                G=g, D=d, D_PAD=d_pad, BM=block_m, KPC=keys_per_chunk, num_warps=num_warps)
         return out
 
     # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern

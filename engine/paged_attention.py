@@ -50,9 +50,9 @@ if torch.backends.cuda.is_built() or INTERPRET:
 # MMA instructions) round the same row differently (`check_against_reference` tests this).
 # The constants were picked by bench/paged_split.py's sweep at the Qwen3-8B head shape (docs/results.md).
 BLOCK_M = 16  # query rows per program
-BLOCK_N = 32  # keys per iteration
+BLOCK_N = 64  # keys per iteration
 NUM_WARPS = 4
-NUM_STAGES = 2
+NUM_STAGES = 3
 KEYS_PER_CHUNK = 64  # keys per chunk state (see the module's docstring); a multiple of BLOCK_N
 # a chunk's blocks unrolled in a loop over chunks, or one loop over blocks merging at each chunk's end (speed only)
 UNROLL = True

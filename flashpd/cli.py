@@ -203,6 +203,8 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--drafter-gamma", type=float, default=4.0,
                    help="decay of the drafter's loss weight over block positions, exp(-(k-1)/gamma): 4 (demo pairs "
                         "v5 and v6) weighs a block's first guesses more than DFlash's 7 at block 16")
+    m.add_argument("--max-files", type=int, help="a quick run: the first N files of each part of the split (target, "
+                                                 "drafter prompts, held-out); unset: every file")
     m.add_argument("--target", help="a target this recipe made before (with its tokenizer.json): copied into --out, "
                                     "and only the drafter's stages run (drafter settings compared on one target); "
                                     "unset: the whole recipe")
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                            num_prompts=a.num_prompts, corpus=a.corpus, kl_weight=a.kl_weight,
                            drafter_intermediate=a.drafter_intermediate, drafter_attention=a.drafter_attention,
                            regen_batch=a.regen_batch, target_dir=a.target, new_tokens=a.new_tokens,
-                           drafter_gamma=a.drafter_gamma)
+                           drafter_gamma=a.drafter_gamma, max_files=a.max_files)
             return 0
         from flashpd.demo import run_demo  # noqa: PLC0415
         return run_demo(device=a.device)

@@ -384,13 +384,14 @@ def test_recipe_from_scratch_makes_a_pair_that_loads_and_evaluates(tmp_path):
     logs: list[str] = []
     report = make_demo_pair(tmp_path / "pair", "cpu", target_steps=3, target_batch=2, seq_len=256, drafter_steps=2,
                             num_prompts=4, new_tokens=8, heldout_prompts=2, vocab_size=512, drafter_seqs=2,
-                            regen_batch=4, corpus="stdlib", eval_tokens=32, log=logs.append)
+                            regen_batch=4, corpus="stdlib", eval_tokens=32, max_files=40, log=logs.append)
     vals = [float(m.split(" val ")[1].split()[0]) for m in logs if m.startswith("target step")]
     assert len(vals) >= 2 and vals[-1] < vals[0]
     tok = tmp_path / "pair" / "target" / "tokenizer.json"
     assert b"\n" not in tok.read_bytes() and Tokenizer.from_file(str(tok)).get_vocab_size() == 512
     target = load_target(tmp_path / "pair" / "target")
     assert target.cfg.vocab_size == 512 and report["recipe"]["target_steps"] == 3
+    assert report["recipe"]["max_files"] == 40 and any(m.startswith("data: 40 target files") for m in logs)
     load_drafter(tmp_path / "pair" / "drafter", target)
     assert report["exact"] == "2/2" and all(r["tau"] >= 1.0 for r in report["heldout"])
 
@@ -402,7 +403,8 @@ def test_recipe_on_a_given_target_copies_it_and_trains_only_the_drafter(tmp_path
     logs: list[str] = []
     report = make_demo_pair(tmp_path / "pair", "cpu", drafter_steps=2, num_prompts=4, new_tokens=8,
                             heldout_prompts=2, drafter_seqs=2, regen_batch=4, target_dir=DEMO / "target",
-                            corpus="stdlib", drafter_gamma=5.0, eval_tokens=32, log=logs.append)
+                            corpus="stdlib", drafter_gamma=5.0, eval_tokens=32, max_files=40, seq_len=256,
+                            log=logs.append)
     for f in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "pair" / "target" / f).read_bytes() == (DEMO / "target" / f).read_bytes()
     assert not any("target step" in m for m in logs) and any("target reused" in m for m in logs)

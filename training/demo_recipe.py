@@ -36,9 +36,10 @@ def windows(stream: torch.Tensor, n: int, lo: int, hi: int, gen: torch.Generator
     return [stream[s:s + k].tolist() for s, k in zip(starts, lens)]
 
 
-def heldout_windows(tok, n: int = 16, seed: int = 0) -> list[list[int]]:
-    """The recipe's evaluation prompts: windows of 64..2048 tokens of held-out files (never trained on)."""
-    held = read_texts(split_three(stdlib_files())[2])
+def heldout_windows(tok, n: int = 16, seed: int = 0, max_files: int | None = None) -> list[list[int]]:
+    """The recipe's evaluation prompts: windows of 64..2048 tokens of held-out files (never trained on); of the
+    first `max_files` of them if given (a quick run)."""
+    held = read_texts(split_three(stdlib_files())[2][:max_files])
     stream = torch.tensor([t for ids in encode_files(tok, held) for t in ids])
     return windows(stream, n, 64, 2048, torch.Generator().manual_seed(seed + 11))
 
@@ -58,16 +59,18 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
                    drafter_lr: float = 1.5e-3, corpus: str = "stdlib+torch", kl_weight: float = 0.0,
                    drafter_intermediate: int | None = 896, drafter_attention: str = "auto",
                    regen_batch: int | None = None, target_dir: str | Path | None = None,
-                   drafter_gamma: float | None = 4.0, eval_tokens: int = 256,
+                   drafter_gamma: float | None = 4.0, eval_tokens: int = 256, max_files: int | None = None,
                    log: Callable[[str], None] = log_line) -> dict:
     """The whole recipe into `out` (target/, drafter/, eval.json). With `target_dir`, a target this recipe
     made before (its tokenizer.json beside it) is copied in and only the drafter's stages run: the same
     split, prompts and seeds, so drafter settings compare on one target (targets of two runs differ: GPU
-    training is not bit-reproducible, and a pair's acceptance depends much on its target)."""
+    training is not bit-reproducible, and a pair's acceptance depends much on its target). `max_files`: a
+    quick run on the first N files of each part of the split (tokenizing the whole corpus takes most of a small
+    run's time); the parts stay disjoint."""
     out = Path(out)
     shape = {**TARGET_SHAPE, "vocab_size": vocab_size}
     t0 = time.perf_counter()
-    train_files, draft_files, held_files = split_three(corpus_files(corpus))
+    train_files, draft_files, held_files = (part[:max_files] for part in split_three(corpus_files(corpus)))
     texts, draft_texts, held_texts = read_texts(train_files), read_texts(draft_files), read_texts(held_files)
     if target_dir is not None:
         from tokenizers import Tokenizer  # noqa: PLC0415
@@ -121,13 +124,13 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     log(f"drafter trained ({time.perf_counter() - t0:.0f} s)")
     ddir = save_drafter(drafter, out / "drafter", dtype=torch.bfloat16)
 
-    held = heldout_windows(tok, heldout_prompts, seed)
+    held = heldout_windows(tok, heldout_prompts, seed, max_files)
     from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (reload what ships, as users will)
     rows = evaluate_tau(target, load_drafter(ddir, target), held, max_tokens=eval_tokens)
     report = {"recipe": {"seed": seed, "target_steps": None if target_dir is not None else target_steps,
                          "target_from": str(target_dir) if target_dir is not None else None, "target_batch": target_batch, "seq_len": seq_len,
                          "drafter_steps": drafter_steps, "num_prompts": num_prompts, "new_tokens": new_tokens,
-                         "corpus": corpus, "eval_tokens": eval_tokens,
+                         "corpus": corpus, "max_files": max_files, "eval_tokens": eval_tokens,
                          "target_shape": shape, "drafter": {"layers": 2, "block_size": 16, "taps": 5,
                                                                     "seqs_per_step": drafter_seqs, "lr": drafter_lr,
                                                                     "kl_weight": kl_weight, "gamma": drafter_gamma,

@@ -210,7 +210,10 @@ if triton is not None:
         m_run = tl.full([BM], float("-inf"), tl.float32)
         l_run = tl.zeros([BM], tl.float32)
         acc_run = tl.zeros([BM, D_PAD], tl.float32)
-        for c in range(0, n_chunks):
+        # chunks past the tile's last position hold no key of its rows: not read (a table wider than the context,
+        # as a reserved or bucketed one is, costs no loop iteration)
+        last = tl.minimum(n_chunks, tl.max(pos, 0) // KPC + 1)
+        for c in range(0, last):
             on = row_ok & (c * KPC <= pos)
             ws = (c * bh + pid_bh) * M + rows
             m_c = tl.load(m_ptr + ws, mask=on, other=float("-inf"))

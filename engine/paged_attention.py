@@ -137,6 +137,11 @@ if triton is not None:
         row_ok = rows < M
         pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
         max_pos = tl.max(pos, 0)
+        if SPLIT:
+            # a chunk past the tile's last position (a table wider than the context): nothing to write, and the
+            # combine kernel never reads it
+            if pid_s * KPC > max_pos:
+                return
         dd = tl.arange(0, D_PAD)
         d_ok = dd < D
         q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],

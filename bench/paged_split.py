@@ -9,8 +9,8 @@ or with a program per chunk and a combine kernel ("split"). This times one call 
 layer, replayed) for each batch, chunk size and mode, with every row at `context` keys, and reports microseconds a
 call, the KV bytes it reads, and that as GB/s, and whether a row's bits are the same as with the first tile shape
 at the same chunk size. The chunk size changes a row's bits; the mode never does (each row's output is compared
-bitwise across the modes). `--tiles` adds tile shapes (rows, keys an iteration, warps, stages, unrolled chunks; the
-engine's constants first); a "gather" row per batch times the plain-PyTorch path (`paged_attention.reference` in
+bitwise across the modes). `--tiles` adds tile shapes (rows, keys an iteration, warps, stages; the engine's
+constants first); a "gather" row per batch times the plain-PyTorch path (`paged_attention.reference` in
 bf16, eager).
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ def case(b: int, context: int, hkv: int = 8, groups: int = 4, d: int = 128, page
 
 
 def tile(spec: str) -> dict[str, int]:
-    """"m64-n32-w4-s2-u1" -> launch's tile arguments (u: a chunk's blocks unrolled, or one loop over blocks)."""
-    names = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages", "u": "unroll"}
+    """"m64-n32-w4-s2" -> launch's tile arguments."""
+    names = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages"}
     return {names[p[0]]: int(p[1:]) for p in spec.split("-")}
 
 
@@ -50,8 +50,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,32,128")
     ap.add_argument("--chunks", default=str(pa.KEYS_PER_CHUNK), help="keys per chunk (multiples of the tile's keys)")
     ap.add_argument("--context", type=int, default=282)
-    ap.add_argument("--tiles", default=f"m{pa.BLOCK_M}-n{pa.BLOCK_N}-w{pa.NUM_WARPS}-s{pa.NUM_STAGES}"
-                                        f"-u{int(pa.UNROLL)}")
+    ap.add_argument("--tiles", default=f"m{pa.BLOCK_M}-n{pa.BLOCK_N}-w{pa.NUM_WARPS}-s{pa.NUM_STAGES}")
     ap.add_argument("--out", default="bench/results/paged_split.json")
     a = ap.parse_args()
     rows = []

@@ -54,8 +54,6 @@ BLOCK_N = 64  # keys per iteration
 NUM_WARPS = 4
 NUM_STAGES = 3
 KEYS_PER_CHUNK = 64  # keys per chunk state (see the module's docstring); a multiple of BLOCK_N
-# a chunk's blocks unrolled in a loop over chunks, or one loop over blocks merging at each chunk's end (speed only)
-UNROLL = True
 # split (a program per key chunk) when one program per (row tile, KV head, sequence) would give fewer programs
 # than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
@@ -123,7 +121,7 @@ if triton is not None:
                      sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
                      G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, SPLIT: tl.constexpr,
-                     UNROLL: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
+                     F32: tl.constexpr, INTERPRET: tl.constexpr):
         """One (row tile, kv head * batch, key chunk) program. SPLIT: write the state of the keys of chunk
         `program_id(2)` for `_combine_kernel`; else walk every chunk, merge, and write the output."""
         pid_m = tl.program_id(0)
@@ -159,32 +157,17 @@ if triton is not None:
         qk_scale = tl.cast(qk_scale, tl.float32)  # a compiled caller passes the float as fp64
         k_base = k_ptr + h * sk_h + dd[None, :]
         v_base = v_ptr + h * sv_h + dd[None, :]
-        if UNROLL:
-            for c_lo in range(lo, hi, KPC):
-                # one chunk from nothing, its blocks unrolled (the pipelined loop is the chunk loop); a block past
-                # the tile's last key loads nothing and changes nothing
-                m_i = tl.full([BM], float("-inf"), tl.float32)
-                l_i = tl.zeros([BM], tl.float32)
-                acc = tl.zeros([BM, D_PAD], tl.float32)
-                for j in tl.static_range(0, KPC, BN):
-                    m_i, l_i, acc = _block(q, k_base, v_base, bt_ptr + b * sbt_b, pos, max_pos, n_keys, c_lo + j,
-                                           m_i, l_i, acc, qk_scale, sk_blk, sk_off, sv_blk, sv_off, d_ok,
-                                           PAGE, BN, F32, INTERPRET)
-                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
-        else:
-            # the pipelined loop is the block loop; a chunk's state joins the row's at the chunk's last block
+        for c_lo in range(lo, hi, KPC):
+            # one chunk from nothing, its blocks unrolled (the pipelined loop is the chunk loop); a block past the
+            # tile's last key loads nothing and changes nothing
             m_i = tl.full([BM], float("-inf"), tl.float32)
             l_i = tl.zeros([BM], tl.float32)
             acc = tl.zeros([BM, D_PAD], tl.float32)
-            for start in range(lo, hi, BN):
-                m_i, l_i, acc = _block(q, k_base, v_base, bt_ptr + b * sbt_b, pos, max_pos, n_keys, start,
+            for j in tl.static_range(0, KPC, BN):
+                m_i, l_i, acc = _block(q, k_base, v_base, bt_ptr + b * sbt_b, pos, max_pos, n_keys, c_lo + j,
                                        m_i, l_i, acc, qk_scale, sk_blk, sk_off, sv_blk, sv_off, d_ok,
                                        PAGE, BN, F32, INTERPRET)
-                if ((start + BN) % KPC == 0) | (start + BN >= hi):
-                    m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
-                    m_i = tl.full([BM], float("-inf"), tl.float32)
-                    l_i = tl.zeros([BM], tl.float32)
-                    acc = tl.zeros([BM, D_PAD], tl.float32)
+            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         if SPLIT:
             ws = (pid_s * tl.num_programs(1) + pid_bh) * M + rows
             keep = row_ok & (lo <= max_pos)  # a chunk past the tile's keys: no row reads it
@@ -236,8 +219,7 @@ if triton is not None:
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                positions: torch.Tensor, scale: float, split: bool | None = None, block_m: int = BLOCK_M,
                block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK, unroll: bool = UNROLL
-               ) -> torch.Tensor:
+               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK) -> torch.Tensor:
         """The two kernels' launch. split: a program per key chunk and the combine kernel (None: `use_split`
         decides); the same bits either way. The tile and chunk arguments exist for bench/paged_split's sweep
         (they change bits); the op passes the module's constants. heads_last: the output as [B, T, Hq*d]
@@ -275,7 +257,7 @@ if triton is not None:
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), positions.stride(0),
             G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
-            UNROLL=unroll, F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+            F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         if split:
             _combine_kernel[(tiles, hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
@@ -292,7 +274,7 @@ if triton is not None:
                             split: int, heads_last: bool) -> torch.Tensor:
         # the constants are read here, at call time (bench/paged_check.py's sweep sets them)
         return launch(q, k_cache, v_cache, block_tables, positions, scale, None if split < 0 else bool(split),
-                      BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, heads_last, KEYS_PER_CHUNK, UNROLL)
+                      BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, heads_last, KEYS_PER_CHUNK)
 
     @_paged_attention_op.register_fake
     def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

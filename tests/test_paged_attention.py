@@ -126,21 +126,6 @@ def compiles_at_a_verify_width_with_expanded_positions(pa: ModuleType, dev: str)
 
 
 CASES["compiled-verify-width"] = compiles_at_a_verify_width_with_expanded_positions
-
-
-def loop_styles_give_the_same_bits(pa: ModuleType, dev: str) -> None:
-    """A chunk's blocks unrolled in a loop over chunks, or one loop over blocks that merges at each chunk's end
-    (a speed choice): the same bits, in both modes, for rows in one chunk and in several, a decode and a
-    four-token verify."""
-    for t, min_pos in ((1, 130), (4, 30)):
-        q, k, v, bt, pos = random_case(pa, dev, torch.bfloat16, 2, t, 20, seed=t, min_pos=min_pos)
-        # two blocks a chunk, so that the two loops differ (the engine's tiles may take a chunk in one block)
-        outs = [pa.launch(q, k, v, bt, pos, SCALE, split, block_n=pa.KEYS_PER_CHUNK // 2, unroll=unroll)
-                for split in (False, True) for unroll in (False, True)]
-        assert all(torch.equal(o, outs[0]) for o in outs[1:]), t
-
-
-CASES["loop-styles"] = loop_styles_give_the_same_bits
 CASES["invariance-float32"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.float32)
 CASES["invariance-bfloat16"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.bfloat16)
 

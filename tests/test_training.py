@@ -418,6 +418,18 @@ def test_recipe_on_a_given_target_copies_it_and_trains_only_the_drafter(tmp_path
     assert saved["tau_64_mean"] == sum(r["tau_64"] for r in saved["heldout"]) / 2
 
 
+def test_recipe_refuses_a_file_limit_too_small_before_training(tmp_path):
+    """make-demo-pair --max-files: 0 is refused at once; one file a part is too little text for the drafter's
+    prompt windows, which the recipe says (naming max_files) instead of failing inside torch.randint."""
+    from flashpd.training.demo_recipe import make_demo_pair
+    with pytest.raises(ValueError, match="max_files must be at least 1"):
+        make_demo_pair(tmp_path / "a", "cpu", max_files=0)
+    with pytest.raises(ValueError, match="too few for windows.*max_files"):
+        make_demo_pair(tmp_path / "b", "cpu", drafter_steps=1, num_prompts=2, new_tokens=8, heldout_prompts=1,
+                       drafter_seqs=1, regen_batch=2, target_dir=DEMO / "target", corpus="stdlib", max_files=1,
+                       eval_tokens=8, log=lambda m: None)
+
+
 def test_demo_prints_no_figure_from_a_file_the_wheel_does_not_ship():
     """`flashpd demo` measures on this machine and points to docs/results.md for the GPU figures: it must not
     quote figures or result paths (the wheel ships neither bench/results nor docs)."""

@@ -31,6 +31,9 @@ TARGET_SHAPE = dict(vocab_size=4096, hidden_size=192, intermediate_size=512, num
 
 
 def windows(stream: torch.Tensor, n: int, lo: int, hi: int, gen: torch.Generator) -> list[list[int]]:
+    if stream.numel() <= hi + 1:
+        raise ValueError(f"the text has {stream.numel()} tokens, too few for windows of up to {hi} tokens "
+                         "(a larger max_files, or none)")
     lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
     starts = torch.randint(0, stream.numel() - hi - 1, (n,), generator=gen).tolist()
     return [stream[s:s + k].tolist() for s, k in zip(starts, lens)]
@@ -67,6 +70,8 @@ def make_demo_pair(out: str | Path, device: str, seed: int = 0, target_steps: in
     training is not bit-reproducible, and a pair's acceptance depends much on its target). `max_files`: a
     quick run on the first N files of each part of the split (tokenizing the whole corpus takes most of a small
     run's time); the parts stay disjoint."""
+    if max_files is not None and max_files < 1:
+        raise ValueError(f"max_files must be at least 1 (got {max_files})")
     out = Path(out)
     shape = {**TARGET_SHAPE, "vocab_size": vocab_size}
     t0 = time.perf_counter()

@@ -102,8 +102,11 @@ def use_paged(q: torch.Tensor, t: int, impl: str | None = None) -> bool:
 
 def paged_applies(device: torch.device, t: int, impl: str | None = None) -> bool:
     """`use_paged` for a forward of T tokens a row on `device` (at any batch), decided before its queries exist
-    (the forward builds the gather path's position mask only when this is False)."""
-    return (impl is None and device.type == "cuda" and t <= PAGED_MAX_T and paged_attention.available())
+    (the forward builds the gather path's position mask only when this is False). impl "paged" forces the
+    kernel on any device (the drafter's paged pass under triton's CPU interpreter, in tests)."""
+    if t > PAGED_MAX_T or not paged_attention.available():
+        return False
+    return impl == "paged" or (impl is None and device.type == "cuda")
 
 
 # The widest forward the paged kernel takes: DFlash verify blocks (16) with room to spare.

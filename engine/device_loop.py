@@ -277,8 +277,8 @@ class DeviceLoop:
         runner, drafts = self.runner, self.gen.drafts
         ctx, pos, ids, w, vslots, live = self._spec_begin(st, bt, pend)
         # 2) draft [x, MASK...] -> [x, guesses]; columns past the row's width repeat its last position and
-        # are masked
-        block = drafts.guess_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0])
+        # are masked (a paged pass writes the block's draft K/V at the verify's slots: scratch past the width)
+        block = drafts.guess_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0], vslots)
         # 3) verify it; columns past the width, and frozen rows, write scratch and are never read
         _, tapped, logits = runner.model_step(block, pos, vslots, bt)
         # 4) accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice
@@ -292,7 +292,7 @@ class DeviceLoop:
         accepted by rejection sampling (spec_draw, spec_out_sampled); -> [B, t + 1] (committed tokens, a)."""
         runner, drafts = self.runner, self.gen.drafts
         ctx, pos, ids, w, vslots, live = self._spec_begin(st, bt, pend)
-        draft_logits = drafts.logits_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0])
+        draft_logits = drafts.logits_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0], vslots)
         guess, q = self._spec_draw(st, sp, draft_logits, filtered)
         _, tapped, logits = runner.model_step(torch.cat([ids[:, :1], guess], dim=1), pos, vslots, bt)
         out = self._spec_out_sampled(st, sp, logits, guess, q, w, live, ctx, filtered)

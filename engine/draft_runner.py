@@ -10,8 +10,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flashpd.engine.attention import paged_applies
 from flashpd.engine.cuda_graph import GraphedFn, bucket, pack_host
-from flashpd.engine.drafter import DFlashDrafter, draft_layer, write_context_kv
+from flashpd.engine.drafter import PAGED_EAGER, DFlashDrafter, PagedDraftFns, draft_layer, write_context_kv
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, PagedKVCache, slots_of
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import greedy_tokens
@@ -30,34 +31,41 @@ class DraftRunner:
                                   c.num_key_value_heads, c.head_dim, runner.dtype, runner.device)
         compiled = runner.compiled
         self.layer_fn, self.kv_fn = compiled(draft_layer), compiled(write_context_kv)
-        # the greedy draft (whole pass + argmax) as one compiled function: its glue (rotary tables, masks, cache
-        # gathers, final norm, argmax: about 25 eager kernels a step) fuses with the layers
-        self.guess_fn = compiled(self.guess)
-        self.logits_fn = compiled(self.block_logits)  # the same pass for a device step that samples its guesses
+        self.impl = runner.config.attention_impl
+        # on a GPU the pass reads its context in place (DFlashDrafter.paged_block_hidden): each layer is two
+        # compiled functions around the cache write, as the target's are, so the pass is not one compiled function
+        self.paged = paged_applies(self.device, c.block_size, self.impl)
+        self.paged_fns = PagedDraftFns(*(compiled(f) for f in PAGED_EAGER))
+        # otherwise the greedy draft (whole pass + argmax) is one compiled function: its glue (rotary tables,
+        # masks, cache gathers, final norm, argmax: about 25 eager kernels a step) fuses with the layers
+        self.guess_fn = self.guess if self.paged else compiled(self.guess)
+        # the same pass for a device step that samples its guesses
+        self.logits_fn = self.block_logits if self.paged else compiled(self.block_logits)
         self._graph = GraphedFn(self._step) if runner.config.cuda_graphs else None
 
     def _step(self, new_taps: torch.Tensor, packed: torch.Tensor, b: int, t: int, rows: int, nblk: int) -> torch.Tensor:
         """Pure function of (pending context rows, one packed int64 tensor) -> draft logits."""
         n = b * rows
-        new_pos, new_slots, ids, pos, bt, ctx_lens, blens = packed.split([n, n, b * t, b * t, b * nblk, b, b])
+        new_pos, new_slots, ids, pos, bt, ctx_lens, blens, bslots = packed.split(
+            [n, n, b * t, b * t, b * nblk, b, b, b * t])
         if n:
             self.drafter.write_context(self.cache.data, new_taps, new_pos, new_slots, self.kv_fn)
         return self.drafter.draft_logits(ids.view(b, t), pos.view(b, t), self.cache.data, bt.view(b, nblk),
-                                         ctx_lens, blens, self.layer_fn, self.runner.config.attention_impl)
+                                         ctx_lens, blens, self.layer_fn, self.impl, bslots, self.paged_fns)
 
     def guess(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
-              ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
+              ctx_lens: torch.Tensor, block_lens: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
         """The block to verify [B, T]: each row's first id, then its greedy draft tokens (see
-        DFlashDrafter.draft_logits) for blocks ids/pos [B, T]."""
-        guess = greedy_tokens(self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer,
-                                                        self.runner.config.attention_impl))
+        DFlashDrafter.draft_logits) for blocks ids/pos [B, T]; block_slots [B*T]: the verify's slots."""
+        guess = greedy_tokens(self.block_logits(ids, pos, cache, bt, ctx_lens, block_lens, block_slots))
         return torch.cat([ids[:, :1], guess], dim=1)
 
     def block_logits(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
-                     ctx_lens: torch.Tensor, block_lens: torch.Tensor) -> torch.Tensor:
-        """The draft's logits [B, T - 1, V] for blocks ids/pos [B, T] (guess's pass, before its argmax)."""
-        return self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer,
-                                         self.runner.config.attention_impl)
+                     ctx_lens: torch.Tensor, block_lens: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [B, T - 1, V] for blocks ids/pos [B, T] (guess's pass, before its argmax). Compiled
+        whole (the gathered pass), its layers are inlined; the paged pass calls its compiled functions."""
+        return self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer, self.impl,
+                                         block_slots, self.paged_fns if self.paged else PAGED_EAGER)
 
     def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:
         p = np.arange(start, start + n)
@@ -119,6 +127,7 @@ class DraftRunner:
         blens = np.ones(b_pad, dtype=np.int64)
         npos = np.zeros((b_pad, rows), dtype=np.int64)
         nslots = np.full((b_pad, rows), SCRATCH_BLOCK * bs, dtype=np.int64)
+        bslots = np.full((b_pad, t), SCRATCH_BLOCK * bs, dtype=np.int64)  # the block's own K/V (paged pass)
         taps = []
         width = len(self.drafter.cfg.target_layer_ids) * self.drafter.cfg.hidden_size
         for i, (s, w) in enumerate(zip(seqs, widths)):
@@ -138,13 +147,15 @@ class DraftRunner:
             pos[i] = np.minimum(np.arange(s.table.num_tokens, s.table.num_tokens + t), s.table.num_tokens + w - 1)
             bt[i, :len(s.table.blocks)] = s.table.blocks
             ctx_lens[i], blens[i] = s.draft_len, w
+            bslots[i, :w] = self._slots(s, s.table.num_tokens, w)
         if rows and b_pad > b:
             taps.extend([torch.zeros(rows, width, dtype=self.runner.dtype, device=self.device)] * (b_pad - b))
         if not rows:
             new_taps = torch.zeros(0, width, dtype=self.runner.dtype, device=self.device)
         else:
             new_taps = torch.cat(taps) if len(taps) > 1 else taps[0]
-        return new_taps, [npos, nslots, ids, pos, bt, ctx_lens, blens], dict(b=b_pad, t=t, rows=rows, nblk=nblk)
+        return new_taps, [npos, nslots, ids, pos, bt, ctx_lens, blens, bslots], dict(b=b_pad, t=t, rows=rows,
+                                                                                      nblk=nblk)
 
     def draft(self, seqs: list[Sequence], widths: list[int]) -> torch.Tensor:
         """Write each sequence's pending context rows, then draft; returns logits [B, T-1, V]."""

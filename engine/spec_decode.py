@@ -146,8 +146,9 @@ class DFlashGenerator(NativeGenerator):
         its own width. Sampled rows draw their guesses only after the widths are fixed (module doc of
         width_policy: why that keeps them exact)."""
         alloc, ws = self.runner.allocator, self.width_stats
-        for s in seqs:
+        for s, lim in zip(seqs, limits):
             assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
+            alloc.ensure(s.table, s.table.num_tokens + lim)  # a paged draft writes its block's K/V there
         logits = self.drafts.draft(seqs, limits)  # [B, max(limits) - 1, V]
         greedy = greedy_tokens(logits).tolist()  # the draft is on the host: the policy's time starts here
         t0 = time.perf_counter()

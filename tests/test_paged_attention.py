@@ -130,6 +130,62 @@ CASES["invariance-float32"] = lambda pa, dev: rows_do_not_depend_on_their_batch(
 CASES["invariance-bfloat16"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.bfloat16)
 
 
+def draft_pass_in_place_is_the_gathered_pass(pa: ModuleType, dev: str) -> None:
+    """The drafter's paged pass (DFlashDrafter.paged_block_hidden: each layer writes its block's K/V at the
+    block's slots and attends in place) against its gathered pass (context gathered, mask, concatenated block
+    K/V) in fp32: rows of different context lengths (one within a chunk, one over several) and widths, block
+    tables of scattered blocks padded with the scratch block. Each row's logits within its width agree, and the
+    pass writes nothing but its rows' block slots and the scratch block: every context slot is untouched."""
+    from flashpd.engine.config import Qwen3Config
+    from flashpd.engine.drafter import DFlashConfig, dummy_drafter
+    from flashpd.engine.loader import dummy_target
+
+    tcfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256)
+    dcfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6, rope_theta=10000.0, block_size=8,
+                        num_target_layers=2, target_layer_ids=(0, 1), mask_token_id=63)
+    target = dummy_target(tcfg, dev, torch.float32, seed=1)
+    drafter = dummy_drafter(dcfg, target, seed=2)
+    with torch.no_grad():  # weights large enough that attention is far from uniform
+        for layer in drafter.layers:
+            layer.qkv_proj.mul_(10)
+    gen = torch.Generator().manual_seed(3)
+    bs, nb, t = 8, 24, 8
+    cache = torch.randn(2, 2, nb, bs, 2, 24, generator=gen).to(dev)  # context K/V of every slot
+    ctx, widths = [5, 70, 20], [8, 3, 6]
+    blocks = (torch.randperm(nb - 1, generator=gen) + 1).tolist()  # block 0: scratch
+    nblk = 11
+    bt = torch.zeros(3, nblk, dtype=torch.int64)
+    for i, c in enumerate(ctx):
+        need = (c + t + bs - 1) // bs
+        bt[i, :need] = torch.tensor([blocks.pop() for _ in range(need)])
+    ar = torch.arange(t)
+    c_t, w_t = torch.tensor(ctx), torch.tensor(widths)
+    pos = torch.minimum(c_t[:, None] + ar, (c_t + w_t - 1)[:, None])
+    slots = bt.gather(1, pos // bs) * bs + pos % bs
+    slots = torch.where(ar < w_t[:, None], slots, 0)  # past a row's width: the scratch block
+    ids = torch.randint(0, 63, (3, t), generator=gen)
+    ids[:, 1:] = 63
+    bt, pos, slots, ids, c_t, w_t = (x.to(dev) for x in (bt, pos, slots, ids, c_t, w_t))
+    with torch.no_grad():
+        ref = drafter.draft_logits(ids, pos, cache.clone(), bt, c_t, w_t)
+        paged_cache = cache.clone()
+        out = drafter.draft_logits(ids, pos, paged_cache, bt, c_t, w_t, attention_impl="paged",
+                                   block_slots=slots.reshape(-1))
+    for i, w in enumerate(widths):
+        torch.testing.assert_close(out[i, :w - 1], ref[i, :w - 1], rtol=2e-5, atol=2e-5)
+        assert torch.equal(out[i, :w - 1].argmax(-1), ref[i, :w - 1].argmax(-1))
+    changed = (paged_cache != cache).reshape(2, 2, nb * bs, -1).any(-1).any(0).any(0)  # per flat slot
+    written = torch.zeros(nb * bs, dtype=torch.bool, device=dev)
+    written[slots.reshape(-1)] = True
+    written[:bs] = True  # the scratch block
+    assert changed.any() and not (changed & ~written).any()
+
+
+CASES["draft-pass"] = draft_pass_in_place_is_the_gathered_pass
+
+
 def run_cases() -> None:
     """The child: every case under the interpreter; prints {name: "ok" or the traceback} as JSON."""
     assert engine_pa.available() and engine_pa.INTERPRET, "start the child with TRITON_INTERPRET=1"

@@ -5,7 +5,7 @@
 
 At the Qwen3-8B head shape (8 KV heads, 4 query heads each, head dim 128, bf16, 16-token pages) a decode step's
 kernel (engine/paged_attention.py) merges a row's keys chunk by chunk, either all in one program per (KV head, row)
-or with a program per chunk and a combine kernel ("split"). This times one call (a CUDA graph of 36 calls, one per
+or with a program per chunk and a combine kernel ("split"). This times one call (of `--width` tokens a row: 1 a decode, 16 a verify) (a CUDA graph of 36 calls, one per
 layer, replayed) for each batch, chunk size and mode, with every row at `context` keys, and reports microseconds a
 call, the KV bytes it reads, and that as GB/s, and whether a row's bits are the same as with the first tile shape
 at the same chunk size. The chunk size changes a row's bits; the mode never does (each row's output is compared
@@ -24,18 +24,19 @@ from flashpd.bench.common import git_revision, machine, write_json
 from flashpd.engine import paged_attention as pa
 
 
-def case(b: int, context: int, hkv: int = 8, groups: int = 4, d: int = 128, page: int = 16, seed: int = 0):
-    """q [Hkv, B, G, d], caches, block tables (each row its own blocks, padded to a multiple of 4 blocks as the
-    engine buckets them) and positions [B, 1] = context - 1."""
+def case(b: int, context: int, width: int = 1, hkv: int = 8, groups: int = 4, d: int = 128, page: int = 16,
+         seed: int = 0):
+    """q [Hkv, B, width*G, d], caches, block tables (each row its own blocks, padded to a multiple of 4 blocks as
+    the engine buckets them) and positions [B, width]: context - width .. context - 1 (a verify's block)."""
     used = -(-context // page)
     nblk = -(-used // 4) * 4
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(hkv, b, groups, d, generator=g, device="cuda").to(torch.bfloat16)
+    q = torch.randn(hkv, b, width * groups, d, generator=g, device="cuda").to(torch.bfloat16)
     k = torch.randn(b * used + 1, page, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
     v = torch.randn_like(k)
     tables = torch.zeros(b, nblk, dtype=torch.int64, device="cuda")
     tables[:, :used] = 1 + torch.arange(b * used, device="cuda").view(b, used)
-    pos = torch.full((b, 1), context - 1, dtype=torch.int64, device="cuda")
+    pos = (context - width + torch.arange(width, device="cuda")).repeat(b, 1)
     return q, k, v, tables, pos
 
 
@@ -50,13 +51,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,32,128")
     ap.add_argument("--chunks", default=str(pa.KEYS_PER_CHUNK), help="keys per chunk (multiples of the tile's keys)")
     ap.add_argument("--context", type=int, default=282)
+    ap.add_argument("--width", type=int, default=1, help="tokens a row (16: a DFlash verify's block)")
     ap.add_argument("--tiles", default=f"m{pa.BLOCK_M}-n{pa.BLOCK_N}-w{pa.NUM_WARPS}-s{pa.NUM_STAGES}")
     ap.add_argument("--out", default="bench/results/paged_split.json")
     a = ap.parse_args()
     rows = []
     scale = 128 ** -0.5
     for b in (int(x) for x in a.batches.split(",")):
-        q, k, v, bt, pos = case(b, a.context)
+        q, k, v, bt, pos = case(b, a.context, a.width)
         kv_bytes = 2 * b * a.context * k.shape[2] * k.shape[3] * k.element_size()
         ref = pa.reference(q.float(), k.float(), v.float(), bt, pos, scale)
         configs = [("gather", None, None, lambda: pa.reference(q, k, v, bt, pos, scale))]
@@ -77,12 +79,14 @@ def main() -> None:
             err = (out.float() - ref).abs().max().item()
             same = None if split is None else torch.equal(first.setdefault((spec, kpc), out), out)
             same_tiles = None if split is None else torch.equal(first.setdefault(kpc, out), out)
-            auto = None if split is None else pa.use_split(q.device, q.shape[0] * b, 0, -(-bt.shape[1] * 16 // kpc))
-            rows.append({"batch": b, "tiles": spec, "keys_per_chunk": kpc, "split": split, "auto_split": auto,
+            tiles = -(-q.shape[2] // tile(spec)["block_m"])
+            auto = None if split is None else pa.use_split(q.device, tiles * q.shape[0] * b, 0,
+                                                           -(-bt.shape[1] * 16 // kpc))
+            rows.append({"batch": b, "width": a.width, "tiles": spec, "keys_per_chunk": kpc, "split": split, "auto_split": auto,
                          "us_per_call": us, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / us / 1e3,
                          "max_abs_err_vs_fp32": err, "bitwise_same_across_modes": same,
                          "bitwise_same_as_first_tiles": same_tiles})
-            print(f"b={b:4d} {spec:14s} kpc={kpc} split={split}: {us:7.2f} us a call, "
+            print(f"b={b:4d} t={a.width} {spec:14s} kpc={kpc} split={split}: {us:7.2f} us a call, "
                   f"{kv_bytes / us / 1e3:7.1f} GB/s, err {err:.2e}, same bits {same} "
                   f"(as the first tiles: {same_tiles})", flush=True)
             write_json(a.out, {"bench": "paged_split", "git": git_revision(), "machine": machine(),

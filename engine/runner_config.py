@@ -10,8 +10,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashpd.engine import paged_attention
+
 AUTO = "auto"  # RunnerConfig.prefill_chunk's default: prefill_graph_tokens with CUDA graphs, else None
-ATTENTION_IMPLS = ("matmul", "sdpa")
+ATTENTION_IMPLS = ("matmul", "sdpa", "paged")
 PREFILL_KNOBS = frozenset({"prefill_graph_tokens", "prefill_chunk", "fresh_prefill"})  # ModelRunner.reconfigure
 
 
@@ -34,7 +36,9 @@ class RunnerConfig:
     attention_impl: None chooses per shape and device (engine/attention.py: matmul form for small score
         sets on a GPU, the paged kernel for batched decode, fused SDPA otherwise); "matmul" or "sdpa" forces
         that form of the gathered attention on any device, never the paged kernel (tests run the GPU's forms
-        against the oracles on a CPU; bench/paged_check.py compares kernels).
+        against the oracles on a CPU; bench/paged_check.py compares kernels); "paged" forces the paged kernel
+        for every decode and verify forward and the drafter's pass on any device triton runs on (a CPU under
+        TRITON_INTERPRET=1: tests), longer forwards keeping fused SDPA.
     prefill_graph_tokens: short prefills (rows x padded width, in tokens) at or under this replay a graph.
     prefill_chunk: a lone prompt longer than this runs as consecutive chunks of this many tokens, each
         attending to the cache the earlier ones wrote, instead of one eager forward (whose overhead sets a
@@ -64,8 +68,10 @@ class RunnerConfig:
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"RunnerConfig.compile_backend must be a backend name, got {self.compile_backend!r}")
         if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"RunnerConfig.attention_impl must be None, 'matmul' or 'sdpa', "
+            raise ValueError(f"RunnerConfig.attention_impl must be None, 'matmul', 'sdpa' or 'paged', "
                              f"got {self.attention_impl!r}")
+        if self.attention_impl == "paged" and not paged_attention.available():
+            raise ValueError("RunnerConfig.attention_impl 'paged' needs triton: a GPU, or TRITON_INTERPRET=1 on a CPU")
         if not _positive_int(self.prefill_graph_tokens):
             raise ValueError(f"RunnerConfig.prefill_graph_tokens must be a positive int, "
                              f"got {self.prefill_graph_tokens!r}")

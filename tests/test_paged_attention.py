@@ -186,6 +186,63 @@ def draft_pass_in_place_is_the_gathered_pass(pa: ModuleType, dev: str) -> None:
 CASES["draft-pass"] = draft_pass_in_place_is_the_gathered_pass
 
 
+def dflash_on_the_paged_kernel_is_the_gathered_dflash(pa: ModuleType, dev: str) -> None:
+    """DFlash through a whole engine with every decode, verify and draft pass on the paged kernel
+    (RunnerConfig.attention_impl "paged") against the gathered matmul form, fp32, random tiny models:
+    - DraftRunner.draft over rows of different contexts, widths (2-8) and pending context rows (the step's own
+      context write, then the block's K/V at its block slots): each row's logits within its width agree;
+    - generation of three prompts at width 8: the same tokens and the same acceptance lengths, step by step."""
+    from flashpd.engine.config import Qwen3Config
+    from flashpd.engine.drafter import DFlashConfig, dummy_drafter
+    from flashpd.engine.loader import dummy_target
+    from flashpd.engine.runner import ModelRunner, RunnerConfig
+    from flashpd.engine.sampling import SamplingParams
+    from flashpd.engine.scheduler import generate
+    from flashpd.engine.sequence import Sequence
+    from flashpd.engine.spec_decode import DFlashGenerator
+
+    tcfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    dcfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, block_size=8,
+                        num_target_layers=2, target_layer_ids=(0, 1), mask_token_id=63)
+    target = dummy_target(tcfg, dev, torch.float32, seed=4)
+    drafter = dummy_drafter(dcfg, target, seed=5)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.qkv_proj.mul_(10)
+    gens = {impl: DFlashGenerator(ModelRunner(target, 48, 8, taps=(0, 1), config=RunnerConfig(
+        cuda_graphs=False, compile=False, attention_impl=impl)), drafter, (), 8) for impl in ("matmul", "paged")}
+    rows = [(9, 8, 0), (37, 3, 2), (20, 6, 5)]  # (context, width, pending rows)
+    feats = [torch.randn(c, 64, generator=torch.Generator().manual_seed(c)).to(dev) for c, _, _ in rows]
+    logits = {}
+    for impl, gen in gens.items():
+        alloc, seqs = gen.runner.allocator, []
+        for (c, w, n), f in zip(rows, feats):
+            s = Sequence(list(range(1, c + 1)), SamplingParams(max_tokens=8, ignore_eos=True), frozenset())
+            s.output = [c % 60]
+            alloc.ensure(s.table, c + w)
+            s.table.num_tokens = c
+            seqs.append(s)
+        gen.drafts.write_prompt(seqs, [f[:f.shape[0] - n] for f, (_, _, n) in zip(feats, rows)])
+        for s, f, (c, _, n) in zip(seqs, feats, rows):
+            if n:
+                s.pending, s.pending_rows = f[c - n:], n
+        logits[impl] = gen.drafts.draft(seqs, [w for _, w, _ in rows])
+        for s in seqs:
+            alloc.free(s.table)
+    for i, (_, w, _) in enumerate(rows):
+        torch.testing.assert_close(logits["paged"][i, :w - 1], logits["matmul"][i, :w - 1], rtol=2e-5, atol=2e-5)
+    prompts = [[3, 9, 27, 17], list(range(5, 30)), [11] * 12]
+    out = {impl: generate(gen, prompts, [SamplingParams(max_tokens=12, ignore_eos=True)] * 3, [8] * 3)
+           for impl, gen in gens.items()}
+    for a, b in zip(out["paged"], out["matmul"]):
+        assert a.output == b.output and a.stats.acceptance_lengths == b.stats.acceptance_lengths
+
+
+CASES["dflash-paged-engine"] = dflash_on_the_paged_kernel_is_the_gathered_dflash
+
+
 def run_cases() -> None:
     """The child: every case under the interpreter; prints {name: "ok" or the traceback} as JSON."""
     assert engine_pa.available() and engine_pa.INTERPRET, "start the child with TRITON_INTERPRET=1"
@@ -228,4 +285,8 @@ def test_the_engine_dispatches_decode_and_verify_on_a_gpu_only():
         assert attention.use_paged(qc, attention.PAGED_MAX_T)
         assert not attention.use_paged(qc, attention.PAGED_MAX_T + 1)  # prefill chunks
         assert not attention.use_paged(qc, 1, "matmul")  # a forced form
+        dev = qc.device
+        assert engine_pa.use_split(dev, 8, 0, 5) and engine_pa.use_split(dev, 8, 0, 5, tiles=1)  # batch-1 decode
+        assert not engine_pa.use_split(dev, 32, 0, 5, tiles=4)  # a verify's row tiles: a program each
+        assert not engine_pa.use_split(dev, 8, 0, 1)  # one chunk: nothing to split
     assert engine_pa.KEYS_PER_CHUNK % engine_pa.BLOCK_N == 0

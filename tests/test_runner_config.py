@@ -23,6 +23,17 @@ def test_bad_values_are_refused(bad):
         RunnerConfig(**bad)
 
 
+def test_the_forced_paged_form_needs_triton():
+    """attention_impl "paged" is refused where the kernel cannot run (this CPU without triton's interpreter),
+    never silently replaced by the gathered form."""
+    from flashpd.engine import paged_attention
+    if paged_attention.available():  # pragma: no cover (a GPU, or the interpreter)
+        assert RunnerConfig(attention_impl="paged").attention_impl == "paged"
+    else:
+        with pytest.raises(ValueError, match="triton"):
+            RunnerConfig(attention_impl="paged")
+
+
 def test_resolution_follows_the_device():
     cpu, gpu = RunnerConfig().resolved("cpu"), RunnerConfig().resolved("cuda")
     assert (cpu.cuda_graphs, cpu.compile, cpu.prefill_chunk) == (False, False, None)

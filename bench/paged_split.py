@@ -5,13 +5,17 @@
 
 At the Qwen3-8B head shape (8 KV heads, 4 query heads each, head dim 128, bf16, 16-token pages) a decode step's
 kernel (engine/paged_attention.py) merges a row's keys chunk by chunk, either all in one program per (KV head, row)
-or with a program per chunk and a combine kernel ("split"). This times one call (of `--width` tokens a row: 1 a decode, 16 a verify) (a CUDA graph of 36 calls, one per
-layer, replayed) for each batch, chunk size and mode, with every row at `context` keys, and reports microseconds a
-call, the KV bytes it reads, and that as GB/s, and whether a row's bits are the same as with the first tile shape
-at the same chunk size. The chunk size changes a row's bits; the mode never does (each row's output is compared
-bitwise across the modes). `--tiles` adds tile shapes (rows, keys an iteration, warps, stages; the engine's
-constants first); a "gather" row per batch times the plain-PyTorch path (`paged_attention.reference` in
-bf16, eager).
+or with a program per chunk and a combine kernel ("split"). This times one call of `--width` tokens a row (1: a
+decode, 16: a verify's block) in a CUDA graph of 36 calls, one per layer, replayed, for each batch, chunk size and
+mode, with every row at `context` keys. It reports microseconds a call, the KV bytes it reads, and that as GB/s, and
+whether a row's bits are the same as with the first tile shape at the same chunk size. The chunk size changes a
+row's bits; the mode never does (each row's output is compared bitwise across the modes). `--tiles` adds tile
+shapes (rows, keys an iteration, warps, stages; the engine's constants first); a "gather" row per batch times the
+plain-PyTorch path (`paged_attention.reference` in bf16, eager).
+
+At small batches the 36 calls read the same K/V, which then stays in L2; in a step the weights stream through L2
+between layers and the K/V come from memory. So a small batch's rows here can favour a mode that loses in the step
+(a verify without the split: docs/results.md); speed_8b decides.
 """
 from __future__ import annotations
 
@@ -79,9 +83,8 @@ def main() -> None:
             err = (out.float() - ref).abs().max().item()
             same = None if split is None else torch.equal(first.setdefault((spec, kpc), out), out)
             same_tiles = None if split is None else torch.equal(first.setdefault(kpc, out), out)
-            tiles = None if split is None else -(-q.shape[2] // tile(spec)["block_m"])
-            auto = None if split is None else pa.use_split(q.device, tiles * q.shape[0] * b, 0,
-                                                           -(-bt.shape[1] * 16 // kpc), tiles)
+            auto = None if split is None else pa.use_split(
+                q.device, -(-q.shape[2] // tile(spec)["block_m"]) * q.shape[0] * b, 0, -(-bt.shape[1] * 16 // kpc))
             rows.append({"batch": b, "width": a.width, "tiles": spec, "keys_per_chunk": kpc, "split": split, "auto_split": auto,
                          "us_per_call": us, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / us / 1e3,
                          "max_abs_err_vs_fp32": err, "bitwise_same_across_modes": same,

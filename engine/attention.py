@@ -93,8 +93,8 @@ def use_paged(q: torch.Tensor, t: int, impl: str | None = None) -> bool:
     when it runs, so a DFlash verify and a native decode of one token could part in bf16. The kernel's row
     bits depend only on the row's own position and keys (its docstring), at any width and batch.
 
-    A decode of one row (8 programs at Qwen3-8B's shape, one per KV head) runs a program per key chunk and a
-    merge (paged_attention.use_split), with the same bits as one program per row. Prefill chunks
+    A decode of one row (8 programs at Qwen3-8B's shape, one per KV head) or a verify runs a program per key
+    chunk and a merge (paged_attention.use_split), with the same bits as one program per row. Prefill chunks
     (wider than PAGED_MAX_T: a 16-row tile per 4 tokens would re-read every key per tile), the CPU and a forced
     `impl` (AttnBatch.impl) keep `grouped_attention` too."""
     return paged_applies(q.device, t, impl)

@@ -18,8 +18,8 @@ chunks of KEYS_PER_CHUNK. Each chunk's softmax state (max, sum, weighted values)
 row's state is the chunks' states merged one by one in chunk order (`_merge`, explicit FMAs: no contraction
 left to the compiler). One program can walk all of a row's chunks and merge them as it goes (`split` off:
 many rows, enough programs to fill the GPU), or each chunk can run in its own program and a second kernel
-merge their states in the same order with the same `_merge` (`split` on: a decode of few rows, at batch 1,
-where one program per row and KV head would leave most SMs idle; `use_split`). Merging a chunk into an empty state
+merge their states in the same order with the same `_merge` (`split` on: few rows, a decode at batch 1 or a
+verify, where one program per row and KV head would leave most SMs idle). Merging a chunk into an empty state
 copies it exactly, so both give the same bits, and the choice is made per call from the shape alone.
 """
 from __future__ import annotations
@@ -242,7 +242,7 @@ if triton is not None:
         tiles = triton.cdiv(m, block_m)
         n_chunks = triton.cdiv(n_keys, keys_per_chunk)
         if split is None:
-            split = use_split(q.device, tiles * hkv * b, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks, tiles)
+            split = use_split(q.device, tiles * hkv * b, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks)
         if split:
             m_ws = torch.empty((n_chunks, hkv * b, m), dtype=torch.float32, device=q.device)
             l_ws = torch.empty_like(m_ws)
@@ -289,14 +289,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def use_split(device: torch.device, programs: int, workspace_bytes: int, n_chunks: int, tiles: int = 1) -> bool:
-    """Whether a call runs a program per key chunk: a decode (its rows one row tile, `tiles` 1) whose one program
-    per (KV head, sequence) would leave SMs idle (SPLIT_BELOW_PROGRAMS_PER_SM), the keys spanning more than one
-    chunk, and the chunk states fitting WORKSPACE_MAX_BYTES. A verify's rows fill several tiles: the combine
-    kernel would merge every tile's chunk states in turn, which on the H200 cost more than the split saved
-    (docs/results.md), so a verify runs a program per row tile. Speed only: the bits are the same either way (the
-    module's docstring)."""
-    return (tiles == 1 and n_chunks > 1 and programs < SPLIT_BELOW_PROGRAMS_PER_SM * _sm_count(device)
+def use_split(device: torch.device, programs: int, workspace_bytes: int, n_chunks: int) -> bool:
+    """Whether a call runs a program per key chunk: when one program per (row tile, KV head, sequence) would
+    leave SMs idle (SPLIT_BELOW_PROGRAMS_PER_SM), the keys span more than one chunk, and the chunk states fit
+    WORKSPACE_MAX_BYTES. Speed only: the bits are the same either way (the module's docstring)."""
+    return (n_chunks > 1 and programs < SPLIT_BELOW_PROGRAMS_PER_SM * _sm_count(device)
             and workspace_bytes <= WORKSPACE_MAX_BYTES)
 
 

@@ -285,8 +285,4 @@ def test_the_engine_dispatches_decode_and_verify_on_a_gpu_only():
         assert attention.use_paged(qc, attention.PAGED_MAX_T)
         assert not attention.use_paged(qc, attention.PAGED_MAX_T + 1)  # prefill chunks
         assert not attention.use_paged(qc, 1, "matmul")  # a forced form
-        dev = qc.device
-        assert engine_pa.use_split(dev, 8, 0, 5) and engine_pa.use_split(dev, 8, 0, 5, tiles=1)  # batch-1 decode
-        assert not engine_pa.use_split(dev, 32, 0, 5, tiles=4)  # a verify's row tiles: a program each
-        assert not engine_pa.use_split(dev, 8, 0, 1)  # one chunk: nothing to split
     assert engine_pa.KEYS_PER_CHUNK % engine_pa.BLOCK_N == 0

@@ -130,26 +130,33 @@ CASES["invariance-float32"] = lambda pa, dev: rows_do_not_depend_on_their_batch(
 CASES["invariance-bfloat16"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.bfloat16)
 
 
+def tiny_pair(dev: str, head_dim: int, drafter_theta: float, seed: int) -> tuple:
+    """A random fp32 target (2 layers, vocabulary 64) and a 2-layer drafter of block 8 on it, the drafter's q/k/v
+    scaled up so that its attention is far from uniform."""
+    from flashpd.engine.config import Qwen3Config
+    from flashpd.engine.drafter import DFlashConfig, dummy_drafter
+    from flashpd.engine.loader import dummy_target
+
+    tcfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256)
+    dcfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=drafter_theta,
+                        block_size=8, num_target_layers=2, target_layer_ids=(0, 1), mask_token_id=63)
+    target = dummy_target(tcfg, dev, torch.float32, seed=seed)
+    drafter = dummy_drafter(dcfg, target, seed=seed + 1)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.qkv_proj.mul_(10)
+    return target, drafter
+
+
 def draft_pass_in_place_is_the_gathered_pass(pa: ModuleType, dev: str) -> None:
     """The drafter's paged pass (DFlashDrafter.paged_block_hidden: each layer writes its block's K/V at the
     block's slots and attends in place) against its gathered pass (context gathered, mask, concatenated block
     K/V) in fp32: rows of different context lengths (one within a chunk, one over several) and widths, block
     tables of scattered blocks padded with the scratch block. Each row's logits within its width agree, and the
     pass writes nothing but its rows' block slots and the scratch block: every context slot is untouched."""
-    from flashpd.engine.config import Qwen3Config
-    from flashpd.engine.drafter import DFlashConfig, dummy_drafter
-    from flashpd.engine.loader import dummy_target
-
-    tcfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256)
-    dcfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6, rope_theta=10000.0, block_size=8,
-                        num_target_layers=2, target_layer_ids=(0, 1), mask_token_id=63)
-    target = dummy_target(tcfg, dev, torch.float32, seed=1)
-    drafter = dummy_drafter(dcfg, target, seed=2)
-    with torch.no_grad():  # weights large enough that attention is far from uniform
-        for layer in drafter.layers:
-            layer.qkv_proj.mul_(10)
+    target, drafter = tiny_pair(dev, 24, 10000.0, seed=1)
     gen = torch.Generator().manual_seed(3)
     bs, nb, t = 8, 24, 8
     cache = torch.randn(2, 2, nb, bs, 2, 24, generator=gen).to(dev)  # context K/V of every slot
@@ -192,25 +199,14 @@ def dflash_on_the_paged_kernel_is_the_gathered_dflash(pa: ModuleType, dev: str) 
     - DraftRunner.draft over rows of different contexts, widths (2-8) and pending context rows (the step's own
       context write, then the block's K/V at its block slots): each row's logits within its width agree;
     - generation of three prompts at width 8: the same tokens and the same acceptance lengths, step by step."""
-    from flashpd.engine.config import Qwen3Config
-    from flashpd.engine.drafter import DFlashConfig, dummy_drafter
-    from flashpd.engine.loader import dummy_target
-    from flashpd.engine.runner import ModelRunner, RunnerConfig
+    from flashpd.engine.runner import ModelRunner
+    from flashpd.engine.runner_config import RunnerConfig
     from flashpd.engine.sampling import SamplingParams
     from flashpd.engine.scheduler import generate
     from flashpd.engine.sequence import Sequence
     from flashpd.engine.spec_decode import DFlashGenerator
 
-    tcfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    dcfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6, block_size=8,
-                        num_target_layers=2, target_layer_ids=(0, 1), mask_token_id=63)
-    target = dummy_target(tcfg, dev, torch.float32, seed=4)
-    drafter = dummy_drafter(dcfg, target, seed=5)
-    with torch.no_grad():
-        for layer in drafter.layers:
-            layer.qkv_proj.mul_(10)
+    target, drafter = tiny_pair(dev, 16, 1e6, seed=4)
     gens = {impl: DFlashGenerator(ModelRunner(target, 48, 8, taps=(0, 1), config=RunnerConfig(
         cuda_graphs=False, compile=False, attention_impl=impl)), drafter, (), 8) for impl in ("matmul", "paged")}
     rows = [(9, 8, 0), (37, 3, 2), (20, 6, 5)]  # (context, width, pending rows)

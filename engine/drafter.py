@@ -244,8 +244,8 @@ class DFlashDrafter(nn.Module):
         reaches next: later context writes overwrite them with the accepted positions' context K/V), then its
         queries attend with the paged kernel to keys 0 .. the row's last block position: the whole context and
         every key of the row's block, bidirectional within it, the visibility `draft_layer`'s mask gives. The
-        target's own layer functions do both halves, so there is no gathered copy of the context, no mask and
-        no concatenation (about 20 kernels a step fewer at five layers)."""
+        target's own layer functions do both halves: no copy of the row's whole padded context, no mask and no
+        concatenation (the gathered pass's reads grow with the block table, which a session reserves to its end)."""
         c = self.cfg
         n_kv, d, eps = c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         layers = self.layers

@@ -19,6 +19,12 @@ from flashpd.engine.sampling import greedy_tokens
 from flashpd.engine.sequence import Sequence
 
 
+def first_and_guesses(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The block to verify [B, T]: each row's first id (ids [B, T]), then the draft's greedy tokens of logits
+    [B, T - 1, V]."""
+    return torch.cat([ids[:, :1], greedy_tokens(logits)], dim=1)
+
+
 class DraftRunner:
     def __init__(self, drafter: DFlashDrafter, runner: ModelRunner) -> None:
         c = drafter.cfg
@@ -39,6 +45,7 @@ class DraftRunner:
         # otherwise the greedy draft (whole pass + argmax) is one compiled function: its glue (rotary tables,
         # masks, cache gathers, final norm, argmax: about 25 eager kernels a step) fuses with the layers
         self.guess_fn = self.guess if self.paged else compiled(self.guess)
+        self._pick = compiled(first_and_guesses) if self.paged else first_and_guesses  # fused, not ~10 eager kernels
         # the same pass for a device step that samples its guesses
         self.logits_fn = self.block_logits if self.paged else compiled(self.block_logits)
         self._graph = GraphedFn(self._step) if runner.config.cuda_graphs else None
@@ -57,8 +64,7 @@ class DraftRunner:
               ctx_lens: torch.Tensor, block_lens: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
         """The block to verify [B, T]: each row's first id, then its greedy draft tokens (see
         DFlashDrafter.draft_logits) for blocks ids/pos [B, T]; block_slots [B*T]: the verify's slots."""
-        guess = greedy_tokens(self.block_logits(ids, pos, cache, bt, ctx_lens, block_lens, block_slots))
-        return torch.cat([ids[:, :1], guess], dim=1)
+        return self._pick(ids, self.block_logits(ids, pos, cache, bt, ctx_lens, block_lens, block_slots))
 
     def block_logits(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
                      ctx_lens: torch.Tensor, block_lens: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,7 @@ class DraftRunner:
         """The draft's logits [B, T - 1, V] for blocks ids/pos [B, T] (guess's pass, before its argmax). Compiled
         whole (the gathered pass), its layers are inlined; the paged pass calls its compiled functions."""
         return self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer, self.impl,
-                                         block_slots, self.paged_fns if self.paged else PAGED_EAGER)
+                                         block_slots, self.paged_fns)
 
     def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:
         p = np.arange(start, start + n)

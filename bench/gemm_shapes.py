@@ -1,0 +1,134 @@
+"""A step's weight matmuls alone, by row count and kernel, at the Qwen3-8B shape.
+
+    python -m flashpd.bench.gemm_shapes --rows 1,16,128 --out bench/results/gemm_shapes.json
+
+Each projection (q/k/v fused, o_proj, gate/up fused, down; the LM head) is timed as a step meets it: a CUDA
+graph of one call per layer (36 weights of the shape, each read once a replay, so no weight stays in L2; the LM
+head once), replayed. Variants: "cublas" (F.linear, the engine's call), "cublas_nn" (x @ w_t with the weight
+stored [K, N]), "cublaslt" (F.linear with torch's preferred BLAS library set to cuBLASLt), "skinny:n-k-w-s"
+(engine/skinny_gemm.py's tile: BLOCK_N, BLOCK_K, warps, stages; up to 16 rows) and "gemv:n-k-w-s" (an FMA GEMV,
+one row). It reports microseconds a call, the weight's GB/s and that over the copy rate measured in the same
+run, the largest difference from F.linear in fp32, and for the skinny tiles whether a row's bits are the same
+alone and inside 16 rows.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from flashpd.bench.common import copy_bandwidth_gbs, write_json
+from flashpd.engine import skinny_gemm as sg
+
+# (name, N, K, copies): Qwen3-8B (hidden 4096, 32 q heads and 8 kv heads of 128, MLP 12288, vocab 151936)
+SHAPES = (("qkv", 6144, 4096, 36), ("o_proj", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),
+          ("down", 4096, 12288, 36), ("lm_head", 151936, 4096, 1))
+
+
+def graph_us(calls: list, reps: int = 10) -> float:
+    """Microseconds a call: the calls captured in one CUDA graph, replayed `reps` times (median of 5)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(5):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / reps / len(calls))
+    return statistics.median(times)
+
+
+def spec(v: str) -> dict[str, int]:
+    n, k, w, s = (int(p) for p in v.split(":")[1].split("-"))
+    return {"block_n": n, "block_k": k, "num_warps": w, "num_stages": s}
+
+
+def call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None):
+    if variant in ("cublas", "cublaslt"):
+        return lambda: F.linear(x, w)
+    if variant == "cublas_nn":
+        return lambda: x @ wt
+    if variant.startswith("skinny:"):
+        kw = spec(variant)
+        return lambda: sg.launch(x, w, **kw)
+    if variant.startswith("gemv:"):
+        kw = spec(variant)
+        return lambda: sg.launch_gemv(x, w, **kw)
+    raise ValueError(variant)
+
+
+def applies(variant: str, m: int, k: int) -> bool:
+    if variant.startswith("skinny:"):
+        return m <= sg.MAX_ROWS
+    if variant.startswith("gemv:"):
+        return m == 1 and k % spec(variant)["block_k"] == 0
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,16,128")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--variants", default="cublas,cublas_nn,cublaslt,skinny:16-256-4-4,skinny:32-256-4-4,"
+                    "skinny:16-512-4-3,skinny:32-128-4-6,skinny:64-128-4-4,gemv:8-512-4-4,gemv:16-256-4-4")
+    ap.add_argument("--out", default="bench/results/gemm_shapes.json")
+    a = ap.parse_args()
+    rows = [int(r) for r in a.rows.split(",")]
+    variants = a.variants.split(",")
+    copy = copy_bandwidth_gbs()
+    print(f"copy rate {copy['gb_per_s']:.0f} GB/s", flush=True)
+    results = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, n, k, copies in SHAPES:
+        if name not in a.shapes.split(","):
+            continue
+        ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        wts = [w.t().contiguous() for w in ws] if "cublas_nn" in variants else [None] * copies
+        wbytes = n * k * 2
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            ref = F.linear(x.float(), ws[0].float())
+            for v in variants:
+                if not applies(v, m, k):
+                    continue
+                torch.backends.cuda.preferred_blas_library("cublaslt" if v == "cublaslt" else "cublas")
+                fns = [call(v, x, ws[i], wts[i]) for i in range(copies)]
+                err = (fns[0]().float() - ref).abs().max().item()
+                us = graph_us(fns)
+                row = {"shape": name, "n": n, "k": k, "rows": m, "variant": v, "us_per_call": us,
+                       "weight_gb_per_s": wbytes / (us * 1e-6) / 1e9,
+                       "of_copy_rate": wbytes / (us * 1e-6) / 1e9 / copy["gb_per_s"], "max_abs_err_fp32": err}
+                if v.startswith("skinny:") and m > 1:
+                    kw = spec(v)
+                    full = sg.launch(x, ws[0], **kw)
+                    row["row_bits_invariant"] = all(torch.equal(sg.launch(x[i:i + 1], ws[0], **kw), full[i:i + 1])
+                                                    for i in range(m))
+                results.append(row)
+                print(f"{name:8s} M={m:3d} {v:22s} {us:8.2f} us  {row['of_copy_rate']:.3f} of copy  err {err:.2e}"
+                      + (f"  invariant {row['row_bits_invariant']}" if "row_bits_invariant" in row else ""),
+                      flush=True)
+        torch.backends.cuda.preferred_blas_library("cublas")
+        del ws, wts
+        torch.cuda.empty_cache()
+    write_json(a.out, {"bench": "gemm_shapes", "command": "python -m flashpd.bench.gemm_shapes "
+                       f"--rows {a.rows} --shapes {a.shapes} --variants {a.variants}",
+                       "copy_bandwidth": copy, "results": results})
+
+
+if __name__ == "__main__":
+    main()

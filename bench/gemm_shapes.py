@@ -6,7 +6,8 @@ Each projection (q/k/v fused, o_proj, gate/up fused, down; the LM head) is timed
 graph of one call per layer (36 weights of the shape, each read once a replay, so no weight stays in L2; the LM
 head once), replayed. Variants: "cublas" (F.linear, the engine's call), "cublas_nn" (x @ w_t with the weight
 stored [K, N]), "cublaslt" (F.linear with torch's preferred BLAS library set to cuBLASLt), "skinny:n-k-w-s"
-(engine/skinny_gemm.py's tile: BLOCK_N, BLOCK_K, warps, stages; up to 16 rows) and "gemv:n-k-w-s" (an FMA GEMV,
+(engine/skinny_gemm.py's kernel at a tile: BLOCK_N, BLOCK_K, warps, stages; up to 16 rows; "skinny" alone: the
+engine's tile for the shape) and "gemv:n-k-w-s" (an FMA GEMV,
 one row). It reports microseconds a call, the weight's GB/s and that over the copy rate measured in the same
 run, the largest difference from F.linear in fp32, and for the skinny tiles whether a row's bits are the same
 alone and inside 16 rows.
@@ -21,6 +22,35 @@ import torch.nn.functional as F
 
 from flashpd.bench.common import copy_bandwidth_gbs, write_json
 from flashpd.engine import skinny_gemm as sg
+
+if sg.triton is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, swn, BN: tl.constexpr, BK: tl.constexpr):
+        """One row by FMA instead of MMA: the bandwidth a plain GEMV reaches, for comparison."""
+        pid = tl.program_id(0)
+        rn = pid * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        n_ok = rn < N
+        acc = tl.zeros([BN, BK], tl.float32)
+        for k in range(0, K, BK):
+            a = tl.load(x_ptr + k + rk)
+            w = tl.load(w_ptr + rn[:, None] * swn + (k + rk)[None, :], mask=n_ok[:, None], other=0.0)
+            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def launch_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int, num_stages: int
+                ) -> torch.Tensor:
+    """x [1, K] -> x @ w.T [1, N] by `_gemv_kernel` (K a multiple of block_k)."""
+    n, k = w.shape
+    assert x.shape == (1, k) and k % block_k == 0
+    y = x.new_empty((1, n))
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), BN=block_n, BK=block_k,
+                                             num_warps=num_warps, num_stages=num_stages)
+    return y
 
 # (name, N, K, copies): Qwen3-8B (hidden 4096, 32 q heads and 8 kv heads of 128, MLP 12288, vocab 151936)
 SHAPES = (("qkv", 6144, 4096, 36), ("o_proj", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),
@@ -53,8 +83,9 @@ def graph_us(calls: list, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def spec(v: str) -> dict[str, int]:
-    n, k, w, s = (int(p) for p in v.split(":")[1].split("-"))
+def spec(v: str, n_out: int = 0, k_in: int = 0) -> dict[str, int]:
+    """"skinny:16-128-2-6" -> the tile's arguments; "skinny" -> the engine's tile for an [n_out, k_in] weight."""
+    n, k, w, s = (int(p) for p in v.split(":")[1].split("-")) if ":" in v else sg.tile(n_out, k_in)
     return {"block_n": n, "block_k": k, "num_warps": w, "num_stages": s}
 
 
@@ -63,17 +94,17 @@ def call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None
         return lambda: F.linear(x, w)
     if variant == "cublas_nn":
         return lambda: x @ wt
-    if variant.startswith("skinny:"):
-        kw = spec(variant)
+    if variant.startswith("skinny"):
+        kw = spec(variant, *w.shape)
         return lambda: sg.launch(x, w, **kw)
     if variant.startswith("gemv:"):
         kw = spec(variant)
-        return lambda: sg.launch_gemv(x, w, **kw)
+        return lambda: launch_gemv(x, w, **kw)
     raise ValueError(variant)
 
 
 def applies(variant: str, m: int, k: int) -> bool:
-    if variant.startswith("skinny:"):
+    if variant.startswith("skinny"):
         return m <= sg.MAX_ROWS
     if variant.startswith("gemv:"):
         return m == 1 and k % spec(variant)["block_k"] == 0
@@ -84,8 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,16,128")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
-    ap.add_argument("--variants", default="cublas,cublas_nn,cublaslt,skinny:16-256-4-4,skinny:32-256-4-4,"
-                    "skinny:16-512-4-3,skinny:32-128-4-6,skinny:64-128-4-4,gemv:8-512-4-4,gemv:16-256-4-4")
+    ap.add_argument("--variants", default="cublas,cublas_nn,skinny,gemv:8-512-4-4")
     ap.add_argument("--out", default="bench/results/gemm_shapes.json")
     a = ap.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
@@ -113,8 +143,8 @@ def main() -> None:
                 row = {"shape": name, "n": n, "k": k, "rows": m, "variant": v, "us_per_call": us,
                        "weight_gb_per_s": wbytes / (us * 1e-6) / 1e9,
                        "of_copy_rate": wbytes / (us * 1e-6) / 1e9 / copy["gb_per_s"], "max_abs_err_fp32": err}
-                if v.startswith("skinny:") and m > 1:
-                    kw = spec(v)
+                if v.startswith("skinny") and m > 1:
+                    kw = spec(v, n, k)
                     full = sg.launch(x, ws[0], **kw)
                     row["row_bits_invariant"] = all(torch.equal(sg.launch(x[i:i + 1], ws[0], **kw), full[i:i + 1])
                                                     for i in range(m))

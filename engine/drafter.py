@@ -25,6 +25,7 @@ from flashpd.engine.config import CheckpointError, HeadGeometry, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
 from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, mlp_residual
+from flashpd.engine.skinny_gemm import linear
 
 
 class DrafterMismatch(CheckpointError):
@@ -169,7 +170,7 @@ class DFlashDrafter(nn.Module):
     # ---- context state -----------------------------------------------------------------
     def context_feature(self, taps: torch.Tensor) -> torch.Tensor:
         """[..., n_taps*H] concatenated target taps -> ctx [..., H]."""
-        return rms_norm(F.linear(taps, self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
+        return rms_norm(linear(taps, self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
 
     def write_context(self, cache: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor,
                       slots: torch.Tensor, kv_fn: Callable | None = None) -> None:
@@ -265,7 +266,7 @@ class DFlashDrafter(nn.Module):
 def block_head(x: torch.Tensor, w_head: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
     """Draft logits [B, T-1, V] of the final-normed block x [B, T, H] at positions 1..T-1, through the
     target's head (and the drafter's output multiplier and soft cap, where its config has them)."""
-    logits = F.linear(x[:, 1:], w_head)
+    logits = linear(x[:, 1:], w_head)
     if multiplier != 1.0:
         logits = logits * multiplier
     if softcap:
@@ -323,7 +324,7 @@ def context_kv_all(taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_f
     """Context K/V of every draft layer at once: taps [N, n_taps*H] -> [layers, 2, N, n_kv, d]."""
     n = taps.shape[0]
     n_l = w_kv_all.shape[0]
-    ctx = rms_norm(F.linear(taps, w_fc), w_hidden_norm, eps)
+    ctx = rms_norm(linear(taps, w_fc), w_hidden_norm, eps)
     kv = torch.matmul(ctx.unsqueeze(0), w_kv_all.transpose(1, 2))  # [layers, N, 2*n_kv*d]
     k, v = kv.split([n_kv * d, n_kv * d], dim=-1)
     k = apply_rotary(rms_norm(k.view(n_l, n, n_kv, d), w_kn_all.view(n_l, 1, 1, d), eps), cos, sin)
@@ -351,7 +352,7 @@ def draft_qkv(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torc
     then the block's own (normed and roped as the target's are)."""
     b, t, _ = h.shape
     x = rms_norm(h, w_in, eps)
-    q, k, v = F.linear(x, w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+    q, k, v = linear(x, w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
     q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
     k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin)
     keys = torch.cat([ctx_k, k.permute(2, 0, 1, 3)], dim=2)

@@ -20,6 +20,7 @@ from dataclasses import replace
 from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
     group_queries, grouped_attention, out_proj, paged_applies, use_paged, write_kv
 from flashpd.engine.paged_attention import paged_attention
+from flashpd.engine.skinny_gemm import linear
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 
@@ -35,7 +36,7 @@ def attn_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: to
     v are written at `slots` here, so that compiled they are stored by the kernel that makes them (separate
     index_copy kernels, two a layer, were a sizeable share of a small model's step: docs/results.md)."""
     b, t, _ = x.shape
-    q, k, v = F.linear(x, w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+    q, k, v = linear(x, w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
     q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
     q = q.transpose(1, 2).contiguous() if fresh else group_queries(q, n_kv)
     k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin).reshape(b * t, n_kv, d)
@@ -57,7 +58,7 @@ def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if use_paged(q, positions.shape[1], impl):
         # o_proj as one matmul over the kernel's [B, T, Hq*d] output (the kv-major per-head matmuls and their
         # sum cost several times the weight's read at large batches)
-        o = F.linear(paged_attention(q, k_cache, v_cache, block_tables, positions, scale, heads_last=True), w_o)
+        o = linear(paged_attention(q, k_cache, v_cache, block_tables, positions, scale, heads_last=True), w_o)
     else:
         if mask is None:
             raise ValueError("the gathered attention needs the position mask (qwen3.step_inputs)")
@@ -70,7 +71,7 @@ def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                    w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, w_next: torch.Tensor,
                    eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`attn_mlp` for a fresh prefill (AttnBatch.fresh): causal attention over this forward's own K/V."""
-    h = mlp_residual(h + F.linear(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
+    h = mlp_residual(h + linear(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
     return residual_and_norm(h, w_next, eps)
 
 
@@ -84,8 +85,8 @@ def residual_and_norm(h: torch.Tensor, w_next: torch.Tensor, eps: float) -> tupl
 def mlp_residual(h: torch.Tensor, w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """h + SwiGLU(post_attention_layernorm(h)), gate and up fused."""
-    gate, up = F.linear(rms_norm(h, w_post, eps), w_gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, w_down)
+    gate, up = linear(rms_norm(h, w_post, eps), w_gate_up).chunk(2, dim=-1)
+    return h + linear(F.silu(gate) * up, w_down)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -214,7 +215,7 @@ class Qwen3ForCausalLM(nn.Module):
             q, k, v = attn_inputs(rms_norm(h, layer.input_layernorm.weight, c.rms_norm_eps), cos, sin,
                                   a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight, c.rms_norm_eps,
                                   c.num_attention_heads, c.num_key_value_heads, c.head_dim, fresh=True)
-            h = h + F.linear(causal_sdpa(q, k, v, c.head_dim ** -0.5), a.o_proj.weight)
+            h = h + linear(causal_sdpa(q, k, v, c.head_dim ** -0.5), a.o_proj.weight)
             h = mlp_residual(h, layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
                              layer.mlp.down_proj.weight, c.rms_norm_eps)
             if i in taps:
@@ -225,4 +226,4 @@ class Qwen3ForCausalLM(nn.Module):
         return out, [tapped[j] for j in taps]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.head_weight)
+        return linear(hidden, self.head_weight)

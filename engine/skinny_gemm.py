@@ -1,47 +1,60 @@
-"""y = x @ w.T for a few rows of x (decode, a DFlash verify's or draft's block): a Triton kernel that reads w once.
+"""y = x @ w.T for up to 16 rows of x (a decode at batch 1, a DFlash verify's or draft's block): one Triton kernel.
 
-At batch 1 and at a verify's 16 rows a projection is a pass over its weight; cuBLAS's kernels for q/k/v, o_proj
-and down at these shapes run at 73-85% of the copy rate on an H200 (docs/results.md), and pick a different
-kernel for each row count, so a row's bits depend on how many rows share the call.
+At these row counts a projection is a pass over its weight. On an H200, cuBLAS's kernels for Qwen3-8B's o_proj,
+down and LM head at one row run at 61-80% and 100% of the copy rate, and it picks another kernel for each row
+count, so a row's bits depend on how many rows share the call (bench/gemm_shapes.py; docs/results.md).
 
-Each program here holds all of x's rows (up to BLOCK_M = 16: one MMA tile) and BLOCK_N of w's rows, and walks K
-in BLOCK_K steps with tl.dot in fp32. One tile shape serves every row count up to 16, and an MMA computes each
-output row from that row alone, in the same order wherever it sits in the tile: a row's bits do not depend on
-how many rows share the call (`batch_invariant` checks it on a GPU).
+Each program holds every row of x (up to BLOCK_M = 16, the smallest tile tl.dot takes) and BLOCK_N rows of w, and
+walks K in BLOCK_K steps with tl.dot, accumulating in fp32. The tile depends on w's shape only (`tile`), never on
+the row count, and an MMA computes each output row from that row alone, in the same order wherever it sits in the
+tile: a row's bits are the same alone and among 16 (tests/test_skinny_gemm.py, on a GPU).
+
+`linear` is the engine's projection: this kernel where it applies (`applies`: CUDA, bf16 or fp16, at most 16 rows),
+F.linear elsewhere (the CPU, fp32, prefill).
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton's CPU interpreter (tests)
 
 triton = None
 if torch.backends.cuda.is_built() or INTERPRET:
     try:
         import triton
         import triton.language as tl
-    except ImportError:
+    except ImportError:  # no triton: F.linear is the only path
         triton = None
 
-BLOCK_M = 16  # the most rows a call takes: the smallest tile tl.dot takes
+BLOCK_M = 16  # the most rows a call takes
 MAX_ROWS = BLOCK_M
-BLOCK_N = 16
-BLOCK_K = 256
-NUM_WARPS = 4
-NUM_STAGES = 4
+# (BLOCK_N, BLOCK_K, warps, stages) by w's rows: picked by bench/gemm_shapes.py's sweep at the Qwen3-8B shape
+# (docs/results.md): 16 output columns a program for q/k/v, o_proj and down (N <= 8192, 256-384 programs);
+# 32 for gate/up and the LM head
+TILE_NARROW = (16, 128, 2, 6)
+TILE_WIDE = (32, 128, 2, 6)
+WIDE_N = 8192
 
 
 def available() -> bool:
     return triton is not None
 
 
+def tile(n: int, k: int) -> tuple[int, int, int, int]:
+    """The tile for a weight of n rows and k columns: a function of the weight alone, so of no row count."""
+    return TILE_WIDE if n > WIDE_N else TILE_NARROW
+
+
 if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
-        """One program: y[:M, n0:n0+BN] over all of K."""
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                       F32: tl.constexpr, ROWWISE: tl.constexpr):
+        """One program: y[:M, n0:n0+BN] over all of K. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE
+        (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
@@ -59,45 +72,60 @@ if triton is not None:
                 k_ok = (k + rk) < K
                 a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(w), acc)
+            if ROWWISE:
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            elif F32:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
-    @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, swn, BN: tl.constexpr, BK: tl.constexpr):
-        """One row, FMA instead of MMA (a bench variant: the bandwidth a plain GEMV reaches)."""
-        pid = tl.program_id(0)
-        rn = pid * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        n_ok = rn < N
-        acc = tl.zeros([BN, BK], tl.float32)
-        for k in range(0, K, BK):
-            a = tl.load(x_ptr + k + rk)
-            w = tl.load(w_ptr + rn[:, None] * swn + (k + rk)[None, :], mask=n_ok[:, None], other=0.0)
-            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-        tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
-
-def launch(x: torch.Tensor, w: torch.Tensor, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-           num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, out: torch.Tensor | None = None
+def launch(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int, num_stages: int
            ) -> torch.Tensor:
-    """x [M <= 16, K] (rows contiguous), w [N, K] -> x @ w.T [M, N] in x's dtype."""
+    """x [M <= 16, K] (rows contiguous), w [N, K] (rows contiguous) -> x @ w.T [M, N] in x's dtype."""
     m, k = x.shape
     n = w.shape[0]
     assert m <= BLOCK_M and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
-    y = x.new_empty((m, n)) if out is None else out
+    y = x.new_empty((m, n))
     _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages)
+        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=BLOCK_M, BN=block_n, BK=block_k,
+        EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32, ROWWISE=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages)
     return y
 
 
-def launch_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 8, block_k: int = 512, num_warps: int = 4,
-                num_stages: int = 4) -> torch.Tensor:
-    """x [1, K] -> x @ w.T [1, N] with the FMA kernel (K a multiple of block_k)."""
-    n, k = w.shape
-    assert x.shape == (1, k) and k % block_k == 0
-    y = x.new_empty((1, n))
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), BN=block_n, BK=block_k,
-                                             num_warps=num_warps, num_stages=num_stages)
-    return y
+if triton is not None:
+    # an opaque custom op, as paged_attention's: compiled, inductor calls it as one extern kernel
+    @torch.library.custom_op("flashpd::skinny_linear", mutates_args=())
+    def _skinny_linear_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return launch(x, w, *tile(w.shape[0], w.shape[1]))
+
+    @_skinny_linear_op.register_fake
+    def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def applies(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
+    """Whether `linear` takes the kernel: on CUDA with triton, in bf16 or fp16 (fp32 keeps cuBLAS's exact
+    fp32; the oracles compare there), at most MAX_ROWS rows."""
+    return (triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and rows <= MAX_ROWS)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The kernel on x [..., K] of any leading shape (at most 16 rows in all) -> [..., N]; on any device triton
+    runs on (the interpreter in tests), fp32 included."""
+    if triton is None:
+        raise RuntimeError("skinny_linear needs triton")
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    return torch.ops.flashpd.skinny_linear(x2, w.contiguous()).view(*x.shape[:-1], w.shape[0])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) without bias: the kernel where `applies`, else F.linear."""
+    if applies(x.device, x.dtype, x.numel() // x.shape[-1]) and w.dtype == x.dtype:
+        return skinny_linear(x, w)
+    return F.linear(x, w)

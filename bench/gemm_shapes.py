@@ -7,11 +7,10 @@ graph of one call per layer (36 weights of the shape, each read once a replay, s
 head once), replayed. Variants: "cublas" (F.linear, the engine's call), "cublas_nn" (x @ w_t with the weight
 stored [K, N]), "cublaslt" (F.linear with torch's preferred BLAS library set to cuBLASLt), "skinny:n-k-w-s"
 (engine/skinny_gemm.py's kernel at a tile: BLOCK_N, BLOCK_K, warps, stages; up to 16 rows; "skinny" alone: the
-engine's tile for the shape), "gemv:n-k-w-s" (an FMA GEMV, one row), and for gate/up "swiglu" (the engine's fused
-gate/up/SwiGLU kernel) against "cublas_swiglu" (F.linear, then chunk and silu * up eagerly). It reports
-microseconds a call, the weight's GB/s and that over the copy rate measured in the same run, the largest
-difference from the fp32 result, and for the skinny tiles whether a row's bits are the same alone and inside 16
-rows.
+engine's tile for the shape) and "gemv:n-k-w-s" (an FMA GEMV,
+one row). It reports microseconds a call, the weight's GB/s and that over the copy rate measured in the same
+run, the largest difference from F.linear in fp32, and for the skinny tiles whether a row's bits are the same
+alone and inside 16 rows.
 """
 from __future__ import annotations
 
@@ -95,10 +94,6 @@ def call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None
         return lambda: F.linear(x, w)
     if variant == "cublas_nn":
         return lambda: x @ wt
-    if variant == "swiglu":
-        return lambda: sg.launch_swiglu(x, w, *sg.SWIGLU_TILE)
-    if variant == "cublas_swiglu":
-        return lambda: silu_mul(F.linear(x, w))
     if variant.startswith("skinny"):
         kw = spec(variant, *w.shape)
         return lambda: sg.launch(x, w, **kw)
@@ -108,14 +103,7 @@ def call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None
     raise ValueError(variant)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def applies(variant: str, name: str, m: int, k: int) -> bool:
-    if variant in ("swiglu", "cublas_swiglu"):
-        return name == "gate_up" and m <= sg.MAX_ROWS
+def applies(variant: str, m: int, k: int) -> bool:
     if variant.startswith("skinny"):
         return m <= sg.MAX_ROWS
     if variant.startswith("gemv:"):
@@ -127,7 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,16,128")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
-    ap.add_argument("--variants", default="cublas,cublas_nn,skinny,gemv:8-512-4-4,swiglu,cublas_swiglu")
+    ap.add_argument("--variants", default="cublas,cublas_nn,skinny,gemv:8-512-4-4")
     ap.add_argument("--out", default="bench/results/gemm_shapes.json")
     a = ap.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
@@ -146,12 +134,11 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             ref = F.linear(x.float(), ws[0].float())
             for v in variants:
-                if not applies(v, name, m, k):
+                if not applies(v, m, k):
                     continue
                 torch.backends.cuda.preferred_blas_library("cublaslt" if v == "cublaslt" else "cublas")
                 fns = [call(v, x, ws[i], wts[i]) for i in range(copies)]
-                want = silu_mul(ref) if "swiglu" in v else ref
-                err = (fns[0]().float() - want).abs().max().item()
+                err = (fns[0]().float() - ref).abs().max().item()
                 us = graph_us(fns)
                 row = {"shape": name, "n": n, "k": k, "rows": m, "variant": v, "us_per_call": us,
                        "weight_gb_per_s": wbytes / (us * 1e-6) / 1e9,

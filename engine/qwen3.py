@@ -20,7 +20,7 @@ from dataclasses import replace
 from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
     group_queries, grouped_attention, out_proj, paged_applies, use_paged, write_kv
 from flashpd.engine.paged_attention import paged_attention
-from flashpd.engine.skinny_gemm import linear, swiglu
+from flashpd.engine.skinny_gemm import linear
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 
@@ -85,7 +85,8 @@ def residual_and_norm(h: torch.Tensor, w_next: torch.Tensor, eps: float) -> tupl
 def mlp_residual(h: torch.Tensor, w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """h + SwiGLU(post_attention_layernorm(h)), gate and up fused."""
-    return h + linear(swiglu(rms_norm(h, w_post, eps), w_gate_up), w_down)
+    gate, up = linear(rms_norm(h, w_post, eps), w_gate_up).chunk(2, dim=-1)
+    return h + linear(F.silu(gate) * up, w_down)
 
 
 class Qwen3DecoderLayer(nn.Module):

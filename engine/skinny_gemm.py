@@ -1,7 +1,7 @@
 """y = x @ w.T for up to 16 rows of x (a decode at batch 1, a DFlash verify's or draft's block): one Triton kernel.
 
-At these row counts a projection is a pass over its weight. cuBLAS reads the smaller weights of a layer well
-below the copy rate at one row, adds a split-K reduction kernel to some, and picks another kernel for each row
+At these row counts a projection is a pass over its weight. On an H200, cuBLAS's kernels for Qwen3-8B's o_proj,
+down and LM head at one row run at 61-80% and 100% of the copy rate, and it picks another kernel for each row
 count, so a row's bits depend on how many rows share the call (bench/gemm_shapes.py; docs/results.md).
 
 Each program holds every row of x (up to BLOCK_M = 16, the smallest tile tl.dot takes) and BLOCK_N rows of w, and
@@ -10,8 +10,7 @@ the row count, and an MMA computes each output row from that row alone, in the s
 tile: a row's bits are the same alone and among 16 (tests/test_skinny_gemm.py, on a GPU).
 
 `linear` is the engine's projection: this kernel where it applies (`applies`: CUDA, bf16 or fp16, at most 16 rows),
-F.linear elsewhere (the CPU, fp32, prefill). `swiglu` is the MLP's gate/up projection and its SwiGLU in one kernel
-where it applies: the same tile walk, two accumulators.
+F.linear elsewhere (the CPU, fp32, prefill).
 """
 from __future__ import annotations
 
@@ -38,8 +37,6 @@ MAX_ROWS = BLOCK_M
 TILE_NARROW = (16, 128, 2, 6)
 TILE_WIDE = (32, 128, 2, 6)
 WIDE_N = 8192
-# the fused gate/up/SwiGLU kernel: 16 columns of gate and 16 of up a program (TILE_WIDE's bytes)
-SWIGLU_TILE = (16, 128, 2, 6)
 
 
 def available() -> bool:
@@ -53,21 +50,11 @@ def tile(n: int, k: int) -> tuple[int, int, int, int]:
 
 if triton is not None:
     @triton.jit
-    def _dot_step(a, w, acc, F32: tl.constexpr, ROWWISE: tl.constexpr):
-        """acc + a @ w.T. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE (the interpreter only): a
-        broadcast product summed along K, as paged_attention._dot explains."""
-        if ROWWISE:
-            return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-        elif F32:
-            return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-        else:
-            return tl.dot(a, tl.trans(w), acc)
-
-    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                        F32: tl.constexpr, ROWWISE: tl.constexpr):
-        """One program: y[:M, n0:n0+BN] over all of K."""
+        """One program: y[:M, n0:n0+BN] over all of K. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE
+        (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
@@ -85,44 +72,13 @@ if triton is not None:
                 k_ok = (k + rk) < K
                 a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _dot_step(a, w, acc, F32, ROWWISE)
-        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _swiglu_kernel(x_ptr, w_ptr, y_ptr, M, I, K, sxm, swn, sym,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                       F32: tl.constexpr, ROWWISE: tl.constexpr):
-        """One program: silu(gate) * up for columns n0:n0+BN of the MLP's I, gate = x @ w[n].T and up =
-        x @ w[I + n].T (w: gate and up fused, [2I, K]), each rounded to y's dtype before the product, as the
-        unfused form rounds them; one read of x's tile serves both."""
-        pid = tl.program_id(0)
-        rm = tl.arange(0, BM)
-        rn = pid * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        m_ok = rm < M
-        n_ok = rn < I
-        x_base = x_ptr + rm[:, None] * sxm + rk[None, :]
-        g_base = w_ptr + rn[:, None] * swn + rk[None, :]
-        u_base = g_base + I * swn
-        acc_g = tl.zeros([BM, BN], tl.float32)
-        acc_u = tl.zeros([BM, BN], tl.float32)
-        for k in range(0, K, BK):
-            if EVEN_K:
-                a = tl.load(x_base + k, mask=m_ok[:, None], other=0.0)
-                wg = tl.load(g_base + k, mask=n_ok[:, None], other=0.0)
-                wu = tl.load(u_base + k, mask=n_ok[:, None], other=0.0)
+            if ROWWISE:
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            elif F32:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
             else:
-                k_ok = (k + rk) < K
-                a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                wg = tl.load(g_base + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                wu = tl.load(u_base + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_g = _dot_step(a, wg, acc_g, F32, ROWWISE)
-            acc_u = _dot_step(a, wu, acc_u, F32, ROWWISE)
-        g = acc_g.to(y_ptr.dtype.element_ty).to(tl.float32)
-        u = acc_u.to(y_ptr.dtype.element_ty).to(tl.float32)
-        act = g / (1.0 + tl.exp(-g)) * u
-        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], act.to(y_ptr.dtype.element_ty),
+                acc = tl.dot(a, tl.trans(w), acc)
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -140,22 +96,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_war
     return y
 
 
-def launch_swiglu(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int, num_stages: int
-                  ) -> torch.Tensor:
-    """x [M <= 16, K], w [2I, K] (gate rows, then up rows) -> silu(x @ gate.T) * (x @ up.T) [M, I]."""
-    m, k = x.shape
-    i = w.shape[0] // 2
-    assert m <= BLOCK_M and w.shape == (2 * i, k) and x.stride(1) == 1 and w.stride(1) == 1
-    y = x.new_empty((m, i))
-    _swiglu_kernel[(triton.cdiv(i, block_n),)](
-        x, w, y, m, i, k, x.stride(0), w.stride(0), y.stride(0), BM=BLOCK_M, BN=block_n, BK=block_k,
-        EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32, ROWWISE=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages)
-    return y
-
-
 if triton is not None:
-    # opaque custom ops, as paged_attention's: compiled, inductor calls each as one extern kernel
+    # an opaque custom op, as paged_attention's: compiled, inductor calls it as one extern kernel
     @torch.library.custom_op("flashpd::skinny_linear", mutates_args=())
     def _skinny_linear_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return launch(x, w, *tile(w.shape[0], w.shape[1]))
@@ -163,14 +105,6 @@ if triton is not None:
     @_skinny_linear_op.register_fake
     def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]))
-
-    @torch.library.custom_op("flashpd::skinny_swiglu", mutates_args=())
-    def _skinny_swiglu_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return launch_swiglu(x, w, *SWIGLU_TILE)
-
-    @_skinny_swiglu_op.register_fake
-    def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], w.shape[0] // 2))
 
 
 def applies(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
@@ -190,27 +124,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.flashpd.skinny_linear(x2, w.contiguous()).view(*x.shape[:-1], w.shape[0])
 
 
-def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
-    """The fused kernel on x [..., K] (at most 16 rows in all) -> [..., I]; see `skinny_linear`."""
-    if triton is None:
-        raise RuntimeError("skinny_swiglu needs triton")
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    return torch.ops.flashpd.skinny_swiglu(x2, w_gate_up.contiguous()).view(*x.shape[:-1], w_gate_up.shape[0] // 2)
-
-
-def _takes_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return applies(x.device, x.dtype, x.numel() // x.shape[-1]) and w.dtype == x.dtype
-
-
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) without bias: the kernel where `applies`, else F.linear."""
-    return skinny_linear(x, w) if _takes_kernel(x, w) else F.linear(x, w)
-
-
-def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of x by the MLP's fused [2I, K] gate/up weight: the fused kernel where `applies` (one
-    kernel, not a projection and an elementwise kernel), else F.linear, chunk and F.silu."""
-    if _takes_kernel(x, w_gate_up):
-        return skinny_swiglu(x, w_gate_up)
-    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if applies(x.device, x.dtype, x.numel() // x.shape[-1]) and w.dtype == x.dtype:
+        return skinny_linear(x, w)
+    return F.linear(x, w)

@@ -1,5 +1,5 @@
-"""The few-row projection kernels (engine/skinny_gemm.py) against F.linear and the unfused SwiGLU, their row
-invariance (a row's bits alone and among 16), the compiled op, and where the engine takes them.
+"""The few-row projection kernel (engine/skinny_gemm.py) against F.linear, its row invariance (a row's bits alone
+and among 16), the compiled op, and where the engine takes it.
 
 Without a GPU the kernel runs under triton's interpreter in one child process started with TRITON_INTERPRET=1
 (tests/test_paged_attention.py says why); on a GPU the cases run here on CUDA tensors, where the invariance is
@@ -45,19 +45,6 @@ def matches_f_linear(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
         torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
-def swiglu_matches_the_unfused_form(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
-    """The fused gate/up/SwiGLU kernel equals F.linear, chunk and F.silu: to rounding in fp32, and in bf16
-    within the rounding of gate and up (both rounded before the product, as the unfused form does)."""
-    for i, (m, n, k) in enumerate(SHAPES[:3]):
-        x, w = operands(dev, dtype, m, 2 * n, k, seed=20 + i)
-        out = sg.skinny_swiglu(x.view(1, m, k), w)
-        gate, up = F.linear(x.float(), w.float()).to(dtype).float().chunk(2, dim=-1)
-        ref = (F.silu(gate) * up).view(1, m, n)
-        assert out.dtype == dtype and out.shape == (1, m, n)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
-
-
 def rows_do_not_depend_on_the_row_count(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
     """Each row of a 16-row call is bitwise the row computed alone and inside a call of 7 rows (a decode at
     batch 1, a verify's block, and a batch between)."""
@@ -67,11 +54,6 @@ def rows_do_not_depend_on_the_row_count(sg: ModuleType, dev: str, dtype: torch.d
         for r in (0, 15):
             assert torch.equal(sg.skinny_linear(x[r:r + 1], w), full[r:r + 1]), (n, k, r)
         assert torch.equal(sg.skinny_linear(x[3:10], w), full[3:10]), (n, k)
-    x, w = operands(dev, dtype, 16, 2 * 40, 300, seed=30)
-    full = sg.skinny_swiglu(x, w)
-    for r in (0, 15):
-        assert torch.equal(sg.skinny_swiglu(x[r:r + 1], w), full[r:r + 1]), r
-    assert torch.equal(sg.skinny_swiglu(x[3:10], w), full[3:10])
 
 
 def compiled_op_is_the_eager_op(sg: ModuleType, dev: str) -> None:
@@ -94,7 +76,6 @@ def the_engine_takes_it_for_few_low_precision_rows_on_cuda(sg: ModuleType, dev: 
 
 for _dt in (torch.float32, torch.bfloat16):
     CASES[f"f-linear-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: matches_f_linear(sg, dev, dt)
-    CASES[f"swiglu-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: swiglu_matches_the_unfused_form(sg, dev, dt)
     CASES[f"invariance-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: rows_do_not_depend_on_the_row_count(sg, dev, dt)
 CASES["compiled"] = compiled_op_is_the_eager_op
 CASES["dispatch"] = the_engine_takes_it_for_few_low_precision_rows_on_cuda
@@ -137,5 +118,3 @@ def test_the_cpu_keeps_f_linear_bitwise():
     x, w = torch.randn(1, 16, 64, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16)
     assert torch.equal(engine_sg.linear(x, w), F.linear(x, w))
     assert torch.equal(engine_sg.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
-    gate, up = F.linear(x, w).chunk(2, dim=-1)
-    assert torch.equal(engine_sg.swiglu(x, w), F.silu(gate) * up)

@@ -31,6 +31,7 @@ if torch.backends.cuda.is_built() or INTERPRET:
 
 BLOCK_M = 16  # the most rows a call takes
 MAX_ROWS = BLOCK_M
+MAX_WEIGHT_ELEMENTS = 2 ** 31 - 1  # the kernel indexes the weight in int32
 # (BLOCK_N, BLOCK_K, warps, stages) by w's rows: picked by bench/gemm_shapes.py's sweep at the Qwen3-8B shape
 # (docs/results.md): 16 output columns a program for q/k/v, o_proj and down (N <= 8192, 256-384 programs);
 # 32 for gate/up and the LM head
@@ -88,6 +89,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_war
     m, k = x.shape
     n = w.shape[0]
     assert m <= BLOCK_M and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
+    if w.numel() > MAX_WEIGHT_ELEMENTS:
+        raise ValueError(f"a weight of {w.numel()} elements is past the kernel's int32 indexing")
     y = x.new_empty((m, n))
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=BLOCK_M, BN=block_n, BK=block_k,
@@ -107,11 +110,12 @@ if triton is not None:
         return x.new_empty((x.shape[0], w.shape[0]))
 
 
-def applies(device: torch.device, dtype: torch.dtype, rows: int) -> bool:
+def applies(device: torch.device, dtype: torch.dtype, rows: int, weight_numel: int) -> bool:
     """Whether `linear` takes the kernel: on CUDA with triton, in bf16 or fp16 (fp32 keeps cuBLAS's exact
-    fp32; the oracles compare there), at most MAX_ROWS rows."""
+    fp32; the oracles compare there), at most MAX_ROWS rows, and a weight whose offsets fit the kernel's 32-bit
+    index arithmetic (MAX_WEIGHT_ELEMENTS)."""
     return (triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and rows <= MAX_ROWS)
+            and rows <= MAX_ROWS and weight_numel <= MAX_WEIGHT_ELEMENTS)
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -126,6 +130,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) without bias: the kernel where `applies`, else F.linear."""
-    if applies(x.device, x.dtype, x.numel() // x.shape[-1]) and w.dtype == x.dtype:
+    if applies(x.device, x.dtype, x.numel() // x.shape[-1], w.numel()) and w.dtype == x.dtype:
         return skinny_linear(x, w)
     return F.linear(x, w)

@@ -67,10 +67,12 @@ def compiled_op_is_the_eager_op(sg: ModuleType, dev: str) -> None:
 
 def the_engine_takes_it_for_few_low_precision_rows_on_cuda(sg: ModuleType, dev: str) -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert sg.applies(cuda, torch.bfloat16, 1) and sg.applies(cuda, torch.float16, sg.MAX_ROWS)
-    assert not sg.applies(cuda, torch.bfloat16, sg.MAX_ROWS + 1)  # batches: cuBLAS
-    assert not sg.applies(cuda, torch.float32, 1)  # fp32 keeps cuBLAS's exact fp32
-    assert not sg.applies(cpu, torch.bfloat16, 1)
+    head = 151936 * 4096
+    assert sg.applies(cuda, torch.bfloat16, 1, head) and sg.applies(cuda, torch.float16, sg.MAX_ROWS, head)
+    assert not sg.applies(cuda, torch.bfloat16, sg.MAX_ROWS + 1, head)  # batches: cuBLAS
+    assert not sg.applies(cuda, torch.float32, 1, head)  # fp32 keeps cuBLAS's exact fp32
+    assert not sg.applies(cpu, torch.bfloat16, 1, head)
+    assert not sg.applies(cuda, torch.bfloat16, 1, 2 ** 31)  # past int32 offsets: cuBLAS
     assert sg.tile(151936, 4096) == sg.TILE_WIDE and sg.tile(4096, 12288) == sg.TILE_NARROW
 
 

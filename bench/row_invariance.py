@@ -8,8 +8,10 @@ screen set, it prefills the prompt, then runs one decode step of its next token 
 [1, 16] with the token and its position repeated (padding columns write the scratch block). It compares column
 0's outputs bitwise: every decoder layer's output, the final normed hidden state, and the logits. It does this
 under each function set: the layer functions eagerly, compiled as the runner compiles them
-(`ModelRunner.compiled`), and compiled with inductor's split reductions off. It reports, per set, the first
-layer whose output differs and the largest difference at each layer.
+(`ModelRunner.compiled`), compiled with inductor's split reductions off, and compiled with inductor's
+emulate_precision_casts (intermediates rounded to their dtype as eager rounds them). It reports, per set, the
+first layer whose output differs, the largest difference at each layer, and which of layer 0's step functions
+(the embedding and RoPE lookup, the input norm, q/k/v, attention and MLP) already differ.
 """
 from __future__ import annotations
 
@@ -28,6 +30,39 @@ from flashpd.engine.runner_config import RunnerConfig
 from flashpd.engine.tokenizer import TextTokenizer
 
 BS = 16  # cache block size
+
+
+def recording(fns: StepFns, log: list) -> StepFns:
+    """fns, each call's name and output appended to `log` (in call order: layer 0's first)."""
+    def wrap(name: str, f):
+        def call(*args, **kw):
+            out = f(*args, **kw)
+            log.append((name, out))
+            return out
+        return call
+    return StepFns(*(wrap(n, f) for n, f in zip(StepFns._fields, fns)))
+
+
+def column0(name: str, out, groups: int) -> list[torch.Tensor]:
+    """Column 0's rows of a step function's outputs (the layouts qwen3's functions return)."""
+    if name == "step_inputs":  # h [B, T, H], cos, sin [B, T, d], mask
+        return [out[0][0, 0], out[1][0, 0], out[2][0, 0]]
+    if name == "attn_inputs":  # q [n_kv, B, T*G, d], k and v [B*T, n_kv, d]
+        return [out[0][:, 0, :groups], out[1][0], out[2][0]]
+    if name == "attn_mlp":  # h, x [B, T, H]
+        return [out[0][0, 0], out[1][0, 0]]
+    return [out[0, 0]]  # norm: x [B, T, H]
+
+
+def first_calls_differing(one: list, wide: list, groups: int) -> list[str]:
+    """Layer 0's functions (the first call of each name) whose column-0 outputs differ between the runs."""
+    firsts = [{}, {}]
+    for log, first in zip((one, wide), firsts):
+        for name, out in log:
+            first.setdefault(name, out)
+    return [name for name in firsts[0] if name in firsts[1] and not all(
+        torch.equal(a, b) for a, b in zip(column0(name, firsts[0][name], groups),
+                                          column0(name, firsts[1][name], groups)))]
 
 
 def step(model, kv: torch.Tensor, fns: StepFns, token: int, pos: int, width: int, nblk: int
@@ -53,11 +88,14 @@ def probe(model, kv: torch.Tensor, fns: StepFns, prompt: list[int]) -> dict:
                       torch.arange(1, nblk + 1, device=dev)[None], fresh=True)
     out, _ = model.forward(ids, batch, kv, fns=fns)
     token = int(model.logits(out[:, -1:]).argmax(-1))
-    one = step(model, kv, fns, token, n, 1, nblk)
-    wide = step(model, kv, fns, token, n, 16, nblk)
+    logs: tuple[list, list] = ([], [])
+    one = step(model, kv, recording(fns, logs[0]), token, n, 1, nblk)
+    wide = step(model, kv, recording(fns, logs[1]), token, n, 16, nblk)
+    groups = model.cfg.num_attention_heads // model.cfg.num_key_value_heads
     diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(one[0], wide[0])]
     first = next((i for i, (a, b) in enumerate(zip(one[0], wide[0])) if not torch.equal(a, b)), None)
     return {"prompt_len": n, "first_layer_differing": first, "layer_max_abs_diff": diffs,
+            "layer0_functions_differing": first_calls_differing(*logs, groups),
             "final_equal": torch.equal(one[1], wide[1]), "logits_equal": torch.equal(one[2], wide[2]),
             "logits_max_abs_diff": (one[2].float() - wide[2].float()).abs().max().item()}
 
@@ -72,10 +110,13 @@ def main() -> None:
     a = ap.parse_args()
     model = load_target(a.target, "cuda", torch.bfloat16)
     runner = ModelRunner(model, num_blocks=512, kv_block_size=BS, config=RunnerConfig(compile=True))
-    no_split = {**inductor_options(runner.config), "split_reductions": False}
+    def compiled(**extra) -> StepFns:
+        opts = {**inductor_options(runner.config), **extra}
+        return StepFns(*(torch.compile(f, fullgraph=True, dynamic=True, options=opts) for f in EAGER))
+
     sets = {"eager": EAGER, "compiled": runner.graph_fns,
-            "compiled_no_split_reductions": StepFns(*(torch.compile(f, fullgraph=True, dynamic=True, options=no_split)
-                                                      for f in EAGER))}
+            "compiled_no_split_reductions": compiled(split_reductions=False),
+            "compiled_emulate_precision_casts": compiled(emulate_precision_casts=True)}
     screen, _ = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.screen, a.seed)
     results = {}
     for name, fns in sets.items():
@@ -84,9 +125,9 @@ def main() -> None:
             with torch.no_grad():
                 r = probe(model, runner.cache.data, fns, screen[i])
             results[name][str(i)] = r
-            print(f"{name:30s} prompt {i} ({r['prompt_len']} tokens): first layer differing "
-                  f"{r['first_layer_differing']}, logits equal {r['logits_equal']} "
-                  f"(max {r['logits_max_abs_diff']:.3g})", flush=True)
+            print(f"{name:34s} prompt {i} ({r['prompt_len']} tokens): first layer differing "
+                  f"{r['first_layer_differing']} (layer 0: {r['layer0_functions_differing']}), logits equal "
+                  f"{r['logits_equal']} (max {r['logits_max_abs_diff']:.3g})", flush=True)
     write_json(a.out, {"bench": "row_invariance", "command": "python -m flashpd.bench.row_invariance "
                        f"--target {a.target} --prompts {a.prompts} --screen {a.screen} --seed {a.seed}",
                        "results": results})

@@ -35,8 +35,9 @@ TapSink = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
 
 
 def inductor_options(config: RunnerConfig) -> dict[str, bool]:
-    """torch.compile's inductor options for `config` (RunnerConfig.compile_deterministic)."""
-    return {"deterministic": config.compile_deterministic}
+    """torch.compile's inductor options for `config` (RunnerConfig.compile_deterministic and
+    compile_eager_rounding)."""
+    return {"deterministic": config.compile_deterministic, "emulate_precision_casts": config.compile_eager_rounding}
 
 
 class ModelRunner:

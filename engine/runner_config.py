@@ -33,6 +33,10 @@ class RunnerConfig:
         configs reduce in different orders, so a timed pick made a kernel's bits depend on timing noise and on
         what ran first: two compiled functions that both norm a verify's rows could round them apart, and
         DFlash parted from native in bf16 (docs/results.md). False: inductor's default (benches compare).
+    compile_eager_rounding: inductor rounds every intermediate to its dtype where eager would (its
+        emulate_precision_casts). Otherwise a fused kernel keeps intermediates in fp32 wherever its fusion did,
+        fusion depends on the shape, and a decode row's bits differed between one column and a verify's 16
+        from the first layer on (bench/row_invariance.py; docs/results.md). False: inductor's default.
     attention_impl: None chooses per shape and device (engine/attention.py: matmul form for small score
         sets on a GPU, the paged kernel for batched decode, fused SDPA otherwise); "matmul" or "sdpa" forces
         that form of the gathered attention on any device, never the paged kernel (tests run the GPU's forms
@@ -53,6 +57,7 @@ class RunnerConfig:
     compile: bool | None = None
     compile_backend: str = "inductor"
     compile_deterministic: bool = True
+    compile_eager_rounding: bool = True
     attention_impl: str | None = None
     prefill_graph_tokens: int = 1024
     prefill_chunk: int | str | None = AUTO
@@ -62,9 +67,9 @@ class RunnerConfig:
         for name in ("cuda_graphs", "compile"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"RunnerConfig.{name} must be True, False or None, got {getattr(self, name)!r}")
-        if self.compile_deterministic not in (True, False):
-            raise ValueError(f"RunnerConfig.compile_deterministic must be True or False, "
-                             f"got {self.compile_deterministic!r}")
+        for name in ("compile_deterministic", "compile_eager_rounding"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"RunnerConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"RunnerConfig.compile_backend must be a backend name, got {self.compile_backend!r}")
         if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:

@@ -17,7 +17,8 @@ from flashpd.engine.runner import ModelRunner, RunnerConfig, inductor_options
 @pytest.mark.parametrize("bad", [dict(attention_impl="flash"), dict(prefill_graph_tokens=0),
                                  dict(prefill_graph_tokens=True), dict(prefill_chunk=-1), dict(prefill_chunk="big"),
                                  dict(compile_backend=""), dict(cuda_graphs="yes"), dict(fresh_prefill=None),
-                                 dict(compile_deterministic="yes")])
+                                 dict(compile_deterministic="yes"),
+                                 dict(compile_eager_rounding="yes")])
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         RunnerConfig(**bad)
@@ -43,13 +44,15 @@ def test_resolution_follows_the_device():
     assert RunnerConfig(cuda_graphs=True, prefill_chunk=None).resolved("cpu").prefill_chunk is None
 
 
-def test_inductor_runs_in_its_deterministic_mode_unless_told_not_to():
-    """Inductor's reduction configs are fixed, not timed at first launch (RunnerConfig.compile_deterministic):
-    the option must be one that this torch's inductor knows (torch.compile refuses unknown ones)."""
+def test_inductor_runs_deterministic_and_rounds_as_eager_unless_told_not_to():
+    """Inductor's reduction configs are fixed, not timed at first launch (RunnerConfig.compile_deterministic),
+    and it rounds intermediates as eager does (compile_eager_rounding): the options must be ones this torch's
+    inductor knows (torch.compile refuses unknown ones)."""
     import torch._inductor.config as inductor_config
 
-    assert inductor_options(RunnerConfig()) == {"deterministic": True}
-    assert inductor_options(RunnerConfig(compile_deterministic=False)) == {"deterministic": False}
+    assert inductor_options(RunnerConfig()) == {"deterministic": True, "emulate_precision_casts": True}
+    assert inductor_options(RunnerConfig(compile_deterministic=False, compile_eager_rounding=False)) == {
+        "deterministic": False, "emulate_precision_casts": False}
     assert all(hasattr(inductor_config, k) for k in inductor_options(RunnerConfig()))
 
 

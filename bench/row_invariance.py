@@ -7,12 +7,11 @@ because native at one column parts on some prompts. This says where. For each pr
 screen set, it prefills the prompt, then runs one decode step of its next token twice: once as [1, 1], once as
 [1, 16] with the token and its position repeated (padding columns write the scratch block). It compares column
 0's outputs bitwise: every decoder layer's output, the final normed hidden state, and the logits. It does this
-under each function set: the layer functions eagerly; compiled as the runner compiles them
-(`ModelRunner.compiled`: intermediates rounded to their dtype where eager rounds them,
-RunnerConfig.compile_eager_rounding); compiled without that rounding (inductor's default, "fused rounding"); and
-that with inductor's split reductions off as well. It reports, per set, the
-first layer whose output differs, the largest difference at each layer, and which of layer 0's step functions
-(the embedding and RoPE lookup, the input norm, q/k/v, attention and MLP) already differ.
+under each function set: the layer functions eagerly; compiled as the runner compiles them by default
+(`ModelRunner.compiled`); that with inductor's split reductions off; and that with intermediates rounded to their
+dtype where eager rounds them (inductor's emulate_precision_casts: RunnerConfig.compile_eager_rounding). It
+reports, per set, the first layer whose output differs, the largest difference at each layer, and which of layer
+0's step functions (the embedding and RoPE lookup, the input norm, q/k/v, attention and MLP) already differ.
 """
 from __future__ import annotations
 
@@ -116,8 +115,8 @@ def main() -> None:
         return StepFns(*(torch.compile(f, fullgraph=True, dynamic=True, options=opts) for f in EAGER))
 
     sets = {"eager": EAGER, "compiled": runner.graph_fns,
-            "compiled_fused_rounding": compiled(emulate_precision_casts=False),
-            "compiled_no_split_reductions": compiled(emulate_precision_casts=False, split_reductions=False)}
+            "compiled_no_split_reductions": compiled(split_reductions=False),
+            "compiled_eager_rounding": compiled(emulate_precision_casts=True)}
     screen, _ = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.screen, a.seed)
     results = {}
     for name, fns in sets.items():

@@ -34,9 +34,11 @@ class RunnerConfig:
         what ran first: two compiled functions that both norm a verify's rows could round them apart, and
         DFlash parted from native in bf16 (docs/results.md). False: inductor's default (benches compare).
     compile_eager_rounding: inductor rounds every intermediate to its dtype where eager would (its
-        emulate_precision_casts). Otherwise a fused kernel keeps intermediates in fp32 wherever its fusion did,
-        fusion depends on the shape, and a decode row's bits differed between one column and a verify's 16
-        from the first layer on (bench/row_invariance.py; docs/results.md). False: inductor's default.
+        emulate_precision_casts). Without it a fused kernel keeps intermediates in fp32 wherever its fusion did,
+        fusion depends on the shape, and a decode row's bits differ between one column and a verify's 16 from
+        the first layer on; with it they were the same at every layer on an H200 (bench/row_invariance.py;
+        docs/results.md). Off by default (inductor's default) until its speed and the exactness protocol at
+        one column are measured with it.
     attention_impl: None chooses per shape and device (engine/attention.py: matmul form for small score
         sets on a GPU, the paged kernel for batched decode, fused SDPA otherwise); "matmul" or "sdpa" forces
         that form of the gathered attention on any device, never the paged kernel (tests run the GPU's forms
@@ -57,7 +59,7 @@ class RunnerConfig:
     compile: bool | None = None
     compile_backend: str = "inductor"
     compile_deterministic: bool = True
-    compile_eager_rounding: bool = True
+    compile_eager_rounding: bool = False
     attention_impl: str | None = None
     prefill_graph_tokens: int = 1024
     prefill_chunk: int | str | None = AUTO

@@ -44,15 +44,15 @@ def test_resolution_follows_the_device():
     assert RunnerConfig(cuda_graphs=True, prefill_chunk=None).resolved("cpu").prefill_chunk is None
 
 
-def test_inductor_runs_deterministic_and_rounds_as_eager_unless_told_not_to():
-    """Inductor's reduction configs are fixed, not timed at first launch (RunnerConfig.compile_deterministic),
-    and it rounds intermediates as eager does (compile_eager_rounding): the options must be ones this torch's
-    inductor knows (torch.compile refuses unknown ones)."""
+def test_inductor_options_follow_the_config():
+    """Inductor's reduction configs are fixed, not timed at first launch (RunnerConfig.compile_deterministic,
+    default on); it rounds intermediates as eager does only when asked (compile_eager_rounding, default off).
+    The options must be ones this torch's inductor knows (torch.compile refuses unknown ones)."""
     import torch._inductor.config as inductor_config
 
-    assert inductor_options(RunnerConfig()) == {"deterministic": True, "emulate_precision_casts": True}
-    assert inductor_options(RunnerConfig(compile_deterministic=False, compile_eager_rounding=False)) == {
-        "deterministic": False, "emulate_precision_casts": False}
+    assert inductor_options(RunnerConfig()) == {"deterministic": True, "emulate_precision_casts": False}
+    assert inductor_options(RunnerConfig(compile_deterministic=False, compile_eager_rounding=True)) == {
+        "deterministic": False, "emulate_precision_casts": True}
     assert all(hasattr(inductor_config, k) for k in inductor_options(RunnerConfig()))
 
 

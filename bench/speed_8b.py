@@ -178,13 +178,13 @@ def prefill_flops(cfg, tokens: int) -> float:
 
 
 def exactness(target: str, draft: str, prompts: int, new_tokens: int, width: int, seed: int,
-              device: str = "cuda") -> dict:
+              device: str = "cuda", eager_rounding: bool = False) -> dict:
     """DFlash against native, greedy, on the speedup protocol's prompts: native at the verify's shapes
-    (step_width = width) and at one column."""
+    (step_width = width) and at one column. eager_rounding: RunnerConfig.compile_eager_rounding."""
     from flashpd.bench.speedup import heldout_prompt_sets, pair_generators  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
 
-    runner, native, spec = pair_generators(target, draft, device)
+    runner, native, spec = pair_generators(target, draft, device, eager_rounding=eager_rounding)
     screen, confirm = heldout_prompt_sets(TextTokenizer.from_dir(target), prompts, seed)
     params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
     wide = NativeGenerator(runner, native.stop_ids, step_width=width)
@@ -251,6 +251,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stall-dump-s", type=float, default=120.0,
                     help="print every thread's stack when a section runs this long, and again each as long")
+    ap.add_argument("--eager-rounding", action="store_true",
+                    help="compile every runner with RunnerConfig.compile_eager_rounding (off: the engine's default)")
     ap.add_argument("--out", default="bench/results/speed_8b.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -276,7 +278,9 @@ def main() -> None:
     target = dummy_target(cfg, "cuda", torch.bfloat16)
     drafter = dummy_drafter(drafter_config_for(cfg, 5), target)
     runner = ModelRunner(target, num_blocks=tokens // 16 + 64, kv_block_size=16,
-                         taps=tuple(drafter.cfg.target_layer_ids))
+                         taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(compile_eager_rounding=a.eager_rounding))
+    res["compile_eager_rounding"] = a.eager_rounding
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     embed = target.embed_tokens.weight
@@ -347,7 +351,7 @@ def main() -> None:
 
     def exact() -> None:
         res["exact"] = exactness(a.exact_target, a.exact_draft, a.exact_prompts, a.exact_new_tokens, a.width,
-                                 a.seed)
+                                 a.seed, eager_rounding=a.eager_rounding)
 
     for name, fn in (("paged", paged), ("curve", curve), ("scheduler", scheduler), ("dflash", dflash),
                      ("prefill", prefill), ("exact", exact)):

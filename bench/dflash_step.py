@@ -151,8 +151,8 @@ def main() -> None:
                           + (f" --schedule {a.schedule}" if a.schedule else "") + f" --out {a.out}")
     write_json(a.out, payload)
     k = payload["kernels"]
-    print(f"verify16/step {k['verify16_over_step']:.3f} (aim <= 1.15); draft16/step {k['draft16_over_step']:.3f} "
-          f"(aim <= 0.25; drafter bytes {d_bytes / t_bytes:.2f}x target)")
+    print(f"verify16/step {k['verify16_over_step']:.3f}; draft16/step {k['draft16_over_step']:.3f} "
+          f"(drafter bytes {d_bytes / t_bytes:.2f}x target)")
 
 
 if __name__ == "__main__":

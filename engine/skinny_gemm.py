@@ -1,7 +1,7 @@
 """y = x @ w.T for up to 16 rows of x (a decode at batch 1, a DFlash verify's or draft's block): one Triton kernel.
 
-At these row counts a projection is a pass over its weight. On an H200, cuBLAS's kernels for Qwen3-8B's o_proj,
-down and LM head at one row run at 61-80% and 100% of the copy rate, and it picks another kernel for each row
+At these row counts a projection is a pass over its weight. cuBLAS reads the smaller weights of a layer well
+below the copy rate at one row, adds a split-K reduction kernel to some, and picks another kernel for each row
 count, so a row's bits depend on how many rows share the call (bench/gemm_shapes.py; docs/results.md).
 
 Each program holds every row of x (up to BLOCK_M = 16, the smallest tile tl.dot takes) and BLOCK_N rows of w, and

@@ -7,10 +7,9 @@ graph of one call per layer (36 weights of the shape, each read once a replay, s
 head once), replayed. Variants: "cublas" (F.linear, the engine's call), "cublas_nn" (x @ w_t with the weight
 stored [K, N]), "cublaslt" (F.linear with torch's preferred BLAS library set to cuBLASLt), "skinny:n-k-w-s"
 (engine/skinny_gemm.py's kernel at a tile: BLOCK_N, BLOCK_K, warps, stages; up to 16 rows; "skinny" alone: the
-engine's tile for the shape) and "gemv:n-k-w-s" (an FMA GEMV,
-one row). It reports microseconds a call, the weight's GB/s and that over the copy rate measured in the same
-run, the largest difference from F.linear in fp32, and for the skinny tiles whether a row's bits are the same
-alone and inside 16 rows.
+engine's tile for the shape) and "gemv:n-k-w-s" (an FMA GEMV, one row). It reports microseconds a call, the
+weight's GB/s and that over the copy rate measured in the same run, the largest difference from F.linear in
+fp32, and for the skinny tiles whether a row's bits are the same alone and inside 16 rows.
 """
 from __future__ import annotations
 
@@ -51,6 +50,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), BN=block_n, BK=block_k,
                                              num_warps=num_warps, num_stages=num_stages)
     return y
+
 
 # (name, N, K, copies): Qwen3-8B (hidden 4096, 32 q heads and 8 kv heads of 128, MLP 12288, vocab 151936)
 SHAPES = (("qkv", 6144, 4096, 36), ("o_proj", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),

@@ -1,31 +1,25 @@
 """The Triton paged attention kernel (engine/paged_attention.py) against the gather + mask + softmax path it
 replaces, and its batch invariance: a row's output is bitwise the same whatever shares its forward.
 
-Without a GPU the kernels run under triton's interpreter (numpy on CPU tensors), which triton.jit picks at
-decoration time, its own library's functions (tl.max, ...) included: TRITON_INTERPRET=1 must be set before
-triton is first imported, and this process imported it long before (torch.compile does). So one child
-process, started with the variable, runs every case below and reports each; each test here checks its
-case's report. On a GPU the cases run in this process on CUDA tensors."""
+Without a GPU the kernels run under triton's interpreter (numpy on CPU tensors) in one child process that runs
+every case below and reports each (tests/_interpreted.py says why); each test here checks its case's report. On a
+GPU the cases run in this process on CUDA tensors."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
 import pytest
 import torch
+from _interpreted import report as interpreted_report
 
 import flashpd.engine.attention as attention
 import flashpd.engine.paged_attention as engine_pa
 
-ROOT = Path(__file__).resolve().parents[1]
 SCALE = 24 ** -0.5
 CASES: dict[str, Callable[[ModuleType, str], None]] = {}
+KERNELS = engine_pa  # the module the cases take (tests/_interpreted.py)
 
 
 def random_case(pa: ModuleType, device: str, dtype: torch.dtype, b: int, t: int, nblk: int, seed: int,
@@ -239,27 +233,9 @@ def dflash_on_the_paged_kernel_is_the_gathered_dflash(pa: ModuleType, dev: str) 
 CASES["dflash-paged-engine"] = dflash_on_the_paged_kernel_is_the_gathered_dflash
 
 
-def run_cases() -> None:
-    """The child: every case under the interpreter; prints {name: "ok" or the traceback} as JSON."""
-    assert engine_pa.available() and engine_pa.INTERPRET, "start the child with TRITON_INTERPRET=1"
-    torch.set_num_threads(1)
-    report = {}
-    for name, fn in CASES.items():
-        try:
-            fn(engine_pa, "cpu")
-            report[name] = "ok"
-        except Exception:  # noqa: BLE001 (reported to the parent)
-            report[name] = traceback.format_exc()
-    print(json.dumps(report))
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", "from tests.test_paged_attention import run_cases; run_cases()"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_report(Path(__file__).stem)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -2,27 +2,23 @@
 and among 16), the compiled op, and where the engine takes it.
 
 Without a GPU the kernel runs under triton's interpreter in one child process started with TRITON_INTERPRET=1
-(tests/test_paged_attention.py says why); on a GPU the cases run here on CUDA tensors, where the invariance is
-the MMA's."""
+(tests/_interpreted.py says why); on a GPU the cases run here on CUDA tensors, where the invariance is the
+MMA's."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
 import pytest
 import torch
+from _interpreted import report as interpreted_report
 import torch.nn.functional as F
 
 import flashpd.engine.skinny_gemm as engine_sg
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES: dict[str, Callable[[ModuleType, str], None]] = {}
+KERNELS = engine_sg  # the module the cases take (tests/_interpreted.py)
 # (rows, N, K): N not a multiple of either tile's columns, K a multiple of BLOCK_K or not; N > WIDE_N takes
 # the wide tile
 SHAPES = ((1, 40, 256), (5, 72, 300), (16, 24, 128), (3, 8200, 64))
@@ -83,27 +79,9 @@ CASES["compiled"] = compiled_op_is_the_eager_op
 CASES["dispatch"] = the_engine_takes_it_for_few_low_precision_rows_on_cuda
 
 
-def run_cases() -> None:
-    """The child: every case under the interpreter; prints {name: "ok" or the traceback} as JSON."""
-    assert engine_sg.available() and engine_sg.INTERPRET, "start the child with TRITON_INTERPRET=1"
-    torch.set_num_threads(1)
-    report = {}
-    for name, fn in CASES.items():
-        try:
-            fn(engine_sg, "cpu")
-            report[name] = "ok"
-        except Exception:  # noqa: BLE001 (reported to the parent)
-            report[name] = traceback.format_exc()
-    print(json.dumps(report))
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", "from tests.test_skinny_gemm import run_cases; run_cases()"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_report(Path(__file__).stem)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,0 +1,49 @@
+"""Kernel test cases run under triton's interpreter, all in one child process.
+
+triton.jit picks the interpreter at decoration time, its own library's functions (tl.max, ...) included:
+TRITON_INTERPRET=1 must be set before triton is first imported, and a test process imports it long before
+(torch.compile does). So a kernel test module lists its cases (CASES: name -> fn(kernel module, device)) and the
+engine module they take (KERNELS); `report` starts one child with the variable, which runs every case on the
+CPU and prints {name: "ok" or the traceback}; each test checks its case's entry. On a GPU the cases run in the
+test process on CUDA tensors instead.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(module_name: str) -> None:
+    """In the child: every case of the test module `module_name` (a file name in tests/, without .py) under the
+    interpreter; prints the report as JSON."""
+    mod = importlib.import_module(module_name)
+    assert mod.KERNELS.available() and mod.KERNELS.INTERPRET, "start the child with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    report = {}
+    for name, fn in mod.CASES.items():
+        try:
+            fn(mod.KERNELS, "cpu")
+            report[name] = "ok"
+        except Exception:  # noqa: BLE001 (reported to the parent)
+            report[name] = traceback.format_exc()
+    print(json.dumps(report))
+
+
+def report(module_name: str) -> dict[str, str]:
+    """Run `child(module_name)` in a process started with TRITON_INTERPRET=1 (the repository root its working
+    directory, tests/ on its path, as under pytest); its report."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = f"import sys; sys.path.insert(0, 'tests'); from _interpreted import child; child({module_name!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

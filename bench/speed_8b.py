@@ -178,13 +178,14 @@ def prefill_flops(cfg, tokens: int) -> float:
 
 
 def exactness(target: str, draft: str, prompts: int, new_tokens: int, width: int, seed: int,
-              device: str = "cuda", eager_rounding: bool = False) -> dict:
+              device: str = "cuda", eager_rounding: bool = False, inductor_extra: tuple = ()) -> dict:
     """DFlash against native, greedy, on the speedup protocol's prompts: native at the verify's shapes
-    (step_width = width) and at one column. eager_rounding: RunnerConfig.compile_eager_rounding."""
+    (step_width = width) and at one column. eager_rounding and inductor_extra: the RunnerConfig fields."""
     from flashpd.bench.speedup import heldout_prompt_sets, pair_generators  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
 
-    runner, native, spec = pair_generators(target, draft, device, eager_rounding=eager_rounding)
+    runner, native, spec = pair_generators(target, draft, device, eager_rounding=eager_rounding,
+                                           inductor_extra=inductor_extra)
     screen, confirm = heldout_prompt_sets(TextTokenizer.from_dir(target), prompts, seed)
     params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
     wide = NativeGenerator(runner, native.stop_ids, step_width=width)
@@ -201,6 +202,21 @@ def exactness(target: str, draft: str, prompts: int, new_tokens: int, width: int
     return {"target": target, "draft": draft, "width": width, "new_tokens": new_tokens, "prompts": rows,
             "exact_verify_shapes": f"{sum(r['equal_at_verify_shapes'] for r in rows)}/{n}",
             "exact_one_column": f"{sum(r['equal_at_one_column'] for r in rows)}/{n}"}
+
+
+def inductor_option(spec: str) -> tuple[str, bool | int | float | str]:
+    """"combo_kernels=1" -> ("combo_kernels", 1): true/false as bools, numbers as numbers, else the string."""
+    name, sep, value = spec.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--inductor-option takes NAME=VALUE, got {spec!r}")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    for cast in (int, float):
+        try:
+            return name, cast(value)
+        except ValueError:
+            pass
+    return name, value
 
 
 def fields(res: dict) -> dict:
@@ -253,8 +269,11 @@ def main() -> None:
                     help="print every thread's stack when a section runs this long, and again each as long")
     ap.add_argument("--eager-rounding", action="store_true",
                     help="compile every runner with RunnerConfig.compile_eager_rounding (off: the engine's default)")
+    ap.add_argument("--inductor-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="an inductor config entry for every runner (RunnerConfig.inductor_extra); repeatable")
     ap.add_argument("--out", default="bench/results/speed_8b.json")
     a = ap.parse_args()
+    extra = tuple(inductor_option(o) for o in a.inductor_option)
     if not torch.cuda.is_available():
         raise SystemExit("speed_8b needs a CUDA GPU")
     sections = set(a.sections.split(","))
@@ -279,8 +298,9 @@ def main() -> None:
     drafter = dummy_drafter(drafter_config_for(cfg, 5), target)
     runner = ModelRunner(target, num_blocks=tokens // 16 + 64, kv_block_size=16,
                          taps=tuple(drafter.cfg.target_layer_ids),
-                         config=RunnerConfig(compile_eager_rounding=a.eager_rounding))
+                         config=RunnerConfig(compile_eager_rounding=a.eager_rounding, inductor_extra=extra))
     res["compile_eager_rounding"] = a.eager_rounding
+    res["inductor_extra"] = dict(extra)
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     embed = target.embed_tokens.weight
@@ -351,7 +371,7 @@ def main() -> None:
 
     def exact() -> None:
         res["exact"] = exactness(a.exact_target, a.exact_draft, a.exact_prompts, a.exact_new_tokens, a.width,
-                                 a.seed, eager_rounding=a.eager_rounding)
+                                 a.seed, eager_rounding=a.eager_rounding, inductor_extra=extra)
 
     for name, fn in (("paged", paged), ("curve", curve), ("scheduler", scheduler), ("dflash", dflash),
                      ("prefill", prefill), ("exact", exact)):

@@ -34,10 +34,11 @@ class StepOutput:
 TapSink = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
 
 
-def inductor_options(config: RunnerConfig) -> dict[str, bool]:
-    """torch.compile's inductor options for `config` (RunnerConfig.compile_deterministic and
-    compile_eager_rounding)."""
-    return {"deterministic": config.compile_deterministic, "emulate_precision_casts": config.compile_eager_rounding}
+def inductor_options(config: RunnerConfig) -> dict[str, object]:
+    """torch.compile's inductor options for `config` (RunnerConfig.compile_deterministic, compile_eager_rounding
+    and inductor_extra)."""
+    return {"deterministic": config.compile_deterministic, "emulate_precision_casts": config.compile_eager_rounding,
+            **dict(config.inductor_extra)}
 
 
 class ModelRunner:

@@ -39,6 +39,8 @@ class RunnerConfig:
         the first layer on; with it they were the same at every layer on an H200 (bench/row_invariance.py;
         docs/results.md). Off by default (inductor's default) until its speed and the exactness protocol at
         one column are measured with it.
+    inductor_extra: further inductor config entries, (name, value) pairs, for benches that try one (for
+        example ("combo_kernels", True)). Names must be inductor's; the two above have fields of their own.
     attention_impl: None chooses per shape and device (engine/attention.py: matmul form for small score
         sets on a GPU, the paged kernel for batched decode, fused SDPA otherwise); "matmul" or "sdpa" forces
         that form of the gathered attention on any device, never the paged kernel (tests run the GPU's forms
@@ -60,6 +62,7 @@ class RunnerConfig:
     compile_backend: str = "inductor"
     compile_deterministic: bool = True
     compile_eager_rounding: bool = False
+    inductor_extra: tuple[tuple[str, bool | int | float | str], ...] = ()
     attention_impl: str | None = None
     prefill_graph_tokens: int = 1024
     prefill_chunk: int | str | None = AUTO
@@ -72,6 +75,7 @@ class RunnerConfig:
         for name in ("compile_deterministic", "compile_eager_rounding"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"RunnerConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        _check_inductor_extra(self.inductor_extra)
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise ValueError(f"RunnerConfig.compile_backend must be a backend name, got {self.compile_backend!r}")
         if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
@@ -95,6 +99,25 @@ class RunnerConfig:
         chunk = (self.prefill_graph_tokens if graphs else None) if self.prefill_chunk == AUTO else self.prefill_chunk
         return replace(self, cuda_graphs=graphs, compile=graphs if self.compile is None else self.compile,
                        prefill_chunk=chunk)
+
+
+OWN_FIELDS = {"deterministic": "compile_deterministic", "emulate_precision_casts": "compile_eager_rounding"}
+
+
+def _check_inductor_extra(extra: object) -> None:
+    """(name, value) pairs naming inductor config entries, none of them one that has a field of its own."""
+    if not isinstance(extra, tuple) or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                               for p in extra):
+        raise ValueError(f"RunnerConfig.inductor_extra must be a tuple of (name, value) pairs, got {extra!r}")
+    if not extra:
+        return
+    import torch._inductor.config as inductor_config  # noqa: PLC0415 (only when entries are given)
+
+    for name, _ in extra:
+        if name in OWN_FIELDS:
+            raise ValueError(f"RunnerConfig.inductor_extra: set {name!r} through RunnerConfig.{OWN_FIELDS[name]}")
+        if not hasattr(inductor_config, name):
+            raise ValueError(f"RunnerConfig.inductor_extra: inductor has no config entry {name!r}")
 
 
 def _positive_int(x: object) -> bool:

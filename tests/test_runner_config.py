@@ -18,7 +18,9 @@ from flashpd.engine.runner import ModelRunner, RunnerConfig, inductor_options
                                  dict(prefill_graph_tokens=True), dict(prefill_chunk=-1), dict(prefill_chunk="big"),
                                  dict(compile_backend=""), dict(cuda_graphs="yes"), dict(fresh_prefill=None),
                                  dict(compile_deterministic="yes"),
-                                 dict(compile_eager_rounding="yes")])
+                                 dict(compile_eager_rounding="yes"), dict(inductor_extra=[("combo_kernels", True)]),
+                                 dict(inductor_extra=(("no_such_entry", 1),)),
+                                 dict(inductor_extra=(("deterministic", False),))])
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         RunnerConfig(**bad)
@@ -54,6 +56,8 @@ def test_inductor_options_follow_the_config():
     assert inductor_options(RunnerConfig(compile_deterministic=False, compile_eager_rounding=True)) == {
         "deterministic": False, "emulate_precision_casts": True}
     assert all(hasattr(inductor_config, k) for k in inductor_options(RunnerConfig()))
+    extra = inductor_options(RunnerConfig(inductor_extra=(("combo_kernels", True),)))
+    assert extra == {"deterministic": True, "emulate_precision_casts": False, "combo_kernels": True}
 
 
 def _model():

@@ -9,8 +9,8 @@ walks K in BLOCK_K steps with tl.dot, accumulating in fp32. The tile depends on 
 the row count, and an MMA computes each output row from that row alone, in the same order wherever it sits in the
 tile: a row's bits are the same alone and among 16 (tests/test_skinny_gemm.py, on a GPU).
 
-`linear` is the engine's projection: this kernel where it applies (`applies`: CUDA, bf16 or fp16, at most 16 rows),
-F.linear elsewhere (the CPU, fp32, prefill).
+`linear` is the engine's projection: this kernel where it applies (`applies`: CUDA, bf16 or fp16, at most 16 rows,
+a weight within int32 offsets), F.linear elsewhere (the CPU, fp32, batches, prefill).
 """
 from __future__ import annotations
 

@@ -4,11 +4,12 @@ triton.jit picks the interpreter at decoration time, its own library's functions
 TRITON_INTERPRET=1 must be set before triton is first imported, and a test process imports it long before
 (torch.compile does). So a kernel test module lists its cases (CASES: name -> fn(kernel module, device)) and the
 engine module they take (KERNELS); `report` starts one child with the variable, which runs every case on the
-CPU and prints {name: "ok" or the traceback}; each test checks its case's entry. On a GPU the cases run in the
-test process on CUDA tensors instead.
+CPU and prints {name: "ok" or the traceback}; each test checks its case's entry (`check`). On a GPU the cases run
+in the test process on CUDA tensors instead.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -38,12 +40,23 @@ def child(module_name: str) -> None:
     print(json.dumps(report))
 
 
+@functools.lru_cache(maxsize=None)
 def report(module_name: str) -> dict[str, str]:
     """Run `child(module_name)` in a process started with TRITON_INTERPRET=1 (the repository root its working
-    directory, tests/ on its path, as under pytest); its report."""
+    directory, tests/ on its path, as under pytest); its report, once a process."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     code = f"import sys; sys.path.insert(0, 'tests'); from _interpreted import child; child({module_name!r})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check(module: ModuleType, name: str) -> None:
+    """A kernel test module's case `name`: run here on CUDA where there is a GPU, else its entry in the
+    interpreter child's report must be "ok"."""
+    if torch.cuda.is_available():  # pragma: no cover (GPU machines: the compiled kernels)
+        module.CASES[name](module.KERNELS, "cuda")
+        return
+    result = report(Path(module.__file__).stem)[name]
+    assert result == "ok", result

@@ -6,13 +6,13 @@ every case below and reports each (tests/_interpreted.py says why); each test he
 GPU the cases run in this process on CUDA tensors."""
 from __future__ import annotations
 
-from pathlib import Path
+import sys
 from types import ModuleType
 from typing import Callable
 
 import pytest
 import torch
-from _interpreted import report as interpreted_report
+from _interpreted import check as check_case
 
 import flashpd.engine.attention as attention
 import flashpd.engine.paged_attention as engine_pa
@@ -233,18 +233,9 @@ def dflash_on_the_paged_kernel_is_the_gathered_dflash(pa: ModuleType, dev: str) 
 CASES["dflash-paged-engine"] = dflash_on_the_paged_kernel_is_the_gathered_dflash
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, str]:
-    return interpreted_report(Path(__file__).stem)
-
-
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel(name: str, request: pytest.FixtureRequest) -> None:
-    if torch.cuda.is_available():  # pragma: no cover (GPU machines: the compiled kernels)
-        CASES[name](engine_pa, "cuda")
-        return
-    result = request.getfixturevalue("interpreted")[name]
-    assert result == "ok", result
+def test_kernel(name: str) -> None:
+    check_case(sys.modules[__name__], name)
 
 
 def test_the_engine_dispatches_decode_and_verify_on_a_gpu_only():

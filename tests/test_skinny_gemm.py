@@ -6,14 +6,14 @@ Without a GPU the kernel runs under triton's interpreter in one child process st
 MMA's."""
 from __future__ import annotations
 
-from pathlib import Path
+import sys
 from types import ModuleType
 from typing import Callable
 
 import pytest
 import torch
-from _interpreted import report as interpreted_report
 import torch.nn.functional as F
+from _interpreted import check as check_case
 
 import flashpd.engine.skinny_gemm as engine_sg
 
@@ -79,18 +79,9 @@ CASES["compiled"] = compiled_op_is_the_eager_op
 CASES["dispatch"] = the_engine_takes_it_for_few_low_precision_rows_on_cuda
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, str]:
-    return interpreted_report(Path(__file__).stem)
-
-
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel(name: str, request: pytest.FixtureRequest) -> None:
-    if torch.cuda.is_available():  # pragma: no cover (GPU machines: the compiled kernel)
-        CASES[name](engine_sg, "cuda")
-        return
-    result = request.getfixturevalue("interpreted")[name]
-    assert result == "ok", result
+def test_kernel(name: str) -> None:
+    check_case(sys.modules[__name__], name)
 
 
 def test_the_cpu_keeps_f_linear_bitwise():

@@ -25,7 +25,7 @@ from flashpd.demo import PAIR
 from flashpd.engine.attention import AttnBatch
 from flashpd.engine.loader import load_target
 from flashpd.engine.qwen3 import EAGER, StepFns
-from flashpd.engine.runner import ModelRunner, inductor_options
+from flashpd.engine.runner import ModelRunner
 from flashpd.engine.runner_config import RunnerConfig
 from flashpd.engine.tokenizer import TextTokenizer
 
@@ -110,13 +110,14 @@ def main() -> None:
     a = ap.parse_args()
     model = load_target(a.target, "cuda", torch.bfloat16)
     runner = ModelRunner(model, num_blocks=512, kv_block_size=BS, config=RunnerConfig(compile=True))
-    def compiled(**extra) -> StepFns:
-        opts = {**inductor_options(runner.config), **extra}
-        return StepFns(*(torch.compile(f, fullgraph=True, dynamic=True, options=opts) for f in EAGER))
+
+    def compiled(**config) -> StepFns:
+        """The layer functions as a runner of this config compiles them (its own cache unused)."""
+        return ModelRunner(model, num_blocks=2, kv_block_size=BS, config=RunnerConfig(compile=True, **config)).graph_fns
 
     sets = {"eager": EAGER, "compiled": runner.graph_fns,
-            "compiled_no_split_reductions": compiled(split_reductions=False),
-            "compiled_eager_rounding": compiled(emulate_precision_casts=True)}
+            "compiled_no_split_reductions": compiled(inductor_extra=(("split_reductions", False),)),
+            "compiled_eager_rounding": compiled(compile_eager_rounding=True)}
     screen, _ = heldout_prompt_sets(TextTokenizer.from_dir(a.target), a.screen, a.seed)
     results = {}
     for name, fns in sets.items():

@@ -274,6 +274,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/speed_8b.json")
     a = ap.parse_args()
     extra = tuple(inductor_option(o) for o in a.inductor_option)
+    RunnerConfig(inductor_extra=extra)  # an unknown entry fails here, before minutes of setup
     if not torch.cuda.is_available():
         raise SystemExit("speed_8b needs a CUDA GPU")
     sections = set(a.sections.split(","))

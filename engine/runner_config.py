@@ -40,7 +40,8 @@ class RunnerConfig:
         docs/results.md). Off by default (inductor's default) until its speed and the exactness protocol at
         one column are measured with it.
     inductor_extra: further inductor config entries, (name, value) pairs, for benches that try one (for
-        example ("combo_kernels", True)). Names must be inductor's; the two above have fields of their own.
+        example ("combo_kernels", False), which turns a default off). Names must be inductor's; the two above
+        have fields of their own.
     attention_impl: None chooses per shape and device (engine/attention.py: matmul form for small score
         sets on a GPU, the paged kernel for batched decode, fused SDPA otherwise); "matmul" or "sdpa" forces
         that form of the gathered attention on any device, never the paged kernel (tests run the GPU's forms

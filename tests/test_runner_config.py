@@ -52,12 +52,13 @@ def test_inductor_options_follow_the_config():
     The options must be ones this torch's inductor knows (torch.compile refuses unknown ones)."""
     import torch._inductor.config as inductor_config
 
-    assert inductor_options(RunnerConfig()) == {"deterministic": True, "emulate_precision_casts": False}
+    assert inductor_options(RunnerConfig()) == {"deterministic": True, "emulate_precision_casts": False,
+                                                "combo_kernels": True}
     assert inductor_options(RunnerConfig(compile_deterministic=False, compile_eager_rounding=True)) == {
-        "deterministic": False, "emulate_precision_casts": True}
+        "deterministic": False, "emulate_precision_casts": True, "combo_kernels": True}
     assert all(hasattr(inductor_config, k) for k in inductor_options(RunnerConfig()))
-    extra = inductor_options(RunnerConfig(inductor_extra=(("combo_kernels", True),)))
-    assert extra == {"deterministic": True, "emulate_precision_casts": False, "combo_kernels": True}
+    extra = inductor_options(RunnerConfig(inductor_extra=(("combo_kernels", False),)))
+    assert extra == {"deterministic": True, "emulate_precision_casts": False, "combo_kernels": False}
 
 
 def _model():

@@ -37,8 +37,8 @@ class RunnerConfig:
         emulate_precision_casts). Without it a fused kernel keeps intermediates in fp32 wherever its fusion did,
         fusion depends on the shape, and a decode row's bits differ between one column and a verify's 16 from
         the first layer on; with it they were the same at every layer on an H200 (bench/row_invariance.py;
-        docs/results.md). Off by default (inductor's default) until its speed and the exactness protocol at
-        one column are measured with it.
+        docs/results.md). Off by default (inductor's default): measured at no cost, but one column
+        stays short of exact (14/16 prompts; docs/results.md).
     inductor_extra: further inductor config entries, (name, value) pairs, for benches that try one (for
         example ("combo_kernels", False), which turns a default off). Names must be inductor's; the two above
         have fields of their own.

@@ -49,6 +49,7 @@ def test_resolution_follows_the_device():
 def test_inductor_options_follow_the_config():
     """Inductor's reduction configs are fixed, not timed at first launch (RunnerConfig.compile_deterministic,
     default on); it rounds intermediates as eager does only when asked (compile_eager_rounding, default off).
+    Combo kernels are on unless inductor_extra turns them off.
     The options must be ones this torch's inductor knows (torch.compile refuses unknown ones)."""
     import torch._inductor.config as inductor_config
 

@@ -58,6 +58,11 @@ KEYS_PER_CHUNK = 64  # keys per chunk state (see the module's docstring); a mult
 # than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
 WORKSPACE_MAX_BYTES = 64 << 20
+# the persistent kernel (`_persistent_kernel`): PERSIST_PROGRAMS_PER_SM programs an SM take the items when there
+# are more than PERSIST_ABOVE_WAVES waves of them (None: never)
+PERSIST_PROGRAMS_PER_SM = 2
+PERSIST_ABOVE_WAVES: float | None = None
+MODES = ("walk", "split", "persist")  # the op's mode argument: an index here, -1 to choose by shape
 
 
 def available() -> bool:
@@ -115,6 +120,20 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _chunk(q, k_base, v_base, bt_row, pos, max_pos, n_keys, c_lo, qk_scale, sk_blk, sk_off, sv_blk, sv_off,
+               d_ok, BM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
+               KPC: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
+        """The state of the chunk of keys from c_lo, from nothing, its blocks unrolled; a block past the tile's
+        last key loads nothing and changes nothing."""
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D_PAD], tl.float32)
+        for j in tl.static_range(0, KPC, BN):
+            m_i, l_i, acc = _block(q, k_base, v_base, bt_row, pos, max_pos, n_keys, c_lo + j, m_i, l_i, acc,
+                                   qk_scale, sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE, BN, F32, INTERPRET)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                      qk_scale, HKV, M, n_keys,
                      sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
@@ -157,16 +176,9 @@ if triton is not None:
         qk_scale = tl.cast(qk_scale, tl.float32)  # a compiled caller passes the float as fp64
         k_base = k_ptr + h * sk_h + dd[None, :]
         v_base = v_ptr + h * sv_h + dd[None, :]
-        for c_lo in range(lo, hi, KPC):
-            # one chunk from nothing, its blocks unrolled (the pipelined loop is the chunk loop); a block past the
-            # tile's last key loads nothing and changes nothing
-            m_i = tl.full([BM], float("-inf"), tl.float32)
-            l_i = tl.zeros([BM], tl.float32)
-            acc = tl.zeros([BM, D_PAD], tl.float32)
-            for j in tl.static_range(0, KPC, BN):
-                m_i, l_i, acc = _block(q, k_base, v_base, bt_ptr + b * sbt_b, pos, max_pos, n_keys, c_lo + j,
-                                       m_i, l_i, acc, qk_scale, sk_blk, sk_off, sv_blk, sv_off, d_ok,
-                                       PAGE, BN, F32, INTERPRET)
+        for c_lo in range(lo, hi, KPC):  # the pipelined loop
+            m_i, l_i, acc = _chunk(q, k_base, v_base, bt_ptr + b * sbt_b, pos, max_pos, n_keys, c_lo, qk_scale,
+                                   sk_blk, sk_off, sv_blk, sv_off, d_ok, BM, D_PAD, PAGE, BN, KPC, F32, INTERPRET)
             m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         if SPLIT:
             ws = (pid_s * tl.num_programs(1) + pid_bh) * M + rows
@@ -179,6 +191,64 @@ if triton is not None:
             o_rows = (rows // G) * so_t + (rows % G) * so_g  # row t*G + j: token t, query group j
             tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _persistent_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, qk_scale, HKV, M, n_keys, n_items, tiles,
+                           per_program, sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
+                           sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
+                           G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, F32: tl.constexpr,
+                           INTERPRET: tl.constexpr):
+        """The unsplit kernel's work with fewer programs than items (an item: a row tile of one KV head and
+        sequence): program p takes items p, p + P, p + 2P, ... (`per_program` of them) in one pipelined loop
+        over (item, chunk), so the loads of an item's first chunk are in flight while the last one's are used
+        and no wave of programs ends half empty. Every item walks as many chunks as the longest of the program's
+        items; a chunk past an item's keys merges as nothing (the state stays bitwise, an exact zero's sign
+        aside, which the output's + 0.0 removes). Chunks are computed and merged in the same order by the same
+        `_chunk` and `_merge`: a row's bits are the unsplit kernel's."""
+        pid = tl.program_id(0)
+        n_prog = tl.num_programs(0)
+        ar = tl.arange(0, BM)
+        # the most chunks any of this program's items needs (a table wider than every row costs nothing)
+        n_ch = 1
+        for j in range(0, per_program):
+            item = pid + j * n_prog
+            rows = (item % tiles) * BM + ar
+            pos = tl.load(pos_ptr + (item // tiles // HKV) * spos_b + rows // G,
+                          mask=(rows < M) & (item < n_items), other=-1)
+            n_ch = tl.maximum(n_ch, tl.cdiv(tl.minimum(tl.max(pos, 0) + 1, n_keys), KPC))
+        dd = tl.arange(0, D_PAD)
+        d_ok = dd < D
+        qk_scale = tl.cast(qk_scale, tl.float32)
+        m_run = tl.full([BM], float("-inf"), tl.float32)
+        l_run = tl.zeros([BM], tl.float32)
+        acc_run = tl.zeros([BM, D_PAD], tl.float32)
+        for it in range(0, per_program * n_ch):  # the pipelined loop
+            j = it // n_ch
+            c = it - j * n_ch
+            item = pid + j * n_prog
+            bh = item // tiles
+            b = bh // HKV
+            h = bh % HKV
+            rows = (item % tiles) * BM + ar
+            row_ok = (rows < M) & (item < n_items)
+            pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
+            max_pos = tl.max(pos, 0)
+            q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            m_i, l_i, acc = _chunk(q, k_ptr + h * sk_h + dd[None, :], v_ptr + h * sv_h + dd[None, :],
+                                   bt_ptr + b * sbt_b, pos, max_pos, n_keys, c * KPC, qk_scale,
+                                   sk_blk, sk_off, sv_blk, sv_off, d_ok, BM, D_PAD, PAGE, BN, KPC, F32, INTERPRET)
+            fresh = c == 0  # an item's first chunk: its state starts empty
+            m_run = tl.where(fresh, float("-inf"), m_run)
+            l_run = tl.where(fresh, 0.0, l_run)
+            acc_run = tl.where(fresh, 0.0, acc_run)
+            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
+            if c == n_ch - 1:
+                out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None] + 0.0
+                o_rows = (rows // G) * so_t + (rows % G) * so_g
+                tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_chunks, spos_b, so_h, so_b, so_t, so_g,
@@ -219,10 +289,12 @@ if triton is not None:
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                positions: torch.Tensor, scale: float, split: bool | None = None, block_m: int = BLOCK_M,
                block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK) -> torch.Tensor:
-        """The two kernels' launch. split: a program per key chunk and the combine kernel (None: `use_split`
-        decides); the same bits either way. The tile and chunk arguments exist for bench/paged_split's sweep
-        (they change bits); the op passes the module's constants. heads_last: the output as [B, T, Hq*d]
+               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK, persist: bool | None = None,
+               programs_per_sm: int = PERSIST_PROGRAMS_PER_SM) -> torch.Tensor:
+        """The kernels' launch. split: a program per key chunk and the combine kernel; persist: the persistent
+        kernel, `programs_per_sm` programs an SM (None for both: `use_mode` decides by shape); else one
+        program per item. The same bits every way. The tile and chunk arguments exist for bench/paged_split's
+        sweep (they change bits); the op passes the module's constants. heads_last: the output as [B, T, Hq*d]
         (o_proj's input), else like q."""
         hkv, b, m, d = q.shape
         t = positions.shape[1]
@@ -241,8 +313,23 @@ if triton is not None:
             so = (out.stride(0), out.stride(1), g * out.stride(2), out.stride(2))
         tiles = triton.cdiv(m, block_m)
         n_chunks = triton.cdiv(n_keys, keys_per_chunk)
-        if split is None:
-            split = use_split(q.device, tiles * hkv * b, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks)
+        items = tiles * hkv * b
+        if split is None and persist is None:
+            mode = use_mode(q.device, items, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks, programs_per_sm)
+            split, persist = mode == "split", mode == "persist"
+        split, persist = bool(split), bool(persist) and not split
+        if persist:
+            slots = programs_per_sm * _sm_count(q.device)
+            per_program = triton.cdiv(items, slots)
+            _persistent_kernel[(triton.cdiv(items, per_program),)](
+                q, k_cache, v_cache, block_tables, positions, out, scale * LOG2E, hkv, m, n_keys, items, tiles,
+                per_program, q.stride(0), q.stride(1), q.stride(2), *so,
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                block_tables.stride(0), positions.stride(0),
+                G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, F32=f32,
+                INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+            return out
         if split:
             m_ws = torch.empty((n_chunks, hkv * b, m), dtype=torch.float32, device=q.device)
             l_ws = torch.empty_like(m_ws)
@@ -256,7 +343,7 @@ if triton is not None:
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), positions.stride(0),
-            G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
+            G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=split,
             F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         if split:
             _combine_kernel[(tiles, hkv * b)](
@@ -271,14 +358,15 @@ if triton is not None:
     @torch.library.custom_op("flashpd::paged_attention", mutates_args=())
     def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
-                            split: int, heads_last: bool) -> torch.Tensor:
+                            mode: int, heads_last: bool) -> torch.Tensor:
         # the constants are read here, at call time (bench/paged_check.py's sweep sets them)
-        return launch(q, k_cache, v_cache, block_tables, positions, scale, None if split < 0 else bool(split),
-                      BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, heads_last, KEYS_PER_CHUNK)
+        split, persist = (None, None) if mode < 0 else (MODES[mode] == "split", MODES[mode] == "persist")
+        return launch(q, k_cache, v_cache, block_tables, positions, scale, split, BLOCK_M, BLOCK_N, NUM_WARPS,
+                      NUM_STAGES, heads_last, KEYS_PER_CHUNK, persist, PERSIST_PROGRAMS_PER_SM)
 
     @_paged_attention_op.register_fake
     def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-          positions: torch.Tensor, scale: float, split: int, heads_last: bool) -> torch.Tensor:
+          positions: torch.Tensor, scale: float, mode: int, heads_last: bool) -> torch.Tensor:
         hkv, b, m, d = q.shape
         t = positions.shape[1]
         return q.new_empty((b, t, hkv * (m // t) * d)) if heads_last else torch.empty_like(q)
@@ -297,14 +385,27 @@ def use_split(device: torch.device, programs: int, workspace_bytes: int, n_chunk
             and workspace_bytes <= WORKSPACE_MAX_BYTES)
 
 
+def use_mode(device: torch.device, items: int, workspace_bytes: int, n_chunks: int,
+             programs_per_sm: int = PERSIST_PROGRAMS_PER_SM) -> str:
+    """"split" (`use_split`), "persist" when the items (row tiles x KV heads x sequences) are more than
+    PERSIST_ABOVE_WAVES waves of `programs_per_sm` programs an SM, else "walk" (a program an item). Speed
+    only: every mode gives the same bits."""
+    if use_split(device, items, workspace_bytes, n_chunks):
+        return "split"
+    if PERSIST_ABOVE_WAVES is not None and items > PERSIST_ABOVE_WAVES * programs_per_sm * _sm_count(device):
+        return "persist"
+    return "walk"
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     positions: torch.Tensor, scale: float, heads_last: bool = False,
-                    split: bool | None = None) -> torch.Tensor:
+                    split: bool | None = None, persist: bool | None = None) -> torch.Tensor:
     """q [Hkv, B, T*G, d] (attention.group_queries), k/v_cache [blocks, bs, Hkv, d], block_tables [B, nblk],
     positions [B, T] -> [Hkv, B, T*G, d] like q, or with heads_last [B, T, Hq*d] in o_proj's column order
     (query head h*G + j; attention.heads_last's layout, written by the kernel: no copy). Row t*G + j of (head,
     b) attends to keys 0..positions[b, t] (key i in block block_tables[b, i // bs] at offset i % bs).
-    split: None lets `use_split` choose by shape (the engine); True or False forces it (tests: the same bits)."""
+    split, persist: both None lets `use_mode` choose by shape (the engine); split=True forces a program per key
+    chunk, persist=True the persistent kernel, split=False alone a program per item (tests: the same bits)."""
     if triton is None:
         raise RuntimeError("paged_attention needs triton")
     assert q.shape[2] % positions.shape[1] == 0
@@ -312,8 +413,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # the kernel reads a row's positions as consecutive elements; a native decode at a verify's width passes
     # one position expanded (stride 0), which compiled must be a buffer of its own, not a view, for inductor
     positions = positions.contiguous()
-    return torch.ops.flashpd.paged_attention(q, k_cache, v_cache, block_tables, positions, float(scale),
-                                             -1 if split is None else int(split), heads_last)
+    mode = -1 if split is None and persist is None else MODES.index(
+        "persist" if persist else "split" if split else "walk")
+    return torch.ops.flashpd.paged_attention(q, k_cache, v_cache, block_tables, positions, float(scale), mode,
+                                             heads_last)
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -347,29 +450,36 @@ def random_case(b: int, t: int, hkv: int, groups: int, d: int, kv_block_size: in
 def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
                             ) -> dict[str, float | bool]:
     """GPU self-check at Qwen3-8B's head shape: max abs error against `reference` (decode and verify over one
-    and over several key chunks, each with and without a program per chunk), and whether a row's output is
-    bitwise the same alone (T=1, B=1), inside a verify of 16, inside a bigger batch with a wider table, with and
-    without a program per chunk, and written in o_proj's layout (heads_last)."""
+    and over several key chunks, in each mode: a program per row tile, per chunk, persistent), and whether a
+    row's output is bitwise the same alone (T=1, B=1), inside a verify of 16, inside a bigger batch with a wider
+    table, in each mode, inside a persistent call of several items a program beside rows of other lengths, and
+    written in o_proj's layout (heads_last)."""
     scale = 128 ** -0.5
     errs = []
+    modes = ({"split": False}, {"split": True}, {"persist": True})
     for b, t, nblk, seed in ((8, 1, 4, 0), (4, 16, 4, 1), (3, 1, 70, 2), (2, 16, 70, 3)):
         q, k, v, bt, pos = random_case(b, t, 8, 4, 128, 16, nblk, 300, dtype, device, seed)
         ref = reference(q.float(), k.float(), v.float(), bt, pos, scale)
-        for split in (False, True):
-            errs.append((paged_attention(q, k, v, bt, pos, scale, split=split).float() - ref).abs().max().item())
+        for kw in modes:
+            errs.append((paged_attention(q, k, v, bt, pos, scale, **kw).float() - ref).abs().max().item())
     invariant = True
     for nblk in (4, 70):  # one chunk, many
         q, k, v, bt, pos = random_case(6, 16, 8, 4, 128, 16, nblk, 600, dtype, device, seed=nblk)
         full = paged_attention(q, k, v, bt, pos, scale, split=False)
         wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)
-        for split in (False, True):
-            invariant &= torch.equal(paged_attention(q, k, v, bt, pos, scale, split=split), full)
+        for kw in modes:
+            invariant &= torch.equal(paged_attention(q, k, v, bt, pos, scale, **kw), full)
             for row, col in ((0, 0), (2, 7), (5, 15)):
                 alone = paged_attention(q[:, row:row + 1, col * 4:col * 4 + 4].contiguous(), k, v,
-                                        bt[row:row + 1], pos[row:row + 1, col:col + 1], scale, split=split)
-                big = paged_attention(q, k, v, wide, pos, scale, split=split)[:, row:row + 1, col * 4:col * 4 + 4]
+                                        bt[row:row + 1], pos[row:row + 1, col:col + 1], scale, **kw)
+                big = paged_attention(q, k, v, wide, pos, scale, **kw)[:, row:row + 1, col * 4:col * 4 + 4]
                 mine = full[:, row:row + 1, col * 4:col * 4 + 4]
                 invariant &= torch.equal(alone, mine) and torch.equal(big, mine)
         last = paged_attention(q, k, v, bt, pos, scale, heads_last=True)  # the engine's layout
         invariant &= torch.equal(last, full.view(8, 6, 16, 4, 128).permute(1, 2, 0, 3, 4).reshape(6, 16, -1))
+    # 100 rows of 1 to 1,120 keys, 800 items: several a program at 1 to 3 programs an SM
+    q, k, v, bt, pos = random_case(100, 1, 8, 4, 128, 16, 70, 7100, dtype, device, seed=5)
+    full = paged_attention(q, k, v, bt, pos, scale, split=False)
+    for per_sm in (1, 2, 3):
+        invariant &= torch.equal(launch(q, k, v, bt, pos, scale, persist=True, programs_per_sm=per_sm), full)
     return {"max_abs_err": max(errs), "invariant": bool(invariant)}

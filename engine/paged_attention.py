@@ -20,7 +20,9 @@ left to the compiler). One program can walk all of a row's chunks and merge them
 many rows, enough programs to fill the GPU), or each chunk can run in its own program and a second kernel
 merge their states in the same order with the same `_merge` (`split` on: few rows, a decode at batch 1 or a
 verify, where one program per row and KV head would leave most SMs idle). Merging a chunk into an empty state
-copies it exactly, so both give the same bits, and the choice is made per call from the shape alone.
+copies it exactly, so both give the same bits, and the choice is made per call from the shape alone. A third
+form, for many rows (`_persistent_kernel`), runs fewer programs than items, each walking its items' chunks in
+one pipelined loop; it too merges the same chunk states in the same order.
 """
 from __future__ import annotations
 

@@ -212,13 +212,13 @@ if triton is not None:
         n_prog = tl.num_programs(0)
         ar = tl.arange(0, BM)
         # the most chunks any of this program's items needs (a table wider than every row costs nothing)
-        n_ch = 1
+        n_ch = tl.full([], 1, tl.int32)  # typed: a loop-carried value keeps one type
         for j in range(0, per_program):
             item = pid + j * n_prog
             rows = (item % tiles) * BM + ar
             pos = tl.load(pos_ptr + (item // tiles // HKV) * spos_b + rows // G,
                           mask=(rows < M) & (item < n_items), other=-1)
-            n_ch = tl.maximum(n_ch, tl.cdiv(tl.minimum(tl.max(pos, 0) + 1, n_keys), KPC))
+            n_ch = tl.maximum(n_ch, tl.cdiv(tl.minimum(tl.max(pos, 0) + 1, n_keys), KPC).to(tl.int32))
         dd = tl.arange(0, D_PAD)
         d_ok = dd < D
         qk_scale = tl.cast(qk_scale, tl.float32)

@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=282)
     ap.add_argument("--width", type=int, default=1, help="tokens a row (16: a DFlash verify's block)")
     ap.add_argument("--tiles", default=f"m{pa.BLOCK_M}-n{pa.BLOCK_N}-w{pa.NUM_WARPS}-s{pa.NUM_STAGES}")
-    ap.add_argument("--persist", default="", help="programs an SM to time the persistent kernel at (1,2,...)")
+    ap.add_argument("--persist", default="", help="programs an SM to time the persistent kernel at (1,2,...; "
+                    "p2: 2 with its own prefetching loop)")
     ap.add_argument("--table-blocks", type=int, default=0, help="block table width (0: the context's, rounded up "
                     "to 4 blocks)")
     ap.add_argument("--out", default="bench/results/paged_split.json")
@@ -70,17 +71,18 @@ def main() -> None:
         q, k, v, bt, pos = case(b, a.context, a.width, table_blocks=a.table_blocks)
         kv_bytes = 2 * b * a.context * k.shape[2] * k.shape[3] * k.element_size()
         ref = pa.reference(q.float(), k.float(), v.float(), bt, pos, scale)
-        configs = [("gather", None, None, 0, lambda: pa.reference(q, k, v, bt, pos, scale))]
+        configs = [("gather", None, None, "", lambda: pa.reference(q, k, v, bt, pos, scale))]
         for spec in a.tiles.split(","):
             for kpc in (int(x) for x in a.chunks.split(",")):
                 if kpc % tile(spec)["block_n"] == 0:
                     for split in (False, True):
-                        configs.append((spec, kpc, split, 0, lambda spec=spec, kpc=kpc, split=split: pa.launch(
+                        configs.append((spec, kpc, split, "", lambda spec=spec, kpc=kpc, split=split: pa.launch(
                             q, k, v, bt, pos, scale, split, keys_per_chunk=kpc, persist=False, **tile(spec))))
-                    for pps in (int(x) for x in a.persist.split(",") if x):
-                        configs.append((spec, kpc, False, pps, lambda spec=spec, kpc=kpc, pps=pps: pa.launch(
-                            q, k, v, bt, pos, scale, False, keys_per_chunk=kpc, persist=True, programs_per_sm=pps,
-                            **tile(spec))))
+                    for pspec in (x for x in a.persist.split(",") if x):
+                        pps, pre = int(pspec.lstrip("p")), pspec.startswith("p")
+                        configs.append((spec, kpc, False, pspec, lambda spec=spec, kpc=kpc, pps=pps, pre=pre:
+                                        pa.launch(q, k, v, bt, pos, scale, False, keys_per_chunk=kpc, persist=True,
+                                                  programs_per_sm=pps, prefetch=pre, **tile(spec))))
         first: dict = {}
         for spec, kpc, split, pps, fn in configs:
             try:
@@ -95,7 +97,7 @@ def main() -> None:
             auto = None if split is None else pa.use_mode(
                 q.device, -(-q.shape[2] // tile(spec)["block_m"]) * q.shape[0] * b, 0, -(-bt.shape[1] * 16 // kpc))
             rows.append({"batch": b, "width": a.width, "tiles": spec, "keys_per_chunk": kpc, "split": split,
-                         "persist_programs_per_sm": pps, "auto_mode": auto,
+                         "persist": pps, "auto_mode": auto,
                          "us_per_call": us, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / us / 1e3,
                          "max_abs_err_vs_fp32": err, "bitwise_same_across_modes": same,
                          "bitwise_same_as_first_tiles": same_tiles})

@@ -64,6 +64,7 @@ WORKSPACE_MAX_BYTES = 64 << 20
 # are more than PERSIST_ABOVE_WAVES waves of them (None: never)
 PERSIST_PROGRAMS_PER_SM = 2
 PERSIST_ABOVE_WAVES: float | None = None
+PERSIST_PREFETCH = True  # its loop issues the next chunk's loads itself (`_persistent_kernel`)
 MODES = ("walk", "split", "persist")  # the op's mode argument: an index here, -1 to choose by shape
 
 
@@ -98,18 +99,21 @@ if triton is not None:
         return m_new, l_new, acc_new
 
     @triton.jit
-    def _block(q, k_base, v_base, bt_row, pos, max_pos, n_keys, start, m_i, l_i, acc, qk_scale,
-               sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr,
-               INTERPRET: tl.constexpr):
-        """A chunk's state after its next BN keys from `start` (the online softmax in the log2 domain)."""
-        keys = start + tl.arange(0, BN)
+    def _load_kv(k_base, v_base, page, keys, max_pos, n_keys, sk_blk, sk_off, sv_blk, sv_off, d_ok,
+                 PAGE: tl.constexpr):
+        """The K and V rows of `keys` (cache blocks `page`); keys past the tile's last position (or the table)
+        are masked loads: never read, zeros."""
         k_ok = (keys <= max_pos) & (keys < n_keys)
-        page = tl.load(bt_row + keys // PAGE, mask=k_ok, other=0)
         off = keys % PAGE
         ld = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=ld, other=0.0)
         v = tl.load(v_base + page[:, None] * sv_blk + off[:, None] * sv_off, mask=ld, other=0.0)
-        s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BN], tl.float32), F32, INTERPRET)
+        return k, v
+
+    @triton.jit
+    def _softmax_step(q, k, v, keys, pos, m_i, l_i, acc, qk_scale, F32: tl.constexpr, INTERPRET: tl.constexpr):
+        """A chunk's state after the keys `keys` with rows k, v (the online softmax in the log2 domain)."""
+        s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), F32, INTERPRET)
         s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
         # a row that sees no key of this block keeps m (alpha = 2^0 = 1, p = 0): its l and acc stay
         # bitwise as they were; m_sub = 0 for a row that has seen no key yet (no -inf - -inf)
@@ -120,6 +124,16 @@ if triton is not None:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32, INTERPRET)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _block(q, k_base, v_base, bt_row, pos, max_pos, n_keys, start, m_i, l_i, acc, qk_scale,
+               sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr,
+               INTERPRET: tl.constexpr):
+        """A chunk's state after its next BN keys from `start`."""
+        keys = start + tl.arange(0, BN)
+        page = tl.load(bt_row + keys // PAGE, mask=(keys <= max_pos) & (keys < n_keys), other=0)
+        k, v = _load_kv(k_base, v_base, page, keys, max_pos, n_keys, sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE)
+        return _softmax_step(q, k, v, keys, pos, m_i, l_i, acc, qk_scale, F32, INTERPRET)
 
     @triton.jit
     def _chunk(q, k_base, v_base, bt_row, pos, max_pos, n_keys, c_lo, qk_scale, sk_blk, sk_off, sv_blk, sv_off,
@@ -195,19 +209,30 @@ if triton is not None:
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     @triton.jit
+    def _item(it, n_ch, pid, n_prog, total, tiles, HKV, M, n_items, BM: tl.constexpr):
+        """Iteration `it` of a persistent program: its chunk, sequence, KV head, rows and which rows are real."""
+        j = it // n_ch
+        item = pid + j * n_prog
+        bh = item // tiles
+        rows = (item % tiles) * BM + tl.arange(0, BM)
+        return it - j * n_ch, bh // HKV, bh % HKV, rows, (rows < M) & (item < n_items) & (it < total)
+
+    @triton.jit
     def _persistent_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, qk_scale, HKV, M, n_keys, n_items, tiles,
                            per_program, sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
                            sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
                            G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, F32: tl.constexpr,
-                           INTERPRET: tl.constexpr):
+                           INTERPRET: tl.constexpr, PREFETCH: tl.constexpr):
         """The unsplit kernel's work with fewer programs than items (an item: a row tile of one KV head and
-        sequence): program p takes items p, p + P, p + 2P, ... (`per_program` of them) in one pipelined loop
-        over (item, chunk), so the loads of an item's first chunk are in flight while the last one's are used
-        and no wave of programs ends half empty. Every item walks as many chunks as the longest of the program's
-        items; a chunk past an item's keys merges as nothing (the state stays bitwise, an exact zero's sign
-        aside, which the output's + 0.0 removes). Chunks are computed and merged in the same order by the same
-        `_chunk` and `_merge`: a row's bits are the unsplit kernel's."""
+        sequence): program p takes items p, p + P, p + 2P, ... (`per_program` of them) in one loop over (item,
+        chunk), so that no wave of programs ends half empty. Every item walks as many chunks as the longest of
+        the program's items; a chunk past an item's keys merges as nothing (the state stays bitwise, an exact
+        zero's sign aside, which the output's + 0.0 removes). PREFETCH (one block a chunk): the loop issues the
+        next chunk's K/V loads and the one after's positions and block-table entries before it computes the
+        current chunk, so that a program's loads are in flight while it computes (triton's pipeliner leaves
+        these indirect loads alone). Chunks are computed and merged in the same order with the same
+        `_softmax_step` and `_merge`: a row's bits are the unsplit kernel's."""
         pid = tl.program_id(0)
         n_prog = tl.num_programs(0)
         ar = tl.arange(0, BM)
@@ -219,38 +244,73 @@ if triton is not None:
             pos = tl.load(pos_ptr + (item // tiles // HKV) * spos_b + rows // G,
                           mask=(rows < M) & (item < n_items), other=-1)
             n_ch = tl.maximum(n_ch, tl.cdiv(tl.minimum(tl.max(pos, 0) + 1, n_keys), KPC).to(tl.int32))
+        total = per_program * n_ch
         dd = tl.arange(0, D_PAD)
         d_ok = dd < D
+        kb = tl.arange(0, BN)
         qk_scale = tl.cast(qk_scale, tl.float32)
         m_run = tl.full([BM], float("-inf"), tl.float32)
         l_run = tl.zeros([BM], tl.float32)
         acc_run = tl.zeros([BM, D_PAD], tl.float32)
-        for it in range(0, per_program * n_ch):  # the pipelined loop
-            j = it // n_ch
-            c = it - j * n_ch
-            item = pid + j * n_prog
-            bh = item // tiles
-            b = bh // HKV
-            h = bh % HKV
-            rows = (item % tiles) * BM + ar
-            row_ok = (rows < M) & (item < n_items)
-            pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
-            max_pos = tl.max(pos, 0)
-            q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            m_i, l_i, acc = _chunk(q, k_ptr + h * sk_h + dd[None, :], v_ptr + h * sv_h + dd[None, :],
-                                   bt_ptr + b * sbt_b, pos, max_pos, n_keys, c * KPC, qk_scale,
-                                   sk_blk, sk_off, sv_blk, sv_off, d_ok, BM, D_PAD, PAGE, BN, KPC, F32, INTERPRET)
-            fresh = c == 0  # an item's first chunk: its state starts empty
-            m_run = tl.where(fresh, float("-inf"), m_run)
-            l_run = tl.where(fresh, 0.0, l_run)
-            acc_run = tl.where(fresh, 0.0, acc_run)
-            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
-            if c == n_ch - 1:
-                out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None] + 0.0
-                o_rows = (rows // G) * so_t + (rows % G) * so_g
-                tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if PREFETCH:
+            tl.static_assert(KPC == BN, "the prefetching loop takes one block a chunk")
+            # iteration 0's positions and K/V; iteration 1's positions and block-table entries
+            c0, b0, h0, rows0, ok0 = _item(0, n_ch, pid, n_prog, total, tiles, HKV, M, n_items, BM)
+            pos0 = tl.load(pos_ptr + b0 * spos_b + rows0 // G, mask=ok0, other=-1)
+            keys0 = c0 * KPC + kb
+            page0 = tl.load(bt_ptr + b0 * sbt_b + keys0 // PAGE, mask=keys0 < n_keys, other=0)
+            k0, v0 = _load_kv(k_ptr + h0 * sk_h + dd[None, :], v_ptr + h0 * sv_h + dd[None, :], page0, keys0,
+                              tl.max(pos0, 0), n_keys, sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE)
+            c1, b1, h1, rows1, ok1 = _item(1, n_ch, pid, n_prog, total, tiles, HKV, M, n_items, BM)
+            pos1 = tl.load(pos_ptr + b1 * spos_b + rows1 // G, mask=ok1, other=-1)
+            keys1 = c1 * KPC + kb
+            page1 = tl.load(bt_ptr + b1 * sbt_b + keys1 // PAGE, mask=(keys1 < n_keys) & (1 < total), other=0)
+            for it in range(0, total):
+                # in flight while this chunk computes: the next chunk's K/V, the one after's positions and pages
+                k1, v1 = _load_kv(k_ptr + h1 * sk_h + dd[None, :], v_ptr + h1 * sv_h + dd[None, :], page1, keys1,
+                                  tl.max(pos1, 0), n_keys, sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE)
+                c2, b2, h2, rows2, ok2 = _item(it + 2, n_ch, pid, n_prog, total, tiles, HKV, M, n_items, BM)
+                pos2 = tl.load(pos_ptr + b2 * spos_b + rows2 // G, mask=ok2, other=-1)
+                keys2 = c2 * KPC + kb
+                page2 = tl.load(bt_ptr + b2 * sbt_b + keys2 // PAGE, mask=(keys2 < n_keys) & (it + 2 < total),
+                                other=0)
+                q = tl.load(q_ptr + h0 * sq_h + b0 * sq_b + rows0[:, None] * sq_m + dd[None, :],
+                            mask=ok0[:, None] & d_ok[None, :], other=0.0)
+                m_i, l_i, acc = _softmax_step(q, k0, v0, keys0, pos0, tl.full([BM], float("-inf"), tl.float32),
+                                              tl.zeros([BM], tl.float32), tl.zeros([BM, D_PAD], tl.float32),
+                                              qk_scale, F32, INTERPRET)
+                fresh = c0 == 0  # an item's first chunk: its state starts empty
+                m_run = tl.where(fresh, float("-inf"), m_run)
+                l_run = tl.where(fresh, 0.0, l_run)
+                acc_run = tl.where(fresh, 0.0, acc_run)
+                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
+                if c0 == n_ch - 1:
+                    out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None] + 0.0
+                    o_rows = (rows0 // G) * so_t + (rows0 % G) * so_g
+                    tl.store(out_ptr + h0 * so_h + b0 * so_b + o_rows[:, None] + dd[None, :],
+                             out.to(out_ptr.dtype.element_ty), mask=ok0[:, None] & d_ok[None, :])
+                c0, b0, h0, rows0, ok0, pos0, keys0, k0, v0 = c1, b1, h1, rows1, ok1, pos1, keys1, k1, v1
+                c1, b1, h1, rows1, ok1, pos1, keys1, page1 = c2, b2, h2, rows2, ok2, pos2, keys2, page2
+        else:
+            for it in range(0, total):
+                c, b, h, rows, row_ok = _item(it, n_ch, pid, n_prog, total, tiles, HKV, M, n_items, BM)
+                pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
+                q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
+                            mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                m_i, l_i, acc = _chunk(q, k_ptr + h * sk_h + dd[None, :], v_ptr + h * sv_h + dd[None, :],
+                                       bt_ptr + b * sbt_b, pos, tl.max(pos, 0), n_keys, c * KPC, qk_scale,
+                                       sk_blk, sk_off, sv_blk, sv_off, d_ok, BM, D_PAD, PAGE, BN, KPC, F32,
+                                       INTERPRET)
+                fresh = c == 0
+                m_run = tl.where(fresh, float("-inf"), m_run)
+                l_run = tl.where(fresh, 0.0, l_run)
+                acc_run = tl.where(fresh, 0.0, acc_run)
+                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
+                if c == n_ch - 1:
+                    out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None] + 0.0
+                    o_rows = (rows // G) * so_t + (rows % G) * so_g
+                    tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
+                             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_chunks, spos_b, so_h, so_b, so_t, so_g,
@@ -292,9 +352,10 @@ if triton is not None:
                positions: torch.Tensor, scale: float, split: bool | None = None, block_m: int = BLOCK_M,
                block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
                heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK, persist: bool | None = None,
-               programs_per_sm: int = PERSIST_PROGRAMS_PER_SM) -> torch.Tensor:
+               programs_per_sm: int = PERSIST_PROGRAMS_PER_SM, prefetch: bool = PERSIST_PREFETCH) -> torch.Tensor:
         """The kernels' launch. split: a program per key chunk and the combine kernel; persist: the persistent
-        kernel, `programs_per_sm` programs an SM (None for both: `use_mode` decides by shape); else one
+        kernel, `programs_per_sm` programs an SM, prefetching when `prefetch` and a chunk is one block (None for
+        both: `use_mode` decides by shape); else one
         program per item. The same bits every way. The tile and chunk arguments exist for bench/paged_split's
         sweep (they change bits); the op passes the module's constants. heads_last: the output as [B, T, Hq*d]
         (o_proj's input), else like q."""
@@ -330,7 +391,8 @@ if triton is not None:
                 v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                 block_tables.stride(0), positions.stride(0),
                 G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, F32=f32,
-                INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+                INTERPRET=INTERPRET, PREFETCH=bool(prefetch) and keys_per_chunk == block_n, num_warps=num_warps,
+                num_stages=num_stages)
             return out
         if split:
             m_ws = torch.empty((n_chunks, hkv * b, m), dtype=torch.float32, device=q.device)
@@ -364,7 +426,7 @@ if triton is not None:
         # the constants are read here, at call time (bench/paged_check.py's sweep sets them)
         split, persist = (None, None) if mode < 0 else (MODES[mode] == "split", MODES[mode] == "persist")
         return launch(q, k_cache, v_cache, block_tables, positions, scale, split, BLOCK_M, BLOCK_N, NUM_WARPS,
-                      NUM_STAGES, heads_last, KEYS_PER_CHUNK, persist, PERSIST_PROGRAMS_PER_SM)
+                      NUM_STAGES, heads_last, KEYS_PER_CHUNK, persist, PERSIST_PROGRAMS_PER_SM, PERSIST_PREFETCH)
 
     @_paged_attention_op.register_fake
     def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -483,5 +545,7 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
     q, k, v, bt, pos = random_case(100, 1, 8, 4, 128, 16, 70, 7100, dtype, device, seed=5)
     full = paged_attention(q, k, v, bt, pos, scale, split=False)
     for per_sm in (1, 2, 3):
-        invariant &= torch.equal(launch(q, k, v, bt, pos, scale, persist=True, programs_per_sm=per_sm), full)
+        for prefetch in (False, True):
+            invariant &= torch.equal(launch(q, k, v, bt, pos, scale, persist=True, programs_per_sm=per_sm,
+                                            prefetch=prefetch), full)
     return {"max_abs_err": max(errs), "invariant": bool(invariant)}

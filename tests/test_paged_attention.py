@@ -96,8 +96,9 @@ def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dty
     q, k, v, bt, pos = random_case(pa, dev, dtype, 5, 1, 25, seed=9, min_pos=10)  # rows of 11 to 200 keys
     full = pa.paged_attention(q, k, v, bt, pos, SCALE, split=False)
     for per_sm in (1, 2, 3):  # 10 items (on the CPU's one SM: 1 program of 10, 2 of 5, 3 of 4, 4 and 2)
-        out = pa.launch(q, k, v, bt, pos, SCALE, persist=True, programs_per_sm=per_sm)
-        assert torch.equal(out, full), per_sm
+        for prefetch in (False, True):  # triton's pipelining or the kernel's own
+            out = pa.launch(q, k, v, bt, pos, SCALE, persist=True, programs_per_sm=per_sm, prefetch=prefetch)
+            assert torch.equal(out, full), (per_sm, prefetch)
         for i in (0, 4):
             alone = pa.paged_attention(q[:, i:i + 1].contiguous(), k, v, bt[i:i + 1], pos[i:i + 1], SCALE,
                                        persist=True)

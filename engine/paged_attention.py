@@ -65,6 +65,7 @@ WORKSPACE_MAX_BYTES = 64 << 20
 PERSIST_PROGRAMS_PER_SM = 2
 PERSIST_ABOVE_WAVES: float | None = None
 PERSIST_PREFETCH = True  # its loop issues the next chunk's loads itself (`_persistent_kernel`)
+COMBINE_UNROLL = 1  # chunk states the combine kernel loads together (`_combine_kernel`)
 MODES = ("walk", "split", "persist")  # the op's mode argument: an index here, -1 to choose by shape
 
 
@@ -315,9 +316,11 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_chunks, spos_b, so_h, so_b, so_t, so_g,
                         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr,
-                        KPC: tl.constexpr):
+                        KPC: tl.constexpr, UNROLL: tl.constexpr):
         """Merge a row's chunk states in chunk order with `_merge`, as the unsplit kernel does; chunks past
-        its position are skipped (merging one would change nothing)."""
+        its position are skipped (merging one would change nothing). UNROLL chunks an iteration, unrolled: their
+        loads have no dependence on one another's merge, so they can be in flight together (the loop is not
+        pipelined: its loads feed no dot)."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // HKV
@@ -333,16 +336,18 @@ if triton is not None:
         # chunks past the tile's last position hold no key of its rows: not read (a table wider than the context,
         # as a reserved or bucketed one is, costs no loop iteration)
         last = tl.minimum(n_chunks, tl.max(pos, 0) // KPC + 1)
-        for c in range(0, last):
-            on = row_ok & (c * KPC <= pos)
-            ws = (c * bh + pid_bh) * M + rows
-            m_c = tl.load(m_ptr + ws, mask=on, other=float("-inf"))
-            l_c = tl.load(l_ptr + ws, mask=on, other=0.0)
-            acc_c = tl.load(acc_ptr + ws[:, None] * D_PAD + dd[None, :], mask=on[:, None], other=0.0)
-            m_mg, l_mg, acc_mg = _merge(m_run, l_run, acc_run, m_c, l_c, acc_c)
-            m_run = tl.where(on, m_mg, m_run)
-            l_run = tl.where(on, l_mg, l_run)
-            acc_run = tl.where(on[:, None], acc_mg, acc_run)
+        for c0 in range(0, last, UNROLL):
+            for u in tl.static_range(UNROLL):
+                c = c0 + u
+                on = row_ok & (c * KPC <= pos)  # a chunk past `last` (the unrolled tail): off for every row
+                ws = (c * bh + pid_bh) * M + rows
+                m_c = tl.load(m_ptr + ws, mask=on, other=float("-inf"))
+                l_c = tl.load(l_ptr + ws, mask=on, other=0.0)
+                acc_c = tl.load(acc_ptr + ws[:, None] * D_PAD + dd[None, :], mask=on[:, None], other=0.0)
+                m_mg, l_mg, acc_mg = _merge(m_run, l_run, acc_run, m_c, l_c, acc_c)
+                m_run = tl.where(on, m_mg, m_run)
+                l_run = tl.where(on, l_mg, l_run)
+                acc_run = tl.where(on[:, None], acc_mg, acc_run)
         out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None] + 0.0
         o_rows = (rows // G) * so_t + (rows % G) * so_g
         tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
@@ -412,7 +417,7 @@ if triton is not None:
         if split:
             _combine_kernel[(tiles, hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
-                G=g, D=d, D_PAD=d_pad, BM=block_m, KPC=keys_per_chunk, num_warps=num_warps)
+                G=g, D=d, D_PAD=d_pad, BM=block_m, KPC=keys_per_chunk, UNROLL=COMBINE_UNROLL, num_warps=num_warps)
         return out
 
     # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern
@@ -548,4 +553,11 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
         for prefetch in (False, True):
             invariant &= torch.equal(launch(q, k, v, bt, pos, scale, persist=True, programs_per_sm=per_sm,
                                             prefetch=prefetch), full)
+    global COMBINE_UNROLL
+    saved = COMBINE_UNROLL
+    try:
+        for COMBINE_UNROLL in (1, 3, 4):  # the combine kernel's chunks an iteration (rows of up to 18 chunks)
+            invariant &= torch.equal(paged_attention(q, k, v, bt, pos, scale, split=True), full)
+    finally:
+        COMBINE_UNROLL = saved
     return {"max_abs_err": max(errs), "invariant": bool(invariant)}

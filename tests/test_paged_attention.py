@@ -95,6 +95,13 @@ def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dty
                 assert torch.equal(alone, full[:, :, rows]), (min_pos, mode, col)
     q, k, v, bt, pos = random_case(pa, dev, dtype, 5, 1, 25, seed=9, min_pos=10)  # rows of 11 to 200 keys
     full = pa.paged_attention(q, k, v, bt, pos, SCALE, split=False)
+    saved = pa.COMBINE_UNROLL
+    try:
+        for unroll in (1, 2, 3):  # the combine kernel's chunks an iteration: 4 chunks, a tail of 0, 2 and 1
+            pa.COMBINE_UNROLL = unroll
+            assert torch.equal(pa.paged_attention(q, k, v, bt, pos, SCALE, split=True), full), unroll
+    finally:
+        pa.COMBINE_UNROLL = saved
     for per_sm in (1, 2, 3):  # 10 items (on the CPU's one SM: 1 program of 10, 2 of 5, 3 of 4, 4 and 2)
         for prefetch in (False, True):  # triton's pipelining or the kernel's own
             out = pa.launch(q, k, v, bt, pos, SCALE, persist=True, programs_per_sm=per_sm, prefetch=prefetch)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +26,12 @@ def git_revision() -> str:
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def command_line(module: str, argv: list[str] | None = None) -> str:
+    """The command as it was typed (`argv`: sys.argv[1:]), quoted so that it can be pasted back: a results
+    JSON's `command` field. Parsed flags printed back would not parse again (a store_true flag as "True")."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def static_shapes() -> None:

@@ -25,7 +25,7 @@ import argparse
 import torch
 
 from flashpd.bench.attn_micro import graph_time
-from flashpd.bench.common import git_revision, machine, write_json
+from flashpd.bench.common import command_line, git_revision, machine, write_json
 from flashpd.engine import paged_attention as pa
 
 
@@ -105,8 +105,7 @@ def main() -> None:
                   f"{kv_bytes / us / 1e3:7.1f} GB/s, err {err:.2e}, same bits {same} "
                   f"(as the first tiles: {same_tiles})", flush=True)
             write_json(a.out, {"bench": "paged_split", "git": git_revision(), "machine": machine(),
-                               "command": "python -m flashpd.bench.paged_split " + " ".join(
-                                   f"--{k_.replace('_', '-')} {v_}" for k_, v_ in vars(a).items()),
+                               "command": command_line("flashpd.bench.paged_split"),
                                "context": a.context, "table_blocks": bt.shape[1], "rows": rows})
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flashpd.bench.common import copy_bandwidth_gbs, time_ms, write_json
+from flashpd.bench.common import command_line, copy_bandwidth_gbs, time_ms, write_json
 from flashpd.bench.dflash_step import drafter_config_for
 from flashpd.bench.profile_step import kernel_table, measure_prefill
 from flashpd.engine.config import builtin_config_path, load_config
@@ -279,8 +279,7 @@ def main() -> None:
         raise SystemExit("speed_8b needs a CUDA GPU")
     sections = set(a.sections.split(","))
     res: dict = {"bench": "speed_8b", "config": a.config, "dtype": "bfloat16", "weights": "dummy",
-                 "command": "python -m flashpd.bench.speed_8b " + " ".join(
-                     f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items())}
+                 "command": command_line("flashpd.bench.speed_8b")}
 
     def save() -> None:
         write_json(Path(a.out), {**res, **fields(res)})

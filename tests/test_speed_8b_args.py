@@ -20,3 +20,14 @@ def test_inductor_options_parse_to_typed_entries_the_config_takes():
 def test_a_malformed_option_is_refused(bad):
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         inductor_option(bad)
+
+
+def test_the_recorded_command_is_the_typed_one():
+    """A results JSON's `command` pastes back: flags as typed (a store_true flag without a value, a repeated
+    option repeated), an argument with a space quoted."""
+    from flashpd.bench.common import command_line
+    argv = ["--eager-rounding", "--inductor-option", "combo_kernels=true", "--inductor-option", "a=1",
+            "--out", "my dir/x.json"]
+    assert command_line("flashpd.bench.speed_8b", argv) == (
+        "python -m flashpd.bench.speed_8b --eager-rounding --inductor-option combo_kernels=true "
+        "--inductor-option a=1 --out 'my dir/x.json'")

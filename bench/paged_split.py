@@ -7,8 +7,7 @@ At the Qwen3-8B head shape (8 KV heads, 4 query heads each, head dim 128, bf16, 
 kernel (engine/paged_attention.py) merges a row's keys chunk by chunk, either all in one program per (KV head, row)
 or with a program per chunk and a combine kernel ("split"). This times one call of `--width` tokens a row (1: a
 decode, 16: a verify's block) in a CUDA graph of 36 calls, one per layer, replayed, for each batch, chunk size and
-mode (a program per row tile, a program per chunk, and with `--persist` the persistent kernel at so many programs an
-SM), with every row at `context` keys. It reports microseconds a call, the KV bytes it reads, and that as GB/s, and
+mode, with every row at `context` keys. It reports microseconds a call, the KV bytes it reads, and that as GB/s, and
 whether a row's bits are the same as with the first tile shape at the same chunk size. The chunk size changes a
 row's bits; the mode never does (each row's output is compared bitwise across the modes). `--tiles` adds tile
 shapes (rows, keys an iteration, warps, stages; the engine's constants first); a "gather" row per batch times the
@@ -59,8 +58,6 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=282)
     ap.add_argument("--width", type=int, default=1, help="tokens a row (16: a DFlash verify's block)")
     ap.add_argument("--tiles", default=f"m{pa.BLOCK_M}-n{pa.BLOCK_N}-w{pa.NUM_WARPS}-s{pa.NUM_STAGES}")
-    ap.add_argument("--persist", default="", help="programs an SM to time the persistent kernel at (1,2,...; "
-                    "p2: 2 with its own prefetching loop)")
     ap.add_argument("--table-blocks", type=int, default=0, help="block table width (0: the context's, rounded up "
                     "to 4 blocks)")
     ap.add_argument("--out", default="bench/results/paged_split.json")
@@ -71,37 +68,32 @@ def main() -> None:
         q, k, v, bt, pos = case(b, a.context, a.width, table_blocks=a.table_blocks)
         kv_bytes = 2 * b * a.context * k.shape[2] * k.shape[3] * k.element_size()
         ref = pa.reference(q.float(), k.float(), v.float(), bt, pos, scale)
-        configs = [("gather", None, None, "", lambda: pa.reference(q, k, v, bt, pos, scale))]
+        configs = [("gather", None, None, lambda: pa.reference(q, k, v, bt, pos, scale))]
         for spec in a.tiles.split(","):
             for kpc in (int(x) for x in a.chunks.split(",")):
                 if kpc % tile(spec)["block_n"] == 0:
                     for split in (False, True):
-                        configs.append((spec, kpc, split, "", lambda spec=spec, kpc=kpc, split=split: pa.launch(
-                            q, k, v, bt, pos, scale, split, keys_per_chunk=kpc, persist=False, **tile(spec))))
-                    for pspec in (x for x in a.persist.split(",") if x):
-                        pps, pre = int(pspec.lstrip("p")), pspec.startswith("p")
-                        configs.append((spec, kpc, False, pspec, lambda spec=spec, kpc=kpc, pps=pps, pre=pre:
-                                        pa.launch(q, k, v, bt, pos, scale, False, keys_per_chunk=kpc, persist=True,
-                                                  programs_per_sm=pps, prefetch=pre, **tile(spec))))
+                        configs.append((spec, kpc, split, lambda spec=spec, kpc=kpc, split=split: pa.launch(
+                            q, k, v, bt, pos, scale, split, keys_per_chunk=kpc, **tile(spec))))
         first: dict = {}
-        for spec, kpc, split, pps, fn in configs:
+        for spec, kpc, split, fn in configs:
             try:
                 us = graph_time(fn, reps=20, inner=36)
                 out = fn()
             except Exception as e:  # a tile shape the GPU cannot hold: reported, the sweep goes on
-                print(f"b={b:4d} {spec} kpc={kpc} split={split} persist={pps}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                print(f"b={b:4d} {spec} kpc={kpc} split={split}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
             err = (out.float() - ref).abs().max().item()
             same = None if split is None else torch.equal(first.setdefault((spec, kpc), out), out)
             same_tiles = None if split is None else torch.equal(first.setdefault(kpc, out), out)
-            auto = None if split is None else pa.use_mode(
+            auto = None if split is None else pa.use_split(
                 q.device, -(-q.shape[2] // tile(spec)["block_m"]) * q.shape[0] * b, 0, -(-bt.shape[1] * 16 // kpc))
             rows.append({"batch": b, "width": a.width, "tiles": spec, "keys_per_chunk": kpc, "split": split,
-                         "persist": pps, "auto_mode": auto,
+                         "auto_split": auto,
                          "us_per_call": us, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / us / 1e3,
                          "max_abs_err_vs_fp32": err, "bitwise_same_across_modes": same,
                          "bitwise_same_as_first_tiles": same_tiles})
-            print(f"b={b:4d} t={a.width} {spec:14s} kpc={kpc} split={split} persist={pps}: {us:7.2f} us a call, "
+            print(f"b={b:4d} t={a.width} {spec:14s} kpc={kpc} split={split}: {us:7.2f} us a call, "
                   f"{kv_bytes / us / 1e3:7.1f} GB/s, err {err:.2e}, same bits {same} "
                   f"(as the first tiles: {same_tiles})", flush=True)
             write_json(a.out, {"bench": "paged_split", "git": git_revision(), "machine": machine(),

@@ -20,9 +20,7 @@ left to the compiler). One program can walk all of a row's chunks and merge them
 many rows, enough programs to fill the GPU), or each chunk can run in its own program and a second kernel
 merge their states in the same order with the same `_merge` (`split` on: few rows, a decode at batch 1 or a
 verify, where one program per row and KV head would leave most SMs idle). Merging a chunk into an empty state
-copies it exactly, so both give the same bits, and the choice is made per call from the shape alone. A third
-form, for many rows (`_persistent_kernel`), runs fewer programs than items, each walking its items' chunks in
-one pipelined loop; it too merges the same chunk states in the same order.
+copies it exactly, so both give the same bits, and the choice is made per call from the shape alone.
 """
 from __future__ import annotations
 
@@ -60,13 +58,10 @@ KEYS_PER_CHUNK = 64  # keys per chunk state (see the module's docstring); a mult
 # than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
 WORKSPACE_MAX_BYTES = 64 << 20
-# the persistent kernel (`_persistent_kernel`): PERSIST_PROGRAMS_PER_SM programs an SM take the items when there
-# are more than PERSIST_ABOVE_WAVES waves of them (None: never)
-PERSIST_PROGRAMS_PER_SM = 2
-PERSIST_ABOVE_WAVES: float | None = None
-PERSIST_PREFETCH = True  # its loop issues the next chunk's loads itself (`_persistent_kernel`)
-COMBINE_UNROLL = 1  # chunk states the combine kernel loads together (`_combine_kernel`)
-MODES = ("walk", "split", "persist")  # the op's mode argument: an index here, -1 to choose by shape
+# chunk states the combine kernel loads an iteration, for calls of several tokens a row (a verify, a draft pass):
+# 4 took its time in a DFlash step from 0.216 to 0.146 ms, while at one token a row (a decode) it went from 0.101
+# to 0.117 ms, so decodes keep 1 (docs/results.md). The same bits either way.
+COMBINE_UNROLL = 4
 
 
 def available() -> bool:
@@ -100,21 +95,18 @@ if triton is not None:
         return m_new, l_new, acc_new
 
     @triton.jit
-    def _load_kv(k_base, v_base, page, keys, max_pos, n_keys, sk_blk, sk_off, sv_blk, sv_off, d_ok,
-                 PAGE: tl.constexpr):
-        """The K and V rows of `keys` (cache blocks `page`); keys past the tile's last position (or the table)
-        are masked loads: never read, zeros."""
+    def _block(q, k_base, v_base, bt_row, pos, max_pos, n_keys, start, m_i, l_i, acc, qk_scale,
+               sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr,
+               INTERPRET: tl.constexpr):
+        """A chunk's state after its next BN keys from `start` (the online softmax in the log2 domain)."""
+        keys = start + tl.arange(0, BN)
         k_ok = (keys <= max_pos) & (keys < n_keys)
+        page = tl.load(bt_row + keys // PAGE, mask=k_ok, other=0)
         off = keys % PAGE
         ld = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=ld, other=0.0)
         v = tl.load(v_base + page[:, None] * sv_blk + off[:, None] * sv_off, mask=ld, other=0.0)
-        return k, v
-
-    @triton.jit
-    def _softmax_step(q, k, v, keys, pos, m_i, l_i, acc, qk_scale, F32: tl.constexpr, INTERPRET: tl.constexpr):
-        """A chunk's state after the keys `keys` with rows k, v (the online softmax in the log2 domain)."""
-        s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), F32, INTERPRET)
+        s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BN], tl.float32), F32, INTERPRET)
         s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
         # a row that sees no key of this block keeps m (alpha = 2^0 = 1, p = 0): its l and acc stay
         # bitwise as they were; m_sub = 0 for a row that has seen no key yet (no -inf - -inf)
@@ -125,30 +117,6 @@ if triton is not None:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32, INTERPRET)
         return m_new, l_i, acc
-
-    @triton.jit
-    def _block(q, k_base, v_base, bt_row, pos, max_pos, n_keys, start, m_i, l_i, acc, qk_scale,
-               sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr,
-               INTERPRET: tl.constexpr):
-        """A chunk's state after its next BN keys from `start`."""
-        keys = start + tl.arange(0, BN)
-        page = tl.load(bt_row + keys // PAGE, mask=(keys <= max_pos) & (keys < n_keys), other=0)
-        k, v = _load_kv(k_base, v_base, page, keys, max_pos, n_keys, sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE)
-        return _softmax_step(q, k, v, keys, pos, m_i, l_i, acc, qk_scale, F32, INTERPRET)
-
-    @triton.jit
-    def _chunk(q, k_base, v_base, bt_row, pos, max_pos, n_keys, c_lo, qk_scale, sk_blk, sk_off, sv_blk, sv_off,
-               d_ok, BM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
-               KPC: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
-        """The state of the chunk of keys from c_lo, from nothing, its blocks unrolled; a block past the tile's
-        last key loads nothing and changes nothing."""
-        m_i = tl.full([BM], float("-inf"), tl.float32)
-        l_i = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D_PAD], tl.float32)
-        for j in tl.static_range(0, KPC, BN):
-            m_i, l_i, acc = _block(q, k_base, v_base, bt_row, pos, max_pos, n_keys, c_lo + j, m_i, l_i, acc,
-                                   qk_scale, sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE, BN, F32, INTERPRET)
-        return m_i, l_i, acc
 
     @triton.jit
     def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
@@ -193,9 +161,16 @@ if triton is not None:
         qk_scale = tl.cast(qk_scale, tl.float32)  # a compiled caller passes the float as fp64
         k_base = k_ptr + h * sk_h + dd[None, :]
         v_base = v_ptr + h * sv_h + dd[None, :]
-        for c_lo in range(lo, hi, KPC):  # the pipelined loop
-            m_i, l_i, acc = _chunk(q, k_base, v_base, bt_ptr + b * sbt_b, pos, max_pos, n_keys, c_lo, qk_scale,
-                                   sk_blk, sk_off, sv_blk, sv_off, d_ok, BM, D_PAD, PAGE, BN, KPC, F32, INTERPRET)
+        for c_lo in range(lo, hi, KPC):
+            # one chunk from nothing, its blocks unrolled (the pipelined loop is the chunk loop); a block past the
+            # tile's last key loads nothing and changes nothing
+            m_i = tl.full([BM], float("-inf"), tl.float32)
+            l_i = tl.zeros([BM], tl.float32)
+            acc = tl.zeros([BM, D_PAD], tl.float32)
+            for j in tl.static_range(0, KPC, BN):
+                m_i, l_i, acc = _block(q, k_base, v_base, bt_ptr + b * sbt_b, pos, max_pos, n_keys, c_lo + j,
+                                       m_i, l_i, acc, qk_scale, sk_blk, sk_off, sv_blk, sv_off, d_ok,
+                                       PAGE, BN, F32, INTERPRET)
             m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         if SPLIT:
             ws = (pid_s * tl.num_programs(1) + pid_bh) * M + rows
@@ -210,117 +185,13 @@ if triton is not None:
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _item(it, n_ch, pid, n_prog, total, tiles, HKV, M, n_items, BM: tl.constexpr):
-        """Iteration `it` of a persistent program: its chunk, sequence, KV head, rows and which rows are real."""
-        j = it // n_ch
-        item = pid + j * n_prog
-        bh = item // tiles
-        rows = (item % tiles) * BM + tl.arange(0, BM)
-        return it - j * n_ch, bh // HKV, bh % HKV, rows, (rows < M) & (item < n_items) & (it < total)
-
-    @triton.jit
-    def _persistent_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, qk_scale, HKV, M, n_keys, n_items, tiles,
-                           per_program, sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
-                           sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
-                           G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, F32: tl.constexpr,
-                           INTERPRET: tl.constexpr, PREFETCH: tl.constexpr):
-        """The unsplit kernel's work with fewer programs than items (an item: a row tile of one KV head and
-        sequence): program p takes items p, p + P, p + 2P, ... (`per_program` of them) in one loop over (item,
-        chunk), so that no wave of programs ends half empty. Every item walks as many chunks as the longest of
-        the program's items; a chunk past an item's keys merges as nothing (the state stays bitwise, an exact
-        zero's sign aside, which the output's + 0.0 removes). PREFETCH (one block a chunk): the loop issues the
-        next chunk's K/V loads and the one after's positions and block-table entries before it computes the
-        current chunk, so that a program's loads are in flight while it computes (triton's pipeliner leaves
-        these indirect loads alone). Chunks are computed and merged in the same order with the same
-        `_softmax_step` and `_merge`: a row's bits are the unsplit kernel's."""
-        pid = tl.program_id(0)
-        n_prog = tl.num_programs(0)
-        ar = tl.arange(0, BM)
-        # the most chunks any of this program's items needs (a table wider than every row costs nothing)
-        n_ch = tl.full([], 1, tl.int32)  # typed: a loop-carried value keeps one type
-        for j in range(0, per_program):
-            item = pid + j * n_prog
-            rows = (item % tiles) * BM + ar
-            pos = tl.load(pos_ptr + (item // tiles // HKV) * spos_b + rows // G,
-                          mask=(rows < M) & (item < n_items), other=-1)
-            n_ch = tl.maximum(n_ch, tl.cdiv(tl.minimum(tl.max(pos, 0) + 1, n_keys), KPC).to(tl.int32))
-        total = per_program * n_ch
-        dd = tl.arange(0, D_PAD)
-        d_ok = dd < D
-        kb = tl.arange(0, BN)
-        qk_scale = tl.cast(qk_scale, tl.float32)
-        m_run = tl.full([BM], float("-inf"), tl.float32)
-        l_run = tl.zeros([BM], tl.float32)
-        acc_run = tl.zeros([BM, D_PAD], tl.float32)
-        if PREFETCH:
-            tl.static_assert(KPC == BN, "the prefetching loop takes one block a chunk")
-            # iteration 0's positions and K/V; iteration 1's positions and block-table entries
-            c0, b0, h0, rows0, ok0 = _item(0, n_ch, pid, n_prog, total, tiles, HKV, M, n_items, BM)
-            pos0 = tl.load(pos_ptr + b0 * spos_b + rows0 // G, mask=ok0, other=-1)
-            keys0 = c0 * KPC + kb
-            page0 = tl.load(bt_ptr + b0 * sbt_b + keys0 // PAGE, mask=keys0 < n_keys, other=0)
-            k0, v0 = _load_kv(k_ptr + h0 * sk_h + dd[None, :], v_ptr + h0 * sv_h + dd[None, :], page0, keys0,
-                              tl.max(pos0, 0), n_keys, sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE)
-            c1, b1, h1, rows1, ok1 = _item(1, n_ch, pid, n_prog, total, tiles, HKV, M, n_items, BM)
-            pos1 = tl.load(pos_ptr + b1 * spos_b + rows1 // G, mask=ok1, other=-1)
-            keys1 = c1 * KPC + kb
-            page1 = tl.load(bt_ptr + b1 * sbt_b + keys1 // PAGE, mask=(keys1 < n_keys) & (1 < total), other=0)
-            for it in range(0, total):
-                # in flight while this chunk computes: the next chunk's K/V, the one after's positions and pages
-                k1, v1 = _load_kv(k_ptr + h1 * sk_h + dd[None, :], v_ptr + h1 * sv_h + dd[None, :], page1, keys1,
-                                  tl.max(pos1, 0), n_keys, sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE)
-                c2, b2, h2, rows2, ok2 = _item(it + 2, n_ch, pid, n_prog, total, tiles, HKV, M, n_items, BM)
-                pos2 = tl.load(pos_ptr + b2 * spos_b + rows2 // G, mask=ok2, other=-1)
-                keys2 = c2 * KPC + kb
-                page2 = tl.load(bt_ptr + b2 * sbt_b + keys2 // PAGE, mask=(keys2 < n_keys) & (it + 2 < total),
-                                other=0)
-                q = tl.load(q_ptr + h0 * sq_h + b0 * sq_b + rows0[:, None] * sq_m + dd[None, :],
-                            mask=ok0[:, None] & d_ok[None, :], other=0.0)
-                m_i, l_i, acc = _softmax_step(q, k0, v0, keys0, pos0, tl.full([BM], float("-inf"), tl.float32),
-                                              tl.zeros([BM], tl.float32), tl.zeros([BM, D_PAD], tl.float32),
-                                              qk_scale, F32, INTERPRET)
-                fresh = c0 == 0  # an item's first chunk: its state starts empty
-                m_run = tl.where(fresh, float("-inf"), m_run)
-                l_run = tl.where(fresh, 0.0, l_run)
-                acc_run = tl.where(fresh, 0.0, acc_run)
-                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
-                if c0 == n_ch - 1:
-                    out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None] + 0.0
-                    o_rows = (rows0 // G) * so_t + (rows0 % G) * so_g
-                    tl.store(out_ptr + h0 * so_h + b0 * so_b + o_rows[:, None] + dd[None, :],
-                             out.to(out_ptr.dtype.element_ty), mask=ok0[:, None] & d_ok[None, :])
-                c0, b0, h0, rows0, ok0, pos0, keys0, k0, v0 = c1, b1, h1, rows1, ok1, pos1, keys1, k1, v1
-                c1, b1, h1, rows1, ok1, pos1, keys1, page1 = c2, b2, h2, rows2, ok2, pos2, keys2, page2
-        else:
-            for it in range(0, total):
-                c, b, h, rows, row_ok = _item(it, n_ch, pid, n_prog, total, tiles, HKV, M, n_items, BM)
-                pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
-                q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
-                            mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-                m_i, l_i, acc = _chunk(q, k_ptr + h * sk_h + dd[None, :], v_ptr + h * sv_h + dd[None, :],
-                                       bt_ptr + b * sbt_b, pos, tl.max(pos, 0), n_keys, c * KPC, qk_scale,
-                                       sk_blk, sk_off, sv_blk, sv_off, d_ok, BM, D_PAD, PAGE, BN, KPC, F32,
-                                       INTERPRET)
-                fresh = c == 0
-                m_run = tl.where(fresh, float("-inf"), m_run)
-                l_run = tl.where(fresh, 0.0, l_run)
-                acc_run = tl.where(fresh, 0.0, acc_run)
-                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
-                if c == n_ch - 1:
-                    out = acc_run / tl.where(l_run > 0, l_run, 1.0)[:, None] + 0.0
-                    o_rows = (rows // G) * so_t + (rows % G) * so_g
-                    tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
-                             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-    @triton.jit
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_chunks, spos_b, so_h, so_b, so_t, so_g,
                         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr,
                         KPC: tl.constexpr, UNROLL: tl.constexpr):
         """Merge a row's chunk states in chunk order with `_merge`, as the unsplit kernel does; chunks past
-        its position are skipped (merging one would change nothing). UNROLL chunks an iteration, unrolled: their
-        loads have no dependence on one another's merge, so they can be in flight together (the loop is not
-        pipelined: its loads feed no dot)."""
+        its position are skipped (merging one would change nothing). UNROLL chunks an iteration, unrolled, so
+        that their loads need not wait for one another's merge (the loop is not pipelined: its loads feed no
+        dot); a chunk past the tile's last one, in the unrolled tail, is off for every row."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // HKV
@@ -339,7 +210,7 @@ if triton is not None:
         for c0 in range(0, last, UNROLL):
             for u in tl.static_range(UNROLL):
                 c = c0 + u
-                on = row_ok & (c * KPC <= pos)  # a chunk past `last` (the unrolled tail): off for every row
+                on = row_ok & (c * KPC <= pos)
                 ws = (c * bh + pid_bh) * M + rows
                 m_c = tl.load(m_ptr + ws, mask=on, other=float("-inf"))
                 l_c = tl.load(l_ptr + ws, mask=on, other=0.0)
@@ -356,13 +227,10 @@ if triton is not None:
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                positions: torch.Tensor, scale: float, split: bool | None = None, block_m: int = BLOCK_M,
                block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK, persist: bool | None = None,
-               programs_per_sm: int = PERSIST_PROGRAMS_PER_SM, prefetch: bool = PERSIST_PREFETCH) -> torch.Tensor:
-        """The kernels' launch. split: a program per key chunk and the combine kernel; persist: the persistent
-        kernel, `programs_per_sm` programs an SM, prefetching when `prefetch` and a chunk is one block (None for
-        both: `use_mode` decides by shape); else one
-        program per item. The same bits every way. The tile and chunk arguments exist for bench/paged_split's
-        sweep (they change bits); the op passes the module's constants. heads_last: the output as [B, T, Hq*d]
+               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK) -> torch.Tensor:
+        """The two kernels' launch. split: a program per key chunk and the combine kernel (None: `use_split`
+        decides); the same bits either way. The tile and chunk arguments exist for bench/paged_split's sweep
+        (they change bits); the op passes the module's constants. heads_last: the output as [B, T, Hq*d]
         (o_proj's input), else like q."""
         hkv, b, m, d = q.shape
         t = positions.shape[1]
@@ -381,24 +249,8 @@ if triton is not None:
             so = (out.stride(0), out.stride(1), g * out.stride(2), out.stride(2))
         tiles = triton.cdiv(m, block_m)
         n_chunks = triton.cdiv(n_keys, keys_per_chunk)
-        items = tiles * hkv * b
-        if split is None and persist is None:
-            mode = use_mode(q.device, items, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks, programs_per_sm)
-            split, persist = mode == "split", mode == "persist"
-        split, persist = bool(split), bool(persist) and not split
-        if persist:
-            slots = programs_per_sm * _sm_count(q.device)
-            per_program = triton.cdiv(items, slots)
-            _persistent_kernel[(triton.cdiv(items, per_program),)](
-                q, k_cache, v_cache, block_tables, positions, out, scale * LOG2E, hkv, m, n_keys, items, tiles,
-                per_program, q.stride(0), q.stride(1), q.stride(2), *so,
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                block_tables.stride(0), positions.stride(0),
-                G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, F32=f32,
-                INTERPRET=INTERPRET, PREFETCH=bool(prefetch) and keys_per_chunk == block_n, num_warps=num_warps,
-                num_stages=num_stages)
-            return out
+        if split is None:
+            split = use_split(q.device, tiles * hkv * b, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks)
         if split:
             m_ws = torch.empty((n_chunks, hkv * b, m), dtype=torch.float32, device=q.device)
             l_ws = torch.empty_like(m_ws)
@@ -412,12 +264,13 @@ if triton is not None:
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), positions.stride(0),
-            G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=split,
+            G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
             F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         if split:
             _combine_kernel[(tiles, hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
-                G=g, D=d, D_PAD=d_pad, BM=block_m, KPC=keys_per_chunk, UNROLL=COMBINE_UNROLL, num_warps=num_warps)
+                G=g, D=d, D_PAD=d_pad, BM=block_m, KPC=keys_per_chunk,
+                UNROLL=COMBINE_UNROLL if t > 1 else 1, num_warps=num_warps)
         return out
 
     # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern
@@ -427,15 +280,14 @@ if triton is not None:
     @torch.library.custom_op("flashpd::paged_attention", mutates_args=())
     def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
-                            mode: int, heads_last: bool) -> torch.Tensor:
+                            split: int, heads_last: bool) -> torch.Tensor:
         # the constants are read here, at call time (bench/paged_check.py's sweep sets them)
-        split, persist = (None, None) if mode < 0 else (MODES[mode] == "split", MODES[mode] == "persist")
-        return launch(q, k_cache, v_cache, block_tables, positions, scale, split, BLOCK_M, BLOCK_N, NUM_WARPS,
-                      NUM_STAGES, heads_last, KEYS_PER_CHUNK, persist, PERSIST_PROGRAMS_PER_SM, PERSIST_PREFETCH)
+        return launch(q, k_cache, v_cache, block_tables, positions, scale, None if split < 0 else bool(split),
+                      BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, heads_last, KEYS_PER_CHUNK)
 
     @_paged_attention_op.register_fake
     def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-          positions: torch.Tensor, scale: float, mode: int, heads_last: bool) -> torch.Tensor:
+          positions: torch.Tensor, scale: float, split: int, heads_last: bool) -> torch.Tensor:
         hkv, b, m, d = q.shape
         t = positions.shape[1]
         return q.new_empty((b, t, hkv * (m // t) * d)) if heads_last else torch.empty_like(q)
@@ -454,27 +306,14 @@ def use_split(device: torch.device, programs: int, workspace_bytes: int, n_chunk
             and workspace_bytes <= WORKSPACE_MAX_BYTES)
 
 
-def use_mode(device: torch.device, items: int, workspace_bytes: int, n_chunks: int,
-             programs_per_sm: int = PERSIST_PROGRAMS_PER_SM) -> str:
-    """"split" (`use_split`), "persist" when the items (row tiles x KV heads x sequences) are more than
-    PERSIST_ABOVE_WAVES waves of `programs_per_sm` programs an SM, else "walk" (a program an item). Speed
-    only: every mode gives the same bits."""
-    if use_split(device, items, workspace_bytes, n_chunks):
-        return "split"
-    if PERSIST_ABOVE_WAVES is not None and items > PERSIST_ABOVE_WAVES * programs_per_sm * _sm_count(device):
-        return "persist"
-    return "walk"
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     positions: torch.Tensor, scale: float, heads_last: bool = False,
-                    split: bool | None = None, persist: bool | None = None) -> torch.Tensor:
+                    split: bool | None = None) -> torch.Tensor:
     """q [Hkv, B, T*G, d] (attention.group_queries), k/v_cache [blocks, bs, Hkv, d], block_tables [B, nblk],
     positions [B, T] -> [Hkv, B, T*G, d] like q, or with heads_last [B, T, Hq*d] in o_proj's column order
     (query head h*G + j; attention.heads_last's layout, written by the kernel: no copy). Row t*G + j of (head,
     b) attends to keys 0..positions[b, t] (key i in block block_tables[b, i // bs] at offset i % bs).
-    split, persist: both None lets `use_mode` choose by shape (the engine); split=True forces a program per key
-    chunk, persist=True the persistent kernel, split=False alone a program per item (tests: the same bits)."""
+    split: None lets `use_split` choose by shape (the engine); True or False forces it (tests: the same bits)."""
     if triton is None:
         raise RuntimeError("paged_attention needs triton")
     assert q.shape[2] % positions.shape[1] == 0
@@ -482,10 +321,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # the kernel reads a row's positions as consecutive elements; a native decode at a verify's width passes
     # one position expanded (stride 0), which compiled must be a buffer of its own, not a view, for inductor
     positions = positions.contiguous()
-    mode = -1 if split is None and persist is None else MODES.index(
-        "persist" if persist else "split" if split else "walk")
-    return torch.ops.flashpd.paged_attention(q, k_cache, v_cache, block_tables, positions, float(scale), mode,
-                                             heads_last)
+    return torch.ops.flashpd.paged_attention(q, k_cache, v_cache, block_tables, positions, float(scale),
+                                             -1 if split is None else int(split), heads_last)
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -519,45 +356,36 @@ def random_case(b: int, t: int, hkv: int, groups: int, d: int, kv_block_size: in
 def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
                             ) -> dict[str, float | bool]:
     """GPU self-check at Qwen3-8B's head shape: max abs error against `reference` (decode and verify over one
-    and over several key chunks, in each mode: a program per row tile, per chunk, persistent), and whether a
-    row's output is bitwise the same alone (T=1, B=1), inside a verify of 16, inside a bigger batch with a wider
-    table, in each mode, inside a persistent call of several items a program beside rows of other lengths, and
-    written in o_proj's layout (heads_last)."""
+    and over several key chunks, each with and without a program per chunk), and whether a row's output is
+    bitwise the same alone (T=1, B=1), inside a verify of 16, inside a bigger batch with a wider table, with and
+    without a program per chunk, and written in o_proj's layout (heads_last)."""
     scale = 128 ** -0.5
     errs = []
-    modes = ({"split": False}, {"split": True}, {"persist": True})
     for b, t, nblk, seed in ((8, 1, 4, 0), (4, 16, 4, 1), (3, 1, 70, 2), (2, 16, 70, 3)):
         q, k, v, bt, pos = random_case(b, t, 8, 4, 128, 16, nblk, 300, dtype, device, seed)
         ref = reference(q.float(), k.float(), v.float(), bt, pos, scale)
-        for kw in modes:
-            errs.append((paged_attention(q, k, v, bt, pos, scale, **kw).float() - ref).abs().max().item())
+        for split in (False, True):
+            errs.append((paged_attention(q, k, v, bt, pos, scale, split=split).float() - ref).abs().max().item())
     invariant = True
     for nblk in (4, 70):  # one chunk, many
         q, k, v, bt, pos = random_case(6, 16, 8, 4, 128, 16, nblk, 600, dtype, device, seed=nblk)
         full = paged_attention(q, k, v, bt, pos, scale, split=False)
         wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)
-        for kw in modes:
-            invariant &= torch.equal(paged_attention(q, k, v, bt, pos, scale, **kw), full)
+        for split in (False, True):
+            invariant &= torch.equal(paged_attention(q, k, v, bt, pos, scale, split=split), full)
             for row, col in ((0, 0), (2, 7), (5, 15)):
                 alone = paged_attention(q[:, row:row + 1, col * 4:col * 4 + 4].contiguous(), k, v,
-                                        bt[row:row + 1], pos[row:row + 1, col:col + 1], scale, **kw)
-                big = paged_attention(q, k, v, wide, pos, scale, **kw)[:, row:row + 1, col * 4:col * 4 + 4]
+                                        bt[row:row + 1], pos[row:row + 1, col:col + 1], scale, split=split)
+                big = paged_attention(q, k, v, wide, pos, scale, split=split)[:, row:row + 1, col * 4:col * 4 + 4]
                 mine = full[:, row:row + 1, col * 4:col * 4 + 4]
                 invariant &= torch.equal(alone, mine) and torch.equal(big, mine)
         last = paged_attention(q, k, v, bt, pos, scale, heads_last=True)  # the engine's layout
         invariant &= torch.equal(last, full.view(8, 6, 16, 4, 128).permute(1, 2, 0, 3, 4).reshape(6, 16, -1))
-    # 100 rows of 1 to 1,120 keys, 800 items: several a program at 1 to 3 programs an SM
-    q, k, v, bt, pos = random_case(100, 1, 8, 4, 128, 16, 70, 7100, dtype, device, seed=5)
-    full = paged_attention(q, k, v, bt, pos, scale, split=False)
-    for per_sm in (1, 2, 3):
-        for prefetch in (False, True):
-            invariant &= torch.equal(launch(q, k, v, bt, pos, scale, persist=True, programs_per_sm=per_sm,
-                                            prefetch=prefetch), full)
-    global COMBINE_UNROLL
-    saved = COMBINE_UNROLL
-    try:
-        for COMBINE_UNROLL in (1, 3, 4):  # the combine kernel's chunks an iteration (rows of up to 18 chunks)
-            invariant &= torch.equal(paged_attention(q, k, v, bt, pos, scale, split=True), full)
-    finally:
-        COMBINE_UNROLL = saved
+        global COMBINE_UNROLL
+        saved = COMBINE_UNROLL
+        try:
+            for COMBINE_UNROLL in (1, 3):  # the combine kernel's chunks an iteration (5 chunks: tails of 0 and 1)
+                invariant &= torch.equal(paged_attention(q, k, v, wide, pos, scale, split=True), full)
+        finally:
+            COMBINE_UNROLL = saved
     return {"max_abs_err": max(errs), "invariant": bool(invariant)}

@@ -20,9 +20,6 @@ import flashpd.engine.paged_attention as engine_pa
 SCALE = 24 ** -0.5
 CASES: dict[str, Callable[[ModuleType, str], None]] = {}
 KERNELS = engine_pa  # the module the cases take (tests/_interpreted.py)
-# the kernel's forced modes: a program per row tile, a program per key chunk and the combine kernel, and the
-# persistent kernel (on the CPU the interpreter counts one SM: two programs take every item)
-MODES = {"walk": {"split": False}, "split": {"split": True}, "persist": {"persist": True}}
 
 
 def random_case(pa: ModuleType, device: str, dtype: torch.dtype, b: int, t: int, nblk: int, seed: int,
@@ -38,24 +35,22 @@ def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Non
 
 
 def matches_the_gathered_reference(pa: ModuleType, dev: str, dtype: torch.dtype, b: int, t: int, nblk: int,
-                                   mode: str) -> None:
+                                   split: bool) -> None:
     """Rows at different positions, decode (T=1) and verify (T=16, G=4), padded table entries (the scratch
     block 0 holds random data), keys over 2 (96 keys) or 4 chunks (200 keys, rows past key 70), each chunk in a
-    program of its own merged by the combine kernel (split), all merged in one program, or in the persistent
-    kernel's loop over (item, chunk)."""
+    program of its own merged by the combine kernel (split) or all merged in one program."""
     q, k, v, bt, pos = random_case(pa, dev, dtype, b, t, nblk, seed=b * 10 + t, min_pos=70 if nblk > 20 else 0)
     assert (bt == 0).any()  # some table entries are padding
     assert pos.max() >= pa.KEYS_PER_CHUNK  # two chunks or more
-    out = pa.paged_attention(q, k, v, bt, pos, SCALE, **MODES[mode])
+    out = pa.paged_attention(q, k, v, bt, pos, SCALE, split=split)
     ref = pa.reference(q.float(), k.float(), v.float(), bt, pos, SCALE)
     check_close(out, ref, dtype)
 
 
 for _dt in (torch.float32, torch.bfloat16):
-    for _b, _t, _nblk, _mode in ((3, 1, 12, "walk"), (2, 16, 12, "split"), (3, 2, 25, "split"), (3, 2, 25, "walk"),
-                                 (5, 1, 25, "persist"), (2, 16, 12, "persist")):
-        CASES[f"reference-{str(_dt)[6:]}-b{_b}-t{_t}-nblk{_nblk}-{_mode}"] = (
-            lambda pa, dev, a=(_dt, _b, _t, _nblk, _mode): matches_the_gathered_reference(pa, dev, *a))
+    for _b, _t, _nblk, _split in ((3, 1, 12, False), (2, 16, 12, True), (3, 2, 25, True), (3, 2, 25, False)):
+        CASES[f"reference-{str(_dt)[6:]}-b{_b}-t{_t}-nblk{_nblk}-split{int(_split)}"] = (
+            lambda pa, dev, a=(_dt, _b, _t, _nblk, _split): matches_the_gathered_reference(pa, dev, *a))
 
 
 def unwritten_slots_are_never_read(pa: ModuleType, dev: str) -> None:
@@ -77,50 +72,39 @@ CASES["unwritten-slots"] = unwritten_slots_are_never_read
 def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dtype) -> None:
     """A row computed alone (B=1, T=1), inside a verify of T=16 beside rows at other positions, and inside a
     call with a wider block table is bitwise the same, wherever it sits in its row tile (cols 0, 9 and 15),
-    in every mode (its key chunks merged in one program, each chunk in its own program and the combine kernel,
-    or the persistent kernel's loop, where a program's items run as many chunks as its longest): rows within
-    the first chunks (min_pos 30) and rows over three or more (min_pos 130), where the wider table adds more
-    chunks past every row; and a row beside rows of other sequences at other lengths, in the persistent kernel
-    at one to three programs (one item a program, several, and a program with fewer items than the others)."""
+    with its key chunks merged in one program or each chunk in its own program and the combine kernel (at 1, 2
+    and 4 chunks an iteration): rows within the first chunks (min_pos 30) and rows over three or more (min_pos
+    130), where the wider table adds more chunks past every row."""
     for min_pos in (30, 130):
         q, k, v, bt, pos = random_case(pa, dev, dtype, 1, 16, 20, seed=min_pos, min_pos=min_pos, hkv=1)
         full = pa.paged_attention(q, k, v, bt, pos, SCALE, split=False)
+        assert torch.equal(pa.paged_attention(q, k, v, bt, pos, SCALE, split=True), full), min_pos
         wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)  # 320 keys: 5 chunks
-        for mode, kw in MODES.items():
-            assert torch.equal(pa.paged_attention(q, k, v, bt, pos, SCALE, **kw), full), (min_pos, mode)
-            assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, **kw), full), (min_pos, mode)
+        for split in (False, True):
+            assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, split=split), full), (min_pos, split)
             for col in (0, 9, 15):
                 rows = slice(col * 4, col * 4 + 4)
-                alone = pa.paged_attention(q[:, :, rows].contiguous(), k, v, bt, pos[:, col:col + 1], SCALE, **kw)
-                assert torch.equal(alone, full[:, :, rows]), (min_pos, mode, col)
-    q, k, v, bt, pos = random_case(pa, dev, dtype, 5, 1, 25, seed=9, min_pos=10)  # rows of 11 to 200 keys
-    full = pa.paged_attention(q, k, v, bt, pos, SCALE, split=False)
-    saved = pa.COMBINE_UNROLL
-    try:
-        for unroll in (1, 2, 3):  # the combine kernel's chunks an iteration: 4 chunks, a tail of 0, 2 and 1
-            pa.COMBINE_UNROLL = unroll
-            assert torch.equal(pa.paged_attention(q, k, v, bt, pos, SCALE, split=True), full), unroll
-    finally:
-        pa.COMBINE_UNROLL = saved
-    for per_sm in (1, 2, 3):  # 10 items (on the CPU's one SM: 1 program of 10, 2 of 5, 3 of 4, 4 and 2)
-        for prefetch in (False, True):  # triton's pipelining or the kernel's own
-            out = pa.launch(q, k, v, bt, pos, SCALE, persist=True, programs_per_sm=per_sm, prefetch=prefetch)
-            assert torch.equal(out, full), (per_sm, prefetch)
-        for i in (0, 4):
-            alone = pa.paged_attention(q[:, i:i + 1].contiguous(), k, v, bt[i:i + 1], pos[i:i + 1], SCALE,
-                                       persist=True)
-            assert torch.equal(alone, full[:, i:i + 1]), (per_sm, i)
+                alone = pa.paged_attention(q[:, :, rows].contiguous(), k, v, bt, pos[:, col:col + 1], SCALE,
+                                           split=split)
+                assert torch.equal(alone, full[:, :, rows]), (min_pos, split, col)
+        saved = pa.COMBINE_UNROLL
+        try:  # the combine kernel's chunks an iteration (a verify's; 5 chunks: tails of 1, 0 and 3)
+            for unroll in (1, 2, 4):
+                pa.COMBINE_UNROLL = unroll
+                assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, split=True), full), unroll
+        finally:
+            pa.COMBINE_UNROLL = saved
 
 
 def heads_last_is_the_same_numbers_in_o_proj_order(pa: ModuleType, dev: str) -> None:
     """The kernel writing [B, T, Hq*d] itself gives bitwise attention.heads_last of its kv-major output, in
-    every mode (the combine kernel writes the split's case)."""
-    for i, (mode, kw) in enumerate(MODES.items()):
-        q, k, v, bt, pos = random_case(pa, dev, torch.bfloat16, 2, 3, 20, seed=i, min_pos=70)
-        kv_major = pa.paged_attention(q, k, v, bt, pos, SCALE, **kw)
-        out = pa.paged_attention(q, k, v, bt, pos, SCALE, heads_last=True, **kw)
+    one program per row and with a program per chunk (the combine kernel writes that case)."""
+    for split in (False, True):
+        q, k, v, bt, pos = random_case(pa, dev, torch.bfloat16, 2, 3, 20, seed=int(split), min_pos=70)
+        kv_major = pa.paged_attention(q, k, v, bt, pos, SCALE, split=split)
+        out = pa.paged_attention(q, k, v, bt, pos, SCALE, heads_last=True, split=split)
         assert out.shape == (2, 3, 2 * 4 * 24)
-        assert torch.equal(out, attention.heads_last(kv_major, 3)), mode
+        assert torch.equal(out, attention.heads_last(kv_major, 3)), split
 
 
 CASES["heads-last"] = heads_last_is_the_same_numbers_in_o_proj_order
@@ -272,22 +256,3 @@ def test_the_engine_dispatches_decode_and_verify_on_a_gpu_only():
         assert not attention.use_paged(qc, attention.PAGED_MAX_T + 1)  # prefill chunks
         assert not attention.use_paged(qc, 1, "matmul")  # a forced form
     assert engine_pa.KEYS_PER_CHUNK % engine_pa.BLOCK_N == 0
-
-
-def test_the_mode_follows_the_shape():
-    """use_mode: the split below a program an SM, the persistent kernel past PERSIST_ABOVE_WAVES waves of
-    programs when it is set, a program an item otherwise."""
-    cpu = torch.device("cpu")  # one SM
-    ws = engine_pa.WORKSPACE_MAX_BYTES
-    assert engine_pa.use_mode(cpu, 1, ws, 5) == "walk"  # one program fills the CPU's one SM
-    assert engine_pa.use_mode(cpu, 0, ws, 5) == "split"
-    assert engine_pa.use_mode(cpu, 0, ws + 1, 5) == "walk"  # the chunk states would not fit
-    saved = engine_pa.PERSIST_ABOVE_WAVES
-    try:
-        engine_pa.PERSIST_ABOVE_WAVES = 1
-        assert engine_pa.use_mode(cpu, 2, ws, 5, programs_per_sm=2) == "walk"  # one wave of 2
-        assert engine_pa.use_mode(cpu, 3, ws, 5, programs_per_sm=2) == "persist"
-        engine_pa.PERSIST_ABOVE_WAVES = None
-        assert engine_pa.use_mode(cpu, 1000, ws, 5) == "walk"
-    finally:
-        engine_pa.PERSIST_ABOVE_WAVES = saved

@@ -11,7 +11,9 @@ mode, with every row at `context` keys. It reports microseconds a call, the KV b
 whether a row's bits are the same as with the first tile shape at the same chunk size. The chunk size changes a
 row's bits; the mode never does (each row's output is compared bitwise across the modes). `--tiles` adds tile
 shapes (rows, keys an iteration, warps, stages; the engine's constants first); a "gather" row per batch times the
-plain-PyTorch path (`paged_attention.reference` in bf16, eager).
+plain-PyTorch path (`paged_attention.reference` in bf16, eager). `--layouts nhd,hnd` also times the kernel over a
+cache laid out head-major within each block (a KV head's 16 keys of a page contiguous), the same values, which the
+kernel reads through its strides: whether the layout is worth changing the cache for.
 
 At small batches the 36 calls read the same K/V, which then stays in L2; in a step the weights stream through L2
 between layers and the K/V come from memory. So a small batch's rows here can favour a mode that loses in the step
@@ -60,6 +62,8 @@ def main() -> None:
     ap.add_argument("--tiles", default=f"m{pa.BLOCK_M}-n{pa.BLOCK_N}-w{pa.NUM_WARPS}-s{pa.NUM_STAGES}")
     ap.add_argument("--table-blocks", type=int, default=0, help="block table width (0: the context's, rounded up "
                     "to 4 blocks)")
+    ap.add_argument("--layouts", default="nhd", help="cache layouts to time: nhd (the engine's [blocks, page, "
+                    "heads, d]), hnd ([blocks, heads, page, d] in memory, passed to the kernel as a strided view)")
     ap.add_argument("--out", default="bench/results/paged_split.json")
     a = ap.parse_args()
     rows = []
@@ -68,32 +72,37 @@ def main() -> None:
         q, k, v, bt, pos = case(b, a.context, a.width, table_blocks=a.table_blocks)
         kv_bytes = 2 * b * a.context * k.shape[2] * k.shape[3] * k.element_size()
         ref = pa.reference(q.float(), k.float(), v.float(), bt, pos, scale)
-        configs = [("gather", None, None, lambda: pa.reference(q, k, v, bt, pos, scale))]
-        for spec in a.tiles.split(","):
-            for kpc in (int(x) for x in a.chunks.split(",")):
-                if kpc % tile(spec)["block_n"] == 0:
-                    for split in (False, True):
-                        configs.append((spec, kpc, split, lambda spec=spec, kpc=kpc, split=split: pa.launch(
-                            q, k, v, bt, pos, scale, split, keys_per_chunk=kpc, **tile(spec))))
+        configs = [("nhd", "gather", None, None, lambda: pa.reference(q, k, v, bt, pos, scale))]
+        for layout in a.layouts.split(","):
+            # the same values in another memory order: a layout changes no bit, only where each key's row lies
+            kl, vl = (k, v) if layout == "nhd" else (x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+                                                     for x in (k, v))
+            for spec in a.tiles.split(","):
+                for kpc in (int(x) for x in a.chunks.split(",")):
+                    if kpc % tile(spec)["block_n"] == 0:
+                        for split in (False, True):
+                            configs.append((layout, spec, kpc, split, lambda kl=kl, vl=vl, spec=spec, kpc=kpc,
+                                            split=split: pa.launch(q, kl, vl, bt, pos, scale, split,
+                                                                   keys_per_chunk=kpc, **tile(spec))))
         first: dict = {}
-        for spec, kpc, split, fn in configs:
+        for layout, spec, kpc, split, fn in configs:
             try:
                 us = graph_time(fn, reps=20, inner=36)
                 out = fn()
             except Exception as e:  # a tile shape the GPU cannot hold: reported, the sweep goes on
-                print(f"b={b:4d} {spec} kpc={kpc} split={split}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                print(f"b={b:4d} {layout} {spec} kpc={kpc} split={split}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
             err = (out.float() - ref).abs().max().item()
             same = None if split is None else torch.equal(first.setdefault((spec, kpc), out), out)
             same_tiles = None if split is None else torch.equal(first.setdefault(kpc, out), out)
             auto = None if split is None else pa.use_split(
                 q.device, -(-q.shape[2] // tile(spec)["block_m"]) * q.shape[0] * b, 0, -(-bt.shape[1] * 16 // kpc))
-            rows.append({"batch": b, "width": a.width, "tiles": spec, "keys_per_chunk": kpc, "split": split,
+            rows.append({"batch": b, "width": a.width, "layout": layout, "tiles": spec, "keys_per_chunk": kpc, "split": split,
                          "auto_split": auto,
                          "us_per_call": us, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / us / 1e3,
                          "max_abs_err_vs_fp32": err, "bitwise_same_across_modes": same,
                          "bitwise_same_as_first_tiles": same_tiles})
-            print(f"b={b:4d} t={a.width} {spec:14s} kpc={kpc} split={split}: {us:7.2f} us a call, "
+            print(f"b={b:4d} t={a.width} {layout} {spec:14s} kpc={kpc} split={split}: {us:7.2f} us a call, "
                   f"{kv_bytes / us / 1e3:7.1f} GB/s, err {err:.2e}, same bits {same} "
                   f"(as the first tiles: {same_tiles})", flush=True)
             write_json(a.out, {"bench": "paged_split", "git": git_revision(), "machine": machine(),

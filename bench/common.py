@@ -6,8 +6,8 @@ import os
 import platform
 import shlex
 import statistics
-import sys
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable

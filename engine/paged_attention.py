@@ -59,8 +59,8 @@ KEYS_PER_CHUNK = 64  # keys per chunk state (see the module's docstring); a mult
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
 WORKSPACE_MAX_BYTES = 64 << 20
 # chunk states the combine kernel loads an iteration, for calls of several tokens a row (a verify, a draft pass):
-# 4 took its time in a DFlash step from 0.216 to 0.146 ms, while at one token a row (a decode) it went from 0.101
-# to 0.117 ms, so decodes keep 1 (docs/results.md). The same bits either way.
+# measured faster there at 4, slower at one token a row (a decode), which keeps 1 (docs/results.md). The same bits
+# either way.
 COMBINE_UNROLL = 4
 
 
@@ -358,7 +358,8 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
     """GPU self-check at Qwen3-8B's head shape: max abs error against `reference` (decode and verify over one
     and over several key chunks, each with and without a program per chunk), and whether a row's output is
     bitwise the same alone (T=1, B=1), inside a verify of 16, inside a bigger batch with a wider table, with and
-    without a program per chunk, and written in o_proj's layout (heads_last)."""
+    without a program per chunk (its combine kernel at 1, 3 and COMBINE_UNROLL chunk states an iteration), and
+    written in o_proj's layout (heads_last)."""
     scale = 128 ** -0.5
     errs = []
     for b, t, nblk, seed in ((8, 1, 4, 0), (4, 16, 4, 1), (3, 1, 70, 2), (2, 16, 70, 3)):
@@ -381,11 +382,12 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
                 invariant &= torch.equal(alone, mine) and torch.equal(big, mine)
         last = paged_attention(q, k, v, bt, pos, scale, heads_last=True)  # the engine's layout
         invariant &= torch.equal(last, full.view(8, 6, 16, 4, 128).permute(1, 2, 0, 3, 4).reshape(6, 16, -1))
-        global COMBINE_UNROLL
-        saved = COMBINE_UNROLL
-        try:
-            for COMBINE_UNROLL in (1, 3):  # the combine kernel's chunks an iteration (5 chunks: tails of 0 and 1)
-                invariant &= torch.equal(paged_attention(q, k, v, wide, pos, scale, split=True), full)
-        finally:
-            COMBINE_UNROLL = saved
+    # the combine kernel at 1 and 3 chunk states an iteration (the last case's rows: up to 18 chunks)
+    global COMBINE_UNROLL
+    saved = COMBINE_UNROLL
+    try:
+        for COMBINE_UNROLL in (1, 3):
+            invariant &= torch.equal(paged_attention(q, k, v, wide, pos, scale, split=True), full)
+    finally:
+        COMBINE_UNROLL = saved
     return {"max_abs_err": max(errs), "invariant": bool(invariant)}

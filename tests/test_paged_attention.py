@@ -88,7 +88,7 @@ def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dty
                                            split=split)
                 assert torch.equal(alone, full[:, :, rows]), (min_pos, split, col)
         saved = pa.COMBINE_UNROLL
-        try:  # the combine kernel's chunks an iteration (a verify's; 5 chunks: tails of 1, 0 and 3)
+        try:  # the combine kernel's chunk states an iteration, over rows of up to 3 chunks (a 5-chunk table)
             for unroll in (1, 2, 4):
                 pa.COMBINE_UNROLL = unroll
                 assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, split=True), full), unroll

@@ -90,15 +90,16 @@ def main() -> None:
                 us = graph_time(fn, reps=20, inner=36)
                 out = fn()
             except Exception as e:  # a tile shape the GPU cannot hold: reported, the sweep goes on
-                print(f"b={b:4d} {layout} {spec} kpc={kpc} split={split}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                print(f"b={b:4d} {layout} {spec} kpc={kpc} split={split}: {type(e).__name__}: {str(e)[:120]}",
+                      flush=True)
                 continue
             err = (out.float() - ref).abs().max().item()
             same = None if split is None else torch.equal(first.setdefault((spec, kpc), out), out)
             same_tiles = None if split is None else torch.equal(first.setdefault(kpc, out), out)
             auto = None if split is None else pa.use_split(
                 q.device, -(-q.shape[2] // tile(spec)["block_m"]) * q.shape[0] * b, 0, -(-bt.shape[1] * 16 // kpc))
-            rows.append({"batch": b, "width": a.width, "layout": layout, "tiles": spec, "keys_per_chunk": kpc, "split": split,
-                         "auto_split": auto,
+            rows.append({"batch": b, "width": a.width, "layout": layout, "tiles": spec, "keys_per_chunk": kpc,
+                         "split": split, "auto_split": auto,
                          "us_per_call": us, "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / us / 1e3,
                          "max_abs_err_vs_fp32": err, "bitwise_same_across_modes": same,
                          "bitwise_same_as_first_tiles": same_tiles})

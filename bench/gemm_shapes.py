@@ -7,7 +7,8 @@ graph of one call per layer (36 weights of the shape, each read once a replay, s
 head once), replayed. Variants: "cublas" (F.linear, the engine's call), "cublas_nn" (x @ w_t with the weight
 stored [K, N]), "cublaslt" (F.linear with torch's preferred BLAS library set to cuBLASLt), "skinny:n-k-w-s"
 (engine/skinny_gemm.py's kernel at a tile: BLOCK_N, BLOCK_K, warps, stages; up to 16 rows; "skinny" alone: the
-engine's tile for the shape) and "gemv:n-k-w-s" (an FMA GEMV, one row). It reports microseconds a call, the
+engine's tile for the shape) and "gemv:n-k-w-s" (an FMA GEMV, one row) and "splitk:bm-bn-bk-splits-w-s" (engine/batch_gemm.py's split-K kernel
+and its reduction at a tile; "splitk" alone: the engine's tile for the shape, where it has one). It reports microseconds a call, the
 weight's GB/s and that over the copy rate measured in the same run, the largest difference from F.linear in
 fp32, and for the skinny tiles whether a row's bits are the same alone and inside 16 rows.
 """
@@ -19,7 +20,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from flashpd.bench.common import copy_bandwidth_gbs, write_json
+from flashpd.bench.common import command_line, copy_bandwidth_gbs, write_json
+from flashpd.engine import batch_gemm as bg
 from flashpd.engine import skinny_gemm as sg
 
 if sg.triton is not None:
@@ -100,10 +102,23 @@ def call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None
     if variant.startswith("gemv:"):
         kw = spec(variant)
         return lambda: launch_gemv(x, w, **kw)
+    if variant.startswith("splitk"):
+        t = splitk_tile(variant, *w.shape)
+        return lambda: bg.launch(x, w, t)
     raise ValueError(variant)
 
 
-def applies(variant: str, m: int, k: int) -> bool:
+def splitk_tile(v: str, n_out: int, k_in: int) -> bg.Tile:
+    """"splitk:128-128-64-4-8-4" -> that tile; "splitk" -> the engine's tile for an [n_out, k_in] weight."""
+    return bg.Tile.parse(v.split(":")[1]) if ":" in v else bg.TILES[(n_out, k_in)]
+
+
+def applies(variant: str, m: int, n: int, k: int) -> bool:
+    if variant == "splitk":
+        return (n, k) in bg.TILES
+    if variant.startswith("splitk:"):
+        t = splitk_tile(variant, n, k)
+        return k % t.block_k == 0 and t.splits <= k // t.block_k
     if variant.startswith("skinny"):
         return m <= sg.MAX_ROWS
     if variant.startswith("gemv:"):
@@ -134,7 +149,7 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             ref = F.linear(x.float(), ws[0].float())
             for v in variants:
-                if not applies(v, m, k):
+                if not applies(v, m, n, k):
                     continue
                 torch.backends.cuda.preferred_blas_library("cublaslt" if v == "cublaslt" else "cublas")
                 fns = [call(v, x, ws[i], wts[i]) for i in range(copies)]
@@ -148,6 +163,11 @@ def main() -> None:
                     full = sg.launch(x, ws[0], **kw)
                     row["row_bits_invariant"] = all(torch.equal(sg.launch(x[i:i + 1], ws[0], **kw), full[i:i + 1])
                                                     for i in range(m))
+                if v.startswith("splitk") and m > 1:
+                    t = splitk_tile(v, n, k)
+                    full = bg.launch(x, ws[0], t)
+                    row["row_bits_invariant"] = all(torch.equal(bg.launch(x[i:i + 1], ws[0], t), full[i:i + 1])
+                                                    for i in (0, m // 2, m - 1))
                 results.append(row)
                 print(f"{name:8s} M={m:3d} {v:22s} {us:8.2f} us  {row['of_copy_rate']:.3f} of copy  err {err:.2e}"
                       + (f"  invariant {row['row_bits_invariant']}" if "row_bits_invariant" in row else ""),
@@ -155,8 +175,7 @@ def main() -> None:
         torch.backends.cuda.preferred_blas_library("cublas")
         del ws, wts
         torch.cuda.empty_cache()
-    write_json(a.out, {"bench": "gemm_shapes", "command": "python -m flashpd.bench.gemm_shapes "
-                       f"--rows {a.rows} --shapes {a.shapes} --variants {a.variants}",
+    write_json(a.out, {"bench": "gemm_shapes", "command": command_line("flashpd.bench.gemm_shapes"),
                        "copy_bandwidth": copy, "results": results})
 
 

@@ -7,8 +7,8 @@ graph of one call per layer (36 weights of the shape, each read once a replay, s
 head once), replayed. Variants: "cublas" (F.linear, the engine's call), "cublas_nn" (x @ w_t with the weight
 stored [K, N]), "cublaslt" (F.linear with torch's preferred BLAS library set to cuBLASLt), "skinny:n-k-w-s"
 (engine/skinny_gemm.py's kernel at a tile: BLOCK_N, BLOCK_K, warps, stages; up to 16 rows; "skinny" alone: the
-engine's tile for the shape) and "gemv:n-k-w-s" (an FMA GEMV, one row) and "splitk:bm-bn-bk-splits-w-s" (engine/batch_gemm.py's split-K kernel
-and its reduction at a tile; "splitk" alone: the engine's tile for the shape, where it has one). It reports microseconds a call, the
+engine's tile for the shape) and "gemv:n-k-w-s" (an FMA GEMV, one row) and "splitk:bm-bn-bk-splits-w-s" (bench/splitk_gemm.py's split-K kernel
+and its reduction at a tile). It reports microseconds a call, the
 weight's GB/s and that over the copy rate measured in the same run, the largest difference from F.linear in
 fp32, and for the skinny tiles whether a row's bits are the same alone and inside 16 rows.
 """
@@ -20,8 +20,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from flashpd.bench import splitk_gemm as bg
 from flashpd.bench.common import command_line, copy_bandwidth_gbs, write_json
-from flashpd.engine import batch_gemm as bg
 from flashpd.engine import skinny_gemm as sg
 
 if sg.triton is not None:
@@ -109,13 +109,11 @@ def call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None
 
 
 def splitk_tile(v: str, n_out: int, k_in: int) -> bg.Tile:
-    """"splitk:128-128-64-4-8-4" -> that tile; "splitk" -> the engine's tile for an [n_out, k_in] weight."""
-    return bg.Tile.parse(v.split(":")[1]) if ":" in v else bg.TILES[(n_out, k_in)]
+    """"splitk:128-128-64-4-8-4" -> that tile."""
+    return bg.Tile.parse(v.split(":")[1])
 
 
 def applies(variant: str, m: int, n: int, k: int) -> bool:
-    if variant == "splitk":
-        return (n, k) in bg.TILES
     if variant.startswith("splitk:"):
         t = splitk_tile(variant, n, k)
         return k % t.block_k == 0 and t.splits <= k // t.block_k

@@ -25,7 +25,7 @@ from flashpd.engine.config import CheckpointError, HeadGeometry, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
 from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, mlp_residual
-from flashpd.engine.projection import linear
+from flashpd.engine.skinny_gemm import linear
 
 
 class DrafterMismatch(CheckpointError):

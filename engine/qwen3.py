@@ -20,7 +20,7 @@ from dataclasses import replace
 from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
     group_queries, grouped_attention, out_proj, paged_applies, use_paged, write_kv
 from flashpd.engine.paged_attention import paged_attention
-from flashpd.engine.projection import linear
+from flashpd.engine.skinny_gemm import linear
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 

@@ -9,14 +9,15 @@ walks K in BLOCK_K steps with tl.dot, accumulating in fp32. The tile depends on 
 the row count, and an MMA computes each output row from that row alone, in the same order wherever it sits in the
 tile: a row's bits are the same alone and among 16 (tests/test_skinny_gemm.py, on a GPU).
 
-engine/projection.py's `linear` takes this kernel where it applies (`applies`: CUDA, bf16 or fp16, at most 16 rows,
-a weight within int32 offsets).
+`linear` is the engine's projection: this kernel where it applies (`applies`: CUDA, bf16 or fp16, at most 16 rows,
+a weight within int32 offsets), F.linear elsewhere (the CPU, fp32, batches, prefill).
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton's CPU interpreter (tests)
 
@@ -126,3 +127,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, k).contiguous()
     return torch.ops.flashpd.skinny_linear(x2, w.contiguous()).view(*x.shape[:-1], w.shape[0])
 
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) without bias: the kernel where `applies`, else F.linear."""
+    if applies(x.device, x.dtype, x.numel() // x.shape[-1], w.numel()) and w.dtype == x.dtype:
+        return skinny_linear(x, w)
+    return F.linear(x, w)

@@ -1,15 +1,13 @@
-"""y = x @ w.T for a decode batch's rows (17 to 256): a split-K Triton GEMM, then a fixed-order reduction.
+"""A split-K Triton GEMM for a decode batch's rows, then a fixed-order reduction: bench/gemm_shapes.py's
+"splitk" variant, measured against cuBLAS and not taken by the engine (docs/results.md: slower at every tile
+it was swept at).
 
-At 128 rows cuBLAS reads the smaller weights of a layer at 56-72% of the copy rate (o_proj, q/k/v, down;
-docs/results.md), where gate/up reaches 88%. One reason is the grid: o_proj's 32 MB over 128 tiles of 64x64 is
-one wave of 128 programs, each streaming 512 KB alone, with W read once per 64-row tile. Here each program holds
-every row of x (BLOCK_M = 128 or 256 covers the batch) and BLOCK_N rows of w, and walks one of SPLITS slices of
-K, so W is read once and the grid has 1-2 programs an SM whatever N is. Each slice's fp32 partial goes to a
-workspace; a second kernel adds the slices in slice order and rounds once, so the result is deterministic and
-a row's bits do not depend on the other rows (the MMA computes each row from that row alone).
-
-The tile is a function of w's shape alone (`TILES`, picked by bench/gemm_shapes.py's sweep at the Qwen3-8B
-shape); shapes outside the table, and rows outside [MIN_ROWS, MAX_ROWS], stay on F.linear.
+The idea it tests: at 128 rows cuBLAS reads the smaller weights of a layer at 56-72% of the copy rate (o_proj,
+q/k/v, down), where gate/up reaches 88%. o_proj's 32 MB over cuBLAS's 128 tiles of 64x64 is one wave of 128
+programs, each streaming 512 KB alone. Here each program holds every row of x (BLOCK_M = 64 or 128) and BLOCK_N
+rows of w, and walks one of SPLITS slices of K, so W is read once and the grid is 1-2 programs an SM whatever N
+is. Each slice's fp32 partial goes to a workspace; a second kernel adds the slices in slice order and rounds
+once, so the result is deterministic and a row's bits do not depend on the other rows.
 """
 from __future__ import annotations
 
@@ -28,8 +26,6 @@ if torch.backends.cuda.is_built() or INTERPRET:
     except ImportError:  # no triton: F.linear is the only path
         triton = None
 
-MIN_ROWS = 17  # fewer rows: engine/skinny_gemm.py's kernel
-MAX_ROWS = 256  # more rows (prefill): cuBLAS
 MAX_WEIGHT_ELEMENTS = 2 ** 31 - 1  # int32 offsets
 REDUCE_BLOCK = 1024
 
@@ -45,16 +41,12 @@ class Tile(NamedTuple):
     num_stages: int
 
     @classmethod
-    def parse(cls, s: str) -> "Tile":
+    def parse(cls, s: str) -> Tile:
         """"128-128-64-4-8-4" -> Tile(128, 128, 64, 4, 8, 4)."""
         parts = [int(p) for p in s.split("-")]
         if len(parts) != 6:
             raise ValueError(f"a tile is six numbers BM-BN-BK-SPLITS-WARPS-STAGES, not {s!r}")
         return cls(*parts)
-
-
-# (N, K) -> tile, for the weights where the sweep found this kernel ahead of cuBLAS (docs/results.md)
-TILES: dict[tuple[int, int], Tile] = {}
 
 
 def available() -> bool:
@@ -124,30 +116,3 @@ def launch(x: torch.Tensor, w: torch.Tensor, t: Tile) -> torch.Tensor:
     _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](part, y, m * n, SPLITS=t.splits, BLOCK=REDUCE_BLOCK,
                                                         num_warps=4)
     return y
-
-
-if triton is not None:
-    # an opaque custom op, as skinny_gemm's: compiled, inductor calls it as one extern kernel
-    @torch.library.custom_op("flashpd::splitk_linear", mutates_args=())
-    def _splitk_linear_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return launch(x, w, TILES[(w.shape[0], w.shape[1])])
-
-    @_splitk_linear_op.register_fake
-    def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], w.shape[0]))
-
-
-def applies(device: torch.device, dtype: torch.dtype, rows: int, n: int, k: int) -> bool:
-    """Whether the engine's projection takes this kernel: on CUDA with triton, bf16 or fp16, MIN_ROWS to
-    MAX_ROWS rows, and a weight shape in TILES."""
-    return (triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and MIN_ROWS <= rows <= MAX_ROWS and (n, k) in TILES and n * k <= MAX_WEIGHT_ELEMENTS)
-
-
-def splitk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The kernel at w's tile on x [..., K] of any leading shape -> [..., N]."""
-    if triton is None:
-        raise RuntimeError("splitk_linear needs triton")
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k).contiguous()
-    return torch.ops.flashpd.splitk_linear(x2, w.contiguous()).view(*x.shape[:-1], w.shape[0])

@@ -11,6 +11,10 @@ positions, walks the same keys BLOCK_N at a time, and does less with them:
 - "contig": the same bytes with each page number computed rather than read (the table's rows hold consecutive
   pages here): what the dependent table load costs;
 - "dots": "load" plus the two MMAs of the engine's 16-row tile (q K^T, then that times V), no mask or softmax;
+- "max": "dots" plus the position mask and the running row max (the scores less the max go to the second MMA);
+- "exp": "max" plus the exponentials and the accumulator's rescale (no row sum);
+- "softmax": the engine's block step (`paged_attention._block`: the whole online softmax) over all of a row's
+  keys as one chunk, without the per-chunk states and their merge;
 - "engine": the engine's kernel itself (its constants, unsplit, as batch 128 runs it).
 Each is timed in a CUDA graph of 36 calls (one per layer) replayed, for each tile (keys an iteration, warps,
 stages), and reported as µs a call and the KV bytes' GB/s. The probes' outputs are not attention; only "engine"
@@ -27,16 +31,19 @@ from flashpd.bench.common import command_line, copy_bandwidth_gbs, git_revision,
 from flashpd.bench.paged_split import case
 from flashpd.engine import paged_attention as pa
 
-MODES = {"load": 0, "contig": 1, "dots": 2}
+MODES = {"load": 0, "contig": 1, "dots": 2, "max": 3, "exp": 4, "softmax": 5}
 
 if pa.triton is not None:
     import triton
     import triton.language as tl
 
+    from flashpd.engine.paged_attention import _block as engine_block
+
     @triton.jit
     def _probe_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, HKV, n_keys, sq_h, sq_b, sq_m,
-                      sk_blk, sk_off, sk_h, sbt_b, spos_b, G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr):
+                      sk_blk, sk_off, sk_h, sbt_b, spos_b, qk_scale, G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
+                      INTERPRET: tl.constexpr):
         """One (KV head, sequence) program walking its keys as the engine's does; MODE picks what it does with
         each block (the module's docstring). Writes a [BM, D] result so that nothing is optimised away."""
         pid = tl.program_id(0)
@@ -49,25 +56,50 @@ if pa.triton is not None:
         k_base = k_ptr + h * sk_h + dd[None, :]
         v_base = v_ptr + h * sk_h + dd[None, :]
         acc = tl.zeros([BM, D], tl.float32)
-        if MODE == 2:
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        if MODE >= 2:
             q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :], mask=(rows < G)[:, None],
                         other=0.0)
         first = tl.load(bt_ptr + b * sbt_b)
+        row_pos = tl.where(rows < G, pos, -1)
         for start in range(0, hi, BN):
-            keys = start + tl.arange(0, BN)
-            k_ok = keys < hi
-            if MODE == 1:
-                page = first + keys // PAGE
+            if MODE == 5:
+                m_i, l_i, acc = engine_block(q, k_base, v_base, bt_ptr + b * sbt_b, row_pos, pos, n_keys, start,
+                                             m_i, l_i, acc, qk_scale, sk_blk, sk_off, sk_blk, sk_off, dd < D, PAGE,
+                                             BN, False, INTERPRET)
             else:
-                page = tl.load(bt_ptr + b * sbt_b + keys // PAGE, mask=k_ok, other=0)
-            off = keys % PAGE
-            k = tl.load(k_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=k_ok[:, None], other=0.0)
-            v = tl.load(v_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=k_ok[:, None], other=0.0)
-            if MODE == 2:
-                s = tl.dot(q, tl.trans(k))
-                acc = tl.dot(s.to(v.dtype), v, acc)
-            else:
-                acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), 0)[None, :]
+                keys = start + tl.arange(0, BN)
+                k_ok = keys < hi
+                if MODE == 1:
+                    page = first + keys // PAGE
+                else:
+                    page = tl.load(bt_ptr + b * sbt_b + keys // PAGE, mask=k_ok, other=0)
+                off = keys % PAGE
+                k = tl.load(k_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=k_ok[:, None], other=0.0)
+                v = tl.load(v_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=k_ok[:, None], other=0.0)
+                if MODE == 2:
+                    s = tl.dot(q, tl.trans(k))
+                    acc = tl.dot(s.to(v.dtype), v, acc)
+                elif MODE >= 3:
+                    s = tl.dot(q, tl.trans(k))
+                    s = tl.where(keys[None, :] <= row_pos[:, None], s * qk_scale, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    if MODE == 3:
+                        p = s - m_sub[:, None]
+                        acc = tl.dot(p.to(v.dtype), v, acc)
+                    else:
+                        alpha = tl.exp2(m_i - m_sub)
+                        p = tl.exp2(s - m_sub[:, None])
+                        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+                    m_i = m_new
+                else:
+                    acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), 0)[None, :]
+        if MODE == 5:
+            acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        elif MODE >= 3:
+            acc += m_i[:, None]
         tl.store(out_ptr + pid * BM * D + rows[:, None] * D + dd[None, :], acc)
 
 
@@ -77,7 +109,7 @@ def probe(mode: str, q, k, v, bt, pos, block_n: int, num_warps: int, num_stages:
     out = torch.empty((hkv * b, 16, d), dtype=torch.float32, device=q.device)
     _probe_kernel[(hkv * b,)](q, k, v, bt, pos, out, hkv, bt.shape[1] * k.shape[1], q.stride(0), q.stride(1),
                               q.stride(2), k.stride(0), k.stride(1), k.stride(2), bt.stride(0), pos.stride(0),
-                              G=g, PAGE=k.shape[1], D=d, BM=16, BN=block_n, MODE=MODES[mode],
+                              128 ** -0.5 * pa.LOG2E, G=g, PAGE=k.shape[1], D=d, BM=16, BN=block_n, MODE=MODES[mode], INTERPRET=pa.INTERPRET,
                               num_warps=num_warps, num_stages=num_stages)
     return out
 
@@ -86,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="64,128,256")
     ap.add_argument("--context", type=int, default=282)
-    ap.add_argument("--modes", default="engine,load,contig,dots")
+    ap.add_argument("--modes", default="engine,load,contig,dots,max,exp,softmax")
     ap.add_argument("--tiles", default="n64-w4-s3,n64-w4-s2,n64-w8-s3,n128-w4-s3,n128-w8-s3,n32-w4-s4,n64-w4-s4",
                     help="the probes' tiles: keys an iteration, warps, stages (the engine's own tile is n64-w4-s3)")
     ap.add_argument("--table-blocks", type=int, default=32, help="block table width, as the engine's graphs "

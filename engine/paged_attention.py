@@ -5,13 +5,15 @@ new tensor and reads a materialized mask, tripling a decode step's KV traffic. H
 tile of BLOCK_M query rows of one (kv head, sequence) and walks that sequence's keys BLOCK_N at a time
 through its block table, with an fp32 online softmax.
 
-Batch invariance (a position's output must not depend on what shares its forward): tile sizes, warps and
-stages are constants; every tile walks key blocks in increasing order from key 0 with fixed block
+Batch invariance (a position's output must not depend on what shares its forward): the tile sizes are
+constants; every tile walks key blocks in increasing order from key 0 with fixed block
 boundaries; a key block with none of a row's visible keys leaves that row's state bitwise unchanged (its
 running max stays, so alpha = 2^0 = 1 and every p = 0; K/V past the tile's last position are masked loads,
 those before it are written K/V, so 0 * v adds exact zeros; the output adds 0.0 so that an exact zero has one
 sign); and tl.dot computes each output row from that row alone, in the same order wherever it sits in the
-tile.
+tile. The warp count is free (a call may take its own): a row's sum of weights is an MMA against ones, not a
+cross-thread reduction (whose order follows the warps' layout), and the row max is exact in any order, so no
+step's arithmetic depends on how the tile is spread over warps (`check_against_reference` tests 1, 2 and 4).
 
 Key chunks, so that how the keys are spread over programs never changes a bit: a row's keys fall into fixed
 chunks of KEYS_PER_CHUNK. Each chunk's softmax state (max, sum, weighted values) starts from nothing, and the
@@ -50,10 +52,14 @@ if torch.backends.cuda.is_built() or INTERPRET:
 # MMA instructions) round the same row differently (`check_against_reference` tests this).
 # The constants were picked by bench/paged_split.py's sweep at the Qwen3-8B head shape (docs/results.md).
 BLOCK_M = 16  # query rows per program
-BLOCK_N = 64  # keys per iteration
-NUM_WARPS = 4
-NUM_STAGES = 3
-KEYS_PER_CHUNK = 64  # keys per chunk state (see the module's docstring); a multiple of BLOCK_N
+BLOCK_N = 32  # keys per iteration
+KEYS_PER_CHUNK = 32  # keys per chunk state (see the module's docstring); a multiple of BLOCK_N
+NUM_STAGES = 4
+# Warps (no bit depends on them): 2 for a program walking a row's chunks (batches: more programs an SM, and the
+# online softmax's row max crosses fewer warps), 4 for a program per chunk (a decode at batch 1, a verify: few
+# programs, each wants its chunk's loads spread wide) and for the combine kernel (docs/results.md).
+NUM_WARPS = 2
+SPLIT_NUM_WARPS = 4
 # split (a program per key chunk) when one program per (row tile, KV head, sequence) would give fewer programs
 # than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
@@ -81,6 +87,15 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _row_sum(p, F32: tl.constexpr, ROWWISE: tl.constexpr):
+        """Each row of p [BM, BN] summed by an MMA against ones (every column of the product is the row's sum;
+        their max is it, exactly), so that the order of the additions is the MMA's, whatever the warps: a
+        tl.sum reduces across threads and warps in an order that follows their layout (the module's
+        docstring). p is what the values' MMA takes, so the weights' sum is of the same weights."""
+        ones = tl.full([p.shape[1], 16], 1.0, tl.float32).to(p.dtype)  # (the interpreter has no bf16 full)
+        return tl.max(_dot(p, ones, tl.zeros([p.shape[0], 16], tl.float32), F32, ROWWISE), 1)
 
     @triton.jit
     def _merge(m_run, l_run, acc_run, m_c, l_c, acc_c):
@@ -113,9 +128,9 @@ if triton is not None:
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], F32, INTERPRET)
+        p = tl.exp2(s - m_sub[:, None]).to(v.dtype)
+        l_i = l_i * alpha + _row_sum(p, F32, INTERPRET)
+        acc = _dot(p, v, acc * alpha[:, None], F32, INTERPRET)
         return m_new, l_i, acc
 
     @triton.jit
@@ -226,12 +241,13 @@ if triton is not None:
 
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                positions: torch.Tensor, scale: float, split: bool | None = None, block_m: int = BLOCK_M,
-               block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+               block_n: int = BLOCK_N, num_warps: int | None = None, num_stages: int = NUM_STAGES,
                heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK) -> torch.Tensor:
         """The two kernels' launch. split: a program per key chunk and the combine kernel (None: `use_split`
         decides); the same bits either way. The tile and chunk arguments exist for bench/paged_split's sweep
-        (they change bits); the op passes the module's constants. heads_last: the output as [B, T, Hq*d]
-        (o_proj's input), else like q."""
+        (they change bits); the op passes the module's constants. num_warps: the walking or chunk programs'
+        (None: NUM_WARPS, or SPLIT_NUM_WARPS for a program per chunk; no bit depends on it); the combine kernel
+        takes SPLIT_NUM_WARPS. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q."""
         hkv, b, m, d = q.shape
         t = positions.shape[1]
         assert positions.stride(1) == 1 or t == 1, "positions: each row's must be consecutive"
@@ -251,6 +267,8 @@ if triton is not None:
         n_chunks = triton.cdiv(n_keys, keys_per_chunk)
         if split is None:
             split = use_split(q.device, tiles * hkv * b, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks)
+        if num_warps is None:
+            num_warps = SPLIT_NUM_WARPS if split else NUM_WARPS
         if split:
             m_ws = torch.empty((n_chunks, hkv * b, m), dtype=torch.float32, device=q.device)
             l_ws = torch.empty_like(m_ws)
@@ -270,7 +288,7 @@ if triton is not None:
             _combine_kernel[(tiles, hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
                 G=g, D=d, D_PAD=d_pad, BM=block_m, KPC=keys_per_chunk,
-                UNROLL=COMBINE_UNROLL if t > 1 else 1, num_warps=num_warps)
+                UNROLL=COMBINE_UNROLL if t > 1 else 1, num_warps=SPLIT_NUM_WARPS)
         return out
 
     # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern
@@ -283,7 +301,7 @@ if triton is not None:
                             split: int, heads_last: bool) -> torch.Tensor:
         # the constants are read here, at call time (bench/paged_check.py's sweep sets them)
         return launch(q, k_cache, v_cache, block_tables, positions, scale, None if split < 0 else bool(split),
-                      BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES, heads_last, KEYS_PER_CHUNK)
+                      BLOCK_M, BLOCK_N, None, NUM_STAGES, heads_last, KEYS_PER_CHUNK)
 
     @_paged_attention_op.register_fake
     def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -358,8 +376,8 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
     """GPU self-check at Qwen3-8B's head shape: max abs error against `reference` (decode and verify over one
     and over several key chunks, each with and without a program per chunk), and whether a row's output is
     bitwise the same alone (T=1, B=1), inside a verify of 16, inside a bigger batch with a wider table, with and
-    without a program per chunk (its combine kernel at 1, 3 and COMBINE_UNROLL chunk states an iteration), and
-    written in o_proj's layout (heads_last)."""
+    without a program per chunk (its combine kernel at 1, 3 and COMBINE_UNROLL chunk states an iteration), at
+    1, 2 and 4 warps, and written in o_proj's layout (heads_last)."""
     scale = 128 ** -0.5
     errs = []
     for b, t, nblk, seed in ((8, 1, 4, 0), (4, 16, 4, 1), (3, 1, 70, 2), (2, 16, 70, 3)):
@@ -382,7 +400,11 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
                 invariant &= torch.equal(alone, mine) and torch.equal(big, mine)
         last = paged_attention(q, k, v, bt, pos, scale, heads_last=True)  # the engine's layout
         invariant &= torch.equal(last, full.view(8, 6, 16, 4, 128).permute(1, 2, 0, 3, 4).reshape(6, 16, -1))
-    # the combine kernel at 1 and 3 chunk states an iteration (the last case's rows: up to 18 chunks)
+    # any warp count, walking or a program per chunk (the last case's rows: up to 35 chunks)
+    for warps in (1, 2, 4):
+        for split in (False, True):
+            invariant &= torch.equal(launch(q, k, v, bt, pos, scale, split, num_warps=warps), full)
+    # the combine kernel at 1 and 3 chunk states an iteration
     global COMBINE_UNROLL
     saved = COMBINE_UNROLL
     try:

@@ -177,9 +177,10 @@ def bench():
 
 def sweep():
     out = {}
-    base = (pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES)
+    base = (pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES, pa.KEYS_PER_CHUNK)
     for bm, bn, nw, ns in itertools.product((16, 32, 64), (32, 64), (2, 4), (2, 3)):
-        pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES = bm, bn, nw, ns
+        # a chunk of one block, as the engine's (a chunk must hold whole blocks)
+        pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES, pa.KEYS_PER_CHUNK = bm, bn, nw, ns, bn
         key = f"m{bm}-n{bn}-w{nw}-s{ns}"
         try:
             r = {f"b{b}-t{t}": bench_one(b, t, reps=10)["us_per_layer"] for b, t in SHAPES}
@@ -187,7 +188,7 @@ def sweep():
             r = repr(e)[:200]
         out[key] = r
         print(key, r, flush=True)
-    pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES = base
+    pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES, pa.KEYS_PER_CHUNK = base
     return out
 
 
@@ -196,7 +197,7 @@ def pick(sw):
     ok = {k: v for k, v in sw.items() if isinstance(v, dict)}
     best = min(ok, key=lambda k: sum(ok[k][f"b{b}-t{t}"] for b in (64, 128) for t in (1, 16)))
     bm, bn, nw, ns = (int(x[1:]) for x in best.split("-"))
-    pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES = bm, bn, nw, ns
+    pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES, pa.KEYS_PER_CHUNK = bm, bn, nw, ns, bn
     return best
 
 

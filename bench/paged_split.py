@@ -48,7 +48,8 @@ def case(b: int, context: int, width: int = 1, hkv: int = 8, groups: int = 4, d:
 
 
 def tile(spec: str) -> dict[str, int]:
-    """"m64-n32-w4-s2" -> launch's tile arguments."""
+    """"m64-n32-w4-s2" -> launch's tile arguments; without "w", the engine's warps for each mode (a walking
+    program's, or a program per chunk's)."""
     names = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages"}
     return {names[p[0]]: int(p[1:]) for p in spec.split("-")}
 
@@ -59,7 +60,8 @@ def main() -> None:
     ap.add_argument("--chunks", default=str(pa.KEYS_PER_CHUNK), help="keys per chunk (multiples of the tile's keys)")
     ap.add_argument("--context", type=int, default=282)
     ap.add_argument("--width", type=int, default=1, help="tokens a row (16: a DFlash verify's block)")
-    ap.add_argument("--tiles", default=f"m{pa.BLOCK_M}-n{pa.BLOCK_N}-w{pa.NUM_WARPS}-s{pa.NUM_STAGES}")
+    ap.add_argument("--tiles", default=f"m{pa.BLOCK_M}-n{pa.BLOCK_N}-s{pa.NUM_STAGES}",
+                    help="tile shapes: rows, keys an iteration, warps (optional: the engine's per mode), stages")
     ap.add_argument("--table-blocks", type=int, default=0, help="block table width (0: the context's, rounded up "
                     "to 4 blocks)")
     ap.add_argument("--layouts", default="nhd", help="cache layouts to time: nhd (the engine's [blocks, page, "

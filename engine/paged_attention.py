@@ -44,7 +44,8 @@ if torch.backends.cuda.is_built() or INTERPRET:
     except ImportError:  # no triton: the plain-PyTorch attention is the only path
         triton = None
 
-# Fixed tile constants: changing any of them changes results (bitwise), never their dependence on the batch.
+# Fixed tile sizes: changing BLOCK_M, BLOCK_N or KEYS_PER_CHUNK changes results (bitwise), never their dependence on
+# the batch; the stages and warps change no bit.
 # BLOCK_M = 16 rows, the smallest tile tl.dot takes: a decode's G rows (4 at Qwen3's GQA) fill a quarter of it;
 # a 64-row tile would idle 60 MMA rows and hold registers that limit how many programs share an SM. A verify of
 # 16 tokens x 4 groups takes 4 tiles, each reading the keys again (from L2, mostly). One tile size for every

@@ -256,3 +256,16 @@ def test_the_engine_dispatches_decode_and_verify_on_a_gpu_only():
         assert not attention.use_paged(qc, attention.PAGED_MAX_T + 1)  # prefill chunks
         assert not attention.use_paged(qc, 1, "matmul")  # a forced form
     assert engine_pa.KEYS_PER_CHUNK % engine_pa.BLOCK_N == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="warps exist on a GPU only (the interpreter runs a "
+                    "program as one thread)")
+def test_no_bit_depends_on_the_warps():  # pragma: no cover (GPU machines)
+    """The engine picks warps per call (walking or a program per chunk): a row's weight sum is an MMA, so 1, 2, 4
+    and 8 warps give the same bits, decode and verify, walking and per chunk."""
+    for t, nblk in ((1, 40), (16, 40)):
+        q, k, v, bt, pos = random_case(engine_pa, "cuda", torch.bfloat16, 5, t, nblk, seed=t, min_pos=300)
+        ref = engine_pa.launch(q, k, v, bt, pos, SCALE, False)
+        for split in (False, True):
+            for warps in (1, 2, 4, 8):
+                assert torch.equal(engine_pa.launch(q, k, v, bt, pos, SCALE, split, num_warps=warps), ref), (t, warps)

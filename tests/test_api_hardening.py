@@ -125,15 +125,19 @@ def test_non_finite_sampling_values_are_invalid_argument(demo, field, kw):
 
 # ---- cancel storms -----------------------------------------------------------------------------
 
-def _first_then_cancel(call) -> None:
+def _first_then_cancel(call, took: list[bool]) -> None:
     assert next(call).token_ids
-    call.cancel()
+    took.append(call.cancel())
 
 
 def _storm(address: str, ps: list[list[int]], after_first: int, n_once: int, **kw) -> None:
     """Start a call per prompt at once (the last n_once GenerateOnce, the others Generate); cancel the first
     `after_first` once a token arrived, the rest right after they start, 5 ms apart: those cancels reach the
-    server before, during and after its submit of the request (the loop takes a request between steps)."""
+    server before, during and after its submit of the request (the loop takes a request between steps).
+
+    A cancel that gRPC took (`cancel()` True) must end the call CANCELLED. One it refused came after the call
+    had finished, which a small model can do within the storm's spread: that call must have ended OK. Most
+    cancels must be taken, or the storm tested nothing."""
     with grpc.insecure_channel(address) as ch:
         stub = pb_grpc.GenerationStub(ch)
         calls = []
@@ -141,16 +145,22 @@ def _storm(address: str, ps: list[list[int]], after_first: int, n_once: int, **k
             req = build_request(p, **kw)
             once = i >= len(ps) - n_once
             calls.append(stub.GenerateOnce.future(req, timeout=60) if once else stub.Generate(req, timeout=60))
-        firsts = [threading.Thread(target=_first_then_cancel, args=(c,)) for c in calls[:after_first]]
+        took_first: list[list[bool]] = [[] for _ in range(after_first)]
+        firsts = [threading.Thread(target=_first_then_cancel, args=(c, took))
+                  for c, took in zip(calls[:after_first], took_first)]
         for t in firsts:
             t.start()
         t0 = time.monotonic()
+        took_rest = []
         for i, c in enumerate(calls[after_first:]):
             time.sleep(max(0.0, t0 + 0.005 * i - time.monotonic()))
-            c.cancel()
+            took_rest.append(c.cancel())
         for t in firsts:
             t.join(60)
-        assert [c.code() for c in calls] == [grpc.StatusCode.CANCELLED] * len(calls)
+        took = [bool(t and t[0]) for t in took_first] + took_rest
+        expected = [grpc.StatusCode.CANCELLED if k else grpc.StatusCode.OK for k in took]
+        assert [c.code() for c in calls] == expected
+        assert sum(took) >= len(calls) * 3 // 4, took
 
 
 def test_colocated_cancel_storm_frees_every_block_within_a_second(demo):

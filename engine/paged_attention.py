@@ -65,10 +65,11 @@ SPLIT_NUM_WARPS = 4
 # than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
 WORKSPACE_MAX_BYTES = 64 << 20
-# chunk states the combine kernel loads an iteration, for calls of several tokens a row (a verify, a draft pass):
-# measured faster there at 4, slower at one token a row (a decode), which keeps 1 (docs/results.md). The same bits
-# either way.
+# chunk states the combine kernel loads an iteration, for calls of several tokens a row (a verify, a draft pass)
+# and of one (a decode): measured faster at 4 for the first, slower for the second, which keeps 1, at 64-key chunks
+# (docs/results.md). The same bits either way.
 COMBINE_UNROLL = 4
+COMBINE_UNROLL_ONE_TOKEN = 1
 
 
 def available() -> bool:
@@ -289,7 +290,7 @@ if triton is not None:
             _combine_kernel[(tiles, hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
                 G=g, D=d, D_PAD=d_pad, BM=block_m, KPC=keys_per_chunk,
-                UNROLL=COMBINE_UNROLL if t > 1 else 1, num_warps=SPLIT_NUM_WARPS)
+                UNROLL=COMBINE_UNROLL if t > 1 else COMBINE_UNROLL_ONE_TOKEN, num_warps=SPLIT_NUM_WARPS)
         return out
 
     # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern
@@ -377,7 +378,7 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
     """GPU self-check at Qwen3-8B's head shape: max abs error against `reference` (decode and verify over one
     and over several key chunks, each with and without a program per chunk), and whether a row's output is
     bitwise the same alone (T=1, B=1), inside a verify of 16, inside a bigger batch with a wider table, with and
-    without a program per chunk (its combine kernel at 1, 3 and COMBINE_UNROLL chunk states an iteration), at
+    without a program per chunk (its combine kernel at 1, 3 and the module's chunk states an iteration), at
     1, 2 and 4 warps, and written in o_proj's layout (heads_last)."""
     scale = 128 ** -0.5
     errs = []
@@ -405,12 +406,15 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
     for warps in (1, 2, 4):
         for split in (False, True):
             invariant &= torch.equal(launch(q, k, v, bt, pos, scale, split, num_warps=warps), full)
-    # the combine kernel at 1 and 3 chunk states an iteration
-    global COMBINE_UNROLL
-    saved = COMBINE_UNROLL
+    # the combine kernel at 1 and 3 chunk states an iteration, a verify's and a decode's
+    global COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN
+    saved = COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN
     try:
         for COMBINE_UNROLL in (1, 3):
+            COMBINE_UNROLL_ONE_TOKEN = COMBINE_UNROLL
             invariant &= torch.equal(paged_attention(q, k, v, wide, pos, scale, split=True), full)
+            alone = paged_attention(q[:, 5:6, 60:64].contiguous(), k, v, wide[5:6], pos[5:6, 15:16], scale, split=True)
+            invariant &= torch.equal(alone, full[:, 5:6, 60:64])
     finally:
-        COMBINE_UNROLL = saved
+        COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN = saved
     return {"max_abs_err": max(errs), "invariant": bool(invariant)}

@@ -73,13 +73,13 @@ def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dty
     """A row computed alone (B=1, T=1), inside a verify of T=16 beside rows at other positions, and inside a
     call with a wider block table is bitwise the same, wherever it sits in its row tile (cols 0, 9 and 15),
     with its key chunks merged in one program or each chunk in its own program and the combine kernel (at 1, 2
-    and 4 chunks an iteration): rows within the first chunks (min_pos 30) and rows over three or more (min_pos
-    130), where the wider table adds more chunks past every row."""
+    and 4 chunks an iteration, for the verify's call and the row's own): rows within the first chunk or few
+    (min_pos 30) and rows over several (min_pos 130), where the wider table adds more chunks past every row."""
     for min_pos in (30, 130):
         q, k, v, bt, pos = random_case(pa, dev, dtype, 1, 16, 20, seed=min_pos, min_pos=min_pos, hkv=1)
         full = pa.paged_attention(q, k, v, bt, pos, SCALE, split=False)
         assert torch.equal(pa.paged_attention(q, k, v, bt, pos, SCALE, split=True), full), min_pos
-        wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)  # 320 keys: 5 chunks
+        wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)  # 320 keys: 10 chunks of 32
         for split in (False, True):
             assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, split=split), full), (min_pos, split)
             for col in (0, 9, 15):
@@ -87,13 +87,15 @@ def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dty
                 alone = pa.paged_attention(q[:, :, rows].contiguous(), k, v, bt, pos[:, col:col + 1], SCALE,
                                            split=split)
                 assert torch.equal(alone, full[:, :, rows]), (min_pos, split, col)
-        saved = pa.COMBINE_UNROLL
-        try:  # the combine kernel's chunk states an iteration, over rows of up to 3 chunks (a 5-chunk table)
+        saved = pa.COMBINE_UNROLL, pa.COMBINE_UNROLL_ONE_TOKEN
+        try:  # the combine kernel's chunk states an iteration, a verify's and a one-token call's
             for unroll in (1, 2, 4):
-                pa.COMBINE_UNROLL = unroll
+                pa.COMBINE_UNROLL = pa.COMBINE_UNROLL_ONE_TOKEN = unroll
                 assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, split=True), full), unroll
+                alone = pa.paged_attention(q[:, :, 36:40].contiguous(), k, v, wide, pos[:, 9:10], SCALE, split=True)
+                assert torch.equal(alone, full[:, :, 36:40]), (min_pos, unroll)
         finally:
-            pa.COMBINE_UNROLL = saved
+            pa.COMBINE_UNROLL, pa.COMBINE_UNROLL_ONE_TOKEN = saved
 
 
 def heads_last_is_the_same_numbers_in_o_proj_order(pa: ModuleType, dev: str) -> None:

@@ -103,19 +103,19 @@ def call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None
         kw = spec(variant)
         return lambda: launch_gemv(x, w, **kw)
     if variant.startswith("splitk"):
-        t = splitk_tile(variant, *w.shape)
+        t = splitk_tile(variant)
         return lambda: bg.launch(x, w, t)
-    raise ValueError(variant)
+    raise ValueError(f"unknown variant {variant!r}")
 
 
-def splitk_tile(v: str, n_out: int, k_in: int) -> bg.Tile:
+def splitk_tile(v: str) -> bg.Tile:
     """"splitk:128-128-64-4-8-4" -> that tile."""
     return bg.Tile.parse(v.split(":")[1])
 
 
 def applies(variant: str, m: int, n: int, k: int) -> bool:
     if variant.startswith("splitk:"):
-        t = splitk_tile(variant, n, k)
+        t = splitk_tile(variant)
         return k % t.block_k == 0 and t.splits <= k // t.block_k
     if variant.startswith("skinny"):
         return m <= sg.MAX_ROWS
@@ -162,7 +162,7 @@ def main() -> None:
                     row["row_bits_invariant"] = all(torch.equal(sg.launch(x[i:i + 1], ws[0], **kw), full[i:i + 1])
                                                     for i in range(m))
                 if v.startswith("splitk") and m > 1:
-                    t = splitk_tile(v, n, k)
+                    t = splitk_tile(v)
                     full = bg.launch(x, ws[0], t)
                     row["row_bits_invariant"] = all(torch.equal(bg.launch(x[i:i + 1], ws[0], t), full[i:i + 1])
                                                     for i in (0, m // 2, m - 1))

@@ -11,22 +11,16 @@ once, so the result is deterministic and a row's bits do not depend on the other
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton's CPU interpreter (tests)
+# triton, the interpreter switch and the int32 offset bound as the engine's projection kernel has them
+from flashpd.engine.skinny_gemm import INTERPRET, MAX_WEIGHT_ELEMENTS, triton
 
-triton = None
-if torch.backends.cuda.is_built() or INTERPRET:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:  # no triton: F.linear is the only path
-        triton = None
+if triton is not None:
+    import triton.language as tl
 
-MAX_WEIGHT_ELEMENTS = 2 ** 31 - 1  # int32 offsets
 REDUCE_BLOCK = 1024
 
 

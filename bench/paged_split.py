@@ -13,9 +13,7 @@ row's bits; the mode never does (each row's output is compared bitwise across th
 shapes (rows, keys an iteration, warps, stages; the engine's constants first); a "gather" row per batch times the
 plain-PyTorch path (`paged_attention.reference` in bf16, eager). `--layouts nhd,hnd` also times the kernel over a
 cache laid out head-major within each block (a KV head's 16 keys of a page contiguous), the same values, which the
-kernel reads through its strides: whether the layout is worth changing the cache for. `--maps on,off` times the
-kernel with its key blocks loaded through tensor maps (TMA) and with masked loads only (different bits, so each is
-compared with its own first tile).
+kernel reads through its strides: whether the layout is worth changing the cache for.
 
 By default the 36 calls read the same K/V, which then stays in L2 at small batches (and partly at large ones); in a
 step the weights stream through L2 between layers and each layer's K/V come from memory. So a row here can favour a
@@ -70,8 +68,6 @@ def main() -> None:
                     "to 4 blocks)")
     ap.add_argument("--layouts", default="nhd", help="cache layouts to time: nhd (the engine's [blocks, page, "
                     "heads, d]), hnd ([blocks, heads, page, d] in memory, passed to the kernel as a strided view)")
-    ap.add_argument("--maps", default="on", help="on, off or on,off: key blocks through tensor maps where the "
-                    "cache allows (paged_attention.USE_TENSOR_MAPS), or masked loads only; the two differ in bits")
     ap.add_argument("--distinct", type=int, default=1, help="caches the graph's calls cycle through (36: one a "
                     "layer, as a step reads them; 1: every call reads the same K/V, which L2 may partly hold)")
     ap.add_argument("--out", default="bench/results/paged_split.json")
@@ -89,16 +85,14 @@ def main() -> None:
                                                      for x in (k, v))
             # copies of the same values, one a call in turn (--distinct): each call then reads its K/V from memory
             caches = [(kl, vl)] + [(kl.clone(), vl.clone()) for _ in range(a.distinct - 1)]
-            for maps in a.maps.split(","):
-                for spec in a.tiles.split(","):
-                    for kpc in (int(x) for x in a.chunks.split(",")):
-                        if kpc % tile(spec)["block_n"] == 0:
-                            for split in (False, True):
-                                turn = itertools.cycle(caches)
-                                configs.append((f"{layout}-maps-{maps}", spec, kpc, split, lambda turn=turn, spec=spec,
-                                                kpc=kpc, split=split, maps=maps: pa.launch(
-                                                    q, *next(turn), bt, pos, scale, split, keys_per_chunk=kpc,
-                                                    tensor_maps=maps == "on", **tile(spec))))
+            for spec in a.tiles.split(","):
+                for kpc in (int(x) for x in a.chunks.split(",")):
+                    if kpc % tile(spec)["block_n"] == 0:
+                        for split in (False, True):
+                            turn = itertools.cycle(caches)
+                            configs.append((layout, spec, kpc, split, lambda turn=turn, spec=spec, kpc=kpc,
+                                            split=split: pa.launch(q, *next(turn), bt, pos, scale, split,
+                                                                   keys_per_chunk=kpc, **tile(spec))))
         first: dict = {}
         for layout, spec, kpc, split, fn in configs:
             try:
@@ -109,9 +103,8 @@ def main() -> None:
                       flush=True)
                 continue
             err = (out.float() - ref).abs().max().item()
-            maps = layout.endswith("-on")
-            same = None if split is None else torch.equal(first.setdefault((maps, spec, kpc), out), out)
-            same_tiles = None if split is None else torch.equal(first.setdefault((maps, kpc), out), out)
+            same = None if split is None else torch.equal(first.setdefault((spec, kpc), out), out)
+            same_tiles = None if split is None else torch.equal(first.setdefault(kpc, out), out)
             auto = None if split is None else pa.use_split(
                 q.device, -(-q.shape[2] // tile(spec)["block_m"]) * q.shape[0] * b, 0, -(-bt.shape[1] * 16 // kpc))
             rows.append({"batch": b, "width": a.width, "layout": layout, "tiles": spec, "keys_per_chunk": kpc,

@@ -35,7 +35,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton's CPU inter
 LOG2E = 1.4426950408889634  # scores are kept in the log2 domain: exp2 is the hardware's exponential
 
 triton = None
-TensorDescriptor = None
 # the kernel runs on CUDA only (and on the CPU under the interpreter): a CPU build of torch skips importing
 # triton (a third of a second a process)
 if torch.backends.cuda.is_built() or INTERPRET:
@@ -44,10 +43,6 @@ if torch.backends.cuda.is_built() or INTERPRET:
         import triton.language as tl
     except ImportError:  # no triton: the plain-PyTorch attention is the only path
         triton = None
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # a triton without host tensor maps: masked loads only
-        TensorDescriptor = None
 
 # Fixed tile sizes: changing BLOCK_M, BLOCK_N or KEYS_PER_CHUNK changes results (bitwise), never their dependence on
 # the batch; the stages and warps change no bit.
@@ -75,11 +70,6 @@ WORKSPACE_MAX_BYTES = 64 << 20
 # (docs/results.md). The same bits either way.
 COMBINE_UNROLL = 4
 COMBINE_UNROLL_ONE_TOKEN = 1
-# Load each key block below a tile's last position with tensor maps (TMA on a Hopper GPU: one bulk copy a page
-# tile, instead of an address and a masked load a key row), where the cache allows (`tensor_map_tiles`). The
-# block's arithmetic is then `_tiles_step` (its MMAs over the keys as a page tile each), different bits from
-# `_block`'s: a cache takes one or the other for every call, whatever the batch.
-USE_TENSOR_MAPS = True
 
 
 def available() -> bool:
@@ -122,25 +112,17 @@ if triton is not None:
         return m_new, l_new, acc_new
 
     @triton.jit
-    def _load_keys(k_base, v_base, bt_row, keys, max_pos, n_keys, sk_blk, sk_off, sv_blk, sv_off, d_ok,
-                   PAGE: tl.constexpr):
-        """K and V rows of `keys` through the block table; keys past the tile's last position or the table load
-        nothing (zeros): their slots may hold anything (another request's stale values, NaN)."""
+    def _block(q, k_base, v_base, bt_row, pos, max_pos, n_keys, start, m_i, l_i, acc, qk_scale,
+               sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr,
+               INTERPRET: tl.constexpr):
+        """A chunk's state after its next BN keys from `start` (the online softmax in the log2 domain)."""
+        keys = start + tl.arange(0, BN)
         k_ok = (keys <= max_pos) & (keys < n_keys)
         page = tl.load(bt_row + keys // PAGE, mask=k_ok, other=0)
         off = keys % PAGE
         ld = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=ld, other=0.0)
         v = tl.load(v_base + page[:, None] * sv_blk + off[:, None] * sv_off, mask=ld, other=0.0)
-        return k, v
-
-    @triton.jit
-    def _block(q, k_base, v_base, bt_row, pos, max_pos, n_keys, start, m_i, l_i, acc, qk_scale,
-               sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr,
-               INTERPRET: tl.constexpr):
-        """A chunk's state after its next BN keys from `start` (the online softmax in the log2 domain)."""
-        keys = start + tl.arange(0, BN)
-        k, v = _load_keys(k_base, v_base, bt_row, keys, max_pos, n_keys, sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE)
         s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BN], tl.float32), F32, INTERPRET)
         s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
         # a row that sees no key of this block keeps m (alpha = 2^0 = 1, p = 0): its l and acc stay
@@ -154,48 +136,15 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _tiles_step(q, k0, v0, k1, v1, start, pos, m_i, l_i, acc, qk_scale, R: tl.constexpr, NP: tl.constexpr,
-                    F32: tl.constexpr, INTERPRET: tl.constexpr):
-        """`_block`'s step over a block of NP * R keys from `start` held as NP (1 or 2) tiles of R keys, as TMA
-        loads them (a box lies in one page): each tile's scores are the block's columns, and the two key-axis
-        MMAs (the row sum, the values) take the tiles one after the other, in key order. The tensor-map and the
-        masked-load paths both run this step, so a block's bits do not depend on how its keys were loaded."""
-        keys0 = start + tl.arange(0, R)
-        s0 = _dot(q, tl.trans(k0), tl.zeros([q.shape[0], R], tl.float32), F32, INTERPRET)
-        s0 = tl.where(keys0[None, :] <= pos[:, None], s0 * qk_scale, float("-inf"))
-        mx = tl.max(s0, 1)
-        if NP == 2:
-            keys1 = keys0 + R
-            s1 = _dot(q, tl.trans(k1), tl.zeros([q.shape[0], R], tl.float32), F32, INTERPRET)
-            s1 = tl.where(keys1[None, :] <= pos[:, None], s1 * qk_scale, float("-inf"))
-            mx = tl.maximum(mx, tl.max(s1, 1))
-        m_new = tl.maximum(m_i, mx)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p0 = tl.exp2(s0 - m_sub[:, None]).to(v0.dtype)
-        ones = tl.full([R, 16], 1.0, tl.float32).to(p0.dtype)
-        rs = _dot(p0, ones, tl.zeros([q.shape[0], 16], tl.float32), F32, INTERPRET)
-        acc = _dot(p0, v0, acc * alpha[:, None], F32, INTERPRET)
-        if NP == 2:
-            p1 = tl.exp2(s1 - m_sub[:, None]).to(v1.dtype)
-            rs = _dot(p1, ones, rs, F32, INTERPRET)
-            acc = _dot(p1, v1, acc, F32, INTERPRET)
-        l_i = l_i * alpha + tl.max(rs, 1)  # every column of rs is the row's sum (`_row_sum`)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _attn_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                      qk_scale, HKV, M, n_keys,
                      sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
                      sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
                      G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, SPLIT: tl.constexpr,
-                     TILES: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
+                     F32: tl.constexpr, INTERPRET: tl.constexpr):
         """One (row tile, kv head * batch, key chunk) program. SPLIT: write the state of the keys of chunk
-        `program_id(2)` for `_combine_kernel`; else walk every chunk, merge, and write the output. TILES (1 or 2,
-        a chunk then being one block of BN keys): each block is TILES tiles of BN // TILES keys, and every block
-        below the tile's last position is loaded through the tensor maps k_desc and v_desc ([blocks * PAGE, Hkv
-        * D]: one bulk copy a tile, no per-key address), the last with masked loads; 0: masked loads only."""
+        `program_id(2)` for `_combine_kernel`; else walk every chunk, merge, and write the output."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -229,51 +178,17 @@ if triton is not None:
         qk_scale = tl.cast(qk_scale, tl.float32)  # a compiled caller passes the float as fp64
         k_base = k_ptr + h * sk_h + dd[None, :]
         v_base = v_ptr + h * sv_h + dd[None, :]
-        bt_row = bt_ptr + b * sbt_b
-        if TILES == 0:
-            for c_lo in range(lo, hi, KPC):
-                # one chunk from nothing, its blocks unrolled (the pipelined loop is the chunk loop); a block past
-                # the tile's last key loads nothing and changes nothing
-                m_i = tl.full([BM], float("-inf"), tl.float32)
-                l_i = tl.zeros([BM], tl.float32)
-                acc = tl.zeros([BM, D_PAD], tl.float32)
-                for j in tl.static_range(0, KPC, BN):
-                    m_i, l_i, acc = _block(q, k_base, v_base, bt_row, pos, max_pos, n_keys, c_lo + j,
-                                           m_i, l_i, acc, qk_scale, sk_blk, sk_off, sv_blk, sv_off, d_ok,
-                                           PAGE, BN, F32, INTERPRET)
-                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
-        else:
-            col = (h * D).to(tl.int32)
-            # chunks (= blocks) wholly below `hi`: every key written K/V, loaded unmasked by the tensor maps
-            full_hi = lo + (hi - lo) // KPC * KPC
-            for c_lo in range(lo, full_hi, KPC):
-                blk = c_lo // PAGE
-                row0 = (tl.load(bt_row + blk) * PAGE + c_lo % PAGE).to(tl.int32)
-                k0 = k_desc.load([row0, col])
-                v0 = v_desc.load([row0, col])
-                k1 = k0
-                v1 = v0
-                if TILES == 2:  # R == PAGE: the block's second tile is the next page
-                    row1 = (tl.load(bt_row + blk + 1) * PAGE).to(tl.int32)
-                    k1 = k_desc.load([row1, col])
-                    v1 = v_desc.load([row1, col])
-                m_i, l_i, acc = _tiles_step(q, k0, v0, k1, v1, c_lo, pos, tl.full([BM], float("-inf"), tl.float32),
-                                            tl.zeros([BM], tl.float32), tl.zeros([BM, D_PAD], tl.float32),
-                                            qk_scale, BN // TILES, TILES, F32, INTERPRET)
-                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
-            if full_hi < hi:  # the last chunk, past which slots may hold anything: masked loads
-                keys0 = full_hi + tl.arange(0, BN // TILES)
-                k0, v0 = _load_keys(k_base, v_base, bt_row, keys0, max_pos, n_keys, sk_blk, sk_off, sv_blk, sv_off,
-                                    d_ok, PAGE)
-                k1 = k0
-                v1 = v0
-                if TILES == 2:
-                    k1, v1 = _load_keys(k_base, v_base, bt_row, keys0 + BN // TILES, max_pos, n_keys, sk_blk, sk_off, sv_blk,
-                                        sv_off, d_ok, PAGE)
-                m_i, l_i, acc = _tiles_step(q, k0, v0, k1, v1, full_hi, pos, tl.full([BM], float("-inf"), tl.float32),
-                                            tl.zeros([BM], tl.float32), tl.zeros([BM, D_PAD], tl.float32),
-                                            qk_scale, BN // TILES, TILES, F32, INTERPRET)
-                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
+        for c_lo in range(lo, hi, KPC):
+            # one chunk from nothing, its blocks unrolled (the pipelined loop is the chunk loop); a block past the
+            # tile's last key loads nothing and changes nothing
+            m_i = tl.full([BM], float("-inf"), tl.float32)
+            l_i = tl.zeros([BM], tl.float32)
+            acc = tl.zeros([BM, D_PAD], tl.float32)
+            for j in tl.static_range(0, KPC, BN):
+                m_i, l_i, acc = _block(q, k_base, v_base, bt_ptr + b * sbt_b, pos, max_pos, n_keys, c_lo + j,
+                                       m_i, l_i, acc, qk_scale, sk_blk, sk_off, sv_blk, sv_off, d_ok,
+                                       PAGE, BN, F32, INTERPRET)
+            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         if SPLIT:
             ws = (pid_s * tl.num_programs(1) + pid_bh) * M + rows
             keep = row_ok & (lo <= max_pos)  # a chunk past the tile's keys: no row reads it
@@ -329,14 +244,12 @@ if triton is not None:
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                positions: torch.Tensor, scale: float, split: bool | None = None, block_m: int = BLOCK_M,
                block_n: int = BLOCK_N, num_warps: int | None = None, num_stages: int = NUM_STAGES,
-               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK, tensor_maps: bool | None = None
-               ) -> torch.Tensor:
+               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK) -> torch.Tensor:
         """The two kernels' launch. split: a program per key chunk and the combine kernel (None: `use_split`
         decides); the same bits either way. The tile and chunk arguments exist for bench/paged_split's sweep
         (they change bits); the op passes the module's constants. num_warps: the walking or chunk programs'
         (None: NUM_WARPS, or SPLIT_NUM_WARPS for a program per chunk; no bit depends on it); the combine kernel
-        takes SPLIT_NUM_WARPS. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q. tensor_maps:
-        None for USE_TENSOR_MAPS (bench/paged_split's A/B passes it; it changes bits)."""
+        takes SPLIT_NUM_WARPS. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q."""
         hkv, b, m, d = q.shape
         t = positions.shape[1]
         assert positions.stride(1) == 1 or t == 1, "positions: each row's must be consecutive"
@@ -358,13 +271,6 @@ if triton is not None:
             split = use_split(q.device, tiles * hkv * b, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks)
         if num_warps is None:
             num_warps = SPLIT_NUM_WARPS if split else NUM_WARPS
-        tiles_per_block = tensor_map_tiles(k_cache, v_cache, block_n, keys_per_chunk, tensor_maps)
-        if tiles_per_block:
-            rows, r = k_cache.shape[0] * page, block_n // tiles_per_block
-            k_desc, v_desc = (TensorDescriptor(c, [rows, hkv * d], [c.stride(1), 1], [r, d])
-                              for c in (k_cache, v_cache))
-        else:
-            k_desc, v_desc = k_cache, v_cache  # unused
         if split:
             m_ws = torch.empty((n_chunks, hkv * b, m), dtype=torch.float32, device=q.device)
             l_ws = torch.empty_like(m_ws)
@@ -372,14 +278,14 @@ if triton is not None:
         else:
             m_ws = l_ws = acc_ws = torch.empty(1, dtype=torch.float32, device=q.device)  # unused (no alias of out)
         _attn_kernel[(tiles, hkv * b, n_chunks if split else 1)](
-            q, k_cache, v_cache, k_desc, v_desc, block_tables, positions, out, m_ws, l_ws, acc_ws,
+            q, k_cache, v_cache, block_tables, positions, out, m_ws, l_ws, acc_ws,
             scale * LOG2E, hkv, m, n_keys,
             q.stride(0), q.stride(1), q.stride(2), *so,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), positions.stride(0),
             G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
-            TILES=tiles_per_block, F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+            F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         if split:
             _combine_kernel[(tiles, hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
@@ -405,29 +311,6 @@ if triton is not None:
         hkv, b, m, d = q.shape
         t = positions.shape[1]
         return q.new_empty((b, t, hkv * (m // t) * d)) if heads_last else torch.empty_like(q)
-
-
-def tensor_map_tiles(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int = BLOCK_N,
-                     keys_per_chunk: int = KEYS_PER_CHUNK, enabled: bool | None = None) -> int:
-    """Page tiles (1 or 2) a key block takes when the kernel loads it through tensor maps, or 0 for masked loads
-    (`enabled`, None for USE_TENSOR_MAPS, off; no host tensor maps in this triton; or a cache they cannot
-    describe). A tensor map views
-    a layer's cache [blocks, page, Hkv, d] as rows of Hkv * d: a tile is R = min(page, block_n) rows of one head's
-    d columns, so that it lies in one page; it needs a chunk of one block, at most two tiles a block, tiles of 16
-    keys or more (an MMA's depth), a power-of-two d (a tile's width), rows one after another in each block, and
-    16-byte aligned rows and base."""
-    if not (USE_TENSOR_MAPS if enabled is None else enabled) or TensorDescriptor is None or keys_per_chunk != block_n:
-        return 0
-    page, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    r = min(page, block_n)
-    if block_n % r or page % r or block_n // r > 2 or r < 16 or d & (d - 1) or d < 16:
-        return 0
-    for c in (k_cache, v_cache):
-        if (c.shape != k_cache.shape or c.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-                or c.stride(3) != 1 or c.stride(2) != d or c.stride(1) < hkv * d or c.stride(0) != page * c.stride(1)
-                or (c.stride(1) * c.element_size()) % 16 or c.data_ptr() % 16):
-            return 0
-    return block_n // r
 
 
 @functools.lru_cache(maxsize=None)

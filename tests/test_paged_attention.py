@@ -23,14 +23,9 @@ KERNELS = engine_pa  # the module the cases take (tests/_interpreted.py)
 
 
 def random_case(pa: ModuleType, device: str, dtype: torch.dtype, b: int, t: int, nblk: int, seed: int,
-                min_pos: int = 0, hkv: int = 2, d: int = 24, bs: int = 8) -> tuple[torch.Tensor, ...]:
-    """4 query groups, head_dim 24 (padded to 32 in the kernel), blocks of 8 keys, 64 blocks: masked loads (no
-    tensor map takes a 24-wide row or 8-key tiles). d=32 with bs=16 or 32: tensor maps (`MAPS`)."""
-    return pa.random_case(b, t, hkv, 4, d, bs, nblk, 64, dtype, device, seed=seed, min_pos=min_pos)
-
-
-# cache shapes whose key blocks load through tensor maps: (head dim, page, page tiles a 32-key block takes)
-MAPS = ((32, 16, 2), (32, 32, 1))
+                min_pos: int = 0, hkv: int = 2) -> tuple[torch.Tensor, ...]:
+    """4 query groups, head_dim 24 (padded to 32 in the kernel), blocks of 8 keys, 64 blocks."""
+    return pa.random_case(b, t, hkv, 4, 24, 8, nblk, 64, dtype, device, seed=seed, min_pos=min_pos)
 
 
 def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -58,65 +53,30 @@ for _dt in (torch.float32, torch.bfloat16):
             lambda pa, dev, a=(_dt, _b, _t, _nblk, _split): matches_the_gathered_reference(pa, dev, *a))
 
 
-def unwritten_slots_are_never_read(pa: ModuleType, dev: str, d: int = 24, bs: int = 8, tiles: int = 0) -> None:
+def unwritten_slots_are_never_read(pa: ModuleType, dev: str) -> None:
     """Cache slots past every query's position (here NaN) leave the output finite and unchanged: keys past a
-    tile's last position are masked loads, not zero-weighted ones (with tensor maps too: the block holding a
-    tile's last position is loaded masked), in one program and a program per chunk."""
-    q, k, v, bt, pos = random_case(pa, dev, torch.float32, 2, 4, 80 // bs, seed=7, d=d, bs=bs)
-    assert pa.tensor_map_tiles(k, v) == tiles
-    for split in (False, True):
-        ref = pa.paged_attention(q, k, v, bt, pos, SCALE, split=split)
-        kn, vn = k.clone(), v.clone()
-        for i in range(bt.shape[0]):
-            for key in range(int(pos[i].max()) + 1, bt.shape[1] * bs):
-                kn[bt[i, key // bs], key % bs] = float("nan")
-                vn[bt[i, key // bs], key % bs] = float("nan")
-        out = pa.paged_attention(q, kn, vn, bt, pos, SCALE, split=split)
-        assert torch.equal(out, ref) and torch.isfinite(out).all(), split
+    tile's last position are masked loads, not zero-weighted ones."""
+    q, k, v, bt, pos = random_case(pa, dev, torch.float32, 2, 4, 10, seed=7)
+    ref = pa.paged_attention(q, k, v, bt, pos, SCALE)
+    for i in range(bt.shape[0]):
+        for key in range(int(pos[i].max()) + 1, bt.shape[1] * 8):
+            k[bt[i, key // 8], key % 8] = float("nan")
+            v[bt[i, key // 8], key % 8] = float("nan")
+    out = pa.paged_attention(q, k, v, bt, pos, SCALE)
+    assert torch.equal(out, ref)
 
 
 CASES["unwritten-slots"] = unwritten_slots_are_never_read
-for _d, _bs, _tiles in MAPS:
-    CASES[f"unwritten-slots-maps{_tiles}"] = lambda pa, dev, a=(_d, _bs, _tiles): unwritten_slots_are_never_read(
-        pa, dev, *a)
 
 
-def tensor_maps_match_the_reference(pa: ModuleType, dev: str, d: int, bs: int, tiles: int) -> None:
-    """Key blocks loaded through tensor maps (a tile of one page each), decode and verify, walking and a program
-    per chunk, fp32 and bf16: close to the gathered fp32 reference and to the masked loads' kernel, the tile's last
-    block within a page or across two."""
-    for dtype in (torch.float32, torch.bfloat16):
-        for b, t, split in ((3, 1, False), (2, 16, True), (3, 2, False)):
-            q, k, v, bt, pos = random_case(pa, dev, dtype, b, t, 160 // bs, seed=b * 10 + t + bs, min_pos=70, d=d,
-                                           bs=bs)
-            assert pa.tensor_map_tiles(k, v) == tiles
-            out = pa.paged_attention(q, k, v, bt, pos, SCALE, split=split)
-            check_close(out, pa.reference(q.float(), k.float(), v.float(), bt, pos, SCALE), dtype)
-            pa.USE_TENSOR_MAPS = False
-            try:
-                assert pa.tensor_map_tiles(k, v) == 0
-                check_close(out, pa.paged_attention(q, k, v, bt, pos, SCALE, split=split), dtype)
-            finally:
-                pa.USE_TENSOR_MAPS = True
-
-
-for _d, _bs, _tiles in MAPS:
-    CASES[f"reference-maps{_tiles}"] = lambda pa, dev, a=(_d, _bs, _tiles): tensor_maps_match_the_reference(pa, dev, *a)
-
-
-def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dtype, d: int = 24, bs: int = 8,
-                                      tiles: int = 0) -> None:
+def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dtype) -> None:
     """A row computed alone (B=1, T=1), inside a verify of T=16 beside rows at other positions, and inside a
     call with a wider block table is bitwise the same, wherever it sits in its row tile (cols 0, 9 and 15),
     with its key chunks merged in one program or each chunk in its own program and the combine kernel (at 1, 2
     and 4 chunks an iteration, for the verify's call and the row's own): rows within the first chunk or few
-    (min_pos 30) and rows over several (min_pos 130), where the wider table adds more chunks past every row. With
-    tensor maps (`tiles`), a block is loaded through them in one call and masked in another (a row alone ends at
-    its own position, a verify's tile at its last), with the same bits."""
+    (min_pos 30) and rows over several (min_pos 130), where the wider table adds more chunks past every row."""
     for min_pos in (30, 130):
-        q, k, v, bt, pos = random_case(pa, dev, dtype, 1, 16, 160 // bs, seed=min_pos, min_pos=min_pos, hkv=1, d=d,
-                                       bs=bs)
-        assert pa.tensor_map_tiles(k, v) == tiles
+        q, k, v, bt, pos = random_case(pa, dev, dtype, 1, 16, 20, seed=min_pos, min_pos=min_pos, hkv=1)
         full = pa.paged_attention(q, k, v, bt, pos, SCALE, split=False)
         assert torch.equal(pa.paged_attention(q, k, v, bt, pos, SCALE, split=True), full), min_pos
         wide = torch.cat([bt, torch.zeros_like(bt)], dim=1)  # 320 keys: 10 chunks of 32
@@ -171,9 +131,6 @@ def compiles_at_a_verify_width_with_expanded_positions(pa: ModuleType, dev: str)
 CASES["compiled-verify-width"] = compiles_at_a_verify_width_with_expanded_positions
 CASES["invariance-float32"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.float32)
 CASES["invariance-bfloat16"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.bfloat16)
-for _d, _bs, _tiles in MAPS:
-    CASES[f"invariance-maps{_tiles}"] = lambda pa, dev, a=(_d, _bs, _tiles): rows_do_not_depend_on_their_batch(
-        pa, dev, torch.bfloat16, *a)
 
 
 def tiny_pair(dev: str, head_dim: int, drafter_theta: float, seed: int) -> tuple:

@@ -292,7 +292,7 @@ def paged_qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torc
     """A draft layer's grouped queries, its block's K/V written at `slots`: qwen3.attn_inputs. A function of
     the drafter's own, so that compiled its code is the drafter's: dynamo caches code per function, and a call
     at the drafter's shapes must not add code that the target's calls could then take (ModelRunner.compiled)."""
-    return attn_inputs(x, cos, sin, w_qkv, w_qn, w_kn, eps, n_q, n_kv, d, k_slots, v_slots, slots)[0]
+    return attn_inputs(x, cos, sin, w_qkv, w_qn, w_kn, eps, n_q, n_kv, d, k_slots, v_slots, slots, paged=True)[0]
 
 
 def paged_attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
     group_queries, grouped_attention, out_proj, paged_applies, use_paged, write_kv
+from flashpd.engine import qkv_rope
 from flashpd.engine.paged_attention import paged_attention
 from flashpd.engine.skinny_gemm import linear
 from flashpd.engine.config import Qwen3Config
@@ -27,15 +28,21 @@ from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_nor
 
 def attn_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor, w_qn: torch.Tensor,
                 w_kn: torch.Tensor, eps: float, n_q: int, n_kv: int, d: int, k_slots: torch.Tensor | None = None,
-                v_slots: torch.Tensor | None = None, slots: torch.Tensor | None = None, fresh: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                v_slots: torch.Tensor | None = None, slots: torch.Tensor | None = None, fresh: bool = False,
+                paged: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [B, T, H], the layer's input already normed (the previous layer's `attn_mlp`, or the forward's
     first norm) -> queries, k and v [B*T, n_kv, d] (k roped and normed). Queries come in the layout
     their attention reads: [n_kv, B, T*groups, d] (attention.group_queries) over the cache, or [B, n_q, T,
     d] for a fresh prefill's causal kernel (`fresh`). Given a layer's cache as [slots, n_kv, d] views, k and
     v are written at `slots` here, so that compiled they are stored by the kernel that makes them (separate
-    index_copy kernels, two a layer, were a sizeable share of a small model's step: docs/results.md)."""
+    index_copy kernels, two a layer, were a sizeable share of a small model's step: docs/results.md).
+
+    paged (the queries go to the paged kernel, K/V to the cache): where engine/qkv_rope.py's kernel applies, it
+    does everything after the matmul in one launch, and k and v come back None (the cache holds them)."""
     b, t, _ = x.shape
+    if paged and not fresh and k_slots is not None and qkv_rope.applies(x, n_q, n_kv, d):
+        q = qkv_rope.qkv_rope_write(linear(x, w_qkv), cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_slots, v_slots, slots)
+        return q, None, None
     q, k, v = linear(x, w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
     q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
     q = q.transpose(1, 2).contiguous() if fresh else group_queries(q, n_kv)
@@ -112,7 +119,7 @@ class Qwen3DecoderLayer(nn.Module):
         n_kv, d = c.num_key_value_heads, c.head_dim
         q, k, v = pre(x, cos, sin, a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight, c.rms_norm_eps,
                       c.num_attention_heads, n_kv, d, k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d),
-                      batch.slots, batch.fresh)
+                      batch.slots, batch.fresh, paged_applies(x.device, x.shape[1], batch.impl))
         if batch.fresh:
             return fresh(h, q, k, v, a.o_proj.weight, self.post_attention_layernorm.weight,
                          self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, w_next, c.rms_norm_eps,

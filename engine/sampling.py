@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashpd.engine import greedy_argmax
+
 # Temperatures below this are greedy decoding. Dividing float32 logits by a temperature this small
 # overflows (1e-38 gave inf - inf = NaN in the softmax and killed the engine loop), and below it a
 # sampled distribution is one-hot on the argmax anyway, up to near-ties (vLLM uses the same bound).
@@ -150,7 +152,11 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
     Each row is split into n equal chunks first: one compiled reduction over a 151,936-entry row is one
     program walking it alone (38 us on an H200, for any number of rows up to about one per SM); n is chosen
-    so that all rows make about ARGMAX_PROGRAMS programs."""
+    so that all rows make about ARGMAX_PROGRAMS programs.
+
+    Where engine/greedy_argmax.py's kernels apply (a GPU), they give the same token in one pass over the logits."""
+    if greedy_argmax.applies(logits):
+        return greedy_argmax.greedy_argmax(logits)
     v = logits.shape[-1]
     n = argmax_chunks(v, min(256, max(1, ARGMAX_PROGRAMS // max(1, logits.numel() // v))))
     parts = logits.reshape(*logits.shape[:-1], n, v // n)

@@ -1,0 +1,162 @@
+"""The fused q/k norm, RoPE, query layout and cache write (engine/qkv_rope.py) against the plain-PyTorch steps it
+replaces in qwen3.attn_inputs, its row invariance, its cache writes, and the compiled op.
+
+Without a GPU the kernel runs under triton's interpreter in one child process started with TRITON_INTERPRET=1
+(tests/_interpreted.py says why); on a GPU the cases run here on CUDA tensors."""
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Callable
+
+import pytest
+import torch
+from _interpreted import check as check_case
+
+import flashpd.engine.qkv_rope as engine_qr
+from flashpd.engine.attention import group_queries, write_kv
+from flashpd.engine.layers import Rotary, apply_rotary, rms_norm
+
+CASES: dict[str, Callable[[ModuleType, str], None]] = {}
+KERNELS = engine_qr  # the module the cases take (tests/_interpreted.py)
+N_Q, N_KV, D, EPS = 8, 2, 32, 1e-6
+
+
+def operands(dev: str, dtype: torch.dtype, b: int, t: int, seed: int) -> dict:
+    """QKV rows, RoPE tables at random positions, norm weights, a cache of 6 blocks of 8 slots (random values)
+    and distinct slots for the B*T tokens."""
+    g = torch.Generator().manual_seed(seed)
+    rot = Rotary(D, 1e6, 512, "cpu")
+    pos = torch.randint(0, 512, (b, t), generator=g)
+    cos, sin = rot.tables(pos, dtype)
+    return {"qkv": torch.randn(b, t, (N_Q + 2 * N_KV) * D, generator=g).to(dev, dtype) * 3,
+            "cos": cos.to(dev), "sin": sin.to(dev),
+            "w_qn": (1 + torch.randn(D, generator=g) / 4).to(dev, dtype),
+            "w_kn": (1 + torch.randn(D, generator=g) / 4).to(dev, dtype),
+            "cache": torch.randn(2, 48, N_KV, D, generator=g).to(dev, dtype),
+            "slots": torch.randperm(48, generator=g)[:b * t].to(dev)}
+
+
+def plain(o: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """attn_inputs' plain-PyTorch steps after the matmul, in fp32: the queries, and the cache after the write."""
+    b, t, _ = o["qkv"].shape
+    qkv = o["qkv"].float()
+    q, k, v = qkv.split([N_Q * D, N_KV * D, N_KV * D], dim=-1)
+    cos, sin = o["cos"].float(), o["sin"].float()
+    q = group_queries(apply_rotary(rms_norm(q.view(b, t, N_Q, D), o["w_qn"].float(), EPS), cos, sin), N_KV)
+    k = apply_rotary(rms_norm(k.view(b, t, N_KV, D), o["w_kn"].float(), EPS), cos, sin).reshape(b * t, N_KV, D)
+    cache = o["cache"].float().clone()
+    write_kv(cache[0], cache[1], o["slots"], k, v.reshape(b * t, N_KV, D))
+    return q, cache
+
+
+def fused(qr: ModuleType, o: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = o["cache"].clone()
+    q = qr.qkv_rope_write(o["qkv"], o["cos"], o["sin"], o["w_qn"], o["w_kn"], EPS, N_Q, N_KV, cache[0], cache[1],
+                          o["slots"])
+    return q, cache
+
+
+def matches_the_plain_steps(qr: ModuleType, dev: str, dtype: torch.dtype) -> None:
+    """Decode (T=1) and verify-like (T=5) calls: the queries in the paged kernel's layout and every written slot
+    close to the plain steps (fp32: to rounding; bf16: within its rounding of fp32 results), each value copied
+    exactly, and every other slot of the cache untouched."""
+    for b, t in ((3, 1), (2, 5)):
+        o = operands(dev, dtype, b, t, seed=b * 10 + t)
+        assert qr.applies(o["qkv"], N_Q, N_KV, D)
+        q, cache = fused(qr, o)
+        ref_q, ref_cache = plain(o)
+        assert q.dtype == dtype and q.shape == (N_KV, b, t * N_Q // N_KV, D)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(q.float(), ref_q, rtol=tol, atol=tol)
+        torch.testing.assert_close(cache.float(), ref_cache.to(dtype).float(), rtol=tol, atol=tol)
+        vals = o["qkv"].reshape(b * t, -1)[:, (N_Q + N_KV) * D:].reshape(b * t, N_KV, D)
+        assert torch.equal(cache[1][o["slots"]], vals)
+        others = torch.ones(48, dtype=torch.bool, device=dev)
+        others[o["slots"]] = False
+        assert torch.equal(cache[:, others], o["cache"][:, others])
+
+
+for _dt in (torch.float32, torch.bfloat16):
+    CASES[f"plain-{str(_dt)[6:]}"] = lambda qr, dev, dt=_dt: matches_the_plain_steps(qr, dev, dt)
+
+
+def tokens_do_not_depend_on_the_call(qr: ModuleType, dev: str) -> None:
+    """A token's queries and K/V are bitwise the same alone (B=1, T=1) and inside a call of 3 rows of 4 tokens."""
+    o = operands(dev, torch.bfloat16, 3, 4, seed=5)
+    q, cache = fused(qr, o)
+    for b, t in ((0, 0), (1, 2), (2, 3)):
+        one = {**o, "qkv": o["qkv"][b:b + 1, t:t + 1].contiguous(), "cos": o["cos"][b:b + 1, t:t + 1].contiguous(),
+               "sin": o["sin"][b:b + 1, t:t + 1].contiguous(), "slots": o["slots"][b * 4 + t:b * 4 + t + 1]}
+        q1, cache1 = fused(qr, one)
+        g = N_Q // N_KV
+        assert torch.equal(q1[:, 0], q[:, b, t * g:(t + 1) * g]), (b, t)
+        slot = int(o["slots"][b * 4 + t])
+        assert torch.equal(cache1[:, slot], cache[:, slot]), (b, t)
+
+
+CASES["invariance"] = tokens_do_not_depend_on_the_call
+
+
+def compiled_op_is_the_eager_op(qr: ModuleType, dev: str) -> None:
+    """torch.compile of a caller that makes the cache's [slots, heads, d] views itself, as a layer passes them: the
+    same queries and the same cache, written in place (on a GPU through inductor; on the CPU through aot_eager:
+    the op's fake and functionalization)."""
+    o = operands(dev, torch.bfloat16, 2, 3, seed=9)
+
+    def f(qkv, cos, sin, w_qn, w_kn, k_slots, v_slots, slots):
+        return qr.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, EPS, N_Q, N_KV, k_slots, v_slots, slots) * 2
+
+    torch._dynamo.reset()
+    backend = "inductor" if dev == "cuda" else "aot_eager"
+    cache = o["cache"].clone()
+    out = torch.compile(f, fullgraph=True, backend=backend)(o["qkv"], o["cos"], o["sin"], o["w_qn"], o["w_kn"],
+                                                             cache[0], cache[1], o["slots"])
+    q, ref_cache = fused(qr, o)
+    assert torch.equal(out, q * 2) and torch.equal(cache, ref_cache)
+
+
+CASES["compiled"] = compiled_op_is_the_eager_op
+
+
+def attn_inputs_takes_it_on_the_paged_path_only(qr: ModuleType, dev: str) -> None:
+    """qwen3.attn_inputs with `paged` (a decode or verify over the cache) returns the kernel's queries and writes
+    its K/V, returning no k and v; without it (or for a fresh prefill) the plain steps, k and v returned."""
+    from flashpd.engine.qwen3 import attn_inputs
+
+    o = operands(dev, torch.float32, 2, 3, seed=11)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 3, 16, generator=g).to(dev)
+    w_qkv = torch.randn((N_Q + 2 * N_KV) * D, 16, generator=g).to(dev) / 4
+    args = (x, o["cos"], o["sin"], w_qkv, o["w_qn"], o["w_kn"], EPS, N_Q, N_KV, D)
+    caches = {}
+    for paged in (True, False):
+        caches[paged] = o["cache"].clone()
+        q, k, v = attn_inputs(*args, caches[paged][0], caches[paged][1], o["slots"], paged=paged)
+        assert (k is None and v is None) == paged
+        ref = qr.qkv_rope_write(x @ w_qkv.T, o["cos"], o["sin"], o["w_qn"], o["w_kn"], EPS, N_Q, N_KV,
+                                o["cache"].clone()[0], o["cache"].clone()[1], o["slots"])
+        if paged:
+            assert torch.equal(q, ref)
+        else:
+            torch.testing.assert_close(q, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[True], caches[False], rtol=1e-5, atol=1e-5)
+    assert attn_inputs(*args, caches[True][0], caches[True][1], o["slots"], fresh=True, paged=True)[1] is not None
+
+
+CASES["attn-inputs"] = attn_inputs_takes_it_on_the_paged_path_only
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel(name: str) -> None:
+    check_case(sys.modules[__name__], name)
+
+
+def test_the_cpu_keeps_the_plain_steps():
+    """Without the interpreter (this process) the CPU never takes the kernel: exactness tests there compare the
+    plain steps with transformers' model."""
+    x = torch.zeros(1, 1, (N_Q + 2 * N_KV) * D)
+    assert not engine_qr.applies(x, N_Q, N_KV, D)
+    if torch.cuda.is_available():  # pragma: no cover (GPU machines)
+        assert engine_qr.applies(x.cuda().bfloat16(), N_Q, N_KV, D)
+        assert not engine_qr.applies(x.cuda(), N_Q, N_KV, 24)  # head dim not a power of two

@@ -24,7 +24,7 @@ from flashpd.engine.attention import gather_kv, group_mask, group_queries, group
 from flashpd.engine.config import CheckpointError, HeadGeometry, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
 from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
-from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, mlp_residual
+from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, fused_attn_inputs, mlp_residual
 from flashpd.engine.skinny_gemm import linear
 
 
@@ -256,8 +256,11 @@ class DFlashDrafter(nn.Module):
         for i, l in enumerate(layers):
             w_next = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             k_cache, v_cache = cache[i, 0], cache[i, 1]
-            q = fns.qkv(x, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, eps, c.num_attention_heads, n_kv, d,
-                        k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), block_slots)
+            args = (x, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, eps, c.num_attention_heads, n_kv, d,
+                    k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), block_slots)
+            q = fused_attn_inputs(*args)  # one kernel after the matmul where it applies, eagerly (qwen3's layer)
+            if q is None:
+                q = fns.qkv(*args)
             h, x = fns.attn_mlp(h, q, k_cache, v_cache, block_tables, key_pos, l.o_proj, l.post_attention_layernorm,
                                 l.gate_up_proj, l.down_proj, w_next, eps, d ** -0.5, impl)
         return x
@@ -292,7 +295,7 @@ def paged_qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torc
     """A draft layer's grouped queries, its block's K/V written at `slots`: qwen3.attn_inputs. A function of
     the drafter's own, so that compiled its code is the drafter's: dynamo caches code per function, and a call
     at the drafter's shapes must not add code that the target's calls could then take (ModelRunner.compiled)."""
-    return attn_inputs(x, cos, sin, w_qkv, w_qn, w_kn, eps, n_q, n_kv, d, k_slots, v_slots, slots, paged=True)[0]
+    return attn_inputs(x, cos, sin, w_qkv, w_qn, w_kn, eps, n_q, n_kv, d, k_slots, v_slots, slots)[0]
 
 
 def paged_attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -28,21 +28,15 @@ from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_nor
 
 def attn_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor, w_qn: torch.Tensor,
                 w_kn: torch.Tensor, eps: float, n_q: int, n_kv: int, d: int, k_slots: torch.Tensor | None = None,
-                v_slots: torch.Tensor | None = None, slots: torch.Tensor | None = None, fresh: bool = False,
-                paged: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                v_slots: torch.Tensor | None = None, slots: torch.Tensor | None = None, fresh: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, T, H], the layer's input already normed (the previous layer's `attn_mlp`, or the forward's
     first norm) -> queries, k and v [B*T, n_kv, d] (k roped and normed). Queries come in the layout
     their attention reads: [n_kv, B, T*groups, d] (attention.group_queries) over the cache, or [B, n_q, T,
     d] for a fresh prefill's causal kernel (`fresh`). Given a layer's cache as [slots, n_kv, d] views, k and
     v are written at `slots` here, so that compiled they are stored by the kernel that makes them (separate
-    index_copy kernels, two a layer, were a sizeable share of a small model's step: docs/results.md).
-
-    paged (the queries go to the paged kernel, K/V to the cache): where engine/qkv_rope.py's kernel applies, it
-    does everything after the matmul in one launch, and k and v come back None (the cache holds them)."""
+    index_copy kernels, two a layer, were a sizeable share of a small model's step: docs/results.md)."""
     b, t, _ = x.shape
-    if paged and not fresh and k_slots is not None and qkv_rope.applies(x, n_q, n_kv, d):
-        q = qkv_rope.qkv_rope_write(linear(x, w_qkv), cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_slots, v_slots, slots)
-        return q, None, None
     q, k, v = linear(x, w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
     q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
     q = q.transpose(1, 2).contiguous() if fresh else group_queries(q, n_kv)
@@ -51,6 +45,20 @@ def attn_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: to
     if k_slots is not None:
         write_kv(k_slots, v_slots, slots, k, v)
     return q, k, v
+
+
+def fused_attn_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
+                      w_qn: torch.Tensor, w_kn: torch.Tensor, eps: float, n_q: int, n_kv: int, d: int,
+                      k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+    """`attn_inputs` of a decode or verify over the cache (the paged kernel's queries; K/V written at `slots`) as
+    two launches, the QKV matmul and engine/qkv_rope.py's kernel for the rest (inductor makes two kernels of the
+    rest); None where that kernel does not apply. Called eagerly (the layer's forward is not compiled), not inside
+    the compiled `attn_inputs`: there the op, which writes two views of one cache, goes through functionalization,
+    and the first step that ran it so on an H200 faulted (an illegal address; docs/results.md). Eagerly it
+    writes the cache in place and adds no other kernel."""
+    if not qkv_rope.applies(x, n_q, n_kv, d):
+        return None
+    return qkv_rope.qkv_rope_write(linear(x, w_qkv), cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_slots, v_slots, slots)
 
 
 def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -117,9 +125,13 @@ class Qwen3DecoderLayer(nn.Module):
         c, a = self.cfg, self.self_attn
         pre, post, fresh = fns.attn_inputs, fns.attn_mlp, fns.attn_mlp_fresh
         n_kv, d = c.num_key_value_heads, c.head_dim
-        q, k, v = pre(x, cos, sin, a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight, c.rms_norm_eps,
-                      c.num_attention_heads, n_kv, d, k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d),
-                      batch.slots, batch.fresh, paged_applies(x.device, x.shape[1], batch.impl))
+        args = (x, cos, sin, a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight, c.rms_norm_eps,
+                c.num_attention_heads, n_kv, d, k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), batch.slots)
+        q = k = v = None
+        if not batch.fresh and paged_applies(x.device, x.shape[1], batch.impl):  # the paged kernel's queries
+            q = fused_attn_inputs(*args)
+        if q is None:
+            q, k, v = pre(*args, batch.fresh)
         if batch.fresh:
             return fresh(h, q, k, v, a.o_proj.weight, self.post_attention_layernorm.weight,
                          self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, w_next, c.rms_norm_eps,

@@ -119,32 +119,58 @@ def compiled_op_is_the_eager_op(qr: ModuleType, dev: str) -> None:
 CASES["compiled"] = compiled_op_is_the_eager_op
 
 
-def attn_inputs_takes_it_on_the_paged_path_only(qr: ModuleType, dev: str) -> None:
-    """qwen3.attn_inputs with `paged` (a decode or verify over the cache) returns the kernel's queries and writes
-    its K/V, returning no k and v; without it (or for a fresh prefill) the plain steps, k and v returned."""
-    from flashpd.engine.qwen3 import attn_inputs
+def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
+    """qwen3.fused_attn_inputs: the kernel over the QKV matmul's output where it applies, None where it does not
+    (a head dim of 24). Through a whole engine on the paged path (RunnerConfig.attention_impl "paged"), DFlash's
+    target and drafter layers call it (a spy on qkv_rope_write counts the calls; the drafter's at its 8-token
+    blocks), and the tokens and acceptance lengths equal the gathered path's (the plain steps)."""
+    from flashpd.engine.qwen3 import fused_attn_inputs
+    from test_paged_attention import tiny_pair
 
     o = operands(dev, torch.float32, 2, 3, seed=11)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(2, 3, 16, generator=g).to(dev)
-    w_qkv = torch.randn((N_Q + 2 * N_KV) * D, 16, generator=g).to(dev) / 4
-    args = (x, o["cos"], o["sin"], w_qkv, o["w_qn"], o["w_kn"], EPS, N_Q, N_KV, D)
-    caches = {}
-    for paged in (True, False):
-        caches[paged] = o["cache"].clone()
-        q, k, v = attn_inputs(*args, caches[paged][0], caches[paged][1], o["slots"], paged=paged)
-        assert (k is None and v is None) == paged
-        ref = qr.qkv_rope_write(x @ w_qkv.T, o["cos"], o["sin"], o["w_qn"], o["w_kn"], EPS, N_Q, N_KV,
-                                o["cache"].clone()[0], o["cache"].clone()[1], o["slots"])
-        if paged:
-            assert torch.equal(q, ref)
-        else:
-            torch.testing.assert_close(q, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(caches[True], caches[False], rtol=1e-5, atol=1e-5)
-    assert attn_inputs(*args, caches[True][0], caches[True][1], o["slots"], fresh=True, paged=True)[1] is not None
+    w_qkv = (torch.randn((N_Q + 2 * N_KV) * D, 16, generator=g) / 4).to(dev)
+    c1, c2 = o["cache"].clone(), o["cache"].clone()
+    q = fused_attn_inputs(x, o["cos"], o["sin"], w_qkv, o["w_qn"], o["w_kn"], EPS, N_Q, N_KV, D, c1[0], c1[1],
+                          o["slots"])
+    ref = qr.qkv_rope_write(x @ w_qkv.T, o["cos"], o["sin"], o["w_qn"], o["w_kn"], EPS, N_Q, N_KV, c2[0], c2[1],
+                            o["slots"])
+    assert torch.equal(q, ref) and torch.equal(c1, c2)
+    assert fused_attn_inputs(x[..., :12], o["cos"][..., :24], o["sin"][..., :24], w_qkv[:, :12], o["w_qn"][:24],
+                             o["w_kn"][:24], EPS, N_Q, N_KV, 24, c1[0, :, :, :24], c1[1, :, :, :24], o["slots"]) is None
+
+    from flashpd.engine.runner import ModelRunner
+    from flashpd.engine.runner_config import RunnerConfig
+    from flashpd.engine.sampling import SamplingParams
+    from flashpd.engine.scheduler import generate
+    from flashpd.engine.spec_decode import DFlashGenerator
+
+    target, drafter = tiny_pair(dev, 16, 1e6, seed=4)
+    calls = []
+    real = qr.qkv_rope_write
+
+    def spy(qkv, *rest):
+        calls.append(qkv.shape[1])
+        return real(qkv, *rest)
+
+    out = {}
+    for impl in ("matmul", "paged"):
+        gen = DFlashGenerator(ModelRunner(target, 48, 8, taps=(0, 1), config=RunnerConfig(
+            cuda_graphs=False, compile=False, attention_impl=impl)), drafter, (), 8)
+        qr.qkv_rope_write = spy
+        try:
+            out[impl] = generate(gen, [[3, 9, 27, 17], list(range(5, 30))],
+                                 [SamplingParams(max_tokens=10, ignore_eos=True)] * 2, [8] * 2)
+        finally:
+            qr.qkv_rope_write = real
+        assert bool(calls) == (impl == "paged"), (impl, calls)
+    assert 1 in calls or 8 in calls, calls  # decode or verify widths, and the drafter's blocks
+    for a, b in zip(out["paged"], out["matmul"]):
+        assert a.output == b.output and a.stats.acceptance_lengths == b.stats.acceptance_lengths
 
 
-CASES["attn-inputs"] = attn_inputs_takes_it_on_the_paged_path_only
+CASES["attn-inputs"] = the_engine_takes_it_on_the_paged_path
 
 
 @pytest.mark.parametrize("name", list(CASES))

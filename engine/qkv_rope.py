@@ -63,8 +63,7 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, T, eps,
                          s_qkv_b, s_qkv_t, s_cs_b, s_cs_t, sq_h, sq_b, sk_slot, sv_slot, NQ: tl.constexpr,
-                         NKV: tl.constexpr,
-                         G: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+                         NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
         """Token `program_id(0)` (= b * T + t), KV head h = `program_id(1)`: its queries to q [NKV, B, T*G, D] at
         rows t*G .. t*G + G - 1 (attention.group_queries' layout), its key (normed, roped) and value to the
         cache's slot `slots[token]` ([slots, NKV, D] views)."""
@@ -73,30 +72,37 @@ if triton is not None:
         b = tok // T
         t = tok % T
         c = tl.arange(0, D // 2)
+        dd = tl.arange(0, D)
+        j = tl.arange(0, G)
         row = qkv_ptr + b * s_qkv_b + t * s_qkv_t
         cs = b * s_cs_b + t * s_cs_t
+        # every load first: the stores below may alias them as far as the compiler knows, so a load after a store
+        # waits for it; issued together, the program waits for memory once, not once a head (a decode at batch 1
+        # is 8 such programs, all latency)
+        slot = tl.load(slot_ptr + tok)
+        qrow = row + (h * G + j)[:, None] * D + c[None, :]
+        krow = row + (NQ + h) * D + c[None, :]
+        xq1 = tl.load(qrow).to(tl.float32)
+        xq2 = tl.load(qrow + D // 2).to(tl.float32)
+        xk1 = tl.load(krow).to(tl.float32)
+        xk2 = tl.load(krow + D // 2).to(tl.float32)
+        v = tl.load(row + (NQ + NKV + h) * D + dd)
         cos1 = tl.load(cos_ptr + cs + c).to(tl.float32)
         cos2 = tl.load(cos_ptr + cs + D // 2 + c).to(tl.float32)
         sin1 = tl.load(sin_ptr + cs + c).to(tl.float32)
         sin2 = tl.load(sin_ptr + cs + D // 2 + c).to(tl.float32)
-        j = tl.arange(0, G)
-        qrow = row + (h * G + j)[:, None] * D + c[None, :]
-        q1, q2 = _norm_rope(tl.load(qrow).to(tl.float32), tl.load(qrow + D // 2).to(tl.float32),
-                            tl.load(wq_ptr + c).to(tl.float32), tl.load(wq_ptr + D // 2 + c).to(tl.float32),
-                            cos1, cos2, sin1, sin2, eps, D, DT)
+        wq1 = tl.load(wq_ptr + c).to(tl.float32)
+        wq2 = tl.load(wq_ptr + D // 2 + c).to(tl.float32)
+        wk1 = tl.load(wk_ptr + c).to(tl.float32)
+        wk2 = tl.load(wk_ptr + D // 2 + c).to(tl.float32)
+        q1, q2 = _norm_rope(xq1, xq2, wq1, wq2, cos1, cos2, sin1, sin2, eps, D, DT)
+        k1, k2 = _norm_rope(xk1, xk2, wk1, wk2, cos1, cos2, sin1, sin2, eps, D, DT)
         qout = q_ptr + h * sq_h + b * sq_b + (t * G + j)[:, None] * D + c[None, :]
         tl.store(qout, q1.to(q_ptr.dtype.element_ty))
         tl.store(qout + D // 2, q2.to(q_ptr.dtype.element_ty))
-        krow = row + (NQ + h) * D + c[None, :]
-        k1, k2 = _norm_rope(tl.load(krow).to(tl.float32), tl.load(krow + D // 2).to(tl.float32),
-                            tl.load(wk_ptr + c).to(tl.float32), tl.load(wk_ptr + D // 2 + c).to(tl.float32),
-                            cos1, cos2, sin1, sin2, eps, D, DT)
-        slot = tl.load(slot_ptr + tok)
         kout = k_ptr + slot * sk_slot + h * D + c[None, :]
         tl.store(kout, k1.to(k_ptr.dtype.element_ty))
         tl.store(kout + D // 2, k2.to(k_ptr.dtype.element_ty))
-        dd = tl.arange(0, D)
-        v = tl.load(row + (NQ + NKV + h) * D + dd)
         tl.store(v_ptr + slot * sv_slot + h * D + dd, v.to(v_ptr.dtype.element_ty))
 
     _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

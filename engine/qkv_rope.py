@@ -5,7 +5,7 @@ and the kv-major layout the paged kernel reads) and one for the keys and values 
 scatter of both into the cache's slots); their shapes differ (32 query heads, 8 KV heads at Qwen3-8B), so inductor
 does not fuse them. Here one program takes one token and one KV head: the head's G query heads, its key and its
 value, all read from the same row of the QKV matmul's output. That is one launch a layer fewer, in every decode
-step, verify and draft pass on the paged path (qwen3.attn_inputs' `fused`).
+step, verify and draft pass on the paged path (qwen3.fused_attn_inputs, called eagerly).
 
 The arithmetic is `attn_inputs`' (layers.rms_norm: the mean square in fp32, the normed row cast to the input's
 dtype before the weight; layers.apply_rotary), in fp32 from the loads to the stores. A token's bits depend on that

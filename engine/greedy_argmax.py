@@ -10,19 +10,9 @@ maximum; the first NaN if any) by construction, whatever the chunking, batch or 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton's CPU interpreter (tests)
-
-triton = None
-if torch.backends.cuda.is_built() or INTERPRET:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:  # no triton: greedy_tokens keeps its plain-PyTorch form
-        triton = None
+from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: greedy_tokens' reductions only
 
 BLOCK = 1024  # entries a program loads at a time
 CHUNK_PROGRAMS = 2048  # rows x chunks of the first kernel, about: enough loads in flight for the whole GPU
@@ -44,7 +34,11 @@ def chunk_size(rows: int, v: int) -> int:
     """Entries of a row a program takes (a multiple of BLOCK; the row's last chunk shorter): about CHUNK_PROGRAMS
     programs over all rows, each chunk of MIN_CHUNK entries or more."""
     per_row = max(1, min(CHUNK_PROGRAMS // max(rows, 1), v // MIN_CHUNK))
-    return -(-(-(-v // per_row)) // BLOCK) * BLOCK
+    return _cdiv(_cdiv(v, per_row), BLOCK) * BLOCK
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 if triton is not None:
@@ -98,7 +92,7 @@ if triton is not None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
         if rows:
             size = chunk_size(rows, v)
-            n = triton.cdiv(v, size)
+            n = _cdiv(v, size)
             m_ws = torch.empty((rows, n), dtype=torch.float32, device=logits.device)
             i_ws = torch.empty((rows, n), dtype=torch.int32, device=logits.device)
             _chunk_kernel[(rows, n)](x, m_ws, i_ws, v, x.stride(0), CHUNK=size, BLOCK=BLOCK, num_warps=4)

@@ -27,22 +27,12 @@ copies it exactly, so both give the same bits, and the choice is made per call f
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton's CPU interpreter (tests)
-LOG2E = 1.4426950408889634  # scores are kept in the log2 domain: exp2 is the hardware's exponential
+from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: the plain-PyTorch attention only
 
-triton = None
-# the kernel runs on CUDA only (and on the CPU under the interpreter): a CPU build of torch skips importing
-# triton (a third of a second a process)
-if torch.backends.cuda.is_built() or INTERPRET:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:  # no triton: the plain-PyTorch attention is the only path
-        triton = None
+LOG2E = 1.4426950408889634  # scores are kept in the log2 domain: exp2 is the hardware's exponential
 
 # Fixed tile sizes: changing BLOCK_M, BLOCK_N or KEYS_PER_CHUNK changes results (bitwise), never their dependence on
 # the batch; the stages and warps change no bit.

@@ -16,19 +16,9 @@ fresh prefill's keys (inductor's) for the prompt, on every path alike.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton's CPU interpreter (tests)
-
-triton = None
-if torch.backends.cuda.is_built() or INTERPRET:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:  # no triton: attn_inputs keeps its plain-PyTorch form
-        triton = None
+from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: attn_inputs' plain steps only
 
 NUM_WARPS = 1  # a program holds (G + 2) x d values (768 at Qwen3-8B): one warp; fixed, so no bit depends on it
 ENABLED = True  # off: attn_inputs keeps inductor's kernels everywhere (an A/B in bench/speed_8b; other bits)

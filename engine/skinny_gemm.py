@@ -14,20 +14,10 @@ a weight within int32 offsets), F.linear elsewhere (the CPU, fp32, batches, pref
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton's CPU interpreter (tests)
-
-triton = None
-if torch.backends.cuda.is_built() or INTERPRET:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:  # no triton: F.linear is the only path
-        triton = None
+from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: F.linear only
 
 BLOCK_M = 16  # the most rows a call takes
 MAX_ROWS = BLOCK_M

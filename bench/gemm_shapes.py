@@ -8,18 +8,21 @@ head once), replayed. Variants: "cublas" (F.linear, the engine's call), "cublas_
 stored [K, N]), "cublaslt" (F.linear with torch's preferred BLAS library set to cuBLASLt), "skinny:n-k-w-s"
 (engine/skinny_gemm.py's kernel at a tile: BLOCK_N, BLOCK_K, warps, stages; up to 16 rows; "skinny" alone: the
 engine's tile for the shape) and "gemv:n-k-w-s" (an FMA GEMV, one row) and "splitk:bm-bn-bk-splits-w-s" (bench/splitk_gemm.py's split-K kernel
-and its reduction at a tile). It reports microseconds a call, the
+and its reduction at a tile) and "lt:N" (cuBLASLt's heuristic's first N algorithms, each timed as its own row "lt#i" with
+the configuration cuBLASLt reports: bench/cublaslt.py). It reports microseconds a call, the
 weight's GB/s and that over the copy rate measured in the same run, the largest difference from F.linear in
 fp32, and for the skinny tiles whether a row's bits are the same alone and inside 16 rows.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
 import torch.nn.functional as F
 
+from flashpd.bench import cublaslt
 from flashpd.bench import splitk_gemm as bg
 from flashpd.bench.common import command_line, copy_bandwidth_gbs, write_json
 from flashpd.engine import skinny_gemm as sg
@@ -124,6 +127,29 @@ def applies(variant: str, m: int, n: int, k: int) -> bool:
     return True
 
 
+def measure(name: str, n: int, k: int, m: int, v: str, fns: list, ref: torch.Tensor, copy: dict,
+            config: dict | None, print_now: bool = True) -> dict:
+    """One variant's row: microseconds a call in a graph of the calls, the weight's rate, the error in fp32."""
+    err = (fns[0]().float() - ref).abs().max().item()
+    us = graph_us(fns)
+    wbytes = n * k * 2
+    row = {"shape": name, "n": n, "k": k, "rows": m, "variant": v, "us_per_call": us,
+           "weight_gb_per_s": wbytes / (us * 1e-6) / 1e9,
+           "of_copy_rate": wbytes / (us * 1e-6) / 1e9 / copy["gb_per_s"], "max_abs_err_fp32": err}
+    if config is not None:
+        row["lt_config"] = config
+    if print_now:
+        report(row)
+    return row
+
+
+def report(row: dict) -> None:
+    print(f"{row['shape']:8s} M={row['rows']:3d} {row['variant']:22s} {row['us_per_call']:8.2f} us  "
+          f"{row['of_copy_rate']:.3f} of copy  err {row['max_abs_err_fp32']:.2e}"
+          + (f"  invariant {row['row_bits_invariant']}" if "row_bits_invariant" in row else "")
+          + (f"  {row['lt_config']}" if "lt_config" in row else ""), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,16,128")
@@ -142,20 +168,22 @@ def main() -> None:
             continue
         ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         wts = [w.t().contiguous() for w in ws] if "cublas_nn" in variants else [None] * copies
-        wbytes = n * k * 2
         for m in rows:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             ref = F.linear(x.float(), ws[0].float())
             for v in variants:
                 if not applies(v, m, n, k):
                     continue
+                if v.startswith("lt:"):
+                    lt = cublaslt.LtGemm(m, n, k, max_algos=int(v.split(":")[1]))
+                    print(f"{name:8s} M={m:3d} cuBLASLt offers {len(lt)} algorithms", flush=True)
+                    for i in range(len(lt)):
+                        fns = [functools.partial(lt, x, ws[j], i) for j in range(copies)]
+                        results.append(measure(name, n, k, m, f"lt#{i}", fns, ref, copy, lt.describe(i)))
+                    continue
                 torch.backends.cuda.preferred_blas_library("cublaslt" if v == "cublaslt" else "cublas")
                 fns = [call(v, x, ws[i], wts[i]) for i in range(copies)]
-                err = (fns[0]().float() - ref).abs().max().item()
-                us = graph_us(fns)
-                row = {"shape": name, "n": n, "k": k, "rows": m, "variant": v, "us_per_call": us,
-                       "weight_gb_per_s": wbytes / (us * 1e-6) / 1e9,
-                       "of_copy_rate": wbytes / (us * 1e-6) / 1e9 / copy["gb_per_s"], "max_abs_err_fp32": err}
+                row = measure(name, n, k, m, v, fns, ref, copy, None, print_now=False)
                 if v.startswith("skinny") and m > 1:
                     kw = spec(v, n, k)
                     full = sg.launch(x, ws[0], **kw)
@@ -167,9 +195,7 @@ def main() -> None:
                     row["row_bits_invariant"] = all(torch.equal(bg.launch(x[i:i + 1], ws[0], t), full[i:i + 1])
                                                     for i in (0, m // 2, m - 1))
                 results.append(row)
-                print(f"{name:8s} M={m:3d} {v:22s} {us:8.2f} us  {row['of_copy_rate']:.3f} of copy  err {err:.2e}"
-                      + (f"  invariant {row['row_bits_invariant']}" if "row_bits_invariant" in row else ""),
-                      flush=True)
+                report(row)
         torch.backends.cuda.preferred_blas_library("cublas")
         del ws, wts
         torch.cuda.empty_cache()

@@ -21,7 +21,8 @@ from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdp
     group_queries, grouped_attention, out_proj, paged_applies, use_paged, write_kv
 from flashpd.engine import qkv_rope
 from flashpd.engine.paged_attention import paged_attention
-from flashpd.engine.skinny_gemm import linear
+from flashpd.engine import skinny_gemm
+from flashpd.engine.skinny_gemm import fused_linear, linear
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 
@@ -88,6 +89,34 @@ def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     """`attn_mlp` for a fresh prefill (AttnBatch.fresh): causal attention over this forward's own K/V."""
     h = mlp_residual(h + linear(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
     return residual_and_norm(h, w_next, eps)
+
+
+def fused_layers(h: torch.Tensor, batch: AttnBatch, cfg: Qwen3Config) -> bool:
+    """Whether a forward's layers take `fused_layer`: a decode or verify on the paged path of at most 16 rows in
+    all, where the few-row projection kernel and qkv_rope's kernel both run (a GPU in bf16/fp16, or triton's
+    interpreter in tests). There a layer is 7 launches instead of 10 (the two norms and the SwiGLU product, each a
+    kernel of their own at these rows, move into the projections)."""
+    b, t, _ = h.shape
+    if batch.fresh or not paged_applies(h.device, t, batch.impl):
+        return False
+    return (skinny_gemm.fused_applies(h, b * t)
+            and qkv_rope.applies(h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim))
+
+
+def fused_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: "Qwen3DecoderLayer",
+                batch: AttnBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """A decoder layer on the residual stream h alone (`fused_layers`): the QKV projection norms its input, the
+    output projection adds the residual, gate/up norms its input, down takes [gate | up] and adds the residual.
+    Eager launches (opaque ops; nothing is left between them for a compiler to fuse). -> the layer's output."""
+    c, a = layer.cfg, layer.self_attn
+    n_kv, d, eps = c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+    qkv = fused_linear(h, a.qkv_proj.weight, norm=layer.input_layernorm.weight, eps=eps)
+    q = qkv_rope.qkv_rope_write(qkv, cos, sin, a.q_norm.weight, a.k_norm.weight, eps, c.num_attention_heads,
+                                n_kv, k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), batch.slots)
+    o = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.positions, d ** -0.5, heads_last=True)
+    h = fused_linear(o, a.o_proj.weight, residual=h)
+    gate_up = fused_linear(h, layer.mlp.gate_up_proj.weight, norm=layer.post_attention_layernorm.weight, eps=eps)
+    return fused_linear(gate_up, layer.mlp.down_proj.weight, swiglu=True, residual=h)
 
 
 def residual_and_norm(h: torch.Tensor, w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,14 +238,18 @@ class Qwen3ForCausalLM(nn.Module):
                                             self.cfg.num_attention_heads // self.cfg.num_key_value_heads, gathers)
         batch = replace(batch, mask=mask)
         eps, layers = self.cfg.rms_norm_eps, self.layers
-        x = fns.norm(h, layers[0].input_layernorm.weight, eps)
+        fused = fused_layers(h, batch, self.cfg)
+        x = None if fused else fns.norm(h, layers[0].input_layernorm.weight, eps)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(layers):
-            w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.norm.weight
-            h, x = layer(h, x, cos, sin, batch, kv[i, 0], kv[i, 1], w_next, fns)
+            if fused:
+                h = fused_layer(h, cos, sin, layer, batch, kv[i, 0], kv[i, 1])
+            else:
+                w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.norm.weight
+                h, x = layer(h, x, cos, sin, batch, kv[i, 0], kv[i, 1], w_next, fns)
             if i in taps:
                 tapped[i] = h
-        out = x  # the last layer's output under the final norm
+        out = fns.norm(h, self.norm.weight, eps) if fused else x  # the last layer's output under the final norm
         if len(layers) - 1 in tapped:  # HF's last hidden state comes after the final norm
             tapped[len(layers) - 1] = out
         return out, [tapped[j] for j in taps]

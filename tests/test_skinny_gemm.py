@@ -136,14 +136,14 @@ def fused_compiled_op_is_the_eager_op(sg: ModuleType, dev: str) -> None:
 
 
 def the_engine_fuses_its_decode_layers(sg: ModuleType, dev: str) -> None:
-    """qwen3.fused_layers: a decode or verify of at most 16 rows on the paged path runs each layer as
-    `fused_layer` (a spy counts its projections), and a whole engine's tokens and acceptance lengths equal the
-    gathered path's (the plain steps), for DFlash at width 8 on one prompt (verifies of 8 rows) and native decode
-    of three (3 rows); 17 rows and a fresh prefill keep the unfused steps. Random tiny models, in fp32 under the
+    """qwen3.fused_layers: a decode, verify or draft pass of at most 16 rows on the paged path runs each layer as
+    `fused_layer` (a spy records its projections: the target's and the drafter's layers both take it), and a
+    whole engine's tokens and acceptance lengths equal the gathered path's (the plain steps), for DFlash at width
+    8 on one prompt (verifies and draft passes of 8 rows) and native decode of three (3 rows); 17 rows and the
+    gathered form keep the unfused steps. Random tiny models, in fp32 under the
     interpreter. On a GPU the fused layers run in bf16 only, where they round apart from the plain steps: there
     the case checks that they run and the requests finish."""
     from flashpd.engine import qwen3
-    from flashpd.engine.attention import AttnBatch
     from flashpd.engine.generate import NativeGenerator
     from flashpd.engine.runner import ModelRunner
     from flashpd.engine.runner_config import RunnerConfig
@@ -154,10 +154,11 @@ def the_engine_fuses_its_decode_layers(sg: ModuleType, dev: str) -> None:
 
     exact = sg.INTERPRET  # fp32 (CPU, interpreter): tokens compared; bf16 (GPU): the path taken
     target, drafter = tiny_pair(dev, 16, 1e6, seed=6, dtype=torch.float32 if exact else torch.bfloat16)
-    calls, real = [], qwen3.fused_linear
+    calls, weights, real = [], set(), qwen3.fused_linear
 
     def spy(x, w, *args, **kw):
         calls.append(x.shape[:-1].numel())
+        weights.add(w.data_ptr())
         return real(x, w, *args, **kw)
 
     def run(impl: str, prompts: list, width: int | None) -> list:
@@ -174,6 +175,9 @@ def the_engine_fuses_its_decode_layers(sg: ModuleType, dev: str) -> None:
             fused = run("paged", prompts, width)
             assert calls and max(calls) <= sg.MAX_ROWS and len(calls) % 4 == 0  # 4 projections a layer
             assert all(len(s.output) == 10 for s in fused)
+            if width:  # the verify's layers and the draft pass's
+                assert {l.mlp.down_proj.weight.data_ptr() for l in target.layers} <= weights
+                assert {l.down_proj.data_ptr() for l in drafter.layers} <= weights
             if not exact:
                 continue
             calls.clear()
@@ -185,12 +189,12 @@ def the_engine_fuses_its_decode_layers(sg: ModuleType, dev: str) -> None:
         qwen3.fused_linear = real
 
     h = torch.zeros(1, 17, 32, device=dev, dtype=target.embed_tokens.weight.dtype)
-    batch = AttnBatch(positions=torch.zeros(1, 17, dtype=torch.long), block_tables=torch.zeros(1, 1, dtype=torch.long),
-                      slots=torch.zeros(17, dtype=torch.long), fresh=False, impl="paged")
-    assert not qwen3.fused_layers(h, batch, target.cfg)  # 17 rows
-    assert qwen3.fused_layers(h[:, :16], batch, target.cfg)
-    assert not qwen3.fused_layers(h[:, :16], AttnBatch(positions=batch.positions, block_tables=batch.block_tables,
-                                                       slots=batch.slots, fresh=True, impl="paged"), target.cfg)
+    cfg = target.cfg
+    heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    assert not qwen3.fused_layers(h, 17, "paged", *heads)  # 17 rows
+    assert not qwen3.fused_layers(h[:, :9].expand(2, 9, 32), 9, "paged", *heads)  # 18 rows
+    assert qwen3.fused_layers(h[:, :16], 16, "paged", *heads)
+    assert not qwen3.fused_layers(h[:, :16], 16, "matmul", *heads)  # the gathered form
 
 
 def fused_dispatch(sg: ModuleType, dev: str) -> None:

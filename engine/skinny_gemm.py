@@ -60,30 +60,40 @@ if triton is not None:
         x_base = x_ptr + rm[:, None] * sxm + rk[None, :]
         w_base = w_ptr + rn[:, None] * swn + rk[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
-        ss = tl.zeros([BM], tl.float32)
+        ss = tl.zeros([BM, BK], tl.float32)  # NORM: x's squares, summed over K after the loop
+        # NORM and SWIGLU change x's tile before the MMA, and a load whose value is computed on is not one the
+        # compiler pipelines (each K step waited for its x tile: 3.6x the plain kernel's time, docs/results.md), so
+        # those forms load the next step's x (and norm weight, or up) one step ahead by hand
+        if NORM or SWIGLU:
+            a_nx = tl.load(x_base, mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
+            if SWIGLU:
+                u_nx = tl.load(x_base + K, mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
+            if NORM:
+                g_nx = tl.load(g_ptr + rk, mask=rk < K, other=0.0)
         for k in range(0, K, BK):
             if EVEN_K:
-                a = tl.load(x_base + k, mask=m_ok[:, None], other=0.0)
                 w = tl.load(w_base + k, mask=n_ok[:, None], other=0.0)
-                if SWIGLU:
-                    u = tl.load(x_base + K + k, mask=m_ok[:, None], other=0.0)
-                if NORM:
-                    g = tl.load(g_ptr + k + rk)
             else:
-                k_ok = (k + rk) < K
-                a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_base + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + k, mask=n_ok[:, None] & ((k + rk) < K)[None, :], other=0.0)
+            if NORM or SWIGLU:
+                a = a_nx
+                nx_ok = (k + BK + rk) < K
+                a_nx = tl.load(x_base + k + BK, mask=m_ok[:, None] & nx_ok[None, :], other=0.0)
                 if SWIGLU:
-                    u = tl.load(x_base + K + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    u = u_nx
+                    u_nx = tl.load(x_base + K + k + BK, mask=m_ok[:, None] & nx_ok[None, :], other=0.0)
+                    af = a.to(tl.float32)
+                    a = (af * tl.sigmoid(af) * u.to(tl.float32)).to(w.dtype)
                 if NORM:
-                    g = tl.load(g_ptr + k + rk, mask=k_ok, other=0.0)
-            if SWIGLU:
-                af = a.to(tl.float32)
-                a = (af * tl.sigmoid(af) * u.to(tl.float32)).to(w.dtype)
-            if NORM:
-                af = a.to(tl.float32)
-                ss += tl.sum(af * af, 1)
-                a = (af * g.to(tl.float32)[None, :]).to(w.dtype)
+                    g = g_nx
+                    g_nx = tl.load(g_ptr + k + BK + rk, mask=nx_ok, other=0.0)
+                    af = a.to(tl.float32)
+                    ss += af * af
+                    a = (af * g.to(tl.float32)[None, :]).to(w.dtype)
+            elif EVEN_K:
+                a = tl.load(x_base + k, mask=m_ok[:, None], other=0.0)
+            else:
+                a = tl.load(x_base + k, mask=m_ok[:, None] & ((k + rk) < K)[None, :], other=0.0)
             if ROWWISE:
                 acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
             elif F32:
@@ -91,7 +101,7 @@ if triton is not None:
             else:
                 acc = tl.dot(a, tl.trans(w), acc)
         if NORM:
-            acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+            acc = acc * (1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps))[:, None]
         y = acc.to(y_ptr.dtype.element_ty)
         if RESID:
             r = tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=m_ok[:, None] & n_ok[None, :], other=0.0)

@@ -21,8 +21,7 @@ from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdp
     group_queries, grouped_attention, out_proj, paged_applies, use_paged, write_kv
 from flashpd.engine import qkv_rope
 from flashpd.engine.paged_attention import paged_attention
-from flashpd.engine import skinny_gemm
-from flashpd.engine.skinny_gemm import fused_linear, linear
+from flashpd.engine.skinny_gemm import linear
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 
@@ -89,35 +88,6 @@ def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     """`attn_mlp` for a fresh prefill (AttnBatch.fresh): causal attention over this forward's own K/V."""
     h = mlp_residual(h + linear(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
     return residual_and_norm(h, w_next, eps)
-
-
-def fused_layers(h: torch.Tensor, t: int, impl: str | None, n_q: int, n_kv: int, d: int) -> bool:
-    """Whether a forward of h [B, T, H] (not a fresh prefill: the caller checks) takes `fused_layer`: a decode,
-    verify or draft pass on the paged path (T tokens a row, attention form `impl`) of at most 16 rows in all,
-    where the few-row projection kernel and qkv_rope's kernel both run (a GPU in bf16/fp16, or triton's
-    interpreter in tests). There a layer is 7 launches instead of 10 (the two norms and the SwiGLU product, each
-    a kernel of their own at these rows, move into the projections)."""
-    return (paged_applies(h.device, t, impl) and skinny_gemm.fused_applies(h, h.shape[0] * t)
-            and qkv_rope.applies(h, n_q, n_kv, d))
-
-
-def fused_layer(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_in: torch.Tensor, w_qkv: torch.Tensor,
-                w_qn: torch.Tensor, w_kn: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
-                w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, n_q: int, n_kv: int, d: int,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
-    """A decoder layer (the target's, or a draft layer's paged pass) on the residual stream h alone
-    (`fused_layers`): the QKV projection norms its input by w_in, qkv_rope writes K/V at `slots`, the paged kernel
-    attends up to `positions`, the output projection adds the residual, gate/up norms its input by w_post, down
-    takes [gate | up] and adds the residual. Eager launches (opaque ops: nothing is left between them for a
-    compiler to fuse). -> the layer's output."""
-    qkv = fused_linear(h, w_qkv, norm=w_in, eps=eps)
-    q = qkv_rope.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_cache.view(-1, n_kv, d),
-                                v_cache.view(-1, n_kv, d), slots)
-    o = paged_attention(q, k_cache, v_cache, block_tables, positions, d ** -0.5, heads_last=True)
-    h = fused_linear(o, w_o, residual=h)
-    gate_up = fused_linear(h, w_gate_up, norm=w_post, eps=eps)
-    return fused_linear(gate_up, w_down, swiglu=True, residual=h)
 
 
 def residual_and_norm(h: torch.Tensor, w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,24 +209,14 @@ class Qwen3ForCausalLM(nn.Module):
                                             self.cfg.num_attention_heads // self.cfg.num_key_value_heads, gathers)
         batch = replace(batch, mask=mask)
         eps, layers = self.cfg.rms_norm_eps, self.layers
-        c = self.cfg
-        n_q, n_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        fused = not batch.fresh and fused_layers(h, t, batch.impl, n_q, n_kv, d)
-        x = None if fused else fns.norm(h, layers[0].input_layernorm.weight, eps)
+        x = fns.norm(h, layers[0].input_layernorm.weight, eps)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(layers):
-            if fused:
-                a = layer.self_attn
-                h = fused_layer(h, cos, sin, layer.input_layernorm.weight, a.qkv_proj.weight, a.q_norm.weight,
-                                a.k_norm.weight, a.o_proj.weight, layer.post_attention_layernorm.weight,
-                                layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, eps, n_q, n_kv, d,
-                                kv[i, 0], kv[i, 1], batch.slots, batch.block_tables, batch.positions)
-            else:
-                w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.norm.weight
-                h, x = layer(h, x, cos, sin, batch, kv[i, 0], kv[i, 1], w_next, fns)
+            w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.norm.weight
+            h, x = layer(h, x, cos, sin, batch, kv[i, 0], kv[i, 1], w_next, fns)
             if i in taps:
                 tapped[i] = h
-        out = fns.norm(h, self.norm.weight, eps) if fused else x  # the last layer's output under the final norm
+        out = x  # the last layer's output under the final norm
         if len(layers) - 1 in tapped:  # HF's last hidden state comes after the final norm
             tapped[len(layers) - 1] = out
         return out, [tapped[j] for j in taps]

@@ -1,6 +1,5 @@
 """The few-row projection kernel (engine/skinny_gemm.py) against F.linear, its row invariance (a row's bits alone
-and among 16), the compiled op, and where the engine takes it; its fused forms (a norm on the input, the SwiGLU
-product as the input, a residual added) against the unfused steps, and the engine's fused decode layers.
+and among 16), the compiled op, and where the engine takes it.
 
 Without a GPU the kernel runs under triton's interpreter in one child process started with TRITON_INTERPRET=1
 (tests/_interpreted.py says why); on a GPU the cases run here on CUDA tensors, where the invariance is the
@@ -73,154 +72,11 @@ def the_engine_takes_it_for_few_low_precision_rows_on_cuda(sg: ModuleType, dev: 
     assert sg.tile(151936, 4096) == sg.TILE_WIDE and sg.tile(4096, 12288) == sg.TILE_NARROW
 
 
-def fused_operands(dev: str, dtype: torch.dtype, m: int, n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x, w = operands(dev, dtype, m, n, k, seed)
-    return {"x": x, "w": w, "gate_up": torch.randn(m, 2 * k, generator=g).to(dev, dtype),
-            "norm": (1 + 0.2 * torch.randn(k, generator=g)).to(dev, dtype),
-            "residual": torch.randn(m, n, generator=g).to(dev, dtype)}
-
-
-def fused_forms_match_the_steps(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
-    """Each fused form against the steps it replaces, at every shape: the norm form equals F.linear of
-    rms_norm(x) (fp32 to rounding; bf16 within bf16's rounding of the normed input), the SwiGLU form F.linear of
-    silu(gate) * up, and the residual form is bitwise the residual plus the plain kernel's product (in bf16 under
-the interpreter, within a unit of its last place: see below)."""
-    from flashpd.engine.layers import rms_norm
-
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for i, (m, n, k) in enumerate(SHAPES):
-        o = fused_operands(dev, dtype, m, n, k, seed=30 + i)
-        ref = F.linear(rms_norm(o["x"].float(), o["norm"].float(), 1e-6), o["w"].float())
-        out = sg.fused_linear(o["x"].view(1, m, k), o["w"], norm=o["norm"], eps=1e-6)
-        assert out.shape == (1, m, n) and out.dtype == dtype
-        torch.testing.assert_close(out[0].float(), ref, rtol=tol, atol=tol)
-        gate, up = o["gate_up"].float().chunk(2, dim=-1)
-        ref = F.linear(F.silu(gate) * up, o["w"].float())
-        torch.testing.assert_close(sg.fused_linear(o["gate_up"], o["w"], swiglu=True).float(), ref, rtol=tol,
-                                   atol=tol)
-        plain = sg.skinny_linear(o["x"], o["w"])
-        pairs = [(sg.fused_linear(o["x"], o["w"], residual=o["residual"]), o["residual"] + plain),
-                 (sg.fused_linear(o["gate_up"], o["w"], swiglu=True, residual=o["residual"]),
-                  o["residual"] + sg.fused_linear(o["gate_up"], o["w"], swiglu=True))]
-        for got, want in pairs:
-            if sg.INTERPRET and dtype != torch.float32:
-                # the interpreter casts fp32 to bf16 by truncation where torch (and a GPU) round to nearest: the
-                # sum's rounding differs by at most one unit
-                torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
-            else:
-                assert torch.equal(got, want)
-
-
-def fused_rows_do_not_depend_on_the_row_count(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
-    """Every fused form keeps the kernel's invariance: each row of a 16-row call is bitwise the row alone (the norm's
-    sum of squares is a row's own, over the same tile whatever the row count)."""
-    for i, (_, n, k) in enumerate(SHAPES):
-        o = fused_operands(dev, dtype, 16, n, k, seed=40 + i)
-        forms = {"norm": lambda r: sg.fused_linear(o["x"][r], o["w"], norm=o["norm"], eps=1e-6),
-                 "swiglu-residual": lambda r: sg.fused_linear(o["gate_up"][r], o["w"], swiglu=True,
-                                                              residual=o["residual"][r])}
-        for name, fn in forms.items():
-            full = fn(slice(0, 16))
-            for r in (0, 9, 15):
-                assert torch.equal(fn(slice(r, r + 1)), full[r:r + 1]), (name, n, k, r)
-
-
-def fused_compiled_op_is_the_eager_op(sg: ModuleType, dev: str) -> None:
-    """Compiled, the fused op is one opaque call with the eager bits."""
-    o = fused_operands(dev, torch.bfloat16, 4, 72, 256, seed=5)
-    fn = torch.compile(lambda x, w, g, r: sg.fused_linear(x, w, norm=g, eps=1e-6, residual=r) * 2.0,
-                       fullgraph=True, backend="inductor" if dev == "cuda" else "aot_eager")
-    want = sg.fused_linear(o["x"], o["w"], norm=o["norm"], eps=1e-6, residual=o["residual"]) * 2.0
-    assert torch.equal(fn(o["x"], o["w"], o["norm"], o["residual"]), want)
-
-
-def the_engine_fuses_its_decode_layers(sg: ModuleType, dev: str) -> None:
-    """qwen3.fused_layers: a decode, verify or draft pass of at most 16 rows on the paged path runs each layer as
-    `fused_layer` (a spy records its projections: the target's and the drafter's layers both take it), and a
-    whole engine's tokens and acceptance lengths equal the gathered path's (the plain steps), for DFlash at width
-    8 on one prompt (verifies and draft passes of 8 rows) and native decode of three (3 rows); 17 rows and the
-    gathered form keep the unfused steps. Random tiny models, in fp32 under the
-    interpreter. On a GPU the fused layers run in bf16 only, where they round apart from the plain steps: there
-    the case checks that they run and the requests finish."""
-    from flashpd.engine import qwen3
-    from flashpd.engine.generate import NativeGenerator
-    from flashpd.engine.runner import ModelRunner
-    from flashpd.engine.runner_config import RunnerConfig
-    from flashpd.engine.sampling import SamplingParams
-    from flashpd.engine.scheduler import generate
-    from flashpd.engine.spec_decode import DFlashGenerator
-    from test_paged_attention import tiny_pair
-
-    exact = sg.INTERPRET  # fp32 (CPU, interpreter): tokens compared; bf16 (GPU): the path taken
-    target, drafter = tiny_pair(dev, 16, 1e6, seed=6, dtype=torch.float32 if exact else torch.bfloat16)
-    calls, weights, real = [], set(), qwen3.fused_linear
-
-    def spy(x, w, *args, **kw):
-        calls.append(x.shape[:-1].numel())
-        weights.add(w.data_ptr())
-        return real(x, w, *args, **kw)
-
-    def run(impl: str, prompts: list, width: int | None) -> list:
-        runner = ModelRunner(target, 64, 8, taps=(0, 1), config=RunnerConfig(cuda_graphs=False, compile=False,
-                                                                             attention_impl=impl))
-        gen = DFlashGenerator(runner, drafter, (), 8) if width else NativeGenerator(runner)
-        params = [SamplingParams(max_tokens=10, ignore_eos=True)] * len(prompts)
-        return generate(gen, prompts, params, [width] * len(prompts) if width else None)
-
-    qwen3.fused_linear = spy
-    try:
-        for prompts, width in (([[3, 9, 27, 17]], 8), ([[3, 9, 27, 17], list(range(5, 30)), [11] * 12], None)):
-            calls.clear()
-            fused = run("paged", prompts, width)
-            assert calls and max(calls) <= sg.MAX_ROWS and len(calls) % 4 == 0  # 4 projections a layer
-            assert all(len(s.output) == 10 for s in fused)
-            if width:  # the verify's layers and the draft pass's
-                assert {l.mlp.down_proj.weight.data_ptr() for l in target.layers} <= weights
-                assert {l.down_proj.data_ptr() for l in drafter.layers} <= weights
-            if not exact:
-                continue
-            calls.clear()
-            plain = run("matmul", prompts, width)
-            assert not calls
-            for a, b in zip(fused, plain):
-                assert a.output == b.output and a.stats.acceptance_lengths == b.stats.acceptance_lengths
-    finally:
-        qwen3.fused_linear = real
-
-    h = torch.zeros(1, 17, 32, device=dev, dtype=target.embed_tokens.weight.dtype)
-    cfg = target.cfg
-    heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-    assert not qwen3.fused_layers(h, 17, "paged", *heads)  # 17 rows
-    assert not qwen3.fused_layers(h[:, :9].expand(2, 9, 32), 9, "paged", *heads)  # 18 rows
-    assert qwen3.fused_layers(h[:, :16], 16, "paged", *heads)
-    assert not qwen3.fused_layers(h[:, :16], 16, "matmul", *heads)  # the gathered form
-
-
-def fused_dispatch(sg: ModuleType, dev: str) -> None:
-    """fused_applies: at most MAX_ROWS rows; on CUDA bf16/fp16 only (fp32 keeps cuBLAS), any float dtype under the
-    interpreter (these tests); and its switch turns it off."""
-    x = torch.zeros(1, 8, device=dev, dtype=torch.bfloat16)
-    assert sg.fused_applies(x, sg.MAX_ROWS) and not sg.fused_applies(x, sg.MAX_ROWS + 1)
-    assert sg.fused_applies(x.float(), 1) == bool(sg.INTERPRET)
-    sg.FUSED_ENABLED = False
-    try:
-        assert not sg.fused_applies(x, 1)
-    finally:
-        sg.FUSED_ENABLED = True
-
-
 for _dt in (torch.float32, torch.bfloat16):
     CASES[f"f-linear-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: matches_f_linear(sg, dev, dt)
     CASES[f"invariance-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: rows_do_not_depend_on_the_row_count(sg, dev, dt)
-    CASES[f"fused-forms-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: fused_forms_match_the_steps(sg, dev, dt)
-    CASES[f"fused-invariance-{str(_dt)[6:]}"] = (
-        lambda sg, dev, dt=_dt: fused_rows_do_not_depend_on_the_row_count(sg, dev, dt))
 CASES["compiled"] = compiled_op_is_the_eager_op
 CASES["dispatch"] = the_engine_takes_it_for_few_low_precision_rows_on_cuda
-CASES["fused-compiled"] = fused_compiled_op_is_the_eager_op
-CASES["fused-dispatch"] = fused_dispatch
-CASES["fused-engine"] = the_engine_fuses_its_decode_layers
 
 
 @pytest.mark.parametrize("name", list(CASES))

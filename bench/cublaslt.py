@@ -1,9 +1,10 @@
 """cuBLASLt's candidate algorithms for one projection shape, each callable: y = x @ w.T in bf16 (fp32 accumulate).
 
 torch calls cuBLAS with its heuristic's first pick and offers no other (TunableOp on CUDA has only that one). At
-128 rows that pick reads q/k/v, o_proj and down at 56-72% of the copy rate, down with a split-K kernel and a
-separate reduction (docs/results.md). This module asks cuBLASLt's heuristic for its ranked list of algorithms and
-runs any of them, so bench/gemm_shapes.py can time each in a step-like CUDA graph ("lt:N" variants).
+a decode batch's row counts that pick reads the smaller projections well below the copy rate (docs/results.md).
+This module asks cuBLASLt's heuristic for its ranked list of algorithms and runs any of them, so
+bench/gemm_shapes.py can time each in a step-like CUDA graph ("lt:N" variants). Measured and not taken by the engine
+(docs/results.md).
 
 A binding through ctypes to the libcublasLt torch already loaded (no build step, no new package). The structs are
 cuBLASLt's public ABI: an algorithm is 8 opaque 64-bit words, a heuristic result adds its workspace size, status,

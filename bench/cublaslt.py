@@ -95,6 +95,7 @@ class LtGemm:
         _check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, c, c, pref, max_algos, results,
                                                   ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
         lib.cublasLtMatmulPreferenceDestroy(pref)
+        # every result's workspace is within the preference's bound, so one buffer of that size serves them all
         self.results = [results[i] for i in range(count.value) if results[i].state == 0]
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda")
         self._alpha = ctypes.c_float(1.0)
@@ -129,5 +130,5 @@ class LtGemm:
             self.handle, self.desc, ctypes.byref(self._alpha), ctypes.c_void_p(w.data_ptr()), a,
             ctypes.c_void_p(x.data_ptr()), b, ctypes.byref(self._beta), ctypes.c_void_p(y.data_ptr()), c,
             ctypes.c_void_p(y.data_ptr()), c, ctypes.byref(r.algo), ctypes.c_void_p(self.workspace.data_ptr()),
-            ctypes.c_size_t(min(r.workspace_size, self.workspace.numel())), stream), "cublasLtMatmul")
+            ctypes.c_size_t(r.workspace_size), stream), "cublasLtMatmul")
         return y

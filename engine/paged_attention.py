@@ -51,6 +51,10 @@ NUM_STAGES = 4
 # programs, each wants its chunk's loads spread wide) and for the combine kernel (docs/results.md).
 NUM_WARPS = 2
 SPLIT_NUM_WARPS = 4
+# A register cap for a walking program (0: ptxas's choice). ptxas gives it 188 registers at sm_90, so 5 programs
+# share an SM; at 128 it compiles without spills and 8 do (bench/results/2026-12-03_fused_layers_f8fd192). No bit
+# depends on it: the arithmetic is the same, only its register allocation changes.
+WALK_MAX_REGISTERS = 0
 # split (a program per key chunk) when one program per (row tile, KV head, sequence) would give fewer programs
 # than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
@@ -261,6 +265,7 @@ if triton is not None:
             split = use_split(q.device, tiles * hkv * b, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks)
         if num_warps is None:
             num_warps = SPLIT_NUM_WARPS if split else NUM_WARPS
+        options = {"maxnreg": WALK_MAX_REGISTERS} if WALK_MAX_REGISTERS and not split and not INTERPRET else {}
         if split:
             m_ws = torch.empty((n_chunks, hkv * b, m), dtype=torch.float32, device=q.device)
             l_ws = torch.empty_like(m_ws)
@@ -275,7 +280,7 @@ if triton is not None:
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), positions.stride(0),
             G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
-            F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+            F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages, **options)
         if split:
             _combine_kernel[(tiles, hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
@@ -369,7 +374,7 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
     and over several key chunks, each with and without a program per chunk), and whether a row's output is
     bitwise the same alone (T=1, B=1), inside a verify of 16, inside a bigger batch with a wider table, with and
     without a program per chunk (its combine kernel at 1, 3 and the module's chunk states an iteration), at
-    1, 2 and 4 warps, and written in o_proj's layout (heads_last)."""
+    1, 2 and 4 warps, under register caps (WALK_MAX_REGISTERS), and written in o_proj's layout (heads_last)."""
     scale = 128 ** -0.5
     errs = []
     for b, t, nblk, seed in ((8, 1, 4, 0), (4, 16, 4, 1), (3, 1, 70, 2), (2, 16, 70, 3)):
@@ -396,8 +401,16 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
     for warps in (1, 2, 4):
         for split in (False, True):
             invariant &= torch.equal(launch(q, k, v, bt, pos, scale, split, num_warps=warps), full)
+    global COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN, WALK_MAX_REGISTERS
+    # a walking program under register caps, and without one (WALK_MAX_REGISTERS changes no arithmetic)
+    saved_cap = WALK_MAX_REGISTERS
+    try:
+        for WALK_MAX_REGISTERS in (0, 128, 96):
+            invariant &= torch.equal(launch(q, k, v, bt, pos, scale, False), full)
+            invariant &= torch.equal(launch(q, k, v, wide, pos, scale, False, heads_last=True), last)
+    finally:
+        WALK_MAX_REGISTERS = saved_cap
     # the combine kernel at 1 and 3 chunk states an iteration, a verify's and a decode's
-    global COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN
     saved = COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN
     try:
         for COMBINE_UNROLL in (1, 3):

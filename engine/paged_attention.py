@@ -51,10 +51,13 @@ NUM_STAGES = 4
 # programs, each wants its chunk's loads spread wide) and for the combine kernel (docs/results.md).
 NUM_WARPS = 2
 SPLIT_NUM_WARPS = 4
-# A register cap for a walking program (0: ptxas's choice). ptxas gives it 188 registers at sm_90, so 5 programs
-# share an SM; at 128 it compiles without spills and 8 do (bench/results/2026-12-03_fused_layers_f8fd192). No bit
-# depends on it: the arithmetic is the same, only its register allocation changes.
-WALK_MAX_REGISTERS = 0
+# A register cap for walking programs when there are more of them than fit the GPU at once uncapped
+# (WALK_CAP_ABOVE_PROGRAMS_PER_SM an SM; 0: never). ptxas gives a walking program 188 registers at sm_90, so 5
+# share an SM; capped at 128 it compiles without spills and 8 do. On an H200 the cap cost 2% at batch 32 and 64
+# (256 and 512 programs: one wave either way) and saved 2.5% of the attention at 128 (1,024 programs) and 1.3% of
+# the step at 256 (docs/results.md). No bit depends on it: the arithmetic is the same, only registers change.
+WALK_MAX_REGISTERS = 128
+WALK_CAP_ABOVE_PROGRAMS_PER_SM = 5
 # split (a program per key chunk) when one program per (row tile, KV head, sequence) would give fewer programs
 # than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
@@ -265,7 +268,10 @@ if triton is not None:
             split = use_split(q.device, tiles * hkv * b, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks)
         if num_warps is None:
             num_warps = SPLIT_NUM_WARPS if split else NUM_WARPS
-        options = {"maxnreg": WALK_MAX_REGISTERS} if WALK_MAX_REGISTERS and not split and not INTERPRET else {}
+        options = {}
+        if (not split and not INTERPRET and WALK_MAX_REGISTERS and WALK_CAP_ABOVE_PROGRAMS_PER_SM
+                and tiles * hkv * b > WALK_CAP_ABOVE_PROGRAMS_PER_SM * _sm_count(q.device)):
+            options["maxnreg"] = WALK_MAX_REGISTERS
         if split:
             m_ws = torch.empty((n_chunks, hkv * b, m), dtype=torch.float32, device=q.device)
             l_ws = torch.empty_like(m_ws)
@@ -401,15 +407,16 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
     for warps in (1, 2, 4):
         for split in (False, True):
             invariant &= torch.equal(launch(q, k, v, bt, pos, scale, split, num_warps=warps), full)
-    global COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN, WALK_MAX_REGISTERS
+    global COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN, WALK_MAX_REGISTERS, WALK_CAP_ABOVE_PROGRAMS_PER_SM
     # a walking program under register caps, and without one (WALK_MAX_REGISTERS changes no arithmetic)
-    saved_cap = WALK_MAX_REGISTERS
+    saved_cap = WALK_MAX_REGISTERS, WALK_CAP_ABOVE_PROGRAMS_PER_SM
     try:
+        WALK_CAP_ABOVE_PROGRAMS_PER_SM = -1  # every walking call takes the cap
         for WALK_MAX_REGISTERS in (0, 128, 96):
             invariant &= torch.equal(launch(q, k, v, bt, pos, scale, False), full)
             invariant &= torch.equal(launch(q, k, v, wide, pos, scale, False, heads_last=True), last)
     finally:
-        WALK_MAX_REGISTERS = saved_cap
+        WALK_MAX_REGISTERS, WALK_CAP_ABOVE_PROGRAMS_PER_SM = saved_cap
     # the combine kernel at 1 and 3 chunk states an iteration, a verify's and a decode's
     saved = COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN
     try:

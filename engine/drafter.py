@@ -24,7 +24,9 @@ from flashpd.engine.attention import gather_kv, group_mask, group_queries, group
 from flashpd.engine.config import CheckpointError, HeadGeometry, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
 from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
-from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, fused_attn_inputs, mlp_residual
+from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, fused_attn_inputs, fused_layer, \
+    fused_layers, mlp_residual
+from flashpd.engine import skinny_gemm
 from flashpd.engine.skinny_gemm import linear
 
 
@@ -253,9 +255,18 @@ class DFlashDrafter(nn.Module):
         h, x, cos, sin, key_pos = fns.inputs(block_ids, positions, self.target.embed_tokens.weight, self.rotary.cos,
                                              self.rotary.sin, layers[0].input_layernorm, c.input_embedding_scale,
                                              eps)
+        n_q = c.num_attention_heads
+        fused = fused_layers(h, positions.shape[1], impl, n_q, n_kv, d)  # qwen3.fused_layer, as the target's
+        if fused:
+            xg, ss = skinny_gemm.norm_input(h, layers[0].input_layernorm)
         for i, l in enumerate(layers):
             w_next = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             k_cache, v_cache = cache[i, 0], cache[i, 1]
+            if fused:
+                h, xg, ss = fused_layer(h, xg, ss, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, l.o_proj,
+                                        l.post_attention_layernorm, l.gate_up_proj, l.down_proj, w_next, eps, n_q,
+                                        n_kv, d, k_cache, v_cache, block_slots, block_tables, key_pos)
+                continue
             args = (x, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, eps, c.num_attention_heads, n_kv, d,
                     k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), block_slots)
             q = fused_attn_inputs(*args)  # one kernel after the matmul where it applies, eagerly (qwen3's layer)
@@ -263,7 +274,7 @@ class DFlashDrafter(nn.Module):
                 q = fns.qkv(*args)
             h, x = fns.attn_mlp(h, q, k_cache, v_cache, block_tables, key_pos, l.o_proj, l.post_attention_layernorm,
                                 l.gate_up_proj, l.down_proj, w_next, eps, d ** -0.5, impl)
-        return x
+        return fns.norm(h, self.norm, eps) if fused else x
 
 
 def block_head(x: torch.Tensor, w_head: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
@@ -316,9 +327,16 @@ class PagedDraftFns(NamedTuple):
     qkv: Callable
     attn_mlp: Callable
     head: Callable
+    norm: Callable
 
 
-PAGED_EAGER = PagedDraftFns(paged_block_inputs, paged_qkv, paged_attn_mlp, block_head)
+def paged_norm(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The pass's final norm after fused layers (qwen3.fused_layer), a function of the drafter's own: paged_qkv's
+    docstring says why."""
+    return rms_norm(h, w, eps)
+
+
+PAGED_EAGER = PagedDraftFns(paged_block_inputs, paged_qkv, paged_attn_mlp, block_head, paged_norm)
 
 
 def context_kv_all(taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_fc: torch.Tensor,

@@ -21,7 +21,8 @@ from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdp
     group_queries, grouped_attention, out_proj, paged_applies, use_paged, write_kv
 from flashpd.engine import qkv_rope
 from flashpd.engine.paged_attention import paged_attention
-from flashpd.engine.skinny_gemm import linear
+from flashpd.engine import skinny_gemm
+from flashpd.engine.skinny_gemm import fused_linear, fused_residual, linear
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 
@@ -88,6 +89,37 @@ def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     """`attn_mlp` for a fresh prefill (AttnBatch.fresh): causal attention over this forward's own K/V."""
     h = mlp_residual(h + linear(causal_sdpa(q, k, v, scale), w_o), w_post, w_gate_up, w_down, eps)
     return residual_and_norm(h, w_next, eps)
+
+
+def fused_layers(h: torch.Tensor, t: int, impl: str | None, n_q: int, n_kv: int, d: int) -> bool:
+    """Whether a forward of h [B, T, H] (not a fresh prefill: the caller checks) takes `fused_layer`: a decode,
+    verify or draft pass on the paged path (T tokens a row, attention form `impl`) of at most 16 rows in all,
+    where the few-row projection kernel's fused forms and qkv_rope's kernel both run (a GPU in bf16/fp16, or
+    triton's interpreter in tests)."""
+    return (paged_applies(h.device, t, impl) and skinny_gemm.fused_applies(h, h.shape[0] * t)
+            and qkv_rope.applies(h, n_q, n_kv, d))
+
+
+def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                w_qkv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
+                w_gate_up: torch.Tensor, w_down: torch.Tensor, w_next: torch.Tensor, eps: float, n_q: int, n_kv: int,
+                d: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                block_tables: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer (`fused_layers`) in 7 launches: the residual stream h, with xg = h times the input norm's
+    weight and ss the partial sums of h's squares (skinny_gemm.norm_input, or the previous fused layer) -> the
+    same three for the layer's output, xg by w_next (the next layer's input norm, or the final norm's weight).
+    QKV scales its rows by 1/rms, qkv_rope writes K/V at `slots`, the paged kernel attends up to `positions`,
+    o_proj adds the residual and writes the post-attention norm's input, gate/up forms silu(gate) * up of the
+    normed rows, down adds the residual and writes the next norm's input. Eager launches (opaque ops: nothing is
+    left between them for a compiler to fuse)."""
+    qkv = fused_linear(xg, w_qkv, ss, eps)
+    q = qkv_rope.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_cache.view(-1, n_kv, d),
+                                v_cache.view(-1, n_kv, d), slots)
+    o = paged_attention(q, k_cache, v_cache, block_tables, positions, d ** -0.5, heads_last=True)
+    h, xg, ss = fused_residual(o, w_o, h, w_post)
+    act = fused_linear(xg, w_gate_up, ss, eps, swiglu=True)
+    return fused_residual(act, w_down, h, w_next)
 
 
 def residual_and_norm(h: torch.Tensor, w_next: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,15 +240,28 @@ class Qwen3ForCausalLM(nn.Module):
                                             self.rotary.cos, self.rotary.sin, kv.shape[3],
                                             self.cfg.num_attention_heads // self.cfg.num_key_value_heads, gathers)
         batch = replace(batch, mask=mask)
-        eps, layers = self.cfg.rms_norm_eps, self.layers
-        x = fns.norm(h, layers[0].input_layernorm.weight, eps)
+        eps, layers, c = self.cfg.rms_norm_eps, self.layers, self.cfg
+        n_q, n_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        fused = not batch.fresh and fused_layers(h, t, batch.impl, n_q, n_kv, d)
+        if fused:
+            xg, ss = skinny_gemm.norm_input(h, layers[0].input_layernorm.weight)
+        else:
+            x = fns.norm(h, layers[0].input_layernorm.weight, eps)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(layers):
             w_next = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.norm.weight
-            h, x = layer(h, x, cos, sin, batch, kv[i, 0], kv[i, 1], w_next, fns)
+            if fused:
+                a, mlp = layer.self_attn, layer.mlp
+                h, xg, ss = fused_layer(h, xg, ss, cos, sin, a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight,
+                                        a.o_proj.weight, layer.post_attention_layernorm.weight,
+                                        mlp.gate_up_proj.weight, mlp.down_proj.weight, w_next, eps, n_q, n_kv, d,
+                                        kv[i, 0], kv[i, 1], batch.slots, batch.block_tables, batch.positions)
+            else:
+                h, x = layer(h, x, cos, sin, batch, kv[i, 0], kv[i, 1], w_next, fns)
             if i in taps:
                 tapped[i] = h
-        out = x  # the last layer's output under the final norm
+        # the last layer's output under the final norm (after fused layers its own kernel: the last xg is unused)
+        out = fns.norm(h, self.norm.weight, eps) if fused else x
         if len(layers) - 1 in tapped:  # HF's last hidden state comes after the final norm
             tapped[len(layers) - 1] = out
         return out, [tapped[j] for j in taps]

@@ -11,6 +11,14 @@ tile: a row's bits are the same alone and among 16 (tests/test_skinny_gemm.py, o
 
 `linear` is the engine's projection: this kernel where it applies (`applies`: CUDA, bf16 or fp16, at most 16 rows,
 a weight within int32 offsets), F.linear elsewhere (the CPU, fp32, batches, prefill).
+
+The fused forms (qwen3.fused_layer: a decode, verify or draft pass of at most 16 rows) take the work between a
+layer's projections into their epilogues, so the K loop stays the plain one. (Forms that worked on x inside the
+K loop, the norm or the SwiGLU product, cost 1.3-5x the plain kernel on an H200: every program repeated them on
+the whole x tile; bench/results/2026-12-03_fused_layers_f8fd192.) o_proj and down add the residual and write
+the next norm's input, the stream times that norm's weight, with each program's sums of the stream's squares;
+QKV and gate/up multiply that input and scale each row by 1/rms at the end; gate/up also forms silu(gate) * up.
+A layer is then 7 launches, not 10: the two norms and the SwiGLU product have no kernel of their own.
 """
 from __future__ import annotations
 
@@ -41,52 +49,136 @@ def tile(n: int, k: int) -> tuple[int, int, int, int]:
 
 if triton is not None:
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                       F32: tl.constexpr, ROWWISE: tl.constexpr):
+    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym, ss_ptr, P, eps, r_ptr, srm, g_ptr, xg_ptr,
+                       sso_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                       F32: tl.constexpr, ROWWISE: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
+                       RESID: tl.constexpr, NEXT: tl.constexpr, P_PAD: tl.constexpr):
         """One program: y[:M, n0:n0+BN] over all of K. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE
-        (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains."""
+        (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains.
+        The fused layer's forms (`fused_linear`), all in the epilogue, so the K loop stays the plain one:
+        RMS, x is a residual stream already multiplied by its norm's weight and ss_ptr holds [P, M] partial sums of
+        the stream's squares: each row is scaled by 1/rms after the loop. SWIGLU: w is [gate; up] (2N rows) and
+        y = silu(gate) * up. RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g
+        (xg_ptr) and this program's sum of each row's squares of y (sso_ptr, [programs, M])."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         m_ok = rm < M
         n_ok = rn < N
+        if RMS:  # loaded before the loop, summed after it: the loads' latency hides behind the weight's stream
+            pp = tl.arange(0, P_PAD)
+            ss_in = tl.load(ss_ptr + pp[None, :] * M + rm[:, None], mask=m_ok[:, None] & (pp < P)[None, :],
+                            other=0.0)
         x_base = x_ptr + rm[:, None] * sxm + rk[None, :]
         w_base = w_ptr + rn[:, None] * swn + rk[None, :]
+        u_base = w_base + N * swn  # SWIGLU: the up rows
         acc = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
         for k in range(0, K, BK):
             if EVEN_K:
                 a = tl.load(x_base + k, mask=m_ok[:, None], other=0.0)
                 w = tl.load(w_base + k, mask=n_ok[:, None], other=0.0)
+                if SWIGLU:
+                    u = tl.load(u_base + k, mask=n_ok[:, None], other=0.0)
             else:
                 k_ok = (k + rk) < K
                 a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if SWIGLU:
+                    u = tl.load(u_base + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if ROWWISE:
                 acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+                if SWIGLU:
+                    acc_u += tl.sum(a.to(tl.float32)[:, None, :] * u.to(tl.float32)[None, :, :], 2)
             elif F32:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+                if SWIGLU:
+                    acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(w), acc)
-        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+                if SWIGLU:
+                    acc_u = tl.dot(a, tl.trans(u), acc_u)
+        if RMS:
+            inv = 1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps)
+            acc = acc * inv[:, None]
+            acc_u = acc_u * inv[:, None]
+        if SWIGLU:  # gate and up rounded as the unfused matmul's output would be, the product in fp32
+            gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_u.to(y_ptr.dtype.element_ty).to(tl.float32)
+            y = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
+        else:
+            y = acc.to(y_ptr.dtype.element_ty)
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if RESID:  # bitwise the unfused residual + round(x @ w.T)
+            r = tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=out_ok, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=out_ok)
+        if NEXT:
+            yf = tl.where(out_ok, y.to(tl.float32), 0.0)
+            gw = tl.load(g_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(xg_ptr + rm[:, None] * sym + rn[None, :], (yf * gw[None, :]).to(y_ptr.dtype.element_ty),
+                     mask=out_ok)
+            tl.store(sso_ptr + pid * M + rm, tl.sum(yf * yf, 1), mask=m_ok)
+
+    @triton.jit
+    def _prep_kernel(x_ptr, g_ptr, xg_ptr, ss_ptr, K, sxm, BK: tl.constexpr):
+        """One row: x * g (a norm's input for an RMS form) and the sum of x's squares (one partial, [1, M])."""
+        row = tl.program_id(0)
+        acc = tl.zeros([BK], tl.float32)
+        for k in range(0, K, BK):
+            kk = k + tl.arange(0, BK)
+            ok = kk < K
+            x = tl.load(x_ptr + row * sxm + kk, mask=ok, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + kk, mask=ok, other=0.0).to(tl.float32)
+            tl.store(xg_ptr + row * K + kk, (x * g).to(xg_ptr.dtype.element_ty), mask=ok)
+            acc += x * x
+        tl.store(ss_ptr + row, tl.sum(acc, 0))
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int, num_stages: int
            ) -> torch.Tensor:
     """x [M <= 16, K] (rows contiguous), w [N, K] (rows contiguous) -> x @ w.T [M, N] in x's dtype."""
+    return launch_fused(x, w, block_n, block_k, num_warps, num_stages)[0]
+
+
+def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                 ss: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
+                 residual: torch.Tensor | None = None, g_next: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`launch` -> (y, None, None), or a fused form (`fused_linear` says what each computes): ss [P, M] fp32
+    partial sums of squares (x then holds the stream times its norm's weight); swiglu, w is [gate; up] and the
+    output has half its rows; residual [M, N] (rows contiguous); g_next [N] (with residual): -> (y, y * g_next,
+    [programs, M] partial sums of y's squares)."""
     m, k = x.shape
-    n = w.shape[0]
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
     assert m <= BLOCK_M and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
+    assert not swiglu or w.shape[0] == 2 * n
+    assert ss is None or (ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == m and ss.is_contiguous())
+    assert residual is None or (residual.shape == (m, n) and residual.stride(1) == 1)
+    assert g_next is None or (residual is not None and g_next.shape == (n,) and g_next.is_contiguous())
     if w.numel() > MAX_WEIGHT_ELEMENTS:
         raise ValueError(f"a weight of {w.numel()} elements is past the kernel's int32 indexing")
     y = x.new_empty((m, n))
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=BLOCK_M, BN=block_n, BK=block_k,
-        EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32, ROWWISE=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages)
-    return y
+    programs = triton.cdiv(n, block_n)
+    xg = torch.empty_like(y) if g_next is not None else None
+    sso = torch.empty((programs, m), dtype=torch.float32, device=x.device) if g_next is not None else None
+    p = ss.shape[0] if ss is not None else 1
+    _skinny_kernel[(programs,)](
+        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), y if ss is None else ss, p, float(eps),
+        y if residual is None else residual, 0 if residual is None else residual.stride(0),
+        y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso,
+        BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
+        ROWWISE=INTERPRET, RMS=ss is not None, SWIGLU=swiglu, RESID=residual is not None, NEXT=g_next is not None,
+        P_PAD=triton.next_power_of_2(p), num_warps=num_warps, num_stages=num_stages)
+    return y, xg, sso
+
+
+def fused_tile(w: torch.Tensor, swiglu: bool) -> tuple[int, int, int, int]:
+    """The tile of a fused form: the weight's (`tile`); a SwiGLU program streams a gate and an up tile, so it
+    takes half the columns of each and as many programs stream the weight as its plain matmul has."""
+    block_n, block_k, warps, stages = tile(w.shape[0], w.shape[1])
+    return (max(16, block_n // 2) if swiglu else block_n), block_k, warps, stages
 
 
 if triton is not None:
@@ -98,6 +190,40 @@ if triton is not None:
     @_skinny_linear_op.register_fake
     def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.custom_op("flashpd::skinny_rms", mutates_args=())
+    def _skinny_rms_op(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool
+                       ) -> torch.Tensor:
+        return launch_fused(xg, w, *fused_tile(w, swiglu), ss=ss, eps=eps, swiglu=swiglu)[0]
+
+    @_skinny_rms_op.register_fake
+    def _(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool) -> torch.Tensor:
+        return xg.new_empty((xg.shape[0], w.shape[0] // 2 if swiglu else w.shape[0]))
+
+    @torch.library.custom_op("flashpd::skinny_residual", mutates_args=())
+    def _skinny_residual_op(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return launch_fused(x, w, *fused_tile(w, False), residual=residual, g_next=g_next)
+
+    @_skinny_residual_op.register_fake
+    def _(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = w.shape[0]
+        programs = triton.cdiv(n, fused_tile(w, False)[0])
+        return (x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], n)),
+                x.new_empty((programs, x.shape[0]), dtype=torch.float32))
+
+    @torch.library.custom_op("flashpd::skinny_prep", mutates_args=())
+    def _skinny_prep_op(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m, k = x.shape
+        xg = torch.empty_like(x)
+        ss = torch.empty((1, m), dtype=torch.float32, device=x.device)
+        _prep_kernel[(m,)](x, g, xg, ss, k, x.stride(0), BK=min(1024, triton.next_power_of_2(k)))
+        return xg, ss
+
+    @_skinny_prep_op.register_fake
+    def _(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(x), x.new_empty((1, x.shape[0]), dtype=torch.float32)
 
 
 def applies(device: torch.device, dtype: torch.dtype, rows: int, weight_numel: int) -> bool:
@@ -123,3 +249,50 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if applies(x.device, x.dtype, x.numel() // x.shape[-1], w.numel()) and w.dtype == x.dtype:
         return skinny_linear(x, w)
     return F.linear(x, w)
+
+
+FUSED_ENABLED = True  # `fused_applies`' switch (the engine's fused decode layers; off: the unfused steps)
+
+
+def fused_applies(x: torch.Tensor, rows: int) -> bool:
+    """Whether the fused forms run for `rows` rows like x: FUSED_ENABLED, triton on CUDA in bf16 or fp16 (as
+    `applies`), or under the interpreter in any float dtype (the engine's fused layers in CPU tests), at most
+    MAX_ROWS rows."""
+    if not FUSED_ENABLED or triton is None or rows > MAX_ROWS:
+        return False
+    if INTERPRET:
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def norm_input(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input of an RMS form from a stream no fused projection made (the embeddings): x [..., K] ->
+    (x * g rounded, [1, rows] sums of x's squares in fp32). One launch."""
+    k = x.shape[-1]
+    xg, ss = torch.ops.flashpd.skinny_prep(x.reshape(-1, k).contiguous(), g.contiguous())
+    return xg.view(x.shape), ss
+
+
+def fused_linear(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool = False
+                 ) -> torch.Tensor:
+    """rms_norm(x, g, eps) @ w.T as (x * g) @ w.T with each row scaled by 1/rms after the matmul: xg [..., K] is
+    x * g (`norm_input`, or the producing projection's `fused_residual`) and ss [P, rows] the partial sums of x's
+    squares. The rows are not normed and rounded before the matmul, so the result rounds differently from the
+    unfused steps; like every form of the kernel, a row's bits do not depend on the rows beside it.
+    swiglu: w is [gate; up] (2N rows) -> silu(gate) * up [..., N], gate and up rounded first as the unfused
+    matmul's output is, the product in fp32."""
+    k = xg.shape[-1]
+    y = torch.ops.flashpd.skinny_rms(xg.reshape(-1, k).contiguous(), w.contiguous(), ss, float(eps), swiglu)
+    return y.view(*xg.shape[:-1], y.shape[-1])
+
+
+def fused_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h = residual + round(x @ w.T), rounded (bitwise the unfused add), with what the next RMS form reads:
+    -> (h, h * g_next rounded, [programs, rows] partial sums of h's squares in fp32)."""
+    k = x.shape[-1]
+    n = w.shape[0]
+    h, xg, ss = torch.ops.flashpd.skinny_residual(x.reshape(-1, k).contiguous(), w.contiguous(),
+                                                  residual.reshape(-1, n).contiguous(), g_next.contiguous())
+    return h.view(*x.shape[:-1], n), xg.view(*x.shape[:-1], n), ss
+

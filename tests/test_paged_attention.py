@@ -133,9 +133,10 @@ CASES["invariance-float32"] = lambda pa, dev: rows_do_not_depend_on_their_batch(
 CASES["invariance-bfloat16"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.bfloat16)
 
 
-def tiny_pair(dev: str, head_dim: int, drafter_theta: float, seed: int) -> tuple:
-    """A random fp32 target (2 layers, vocabulary 64) and a 2-layer drafter of block 8 on it, the drafter's q/k/v
-    scaled up so that its attention is far from uniform."""
+def tiny_pair(dev: str, head_dim: int, drafter_theta: float, seed: int, dtype: torch.dtype = torch.float32
+              ) -> tuple:
+    """A random target (2 layers, vocabulary 64; fp32 unless `dtype`) and a 2-layer drafter of block 8 on it, the
+    drafter's q/k/v scaled up so that its attention is far from uniform."""
     from flashpd.engine.config import Qwen3Config
     from flashpd.engine.drafter import DFlashConfig, dummy_drafter
     from flashpd.engine.loader import dummy_target
@@ -145,7 +146,7 @@ def tiny_pair(dev: str, head_dim: int, drafter_theta: float, seed: int) -> tuple
     dcfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=drafter_theta,
                         block_size=8, num_target_layers=2, target_layer_ids=(0, 1), mask_token_id=63)
-    target = dummy_target(tcfg, dev, torch.float32, seed=seed)
+    target = dummy_target(tcfg, dev, dtype, seed=seed)
     drafter = dummy_drafter(dcfg, target, seed=seed + 1)
     with torch.no_grad():
         for layer in drafter.layers:

@@ -1,5 +1,7 @@
 """The few-row projection kernel (engine/skinny_gemm.py) against F.linear, its row invariance (a row's bits alone
-and among 16), the compiled op, and where the engine takes it.
+and among 16), the compiled op, and where the engine takes it; its fused forms (rows scaled by 1/rms after the
+matmul, the SwiGLU product, a residual added with the next norm's input) against the unfused steps, and the
+engine's fused decode layers.
 
 Without a GPU the kernel runs under triton's interpreter in one child process started with TRITON_INTERPRET=1
 (tests/_interpreted.py says why); on a GPU the cases run here on CUDA tensors, where the invariance is the
@@ -72,11 +74,170 @@ def the_engine_takes_it_for_few_low_precision_rows_on_cuda(sg: ModuleType, dev: 
     assert sg.tile(151936, 4096) == sg.TILE_WIDE and sg.tile(4096, 12288) == sg.TILE_NARROW
 
 
+def fused_operands(dev: str, dtype: torch.dtype, m: int, n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = {"h": torch.randn(m, k, generator=g), "g": torch.rand(k, generator=g) + 0.5,
+         "w": torch.randn(n, k, generator=g) / k ** 0.5, "w2": torch.randn(2 * n, k, generator=g) / k ** 0.5,
+         "r": torch.randn(m, n, generator=g), "g_next": torch.rand(n, generator=g) + 0.5}
+    return {key: v.to(dev, dtype) for key, v in t.items()}
+
+
+def fused_forms_match_the_steps(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
+    """Each fused form against the steps it replaces, at every shape: norm_input then the RMS form equals F.linear
+    of rms_norm(h) (fp32 to rounding; bf16 within bf16's rounding of the normed input), the SwiGLU form
+    silu(gate) * up of the normed rows; the residual form is bitwise the residual plus the plain kernel's product
+    (in bf16 under the interpreter, within a unit of its last place: the interpreter casts fp32 to bf16 by
+    truncation where torch and a GPU round to nearest), its next-norm input that times g_next, and its partial
+    sums add up to the rows' sums of squares."""
+    from flashpd.engine.layers import rms_norm
+
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for i, (m, n, k) in enumerate(SHAPES):
+        o = fused_operands(dev, dtype, m, n, k, seed=30 + i)
+        xg, ss = sg.norm_input(o["h"].view(1, m, k), o["g"])
+        assert xg.shape == (1, m, k) and ss.shape == (1, m) and ss.dtype == torch.float32
+        normed = rms_norm(o["h"].float(), o["g"].float(), 1e-6)
+        out = sg.fused_linear(xg, o["w"], ss, 1e-6)
+        assert out.shape == (1, m, n) and out.dtype == dtype
+        torch.testing.assert_close(out[0].float(), F.linear(normed, o["w"].float()), rtol=tol, atol=tol)
+        gate, up = F.linear(normed, o["w2"].float()).chunk(2, dim=-1)
+        act = sg.fused_linear(xg[0], o["w2"], ss, 1e-6, swiglu=True)
+        assert act.shape == (m, n)
+        torch.testing.assert_close(act.float(), F.silu(gate) * up, rtol=2 * tol, atol=2 * tol)
+        h, xg2, ss2 = sg.fused_residual(o["h"], o["w"], o["r"], o["g_next"])
+        want = o["r"] + sg.skinny_linear(o["h"], o["w"])
+        for got, ref in ((h, want), (xg2, (h.float() * o["g_next"].float()).to(dtype))):
+            if sg.INTERPRET and dtype != torch.float32:
+                torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=0)
+            else:
+                assert torch.equal(got, ref)
+        torch.testing.assert_close(ss2.sum(0), (h.float() ** 2).sum(-1), rtol=1e-5, atol=1e-5)
+        assert ss2.shape == (-(-n // sg.fused_tile(o["w"], False)[0]), m)
+
+
+def fused_rows_do_not_depend_on_the_row_count(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
+    """Every fused form keeps the kernel's invariance: each row of a 16-row call is bitwise the row alone (the
+    partial sums included)."""
+    for i, (_, n, k) in enumerate(SHAPES):
+        o = fused_operands(dev, dtype, 16, n, k, seed=40 + i)
+        xg, ss = sg.norm_input(o["h"], o["g"])
+        full = (sg.fused_linear(xg, o["w"], ss, 1e-6), sg.fused_linear(xg, o["w2"], ss, 1e-6, swiglu=True),
+                *sg.fused_residual(o["h"], o["w"], o["r"], o["g_next"]))
+        for r in (0, 6, 15):
+            xr, sr = sg.norm_input(o["h"][r:r + 1], o["g"])
+            assert torch.equal(xr, xg[r:r + 1]) and torch.equal(sr, ss[:, r:r + 1])
+            alone = (sg.fused_linear(xr, o["w"], sr, 1e-6), sg.fused_linear(xr, o["w2"], sr, 1e-6, swiglu=True),
+                     *sg.fused_residual(o["h"][r:r + 1], o["w"], o["r"][r:r + 1], o["g_next"]))
+            for j, (a, f) in enumerate(zip(alone, full)):
+                assert torch.equal(a, f[:, r:r + 1] if j == 4 else f[r:r + 1]), (n, k, r, j)
+
+
+def fused_compiled_ops_are_the_eager_ops(sg: ModuleType, dev: str) -> None:
+    """Compiled, each fused op is one opaque call with the eager bits."""
+    o = fused_operands(dev, torch.bfloat16, 4, 72, 256, seed=5)
+
+    def layer(h, g, w, w2, r, gn):
+        xg, ss = sg.norm_input(h, g)
+        act = sg.fused_linear(xg, w2, ss, 1e-6, swiglu=True)
+        y, xg2, ss2 = sg.fused_residual(act, w.T.contiguous()[:72, :72], r, gn)
+        return sg.fused_linear(xg, w, ss, 1e-6) * 2.0, y, xg2, ss2
+
+    args = (o["h"], o["g"], o["w"], o["w2"], o["r"], o["g_next"])
+    fn = torch.compile(layer, fullgraph=True, backend="inductor" if dev == "cuda" else "aot_eager")
+    for got, want in zip(fn(*args), layer(*args)):
+        assert torch.equal(got, want)
+
+
+def the_engine_fuses_its_decode_layers(sg: ModuleType, dev: str) -> None:
+    """qwen3.fused_layers: a decode, verify or draft pass of at most 16 rows on the paged path runs each layer as
+    `fused_layer` (a spy records its RMS forms: the target's and the drafter's layers both take it), and a whole
+    engine's tokens and acceptance lengths equal the gathered path's (the plain steps), for DFlash at width 8 on
+    one prompt (verifies and draft passes of 8 rows) and native decode of three (3 rows); 17 rows and the
+    gathered form keep the unfused steps. Random tiny models, in fp32 under the interpreter. On a GPU the fused
+    layers run in bf16 only, where they round apart from the plain steps: there the case checks that they run
+    and the requests finish."""
+    from flashpd.engine import qwen3
+    from flashpd.engine.generate import NativeGenerator
+    from flashpd.engine.runner import ModelRunner
+    from flashpd.engine.runner_config import RunnerConfig
+    from flashpd.engine.sampling import SamplingParams
+    from flashpd.engine.scheduler import generate
+    from flashpd.engine.spec_decode import DFlashGenerator
+    from test_paged_attention import tiny_pair
+
+    exact = sg.INTERPRET  # fp32 (CPU, interpreter): tokens compared; bf16 (GPU): the path taken
+    target, drafter = tiny_pair(dev, 16, 1e6, seed=6, dtype=torch.float32 if exact else torch.bfloat16)
+    calls, weights, real = [], set(), qwen3.fused_linear
+
+    def spy(xg, w, *args, **kw):
+        calls.append(xg.shape[:-1].numel())
+        weights.add(w.data_ptr())
+        return real(xg, w, *args, **kw)
+
+    def run(impl: str, prompts: list, width: int | None) -> list:
+        runner = ModelRunner(target, 64, 8, taps=(0, 1), config=RunnerConfig(cuda_graphs=False, compile=False,
+                                                                             attention_impl=impl))
+        gen = DFlashGenerator(runner, drafter, (), 8) if width else NativeGenerator(runner)
+        params = [SamplingParams(max_tokens=10, ignore_eos=True)] * len(prompts)
+        return generate(gen, prompts, params, [width] * len(prompts) if width else None)
+
+    qwen3.fused_linear = spy
+    try:
+        for prompts, width in (([[3, 9, 27, 17]], 8), ([[3, 9, 27, 17], list(range(5, 30)), [11] * 12], None)):
+            calls.clear()
+            weights.clear()
+            fused = run("paged", prompts, width)
+            assert calls and max(calls) <= sg.MAX_ROWS and len(calls) % 2 == 0  # 2 RMS forms a layer
+            assert {l.mlp.gate_up_proj.weight.data_ptr() for l in target.layers} <= weights
+            if width:  # the draft pass's layers too
+                assert {l.gate_up_proj.data_ptr() for l in drafter.layers} <= weights
+            assert all(len(s.output) == 10 for s in fused)
+            if not exact:
+                continue
+            calls.clear()
+            plain = run("matmul", prompts, width)
+            assert not calls
+            for a, b in zip(fused, plain):
+                assert a.output == b.output and a.stats.acceptance_lengths == b.stats.acceptance_lengths
+    finally:
+        qwen3.fused_linear = real
+
+    h = torch.zeros(1, 17, 32, device=dev, dtype=target.embed_tokens.weight.dtype)
+    cfg = target.cfg
+    heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    assert not qwen3.fused_layers(h, 17, "paged", *heads)  # 17 rows
+    assert not qwen3.fused_layers(h[:, :9].expand(2, 9, 32), 9, "paged", *heads)  # 18 rows
+    assert qwen3.fused_layers(h[:, :16], 16, "paged", *heads)
+    assert not qwen3.fused_layers(h[:, :16], 16, "matmul", *heads)  # the gathered form
+
+
+def fused_dispatch(sg: ModuleType, dev: str) -> None:
+    """fused_applies: at most MAX_ROWS rows; on CUDA bf16/fp16 only (fp32 keeps cuBLAS), any float dtype under the
+    interpreter (these tests); and its switch turns it off."""
+    x = torch.zeros(1, 8, device=dev, dtype=torch.bfloat16)
+    assert sg.fused_applies(x, sg.MAX_ROWS) and not sg.fused_applies(x, sg.MAX_ROWS + 1)
+    assert sg.fused_applies(x.float(), 1) == bool(sg.INTERPRET)
+    sg.FUSED_ENABLED = False
+    try:
+        assert not sg.fused_applies(x, 1)
+    finally:
+        sg.FUSED_ENABLED = True
+    # a SwiGLU program takes half the columns of each of its two tiles: as many programs stream the weight
+    w = torch.zeros(24576, 64, device=dev, dtype=torch.bfloat16)
+    assert sg.fused_tile(w, True)[0] * 2 == sg.tile(24576, 64)[0]
+
+
 for _dt in (torch.float32, torch.bfloat16):
     CASES[f"f-linear-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: matches_f_linear(sg, dev, dt)
     CASES[f"invariance-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: rows_do_not_depend_on_the_row_count(sg, dev, dt)
+    CASES[f"fused-forms-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: fused_forms_match_the_steps(sg, dev, dt)
+    CASES[f"fused-invariance-{str(_dt)[6:]}"] = (
+        lambda sg, dev, dt=_dt: fused_rows_do_not_depend_on_the_row_count(sg, dev, dt))
 CASES["compiled"] = compiled_op_is_the_eager_op
 CASES["dispatch"] = the_engine_takes_it_for_few_low_precision_rows_on_cuda
+CASES["fused-compiled"] = fused_compiled_ops_are_the_eager_ops
+CASES["fused-dispatch"] = fused_dispatch
+CASES["fused-engine"] = the_engine_fuses_its_decode_layers
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -170,7 +170,7 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
         y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso,
         BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
         ROWWISE=INTERPRET, RMS=ss is not None, SWIGLU=swiglu, RESID=residual is not None, NEXT=g_next is not None,
-        P_PAD=triton.next_power_of_2(p), num_warps=num_warps, num_stages=num_stages)
+        P_PAD=max(16, triton.next_power_of_2(p)), num_warps=num_warps, num_stages=num_stages)
     return y, xg, sso
 
 

@@ -61,10 +61,10 @@ if triton is not None:
         """One program: y[:M, n0:n0+BN] over all of K. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE
         (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains.
         The fused layer's forms (`fused_linear`), all in the epilogue, so the K loop stays the plain one:
-        RMS, x is a residual stream already multiplied by its norm's weight and ss_ptr holds [P, M] partial sums of
+        RMS, x is a residual stream already multiplied by its norm's weight and ss_ptr holds [M, P] partial sums of
         the stream's squares: each row is scaled by 1/rms after the loop. SWIGLU: w is [gate; up] (2N rows) and
         y = silu(gate) * up. RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g
-        (xg_ptr) and this program's sum of each row's squares of y (sso_ptr, [programs, M])."""
+        (xg_ptr) and this program's sum of each row's squares of y (sso_ptr, [M, programs])."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
@@ -73,7 +73,7 @@ if triton is not None:
         n_ok = rn < N
         if RMS and PARTIALS_FIRST:  # loaded before the loop, summed after it
             pp = tl.arange(0, P_PAD)
-            ss_in = tl.load(ss_ptr + pp[None, :] * M + rm[:, None], mask=m_ok[:, None] & (pp < P)[None, :],
+            ss_in = tl.load(ss_ptr + rm[:, None] * P + pp[None, :], mask=m_ok[:, None] & (pp < P)[None, :],
                             other=0.0)
         x_base = x_ptr + rm[:, None] * sxm + rk[None, :]
         w_base = w_ptr + rn[:, None] * swn + rk[None, :]
@@ -107,7 +107,7 @@ if triton is not None:
         if RMS:
             if not PARTIALS_FIRST:
                 pp = tl.arange(0, P_PAD)
-                ss_in = tl.load(ss_ptr + pp[None, :] * M + rm[:, None], mask=m_ok[:, None] & (pp < P)[None, :],
+                ss_in = tl.load(ss_ptr + rm[:, None] * P + pp[None, :], mask=m_ok[:, None] & (pp < P)[None, :],
                                 other=0.0)
             inv = 1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps)
             acc = acc * inv[:, None]
@@ -128,7 +128,7 @@ if triton is not None:
             gw = tl.load(g_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             tl.store(xg_ptr + rm[:, None] * sym + rn[None, :], (yf * gw[None, :]).to(y_ptr.dtype.element_ty),
                      mask=out_ok)
-            tl.store(sso_ptr + pid * M + rm, tl.sum(yf * yf, 1), mask=m_ok)
+            tl.store(sso_ptr + rm * tl.num_programs(0) + pid, tl.sum(yf * yf, 1), mask=m_ok)
 
     @triton.jit
     def _prep_kernel(x_ptr, g_ptr, xg_ptr, ss_ptr, K, sxm, BK: tl.constexpr):
@@ -155,15 +155,15 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
                  ss: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
                  residual: torch.Tensor | None = None, g_next: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`launch` -> (y, None, None), or a fused form (`fused_linear` says what each computes): ss [P, M] fp32
+    """`launch` -> (y, None, None), or a fused form (`fused_linear` says what each computes): ss [M, P] fp32
     partial sums of squares (x then holds the stream times its norm's weight); swiglu, w is [gate; up] and the
     output has half its rows; residual [M, N] (rows contiguous); g_next [N] (with residual): -> (y, y * g_next,
-    [programs, M] partial sums of y's squares)."""
+    [M, programs] partial sums of y's squares)."""
     m, k = x.shape
     n = w.shape[0] // 2 if swiglu else w.shape[0]
     assert m <= BLOCK_M and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
     assert not swiglu or w.shape[0] == 2 * n
-    assert ss is None or (ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[1] == m and ss.is_contiguous())
+    assert ss is None or (ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[0] == m and ss.is_contiguous())
     assert residual is None or (residual.shape == (m, n) and residual.stride(1) == 1)
     assert g_next is None or (residual is not None and g_next.shape == (n,) and g_next.is_contiguous())
     if w.numel() > MAX_WEIGHT_ELEMENTS:
@@ -171,8 +171,8 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
     y = x.new_empty((m, n))
     programs = triton.cdiv(n, block_n)
     xg = torch.empty_like(y) if g_next is not None else None
-    sso = torch.empty((programs, m), dtype=torch.float32, device=x.device) if g_next is not None else None
-    p = ss.shape[0] if ss is not None else 1
+    sso = torch.empty((m, programs), dtype=torch.float32, device=x.device) if g_next is not None else None
+    p = ss.shape[1] if ss is not None else 1
     _skinny_kernel[(programs,)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), y if ss is None else ss, p, float(eps),
         y if residual is None else residual, 0 if residual is None else residual.stride(0),
@@ -223,19 +223,19 @@ if triton is not None:
         n = w.shape[0]
         programs = triton.cdiv(n, fused_tile(w, False)[0])
         return (x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], n)),
-                x.new_empty((programs, x.shape[0]), dtype=torch.float32))
+                x.new_empty((x.shape[0], programs), dtype=torch.float32))
 
     @torch.library.custom_op("flashpd::skinny_prep", mutates_args=())
     def _skinny_prep_op(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m, k = x.shape
         xg = torch.empty_like(x)
-        ss = torch.empty((1, m), dtype=torch.float32, device=x.device)
+        ss = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         _prep_kernel[(m,)](x, g, xg, ss, k, x.stride(0), BK=min(1024, triton.next_power_of_2(k)))
         return xg, ss
 
     @_skinny_prep_op.register_fake
     def _(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.empty_like(x), x.new_empty((1, x.shape[0]), dtype=torch.float32)
+        return torch.empty_like(x), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
 def applies(device: torch.device, dtype: torch.dtype, rows: int, weight_numel: int) -> bool:
@@ -279,7 +279,7 @@ def fused_applies(x: torch.Tensor, rows: int) -> bool:
 
 def norm_input(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The input of an RMS form from a stream no fused projection made (the embeddings): x [..., K] ->
-    (x * g rounded, [1, rows] sums of x's squares in fp32). One launch."""
+    (x * g rounded, [rows, 1] sums of x's squares in fp32). One launch."""
     k = x.shape[-1]
     xg, ss = torch.ops.flashpd.skinny_prep(x.reshape(-1, k).contiguous(), g.contiguous())
     return xg.view(x.shape), ss
@@ -288,7 +288,7 @@ def norm_input(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def fused_linear(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool = False
                  ) -> torch.Tensor:
     """rms_norm(x, g, eps) @ w.T as (x * g) @ w.T with each row scaled by 1/rms after the matmul: xg [..., K] is
-    x * g (`norm_input`, or the producing projection's `fused_residual`) and ss [P, rows] the partial sums of x's
+    x * g (`norm_input`, or the producing projection's `fused_residual`) and ss [rows, P] the partial sums of x's
     squares. The rows are not normed and rounded before the matmul, so the result rounds differently from the
     unfused steps; like every form of the kernel, a row's bits do not depend on the rows beside it.
     swiglu: w is [gate; up] (2N rows) -> silu(gate) * up [..., N], gate and up rounded first as the unfused
@@ -301,7 +301,7 @@ def fused_linear(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float
 def fused_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h = residual + round(x @ w.T), rounded (bitwise the unfused add), with what the next RMS form reads:
-    -> (h, h * g_next rounded, [programs, rows] partial sums of h's squares in fp32)."""
+    -> (h, h * g_next rounded, [rows, programs] partial sums of h's squares in fp32)."""
     k = x.shape[-1]
     n = w.shape[0]
     h, xg, ss = torch.ops.flashpd.skinny_residual(x.reshape(-1, k).contiguous(), w.contiguous(),

@@ -25,10 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashpd.engine import triton_env
 from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: F.linear only
-if triton is not None:
-    from flashpd.engine.triton_env import pdl_wait
 
 BLOCK_M = 16  # the most rows a call takes
 MAX_ROWS = BLOCK_M
@@ -60,16 +57,14 @@ if triton is not None:
                        sso_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                        F32: tl.constexpr, ROWWISE: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
                        RESID: tl.constexpr, NEXT: tl.constexpr, P_PAD: tl.constexpr,
-                       PARTIALS_FIRST: tl.constexpr, PDL: tl.constexpr):
+                       PARTIALS_FIRST: tl.constexpr):
         """One program: y[:M, n0:n0+BN] over all of K. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE
         (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains.
         The fused layer's forms (`fused_linear`), all in the epilogue, so the K loop stays the plain one:
         RMS, x is a residual stream already multiplied by its norm's weight and ss_ptr holds [M, P] partial sums of
         the stream's squares: each row is scaled by 1/rms after the loop. SWIGLU: w is [gate; up] (2N rows) and
         y = silu(gate) * up. RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g
-        (xg_ptr) and this program's sum of each row's squares of y (sso_ptr, [M, programs]). PDL: see
-        triton_env.pdl."""
-        pdl_wait(PDL)
+        (xg_ptr) and this program's sum of each row's squares of y (sso_ptr, [M, programs])."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
@@ -136,9 +131,8 @@ if triton is not None:
             tl.store(sso_ptr + rm * tl.num_programs(0) + pid, tl.sum(yf * yf, 1), mask=m_ok)
 
     @triton.jit
-    def _prep_kernel(x_ptr, g_ptr, xg_ptr, ss_ptr, K, sxm, BK: tl.constexpr, PDL: tl.constexpr):
-        """One row: x * g (a norm's input for an RMS form) and the sum of x's squares (one partial, [M, 1])."""
-        pdl_wait(PDL)
+    def _prep_kernel(x_ptr, g_ptr, xg_ptr, ss_ptr, K, sxm, BK: tl.constexpr):
+        """One row: x * g (a norm's input for an RMS form) and the sum of x's squares (one partial, [1, M])."""
         row = tl.program_id(0)
         acc = tl.zeros([BK], tl.float32)
         for k in range(0, K, BK):
@@ -186,7 +180,7 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
         BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
         ROWWISE=INTERPRET, RMS=ss is not None, SWIGLU=swiglu, RESID=residual is not None, NEXT=g_next is not None,
         P_PAD=max(16, triton.next_power_of_2(p)), PARTIALS_FIRST=PARTIALS_FIRST, num_warps=num_warps,
-        num_stages=num_stages, **triton_env.pdl_args(x.device))
+        num_stages=num_stages)
     return y, xg, sso
 
 
@@ -236,8 +230,7 @@ if triton is not None:
         m, k = x.shape
         xg = torch.empty_like(x)
         ss = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        _prep_kernel[(m,)](x, g, xg, ss, k, x.stride(0), BK=min(1024, triton.next_power_of_2(k)),
-                           **triton_env.pdl_args(x.device))
+        _prep_kernel[(m,)](x, g, xg, ss, k, x.stride(0), BK=min(1024, triton.next_power_of_2(k)))
         return xg, ss
 
     @_skinny_prep_op.register_fake

@@ -75,6 +75,13 @@ if triton is not None:
             pp = tl.arange(0, P_PAD)
             ss_in = tl.load(ss_ptr + rm[:, None] * P + pp[None, :], mask=m_ok[:, None] & (pp < P)[None, :],
                             other=0.0)
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        # the epilogue's operands loaded before the loop (a load after the output's store would wait for it: they
+        # may alias as far as the compiler knows), their latency behind the weight's stream
+        if RESID:
+            r = tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=out_ok, other=0.0)
+        if NEXT:
+            gw = tl.load(g_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         x_base = x_ptr + rm[:, None] * sxm + rk[None, :]
         w_base = w_ptr + rn[:, None] * swn + rk[None, :]
         u_base = w_base + N * swn  # SWIGLU: the up rows
@@ -118,14 +125,11 @@ if triton is not None:
             y = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
         else:
             y = acc.to(y_ptr.dtype.element_ty)
-        out_ok = m_ok[:, None] & n_ok[None, :]
         if RESID:  # bitwise the unfused residual + round(x @ w.T)
-            r = tl.load(r_ptr + rm[:, None] * srm + rn[None, :], mask=out_ok, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=out_ok)
         if NEXT:
             yf = tl.where(out_ok, y.to(tl.float32), 0.0)
-            gw = tl.load(g_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             tl.store(xg_ptr + rm[:, None] * sym + rn[None, :], (yf * gw[None, :]).to(y_ptr.dtype.element_ty),
                      mask=out_ok)
             tl.store(sso_ptr + rm * tl.num_programs(0) + pid, tl.sum(yf * yf, 1), mask=m_ok)

@@ -2,7 +2,7 @@
 import json, os, torch
 from flashpd.engine import skinny_gemm as sg
 dev, dt = "cuda", torch.bfloat16
-L = 36
+L = 24
 def graph_us(fns):
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):

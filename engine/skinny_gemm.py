@@ -37,7 +37,8 @@ TILE_NARROW = (16, 128, 2, 6)
 TILE_WIDE = (32, 128, 2, 6)
 WIDE_N = 8192
 # the RMS forms load the partial sums of squares before the K loop (True) or after it; SWIGLU_BLOCK_N: a SwiGLU
-# program's columns of gate and of up (0: half the weight's tile, as many programs as its plain matmul)
+# program's columns of gate and of up (0: half the weight's tile, as many programs as its plain matmul). On an
+# H200 the load before the loop was the faster in the step, and 32 columns were no faster alone (docs/results.md).
 PARTIALS_FIRST = True
 SWIGLU_BLOCK_N = 0
 
@@ -136,7 +137,7 @@ if triton is not None:
 
     @triton.jit
     def _prep_kernel(x_ptr, g_ptr, xg_ptr, ss_ptr, K, sxm, BK: tl.constexpr):
-        """One row: x * g (a norm's input for an RMS form) and the sum of x's squares (one partial, [1, M])."""
+        """One row: x * g (a norm's input for an RMS form) and the sum of x's squares (one partial, [M, 1])."""
         row = tl.program_id(0)
         acc = tl.zeros([BK], tl.float32)
         for k in range(0, K, BK):

@@ -1,0 +1,127 @@
+"""Diagnosis, not run yet: the SwiGLU form on gate/up interleaved in blocks of BN rows, against the engine's form.
+
+The engine's SwiGLU form (engine/skinny_gemm.py, 8bcc2a0) streams BN rows of gate and BN rows of up through two
+dots a K step; alone it took 8% more than plain gate/up at one row (forms_8bcc2a0/forms.log). Here the weight's
+rows are [gate block 0; up block 0; gate block 1; ...], so a program streams 2*BN contiguous rows through one dot,
+as the plain kernel does, and splits the accumulator's columns in the epilogue. Same arithmetic a column, so the
+script checks the bits against the engine's form before it times both (24 weights a CUDA graph, 1 and 16 rows).
+
+    OUT=. python swiglu_interleaved.py          # on a GPU: swiglu_interleaved.json
+    TRITON_INTERPRET=1 python swiglu_interleaved.py --check   # the bits only, small shapes, on a CPU
+"""
+import json
+import os
+import sys
+
+import torch
+
+from flashpd.engine import skinny_gemm as sg
+from flashpd.engine.triton_env import INTERPRET, tl, triton
+
+
+@triton.jit
+def _swiglu_interleaved(x_ptr, w_ptr, y_ptr, ss_ptr, M, N, K, P, eps, sxm, swn, sym, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, P_PAD: tl.constexpr, ROWWISE: tl.constexpr):
+    """y[:M, n0:n0+BN] = silu(gate) * up of the rows scaled by 1/rms; w's rows 2*BN*pid .. +2*BN are gate then up."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BM)
+    rw = pid * 2 * BN + tl.arange(0, 2 * BN)
+    rn = pid * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok = rm < M
+    pp = tl.arange(0, P_PAD)
+    ss_in = tl.load(ss_ptr + rm[:, None] * P + pp[None, :], mask=m_ok[:, None] & (pp < P)[None, :], other=0.0)
+    x_base = x_ptr + rm[:, None] * sxm + rk[None, :]
+    w_base = w_ptr + rw[:, None] * swn + rk[None, :]
+    acc = tl.zeros([BM, 2 * BN], tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(x_base + k, mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_base + k)
+        if ROWWISE:
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    inv = 1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps)
+    acc = acc * inv[:, None]
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
+    gate = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
+    up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
+    y = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=m_ok[:, None])
+
+
+def interleave(w: torch.Tensor, bn: int) -> torch.Tensor:
+    """[gate; up] (2I rows) -> [gate block 0; up block 0; gate block 1; ...] in blocks of bn rows."""
+    i, k = w.shape[0] // 2, w.shape[1]
+    return torch.stack([w[:i].view(i // bn, bn, k), w[i:].view(i // bn, bn, k)], dim=1).reshape(2 * i, k)
+
+
+def launch(xg: torch.Tensor, w_int: torch.Tensor, ss: torch.Tensor, eps: float, bn: int) -> torch.Tensor:
+    m, k = xg.shape
+    n = w_int.shape[0] // 2
+    bk, warps, stages = sg.fused_tile(w_int, True)[1:]
+    y = xg.new_empty((m, n))
+    _swiglu_interleaved[(n // bn,)](xg, w_int, y, ss, m, n, k, ss.shape[1], eps, xg.stride(0), w_int.stride(0),
+                                    y.stride(0), BM=16, BN=bn, BK=bk, P_PAD=max(16, triton.next_power_of_2(ss.shape[1])),
+                                    ROWWISE=INTERPRET, num_warps=warps, num_stages=stages)
+    return y
+
+
+def graph_us(fns: list) -> float:
+    """µs a call: the calls captured in one CUDA graph, replayed 50 times, the best of 5 (fb.py's method)."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            for f in fns:
+                f()
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        for f in fns:
+            f()
+    best = 1e9
+    for _ in range(5):
+        for _ in range(5):
+            gr.replay()
+        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+        torch.cuda.synchronize()
+        e0.record()
+        for _ in range(50):
+            gr.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        best = min(best, e0.elapsed_time(e1) / 50 / len(fns) * 1000)
+    return best
+
+
+def main() -> None:
+    check_only = "--check" in sys.argv
+    dev = "cpu" if check_only else "cuda"
+    dt = torch.float32 if check_only else torch.bfloat16
+    h_dim, inter = (256, 64) if check_only else (4096, 12288)
+    res = {}
+    for m in (1, 16):
+        g = torch.Generator().manual_seed(m)
+        h = torch.randn(m, h_dim, generator=g).to(dev, dt)
+        gw = (torch.rand(h_dim, generator=g) + 0.5).to(dev, dt)
+        xg, ss = sg.norm_input(h, gw)
+        ws = [(torch.randn(2 * inter, h_dim, generator=g) * 0.02).to(dev, dt) for _ in range(1 if check_only else 24)]
+        bn = sg.fused_tile(ws[0], True)[0]
+        w_ints = [interleave(w, bn) for w in ws]
+        want = sg.fused_linear(xg, ws[0], ss, 1e-6, swiglu=True)
+        got = launch(xg, w_ints[0], ss, 1e-6, bn)
+        res[f"m{m}_bits_equal"] = bool(torch.equal(got, want))
+        print(m, "bits equal", res[f"m{m}_bits_equal"], flush=True)
+        if check_only:
+            continue
+        res[f"m{m}_engine_us"] = graph_us([lambda w=w: sg.fused_linear(xg, w, ss, 1e-6, swiglu=True) for w in ws])
+        res[f"m{m}_interleaved_us"] = graph_us([lambda w=w: launch(xg, w, ss, 1e-6, bn) for w in w_ints])
+        res[f"m{m}_plain_us"] = graph_us([lambda w=w: sg.launch(xg, w, *sg.tile(*w.shape)) for w in ws])
+        print(m, {k: v for k, v in res.items() if k.startswith(f"m{m}")}, flush=True)
+    if not check_only:
+        json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "swiglu_interleaved.json"), "w"), indent=1)
+    assert all(v for k, v in res.items() if k.endswith("bits_equal"))
+
+
+if __name__ == "__main__":
+    main()

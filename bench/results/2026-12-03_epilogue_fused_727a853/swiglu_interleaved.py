@@ -1,4 +1,5 @@
-"""Diagnosis, not run yet: the SwiGLU form on gate/up interleaved in blocks of BN rows, against the engine's form.
+"""Diagnosis, not run yet: the SwiGLU form on gate/up interleaved in blocks of BN rows (and, on the engine's own
+layout, with the two tiles joined into one dot's operand), against the engine's form.
 
 The engine's SwiGLU form (engine/skinny_gemm.py, 8bcc2a0) streams BN rows of gate and BN rows of up through two
 dots a K step; alone it took 8% more than plain gate/up at one row (forms_8bcc2a0/forms.log). Here the weight's
@@ -50,18 +51,52 @@ def _swiglu_interleaved(x_ptr, w_ptr, y_ptr, ss_ptr, M, N, K, P, eps, sxm, swn, 
     tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=m_ok[:, None])
 
 
+@triton.jit
+def _swiglu_joined(x_ptr, w_ptr, y_ptr, ss_ptr, M, N, K, P, eps, sxm, swn, sym, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, P_PAD: tl.constexpr, ROWWISE: tl.constexpr):
+    """The same on the engine's [gate; up] layout: the gate and up tiles loaded apart, joined into one [2*BN, BK]
+    operand for a single dot (whether the compiler keeps that in its pipeline is what the timing shows)."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BM)
+    rn = pid * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok = rm < M
+    pp = tl.arange(0, P_PAD)
+    ss_in = tl.load(ss_ptr + rm[:, None] * P + pp[None, :], mask=m_ok[:, None] & (pp < P)[None, :], other=0.0)
+    x_base = x_ptr + rm[:, None] * sxm + rk[None, :]
+    w_base = w_ptr + rn[:, None] * swn + rk[None, :]
+    u_base = w_base + N * swn
+    acc = tl.zeros([BM, 2 * BN], tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(x_base + k, mask=m_ok[:, None], other=0.0)
+        wu = tl.reshape(tl.permute(tl.join(tl.load(w_base + k), tl.load(u_base + k)), [2, 0, 1]), [2 * BN, BK])
+        if ROWWISE:
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * wu.to(tl.float32)[None, :, :], 2)
+        else:
+            acc = tl.dot(a, tl.trans(wu), acc)
+    inv = 1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps)
+    acc = acc * inv[:, None]
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
+    gate = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
+    up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
+    y = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=m_ok[:, None])
+
+
 def interleave(w: torch.Tensor, bn: int) -> torch.Tensor:
     """[gate; up] (2I rows) -> [gate block 0; up block 0; gate block 1; ...] in blocks of bn rows."""
     i, k = w.shape[0] // 2, w.shape[1]
     return torch.stack([w[:i].view(i // bn, bn, k), w[i:].view(i // bn, bn, k)], dim=1).reshape(2 * i, k)
 
 
-def launch(xg: torch.Tensor, w_int: torch.Tensor, ss: torch.Tensor, eps: float, bn: int) -> torch.Tensor:
+def launch(xg: torch.Tensor, w_int: torch.Tensor, ss: torch.Tensor, eps: float, bn: int, kernel=None
+           ) -> torch.Tensor:
+    """The interleaved kernel on w_int, or `kernel` (_swiglu_joined) on the engine's layout."""
     m, k = xg.shape
     n = w_int.shape[0] // 2
     bk, warps, stages = sg.fused_tile(w_int, True)[1:]
     y = xg.new_empty((m, n))
-    _swiglu_interleaved[(n // bn,)](xg, w_int, y, ss, m, n, k, ss.shape[1], eps, xg.stride(0), w_int.stride(0),
+    (kernel or _swiglu_interleaved)[(n // bn,)](xg, w_int, y, ss, m, n, k, ss.shape[1], eps, xg.stride(0), w_int.stride(0),
                                     y.stride(0), BM=16, BN=bn, BK=bk, P_PAD=max(16, triton.next_power_of_2(ss.shape[1])),
                                     ROWWISE=INTERPRET, num_warps=warps, num_stages=stages)
     return y
@@ -110,12 +145,16 @@ def main() -> None:
         w_ints = [interleave(w, bn) for w in ws]
         want = sg.fused_linear(xg, ws[0], ss, 1e-6, swiglu=True)
         got = launch(xg, w_ints[0], ss, 1e-6, bn)
+        joined = launch(xg, ws[0], ss, 1e-6, bn, _swiglu_joined)
         res[f"m{m}_bits_equal"] = bool(torch.equal(got, want))
-        print(m, "bits equal", res[f"m{m}_bits_equal"], flush=True)
+        res[f"m{m}_joined_bits_equal"] = bool(torch.equal(joined, want))
+        print(m, "bits equal: interleaved", res[f"m{m}_bits_equal"], "joined", res[f"m{m}_joined_bits_equal"],
+              flush=True)
         if check_only:
             continue
         res[f"m{m}_engine_us"] = graph_us([lambda w=w: sg.fused_linear(xg, w, ss, 1e-6, swiglu=True) for w in ws])
         res[f"m{m}_interleaved_us"] = graph_us([lambda w=w: launch(xg, w, ss, 1e-6, bn) for w in w_ints])
+        res[f"m{m}_joined_us"] = graph_us([lambda w=w: launch(xg, w, ss, 1e-6, bn, _swiglu_joined) for w in ws])
         res[f"m{m}_plain_us"] = graph_us([lambda w=w: sg.launch(xg, w, *sg.tile(*w.shape)) for w in ws])
         print(m, {k: v for k, v in res.items() if k.startswith(f"m{m}")}, flush=True)
     if not check_only:

@@ -268,10 +268,8 @@ if triton is not None:
             split = use_split(q.device, tiles * hkv * b, n_chunks * hkv * b * m * (d_pad + 2) * 4, n_chunks)
         if num_warps is None:
             num_warps = SPLIT_NUM_WARPS if split else NUM_WARPS
-        options = {}
-        if (not split and not INTERPRET and WALK_MAX_REGISTERS and WALK_CAP_ABOVE_PROGRAMS_PER_SM
-                and tiles * hkv * b > WALK_CAP_ABOVE_PROGRAMS_PER_SM * _sm_count(q.device)):
-            options["maxnreg"] = WALK_MAX_REGISTERS
+        cap = None if split or INTERPRET else walk_register_cap(tiles * hkv * b, _sm_count(q.device))
+        options = {"maxnreg": cap} if cap else {}
         if split:
             m_ws = torch.empty((n_chunks, hkv * b, m), dtype=torch.float32, device=q.device)
             l_ws = torch.empty_like(m_ws)
@@ -317,6 +315,14 @@ if triton is not None:
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def walk_register_cap(programs: int, sm_count: int) -> int | None:
+    """The register cap (triton's maxnreg) for a call of `programs` walking programs on `sm_count` SMs:
+    WALK_MAX_REGISTERS past WALK_CAP_ABOVE_PROGRAMS_PER_SM programs an SM, else None (ptxas's allocation)."""
+    if WALK_MAX_REGISTERS and WALK_CAP_ABOVE_PROGRAMS_PER_SM and programs > WALK_CAP_ABOVE_PROGRAMS_PER_SM * sm_count:
+        return WALK_MAX_REGISTERS
+    return None
 
 
 def use_split(device: torch.device, programs: int, workspace_bytes: int, n_chunks: int) -> bool:

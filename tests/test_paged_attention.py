@@ -272,3 +272,21 @@ def test_no_bit_depends_on_the_warps():  # pragma: no cover (GPU machines)
         for split in (False, True):
             for warps in (1, 2, 4, 8):
                 assert torch.equal(engine_pa.launch(q, k, v, bt, pos, SCALE, split, num_warps=warps), ref), (t, warps)
+
+
+def test_walking_programs_take_the_register_cap_past_one_wave_only():
+    """The 128-register cap (WALK_MAX_REGISTERS) applies past WALK_CAP_ABOVE_PROGRAMS_PER_SM walking programs an
+    SM (at the 8B shape on 132 SMs: batch 128's 1,024 and up, not batch 64's 512, where it measured slower), and
+    neither constant at 0 applies it."""
+    sms = 132
+    assert engine_pa.walk_register_cap(8 * 128, sms) == engine_pa.WALK_MAX_REGISTERS == 128
+    assert engine_pa.walk_register_cap(8 * 64, sms) is None
+    assert engine_pa.walk_register_cap(engine_pa.WALK_CAP_ABOVE_PROGRAMS_PER_SM * sms, sms) is None
+    saved = engine_pa.WALK_MAX_REGISTERS, engine_pa.WALK_CAP_ABOVE_PROGRAMS_PER_SM
+    try:
+        engine_pa.WALK_MAX_REGISTERS = 0
+        assert engine_pa.walk_register_cap(8 * 256, sms) is None
+        engine_pa.WALK_MAX_REGISTERS, engine_pa.WALK_CAP_ABOVE_PROGRAMS_PER_SM = 128, 0
+        assert engine_pa.walk_register_cap(8 * 256, sms) is None
+    finally:
+        engine_pa.WALK_MAX_REGISTERS, engine_pa.WALK_CAP_ABOVE_PROGRAMS_PER_SM = saved

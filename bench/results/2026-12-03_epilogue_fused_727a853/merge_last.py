@@ -6,8 +6,8 @@ chunk program stores its state as the engine's does, then counts itself in with 
 barrier, so its stores are visible first); the program that counts last merges every chunk's state in chunk order
 with the engine's `_merge`, as `_combine_kernel` does, writes the output, and resets the counter for the next call.
 The same arithmetic in the same order, so the script checks the bits against the engine (split and walking)
-before it times both at the Qwen3-8B head shape: a decode (1 token, 4 rows a head) and a verify (16 tokens), 282
-keys, 36 calls a CUDA graph, each on its own cache.
+before it times both at the Qwen3-8B head shape: a decode (1 token, 4 rows a head) and a verify (16 tokens) at
+batch 1, and a decode at batch 3, about 280-300 keys, 36 calls a CUDA graph, each on its own cache.
 
     OUT=. python merge_last.py                 # on a GPU: merge_last.json
     TRITON_INTERPRET=1 python merge_last.py --check   # the bits only, on a CPU (fp32)
@@ -159,8 +159,8 @@ def main() -> None:
     calls, repeats = (1, 2) if check_only else (36, 20)
     scale = d ** -0.5
     res = {}
-    for t in (1, 16):
-        cases = [pa.random_case(1, t, hkv, groups, d, page, 19, 64 * calls + 32, dt, dev, seed=t * 100 + i,
+    for b, t in ((1, 1), (1, 16), (3, 1)):  # a decode and a verify at batch 1, a decode at batch 3
+        cases = [pa.random_case(b, t, hkv, groups, d, page, 19, 64 * b * calls + 32, dt, dev, seed=t * 100 + i,
                                 min_pos=270) for i in range(calls)]
         counters = torch.zeros(4096, dtype=torch.int32, device=dev)
         same = True
@@ -171,14 +171,14 @@ def main() -> None:
                 got = launch(q, k, v, bt, pos, scale, counters)
                 same &= torch.equal(got, want) and torch.equal(got, walk)
         same &= int(counters.abs().sum()) == 0
-        res[f"t{t}_bits_equal"] = bool(same)
-        print(t, "bits equal (split, walking), counters back at 0:", same, flush=True)
+        res[f"b{b}_t{t}_bits_equal"] = bool(same)
+        print(b, t, "bits equal (split, walking), counters back at 0:", same, flush=True)
         if check_only:
             continue
-        res[f"t{t}_engine_us"] = graph_us([lambda c=c: pa.paged_attention(*c, scale, heads_last=True, split=True)
+        res[f"b{b}_t{t}_engine_us"] = graph_us([lambda c=c: pa.paged_attention(*c, scale, heads_last=True, split=True)
                                            for c in cases])
-        res[f"t{t}_merge_last_us"] = graph_us([lambda c=c: launch(*c, scale, counters) for c in cases])
-        print(t, {k: v for k, v in res.items() if k.startswith(f"t{t}")}, flush=True)
+        res[f"b{b}_t{t}_merge_last_us"] = graph_us([lambda c=c: launch(*c, scale, counters) for c in cases])
+        print(b, t, {k: v for k, v in res.items() if k.startswith(f"b{b}_t{t}")}, flush=True)
     if not check_only:
         json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "merge_last.json"), "w"), indent=1)
     assert all(v for k, v in res.items() if k.endswith("bits_equal"))

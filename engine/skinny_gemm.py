@@ -36,11 +36,6 @@ MAX_WEIGHT_ELEMENTS = 2 ** 31 - 1  # the kernel indexes the weight in int32
 TILE_NARROW = (16, 128, 2, 6)
 TILE_WIDE = (32, 128, 2, 6)
 WIDE_N = 8192
-# the RMS forms load the partial sums of squares before the K loop (True) or after it; SWIGLU_BLOCK_N: a SwiGLU
-# program's columns of gate and of up (0: half the weight's tile, as many programs as its plain matmul). On an
-# H200 the load before the loop was the faster in the step, and 32 columns were no faster alone (docs/results.md).
-PARTIALS_FIRST = True
-SWIGLU_BLOCK_N = 0
 
 
 def available() -> bool:
@@ -57,8 +52,7 @@ if triton is not None:
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym, ss_ptr, P, eps, r_ptr, srm, g_ptr, xg_ptr,
                        sso_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                        F32: tl.constexpr, ROWWISE: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
-                       RESID: tl.constexpr, NEXT: tl.constexpr, P_PAD: tl.constexpr,
-                       PARTIALS_FIRST: tl.constexpr):
+                       RESID: tl.constexpr, NEXT: tl.constexpr, P_PAD: tl.constexpr):
         """One program: y[:M, n0:n0+BN] over all of K. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE
         (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains.
         The fused layer's forms (`fused_linear`), all in the epilogue, so the K loop stays the plain one:
@@ -72,7 +66,7 @@ if triton is not None:
         rk = tl.arange(0, BK)
         m_ok = rm < M
         n_ok = rn < N
-        if RMS and PARTIALS_FIRST:  # loaded before the loop, summed after it
+        if RMS:  # loaded before the loop, summed after it (on an H200 faster in the step than after the loop)
             pp = tl.arange(0, P_PAD)
             ss_in = tl.load(ss_ptr + rm[:, None] * P + pp[None, :], mask=m_ok[:, None] & (pp < P)[None, :],
                             other=0.0)
@@ -113,10 +107,6 @@ if triton is not None:
                 if SWIGLU:
                     acc_u = tl.dot(a, tl.trans(u), acc_u)
         if RMS:
-            if not PARTIALS_FIRST:
-                pp = tl.arange(0, P_PAD)
-                ss_in = tl.load(ss_ptr + rm[:, None] * P + pp[None, :], mask=m_ok[:, None] & (pp < P)[None, :],
-                                other=0.0)
             inv = 1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps)
             acc = acc * inv[:, None]
             acc_u = acc_u * inv[:, None]
@@ -184,18 +174,16 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
         y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso,
         BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
         ROWWISE=INTERPRET, RMS=ss is not None, SWIGLU=swiglu, RESID=residual is not None, NEXT=g_next is not None,
-        P_PAD=max(16, triton.next_power_of_2(p)), PARTIALS_FIRST=PARTIALS_FIRST, num_warps=num_warps,
-        num_stages=num_stages)
+        P_PAD=max(16, triton.next_power_of_2(p)), num_warps=num_warps, num_stages=num_stages)
     return y, xg, sso
 
 
 def fused_tile(w: torch.Tensor, swiglu: bool) -> tuple[int, int, int, int]:
     """The tile of a fused form: the weight's (`tile`); a SwiGLU program streams a gate and an up tile, so it
-    takes half the columns of each and as many programs stream the weight as its plain matmul has."""
+    takes half the columns of each and as many programs stream the weight as its plain matmul has (32 columns
+    of each were no faster on an H200)."""
     block_n, block_k, warps, stages = tile(w.shape[0], w.shape[1])
-    if swiglu:
-        block_n = SWIGLU_BLOCK_N or max(16, block_n // 2)
-    return block_n, block_k, warps, stages
+    return (max(16, block_n // 2) if swiglu else block_n), block_k, warps, stages
 
 
 if triton is not None:

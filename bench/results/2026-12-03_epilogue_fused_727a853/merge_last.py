@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from flashpd.bench.gemm_shapes import graph_us
 from flashpd.engine import paged_attention as pa
 from flashpd.engine.paged_attention import _block, _merge
 from flashpd.engine.triton_env import INTERPRET, tl, triton
@@ -124,33 +125,6 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     return out
 
 
-def graph_us(fns: list) -> float:
-    """µs a call: the calls in one CUDA graph, replayed 50 times, the best of 5."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            for f in fns:
-                f()
-    torch.cuda.synchronize()
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for f in fns:
-            f()
-    best = 1e9
-    for _ in range(5):
-        for _ in range(5):
-            gr.replay()
-        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-        torch.cuda.synchronize()
-        e0.record()
-        for _ in range(50):
-            gr.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        best = min(best, e0.elapsed_time(e1) / 50 / len(fns) * 1000)
-    return best
-
-
 def main() -> None:
     check_only = "--check" in sys.argv
     dev = "cpu" if check_only else "cuda"
@@ -176,8 +150,9 @@ def main() -> None:
         if check_only:
             continue
         res[f"b{b}_t{t}_engine_us"] = graph_us([lambda c=c: pa.paged_attention(*c, scale, heads_last=True, split=True)
-                                           for c in cases])
-        res[f"b{b}_t{t}_merge_last_us"] = graph_us([lambda c=c: launch(*c, scale, counters) for c in cases])
+                                           for c in cases], reps=50)
+        res[f"b{b}_t{t}_merge_last_us"] = graph_us([lambda c=c: launch(*c, scale, counters) for c in cases],
+                                                     reps=50)
         print(b, t, {k: v for k, v in res.items() if k.startswith(f"b{b}_t{t}")}, flush=True)
     if not check_only:
         json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "merge_last.json"), "w"), indent=1)

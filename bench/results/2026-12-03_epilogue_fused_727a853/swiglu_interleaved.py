@@ -16,8 +16,28 @@ import sys
 
 import torch
 
+from flashpd.bench.gemm_shapes import graph_us
 from flashpd.engine import skinny_gemm as sg
 from flashpd.engine.triton_env import INTERPRET, tl, triton
+
+
+@triton.jit
+def _partials(ss_ptr, rm, m_ok, P, P_PAD: tl.constexpr):
+    """Each row's P partial sums of squares, loaded before the K loop and summed after it, as the engine does."""
+    pp = tl.arange(0, P_PAD)
+    return tl.load(ss_ptr + rm[:, None] * P + pp[None, :], mask=m_ok[:, None] & (pp < P)[None, :], other=0.0)
+
+
+@triton.jit
+def _swiglu_store(acc, ss_in, K, eps, y_ptr, rm, rn, m_ok, sym, BM: tl.constexpr, BN: tl.constexpr):
+    """acc [BM, 2*BN] = [gate | up] scaled by each row's 1/rms; silu(gate) * up stored, rounded as the engine's form
+    rounds it."""
+    acc = acc * (1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps))[:, None]
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
+    gate = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
+    up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
+    y = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=m_ok[:, None])
 
 
 @triton.jit
@@ -30,8 +50,7 @@ def _swiglu_interleaved(x_ptr, w_ptr, y_ptr, ss_ptr, M, N, K, P, eps, sxm, swn, 
     rn = pid * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     m_ok = rm < M
-    pp = tl.arange(0, P_PAD)
-    ss_in = tl.load(ss_ptr + rm[:, None] * P + pp[None, :], mask=m_ok[:, None] & (pp < P)[None, :], other=0.0)
+    ss_in = _partials(ss_ptr, rm, m_ok, P, P_PAD)
     x_base = x_ptr + rm[:, None] * sxm + rk[None, :]
     w_base = w_ptr + rw[:, None] * swn + rk[None, :]
     acc = tl.zeros([BM, 2 * BN], tl.float32)
@@ -42,13 +61,7 @@ def _swiglu_interleaved(x_ptr, w_ptr, y_ptr, ss_ptr, M, N, K, P, eps, sxm, swn, 
             acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
         else:
             acc = tl.dot(a, tl.trans(w), acc)
-    inv = 1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps)
-    acc = acc * inv[:, None]
-    gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
-    gate = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
-    up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-    y = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=m_ok[:, None])
+    _swiglu_store(acc, ss_in, K, eps, y_ptr, rm, rn, m_ok, sym, BM, BN)
 
 
 @triton.jit
@@ -61,8 +74,7 @@ def _swiglu_joined(x_ptr, w_ptr, y_ptr, ss_ptr, M, N, K, P, eps, sxm, swn, sym, 
     rn = pid * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     m_ok = rm < M
-    pp = tl.arange(0, P_PAD)
-    ss_in = tl.load(ss_ptr + rm[:, None] * P + pp[None, :], mask=m_ok[:, None] & (pp < P)[None, :], other=0.0)
+    ss_in = _partials(ss_ptr, rm, m_ok, P, P_PAD)
     x_base = x_ptr + rm[:, None] * sxm + rk[None, :]
     w_base = w_ptr + rn[:, None] * swn + rk[None, :]
     u_base = w_base + N * swn
@@ -74,13 +86,7 @@ def _swiglu_joined(x_ptr, w_ptr, y_ptr, ss_ptr, M, N, K, P, eps, sxm, swn, sym, 
             acc += tl.sum(a.to(tl.float32)[:, None, :] * wu.to(tl.float32)[None, :, :], 2)
         else:
             acc = tl.dot(a, tl.trans(wu), acc)
-    inv = 1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps)
-    acc = acc * inv[:, None]
-    gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
-    gate = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
-    up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-    y = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=m_ok[:, None])
+    _swiglu_store(acc, ss_in, K, eps, y_ptr, rm, rn, m_ok, sym, BM, BN)
 
 
 def interleave(w: torch.Tensor, bn: int) -> torch.Tensor:
@@ -96,37 +102,12 @@ def launch(xg: torch.Tensor, w_int: torch.Tensor, ss: torch.Tensor, eps: float, 
     n = w_int.shape[0] // 2
     bk, warps, stages = sg.fused_tile(w_int, True)[1:]
     y = xg.new_empty((m, n))
-    (kernel or _swiglu_interleaved)[(n // bn,)](xg, w_int, y, ss, m, n, k, ss.shape[1], eps, xg.stride(0), w_int.stride(0),
-                                    y.stride(0), BM=16, BN=bn, BK=bk, P_PAD=max(16, triton.next_power_of_2(ss.shape[1])),
-                                    ROWWISE=INTERPRET, num_warps=warps, num_stages=stages)
+    p = ss.shape[1]
+    (kernel or _swiglu_interleaved)[(n // bn,)](xg, w_int, y, ss, m, n, k, p, eps, xg.stride(0), w_int.stride(0),
+                                                 y.stride(0), BM=16, BN=bn, BK=bk,
+                                                 P_PAD=max(16, triton.next_power_of_2(p)), ROWWISE=INTERPRET,
+                                                 num_warps=warps, num_stages=stages)
     return y
-
-
-def graph_us(fns: list) -> float:
-    """µs a call: the calls captured in one CUDA graph, replayed 50 times, the best of 5 (fb.py's method)."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            for f in fns:
-                f()
-    torch.cuda.synchronize()
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for f in fns:
-            f()
-    best = 1e9
-    for _ in range(5):
-        for _ in range(5):
-            gr.replay()
-        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-        torch.cuda.synchronize()
-        e0.record()
-        for _ in range(50):
-            gr.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        best = min(best, e0.elapsed_time(e1) / 50 / len(fns) * 1000)
-    return best
 
 
 def main() -> None:
@@ -152,10 +133,12 @@ def main() -> None:
               flush=True)
         if check_only:
             continue
-        res[f"m{m}_engine_us"] = graph_us([lambda w=w: sg.fused_linear(xg, w, ss, 1e-6, swiglu=True) for w in ws])
-        res[f"m{m}_interleaved_us"] = graph_us([lambda w=w: launch(xg, w, ss, 1e-6, bn) for w in w_ints])
-        res[f"m{m}_joined_us"] = graph_us([lambda w=w: launch(xg, w, ss, 1e-6, bn, _swiglu_joined) for w in ws])
-        res[f"m{m}_plain_us"] = graph_us([lambda w=w: sg.launch(xg, w, *sg.tile(*w.shape)) for w in ws])
+        res[f"m{m}_engine_us"] = graph_us([lambda w=w: sg.fused_linear(xg, w, ss, 1e-6, swiglu=True) for w in ws],
+                                          reps=50)
+        res[f"m{m}_interleaved_us"] = graph_us([lambda w=w: launch(xg, w, ss, 1e-6, bn) for w in w_ints], reps=50)
+        res[f"m{m}_joined_us"] = graph_us([lambda w=w: launch(xg, w, ss, 1e-6, bn, _swiglu_joined) for w in ws],
+                                          reps=50)
+        res[f"m{m}_plain_us"] = graph_us([lambda w=w: sg.launch(xg, w, *sg.tile(*w.shape)) for w in ws], reps=50)
         print(m, {k: v for k, v in res.items() if k.startswith(f"m{m}")}, flush=True)
     if not check_only:
         json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "swiglu_interleaved.json"), "w"), indent=1)

@@ -1,4 +1,11 @@
-"""A/B of qkv_rope's kernel (HEAD) against 7c4b84b's parent, alone at the Qwen3-8B shape: bits and time."""
+"""A/B of qkv_rope's kernel (HEAD) against 7c4b84b's parent, alone at the Qwen3-8B shape: bits and time.
+
+Its old module is made from git beside this script first (its op renamed, so that both register):
+
+    git show 7c4b84b^:engine/qkv_rope.py | sed 's/flashpd::qkv_rope_write/flashpd_old::qkv_rope_write/;
+        s/torch.ops.flashpd.qkv_rope_write/torch.ops.flashpd_old.qkv_rope_write/' > qkv_rope_old.py
+    OUT=. python qr_ab.py                                                   # qkv_rope_ab.json
+"""
 import json, os, sys, importlib.util
 import torch
 from flashpd.engine import qkv_rope as new

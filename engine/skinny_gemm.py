@@ -58,8 +58,9 @@ if triton is not None:
         The fused layer's forms (`fused_linear`), all in the epilogue, so the K loop stays the plain one:
         RMS, x is a residual stream already multiplied by its norm's weight and ss_ptr holds [M, P] partial sums of
         the stream's squares: each row is scaled by 1/rms after the loop. SWIGLU: w is [gate; up] (2N rows) and
-        y = silu(gate) * up. RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g
-        (xg_ptr) and this program's sum of each row's squares of y (sso_ptr, [M, programs])."""
+        y = silu(gate) * up; a program's BN gate rows and the BN up rows at the same offset load as one [2*BN, BK]
+        tile, one dot a K step, as the plain kernel's loop (two tiles and two dots: TODO). RESID: y = round(x @ w.T)
+        + r. NEXT (with RESID): also the next norm's input y * g (xg_ptr) and this program's sum of each row's squares of y (sso_ptr, [M, programs])."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
@@ -78,41 +79,36 @@ if triton is not None:
         if NEXT:
             gw = tl.load(g_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         x_base = x_ptr + rm[:, None] * sxm + rk[None, :]
-        w_base = w_ptr + rn[:, None] * swn + rk[None, :]
-        u_base = w_base + N * swn  # SWIGLU: the up rows
-        acc = tl.zeros([BM, BN], tl.float32)
-        acc_u = tl.zeros([BM, BN], tl.float32)
+        if SWIGLU:  # BN gate rows then the BN up rows at the same offset: one [2*BN, BK] tile, one dot a K step
+            WN: tl.constexpr = 2 * BN
+            j = tl.arange(0, WN)
+            w_ok = (pid * BN + j % BN) < N
+            w_base = w_ptr + (pid * BN + j % BN + (j // BN) * N)[:, None] * swn + rk[None, :]
+        else:
+            WN: tl.constexpr = BN
+            w_ok = n_ok
+            w_base = w_ptr + rn[:, None] * swn + rk[None, :]
+        acc = tl.zeros([BM, WN], tl.float32)
         for k in range(0, K, BK):
             if EVEN_K:
                 a = tl.load(x_base + k, mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_base + k, mask=n_ok[:, None], other=0.0)
-                if SWIGLU:
-                    u = tl.load(u_base + k, mask=n_ok[:, None], other=0.0)
+                w = tl.load(w_base + k, mask=w_ok[:, None], other=0.0)
             else:
                 k_ok = (k + rk) < K
                 a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_base + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if SWIGLU:
-                    u = tl.load(u_base + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + k, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
             if ROWWISE:
                 acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-                if SWIGLU:
-                    acc_u += tl.sum(a.to(tl.float32)[:, None, :] * u.to(tl.float32)[None, :, :], 2)
             elif F32:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-                if SWIGLU:
-                    acc_u = tl.dot(a, tl.trans(u), acc_u, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(w), acc)
-                if SWIGLU:
-                    acc_u = tl.dot(a, tl.trans(u), acc_u)
         if RMS:
-            inv = 1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps)
-            acc = acc * inv[:, None]
-            acc_u = acc_u * inv[:, None]
+            acc = acc * (1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps))[:, None]
         if SWIGLU:  # gate and up rounded as the unfused matmul's output would be, the product in fp32
-            gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-            up = acc_u.to(y_ptr.dtype.element_ty).to(tl.float32)
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
+            gate = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
+            up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
             y = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
         else:
             y = acc.to(y_ptr.dtype.element_ty)

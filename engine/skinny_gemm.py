@@ -60,7 +60,8 @@ if triton is not None:
         the stream's squares: each row is scaled by 1/rms after the loop. SWIGLU: w is [gate; up] (2N rows) and
         y = silu(gate) * up; a program's BN gate rows and the BN up rows at the same offset load as one [2*BN, BK]
         tile, one dot a K step, as the plain kernel's loop (two tiles and two dots took 0.9% more of a batch-1 step
-        on an H200). RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g (xg_ptr) and this program's sum of each row's squares of y (sso_ptr, [M, programs])."""
+        on an H200). RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g (xg_ptr)
+        and this program's sum of each row's squares of y (sso_ptr, [M, programs])."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)

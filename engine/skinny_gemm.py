@@ -36,6 +36,7 @@ MAX_WEIGHT_ELEMENTS = 2 ** 31 - 1  # the kernel indexes the weight in int32
 TILE_NARROW = (16, 128, 2, 6)
 TILE_WIDE = (32, 128, 2, 6)
 WIDE_N = 8192
+SWIGLU_STAGES = 4  # `fused_tile`'s pipeline depth for the SwiGLU form
 
 
 def available() -> bool:
@@ -59,8 +60,8 @@ if triton is not None:
         RMS, x is a residual stream already multiplied by its norm's weight and ss_ptr holds [M, P] partial sums of
         the stream's squares: each row is scaled by 1/rms after the loop. SWIGLU: w is [gate; up] (2N rows) and
         y = silu(gate) * up; a program's BN gate rows and the BN up rows at the same offset load as one [2*BN, BK]
-        tile, one dot a K step, as the plain kernel's loop (two tiles and two dots took 0.9% more of a batch-1 step
-        on an H200). RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g (xg_ptr)
+        tile, one dot a K step, as the plain kernel's loop (two tiles and two dots were slower on an H200:
+        docs/results.md). RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g (xg_ptr)
         and this program's sum of each row's squares of y (sso_ptr, [M, programs])."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
@@ -177,10 +178,13 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
 
 def fused_tile(w: torch.Tensor, swiglu: bool) -> tuple[int, int, int, int]:
     """The tile of a fused form: the weight's (`tile`); a SwiGLU program streams a gate and an up tile, so it
-    takes half the columns of each and as many programs stream the weight as its plain matmul has (32 columns
-    of each were no faster on an H200)."""
+    takes half the columns of each (as many programs stream the weight as its plain matmul has; 32 columns of
+    each were no faster) and SWIGLU_STAGES stages: at the plain tile's 6 its [2*BN, BK] tile was slower on an
+    H200 (docs/results.md). Stages change no bit."""
     block_n, block_k, warps, stages = tile(w.shape[0], w.shape[1])
-    return (max(16, block_n // 2) if swiglu else block_n), block_k, warps, stages
+    if swiglu:
+        return max(16, block_n // 2), block_k, warps, SWIGLU_STAGES
+    return block_n, block_k, warps, stages
 
 
 if triton is not None:

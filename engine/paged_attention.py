@@ -30,7 +30,10 @@ import functools
 
 import torch
 
+from flashpd.engine import triton_env
 from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: the plain-PyTorch attention only
+if triton is not None:
+    from flashpd.engine.triton_env import pdl_enter
 
 LOG2E = 1.4426950408889634  # scores are kept in the log2 domain: exp2 is the hardware's exponential
 
@@ -139,9 +142,11 @@ if triton is not None:
                      sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
                      G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, SPLIT: tl.constexpr,
-                     F32: tl.constexpr, INTERPRET: tl.constexpr):
+                     F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         """One (row tile, kv head * batch, key chunk) program. SPLIT: write the state of the keys of chunk
-        `program_id(2)` for `_combine_kernel`; else walk every chunk, merge, and write the output."""
+        `program_id(2)` for `_combine_kernel`; else walk every chunk, merge, and write the output. PDL: see
+        triton_env.pdl."""
+        pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -201,11 +206,12 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_chunks, spos_b, so_h, so_b, so_t, so_g,
                         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr,
-                        KPC: tl.constexpr, UNROLL: tl.constexpr):
+                        KPC: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
         """Merge a row's chunk states in chunk order with `_merge`, as the unsplit kernel does; chunks past
         its position are skipped (merging one would change nothing). UNROLL chunks an iteration, unrolled, so
         that their loads need not wait for one another's merge (the loop is not pipelined: its loads feed no
         dot); a chunk past the tile's last one, in the unrolled tail, is off for every row."""
+        pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // HKV
@@ -284,12 +290,14 @@ if triton is not None:
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), positions.stride(0),
             G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
-            F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages, **options)
+            F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages, **options,
+            **triton_env.pdl_args(q.device))
         if split:
             _combine_kernel[(tiles, hkv * b)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
                 G=g, D=d, D_PAD=d_pad, BM=block_m, KPC=keys_per_chunk,
-                UNROLL=COMBINE_UNROLL if t > 1 else COMBINE_UNROLL_ONE_TOKEN, num_warps=SPLIT_NUM_WARPS)
+                UNROLL=COMBINE_UNROLL if t > 1 else COMBINE_UNROLL_ONE_TOKEN, num_warps=SPLIT_NUM_WARPS,
+                **triton_env.pdl_args(q.device))
         return out
 
     # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern

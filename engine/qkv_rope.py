@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from flashpd.engine import triton_env
 from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: attn_inputs' plain steps only
+if triton is not None:
+    from flashpd.engine.triton_env import pdl_enter
 
 NUM_WARPS = 1  # a program holds (G + 2) x d values (768 at Qwen3-8B): one warp; fixed, so no bit depends on it
 ENABLED = True  # off: attn_inputs keeps inductor's kernels everywhere (an A/B in bench/speed_8b; other bits)
@@ -53,10 +56,12 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, T, eps,
                          s_qkv_b, s_qkv_t, s_cs_b, s_cs_t, sq_h, sq_b, sk_slot, sv_slot, NQ: tl.constexpr,
-                         NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+                         NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DT: tl.constexpr,
+                         PDL: tl.constexpr):
         """Token `program_id(0)` (= b * T + t), KV head h = `program_id(1)`: its queries to q [NKV, B, T*G, D] at
         rows t*G .. t*G + G - 1 (attention.group_queries' layout), its key (normed, roped) and value to the
-        cache's slot `slots[token]` ([slots, NKV, D] views)."""
+        cache's slot `slots[token]` ([slots, NKV, D] views). PDL: see triton_env.pdl."""
+        pdl_enter(PDL)
         tok = tl.program_id(0)
         h = tl.program_id(1)
         b = tok // T
@@ -109,7 +114,8 @@ if triton is not None:
             qkv, cos, sin, w_qn, w_kn, slots, q, k_slots, v_slots, t, eps,
             qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), q.stride(0), q.stride(1), k_slots.stride(0),
             v_slots.stride(0),
-            NQ=n_q, NKV=n_kv, G=g, D=d, DT=_DTYPES[qkv.dtype], num_warps=NUM_WARPS)
+            NQ=n_q, NKV=n_kv, G=g, D=d, DT=_DTYPES[qkv.dtype], num_warps=NUM_WARPS,
+            **triton_env.pdl_args(qkv.device))
         return q
 
     @_qkv_rope_op.register_fake

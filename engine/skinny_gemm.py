@@ -25,7 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashpd.engine import triton_env
 from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: F.linear only
+if triton is not None:
+    from flashpd.engine.triton_env import pdl_enter, pdl_release, pdl_wait
 
 BLOCK_M = 16  # the most rows a call takes
 MAX_ROWS = BLOCK_M
@@ -53,7 +56,7 @@ if triton is not None:
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym, ss_ptr, P, eps, r_ptr, srm, g_ptr, xg_ptr,
                        sso_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                        F32: tl.constexpr, ROWWISE: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
-                       RESID: tl.constexpr, NEXT: tl.constexpr, P_PAD: tl.constexpr):
+                       RESID: tl.constexpr, NEXT: tl.constexpr, P_PAD: tl.constexpr, PDL: tl.constexpr):
         """One program: y[:M, n0:n0+BN] over all of K. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE
         (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains.
         The fused layer's forms (`fused_linear`), all in the epilogue, so the K loop stays the plain one:
@@ -62,10 +65,12 @@ if triton is not None:
         y = silu(gate) * up; a program's BN gate rows and the BN up rows at the same offset load as one [2*BN, BK]
         tile, one dot a K step, as the plain kernel's loop (two tiles and two dots were slower on an H200:
         docs/results.md). RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g (xg_ptr)
-        and this program's sum of each row's squares of y (sso_ptr, [M, programs])."""
+        and this program's sum of each row's squares of y (sso_ptr, [M, programs]). PDL (triton_env's comment): wait at
+        the top, let the next kernel launch after the K loop, so it starts in this kernel's tail."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
+        pdl_wait(PDL)
         rk = tl.arange(0, BK)
         m_ok = rm < M
         n_ok = rn < N
@@ -105,6 +110,7 @@ if triton is not None:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(w), acc)
+        pdl_release(PDL)
         if RMS:
             acc = acc * (1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps))[:, None]
         if SWIGLU:  # gate and up rounded as the unfused matmul's output would be, the product in fp32
@@ -124,8 +130,9 @@ if triton is not None:
             tl.store(sso_ptr + rm * tl.num_programs(0) + pid, tl.sum(yf * yf, 1), mask=m_ok)
 
     @triton.jit
-    def _prep_kernel(x_ptr, g_ptr, xg_ptr, ss_ptr, K, sxm, BK: tl.constexpr):
+    def _prep_kernel(x_ptr, g_ptr, xg_ptr, ss_ptr, K, sxm, BK: tl.constexpr, PDL: tl.constexpr):
         """One row: x * g (a norm's input for an RMS form) and the sum of x's squares (one partial, [M, 1])."""
+        pdl_enter(PDL)
         row = tl.program_id(0)
         acc = tl.zeros([BK], tl.float32)
         for k in range(0, K, BK):
@@ -172,7 +179,8 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
         y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso,
         BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
         ROWWISE=INTERPRET, RMS=ss is not None, SWIGLU=swiglu, RESID=residual is not None, NEXT=g_next is not None,
-        P_PAD=max(16, triton.next_power_of_2(p)), num_warps=num_warps, num_stages=num_stages)
+        P_PAD=max(16, triton.next_power_of_2(p)), num_warps=num_warps, num_stages=num_stages,
+        **triton_env.pdl_args(x.device))
     return y, xg, sso
 
 
@@ -224,7 +232,8 @@ if triton is not None:
         m, k = x.shape
         xg = torch.empty_like(x)
         ss = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        _prep_kernel[(m,)](x, g, xg, ss, k, x.stride(0), BK=min(1024, triton.next_power_of_2(k)))
+        _prep_kernel[(m,)](x, g, xg, ss, k, x.stride(0), BK=min(1024, triton.next_power_of_2(k)),
+                           **triton_env.pdl_args(x.device))
         return xg, ss
 
     @_skinny_prep_op.register_fake

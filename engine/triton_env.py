@@ -18,3 +18,61 @@ if torch.backends.cuda.is_built() or INTERPRET:
         import triton.language as tl
     except ImportError:  # no triton: the plain-PyTorch forms only
         triton = tl = None
+
+# Programmatic dependent launch (PDL, sm_90 and up). With it, the engine's Triton kernels launch so that a kernel's
+# programs may start before the kernel ahead of it in the stream has finished. Each program waits
+# (griddepcontrol.wait: the kernel ahead finished, its writes visible) before it touches anything another kernel
+# writes, so no bit changes; what overlaps is a launch's latency and a kernel's tail. When a kernel lets the next
+# one launch (griddepcontrol.launch_dependents) decides what overlaps:
+#   - the few-row GEMM (skinny_gemm) lets it after its K loop, so the next kernel starts in the GEMM's tail;
+#   - the latency-bound kernels (q/k norm and RoPE, attention, its combine, a norm's prep) let it at their top,
+#     before they wait (PDL_TRIGGER_FIRST), so the launches down to the next GEMM go ahead while they run.
+# Letting it at the top of a GEMM (54d9aa3) put the next kernel's waiting programs on the SMs for the whole GEMM.
+# The interpreter has no griddepcontrol.
+PDL_ENABLED = False
+PDL_TRIGGER_FIRST = True
+_pdl_devices: dict[int, bool] = {}
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch: PDL_ENABLED, a CUDA device of
+    compute capability 9 or more, and not the interpreter."""
+    if not PDL_ENABLED or INTERPRET or triton is None or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pdl_devices:
+        _pdl_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _pdl_devices[index]
+
+
+def pdl_args(device: torch.device) -> dict:
+    """A launch's PDL arguments: the kernel's PDL constexpr (0 off; 1 let the next kernel launch after waiting;
+    2 before) and triton's launch option."""
+    if not pdl(device):
+        return {"PDL": 0}
+    return {"PDL": 2 if PDL_TRIGGER_FIRST else 1, "launch_pdl": True}
+
+
+if triton is not None:
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """A latency-bound kernel's first step: with PDL, wait for the kernel ahead and let the next one launch
+        (before the wait when PDL is 2). Called before any load or store."""
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+        if PDL >= 1:
+            tl.extra.cuda.gdc_wait()
+        if PDL == 1:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """With PDL: wait for the kernel ahead (its writes visible). Called before any load or store."""
+        if PDL >= 1:
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
+    def pdl_release(PDL: tl.constexpr):
+        """With PDL: let the next kernel in the stream launch (its programs wait for this kernel's end)."""
+        if PDL >= 1:
+            tl.extra.cuda.gdc_launch_dependents()

@@ -25,12 +25,12 @@ if torch.backends.cuda.is_built() or INTERPRET:
 # writes, so no bit changes; what overlaps is a launch's latency and a kernel's tail. When a kernel lets the next
 # one launch (griddepcontrol.launch_dependents) decides what overlaps:
 #   - the few-row GEMM (skinny_gemm) lets it after its K loop, so the next kernel starts in the GEMM's tail;
-#   - the latency-bound kernels (q/k norm and RoPE, attention, its combine, a norm's prep) let it at their top,
-#     before they wait (PDL_TRIGGER_FIRST), so the launches down to the next GEMM go ahead while they run.
-# Letting it at the top of a GEMM (54d9aa3) put the next kernel's waiting programs on the SMs for the whole GEMM.
-# The interpreter has no griddepcontrol.
+#   - the latency-bound kernels (q/k norm and RoPE, attention, its combine, a norm's prep) let it right after they
+#     wait, or before (PDL_TRIGGER_FIRST), which lets every launch down to the next GEMM go ahead at once.
+# Off by default: on an H200 it gained at one sequence and lost at 16 (docs/results.md, issue 23's PDL entry), and
+# the other batch sizes are not measured yet. The interpreter has no griddepcontrol.
 PDL_ENABLED = False
-PDL_TRIGGER_FIRST = True
+PDL_TRIGGER_FIRST = False
 _pdl_devices: dict[int, bool] = {}
 
 

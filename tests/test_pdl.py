@@ -1,0 +1,129 @@
+"""Programmatic dependent launch (triton_env.PDL_ENABLED): the switch, and where each kernel waits.
+
+PDL keeps every bit only if no program touches memory another kernel writes before griddepcontrol.wait returns.
+No GPU runs here, so a child process compiles each engine kernel with PDL for sm_90 (triton's own ptxas; no device
+needed) and reads the order in its PTX: the wait before the first global load, store or async copy; the few-row
+GEMM lets the next kernel launch after its last MMA and before its first store; a latency-bound kernel lets it
+right after its wait (PDL 1) or before it (PDL 2). Plain launches (PDL 0) carry no griddepcontrol at all.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashpd.engine import triton_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r'''
+import inspect, json, sys
+import torch
+torch.backends.cuda.is_built = lambda: True  # a CPU build of torch: import triton as a CUDA build would
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flashpd.engine import paged_attention as pa, qkv_rope as qr, skinny_gemm as sg
+
+FP32 = {"ss_ptr", "sso_ptr", "m_ptr", "l_ptr", "acc_ptr", "cos_ptr", "sin_ptr", "qk_scale", "eps"}
+I64 = {"bt_ptr", "pos_ptr", "slot_ptr"}
+MEM = ("ld.global", "st.global", "cp.async", "atom.global", "red.global")
+
+def compile_(kernel, const, warps=4, stages=3):
+    params = list(inspect.signature(kernel.fn).parameters)
+    sig = {}
+    for p in params:
+        if p in const:
+            sig[p] = "constexpr"
+        elif p.endswith("_ptr"):
+            sig[p] = "*fp32" if p in FP32 else "*i64" if p in I64 else "*bf16"
+        else:
+            sig[p] = "fp32" if p in FP32 else "i32"
+    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in sig
+             if p.endswith("_ptr") or p.startswith("s") and sig[p] == "i32" or p in ("N", "K")}
+    cc = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": warps, "num_stages": stages, "launch_pdl": const["PDL"] > 0})
+    lines = cc.asm["ptx"].splitlines()
+    at = lambda *keys: [i for i, l in enumerate(lines) if any(k in l for k in keys)]
+    return {"wait": at("griddepcontrol.wait"), "release": at("griddepcontrol.launch_dependents"),
+            "mem": at(*MEM), "mma": at("mma"), "store": at("st.global")}
+
+skinny = dict(BM=16, BN=16, BK=128, EVEN_K=True, F32=False, ROWWISE=False, P_PAD=16)
+attn = dict(G=4, PAGE=16, D=128, D_PAD=128, BM=16, BN=32, KPC=256, F32=False, INTERPRET=False)
+cases = {
+    "skinny_rms_swiglu": (sg._skinny_kernel, dict(skinny, RMS=True, SWIGLU=True, RESID=False, NEXT=False, PDL=1)),
+    "skinny_resid_next": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=True, NEXT=True, PDL=2)),
+    "skinny_plain_off": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=False, NEXT=False, PDL=0)),
+    "prep_first": (sg._prep_kernel, dict(BK=1024, PDL=2)),
+    "qkv_rope_after": (qr._qkv_rope_kernel, dict(NQ=32, NKV=8, G=4, D=128, DT=tl.bfloat16, PDL=1)),
+    "attn_split_first": (pa._attn_kernel, dict(attn, SPLIT=True, PDL=2)),
+    "attn_walk_after": (pa._attn_kernel, dict(attn, SPLIT=False, PDL=1)),
+    "combine_first": (pa._combine_kernel, dict(G=4, D=128, D_PAD=128, BM=16, KPC=256, UNROLL=4, PDL=2)),
+}
+out = {}
+for name in sys.argv[1:]:
+    kernel, const = cases[name]
+    out[name] = compile_(kernel, const, **({"warps": 2, "stages": 4} if kernel is sg._skinny_kernel else {}))
+print(json.dumps(out))
+'''
+
+GEMMS = ("skinny_rms_swiglu", "skinny_resid_next")
+LATENCY = {"prep_first": 2, "qkv_rope_after": 1, "attn_split_first": 2, "attn_walk_after": 1, "combine_first": 2}
+
+
+def compiled() -> dict:
+    """Each case's PTX line numbers (see CHILD), from one child process; skips if triton cannot compile here."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    names = [*GEMMS, "skinny_plain_off", *LATENCY]
+    proc = subprocess.run([sys.executable, "-c", CHILD, *names], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def ptx() -> dict:
+    return compiled()
+
+
+def test_pdl_is_off_by_default_and_off_the_gpu() -> None:
+    assert triton_env.PDL_ENABLED is False
+    assert triton_env.pdl_args(torch.device("cpu")) == {"PDL": 0}
+    old = triton_env.PDL_ENABLED
+    triton_env.PDL_ENABLED = True
+    try:  # switched on, a CPU tensor's launch still has none (and the interpreter none at all)
+        assert triton_env.pdl_args(torch.device("cpu")) == {"PDL": 0}
+    finally:
+        triton_env.PDL_ENABLED = old
+
+
+@pytest.mark.parametrize("name", GEMMS)
+def test_the_gemm_waits_before_memory_and_releases_after_its_last_mma(ptx: dict, name: str) -> None:
+    c = ptx[name]
+    assert len(c["wait"]) == 1 and len(c["release"]) == 1, c
+    assert c["mem"] and c["wait"][0] < min(c["mem"])
+    assert c["mma"] and max(c["mma"]) < c["release"][0] < min(c["store"])
+
+
+@pytest.mark.parametrize("name", sorted(LATENCY))
+def test_a_latency_kernel_waits_before_memory_and_releases_at_its_top(ptx: dict, name: str) -> None:
+    c = ptx[name]
+    assert len(c["wait"]) == 1 and len(c["release"]) == 1, c
+    assert c["mem"] and c["wait"][0] < min(c["mem"]) and c["release"][0] < min(c["mem"])
+    if LATENCY[name] == 2:
+        assert c["release"][0] < c["wait"][0]
+    else:
+        assert c["wait"][0] < c["release"][0]
+
+
+def test_plain_launches_carry_no_griddepcontrol(ptx: dict) -> None:
+    c = ptx["skinny_plain_off"]
+    assert c["wait"] == [] and c["release"] == [] and c["mem"]

@@ -25,12 +25,13 @@ if torch.backends.cuda.is_built() or INTERPRET:
 # writes, so no bit changes; what overlaps is a launch's latency and a kernel's tail. When a kernel lets the next
 # one launch (griddepcontrol.launch_dependents) decides what overlaps:
 #   - the few-row GEMM (skinny_gemm) lets it after its K loop, so the next kernel starts in the GEMM's tail;
-#   - the latency-bound kernels (q/k norm and RoPE, attention, its combine, a norm's prep) let it right after they
-#     wait, or before (PDL_TRIGGER_FIRST), which lets every launch down to the next GEMM go ahead at once.
+#   - the latency-bound kernels (q/k norm and RoPE, attention, its combine, a norm's prep) let it as
+#     PDL_LATENCY_RELEASE says: 1 right after they wait; 2 before (every launch down to the next GEMM goes ahead at
+#     once: slower on an H200); 0 never (the kernel after one launches as without PDL).
 # Off by default: on an H200 it gained at one sequence and lost at 16 (docs/results.md, issue 23's PDL entry), and
 # the other batch sizes are not measured yet. The interpreter has no griddepcontrol.
 PDL_ENABLED = False
-PDL_TRIGGER_FIRST = False
+PDL_LATENCY_RELEASE = 1
 _pdl_devices: dict[int, bool] = {}
 
 
@@ -46,18 +47,18 @@ def pdl(device: torch.device) -> bool:
 
 
 def pdl_args(device: torch.device) -> dict:
-    """A launch's PDL arguments: the kernel's PDL constexpr (0 off; 1 let the next kernel launch after waiting;
-    2 before) and triton's launch option."""
+    """A launch's PDL arguments: the kernel's PDL constexpr (0 off; else on, and for a latency-bound kernel's
+    `pdl_enter`: 1 let the next kernel launch after waiting, 2 before, 3 never) and triton's launch option."""
     if not pdl(device):
         return {"PDL": 0}
-    return {"PDL": 2 if PDL_TRIGGER_FIRST else 1, "launch_pdl": True}
+    return {"PDL": {1: 1, 2: 2, 0: 3}[PDL_LATENCY_RELEASE], "launch_pdl": True}
 
 
 if triton is not None:
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
-        """A latency-bound kernel's first step: with PDL, wait for the kernel ahead and let the next one launch
-        (before the wait when PDL is 2). Called before any load or store."""
+        """A latency-bound kernel's first step: with PDL, wait for the kernel ahead, and let the next one launch
+        after the wait (PDL 1), before it (2) or not at all (3). Called before any load or store."""
         if PDL == 2:
             tl.extra.cuda.gdc_launch_dependents()
         if PDL >= 1:

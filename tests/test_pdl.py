@@ -4,7 +4,7 @@ PDL keeps every bit only if no program touches memory another kernel writes befo
 No GPU runs here, so a child process compiles each engine kernel with PDL for sm_90 (triton's own ptxas; no device
 needed) and reads the order in its PTX: the wait before the first global load, store or async copy; the few-row
 GEMM lets the next kernel launch after its last MMA and before its first store; a latency-bound kernel lets it
-right after its wait (PDL 1) or before it (PDL 2). Plain launches (PDL 0) carry no griddepcontrol at all.
+right after its wait (PDL 1), before it (PDL 2) or never (PDL 3). Plain launches (PDL 0) carry no griddepcontrol at all.
 """
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ cases = {
     "attn_split_first": (pa._attn_kernel, dict(attn, SPLIT=True, PDL=2)),
     "attn_walk_after": (pa._attn_kernel, dict(attn, SPLIT=False, PDL=1)),
     "combine_first": (pa._combine_kernel, dict(G=4, D=128, D_PAD=128, BM=16, KPC=256, UNROLL=4, PDL=2)),
+    "combine_never": (pa._combine_kernel, dict(G=4, D=128, D_PAD=128, BM=16, KPC=256, UNROLL=4, PDL=3)),
+    "skinny_never": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=True, NEXT=False, PDL=3)),
 }
 out = {}
 for name in sys.argv[1:]:
@@ -74,8 +76,9 @@ for name in sys.argv[1:]:
 print(json.dumps(out))
 '''
 
-GEMMS = ("skinny_rms_swiglu", "skinny_resid_next")
-LATENCY = {"prep_first": 2, "qkv_rope_after": 1, "attn_split_first": 2, "attn_walk_after": 1, "combine_first": 2}
+GEMMS = ("skinny_rms_swiglu", "skinny_resid_next", "skinny_never")  # any PDL: release after the loop
+LATENCY = {"prep_first": 2, "qkv_rope_after": 1, "attn_split_first": 2, "attn_walk_after": 1, "combine_first": 2,
+           "combine_never": 3}
 
 
 def compiled() -> dict:
@@ -95,7 +98,7 @@ def ptx() -> dict:
 
 
 def test_pdl_is_off_by_default_and_off_the_gpu() -> None:
-    assert triton_env.PDL_ENABLED is False
+    assert triton_env.PDL_ENABLED is False and triton_env.PDL_LATENCY_RELEASE == 1
     assert triton_env.pdl_args(torch.device("cpu")) == {"PDL": 0}
     old = triton_env.PDL_ENABLED
     triton_env.PDL_ENABLED = True
@@ -116,6 +119,9 @@ def test_the_gemm_waits_before_memory_and_releases_after_its_last_mma(ptx: dict,
 @pytest.mark.parametrize("name", sorted(LATENCY))
 def test_a_latency_kernel_waits_before_memory_and_releases_at_its_top(ptx: dict, name: str) -> None:
     c = ptx[name]
+    if LATENCY[name] == 3:  # waits, never lets the next kernel launch early
+        assert len(c["wait"]) == 1 and c["release"] == [] and c["wait"][0] < min(c["mem"]), c
+        return
     assert len(c["wait"]) == 1 and len(c["release"]) == 1, c
     assert c["mem"] and c["wait"][0] < min(c["mem"]) and c["release"][0] < min(c["mem"])
     if LATENCY[name] == 2:
@@ -127,3 +133,10 @@ def test_a_latency_kernel_waits_before_memory_and_releases_at_its_top(ptx: dict,
 def test_plain_launches_carry_no_griddepcontrol(ptx: dict) -> None:
     c = ptx["skinny_plain_off"]
     assert c["wait"] == [] and c["release"] == [] and c["mem"]
+
+
+def test_the_latency_release_setting_picks_each_kernels_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_env, "pdl", lambda device: True)  # no sm_90 device here: its check stands in
+    for release, code in ((1, 1), (2, 2), (0, 3)):
+        monkeypatch.setattr(triton_env, "PDL_LATENCY_RELEASE", release)
+        assert triton_env.pdl_args(torch.device("cuda")) == {"PDL": code, "launch_pdl": True}

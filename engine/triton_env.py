@@ -51,6 +51,8 @@ def pdl_args(device: torch.device) -> dict:
     `pdl_enter`: 1 let the next kernel launch after waiting, 2 before, 3 never) and triton's launch option."""
     if not pdl(device):
         return {"PDL": 0}
+    if PDL_LATENCY_RELEASE not in (0, 1, 2):
+        raise ValueError(f"triton_env.PDL_LATENCY_RELEASE is {PDL_LATENCY_RELEASE!r}: 0, 1 or 2")
     return {"PDL": {1: 1, 2: 2, 0: 3}[PDL_LATENCY_RELEASE], "launch_pdl": True}
 
 

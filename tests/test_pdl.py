@@ -140,3 +140,6 @@ def test_the_latency_release_setting_picks_each_kernels_form(monkeypatch: pytest
     for release, code in ((1, 1), (2, 2), (0, 3)):
         monkeypatch.setattr(triton_env, "PDL_LATENCY_RELEASE", release)
         assert triton_env.pdl_args(torch.device("cuda")) == {"PDL": code, "launch_pdl": True}
+    monkeypatch.setattr(triton_env, "PDL_LATENCY_RELEASE", 3)
+    with pytest.raises(ValueError, match="PDL_LATENCY_RELEASE"):
+        triton_env.pdl_args(torch.device("cuda"))

@@ -60,6 +60,8 @@ class ModelRunner:
                                   cfg.head_dim, self.dtype, self.device)
         self.max_positions = model.rotary.max_positions if model.rotary else cfg.max_position_embeddings
         self.config: RunnerConfig = (config or RunnerConfig()).resolved(self.device)  # automatic values decided
+        if self.device.type == "cuda" and self.config.blas is not None:
+            torch.backends.cuda.preferred_blas_library(self.config.blas)  # per process (RunnerConfig.blas)
         # torch.compile fuses each layer's small ops (norms, RoPE, SwiGLU) inside captured graphs;
         # the same layer functions run eagerly everywhere else.
         if self.config.compile:

@@ -14,6 +14,7 @@ from flashpd.engine import paged_attention
 
 AUTO = "auto"  # RunnerConfig.prefill_chunk's default: prefill_graph_tokens with CUDA graphs, else None
 ATTENTION_IMPLS = ("matmul", "sdpa", "paged")
+BLAS_LIBRARIES = ("cublas", "cublaslt")  # torch.backends.cuda.preferred_blas_library's CUDA names
 PREFILL_KNOBS = frozenset({"prefill_graph_tokens", "prefill_chunk", "fresh_prefill"})  # ModelRunner.reconfigure
 
 
@@ -56,6 +57,12 @@ class RunnerConfig:
     fresh_prefill: a prompt with no cached prefix attends over its own K/V with a fused causal kernel
         (AttnBatch.fresh); False: through the cache and the position mask like any other forward (benches
         compare the two).
+    blas: the BLAS library torch's matmuls use on a GPU (the projections past the few-row kernel's rows:
+        batched decode, verifies of several rows, prefill). "cublaslt": in a batch-32 and batch-64 decode
+        step cuBLAS's heuristic picks split-K kernels and their reduction launches, cuBLASLt's does not
+        (docs/results.md, issue 23). torch keeps the choice per process, so a runner built on a CUDA device
+        sets it for the whole process (the last runner built wins; every engine runner asks the same by
+        default). None leaves torch's choice alone.
     """
 
     cuda_graphs: bool | None = None
@@ -68,6 +75,7 @@ class RunnerConfig:
     prefill_graph_tokens: int = 1024
     prefill_chunk: int | str | None = AUTO
     fresh_prefill: bool = True
+    blas: str | None = "cublaslt"
 
     def __post_init__(self) -> None:
         for name in ("cuda_graphs", "compile"):
@@ -92,6 +100,8 @@ class RunnerConfig:
                              f"got {self.prefill_chunk!r}")
         if self.fresh_prefill not in (True, False):
             raise ValueError(f"RunnerConfig.fresh_prefill must be True or False, got {self.fresh_prefill!r}")
+        if self.blas is not None and self.blas not in BLAS_LIBRARIES:
+            raise ValueError(f"RunnerConfig.blas must be None, 'cublas' or 'cublaslt', got {self.blas!r}")
 
     def resolved(self, device: torch.device | str) -> RunnerConfig:
         """This config with its automatic values decided for a model on `device`: cuda_graphs and compile

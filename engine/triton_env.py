@@ -26,12 +26,13 @@ if torch.backends.cuda.is_built() or INTERPRET:
 # one launch (griddepcontrol.launch_dependents) decides what overlaps:
 #   - the few-row GEMM (skinny_gemm) lets it after its K loop, so the next kernel starts in the GEMM's tail;
 #   - the latency-bound kernels (q/k norm and RoPE, attention, its combine, a norm's prep) let it as
-#     PDL_LATENCY_RELEASE says: 1 right after they wait; 2 before (every launch down to the next GEMM goes ahead at
-#     once: slower on an H200); 0 never (the kernel after one launches as without PDL).
-# Off by default: on an H200 it gained at one sequence and lost at 16 (docs/results.md, issue 23's PDL entry), and
-# the other batch sizes are not measured yet. The interpreter has no griddepcontrol.
-PDL_ENABLED = False
-PDL_LATENCY_RELEASE = 1
+#     PDL_LATENCY_RELEASE says: 0 never (the kernel after one launches as without PDL; the default); 1 right
+#     after they wait; 2 before (every launch down to the next GEMM goes ahead at once).
+# On an H200 at the Qwen3-8B shape (docs/results.md, issue 23's PDL entries), 0 made batches 1-16 and the DFlash
+# step faster and left 32-256 within noise (no few-row GEMM there to release); 1 lost at batch 16, 2 everywhere.
+# The interpreter has no griddepcontrol.
+PDL_ENABLED = True
+PDL_LATENCY_RELEASE = 0
 _pdl_devices: dict[int, bool] = {}
 
 

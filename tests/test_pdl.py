@@ -68,6 +68,10 @@ cases = {
     "combine_first": (pa._combine_kernel, dict(G=4, D=128, D_PAD=128, BM=16, KPC=256, UNROLL=4, PDL=2)),
     "combine_never": (pa._combine_kernel, dict(G=4, D=128, D_PAD=128, BM=16, KPC=256, UNROLL=4, PDL=3)),
     "skinny_never": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=True, NEXT=False, PDL=3)),
+    "prep_never": (sg._prep_kernel, dict(BK=1024, PDL=3)),
+    "qkv_rope_never": (qr._qkv_rope_kernel, dict(NQ=32, NKV=8, G=4, D=128, DT=tl.bfloat16, PDL=3)),
+    "attn_split_never": (pa._attn_kernel, dict(attn, SPLIT=True, PDL=3)),
+    "attn_walk_never": (pa._attn_kernel, dict(attn, SPLIT=False, PDL=3)),
 }
 out = {}
 for name in sys.argv[1:]:
@@ -77,8 +81,9 @@ print(json.dumps(out))
 '''
 
 GEMMS = ("skinny_rms_swiglu", "skinny_resid_next", "skinny_never")  # any PDL: release after the loop
+# the engine's default form (PDL_LATENCY_RELEASE 0 -> PDL 3) for every latency kernel, and the other two forms
 LATENCY = {"prep_first": 2, "qkv_rope_after": 1, "attn_split_first": 2, "attn_walk_after": 1, "combine_first": 2,
-           "combine_never": 3}
+           "combine_never": 3, "prep_never": 3, "qkv_rope_never": 3, "attn_split_never": 3, "attn_walk_never": 3}
 
 
 def compiled() -> dict:
@@ -97,15 +102,10 @@ def ptx() -> dict:
     return compiled()
 
 
-def test_pdl_is_off_by_default_and_off_the_gpu() -> None:
-    assert triton_env.PDL_ENABLED is False and triton_env.PDL_LATENCY_RELEASE == 1
+def test_pdl_is_on_by_default_with_latency_kernels_never_releasing_and_off_the_gpu() -> None:
+    assert triton_env.PDL_ENABLED is True and triton_env.PDL_LATENCY_RELEASE == 0
+    # on, a CPU tensor's launch still has none (and the interpreter none at all)
     assert triton_env.pdl_args(torch.device("cpu")) == {"PDL": 0}
-    old = triton_env.PDL_ENABLED
-    triton_env.PDL_ENABLED = True
-    try:  # switched on, a CPU tensor's launch still has none (and the interpreter none at all)
-        assert triton_env.pdl_args(torch.device("cpu")) == {"PDL": 0}
-    finally:
-        triton_env.PDL_ENABLED = old
 
 
 @pytest.mark.parametrize("name", GEMMS)

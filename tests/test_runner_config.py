@@ -20,7 +20,8 @@ from flashpd.engine.runner import ModelRunner, RunnerConfig, inductor_options
                                  dict(compile_deterministic="yes"),
                                  dict(compile_eager_rounding="yes"), dict(inductor_extra=[("combo_kernels", True)]),
                                  dict(inductor_extra=(("no_such_entry", 1),)),
-                                 dict(inductor_extra=(("deterministic", False),))])
+                                 dict(inductor_extra=(("deterministic", False),)), dict(blas="cutlass"),
+                                 dict(blas="")])
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         RunnerConfig(**bad)
@@ -78,6 +79,15 @@ def test_runner_holds_the_resolved_config_and_reconfigures_only_prefill_knobs():
     assert (old.prefill_chunk, r.config.prefill_chunk, r.config.fresh_prefill) == (1024, 64, False)
     with pytest.raises(ValueError, match="cuda_graphs"):
         r.reconfigure(cuda_graphs=False)
+
+
+def test_blas_choice_is_made_only_for_a_gpu_runner():
+    """RunnerConfig.blas (default cuBLASLt) is torch's per-process BLAS preference, so only a runner on a CUDA
+    device sets it: building one on the CPU leaves the process's choice as it was, whatever the config says."""
+    assert RunnerConfig().blas == "cublaslt" and RunnerConfig(blas=None).blas is None
+    before = torch.backends.cuda.preferred_blas_library()
+    ModelRunner(_model(), 8, 16, config=RunnerConfig(cuda_graphs=False, blas="cublaslt"))
+    assert torch.backends.cuda.preferred_blas_library() == before
 
 
 def test_forced_attention_reaches_the_forward_metadata(monkeypatch):

@@ -34,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from flashpd.bench.common import command_line, copy_bandwidth_gbs, time_ms, write_json
 from flashpd.bench.dflash_step import drafter_config_for
 from flashpd.bench.profile_step import kernel_table, measure_prefill
+from flashpd.engine import triton_env
 from flashpd.engine.config import builtin_config_path, load_config
 from flashpd.engine.drafter import dummy_drafter
 from flashpd.engine.generate import NativeGenerator
@@ -179,14 +180,15 @@ def prefill_flops(cfg, tokens: int) -> float:
 
 
 def exactness(target: str, draft: str, prompts: int, new_tokens: int, width: int, seed: int,
-              device: str = "cuda", eager_rounding: bool = False, inductor_extra: tuple = ()) -> dict:
+              device: str = "cuda", eager_rounding: bool = False, inductor_extra: tuple = (),
+              blas: str | None = RunnerConfig.blas) -> dict:
     """DFlash against native, greedy, on the speedup protocol's prompts: native at the verify's shapes
-    (step_width = width) and at one column. eager_rounding and inductor_extra: the RunnerConfig fields."""
+    (step_width = width) and at one column. eager_rounding, inductor_extra and blas: the RunnerConfig fields."""
     from flashpd.bench.speedup import heldout_prompt_sets, pair_generators  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
 
     runner, native, spec = pair_generators(target, draft, device, eager_rounding=eager_rounding,
-                                           inductor_extra=inductor_extra)
+                                           inductor_extra=inductor_extra, blas=blas)
     screen, confirm = heldout_prompt_sets(TextTokenizer.from_dir(target), prompts, seed)
     params = [SamplingParams(max_tokens=new_tokens, ignore_eos=True)]
     wide = NativeGenerator(runner, native.stop_ids, step_width=width)
@@ -272,6 +274,8 @@ def main() -> None:
                     help="compile every runner with RunnerConfig.compile_eager_rounding (off: the engine's default)")
     ap.add_argument("--inductor-option", action="append", default=[], metavar="NAME=VALUE",
                     help="an inductor config entry for every runner (RunnerConfig.inductor_extra); repeatable")
+    ap.add_argument("--blas", choices=("cublas", "cublaslt"), default=RunnerConfig.blas,
+                    help="the BLAS library of every runner (RunnerConfig.blas; process-wide in torch)")
     ap.add_argument("--out", default="bench/results/speed_8b.json")
     a = ap.parse_args()
     extra = tuple(inductor_option(o) for o in a.inductor_option)
@@ -299,8 +303,11 @@ def main() -> None:
     drafter = dummy_drafter(drafter_config_for(cfg, 5), target)
     runner = ModelRunner(target, num_blocks=tokens // 16 + 64, kv_block_size=16,
                          taps=tuple(drafter.cfg.target_layer_ids),
-                         config=RunnerConfig(compile_eager_rounding=a.eager_rounding, inductor_extra=extra))
+                         config=RunnerConfig(compile_eager_rounding=a.eager_rounding, inductor_extra=extra,
+                                             blas=a.blas))
     res["compile_eager_rounding"] = a.eager_rounding
+    res["blas"] = a.blas
+    res["pdl"] = {"enabled": triton_env.pdl(torch.device("cuda")), "latency_release": triton_env.PDL_LATENCY_RELEASE}
     res["inductor_extra"] = dict(extra)
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
@@ -372,7 +379,7 @@ def main() -> None:
 
     def exact() -> None:
         res["exact"] = exactness(a.exact_target, a.exact_draft, a.exact_prompts, a.exact_new_tokens, a.width,
-                                 a.seed, eager_rounding=a.eager_rounding, inductor_extra=extra)
+                                 a.seed, eager_rounding=a.eager_rounding, inductor_extra=extra, blas=a.blas)
 
     for name, fn in (("paged", paged), ("curve", curve), ("scheduler", scheduler), ("dflash", dflash),
                      ("prefill", prefill), ("exact", exact)):

@@ -48,17 +48,17 @@ def heldout_prompt_sets(tok: TextTokenizer, n: int, seed: int) -> tuple[list[lis
 
 
 def pair_generators(target_dir: str, draft_dir: str, device: str, compile: bool | None = None,
-                    eager_rounding: bool = False, inductor_extra: tuple = ()
+                    eager_rounding: bool = False, inductor_extra: tuple = (), blas: str | None = RunnerConfig.blas
                     ) -> tuple[ModelRunner, NativeGenerator, DFlashGenerator]:
     """Native and DFlash generators of one pair on one runner (bf16 on a GPU, float32 on the CPU), so
-    both methods share the cache, the graphs and the compiled kernels. eager_rounding and inductor_extra:
-    RunnerConfig.compile_eager_rounding and inductor_extra."""
+    both methods share the cache, the graphs and the compiled kernels. eager_rounding, inductor_extra and blas:
+    RunnerConfig.compile_eager_rounding, inductor_extra and blas."""
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = load_target(target_dir, device, dtype)
     drafter = load_drafter(draft_dir, target)
     runner = ModelRunner(target, num_blocks=8192, kv_block_size=16, taps=tuple(drafter.cfg.target_layer_ids),
                          config=RunnerConfig(compile=compile, compile_eager_rounding=eager_rounding,
-                                             inductor_extra=inductor_extra))
+                                             inductor_extra=inductor_extra, blas=blas))
     return (runner, NativeGenerator(runner, target.cfg.eos_token_ids),
             DFlashGenerator(runner, drafter, target.cfg.eos_token_ids))
 

@@ -99,19 +99,24 @@ CASES["invariance"] = tokens_do_not_depend_on_the_call
 
 
 def compiled_op_is_the_eager_op(qr: ModuleType, dev: str) -> None:
-    """torch.compile of a caller that makes the cache's [slots, heads, d] views itself, as a layer passes them: the
-    same queries and the same cache, written in place (on a GPU through inductor; on the CPU through aot_eager:
-    the op's fake and functionalization)."""
+    """torch.compile of a caller that takes the whole cache and makes its [slots, heads, d] K and V views itself:
+    the same queries and the same cache, written in place (on a GPU through inductor; on the CPU through
+    aot_eager: the op's fake and functionalization).
+
+    The views are made inside the compiled function on purpose. Passed in as two inputs (views of one storage,
+    V's at an offset), torch's inductor (2.11, on an H200) clones "the base" from V's own pointer at the base's
+    size, reading past the cache's end, and copies that back over V's unwritten slots (pytorch/pytorch#139628,
+    #192226). The engine calls the op eagerly, outside torch.compile, so it never meets that path."""
     o = operands(dev, torch.bfloat16, 2, 3, seed=9)
 
-    def f(qkv, cos, sin, w_qn, w_kn, k_slots, v_slots, slots):
-        return qr.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, EPS, N_Q, N_KV, k_slots, v_slots, slots) * 2
+    def f(qkv, cos, sin, w_qn, w_kn, kv, slots):
+        return qr.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, EPS, N_Q, N_KV, kv[0], kv[1], slots) * 2
 
     torch._dynamo.reset()
     backend = "inductor" if dev == "cuda" else "aot_eager"
     cache = o["cache"].clone()
     out = torch.compile(f, fullgraph=True, backend=backend)(o["qkv"], o["cos"], o["sin"], o["w_qn"], o["w_kn"],
-                                                             cache[0], cache[1], o["slots"])
+                                                             cache, o["slots"])
     q, ref_cache = fused(qr, o)
     assert torch.equal(out, q * 2) and torch.equal(cache, ref_cache)
 

@@ -55,8 +55,9 @@ def fused_attn_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_q
     two launches, the QKV matmul and engine/qkv_rope.py's kernel for the rest (inductor makes two kernels of the
     rest); None where that kernel does not apply. Called eagerly (the layer's forward is not compiled), not inside
     the compiled `attn_inputs`: there the op, which writes two views of one cache, goes through functionalization,
-    and the first step that ran it so on an H200 faulted (an illegal address; docs/results.md). Eagerly it
-    writes the cache in place and adds no other kernel."""
+    and the first step that ran it so on an H200 faulted (an illegal address; docs/results.md): inductor clones
+    the two views' base from V's own pointer, past the cache's end (pytorch/pytorch#139628). Eagerly it writes the
+    cache in place and adds no other kernel."""
     if not qkv_rope.applies(x, n_q, n_kv, d):
         return None
     return qkv_rope.qkv_rope_write(linear(x, w_qkv), cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_slots, v_slots, slots)

@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from flashpd.bench.common import command_line, copy_bandwidth_gbs, time_ms, write_json
 from flashpd.bench.dflash_step import drafter_config_for
 from flashpd.bench.profile_step import kernel_table, measure_prefill
-from flashpd.engine import paged_attention, triton_env
+from flashpd.engine import triton_env
 from flashpd.engine.config import builtin_config_path, load_config
 from flashpd.engine.drafter import dummy_drafter
 from flashpd.engine.generate import NativeGenerator
@@ -309,7 +309,6 @@ def main() -> None:
     res["blas"] = a.blas
     res["pdl"] = {"enabled": triton_env.pdl(torch.device("cuda")), "latency_release": triton_env.PDL_LATENCY_RELEASE}
     res["inductor_extra"] = dict(extra)
-    res["fused_rope"] = paged_attention.FUSED_ROPE  # a one-token decode's q/k norms and RoPE inside attention
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     embed = target.embed_tokens.weight

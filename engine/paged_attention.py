@@ -27,14 +27,12 @@ copies it exactly, so both give the same bits, and the choice is made per call f
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 
 from flashpd.engine import triton_env
 from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: the plain-PyTorch attention only
 if triton is not None:
-    from flashpd.engine.qkv_rope import _norm_rope
     from flashpd.engine.triton_env import pdl_enter
 
 LOG2E = 1.4426950408889634  # scores are kept in the log2 domain: exp2 is the hardware's exponential
@@ -72,23 +70,6 @@ WORKSPACE_MAX_BYTES = 64 << 20
 # (docs/results.md). The same bits either way.
 COMBINE_UNROLL = 4
 COMBINE_UNROLL_ONE_TOKEN = 1
-
-
-# A one-token decode's q/k norms, RoPE and K/V cache write inside the attention kernel (`paged_attention_rope`):
-# one launch a layer fewer than engine/qkv_rope.py's kernel then this one. Off: every call takes both.
-FUSED_ROPE = True
-
-
-class RopeInputs(NamedTuple):
-    """What qkv_rope's kernel reads besides the QKV output, for `launch`'s ROPE form."""
-
-    cos: torch.Tensor  # [B, 1, d]
-    sin: torch.Tensor
-    w_qn: torch.Tensor  # [d]
-    w_kn: torch.Tensor
-    slots: torch.Tensor  # [B]: each row's token's cache slot
-    eps: float
-    n_q: int
 
 
 def available() -> bool:
@@ -132,10 +113,9 @@ if triton is not None:
 
     @triton.jit
     def _block(q, k_base, v_base, bt_row, pos, max_pos, n_keys, start, m_i, l_i, acc, qk_scale,
-               sk_blk, sk_off, sv_blk, sv_off, d_ok, k_new, v_new, PAGE: tl.constexpr, BN: tl.constexpr,
-               F32: tl.constexpr, INTERPRET: tl.constexpr, ROPE: tl.constexpr):
-        """A chunk's state after its next BN keys from `start` (the online softmax in the log2 domain). ROPE: the
-        key at max_pos (a decode's own token) is k_new/v_new [1, D_PAD], made in this program, not the cache's."""
+               sk_blk, sk_off, sv_blk, sv_off, d_ok, PAGE: tl.constexpr, BN: tl.constexpr, F32: tl.constexpr,
+               INTERPRET: tl.constexpr):
+        """A chunk's state after its next BN keys from `start` (the online softmax in the log2 domain)."""
         keys = start + tl.arange(0, BN)
         k_ok = (keys <= max_pos) & (keys < n_keys)
         page = tl.load(bt_row + keys // PAGE, mask=k_ok, other=0)
@@ -143,10 +123,6 @@ if triton is not None:
         ld = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + page[:, None] * sk_blk + off[:, None] * sk_off, mask=ld, other=0.0)
         v = tl.load(v_base + page[:, None] * sv_blk + off[:, None] * sv_off, mask=ld, other=0.0)
-        if ROPE:
-            own = (keys == max_pos)[:, None]
-            k = tl.where(own, k_new, k)
-            v = tl.where(own, v_new, v)
         s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BN], tl.float32), F32, INTERPRET)
         s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
         # a row that sees no key of this block keeps m (alpha = 2^0 = 1, p = 0): its l and acc stay
@@ -160,69 +136,16 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _halves(x1, x2, R: tl.constexpr, D: tl.constexpr):
-        """[R, D/2] halves -> [R, D] (x1's columns first): exact, a change of layout only."""
-        return tl.reshape(tl.permute(tl.join(x1, x2), (0, 2, 1)), (R, D))
-
-    @triton.jit
-    def _rope_inputs(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, slot_ptr, k_ptr, v_ptr, b, h, HKV, rows, row_ok,
-                     pos, s_qkv_b, s_cs_b, sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, eps, writer,
-                     NQ: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
-        """A one-token row's queries [BM, D] (rows past G zero), key and value [1, D], as qkv_rope's kernel makes
-        them from the QKV output; the key and value written at the row's slot when `writer`."""
-        c = tl.arange(0, D // 2)
-        dd = tl.arange(0, D)
-        row = qkv_ptr + b * s_qkv_b
-        qrow = row + (h * G + rows)[:, None] * D + c[None, :]  # rows: group j of KV head h (T = 1: row j is j)
-        xq1 = tl.load(qrow, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        xq2 = tl.load(qrow + D // 2, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        krow = row + (NQ + h) * D + c[None, :]
-        xk1 = tl.load(krow).to(tl.float32)
-        xk2 = tl.load(krow + D // 2).to(tl.float32)
-        v_new = tl.load(row + (NQ + HKV + h) * D + dd[None, :]).to(v_ptr.dtype.element_ty)
-        cs = b * s_cs_b
-        cos1 = tl.load(cos_ptr + cs + c).to(tl.float32)
-        cos2 = tl.load(cos_ptr + cs + D // 2 + c).to(tl.float32)
-        sin1 = tl.load(sin_ptr + cs + c).to(tl.float32)
-        sin2 = tl.load(sin_ptr + cs + D // 2 + c).to(tl.float32)
-        wq1 = tl.load(wq_ptr + c).to(tl.float32)
-        wq2 = tl.load(wq_ptr + D // 2 + c).to(tl.float32)
-        wk1 = tl.load(wk_ptr + c).to(tl.float32)
-        wk2 = tl.load(wk_ptr + D // 2 + c).to(tl.float32)
-        q1, q2 = _norm_rope(xq1, xq2, wq1, wq2, cos1, cos2, sin1, sin2, eps, D, DT)
-        k1, k2 = _norm_rope(xk1, xk2, wk1, wk2, cos1, cos2, sin1, sin2, eps, D, DT)
-        dt = qkv_ptr.dtype.element_ty
-        q = _halves(q1.to(dt), q2.to(dt), rows.shape[0], D)
-        k_new = _halves(k1.to(k_ptr.dtype.element_ty), k2.to(k_ptr.dtype.element_ty), 1, D)
-        if writer:
-            slot = tl.load(slot_ptr + b)
-            kc = k_ptr + (slot // PAGE) * sk_blk + (slot % PAGE) * sk_off + h * sk_h
-            vc = v_ptr + (slot // PAGE) * sv_blk + (slot % PAGE) * sv_off + h * sv_h
-            tl.store(kc + c[None, :], k1.to(k_ptr.dtype.element_ty))
-            tl.store(kc + D // 2 + c[None, :], k2.to(k_ptr.dtype.element_ty))
-            tl.store(vc + dd[None, :], v_new)
-        return q, k_new, v_new
-
-    @triton.jit
     def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                      qk_scale, HKV, M, n_keys,
                      sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
                      sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
-                     cos_ptr, sin_ptr, wq_ptr, wk_ptr, slot_ptr, eps, s_cs_b,
                      G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, SPLIT: tl.constexpr,
-                     F32: tl.constexpr, INTERPRET: tl.constexpr, ROPE: tl.constexpr, NQ: tl.constexpr,
-                     DT: tl.constexpr, PDL: tl.constexpr):
+                     F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         """One (row tile, kv head * batch, key chunk) program. SPLIT: write the state of the keys of chunk
         `program_id(2)` for `_combine_kernel`; else walk every chunk, merge, and write the output. PDL: see
-        triton_env.pdl.
-
-        ROPE (a one-token decode, `launch_rope`): q_ptr is the QKV matmul's output [B, 1, (NQ + 2 HKV) D] (sq_b
-        its row stride), and this program does qkv_rope's work for its row and KV head: the G queries' and the
-        key's norms and RoPE with qkv_rope's `_norm_rope` (the same arithmetic on the same [rows, D/2] halves), the
-        key and value written at `slot_ptr[b]` by one program of the row and head (the walking one, or the chunk
-        holding the row's position), and used from registers at the row's own position (no program reads a slot
-        another writes in this launch)."""
+        triton_env.pdl."""
         pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -237,24 +160,13 @@ if triton is not None:
         max_pos = tl.max(pos, 0)
         if SPLIT:
             # a chunk past the tile's last position (a table wider than the context): nothing to write, and the
-            # combine kernel never reads it (with ROPE, chunk 0 stays to write a row at no position's K/V)
-            if pid_s * KPC > max_pos and not (ROPE and pid_s == 0):
+            # combine kernel never reads it
+            if pid_s * KPC > max_pos:
                 return
         dd = tl.arange(0, D_PAD)
         d_ok = dd < D
-        if ROPE:
-            if SPLIT:
-                writer = pid_s == tl.maximum(max_pos, 0) // KPC
-            else:
-                writer = pid_m == 0
-            q, k_new, v_new = _rope_inputs(q_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, slot_ptr, k_ptr, v_ptr, b, h,
-                                           HKV, rows, row_ok, max_pos, sq_b, s_cs_b, sk_blk, sk_off, sk_h,
-                                           sv_blk, sv_off, sv_h, eps, writer, NQ, G, PAGE, D, DT)
-        else:
-            q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            k_new = 0.0
-            v_new = 0.0
+        q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if SPLIT:
             lo = pid_s * KPC
             hi = tl.minimum(tl.minimum(max_pos + 1, n_keys), lo + KPC)
@@ -276,8 +188,8 @@ if triton is not None:
             acc = tl.zeros([BM, D_PAD], tl.float32)
             for j in tl.static_range(0, KPC, BN):
                 m_i, l_i, acc = _block(q, k_base, v_base, bt_ptr + b * sbt_b, pos, max_pos, n_keys, c_lo + j,
-                                       m_i, l_i, acc, qk_scale, sk_blk, sk_off, sv_blk, sv_off, d_ok, k_new, v_new,
-                                       PAGE, BN, F32, INTERPRET, ROPE)
+                                       m_i, l_i, acc, qk_scale, sk_blk, sk_off, sv_blk, sv_off, d_ok,
+                                       PAGE, BN, F32, INTERPRET)
             m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         if SPLIT:
             ws = (pid_s * tl.num_programs(1) + pid_bh) * M + rows
@@ -335,21 +247,13 @@ if triton is not None:
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                positions: torch.Tensor, scale: float, split: bool | None = None, block_m: int = BLOCK_M,
                block_n: int = BLOCK_N, num_warps: int | None = None, num_stages: int = NUM_STAGES,
-               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK,
-               rope: "RopeInputs | None" = None) -> torch.Tensor:
+               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK) -> torch.Tensor:
         """The two kernels' launch. split: a program per key chunk and the combine kernel (None: `use_split`
         decides); the same bits either way. The tile and chunk arguments exist for bench/paged_split's sweep
         (they change bits); the op passes the module's constants. num_warps: the walking or chunk programs'
         (None: NUM_WARPS, or SPLIT_NUM_WARPS for a program per chunk; no bit depends on it); the combine kernel
-        takes SPLIT_NUM_WARPS. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q.
-        rope (`launch_rope`): q is then the QKV matmul's output [B, 1, (n_q + 2 Hkv) d] of a one-token decode."""
-        if rope is None:
-            hkv, b, m, d = q.shape
-            sq = (q.stride(0), q.stride(1), q.stride(2))
-        else:
-            hkv, d = k_cache.shape[2], k_cache.shape[3]
-            b, m = q.shape[0], rope.n_q // hkv
-            sq = (0, q.stride(0), 0)
+        takes SPLIT_NUM_WARPS. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q."""
+        hkv, b, m, d = q.shape
         t = positions.shape[1]
         assert positions.stride(1) == 1 or t == 1, "positions: each row's must be consecutive"
         assert keys_per_chunk % block_n == 0
@@ -362,7 +266,7 @@ if triton is not None:
             out = torch.empty((b, t, hkv * g * d), dtype=q.dtype, device=q.device)
             so = (g * d, out.stride(0), out.stride(1), d)
         else:
-            out = torch.empty((hkv, b, m, d), dtype=q.dtype, device=q.device)
+            out = torch.empty_like(q)
             so = (out.stride(0), out.stride(1), g * out.stride(2), out.stride(2))
         tiles = triton.cdiv(m, block_m)
         n_chunks = triton.cdiv(n_keys, keys_per_chunk)
@@ -378,22 +282,15 @@ if triton is not None:
             acc_ws = torch.empty((n_chunks, hkv * b, m, d_pad), dtype=torch.float32, device=q.device)
         else:
             m_ws = l_ws = acc_ws = torch.empty(1, dtype=torch.float32, device=q.device)  # unused (no alias of out)
-        if rope is None:
-            r_args = (q, q, q, q, positions, 0.0, 0)  # unused
-            r_const = {"ROPE": False, "NQ": 1, "DT": tl.float32}
-        else:
-            assert t == 1 and d_pad == d and m == g
-            r_args = (rope.cos, rope.sin, rope.w_qn, rope.w_kn, rope.slots, float(rope.eps), rope.cos.stride(0))
-            r_const = {"ROPE": True, "NQ": rope.n_q, "DT": _TL_DTYPES[q.dtype]}
         _attn_kernel[(tiles, hkv * b, n_chunks if split else 1)](
             q, k_cache, v_cache, block_tables, positions, out, m_ws, l_ws, acc_ws,
             scale * LOG2E, hkv, m, n_keys,
-            *sq, *so,
+            q.stride(0), q.stride(1), q.stride(2), *so,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), positions.stride(0), *r_args,
+            block_tables.stride(0), positions.stride(0),
             G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
-            F32=f32, INTERPRET=INTERPRET, **r_const, num_warps=num_warps, num_stages=num_stages, **options,
+            F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages, **options,
             **triton_env.pdl_args(q.device))
         if split:
             _combine_kernel[(tiles, hkv * b)](
@@ -402,8 +299,6 @@ if triton is not None:
                 UNROLL=COMBINE_UNROLL if t > 1 else COMBINE_UNROLL_ONE_TOKEN, num_warps=SPLIT_NUM_WARPS,
                 **triton_env.pdl_args(q.device))
         return out
-
-    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern
     # kernel instead of tracing into its launches, whose buffers (the output, the split's workspaces) its
@@ -423,22 +318,6 @@ if triton is not None:
         hkv, b, m, d = q.shape
         t = positions.shape[1]
         return q.new_empty((b, t, hkv * (m // t) * d)) if heads_last else torch.empty_like(q)
-
-
-    @torch.library.custom_op("flashpd::paged_attention_rope", mutates_args=("k_cache", "v_cache"))
-    def _paged_attention_rope_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qn: torch.Tensor,
-                                 w_kn: torch.Tensor, eps: float, n_q: int, k_cache: torch.Tensor,
-                                 v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                                 positions: torch.Tensor, scale: float, split: int) -> torch.Tensor:
-        return launch(qkv, k_cache, v_cache, block_tables, positions, scale, None if split < 0 else bool(split),
-                      BLOCK_M, BLOCK_N, None, NUM_STAGES, True, KEYS_PER_CHUNK,
-                      RopeInputs(cos, sin, w_qn, w_kn, slots, eps, n_q))
-
-    @_paged_attention_rope_op.register_fake
-    def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
-          eps: float, n_q: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-          block_tables: torch.Tensor, positions: torch.Tensor, scale: float, split: int) -> torch.Tensor:
-        return qkv.new_empty((qkv.shape[0], 1, n_q * k_cache.shape[3]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -479,36 +358,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     positions = positions.contiguous()
     return torch.ops.flashpd.paged_attention(q, k_cache, v_cache, block_tables, positions, float(scale),
                                              -1 if split is None else int(split), heads_last)
-
-
-def rope_applies(qkv: torch.Tensor, t: int, n_q: int, n_kv: int, d: int) -> bool:
-    """Whether `paged_attention_rope` takes a call: FUSED_ROPE, one token a row (a decode), and qkv_rope's kernel
-    applying to the QKV output (engine/qkv_rope.applies: the same device, dtype and head-shape conditions)."""
-    from flashpd.engine import qkv_rope
-    return FUSED_ROPE and t == 1 and triton is not None and qkv_rope.applies(qkv, n_q, n_kv, d)
-
-
-def paged_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qn: torch.Tensor,
-                         w_kn: torch.Tensor, eps: float, n_q: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slots: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
-                         split: bool | None = None) -> torch.Tensor:
-    """A one-token decode's attention from the QKV matmul's output (`rope_applies`): what qkv_rope_write then
-    paged_attention(heads_last=True) give, in one launch (two with the split's combine). qkv [B, 1, (n_q + 2
-    n_kv) d], cos/sin [B, 1, d], the norms' weights [d], k/v_cache [blocks, bs, n_kv, d] (each row's token's key
-    and value are written at `slots` [B]), block_tables [B, nblk], positions [B, 1] -> [B, 1, n_q * d]. The
-    queries, keys and values carry qkv_rope's bits, so a decode's cache and output are bitwise the two kernels'
-    (tests/test_paged_rope.py), and so a verify's, which takes the two kernels."""
-    if triton is None:
-        raise RuntimeError("paged_attention_rope needs triton")
-    b, t, width = qkv.shape
-    n_kv, d = k_cache.shape[2], k_cache.shape[3]
-    assert t == 1 and positions.shape == (b, 1) and slots.shape == (b,) and width == (n_q + 2 * n_kv) * d
-    assert qkv.stride(-1) == 1 and cos.shape == sin.shape == (b, 1, d) and cos.stride() == sin.stride()
-    assert cos.stride(-1) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    assert w_qn.is_contiguous() and w_kn.is_contiguous() and slots.is_contiguous()
-    return torch.ops.flashpd.paged_attention_rope(qkv, cos, sin, w_qn, w_kn, float(eps), n_q, k_cache, v_cache,
-                                                  slots, block_tables, positions.contiguous(), float(scale),
-                                                  -1 if split is None else int(split))
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

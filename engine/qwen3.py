@@ -20,7 +20,6 @@ from dataclasses import replace
 from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
     group_queries, grouped_attention, out_proj, paged_applies, use_paged, write_kv
 from flashpd.engine import qkv_rope
-from flashpd.engine import paged_attention as paged
 from flashpd.engine.paged_attention import paged_attention
 from flashpd.engine import skinny_gemm
 from flashpd.engine.skinny_gemm import fused_linear, fused_residual, linear
@@ -64,34 +63,16 @@ def fused_attn_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_q
     return qkv_rope.qkv_rope_write(linear(x, w_qkv), cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_slots, v_slots, slots)
 
 
-def paged_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qn: torch.Tensor,
-                           w_kn: torch.Tensor, eps: float, n_q: int, n_kv: int, d: int, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                           positions: torch.Tensor) -> torch.Tensor | None:
-    """A one-token decode's attention on the paged path straight from the QKV matmul's output, in one launch
-    (paged_attention.paged_attention_rope: qkv_rope's work inside the attention kernel; its K/V written at `slots`)
-    -> [B, 1, n_q * d], o_proj's input; None where that does not apply (a verify or draft pass, FUSED_ROPE off):
-    the caller then takes qkv_rope's kernel and the attention kernel. Called eagerly, as qkv_rope's op is
-    (`fused_attn_inputs` says why)."""
-    if positions.shape[1] != 1 or not paged.rope_applies(qkv, qkv.shape[1], n_q, n_kv, d):
-        return None
-    return paged.paged_attention_rope(qkv, cos, sin, w_qn, w_kn, eps, n_q, k_cache, v_cache, slots, block_tables,
-                                      positions, d ** -0.5)
-
-
 def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              block_tables: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, w_o: torch.Tensor,
              w_post: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, w_next: torch.Tensor, eps: float,
-             scale: float, impl: str | None = None, attended: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             scale: float, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped queries (attn_inputs) over the cache, then the residual MLP -> (the layer's
     output h, h normed by w_next: the next layer's input norm, or the model's final norm after the last).
     Decode and verify on a GPU read the cache in place by position (attention.use_paged); elsewhere it is
     gathered and masked (`mask`: step_inputs builds it exactly when this branch runs). impl: AttnBatch.impl
-    (None: chosen per shape and device). attended: q is already the attention's output [B, T, Hq*d]
-    (`paged_decode_attention`)."""
-    if attended:
-        o = linear(q, w_o)
-    elif use_paged(q, positions.shape[1], impl):
+    (None: chosen per shape and device)."""
+    if use_paged(q, positions.shape[1], impl):
         # o_proj as one matmul over the kernel's [B, T, Hq*d] output (the kv-major per-head matmuls and their
         # sum cost several times the weight's read at large batches)
         o = linear(paged_attention(q, k_cache, v_cache, block_tables, positions, scale, heads_last=True), w_o)
@@ -129,18 +110,14 @@ def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.
     """A decoder layer (`fused_layers`) in 7 launches: the residual stream h, with xg = h times the input norm's
     weight and ss the partial sums of h's squares (skinny_gemm.norm_input, or the previous fused layer) -> the
     same three for the layer's output, xg by w_next (the next layer's input norm, or the final norm's weight).
-    QKV scales its rows by 1/rms, qkv_rope writes K/V at `slots`, the paged kernel attends up to `positions` (a
-    one-token decode: both in the paged kernel, `paged_decode_attention`: 6 launches),
+    QKV scales its rows by 1/rms, qkv_rope writes K/V at `slots`, the paged kernel attends up to `positions`,
     o_proj adds the residual and writes the post-attention norm's input, gate/up forms silu(gate) * up of the
     normed rows, down adds the residual and writes the next norm's input. Eager launches (opaque ops: nothing is
     left between them for a compiler to fuse)."""
     qkv = fused_linear(xg, w_qkv, ss, eps)
-    o = paged_decode_attention(qkv, cos, sin, w_qn, w_kn, eps, n_q, n_kv, d, k_cache, v_cache, slots, block_tables,
-                               positions)
-    if o is None:
-        q = qkv_rope.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_cache.view(-1, n_kv, d),
-                                    v_cache.view(-1, n_kv, d), slots)
-        o = paged_attention(q, k_cache, v_cache, block_tables, positions, d ** -0.5, heads_last=True)
+    q = qkv_rope.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_cache.view(-1, n_kv, d),
+                                v_cache.view(-1, n_kv, d), slots)
+    o = paged_attention(q, k_cache, v_cache, block_tables, positions, d ** -0.5, heads_last=True)
     h, xg, ss = fused_residual(o, w_o, h, w_post)
     act = fused_linear(xg, w_gate_up, ss, eps, swiglu=True)
     return fused_residual(act, w_down, h, w_next)
@@ -184,17 +161,8 @@ class Qwen3DecoderLayer(nn.Module):
         args = (x, cos, sin, a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight, c.rms_norm_eps,
                 c.num_attention_heads, n_kv, d, k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), batch.slots)
         q = k = v = None
-        if not batch.fresh and paged_applies(x.device, x.shape[1], batch.impl):
-            if x.shape[1] == 1 and paged.rope_applies(x, 1, c.num_attention_heads, n_kv, d):
-                o = paged_decode_attention(linear(x, a.qkv_proj.weight), cos, sin, a.q_norm.weight,
-                                           a.k_norm.weight, c.rms_norm_eps, c.num_attention_heads, n_kv, d,
-                                           k_cache, v_cache, batch.slots, batch.block_tables, batch.positions)
-                if o is not None:  # the attention's output: the compiled rest from o_proj on
-                    return post(h, o, k_cache, v_cache, batch.block_tables, batch.positions, batch.mask,
-                                a.o_proj.weight, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight,
-                                self.mlp.down_proj.weight, w_next, c.rms_norm_eps, c.head_dim ** -0.5, batch.impl,
-                                attended=True)
-            q = fused_attn_inputs(*args)  # the paged kernel's queries
+        if not batch.fresh and paged_applies(x.device, x.shape[1], batch.impl):  # the paged kernel's queries
+            q = fused_attn_inputs(*args)
         if q is None:
             q, k, v = pre(*args, batch.fresh)
         if batch.fresh:

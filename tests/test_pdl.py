@@ -56,9 +56,7 @@ def compile_(kernel, const, warps=4, stages=3):
             "mem": at(*MEM), "mma": at("mma"), "store": at("st.global")}
 
 skinny = dict(BM=16, BN=16, BK=128, EVEN_K=True, F32=False, ROWWISE=False, P_PAD=16)
-attn = dict(G=4, PAGE=16, D=128, D_PAD=128, BM=16, BN=32, KPC=256, F32=False, INTERPRET=False, ROPE=False, NQ=1,
-            DT=tl.float32)
-rope = dict(attn, ROPE=True, NQ=32, DT=tl.bfloat16)  # a one-token decode's norms, RoPE and cache write inside
+attn = dict(G=4, PAGE=16, D=128, D_PAD=128, BM=16, BN=32, KPC=256, F32=False, INTERPRET=False)
 cases = {
     "skinny_rms_swiglu": (sg._skinny_kernel, dict(skinny, RMS=True, SWIGLU=True, RESID=False, NEXT=False, PDL=1)),
     "skinny_resid_next": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=True, NEXT=True, PDL=2)),
@@ -74,8 +72,6 @@ cases = {
     "qkv_rope_never": (qr._qkv_rope_kernel, dict(NQ=32, NKV=8, G=4, D=128, DT=tl.bfloat16, PDL=3)),
     "attn_split_never": (pa._attn_kernel, dict(attn, SPLIT=True, PDL=3)),
     "attn_walk_never": (pa._attn_kernel, dict(attn, SPLIT=False, PDL=3)),
-    "attn_rope_split_never": (pa._attn_kernel, dict(rope, SPLIT=True, PDL=3)),
-    "attn_rope_walk_never": (pa._attn_kernel, dict(rope, SPLIT=False, PDL=3)),
 }
 out = {}
 for name in sys.argv[1:]:
@@ -87,8 +83,7 @@ print(json.dumps(out))
 GEMMS = ("skinny_rms_swiglu", "skinny_resid_next", "skinny_never")  # any PDL: release after the loop
 # the engine's default form (PDL_LATENCY_RELEASE 0 -> PDL 3) for every latency kernel, and the other two forms
 LATENCY = {"prep_first": 2, "qkv_rope_after": 1, "attn_split_first": 2, "attn_walk_after": 1, "combine_first": 2,
-           "combine_never": 3, "prep_never": 3, "qkv_rope_never": 3, "attn_split_never": 3, "attn_walk_never": 3,
-           "attn_rope_split_never": 3, "attn_rope_walk_never": 3}
+           "combine_never": 3, "prep_never": 3, "qkv_rope_never": 3, "attn_split_never": 3, "attn_walk_never": 3}
 
 
 def compiled() -> dict:

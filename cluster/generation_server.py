@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Mapping, Protocol
 
 import grpc
 
-from flashpd.decode_node.engine_loop import EngineStopped, Event
+from flashpd.decode_node.engine_loop import EngineStopped, Event, coalesce
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.engine.scheduler import PromptTooLong, RequestFailed
@@ -207,15 +207,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _events(self, h: Stream, context: grpc.ServicerContext):
         """The handle's events until the final one; aborts when the loop dies. Ends quietly when
-        the RPC is no longer active (the callback has cancelled the request)."""
+        the RPC is no longer active (the callback has cancelled the request). Token events already queued
+        behind one go out with it as one (engine_loop.coalesce): a stream that fell behind catches up in one
+        message instead of one a step."""
+        pending = None
         while True:
-            if not context.is_active():
-                return
-            ev = h.get(POLL_S)
-            if ev is None:
-                if not self.loop.alive:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "engine loop stopped")
-                continue
+            if pending is not None:
+                ev, pending = pending, None
+            else:
+                if not context.is_active():
+                    return
+                ev = h.get(POLL_S)
+                if ev is None:
+                    if not self.loop.alive:
+                        context.abort(grpc.StatusCode.UNAVAILABLE, "engine loop stopped")
+                    continue
+                if ev.kind == "tokens":
+                    ev, pending = coalesce(h, ev)
             if ev.kind == "error":
                 abort_for(context, ev.error)
             if ev.kind == "cancelled":

@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashpd.cluster.chat_template import ChatTemplate, ChatTemplateError
 from flashpd.cluster.generation_server import MAX_CHARS_PER_TOKEN, POLL_S, Backend
-from flashpd.decode_node.engine_loop import EngineStopped
+from flashpd.decode_node.engine_loop import EngineStopped, coalesce
 from flashpd.engine.kv_cache import blocks_needed
 from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 from flashpd.engine.sampling import SEED_RANGE, SamplingParams
@@ -421,11 +421,14 @@ class _Run:
         t0 = time.perf_counter()
         ttft = None
         last_check = time.monotonic()
+        pending = None  # an event met after token events merged into one (engine_loop.coalesce), to go next
         try:
             while True:
-                ev = h.get(0)
+                ev, pending = (pending, None) if pending is not None else (h.get(0), None)
                 if ev is None:
                     ev = await anyio.to_thread.run_sync(h.get, POLL_S, limiter=st.limiter)
+                if ev is not None and ev.kind == "tokens":
+                    ev, pending = coalesce(h, ev)
                 if self.request is not None and (ev is None or time.monotonic() - last_check > DISCONNECT_CHECK_S):
                     last_check = time.monotonic()
                     if await self.request.is_disconnected():

@@ -50,6 +50,41 @@ class Event:
     sent: threading.Event | None = None
 
 
+class _AllSent:
+    """The `sent` of token events merged into one (`coalesce`): setting it sets each."""
+
+    def __init__(self, flags: list[threading.Event]) -> None:
+        self.flags = flags
+
+    def set(self) -> None:
+        for f in self.flags:
+            f.set()
+
+
+# the most tokens one coalesced event carries (a stream far behind still gets its tokens in bounded pieces)
+COALESCE_MAX_TOKENS = 256
+
+
+def coalesce(h: "Handle", ev: Event) -> tuple[Event, Event | None]:
+    """A "tokens" event and the "tokens" events already queued behind it (taken without waiting) as one event,
+    in order, and the first other event met after them (to go next), or None. Nothing is reordered or lost:
+    a front end that fell behind the engine sends one message for all it has, not one for each step."""
+    toks = list(ev.tokens)
+    flags = [ev.sent] if ev.sent is not None else []
+    nxt = None
+    while len(toks) < COALESCE_MAX_TOKENS:
+        nxt = h.get(0)
+        if nxt is None or nxt.kind != "tokens":
+            break
+        toks.extend(nxt.tokens)
+        if nxt.sent is not None:
+            flags.append(nxt.sent)
+        nxt = None
+    if len(toks) == len(ev.tokens):
+        return ev, nxt
+    return Event("tokens", tokens=toks, sent=_AllSent(flags) if flags else None), nxt
+
+
 class Handle:
     """One submitted request as seen from outside the loop."""
 

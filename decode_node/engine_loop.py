@@ -72,7 +72,10 @@ def coalesce(h: "Handle", ev: Event) -> tuple[Event, Event | None]:
     toks = list(ev.tokens)
     flags = [ev.sent] if ev.sent is not None else []
     nxt = None
+    q = getattr(h, "events", None)  # a Handle's (or the router's stream's) queue: look before taking, no exception
     while len(toks) < COALESCE_MAX_TOKENS:
+        if q is not None and q.empty():
+            break
         nxt = h.get(0)
         if nxt is None or nxt.kind != "tokens":
             break

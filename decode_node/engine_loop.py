@@ -47,7 +47,7 @@ class Event:
     finish_reason: str | None = None
     stats: dict | None = None
     error: BaseException | None = None
-    sent: threading.Event | None = None
+    sent: threading.Event | _AllSent | None = None  # _AllSent: the flags of events merged into this one
 
 
 class _AllSent:

@@ -4,7 +4,8 @@ Other threads `submit()` requests and `cancel()` them; only the loop thread ever
 scheduler (add, step, cancel), so the scheduler needs no locking. A submission is added between
 steps and its outcome (a `Handle`, or the scheduler's refusal: PromptTooLong / ValueError) goes
 back to the submitter through a future. Each request's new tokens go to its handle's queue as
-they are produced, then one final event. When there is nothing to do the thread sleeps on a
+they are produced, then one final event; a front end that fell behind takes the token events queued
+for it as one (`coalesce`). When there is nothing to do the thread sleeps on a
 condition variable (with a timeout), never spinning. Every wait here is bounded.
 An `on_finish` hook (metrics) sees each finished request in the loop thread.
 

@@ -54,7 +54,8 @@ def read_sum(src: torch.Tensor, out: torch.Tensor, block: int, warps: int, stage
 
 def spans(n: int, programs: int, block: int) -> int:
     """Elements a program reads: n over the programs, rounded up to whole blocks (the last spans may be short)."""
-    return -(-(-(-n // programs)) // block) * block
+    per = -(-n // programs)
+    return -(-per // block) * block
 
 
 GEMV_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}

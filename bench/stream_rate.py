@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import subprocess
 import sys
@@ -152,7 +151,7 @@ def main() -> None:
             cmax = COALESCE_MAX_TOKENS
         proc = subprocess.Popen([sys.executable, "-m", "flashpd.bench.stream_rate", "--serve", str(a.step_ms),
                                  str(a.tokens_per_step), str(cmax)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, env=dict(os.environ))
+                                text=True)
         try:
             port = int(proc.stdout.readline())
             for c in (int(x) for x in a.concurrency.split(",")):

@@ -69,10 +69,15 @@ class _Behind:
     def __getattr__(self, name: str):
         return getattr(self.loop, name)
 
+    @staticmethod
+    def _finished(h: Handle) -> bool:
+        with h.events.mutex:  # the loop thread appends while this looks
+            return any(e.kind == "done" for e in h.events.queue)
+
     def submit(self, *args, **kw) -> Handle:
         h = self.loop.submit(*args, **kw)
         deadline = time.monotonic() + WAIT_S
-        while not any(e.kind == "done" for e in list(h.events.queue)):
+        while not self._finished(h):
             assert time.monotonic() < deadline, "the engine did not finish the request"
             time.sleep(0.005)
         return h

@@ -3,7 +3,8 @@ real `flashpd serve --http-port 0` (colocated, CPU, the shipped demo pair: it ha
 template), with the same server's gRPC API as the reference: greedy completions (streamed or not, native
 and DFlash) equal the gRPC API's text and tokens; chat is deterministic and counts its tokens; stop
 strings; /v1/models, /health, /metrics; OpenAI error bodies and codes; a client that leaves mid-stream
-(or mid-request) frees the request's KV blocks; 32 concurrent streams equal the same requests served alone.
+(or mid-request) frees the request's KV blocks; 32 concurrent streams equal the same requests served alone; a
+stream that fell behind the engine gets its queued tokens in one chunk.
 """
 from __future__ import annotations
 
@@ -435,6 +436,46 @@ def test_backend_failures_map_to_http_statuses():
         for bad in (lambda: c.completions.create(model="fake", prompt="text", max_tokens=2),
                     lambda: c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}])):
             assert _error(bad)[1] == 400
+        c.close()
+    finally:
+        srv.stop()
+
+
+class _BehindBackend(_FakeBackend):
+    """A backend whose stream fell behind by every step: all of a request's token events (each with its `sent`
+    flag) and its final event are queued before the front end reads the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flags: list[threading.Event] = []
+
+    def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
+        from flashpd.decode_node.engine_loop import Event
+
+        h = _FakeHandle()
+        for toks in ([7], [8, 9], [10]):
+            self.flags.append(threading.Event())
+            h.events.put(Event("tokens", tokens=toks, sent=self.flags[-1]))
+        h.events.put(Event("done", finish_reason="length", stats={"acceptance_lengths": [], "tau": None}))
+        return h
+
+
+def test_a_stream_that_fell_behind_gets_its_tokens_in_one_chunk():
+    """The HTTP front end merges the token events queued behind a stream (engine_loop.coalesce): one SSE chunk
+    with every token in order, then the final chunk; every merged event is marked sent."""
+    from flashpd.cluster.http_api import build_app
+    from flashpd.cluster.http_server import start_http
+
+    be = _BehindBackend()
+    srv = start_http(build_app(be, None, "fake", None))
+    try:
+        c = openai.OpenAI(base_url=f"http://{srv.address}/v1", api_key="none", max_retries=0, timeout=10.0)
+        chunks = [[(ch.model_extra or {}).get("token_ids"), ch.finish_reason]
+                  for ev in c.completions.create(model="fake", prompt=[5], max_tokens=4, stream=True,
+                                                 extra_body={"return_token_ids": True})
+                  for ch in ev.choices]
+        assert chunks == [[[7, 8, 9, 10], None], [[], "length"]], chunks
+        assert len(be.flags) == 3 and all(f.is_set() for f in be.flags)
         c.close()
     finally:
         srv.stop()

@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from flashpd.bench.attn_micro import graph_time
-from flashpd.bench.common import command_line, copy_bandwidth_gbs, git_revision, machine, write_json
+from flashpd.bench.common import command_line, git_revision, kernel_bench_start, machine, write_json
 from flashpd.engine import skinny_gemm, triton_env
 from flashpd.engine.triton_env import INTERPRET, tl, triton  # noqa: F401 (INTERPRET: tests/_interpreted.py)
 
@@ -178,12 +178,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/chain_bound.json")
     a = ap.parse_args()
-    if not torch.cuda.is_available() or triton is None:
-        raise SystemExit("chain_bound needs a CUDA GPU and triton")
-    dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    copy = copy_bandwidth_gbs()
-    print(f"copy rate {copy['gb_per_s']:.0f} GB/s; {sms} SMs; PDL {triton_env.pdl(dev)}", flush=True)
+    dev, sms, copy = kernel_bench_start("chain_bound")
     chain = Chain(a.layers, 4096, 6144, 12288, 1, dev)
     gb = chain.weight_bytes() / 1e9
     rows = []

@@ -107,6 +107,19 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> dict:
     return {"bytes_per_copy": 2 * nbytes, "median_ms": med, "gb_per_s": 2 * nbytes / (med * 1e-3) / 1e9}
 
 
+def kernel_bench_start(name: str) -> tuple[torch.device, int, dict]:
+    """A GPU-only kernel bench's start: (the device, its SM count, the copy rate), the line that reports them;
+    exits with a message where there is no CUDA GPU or no triton."""
+    from flashpd.engine import triton_env
+    if not torch.cuda.is_available() or triton_env.triton is None:
+        raise SystemExit(f"{name} needs a CUDA GPU and triton")
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    copy = copy_bandwidth_gbs()
+    print(f"copy rate {copy['gb_per_s']:.0f} GB/s; {sms} SMs; PDL {triton_env.pdl(dev)}", flush=True)
+    return dev, sms, copy
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

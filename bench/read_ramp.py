@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from flashpd.bench.attn_micro import graph_time
-from flashpd.bench.common import command_line, copy_bandwidth_gbs, git_revision, machine, write_json
+from flashpd.bench.common import command_line, git_revision, kernel_bench_start, machine, write_json
 from flashpd.engine import skinny_gemm, triton_env
 from flashpd.engine.triton_env import INTERPRET, tl, triton  # noqa: F401 (INTERPRET: tests/_interpreted.py)
 
@@ -73,12 +73,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--out", default="bench/results/read_ramp.json")
     a = ap.parse_args()
-    if not torch.cuda.is_available() or triton is None:
-        raise SystemExit("read_ramp needs a CUDA GPU and triton")
-    dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    copy = copy_bandwidth_gbs()
-    print(f"copy rate {copy['gb_per_s']:.0f} GB/s; {sms} SMs; PDL {triton_env.pdl(dev)}", flush=True)
+    dev, sms, copy = kernel_bench_start("read_ramp")
     rows = []
     for mb in (float(s) for s in a.sizes_mb.split(",")):
         n = int(mb * 1e6) // 2

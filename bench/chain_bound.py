@@ -76,29 +76,52 @@ if triton is not None:
             tl.debug_barrier()
 
     @triton.jit
+    def _prefetch(w_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, PF: tl.constexpr):
+        """Ask the L2 for the first PF 128-byte lines of each row of this program's first column tile of the next
+        projection (its weights do not wait for the barrier): PTX prefetch.global.L2, one line an element."""
+        if PF > 0:
+            rows = pid * BN + tl.arange(0, BN)
+            cols = tl.arange(0, PF) * 64
+            ok = ((rows < N)[:, None] & (cols < K)[None, :]).to(tl.int32)
+            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
+                                      "mov.u32 $0, 0; }", "=r,l,r", [w_ptr + rows[:, None] * K + cols[None, :], ok],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _chain_kernel(w_ptr, offs_ptr, y0, y1, y2, y3, bar_ptr, err_ptr, M, L,
                       D: tl.constexpr, QKV: tl.constexpr, FF: tl.constexpr, BN: tl.constexpr, BN_WIDE: tl.constexpr,
                       BK: tl.constexpr, BM: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr,
-                      STAGES: tl.constexpr, XCG: tl.constexpr, F32: tl.constexpr):
+                      STAGES: tl.constexpr, XCG: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr):
         """L layers of four projections. y3 holds the first layer's input; each layer: y0 = y3 @ qkv.T,
-        y1 = y0[:, :D] @ o.T, y2 = y1 @ gate_up.T, y3 = y2[:, :FF] @ down.T, a barrier after each."""
+        y1 = y0[:, :D] @ o.T, y2 = y1 @ gate_up.T, y3 = y2[:, :FF] @ down.T, a barrier after each. PF > 0: before
+        each barrier, the next projection's first weight lines are asked of the L2 (`_prefetch`)."""
         pid = tl.program_id(0)
         P = tl.num_programs(0)
         target = 0
+        # each weight's offset is a multiple of 16 elements: said, so that its loads are 16-byte vectors that
+        # triton pipelines as asynchronous copies (unsaid, the K loop ran unpipelined, 6x slower)
+        wq = w_ptr + tl.multiple_of(tl.load(offs_ptr), 16)
         for layer in range(L):
-            # each weight's offset is a multiple of 16 elements: said, so that its loads are 16-byte vectors that
-            # triton pipelines as asynchronous copies (unsaid, the K loop ran unpipelined, 6x slower)
             o = offs_ptr + layer * 4
-            _project(y3, D, w_ptr + tl.multiple_of(tl.load(o), 16), y0, QKV, M, pid, P, QKV, D, BN, BK, BM, STAGES, XCG, F32)
+            wo = w_ptr + tl.multiple_of(tl.load(o + 1), 16)
+            wgu = w_ptr + tl.multiple_of(tl.load(o + 2), 16)
+            wd = w_ptr + tl.multiple_of(tl.load(o + 3), 16)
+            _project(y3, D, wq, y0, QKV, M, pid, P, QKV, D, BN, BK, BM, STAGES, XCG, F32)
+            _prefetch(wo, pid, D, D, BN, PF)
             target += P
             _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
-            _project(y0, QKV, w_ptr + tl.multiple_of(tl.load(o + 1), 16), y1, D, M, pid, P, D, D, BN, BK, BM, STAGES, XCG, F32)
+            _project(y0, QKV, wo, y1, D, M, pid, P, D, D, BN, BK, BM, STAGES, XCG, F32)
+            _prefetch(wgu, pid, 2 * FF, D, BN_WIDE, PF)
             target += P
             _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
-            _project(y1, D, w_ptr + tl.multiple_of(tl.load(o + 2), 16), y2, 2 * FF, M, pid, P, 2 * FF, D, BN_WIDE, BK, BM, STAGES, XCG, F32)
+            _project(y1, D, wgu, y2, 2 * FF, M, pid, P, 2 * FF, D, BN_WIDE, BK, BM, STAGES, XCG, F32)
+            _prefetch(wd, pid, D, FF, BN, PF)
             target += P
             _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
-            _project(y2, 2 * FF, w_ptr + tl.multiple_of(tl.load(o + 3), 16), y3, D, M, pid, P, D, FF, BN, BK, BM, STAGES, XCG, F32)
+            _project(y2, 2 * FF, wd, y3, D, M, pid, P, D, FF, BN, BK, BM, STAGES, XCG, F32)
+            # the next layer's q/k/v (the table holds one more entry, repeating the last layer's: no branch)
+            wq = w_ptr + tl.multiple_of(tl.load(o + 4), 16)
+            _prefetch(wq, pid, QKV, D, BN, PF)
             target += P
             _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
 
@@ -127,7 +150,7 @@ class Chain:
                 self.views.append(v)
                 offs.append(at)
                 at += n * k
-        self.offs = torch.tensor(offs, dtype=torch.int64, device=device)
+        self.offs = torch.tensor(offs + offs[-4:-3], dtype=torch.int64, device=device)  # + a last q/k/v offset
         self.x = torch.randn(rows, d, generator=g, device=device, dtype=torch.float32).to(dtype)
         self.y = [torch.zeros(rows, n, dtype=dtype, device=device) for n, _ in self.shapes]
         self.bar = torch.zeros(1, dtype=torch.int32, device=device)
@@ -144,17 +167,19 @@ class Chain:
             h = (((h @ wq.T)[:, :self.d] @ wo.T) @ wgu.T)[:, :self.ff] @ wd.T
         return h
 
-    def run_persistent(self, programs: int, sync: bool = True, warps: int = 2, stages: int = 6, xcg: bool = True
-                       ) -> torch.Tensor:
+    def run_persistent(self, programs: int, sync: bool = True, warps: int = 2, stages: int = 6, xcg: bool = True,
+                       prefetch_lines: int = 0) -> torch.Tensor:
         """The persistent kernel (the K loops pipelined `stages` deep, the outer loops not; xcg: activations read
-        past L1, as they must be: another SM wrote them) -> the last layer's output [rows, d]."""
+        past L1, as they must be: another SM wrote them; prefetch_lines: `_prefetch`'s PF, a power of two, 0 off:
+        the GPU only) -> the last layer's output [rows, d]."""
         bn, bk = skinny_gemm.TILE_NARROW[:2]
         self.y[3][:, :self.d].copy_(self.x)
         self.bar.zero_()
         _chain_kernel[(programs,)](self.w, self.offs, *self.y, self.bar, self.err, self.rows, self.layers,
                                    D=self.d, QKV=self.qkv, FF=self.ff, BN=bn, BN_WIDE=skinny_gemm.TILE_WIDE[0],
                                    BK=bk, BM=skinny_gemm.BLOCK_M, SYNC=int(sync), SPIN=MAX_SPIN, STAGES=stages,
-                                   XCG=int(xcg), F32=int(self.w.dtype == torch.float32), num_warps=warps,
+                                   XCG=int(xcg), F32=int(self.w.dtype == torch.float32), PF=prefetch_lines,
+                                   num_warps=warps,
                                    num_stages=1)
         return self.y[3]
 
@@ -175,10 +200,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--programs-per-sm", default="1,2", help="the grid must be resident at once: a program's six "
                     "stages of gate/up's 32-row tiles take 72 KB of shared memory, so at most 3 an SM")
+    ap.add_argument("--prefetch-lines", default="", help="persistent variants that ask the L2 for the next "
+                    "projection's first weight lines before each barrier: 128-byte lines a row (powers of two)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/chain_bound.json")
     a = ap.parse_args()
     dev, sms, copy = kernel_bench_start("chain_bound")
+    prefetch = [int(p) for p in a.prefetch_lines.split(",") if p]
     chain = Chain(a.layers, 4096, 6144, 12288, 1, dev)
     gb = chain.weight_bytes() / 1e9
     rows = []
@@ -193,16 +221,18 @@ def main() -> None:
     want = chain.run_launches().clone()
     record("launches (engine)", chain.run_launches)
     for pps in (int(p) for p in a.programs_per_sm.split(",")):
-        for stages, xcg in ((6, True), (4, True), (6, False)):
+        for stages, xcg, pf in ((6, True, 0), (4, True, 0), (6, False, 0)) + tuple((6, True, p) for p in prefetch):
             chain.err.zero_()
-            got = chain.run_persistent(sms * pps, stages=stages, xcg=xcg).clone()
+            got = chain.run_persistent(sms * pps, stages=stages, xcg=xcg, prefetch_lines=pf).clone()
             torch.cuda.synchronize()
             ok = chain.err.item() == 0
             same = bool(torch.equal(got, want)) if ok else None
-            record(f"persistent, {pps} an SM, {stages} stages{'' if xcg else ', x via L1'}",
-                   lambda p=pps, s=stages, c=xcg: chain.run_persistent(sms * p, stages=s, xcg=c),
-                   programs=sms * pps, stages=stages, x_past_l1=xcg, all_resident=ok and chain.err.item() == 0,
-                   same_bits_as_launches=same)
+            record(f"persistent, {pps} an SM, {stages} stages{'' if xcg else ', x via L1'}"
+                   + (f", {pf} lines a row prefetched" if pf else ""),
+                   lambda p=pps, s=stages, c=xcg, f=pf: chain.run_persistent(sms * p, stages=s, xcg=c,
+                                                                             prefetch_lines=f),
+                   programs=sms * pps, stages=stages, x_past_l1=xcg, prefetch_lines=pf,
+                   all_resident=ok and chain.err.item() == 0, same_bits_as_launches=same)
     record("no barriers (timing only), 2 an SM", lambda: chain.run_persistent(2 * sms, sync=False),
            programs=2 * sms)
     write_json(a.out, {"bench": "chain_bound", "git": git_revision(), "machine": machine(),

@@ -72,6 +72,7 @@ def coalesce(h: "Handle", ev: Event) -> tuple[Event, Event | None]:
     a front end that fell behind the engine sends one message for all it has, not one for each step."""
     toks = list(ev.tokens)
     flags = [ev.sent] if ev.sent is not None else []
+    merged = 0
     nxt = None
     q = getattr(h, "events", None)  # a Handle's (or the router's stream's) queue: look before taking, no exception
     while len(toks) < COALESCE_MAX_TOKENS:
@@ -83,8 +84,9 @@ def coalesce(h: "Handle", ev: Event) -> tuple[Event, Event | None]:
         toks.extend(nxt.tokens)
         if nxt.sent is not None:
             flags.append(nxt.sent)
+        merged += 1
         nxt = None
-    if len(toks) == len(ev.tokens):
+    if not merged:  # (counted, not read from the tokens: a merged event may carry none, and its flag must go on)
         return ev, nxt
     return Event("tokens", tokens=toks, sent=_AllSent(flags) if flags else None), nxt
 

@@ -42,6 +42,16 @@ def test_queued_token_events_merge_in_order_up_to_the_next_other_event():
     assert all(f.is_set() for f in flags)
 
 
+def test_a_merged_event_without_tokens_keeps_its_sent_flag():
+    h = _handle()
+    flag = threading.Event()
+    h.events.put(Event("tokens", tokens=[], sent=flag))
+    ev, nxt = coalesce(h, Event("tokens", tokens=[1]))
+    assert ev.tokens == [1] and nxt is None and h.events.empty()
+    ev.sent.set()
+    assert flag.is_set()
+
+
 def test_a_lone_event_is_returned_as_is():
     h = _handle()
     first = Event("tokens", tokens=[5])

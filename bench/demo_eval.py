@@ -19,6 +19,7 @@ from flashpd.bench.common import write_json
 from flashpd.demo import PAIR
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.loader import load_target
+from flashpd.engine.token_map import load_token_map
 from flashpd.training.demo_recipe import heldout_windows
 from flashpd.training.train_drafter import evaluate_tau
 
@@ -28,6 +29,8 @@ def main() -> None:
     ap.add_argument("--pair", default=str(PAIR), help="directory with target/ and drafter/")
     ap.add_argument("--drafter", help="a drafter directory for the pair's target (default: the pair's drafter/): "
                                       "candidates compare on one target and one prompt set")
+    ap.add_argument("--token-map", help="a reduced draft vocabulary (engine/token_map.py; build one with "
+                                        "python -m flashpd.training.token_map): tau under it, output still exact")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--prompts", type=int, default=16)
@@ -38,6 +41,8 @@ def main() -> None:
     pair = Path(a.pair)
     target = load_target(pair / "target", a.device, getattr(torch, a.dtype))
     drafter = load_drafter(a.drafter or pair / "drafter", target)
+    if a.token_map:
+        drafter.set_token_map(load_token_map(a.token_map, target.cfg.vocab_size))
     prompts = heldout_windows(Tokenizer.from_file(str(pair / "target" / "tokenizer.json")), a.prompts, a.seed)
     t0 = time.perf_counter()
     rows = []
@@ -48,12 +53,14 @@ def main() -> None:
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     taus = [r["tau"] for r in rows]
     payload = {"bench": "demo_eval", "pair": str(a.pair), "drafter": a.drafter, "device": a.device, "dtype": a.dtype, "block_size": 16,
+               "token_map": a.token_map, "draft_vocab": None if drafter.hot_ids is None else drafter.hot_ids.numel(),
                "max_tokens": a.max_tokens, "prompts": rows, "tau_mean": statistics.mean(taus),
                "tau_geomean": statistics.geometric_mean(taus),
                "tau_64_mean": statistics.mean(r["tau_64"] for r in rows), "exact": f"{sum(r['exact'] for r in rows)}/{len(rows)}",
                "command": f"python -m flashpd.bench.demo_eval --device {a.device} --dtype {a.dtype} "
                           f"--prompts {a.prompts} --max-tokens {a.max_tokens} --seed {a.seed}"
-                          + (f" --drafter {a.drafter}" if a.drafter else "") + f" --out {a.out}"}
+                          + (f" --drafter {a.drafter}" if a.drafter else "")
+                          + (f" --token-map {a.token_map}" if a.token_map else "") + f" --out {a.out}"}
     write_json(Path(a.out), payload)
     print(f"tau mean {payload['tau_mean']:.2f} (geomean {payload['tau_geomean']:.2f}, first 64 tokens "
           f"{payload['tau_64_mean']:.2f}), exact {payload['exact']}")

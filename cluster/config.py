@@ -29,6 +29,9 @@ class ServeConfig:
     # size on: those rows step natively, keeping their draft context, and draft again once fewer), or
     # "confidence[:threshold=..,caps=1-16/9-8/17-4,...]" (cut at the draft's first unsure position)
     draft_width_policy: str = "fixed"
+    # a reduced draft vocabulary (engine/token_map.py; SGLang's --speculative-token-map): a file of hot token ids
+    # whose head rows alone the drafter reads; None: the whole vocabulary. The output is unchanged either way.
+    draft_token_map: str | None = None
     # the public endpoint (router, or the colocated server)
     host: str = "127.0.0.1"
     port: int = 0
@@ -105,6 +108,8 @@ class ServeConfig:
             parse_width_policy(str(self.draft_width_policy))
         except (ValueError, TypeError) as e:
             raise ValueError(f"draft_width_policy: {e}") from None
+        if self.draft_token_map is not None and self.draft is None:
+            raise ValueError("draft_token_map: needs a drafter (draft)")
         if self.kv_transport not in ("bridge", "device", "dist"):
             raise ValueError(f"kv_transport: must be 'bridge', 'device' or 'dist', got {self.kv_transport!r}")
         if not self.handoff_lease_s > 0:

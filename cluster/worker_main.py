@@ -124,7 +124,7 @@ def load_model(cfg):
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     return load_engine(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype,
-                       kv_cache_tokens=cfg.kv_cache_tokens)
+                       kv_cache_tokens=cfg.kv_cache_tokens, token_map=cfg.draft_token_map)
 
 
 def fingerprint(cfg, llm) -> str:

@@ -293,6 +293,7 @@ class DeviceLoop:
         runner, drafts = self.runner, self.gen.drafts
         ctx, pos, ids, w, vslots, live = self._spec_begin(st, bt, pend)
         draft_logits = drafts.logits_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0], vslots)
+        draft_logits = drafts.drafter.full_logits(draft_logits)  # a token map's q: zero off its hot ids
         guess, q = self._spec_draw(st, sp, draft_logits, filtered)
         _, tapped, logits = runner.model_step(torch.cat([ids[:, :1], guess], dim=1), pos, vslots, bt)
         out = self._spec_out_sampled(st, sp, logits, guess, q, w, live, ctx, filtered)

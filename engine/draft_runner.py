@@ -19,10 +19,11 @@ from flashpd.engine.sampling import greedy_tokens
 from flashpd.engine.sequence import Sequence
 
 
-def first_and_guesses(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+def first_and_guesses(ids: torch.Tensor, logits: torch.Tensor, hot_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The block to verify [B, T]: each row's first id (ids [B, T]), then the draft's greedy tokens of logits
-    [B, T - 1, V]."""
-    return torch.cat([ids[:, :1], greedy_tokens(logits)], dim=1)
+    [B, T - 1, V] (under a token map, V indexes hot_ids: the argmax is mapped to target ids)."""
+    g = greedy_tokens(logits)
+    return torch.cat([ids[:, :1], g if hot_ids is None else hot_ids[g]], dim=1)
 
 
 class DraftRunner:
@@ -64,11 +65,13 @@ class DraftRunner:
               ctx_lens: torch.Tensor, block_lens: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
         """The block to verify [B, T]: each row's first id, then its greedy draft tokens (see
         DFlashDrafter.draft_logits) for blocks ids/pos [B, T]; block_slots [B*T]: the verify's slots."""
-        return self._pick(ids, self.block_logits(ids, pos, cache, bt, ctx_lens, block_lens, block_slots))
+        return self._pick(ids, self.block_logits(ids, pos, cache, bt, ctx_lens, block_lens, block_slots),
+                          self.drafter.hot_ids)
 
     def block_logits(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
                      ctx_lens: torch.Tensor, block_lens: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
-        """The draft's logits [B, T - 1, V] for blocks ids/pos [B, T] (guess's pass, before its argmax). Compiled
+        """The draft's logits [B, T - 1, V] for blocks ids/pos [B, T] (guess's pass, before its argmax; V: the
+        draft vocabulary, DFlashDrafter.draft_logits). Compiled
         whole (the gathered pass), its layers are inlined; the paged pass calls its compiled functions."""
         return self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer, self.impl,
                                          block_slots, self.paged_fns)
@@ -163,8 +166,13 @@ class DraftRunner:
         return new_taps, [npos, nslots, ids, pos, bt, ctx_lens, blens, bslots], dict(b=b_pad, t=t, rows=rows,
                                                                                       nblk=nblk)
 
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's greedy guesses of logits [B, T-1, V] (from `draft`) as target token ids."""
+        return self.drafter.target_ids(greedy_tokens(logits))
+
     def draft(self, seqs: list[Sequence], widths: list[int]) -> torch.Tensor:
-        """Write each sequence's pending context rows, then draft; returns logits [B, T-1, V]."""
+        """Write each sequence's pending context rows, then draft; returns logits [B, T-1, V] (V: the draft
+        vocabulary: `greedy` reads target ids from them, `drafter.full_logits` widens them)."""
         new_taps, arrays, shape = self.inputs(seqs, widths)
         packed, _ = pack_host(arrays, self.device)
         logits = self._graph([new_taps, packed], **shape) if self._graph is not None else self._step(new_taps, packed, **shape)

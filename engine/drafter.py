@@ -147,6 +147,9 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.rotary: Rotary | None = None
         self._target: tuple[Qwen3ForCausalLM] | None = None  # a tuple keeps it out of this module's params
+        # a reduced draft vocabulary (engine/token_map.py): the hot ids, sorted, and their head rows (a copy)
+        self.hot_ids: torch.Tensor | None = None
+        self._hot_head: torch.Tensor | None = None
 
     def attach(self, target: Qwen3ForCausalLM) -> None:
         """Borrow the target's embedding / head / RoPE; stack per-layer weights (views share storage): the
@@ -168,6 +171,37 @@ class DFlashDrafter(nn.Module):
     def target(self) -> Qwen3ForCausalLM:
         assert self._target is not None, "attach() the drafter to its target first"
         return self._target[0]
+
+    # ---- draft vocabulary --------------------------------------------------------------
+    def set_token_map(self, hot_ids: torch.Tensor | None) -> None:
+        """Draft over the head rows of `hot_ids` only (sorted int64, engine/token_map.parse_token_ids), or over the
+        whole vocabulary (None). The rows are copied once into one contiguous weight: the draft pass then reads
+        |hot| rows of the head a step instead of all of them."""
+        if hot_ids is None:
+            self.hot_ids = self._hot_head = None
+            return
+        w = self.target.head_weight
+        ids = hot_ids.to(device=w.device, dtype=torch.int64)
+        assert ids.dim() == 1 and ids.numel() and bool((ids[1:] > ids[:-1]).all()), "hot ids: sorted, distinct"
+        assert int(ids[-1]) < w.shape[0], "hot id outside the head"
+        self.hot_ids, self._hot_head = ids, w.index_select(0, ids).contiguous()
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The draft pass's head: the target's, or its hot rows (the draft's logits then index hot_ids)."""
+        return self.target.head_weight if self._hot_head is None else self._hot_head
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary: a reduced draft's [..., |hot|] scattered into -inf
+        elsewhere (what sampled rows draw from: q is zero off the hot set); the whole head's unchanged."""
+        if self.hot_ids is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.target.head_weight.shape[0]), float("-inf"))
+        return out.index_copy_(-1, self.hot_ids, logits)
+
+    def target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices (an argmax of the draft's logits) -> target token ids."""
+        return tokens if self.hot_ids is None else self.hot_ids[tokens]
 
     # ---- context state -----------------------------------------------------------------
     def context_feature(self, taps: torch.Tensor) -> torch.Tensor:
@@ -200,7 +234,8 @@ class DFlashDrafter(nn.Module):
         """One draft pass. block_ids/positions [B, T]; ctx_lens [B] valid context positions;
         block_lens [B] real draft width per row (shorter rows mask their tail keys). attention_impl: the
         forced attention form (RunnerConfig.attention_impl, via DraftRunner), None: automatic.
-        Returns logits [B, T-1, V] for block positions 1..T-1 (position i predicts token start+i).
+        Returns logits [B, T-1, V] for block positions 1..T-1 (position i predicts token start+i); V is |hot_ids|
+        under a token map (`target_ids` maps an argmax back, `full_logits` widens them).
 
         With block_slots [B*T] (the cache slots of the block's positions, the scratch block past a row's width:
         the verify's own slots), where the paged kernel applies (a GPU; attention_impl "paged" forces it) the
@@ -218,7 +253,7 @@ class DFlashDrafter(nn.Module):
         if block_slots is not None and paged_applies(block_ids.device, t, attention_impl):
             fns = paged_fns or PAGED_EAGER
             x = self.paged_block_hidden(block_ids, positions, cache, block_tables, block_slots, fns, attention_impl)
-            return fns.head(x, tgt.head_weight, c.output_multiplier, c.final_logit_softcapping)
+            return fns.head(x, self.head_weight, c.output_multiplier, c.final_logit_softcapping)
         if attention_impl == "paged":
             raise ValueError("attention_impl 'paged' needs block_slots")
         h = tgt.embed(block_ids)
@@ -235,7 +270,7 @@ class DFlashDrafter(nn.Module):
             h = fn(h, cos, sin, gather_kv(cache[i, 0], block_tables), gather_kv(cache[i, 1], block_tables), mask,
                    *self.layer_weights(i),
                    c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim, impl=attention_impl)
-        return block_head(rms_norm(h, self.norm, c.rms_norm_eps), tgt.head_weight, c.output_multiplier,
+        return block_head(rms_norm(h, self.norm, c.rms_norm_eps), self.head_weight, c.output_multiplier,
                           c.final_logit_softcapping)
 
     def paged_block_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,

@@ -70,12 +70,14 @@ class EngineParts:
 def load_engine(target: str | Path, draft: str | Path | None = None, device: str | None = None,
                 dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None, *,
                 method: str | None = None, draft_width: int | None = None, kv_block_size: int = 16,
-                width_policy: WidthPolicy | None = None, runner_config: RunnerConfig | None = None) -> EngineParts:
+                width_policy: WidthPolicy | None = None, runner_config: RunnerConfig | None = None,
+                token_map: str | Path | None = None) -> EngineParts:
     """Load `target` (and `draft`) on `device` (default: cuda when available) in `dtype` (default:
     bfloat16 on cuda, float32 on cpu). `method` defaults to "dflash" with a drafter, else "native";
     `kv_cache_tokens` sizes the paged cache (default: a share of free device memory); `width_policy`: how
     wide a DFlash step verifies (engine/width_policy.py; default the whole draft width); `runner_config`: the
-    ModelRunner's knobs (engine/runner_config.py; default RunnerConfig(): graphs and compile iff CUDA)."""
+    ModelRunner's knobs (engine/runner_config.py; default RunnerConfig(): graphs and compile iff CUDA);
+    `token_map`: a file of hot token ids the drafter alone drafts from (engine/token_map.py; default: all)."""
     dev = torch.device(device or default_device())
     dt = resolve_dtype(dtype, str(dev))
     method = method or ("dflash" if draft else "native")
@@ -83,6 +85,8 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
         raise ValueError(f"method must be 'native' or 'dflash', got {method!r}")
     if method == "dflash" and draft is None:
         raise ValueError("method 'dflash' needs a drafter (draft=DIR / --draft DIR)")
+    if token_map is not None and method != "dflash":
+        raise ValueError("a token map (the draft's vocabulary) needs method 'dflash' and a drafter")
     model = load_target(target, dev, dt)
     tokenizer = TextTokenizer.from_dir(target)
     stop_ids = model.cfg.eos_token_ids
@@ -91,6 +95,9 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
     if method == "dflash":
         from flashpd.engine.drafter import load_drafter  # noqa: PLC0415 (only dflash needs it)
         drafter = load_drafter(draft, model, dev, dt)
+        if token_map is not None:
+            from flashpd.engine.token_map import load_token_map  # noqa: PLC0415
+            drafter.set_token_map(load_token_map(token_map, model.cfg.vocab_size))
         taps = tuple(drafter.cfg.target_layer_ids)
         draft_width = drafter.cfg.block_size if draft_width is None else draft_width
     else:

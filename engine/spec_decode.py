@@ -103,7 +103,7 @@ class DFlashGenerator(NativeGenerator):
     def _draft(self, seqs: list[Sequence], widths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Guesses per sequence (width-1 tokens) and, for sampled rows, the draft distribution q."""
         logits = self.drafts.draft(seqs, widths)
-        return self._guesses(seqs, widths, logits, greedy_tokens(logits).tolist())
+        return self._guesses(seqs, widths, logits, self.drafts.greedy(logits).tolist())
 
     def _guesses(self, seqs: list[Sequence], widths: list[int], logits: torch.Tensor, greedy: list[list[int]]
                  ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -119,7 +119,8 @@ class DFlashGenerator(NativeGenerator):
         if sampled:
             sub = [seqs[i] for i in sampled]
             temp, top_p, top_k, seed = row_params(sub, logits.device)
-            qs_all = filtered_probs(logits[sampled], temp, top_p, top_k, any_filtered(sub, logits.shape[-1]))
+            full = self.drafts.drafter.full_logits(logits[sampled])  # q over the target's vocabulary
+            qs_all = filtered_probs(full, temp, top_p, top_k, any_filtered(sub, full.shape[-1]))
             index = torch.tensor([next_index(s) for s in sub], device=logits.device)[:, None] + \
                 torch.arange(logits.shape[1], device=logits.device)
             drawn = draw(qs_all, seed, index, DRAFT).tolist()
@@ -150,7 +151,7 @@ class DFlashGenerator(NativeGenerator):
             assert s.draft_len + s.pending_rows == s.table.num_tokens, "draft context out of step with the target"
             alloc.ensure(s.table, s.table.num_tokens + lim)  # a paged draft writes its block's K/V there
         logits = self.drafts.draft(seqs, limits)  # [B, max(limits) - 1, V]
-        greedy = greedy_tokens(logits).tolist()  # the draft is on the host: the policy's time starts here
+        greedy = self.drafts.greedy(logits).tolist()  # the draft is on the host: the policy's time starts here
         t0 = time.perf_counter()
         lf = logits.float()
         conf = torch.exp(lf.amax(-1) - torch.logsumexp(lf, -1)).tolist()  # p of the drafter's own greedy token

@@ -49,14 +49,15 @@ def _prompt_ids(s: str) -> list[int]:
 
 def parse_speculative_config(text: str) -> dict:
     """vLLM's spelling: {"method": "dflash", "model": DIR, "num_speculative_tokens": K} -> block_size
-    (--block-size's dest: the draft width) K+1."""
+    (--block-size's dest: the draft width) K+1; an optional "token_map": FILE (the draft's vocabulary,
+    --speculative-token-map's dest)."""
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ValueError("--speculative-config must be a JSON object")
-    unknown = set(cfg) - {"method", "model", "num_speculative_tokens"}
+    unknown = set(cfg) - {"method", "model", "num_speculative_tokens", "token_map"}
     if unknown:
         raise ValueError(f"--speculative-config: unsupported keys {sorted(unknown)}")
     if cfg.get("method") != "dflash":
@@ -69,6 +70,10 @@ def parse_speculative_config(text: str) -> dict:
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be a positive integer, got {k!r}")
         out["block_size"] = k + 1
+    if "token_map" in cfg:
+        if not isinstance(cfg["token_map"], str) or not cfg["token_map"]:
+            raise ValueError(f"--speculative-config: token_map must be a file path, got {cfg['token_map']!r}")
+        out["token_map"] = cfg["token_map"]
     return out
 
 
@@ -84,6 +89,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-config",
                    help='the drafter in vLLM\'s form, instead of --draft: \'{"method": "dflash", "model": DIR, '
                         '"num_speculative_tokens": 15}\' (K tokens: draft width K+1; unset: --draft)')
+    p.add_argument("--speculative-token-map", metavar="FILE",
+                   help="a reduced draft vocabulary: a JSON list (or torch file) of hot token ids the drafter alone "
+                        "drafts from (SGLang's spelling; build one with `python -m flashpd.training.token_map`). "
+                        "Same output, less head to read a step")
     add_sampling_args(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json); this or --prompt-ids")
@@ -97,19 +106,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def cmd_generate(a: argparse.Namespace) -> int:
     from flashpd.llm import LLM  # noqa: PLC0415 (keeps `flashpd --help` fast)
 
-    method, draft, width = a.method, a.draft, a.block_size
+    method, draft, width, token_map = a.method, a.draft, a.block_size, a.speculative_token_map
     if a.speculative_config:
         spec = parse_speculative_config(a.speculative_config)
         if draft and draft != spec["draft"]:
             raise ValueError("--draft and --speculative-config name different drafters")
+        if token_map and spec.get("token_map") and token_map != spec["token_map"]:
+            raise ValueError("--speculative-token-map and --speculative-config name different token maps")
         method, draft = method or spec["method"], spec["draft"]
         width = spec.get("block_size") if width is None else width
+        token_map = token_map or spec.get("token_map")
     if method == "native" and draft:
-        draft = None  # an explicit native run ignores the drafter
+        draft = token_map = None  # an explicit native run ignores the drafter
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
     params.validate()
-    llm = LLM(target=a.target, draft=draft, method=method, block_size=width, device=a.device, dtype=a.dtype)
+    llm = LLM(target=a.target, draft=draft, method=method, block_size=width, device=a.device, dtype=a.dtype,
+              speculative_token_map=token_map)
     out = llm.generate([a.prompt if a.prompt is not None else a.prompt_ids], params)[0]
     if a.json:
         print(json.dumps(out.as_dict()))

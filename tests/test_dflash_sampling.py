@@ -162,6 +162,39 @@ def test_dflash_sampling_matches_target_distribution(tiny, monkeypatch, name):
         assert p2 > ALPHA / N_TOKENS, f"x{k}: DFlash and native marginals differ (p={p2:.2e})"
 
 
+def test_sampling_under_a_token_map_matches_target_distribution(tiny, monkeypatch):
+    """A reduced draft vocabulary (engine/token_map.py): q is zero off the hot ids, every guess is a hot id,
+    and the samples still follow the target's distribution, on the device step and the host's cut step."""
+    from flashpd.engine.token_map import parse_token_ids
+    from flashpd.engine.width_policy import ConfidenceWidth
+
+    temperature, top_p, top_k, width = CONFIGS["t1-w4"]
+    joint = exact_joint(tiny["hf"], PROMPT, N_TOKENS, temperature, top_p, top_k)
+    drafter = load_drafter(tiny["dir"] / "drafter", tiny["target"])
+    hot = parse_token_ids(range(0, V, 2), V, "even ids")
+    drafter.set_token_map(hot)
+    params = [SamplingParams(max_tokens=N_TOKENS, temperature=temperature, seed=3000 + i, ignore_eos=True)
+              for i in range(N_SAMPLES)]
+    seen = []
+
+    def checked(guess, q, p, width, seed, index):
+        seen.append(torch.isin(guess, hot).all().item() and bool((q[..., 1::2] == 0).all()))
+        return counter(guess, q, p, width, seed, index)
+
+    for policy in (None, ConfidenceWidth(threshold=0.3, cut_from_batch=1)):
+        counter = _Counting()
+        _patch(monkeypatch, checked)
+        gen = DFlashGenerator(tiny["runner"], drafter, draft_width=width, width_policy=policy)
+        samples = _samples(gen, params)
+        assert seen and all(seen), "a guess off the hot ids, or q not zero there"
+        assert counter.rejected >= N_SAMPLES // 10 and counter.accepted >= N_SAMPLES // 10, vars(counter)
+        if policy is not None:
+            assert gen.width_stats.cut_steps > 0, "the host's cut step never ran"
+        p_family, tests = _family_p(samples, joint)
+        assert p_family > ALPHA, f"samples under a token map do not follow the target distribution: {tests}"
+        seen.clear()
+
+
 def test_sampling_is_reproducible_per_seed(tiny):
     params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (5, 6, 5)]
     gen = DFlashGenerator(tiny["runner"], tiny["drafter"], draft_width=4)

@@ -240,6 +240,11 @@ def fields(res: dict) -> dict:
     if "dflash_b1" in res and 1 in curve:
         out["dflash_step_ms_b1"] = res["dflash_b1"]["ms_per_step"]
         out["dflash_over_native_step"] = res["dflash_b1"]["ms_per_step"] / curve[1]["ms_per_step"]
+    for r in res.get("dflash_draft_vocab", []):  # labelled apart: a reduced draft vocabulary changes the guesses
+        nb = curve.get(r["batch"])
+        if nb is not None:
+            key = f"dflash_over_native_step_b{r['batch']}_draft_vocab_{r['draft_vocab'] or 'full'}"
+            out[key] = r["ms_per_step"] / nb["ms_per_step"]
     if "native_b1_verify_shapes" in res and 1 in curve:
         out["verify_shapes_cost"] = res["native_b1_verify_shapes"]["ms_per_step"] / curve[1]["ms_per_step"]
     if "prefill" in res:
@@ -259,6 +264,11 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256", help="the device-loop curve's batch sizes")
     ap.add_argument("--scheduler-batches", default="32,128", help="batch sizes also run through the scheduler")
     ap.add_argument("--width", type=int, default=16, help="DFlash block width")
+    ap.add_argument("--draft-vocabs", default="",
+                    help="the dflash section also steps under reduced draft vocabularies of these sizes "
+                         "(engine/token_map.py; seeded random hot ids: dummy weights draft nothing real), 0 = the "
+                         "whole head, at each of --dflash-batches; reported apart from dflash_over_native_step")
+    ap.add_argument("--dflash-batches", default="1", help="batch sizes of the --draft-vocabs steps")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--exact-target", default="flashpd/assets/demo_pair/target")
     ap.add_argument("--exact-draft", default="flashpd/assets/demo_pair/drafter")
@@ -299,6 +309,8 @@ def main() -> None:
     sched_batches = [int(x) for x in a.scheduler_batches.split(",") if x] if "scheduler" in sections else []
     tokens = (max(batches + sched_batches) + 1) * (a.context + (a.steps + 40) * 1) + 4 * (a.prefill_tokens + 64) \
         + (a.context + (a.steps + 12) * a.width) * 2
+    if a.draft_vocabs:  # DFlash rows at the largest --dflash-batches, one session at a time
+        tokens += max(int(x) for x in a.dflash_batches.split(",")) * (a.context + (a.steps + 12) * a.width + 16)
     target = dummy_target(cfg, "cuda", torch.bfloat16)
     drafter = dummy_drafter(drafter_config_for(cfg, 5), target)
     runner = ModelRunner(target, num_blocks=tokens // 16 + 64, kv_block_size=16,
@@ -358,6 +370,21 @@ def main() -> None:
         res["dflash_b1"] = loop_steps(DFlashGenerator(runner, drafter, ()), prompt, a.steps, width=a.width,
                                       profiled=True)
         log(f"dflash b=1 width {a.width}: {res['dflash_b1']['ms_per_step']:.3f} ms/step")
+        sizes = [int(x) for x in a.draft_vocabs.split(",") if x]
+        if sizes:
+            res["dflash_draft_vocab"] = []
+        for n in sizes:
+            hot = None if n == 0 else torch.sort(torch.randperm(cfg.vocab_size, generator=torch.Generator()
+                                                                .manual_seed(a.seed))[:n]).values
+            drafter.set_token_map(hot)
+            for b in [int(x) for x in a.dflash_batches.split(",") if x]:
+                row = loop_steps(DFlashGenerator(runner, drafter, ()), random_prompts(b, a.context, cfg.vocab_size,
+                                                                                      a.seed + b),
+                                 a.steps, width=a.width, profiled=b == 1)
+                res["dflash_draft_vocab"].append({"draft_vocab": n, **row})
+                log(f"dflash b={b} width {a.width} draft vocabulary {n or 'full'}: {row['ms_per_step']:.3f} ms/step")
+                save()
+        drafter.set_token_map(None)
 
     def prefill() -> None:
         prompt = random_prompts(1, a.prefill_tokens, cfg.vocab_size, a.seed)[0]

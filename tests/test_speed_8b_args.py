@@ -31,3 +31,21 @@ def test_the_recorded_command_is_the_typed_one():
     assert command_line("flashpd.bench.speed_8b", argv) == (
         "python -m flashpd.bench.speed_8b --eager-rounding --inductor-option combo_kernels=true "
         "--inductor-option a=1 --out 'my dir/x.json'")
+
+
+def test_draft_vocabulary_rows_are_reported_apart_from_the_issue_figure():
+    """The reduced-vocabulary steps get their own labelled ratio over the native step of the same batch; the
+    issue's dflash_over_native_step stays the whole head's."""
+    from flashpd.bench.speed_8b import fields
+    res = {"native_curve": [{"batch": 1, "ms_per_step": 4.0, "floor_ms": 3.0, "floor_ms_bytes_read": 3.0},
+                            {"batch": 32, "ms_per_step": 5.0, "floor_ms": 4.0, "floor_ms_bytes_read": 4.0,
+                             "floor_fraction": 0.8}],
+           "dflash_b1": {"ms_per_step": 5.0},
+           "dflash_draft_vocab": [{"draft_vocab": 32768, "batch": 1, "ms_per_step": 4.6},
+                                  {"draft_vocab": 0, "batch": 32, "ms_per_step": 10.0},
+                                  {"draft_vocab": 32768, "batch": 64, "ms_per_step": 9.0}]}
+    out = fields(res)
+    assert out["dflash_over_native_step"] == pytest.approx(1.25)
+    assert out["dflash_over_native_step_b1_draft_vocab_32768"] == pytest.approx(1.15)
+    assert out["dflash_over_native_step_b32_draft_vocab_full"] == pytest.approx(2.0)
+    assert not any("b64" in k for k in out), "no native step at batch 64 to divide by"

@@ -380,11 +380,17 @@ def main() -> None:
             for b in [int(x) for x in a.dflash_batches.split(",") if x]:
                 row = loop_steps(DFlashGenerator(runner, drafter, ()), random_prompts(b, a.context, cfg.vocab_size,
                                                                                       a.seed + b),
-                                 a.steps, width=a.width, profiled=b == 1)
+                                 a.steps, width=a.width, profiled=b in profiled_batches)
                 res["dflash_draft_vocab"].append({"draft_vocab": n, **row})
                 log(f"dflash b={b} width {a.width} draft vocabulary {n or 'full'}: {row['ms_per_step']:.3f} ms/step")
                 save()
         drafter.set_token_map(None)
+        for b in [int(x) for x in a.dflash_batches.split(",") if x and int(x) > 1] if sizes else []:
+            row = loop_steps(wide, random_prompts(b, a.context, cfg.vocab_size, a.seed + b), a.steps,
+                             profiled=b in profiled_batches)
+            res.setdefault("native_verify_shapes", []).append(row)
+            log(f"native b={b} at the verify's shapes: {row['ms_per_step']:.3f} ms/step")
+            save()
 
     def prefill() -> None:
         prompt = random_prompts(1, a.prefill_tokens, cfg.vocab_size, a.seed)[0]

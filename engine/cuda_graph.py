@@ -6,7 +6,9 @@ into the static buffers and returns the (static) outputs: read them before the n
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import gc
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +34,24 @@ def bucket(n: int, minimum: int = 1) -> int:
     while b < n:
         b *= 2
     return b
+
+
+@contextmanager
+def capture(graph: torch.cuda.CUDAGraph, pool: tuple) -> Iterator[None]:
+    """torch.cuda.graph in thread_local error mode with Python's cycle collector paused. A collection inside the
+    capture can free a dead graph from an earlier cycle (an engine built and dropped, as a per-prompt evaluation
+    does); its private pool's memory is then returned to the driver, a call a capturing thread may not make: the
+    capture fails, and the pool stays unusable for every later one (seen on an H200 at random prompts).
+    thread_local: the serving threads beside the engine (a prefix cache's saves and loads) keep making their own
+    CUDA calls while a graph is captured here; in the default "global" mode any such call fails the capture."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class GraphedFn:
@@ -67,9 +87,6 @@ class GraphedFn:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the serving threads beside the engine (a prefix cache's saves and loads) keep making
-        # their own CUDA calls while a graph is captured here; in the default "global" mode any such call
-        # fails the capture, and a failed capture leaves the memory pool unusable for every later one
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with capture(graph, self.pool):
             out = self.fn(*static, **kwargs)
         return graph, static, out

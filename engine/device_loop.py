@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from flashpd.engine.cuda_graph import bucket
+from flashpd.engine.cuda_graph import bucket, capture
 from flashpd.engine.kv_cache import SCRATCH_BLOCK, slots_of
 from flashpd.engine.sampling import (DRAFT, GREEDY_BELOW, accepted_greedy, draw, filtered_probs, greedy_tokens,
                                      sample_tokens, speculative_accept, step_width)
@@ -75,7 +75,7 @@ class InPlaceGraph:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):  # cuda_graph.py: why
+            with capture(graph, self._pool):  # cuda_graph.capture: why
                 out = self.fn(*bufs)
             entry = self._graphs[key] = (graph, out)
             reset()

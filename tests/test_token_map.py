@@ -196,3 +196,34 @@ def test_serve_config_refuses_a_map_without_a_drafter():
     with pytest.raises(ValueError, match="draft_token_map"):
         ServeConfig(target="t", draft_token_map="hot.json")
     assert ServeConfig(target="t", draft="d", draft_token_map="hot.json").draft_token_map == "hot.json"
+
+
+def test_the_service_drafts_from_its_configured_map(tmp_path):
+    """`flashpd serve` with draft_token_map (a real colocated server over gRPC, the demo pair): a map without the
+    tokens the target emits for a prompt gets nothing accepted (so the server drafts from it), the output still
+    equals native decoding; a request with method native on the same server is untouched."""
+    from pathlib import Path
+
+    from flashpd.cluster.generation_client import GenerationClient
+    from flashpd.llm import LLM
+    from tests._serve_process import serve_process
+
+    demo = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
+    prompt, n = "def add(a, b):\n", 24
+    llm = LLM(target=demo / "target", device="cpu", dtype="float32", kv_cache_tokens=1024)
+    native = llm.generate([prompt], greedy(n))[0].token_ids
+    cold = tmp_path / "cold.json"
+    save_token_map(torch.tensor([t for t in range(llm.model.cfg.vocab_size) if t not in set(native)]), cold)
+    cfg = tmp_path / "serve.json"
+    cfg.write_text(json.dumps({"target": str(demo / "target"), "draft": str(demo / "drafter"),
+                               "draft_token_map": str(cold), "device": "cpu", "dtype": "float32",
+                               "kv_cache_tokens": 2048, "torch_threads": 1}))
+    with serve_process([str(cfg)], start_timeout_s=90) as (address, _):
+        with GenerationClient(address, timeout_s=60) as c:
+            spec = c.generate_once(prompt, max_tokens=n, method="dflash", ignore_eos=True)
+            plain = c.generate_once(prompt, max_tokens=n, method="native", ignore_eos=True)
+    assert spec.token_ids == native == plain.token_ids
+    assert spec.stats["acceptance_lengths"] and all(a == 1 for a in spec.stats["acceptance_lengths"])
+    control = LLM(target=demo / "target", draft=demo / "drafter", device="cpu", dtype="float32",
+                  kv_cache_tokens=1024).generate([prompt], greedy(n))[0]
+    assert control.token_ids == native and max(control.stats.acceptance_lengths) > 1, "control: no map accepts"

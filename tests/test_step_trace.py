@@ -1,0 +1,32 @@
+"""bench/step_trace.py's split of a profiled DFlash step (the trace itself needs a GPU; the split does not)."""
+from __future__ import annotations
+
+import pytest
+
+from flashpd.bench.step_trace import parts, split_steps
+
+
+def _step(t0: float) -> list[tuple[str, float, float]]:
+    names = ["fc", "skinny", "_attn_kernel", "head", "_chunk_kernel", "_merge_kernel", "skinny", "_chunk_kernel",
+             "_merge_kernel", "accept"]
+    return [(n, t0 + 10 * i, t0 + 10 * i + 4) for i, n in enumerate(names)]
+
+
+def test_steps_split_in_launch_order_and_the_draft_ends_at_its_argmax():
+    kernels = _step(1000.0) + _step(0.0)  # out of order: sorted by start
+    steps = split_steps(kernels, 2)
+    assert [s[0][1] for s in steps] == [0.0, 1000.0]
+    p = parts(steps[0])
+    assert p["draft"]["kernels"] == 6 and p["verify"]["kernels"] == 4
+    assert p["draft"]["span_ms"] == pytest.approx(0.054) and p["draft"]["busy_ms"] == pytest.approx(0.024)
+    assert p["gap_ms"] == pytest.approx(0.006) and p["step_span_ms"] == pytest.approx(0.094)
+    assert p["verify"]["list"][0] == {"name": "skinny", "start_us": 60.0, "us": 4.0}
+
+
+def test_uneven_traces_and_steps_without_the_argmax_are_refused():
+    with pytest.raises(ValueError, match="found 2 steps"):
+        split_steps(_step(0.0) + _step(1000.0), 3)
+    extra = _step(0.0) + [("copy_out", 95.0, 96.0)] + _step(1000.0)  # a kernel between steps joins the first
+    assert [len(s) for s in split_steps(extra, 2)] == [11, 10]
+    with pytest.raises(ValueError, match="_merge_kernel"):
+        parts([("a", 0.0, 1.0), ("b", 2.0, 3.0)])

@@ -22,11 +22,11 @@ from flashpd.bench.common import command_line, copy_bandwidth_gbs, write_json
 SPLIT_KERNEL = "_merge_kernel"  # engine/greedy_argmax.py's second kernel: the draft's argmax ends the draft pass
 
 
-def split_steps(kernels: list[tuple[str, float, float]], steps: int) -> list[list[tuple[str, float, float]]]:
-    """Kernels (name, start us, end us) of whole steps -> one list a step, in launch order. A step starts with the
-    trace's first kernel's name once the step before has run both argmaxes (two SPLIT_KERNELs: the draft's and the
-    verify's), so a kernel outside the graph (a read's copy) joins the step it follows instead of shifting them all.
-    Refused unless it finds exactly `steps` steps."""
+def split_steps(kernels: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
+    """Kernels (name, start us, end us) of whole steps -> the complete steps, one list each, in launch order. A step
+    starts with the trace's first kernel's name once the step before has run both argmaxes (two SPLIT_KERNELs: the
+    draft's and the verify's), so a kernel outside the graph (a read's copy) joins the step it follows; a piece
+    without both argmaxes (a step cut by the trace's ends) is dropped."""
     ordered = sorted(kernels, key=lambda e: e[1])
     if not ordered:
         raise ValueError("no kernels traced")
@@ -37,9 +37,10 @@ def split_steps(kernels: list[tuple[str, float, float]], steps: int) -> list[lis
             merges = 0
         merges += SPLIT_KERNEL in k[0]
         out[-1].append(k)
-    if len(out) != steps:
-        raise ValueError(f"found {len(out)} steps in the trace, expected {steps}")
-    return out
+    whole = [st for st in out if sum(SPLIT_KERNEL in n for n, _, _ in st) == 2]
+    if not whole:
+        raise ValueError(f"no whole step (two {SPLIT_KERNEL}s) among {len(out)} pieces of the trace")
+    return whole
 
 
 def parts(step: list[tuple[str, float, float]]) -> dict:
@@ -117,7 +118,7 @@ def main() -> None:
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                    if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start
                    and not e.name.startswith(("Memcpy", "Memset"))]
-        steps = [parts(s) for s in split_steps(kernels, a.steps)]
+        steps = [parts(s) for s in split_steps(kernels)]
         head_bytes = drafter.head_weight.numel() * drafter.head_weight.element_size()
         draft_bytes = layer_bytes + head_bytes
         row = {"draft_vocab": n, "draft_bytes": draft_bytes,
@@ -126,6 +127,8 @@ def main() -> None:
                "verify_span_ms": statistics.median(s["verify"]["span_ms"] for s in steps),
                "verify_busy_ms": statistics.median(s["verify"]["busy_ms"] for s in steps),
                "step_span_ms": statistics.median(s["step_span_ms"] for s in steps),
+               "steps_launched": a.steps, "steps_found": len(steps),
+               "kernels_per_step": sorted({s["draft"]["kernels"] + s["verify"]["kernels"] for s in steps}),
                "draft_kernels": steps[0]["draft"]["kernels"], "verify_kernels": steps[0]["verify"]["kernels"],
                "one_step": steps[len(steps) // 2]}
         row["draft_copy_fraction"] = draft_bytes / (row["draft_span_ms"] * 1e-3) / (rate["gb_per_s"] * 1e9)
@@ -133,7 +136,8 @@ def main() -> None:
         print(f"[step_trace {time.strftime('%H:%M:%S')}] draft vocabulary {n or 'full'}: step {row['step_span_ms']:.3f} "
               f"ms; draft {row['draft_span_ms']:.3f} ms span / {row['draft_busy_ms']:.3f} busy, {row['draft_kernels']} "
               f"kernels, {draft_bytes / 1e9:.2f} GB at {row['draft_copy_fraction']:.2f} of the copy rate; verify "
-              f"{row['verify_span_ms']:.3f} / {row['verify_busy_ms']:.3f}, {row['verify_kernels']} kernels", flush=True)
+              f"{row['verify_span_ms']:.3f} / {row['verify_busy_ms']:.3f}, {row['verify_kernels']} kernels; "
+              f"{row['steps_found']} whole steps of {row['kernels_per_step']} kernels", flush=True)
         loop.end(sess)
         for s in seqs:
             runner.allocator.free(s.table)

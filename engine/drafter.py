@@ -317,7 +317,7 @@ def block_head(x: torch.Tensor, w_head: torch.Tensor, multiplier: float, softcap
     target's head (and the drafter's output multiplier and soft cap, where its config has them)."""
     b, t, h = x.shape
     # one [B*(T-1), H] matrix, not a strided [B, T-1, H] view: F.linear takes a view it cannot flatten as a
-    # batched matmul that reads the whole head once per row (about 40 GB a step at batch 32 on the 8B shape)
+    # batched matmul that reads the whole head once per row (docs/results.md, 2026-12-04)
     logits = linear(x[:, 1:].reshape(b * (t - 1), h), w_head).view(b, t - 1, -1)
     if multiplier != 1.0:
         logits = logits * multiplier

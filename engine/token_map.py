@@ -1,15 +1,16 @@
 """A reduced draft vocabulary (FR-Spec; SGLang's `--speculative-token-map`): the drafter reads only the head rows of
 a set of frequent ("hot") token ids.
 
-Why: at the Qwen3-8B shape the shared head is 1.25 GB of the draft pass's 3.3 GB, read every step to rank 151,936
-tokens when the drafter's guesses nearly always lie in a few thousand. Restricting the draft's argmax to hot ids
-changes which guesses the drafter makes, never the output: the target verifies every guess against its own full
-head, so the tokens stay those of plain greedy decoding (sampled rows: the draft distribution q is zero off the hot
-set, and rejection sampling is exact for any q).
+Why: with a large vocabulary the shared head is a large share of what a draft pass reads each step (see
+docs/results.md for the Qwen3-8B shape), read to rank every token when the drafter's guesses mostly lie in a small
+set. Restricting the draft's argmax to hot ids changes which guesses the drafter makes, never the output: the
+target verifies every guess against its own full head, so the tokens stay those of plain greedy decoding (sampled
+rows: the draft distribution q is zero off the hot set, and rejection sampling is exact for any q). A confidence
+width policy reads the draft's confidence over the hot ids.
 
 The file is a list of token ids: JSON (`[3, 17, ...]`) or a torch file of a 1-D integer tensor or list (SGLang's
-`.pt`, loaded with `weights_only`). `build_token_map` writes one from token counts (training/token_map.py counts
-them from the target's own generations).
+`.pt`, loaded with `weights_only`). `build_token_map` makes one from token counts (training/token_map.py counts a
+text corpus under the target's tokenizer).
 """
 from __future__ import annotations
 

@@ -123,6 +123,25 @@ def test_head_rows_and_mapping(dflash_engine, dflash_pair):
     assert d.head_weight is w and d.hot_ids is None
 
 
+def test_the_draft_head_takes_one_contiguous_matrix(monkeypatch):
+    """block_head hands the head one [B*(T-1), H] matrix: a strided [B, T-1, H] view went to a batched matmul on the
+    GPU that read the whole head once per row (docs/results.md, 2026-12-04). Same values either way."""
+    from flashpd.engine import drafter as drafter_mod
+
+    seen = []
+    real = drafter_mod.linear
+
+    def recording(x, w):
+        seen.append((tuple(x.shape), x.is_contiguous()))
+        return real(x, w)
+
+    monkeypatch.setattr(drafter_mod, "linear", recording)
+    x, w = torch.randn(3, 5, 8), torch.randn(11, 8)
+    got = drafter_mod.block_head(x, w, 1.0, None)
+    assert seen == [((12, 8), True)]
+    assert got.shape == (3, 4, 11) and torch.allclose(got, x[:, 1:] @ w.T, atol=1e-6)
+
+
 def test_a_map_of_every_id_drafts_what_no_map_drafts(dflash_engine, dflash_pair, case):
     prompts, native, _ = case
     every = _run(dflash_engine, _drafter_with(dflash_engine, dflash_pair, range(dflash_engine.vocab)), prompts)

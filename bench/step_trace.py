@@ -20,26 +20,26 @@ import torch
 from flashpd.bench.common import command_line, copy_bandwidth_gbs, write_json
 
 SPLIT_KERNEL = "_merge_kernel"  # engine/greedy_argmax.py's second kernel: the draft's argmax ends the draft pass
+STEP_END = "Memcpy DtoH"  # DeviceLoop.launch copies each step's result to pinned host memory after its graph
 
 
 def split_steps(kernels: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
-    """Kernels (name, start us, end us) of whole steps -> the complete steps, one list each, in launch order. A step
-    starts with the trace's first kernel's name once the step before has run both argmaxes (two SPLIT_KERNELs: the
-    draft's and the verify's), so a kernel outside the graph (a read's copy) joins the step it follows; a piece
-    without both argmaxes (a step cut by the trace's ends) is dropped."""
+    """Device events (name, start us, end us) of whole steps -> the complete steps, one list each, in launch order.
+    A step ends with the copy of its result to the host (STEP_END), which the loop issues after each graph: kernel
+    names cannot mark a step's start, since compiled functions of the draft, the verify and the bookkeeping reuse
+    names like triton_poi_fused_0. A piece without both argmaxes (the draft's and the verify's SPLIT_KERNEL: a step
+    cut by the trace's ends) is dropped."""
     ordered = sorted(kernels, key=lambda e: e[1])
     if not ordered:
         raise ValueError("no kernels traced")
-    first, out, merges = ordered[0][0], [[ordered[0]]], 0
-    for k in ordered[1:]:
-        if k[0] == first and merges >= 2:
-            out.append([])
-            merges = 0
-        merges += SPLIT_KERNEL in k[0]
+    out: list[list[tuple[str, float, float]]] = [[]]
+    for k in ordered:
         out[-1].append(k)
-    whole = [st for st in out if sum(SPLIT_KERNEL in n for n, _, _ in st) == 2]
+        if k[0].startswith(STEP_END):
+            out.append([])
+    whole = [st for st in out if sum(SPLIT_KERNEL in n for n, _, _ in st) == 2 and st[-1][0].startswith(STEP_END)]
     if not whole:
-        raise ValueError(f"no whole step (two {SPLIT_KERNEL}s) among {len(out)} pieces of the trace")
+        raise ValueError(f"no whole step (two {SPLIT_KERNEL}s, then {STEP_END}) among {len(out)} pieces of the trace")
     return whole
 
 
@@ -118,7 +118,9 @@ def main() -> None:
         # kernels, copies and memsets alike: each is device time in the step (a graph's copy nodes included)
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                    if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start]
-        steps = [parts(s) for s in split_steps(kernels)]
+        whole = split_steps(kernels)
+        steps = [parts(s) for s in whole]
+        starts = [st[0][1] for st in whole]  # a step's period: its span plus the launch gap to the next
         head_bytes = drafter.head_weight.numel() * drafter.head_weight.element_size()
         draft_bytes = layer_bytes + head_bytes
         row = {"draft_vocab": n, "draft_bytes": draft_bytes,
@@ -127,6 +129,8 @@ def main() -> None:
                "verify_span_ms": statistics.median(s["verify"]["span_ms"] for s in steps),
                "verify_busy_ms": statistics.median(s["verify"]["busy_ms"] for s in steps),
                "step_span_ms": statistics.median(s["step_span_ms"] for s in steps),
+               "step_period_ms": statistics.median(b - a for a, b in zip(starts, starts[1:])) / 1e3
+               if len(starts) > 1 else None,
                "steps_launched": a.steps, "steps_found": len(steps),
                "kernels_per_step": sorted({s["draft"]["kernels"] + s["verify"]["kernels"] for s in steps}),
                "draft_kernels": steps[0]["draft"]["kernels"], "verify_kernels": steps[0]["verify"]["kernels"],

@@ -107,6 +107,18 @@ def ready(gen: NativeGenerator, prompts: list[list[int]], max_tokens: int, width
     return seqs
 
 
+def run_steps(loop, sess, n: int) -> None:
+    """Launch n device-loop steps with the host one step behind (DeviceLoop.step_to_end's rhythm), read them all,
+    and wait for the device."""
+    for _ in range(n):
+        loop.launch(sess)
+        if len(sess.queued) == 2:
+            loop.read(sess)
+    while sess.queued:
+        loop.read(sess)
+    torch.cuda.synchronize()
+
+
 def loop_steps(gen: NativeGenerator, prompts: list[list[int]], steps: int, width: int | None = None,
                profiled: bool = False) -> dict:
     """Wall ms per device-loop step over `steps` steps (after 3 untimed), the host one step behind as in
@@ -119,13 +131,7 @@ def loop_steps(gen: NativeGenerator, prompts: list[list[int]], steps: int, width
     def run(n: int) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(n):
-            loop.launch(sess)
-            if len(sess.queued) == 2:
-                loop.read(sess)
-        while sess.queued:
-            loop.read(sess)
-        torch.cuda.synchronize()
+        run_steps(loop, sess, n)
         return (time.perf_counter() - t0) * 1e3 / n
 
     run(3)

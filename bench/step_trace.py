@@ -65,7 +65,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     from flashpd.bench.dflash_step import drafter_config_for  # noqa: PLC0415
-    from flashpd.bench.speed_8b import random_prompts, ready  # noqa: PLC0415
+    from flashpd.bench.speed_8b import random_prompts, ready, run_steps  # noqa: PLC0415
     from flashpd.engine.config import builtin_config_path, load_config  # noqa: PLC0415
     from flashpd.engine.drafter import dummy_drafter  # noqa: PLC0415
     from flashpd.engine.loader import dummy_target  # noqa: PLC0415
@@ -103,18 +103,9 @@ def main() -> None:
         loop = gen.loop()
         sess = loop.begin(seqs)
 
-        def run(k: int) -> None:
-            for _ in range(k):
-                loop.launch(sess)
-                if len(sess.queued) == 2:
-                    loop.read(sess)
-            while sess.queued:
-                loop.read(sess)
-            torch.cuda.synchronize()
-
-        run(8)
+        run_steps(loop, sess, 8)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run(a.steps)
+            run_steps(loop, sess, a.steps)
         # kernels, copies and memsets alike: each is device time in the step (a graph's copy nodes included)
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                    if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start]

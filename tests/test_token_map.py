@@ -88,6 +88,8 @@ def test_builder_counts_a_corpus_under_the_target_tokenizer(tmp_path):
     assert build_main(["--target", str(t), "--size", "3", "--out", str(out),
                        "--text", str(tmp_path / "text"), str(tmp_path / "two.md")]) == 0
     assert json.loads(out.read_text()) == [0, 2, 5]  # c (4), a (3), and the stop id
+    assert build_main(["--target", str(t), "--size", "3", "--out", str(out), "--text", str(tmp_path / "nope")]) == 2
+    assert build_main(["--target", str(t), "--size", "9", "--out", str(out), "--text", str(tmp_path / "two.md")]) == 2
 
 
 # ---- drafting under a map ------------------------------------------------------------------------------

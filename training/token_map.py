@@ -72,10 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     eos = cfg.get("eos_token_id")
     stops = [eos] if isinstance(eos, int) else list(eos or [])
     t0 = time.perf_counter()
-    files = text_files(a.text) if a.text else split_files(corpus_files())[0]
-    texts = read_texts(files)
-    counts = count_tokens(tok, texts, vocab)
-    ids = build_token_map(counts, a.size, stops)
+    try:
+        files = text_files(a.text) if a.text else split_files(corpus_files())[0]
+        texts = read_texts(files)
+        counts = count_tokens(tok, texts, vocab)
+        ids = build_token_map(counts, a.size, stops)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"token_map: {e}", file=sys.stderr)
+        return 2
     save_token_map(ids, a.out)
     total = int(counts.sum())
     covered = int(counts[ids].sum())

@@ -140,15 +140,28 @@ def grouped_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 def out_proj(attn: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
-    """The output projection of `grouped_attention`'s [Hkv, B, T*groups, d] -> [B, T, H]: one batched
-    matmul over KV heads ([Hkv, B*T, groups*d] by w_o's per-head column slices, views both) and their
-    sum, which compiled is folded into the kernel that adds the residual (a reduction this short is
-    unrolled). Per head, the columns of w_o [H, Hq*d] are the heads kv*groups .. kv*groups + groups - 1."""
+    """The output projection of `grouped_attention`'s [Hkv, B, T*groups, d] -> [B, T, H].
+
+    Up to OUT_PROJ_SUM_MAX_T tokens a row (verify and draft blocks, a CPU decode): one batched matmul over KV
+    heads ([Hkv, B*T, groups*d] by w_o's per-head column slices, views both) and their sum, which compiled is
+    folded into the kernel that adds the residual (a reduction this short is unrolled). Wider (a prefill chunk
+    after a cached prefix, training's whole sequences): `heads_last`'s one copy and one plain matmul. There the
+    fused sum is a reduction across the [Hkv, B*T, H] partials that inductor runs far from the copy rate: 1.26
+    ms a layer for a 1,024-token chunk at Qwen3-8B's shape, which made a chunked 2,048-token prefill take twice
+    the time of one forward (docs/results.md). Per head, the columns of w_o [H, Hq*d] are the heads
+    kv*groups .. kv*groups + groups - 1."""
     hkv, b = attn.shape[0], attn.shape[1]
     h_out = w_o.shape[0]
+    t = attn.shape[2] * hkv * attn.shape[3] // w_o.shape[1]
+    if t > OUT_PROJ_SUM_MAX_T:
+        return F.linear(heads_last(attn, t), w_o)
     x = attn.reshape(hkv, -1, w_o.shape[1] // hkv)
     w = w_o.view(h_out, hkv, -1).permute(1, 2, 0)
     return torch.bmm(x, w).sum(0).view(b, -1, h_out)
+
+
+# The widest block (tokens a row) whose output projection sums per-KV-head matmuls (`out_proj`).
+OUT_PROJ_SUM_MAX_T = 32
 
 
 def heads_last(attn: torch.Tensor, t: int) -> torch.Tensor:

@@ -94,3 +94,21 @@ def test_paged_branch_projects_like_the_gather_branch(monkeypatch, b, t, hq, hkv
     paged = qwen3.attn_mlp(*args)
     for p_, g_ in zip(paged, gathered, strict=True):  # the layer's output and it under the next norm
         torch.testing.assert_close(p_, g_, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("b,t,hq,hkv", [(1, 40, 8, 2), (2, 33, 6, 3), (1, 32, 8, 2), (3, 4, 4, 4)])
+def test_out_proj_wide_rows_take_one_matmul(b, t, hq, hkv):
+    """attention.out_proj: past OUT_PROJ_SUM_MAX_T tokens a row (a prefill chunk after a cached prefix) it is
+    heads_last's copy and one matmul, bitwise; up to it, the per-KV-head matmuls and their sum. The two
+    forms agree in float32 (the projection is the same; only the order of the head sum differs)."""
+    g = torch.Generator().manual_seed(b * 1000 + t)
+    d, hidden = 16, 24
+    attn = torch.randn(hkv, b, t * (hq // hkv), d, generator=g)
+    w_o = torch.randn(hidden, hq * d, generator=g) / 8
+    one_matmul = torch.nn.functional.linear(attention.heads_last(attn, t), w_o)
+    per_head = torch.bmm(attn.reshape(hkv, -1, hq * d // hkv),
+                         w_o.view(hidden, hkv, -1).permute(1, 2, 0)).sum(0).view(b, t, hidden)
+    out = attention.out_proj(attn, w_o)
+    assert out.shape == (b, t, hidden)
+    assert torch.equal(out, one_matmul if t > attention.OUT_PROJ_SUM_MAX_T else per_head)
+    torch.testing.assert_close(one_matmul, per_head, rtol=1e-5, atol=1e-5)

@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from flashpd.bench.common import command_line, copy_bandwidth_gbs, time_ms, write_json
 from flashpd.bench.dflash_step import drafter_config_for
 from flashpd.bench.profile_step import kernel_table, measure_prefill
-from flashpd.engine import device_loop, triton_env
+from flashpd.engine import triton_env
 from flashpd.engine.config import builtin_config_path, load_config
 from flashpd.engine.drafter import dummy_drafter
 from flashpd.engine.generate import NativeGenerator
@@ -292,11 +292,8 @@ def main() -> None:
                     help="an inductor config entry for every runner (RunnerConfig.inductor_extra); repeatable")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), default=RunnerConfig.blas,
                     help="the BLAS library of every runner (RunnerConfig.blas; process-wide in torch)")
-    ap.add_argument("--context-stream", choices=("on", "off"), default="on" if device_loop.CONTEXT_STREAM else "off",
-                    help="a DFlash step's context write on a second stream (engine/device_loop.CONTEXT_STREAM)")
     ap.add_argument("--out", default="bench/results/speed_8b.json")
     a = ap.parse_args()
-    device_loop.CONTEXT_STREAM = a.context_stream == "on"
     extra = tuple(inductor_option(o) for o in a.inductor_option)
     RunnerConfig(inductor_extra=extra)  # an unknown entry fails here, before minutes of setup
     if not torch.cuda.is_available():
@@ -328,7 +325,6 @@ def main() -> None:
                                              blas=a.blas))
     res["compile_eager_rounding"] = a.eager_rounding
     res["blas"] = a.blas
-    res["context_stream"] = device_loop.CONTEXT_STREAM
     res["pdl"] = {"enabled": triton_env.pdl(torch.device("cuda")), "latency_release": triton_env.PDL_LATENCY_RELEASE}
     res["inductor_extra"] = dict(extra)
     native = NativeGenerator(runner, ())

@@ -46,25 +46,6 @@ P, D, X, N, O, M, S, K, W = range(9)
 NCOL = 9
 # a session's sampling mode (a graph each): every row greedy; some row sampled; some row sampled with top-p/top-k
 GREEDY, SAMPLED, FILTERED = 0, 1, 2
-# A DFlash step on a GPU writes the accepted positions' draft context (the feature projection and every draft
-# layer's K/V) on a second stream, while the draft pass embeds its block and runs its first layer's projection
-# and K/V write; the pass waits for it before its first attention (DFlashDrafter.draft_logits' context_ready).
-# The two touch disjoint cache slots (context positions end where the block starts; spill rows of both write
-# scratch, which no query reads). Same kernels, same bits, overlapped: docs/results.md for what it saves.
-CONTEXT_STREAM = True
-
-
-class StreamJoin:
-    """The main stream's wait for a side stream's work, called once (DFlashDrafter.draft_logits' context_ready).
-    Until then it holds the tensors the side stream reads: a tensor of the main stream's, freed while the other
-    stream may still read it, could be handed to a later allocation there (in a captured graph too)."""
-
-    def __init__(self, main: "torch.cuda.Stream", side: "torch.cuda.Stream", keep: tuple) -> None:
-        self.main, self.side, self.keep = main, side, keep
-
-    def __call__(self) -> None:
-        self.main.wait_stream(self.side)
-        self.keep = ()
 
 
 class InPlaceGraph:
@@ -266,7 +247,6 @@ class DeviceLoop:
         self._bufs: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._host: dict[tuple, "HostBuffers"] = {}
         self._uploaded: "torch.cuda.Event | None" = None  # the last begin's uploads from the host buffers
-        self._context_stream: "torch.cuda.Stream | None" = None  # CONTEXT_STREAM's, made at the first GPU step
         self.sessions = 0  # sessions of many steps begun here (tests check the path is taken)
         self.single_steps = 0  # sessions of one step (`step`: the stepwise calls)
         self.wasted_steps = 0  # steps launched after every row had finished (run's tail)
@@ -295,10 +275,10 @@ class DeviceLoop:
         """One DFlash step per row at draft width t (pend [B, t, F]): append the pending context rows to
         the draft cache, draft, verify, accept; -> [B, t + 1] (the target's t choices, accepted count)."""
         runner, drafts = self.runner, self.gen.drafts
-        ctx, pos, ids, w, vslots, live, ready = self._spec_begin(st, bt, pend)
+        ctx, pos, ids, w, vslots, live = self._spec_begin(st, bt, pend)
         # 2) draft [x, MASK...] -> [x, guesses]; columns past the row's width repeat its last position and
         # are masked (a paged pass writes the block's draft K/V at the verify's slots: scratch past the width)
-        block = drafts.guess_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0], vslots, ready)
+        block = drafts.guess_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0], vslots)
         # 3) verify it; columns past the width, and frozen rows, write scratch and are never read
         _, tapped, logits = runner.model_step(block, pos, vslots, bt)
         # 4) accept the longest agreeing prefix (at most w - 1 guesses) plus the target's next choice
@@ -311,8 +291,8 @@ class DeviceLoop:
         """_spec_fn for a session with sampled rows: the guesses are drawn from the draft's distributions and
         accepted by rejection sampling (spec_draw, spec_out_sampled); -> [B, t + 1] (committed tokens, a)."""
         runner, drafts = self.runner, self.gen.drafts
-        ctx, pos, ids, w, vslots, live, ready = self._spec_begin(st, bt, pend)
-        draft_logits = drafts.logits_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0], vslots, ready)
+        ctx, pos, ids, w, vslots, live = self._spec_begin(st, bt, pend)
+        draft_logits = drafts.logits_fn(ids, pos, drafts.cache.data, bt, ctx[:, 0], w[:, 0], vslots)
         draft_logits = drafts.drafter.full_logits(draft_logits)  # a token map's q: zero off its hot ids
         guess, q = self._spec_draw(st, sp, draft_logits, filtered)
         _, tapped, logits = runner.model_step(torch.cat([ids[:, :1], guess], dim=1), pos, vslots, bt)
@@ -323,23 +303,12 @@ class DeviceLoop:
     def _spec_begin(self, st: torch.Tensor, bt: torch.Tensor, pend: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A DFlash step's inputs from the state (spec_in; the draft width t is pend's), after 1) the accepted
         positions' context K/V join the draft cache (padding rows write scratch). -> (draft context lengths,
-        block positions, draft ids, widths, verify slots, live rows, and the draft pass's context_ready: None, or
-        on a GPU's paged pass the join of the stream that writes the context, CONTEXT_STREAM)."""
+        block positions, draft ids, widths, verify slots, live rows)."""
         drafts = self.gen.drafts
         b, t, f = pend.shape
         cpos, cslots, *rest = self._spec_in(st, bt, t, self.runner.kv_block_size, drafts.drafter.cfg.mask_token_id)
-        args = (drafts.cache.data, pend.reshape(b * t, f), cpos, cslots, drafts.kv_fn)
-        if not (CONTEXT_STREAM and drafts.paged and pend.is_cuda):
-            drafts.drafter.write_context(*args)
-            return (*rest, None)
-        main = torch.cuda.current_stream()
-        if self._context_stream is None:
-            self._context_stream = torch.cuda.Stream(pend.device)
-        side = self._context_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            drafts.drafter.write_context(*args)
-        return (*rest, StreamJoin(main, side, args))
+        drafts.drafter.write_context(drafts.cache.data, pend.reshape(b * t, f), cpos, cslots, drafts.kv_fn)
+        return tuple(rest)
 
     @staticmethod
     def _keep_taps(tapped: list[torch.Tensor], pend: torch.Tensor) -> None:

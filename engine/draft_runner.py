@@ -6,8 +6,6 @@ the block. Folding both into one function gives one CUDA graph per step shape.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -64,22 +62,19 @@ class DraftRunner:
                                          ctx_lens, blens, self.layer_fn, self.impl, bslots, self.paged_fns)
 
     def guess(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
-              ctx_lens: torch.Tensor, block_lens: torch.Tensor, block_slots: torch.Tensor,
-              context_ready: Callable[[], None] | None = None) -> torch.Tensor:
+              ctx_lens: torch.Tensor, block_lens: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
         """The block to verify [B, T]: each row's first id, then its greedy draft tokens (see
-        DFlashDrafter.draft_logits) for blocks ids/pos [B, T]; block_slots [B*T]: the verify's slots.
-        context_ready: DFlashDrafter.draft_logits' (the paged pass only: the gathered one is compiled whole)."""
-        return self._pick(ids, self.block_logits(ids, pos, cache, bt, ctx_lens, block_lens, block_slots,
-                                                 context_ready), self.drafter.hot_ids)
+        DFlashDrafter.draft_logits) for blocks ids/pos [B, T]; block_slots [B*T]: the verify's slots."""
+        return self._pick(ids, self.block_logits(ids, pos, cache, bt, ctx_lens, block_lens, block_slots),
+                          self.drafter.hot_ids)
 
     def block_logits(self, ids: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, bt: torch.Tensor,
-                     ctx_lens: torch.Tensor, block_lens: torch.Tensor, block_slots: torch.Tensor,
-                     context_ready: Callable[[], None] | None = None) -> torch.Tensor:
+                     ctx_lens: torch.Tensor, block_lens: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
         """The draft's logits [B, T - 1, V] for blocks ids/pos [B, T] (guess's pass, before its argmax; V: the
         draft vocabulary, DFlashDrafter.draft_logits). Compiled
         whole (the gathered pass), its layers are inlined; the paged pass calls its compiled functions."""
         return self.drafter.draft_logits(ids, pos, cache, bt, ctx_lens, block_lens, draft_layer, self.impl,
-                                         block_slots, self.paged_fns, context_ready)
+                                         block_slots, self.paged_fns)
 
     def _slots(self, s: Sequence, start: int, n: int) -> np.ndarray:
         p = np.arange(start, start + n)

@@ -229,8 +229,8 @@ class DFlashDrafter(nn.Module):
     def draft_logits(self, block_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
                      block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_lens: torch.Tensor,
                      layer_fn: Callable = None, attention_impl: str | None = None,
-                     block_slots: torch.Tensor | None = None, paged_fns: "PagedDraftFns | None" = None,
-                     context_ready: Callable[[], None] | None = None) -> torch.Tensor:
+                     block_slots: torch.Tensor | None = None, paged_fns: "PagedDraftFns | None" = None
+                     ) -> torch.Tensor:
         """One draft pass. block_ids/positions [B, T]; ctx_lens [B] valid context positions;
         block_lens [B] real draft width per row (shorter rows mask their tail keys). attention_impl: the
         forced attention form (RunnerConfig.attention_impl, via DraftRunner), None: automatic.
@@ -243,10 +243,6 @@ class DFlashDrafter(nn.Module):
         the context: the runners' invariant that a row's context ends where its block starts (ctx_lens ==
         positions[:, 0]) is then required, and rows narrower than T must repeat their last position in
         `positions` (DraftRunner.inputs, device_loop.spec_in), whose last column bounds every query's keys.
-
-        context_ready: called once before the pass first reads the draft cache's context (the paged pass: after
-        its first layer's own K/V write), so that the caller's context write may run on another stream until
-        then (DeviceLoop's DFlash step).
         """
         c = self.cfg
         b, t = block_ids.shape
@@ -256,13 +252,10 @@ class DFlashDrafter(nn.Module):
                                f"of at most attention.PAGED_MAX_T tokens, got {t}")
         if block_slots is not None and paged_applies(block_ids.device, t, attention_impl):
             fns = paged_fns or PAGED_EAGER
-            x = self.paged_block_hidden(block_ids, positions, cache, block_tables, block_slots, fns, attention_impl,
-                                        context_ready)
+            x = self.paged_block_hidden(block_ids, positions, cache, block_tables, block_slots, fns, attention_impl)
             return fns.head(x, self.head_weight, c.output_multiplier, c.final_logit_softcapping)
         if attention_impl == "paged":
             raise ValueError("attention_impl 'paged' needs block_slots")
-        if context_ready is not None:
-            context_ready()
         h = tgt.embed(block_ids)
         if c.input_embedding_scale != 1.0:
             h = h * c.input_embedding_scale
@@ -282,8 +275,7 @@ class DFlashDrafter(nn.Module):
 
     def paged_block_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
                            block_tables: torch.Tensor, block_slots: torch.Tensor, fns: "PagedDraftFns",
-                           impl: str | None = None, context_ready: Callable[[], None] | None = None
-                           ) -> torch.Tensor:
+                           impl: str | None = None) -> torch.Tensor:
         """The draft pass over the paged draft cache in place, the block's final-normed hidden states [B, T, H].
 
         Each layer writes its block's own K/V into the cache at `block_slots` (the positions the row's context
@@ -305,19 +297,16 @@ class DFlashDrafter(nn.Module):
         for i, l in enumerate(layers):
             w_next = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             k_cache, v_cache = cache[i, 0], cache[i, 1]
-            ready = context_ready if i == 0 else None  # the block's own K/V write never reads the context
             if fused:
                 h, xg, ss = fused_layer(h, xg, ss, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, l.o_proj,
                                         l.post_attention_layernorm, l.gate_up_proj, l.down_proj, w_next, eps, n_q,
-                                        n_kv, d, k_cache, v_cache, block_slots, block_tables, key_pos, ready)
+                                        n_kv, d, k_cache, v_cache, block_slots, block_tables, key_pos)
                 continue
             args = (x, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, eps, c.num_attention_heads, n_kv, d,
                     k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), block_slots)
             q = fused_attn_inputs(*args)  # one kernel after the matmul where it applies, eagerly (qwen3's layer)
             if q is None:
                 q = fns.qkv(*args)
-            if ready is not None:
-                ready()
             h, x = fns.attn_mlp(h, q, k_cache, v_cache, block_tables, key_pos, l.o_proj, l.post_attention_layernorm,
                                 l.gate_up_proj, l.down_proj, w_next, eps, d ** -0.5, impl)
         return fns.norm(h, self.norm, eps) if fused else x

@@ -105,7 +105,7 @@ def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.
                 w_qkv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
                 w_gate_up: torch.Tensor, w_down: torch.Tensor, w_next: torch.Tensor, eps: float, n_q: int, n_kv: int,
                 d: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                block_tables: torch.Tensor, positions: torch.Tensor, ready: Callable[[], None] | None = None
+                block_tables: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decoder layer (`fused_layers`) in 7 launches: the residual stream h, with xg = h times the input norm's
     weight and ss the partial sums of h's squares (skinny_gemm.norm_input, or the previous fused layer) -> the
@@ -113,14 +113,10 @@ def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.
     QKV scales its rows by 1/rms, qkv_rope writes K/V at `slots`, the paged kernel attends up to `positions`,
     o_proj adds the residual and writes the post-attention norm's input, gate/up forms silu(gate) * up of the
     normed rows, down adds the residual and writes the next norm's input. Eager launches (opaque ops: nothing is
-    left between them for a compiler to fuse). `ready`, if given, runs after the layer's own K/V write and
-    before its attention reads the cache (a draft pass's first layer: the context write may run on another
-    stream until then)."""
+    left between them for a compiler to fuse)."""
     qkv = fused_linear(xg, w_qkv, ss, eps)
     q = qkv_rope.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_cache.view(-1, n_kv, d),
                                 v_cache.view(-1, n_kv, d), slots)
-    if ready is not None:
-        ready()
     o = paged_attention(q, k_cache, v_cache, block_tables, positions, d ** -0.5, heads_last=True)
     h, xg, ss = fused_residual(o, w_o, h, w_post)
     act = fused_linear(xg, w_gate_up, ss, eps, swiglu=True)

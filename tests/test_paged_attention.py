@@ -197,47 +197,6 @@ def draft_pass_in_place_is_the_gathered_pass(pa: ModuleType, dev: str) -> None:
 CASES["draft-pass"] = draft_pass_in_place_is_the_gathered_pass
 
 
-def context_written_at_ready_is_the_context_written_before(pa: ModuleType, dev: str) -> None:
-    """draft_logits' context_ready (DeviceLoop writes the context on a second stream until then): a pass whose
-    context slots hold zeros until its callback writes them gives exactly the logits of a pass that found them
-    written, in the paged and the gathered form; the callback runs once, after the first layer's block K/V
-    write and before the second layer's (so before any attention)."""
-    target, drafter = tiny_pair(dev, 24, 10000.0, seed=2)
-    gen = torch.Generator().manual_seed(5)
-    bs, nb, t, c = 8, 12, 8, 21
-    cache = torch.randn(2, 2, nb, bs, 2, 24, generator=gen).to(dev)
-    bt = torch.arange(1, 5, dtype=torch.int64)[None].to(dev)  # 4 blocks: context 0..20, block 21..28
-    pos = (c + torch.arange(t))[None].to(dev)
-    slots = (bt.gather(1, pos // bs) * bs + pos % bs).reshape(-1)
-    ids = torch.full((1, t), 63, dtype=torch.int64, device=dev)
-    ids[0, 0] = 7
-    ctx = torch.arange(c, device=dev)
-    ctx_slots = bt[0, ctx // bs] * bs + ctx % bs
-    flat = lambda x: x.view(2, 2, nb * bs, 2, 24)  # noqa: E731
-    for impl, kw in (("paged", dict(attention_impl="paged", block_slots=slots)), ("gathered", {})):
-        with torch.no_grad():
-            ref = drafter.draft_logits(ids, pos, cache.clone(), bt, torch.tensor([c], device=dev),
-                                       torch.tensor([t], device=dev), **kw)
-            late = cache.clone()
-            flat(late)[:, :, ctx_slots] = 0
-            calls = []
-
-            def ready() -> None:
-                if impl == "paged":
-                    assert (flat(late)[0, :, slots] != flat(cache)[0, :, slots]).any(), "layer 0 wrote its block"
-                    assert torch.equal(flat(late)[1, :, slots], flat(cache)[1, :, slots]), "layer 1 had not"
-                flat(late)[:, :, ctx_slots] = flat(cache)[:, :, ctx_slots]
-                calls.append(1)
-
-            out = drafter.draft_logits(ids, pos, late, bt, torch.tensor([c], device=dev),
-                                       torch.tensor([t], device=dev), context_ready=ready, **kw)
-        assert calls == [1], impl
-        assert torch.equal(out, ref), impl
-
-
-CASES["draft-pass-context-ready"] = context_written_at_ready_is_the_context_written_before
-
-
 def dflash_on_the_paged_kernel_is_the_gathered_dflash(pa: ModuleType, dev: str) -> None:
     """DFlash through a whole engine with every decode, verify and draft pass on the paged kernel
     (RunnerConfig.attention_impl "paged") against the gathered matmul form, fp32, random tiny models:

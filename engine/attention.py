@@ -27,6 +27,8 @@ class AttnBatch:
     this forward's own K/V under a causal mask, which a fused causal kernel runs without gathering the
     cache or reading a mask (`causal_sdpa`); there is no mask. Right padding is harmless there: a real
     query never sees a later (padding) key.
+    continued: set by the model where `use_continued` holds (one row continuing a cached prefix on a GPU: a
+    prompt's later prefill chunks, a prefix hit's tail): its attention is `continued_sdpa`; there is no mask.
     impl: None chooses the attention form per shape and device (`use_matmul`, `use_paged`); "matmul" or
     "sdpa" forces that form of `grouped_attention` on any device (ModelRunner sets it from
     RunnerConfig.attention_impl: tests, kernel checks).
@@ -38,6 +40,7 @@ class AttnBatch:
     mask: torch.Tensor | None = None
     fresh: bool = False
     impl: str | None = None
+    continued: bool = False
 
 
 def causal_position_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -111,6 +114,52 @@ def paged_applies(device: torch.device, t: int, impl: str | None = None) -> bool
 
 # The widest forward the paged kernel takes: DFlash verify blocks (16) with room to spare.
 PAGED_MAX_T = 32
+
+# The layouts of a layer's queries (qwen3.attn_inputs): kv-major groups for `grouped_attention` and the paged
+# kernel, heads-major [B, Hq, T, d] for `causal_sdpa`, tokens [B*T, Hq, d] for `continued_sdpa`.
+Q_GROUPED, Q_HEADS, Q_TOKENS = "grouped", "heads", "tokens"
+
+
+def use_continued(device: torch.device, b: int, t: int, dtype: torch.dtype, head_dim: int,
+                  impl: str | None = None) -> bool:
+    """Whether a forward of one row of T > PAGED_MAX_T tokens after a cached prefix (not fresh: the caller
+    checks) takes `continued_sdpa`: a CUDA GPU of compute capability 8.0 or more (flash attention's), bf16 or
+    fp16, a head size flash takes, and no forced form. Elsewhere (batches of several rows, the CPU, float32,
+    a forced `impl`) it keeps `grouped_attention` over the gathered cache with its position mask."""
+    if impl is not None or b != 1 or t <= PAGED_MAX_T or device.type != "cuda":
+        return False
+    if dtype not in (torch.bfloat16, torch.float16) or head_dim % 8 or head_dim > 256:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def continued_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """One row's attention over its cached prefix and its own new keys (`use_continued`): queries q [T, Hq, d]
+    (attn_inputs' Q_TOKENS, this forward's K/V already in the cache), k_cache / v_cache a layer's [blocks, bs,
+    Hkv, d], block_tables [1, nblk], positions [1, T] (columns past the row's tokens, right padding, carry 0).
+    -> [1, T, Hq*d] (o_proj's input), padding rows zero.
+
+    Flash attention's variable-length form with causality aligned to the keys' end: the row's keys are its
+    gathered blocks, of which the first `max(positions) + 1` are used (seqused_k), and its real queries are the
+    last of them, so query i sees the keys up to its own position. No [T, L] mask is built or read, and
+    key tiles past a query's position are skipped. The masked form it replaces ran the whole [T*groups, L]
+    score matrix under a mask, and took a chunked 8,192-token prefill at Qwen3-8B's shape well past one
+    forward's time (docs/results.md). Graph-safe: lengths stay on the device; the maxima are the shapes'."""
+    t, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    n_keys = block_tables.shape[1] * bs
+    k = k_cache[block_tables[0]].view(n_keys, hkv, d)
+    v = v_cache[block_tables[0]].view(n_keys, hkv, d)
+    used = positions.max().view(1) + 1  # the row's keys: its prefix and its real tokens
+    real = used - positions[0, 0]  # its real queries (the first columns)
+    zero = torch.zeros_like(used)
+    cu_q = torch.cat([zero, real]).to(torch.int32)
+    cu_k = torch.cat([zero, zero + n_keys]).to(torch.int32)
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, t, n_keys, 0.0, True, False, scale=scale,
+                                                  seqused_k=used.to(torch.int32))[0]
+    keep = torch.arange(t, device=q.device)[:, None, None] < real  # rows past the row's tokens: never written
+    return torch.where(keep, out, 0).view(1, t, hq * d)
 
 
 def group_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from dataclasses import replace
 
-from flashpd.engine.attention import AttnBatch, causal_position_mask, causal_sdpa, gather_kv, group_mask, \
-    group_queries, grouped_attention, out_proj, paged_applies, use_paged, write_kv
+from flashpd.engine.attention import Q_GROUPED, Q_HEADS, Q_TOKENS, AttnBatch, causal_position_mask, causal_sdpa, \
+    continued_sdpa, gather_kv, group_mask, group_queries, grouped_attention, out_proj, paged_applies, use_continued, \
+    use_paged, write_kv
 from flashpd.engine import qkv_rope
 from flashpd.engine.paged_attention import paged_attention
 from flashpd.engine import skinny_gemm
@@ -29,18 +30,24 @@ from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_nor
 
 def attn_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor, w_qn: torch.Tensor,
                 w_kn: torch.Tensor, eps: float, n_q: int, n_kv: int, d: int, k_slots: torch.Tensor | None = None,
-                v_slots: torch.Tensor | None = None, slots: torch.Tensor | None = None, fresh: bool = False
+                v_slots: torch.Tensor | None = None, slots: torch.Tensor | None = None, layout: str = Q_GROUPED
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, T, H], the layer's input already normed (the previous layer's `attn_mlp`, or the forward's
     first norm) -> queries, k and v [B*T, n_kv, d] (k roped and normed). Queries come in the layout
-    their attention reads: [n_kv, B, T*groups, d] (attention.group_queries) over the cache, or [B, n_q, T,
-    d] for a fresh prefill's causal kernel (`fresh`). Given a layer's cache as [slots, n_kv, d] views, k and
+    their attention reads (`layout`): Q_GROUPED [n_kv, B, T*groups, d] (attention.group_queries) over the
+    cache, Q_HEADS [B, n_q, T, d] for a fresh prefill's causal kernel, Q_TOKENS [B*T, n_q, d] for
+    `continued_sdpa`. Given a layer's cache as [slots, n_kv, d] views, k and
     v are written at `slots` here, so that compiled they are stored by the kernel that makes them (separate
     index_copy kernels, two a layer, were a sizeable share of a small model's step: docs/results.md)."""
     b, t, _ = x.shape
     q, k, v = linear(x, w_qkv).split([n_q * d, n_kv * d, n_kv * d], dim=-1)
     q = apply_rotary(rms_norm(q.view(b, t, n_q, d), w_qn, eps), cos, sin)
-    q = q.transpose(1, 2).contiguous() if fresh else group_queries(q, n_kv)
+    if layout == Q_HEADS:
+        q = q.transpose(1, 2).contiguous()
+    elif layout == Q_TOKENS:
+        q = q.reshape(b * t, n_q, d)
+    else:
+        q = group_queries(q, n_kv)
     k = apply_rotary(rms_norm(k.view(b, t, n_kv, d), w_kn, eps), cos, sin).reshape(b * t, n_kv, d)
     v = v.reshape(b * t, n_kv, d)
     if k_slots is not None:
@@ -81,6 +88,15 @@ def attn_mlp(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             raise ValueError("the gathered attention needs the position mask (qwen3.step_inputs)")
         o = out_proj(grouped_attention(q, gather_kv(k_cache, block_tables), gather_kv(v_cache, block_tables),
                                        mask, scale, impl), w_o)
+    return residual_and_norm(mlp_residual(h + o, w_post, w_gate_up, w_down, eps), w_next, eps)
+
+
+def attn_mlp_continued(h: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, positions: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
+                       w_gate_up: torch.Tensor, w_down: torch.Tensor, w_next: torch.Tensor, eps: float, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attn_mlp` for one row continuing a cached prefix (AttnBatch.continued): attention.continued_sdpa."""
+    o = linear(continued_sdpa(q, k_cache, v_cache, block_tables, positions, scale), w_o)
     return residual_and_norm(mlp_residual(h + o, w_post, w_gate_up, w_down, eps), w_next, eps)
 
 
@@ -164,7 +180,12 @@ class Qwen3DecoderLayer(nn.Module):
         if not batch.fresh and paged_applies(x.device, x.shape[1], batch.impl):  # the paged kernel's queries
             q = fused_attn_inputs(*args)
         if q is None:
-            q, k, v = pre(*args, batch.fresh)
+            q, k, v = pre(*args, Q_HEADS if batch.fresh else Q_TOKENS if batch.continued else Q_GROUPED)
+        if batch.continued:
+            return fns.attn_mlp_continued(h, q, k_cache, v_cache, batch.block_tables, batch.positions,
+                                          a.o_proj.weight, self.post_attention_layernorm.weight,
+                                          self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, w_next,
+                                          c.rms_norm_eps, c.head_dim ** -0.5)
         if batch.fresh:
             return fresh(h, q, k, v, a.o_proj.weight, self.post_attention_layernorm.weight,
                          self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, w_next, c.rms_norm_eps,
@@ -196,9 +217,10 @@ class StepFns(NamedTuple):
     attn_mlp_fresh: Callable
     norm: Callable
     step_inputs: Callable
+    attn_mlp_continued: Callable
 
 
-EAGER = StepFns(attn_inputs, attn_mlp, attn_mlp_fresh, rms_norm, step_inputs)
+EAGER = StepFns(attn_inputs, attn_mlp, attn_mlp_fresh, rms_norm, step_inputs, attn_mlp_continued)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -236,11 +258,12 @@ class Qwen3ForCausalLM(nn.Module):
         if len(set(taps)) != len(taps) or any(not 0 <= j < len(self.layers) for j in taps):
             raise ValueError(f"tap ids {taps} must be distinct layer indices below {len(self.layers)}")
         b, t = input_ids.shape
-        gathers = not batch.fresh and not paged_applies(input_ids.device, t, batch.impl)
+        continued = not batch.fresh and use_continued(input_ids.device, b, t, kv.dtype, self.cfg.head_dim, batch.impl)
+        gathers = not batch.fresh and not continued and not paged_applies(input_ids.device, t, batch.impl)
         h, cos, sin, mask = fns.step_inputs(input_ids, batch.positions, batch.block_tables, self.embed_tokens.weight,
                                             self.rotary.cos, self.rotary.sin, kv.shape[3],
                                             self.cfg.num_attention_heads // self.cfg.num_key_value_heads, gathers)
-        batch = replace(batch, mask=mask)
+        batch = replace(batch, mask=mask, continued=continued)
         eps, layers, c = self.cfg.rms_norm_eps, self.layers, self.cfg
         n_q, n_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         fused = not batch.fresh and fused_layers(h, t, batch.impl, n_q, n_kv, d)
@@ -279,7 +302,7 @@ class Qwen3ForCausalLM(nn.Module):
             a = layer.self_attn
             q, k, v = attn_inputs(rms_norm(h, layer.input_layernorm.weight, c.rms_norm_eps), cos, sin,
                                   a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight, c.rms_norm_eps,
-                                  c.num_attention_heads, c.num_key_value_heads, c.head_dim, fresh=True)
+                                  c.num_attention_heads, c.num_key_value_heads, c.head_dim, layout=Q_HEADS)
             h = h + linear(causal_sdpa(q, k, v, c.head_dim ** -0.5), a.o_proj.weight)
             h = mlp_residual(h, layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
                              layer.mlp.down_proj.weight, c.rms_norm_eps)

@@ -112,3 +112,62 @@ def test_out_proj_wide_rows_take_one_matmul(b, t, hq, hkv):
     assert out.shape == (b, t, hidden)
     assert torch.equal(out, one_matmul if t > attention.OUT_PROJ_SUM_MAX_T else per_head)
     torch.testing.assert_close(one_matmul, per_head, rtol=1e-5, atol=1e-5)
+
+
+def _flash_varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale, seqused_k):
+    """Flash attention's variable-length forward as the docs define it, for one sequence on the CPU: queries
+    cu_q[0]..cu_q[1], keys cu_k[0] .. cu_k[0] + seqused_k, causality aligned to the keys' end; rows past the
+    sequence's queries are not written (NaN here, as uninitialised memory may be)."""
+    assert causal and dropout == 0.0 and cu_q.dtype == cu_k.dtype == seqused_k.dtype == torch.int32
+    assert len(cu_q) == len(cu_k) == 2 and int(cu_q[1]) <= max_q and int(cu_k[1]) <= max_k
+    n_q, n_k = int(cu_q[1]), int(seqused_k[0])
+    out = torch.full_like(q, float("nan"))
+    groups = q.shape[1] // k.shape[1]
+    kk = k[:n_k].repeat_interleave(groups, dim=1).transpose(0, 1)  # [Hq, n_k, d]
+    vv = v[:n_k].repeat_interleave(groups, dim=1).transpose(0, 1)
+    s = torch.einsum("qhd,hkd->hqk", q[:n_q], kk) * scale
+    visible = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+    s = s.masked_fill(~visible, float("-inf"))
+    out[:n_q] = torch.einsum("hqk,hkd->qhd", torch.softmax(s, -1), vv)
+    return out, None, None, None, None
+
+
+@pytest.mark.parametrize("prefix,real,t", [(37, 40, 40), (64, 33, 64), (5, 50, 64)])
+def test_continued_sdpa_is_the_masked_attention_over_the_gathered_row(monkeypatch, prefix, real, t):
+    """attention.continued_sdpa (one row after a cached prefix; flash's variable-length form on a GPU) against the
+    gathered, masked `grouped_attention` in float32: the row's real queries agree, right-padding rows are zero.
+    What runs here is the call's bookkeeping (the gather, the lengths, the alignment, the padding) around a
+    plain-PyTorch statement of the flash op's documented contract; the op itself runs on the GPU only
+    (its check there: the H200 diag in docs/results.md)."""
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", _flash_varlen_reference)
+    g = torch.Generator().manual_seed(prefix * 7 + real)
+    hq, hkv, d, bs = 8, 2, 16, 8
+    nblk = (prefix + t + bs - 1) // bs + 2  # room past the row, as a bucketed table has
+    k_cache, v_cache = torch.randn(2, nblk + 3, bs, hkv, d, generator=g).unbind(0)
+    bt = (torch.randperm(nblk + 2, generator=g)[:nblk] + 1)[None]
+    pos = torch.zeros(1, t, dtype=torch.int64)
+    pos[0, :real] = torch.arange(prefix, prefix + real)
+    q = torch.randn(1, t, hq, d, generator=g)
+    out = attention.continued_sdpa(q.view(t, hq, d), k_cache, v_cache, bt, pos, d ** -0.5)
+    assert out.shape == (1, t, hq * d)
+    mask = group_mask(attention.causal_position_mask(pos, nblk * bs), hq // hkv)
+    ref = attention.heads_last(attention.grouped_attention(
+        attention.group_queries(q, hkv), attention.gather_kv(k_cache, bt), attention.gather_kv(v_cache, bt), mask,
+        d ** -0.5, "matmul"), t)
+    torch.testing.assert_close(out[:, :real], ref[:, :real], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[:, real:], torch.zeros_like(out[:, real:]))
+
+
+def test_continued_form_applies_to_one_half_precision_row_on_a_gpu_only():
+    """attention.use_continued: one row past PAGED_MAX_T tokens in bf16/fp16 on a CUDA device of compute
+    capability 8+, no forced form; everything else keeps the gathered, masked form."""
+    cpu, t = torch.device("cpu"), attention.PAGED_MAX_T + 1
+    assert not attention.use_continued(cpu, 1, t, torch.bfloat16, 128)
+    if torch.cuda.is_available():  # pragma: no cover (GPU machines)
+        cuda = torch.device("cuda")
+        flash = torch.cuda.get_device_capability(cuda)[0] >= 8
+        assert attention.use_continued(cuda, 1, t, torch.bfloat16, 128) == flash
+        for args in ((2, t, torch.bfloat16, 128), (1, t - 1, torch.bfloat16, 128), (1, t, torch.float32, 128),
+                     (1, t, torch.bfloat16, 100)):
+            assert not attention.use_continued(cuda, *args)
+        assert not attention.use_continued(cuda, 1, t, torch.bfloat16, 128, "matmul")

@@ -13,6 +13,7 @@ graphs, torch.compile on):
 - the same batches through the serving scheduler (decode_node/scheduler.py);
 - a DFlash width-16 step at batch 1 (a dummy drafter accepts about nothing: a step's cost, not a speedup);
 - a fresh `--prefill-tokens` prefill against the bf16 matmul rate (an 8192-cube matmul) of this GPU;
+- `--prefill-lengths` prompts prefilled in the runner's default chunks and as one forward (a long prompt's TTFT);
 - exactness: DFlash against native on the speedup protocol's prompts (the demo pair, 256 new tokens, width 16),
   with native at the verify's kernel shapes (NativeGenerator.step_width) and, for reference, at one column.
 The JSON is written after every section (a run cut short keeps what it measured). The copy rate is read again at
@@ -276,6 +277,9 @@ def main() -> None:
                          "whole head, at each of --dflash-batches; reported apart from dflash_over_native_step")
     ap.add_argument("--dflash-batches", default="1", help="batch sizes of the --draft-vocabs steps")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--prefill-lengths", default="2048,8192",
+                    help="prompt lengths whose prefill is also timed in the runner's default chunks and as one forward "
+                         "(what a long prompt's TTFT costs; '' for none)")
     ap.add_argument("--exact-target", default="flashpd/assets/demo_pair/target")
     ap.add_argument("--exact-draft", default="flashpd/assets/demo_pair/drafter")
     ap.add_argument("--exact-prompts", type=int, default=8, help="per set of the speedup protocol (two sets)")
@@ -313,7 +317,9 @@ def main() -> None:
     batches = [int(x) for x in a.batches.split(",")]
     profiled_batches = {int(x) for x in a.profile_batches.split(",") if x}
     sched_batches = [int(x) for x in a.scheduler_batches.split(",") if x] if "scheduler" in sections else []
+    lengths = [int(x) for x in a.prefill_lengths.split(",") if x] if "prefill" in sections else []
     tokens = (max(batches + sched_batches) + 1) * (a.context + (a.steps + 40) * 1) + 4 * (a.prefill_tokens + 64) \
+        + max(lengths, default=0) + 64 \
         + (a.context + (a.steps + 12) * a.width) * 2
     if a.draft_vocabs:  # DFlash rows at the largest --dflash-batches, one session at a time
         tokens += max(int(x) for x in a.dflash_batches.split(",")) * (a.context + (a.steps + 12) * a.width + 16)
@@ -400,6 +406,7 @@ def main() -> None:
 
     def prefill() -> None:
         prompt = random_prompts(1, a.prefill_tokens, cfg.vocab_size, a.seed)[0]
+        default = runner.config
         rows = {}
         for chunk in (runner.config.prefill_chunk, a.prefill_tokens):
             runner.reconfigure(prefill_chunk=chunk, prefill_graph_tokens=chunk or runner.config.prefill_graph_tokens)
@@ -411,6 +418,19 @@ def main() -> None:
                           "ms": ms, "flops": flops, "tflops": flops / (ms * 1e-3) / 1e12,
                           "matmul_fraction": flops / (ms * 1e-3) / 1e12 / res["matmul_tflops_bf16"]}
         log(f"prefill {a.prefill_tokens}: {rows} ms; {res['prefill']['tflops']:.0f} TFLOP/s")
+        runner.reconfigure(prefill_chunk=default.prefill_chunk, prefill_graph_tokens=default.prefill_graph_tokens)
+        by_length = []
+        for n in lengths:  # the serving default (chunks as graphs) against one forward (eager past the graph size)
+            long_prompt = random_prompts(1, n, cfg.vocab_size, a.seed + n)[0]
+            row = {"tokens": n, "chunk": runner.config.prefill_chunk,
+                   "chunked_ms": measure_prefill(native, long_prompt, 3, cuda=True)}
+            runner.reconfigure(prefill_chunk=None)
+            row["one_forward_ms"] = measure_prefill(native, long_prompt, 3, cuda=True)
+            runner.reconfigure(prefill_chunk=default.prefill_chunk)
+            by_length.append(row)
+            log(f"prefill {n}: {row['chunked_ms']:.1f} ms in chunks of {row['chunk']}, {row['one_forward_ms']:.1f} "
+                f"as one forward")
+        res["prefill"]["by_length"] = by_length
 
     def paged() -> None:
         res["paged_agreement"] = paged_agreement(target, random_prompts(8, a.context, cfg.vocab_size, a.seed))

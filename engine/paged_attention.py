@@ -26,7 +26,9 @@ copies it exactly, so both give the same bits, and the choice is made per call f
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
 
 import torch
 
@@ -62,14 +64,41 @@ SPLIT_NUM_WARPS = 4
 WALK_MAX_REGISTERS = 128
 WALK_CAP_ABOVE_PROGRAMS_PER_SM = 5
 # split (a program per key chunk) when one program per (row tile, KV head, sequence) would give fewer programs
-# than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES
+# than this per SM, and the chunk states fit WORKSPACE_MAX_BYTES (256 MB: room for a 16-token verify over a table
+# of 8,192 keys at the Qwen3-8B head shape, which walks at less and is then over twice as slow; docs/results.md)
 SPLIT_BELOW_PROGRAMS_PER_SM = 1
-WORKSPACE_MAX_BYTES = 64 << 20
-# chunk states the combine kernel loads an iteration, for calls of several tokens a row (a verify, a draft pass)
-# and of one (a decode): measured faster at 4 for the first, slower for the second, which keeps 1, at 64-key chunks
-# (docs/results.md). The same bits either way.
-COMBINE_UNROLL = 4
-COMBINE_UNROLL_ONE_TOKEN = 1
+WORKSPACE_MAX_BYTES = 256 << 20
+# The combine kernel's form (no bit depends on it: a row's merge is elementwise and in chunk order, whatever the
+# program's tile). A program merges at most COMBINE_ROWS rows (a call's rows rounded up to a power of two below
+# that: a decode's 4 rows take a 4-row tile, not a 16-row one of 12 idle rows) over COMBINE_DIMS of the head's
+# columns (each column slice of a row recomputes the row's max and sum, the same way), with UNROLL chunk states
+# an iteration: the merge loop is a chain of dependent steps, so what bounds it is how many chunk states are in
+# flight at once. (unroll, warps) by (one token a row, table of at most COMBINE_SHORT_CHUNKS chunks), from
+# a sweep at the Qwen3-8B head shape (docs/results.md).
+COMBINE_ROWS = 16
+COMBINE_DIMS = 32
+COMBINE_SHORT_CHUNKS = 32
+COMBINE_FORMS: dict[tuple[bool, bool], tuple[int, int]] = {
+    (True, True): (1, 4), (True, False): (8, 1), (False, True): (8, 2), (False, False): (8, 4)}
+
+
+def combine_form(t: int, n_chunks: int) -> tuple[int, int]:
+    """(chunk states an iteration, warps) of the combine kernel for a call of t tokens a row over a table of
+    n_chunks key chunks: a function of the shape alone (CUDA graphs and compiled callers fix it)."""
+    return COMBINE_FORMS[(t == 1, n_chunks <= COMBINE_SHORT_CHUNKS)]
+
+
+@contextlib.contextmanager
+def forced_combine(rows: int, dims: int, unroll: int, warps: int) -> Iterator[None]:
+    """Every call's combine kernel in one form while inside (self-checks and tests: no bit may depend on it)."""
+    global COMBINE_ROWS, COMBINE_DIMS, COMBINE_FORMS
+    saved = COMBINE_ROWS, COMBINE_DIMS, COMBINE_FORMS
+    COMBINE_ROWS, COMBINE_DIMS = rows, dims
+    COMBINE_FORMS = {key: (unroll, warps) for key in saved[2]}
+    try:
+        yield
+    finally:
+        COMBINE_ROWS, COMBINE_DIMS, COMBINE_FORMS = saved
 
 
 def available() -> bool:
@@ -205,12 +234,14 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_chunks, spos_b, so_h, so_b, so_t, so_g,
-                        G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr,
+                        G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr, DC: tl.constexpr,
                         KPC: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
         """Merge a row's chunk states in chunk order with `_merge`, as the unsplit kernel does; chunks past
-        its position are skipped (merging one would change nothing). UNROLL chunks an iteration, unrolled, so
-        that their loads need not wait for one another's merge (the loop is not pipelined: its loads feed no
-        dot); a chunk past the tile's last one, in the unrolled tail, is off for every row."""
+        its position are skipped (merging one would change nothing). A program takes BM rows and DC of the
+        D_PAD columns (program_id 2); every column slice of a row computes the row's max and sum the same way.
+        UNROLL chunks an iteration, unrolled, so that their loads need not wait for one another's merge (the loop
+        is not pipelined: its loads feed no dot); a chunk past the tile's last one, in the unrolled tail, is off
+        for every row."""
         pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -219,11 +250,11 @@ if triton is not None:
         rows = pid_m * BM + tl.arange(0, BM)
         row_ok = rows < M
         pos = tl.load(pos_ptr + b * spos_b + rows // G, mask=row_ok, other=-1)
-        dd = tl.arange(0, D_PAD)
+        dd = tl.program_id(2) * DC + tl.arange(0, DC)
         bh = tl.num_programs(1)
         m_run = tl.full([BM], float("-inf"), tl.float32)
         l_run = tl.zeros([BM], tl.float32)
-        acc_run = tl.zeros([BM, D_PAD], tl.float32)
+        acc_run = tl.zeros([BM, DC], tl.float32)
         # chunks past the tile's last position hold no key of its rows: not read (a table wider than the context,
         # as a reserved or bucketed one is, costs no loop iteration)
         last = tl.minimum(n_chunks, tl.max(pos, 0) // KPC + 1)
@@ -251,8 +282,8 @@ if triton is not None:
         """The two kernels' launch. split: a program per key chunk and the combine kernel (None: `use_split`
         decides); the same bits either way. The tile and chunk arguments exist for bench/paged_split's sweep
         (they change bits); the op passes the module's constants. num_warps: the walking or chunk programs'
-        (None: NUM_WARPS, or SPLIT_NUM_WARPS for a program per chunk; no bit depends on it); the combine kernel
-        takes SPLIT_NUM_WARPS. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q."""
+        (None: NUM_WARPS, or SPLIT_NUM_WARPS for a program per chunk; no bit depends on it); the combine kernel's
+        come from `combine_form`. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q."""
         hkv, b, m, d = q.shape
         t = positions.shape[1]
         assert positions.stride(1) == 1 or t == 1, "positions: each row's must be consecutive"
@@ -293,11 +324,13 @@ if triton is not None:
             F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages, **options,
             **triton_env.pdl_args(q.device))
         if split:
-            _combine_kernel[(tiles, hkv * b)](
+            rows_c = min(COMBINE_ROWS, triton.next_power_of_2(m))
+            dims_c = min(COMBINE_DIMS, d_pad)
+            unroll, warps = combine_form(t, n_chunks)
+            _combine_kernel[(triton.cdiv(m, rows_c), hkv * b, d_pad // dims_c)](
                 m_ws, l_ws, acc_ws, positions, out, hkv, m, n_chunks, positions.stride(0), *so,
-                G=g, D=d, D_PAD=d_pad, BM=block_m, KPC=keys_per_chunk,
-                UNROLL=COMBINE_UNROLL if t > 1 else COMBINE_UNROLL_ONE_TOKEN, num_warps=SPLIT_NUM_WARPS,
-                **triton_env.pdl_args(q.device))
+                G=g, D=d, D_PAD=d_pad, BM=rows_c, DC=dims_c, KPC=keys_per_chunk, UNROLL=unroll,
+                num_warps=warps, **triton_env.pdl_args(q.device))
         return out
 
     # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern
@@ -421,7 +454,7 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
     for warps in (1, 2, 4):
         for split in (False, True):
             invariant &= torch.equal(launch(q, k, v, bt, pos, scale, split, num_warps=warps), full)
-    global COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN, WALK_MAX_REGISTERS, WALK_CAP_ABOVE_PROGRAMS_PER_SM
+    global WALK_MAX_REGISTERS, WALK_CAP_ABOVE_PROGRAMS_PER_SM
     # a walking program under register caps, and without one (WALK_MAX_REGISTERS changes no arithmetic)
     saved_cap = WALK_MAX_REGISTERS, WALK_CAP_ABOVE_PROGRAMS_PER_SM
     try:
@@ -431,14 +464,11 @@ def check_against_reference(device: torch.device | str = "cuda", dtype: torch.dt
             invariant &= torch.equal(launch(q, k, v, wide, pos, scale, False, heads_last=True), last)
     finally:
         WALK_MAX_REGISTERS, WALK_CAP_ABOVE_PROGRAMS_PER_SM = saved_cap
-    # the combine kernel at 1 and 3 chunk states an iteration, a verify's and a decode's
-    saved = COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN
-    try:
-        for COMBINE_UNROLL in (1, 3):
-            COMBINE_UNROLL_ONE_TOKEN = COMBINE_UNROLL
+    # the combine kernel in other forms (rows a program, columns a program, chunk states an iteration, warps), a
+    # verify's call and a decode's
+    for form in ((16, 128, 1, 4), (4, 32, 3, 1), (8, 64, 8, 2), (16, 32, 16, 4)):
+        with forced_combine(*form):
             invariant &= torch.equal(paged_attention(q, k, v, wide, pos, scale, split=True), full)
             alone = paged_attention(q[:, 5:6, 60:64].contiguous(), k, v, wide[5:6], pos[5:6, 15:16], scale, split=True)
             invariant &= torch.equal(alone, full[:, 5:6, 60:64])
-    finally:
-        COMBINE_UNROLL, COMBINE_UNROLL_ONE_TOKEN = saved
     return {"max_abs_err": max(errs), "invariant": bool(invariant)}

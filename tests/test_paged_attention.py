@@ -72,8 +72,8 @@ CASES["unwritten-slots"] = unwritten_slots_are_never_read
 def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dtype) -> None:
     """A row computed alone (B=1, T=1), inside a verify of T=16 beside rows at other positions, and inside a
     call with a wider block table is bitwise the same, wherever it sits in its row tile (cols 0, 9 and 15),
-    with its key chunks merged in one program or each chunk in its own program and the combine kernel (at 1, 2
-    and 4 chunks an iteration, for the verify's call and the row's own): rows within the first chunk or few
+    with its key chunks merged in one program or each chunk in its own program and the combine kernel (in
+    several of its forms, for the verify's call and the row's own): rows within the first chunk or few
     (min_pos 30) and rows over several (min_pos 130), where the wider table adds more chunks past every row."""
     for min_pos in (30, 130):
         q, k, v, bt, pos = random_case(pa, dev, dtype, 1, 16, 20, seed=min_pos, min_pos=min_pos, hkv=1)
@@ -87,15 +87,14 @@ def rows_do_not_depend_on_their_batch(pa: ModuleType, dev: str, dtype: torch.dty
                 alone = pa.paged_attention(q[:, :, rows].contiguous(), k, v, bt, pos[:, col:col + 1], SCALE,
                                            split=split)
                 assert torch.equal(alone, full[:, :, rows]), (min_pos, split, col)
-        saved = pa.COMBINE_UNROLL, pa.COMBINE_UNROLL_ONE_TOKEN
-        try:  # the combine kernel's chunk states an iteration, a verify's and a one-token call's
-            for unroll in (1, 2, 4):
-                pa.COMBINE_UNROLL = pa.COMBINE_UNROLL_ONE_TOKEN = unroll
-                assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, split=True), full), unroll
+        # the combine kernel's forms (rows and columns a program, chunk states an iteration, warps), a verify's
+        # call and a one-token call's: 16 rows over every column (the old form), a decode's 4 rows over column
+        # slices of 16 (24 columns padded to 32: a slice past the head's columns stores nothing), 8 rows
+        for form in ((16, 128, 1, 4), (16, 32, 2, 2), (4, 16, 4, 1), (8, 16, 3, 4), (4, 32, 8, 2)):
+            with pa.forced_combine(*form):
+                assert torch.equal(pa.paged_attention(q, k, v, wide, pos, SCALE, split=True), full), form
                 alone = pa.paged_attention(q[:, :, 36:40].contiguous(), k, v, wide, pos[:, 9:10], SCALE, split=True)
-                assert torch.equal(alone, full[:, :, 36:40]), (min_pos, unroll)
-        finally:
-            pa.COMBINE_UNROLL, pa.COMBINE_UNROLL_ONE_TOKEN = saved
+                assert torch.equal(alone, full[:, :, 36:40]), (min_pos, form)
 
 
 def heads_last_is_the_same_numbers_in_o_proj_order(pa: ModuleType, dev: str) -> None:
@@ -290,3 +289,22 @@ def test_walking_programs_take_the_register_cap_past_one_wave_only():
         assert engine_pa.walk_register_cap(8 * 256, sms) is None
     finally:
         engine_pa.WALK_MAX_REGISTERS, engine_pa.WALK_CAP_ABOVE_PROGRAMS_PER_SM = saved
+
+
+def test_the_combine_form_is_a_function_of_the_shape():
+    """A decode's combine takes one chunk state an iteration over a short table and 8 over a long one; a verify's 8
+    at either; the split keeps a 16-token verify over 8,192 keys at the 8B head shape (68 MB of chunk states),
+    which walked under the old 64 MB cap."""
+    short, long_ = engine_pa.COMBINE_SHORT_CHUNKS, engine_pa.COMBINE_SHORT_CHUNKS + 1
+    assert engine_pa.combine_form(1, short) == (1, 4) and engine_pa.combine_form(1, long_) == (8, 1)
+    assert engine_pa.combine_form(16, short) == (8, 2) and engine_pa.combine_form(2, long_) == (8, 4)
+    with engine_pa.forced_combine(4, 16, 3, 1):
+        assert engine_pa.COMBINE_ROWS == 4 and engine_pa.COMBINE_DIMS == 16
+        assert {engine_pa.combine_form(t, n) for t in (1, 16) for n in (1, 1000)} == {(3, 1)}
+    assert engine_pa.combine_form(1, long_) == (8, 1) and engine_pa.COMBINE_DIMS == 32  # restored
+    chunks = 8192 // engine_pa.KEYS_PER_CHUNK
+    verify_8k = chunks * 8 * 1 * 64 * (128 + 2) * 4
+    assert verify_8k > 64 << 20
+    if torch.cuda.is_available():  # pragma: no cover (GPU machines)
+        assert engine_pa.use_split(torch.device("cuda"), 4 * 8, verify_8k, chunks)
+    assert verify_8k <= engine_pa.WORKSPACE_MAX_BYTES

@@ -27,7 +27,6 @@ from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, fused_attn_inputs, fused_layer, \
     fused_layers, mlp_residual
 from flashpd.engine import skinny_gemm
-from flashpd.engine.paged_attention import arrival_counters
 from flashpd.engine.skinny_gemm import linear
 
 
@@ -295,14 +294,13 @@ class DFlashDrafter(nn.Module):
         fused = fused_layers(h, positions.shape[1], impl, n_q, n_kv, d)  # qwen3.fused_layer, as the target's
         if fused:
             xg, ss = skinny_gemm.norm_input(h, layers[0].input_layernorm)
-            counters = arrival_counters(h.device)  # this pass's, its layers' calls one after another
         for i, l in enumerate(layers):
             w_next = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             k_cache, v_cache = cache[i, 0], cache[i, 1]
             if fused:
                 h, xg, ss = fused_layer(h, xg, ss, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, l.o_proj,
                                         l.post_attention_layernorm, l.gate_up_proj, l.down_proj, w_next, eps, n_q,
-                                        n_kv, d, k_cache, v_cache, block_slots, block_tables, key_pos, counters)
+                                        n_kv, d, k_cache, v_cache, block_slots, block_tables, key_pos)
                 continue
             args = (x, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, eps, c.num_attention_heads, n_kv, d,
                     k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), block_slots)

@@ -21,7 +21,7 @@ from flashpd.engine.attention import Q_GROUPED, Q_HEADS, Q_TOKENS, AttnBatch, ca
     continued_sdpa, gather_kv, group_mask, group_queries, grouped_attention, out_proj, paged_applies, use_continued, \
     use_paged, write_kv
 from flashpd.engine import qkv_rope
-from flashpd.engine.paged_attention import arrival_counters, paged_attention
+from flashpd.engine.paged_attention import paged_attention
 from flashpd.engine import skinny_gemm
 from flashpd.engine.skinny_gemm import fused_linear, fused_residual, linear
 from flashpd.engine.config import Qwen3Config
@@ -121,7 +121,7 @@ def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.
                 w_qkv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
                 w_gate_up: torch.Tensor, w_down: torch.Tensor, w_next: torch.Tensor, eps: float, n_q: int, n_kv: int,
                 d: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                block_tables: torch.Tensor, positions: torch.Tensor, counters: torch.Tensor | None = None
+                block_tables: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decoder layer (`fused_layers`) in 7 launches: the residual stream h, with xg = h times the input norm's
     weight and ss the partial sums of h's squares (skinny_gemm.norm_input, or the previous fused layer) -> the
@@ -129,12 +129,11 @@ def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.
     QKV scales its rows by 1/rms, qkv_rope writes K/V at `slots`, the paged kernel attends up to `positions`,
     o_proj adds the residual and writes the post-attention norm's input, gate/up forms silu(gate) * up of the
     normed rows, down adds the residual and writes the next norm's input. Eager launches (opaque ops: nothing is
-    left between them for a compiler to fuse). counters: the forward's paged_attention.arrival_counters (a split
-    call over a short table then merges without a combine kernel)."""
+    left between them for a compiler to fuse)."""
     qkv = fused_linear(xg, w_qkv, ss, eps)
     q = qkv_rope.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_cache.view(-1, n_kv, d),
                                 v_cache.view(-1, n_kv, d), slots)
-    o = paged_attention(q, k_cache, v_cache, block_tables, positions, d ** -0.5, heads_last=True, counters=counters)
+    o = paged_attention(q, k_cache, v_cache, block_tables, positions, d ** -0.5, heads_last=True)
     h, xg, ss = fused_residual(o, w_o, h, w_post)
     act = fused_linear(xg, w_gate_up, ss, eps, swiglu=True)
     return fused_residual(act, w_down, h, w_next)
@@ -270,7 +269,6 @@ class Qwen3ForCausalLM(nn.Module):
         fused = not batch.fresh and fused_layers(h, t, batch.impl, n_q, n_kv, d)
         if fused:
             xg, ss = skinny_gemm.norm_input(h, layers[0].input_layernorm.weight)
-            counters = arrival_counters(h.device)  # this forward's, its layers' calls one after another
         else:
             x = fns.norm(h, layers[0].input_layernorm.weight, eps)
         tapped: dict[int, torch.Tensor] = {}
@@ -281,8 +279,7 @@ class Qwen3ForCausalLM(nn.Module):
                 h, xg, ss = fused_layer(h, xg, ss, cos, sin, a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight,
                                         a.o_proj.weight, layer.post_attention_layernorm.weight,
                                         mlp.gate_up_proj.weight, mlp.down_proj.weight, w_next, eps, n_q, n_kv, d,
-                                        kv[i, 0], kv[i, 1], batch.slots, batch.block_tables, batch.positions,
-                                        counters)
+                                        kv[i, 0], kv[i, 1], batch.slots, batch.block_tables, batch.positions)
             else:
                 h, x = layer(h, x, cos, sin, batch, kv[i, 0], kv[i, 1], w_next, fns)
             if i in taps:

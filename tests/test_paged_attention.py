@@ -128,35 +128,6 @@ def compiles_at_a_verify_width_with_expanded_positions(pa: ModuleType, dev: str)
 
 
 CASES["compiled-verify-width"] = compiles_at_a_verify_width_with_expanded_positions
-
-
-def the_last_chunk_program_merges_as_the_combine_kernel(pa: ModuleType, dev: str) -> None:
-    """Given arrival counters, a split call over a short table runs no combine kernel: the last of a row tile's
-    chunk programs to finish merges the states. Bitwise the walking kernel's output (decode and verify, rows over
-    one chunk and over several, a row alone), at 1, 3 and 8 states an iteration; the counters are zero again
-    after every call, so one forward's layers share them; too few counters for the call's row tiles fail."""
-    counters = pa.arrival_counters(dev)
-    for b, t, nblk, min_pos in ((3, 1, 20, 0), (2, 16, 20, 70), (1, 1, 4, 0), (2, 2, 25, 130)):
-        q, k, v, bt, pos = random_case(pa, dev, torch.bfloat16, b, t, nblk, seed=nblk + t, min_pos=min_pos)
-        assert pa.merges_last(bt.shape[1] * 8 // pa.KEYS_PER_CHUNK)
-        full = pa.paged_attention(q, k, v, bt, pos, SCALE, split=False, heads_last=True)
-        for form in ((16, 128, 1, 4), (16, 32, 3, 2), (4, 32, 8, 1)):
-            with pa.forced_combine(*form):
-                out = pa.paged_attention(q, k, v, bt, pos, SCALE, split=True, heads_last=True, counters=counters)
-            assert torch.equal(out, full), (b, t, form)
-            assert not counters.any()
-        alone = pa.paged_attention(q[:, :1, :4].contiguous(), k, v, bt[:1], pos[:1, :1], SCALE, split=True,
-                                   heads_last=True, counters=counters)
-        assert torch.equal(alone, full[:1, :1, :alone.shape[2]]) and not counters.any()
-    try:
-        pa.paged_attention(q, k, v, bt, pos, SCALE, split=True, counters=counters[:1])
-    except ValueError as e:
-        assert "arrival counters" in str(e)
-    else:
-        raise AssertionError("too few counters were not refused")
-
-
-CASES["merge-last"] = the_last_chunk_program_merges_as_the_combine_kernel
 CASES["invariance-float32"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.float32)
 CASES["invariance-bfloat16"] = lambda pa, dev: rows_do_not_depend_on_their_batch(pa, dev, torch.bfloat16)
 
@@ -322,7 +293,7 @@ def test_walking_programs_take_the_register_cap_past_one_wave_only():
 
 def test_the_combine_form_is_a_function_of_the_shape():
     """A decode's combine takes one chunk state an iteration over a short table and 8 over a long one; a verify's 8
-    at either; a short table's call merges in its last chunk program (given counters); the split keeps a 16-token verify over 8,192 keys at the 8B head shape (68 MB of chunk states),
+    at either; the split keeps a 16-token verify over 8,192 keys at the 8B head shape (68 MB of chunk states),
     which walked under the old 64 MB cap."""
     short, long_ = engine_pa.COMBINE_SHORT_CHUNKS, engine_pa.COMBINE_SHORT_CHUNKS + 1
     assert engine_pa.combine_form(1, short) == (1, 4) and engine_pa.combine_form(1, long_) == (8, 1)
@@ -331,8 +302,6 @@ def test_the_combine_form_is_a_function_of_the_shape():
         assert engine_pa.COMBINE_ROWS == 4 and engine_pa.COMBINE_DIMS == 16
         assert {engine_pa.combine_form(t, n) for t in (1, 16) for n in (1, 1000)} == {(3, 1)}
     assert engine_pa.combine_form(1, long_) == (8, 1) and engine_pa.COMBINE_DIMS == 32  # restored
-    assert engine_pa.merges_last(engine_pa.MERGE_LAST_MAX_CHUNKS)
-    assert not engine_pa.merges_last(engine_pa.MERGE_LAST_MAX_CHUNKS + 1)
     chunks = 8192 // engine_pa.KEYS_PER_CHUNK
     verify_8k = chunks * 8 * 1 * 64 * (128 + 2) * 4
     assert verify_8k > 64 << 20

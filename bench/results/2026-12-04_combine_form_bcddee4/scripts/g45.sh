@@ -1,0 +1,10 @@
+#!/bin/bash
+R=$PWD
+mkdir -p ib/flashpd
+for f in $R/flashpd/*; do ln -sfn $f flashpd/; done
+for p in engine prefill_node decode_node kv_bridge cluster training bench proto; do [ -e $R/$p ] && ln -sfn $R/$p flashpd/$p; done
+export PYTHONPATH=ib FLASHPD_GIT_REV=$(cat scripts/rev) TORCHINDUCTOR_CACHE_DIR=ind TRITON_CACHE_DIR=tri
+mkdir -p $OUT/cs && cd $OUT/cs
+timeout 480 python $R/scripts/csweep.py csweep.json 256,1024,4096 > csweep.log 2>&1; echo rc $? >> csweep.log
+grep -v -i warn csweep.log | tail -30
+true

@@ -33,6 +33,10 @@ if torch.backends.cuda.is_built() or INTERPRET:
 # The interpreter has no griddepcontrol.
 PDL_ENABLED = True
 PDL_LATENCY_RELEASE = 0
+# A latency-bound kernel whose successor is latency-bound too (q/k norm and RoPE before the attention, a split
+# attention before its combine): its successor's programs are few, so letting it launch early holds few SMs. Its
+# release, as PDL_LATENCY_RELEASE's values: 0 never, 1 after the wait, 2 before.
+PDL_RELEASE_TO_LATENCY = 0
 _pdl_devices: dict[int, bool] = {}
 
 
@@ -47,14 +51,16 @@ def pdl(device: torch.device) -> bool:
     return _pdl_devices[index]
 
 
-def pdl_args(device: torch.device) -> dict:
+def pdl_args(device: torch.device, next_latency: bool = False) -> dict:
     """A launch's PDL arguments: the kernel's PDL constexpr (0 off; else on, and for a latency-bound kernel's
-    `pdl_enter`: 1 let the next kernel launch after waiting, 2 before, 3 never) and triton's launch option."""
+    `pdl_enter`: 1 let the next kernel launch after waiting, 2 before, 3 never) and triton's launch option.
+    next_latency: the kernel after this one is latency-bound too (PDL_RELEASE_TO_LATENCY)."""
     if not pdl(device):
         return {"PDL": 0}
-    if PDL_LATENCY_RELEASE not in (0, 1, 2):
-        raise ValueError(f"triton_env.PDL_LATENCY_RELEASE is {PDL_LATENCY_RELEASE!r}: 0, 1 or 2")
-    return {"PDL": {1: 1, 2: 2, 0: 3}[PDL_LATENCY_RELEASE], "launch_pdl": True}
+    release = PDL_RELEASE_TO_LATENCY if next_latency else PDL_LATENCY_RELEASE
+    if release not in (0, 1, 2):
+        raise ValueError(f"triton_env's latency release is {release!r}: 0, 1 or 2")
+    return {"PDL": {1: 1, 2: 2, 0: 3}[release], "launch_pdl": True}
 
 
 if triton is not None:

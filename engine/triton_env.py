@@ -33,10 +33,14 @@ if torch.backends.cuda.is_built() or INTERPRET:
 # The interpreter has no griddepcontrol.
 PDL_ENABLED = True
 PDL_LATENCY_RELEASE = 0
-# A latency-bound kernel whose successor is latency-bound too (q/k norm and RoPE before the attention, a split
-# attention before its combine): its successor's programs are few, so letting it launch early holds few SMs. Its
-# release, as PDL_LATENCY_RELEASE's values: 0 never, 1 after the wait, 2 before.
-PDL_RELEASE_TO_LATENCY = 0
+# A latency-bound kernel of a one-token call of at most PDL_RELEASE_MAX_ROWS rows whose successor is latency-bound
+# too (q/k norm and RoPE before the attention, a split attention before its combine): the successor's programs are
+# few, so letting it launch early holds few SMs. Its release, as PDL_LATENCY_RELEASE's values: 0 never, 1 after the
+# wait, 2 before. On an H200 at the 8B shape (docs/results.md), 1 and 2 each took 1% off a batch-1 decode step; for
+# 16-token calls (verify, draft) both lost 0.3-0.6%, and at batch 32 0.2%. Batches 2-16 were not measured with it
+# (releasing every latency kernel once lost 2.6% at 16), so one row only.
+PDL_RELEASE_TO_LATENCY = 1
+PDL_RELEASE_MAX_ROWS = 1
 _pdl_devices: dict[int, bool] = {}
 
 
@@ -51,15 +55,18 @@ def pdl(device: torch.device) -> bool:
     return _pdl_devices[index]
 
 
-def pdl_args(device: torch.device, next_latency: bool = False) -> dict:
+def pdl_args(device: torch.device, next_latency: bool = False, tokens: int = 0, rows: int = 0) -> dict:
     """A launch's PDL arguments: the kernel's PDL constexpr (0 off; else on, and for a latency-bound kernel's
     `pdl_enter`: 1 let the next kernel launch after waiting, 2 before, 3 never) and triton's launch option.
-    next_latency: the kernel after this one is latency-bound too (PDL_RELEASE_TO_LATENCY)."""
+    next_latency: the kernel after this one is latency-bound too, in a call of `tokens` tokens a row over `rows`
+    rows (PDL_RELEASE_TO_LATENCY applies to one-token calls of at most PDL_RELEASE_MAX_ROWS rows)."""
     if not pdl(device):
         return {"PDL": 0}
-    release = PDL_RELEASE_TO_LATENCY if next_latency else PDL_LATENCY_RELEASE
+    early = next_latency and tokens == 1 and rows <= PDL_RELEASE_MAX_ROWS
+    name, release = ("PDL_RELEASE_TO_LATENCY", PDL_RELEASE_TO_LATENCY) if early else \
+        ("PDL_LATENCY_RELEASE", PDL_LATENCY_RELEASE)
     if release not in (0, 1, 2):
-        raise ValueError(f"triton_env's latency release is {release!r}: 0, 1 or 2")
+        raise ValueError(f"triton_env.{name} is {release!r}: 0, 1 or 2")
     return {"PDL": {1: 1, 2: 2, 0: 3}[release], "launch_pdl": True}
 
 

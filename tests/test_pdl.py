@@ -143,3 +143,26 @@ def test_the_latency_release_setting_picks_each_kernels_form(monkeypatch: pytest
     monkeypatch.setattr(triton_env, "PDL_LATENCY_RELEASE", 3)
     with pytest.raises(ValueError, match="PDL_LATENCY_RELEASE"):
         triton_env.pdl_args(torch.device("cuda"))
+
+
+def test_a_one_token_call_of_few_rows_lets_its_latency_successor_launch_early(monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:
+    """PDL_RELEASE_TO_LATENCY applies to a latency kernel followed by a latency kernel in a one-token call of at most
+    PDL_RELEASE_MAX_ROWS rows (a decode at batch 1); verify and draft calls, bigger batches and kernels followed by
+    a GEMM keep PDL_LATENCY_RELEASE (0: never, constexpr 3)."""
+    monkeypatch.setattr(triton_env, "pdl", lambda device: True)
+    dev = torch.device("cuda")
+    code = {0: 3, 1: 1, 2: 2}
+    early = code[triton_env.PDL_RELEASE_TO_LATENCY]
+    late = code[triton_env.PDL_LATENCY_RELEASE]
+    assert triton_env.PDL_RELEASE_TO_LATENCY == 1 and triton_env.PDL_LATENCY_RELEASE == 0
+    assert triton_env.pdl_args(dev, True, tokens=1, rows=1) == {"PDL": early, "launch_pdl": True}
+    assert triton_env.pdl_args(dev, True, tokens=1, rows=triton_env.PDL_RELEASE_MAX_ROWS)["PDL"] == early
+    assert triton_env.pdl_args(dev, True, tokens=1, rows=triton_env.PDL_RELEASE_MAX_ROWS + 1)["PDL"] == late
+    assert triton_env.pdl_args(dev, True, tokens=16, rows=16)["PDL"] == late
+    assert triton_env.pdl_args(dev, True, tokens=16, rows=1)["PDL"] == late
+    assert triton_env.pdl_args(dev, False, tokens=1, rows=1)["PDL"] == late
+    assert triton_env.pdl_args(dev)["PDL"] == late
+    monkeypatch.setattr(triton_env, "PDL_RELEASE_TO_LATENCY", 5)
+    with pytest.raises(ValueError, match="PDL_RELEASE_TO_LATENCY"):
+        triton_env.pdl_args(dev, True, tokens=1, rows=1)

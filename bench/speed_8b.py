@@ -331,7 +331,9 @@ def main() -> None:
                                              blas=a.blas))
     res["compile_eager_rounding"] = a.eager_rounding
     res["blas"] = a.blas
-    res["pdl"] = {"enabled": triton_env.pdl(torch.device("cuda")), "latency_release": triton_env.PDL_LATENCY_RELEASE}
+    res["pdl"] = {"enabled": triton_env.pdl(torch.device("cuda")), "latency_release": triton_env.PDL_LATENCY_RELEASE,
+                  "release_to_latency": triton_env.PDL_RELEASE_TO_LATENCY,
+                  "release_max_rows": triton_env.PDL_RELEASE_MAX_ROWS}
     res["inductor_extra"] = dict(extra)
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())

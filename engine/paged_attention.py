@@ -322,7 +322,7 @@ if triton is not None:
             block_tables.stride(0), positions.stride(0),
             G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
             F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages, **options,
-            **triton_env.pdl_args(q.device, next_latency=bool(split)))  # split: the combine kernel follows
+            **triton_env.pdl_args(q.device, next_latency=bool(split), tokens=t, rows=b * t))  # split: a combine next
         if split:
             rows_c = min(COMBINE_ROWS, triton.next_power_of_2(m))
             dims_c = min(COMBINE_DIMS, d_pad)

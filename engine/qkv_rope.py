@@ -115,7 +115,7 @@ if triton is not None:
             qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), q.stride(0), q.stride(1), k_slots.stride(0),
             v_slots.stride(0),
             NQ=n_q, NKV=n_kv, G=g, D=d, DT=_DTYPES[qkv.dtype], num_warps=NUM_WARPS,
-            **triton_env.pdl_args(qkv.device, next_latency=True))  # the paged attention follows
+            **triton_env.pdl_args(qkv.device, next_latency=True, tokens=t, rows=b * t))  # attention next
         return q
 
     @_qkv_rope_op.register_fake

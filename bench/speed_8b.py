@@ -12,6 +12,8 @@ graphs, torch.compile on):
   profiler (GPU-busy time, kernels a step);
 - the same batches through the serving scheduler (decode_node/scheduler.py);
 - a DFlash width-16 step at batch 1 (a dummy drafter accepts about nothing: a step's cost, not a speedup);
+- `--long-contexts`: batch-1 native and DFlash steps after longer prompts (section `long`; how attention over a long
+  context moves both, reported apart from the issue's figures at `--context`);
 - a fresh `--prefill-tokens` prefill against the bf16 matmul rate (an 8192-cube matmul) of this GPU;
 - `--prefill-lengths` prompts prefilled in the runner's default chunks and as one forward (a long prompt's TTFT);
 - exactness: DFlash against native on the speedup protocol's prompts (the demo pair, 256 new tokens, width 16),
@@ -252,6 +254,8 @@ def fields(res: dict) -> dict:
         if nb is not None:
             key = f"dflash_over_native_step_b{r['batch']}_draft_vocab_{r['draft_vocab'] or 'full'}"
             out[key] = r["ms_per_step"] / nb["ms_per_step"]
+    for r in res.get("by_context", []):  # labelled apart: the figures are at --context
+        out[f"dflash_over_native_step_b1_ctx{r['context']}"] = r["dflash"]["ms_per_step"] / r["native"]["ms_per_step"]
     if "native_b1_verify_shapes" in res and 1 in curve:
         out["verify_shapes_cost"] = res["native_b1_verify_shapes"]["ms_per_step"] / curve[1]["ms_per_step"]
     if "prefill" in res:
@@ -276,6 +280,8 @@ def main() -> None:
                          "(engine/token_map.py; seeded random hot ids: dummy weights draft nothing real), 0 = the "
                          "whole head, at each of --dflash-batches; reported apart from dflash_over_native_step")
     ap.add_argument("--dflash-batches", default="1", help="batch sizes of the --draft-vocabs steps")
+    ap.add_argument("--long-contexts", default="4096",
+                    help="prompt lengths of the `long` section's batch-1 native and DFlash steps ('' for none)")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--prefill-lengths", default="2048,8192",
                     help="prompt lengths whose prefill is also timed in the runner's default chunks and as one forward "
@@ -284,7 +290,7 @@ def main() -> None:
     ap.add_argument("--exact-draft", default="flashpd/assets/demo_pair/drafter")
     ap.add_argument("--exact-prompts", type=int, default=8, help="per set of the speedup protocol (two sets)")
     ap.add_argument("--exact-new-tokens", type=int, default=256)
-    ap.add_argument("--sections", default="paged,curve,scheduler,dflash,prefill,exact")
+    ap.add_argument("--sections", default="paged,curve,scheduler,dflash,long,prefill,exact")
     ap.add_argument("--profile-batches", default="1,4,128",
                     help="curve batch sizes also profiled (GPU-busy time, kernels, the top kernels by time)")
     ap.add_argument("--seed", type=int, default=0)
@@ -318,9 +324,12 @@ def main() -> None:
     profiled_batches = {int(x) for x in a.profile_batches.split(",") if x}
     sched_batches = [int(x) for x in a.scheduler_batches.split(",") if x] if "scheduler" in sections else []
     lengths = [int(x) for x in a.prefill_lengths.split(",") if x] if "prefill" in sections else []
+    long_contexts = [int(x) for x in a.long_contexts.split(",") if x] if "long" in sections else []
     tokens = (max(batches + sched_batches) + 1) * (a.context + (a.steps + 40) * 1) + 4 * (a.prefill_tokens + 64) \
         + max(lengths, default=0) + 64 \
         + (a.context + (a.steps + 12) * a.width) * 2
+    if long_contexts:  # one session at a time, the DFlash one the larger
+        tokens += max(long_contexts) + (a.steps + 12) * a.width + 16
     if a.draft_vocabs:  # DFlash rows at the largest --dflash-batches, one session at a time
         tokens += max(int(x) for x in a.dflash_batches.split(",")) * (a.context + (a.steps + 12) * a.width + 16)
     target = dummy_target(cfg, "cuda", torch.bfloat16)
@@ -406,6 +415,17 @@ def main() -> None:
             log(f"native b={b} at the verify's shapes: {row['ms_per_step']:.3f} ms/step")
             save()
 
+    def long_rows() -> None:
+        res["by_context"] = []
+        for n in long_contexts:
+            prompt = random_prompts(1, n, cfg.vocab_size, a.seed + n)
+            row = {"context": n, "native": loop_steps(native, prompt, a.steps),
+                   "dflash": loop_steps(DFlashGenerator(runner, drafter, ()), prompt, a.steps, width=a.width)}
+            res["by_context"].append(row)
+            nat, dfl = row["native"]["ms_per_step"], row["dflash"]["ms_per_step"]
+            log(f"context {n}, batch 1: native {nat:.3f} ms/step, dflash width {a.width} {dfl:.3f} (x{dfl / nat:.3f})")
+            save()
+
     def prefill() -> None:
         prompt = random_prompts(1, a.prefill_tokens, cfg.vocab_size, a.seed)[0]
         default = runner.config
@@ -443,7 +463,7 @@ def main() -> None:
                                  a.seed, eager_rounding=a.eager_rounding, inductor_extra=extra, blas=a.blas)
 
     for name, fn in (("paged", paged), ("curve", curve), ("scheduler", scheduler), ("dflash", dflash),
-                     ("prefill", prefill), ("exact", exact)):
+                     ("long", long_rows), ("prefill", prefill), ("exact", exact)):
         if name in sections:
             with watched(name, res, a.stall_dump_s):
                 fn()

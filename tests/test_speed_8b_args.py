@@ -49,3 +49,15 @@ def test_draft_vocabulary_rows_are_reported_apart_from_the_issue_figure():
     assert out["dflash_over_native_step_b1_draft_vocab_32768"] == pytest.approx(1.15)
     assert out["dflash_over_native_step_b32_draft_vocab_full"] == pytest.approx(2.0)
     assert not any("b64" in k for k in out), "no native step at batch 64 to divide by"
+
+
+def test_long_context_rows_get_their_own_labelled_ratio():
+    """The `long` section's rows give dflash_over_native_step_b1_ctx{N} from their own native step; the issue's
+    dflash_over_native_step stays the one at --context."""
+    from flashpd.bench.speed_8b import fields
+    res = {"native_curve": [{"batch": 1, "ms_per_step": 4.0, "floor_ms": 3.0, "floor_ms_bytes_read": 3.0}],
+           "dflash_b1": {"ms_per_step": 5.0},
+           "by_context": [{"context": 4096, "native": {"ms_per_step": 5.0}, "dflash": {"ms_per_step": 8.0}}]}
+    out = fields(res)
+    assert out["dflash_over_native_step"] == pytest.approx(1.25)
+    assert out["dflash_over_native_step_b1_ctx4096"] == pytest.approx(1.6)

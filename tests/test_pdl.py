@@ -65,6 +65,7 @@ cases = {
     "qkv_rope_after": (qr._qkv_rope_kernel, dict(NQ=32, NKV=8, G=4, D=128, DT=tl.bfloat16, PDL=1)),
     "attn_split_first": (pa._attn_kernel, dict(attn, SPLIT=True, PDL=2)),
     "attn_walk_after": (pa._attn_kernel, dict(attn, SPLIT=False, PDL=1)),
+    "attn_split_after": (pa._attn_kernel, dict(attn, SPLIT=True, PDL=1)),
     "combine_first": (pa._combine_kernel, dict(G=4, D=128, D_PAD=128, BM=4, DC=32, KPC=256, UNROLL=1, PDL=2)),
     "combine_never": (pa._combine_kernel, dict(G=4, D=128, D_PAD=128, BM=16, DC=32, KPC=256, UNROLL=8, PDL=3)),
     "skinny_never": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=True, NEXT=False, PDL=3)),
@@ -81,8 +82,10 @@ print(json.dumps(out))
 '''
 
 GEMMS = ("skinny_rms_swiglu", "skinny_resid_next", "skinny_never")  # any PDL: release after the loop
-# the engine's default form (PDL_LATENCY_RELEASE 0 -> PDL 3) for every latency kernel, and the other two forms
-LATENCY = {"prep_first": 2, "qkv_rope_after": 1, "attn_split_first": 2, "attn_walk_after": 1, "combine_first": 2,
+# the engine's default form (PDL_LATENCY_RELEASE 0 -> PDL 3) for every latency kernel, and the other two forms (a
+# one-row decode's qkv_rope and split attention take 1: PDL_RELEASE_TO_LATENCY)
+LATENCY = {"prep_first": 2, "qkv_rope_after": 1, "attn_split_first": 2, "attn_walk_after": 1, "attn_split_after": 1,
+           "combine_first": 2,
            "combine_never": 3, "prep_never": 3, "qkv_rope_never": 3, "attn_split_never": 3, "attn_walk_never": 3}
 
 

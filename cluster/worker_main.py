@@ -323,6 +323,8 @@ def decode_metrics(metrics, worker) -> None:
                  "counter", (), lambda: {(): st()["prefill_holds"]})
     metrics.live("flashpd_handoff_fallbacks", "Device-path imports that failed and were recomputed locally",
                  "counter", (), lambda: {(): st()["handoff_fallbacks"]})
+    metrics.live("flashpd_jit_compiles_after_warmup", "Triton kernel variants compiled while serving (shapes the "
+                 "warm-up did not meet)", "counter", (), lambda: {(): st()["jit_compiles_after_warmup"]})
     if worker.cache is not None:
         metrics.live("flashpd_recompute_fallbacks", "Bridge imports that failed and were recomputed locally",
                      "counter", ("reason",), lambda: {(k,): v for k, v in worker.cache.import_failures.items()})

@@ -116,9 +116,11 @@ class Handle:
 
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, idle_wait_s: float = 0.5, name: str = "engine-loop",
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 on_finish: Callable[[Request], None] | None = None,
+                 after_step: Callable[[], object] | None = None) -> None:
         self.scheduler = scheduler
         self.on_finish = on_finish
+        self.after_step = after_step  # a monitor run after each step (DecodeWorker's JitWatch.check); must be cheap
         self.idle_wait_s = idle_wait_s
         self._cv = threading.Condition()
         self._inbox: list[tuple[Handle, Future]] = []
@@ -255,6 +257,11 @@ class EngineLoop:
     def _step(self) -> None:
         res = self.scheduler.step()
         self.steps += 1
+        if self.after_step is not None:
+            try:
+                self.after_step()
+            except Exception:  # noqa: BLE001  a broken monitor must not stop serving; it is logged
+                log.exception("after_step monitor failed")
         for rid, toks in res.new_tokens.items():
             h = self._live.get(rid)
             if h is not None:

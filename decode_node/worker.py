@@ -16,6 +16,7 @@ from flashpd.decode_node.bridge_import import GuardedPrefixCache
 from flashpd.decode_node.scheduler import Scheduler
 from flashpd.engine.scheduler import Request
 from flashpd.engine.drafter import DFlashDrafter
+from flashpd.engine.jit_watch import JitWatch
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.prefix_cache import PrefixCache
@@ -32,6 +33,7 @@ class DecodeWorker:
         self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
         self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy, width_policy)
         self.warmup = None
+        self.jit: JitWatch | None = None  # Triton compiles after the warm-up (none when no warm-up ran)
         if warmup:  # before the engine thread starts: nothing else touches the scheduler yet
             from flashpd.engine.warmup import lengths_for, warm_scheduler  # noqa: PLC0415
             spec = self.scheduler.spec
@@ -39,7 +41,9 @@ class DecodeWorker:
             self.warmup = warm_scheduler(self.scheduler, lengths_for(runner.max_positions, new), new)
             log.info("decode warm-up: %d requests (%s; prompts of %s tokens) in %.1f s", self.warmup["requests"],
                      "/".join(self.warmup["methods"]), self.warmup["lengths"], self.warmup["seconds"])
-        self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish)
+            self.jit = JitWatch()
+        self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish,
+                               after_step=self.jit.check if self.jit is not None else None)
 
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native", draft_width: int | None = None,
                first_token: int | None = None, timeout_s: float = 30.0) -> Handle:
@@ -52,7 +56,8 @@ class DecodeWorker:
         out = dict(self.loop.counts().as_dict(), preemptions=s.stats.preemptions, recomputed_tokens=s.stats.recomputed_tokens,
                    steps=self.loop.steps, failed_requests=s.stats.failed_requests,
                    handoff_imports=s.stats.handoff_imports, prefill_holds=s.stats.prefill_holds,
-                   handoff_fallbacks=sum(s.handoff.fallbacks.values()) if s.handoff is not None else 0)
+                   handoff_fallbacks=sum(s.handoff.fallbacks.values()) if s.handoff is not None else 0,
+                   jit_compiles_after_warmup=self.jit.compiled_after if self.jit is not None else 0)
         if self.cache is not None:
             c = self.cache.stats
             out.update(cache_hit_tokens=c.hit_tokens, cache_prompt_tokens=c.prompt_tokens,

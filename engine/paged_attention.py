@@ -164,7 +164,12 @@ if triton is not None:
         acc = _dot(p, v, acc * alpha[:, None], F32, INTERPRET)
         return m_new, l_i, acc
 
-    @triton.jit
+    # Integers that follow the batch's context rather than its shape class (the block table's width, the
+    # positions' row stride, the key count) are not specialized: Triton would compile a variant for each one's
+    # "== 1" / divisible-by-16 state, and a table bucket first met while serving (16 blocks at batch 66 and up on
+    # the demo pair, a walking call the warm-up's short prompts never made) then compiled inside a measured
+    # level (docs/results.md). They only index gathers and bound loops: no vector access loses its alignment.
+    @triton.jit(do_not_specialize=["n_keys", "sbt_b", "spos_b"])
     def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                      qk_scale, HKV, M, n_keys,
                      sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
@@ -232,7 +237,7 @@ if triton is not None:
             tl.store(out_ptr + h * so_h + b * so_b + o_rows[:, None] + dd[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_chunks", "spos_b"])  # as _attn_kernel's: they follow the context
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, HKV, M, n_chunks, spos_b, so_h, so_b, so_t, so_g,
                         G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BM: tl.constexpr, DC: tl.constexpr,
                         KPC: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):

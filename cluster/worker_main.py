@@ -325,6 +325,8 @@ def decode_metrics(metrics, worker) -> None:
                  "counter", (), lambda: {(): st()["handoff_fallbacks"]})
     metrics.live("flashpd_jit_compiles_after_warmup", "Triton kernel variants compiled while serving (shapes the "
                  "warm-up did not meet)", "counter", (), lambda: {(): st()["jit_compiles_after_warmup"]})
+    metrics.live("flashpd_graph_captures_after_warmup", "CUDA graphs captured while serving (shapes the warm-up "
+                 "did not meet)", "counter", (), lambda: {(): st()["graph_captures_after_warmup"]})
     if worker.cache is not None:
         metrics.live("flashpd_recompute_fallbacks", "Bridge imports that failed and were recomputed locally",
                      "counter", ("reason",), lambda: {(k,): v for k, v in worker.cache.import_failures.items()})

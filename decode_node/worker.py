@@ -33,7 +33,7 @@ class DecodeWorker:
         self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
         self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy, width_policy)
         self.warmup = None
-        self.jit: JitWatch | None = None  # Triton compiles after the warm-up (none when no warm-up ran)
+        self.jit: JitWatch | None = None  # compiles and graph captures after the warm-up (none: no warm-up)
         if warmup:  # before the engine thread starts: nothing else touches the scheduler yet
             from flashpd.engine.warmup import lengths_for, warm_scheduler  # noqa: PLC0415
             spec = self.scheduler.spec
@@ -57,7 +57,8 @@ class DecodeWorker:
                    steps=self.loop.steps, failed_requests=s.stats.failed_requests,
                    handoff_imports=s.stats.handoff_imports, prefill_holds=s.stats.prefill_holds,
                    handoff_fallbacks=sum(s.handoff.fallbacks.values()) if s.handoff is not None else 0,
-                   jit_compiles_after_warmup=self.jit.compiled_after if self.jit is not None else 0)
+                   jit_compiles_after_warmup=self.jit.compiled_after if self.jit is not None else 0,
+                   graph_captures_after_warmup=self.jit.captures_after if self.jit is not None else 0)
         if self.cache is not None:
             c = self.cache.stats
             out.update(cache_hit_tokens=c.hit_tokens, cache_prompt_tokens=c.prompt_tokens,

@@ -14,6 +14,12 @@ import numpy as np
 import torch
 
 Outputs = object  # whatever the function returns: tensors, or tuples / lists of tensors
+_captures = 0  # graphs captured in this process (a serving worker's watch reads it: engine/jit_watch.py)
+
+
+def captures() -> int:
+    """CUDA graphs captured in this process so far (every capture goes through `capture`)."""
+    return _captures
 
 
 def pack_host(arrays: Sequence[np.ndarray], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -44,6 +50,8 @@ def capture(graph: torch.cuda.CUDAGraph, pool: tuple) -> Iterator[None]:
     capture fails, and the pool stays unusable for every later one (seen on an H200 at random prompts).
     thread_local: the serving threads beside the engine (a prefix cache's saves and loads) keep making their own
     CUDA calls while a graph is captured here; in the default "global" mode any such call fails the capture."""
+    global _captures
+    _captures += 1
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -308,3 +308,20 @@ def test_the_combine_form_is_a_function_of_the_shape():
     if torch.cuda.is_available():  # pragma: no cover (GPU machines)
         assert engine_pa.use_split(torch.device("cuda"), 4 * 8, verify_8k, chunks)
     assert verify_8k <= engine_pa.WORKSPACE_MAX_BYTES
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="triton compiles on a GPU only (the interpreter never does)")
+def test_a_new_table_width_compiles_nothing():  # pragma: no cover (GPU machines)
+    """The block table's width and the key and chunk counts are not specialized: a table of 16 blocks (divisible
+    by 16) after one of 4 reuses the kernels compiled for the first, walking and split (in a service a table
+    bucket first met under load compiled inside the requests in flight)."""
+    from flashpd.engine.jit_watch import compiled_variants, engine_kernels
+    kernels = {k: v for k, v in engine_kernels().items() if k.startswith("paged_attention.")}
+    assert set(kernels) == {"paged_attention._attn_kernel", "paged_attention._combine_kernel"}
+    for split in (False, True):
+        q, k, v, bt, pos = random_case(engine_pa, "cuda", torch.bfloat16, 5, 1, 4, seed=1)
+        engine_pa.launch(q, k, v, bt, pos, SCALE, split)
+        before = compiled_variants(kernels)
+        q, k, v, bt, pos = random_case(engine_pa, "cuda", torch.bfloat16, 5, 1, 16, seed=2)
+        engine_pa.launch(q, k, v, bt, pos, SCALE, split)
+        assert compiled_variants(kernels) == before, split

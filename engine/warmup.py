@@ -11,8 +11,10 @@ and sampled with top-p: the device step's three graphs a shape (engine/device_lo
 replays in a session and a changing one step by step (a closed-loop load moves its batch through every
 bucket under its concurrency: a 3.7 s stall at concurrency 32 was such a shape first met inside a measured
 level); a width policy's batch rule (narrower widths, no speculation past a size) applies there as it will
-when serving. Other shapes (other block-table buckets at large batches, pending-row counts) are still
-captured when first seen.
+when serving. Each batch bucket then runs greedy once more with tables in the 16-block bucket (contexts of
+129-256 tokens, where chat-length requests run). Other shapes (other block-table buckets at large batches, the
+sampled modes at 16 blocks, small-batch prefills of one width) are still captured when first seen; a decode
+worker logs and counts each (engine/jit_watch.py).
 
 Warm-up requests never touch a prefix cache or a bridge (nothing is published or imported), and
 leave every KV block free. Random token ids: only the shapes matter.
@@ -33,6 +35,12 @@ log = logging.getLogger(__name__)
 DEFAULT_LENGTHS = (16, 100, 200, 400, 900, 2000)
 BUCKET_PROMPT = 16  # tokens of each prompt of the batch-bucket pass (one prefill width, one block-table bucket)
 BUCKET_TOKENS = 4  # tokens each request of that pass generates: its prefill's token, then a few steps
+# A second, greedy pass over the same batch buckets with tables of WIDE_TABLE_BLOCKS blocks (the 16-block bucket:
+# contexts of 129-256 tokens at blocks of 16), where chat-length requests run at every batch (a 128-token prompt and
+# 64 new tokens end at 192). The 16-token pass's tables take the 4-block bucket only, so a closed loop at 128
+# requests met each batch bucket's device step at 16 blocks for the first time while serving: 8 new DFlash
+# step shapes and 1 native one, counted on the CPU with the GPU's padded paths (docs/results.md).
+WIDE_TABLE_BLOCKS = 12
 
 
 def lengths_for(max_positions: int, new_tokens: int, lengths: tuple[int, ...] = DEFAULT_LENGTHS) -> list[int]:
@@ -59,7 +67,8 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
                    bucket_tokens: int = BUCKET_TOKENS) -> dict:
     """Each prompt alone, then all at once, through every method the scheduler has; then, per method, a batch of
     short prompts at every power-of-two bucket up to max_batch (default: the scheduler's max_running) for
-    `bucket_tokens` tokens, greedy, sampled and filtered. Its prefix cache is detached meanwhile and its
+    `bucket_tokens` tokens, greedy, sampled and filtered, and greedy again with prompts whose tables take the
+    WIDE_TABLE_BLOCKS bucket. Its prefix cache is detached meanwhile and its
     counters reset after; a group whose worst case does not fit the free KV blocks at once is skipped (a small
     cache), never preempted. Returns what ran (for the log and the tests)."""
     runner = scheduler.runner
@@ -75,6 +84,7 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     cache, scheduler.prefix_cache = scheduler.prefix_cache, None
     t0 = time.perf_counter()
     n, batches, skipped, bucket_s = 0, {m: [] for m in methods}, {m: [] for m in methods}, 0.0
+    wide_batches: dict[str, list[int]] = {m: [] for m in methods}
 
     width = scheduler.spec.draft_width if scheduler.spec is not None else 1  # a DFlash request's draft width
 
@@ -102,6 +112,13 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
                 for short in shorts:
                     run(group, short, method)
                 batches[method].append(b)
+            wide = WIDE_TABLE_BLOCKS * runner.kv_block_size - bucket_tokens  # prompt + new tokens fill the blocks
+            if wide + bucket_tokens <= runner.max_positions:
+                for b in sizes:
+                    group = random_prompts([wide] * b, vocab, seed=1000 + b)
+                    if fits(group, bucket_tokens):
+                        run(group, shorts[0], method)
+                        wide_batches[method].append(b)
             bucket_s += time.perf_counter() - t1
     finally:
         scheduler.prefix_cache = cache
@@ -109,7 +126,7 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     if runner.allocator.num_free != free:
         raise RuntimeError(f"warm-up leaked KV blocks ({free - runner.allocator.num_free})")
     return {"requests": n, "methods": methods, "lengths": lengths, "batches": batches, "skipped_batches": skipped,
-            "seconds": time.perf_counter() - t0, "batch_seconds": bucket_s}
+            "wide_table_batches": wide_batches, "seconds": time.perf_counter() - t0, "batch_seconds": bucket_s}
 
 
 def warm_prefill(gen, lengths: list[int]) -> dict:

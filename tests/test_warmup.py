@@ -13,7 +13,10 @@ from flashpd.engine.drafter import load_drafter
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
-from flashpd.engine.warmup import batch_sizes, lengths_for, warm_prefill
+from flashpd.decode_node.scheduler import Scheduler
+from flashpd.engine import device_loop
+from flashpd.engine.runner_config import RunnerConfig
+from flashpd.engine.warmup import batch_sizes, lengths_for, warm_prefill, warm_scheduler
 from flashpd.kv_bridge.keys import MethodFingerprint
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.store import MemoryStore
@@ -87,3 +90,44 @@ def test_warmup_setting():
     assert lengths_for(300, 33) == [16, 100, 200] and lengths_for(10, 33) == []
     assert batch_sizes(128) == [2, 4, 8, 16, 32, 64, 128] and batch_sizes(100) == [2, 4, 8, 16, 32, 64, 100]
     assert batch_sizes(2) == [2] and batch_sizes(1) == []
+
+
+def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monkeypatch):  # noqa: F811
+    """With the GPU's padded shapes (cuda_graphs=True runs each graphed function directly on the CPU), a closed loop
+    of 8 requests in flight with 128-token prompts and 64 new tokens (the service sweep's), native then DFlash,
+    steps in no device-loop shape (graph, batch bucket, width, table bucket) that the warm-up did not: on a GPU
+    each would be a graph captured while serving, with the batch waiting. Before the warm-up's 16-block pass the
+    loop met (8, 1, 16), (8, 16, 16) and the smaller buckets for the first time."""
+    seen: list[tuple] = []
+    orig = device_loop.InPlaceGraph.__call__
+
+    def record(self, key, bufs, reset):
+        seen.append((id(self), tuple(key)))
+        return orig(self, key, bufs, reset)
+
+    monkeypatch.setattr(device_loop.InPlaceGraph, "__call__", record)
+    target, drafter, taps = _models(dflash_pair)
+    runner = ModelRunner(target, 640, 16, taps=taps, config=RunnerConfig(cuda_graphs=True, compile=False))
+    sched = Scheduler(runner, drafter, (), None, 8, "preempt", None)
+    done = warm_scheduler(sched, lengths_for(runner.max_positions, 33), 33)
+    assert done["wide_table_batches"] == {m: [2, 4, 8] for m in ("native", "dflash")}, done
+    warm = set(seen)
+    assert {k[1] for k in warm} >= {(b, 1, 16) for b in (2, 4, 8)}  # the 16-block pass, native's shapes
+    g = torch.Generator().manual_seed(11)
+    pool = [torch.randint(0, 126, (128,), generator=g).tolist() for _ in range(20)]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for method in ("native", "dflash"):
+        del seen[:]
+        sent = finished = 0
+        for _ in range(8):
+            sched.add(pool[sent], params, method)
+            sent += 1
+        while finished < len(pool):
+            for _ in sched.step().finished:
+                finished += 1
+                if sent < len(pool):
+                    sched.add(pool[sent], params, method)
+                    sent += 1
+        assert seen, f"{method}: no device-loop step ran (the check would be empty)"
+        assert set(seen) <= warm, (method, sorted({k for _, k in set(seen) - warm}))
+

@@ -166,9 +166,9 @@ if triton is not None:
 
     # Integers that follow the batch's context rather than its shape class (the block table's width, the
     # positions' row stride, the key count) are not specialized: Triton would compile a variant for each one's
-    # "== 1" / divisible-by-16 state, and a table bucket first met while serving (16 blocks at batch 66 and up on
-    # the demo pair, a walking call the warm-up's short prompts never made) then compiled inside a measured
-    # level (docs/results.md). They only index gathers and bound loops: no vector access loses its alignment.
+    # "== 1" / divisible-by-16 state, and a table bucket first met while serving (a walking call at a table width
+    # the warm-up's short prompts never made) then compiled inside the requests in flight (docs/results.md). They
+    # only index gathers and bound loops: no vector access loses its alignment.
     @triton.jit(do_not_specialize=["n_keys", "sbt_b", "spos_b"])
     def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                      qk_scale, HKV, M, n_keys,

@@ -37,9 +37,9 @@ BUCKET_PROMPT = 16  # tokens of each prompt of the batch-bucket pass (one prefil
 BUCKET_TOKENS = 4  # tokens each request of that pass generates: its prefill's token, then a few steps
 # A second, greedy pass over the same batch buckets with tables of WIDE_TABLE_BLOCKS blocks (the 16-block bucket:
 # contexts of 129-256 tokens at blocks of 16), where chat-length requests run at every batch (a 128-token prompt and
-# 64 new tokens end at 192). The 16-token pass's tables take the 4-block bucket only, so a closed loop at 128
-# requests met each batch bucket's device step at 16 blocks for the first time while serving: 8 new DFlash
-# step shapes and 1 native one, counted on the CPU with the GPU's padded paths (docs/results.md).
+# 64 new tokens end at 192). The 16-token pass's tables take the 4-block bucket only, so a closed loop at large
+# batches met each batch bucket's device step at 16 blocks for the first time while serving (counted on the CPU
+# with the GPU's padded paths: docs/results.md; tests/test_warmup.py checks a closed loop of 8).
 WIDE_TABLE_BLOCKS = 12
 
 

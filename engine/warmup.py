@@ -11,10 +11,11 @@ and sampled with top-p: the device step's three graphs a shape (engine/device_lo
 replays in a session and a changing one step by step (a closed-loop load moves its batch through every
 bucket under its concurrency: a 3.7 s stall at concurrency 32 was such a shape first met inside a measured
 level); a width policy's batch rule (narrower widths, no speculation past a size) applies there as it will
-when serving. Each batch bucket then runs greedy once more with tables in the 16-block bucket (contexts of
-129-256 tokens, where chat-length requests run). Other shapes (other block-table buckets at large batches, the
-sampled modes at 16 blocks, small-batch prefills of one width) are still captured when first seen; a decode
-worker logs and counts each (engine/jit_watch.py).
+when serving. Then, per method, the fresh prefills of 2 or more prompts at once that replay a graph (each batch
+bucket and padded width within the prefill graph's tokens: a closed loop admits its replacements a few at a
+time), and each batch bucket greedy once more with tables in the 16-block bucket (contexts of 129-256 tokens,
+where chat-length requests run). Other shapes (other block-table buckets at large batches, the sampled modes at
+16 blocks) are still captured when first seen; a decode worker logs and counts each (engine/jit_watch.py).
 
 Warm-up requests never touch a prefix cache or a bridge (nothing is published or imported), and
 leave every KV block free. Random token ids: only the shapes matter.
@@ -63,12 +64,27 @@ def batch_sizes(max_batch: int) -> list[int]:
     return out + ([max_batch] if max_batch >= 2 else [])
 
 
+def prefill_shapes(config, sizes: list[int]) -> list[tuple[int, int]]:
+    """(prompts, tokens each) of the fresh prefills that replay a graph with several prompts at once: every batch
+    bucket of `sizes` and padded width (64, 128, ...) whose product is within config.prefill_graph_tokens
+    (ModelRunner._graph_width). Prompts of the width's full length: their tables take the width's own block
+    bucket, as every prompt padded to that width does. None without CUDA graphs."""
+    if not config.cuda_graphs:
+        return []
+    out, t = [], 64
+    while 2 * t <= config.prefill_graph_tokens:
+        out += [(b, t) for b in sizes if b * t <= config.prefill_graph_tokens and b & (b - 1) == 0]
+        t *= 2
+    return out
+
+
 def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: int | None = None,
                    bucket_tokens: int = BUCKET_TOKENS) -> dict:
     """Each prompt alone, then all at once, through every method the scheduler has; then, per method, a batch of
     short prompts at every power-of-two bucket up to max_batch (default: the scheduler's max_running) for
-    `bucket_tokens` tokens, greedy, sampled and filtered, and greedy again with prompts whose tables take the
-    WIDE_TABLE_BLOCKS bucket. Its prefix cache is detached meanwhile and its
+    `bucket_tokens` tokens, greedy, sampled and filtered, then the fresh prefills of several prompts that replay a
+    graph (`prefill_shapes`), then greedy again with prompts whose tables take the WIDE_TABLE_BLOCKS bucket. Its
+    prefix cache is detached meanwhile and its
     counters reset after; a group whose worst case does not fit the free KV blocks at once is skipped (a small
     cache), never preempted. Returns what ran (for the log and the tests)."""
     runner = scheduler.runner
@@ -85,6 +101,8 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     t0 = time.perf_counter()
     n, batches, skipped, bucket_s = 0, {m: [] for m in methods}, {m: [] for m in methods}, 0.0
     wide_batches: dict[str, list[int]] = {m: [] for m in methods}
+    prefills: dict[str, list[tuple[int, int]]] = {m: [] for m in methods}
+    first_only = SamplingParams(max_tokens=1, ignore_eos=True)
 
     width = scheduler.spec.draft_width if scheduler.spec is not None else 1  # a DFlash request's draft width
 
@@ -112,6 +130,11 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
                 for short in shorts:
                     run(group, short, method)
                 batches[method].append(b)
+            for b, t in prefill_shapes(runner.config, sizes):  # fresh prefills of several prompts at once
+                group = random_prompts([t] * b, vocab, seed=2000 + b * t)
+                if fits(group, 1):
+                    run(group, first_only, method)
+                    prefills[method].append((b, t))
             wide = WIDE_TABLE_BLOCKS * runner.kv_block_size - bucket_tokens  # prompt + new tokens fill the blocks
             if wide + bucket_tokens <= runner.max_positions:
                 for b in sizes:
@@ -126,7 +149,7 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     if runner.allocator.num_free != free:
         raise RuntimeError(f"warm-up leaked KV blocks ({free - runner.allocator.num_free})")
     return {"requests": n, "methods": methods, "lengths": lengths, "batches": batches, "skipped_batches": skipped,
-            "wide_table_batches": wide_batches, "seconds": time.perf_counter() - t0, "batch_seconds": bucket_s}
+            "wide_table_batches": wide_batches, "prefill_batches": prefills, "seconds": time.perf_counter() - t0, "batch_seconds": bucket_s}
 
 
 def warm_prefill(gen, lengths: list[int]) -> dict:

@@ -14,7 +14,7 @@ from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.decode_node.scheduler import Scheduler
-from flashpd.engine import device_loop
+from flashpd.engine import cuda_graph, device_loop
 from flashpd.engine.runner_config import RunnerConfig
 from flashpd.engine.warmup import batch_sizes, lengths_for, warm_prefill, warm_scheduler
 from flashpd.kv_bridge.keys import MethodFingerprint
@@ -95,22 +95,31 @@ def test_warmup_setting():
 def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monkeypatch):  # noqa: F811
     """With the GPU's padded shapes (cuda_graphs=True runs each graphed function directly on the CPU), a closed loop
     of 8 requests in flight with 128-token prompts and 64 new tokens (the service sweep's), native then DFlash,
-    steps in no device-loop shape (graph, batch bucket, width, table bucket) that the warm-up did not: on a GPU
-    each would be a graph captured while serving, with the batch waiting. Before the warm-up's 16-block pass the
-    loop met (8, 1, 16), (8, 16, 16) and the smaller buckets for the first time."""
+    meets no graph key (device-loop step: batch bucket, width, table bucket; runner graph: packed input, batch,
+    width, table, sink) that the warm-up did not: on a GPU each would be a graph captured while serving, with the
+    batch waiting. Before the warm-up's 16-block and prefill passes the loop met (8, 1, 16), (8, 16, 16) and the
+    smaller buckets, and the prefills of 2-8 prompts, for the first time."""
     seen: list[tuple] = []
-    orig = device_loop.InPlaceGraph.__call__
+    orig, orig_graphed = device_loop.InPlaceGraph.__call__, cuda_graph.GraphedFn.__call__
 
     def record(self, key, bufs, reset):
         seen.append((id(self), tuple(key)))
         return orig(self, key, bufs, reset)
 
+    def record_graphed(self, inputs, **kw):  # GraphedFn's key: input shapes and the static kwargs
+        seen.append((id(self), tuple(tuple(x.shape) for x in inputs),
+                     tuple(sorted((k, getattr(v, "__qualname__", v)) for k, v in kw.items()))))
+        return orig_graphed(self, inputs, **kw)
+
     monkeypatch.setattr(device_loop.InPlaceGraph, "__call__", record)
+    monkeypatch.setattr(cuda_graph.GraphedFn, "__call__", record_graphed)
     target, drafter, taps = _models(dflash_pair)
     runner = ModelRunner(target, 640, 16, taps=taps, config=RunnerConfig(cuda_graphs=True, compile=False))
     sched = Scheduler(runner, drafter, (), None, 8, "preempt", None)
     done = warm_scheduler(sched, lengths_for(runner.max_positions, 33), 33)
     assert done["wide_table_batches"] == {m: [2, 4, 8] for m in ("native", "dflash")}, done
+    assert done["prefill_batches"]["dflash"] == [(2, 64), (4, 64), (8, 64), (2, 128), (4, 128), (8, 128), (2, 256),
+                                                 (4, 256), (2, 512)], done
     warm = set(seen)
     assert {k[1] for k in warm} >= {(b, 1, 16) for b in (2, 4, 8)}  # the 16-block pass, native's shapes
     g = torch.Generator().manual_seed(11)
@@ -129,5 +138,5 @@ def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monke
                     sched.add(pool[sent], params, method)
                     sent += 1
         assert seen, f"{method}: no device-loop step ran (the check would be empty)"
-        assert set(seen) <= warm, (method, sorted({k for _, k in set(seen) - warm}))
+        assert set(seen) <= warm, (method, sorted(str(k[1:]) for k in set(seen) - warm))
 

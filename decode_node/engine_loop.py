@@ -129,6 +129,7 @@ class EngineLoop:
         self._stop = False
         self._error: BaseException | None = None
         self.steps = 0
+        self.tokens_out = 0  # tokens streamed (the serving log's rate)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -257,6 +258,7 @@ class EngineLoop:
     def _step(self) -> None:
         res = self.scheduler.step()
         self.steps += 1
+        self.tokens_out += sum(len(t) for t in res.new_tokens.values())
         if self.after_step is not None:
             try:
                 self.after_step()

@@ -14,6 +14,7 @@ from typing import Callable
 from flashpd.decode_node.engine_loop import EngineLoop, Handle
 from flashpd.decode_node.bridge_import import GuardedPrefixCache
 from flashpd.decode_node.scheduler import Scheduler
+from flashpd.decode_node.step_log import StepLog
 from flashpd.engine.scheduler import Request
 from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.jit_watch import JitWatch
@@ -29,7 +30,7 @@ class DecodeWorker:
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter | None = None, stop_ids: tuple[int, ...] = (),
                  prefix_cache: PrefixCache | None = None, max_running: int = 64, policy: str = "preempt",
                  on_finish: Callable[[Request], None] | None = None, warmup: bool = False,
-                 width_policy: WidthPolicy | None = None) -> None:
+                 width_policy: WidthPolicy | None = None, step_log_s: float = 10.0) -> None:
         self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
         self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy, width_policy)
         self.warmup = None
@@ -42,8 +43,16 @@ class DecodeWorker:
             log.info("decode warm-up: %d requests (%s; prompts of %s tokens) in %.1f s", self.warmup["requests"],
                      "/".join(self.warmup["methods"]), self.warmup["lengths"], self.warmup["seconds"])
             self.jit = JitWatch()
-        self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish,
-                               after_step=self.jit.check if self.jit is not None else None)
+        self.step_log: StepLog | None = None
+        self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish, after_step=self._after_step)
+        self.step_log = StepLog(self.loop, step_log_s) if step_log_s > 0 else None
+
+    def _after_step(self) -> None:
+        """The engine loop's monitors after each step: compiles and captures since the warm-up, the periodic log."""
+        if self.jit is not None:
+            self.jit.check()
+        if self.step_log is not None:
+            self.step_log()
 
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native", draft_width: int | None = None,
                first_token: int | None = None, timeout_s: float = 30.0) -> Handle:

@@ -160,6 +160,8 @@ class Scheduler:
         self._session = None
         self._session_gen: NativeGenerator | None = None
         self.overlapped_steps = 0  # steps run that way (tests check the path is taken)
+        self.sessions_ended = 0  # device-loop sessions ended (a finish, an admission): the serving log reads it
+        self.admitted = 0  # requests admitted (prefilled or recomputed), for the same log
         self._suspects: set[int] = set()  # rows of a failed batch step: their next step runs alone
         self.async_load = True  # prefix fetches on a thread pool (False: inside admission, as restore does)
         self._loader: ThreadPoolExecutor | None = None
@@ -455,6 +457,7 @@ class Scheduler:
         if self._session is not None:
             self._session_gen.loop().end(self._session)
             self._session, self._session_gen = None, None
+            self.sessions_ended += 1
 
     def _advance(self, result: StepResult) -> None:
         """One step of every running request; a step that raises is recovered (see the module doc)."""
@@ -545,7 +548,9 @@ class Scheduler:
         if self._has_ready() or not self.overlap or self._suspects:
             self._end_session()  # admissions (and preemptions) work on the host's view of the batch
         if self._session is None:
-            self.running.extend(self._admit(result))
+            admitted = self._admit(result)
+            self.admitted += len(admitted)
+            self.running.extend(admitted)
             if self.policy == "preempt":
                 self._make_room()
         if self.running:

@@ -120,7 +120,7 @@ class EngineLoop:
                  after_step: Callable[[], object] | None = None) -> None:
         self.scheduler = scheduler
         self.on_finish = on_finish
-        self.after_step = after_step  # a monitor run after each step (DecodeWorker's JitWatch.check); must be cheap
+        self.after_step = after_step  # monitors run after each step (DecodeWorker._after_step); must be cheap
         self.idle_wait_s = idle_wait_s
         self._cv = threading.Condition()
         self._inbox: list[tuple[Handle, Future]] = []

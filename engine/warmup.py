@@ -28,6 +28,7 @@ import time
 import torch
 
 from flashpd.engine.kv_cache import blocks_needed
+from flashpd.engine.runner_config import RunnerConfig
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def batch_sizes(max_batch: int) -> list[int]:
     return out + ([max_batch] if max_batch >= 2 else [])
 
 
-def prefill_shapes(config, sizes: list[int]) -> list[tuple[int, int]]:
+def prefill_shapes(config: RunnerConfig, sizes: list[int]) -> list[tuple[int, int]]:
     """(prompts, tokens each) of the fresh prefills that replay a graph with several prompts at once: every batch
     bucket of `sizes` and padded width (64, 128, ...) whose product is within config.prefill_graph_tokens
     (ModelRunner._graph_width). Prompts of the width's full length: their tables take the width's own block
@@ -149,7 +150,8 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     if runner.allocator.num_free != free:
         raise RuntimeError(f"warm-up leaked KV blocks ({free - runner.allocator.num_free})")
     return {"requests": n, "methods": methods, "lengths": lengths, "batches": batches, "skipped_batches": skipped,
-            "wide_table_batches": wide_batches, "prefill_batches": prefills, "seconds": time.perf_counter() - t0, "batch_seconds": bucket_s}
+            "wide_table_batches": wide_batches, "prefill_batches": prefills, "seconds": time.perf_counter() - t0,
+            "batch_seconds": bucket_s}
 
 
 def warm_prefill(gen, lengths: list[int]) -> dict:

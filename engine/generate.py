@@ -114,13 +114,7 @@ class NativeGenerator:
         features: list[torch.Tensor] = []
         i = 0
         while i < len(seqs):
-            group = [seqs[i]]
-            chunk = self.runner.config.prefill_chunk  # a prompt past it prefills alone, in graph-width chunks
-            while i + len(group) < len(seqs):
-                longest = max(len(s.prompt) for s in group + [seqs[i + len(group)]])
-                if longest * (len(group) + 1) > self.prefill_token_budget or (chunk and longest > chunk):
-                    break
-                group.append(seqs[i + len(group)])
+            group = seqs[i:i + self._group_size(seqs[i:])]
             i += len(group)
             cached = [s.table.num_tokens for s in group]
             for s in group:
@@ -142,6 +136,29 @@ class NativeGenerator:
                     n = len(s.prompt) - cached[j]
                     features.append(torch.cat([x[j, :n] for x in out.taps], dim=-1))
         return features
+
+    def _group_size(self, seqs: list[Sequence]) -> int:
+        """How many of these prompts (in order) the next prefill forward takes. With CUDA graphs, when the first
+        one's new tokens replay a graph: the most, by powers of two (no padding rows), whose padded forward still
+        replays one (ModelRunner.replays_graph), so that a closed loop's few-at-a-time admissions and a large
+        batch's prefill are graph replays rather than eager forwards (whose launch and Python cost set a DFlash
+        batch's step time at 128 rows on a small model: docs/results.md). Otherwise
+        padded groups under prefill_token_budget; a prompt past prefill_chunk prefills alone, in chunks."""
+        runner, chunk = self.runner, self.runner.config.prefill_chunk
+        new = [len(s.prompt) - s.table.num_tokens for s in seqs]
+        if runner.replays_graph(new[:1]) and not (chunk and new[0] > chunk):
+            n = 1
+            while 2 * n <= len(seqs) and runner.replays_graph(new[:2 * n]) and not (chunk and max(new[:2 * n]) > chunk) \
+                    and 2 * n * max(len(s.prompt) for s in seqs[:2 * n]) <= self.prefill_token_budget:
+                n *= 2
+            return n
+        n = 1
+        while n < len(seqs):
+            longest = max(len(s.prompt) for s in seqs[:n + 1])
+            if longest * (n + 1) > self.prefill_token_budget or (chunk and longest > chunk):
+                break
+            n += 1
+        return n
 
     def decode_step(self, seqs: list[Sequence]) -> None:
         """One token for every running sequence: the device step (engine/device_loop.py), a session of one."""

@@ -197,6 +197,12 @@ class ModelRunner:
         return StepOutput(torch.cat(hidden, dim=1), [torch.cat(x, dim=1) for x in zip(*tapped)], logits)
 
     # ---- CUDA graphs ---------------------------------------------------------------------
+    def replays_graph(self, new_tokens: list[int]) -> bool:
+        """Whether a forward of rows with these new-token counts (a prefill wanting the last logits) replays a
+        CUDA graph rather than running eagerly (NativeGenerator groups fresh prompts by it)."""
+        t = max(new_tokens)
+        return bool(self._graph_width(len(new_tokens), t, all(n == t for n in new_tokens), "last"))
+
     def _graph_width(self, b: int, t: int, uniform: bool, want_logits: str) -> int:
         """The padded width T of the graph that runs this forward, or 0 for the eager path. Decode and
         verify (equal rows, T <= 32) replay a graph of their own width; short prefills (a prefix hit's

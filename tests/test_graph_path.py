@@ -215,3 +215,36 @@ def test_prefill_writes_the_draft_context_inside_its_forwards(dflash_pair):  # n
         for a, b in zip(*caches):
             assert a.abs().sum() > 0
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_fresh_prompts_prefill_in_graph_sized_power_of_two_groups(dflash_pair):  # noqa: F811
+    """With CUDA graphs, a batch of fresh prompts prefills in groups of 8, 4, 2, 1 prompts whose padded forward
+    replays a graph (8 x 128 padded tokens at most here), not in one eager forward under the token budget (the
+    path without graphs): a closed loop's admissions then replay graphs. Tokens and acceptance are unchanged."""
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    taps = tuple(drafter.cfg.target_layer_ids)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(65, 129, (15,), generator=g)]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)] * len(prompts)
+    res, groups = {}, {}
+    for graphs in (False, True):
+        runner = ModelRunner(target, 4096, 16, taps=taps, config=RunnerConfig(cuda_graphs=graphs, compile=False))
+        rows: list[tuple[int, int]] = []
+        real = runner.forward
+
+        def forward(tables, tokens, *a, _real=real, _rows=rows, **k):
+            if all(tb.num_tokens == 0 for tb in tables):  # a fresh prefill (decode and verify extend a cache)
+                _rows.append((len(tables), max(len(t) for t in tokens)))
+            return _real(tables, tokens, *a, **k)
+        runner.forward = forward
+        spec = generate(DFlashGenerator(runner, drafter, (), 16), prompts, params)
+        native = generate(NativeGenerator(runner), prompts, params)
+        res[graphs] = ([s.output for s in spec], [s.stats.acceptance_lengths for s in spec], [s.output for s in native])
+        groups[graphs] = rows
+        if graphs:
+            assert all(runner.replays_graph([len(p) for p in prompts[:b]]) for b in (1, 2, 4, 8))
+            assert not runner.replays_graph([len(p) for p in prompts[:9]])  # 16 x 128 > prefill_graph_tokens
+    assert [b for b, _ in groups[True]] == [8, 4, 2, 1] * 2  # DFlash's prefill, then native's
+    assert [b for b, _ in groups[False]] == [15] * 2
+    assert res[True] == res[False] and res[True][0] == res[True][2]

@@ -316,8 +316,9 @@ def test_a_new_table_width_compiles_nothing():  # pragma: no cover (GPU machines
     by 16) after one of 4 reuses the kernels compiled for the first, walking and split (in a service a table
     bucket first met under load compiled inside the requests in flight)."""
     from flashpd.engine.jit_watch import compiled_variants, engine_kernels
+    # the module's @triton.jit helpers (_dot, _merge, ...) are JIT functions too; inlined, they never compile alone
     kernels = {k: v for k, v in engine_kernels().items() if k.startswith("paged_attention.")}
-    assert set(kernels) == {"paged_attention._attn_kernel", "paged_attention._combine_kernel"}
+    assert {"paged_attention._attn_kernel", "paged_attention._combine_kernel"} <= set(kernels)
     for split in (False, True):
         q, k, v, bt, pos = random_case(engine_pa, "cuda", torch.bfloat16, 5, 1, 4, seed=1)
         engine_pa.launch(q, k, v, bt, pos, SCALE, split)

@@ -171,7 +171,7 @@ def _cfg(a: argparse.Namespace, mode: str) -> ServeConfig:
     base = json.loads(Path(a.config).read_text()) if a.config else {}
     base.update(target=a.target, draft=a.draft, mode="colocated" if mode == "colocated" else a.launcher)
     for k in ("device", "dtype", "kv_cache_tokens", "torch_threads", "bridge_transport", "kv_transport",
-              "draft_width_policy"):
+              "draft_width_policy", "gil_switch_interval_s"):
         if getattr(a, k) is not None:
             base[k] = getattr(a, k)
     if a.prompt_pool and mode == "colocated":  # a pool's repeats must not be prefix-cache hits: no cache tier
@@ -273,7 +273,7 @@ def sweep(a: argparse.Namespace) -> dict:
                          "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens,
                          "bridge_transport": _cfg(a, "disaggregated").bridge_transport,
                          "kv_transport": _cfg(a, "disaggregated").kv_transport, "apis": apis,
-                         "max_running": a.max_running,
+                         "max_running": a.max_running, "gil_switch_interval_s": a.gil_switch_interval_s,
                          "draft_width_policy": ("unknown (a running service)" if a.address
                                                 else _cfg(a, "colocated").draft_width_policy),
                          "prompt_pool": ({"size": a.prompt_pool, "seed": a.seed,
@@ -363,6 +363,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the serve config's draft_width_policy (engine/width_policy.py), e.g. batch:caps=1-16/65-1 "
                          "(no speculation from 65 DFlash rows a step)")
     ap.add_argument("--torch-threads", type=int, dest="torch_threads")
+    ap.add_argument("--gil-switch-interval-s", type=float, dest="gil_switch_interval_s",
+                    help="the service's sys.setswitchinterval (ServeConfig.gil_switch_interval_s)")
     ap.add_argument("--bridge-transport", choices=["inline", "shm"], dest="bridge_transport",
                     help="how KV chunks move between workers and the bridge: in the gRPC messages, or through "
                          "shared memory with gRPC carrying handles (same host)")

@@ -92,6 +92,10 @@ class ServeConfig:
     ray_address: str | None = None  # None: ray.init() (joins the cluster of a Ray job, else starts one)
     num_gpus: float | None = None  # per model worker; default from the GPUs the cluster has (placement.py)
     torch_threads: int | None = None  # intra-op threads per worker process
+    # sys.setswitchinterval in each model-holding process (None: Python's 5 ms). Its engine thread shares the
+    # GIL with one gRPC thread per stream; each time it waits on the GPU it gives the GIL up, and taking it
+    # back can wait a whole interval per runnable thread in line (docs/results.md, the c=128 service sweep)
+    gil_switch_interval_s: float | None = None
     # throwaway requests at worker start so CUDA graphs and compiles happen before serving (engine/warmup.py);
     # None: on a GPU only
     warmup: bool | None = None
@@ -101,6 +105,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
+        if self.gil_switch_interval_s is not None and not 0 < self.gil_switch_interval_s <= 1:
+            raise ValueError(f"gil_switch_interval_s: must be in (0, 1] seconds, got {self.gil_switch_interval_s!r}")
         if self.policy not in ("preempt", "reserve"):
             raise ValueError(f"policy: must be 'preempt' or 'reserve', got {self.policy!r}")
         from flashpd.engine.width_policy import parse_width_policy  # noqa: PLC0415  (torch only when validated)

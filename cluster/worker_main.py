@@ -123,6 +123,8 @@ def load_model(cfg):
     from flashpd.engine.factory import load_engine  # noqa: PLC0415
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
+    if cfg.gil_switch_interval_s is not None:  # the process that runs an engine loop (ServeConfig says why)
+        sys.setswitchinterval(cfg.gil_switch_interval_s)
     return load_engine(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype,
                        kv_cache_tokens=cfg.kv_cache_tokens, token_map=cfg.draft_token_map)
 

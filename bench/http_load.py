@@ -107,34 +107,68 @@ def served_model(base_url: str, timeout_s: float = 30.0) -> str:
 
 
 def run_load_http(base_url: str, prompts: list, concurrency: int, timeout_s: float = 300.0, model: str | None = None,
-                  **request_kw) -> tuple[list[RequestResult], float]:
+                  procs: int = 1, **request_kw) -> tuple[list[RequestResult], float]:
     """Send every prompt (token ids or text) once; request_kw as run_load's (max_tokens, method, ignore_eos,
-    ...; greedy unless temperature is given). model: None = the one the server lists. Returns the results in
-    prompt order and the wall time of the whole run in seconds."""
-    host, port, prefix = _endpoint(base_url)
+    ...; greedy unless temperature is given). model: None = the one the server lists. procs > 1: the clients
+    run in that many processes (bench/load_procs.py). Returns the results in prompt order and the wall time of
+    the whole run in seconds."""
     model = model or served_model(base_url, min(timeout_s, 30.0))
-    path = f"{prefix}/completions"
+    kw = {**request_kw, "model": model}
+    if procs > 1:
+        from flashpd.bench.load_procs import run_in_procs  # noqa: PLC0415
+        return run_in_procs(http_clients, base_url, prompts, concurrency, procs, timeout_s, kw)
+    open_conn, one = http_clients(base_url, timeout_s, kw)
     results = [RequestResult(i) for i in range(len(prompts))]
     nxt = iter(range(len(prompts)))
     lock = threading.Lock()
 
     def client() -> None:
-        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-        try:
+        with open_conn() as conn:
             while True:
                 with lock:
                     i = next(nxt, None)
                 if i is None:
                     return
-                r = results[i]
-                try:
-                    _stream_one(conn, path, request_body(prompts[i], model, **request_kw), r, timeout_s)
-                except (OSError, http.client.HTTPException, ValueError) as e:
-                    r.error = f"{type(e).__name__}: {e}"
-                if r.error is not None:  # a fresh connection for the next request
-                    conn.close()
-                    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-        finally:
-            conn.close()
+                one(conn, prompts[i], results[i])
 
     return run_clients(client, concurrency, results, timeout_s, "http-load")
+
+
+class _Conn:
+    """One client's keep-alive connection; a request that failed leaves a fresh one for the next."""
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+
+    def renew(self) -> None:
+        self.conn.close()
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+
+    def __enter__(self) -> "_Conn":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.conn.close()
+
+
+def http_clients(base_url: str, timeout_s: float, request_kw: dict):
+    """A client thread's connection and one streamed /v1/completions request through it (load_procs'
+    ClientFactory). request_kw carries the served `model`."""
+    host, port, prefix = _endpoint(base_url)
+    path = f"{prefix}/completions"
+    kw = dict(request_kw)
+    model = kw.pop("model")
+
+    def open_conn() -> _Conn:
+        return _Conn(host, port, timeout_s)
+
+    def one(c: _Conn, prompt, r: RequestResult) -> None:
+        try:
+            _stream_one(c.conn, path, request_body(prompt, model, **kw), r, timeout_s)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            r.error = f"{type(e).__name__}: {e}"
+        if r.error is not None:  # a fresh connection for the next request
+            c.renew()
+
+    return open_conn, one

@@ -44,6 +44,10 @@ from flashpd.cluster.config import ServeConfig
 from flashpd.bench.http_load import run_load_http
 from flashpd.bench.load_gen import percentiles, run_load, summarize
 
+# one client process drove every stream through one interpreter lock, and at concurrency 128 on the H200 it ran at
+# about one core in both methods' levels, so the figures there may be the client's limit (bench/load_procs.py)
+STREAMS_PER_CLIENT_PROC = 32
+
 log = logging.getLogger("flashpd.job_sweep")
 
 def _demo_pair() -> Path:
@@ -167,6 +171,14 @@ class ServeProcess:
                 self.proc.wait(10)
 
 
+def client_procs(asked: int, concurrency: int) -> int:
+    """Client processes for a level: `asked`, or with 0 one per STREAMS_PER_CLIENT_PROC streams (at least one)."""
+    if asked < 0:
+        raise ValueError(f"--client-procs: must be 0 (auto) or more, got {asked}")
+    n = asked or -(-concurrency // STREAMS_PER_CLIENT_PROC)
+    return max(1, min(n, concurrency))
+
+
 def _cfg(a: argparse.Namespace, mode: str) -> ServeConfig:
     base = json.loads(Path(a.config).read_text()) if a.config else {}
     base.update(target=a.target, draft=a.draft, mode="colocated" if mode == "colocated" else a.launcher)
@@ -236,11 +248,13 @@ def sweep(a: argparse.Namespace) -> dict:
                 for m, c, api in ((m, c, api) for m in methods for c in levels for api in apis):
                     kw = dict(max_tokens=a.max_tokens, method=m, ignore_eos=True)
                     load = run_load if api == "grpc" else run_load_http
+                    procs = client_procs(a.client_procs, c)
                     if sets[(m, c, "warmup")]:  # compiles / captures this level's batch shapes first
-                        load(addresses[api], sets[(m, c, "warmup")], min(c, warm[c]), a.request_timeout_s, **kw)
-                    res, wall = load(addresses[api], sets[(m, c)], c, a.request_timeout_s, **kw)
+                        load(addresses[api], sets[(m, c, "warmup")], min(c, warm[c]), a.request_timeout_s,
+                             procs=client_procs(a.client_procs, min(c, warm[c])), **kw)
+                    res, wall = load(addresses[api], sets[(m, c)], c, a.request_timeout_s, procs=procs, **kw)
                     row = {"mode": mode, "api": api, "method": m, "concurrency": c, **summarize(res, wall),
-                           "prefix_cache": _prefix_cache(a, mode)}
+                           "prefix_cache": _prefix_cache(a, mode), "client_procs": procs}
                     if a.prompt_pool:
                         row["prompt_pool"] = {"size": a.prompt_pool, "seed": a.seed,
                                               "distinct_prompts": len(set(samples[c]))}
@@ -274,6 +288,7 @@ def sweep(a: argparse.Namespace) -> dict:
                          "bridge_transport": _cfg(a, "disaggregated").bridge_transport,
                          "kv_transport": _cfg(a, "disaggregated").kv_transport, "apis": apis,
                          "max_running": a.max_running, "gil_switch_interval_s": a.gil_switch_interval_s,
+                         "client_procs": a.client_procs or f"auto (one per {STREAMS_PER_CLIENT_PROC} streams)",
                          "draft_width_policy": ("unknown (a running service)" if a.address
                                                 else _cfg(a, "colocated").draft_width_policy),
                          "prompt_pool": ({"size": a.prompt_pool, "seed": a.seed,
@@ -375,6 +390,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--max-running", type=int, default=128)
+    ap.add_argument("--client-procs", type=int, default=0, dest="client_procs",
+                    help="load generator processes a level (bench/load_procs.py); 0: one per "
+                         f"{STREAMS_PER_CLIENT_PROC} streams")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--request-timeout-s", type=float, default=600.0)

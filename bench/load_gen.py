@@ -26,37 +26,53 @@ class RequestResult:
     error: str | None = None
 
 
-def run_load(address: str, prompts: list[list[int]], concurrency: int, timeout_s: float = 300.0,
+def run_load(address: str, prompts: list[list[int]], concurrency: int, timeout_s: float = 300.0, procs: int = 1,
              **request_kw) -> tuple[list[RequestResult], float]:
     """Send every prompt once (request_kw: max_tokens, method, ignore_eos, ...); returns the results
-    in prompt order and the wall time of the whole run in seconds."""
+    in prompt order and the wall time of the whole run in seconds. procs > 1: the clients run in that many
+    processes (bench/load_procs.py says why)."""
+    if procs > 1:
+        from flashpd.bench.load_procs import run_in_procs  # noqa: PLC0415
+        return run_in_procs(grpc_clients, address, prompts, concurrency, procs, timeout_s, request_kw)
+    open_client, one = grpc_clients(address, timeout_s, request_kw)
     results = [RequestResult(i) for i in range(len(prompts))]
     nxt = iter(range(len(prompts)))
     lock = threading.Lock()
 
     def client() -> None:
-        with GenerationClient(address, timeout_s=timeout_s) as c:
+        with open_client() as c:
             while True:
                 with lock:
                     i = next(nxt, None)
                 if i is None:
                     return
-                r = results[i]
-                t0 = time.perf_counter()
-                try:
-                    for ch in c.generate(prompts[i], **request_kw):
-                        if ch.token_ids and r.ttft_ms is None:
-                            r.ttft_ms = (time.perf_counter() - t0) * 1e3
-                        r.tokens.extend(ch.token_ids)
-                        if ch.finished:
-                            r.acceptance_lengths = list(ch.stats["acceptance_lengths"])
-                            r.prefill_ms = ch.stats.get("prefill_ms")
-                            r.service_ttft_ms = ch.stats.get("ttft_ms")
-                    r.latency_ms = (time.perf_counter() - t0) * 1e3
-                except GenerationError as e:
-                    r.error = str(e)
+                one(c, prompts[i], results[i])
 
     return run_clients(client, concurrency, results, timeout_s, "load")
+
+
+def grpc_clients(address: str, timeout_s: float, request_kw: dict):
+    """A client thread's channel (opened per thread) and one streamed request through it (load_procs'
+    ClientFactory: module level, so a spawned client process can build it)."""
+    def open_client() -> GenerationClient:
+        return GenerationClient(address, timeout_s=timeout_s)
+
+    def one(c: GenerationClient, prompt: list[int], r: RequestResult) -> None:
+        t0 = time.perf_counter()
+        try:
+            for ch in c.generate(prompt, **request_kw):
+                if ch.token_ids and r.ttft_ms is None:
+                    r.ttft_ms = (time.perf_counter() - t0) * 1e3
+                r.tokens.extend(ch.token_ids)
+                if ch.finished:
+                    r.acceptance_lengths = list(ch.stats["acceptance_lengths"])
+                    r.prefill_ms = ch.stats.get("prefill_ms")
+                    r.service_ttft_ms = ch.stats.get("ttft_ms")
+            r.latency_ms = (time.perf_counter() - t0) * 1e3
+        except GenerationError as e:
+            r.error = str(e)
+
+    return open_client, one
 
 
 def run_clients(client, concurrency: int, results: list[RequestResult], timeout_s: float,

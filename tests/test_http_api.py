@@ -330,6 +330,25 @@ def test_http_load_tool_matches_grpc_load(server):
     server.wait_idle()
 
 
+def test_load_over_client_processes_matches_one_process(server):
+    """bench/load_procs.py: the same closed loop from 2 spawned client processes (gRPC and HTTP) returns every
+    request, in prompt order, with one process's tokens and acceptance."""
+    from flashpd.bench.http_load import run_load_http
+    from flashpd.bench.load_gen import run_load
+
+    prompts = [TOKENIZER.encode(p) for p in PROMPTS[:5]]
+    kw = dict(max_tokens=8, method="dflash", ignore_eos=True)
+    one, _ = run_load(server.grpc_address, prompts, concurrency=3, timeout_s=60.0, **kw)
+    for load, target in ((run_load, server.grpc_address), (run_load_http, server.base)):
+        two, wall = load(target, prompts, concurrency=3, timeout_s=60.0, procs=2, **kw)
+        assert [r.index for r in two] == list(range(len(prompts))) and wall > 0
+        for a, b in zip(one, two):
+            assert b.error is None, b.error
+            assert (b.tokens, b.acceptance_lengths) == (a.tokens, a.acceptance_lengths) and len(b.tokens) == 8
+            assert 0 < b.ttft_ms <= b.latency_ms
+    server.wait_idle()
+
+
 def test_local_mode_serves_http_over_the_router():
     """Mode "local" (router + bridge, prefill and decode worker processes): the HTTP API is the router's,
     with the gRPC API's tokens and the prefill worker's prefill_ms."""

@@ -30,6 +30,8 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "policy": "lifo"}, "policy"),
     ({"target": "t", "health_timeout_s": 0}, "health_timeout_s"),
     ({"draft": "d"}, "target"),
+    ({"target": "t", "gil_switch_interval_s": 0}, "gil_switch_interval_s"),
+    ({"target": "t", "gil_switch_interval_s": 2}, "gil_switch_interval_s"),
 ])
 def test_bad_configs_are_refused_by_name(tmp_path, d, msg):
     (tmp_path / "c.json").write_text(json.dumps(d))
@@ -90,3 +92,21 @@ def test_a_local_worker_is_pinned_through_the_parents_gpu_mask():
     assert visible_device(0, "GPU-aaaa,GPU-bbbb") == "GPU-aaaa"
     with pytest.raises(ValueError, match="not among"):
         visible_device(2, "2,3")
+
+
+def test_a_model_process_takes_the_configured_switch_interval():
+    """load_model (every process that holds an engine: colocated, local and Ray workers) sets the interpreter's
+    switch interval from the config; None leaves Python's."""
+    import sys
+
+    from flashpd.cluster.worker_main import load_model
+    demo = REPO / "flashpd" / "assets" / "demo_pair"
+    before = sys.getswitchinterval()
+    try:
+        for asked, want in ((0.002, 0.002), (None, 0.002), (ServeConfig(target="t").gil_switch_interval_s, 0.0005)):
+            cfg = ServeConfig(target=str(demo / "target"), device="cpu", dtype="float32", kv_cache_tokens=512,
+                              gil_switch_interval_s=asked)
+            load_model(cfg)
+            assert sys.getswitchinterval() == pytest.approx(want)
+    finally:
+        sys.setswitchinterval(before)

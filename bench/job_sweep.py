@@ -183,7 +183,7 @@ def _cfg(a: argparse.Namespace, mode: str) -> ServeConfig:
     base = json.loads(Path(a.config).read_text()) if a.config else {}
     base.update(target=a.target, draft=a.draft, mode="colocated" if mode == "colocated" else a.launcher)
     for k in ("device", "dtype", "kv_cache_tokens", "torch_threads", "bridge_transport", "kv_transport",
-              "draft_width_policy", "gil_switch_interval_s"):
+              "draft_width_policy", "gil_switch_interval_s", "session_hold_fraction"):
         if getattr(a, k) is not None:
             base[k] = getattr(a, k)
     if a.prompt_pool and mode == "colocated":  # a pool's repeats must not be prefix-cache hits: no cache tier
@@ -287,7 +287,10 @@ def sweep(a: argparse.Namespace) -> dict:
                          "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens,
                          "bridge_transport": _cfg(a, "disaggregated").bridge_transport,
                          "kv_transport": _cfg(a, "disaggregated").kv_transport, "apis": apis,
-                         "max_running": a.max_running, "gil_switch_interval_s": a.gil_switch_interval_s,
+                         "max_running": a.max_running, "gil_switch_interval_s": ("unknown (a running service)" if a.address
+                                                   else _cfg(a, "colocated").gil_switch_interval_s),
+                         "session_hold_fraction": ("unknown (a running service)" if a.address
+                                                   else _cfg(a, "colocated").session_hold_fraction),
                          "client_procs": a.client_procs or f"auto (one per {STREAMS_PER_CLIENT_PROC} streams)",
                          "draft_width_policy": ("unknown (a running service)" if a.address
                                                 else _cfg(a, "colocated").draft_width_policy),
@@ -378,6 +381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the serve config's draft_width_policy (engine/width_policy.py), e.g. batch:caps=1-16/65-1 "
                          "(no speculation from 65 DFlash rows a step)")
     ap.add_argument("--torch-threads", type=int, dest="torch_threads")
+    ap.add_argument("--session-hold-fraction", type=float, dest="session_hold_fraction",
+                    help="the service's ServeConfig.session_hold_fraction (engine/scheduler.py)")
     ap.add_argument("--gil-switch-interval-s", type=float, dest="gil_switch_interval_s",
                     help="the service's sys.setswitchinterval (ServeConfig.gil_switch_interval_s)")
     ap.add_argument("--bridge-transport", choices=["inline", "shm"], dest="bridge_transport",

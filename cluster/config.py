@@ -23,6 +23,10 @@ class ServeConfig:
     dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
     kv_cache_tokens: int | None = None  # per worker; default: half the free device memory
     max_running: int = 64  # requests one decode worker batches at most
+    # a serving device-loop session goes on past finished rows and arrivals until they reach this share of its rows
+    # or the first has waited session_hold_steps steps (engine/scheduler.py); 0: it restarts at each one
+    session_hold_fraction: float = 0.0
+    session_hold_steps: int = 4
     policy: str = "preempt"  # decode admission: "preempt" (by free blocks, preempt by recompute) or "reserve"
     # how wide a DFlash step verifies (engine/width_policy.py parse_width_policy): "fixed" (the whole block),
     # "fixed:W", "batch:caps=1-16/33-8/65-1" (a width by the step's DFlash rows; 1 = no speculation from that
@@ -106,6 +110,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
+        if not 0 <= self.session_hold_fraction <= 1:
+            raise ValueError(f"session_hold_fraction: must be in [0, 1], got {self.session_hold_fraction!r}")
+        if self.session_hold_steps < 1:
+            raise ValueError(f"session_hold_steps: must be at least 1, got {self.session_hold_steps!r}")
         if self.gil_switch_interval_s is not None and not 0 < self.gil_switch_interval_s <= 1:
             raise ValueError(f"gil_switch_interval_s: must be in (0, 1] seconds, got {self.gil_switch_interval_s!r}")
         if self.policy not in ("preempt", "reserve"):

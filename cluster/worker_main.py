@@ -349,7 +349,8 @@ def build_decode(cfg, llm, cache, metrics):
         metrics.observe_request(r.method, r.seq.stats.as_dict(), "ok", len(r.seq.output))
 
     worker = DecodeWorker(llm.runner, llm.drafter, tuple(llm.stop_ids), cache, cfg.max_running, cfg.policy, finished,
-                          warmup=wants_warmup(cfg, llm.runner), width_policy=parse_width_policy(cfg.draft_width_policy))
+                          warmup=wants_warmup(cfg, llm.runner), width_policy=parse_width_policy(cfg.draft_width_policy),
+                          hold_fraction=cfg.session_hold_fraction, hold_steps=cfg.session_hold_steps)
     decode_metrics(metrics, worker)
     return worker
 

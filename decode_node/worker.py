@@ -30,7 +30,8 @@ class DecodeWorker:
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter | None = None, stop_ids: tuple[int, ...] = (),
                  prefix_cache: PrefixCache | None = None, max_running: int = 64, policy: str = "preempt",
                  on_finish: Callable[[Request], None] | None = None, warmup: bool = False,
-                 width_policy: WidthPolicy | None = None, step_log_s: float = 10.0) -> None:
+                 width_policy: WidthPolicy | None = None, step_log_s: float = 10.0, hold_fraction: float = 0.0,
+                 hold_steps: int = 4) -> None:
         self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
         self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy, width_policy)
         self.warmup = None
@@ -43,6 +44,8 @@ class DecodeWorker:
             log.info("decode warm-up: %d requests (%s; prompts of %s tokens) in %.1f s", self.warmup["requests"],
                      "/".join(self.warmup["methods"]), self.warmup["lengths"], self.warmup["seconds"])
             self.jit = JitWatch()
+        # after the warm-up, so that it runs as it always did (engine/scheduler.py: holding a serving session)
+        self.scheduler.hold_fraction, self.scheduler.hold_steps = hold_fraction, hold_steps
         self.step_log: StepLog | None = None
         self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish, after_step=self._after_step)
         self.step_log = StepLog(self.loop, step_log_s) if step_log_s > 0 else None

@@ -28,6 +28,14 @@ turns speculation off there: when a step's DFlash rows are at least that many, t
 (`step_undrafted`: a native step that also writes the drafter's context), stepwise, and draft again from the
 first step with fewer rows. Their tokens are the target's either way.
 
+A serving session restarts at each finished row and each arrival: the host reads the step in flight, finishes and
+admits, and uploads every row's state again. At 128 rows on a small model that restart is the larger part of a
+step's host time, and a DFlash row finishes nearly every step there. `hold_fraction > 0` (ServeConfig
+`session_hold_fraction`) batches them: finished rows ride along frozen and ready arrivals wait until together they
+reach that share of the session's rows, or the first of them has waited `hold_steps` steps, or no row is left
+running. A held row's tokens are streamed as they come; its end (and its blocks' release) waits, at most
+hold_steps steps. Outputs are the same either way.
+
 Two admission policies:
 - reserve (default): a request reserves its worst case up front (prompt + max_tokens + one draft width of
   drafts), so a running request never runs out of blocks and nothing is ever preempted.
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections import deque
 from dataclasses import dataclass, field
@@ -159,6 +168,12 @@ class Scheduler:
         self.drain = False
         self._session = None
         self._session_gen: NativeGenerator | None = None
+        # serving: a device-loop session goes on past finished rows and ready arrivals until they reach
+        # hold_fraction of its rows or the first of them has waited hold_steps steps (module doc); 0: none held
+        self.hold_fraction = 0.0
+        self.hold_steps = 4
+        self._hold_since: int | None = None  # self.steps when the session's first held event came
+        self.steps = 0  # step() calls
         self.overlapped_steps = 0  # steps run that way (tests check the path is taken)
         self.sessions_ended = 0  # device-loop sessions ended (a finish, an admission): the serving log reads it
         self.admitted = 0  # requests admitted (prefilled or recomputed), for the same log
@@ -454,6 +469,7 @@ class Scheduler:
 
     def _end_session(self) -> None:
         """Read what the device still has in flight and hand the rows back to the stepwise loop."""
+        self._hold_since = None
         if self._session is not None:
             self._session_gen.loop().end(self._session)
             self._session, self._session_gen = None, None
@@ -541,11 +557,31 @@ class Scheduler:
             return
         self._step_rows(self.running)
 
+    def _holds(self) -> bool:
+        """Whether the serving session goes on past its finished rows and the ready arrivals (hold_fraction):
+        while they are fewer than that share of its rows, the first of them came under hold_steps steps ago, and
+        a row is still running. Finished rows ride along frozen meanwhile (as in `drain`); their tokens are
+        streamed as they come, only their end waits."""
+        sess = self._session
+        if sess is None or self.hold_fraction <= 0 or self._suspects or not self.overlap:
+            return False
+        done = sum(s.done for s in sess.seqs)
+        if done == len(sess.seqs):
+            return False
+        events = done + sum(1 for r in self.waiting if self._ready(r))
+        if not events:
+            return True
+        if self._hold_since is None:
+            self._hold_since = self.steps
+        return events < max(1, math.ceil(self.hold_fraction * len(sess.seqs))) and \
+            self.steps - self._hold_since < self.hold_steps
+
     def step(self) -> StepResult:
         result = StepResult()
+        self.steps += 1
         if not self.running and self.waiting and not self._has_ready():  # only loads in flight: wait for one
             wait([r.load for r in self.waiting if r.load is not None], timeout=LOAD_POLL_S, return_when=FIRST_COMPLETED)
-        if self._has_ready() or not self.overlap or self._suspects:
+        if (self._has_ready() and not self._holds()) or not self.overlap or self._suspects:
             self._end_session()  # admissions (and preemptions) work on the host's view of the batch
         if self._session is None:
             admitted = self._admit(result)
@@ -557,7 +593,8 @@ class Scheduler:
             self._hold_for_prefill()
         self._advance(result)
         if any(r.seq.done for r in self.running) and not (
-                self.drain and self._session is not None and not all(r.seq.done for r in self.running)):
+                self.drain and self._session is not None and not all(r.seq.done for r in self.running)) \
+                and not self._holds():
             self._end_session()  # a finished row leaves the batch: the others' in-flight step is read
         still = []
         for r in self.running:
@@ -565,7 +602,7 @@ class Scheduler:
             if len(out) > r.emitted:
                 result.new_tokens[r.id] = out[r.emitted:]
                 r.emitted = len(out)
-            if r.seq.done and self._session is None:  # (drain: a finished row waits for its session's end)
+            if r.seq.done and self._session is None:  # (drain, a hold: a finished row waits for its session's end)
                 self._finish(r)
                 result.finished.append(r)
             else:

@@ -31,6 +31,8 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "health_timeout_s": 0}, "health_timeout_s"),
     ({"draft": "d"}, "target"),
     ({"target": "t", "gil_switch_interval_s": 0}, "gil_switch_interval_s"),
+    ({"target": "t", "session_hold_fraction": 1.5}, "session_hold_fraction"),
+    ({"target": "t", "session_hold_steps": 0}, "session_hold_steps"),
     ({"target": "t", "gil_switch_interval_s": 2}, "gil_switch_interval_s"),
 ])
 def test_bad_configs_are_refused_by_name(tmp_path, d, msg):

@@ -56,7 +56,7 @@ def _closed_loop(pair, hold: float, method: str, conc: int = 8, n: int = 20, ste
     return out, late, sched
 
 
-def test_a_held_closed_loop_keeps_every_token_and_restarts_less(pair):
+def test_a_held_closed_loop_keeps_every_token_and_restarts_less(pair):  # noqa: F811
     for method in ("dflash", "native"):
         want, late0, plain = _closed_loop(pair, 0.0, method)
         got, late, held = _closed_loop(pair, 0.5, method)
@@ -69,7 +69,7 @@ def test_a_held_closed_loop_keeps_every_token_and_restarts_less(pair):
             assert max(late) > 0
 
 
-def test_a_hold_with_stop_tokens_and_a_cancel_stays_exact(pair):
+def test_a_hold_with_stop_tokens_and_a_cancel_stays_exact(pair):  # noqa: F811
     target, drafter = pair
     want, _, _ = _closed_loop(pair, 0.0, "dflash", stop_ids=(3, 7), cancel_at=9)
     got, late, held = _closed_loop(pair, 1.0, "dflash", stop_ids=(3, 7), cancel_at=9)

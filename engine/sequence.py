@@ -20,18 +20,38 @@ class RequestStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     ttft_ms: float | None = None
     latency_ms: float | None = None
-    position_accepts: list[int] = field(default_factory=list)  # per draft position k: steps that accepted it
-    position_drafted: list[int] = field(default_factory=list)  # per draft position k: steps that drafted it
+    # steps by guesses accepted and by guesses made (width - 1): two increments a step, where per-position
+    # counters cost a loop over the width for every row of every step (the host's time at 128 rows)
+    _by_accepted: list[int] = field(default_factory=list, repr=False)
+    _by_guesses: list[int] = field(default_factory=list, repr=False)
 
     def record_step(self, kept: int, width: int, accepted: int) -> None:
         """One speculative step: `kept` tokens committed, `accepted` of its width - 1 guesses taken."""
         self.acceptance_lengths.append(kept)
-        if len(self.position_accepts) < width - 1:
-            self.position_accepts.extend([0] * (width - 1 - len(self.position_accepts)))
-            self.position_drafted.extend([0] * (width - 1 - len(self.position_drafted)))
-        for k in range(width - 1):
-            self.position_drafted[k] += 1
-            self.position_accepts[k] += k < accepted
+        acc, guesses = self._by_accepted, self._by_guesses
+        if len(guesses) < width:  # accepted <= width - 1: both histograms grow together
+            acc.extend([0] * (width - len(acc)))
+            guesses.extend([0] * (width - len(guesses)))
+        acc[accepted] += 1
+        guesses[width - 1] += 1
+
+    @property
+    def position_accepts(self) -> list[int]:
+        """Per draft position k (up to the widest step's guesses): the steps that accepted it."""
+        return self._at_least(self._by_accepted)
+
+    @property
+    def position_drafted(self) -> list[int]:
+        """Per draft position k: the steps that drafted it."""
+        return self._at_least(self._by_guesses)
+
+    def _at_least(self, hist: list[int]) -> list[int]:
+        """[steps whose count exceeds k for k < the most guesses any step made] from a histogram of counts."""
+        out, above = [], sum(hist)
+        for k in range(len(self._by_guesses) - 1):
+            above -= hist[k] if k < len(hist) else 0
+            out.append(above)
+        return out
 
     @property
     def tau(self) -> float | None:

@@ -44,8 +44,8 @@ from flashpd.cluster.config import ServeConfig
 from flashpd.bench.http_load import run_load_http
 from flashpd.bench.load_gen import percentiles, run_load, summarize
 
-# one client process drove every stream through one interpreter lock, and at concurrency 128 on the H200 it ran at
-# about one core in both methods' levels, so the figures there may be the client's limit (bench/load_procs.py)
+# one client process drove every stream through one interpreter lock, and at the sweep's highest level it ran at
+# its limit in both methods, so its figures there were partly the client's (bench/load_procs.py, docs/results.md)
 STREAMS_PER_CLIENT_PROC = 32
 
 log = logging.getLogger("flashpd.job_sweep")

@@ -1,8 +1,8 @@
 """A closed-loop load spread over client processes, so that the load generator is not what a sweep measures.
 
 One Python process drives every stream through its own interpreter lock. On the H200 the sweep's one client
-process ran at about one core (100-110%) through the concurrency-128 levels of both methods (docs/results.md,
-"Service sweeps"): a load generator at its limit measures itself, not the service.
+process ran at a full core through the concurrency-128 levels of both methods (docs/results.md, "Service
+sweeps"): a load generator at its limit measures itself, not the service.
 Here `procs` processes (spawned, so none inherits a gRPC channel or a lock) each run `concurrency / procs` client
 threads (the remainder to the first ones) over one shared counter of prompt indices, so requests are still taken
 in order by whichever client is free, as in one process. Every process connects first; the parent starts the

@@ -96,10 +96,9 @@ class ServeConfig:
     ray_address: str | None = None  # None: ray.init() (joins the cluster of a Ray job, else starts one)
     num_gpus: float | None = None  # per model worker; default from the GPUs the cluster has (placement.py)
     torch_threads: int | None = None  # intra-op threads per worker process
-    # sys.setswitchinterval in each model-holding process (None: Python's 5 ms). Its engine thread shares the
+    # sys.setswitchinterval in each model-holding process (None: Python's default). Its engine thread shares the
     # interpreter lock with one gRPC thread per stream; each time it waits on the GPU it gives the lock up, and
-    # taking it back waits for a holder's interval to run out. At 0.5 ms the H200's colocated sweep at
-    # concurrency 128 ran DFlash 1.7x and native 1.1x faster than at 5 ms (one run each: docs/results.md)
+    # taking it back waits for a holder's interval to run out (docs/results.md: the service sweep at c=128)
     gil_switch_interval_s: float | None = 0.0005
     # throwaway requests at worker start so CUDA graphs and compiles happen before serving (engine/warmup.py);
     # None: on a GPU only

@@ -47,7 +47,7 @@ def report(module_name: str) -> dict[str, str]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     code = f"import sys; sys.path.insert(0, 'tests'); from _interpreted import child; child({module_name!r})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600, check=False)  # a bound on a hang: the slowest child takes ~250 s on 2 cores
+                          timeout=600, check=False)  # a bound on a hang, well past the slowest child on 2 cores
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Mapping, Protocol
 
 import grpc
 
+from flashpd.cluster.detok import Detokenizer
 from flashpd.decode_node.engine_loop import EngineStopped, Event, coalesce
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
@@ -86,27 +87,6 @@ def stats_message(d: dict | None) -> pb.Stats:
     return pb.Stats(version=PROTOCOL_VERSION, acceptance_lengths=d.get("acceptance_lengths") or [],
                     tau=d.get("tau") or 0.0, ttft_ms=d.get("ttft_ms") or 0.0, latency_ms=d.get("latency_ms") or 0.0,
                     prefill_ms=d.get("prefill_ms") or 0.0)
-
-
-class _Detok:
-    """Incremental decoding: the text of all tokens so far, handed out as new suffixes; holds back a
-    trailing replacement character (an incomplete multi-byte sequence) until it resolves."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.sent = ""
-
-    def push(self, toks: list[int], final: bool = False) -> str:
-        if self.tokenizer is None:
-            return ""
-        self.ids.extend(toks)
-        full = self.tokenizer.decode(self.ids)
-        if not final and full.endswith("\ufffd"):
-            return ""
-        new = full[len(self.sent):] if full.startswith(self.sent) else full
-        self.sent = full
-        return new
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -241,7 +221,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         h = self._start(request, context, first_token, handoff)
         done = False
         try:
-            detok = _Detok(self.tokenizer)
+            detok = Detokenizer(self.tokenizer)
             for ev in self._events(h, context):
                 if ev.kind == "tokens":
                     yield pb.GenerateChunk(version=PROTOCOL_VERSION, token_ids=ev.tokens, text=detok.push(ev.tokens))
@@ -249,7 +229,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         ev.sent.set()
                 else:
                     done = True
-                    yield pb.GenerateChunk(version=PROTOCOL_VERSION, text=detok.push([], final=True), finished=True,
+                    yield pb.GenerateChunk(version=PROTOCOL_VERSION, text=detok.finish(), finished=True,
                                            finish_reason=ev.finish_reason or "", stats=stats_message(ev.stats))
         finally:
             if not done:  # the client left, an abort, the generator closed: the backend drops the request now

@@ -50,6 +50,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flashpd.cluster.detok import Detokenizer
 from flashpd.cluster.chat_template import ChatTemplate, ChatTemplateError
 from flashpd.cluster.generation_server import MAX_CHARS_PER_TOKEN, POLL_S, Backend
 from flashpd.decode_node.engine_loop import EngineStopped, coalesce
@@ -488,33 +489,23 @@ def _stats(method: str, s: dict) -> dict:
 
 
 class _Text:
-    """Incremental detokenization with stop strings. Text is decoded over a short window of tokens (so
-    each token costs two small decodes), holds back a trailing incomplete character, and holds back the
-    last (longest stop - 1) characters until it is clear they do not start a stop string. At the end
-    the text is reconciled with the decode of all tokens, so the pieces add up to the gRPC API's text."""
+    """Incremental detokenization with stop strings: the window decode of cluster/detok.py (the gRPC API's too,
+    so the pieces add up to its text), and the last (longest stop - 1) characters held back until it is clear they
+    do not start a stop string."""
 
     def __init__(self, tokenizer, stops: list[str]) -> None:
         self.tok = tokenizer
+        self.detok = Detokenizer(tokenizer)
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
-        self.decoded = ""  # all text decoded so far (handed out + pending)
         self.pending = ""  # decoded, not yet handed out
 
     def _decode(self, toks: list[int]) -> str:
-        self.ids.extend(toks)
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        after = self.tok.decode(self.ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before):]
-        return ""
+        return self.detok.push(toks)
 
     def _add(self, new: str) -> tuple[str, bool]:
         """Take new text: (what can be handed out now, whether a stop string ended the text)."""
         start = max(0, len(self.pending) - self.hold)
-        self.decoded += new
         self.pending += new
         if self.stops:
             hits = [i for s in self.stops if (i := self.pending.find(s, start)) >= 0]
@@ -545,8 +536,7 @@ class _Text:
         """The rest of the text once the backend finished: (text, whether a stop string ended it)."""
         if self.tok is None:
             return "", False
-        full = self.tok.decode(self.ids)
-        rest = full[len(self.decoded):] if full.startswith(self.decoded) else ""
+        rest = self.detok.finish()
         self.hold = 0
         return self._add(rest)
 

@@ -12,12 +12,11 @@ from tests.test_scheduler import _prompts, pair  # noqa: F401  (module fixture)
 
 
 def _closed_loop(pair, hold: float, method: str, conc: int = 8, n: int = 20, steps: int = 3, stop_ids=(),
-                 cancel_at: int | None = None):
+                 cancel_at: int | None = None, blocks: int = 1024):
     """conc requests in flight; each finished one is replaced at once (the sweep's clients), n in all. Returns
     per request (output, acceptance, streamed, finish reason), the steps between a row's last token and its end,
     and the scheduler."""
     target, drafter = pair
-    blocks = 1024
     runner = ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids),
                          config=RunnerConfig(cuda_graphs=False, compile=False))
     sched = Scheduler(runner, drafter, stop_ids, max_running=conc, policy="preempt")
@@ -76,6 +75,15 @@ def test_a_hold_with_stop_tokens_and_a_cancel_stays_exact(pair):  # noqa: F811
     assert got == want and max(late) <= 3
     assert any(reason == "cancelled" for *_, reason in got)
 
+
+
+def test_a_hold_under_kv_pressure_preempts_and_stays_exact(pair):  # noqa: F811
+    """A cache too small for every request in flight: the preempt policy preempts and recomputes rows, with the
+    hold on as without it: the same tokens and acceptance, no block left used."""
+    want, _, plain = _closed_loop(pair, 0.0, "dflash", blocks=40)
+    got, late, held = _closed_loop(pair, 0.5, "dflash", blocks=40)
+    assert got == want and max(late) <= 3
+    assert plain.stats.preemptions > 0 and held.stats.preemptions > 0
 
 
 def test_the_serve_config_reaches_a_decode_workers_scheduler_after_its_warmup(dflash_pair, monkeypatch):  # noqa: F811

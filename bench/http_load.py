@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import time
 from urllib.parse import urlsplit
 
-from flashpd.bench.load_gen import RequestResult, run_clients
+from flashpd.bench.load_gen import RequestResult, run_closed_loop
 
 # the gRPC API's defaults where OpenAI's differ (greedy), so both APIs serve the same requests
 GRPC_DEFAULTS = {"temperature": 0.0}
@@ -113,25 +112,8 @@ def run_load_http(base_url: str, prompts: list, concurrency: int, timeout_s: flo
     run in that many processes (bench/load_procs.py). Returns the results in prompt order and the wall time of
     the whole run in seconds."""
     model = model or served_model(base_url, min(timeout_s, 30.0))
-    kw = {**request_kw, "model": model}
-    if procs > 1:
-        from flashpd.bench.load_procs import run_in_procs  # noqa: PLC0415
-        return run_in_procs(http_clients, base_url, prompts, concurrency, procs, timeout_s, kw)
-    open_conn, one = http_clients(base_url, timeout_s, kw)
-    results = [RequestResult(i) for i in range(len(prompts))]
-    nxt = iter(range(len(prompts)))
-    lock = threading.Lock()
-
-    def client() -> None:
-        with open_conn() as conn:
-            while True:
-                with lock:
-                    i = next(nxt, None)
-                if i is None:
-                    return
-                one(conn, prompts[i], results[i])
-
-    return run_clients(client, concurrency, results, timeout_s, "http-load")
+    return run_closed_loop(http_clients, base_url, prompts, concurrency, timeout_s, procs,
+                           {**request_kw, "model": model}, "http-load")
 
 
 class _Conn:

@@ -31,10 +31,17 @@ def run_load(address: str, prompts: list[list[int]], concurrency: int, timeout_s
     """Send every prompt once (request_kw: max_tokens, method, ignore_eos, ...); returns the results
     in prompt order and the wall time of the whole run in seconds. procs > 1: the clients run in that many
     processes (bench/load_procs.py says why)."""
+    return run_closed_loop(grpc_clients, address, prompts, concurrency, timeout_s, procs, request_kw, "load")
+
+
+def run_closed_loop(factory, target: str, prompts: list, concurrency: int, timeout_s: float, procs: int,
+                    request_kw: dict, name: str) -> tuple[list[RequestResult], float]:
+    """`concurrency` clients built by `factory` (load_procs.ClientFactory: gRPC or HTTP), each taking the next
+    prompt until none is left; in this process, or over `procs` client processes."""
     if procs > 1:
         from flashpd.bench.load_procs import run_in_procs  # noqa: PLC0415
-        return run_in_procs(grpc_clients, address, prompts, concurrency, procs, timeout_s, request_kw)
-    open_client, one = grpc_clients(address, timeout_s, request_kw)
+        return run_in_procs(factory, target, prompts, concurrency, procs, timeout_s, request_kw)
+    open_client, one = factory(target, timeout_s, request_kw)
     results = [RequestResult(i) for i in range(len(prompts))]
     nxt = iter(range(len(prompts)))
     lock = threading.Lock()
@@ -48,7 +55,7 @@ def run_load(address: str, prompts: list[list[int]], concurrency: int, timeout_s
                     return
                 one(c, prompts[i], results[i])
 
-    return run_clients(client, concurrency, results, timeout_s, "load")
+    return run_clients(client, concurrency, results, timeout_s, name)
 
 
 def grpc_clients(address: str, timeout_s: float, request_kw: dict):

@@ -25,7 +25,7 @@ class ServeConfig:
     max_running: int = 64  # requests one decode worker batches at most
     # a serving device-loop session goes on past finished rows and arrivals until they reach this share of its rows
     # or the first has waited session_hold_steps steps (engine/scheduler.py); 0: it restarts at each one
-    session_hold_fraction: float = 0.0
+    session_hold_fraction: float = 0.5
     session_hold_steps: int = 4
     policy: str = "preempt"  # decode admission: "preempt" (by free blocks, preempt by recompute) or "reserve"
     # how wide a DFlash step verifies (engine/width_policy.py parse_width_policy): "fixed" (the whole block),

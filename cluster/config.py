@@ -27,6 +27,10 @@ class ServeConfig:
     # or the first has waited session_hold_steps steps (engine/scheduler.py); 0: it restarts at each one
     session_hold_fraction: float = 0.5
     session_hold_steps: int = 4
+    # colocated: run the engine in a child process of its own (decode_node/engine_proc.py), so that the front
+    # ends' threads never hold the interpreter lock its steps wait for; the API, tokenizer and served metrics stay
+    # here (the device tier's per-tier read counts are the child's and are not served)
+    engine_process: bool = False
     policy: str = "preempt"  # decode admission: "preempt" (by free blocks, preempt by recompute) or "reserve"
     # how wide a DFlash step verifies (engine/width_policy.py parse_width_policy): "fixed" (the whole block),
     # "fixed:W", "batch:caps=1-16/33-8/65-1" (a width by the step's DFlash rows; 1 = no speculation from that
@@ -96,9 +100,10 @@ class ServeConfig:
     ray_address: str | None = None  # None: ray.init() (joins the cluster of a Ray job, else starts one)
     num_gpus: float | None = None  # per model worker; default from the GPUs the cluster has (placement.py)
     torch_threads: int | None = None  # intra-op threads per worker process
-    # sys.setswitchinterval in each model-holding process (None: Python's default). Its engine thread shares the
-    # interpreter lock with one gRPC thread per stream; each time it waits on the GPU it gives the lock up, and
-    # taking it back waits for a holder's interval to run out (docs/results.md: the service sweep at c=128)
+    # sys.setswitchinterval in each model-holding process and in an engine process's front end (None: Python's
+    # default). Its engine thread shares the interpreter lock with one gRPC thread per stream; each time it waits
+    # on the GPU it gives the lock up, and taking it back waits for a holder's interval to run out
+    # (docs/results.md: the service sweep at c=128)
     gil_switch_interval_s: float | None = 0.0005
     # throwaway requests at worker start so CUDA graphs and compiles happen before serving (engine/warmup.py);
     # None: on a GPU only
@@ -109,6 +114,9 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
+        if self.engine_process and self.mode != "colocated":
+            raise ValueError(f"engine_process: only mode 'colocated' runs its engine in the serving process, got mode "
+                             f"{self.mode!r} (its workers are processes already)")
         if not 0 <= self.session_hold_fraction <= 1:
             raise ValueError(f"session_hold_fraction: must be in [0, 1], got {self.session_hold_fraction!r}")
         if self.session_hold_steps < 1:

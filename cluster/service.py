@@ -12,6 +12,7 @@ accepts calls and chunks only from this start's processes.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -101,11 +102,13 @@ def _start_http(svc: Service, cfg: ServeConfig) -> None:
 
 
 def _colocated(cfg: ServeConfig) -> Service:
-    from flashpd.cluster.worker_main import build_decode, load_model  # noqa: PLC0415
+    if cfg.engine_process:
+        return _colocated_split(cfg)
+    from flashpd.cluster.worker_main import build_decode, load_model, local_cache  # noqa: PLC0415
 
     llm = load_model(cfg)
     metrics = Metrics("colocated")
-    worker = build_decode(cfg, llm, _local_cache(cfg, llm, metrics), metrics)
+    worker = build_decode(cfg, llm, local_cache(cfg, llm, metrics), metrics)
     try:
         server, port = serve_generation(worker.loop, cfg.host, cfg.port, llm.tokenizer, cfg.allow_remote,
                                         cfg.max_concurrent)
@@ -116,14 +119,38 @@ def _colocated(cfg: ServeConfig) -> Service:
                    closers=[lambda: worker.stop(10)], tokenizer=llm.tokenizer)
 
 
-def _local_cache(cfg: ServeConfig, llm, metrics: Metrics):
-    """Colocated: a prefix cache on the worker-local tiers (device and/or pinned host), else none."""
-    if not cfg.device_cache_bytes and not cfg.host_cache_bytes:
-        return None
-    from flashpd.cluster.worker_main import device_tier, fingerprint  # noqa: PLC0415
-    from flashpd.kv_bridge.prefix_cache import PrefixCache  # noqa: PLC0415
+def _colocated_split(cfg: ServeConfig) -> Service:
+    """Colocated with the engine in a child process (decode_node/engine_proc.py); the API, tokenizer and served
+    metrics here."""
+    from flashpd.cluster.worker_main import decode_metrics  # noqa: PLC0415
+    from flashpd.decode_node.engine_proc import EngineProcess  # noqa: PLC0415
+    from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
 
-    return PrefixCache(device_tier(cfg, llm, None, metrics), fingerprint(cfg, llm), cfg.chunk_tokens)
+    if cfg.gil_switch_interval_s is not None:  # the front end's threads take turns as in the one-process form
+        sys.setswitchinterval(cfg.gil_switch_interval_s)
+    metrics = Metrics("colocated")
+    engine = EngineProcess(cfg, on_done=lambda method, stats, n: metrics.observe_request(method, stats, "ok", n))
+    try:
+        decode_metrics(metrics, _EngineStats(engine, bool(cfg.device_cache_bytes or cfg.host_cache_bytes)))
+        tokenizer = TextTokenizer.from_dir(cfg.target)
+        server, port = serve_generation(engine, cfg.host, cfg.port, tokenizer, cfg.allow_remote, cfg.max_concurrent)
+    except BaseException:
+        engine.stop()
+        raise
+    return Service(cfg, f"{cfg.host}:{port}", server, engine, metrics, closers=[lambda: engine.stop(10)],
+                   tokenizer=tokenizer)
+
+
+class _EngineStats:
+    """What decode_metrics reads of a DecodeWorker, from the engine process's stats."""
+
+    def __init__(self, engine, has_cache: bool) -> None:
+        self.stats = engine.stats
+        self.cache = self if has_cache else None
+
+    @property
+    def import_failures(self) -> dict:
+        return self.stats().get("import_failures_by_reason", {})
 
 
 def _disaggregated(cfg: ServeConfig, launcher: Launcher) -> Service:

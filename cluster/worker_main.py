@@ -152,6 +152,15 @@ def host_tier(cfg, llm, backing):
     return store
 
 
+def local_cache(cfg, llm, metrics):
+    """Colocated: a prefix cache on the worker-local tiers (device and/or pinned host), else none."""
+    if not cfg.device_cache_bytes and not cfg.host_cache_bytes:
+        return None
+    from flashpd.kv_bridge.prefix_cache import PrefixCache  # noqa: PLC0415
+
+    return PrefixCache(device_tier(cfg, llm, None, metrics), fingerprint(cfg, llm), cfg.chunk_tokens)
+
+
 def device_tier(cfg, llm, backing, metrics):
     """`backing` itself, or the worker-local tiers in front of it: pinned host (cfg.host_cache_bytes > 0), then
     a DeviceStore (cfg.device_cache_bytes > 0) whose reads by tier become a live metric."""
@@ -340,8 +349,8 @@ def wants_warmup(cfg, runner) -> bool:
     return cfg.warmup if cfg.warmup is not None else runner.device.type == "cuda"
 
 
-def build_decode(cfg, llm, cache, metrics):
-    """A DecodeWorker whose finished requests feed the metrics."""
+def build_decode(cfg, llm, cache, metrics, sink=None):
+    """A DecodeWorker whose finished requests feed the metrics (sink: EngineLoop's, for an engine process)."""
     from flashpd.decode_node.worker import DecodeWorker  # noqa: PLC0415
     from flashpd.engine.width_policy import parse_width_policy  # noqa: PLC0415
 
@@ -350,7 +359,7 @@ def build_decode(cfg, llm, cache, metrics):
 
     worker = DecodeWorker(llm.runner, llm.drafter, tuple(llm.stop_ids), cache, cfg.max_running, cfg.policy, finished,
                           warmup=wants_warmup(cfg, llm.runner), width_policy=parse_width_policy(cfg.draft_width_policy),
-                          hold_fraction=cfg.session_hold_fraction, hold_steps=cfg.session_hold_steps)
+                          hold_fraction=cfg.session_hold_fraction, hold_steps=cfg.session_hold_steps, sink=sink)
     decode_metrics(metrics, worker)
     return worker
 

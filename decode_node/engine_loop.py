@@ -7,7 +7,9 @@ back to the submitter through a future. Each request's new tokens go to its hand
 they are produced, then one final event; a front end that fell behind takes the token events queued
 for it as one (`coalesce`). When there is nothing to do the thread sleeps on a
 condition variable (with a timeout), never spinning. Every wait here is bounded.
-An `on_finish` hook (metrics) sees each finished request in the loop thread.
+An `on_finish` hook (metrics) sees each finished request in the loop thread. With a `sink`, the events of one
+pass of the loop go to it in one call instead of into the handles' queues (decode_node/engine_proc.py sends
+them to another process that way, one message a step).
 
 A request the scheduler fails alone (RequestFailed) ends with an "error" event while the others go
 on. Should a step still raise, every request in flight fails with that error, every block is freed,
@@ -105,6 +107,7 @@ class Handle:
         self.events: queue.Queue[Event] = queue.Queue()
         self.request: Request | None = None  # set in the loop thread once the scheduler took it
         self.cancel_requested = False
+        self.tag: object = None  # the submitter's name for it (engine_proc: the front end's request id)
 
     def get(self, timeout: float) -> Event | None:
         """The next event, or None if none came within timeout seconds."""
@@ -117,8 +120,11 @@ class Handle:
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, idle_wait_s: float = 0.5, name: str = "engine-loop",
                  on_finish: Callable[[Request], None] | None = None,
-                 after_step: Callable[[], object] | None = None) -> None:
+                 after_step: Callable[[], object] | None = None,
+                 sink: Callable[[list[tuple[Handle, Event]]], None] | None = None) -> None:
         self.scheduler = scheduler
+        self.sink = sink  # set: each pass's events go here in one call, not into the handles' queues
+        self._out: list[tuple[Handle, Event]] = []
         self.on_finish = on_finish
         self.after_step = after_step  # monitors run after each step (DecodeWorker._after_step); must be cheap
         self.idle_wait_s = idle_wait_s
@@ -168,18 +174,27 @@ class EngineLoop:
                first_token: int | None = None, handoff=None) -> Handle:
         """Queue a request; returns its handle once the scheduler accepted it. Raises what
         Scheduler.add raises (PromptTooLong, ValueError), EngineStopped, or TimeoutError."""
+        h, fut = self.submit_nowait(prompt, params, method, draft_width, first_token, handoff)
+        try:
+            return fut.result(timeout=timeout_s)
+        except FutureTimeout:
+            self.cancel(h)
+            raise TimeoutError(f"engine loop did not take the request within {timeout_s:g} s") from None
+
+    def submit_nowait(self, prompt: list[int], params: SamplingParams, method: str = "native",
+                      draft_width: int | None = None, first_token: int | None = None, handoff=None,
+                      tag: object = None) -> tuple[Handle, Future]:
+        """Queue a request without waiting: its handle, and a future that resolves to it once the scheduler took it
+        (or to the scheduler's refusal). Raises EngineStopped when the loop is not running."""
         h = Handle(list(prompt), params, method, draft_width, first_token, handoff)
+        h.tag = tag
         fut: Future = Future()
         with self._cv:
             if not self.alive:
                 raise EngineStopped("engine loop is not running") from self._error
             self._inbox.append((h, fut))
             self._cv.notify()
-        try:
-            return fut.result(timeout=timeout_s)
-        except FutureTimeout:
-            self.cancel(h)
-            raise TimeoutError(f"engine loop did not take the request within {timeout_s:g} s") from None
+        return h, fut
 
     def cancel(self, h: Handle) -> None:
         """Ask the loop to drop the request and free its KV (idempotent; no-op once it finished)."""
@@ -216,20 +231,37 @@ class EngineLoop:
                         self._step()
                 except Exception as e:  # noqa: BLE001  uncontained: fail what is in flight, keep serving
                     self._abort_in_flight(e)
+                self._flush()
         except BaseException as e:  # noqa: BLE001  a failed step: nothing in flight can continue
             log.exception("engine loop failed")
             self._error = e
         finally:
             self._shutdown()
+            self._flush()
+
+    def _emit(self, h: Handle, ev: Event) -> None:
+        if self.sink is None:
+            h.events.put(ev)
+        else:
+            self._out.append((h, ev))
+
+    def _flush(self) -> None:
+        """This pass's events to the sink, in one call (nothing without a sink: they went to the queues)."""
+        if self._out:
+            out, self._out = self._out, []
+            try:
+                self.sink(out)
+            except Exception:  # noqa: BLE001  a broken sink must not stop serving; it is logged
+                log.exception("event sink failed")
 
     def _abort_in_flight(self, e: Exception) -> None:
         log.exception("engine step failed; failing the %d request(s) in flight and serving on", len(self._live))
         for r, err in self.scheduler.abort_all(e):
             h = self._live.pop(r.id, None)
             if h is not None:
-                h.events.put(Event("error", error=err))
+                self._emit(h, Event("error", error=err))
         for h in self._live.values():  # registered but not in the scheduler any more: cannot happen; be safe
-            h.events.put(Event("error", error=RequestFailed(f"{REQUEST_FAILED}: {type(e).__name__}: {e}")))
+            self._emit(h, Event("error", error=RequestFailed(f"{REQUEST_FAILED}: {type(e).__name__}: {e}")))
         self._live.clear()
 
     def _take(self, inbox: list[tuple[Handle, Future]]) -> None:
@@ -237,7 +269,7 @@ class EngineLoop:
             if not fut.set_running_or_notify_cancel():
                 continue
             if h.cancel_requested:  # cancelled before the loop took it: never scheduled, submit returns now
-                h.events.put(Event("cancelled", finish_reason="cancelled"))
+                self._emit(h, Event("cancelled", finish_reason="cancelled"))
                 fut.set_result(h)
                 continue
             try:
@@ -253,7 +285,7 @@ class EngineLoop:
         for h in cancels:
             if h.request is not None and self._live.pop(h.request.id, None) is h:
                 self.scheduler.cancel(h.request)
-                h.events.put(Event("cancelled", finish_reason="cancelled"))
+                self._emit(h, Event("cancelled", finish_reason="cancelled"))
 
     def _step(self) -> None:
         res = self.scheduler.step()
@@ -267,11 +299,11 @@ class EngineLoop:
         for rid, toks in res.new_tokens.items():
             h = self._live.get(rid)
             if h is not None:
-                h.events.put(Event("tokens", tokens=list(toks)))
+                self._emit(h, Event("tokens", tokens=list(toks)))
         for r, err in res.failed:
             h = self._live.pop(r.id, None)
             if h is not None:
-                h.events.put(Event("error", error=err))
+                self._emit(h, Event("error", error=err))
         for r in res.finished:
             if self.on_finish is not None:
                 try:
@@ -280,7 +312,7 @@ class EngineLoop:
                     log.exception("on_finish hook failed")
             h = self._live.pop(r.id, None)
             if h is not None:
-                h.events.put(Event("done", finish_reason=r.seq.finish_reason, stats=r.seq.stats.as_dict()))
+                self._emit(h, Event("done", finish_reason=r.seq.finish_reason, stats=r.seq.stats.as_dict()))
 
     def _shutdown(self) -> None:
         err = EngineStopped("engine loop stopped")
@@ -297,5 +329,5 @@ class EngineLoop:
                 self.scheduler.cancel(h.request)
             except Exception:  # noqa: BLE001  best effort: the loop is going away
                 log.exception("cancel during shutdown failed")
-            h.events.put(Event("error", error=err))
+            self._emit(h, Event("error", error=err))
         self._live.clear()

@@ -4,7 +4,8 @@ It owns a Scheduler in the preempting policy (admission by free KV blocks, preem
 when blocks run out) behind an EngineLoop thread that streams each request's tokens, and imports
 prompts from the KV bridge through a GuardedPrefixCache (a failed import is recomputed locally,
 counted and logged). A request may carry the first token its prefill worker already streamed;
-it is committed as is. `stats()` is what the worker's metrics and health read.
+it is committed as is. A `sink` goes to its EngineLoop (an engine process forwards the events
+through it). `stats()` is what the worker's metrics and health read.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class DecodeWorker:
                  prefix_cache: PrefixCache | None = None, max_running: int = 64, policy: str = "preempt",
                  on_finish: Callable[[Request], None] | None = None, warmup: bool = False,
                  width_policy: WidthPolicy | None = None, step_log_s: float = 10.0, hold_fraction: float = 0.0,
-                 hold_steps: int = 4) -> None:
+                 hold_steps: int = 4, sink=None) -> None:
         self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
         self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy, width_policy)
         self.warmup = None
@@ -47,7 +48,8 @@ class DecodeWorker:
         # after the warm-up, so that it runs as it always did (engine/scheduler.py: holding a serving session)
         self.scheduler.hold_fraction, self.scheduler.hold_steps = hold_fraction, hold_steps
         self.step_log: StepLog | None = None
-        self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish, after_step=self._after_step)
+        self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish, after_step=self._after_step,
+                               sink=sink)
         self.step_log = StepLog(self.loop, step_log_s) if step_log_s > 0 else None
 
     def _after_step(self) -> None:

@@ -1,0 +1,383 @@
+"""The colocated engine in a process of its own, behind the same Backend the gRPC and HTTP front ends use.
+
+In one process the engine loop shares the interpreter lock with every front-end thread: at a hundred streams
+those threads hand it back and forth for each message, and the engine's step waits its turn each time it wants
+it back (vLLM's EngineCore and SGLang's scheduler process are split off for the same reason). `EngineProcess`
+starts a child process (`python -m flashpd.decode_node.engine_proc`, over a socket pair: no fork of a process
+that holds CUDA and threads, and no re-import of the caller's main module) that loads the model and runs the DecodeWorker exactly as the colocated service
+does in-process (cluster/worker_main.build_decode: warm-up, session hold, prefix cache), and talks to it over
+one pipe:
+
+- to the child: ("config", ServeConfig as a dict) first, then ("submit", rid, prompt, params, method, draft_width, first_token), ("cancel", rid),
+  ("stats", qid), ("stop",);
+- from the child: ("ready", facts) or ("failed", text) once, then ("taken", rid, refusal or None),
+  ("events", [(rid, kind, tokens, finish_reason, stats, error), ...]) -- one message for each pass of the
+  engine loop, whatever the number of streams (EngineLoop's sink) -- and ("stats", qid, DecodeWorker.stats()).
+
+A reader thread here puts each event into its request's `Handle` queue, so the front ends see the handles they
+see in-process (coalescing included). Refusals come back as the exceptions the scheduler raised (PromptTooLong,
+ValueError); an exception that does not pickle comes back as a RuntimeError naming it. The child exits when its
+pipe closes (this process gone); when the child dies, every request in flight ends with an "error" event
+(EngineStopped), new submissions are refused, and `alive` turns false.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from multiprocessing.connection import Connection
+from typing import Callable
+
+from flashpd.decode_node.engine_loop import DEFAULT_SUBMIT_TIMEOUT_S, EngineStopped, Event, Handle
+from flashpd.engine.load import Load
+from flashpd.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+FINAL = ("done", "cancelled", "error")
+STATS_TIMEOUT_S = 5.0  # a stats round trip (health, metrics) waits at most this long
+
+
+def _portable(e: BaseException | None) -> BaseException | None:
+    """e itself when it pickles, else a RuntimeError naming it (the front end still gets a clear error)."""
+    if e is None:
+        return None
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001  whatever the exception holds that does not pickle
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+class _Child:
+    """The child's side: the DecodeWorker and the pipe (sends from the engine and reader threads, one lock)."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.handles: dict[int, Handle] = {}
+        self.worker = None
+
+    def send(self, msg: tuple) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+    def sink(self, pairs: list[tuple[Handle, Event]]) -> None:
+        """EngineLoop's sink: one pass's events as one message."""
+        out = []
+        for h, ev in pairs:
+            if ev.kind in FINAL:
+                self.handles.pop(h.tag, None)
+            out.append((h.tag, ev.kind, ev.tokens, ev.finish_reason, ev.stats, _portable(ev.error)))
+        self.send(("events", out))
+
+    def taken(self, rid: int, fut: Future) -> None:
+        e = fut.exception()
+        if e is not None:
+            self.handles.pop(rid, None)
+        self.send(("taken", rid, _portable(e)))
+
+    def serve(self) -> None:
+        """Commands until "stop" or the pipe closes."""
+        loop = self.worker.loop
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                log.warning("the front end is gone: stopping the engine")
+                return
+            op = msg[0]
+            if op == "submit":
+                _, rid, prompt, params, method, draft_width, first_token = msg
+                try:
+                    h, fut = loop.submit_nowait(prompt, params, method, draft_width, first_token, tag=rid)
+                except Exception as e:  # noqa: BLE001  EngineStopped: the submitter gets it
+                    self.send(("taken", rid, _portable(e)))
+                    continue
+                self.handles[rid] = h
+                fut.add_done_callback(lambda f, rid=rid: self.taken(rid, f))
+            elif op == "cancel":
+                h = self.handles.get(msg[1])
+                if h is not None:
+                    loop.cancel(h)
+            elif op == "stats":
+                try:
+                    st = self.worker.stats()
+                    if self.worker.cache is not None:
+                        st["import_failures_by_reason"] = dict(self.worker.cache.import_failures)
+                except Exception as e:  # noqa: BLE001  the asker gets the error, the engine goes on
+                    st = {"error": f"{type(e).__name__}: {e}"}
+                self.send(("stats", msg[1], st))
+            elif op == "stop":
+                return
+
+
+def engine_main(conn: Connection) -> None:
+    """The child process: build the colocated DecodeWorker, report ready (or failed), serve the pipe, stop."""
+    from flashpd.cluster.config import ServeConfig  # noqa: PLC0415
+    from flashpd.cluster.metrics import Metrics  # noqa: PLC0415
+    from flashpd.cluster.worker_main import build_decode, load_model, local_cache  # noqa: PLC0415
+
+    child = _Child(conn)
+    try:
+        op, cfg_dict = conn.recv()
+        if op != "config":
+            raise ValueError(f"the engine process's first message must be its config, got {op!r}")
+        cfg = ServeConfig.from_dict(cfg_dict, "engine process config")
+        llm = load_model(cfg)
+        metrics = Metrics("engine")  # what build_decode feeds; the front end keeps the served metrics
+        child.worker = build_decode(cfg, llm, local_cache(cfg, llm, metrics), metrics, sink=child.sink)
+    except BaseException:  # noqa: BLE001  the parent raises it with this text
+        child.send(("failed", traceback.format_exc()))
+        return
+    loop = child.worker.loop
+    child.send(("ready", {"has_drafter": loop.has_drafter, "default_draft_width": loop.default_draft_width,
+                          "vocab_size": loop.vocab_size, "max_positions": loop.max_positions}))
+    try:
+        child.serve()
+    finally:
+        child.worker.stop(10)
+
+
+class EngineProcess:
+    """A Backend (cluster/generation_server.py) whose engine runs in a child process (module doc).
+
+    on_done(method, stats, output_tokens) sees each finished request here (the served metrics)."""
+
+    def __init__(self, cfg, on_done: Callable[[str, dict, int], None] | None = None,
+                 progress_s: float = 30.0) -> None:
+        mine, theirs = socket.socketpair()
+        self._proc = subprocess.Popen([sys.executable, "-m", "flashpd.decode_node.engine_proc", "--fd",
+                                       str(theirs.fileno()), "--log-level", str(logging.getLogger().getEffectiveLevel())],
+                                      pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self._conn = Connection(mine.detach())
+        self._conn.send(("config", cfg.to_dict()))
+        self.on_done = on_done
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._taken: dict[int, Future] = {}
+        self._live: dict[int, tuple[Handle, list[int]]] = {}  # rid -> handle, [tokens streamed]
+        self._asks: dict[int, Future] = {}
+        self._stopping = False
+        self._dead: EngineStopped | None = None
+        facts = self._wait_ready(progress_s)
+        self.has_drafter: bool = facts["has_drafter"]
+        self.default_draft_width: int | None = facts["default_draft_width"]
+        self.vocab_size: int = facts["vocab_size"]
+        self.max_positions: int = facts["max_positions"]
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self, progress_s: float) -> dict:
+        t0 = last = time.monotonic()
+        while not self._conn.poll(1.0):
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"the engine process exited (code {self._proc.returncode}) before it was ready")
+            if time.monotonic() - last >= progress_s:
+                last = time.monotonic()
+                log.info("waiting for the engine process (loading, warming up): %.0f s", last - t0)
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            self._wait(10)
+            raise RuntimeError(f"the engine process exited (code {self._proc.returncode}) before it was ready") from None
+        if msg[0] != "ready":
+            self._wait(10)
+            raise RuntimeError(f"the engine process failed to start:\n{msg[1]}")
+        log.info("engine process %d ready after %.1f s", self._proc.pid, time.monotonic() - t0)
+        return msg[1]
+
+    # ---- Backend ----------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and not self._stopping and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def submit(self, prompt: list[int], params: SamplingParams, method: str = "native",
+               draft_width: int | None = None, timeout_s: float = DEFAULT_SUBMIT_TIMEOUT_S,
+               first_token: int | None = None, handoff=None) -> Handle:
+        """As EngineLoop.submit: the handle once the engine took the request, or its refusal raised."""
+        if handoff is not None:
+            raise ValueError("a device-path handoff needs the engine in the serving process (engine_process off)")
+        rid = next(self._ids)
+        h = Handle(list(prompt), params, method, draft_width, first_token)
+        h.tag = rid
+        fut: Future = Future()
+        with self._lock:
+            if not self.alive:
+                raise EngineStopped("engine process is not running") from self._dead
+            self._taken[rid] = fut
+            self._live[rid] = (h, [0])
+        try:
+            self._send(("submit", rid, h.prompt, params, method, draft_width, first_token))
+        except EngineStopped:
+            with self._lock:
+                self._taken.pop(rid, None)
+                self._live.pop(rid, None)
+            raise
+        try:
+            fut.result(timeout=timeout_s)
+        except FutureTimeout:
+            self.cancel(h)
+            raise TimeoutError(f"the engine did not take the request within {timeout_s:g} s") from None
+        except BaseException:
+            with self._lock:
+                self._live.pop(rid, None)
+            raise
+        return h
+
+    def cancel(self, h: Handle) -> None:
+        """Ask the engine to drop the request (idempotent; nothing once it ended or the engine is gone)."""
+        h.cancel_requested = True
+        if self.alive:
+            try:
+                self._send(("cancel", h.tag))
+            except EngineStopped:  # gone meanwhile: its requests end with an "error" event
+                pass
+
+    def stats(self) -> dict:
+        """DecodeWorker.stats() of the engine (a round trip; raises EngineStopped or TimeoutError)."""
+        qid = next(self._ids)
+        fut: Future = Future()
+        with self._lock:
+            if not self.alive:
+                raise EngineStopped("engine process is not running") from self._dead
+            self._asks[qid] = fut
+        try:
+            self._send(("stats", qid))
+        except EngineStopped:
+            with self._lock:
+                self._asks.pop(qid, None)
+            raise
+        try:
+            st = fut.result(timeout=STATS_TIMEOUT_S)
+        except FutureTimeout:
+            with self._lock:
+                self._asks.pop(qid, None)
+            raise TimeoutError(f"the engine process did not answer within {STATS_TIMEOUT_S:g} s") from None
+        if "error" in st:
+            raise RuntimeError(f"engine stats: {st['error']}")
+        return st
+
+    def counts(self) -> Load:
+        try:
+            st = self.stats()
+        except (EngineStopped, TimeoutError, OSError):
+            return Load(running=0, waiting=0, kv_blocks_free=0, kv_blocks_total=0, kv_block_size=0, serving=False)
+        return Load(running=st["running"], waiting=st["waiting"], kv_blocks_free=st["kv_blocks_free"],
+                    kv_blocks_total=st["kv_blocks_total"], kv_block_size=st["kv_block_size"])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine (requests in flight end with an "error" event) and reap the process."""
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except EngineStopped:
+            pass
+        if not self._wait(timeout_s):
+            log.warning("engine process %d did not stop within %g s: terminating it", self._proc.pid, timeout_s)
+            self._proc.terminate()
+            if not self._wait(5):
+                self._proc.kill()
+                self._wait(5)
+        self._reader.join(5)  # the child's end closed with it: the reader has met EOF
+        self._conn.close()
+
+    def _wait(self, timeout_s: float) -> bool:
+        """Whether the child exited within timeout_s."""
+        try:
+            self._proc.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    # ---- the pipe ---------------------------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except (OSError, ValueError) as e:  # a closed pipe: the engine is gone
+            raise EngineStopped(f"engine process is gone ({type(e).__name__}: {e})") from None
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._conn.recv()
+                if msg[0] == "events":
+                    self._deliver(msg[1])
+                elif msg[0] == "taken":
+                    with self._lock:
+                        fut = self._taken.pop(msg[1], None)
+                    if fut is not None:
+                        fut.set_exception(msg[2]) if msg[2] is not None else fut.set_result(None)
+                elif msg[0] == "stats":
+                    with self._lock:
+                        fut = self._asks.pop(msg[1], None)
+                    if fut is not None:
+                        fut.set_result(msg[2])
+        except (EOFError, OSError):
+            pass
+        except Exception:  # noqa: BLE001  a reader bug ends the service loudly, not silently
+            log.exception("engine reader failed")
+        finally:
+            self._gone()
+
+    def _deliver(self, events: list[tuple]) -> None:
+        for rid, kind, tokens, finish_reason, stats, error in events:
+            with self._lock:
+                entry = self._live.get(rid) if kind not in FINAL else self._live.pop(rid, None)
+            if entry is None:
+                continue
+            h, n = entry
+            if kind == "tokens":
+                n[0] += len(tokens)
+            elif kind == "done" and self.on_done is not None:
+                try:
+                    self.on_done(h.method, stats or {}, n[0])
+                except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
+                    log.exception("on_done hook failed")
+            h.events.put(Event(kind, tokens=tokens, finish_reason=finish_reason, stats=stats, error=error))
+
+    def _gone(self) -> None:
+        """The pipe closed: fail what waits on the engine."""
+        self._wait(1)
+        err = EngineStopped(f"engine process stopped (exit code {self._proc.returncode})")
+        if not self._stopping:
+            log.error("%s", err)
+        with self._lock:
+            self._dead = err
+            taken, self._taken = self._taken, {}
+            asks, self._asks = self._asks, {}
+            live, self._live = self._live, {}
+        for fut in [*taken.values(), *asks.values()]:
+            fut.set_exception(err)
+        for h, _ in live.values():
+            h.events.put(Event("error", error=err))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="the colocated service's engine process (EngineProcess starts it)")
+    ap.add_argument("--fd", type=int, required=True, help="this end of the front end's socket pair")
+    ap.add_argument("--log-level", type=int, default=logging.INFO)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    engine_main(Connection(a.fd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The colocated service with its engine in a child process (ServeConfig.engine_process; decode_node/engine_proc.py).
+
+Real parts only: `start_service` over the shipped demo pair on the CPU, a real child process, real gRPC and HTTP
+servers on 127.0.0.1. The split service must serve what the in-process one serves, token for token and
+acceptance for acceptance, both methods, concurrently; refuse what the engine refuses with the same status;
+free a cancelled request's KV; count finished requests in the served metrics; and when the engine process dies,
+end the streams in flight with UNAVAILABLE, refuse new ones, report not serving, and still stop cleanly.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flashpd.cluster.config import ServeConfig
+from flashpd.cluster.generation_client import (GenerationClient, GenerationResourceExhausted,
+                                               GenerationUnavailable)
+from flashpd.cluster.service import start_service
+from flashpd.decode_node.engine_loop import Event
+
+DEMO = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
+WAIT_S = 30.0
+PROMPTS = [[5, 17, 300, 41, 9, 77, 1200, 3], [900, 12, 12, 13, 40, 41, 42, 43, 44, 45, 46, 2000],
+           list(range(100, 140)), [7] * 20]
+
+
+def _cfg(**kw) -> ServeConfig:
+    return ServeConfig(target=str(DEMO / "target"), draft=str(DEMO / "drafter"), device="cpu", dtype="float32",
+                       kv_cache_tokens=2048, torch_threads=1, **kw)
+
+
+def _run(client: GenerationClient, prompt: list[int], method: str) -> tuple[list[int], list[int]]:
+    r = client.generate_once(prompt, max_tokens=24, method=method, ignore_eos=True)
+    return r.token_ids, r.stats["acceptance_lengths"]
+
+
+def _idle(client: GenerationClient) -> dict:
+    t0 = time.monotonic()
+    while True:
+        h = client.health()
+        if h["running"] == 0 and h["waiting"] == 0 and h["kv_blocks_free"] == h["kv_blocks_total"] > 0:
+            return h
+        if time.monotonic() > t0 + WAIT_S:
+            raise AssertionError(f"not idle within {WAIT_S} s: {h}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """What the in-process colocated service serves (tokens, acceptance lengths) for each prompt and method."""
+    svc = start_service(_cfg())
+    client = GenerationClient(svc.address, timeout_s=60.0)
+    try:
+        yield {(i, m): _run(client, p, m) for i, p in enumerate(PROMPTS) for m in ("native", "dflash")}
+    finally:
+        client.close()
+        svc.stop()
+
+
+@pytest.fixture(scope="module")
+def split():
+    svc = start_service(_cfg(engine_process=True, http_port=0))
+    client = GenerationClient(svc.address, timeout_s=60.0)
+    yield svc, client
+    client.close()
+    svc.stop()
+
+
+def test_the_split_service_serves_what_the_in_process_one_does(reference, split):
+    svc, client = split
+    assert svc.backend.pid != os.getpid() and svc.worker is None
+    for (i, m), want in reference.items():
+        assert _run(client, PROMPTS[i], m) == want, (i, m)
+    # concurrently, both methods at once: each request still gets its solo tokens and acceptance
+    got: dict = {}
+
+    def one(i: int, m: str) -> None:
+        c = GenerationClient(svc.address, timeout_s=60.0)
+        try:
+            got[(i, m)] = _run(c, PROMPTS[i], m)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=one, args=k) for k in reference]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == reference
+    # streamed chunks carry the same tokens, and the HTTP front end serves over the same engine
+    toks = [t for ch in client.generate(PROMPTS[0], max_tokens=24, method="dflash", ignore_eos=True)
+            for t in ch.token_ids]
+    assert toks == reference[(0, "dflash")][0]
+    import openai  # noqa: PLC0415
+
+    oai = openai.OpenAI(base_url=f"http://{svc.http_address}/v1", api_key="none", max_retries=0)
+    r = oai.completions.create(model=oai.models.list().data[0].id, prompt=PROMPTS[1], max_tokens=24,
+                               temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                          "method": "native"})
+    assert r.choices[0].model_extra["token_ids"] == reference[(1, "native")][0]
+    _idle(client)
+    # finished requests are counted in the served metrics (the front end's), by method
+    text = svc.metrics.exposition()
+    assert 'flashpd_requests_total{method="dflash",outcome="ok",role="colocated"}' in text
+    assert 'flashpd_running_requests{role="colocated"} 0.0' in text
+
+
+def test_the_engines_refusal_and_a_cancel_cross_the_process(split):
+    svc, client = split
+    total = client.health()["kv_blocks_total"] * client.health()["kv_block_size"]
+    # fits the model's positions (the front end's check) but never this KV cache: the scheduler refuses it
+    assert total + 16 < client.health()["max_positions"]
+    with pytest.raises(GenerationResourceExhausted, match="KV blocks; this KV cache has"):
+        client.generate_once([5] * (total + 16), max_tokens=8, method="native")
+    # a stream cancelled after its first chunk frees its blocks
+    it = client.generate(PROMPTS[2], max_tokens=1500, method="dflash", ignore_eos=True)
+    first = next(it)
+    assert first.token_ids
+    it.close()
+    _idle(client)
+
+
+def test_a_dead_engine_ends_its_streams_and_refuses_new_ones():
+    svc = start_service(_cfg(engine_process=True))
+    client = GenerationClient(svc.address, timeout_s=60.0)
+    try:
+        it = client.generate(PROMPTS[2], max_tokens=1500, method="native", ignore_eos=True)
+        assert next(it).token_ids
+        os.kill(svc.backend.pid, signal.SIGKILL)
+        with pytest.raises(GenerationUnavailable):
+            for _ in it:
+                pass
+        t0 = time.monotonic()
+        while client.health()["serving"]:
+            assert time.monotonic() < t0 + WAIT_S, "still serving after its engine died"
+            time.sleep(0.05)
+        assert not svc.alive
+        with pytest.raises(GenerationUnavailable):
+            client.generate_once(PROMPTS[0], max_tokens=4, method="native")
+    finally:
+        client.close()
+        t0 = time.monotonic()
+        svc.stop()
+        assert time.monotonic() - t0 < 20
+
+
+def test_an_engine_that_cannot_start_fails_the_start_with_its_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="engine process failed to start"):
+        start_service(ServeConfig(target=str(tmp_path), device="cpu", dtype="float32", engine_process=True))
+
+
+def test_engine_process_is_colocated_only():
+    with pytest.raises(ValueError, match="engine_process"):
+        ServeConfig(target="t", mode="local", engine_process=True)
+
+
+def test_an_engine_loop_sink_gets_each_pass_in_one_call():
+    """EngineLoop's sink (what the child forwards through): every event of a pass in one call, none in the
+    handles' queues, the tokens those queues would have carried."""
+    from flashpd.decode_node.engine_loop import EngineLoop  # noqa: PLC0415
+    from flashpd.decode_node.scheduler import Scheduler  # noqa: PLC0415
+    from flashpd.engine.factory import load_engine  # noqa: PLC0415
+    from flashpd.engine.sampling import SamplingParams  # noqa: PLC0415
+
+    llm = load_engine(str(DEMO / "target"), None, device="cpu", dtype="float32", kv_cache_tokens=4096)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    calls: list[list[tuple]] = []
+    lock = threading.Lock()
+
+    def sink(pairs) -> None:
+        with lock:
+            calls.append([(h.tag, ev) for h, ev in pairs])
+
+    # with queues: each request read until done
+    loop = EngineLoop(Scheduler(llm.runner, None, tuple(llm.stop_ids)))
+    want = {}
+    try:
+        for i, p in enumerate(PROMPTS[:3]):
+            h = loop.submit(p, params)
+            toks = []
+            while True:
+                ev = h.get(WAIT_S)
+                assert ev is not None
+                if ev.kind == "done":
+                    break
+                toks.extend(ev.tokens)
+            want[i] = toks
+    finally:
+        loop.stop()
+    loop = EngineLoop(Scheduler(llm.runner, None, tuple(llm.stop_ids)), sink=sink)
+    try:
+        hs = []
+        for i, p in enumerate(PROMPTS[:3]):
+            h, fut = loop.submit_nowait(p, params, tag=i)
+            fut.result(WAIT_S)
+            hs.append(h)
+        t0 = time.monotonic()
+        while sum(ev.kind == "done" for c in list(calls) for _, ev in c) < 3:
+            assert time.monotonic() < t0 + WAIT_S
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+    assert all(h.events.empty() for h in hs)
+    got: dict = {}
+    for c in calls:
+        for tag, ev in c:
+            assert isinstance(ev, Event)
+            if ev.kind == "tokens":
+                got.setdefault(tag, []).extend(ev.tokens)
+    assert got == want
+    assert any(len(c) > 1 for c in calls)  # some pass carried several requests' events in one call

@@ -29,8 +29,8 @@ class ServeConfig:
     session_hold_steps: int = 4
     # colocated: run the engine in a child process of its own (decode_node/engine_proc.py), so that the front
     # ends' threads never hold the interpreter lock its steps wait for; the API, tokenizer and served metrics stay
-    # here (the device tier's per-tier read counts are the child's and are not served)
-    engine_process: bool = False
+    # in the serving process. None: on for mode colocated (the other modes' workers are processes already)
+    engine_process: bool | None = None
     policy: str = "preempt"  # decode admission: "preempt" (by free blocks, preempt by recompute) or "reserve"
     # how wide a DFlash step verifies (engine/width_policy.py parse_width_policy): "fixed" (the whole block),
     # "fixed:W", "batch:caps=1-16/33-8/65-1" (a width by the step's DFlash rows; 1 = no speculation from that
@@ -111,9 +111,16 @@ class ServeConfig:
     # fault injection for tests: each prefill sleeps this long first (so a test can kill it mid-request)
     fault_prefill_delay_s: float = 0.0
 
+    @property
+    def splits_engine(self) -> bool:
+        """Whether the colocated service runs its engine in a child process (engine_process, None: colocated)."""
+        return self.engine_process if self.engine_process is not None else self.mode == "colocated"
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
+        if self.engine_process is not None and not isinstance(self.engine_process, bool):
+            raise ValueError(f"engine_process: must be true, false or null, got {self.engine_process!r}")
         if self.engine_process and self.mode != "colocated":
             raise ValueError(f"engine_process: only mode 'colocated' runs its engine in the serving process, got mode "
                              f"{self.mode!r} (its workers are processes already)")

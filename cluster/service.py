@@ -1,6 +1,7 @@
 """Start the whole service from a ServeConfig, in one of its three modes.
 
-- colocated: one process; a decode worker (prefill and decode on one engine) behind the API.
+- colocated: a decode worker (prefill and decode on one engine) behind the API; by default the engine runs in a
+  child process of its own (decode_node/engine_proc.py), `engine_process: false` keeps it in this one.
 - local: the router in this process; bridge, prefill and decode workers as local processes.
 - ray: the router in this process; the workers as Ray actors (joins the Ray job's cluster, or
   `ray_address`, or starts a local one). Nothing imports ray unless this mode is asked for.
@@ -102,7 +103,7 @@ def _start_http(svc: Service, cfg: ServeConfig) -> None:
 
 
 def _colocated(cfg: ServeConfig) -> Service:
-    if cfg.engine_process:
+    if cfg.splits_engine:
         return _colocated_split(cfg)
     from flashpd.cluster.worker_main import build_decode, load_model, local_cache  # noqa: PLC0415
 
@@ -122,7 +123,7 @@ def _colocated(cfg: ServeConfig) -> Service:
 def _colocated_split(cfg: ServeConfig) -> Service:
     """Colocated with the engine in a child process (decode_node/engine_proc.py); the API, tokenizer and served
     metrics here."""
-    from flashpd.cluster.worker_main import decode_metrics  # noqa: PLC0415
+    from flashpd.cluster.worker_main import decode_metrics, device_tier_metrics  # noqa: PLC0415
     from flashpd.decode_node.engine_proc import EngineProcess  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
 
@@ -132,6 +133,8 @@ def _colocated_split(cfg: ServeConfig) -> Service:
     engine = EngineProcess(cfg, on_done=lambda method, stats, n: metrics.observe_request(method, stats, "ok", n))
     try:
         decode_metrics(metrics, _EngineStats(engine, bool(cfg.device_cache_bytes or cfg.host_cache_bytes)))
+        if cfg.device_cache_bytes:
+            device_tier_metrics(metrics, lambda: engine.stats()["device_store"])
         tokenizer = TextTokenizer.from_dir(cfg.target)
         server, port = serve_generation(engine, cfg.host, cfg.port, tokenizer, cfg.allow_remote, cfg.max_concurrent)
     except BaseException:

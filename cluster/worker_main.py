@@ -171,17 +171,21 @@ def device_tier(cfg, llm, backing, metrics):
     from flashpd.kv_bridge.device_store import DeviceStore  # noqa: PLC0415
 
     store = DeviceStore(cfg.device_cache_bytes, llm.device, backing=backing)
+    device_tier_metrics(metrics, store.stats)
+    return store
 
+
+def device_tier_metrics(metrics, stats) -> None:
+    """The device tier's live families, read from `stats()` (DeviceStore.stats(), here or in an engine process)."""
     def reads() -> dict:
-        st = store.stats()
+        st = stats()
         return {("device", "hit"): st["hits_device"], ("backing", "hit"): st["hits_backing"],
                 ("all", "miss"): st["misses"]}
 
     metrics.live("flashpd_device_cache_reads", "Chunk reads of the worker's device tier, by tier and result",
                  "counter", ("tier", "result"), reads)
     metrics.live("flashpd_device_cache_bytes", "Bytes held by the worker's device tier", "gauge", (),
-                 lambda: {(): store.stats()["bytes"]})
-    return store
+                 lambda: {(): stats()["bytes"]})
 
 
 def _bridge_cache(cfg, llm, w: RunningWorker, metrics, secret):

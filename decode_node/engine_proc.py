@@ -114,6 +114,9 @@ class _Child:
                     st = self.worker.stats()
                     if self.worker.cache is not None:
                         st["import_failures_by_reason"] = dict(self.worker.cache.import_failures)
+                        store = self.worker.cache.cache.store
+                        if type(store).__name__ == "DeviceStore":  # the device tier's metrics, served by the parent
+                            st["device_store"] = store.stats()
                 except Exception as e:  # noqa: BLE001  the asker gets the error, the engine goes on
                     st = {"error": f"{type(e).__name__}: {e}"}
                 self.send(("stats", msg[1], st))

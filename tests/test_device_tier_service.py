@@ -1,6 +1,7 @@
 """The colocated server with a device tier (device_cache_bytes > 0): a repeated prompt is a hit in the
 same worker, restored from entries kept on the model's device, and gives the tokens AND acceptance
-lengths of its first (cold) run."""
+lengths of its first (cold) run. The first two read the cache's own counters, so their engine runs in the serving
+process (engine_process false); the third reads what an engine process's service serves as metrics."""
 from __future__ import annotations
 
 from flashpd.cluster.generation_client import GenerationClient
@@ -10,7 +11,7 @@ from tests._cluster_helpers import dflash_pair, prompts, request_kw, serve_cfg, 
 
 
 def test_repeated_prompts_hit_the_device_tier_and_equal_their_cold_runs(dflash_pair):  # noqa: F811
-    svc = start_service(serve_cfg(dflash_pair, "colocated", device_cache_bytes=64 << 20))
+    svc = start_service(serve_cfg(dflash_pair, "colocated", device_cache_bytes=64 << 20, engine_process=False))
     try:
         ps = prompts()[:6]
         runs = []
@@ -32,7 +33,7 @@ def test_repeated_prompts_hit_the_device_tier_and_equal_their_cold_runs(dflash_p
 
 def test_repeated_prompts_hit_the_pinned_host_tier_and_equal_their_cold_runs(dflash_pair):  # noqa: F811
     """host_cache_bytes alone: the colocated server's prefix cache is the host tier (pinned on a GPU)."""
-    svc = start_service(serve_cfg(dflash_pair, "colocated", host_cache_bytes=64 << 20))
+    svc = start_service(serve_cfg(dflash_pair, "colocated", host_cache_bytes=64 << 20, engine_process=False))
     try:
         ps = prompts()[:4]
         runs = []
@@ -46,5 +47,25 @@ def test_repeated_prompts_hit_the_pinned_host_tier_and_equal_their_cold_runs(dfl
         assert type(cache.store).__name__ == "HostStore"
         assert cache.stats.per_request_hits == [0] * 4 + [((len(p) - 1) // chunk) * chunk for p in ps]
         assert cache.store.stats()["allocations"] <= 1  # the arena, made before serving
+    finally:
+        svc.stop()
+
+
+def test_an_engine_process_serves_its_device_tier_hits_and_metrics(dflash_pair):  # noqa: F811
+    svc = start_service(serve_cfg(dflash_pair, "colocated", device_cache_bytes=64 << 20, engine_process=True))
+    try:
+        ps = prompts()[:4]
+        runs = []
+        with GenerationClient(svc.address, timeout_s=60) as c:
+            for _ in range(2):
+                runs.append([stream(c, p, **request_kw(i + 1)) for i, p in enumerate(ps)])
+            chunk = svc.cfg.chunk_tokens
+            hits = sum((len(p) - 1) // chunk for p in ps)
+            assert hits > 0
+            text = svc.metrics.exposition()
+        for (t0, s0), (t1, s1) in zip(*runs):
+            assert t0 == t1 and s0["acceptance_lengths"] == s1["acceptance_lengths"]
+        assert f'flashpd_device_cache_reads_total{{result="hit",role="colocated",tier="device"}} {float(hits)}' in text
+        assert 'flashpd_device_cache_reads_total{result="miss",role="colocated",tier="all"} 0.0' in text
     finally:
         svc.stop()

@@ -154,9 +154,13 @@ def test_an_engine_that_cannot_start_fails_the_start_with_its_error(tmp_path):
         start_service(ServeConfig(target=str(tmp_path), device="cpu", dtype="float32", engine_process=True))
 
 
-def test_engine_process_is_colocated_only():
+def test_engine_process_is_colocated_only_and_on_there_by_default():
     with pytest.raises(ValueError, match="engine_process"):
         ServeConfig(target="t", mode="local", engine_process=True)
+    with pytest.raises(ValueError, match="engine_process"):
+        ServeConfig(target="t", engine_process="yes")
+    assert ServeConfig(target="t").splits_engine and not ServeConfig(target="t", mode="local").splits_engine
+    assert not ServeConfig(target="t", engine_process=False).splits_engine
 
 
 def test_an_engine_loop_sink_gets_each_pass_in_one_call():

@@ -27,7 +27,7 @@ class ServeConfig:
     # or the first has waited session_hold_steps steps (engine/scheduler.py); 0: it restarts at each one
     session_hold_fraction: float = 0.5
     session_hold_steps: int = 4
-    # colocated: run the engine in a child process of its own (decode_node/engine_proc.py), so that the front
+    # colocated: run the engine in a child process of its own (cluster/engine_proc.py), so that the front
     # ends' threads never hold the interpreter lock its steps wait for; the API, tokenizer and served metrics stay
     # in the serving process. None: on for mode colocated (the other modes' workers are processes already)
     engine_process: bool | None = None

@@ -1,7 +1,7 @@
 """Start the whole service from a ServeConfig, in one of its three modes.
 
 - colocated: a decode worker (prefill and decode on one engine) behind the API; by default the engine runs in a
-  child process of its own (decode_node/engine_proc.py), `engine_process: false` keeps it in this one.
+  child process of its own (cluster/engine_proc.py), `engine_process: false` keeps it in this one.
 - local: the router in this process; bridge, prefill and decode workers as local processes.
 - ray: the router in this process; the workers as Ray actors (joins the Ray job's cluster, or
   `ray_address`, or starts a local one). Nothing imports ray unless this mode is asked for.
@@ -121,10 +121,10 @@ def _colocated(cfg: ServeConfig) -> Service:
 
 
 def _colocated_split(cfg: ServeConfig) -> Service:
-    """Colocated with the engine in a child process (decode_node/engine_proc.py); the API, tokenizer and served
+    """Colocated with the engine in a child process (cluster/engine_proc.py); the API, tokenizer and served
     metrics here."""
     from flashpd.cluster.worker_main import decode_metrics, device_tier_metrics  # noqa: PLC0415
-    from flashpd.decode_node.engine_proc import EngineProcess  # noqa: PLC0415
+    from flashpd.cluster.engine_proc import EngineProcess  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
 
     if cfg.gil_switch_interval_s is not None:  # the front end's threads take turns as in the one-process form

@@ -8,7 +8,7 @@ they are produced, then one final event; a front end that fell behind takes the 
 for it as one (`coalesce`). When there is nothing to do the thread sleeps on a
 condition variable (with a timeout), never spinning. Every wait here is bounded.
 An `on_finish` hook (metrics) sees each finished request in the loop thread. With a `sink`, the events of one
-pass of the loop go to it in one call instead of into the handles' queues (decode_node/engine_proc.py sends
+pass of the loop go to it in one call instead of into the handles' queues (cluster/engine_proc.py sends
 them to another process that way, one message a step).
 
 A request the scheduler fails alone (RequestFailed) ends with an "error" event while the others go

@@ -1,4 +1,4 @@
-"""The colocated service with its engine in a child process (ServeConfig.engine_process; decode_node/engine_proc.py).
+"""The colocated service with its engine in a child process (ServeConfig.engine_process; cluster/engine_proc.py).
 
 Real parts only: `start_service` over the shipped demo pair on the CPU, a real child process, real gRPC and HTTP
 servers on 127.0.0.1. The split service must serve what the in-process one serves, token for token and

@@ -3,7 +3,7 @@
 In one process the engine loop shares the interpreter lock with every front-end thread: at a hundred streams
 those threads hand it back and forth for each message, and the engine's step waits its turn each time it wants
 it back (vLLM's EngineCore and SGLang's scheduler process are split off for the same reason). `EngineProcess`
-starts a child process (`python -m flashpd.decode_node.engine_proc`, over a socket pair: no fork of a process
+starts a child process (`python -m flashpd.cluster.engine_proc`, over a socket pair: no fork of a process
 that holds CUDA and threads, and no re-import of the caller's main module) that loads the model and runs the DecodeWorker exactly as the colocated service
 does in-process (cluster/worker_main.build_decode: warm-up, session hold, prefix cache), and talks to it over
 one pipe:
@@ -159,7 +159,7 @@ class EngineProcess:
     def __init__(self, cfg, on_done: Callable[[str, dict, int], None] | None = None,
                  progress_s: float = 30.0) -> None:
         mine, theirs = socket.socketpair()
-        self._proc = subprocess.Popen([sys.executable, "-m", "flashpd.decode_node.engine_proc", "--fd",
+        self._proc = subprocess.Popen([sys.executable, "-m", "flashpd.cluster.engine_proc", "--fd",
                                        str(theirs.fileno()), "--log-level", str(logging.getLogger().getEffectiveLevel())],
                                       pass_fds=(theirs.fileno(),))
         theirs.close()

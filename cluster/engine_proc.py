@@ -3,22 +3,22 @@
 In one process the engine loop shares the interpreter lock with every front-end thread: at a hundred streams
 those threads hand it back and forth for each message, and the engine's step waits its turn each time it wants
 it back (vLLM's EngineCore and SGLang's scheduler process are split off for the same reason). `EngineProcess`
-starts a child process (`python -m flashpd.cluster.engine_proc`, over a socket pair: no fork of a process
-that holds CUDA and threads, and no re-import of the caller's main module) that loads the model and runs the DecodeWorker exactly as the colocated service
-does in-process (cluster/worker_main.build_decode: warm-up, session hold, prefix cache), and talks to it over
-one pipe:
+starts a child process (`python -m flashpd.cluster.engine_proc`: no fork of a process that holds CUDA and threads,
+and no re-import of the caller's main module) that loads the model and runs the DecodeWorker exactly as the
+colocated service does in-process (cluster/worker_main.build_decode: warm-up, session hold, prefix cache), and
+talks to it over a private socket pair (no address: nothing else can reach it, so its messages are pickles):
 
-- to the child: ("config", ServeConfig as a dict) first, then ("submit", rid, prompt, params, method, draft_width, first_token), ("cancel", rid),
-  ("stats", qid), ("stop",);
+- to the child: ("config", ServeConfig as a dict) first, then ("submit", rid, prompt, params, method,
+  draft_width, first_token), ("cancel", rid), ("stats", qid), ("stop",);
 - from the child: ("ready", facts) or ("failed", text) once, then ("taken", rid, refusal or None),
   ("events", [(rid, kind, tokens, finish_reason, stats, error), ...]) -- one message for each pass of the
   engine loop, whatever the number of streams (EngineLoop's sink) -- and ("stats", qid, DecodeWorker.stats()).
 
 A reader thread here puts each event into its request's `Handle` queue, so the front ends see the handles they
 see in-process (coalescing included). Refusals come back as the exceptions the scheduler raised (PromptTooLong,
-ValueError); an exception that does not pickle comes back as a RuntimeError naming it. The child exits when its
-pipe closes (this process gone); when the child dies, every request in flight ends with an "error" event
-(EngineStopped), new submissions are refused, and `alive` turns false.
+ValueError); an exception that does not survive a pickle round trip comes back as a RuntimeError naming it. The
+child exits when its pipe closes (this process gone); when the child dies, every request in flight ends with an
+"error" event (EngineStopped), new submissions are refused, and `alive` turns false.
 """
 from __future__ import annotations
 
@@ -48,11 +48,12 @@ STATS_TIMEOUT_S = 5.0  # a stats round trip (health, metrics) waits at most this
 
 
 def _portable(e: BaseException | None) -> BaseException | None:
-    """e itself when it pickles, else a RuntimeError naming it (the front end still gets a clear error)."""
+    """e itself when it survives a pickle round trip (an exception whose __init__ wants other arguments pickles but
+    does not load, and would break the front end's reader), else a RuntimeError naming it."""
     if e is None:
         return None
     try:
-        pickle.dumps(e)
+        pickle.loads(pickle.dumps(e))
         return e
     except Exception:  # noqa: BLE001  whatever the exception holds that does not pickle
         return RuntimeError(f"{type(e).__name__}: {e}")

@@ -219,3 +219,25 @@ def test_an_engine_loop_sink_gets_each_pass_in_one_call():
                 got.setdefault(tag, []).extend(ev.tokens)
     assert got == want
     assert any(len(c) > 1 for c in calls)  # some pass carried several requests' events in one call
+
+
+class TwoArgs(Exception):
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a}/{b}")
+
+
+def test_an_exception_that_does_not_load_crosses_as_a_runtime_error():
+    """An exception that pickles but does not load again would break the front end's reader (and so the service);
+    it crosses as a RuntimeError naming it, and a plain one as itself."""
+    from flashpd.cluster.engine_proc import _portable  # noqa: PLC0415
+    from flashpd.engine.scheduler import PromptTooLong  # noqa: PLC0415
+
+    import pickle  # noqa: PLC0415
+
+    with pytest.raises(TypeError):  # what the reader would meet
+        pickle.loads(pickle.dumps(TwoArgs(1, 2)))
+    e = _portable(TwoArgs(1, 2))
+    assert type(e) is RuntimeError and "TwoArgs: 1/2" in str(e)
+    p = _portable(PromptTooLong("too long"))
+    assert type(p) is PromptTooLong and str(p) == "too long"
+    assert _portable(None) is None

@@ -73,13 +73,31 @@ class _Child:
             self.conn.send(msg)
 
     def sink(self, pairs: list[tuple[Handle, Event]]) -> None:
-        """EngineLoop's sink: one pass's events as one message."""
+        """EngineLoop's sink: one pass's events as one message. Should one of them not pickle, the others still go,
+        and that request ends with an "error" event here and is cancelled there (it must not wait forever)."""
         out = []
         for h, ev in pairs:
             if ev.kind in FINAL:
                 self.handles.pop(h.tag, None)
             out.append((h.tag, ev.kind, ev.tokens, ev.finish_reason, ev.stats, _portable(ev.error)))
-        self.send(("events", out))
+        try:
+            self.send(("events", out))
+        except (OSError, EOFError):
+            raise  # the front end is gone: the loop logs it, and the reader stops the engine
+        except Exception:  # noqa: BLE001  pickling failed before a byte was written: send them one by one
+            for item, (h, _) in zip(out, pairs):
+                try:
+                    self.send(("events", [item]))
+                except (OSError, EOFError):
+                    raise
+                except Exception as e:  # noqa: BLE001  this one does not cross: fail its request alone
+                    log.exception("an event of request %s does not pickle; failing the request", item[0])
+                    self.handles.pop(item[0], None)
+                    if self.worker is not None:
+                        self.worker.loop.cancel(h)
+                    err = RuntimeError(f"the engine's event ({item[1]}) could not reach the front end: "
+                                       f"{type(e).__name__}: {e}")
+                    self.send(("events", [(item[0], "error", [], None, None, err)]))
 
     def taken(self, rid: int, fut: Future) -> None:
         e = fut.exception()

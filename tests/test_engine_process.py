@@ -241,3 +241,30 @@ def test_an_exception_that_does_not_load_crosses_as_a_runtime_error():
     p = _portable(PromptTooLong("too long"))
     assert type(p) is PromptTooLong and str(p) == "too long"
     assert _portable(None) is None
+
+
+def test_an_event_that_does_not_pickle_fails_its_request_alone():
+    """The child's sink over a real pipe: the pass's other events arrive; the request whose event does not pickle
+    gets an "error" event instead of nothing (its stream must not wait forever)."""
+    import multiprocessing  # noqa: PLC0415
+
+    from flashpd.cluster.engine_proc import _Child  # noqa: PLC0415
+    from flashpd.decode_node.engine_loop import Handle  # noqa: PLC0415
+    from flashpd.engine.sampling import SamplingParams  # noqa: PLC0415
+
+    here, there = multiprocessing.Pipe()
+    child = _Child(there)
+    hs = []
+    for tag in (1, 2, 3):
+        h = Handle([5], SamplingParams(max_tokens=4), "native", None)
+        h.tag = tag
+        child.handles[tag] = h
+        hs.append(h)
+    child.sink([(hs[0], Event("tokens", tokens=[7])), (hs[1], Event("done", stats={"bad": lambda: 0})),
+                (hs[2], Event("tokens", tokens=[8, 9]))])
+    got = []
+    while here.poll(1.0):
+        got.extend(here.recv()[1])
+    assert [(g[0], g[1], g[2]) for g in got] == [(1, "tokens", [7]), (2, "error", []), (3, "tokens", [8, 9])]
+    assert "could not reach the front end" in str(got[1][5])
+    assert set(child.handles) == {1, 3}

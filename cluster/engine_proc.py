@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
@@ -65,8 +66,16 @@ class _Child:
     def __init__(self, conn) -> None:
         self.conn = conn
         self.lock = threading.Lock()
+        # rid -> handle, for cancels; only the reader thread adds and removes. The engine thread names the requests
+        # that ended (final event, refusal) in `ended`, and the reader drops them before its next command: it added
+        # each handle before any command after its submit, so an end is never dropped before its handle is there.
         self.handles: dict[int, Handle] = {}
+        self.ended: deque[int] = deque()
         self.worker = None
+
+    def _drop_ended(self) -> None:
+        while self.ended:
+            self.handles.pop(self.ended.popleft(), None)
 
     def send(self, msg: tuple) -> None:
         with self.lock:
@@ -78,7 +87,7 @@ class _Child:
         out = []
         for h, ev in pairs:
             if ev.kind in FINAL:
-                self.handles.pop(h.tag, None)
+                self.ended.append(h.tag)
             out.append((h.tag, ev.kind, ev.tokens, ev.finish_reason, ev.stats, _portable(ev.error)))
         try:
             self.send(("events", out))
@@ -92,7 +101,7 @@ class _Child:
                     raise
                 except Exception as e:  # noqa: BLE001  this one does not cross: fail its request alone
                     log.exception("an event of request %s does not pickle; failing the request", item[0])
-                    self.handles.pop(item[0], None)
+                    self.ended.append(item[0])
                     if self.worker is not None:
                         self.worker.loop.cancel(h)
                     err = RuntimeError(f"the engine's event ({item[1]}) could not reach the front end: "
@@ -102,7 +111,7 @@ class _Child:
     def taken(self, rid: int, fut: Future) -> None:
         e = fut.exception()
         if e is not None:
-            self.handles.pop(rid, None)
+            self.ended.append(rid)
         self.send(("taken", rid, _portable(e)))
 
     def serve(self) -> None:
@@ -114,6 +123,7 @@ class _Child:
             except (EOFError, OSError):
                 log.warning("the front end is gone: stopping the engine")
                 return
+            self._drop_ended()
             op = msg[0]
             if op == "submit":
                 _, rid, prompt, params, method, draft_width, first_token = msg
@@ -131,6 +141,7 @@ class _Child:
             elif op == "stats":
                 try:
                     st = self.worker.stats()
+                    st["tracked_requests"] = len(self.handles)  # requests this side still names (0 when idle)
                     if self.worker.cache is not None:
                         st["import_failures_by_reason"] = dict(self.worker.cache.import_failures)
                         store = self.worker.cache.cache.store

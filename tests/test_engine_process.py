@@ -122,6 +122,9 @@ def test_the_engines_refusal_and_a_cancel_cross_the_process(split):
     assert first.token_ids
     it.close()
     _idle(client)
+    # nothing is left named on either side of the pipe (refused, cancelled and finished requests alike)
+    assert svc.backend.stats()["tracked_requests"] == 0
+    assert not svc.backend._live and not svc.backend._taken and not svc.backend._asks
 
 
 def test_a_dead_engine_ends_its_streams_and_refuses_new_ones():
@@ -267,4 +270,5 @@ def test_an_event_that_does_not_pickle_fails_its_request_alone():
         got.extend(here.recv()[1])
     assert [(g[0], g[1], g[2]) for g in got] == [(1, "tokens", [7]), (2, "error", []), (3, "tokens", [8, 9])]
     assert "could not reach the front end" in str(got[1][5])
+    child._drop_ended()  # what the reader does before its next command: request 2 ended (its own event, then the error)
     assert set(child.handles) == {1, 3}

@@ -204,7 +204,14 @@ class EngineProcess:
         self._asks: dict[int, Future] = {}
         self._stopping = False
         self._dead: EngineStopped | None = None
-        facts = self._wait_ready(progress_s)
+        try:
+            facts = self._wait_ready(progress_s)
+        except BaseException:  # a failed or interrupted start leaves no child and no open socket behind
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._wait(5)
+            self._conn.close()
+            raise
         self.has_drafter: bool = facts["has_drafter"]
         self.default_draft_width: int | None = facts["default_draft_width"]
         self.vocab_size: int = facts["vocab_size"]

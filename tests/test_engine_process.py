@@ -157,6 +157,24 @@ def test_an_engine_that_cannot_start_fails_the_start_with_its_error(tmp_path):
         start_service(ServeConfig(target=str(tmp_path), device="cpu", dtype="float32", engine_process=True))
 
 
+def test_an_interrupted_start_leaves_no_engine_behind(monkeypatch):
+    """Ctrl-C while the child loads: the start raises, and the child (which would load and then wait on its pipe
+    for ever) is gone with it."""
+    import psutil  # noqa: PLC0415
+
+    from flashpd.cluster import engine_proc  # noqa: PLC0415
+
+    def interrupted(self, progress_s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_proc.EngineProcess, "_wait_ready", interrupted)
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises(KeyboardInterrupt):
+        engine_proc.EngineProcess(_cfg())
+    left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+    assert all(c.status() == psutil.STATUS_ZOMBIE for c in left if c.is_running()), left
+
+
 def test_engine_process_is_colocated_only_and_on_there_by_default():
     with pytest.raises(ValueError, match="engine_process"):
         ServeConfig(target="t", mode="local", engine_process=True)

@@ -194,14 +194,32 @@ def _cfg(a: argparse.Namespace, mode: str) -> ServeConfig:
     return ServeConfig.from_dict(base, "job_sweep")
 
 
-def _prefix_cache(a: argparse.Namespace, mode: str) -> str:
-    """What serves a prompt the service saw before, as the JSON states it."""
+UNKNOWN = "unknown (a running service that reports no settings)"
+
+
+def _prefix_cache(a: argparse.Namespace, mode: str, service: dict | None = None) -> str:
+    """What serves a prompt the service saw before, as the JSON states it (service: a running service's own
+    settings, from its Health reply)."""
+    if mode == "external":
+        if service is None:
+            return UNKNOWN
+        if service.get("mode") != "colocated":
+            return "bridge (a prompt served before is restored from the KV bridge)"
+        tiers = service.get("device_cache_bytes") or service.get("host_cache_bytes")
+        return "device/host cache tier" if tiers else "off"
     if mode == "colocated":
         cfg = _cfg(a, mode)
         return "device/host cache tier" if cfg.device_cache_bytes or cfg.host_cache_bytes else "off"
-    if mode == "external":
-        return "unknown (a running service)"
     return "bridge (a prompt served before is restored from the KV bridge)"
+
+
+def service_settings(address: str, timeout_s: float) -> dict | None:
+    """A running service's serving knobs (Health's settings_json; None from a server that reports none), so that
+    a sweep against it records how it ran, as a sweep that starts its own service does."""
+    from flashpd.cluster.generation_client import GenerationClient  # noqa: PLC0415
+
+    with GenerationClient(address, timeout_s) as client:
+        return client.health()["settings"]
 
 
 def sweep(a: argparse.Namespace) -> dict:
@@ -237,6 +255,16 @@ def sweep(a: argparse.Namespace) -> dict:
                 sets[(m, c)] = [pool[i] for i in samples[c]]
                 lens[(m, c)] = [len(pool[i]) for i in samples[c]]
     runs, outputs = [], {}
+    service = service_settings(a.address, a.request_timeout_s) if a.address else None
+    if a.address:
+        log.info("service at %s: %s", a.address, json.dumps(service, sort_keys=True) if service else UNKNOWN)
+
+    def knob(name: str):
+        """A serving knob as the JSON records it: the running service's own, or the one this sweep starts with."""
+        if a.address:
+            return service.get(name, UNKNOWN) if service else UNKNOWN
+        return getattr(_cfg(a, "colocated"), name)
+
     with tempfile.TemporaryDirectory(prefix="flashpd-sweep-") as tmp:
         for mode in modes:
             srv = None if a.address else ServeProcess(_cfg(a, mode), Path(tmp), a.start_timeout_s)
@@ -254,7 +282,7 @@ def sweep(a: argparse.Namespace) -> dict:
                              procs=client_procs(a.client_procs, min(c, warm[c])), **kw)
                     res, wall = load(addresses[api], sets[(m, c)], c, a.request_timeout_s, procs=procs, **kw)
                     row = {"mode": mode, "api": api, "method": m, "concurrency": c, **summarize(res, wall),
-                           "prefix_cache": _prefix_cache(a, mode), "client_procs": procs}
+                           "prefix_cache": _prefix_cache(a, mode, service), "client_procs": procs}
                     if a.prompt_pool:
                         row["prompt_pool"] = {"size": a.prompt_pool, "seed": a.seed,
                                               "distinct_prompts": len(set(samples[c]))}
@@ -287,17 +315,16 @@ def sweep(a: argparse.Namespace) -> dict:
                          "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens,
                          "bridge_transport": _cfg(a, "disaggregated").bridge_transport,
                          "kv_transport": _cfg(a, "disaggregated").kv_transport, "apis": apis,
-                         "max_running": a.max_running, "gil_switch_interval_s": ("unknown (a running service)" if a.address
-                                                   else _cfg(a, "colocated").gil_switch_interval_s),
-                         "session_hold_fraction": ("unknown (a running service)" if a.address
-                                                   else _cfg(a, "colocated").session_hold_fraction),
+                         "max_running": knob("max_running"),
+                         "gil_switch_interval_s": knob("gil_switch_interval_s"),
+                         "session_hold_fraction": knob("session_hold_fraction"),
                          "client_procs": a.client_procs or f"auto (one per {STREAMS_PER_CLIENT_PROC} streams)",
-                         "draft_width_policy": ("unknown (a running service)" if a.address
-                                                else _cfg(a, "colocated").draft_width_policy),
+                         "draft_width_policy": knob("draft_width_policy"),
+                         "service": service if a.address else None,
                          "prompt_pool": ({"size": a.prompt_pool, "seed": a.seed,
                                           "rule": "every level's requests are pool_sample(size, requests, seed, "
                                                   "level) of one pool; the same for every method and mode",
-                                          "prefix_cache": {mode: _prefix_cache(a, mode) for mode in modes},
+                                          "prefix_cache": {mode: _prefix_cache(a, mode, service) for mode in modes},
                                           "samples": {c: samples[c] for c in levels}}
                                          if a.prompt_pool else None)}}
 

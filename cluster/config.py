@@ -14,6 +14,13 @@ from typing import Any
 MODES = ("colocated", "ray", "local")
 
 
+# ServeConfig fields a client may read back (Health's settings_json; `public_settings`)
+PUBLIC_SETTINGS = ("mode", "device", "dtype", "kv_cache_tokens", "max_running", "session_hold_fraction",
+                   "session_hold_steps", "engine_process", "policy", "draft_width_policy", "draft_token_map",
+                   "max_concurrent", "prefill_workers", "decode_workers", "chunk_tokens", "device_cache_bytes",
+                   "host_cache_bytes", "bridge_transport", "kv_transport", "gil_switch_interval_s", "warmup")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     target: str
@@ -191,6 +198,14 @@ class ServeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def public_settings(self) -> dict[str, Any]:
+        """What a client may learn of how this service runs (Health's settings_json): the knobs a benchmark
+        against a running service must record beside its figures. No paths, addresses or credentials."""
+        d = {k: getattr(self, k) for k in PUBLIC_SETTINGS}
+        d["engine_process"] = self.splits_engine  # resolved: null means on for colocated
+        d["draft_token_map"] = self.draft_token_map is not None  # whether one is set, not where it lives
+        return d
 
     def with_(self, **kw: Any) -> "ServeConfig":
         return replace(self, **kw)

@@ -2,6 +2,7 @@
 Python exceptions that say what went wrong (the server's message names the bad field)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -20,6 +21,20 @@ class GenerationError(Exception):
         super().__init__(f"Generation.{call}: {message}")
         self.call = call
         self.code = code
+
+
+def _settings(raw: str) -> dict | None:
+    """Health's settings_json -> the service's serving knobs, None when it reports none (an older server, or a
+    worker's own Health); a reply that is not a JSON object is the server's fault, named as such."""
+    if not raw:
+        return None
+    try:
+        d = json.loads(raw)
+    except ValueError as e:
+        raise GenerationError("Health", f"settings_json is not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise GenerationError("Health", f"settings_json is a {type(d).__name__}, not an object")
+    return d
 
 
 class GenerationInvalidArgument(GenerationError, ValueError):
@@ -159,4 +174,5 @@ class GenerationClient:
         return {"serving": r.serving, "has_drafter": r.has_drafter, "has_tokenizer": r.has_tokenizer,
                 "running": r.running, "waiting": r.waiting, "kv_blocks_free": r.kv_blocks_free,
                 "kv_blocks_total": r.kv_blocks_total, "kv_block_size": r.kv_block_size, "vocab_size": r.vocab_size,
-                "max_positions": r.max_positions, "default_block_size": r.default_block_size or None}
+                "max_positions": r.max_positions, "default_block_size": r.default_block_size or None,
+                "settings": _settings(r.settings_json)}

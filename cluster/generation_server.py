@@ -15,6 +15,7 @@ authentication).
 """
 from __future__ import annotations
 
+import json
 import math
 from concurrent import futures
 from typing import Callable, Iterator, Mapping, Protocol
@@ -90,9 +91,11 @@ def stats_message(d: dict | None) -> pb.Stats:
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, loop: Backend, tokenizer=None) -> None:
+    def __init__(self, loop: Backend, tokenizer=None, settings: Mapping[str, object] | None = None) -> None:
         self.loop = loop  # the backend (named for the EngineLoop it first was)
         self.tokenizer = tokenizer
+        # Health's settings_json (ServeConfig.public_settings), encoded once: it never changes while serving
+        self.settings_json = json.dumps(dict(settings), sort_keys=True) if settings else ""
 
     # ---- request checks --------------------------------------------------------------------------
     def _parse(self, r: pb.GenerateRequest, context: grpc.ServicerContext):
@@ -259,16 +262,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.version != PROTOCOL_VERSION:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
-        return health_reply(self.loop, self.tokenizer is not None)
+        return health_reply(self.loop, self.tokenizer is not None, self.settings_json)
 
 
-def health_reply(backend: Backend, has_tokenizer: bool) -> pb.HealthReply:
+def health_reply(backend: Backend, has_tokenizer: bool, settings_json: str = "") -> pb.HealthReply:
     c = backend.counts()
     return pb.HealthReply(version=PROTOCOL_VERSION, serving=backend.alive if c.serving is None else c.serving,
                           has_drafter=backend.has_drafter, has_tokenizer=has_tokenizer, running=c.running,
                           waiting=c.waiting, kv_blocks_free=c.kv_blocks_free, vocab_size=backend.vocab_size,
                           kv_blocks_total=c.kv_blocks_total, kv_block_size=c.kv_block_size,
-                          max_positions=backend.max_positions, default_block_size=backend.default_draft_width or 0)
+                          max_positions=backend.max_positions, default_block_size=backend.default_draft_width or 0,
+                          settings_json=settings_json)
 
 
 def new_server(host: str, port: int, allow_remote: bool, max_workers: int, services: Mapping[str, object],
@@ -291,6 +295,9 @@ def new_server(host: str, port: int, allow_remote: bool, max_workers: int, servi
 
 
 def serve_generation(loop: Backend, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
-                     allow_remote: bool = False, max_workers: int = 64) -> tuple[grpc.Server, int]:
-    """Start the service on host:port (0 picks a free port); returns the started server and its port."""
-    return new_server(host, port, allow_remote, max_workers, {"Generation": GenerationServicer(loop, tokenizer)})
+                     allow_remote: bool = False, max_workers: int = 64,
+                     settings: Mapping[str, object] | None = None) -> tuple[grpc.Server, int]:
+    """Start the service on host:port (0 picks a free port); returns the started server and its port.
+    settings: what Health reports of how the service runs (ServeConfig.public_settings)."""
+    return new_server(host, port, allow_remote, max_workers,
+                      {"Generation": GenerationServicer(loop, tokenizer, settings)})

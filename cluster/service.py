@@ -112,7 +112,7 @@ def _colocated(cfg: ServeConfig) -> Service:
     worker = build_decode(cfg, llm, local_cache(cfg, llm, metrics), metrics)
     try:
         server, port = serve_generation(worker.loop, cfg.host, cfg.port, llm.tokenizer, cfg.allow_remote,
-                                        cfg.max_concurrent)
+                                        cfg.max_concurrent, cfg.public_settings())
     except BaseException:
         worker.stop()
         raise
@@ -136,7 +136,8 @@ def _colocated_split(cfg: ServeConfig) -> Service:
         if cfg.device_cache_bytes:
             device_tier_metrics(metrics, lambda: engine.stats()["device_store"])
         tokenizer = TextTokenizer.from_dir(cfg.target)
-        server, port = serve_generation(engine, cfg.host, cfg.port, tokenizer, cfg.allow_remote, cfg.max_concurrent)
+        server, port = serve_generation(engine, cfg.host, cfg.port, tokenizer, cfg.allow_remote, cfg.max_concurrent,
+                                        cfg.public_settings())
     except BaseException:
         engine.stop()
         raise
@@ -167,7 +168,8 @@ def _disaggregated(cfg: ServeConfig, launcher: Launcher) -> Service:
         pool.start()
         router = Router(cfg, pool)
         tokenizer = TextTokenizer.from_dir(cfg.target)
-        server, port = serve_generation(router, cfg.host, cfg.port, tokenizer, cfg.allow_remote, cfg.max_concurrent)
+        server, port = serve_generation(router, cfg.host, cfg.port, tokenizer, cfg.allow_remote, cfg.max_concurrent,
+                                        cfg.public_settings())
     except BaseException:
         pool.shutdown()
         raise

@@ -51,10 +51,13 @@ def _idle(client: GenerationClient) -> dict:
 
 @pytest.fixture(scope="module")
 def reference():
-    """What the in-process colocated service serves (tokens, acceptance lengths) for each prompt and method."""
-    svc = start_service(_cfg())
+    """What the in-process colocated service serves (tokens, acceptance lengths) for each prompt and method.
+    engine_process=False: the default (None) now splits the colocated engine too, and the comparison below must
+    set the two forms against each other."""
+    svc = start_service(_cfg(engine_process=False))
     client = GenerationClient(svc.address, timeout_s=60.0)
     try:
+        assert svc.worker is not None and client.health()["settings"]["engine_process"] is False
         yield {(i, m): _run(client, p, m) for i, p in enumerate(PROMPTS) for m in ("native", "dflash")}
     finally:
         client.close()
@@ -290,3 +293,27 @@ def test_an_event_that_does_not_pickle_fails_its_request_alone():
     assert "could not reach the front end" in str(got[1][5])
     child._drop_ended()  # what the reader does before its next command: request 2 ended (its own event, then the error)
     assert set(child.handles) == {1, 3}
+
+
+def test_health_reports_the_settings_and_a_sweep_against_the_service_records_them(split, tmp_path):
+    """Health's settings_json is the service's own knobs (no paths); `job_sweep --address` writes them into its
+    JSON instead of "unknown", so a committed sweep says how the service it measured ran."""
+    import json  # noqa: PLC0415
+
+    from flashpd.bench import job_sweep  # noqa: PLC0415
+
+    svc, client = split
+    got = client.health()["settings"]
+    assert got == json.loads(json.dumps(svc.cfg.public_settings()))
+    assert got["engine_process"] is True and got["mode"] == "colocated" and got["session_hold_fraction"] == 0.5
+    assert not {"target", "draft", "host", "port", "tls_key", "bridge_address"} & set(got)
+    out = tmp_path / "sweep.json"
+    assert job_sweep.main(["--address", svc.address, "--target", str(DEMO / "target"), "--methods", "native,dflash",
+                           "--concurrency", "1,2", "--prompt-pool", "2", "--requests", "2", "--max-tokens", "4",
+                           "--prompt-tokens", "16", "--warmup", "0", "--client-procs", "1",
+                           "--out", str(out)]) == 0
+    s = json.loads(out.read_text())["settings"]
+    assert s["service"] == got
+    assert (s["session_hold_fraction"], s["gil_switch_interval_s"], s["draft_width_policy"], s["max_running"]) == (
+        got["session_hold_fraction"], got["gil_switch_interval_s"], got["draft_width_policy"], got["max_running"])
+    assert s["prompt_pool"]["prefix_cache"] == {"external": "off"}

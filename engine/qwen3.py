@@ -110,9 +110,9 @@ def attn_mlp_fresh(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 def fused_layers(h: torch.Tensor, t: int, impl: str | None, n_q: int, n_kv: int, d: int) -> bool:
     """Whether a forward of h [B, T, H] (not a fresh prefill: the caller checks) takes `fused_layer`: a decode,
-    verify or draft pass on the paged path (T tokens a row, attention form `impl`) of at most
-    skinny_gemm.FUSED_MAX_ROWS rows in all, where the projection kernel's fused forms and qkv_rope's kernel both run (a
-    GPU in bf16/fp16, or triton's interpreter in tests)."""
+    verify or draft pass on the paged path (T tokens a row, attention form `impl`) of at most 16 rows in all,
+    where the few-row projection kernel's fused forms and qkv_rope's kernel both run (a GPU in bf16/fp16, or
+    triton's interpreter in tests)."""
     return (paged_applies(h.device, t, impl) and skinny_gemm.fused_applies(h, h.shape[0] * t)
             and qkv_rope.applies(h, n_q, n_kv, d))
 

@@ -10,16 +10,15 @@ the row count, and an MMA computes each output row from that row alone, in the s
 tile: a row's bits are the same alone and among 16 (tests/test_skinny_gemm.py, on a GPU).
 
 `linear` is the engine's projection: this kernel where it applies (`applies`: CUDA, bf16 or fp16, at most 16 rows,
-a weight within int32 offsets), F.linear elsewhere (the CPU, fp32, batches, prefill). The fused forms below also
-take a batched decode of up to FUSED_MAX_ROWS rows, in row tiles of MID_BLOCK_M.
+a weight within int32 offsets), F.linear elsewhere (the CPU, fp32, batches, prefill).
 
-The fused forms (qwen3.fused_layer: a decode, verify or draft pass of at most FUSED_MAX_ROWS rows) take the work
-between a layer's projections into their epilogues, so the K loop stays the plain one. (Forms that worked on x inside
-the K loop, the norm or the SwiGLU product, cost 1.3-5x the plain kernel on an H200: every program repeated them on the
-whole x tile; bench/results/2026-12-03_fused_layers_f8fd192.) o_proj and down add the residual and write the next norm's
-input, the stream times that norm's weight, with each program's sums of the stream's squares; QKV and gate/up multiply
-that input and scale each row by 1/rms at the end; gate/up also forms silu(gate) * up. A layer is then 7 launches, not
-10: the two norms and the SwiGLU product have no kernel of their own.
+The fused forms (qwen3.fused_layer: a decode, verify or draft pass of at most 16 rows) take the work between a
+layer's projections into their epilogues, so the K loop stays the plain one. (Forms that worked on x inside the
+K loop, the norm or the SwiGLU product, cost 1.3-5x the plain kernel on an H200: every program repeated them on
+the whole x tile; bench/results/2026-12-03_fused_layers_f8fd192.) o_proj and down add the residual and write
+the next norm's input, the stream times that norm's weight, with each program's sums of the stream's squares;
+QKV and gate/up multiply that input and scale each row by 1/rms at the end; gate/up also forms silu(gate) * up.
+A layer is then 7 launches, not 10: the two norms and the SwiGLU product have no kernel of their own.
 """
 from __future__ import annotations
 
@@ -31,15 +30,8 @@ from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: F.li
 if triton is not None:
     from flashpd.engine.triton_env import pdl_enter, pdl_release, pdl_wait
 
-BLOCK_M = 16  # the most rows a plain call takes
+BLOCK_M = 16  # the most rows a call takes
 MAX_ROWS = BLOCK_M
-# The fused forms also take the rows of a batched decode up to FUSED_MAX_ROWS, in tiles of MID_BLOCK_M rows (the
-# programs of one weight tile run side by side, so the weight streams from memory once): there the kernel costs a
-# little more than cuBLASLt's matmul but takes the layer's norms and SwiGLU product into its epilogues, three small
-# kernels a layer fewer (bench/results/2026-12-04_forms_same_machine_f692566/). A row's bits are then the same
-# among 17 to FUSED_MAX_ROWS rows, and differ from those of at most 16 (another MMA shape), as cuBLASLt's did.
-MID_BLOCK_M = 64
-FUSED_MAX_ROWS = 128
 MAX_WEIGHT_ELEMENTS = 2 ** 31 - 1  # the kernel indexes the weight in int32
 # (BLOCK_N, BLOCK_K, warps, stages) by w's rows: picked by bench/gemm_shapes.py's sweep at the Qwen3-8B shape
 # (docs/results.md): 16 output columns a program for q/k/v, o_proj and down (N <= 8192, 256-384 programs);
@@ -47,11 +39,6 @@ MAX_WEIGHT_ELEMENTS = 2 ** 31 - 1  # the kernel indexes the weight in int32
 TILE_NARROW = (16, 128, 2, 6)
 TILE_WIDE = (32, 128, 2, 6)
 WIDE_N = 8192
-# the same for 17 to FUSED_MAX_ROWS rows, from a sweep at 128 rows of the Qwen3-8B shape (gemm_mid.py in the
-# results folder above): N <= 4096 (o_proj, down), 4096 < N <= WIDE_N (q/k/v), N > WIDE_N (gate/up)
-MID_TILE_NARROW = (64, 128, 4, 4)
-MID_TILE = (128, 128, 4, 4)
-MID_TILE_WIDE = (128, 64, 4, 3)
 SWIGLU_STAGES = 4  # `fused_tile`'s pipeline depth for the SwiGLU form
 
 
@@ -59,39 +46,29 @@ def available() -> bool:
     return triton is not None
 
 
-def tile(n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
-    """The tile for a weight of n rows and k columns: a function of the weight alone, so of no row count up to
-    MAX_ROWS (beyond, up to FUSED_MAX_ROWS, the fused forms' row tiles take their own)."""
-    if rows > MAX_ROWS:
-        return MID_TILE_WIDE if n > WIDE_N else MID_TILE if n > 4096 else MID_TILE_NARROW
+def tile(n: int, k: int) -> tuple[int, int, int, int]:
+    """The tile for a weight of n rows and k columns: a function of the weight alone, so of no row count."""
     return TILE_WIDE if n > WIDE_N else TILE_NARROW
-
-
-def row_block(rows: int) -> int:
-    """The kernel's row tile for a call of `rows` rows."""
-    return BLOCK_M if rows <= MAX_ROWS else MID_BLOCK_M
 
 
 if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym, ss_ptr, P, eps, r_ptr, srm, g_ptr, xg_ptr,
-                       sso_ptr, NM, PN, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                       sso_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                        F32: tl.constexpr, ROWWISE: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
                        RESID: tl.constexpr, NEXT: tl.constexpr, P_PAD: tl.constexpr, PDL: tl.constexpr):
-        """One program: y[m0:m0+BM, n0:n0+BN] over all of K (NM row tiles, the fastest-varying program index, so a
-        weight tile's programs run side by side; PN column tiles). F32: fp32 inputs, multiplied in fp32 (no tf32).
-        ROWWISE (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains. The fused
-        layer's forms (`fused_linear`), all in the epilogue, so the K loop stays the plain one: RMS, x is a residual
-        stream already multiplied by its norm's weight and ss_ptr holds [M, P] partial sums of the stream's squares:
-        each row is scaled by 1/rms after the loop. SWIGLU: w is [gate; up] (2N rows) and y = silu(gate) * up; a
-        program's BN gate rows and the BN up rows at the same offset load as one [2*BN, BK] tile, one dot a K step, as
-        the plain kernel's loop (two tiles and two dots were slower on an H200: docs/results.md). RESID: y = round(x @
-        w.T) + r. NEXT (with RESID): also the next norm's input y * g (xg_ptr) and this program's sum of each row's
-        squares of y (sso_ptr, [M, programs]). PDL (triton_env's comment): wait at the top, let the next kernel launch
-        after the K loop, so it starts in this kernel's tail."""
-        pid_m = tl.program_id(0) % NM
-        pid = tl.program_id(0) // NM  # the column tile
-        rm = pid_m * BM + tl.arange(0, BM)
+        """One program: y[:M, n0:n0+BN] over all of K. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE
+        (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains.
+        The fused layer's forms (`fused_linear`), all in the epilogue, so the K loop stays the plain one:
+        RMS, x is a residual stream already multiplied by its norm's weight and ss_ptr holds [M, P] partial sums of
+        the stream's squares: each row is scaled by 1/rms after the loop. SWIGLU: w is [gate; up] (2N rows) and
+        y = silu(gate) * up; a program's BN gate rows and the BN up rows at the same offset load as one [2*BN, BK]
+        tile, one dot a K step, as the plain kernel's loop (two tiles and two dots were slower on an H200:
+        docs/results.md). RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g (xg_ptr)
+        and this program's sum of each row's squares of y (sso_ptr, [M, programs]). PDL (triton_env's comment): wait at
+        the top, let the next kernel launch after the K loop, so it starts in this kernel's tail."""
+        pid = tl.program_id(0)
+        rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
         pdl_wait(PDL)
         rk = tl.arange(0, BK)
@@ -150,7 +127,7 @@ if triton is not None:
             yf = tl.where(out_ok, y.to(tl.float32), 0.0)
             tl.store(xg_ptr + rm[:, None] * sym + rn[None, :], (yf * gw[None, :]).to(y_ptr.dtype.element_ty),
                      mask=out_ok)
-            tl.store(sso_ptr + rm * PN + pid, tl.sum(yf * yf, 1), mask=m_ok)
+            tl.store(sso_ptr + rm * tl.num_programs(0) + pid, tl.sum(yf * yf, 1), mask=m_ok)
 
     @triton.jit
     def _prep_kernel(x_ptr, g_ptr, xg_ptr, ss_ptr, K, sxm, BK: tl.constexpr, PDL: tl.constexpr):
@@ -184,9 +161,7 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
     [M, programs] partial sums of y's squares)."""
     m, k = x.shape
     n = w.shape[0] // 2 if swiglu else w.shape[0]
-    fused = ss is not None or residual is not None  # the plain form takes at most BLOCK_M rows
-    assert (m <= BLOCK_M or fused and m <= FUSED_MAX_ROWS) and w.shape[1] == k
-    assert x.stride(1) == 1 and w.stride(1) == 1
+    assert m <= BLOCK_M and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
     assert not swiglu or w.shape[0] == 2 * n
     assert ss is None or (ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[0] == m and ss.is_contiguous())
     assert residual is None or (residual.shape == (m, n) and residual.stride(1) == 1)
@@ -195,31 +170,28 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
         raise ValueError(f"a weight of {w.numel()} elements is past the kernel's int32 indexing")
     y = x.new_empty((m, n))
     programs = triton.cdiv(n, block_n)
-    bm = row_block(m)
-    row_tiles = triton.cdiv(m, bm)
     xg = torch.empty_like(y) if g_next is not None else None
     sso = torch.empty((m, programs), dtype=torch.float32, device=x.device) if g_next is not None else None
     p = ss.shape[1] if ss is not None else 1
-    _skinny_kernel[(programs * row_tiles,)](
+    _skinny_kernel[(programs,)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), y if ss is None else ss, p, float(eps),
         y if residual is None else residual, 0 if residual is None else residual.stride(0),
-        y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso, row_tiles, programs,
-        BM=bm, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
+        y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso,
+        BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
         ROWWISE=INTERPRET, RMS=ss is not None, SWIGLU=swiglu, RESID=residual is not None, NEXT=g_next is not None,
         P_PAD=max(16, triton.next_power_of_2(p)), num_warps=num_warps, num_stages=num_stages,
         **triton_env.pdl_args(x.device))
     return y, xg, sso
 
 
-def fused_tile(w: torch.Tensor, swiglu: bool, rows: int = 1) -> tuple[int, int, int, int]:
+def fused_tile(w: torch.Tensor, swiglu: bool) -> tuple[int, int, int, int]:
     """The tile of a fused form: the weight's (`tile`); a SwiGLU program streams a gate and an up tile, so it
     takes half the columns of each (as many programs stream the weight as its plain matmul has; 32 columns of
     each were no faster) and SWIGLU_STAGES stages: at the plain tile's 6 its [2*BN, BK] tile was slower on an
-    H200 (docs/results.md). Stages change no bit. Past MAX_ROWS rows the row tiles' own (`tile`), halved the same
-    way for SwiGLU, at their own stages."""
-    block_n, block_k, warps, stages = tile(w.shape[0], w.shape[1], rows)
+    H200 (docs/results.md). Stages change no bit."""
+    block_n, block_k, warps, stages = tile(w.shape[0], w.shape[1])
     if swiglu:
-        return max(16, block_n // 2), block_k, warps, SWIGLU_STAGES if rows <= MAX_ROWS else stages
+        return max(16, block_n // 2), block_k, warps, SWIGLU_STAGES
     return block_n, block_k, warps, stages
 
 
@@ -236,7 +208,7 @@ if triton is not None:
     @torch.library.custom_op("flashpd::skinny_rms", mutates_args=())
     def _skinny_rms_op(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool
                        ) -> torch.Tensor:
-        return launch_fused(xg, w, *fused_tile(w, swiglu, xg.shape[0]), ss=ss, eps=eps, swiglu=swiglu)[0]
+        return launch_fused(xg, w, *fused_tile(w, swiglu), ss=ss, eps=eps, swiglu=swiglu)[0]
 
     @_skinny_rms_op.register_fake
     def _(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool) -> torch.Tensor:
@@ -245,13 +217,13 @@ if triton is not None:
     @torch.library.custom_op("flashpd::skinny_residual", mutates_args=())
     def _skinny_residual_op(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return launch_fused(x, w, *fused_tile(w, False, x.shape[0]), residual=residual, g_next=g_next)
+        return launch_fused(x, w, *fused_tile(w, False), residual=residual, g_next=g_next)
 
     @_skinny_residual_op.register_fake
     def _(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = w.shape[0]
-        programs = triton.cdiv(n, fused_tile(w, False, x.shape[0])[0])
+        programs = triton.cdiv(n, fused_tile(w, False)[0])
         return (x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], n)),
                 x.new_empty((x.shape[0], programs), dtype=torch.float32))
 
@@ -300,8 +272,8 @@ FUSED_ENABLED = True  # `fused_applies`' switch (the engine's fused decode layer
 def fused_applies(x: torch.Tensor, rows: int) -> bool:
     """Whether the fused forms run for `rows` rows like x: FUSED_ENABLED, triton on CUDA in bf16 or fp16 (as
     `applies`), or under the interpreter in any float dtype (the engine's fused layers in CPU tests), at most
-    FUSED_MAX_ROWS rows."""
-    if not FUSED_ENABLED or triton is None or rows > FUSED_MAX_ROWS:
+    MAX_ROWS rows."""
+    if not FUSED_ENABLED or triton is None or rows > MAX_ROWS:
         return False
     if INTERPRET:
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)

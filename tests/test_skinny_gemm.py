@@ -132,37 +132,6 @@ def fused_rows_do_not_depend_on_the_row_count(sg: ModuleType, dev: str, dtype: t
                 assert torch.equal(a, f[r:r + 1]), (n, k, r, j)
 
 
-def fused_forms_past_sixteen_rows(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
-    """A batched decode's rows (17 to FUSED_MAX_ROWS: row tiles of MID_BLOCK_M, a last one partly filled): each
-    fused form against fp32 references (as above; the residual form within rounding, there being no plain
-    kernel at these row counts), partial sums per column tile that add up to the rows' sums of squares, and a
-    row's bits the same in a call of 70 rows and of 40 (the row tiles' own invariance)."""
-    from flashpd.engine.layers import rms_norm
-
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for i, (n, k) in enumerate(((72, 256), (8200, 64))):
-        o = fused_operands(dev, dtype, 70, n, k, seed=60 + i)
-        xg, ss = sg.norm_input(o["h"], o["g"])
-        normed = rms_norm(o["h"].float(), o["g"].float(), 1e-6)
-        full = (sg.fused_linear(xg, o["w"], ss, 1e-6), sg.fused_linear(xg, o["w2"], ss, 1e-6, swiglu=True),
-                *sg.fused_residual(o["h"], o["w"], o["r"], o["g_next"]))
-        torch.testing.assert_close(full[0].float(), F.linear(normed, o["w"].float()), rtol=tol, atol=tol)
-        gate, up = F.linear(normed, o["w2"].float()).chunk(2, dim=-1)
-        torch.testing.assert_close(full[1].float(), F.silu(gate) * up, rtol=2 * tol, atol=2 * tol)
-        h, xg2, ss2 = full[2:]
-        want = o["r"].float() + F.linear(o["h"].float(), o["w"].float())
-        torch.testing.assert_close(h.float(), want, rtol=2 * tol, atol=2 * tol)
-        torch.testing.assert_close(xg2.float(), (h.float() * o["g_next"].float()).to(dtype).float(), rtol=2 ** -7,
-                                   atol=0)
-        assert ss2.shape == (70, -(-n // sg.fused_tile(o["w"], False, 70)[0]))
-        torch.testing.assert_close(ss2.sum(1), (h.float() ** 2).sum(-1), rtol=1e-5, atol=1e-5)
-        part = (sg.fused_linear(xg[30:], o["w"], ss[30:], 1e-6),
-                sg.fused_linear(xg[30:], o["w2"], ss[30:], 1e-6, swiglu=True),
-                *sg.fused_residual(o["h"][30:], o["w"], o["r"][30:], o["g_next"]))
-        for j, (a, f) in enumerate(zip(part, full)):
-            assert torch.equal(a, f[30:]), (n, k, j)
-
-
 def fused_compiled_ops_are_the_eager_ops(sg: ModuleType, dev: str) -> None:
     """Compiled, each fused op is one opaque call with the eager bits."""
     o = fused_operands(dev, torch.bfloat16, 4, 72, 256, seed=5)
@@ -184,9 +153,9 @@ def the_engine_fuses_its_decode_layers(sg: ModuleType, dev: str) -> None:
     `fused_layer` (a spy records its RMS forms: the target's and the drafter's layers both take it), and a whole
     engine's tokens and acceptance lengths equal the gathered path's (the plain steps), for DFlash at width 8 on
     one prompt (verifies and draft passes of 8 rows) and native decode of three (3 rows); 17 rows and the
-    gathered form keep the unfused steps (past FUSED_MAX_ROWS rows too). Random tiny models, in fp32 under the
-    interpreter. On a GPU the fused layers run in bf16 only, where they round apart from the plain steps: there the case
-    checks that they run and the requests finish."""
+    gathered form keep the unfused steps. Random tiny models, in fp32 under the interpreter. On a GPU the fused
+    layers run in bf16 only, where they round apart from the plain steps: there the case checks that they run
+    and the requests finish."""
     from flashpd.engine import qwen3
     from flashpd.engine.generate import NativeGenerator
     from flashpd.engine.runner import ModelRunner
@@ -236,19 +205,17 @@ def the_engine_fuses_its_decode_layers(sg: ModuleType, dev: str) -> None:
     h = torch.zeros(1, 17, 32, device=dev, dtype=target.embed_tokens.weight.dtype)
     cfg = target.cfg
     heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-    big = sg.FUSED_MAX_ROWS
-    assert qwen3.fused_layers(h, 17, "paged", *heads)  # 17 rows: the row tiles past MAX_ROWS
-    assert not qwen3.fused_layers(h[:, :1].expand(big + 1, 1, 32), 1, "paged", *heads)  # a batch past them
-    assert qwen3.fused_layers(h[:, :1].expand(big, 1, 32), 1, "paged", *heads)
+    assert not qwen3.fused_layers(h, 17, "paged", *heads)  # 17 rows
+    assert not qwen3.fused_layers(h[:, :9].expand(2, 9, 32), 9, "paged", *heads)  # 18 rows
     assert qwen3.fused_layers(h[:, :16], 16, "paged", *heads)
     assert not qwen3.fused_layers(h[:, :16], 16, "matmul", *heads)  # the gathered form
 
 
 def fused_dispatch(sg: ModuleType, dev: str) -> None:
-    """fused_applies: at most FUSED_MAX_ROWS rows; on CUDA bf16/fp16 only (fp32 keeps cuBLAS), any float dtype under the
+    """fused_applies: at most MAX_ROWS rows; on CUDA bf16/fp16 only (fp32 keeps cuBLAS), any float dtype under the
     interpreter (these tests); and its switch turns it off."""
     x = torch.zeros(1, 8, device=dev, dtype=torch.bfloat16)
-    assert sg.fused_applies(x, sg.FUSED_MAX_ROWS) and not sg.fused_applies(x, sg.FUSED_MAX_ROWS + 1)
+    assert sg.fused_applies(x, sg.MAX_ROWS) and not sg.fused_applies(x, sg.MAX_ROWS + 1)
     assert sg.fused_applies(x.float(), 1) == bool(sg.INTERPRET)
     sg.FUSED_ENABLED = False
     try:
@@ -258,8 +225,6 @@ def fused_dispatch(sg: ModuleType, dev: str) -> None:
     # a SwiGLU program takes half the columns of each of its two tiles: as many programs stream the weight
     w = torch.zeros(24576, 64, device=dev, dtype=torch.bfloat16)
     assert sg.fused_tile(w, True)[0] * 2 == sg.tile(24576, 64)[0]
-    assert sg.fused_tile(w, True, 17)[0] * 2 == sg.tile(24576, 64, 17)[0] == sg.MID_TILE_WIDE[0]
-    assert sg.row_block(sg.MAX_ROWS) == sg.BLOCK_M and sg.row_block(sg.MAX_ROWS + 1) == sg.MID_BLOCK_M
 
 
 for _dt in (torch.float32, torch.bfloat16):
@@ -268,7 +233,6 @@ for _dt in (torch.float32, torch.bfloat16):
     CASES[f"fused-forms-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: fused_forms_match_the_steps(sg, dev, dt)
     CASES[f"fused-invariance-{str(_dt)[6:]}"] = (
         lambda sg, dev, dt=_dt: fused_rows_do_not_depend_on_the_row_count(sg, dev, dt))
-    CASES[f"fused-past-16-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: fused_forms_past_sixteen_rows(sg, dev, dt)
 CASES["compiled"] = compiled_op_is_the_eager_op
 CASES["dispatch"] = the_engine_takes_it_for_few_low_precision_rows_on_cuda
 CASES["fused-compiled"] = fused_compiled_ops_are_the_eager_ops

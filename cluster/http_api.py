@@ -14,8 +14,8 @@
   string's request counts the tokens up to the one that completed it). flashpd's own figures (method,
   tau, acceptance_lengths, ttft_ms, prefill_ms, latency_ms) are in one vendor field, "flashpd" (when
   streaming, on the chunk that carries the finish_reason).
-- GET /v1/models, GET /health (200 while serving, else 503; the backend's counts), GET /metrics (this
-  process's Prometheus metrics).
+- GET /v1/models, GET /health (200 while serving, else 503; the backend's counts and serving settings), GET
+  /metrics (this process's Prometheus metrics).
 
 Defaults: temperature 1.0 and top_p 1.0 (OpenAI's), overridden by the target's generation_config.json
 (temperature, top_p, top_k) as vLLM does; max_tokens 16 for completions (OpenAI's), for chat what the
@@ -574,12 +574,14 @@ async def _read_json(request: Request, limit: int) -> dict:
 
 
 def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_template: ChatTemplate | None = None,
-              chat_error: str | None = None, defaults: dict | None = None, max_concurrent: int = 256) -> FastAPI:
+              chat_error: str | None = None, defaults: dict | None = None, max_concurrent: int = 256,
+              settings: dict | None = None) -> FastAPI:
     """The HTTP API over `backend` (see the module's doc). tokenizer: engine/tokenizer.TextTokenizer or None;
     metrics: cluster/metrics.Metrics whose registry /metrics exposes (None: 404); chat_template: the target's
     (None: chat requests get 400, with chat_error as the reason when given); defaults: sampling defaults
     (sampling_defaults(target)); max_concurrent: the config's bound on concurrent requests (the worker threads
-    that wait on the backend are bounded by twice that, as http_server bounds connections and requests)."""
+    that wait on the backend are bounded by twice that, as http_server bounds connections and requests);
+    settings: what /health reports of how the service runs (ServeConfig.public_settings, as gRPC Health does)."""
     st = _State(backend, tokenizer, model_name, metrics, chat_template, chat_error, dict(defaults or {}),
                 anyio.CapacityLimiter(2 * max_concurrent))
     body_limit = max(1 << 20, backend.max_positions * MAX_CHARS_PER_TOKEN * 2)
@@ -606,7 +608,7 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
     async def health():
         c = backend.counts()
         serving = (backend.alive if c.serving is None else c.serving) and backend.alive
-        return JSONResponse({"status": "ok" if serving else "unavailable", **c.as_dict()},
+        return JSONResponse({"status": "ok" if serving else "unavailable", **c.as_dict(), "settings": settings},
                             status_code=200 if serving else 503)
 
     @app.get("/metrics")

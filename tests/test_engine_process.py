@@ -307,6 +307,10 @@ def test_health_reports_the_settings_and_a_sweep_against_the_service_records_the
     assert got == json.loads(json.dumps(svc.cfg.public_settings()))
     assert got["engine_process"] is True and got["mode"] == "colocated" and got["session_hold_fraction"] == 0.5
     assert not {"target", "draft", "host", "port", "tls_key", "bridge_address"} & set(got)
+    import urllib.request  # noqa: PLC0415
+
+    with urllib.request.urlopen(f"http://{svc.http_address}/health", timeout=10) as r:
+        assert json.loads(r.read())["settings"] == got  # the HTTP front end reports the same
     out = tmp_path / "sweep.json"
     assert job_sweep.main(["--address", svc.address, "--target", str(DEMO / "target"), "--methods", "native,dflash",
                            "--concurrency", "1,2", "--prompt-pool", "2", "--requests", "2", "--max-tokens", "4",

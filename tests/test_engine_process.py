@@ -8,10 +8,12 @@ end the streams in flight with UNAVAILABLE, refuse new ones, report not serving,
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -298,8 +300,6 @@ def test_an_event_that_does_not_pickle_fails_its_request_alone():
 def test_health_reports_the_settings_and_a_sweep_against_the_service_records_them(split, tmp_path):
     """Health's settings_json is the service's own knobs (no paths); `job_sweep --address` writes them into its
     JSON instead of "unknown", so a committed sweep says how the service it measured ran."""
-    import json  # noqa: PLC0415
-
     from flashpd.bench import job_sweep  # noqa: PLC0415
 
     svc, client = split
@@ -307,8 +307,6 @@ def test_health_reports_the_settings_and_a_sweep_against_the_service_records_the
     assert got == json.loads(json.dumps(svc.cfg.public_settings()))
     assert got["engine_process"] is True and got["mode"] == "colocated" and got["session_hold_fraction"] == 0.5
     assert not {"target", "draft", "host", "port", "tls_key", "bridge_address"} & set(got)
-    import urllib.request  # noqa: PLC0415
-
     with urllib.request.urlopen(f"http://{svc.http_address}/health", timeout=10) as r:
         assert json.loads(r.read())["settings"] == got  # the HTTP front end reports the same
     out = tmp_path / "sweep.json"

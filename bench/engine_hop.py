@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
                     one(be, prompts[0], params, method)  # each row starts warm
                     got = [one(be, p, params, method) for p in prompts]
                     for i, (*_, toks) in enumerate(got):
-                        tokens.setdefault((method, i), {})[form] = toks
+                        tokens.setdefault((rnd, method, i), {})[form] = toks
                     row = {"round": rnd, "form": form, "method": method, "requests": len(got)}
                     for k, name in enumerate(("taken_ms", "first_token_ms", "done_ms")):
                         row[f"{name}_p50"] = statistics.median(x[k] for x in got)

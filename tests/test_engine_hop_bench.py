@@ -13,7 +13,7 @@ def test_engine_hop_bench_times_both_forms_with_the_same_tokens(tmp_path):
           "--prompt-tokens", "12", "--max-tokens", "6", "--rounds", "1", "--out", str(out)])
     d = json.loads(out.read_text())
     assert d["bench"] == "engine_hop" and "--requests 3" in d["command"]
-    assert d["same_tokens"] == "6/6"  # 3 prompts x 2 methods, identical in both forms
+    assert d["same_tokens"] == "6/6"  # 3 prompts x 2 methods x 1 round, identical in both forms
     forms = {(r["method"], r["form"]) for r in d["rows"]}
     assert forms == {(m, f) for m in ("native", "dflash") for f in ("in_process", "engine_process")}
     for r in d["rows"]:

@@ -29,18 +29,31 @@ MAX_SPIN = 1 << 20  # a barrier's polls before it gives up and flags an error (p
 if triton is not None:
     @triton.jit
     def _project(x_ptr, sx, w_ptr, y_ptr, sy, M, pid, P, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, XCG: tl.constexpr, F32: tl.constexpr):
+                 BK: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, XCG: tl.constexpr, F32: tl.constexpr,
+                 w_pre, PK: tl.constexpr):
         """y[:M, tile] = x[:M, :K] @ w[tile].T for this program's column tiles (every P-th): the few-row GEMM's
-        plain K loop, pipelined STAGES deep. x was written by other programs: XCG reads it past L1 (.cg)."""
+        plain K loop, pipelined STAGES deep. x was written by other programs: XCG reads it past L1 (.cg).
+        PK > 0: w_pre holds the first PK columns of this program's first tile (`_preload`, loaded before the
+        barrier); they are multiplied first, as one dot (the MMAs walk its K in order: the same bits), and the
+        pipelined loop starts after them."""
         rm = tl.arange(0, BM)
         rk = tl.arange(0, BK)
         m_ok = rm < M
         steps: tl.constexpr = K // BK
         mine = (N // BN - pid + P - 1) // P  # this program's column tiles
         acc = tl.zeros([BM, BN], tl.float32)
+        if PK > 0:
+            if mine > 0:
+                rp = tl.arange(0, PK)
+                a = tl.load(x_ptr + rm[:, None] * sx + rp[None, :], mask=m_ok[:, None], other=0.0,
+                            cache_modifier=".cg")
+                if F32:
+                    acc = tl.dot(a, tl.trans(w_pre), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(w_pre), acc)
         # the tile and K loops as one loop, as triton's persistent matmul has them: its pipeliner then streams the
         # next tile's first weight tiles while this tile's last ones are multiplied (nested, no loop was pipelined)
-        for i in tl.range(0, mine * steps, num_stages=STAGES):
+        for i in tl.range(PK // BK, mine * steps, num_stages=STAGES):
             t = pid + (i // steps) * P
             kk = i % steps
             k = kk * BK
@@ -88,40 +101,61 @@ if triton is not None:
                                       dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
+    def _preload(w_ptr, pid, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, PK: tl.constexpr):
+        """The first PK columns of this program's first column tile of the next projection, into registers before
+        the barrier (weights do not wait for the last projection's output); zeros for a program with no tile, and
+        a [BN, 16] placeholder when PK is 0."""
+        rn = pid * BN + tl.arange(0, BN)
+        if PK > 0:
+            rp = tl.arange(0, PK)
+            return tl.load(w_ptr + rn[:, None] * K + rp[None, :], mask=(rn < N)[:, None], other=0.0)
+        else:
+            return tl.zeros([BN, 16], w_ptr.dtype.element_ty)
+
+    @triton.jit
     def _chain_kernel(w_ptr, offs_ptr, y0, y1, y2, y3, bar_ptr, err_ptr, M, L,
                       D: tl.constexpr, QKV: tl.constexpr, FF: tl.constexpr, BN: tl.constexpr, BN_WIDE: tl.constexpr,
                       BK: tl.constexpr, BM: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr,
-                      STAGES: tl.constexpr, XCG: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr):
+                      STAGES: tl.constexpr, XCG: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr,
+                      PK: tl.constexpr):
         """L layers of four projections. y3 holds the first layer's input; each layer: y0 = y3 @ qkv.T,
         y1 = y0[:, :D] @ o.T, y2 = y1 @ gate_up.T, y3 = y2[:, :FF] @ down.T, a barrier after each. PF > 0: before
-        each barrier, the next projection's first weight lines are asked of the L2 (`_prefetch`)."""
+        each barrier, the next projection's first weight lines are asked of the L2 (`_prefetch`). PK > 0: before
+        each barrier, the first PK columns of the next projection's first tile are loaded into registers
+        (`_preload`; PK // 2 for gate/up's tiles of twice the rows: the same bytes)."""
         pid = tl.program_id(0)
         P = tl.num_programs(0)
         target = 0
+        PKW: tl.constexpr = PK // 2
         # each weight's offset is a multiple of 16 elements: said, so that its loads are 16-byte vectors that
         # triton pipelines as asynchronous copies (unsaid, the K loop ran unpipelined, 6x slower)
         wq = w_ptr + tl.multiple_of(tl.load(offs_ptr), 16)
+        pq = _preload(wq, pid, QKV, D, BN, PK)
         for layer in range(L):
             o = offs_ptr + layer * 4
             wo = w_ptr + tl.multiple_of(tl.load(o + 1), 16)
             wgu = w_ptr + tl.multiple_of(tl.load(o + 2), 16)
             wd = w_ptr + tl.multiple_of(tl.load(o + 3), 16)
-            _project(y3, D, wq, y0, QKV, M, pid, P, QKV, D, BN, BK, BM, STAGES, XCG, F32)
+            _project(y3, D, wq, y0, QKV, M, pid, P, QKV, D, BN, BK, BM, STAGES, XCG, F32, pq, PK)
             _prefetch(wo, pid, D, D, BN, PF)
+            po = _preload(wo, pid, D, D, BN, PK)
             target += P
             _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
-            _project(y0, QKV, wo, y1, D, M, pid, P, D, D, BN, BK, BM, STAGES, XCG, F32)
+            _project(y0, QKV, wo, y1, D, M, pid, P, D, D, BN, BK, BM, STAGES, XCG, F32, po, PK)
             _prefetch(wgu, pid, 2 * FF, D, BN_WIDE, PF)
+            pgu = _preload(wgu, pid, 2 * FF, D, BN_WIDE, PKW)
             target += P
             _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
-            _project(y1, D, wgu, y2, 2 * FF, M, pid, P, 2 * FF, D, BN_WIDE, BK, BM, STAGES, XCG, F32)
+            _project(y1, D, wgu, y2, 2 * FF, M, pid, P, 2 * FF, D, BN_WIDE, BK, BM, STAGES, XCG, F32, pgu, PKW)
             _prefetch(wd, pid, D, FF, BN, PF)
+            pd = _preload(wd, pid, D, FF, BN, PK)
             target += P
             _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
-            _project(y2, 2 * FF, wd, y3, D, M, pid, P, D, FF, BN, BK, BM, STAGES, XCG, F32)
+            _project(y2, 2 * FF, wd, y3, D, M, pid, P, D, FF, BN, BK, BM, STAGES, XCG, F32, pd, PK)
             # the next layer's q/k/v (the table holds one more entry, repeating the last layer's: no branch)
             wq = w_ptr + tl.multiple_of(tl.load(o + 4), 16)
             _prefetch(wq, pid, QKV, D, BN, PF)
+            pq = _preload(wq, pid, QKV, D, BN, PK)
             target += P
             _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
 
@@ -168,17 +202,23 @@ class Chain:
         return h
 
     def run_persistent(self, programs: int, sync: bool = True, warps: int = 2, stages: int = 6, xcg: bool = True,
-                       prefetch_lines: int = 0) -> torch.Tensor:
+                       prefetch_lines: int = 0, preload_cols: int = 0) -> torch.Tensor:
         """The persistent kernel (the K loops pipelined `stages` deep, the outer loops not; xcg: activations read
         past L1, as they must be: another SM wrote them; prefetch_lines: `_prefetch`'s PF, a power of two, 0 off:
-        the GPU only) -> the last layer's output [rows, d]."""
+        the GPU only; preload_cols: `_preload`'s PK, 0 off, else a power of two of at least twice the tile's K step
+        and less than every projection's K) -> the last layer's output [rows, d]."""
         bn, bk = skinny_gemm.TILE_NARROW[:2]
+        if preload_cols and (preload_cols & (preload_cols - 1) or preload_cols < 2 * bk
+                             or preload_cols >= min(self.d, self.ff)):
+            raise ValueError(f"preload_cols {preload_cols}: a power of two, at least {2 * bk} and below "
+                             f"{min(self.d, self.ff)} (every projection's K)")
         self.y[3][:, :self.d].copy_(self.x)
         self.bar.zero_()
         _chain_kernel[(programs,)](self.w, self.offs, *self.y, self.bar, self.err, self.rows, self.layers,
                                    D=self.d, QKV=self.qkv, FF=self.ff, BN=bn, BN_WIDE=skinny_gemm.TILE_WIDE[0],
                                    BK=bk, BM=skinny_gemm.BLOCK_M, SYNC=int(sync), SPIN=MAX_SPIN, STAGES=stages,
                                    XCG=int(xcg), F32=int(self.w.dtype == torch.float32), PF=prefetch_lines,
+                                   PK=preload_cols,
                                    num_warps=warps,
                                    num_stages=1)
         return self.y[3]
@@ -202,11 +242,15 @@ def main() -> None:
                     "stages of gate/up's 32-row tiles take 72 KB of shared memory, so at most 3 an SM")
     ap.add_argument("--prefetch-lines", default="", help="persistent variants that ask the L2 for the next "
                     "projection's first weight lines before each barrier: 128-byte lines a row (powers of two)")
+    ap.add_argument("--preload-cols", default="", help="persistent variants that load the first columns of the "
+                    "next projection's first tile into registers before each barrier (powers of two, at least "
+                    "twice the tile's K step)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/chain_bound.json")
     a = ap.parse_args()
     dev, sms, copy = kernel_bench_start("chain_bound")
     prefetch = [int(p) for p in a.prefetch_lines.split(",") if p]
+    preload = [int(p) for p in a.preload_cols.split(",") if p]
     chain = Chain(a.layers, 4096, 6144, 12288, 1, dev)
     gb = chain.weight_bytes() / 1e9
     rows = []
@@ -221,17 +265,20 @@ def main() -> None:
     want = chain.run_launches().clone()
     record("launches (engine)", chain.run_launches)
     for pps in (int(p) for p in a.programs_per_sm.split(",")):
-        for stages, xcg, pf in ((6, True, 0), (4, True, 0), (6, False, 0)) + tuple((6, True, p) for p in prefetch):
+        forms = ((6, True, 0, 0), (4, True, 0, 0), (6, False, 0, 0)) + tuple((6, True, p, 0) for p in prefetch) \
+            + tuple((6, True, 0, k) for k in preload)
+        for stages, xcg, pf, pk in forms:
             chain.err.zero_()
-            got = chain.run_persistent(sms * pps, stages=stages, xcg=xcg, prefetch_lines=pf).clone()
+            got = chain.run_persistent(sms * pps, stages=stages, xcg=xcg, prefetch_lines=pf, preload_cols=pk).clone()
             torch.cuda.synchronize()
             ok = chain.err.item() == 0
             same = bool(torch.equal(got, want)) if ok else None
             record(f"persistent, {pps} an SM, {stages} stages{'' if xcg else ', x via L1'}"
-                   + (f", {pf} lines a row prefetched" if pf else ""),
-                   lambda p=pps, s=stages, c=xcg, f=pf: chain.run_persistent(sms * p, stages=s, xcg=c,
-                                                                             prefetch_lines=f),
-                   programs=sms * pps, stages=stages, x_past_l1=xcg, prefetch_lines=pf,
+                   + (f", {pf} lines a row prefetched" if pf else "")
+                   + (f", {pk} columns preloaded" if pk else ""),
+                   lambda p=pps, s=stages, c=xcg, f=pf, k=pk: chain.run_persistent(
+                       sms * p, stages=s, xcg=c, prefetch_lines=f, preload_cols=k),
+                   programs=sms * pps, stages=stages, x_past_l1=xcg, prefetch_lines=pf, preload_cols=pk,
                    all_resident=ok and chain.err.item() == 0, same_bits_as_launches=same)
     record("no barriers (timing only), 2 an SM", lambda: chain.run_persistent(2 * sms, sync=False),
            programs=2 * sms)

@@ -22,9 +22,10 @@ import torch
 from flashpd.bench.attn_micro import graph_time
 from flashpd.bench.common import command_line, git_revision, kernel_bench_start, machine, write_json
 from flashpd.engine import skinny_gemm, triton_env
-from flashpd.engine.triton_env import INTERPRET, tl, triton  # noqa: F401 (INTERPRET: tests/_interpreted.py)
+from flashpd.engine.triton_env import INTERPRET, tl, triton
 
 MAX_SPIN = 1 << 20  # a barrier's polls before it gives up and flags an error (programs not all resident)
+BARRIERS = {"count": 1, "flag": 2, "flag_sleep": 3}  # `_grid_sync`'s forms (SYNC)
 
 if triton is not None:
     @triton.jit
@@ -73,11 +74,26 @@ if triton is not None:
                 tl.store(y_ptr + rm[:, None] * sy + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None])
 
     @triton.jit
-    def _grid_sync(bar_ptr, err_ptr, target, SYNC: tl.constexpr, SPIN: tl.constexpr):
+    def _fence_or_sleep(x, SLEEP: tl.constexpr):
+        """PTX `fence.acq_rel.gpu` (SLEEP 0) or `nanosleep.u32 SLEEP` in every thread; x: any int32 tensor (the
+        asm's operand), returned as zeros."""
+        if SLEEP:
+            return tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP}; mov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32,
+                                             is_pure=False, pack=1)
+        else:
+            return tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32,
+                                             is_pure=False, pack=1)
+
+    @triton.jit
+    def _grid_sync(bar_ptr, err_ptr, target, SYNC: tl.constexpr, SPIN: tl.constexpr, ASM: tl.constexpr):
         """Every program waits until `target` arrivals are counted (its own included); the writes before each
         arrival are visible after it. A program that polls SPIN times flags err_ptr, and no program waits once it is
-        flagged (the grid was not all resident: the run is void, and ends). SYNC 0: no barrier (timing only)."""
-        if SYNC:
+        flagged (the grid was not all resident: the run is void, and ends). SYNC 0: no barrier (timing only);
+        1: every program polls the arrival counter (bar_ptr[0]); 2: the last to arrive (its atomic returns
+        target - 1) writes `target` to a flag on another 128-byte line (bar_ptr[32]), which the others poll, so
+        that the counter's line takes only the arrivals; 3: as 2, each poll after a 32 ns sleep. ASM (the GPU):
+        the acquire after the poll is a fence, not an atomic on the polled line (the interpreter has no asm)."""
+        if SYNC == 1:
             tl.debug_barrier()  # the program's stores made before its arrival is counted
             tl.atomic_add(bar_ptr, 1, sem="release")
             n = 0
@@ -86,6 +102,24 @@ if triton is not None:
             if n >= SPIN:
                 tl.store(err_ptr, 1)
             tl.atomic_add(bar_ptr, 0, sem="acquire")
+            tl.debug_barrier()
+        elif SYNC >= 2:
+            tl.debug_barrier()
+            flag = bar_ptr + 32
+            old = tl.atomic_add(bar_ptr, 1, sem="acq_rel")
+            if old == target - 1:
+                tl.atomic_xchg(flag, target, sem="release")
+            n = 0
+            while (tl.load(flag, volatile=True) < target) & (n < SPIN) & (tl.load(err_ptr, volatile=True) == 0):
+                if SYNC == 3 and ASM:
+                    _fence_or_sleep(tl.full([1], 0, tl.int32), 32)
+                n += 1
+            if n >= SPIN:
+                tl.store(err_ptr, 1)
+            if ASM:
+                _fence_or_sleep(tl.full([1], 0, tl.int32), 0)
+            else:
+                tl.atomic_add(flag, 0, sem="acquire")
             tl.debug_barrier()
 
     @triton.jit
@@ -117,7 +151,7 @@ if triton is not None:
                       D: tl.constexpr, QKV: tl.constexpr, FF: tl.constexpr, BN: tl.constexpr, BN_WIDE: tl.constexpr,
                       BK: tl.constexpr, BM: tl.constexpr, SYNC: tl.constexpr, SPIN: tl.constexpr,
                       STAGES: tl.constexpr, XCG: tl.constexpr, F32: tl.constexpr, PF: tl.constexpr,
-                      PK: tl.constexpr):
+                      PK: tl.constexpr, ASM: tl.constexpr):
         """L layers of four projections. y3 holds the first layer's input; each layer: y0 = y3 @ qkv.T,
         y1 = y0[:, :D] @ o.T, y2 = y1 @ gate_up.T, y3 = y2[:, :FF] @ down.T, a barrier after each. PF > 0: before
         each barrier, the next projection's first weight lines are asked of the L2 (`_prefetch`). PK > 0: before
@@ -140,24 +174,24 @@ if triton is not None:
             _prefetch(wo, pid, D, D, BN, PF)
             po = _preload(wo, pid, D, D, BN, PK)
             target += P
-            _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
+            _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN, ASM)
             _project(y0, QKV, wo, y1, D, M, pid, P, D, D, BN, BK, BM, STAGES, XCG, F32, po, PK)
             _prefetch(wgu, pid, 2 * FF, D, BN_WIDE, PF)
             pgu = _preload(wgu, pid, 2 * FF, D, BN_WIDE, PKW)
             target += P
-            _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
+            _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN, ASM)
             _project(y1, D, wgu, y2, 2 * FF, M, pid, P, 2 * FF, D, BN_WIDE, BK, BM, STAGES, XCG, F32, pgu, PKW)
             _prefetch(wd, pid, D, FF, BN, PF)
             pd = _preload(wd, pid, D, FF, BN, PK)
             target += P
-            _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
+            _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN, ASM)
             _project(y2, 2 * FF, wd, y3, D, M, pid, P, D, FF, BN, BK, BM, STAGES, XCG, F32, pd, PK)
             # the next layer's q/k/v (the table holds one more entry, repeating the last layer's: no branch)
             wq = w_ptr + tl.multiple_of(tl.load(o + 4), 16)
             _prefetch(wq, pid, QKV, D, BN, PF)
             pq = _preload(wq, pid, QKV, D, BN, PK)
             target += P
-            _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN)
+            _grid_sync(bar_ptr, err_ptr, target, SYNC, SPIN, ASM)
 
 
 def available() -> bool:
@@ -187,7 +221,7 @@ class Chain:
         self.offs = torch.tensor(offs + offs[-4:-3], dtype=torch.int64, device=device)  # + a last q/k/v offset
         self.x = torch.randn(rows, d, generator=g, device=device, dtype=torch.float32).to(dtype)
         self.y = [torch.zeros(rows, n, dtype=dtype, device=device) for n, _ in self.shapes]
-        self.bar = torch.zeros(1, dtype=torch.int32, device=device)
+        self.bar = torch.zeros(64, dtype=torch.int32, device=device)  # [0]: arrivals; [32]: the flag (_grid_sync)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
 
     def weight_bytes(self) -> int:
@@ -202,23 +236,27 @@ class Chain:
         return h
 
     def run_persistent(self, programs: int, sync: bool = True, warps: int = 2, stages: int = 6, xcg: bool = True,
-                       prefetch_lines: int = 0, preload_cols: int = 0) -> torch.Tensor:
+                       prefetch_lines: int = 0, preload_cols: int = 0, barrier: str = "count") -> torch.Tensor:
         """The persistent kernel (the K loops pipelined `stages` deep, the outer loops not; xcg: activations read
         past L1, as they must be: another SM wrote them; prefetch_lines: `_prefetch`'s PF, a power of two, 0 off:
         the GPU only; preload_cols: `_preload`'s PK, 0 off, else a power of two of at least twice the tile's K step
-        and less than every projection's K) -> the last layer's output [rows, d]."""
+        and less than every projection's K; barrier: BARRIERS' forms of `_grid_sync`, with sync) -> the last layer's
+        output [rows, d]."""
         bn, bk = skinny_gemm.TILE_NARROW[:2]
         if preload_cols and (preload_cols & (preload_cols - 1) or preload_cols < 2 * bk
                              or preload_cols >= min(self.d, self.ff)):
             raise ValueError(f"preload_cols {preload_cols}: a power of two, at least {2 * bk} and below "
                              f"{min(self.d, self.ff)} (every projection's K)")
         self.y[3][:, :self.d].copy_(self.x)
+        if barrier not in BARRIERS:
+            raise ValueError(f"barrier {barrier!r}: one of {list(BARRIERS)}")
         self.bar.zero_()
         _chain_kernel[(programs,)](self.w, self.offs, *self.y, self.bar, self.err, self.rows, self.layers,
                                    D=self.d, QKV=self.qkv, FF=self.ff, BN=bn, BN_WIDE=skinny_gemm.TILE_WIDE[0],
-                                   BK=bk, BM=skinny_gemm.BLOCK_M, SYNC=int(sync), SPIN=MAX_SPIN, STAGES=stages,
+                                   BK=bk, BM=skinny_gemm.BLOCK_M, SYNC=BARRIERS[barrier] if sync else 0,
+                                   SPIN=MAX_SPIN, STAGES=stages,
                                    XCG=int(xcg), F32=int(self.w.dtype == torch.float32), PF=prefetch_lines,
-                                   PK=preload_cols,
+                                   PK=preload_cols, ASM=int(not INTERPRET),
                                    num_warps=warps,
                                    num_stages=1)
         return self.y[3]
@@ -245,12 +283,17 @@ def main() -> None:
     ap.add_argument("--preload-cols", default="", help="persistent variants that load the first columns of the "
                     "next projection's first tile into registers before each barrier (powers of two, at least "
                     "twice the tile's K step)")
+    ap.add_argument("--barriers", default="count", help=f"grid barrier forms to time ({', '.join(BARRIERS)}; "
+                    "count: the plain form, always run)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/chain_bound.json")
     a = ap.parse_args()
     dev, sms, copy = kernel_bench_start("chain_bound")
     prefetch = [int(p) for p in a.prefetch_lines.split(",") if p]
     preload = [int(p) for p in a.preload_cols.split(",") if p]
+    barriers = [b for b in a.barriers.split(",") if b]
+    if any(b not in BARRIERS for b in barriers):
+        ap.error(f"--barriers: each one of {list(BARRIERS)}")
     chain = Chain(a.layers, 4096, 6144, 12288, 1, dev)
     gb = chain.weight_bytes() / 1e9
     rows = []
@@ -265,20 +308,22 @@ def main() -> None:
     want = chain.run_launches().clone()
     record("launches (engine)", chain.run_launches)
     for pps in (int(p) for p in a.programs_per_sm.split(",")):
-        forms = ((6, True, 0, 0), (4, True, 0, 0), (6, False, 0, 0)) + tuple((6, True, p, 0) for p in prefetch) \
-            + tuple((6, True, 0, k) for k in preload)
-        for stages, xcg, pf, pk in forms:
+        forms = ((6, True, 0, 0, "count"), (4, True, 0, 0, "count"), (6, False, 0, 0, "count")) \
+            + tuple((6, True, p, 0, "count") for p in prefetch) + tuple((6, True, 0, k, "count") for k in preload) \
+            + tuple((6, True, 0, 0, b) for b in barriers if b != "count")
+        for stages, xcg, pf, pk, bar in forms:
             chain.err.zero_()
-            got = chain.run_persistent(sms * pps, stages=stages, xcg=xcg, prefetch_lines=pf, preload_cols=pk).clone()
+            got = chain.run_persistent(sms * pps, stages=stages, xcg=xcg, prefetch_lines=pf, preload_cols=pk,
+                                       barrier=bar).clone()
             torch.cuda.synchronize()
             ok = chain.err.item() == 0
             same = bool(torch.equal(got, want)) if ok else None
             record(f"persistent, {pps} an SM, {stages} stages{'' if xcg else ', x via L1'}"
                    + (f", {pf} lines a row prefetched" if pf else "")
-                   + (f", {pk} columns preloaded" if pk else ""),
-                   lambda p=pps, s=stages, c=xcg, f=pf, k=pk: chain.run_persistent(
-                       sms * p, stages=s, xcg=c, prefetch_lines=f, preload_cols=k),
-                   programs=sms * pps, stages=stages, x_past_l1=xcg, prefetch_lines=pf, preload_cols=pk,
+                   + (f", {pk} columns preloaded" if pk else "") + (f", barrier {bar}" if bar != "count" else ""),
+                   lambda p=pps, s=stages, c=xcg, f=pf, k=pk, b=bar: chain.run_persistent(
+                       sms * p, stages=s, xcg=c, prefetch_lines=f, preload_cols=k, barrier=b),
+                   programs=sms * pps, stages=stages, x_past_l1=xcg, prefetch_lines=pf, preload_cols=pk, barrier=bar,
                    all_resident=ok and chain.err.item() == 0, same_bits_as_launches=same)
     record("no barriers (timing only), 2 an SM", lambda: chain.run_persistent(2 * sms, sync=False),
            programs=2 * sms)

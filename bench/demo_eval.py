@@ -31,6 +31,8 @@ def main() -> None:
                                       "candidates compare on one target and one prompt set")
     ap.add_argument("--token-map", help="a reduced draft vocabulary (engine/token_map.py; build one with "
                                         "python -m flashpd.training.token_map): tau under it, output still exact")
+    ap.add_argument("--draft-quantization", choices=["fp8"], help="the drafter's few-row passes in this weight "
+                                                                   "format (DFlashDrafter.quantize): tau under it")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--prompts", type=int, default=16)
@@ -43,6 +45,7 @@ def main() -> None:
     drafter = load_drafter(a.drafter or pair / "drafter", target)
     if a.token_map:
         drafter.set_token_map(load_token_map(a.token_map, target.cfg.vocab_size))
+    drafter.quantize(a.draft_quantization)
     prompts = heldout_windows(Tokenizer.from_file(str(pair / "target" / "tokenizer.json")), a.prompts, a.seed)
     t0 = time.perf_counter()
     rows = []
@@ -54,13 +57,16 @@ def main() -> None:
     taus = [r["tau"] for r in rows]
     payload = {"bench": "demo_eval", "pair": str(a.pair), "drafter": a.drafter, "device": a.device, "dtype": a.dtype, "block_size": 16,
                "token_map": a.token_map, "draft_vocab": None if drafter.hot_ids is None else drafter.hot_ids.numel(),
+               "draft_quantization": a.draft_quantization,
                "max_tokens": a.max_tokens, "prompts": rows, "tau_mean": statistics.mean(taus),
                "tau_geomean": statistics.geometric_mean(taus),
                "tau_64_mean": statistics.mean(r["tau_64"] for r in rows), "exact": f"{sum(r['exact'] for r in rows)}/{len(rows)}",
                "command": f"python -m flashpd.bench.demo_eval --device {a.device} --dtype {a.dtype} "
                           f"--prompts {a.prompts} --max-tokens {a.max_tokens} --seed {a.seed}"
                           + (f" --drafter {a.drafter}" if a.drafter else "")
-                          + (f" --token-map {a.token_map}" if a.token_map else "") + f" --out {a.out}"}
+                          + (f" --token-map {a.token_map}" if a.token_map else "")
+                          + (f" --draft-quantization {a.draft_quantization}" if a.draft_quantization else "")
+                          + f" --out {a.out}"}
     write_json(Path(a.out), payload)
     print(f"tau mean {payload['tau_mean']:.2f} (geomean {payload['tau_geomean']:.2f}, first 64 tokens "
           f"{payload['tau_64_mean']:.2f}), exact {payload['exact']}")

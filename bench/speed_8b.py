@@ -254,6 +254,12 @@ def fields(res: dict) -> dict:
         if nb is not None:
             key = f"dflash_over_native_step_b{r['batch']}_draft_vocab_{r['draft_vocab'] or 'full'}"
             out[key] = r["ms_per_step"] / nb["ms_per_step"]
+    for r in res.get("dflash_draft_quant", []):  # labelled apart: the drafter's weights in another format
+        nb = curve.get(r["batch"])
+        if nb is not None:
+            key = (f"dflash_over_native_step_b{r['batch']}_draft_{r['draft_quantization']}"
+                   f"_vocab_{r['draft_vocab'] or 'full'}")
+            out[key] = r["ms_per_step"] / nb["ms_per_step"]
     for r in res.get("by_context", []):  # labelled apart: the figures are at --context
         out[f"dflash_over_native_step_b1_ctx{r['context']}"] = r["dflash"]["ms_per_step"] / r["native"]["ms_per_step"]
     if "native_b1_verify_shapes" in res and 1 in curve:
@@ -279,6 +285,10 @@ def main() -> None:
                     help="the dflash section also steps under reduced draft vocabularies of these sizes "
                          "(engine/token_map.py; seeded random hot ids: dummy weights draft nothing real), 0 = the "
                          "whole head, at each of --dflash-batches; reported apart from dflash_over_native_step")
+    ap.add_argument("--draft-quantizations", default="",
+                    help="the dflash section also steps with the drafter's few-row passes in these weight formats "
+                         "(DFlashDrafter.quantize: fp8), under each of --draft-vocabs (or the whole head), at each of "
+                         "--dflash-batches; reported apart from dflash_over_native_step")
     ap.add_argument("--dflash-batches", default="1", help="batch sizes of the --draft-vocabs steps")
     ap.add_argument("--long-contexts", default="4096",
                     help="prompt lengths of the `long` section's batch-1 native and DFlash steps ('' for none)")
@@ -407,6 +417,22 @@ def main() -> None:
                 res["dflash_draft_vocab"].append({"draft_vocab": n, **row})
                 log(f"dflash b={b} width {a.width} draft vocabulary {n or 'full'}: {row['ms_per_step']:.3f} ms/step")
                 save()
+        for q in [x for x in a.draft_quantizations.split(",") if x]:
+            res.setdefault("dflash_draft_quant", [])
+            for n in sizes or [0]:
+                hot = None if n == 0 else torch.sort(torch.randperm(cfg.vocab_size, generator=torch.Generator()
+                                                                    .manual_seed(a.seed))[:n]).values
+                drafter.set_token_map(hot)
+                drafter.quantize(q)
+                for b in [int(x) for x in a.dflash_batches.split(",") if x]:
+                    row = loop_steps(DFlashGenerator(runner, drafter, ()),
+                                     random_prompts(b, a.context, cfg.vocab_size, a.seed + b), a.steps, width=a.width,
+                                     profiled=b in profiled_batches)
+                    res["dflash_draft_quant"].append({"draft_quantization": q, "draft_vocab": n, **row})
+                    log(f"dflash b={b} width {a.width} draft {q}, vocabulary {n or 'full'}: "
+                        f"{row['ms_per_step']:.3f} ms/step")
+                    save()
+                drafter.quantize(None)
         drafter.set_token_map(None)
         for b in [int(x) for x in a.dflash_batches.split(",") if x and int(x) > 1] if sizes else []:
             row = loop_steps(wide, random_prompts(b, a.context, cfg.vocab_size, a.seed + b), a.steps,

@@ -27,7 +27,7 @@ from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, fused_attn_inputs, fused_layer, \
     fused_layers, mlp_residual
 from flashpd.engine import skinny_gemm
-from flashpd.engine.skinny_gemm import linear
+from flashpd.engine.skinny_gemm import Fp8Weight, Weight, linear, quantize_fp8
 
 
 class DrafterMismatch(CheckpointError):
@@ -150,6 +150,11 @@ class DFlashDrafter(nn.Module):
         # a reduced draft vocabulary (engine/token_map.py): the hot ids, sorted, and their head rows (a copy)
         self.hot_ids: torch.Tensor | None = None
         self._hot_head: torch.Tensor | None = None
+        # the few-row draft passes' weights in fp8 (`quantize`): each layer's four projections, fc, and the head
+        self.quantization: str | None = None
+        self._fp8_layers: list[dict[str, Fp8Weight]] | None = None
+        self._fp8_fc: Fp8Weight | None = None
+        self._fp8_head: tuple[torch.Tensor, Fp8Weight] | None = None  # (the bf16 head it was made from, it)
 
     def attach(self, target: Qwen3ForCausalLM) -> None:
         """Borrow the target's embedding / head / RoPE; stack per-layer weights (views share storage): the
@@ -191,6 +196,51 @@ class DFlashDrafter(nn.Module):
         """The draft pass's head: the target's, or its hot rows (the draft's logits then index hot_ids)."""
         return self.target.head_weight if self._hot_head is None else self._hot_head
 
+    def draft_head(self, rows: int) -> Weight:
+        """`head_weight` as a draft pass of `rows` rows reads it: in fp8 under `quantize` where the few-row kernel
+        takes the pass (made once for each head it stands for)."""
+        head = self.head_weight
+        if not self._fp8_for(rows):
+            return head
+        if self._fp8_head is None or self._fp8_head[0] is not head:
+            self._fp8_head = (head, quantize_fp8(head))
+        return self._fp8_head[1]
+
+    # ---- weight format -----------------------------------------------------------------
+    QUANTIZATIONS = (None, "fp8")
+
+    def quantize(self, quantization: str | None) -> None:
+        """The draft passes' projection weights in `quantization`: None (the checkpoint's dtype) or "fp8" (float8
+        e4m3 with a scale per output row, skinny_gemm.Fp8Weight): each layer's q/k/v, o_proj, gate/up and down,
+        fc, and a copy of the head (or of the hot rows), at half the bytes a draft pass reads. The few-row kernel
+        widens each tile back before its multiply, so drafts change only by the weights' rounding; the target
+        verifies every draft, so the output does not change at all. The bf16 weights stay for the batched passes
+        and the context K/V's rows (vLLM's speculative_config "quantization")."""
+        if quantization not in self.QUANTIZATIONS:
+            raise ValueError(f"draft quantization must be one of {list(self.QUANTIZATIONS)}, got {quantization!r}")
+        self.quantization = quantization
+        self._fp8_head = None
+        if quantization is None:
+            self._fp8_layers = self._fp8_fc = None
+            return
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        self._fp8_layers = [{n: quantize_fp8(getattr(l, n)) for n in names} for l in self.layers]
+        self._fp8_fc = quantize_fp8(self.fc)
+
+    def _fp8_for(self, rows: int) -> bool:
+        """Whether a projection of `rows` rows reads the fp8 weights: under `quantize`, at most the few-row
+        kernel's rows (skinny_gemm.MAX_ROWS). Past them a pass multiplies, not streams, its weights: the bf16 ones."""
+        return self.quantization is not None and rows <= skinny_gemm.MAX_ROWS
+
+    def proj(self, i: int, name: str, rows: int) -> Weight:
+        """Layer i's projection `name` (qkv_proj, o_proj, gate_up_proj, down_proj) as a pass of `rows` rows reads
+        it."""
+        return self._fp8_layers[i][name] if self._fp8_for(rows) else getattr(self.layers[i], name)
+
+    def fc_weight(self, rows: int) -> Weight:
+        """The context projection as a context write of `rows` positions reads it."""
+        return self._fp8_fc if self._fp8_for(rows) else self.fc
+
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary: a reduced draft's [..., |hot|] scattered into -inf
         elsewhere (what sampled rows draw from: q is zero off the hot set); the whole head's unchanged."""
@@ -206,7 +256,8 @@ class DFlashDrafter(nn.Module):
     # ---- context state -----------------------------------------------------------------
     def context_feature(self, taps: torch.Tensor) -> torch.Tensor:
         """[..., n_taps*H] concatenated target taps -> ctx [..., H]."""
-        return rms_norm(linear(taps, self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
+        return rms_norm(linear(taps, self.fc_weight(taps.numel() // taps.shape[-1])), self.hidden_norm,
+                        self.cfg.rms_norm_eps)
 
     def write_context(self, cache: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor,
                       slots: torch.Tensor, kv_fn: Callable | None = None) -> None:
@@ -217,14 +268,22 @@ class DFlashDrafter(nn.Module):
         c = self.cfg
         n_l, _, nb, bs, h, d = cache.shape
         (kv_fn or write_context_kv)(cache.view(n_l * 2, nb * bs, h, d), taps, positions, slots, self.rotary.cos,
-                                    self.rotary.sin, self.fc, self.hidden_norm, self._kv_all, self._kn_all,
+                                    self.rotary.sin, self.fc_weight(taps.shape[0]), self.hidden_norm, self._kv_all,
+                                    self._kn_all,
                                     c.rms_norm_eps, c.num_key_value_heads, c.head_dim)
 
     # ---- drafting ----------------------------------------------------------------------
-    def layer_weights(self, i: int) -> tuple[torch.Tensor, ...]:
+    def layer_weights(self, i: int, rows: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Layer i's weights in `draft_layer`'s order; for a pass of `rows` rows under `quantize`, its four
+        projections are the fp8 weights widened back (the values the few-row kernel multiplies)."""
         l = self.layers[i]
-        return (l.input_layernorm, l.qkv_proj, l.o_proj, l.q_norm, l.k_norm,
-                l.post_attention_layernorm, l.gate_up_proj, l.down_proj)
+        w = [l.input_layernorm, l.qkv_proj, l.o_proj, l.q_norm, l.k_norm, l.post_attention_layernorm,
+             l.gate_up_proj, l.down_proj]
+        if rows is not None and self._fp8_for(rows):
+            q = self._fp8_layers[i]
+            w[1], w[2], w[6], w[7] = (q[n].dequantize(l.qkv_proj.dtype)
+                                      for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        return tuple(w)
 
     def draft_logits(self, block_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
                      block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_lens: torch.Tensor,
@@ -253,7 +312,7 @@ class DFlashDrafter(nn.Module):
         if block_slots is not None and paged_applies(block_ids.device, t, attention_impl):
             fns = paged_fns or PAGED_EAGER
             x = self.paged_block_hidden(block_ids, positions, cache, block_tables, block_slots, fns, attention_impl)
-            return fns.head(x, self.head_weight, c.output_multiplier, c.final_logit_softcapping)
+            return fns.head(x, self.draft_head(b * (t - 1)), c.output_multiplier, c.final_logit_softcapping)
         if attention_impl == "paged":
             raise ValueError("attention_impl 'paged' needs block_slots")
         h = tgt.embed(block_ids)
@@ -268,9 +327,9 @@ class DFlashDrafter(nn.Module):
         fn = layer_fn or draft_layer
         for i in range(c.num_hidden_layers):
             h = fn(h, cos, sin, gather_kv(cache[i, 0], block_tables), gather_kv(cache[i, 1], block_tables), mask,
-                   *self.layer_weights(i),
+                   *self.layer_weights(i, b * t),
                    c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim, impl=attention_impl)
-        return block_head(rms_norm(h, self.norm, c.rms_norm_eps), self.head_weight, c.output_multiplier,
+        return block_head(rms_norm(h, self.norm, c.rms_norm_eps), self.draft_head(b * (t - 1)), c.output_multiplier,
                           c.final_logit_softcapping)
 
     def paged_block_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
@@ -298,9 +357,11 @@ class DFlashDrafter(nn.Module):
             w_next = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             k_cache, v_cache = cache[i, 0], cache[i, 1]
             if fused:
-                h, xg, ss = fused_layer(h, xg, ss, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, l.o_proj,
-                                        l.post_attention_layernorm, l.gate_up_proj, l.down_proj, w_next, eps, n_q,
-                                        n_kv, d, k_cache, v_cache, block_slots, block_tables, key_pos)
+                rows = h.shape[0] * h.shape[1]
+                h, xg, ss = fused_layer(h, xg, ss, cos, sin, self.proj(i, "qkv_proj", rows), l.q_norm, l.k_norm,
+                                        self.proj(i, "o_proj", rows), l.post_attention_layernorm,
+                                        self.proj(i, "gate_up_proj", rows), self.proj(i, "down_proj", rows), w_next,
+                                        eps, n_q, n_kv, d, k_cache, v_cache, block_slots, block_tables, key_pos)
                 continue
             args = (x, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, eps, c.num_attention_heads, n_kv, d,
                     k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), block_slots)
@@ -312,7 +373,7 @@ class DFlashDrafter(nn.Module):
         return fns.norm(h, self.norm, eps) if fused else x
 
 
-def block_head(x: torch.Tensor, w_head: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
+def block_head(x: torch.Tensor, w_head: Weight, multiplier: float, softcap: float | None) -> torch.Tensor:
     """Draft logits [B, T-1, V] of the final-normed block x [B, T, H] at positions 1..T-1, through the
     target's head (and the drafter's output multiplier and soft cap, where its config has them)."""
     b, t, h = x.shape
@@ -377,7 +438,7 @@ def paged_norm(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 PAGED_EAGER = PagedDraftFns(paged_block_inputs, paged_qkv, paged_attn_mlp, block_head, paged_norm)
 
 
-def context_kv_all(taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_fc: torch.Tensor,
+def context_kv_all(taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_fc: Weight,
                    w_hidden_norm: torch.Tensor, w_kv_all: torch.Tensor, w_kn_all: torch.Tensor, eps: float,
                    n_kv: int, d: int) -> torch.Tensor:
     """Context K/V of every draft layer at once: taps [N, n_taps*H] -> [layers, 2, N, n_kv, d]."""
@@ -391,7 +452,7 @@ def context_kv_all(taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_f
 
 
 def write_context_kv(cache: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     cos_t: torch.Tensor, sin_t: torch.Tensor, w_fc: torch.Tensor, w_hidden_norm: torch.Tensor,
+                     cos_t: torch.Tensor, sin_t: torch.Tensor, w_fc: Weight, w_hidden_norm: torch.Tensor,
                      w_kv_all: torch.Tensor, w_kn_all: torch.Tensor, eps: float, n_kv: int, d: int) -> None:
     """`context_kv_all` of taps [N, n_taps*H] at `positions`, scattered into the draft cache viewed as
     [layers*2, slots, n_kv, d] at `slots` [N]. The scatter mutates the argument itself, so compiled (the

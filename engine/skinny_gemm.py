@@ -22,6 +22,8 @@ A layer is then 7 launches, not 10: the two norms and the SwiGLU product have no
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -54,9 +56,10 @@ def tile(n: int, k: int) -> tuple[int, int, int, int]:
 if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym, ss_ptr, P, eps, r_ptr, srm, g_ptr, xg_ptr,
-                       sso_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                       sso_ptr, s_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                        F32: tl.constexpr, ROWWISE: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
-                       RESID: tl.constexpr, NEXT: tl.constexpr, P_PAD: tl.constexpr, PDL: tl.constexpr):
+                       RESID: tl.constexpr, NEXT: tl.constexpr, P_PAD: tl.constexpr, WQ: tl.constexpr,
+                       PDL: tl.constexpr):
         """One program: y[:M, n0:n0+BN] over all of K. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE
         (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains.
         The fused layer's forms (`fused_linear`), all in the epilogue, so the K loop stays the plain one:
@@ -65,8 +68,11 @@ if triton is not None:
         y = silu(gate) * up; a program's BN gate rows and the BN up rows at the same offset load as one [2*BN, BK]
         tile, one dot a K step, as the plain kernel's loop (two tiles and two dots were slower on an H200:
         docs/results.md). RESID: y = round(x @ w.T) + r. NEXT (with RESID): also the next norm's input y * g (xg_ptr)
-        and this program's sum of each row's squares of y (sso_ptr, [M, programs]). PDL (triton_env's comment): wait at
-        the top, let the next kernel launch after the K loop, so it starts in this kernel's tail."""
+        and this program's sum of each row's squares of y (sso_ptr, [M, programs]). WQ: w is float8 (e4m3) with a
+        scale per row (s_ptr, fp32): each tile is widened to x's dtype before its dot (exact: every e4m3 value is a
+        bf16 and fp16 value), and the fp32 sums are multiplied by their rows' scales after the loop, before any
+        other epilogue step (`Fp8Weight`). PDL (triton_env's comment): wait at the top, let the next kernel launch
+        after the K loop, so it starts in this kernel's tail."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
@@ -95,6 +101,11 @@ if triton is not None:
             WN: tl.constexpr = BN
             w_ok = n_ok
             w_base = w_ptr + rn[:, None] * swn + rk[None, :]
+        if WQ:  # the rows' scales, in the order of the tile's rows (w_base's)
+            if SWIGLU:
+                w_scale = tl.load(s_ptr + pid * BN + j % BN + (j // BN) * N, mask=w_ok, other=0.0)
+            else:
+                w_scale = tl.load(s_ptr + rn, mask=w_ok, other=0.0)
         acc = tl.zeros([BM, WN], tl.float32)
         for k in range(0, K, BK):
             if EVEN_K:
@@ -104,6 +115,8 @@ if triton is not None:
                 k_ok = (k + rk) < K
                 a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+            if WQ:
+                w = w.to(a.dtype)
             if ROWWISE:
                 acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
             elif F32:
@@ -111,6 +124,8 @@ if triton is not None:
             else:
                 acc = tl.dot(a, tl.trans(w), acc)
         pdl_release(PDL)
+        if WQ:
+            acc = acc * w_scale[None, :]
         if RMS:
             acc = acc * (1.0 / tl.sqrt(tl.sum(ss_in, 1) / K + eps))[:, None]
         if SWIGLU:  # gate and up rounded as the unfused matmul's output would be, the product in fp32
@@ -145,23 +160,57 @@ if triton is not None:
         tl.store(ss_ptr + row, tl.sum(acc, 0))
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int, num_stages: int
-           ) -> torch.Tensor:
-    """x [M <= 16, K] (rows contiguous), w [N, K] (rows contiguous) -> x @ w.T [M, N] in x's dtype."""
-    return launch_fused(x, w, block_n, block_k, num_warps, num_stages)[0]
+class Fp8Weight(NamedTuple):
+    """A projection's weight in float8 (e4m3) with a scale per output row: w ~ data * scale[:, None]. Half the bytes
+    of bf16 for a pass that reads its weights once (a few-row draft pass); only the kernel's forms take it
+    (`linear` widens it for F.linear elsewhere). Built by `quantize_fp8`."""
+
+    data: torch.Tensor  # [N, K] torch.float8_e4m3fn, rows contiguous
+    scale: torch.Tensor  # [N] float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight it stands for, in `dtype` (each row's fp8 values times its scale, rounded once)."""
+        return (self.data.float() * self.scale[:, None]).to(dtype)
+
+
+FP8_MAX = 448.0  # the largest finite e4m3 value
+
+
+def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+    """w [N, K] -> its Fp8Weight: each row scaled so that its largest magnitude maps to FP8_MAX (a zero row keeps
+    scale 1), rounded to e4m3 to nearest."""
+    wf = w.detach().float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return Fp8Weight((wf / scale[:, None]).to(torch.float8_e4m3fn).contiguous(), scale.contiguous())
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int, num_stages: int,
+           w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= 16, K] (rows contiguous), w [N, K] (rows contiguous) -> x @ w.T [M, N] in x's dtype; w_scale:
+    w is fp8 with these row scales (`Fp8Weight`)."""
+    return launch_fused(x, w, block_n, block_k, num_warps, num_stages, w_scale=w_scale)[0]
 
 
 def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int, num_stages: int,
                  ss: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
-                 residual: torch.Tensor | None = None, g_next: torch.Tensor | None = None
+                 residual: torch.Tensor | None = None, g_next: torch.Tensor | None = None,
+                 w_scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`launch` -> (y, None, None), or a fused form (`fused_linear` says what each computes): ss [M, P] fp32
     partial sums of squares (x then holds the stream times its norm's weight); swiglu, w is [gate; up] and the
     output has half its rows; residual [M, N] (rows contiguous); g_next [N] (with residual): -> (y, y * g_next,
-    [M, programs] partial sums of y's squares)."""
+    [M, programs] partial sums of y's squares). w_scale [rows of w] fp32: w is float8 e4m3 (`Fp8Weight`)."""
     m, k = x.shape
     n = w.shape[0] // 2 if swiglu else w.shape[0]
     assert m <= BLOCK_M and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
+    assert (w_scale is None) == (w.dtype != torch.float8_e4m3fn), "an fp8 weight needs its row scales, and only it"
+    assert w_scale is None or (w_scale.dtype == torch.float32 and w_scale.shape == (w.shape[0],)
+                               and w_scale.is_contiguous())
     assert not swiglu or w.shape[0] == 2 * n
     assert ss is None or (ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[0] == m and ss.is_contiguous())
     assert residual is None or (residual.shape == (m, n) and residual.stride(1) == 1)
@@ -177,9 +226,10 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), y if ss is None else ss, p, float(eps),
         y if residual is None else residual, 0 if residual is None else residual.stride(0),
         y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso,
+        y if w_scale is None else w_scale,
         BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
         ROWWISE=INTERPRET, RMS=ss is not None, SWIGLU=swiglu, RESID=residual is not None, NEXT=g_next is not None,
-        P_PAD=max(16, triton.next_power_of_2(p)), num_warps=num_warps, num_stages=num_stages,
+        P_PAD=max(16, triton.next_power_of_2(p)), WQ=w_scale is not None, num_warps=num_warps, num_stages=num_stages,
         **triton_env.pdl_args(x.device))
     return y, xg, sso
 
@@ -198,30 +248,31 @@ def fused_tile(w: torch.Tensor, swiglu: bool) -> tuple[int, int, int, int]:
 if triton is not None:
     # an opaque custom op, as paged_attention's: compiled, inductor calls it as one extern kernel
     @torch.library.custom_op("flashpd::skinny_linear", mutates_args=())
-    def _skinny_linear_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return launch(x, w, *tile(w.shape[0], w.shape[1]))
+    def _skinny_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return launch(x, w, *tile(w.shape[0], w.shape[1]), w_scale=w_scale)
 
     @_skinny_linear_op.register_fake
-    def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.custom_op("flashpd::skinny_rms", mutates_args=())
-    def _skinny_rms_op(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool
-                       ) -> torch.Tensor:
-        return launch_fused(xg, w, *fused_tile(w, swiglu), ss=ss, eps=eps, swiglu=swiglu)[0]
+    def _skinny_rms_op(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool,
+                       w_scale: torch.Tensor | None = None) -> torch.Tensor:
+        return launch_fused(xg, w, *fused_tile(w, swiglu), ss=ss, eps=eps, swiglu=swiglu, w_scale=w_scale)[0]
 
     @_skinny_rms_op.register_fake
-    def _(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool) -> torch.Tensor:
+    def _(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool,
+          w_scale: torch.Tensor | None = None) -> torch.Tensor:
         return xg.new_empty((xg.shape[0], w.shape[0] // 2 if swiglu else w.shape[0]))
 
     @torch.library.custom_op("flashpd::skinny_residual", mutates_args=())
-    def _skinny_residual_op(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return launch_fused(x, w, *fused_tile(w, False), residual=residual, g_next=g_next)
+    def _skinny_residual_op(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor,
+                            w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return launch_fused(x, w, *fused_tile(w, False), residual=residual, g_next=g_next, w_scale=w_scale)
 
     @_skinny_residual_op.register_fake
-    def _(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor,
+          w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = w.shape[0]
         programs = triton.cdiv(n, fused_tile(w, False)[0])
         return (x.new_empty((x.shape[0], n)), x.new_empty((x.shape[0], n)),
@@ -249,18 +300,32 @@ def applies(device: torch.device, dtype: torch.dtype, rows: int, weight_numel: i
             and rows <= MAX_ROWS and weight_numel <= MAX_WEIGHT_ELEMENTS)
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+Weight = torch.Tensor | Fp8Weight  # what `linear` and the fused forms take
+
+
+def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the weight's tensor, its fp8 row scales or None)."""
+    return (w.data, w.scale) if isinstance(w, Fp8Weight) else (w.contiguous(), None)
+
+
+def skinny_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """The kernel on x [..., K] of any leading shape (at most 16 rows in all) -> [..., N]; on any device triton
     runs on (the interpreter in tests), fp32 included."""
     if triton is None:
         raise RuntimeError("skinny_linear needs triton")
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
-    return torch.ops.flashpd.skinny_linear(x2, w.contiguous()).view(*x.shape[:-1], w.shape[0])
+    data, scale = _parts(w)
+    return torch.ops.flashpd.skinny_linear(x2, data, scale).view(*x.shape[:-1], data.shape[0])
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) without bias: the kernel where `applies`, else F.linear."""
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """F.linear(x, w) without bias: the kernel where `applies`, else F.linear (an Fp8Weight widened to x's dtype
+    first: the same values the kernel multiplies, summed by another kernel)."""
+    if isinstance(w, Fp8Weight):
+        if applies(x.device, x.dtype, x.numel() // x.shape[-1], w.data.numel()):
+            return skinny_linear(x, w)
+        return F.linear(x, w.dequantize(x.dtype))
     if applies(x.device, x.dtype, x.numel() // x.shape[-1], w.numel()) and w.dtype == x.dtype:
         return skinny_linear(x, w)
     return F.linear(x, w)
@@ -288,7 +353,7 @@ def norm_input(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return xg.view(x.shape), ss
 
 
-def fused_linear(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float, swiglu: bool = False
+def fused_linear(xg: torch.Tensor, w: Weight, ss: torch.Tensor, eps: float, swiglu: bool = False
                  ) -> torch.Tensor:
     """rms_norm(x, g, eps) @ w.T as (x * g) @ w.T with each row scaled by 1/rms after the matmul: xg [..., K] is
     x * g (`norm_input`, or the producing projection's `fused_residual`) and ss [rows, P] the partial sums of x's
@@ -297,17 +362,19 @@ def fused_linear(xg: torch.Tensor, w: torch.Tensor, ss: torch.Tensor, eps: float
     swiglu: w is [gate; up] (2N rows) -> silu(gate) * up [..., N], gate and up rounded first as the unfused
     matmul's output is, the product in fp32."""
     k = xg.shape[-1]
-    y = torch.ops.flashpd.skinny_rms(xg.reshape(-1, k).contiguous(), w.contiguous(), ss, float(eps), swiglu)
+    data, scale = _parts(w)
+    y = torch.ops.flashpd.skinny_rms(xg.reshape(-1, k).contiguous(), data, ss, float(eps), swiglu, scale)
     return y.view(*xg.shape[:-1], y.shape[-1])
 
 
-def fused_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, g_next: torch.Tensor
+def fused_residual(x: torch.Tensor, w: Weight, residual: torch.Tensor, g_next: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h = residual + round(x @ w.T), rounded (bitwise the unfused add), with what the next RMS form reads:
     -> (h, h * g_next rounded, [rows, programs] partial sums of h's squares in fp32)."""
     k = x.shape[-1]
     n = w.shape[0]
-    h, xg, ss = torch.ops.flashpd.skinny_residual(x.reshape(-1, k).contiguous(), w.contiguous(),
-                                                  residual.reshape(-1, n).contiguous(), g_next.contiguous())
+    data, scale = _parts(w)
+    h, xg, ss = torch.ops.flashpd.skinny_residual(x.reshape(-1, k).contiguous(), data,
+                                                  residual.reshape(-1, n).contiguous(), g_next.contiguous(), scale)
     return h.view(*x.shape[:-1], n), xg.view(*x.shape[:-1], n), ss
 

@@ -227,17 +227,75 @@ def fused_dispatch(sg: ModuleType, dev: str) -> None:
     assert sg.fused_tile(w, True)[0] * 2 == sg.tile(24576, 64)[0]
 
 
+def fp8_weights_match_their_values(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
+    """An Fp8Weight (e4m3, a scale per row) in every form equals the same form computed from the values it stands
+    for: the plain product x @ (data * scale).T in fp64, and each fused form against the same form with the
+    weight widened (`dequantize`) to the dtype (fp32: to rounding; bf16: within the widened weight's rounding).
+    Each row of a 16-row call is bitwise the row alone, as with bf16 weights. The rows' scales follow the SwiGLU
+    form's gate and up rows. quantize_fp8 keeps every row within e4m3's range and relative step (1/16 at most)."""
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for i, (m, n, k) in enumerate(SHAPES):
+        o = fused_operands(dev, dtype, m, n, k, seed=60 + i)
+        w8, w28 = sg.quantize_fp8(o["w"]), sg.quantize_fp8(o["w2"])
+        if n > sg.WIDE_N:  # the wide tile: the plain product only (the fused forms share its loads and epilogue)
+            exact = (o["h"].double() @ (w8.data.double() * w8.scale.double()[:, None]).T)
+            torch.testing.assert_close(sg.skinny_linear(o["h"], w8).double(), exact, rtol=tol, atol=tol)
+            continue
+        assert w8.data.dtype == torch.float8_e4m3fn and w8.scale.shape == (n,) and w8.shape == (n, k)
+        assert float(w8.data.float().abs().max()) <= sg.FP8_MAX
+        torch.testing.assert_close(w8.dequantize(torch.float32), o["w"].float(),
+                                   rtol=1 / 16, atol=float(w8.scale.max()) * 2 ** -9)
+        exact = (o["h"].double() @ (w8.data.double() * w8.scale.double()[:, None]).T)
+        torch.testing.assert_close(sg.skinny_linear(o["h"], w8).double(), exact, rtol=tol, atol=tol)
+        assert torch.equal(sg.linear(o["h"], w8), sg.skinny_linear(o["h"], w8)) or dev == "cpu"
+        xg, ss = sg.norm_input(o["h"], o["g"])
+        wide, wide2 = w8.dequantize(dtype), w28.dequantize(dtype)
+        torch.testing.assert_close(sg.fused_linear(xg, w8, ss, 1e-6).float(),
+                                   sg.fused_linear(xg, wide, ss, 1e-6).float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(sg.fused_linear(xg, w28, ss, 1e-6, swiglu=True).float(),
+                                   sg.fused_linear(xg, wide2, ss, 1e-6, swiglu=True).float(), rtol=4 * tol,
+                                   atol=4 * tol)
+        for got, ref in zip(sg.fused_residual(o["h"], w8, o["r"], o["g_next"]),
+                            sg.fused_residual(o["h"], wide, o["r"], o["g_next"])):
+            torch.testing.assert_close(got.float(), ref.float(), rtol=4 * tol, atol=4 * tol * (1 + k / 64))
+    o = fused_operands(dev, dtype, 16, 72, 300, seed=70)
+    w8, w28 = sg.quantize_fp8(o["w"]), sg.quantize_fp8(o["w2"])
+    xg, ss = sg.norm_input(o["h"], o["g"])
+    full = (sg.skinny_linear(o["h"], w8), sg.fused_linear(xg, w28, ss, 1e-6, swiglu=True),
+            *sg.fused_residual(o["h"], w8, o["r"], o["g_next"]))
+    for r in (0, 9):
+        alone = (sg.skinny_linear(o["h"][r:r + 1], w8), sg.fused_linear(xg[r:r + 1], w28, ss[r:r + 1], 1e-6,
+                                                                           swiglu=True),
+                 *sg.fused_residual(o["h"][r:r + 1], w8, o["r"][r:r + 1], o["g_next"]))
+        for j, (a, f) in enumerate(zip(alone, full)):
+            assert torch.equal(a, f[r:r + 1]), (r, j)
+
+
+def fp8_row_scales_follow_the_rows(sg: ModuleType, dev: str) -> None:
+    """Rows of very different sizes each keep their own scale: a weight whose rows span 1e-4 .. 1e3 comes back
+    within e4m3's relative step in every row, and a zero row stays zero (scale 1)."""
+    w = torch.randn(48, 64) * torch.logspace(-4, 3, 48)[:, None]
+    w[5] = 0
+    q = sg.quantize_fp8(w.to(dev))
+    back = q.dequantize(torch.float32).cpu()
+    assert torch.equal(back[5], torch.zeros(64)) and float(q.scale[5]) == 1.0
+    rel = ((back - w).abs() / w.abs().amax(1, keepdim=True).clamp_min(1e-30))
+    assert float(rel.max()) <= 1 / 16
+
+
 for _dt in (torch.float32, torch.bfloat16):
     CASES[f"f-linear-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: matches_f_linear(sg, dev, dt)
     CASES[f"invariance-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: rows_do_not_depend_on_the_row_count(sg, dev, dt)
     CASES[f"fused-forms-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: fused_forms_match_the_steps(sg, dev, dt)
     CASES[f"fused-invariance-{str(_dt)[6:]}"] = (
         lambda sg, dev, dt=_dt: fused_rows_do_not_depend_on_the_row_count(sg, dev, dt))
+    CASES[f"fp8-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: fp8_weights_match_their_values(sg, dev, dt)
 CASES["compiled"] = compiled_op_is_the_eager_op
 CASES["dispatch"] = the_engine_takes_it_for_few_low_precision_rows_on_cuda
 CASES["fused-compiled"] = fused_compiled_ops_are_the_eager_ops
 CASES["fused-dispatch"] = fused_dispatch
 CASES["fused-engine"] = the_engine_fuses_its_decode_layers
+CASES["fp8-scales"] = fp8_row_scales_follow_the_rows
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,0 +1,87 @@
+"""The drafter's few-row passes in fp8 (DFlashDrafter.quantize): which weights each pass reads, and that drafting
+from them never changes the output.
+
+float32 CPU, the tiny fixture pair. Under quantize("fp8") a pass of at most 16 rows (a batch-1 draft, its context
+write) reads the fp8 weights (their values widened back where the few-row kernel does not run), a wider pass the
+checkpoint's. The output must stay native greedy decoding's, with guesses still accepted; a drafter whose fp8 head
+is zeroed must get nothing accepted, which shows the fp8 copies are what the draft pass reads; quantize(None) gives
+back the plain drafter's tokens and acceptance lengths.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dflash_helpers import dflash_engine, dflash_pair, greedy, run_checked  # noqa: F401 (fixtures by name)
+from flashpd.engine.drafter import load_drafter
+from flashpd.engine.skinny_gemm import MAX_ROWS, Fp8Weight
+from flashpd.engine.spec_decode import DFlashGenerator
+
+PROMPTS = slice(0, 4)
+MAX_TOKENS = 40
+
+
+def _drafter(engine, pair, quantization):
+    d = load_drafter(pair.draft_dir, engine.target)
+    d.quantize(quantization)
+    return d
+
+
+def _run(engine, drafter, prompts, width=16):
+    """Each prompt alone: a batch-1 draft pass is the one of at most 16 rows (a batch of several reads bf16)."""
+    gen = DFlashGenerator(engine.runner, drafter, draft_width=width)
+    return [run_checked(gen, [p], [greedy(MAX_TOKENS)])[0] for p in prompts]
+
+
+def test_passes_read_fp8_up_to_the_few_row_kernels_rows(dflash_engine, dflash_pair):
+    d = _drafter(dflash_engine, dflash_pair, "fp8")
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        few, wide = d.proj(0, name, MAX_ROWS), d.proj(0, name, MAX_ROWS + 1)
+        assert isinstance(few, Fp8Weight) and few.data.dtype == torch.float8_e4m3fn
+        assert wide is getattr(d.layers[0], name)
+        torch.testing.assert_close(few.dequantize(torch.float32), wide, rtol=1 / 16, atol=1e-3)
+    assert isinstance(d.fc_weight(3), Fp8Weight) and d.fc_weight(MAX_ROWS + 1) is d.fc
+    head = d.draft_head(15)
+    assert isinstance(head, Fp8Weight) and d.draft_head(15) is head  # made once
+    assert d.draft_head(MAX_ROWS + 1) is d.head_weight
+    few = d.layer_weights(0, 16)  # the gathered pass (no kernel here): the fp8 values widened back
+    assert torch.equal(few[1], d.proj(0, "qkv_proj", 16).dequantize(few[1].dtype))
+    assert d.layer_weights(0, 17)[1] is d.layers[0].qkv_proj
+    d.quantize(None)
+    assert d.proj(0, "o_proj", 1) is d.layers[0].o_proj and d.fc_weight(1) is d.fc
+    assert d.draft_head(1) is d.head_weight
+    with pytest.raises(ValueError, match="quantization"):
+        d.quantize("int4")
+
+
+@pytest.mark.parametrize("width", [4, 16])
+def test_fp8_drafts_keep_the_output_exact(dflash_engine, dflash_pair, width):
+    prompts = dflash_pair.prompts[PROMPTS]
+    native = dflash_engine.native(prompts, MAX_TOKENS)
+    seqs = _run(dflash_engine, _drafter(dflash_engine, dflash_pair, "fp8"), prompts, width)
+    assert [s.output for s in seqs] == native
+    al = [a for s in seqs for a in s.stats.acceptance_lengths]
+    assert sum(al) / len(al) > 1.2, "nothing accepted: exactness would hold trivially"
+
+
+def test_the_draft_pass_reads_the_fp8_copies(dflash_engine, dflash_pair):
+    """Zero the fp8 head's values: the draft's logits are all zero, its guesses the first id, and nothing the
+    target emits past it is accepted; the output is still native's."""
+    prompts = dflash_pair.prompts[PROMPTS]
+    native = dflash_engine.native(prompts, MAX_TOKENS)
+    d = _drafter(dflash_engine, dflash_pair, "fp8")
+    d.draft_head(15).data.zero_()
+    seqs = _run(dflash_engine, d, prompts)
+    assert [s.output for s in seqs] == native
+    al = [a for s in seqs for a in s.stats.acceptance_lengths]
+    assert sum(al) / len(al) < 1.2, "the draft pass did not read the fp8 head"
+
+
+def test_unquantized_again_drafts_as_the_plain_drafter(dflash_engine, dflash_pair):
+    prompts = dflash_pair.prompts[PROMPTS]
+    back = _drafter(dflash_engine, dflash_pair, "fp8")
+    back.quantize(None)
+    a = _run(dflash_engine, back, prompts)
+    b = _run(dflash_engine, _drafter(dflash_engine, dflash_pair, None), prompts)
+    assert [s.output for s in a] == [s.output for s in b]
+    assert [s.stats.acceptance_lengths for s in a] == [s.stats.acceptance_lengths for s in b]

@@ -17,8 +17,9 @@ MODES = ("colocated", "ray", "local")
 # ServeConfig fields a client may read back (Health's settings_json; `public_settings`)
 PUBLIC_SETTINGS = ("mode", "device", "dtype", "kv_cache_tokens", "max_running", "session_hold_fraction",
                    "session_hold_steps", "engine_process", "policy", "draft_width_policy", "draft_token_map",
-                   "max_concurrent", "prefill_workers", "decode_workers", "chunk_tokens", "device_cache_bytes",
-                   "host_cache_bytes", "bridge_transport", "kv_transport", "gil_switch_interval_s", "warmup")
+                   "draft_quantization", "max_concurrent", "prefill_workers", "decode_workers", "chunk_tokens",
+                   "device_cache_bytes", "host_cache_bytes", "bridge_transport", "kv_transport", "gil_switch_interval_s",
+                   "warmup")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class ServeConfig:
     # a reduced draft vocabulary (engine/token_map.py; SGLang's --speculative-token-map): a file of hot token ids
     # whose head rows alone the drafter reads; None: the whole vocabulary. The output is unchanged either way.
     draft_token_map: str | None = None
+    # the drafter's few-row passes (a batch-1 draft) in "fp8" weights (DFlashDrafter.quantize; vLLM's
+    # speculative_config "quantization"): half the bytes a draft reads; None: the checkpoint's dtype. Same output.
+    draft_quantization: str | None = None
     # the public endpoint (router, or the colocated server)
     host: str = "127.0.0.1"
     port: int = 0
@@ -146,6 +150,10 @@ class ServeConfig:
             raise ValueError(f"draft_width_policy: {e}") from None
         if self.draft_token_map is not None and self.draft is None:
             raise ValueError("draft_token_map: needs a drafter (draft)")
+        if self.draft_quantization not in (None, "fp8"):
+            raise ValueError(f"draft_quantization: must be 'fp8' or null, got {self.draft_quantization!r}")
+        if self.draft_quantization is not None and self.draft is None:
+            raise ValueError("draft_quantization: needs a drafter (draft)")
         if self.kv_transport not in ("bridge", "device", "dist"):
             raise ValueError(f"kv_transport: must be 'bridge', 'device' or 'dist', got {self.kv_transport!r}")
         if not self.handoff_lease_s > 0:

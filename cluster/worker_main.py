@@ -126,7 +126,8 @@ def load_model(cfg):
     if cfg.gil_switch_interval_s is not None:  # the process that runs an engine loop (ServeConfig says why)
         sys.setswitchinterval(cfg.gil_switch_interval_s)
     return load_engine(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype,
-                       kv_cache_tokens=cfg.kv_cache_tokens, token_map=cfg.draft_token_map)
+                       kv_cache_tokens=cfg.kv_cache_tokens, token_map=cfg.draft_token_map,
+                       draft_quantization=cfg.draft_quantization)
 
 
 def fingerprint(cfg, llm) -> str:

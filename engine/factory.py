@@ -71,13 +71,15 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
                 dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None, *,
                 method: str | None = None, draft_width: int | None = None, kv_block_size: int = 16,
                 width_policy: WidthPolicy | None = None, runner_config: RunnerConfig | None = None,
-                token_map: str | Path | None = None) -> EngineParts:
+                token_map: str | Path | None = None, draft_quantization: str | None = None) -> EngineParts:
     """Load `target` (and `draft`) on `device` (default: cuda when available) in `dtype` (default:
     bfloat16 on cuda, float32 on cpu). `method` defaults to "dflash" with a drafter, else "native";
     `kv_cache_tokens` sizes the paged cache (default: a share of free device memory); `width_policy`: how
     wide a DFlash step verifies (engine/width_policy.py; default the whole draft width); `runner_config`: the
     ModelRunner's knobs (engine/runner_config.py; default RunnerConfig(): graphs and compile iff CUDA);
-    `token_map`: a file of hot token ids the drafter alone drafts from (engine/token_map.py; default: all)."""
+    `token_map`: a file of hot token ids the drafter alone drafts from (engine/token_map.py; default: all);
+    `draft_quantization`: the drafter's few-row passes in "fp8" weights (DFlashDrafter.quantize; default: the
+    checkpoint's dtype)."""
     dev = torch.device(device or default_device())
     dt = resolve_dtype(dtype, str(dev))
     method = method or ("dflash" if draft else "native")
@@ -87,6 +89,10 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
         raise ValueError("method 'dflash' needs a drafter (draft=DIR / --draft DIR)")
     if token_map is not None and method != "dflash":
         raise ValueError("a token map (the draft's vocabulary) needs method 'dflash' and a drafter")
+    if draft_quantization is not None and method != "dflash":
+        raise ValueError("a draft quantization needs method 'dflash' and a drafter")
+    if draft_quantization not in (None, "fp8"):
+        raise ValueError(f"draft quantization must be 'fp8' or unset, got {draft_quantization!r}")
     model = load_target(target, dev, dt)
     tokenizer = TextTokenizer.from_dir(target)
     stop_ids = model.cfg.eos_token_ids
@@ -98,6 +104,7 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
         if token_map is not None:
             from flashpd.engine.token_map import load_token_map  # noqa: PLC0415
             drafter.set_token_map(load_token_map(token_map, model.cfg.vocab_size))
+        drafter.quantize(draft_quantization)
         taps = tuple(drafter.cfg.target_layer_ids)
         draft_width = drafter.cfg.block_size if draft_width is None else draft_width
     else:

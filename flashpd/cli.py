@@ -50,14 +50,14 @@ def _prompt_ids(s: str) -> list[int]:
 def parse_speculative_config(text: str) -> dict:
     """vLLM's spelling: {"method": "dflash", "model": DIR, "num_speculative_tokens": K} -> block_size
     (--block-size's dest: the draft width) K+1; an optional "token_map": FILE (the draft's vocabulary,
-    --speculative-token-map's dest)."""
+    --speculative-token-map's dest) and "quantization": "fp8" (the drafter's weights in its few-row passes)."""
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ValueError("--speculative-config must be a JSON object")
-    unknown = set(cfg) - {"method", "model", "num_speculative_tokens", "token_map"}
+    unknown = set(cfg) - {"method", "model", "num_speculative_tokens", "token_map", "quantization"}
     if unknown:
         raise ValueError(f"--speculative-config: unsupported keys {sorted(unknown)}")
     if cfg.get("method") != "dflash":
@@ -74,6 +74,10 @@ def parse_speculative_config(text: str) -> dict:
         if not isinstance(cfg["token_map"], str) or not cfg["token_map"]:
             raise ValueError(f"--speculative-config: token_map must be a file path, got {cfg['token_map']!r}")
         out["token_map"] = cfg["token_map"]
+    if "quantization" in cfg:
+        if cfg["quantization"] != "fp8":
+            raise ValueError(f"--speculative-config: quantization must be 'fp8', got {cfg['quantization']!r}")
+        out["quantization"] = "fp8"
     return out
 
 
@@ -88,7 +92,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, help="DFlash draft width, 2..16 (unset: the drafter's)")
     p.add_argument("--speculative-config",
                    help='the drafter in vLLM\'s form, instead of --draft: \'{"method": "dflash", "model": DIR, '
-                        '"num_speculative_tokens": 15}\' (K tokens: draft width K+1; unset: --draft)')
+                        '"num_speculative_tokens": 15}\' (K tokens: draft width K+1; unset: --draft); '
+                        '"quantization": "fp8" drafts from fp8 weights (same output)')
     p.add_argument("--speculative-token-map", metavar="FILE",
                    help="a reduced draft vocabulary: a JSON list (or torch file) of hot token ids the drafter alone "
                         "drafts from (SGLang's spelling; build one with `python -m flashpd.training.token_map`). "
@@ -107,6 +112,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from flashpd.llm import LLM  # noqa: PLC0415 (keeps `flashpd --help` fast)
 
     method, draft, width, token_map = a.method, a.draft, a.block_size, a.speculative_token_map
+    quantization = None
     if a.speculative_config:
         spec = parse_speculative_config(a.speculative_config)
         if draft and draft != spec["draft"]:
@@ -116,13 +122,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
         method, draft = method or spec["method"], spec["draft"]
         width = spec.get("block_size") if width is None else width
         token_map = token_map or spec.get("token_map")
+        quantization = spec.get("quantization")
     if method == "native" and draft:
-        draft = token_map = None  # an explicit native run ignores the drafter
+        draft = token_map = quantization = None  # an explicit native run ignores the drafter
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
     params.validate()
     llm = LLM(target=a.target, draft=draft, method=method, block_size=width, device=a.device, dtype=a.dtype,
-              speculative_token_map=token_map)
+              speculative_token_map=token_map, speculative_quantization=quantization)
     out = llm.generate([a.prompt if a.prompt is not None else a.prompt_ids], params)[0]
     if a.json:
         print(json.dumps(out.as_dict()))

@@ -36,11 +36,14 @@ class LLM:
     def __init__(self, target: str | Path, draft: str | Path | None = None, method: str | None = None,
                  block_size: int | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
                  kv_cache_tokens: int | None = None, kv_block_size: int = 16,
-                 speculative_token_map: str | Path | None = None) -> None:
+                 speculative_token_map: str | Path | None = None, speculative_quantization: str | None = None
+                 ) -> None:
         # block_size (the contract's public spelling) is the DFlash draft width; kv_block_size the KV page size;
-        # speculative_token_map (SGLang's spelling): a file of hot ids, the draft's vocabulary (engine/token_map.py)
+        # speculative_token_map (SGLang's spelling): a file of hot ids, the draft's vocabulary (engine/token_map.py);
+        # speculative_quantization (vLLM's speculative_config "quantization"): "fp8" draft weights
         e = load_engine(target, draft, device, dtype, kv_cache_tokens, method=method, draft_width=block_size,
-                        kv_block_size=kv_block_size, token_map=speculative_token_map)
+                        kv_block_size=kv_block_size, token_map=speculative_token_map,
+                        draft_quantization=speculative_quantization)
         self.device, self.dtype, self.method, self.block_size = e.device, e.dtype, e.method, e.draft_width
         self.model, self.tokenizer, self.stop_ids, self.drafter = e.model, e.tokenizer, e.stop_ids, e.drafter
         self.runner, self.generator = e.runner, e.generator

@@ -85,3 +85,65 @@ def test_unquantized_again_drafts_as_the_plain_drafter(dflash_engine, dflash_pai
     b = _run(dflash_engine, _drafter(dflash_engine, dflash_pair, None), prompts)
     assert [s.output for s in a] == [s.output for s in b]
     assert [s.stats.acceptance_lengths for s in a] == [s.stats.acceptance_lengths for s in b]
+
+
+# ---- the public face ---------------------------------------------------------------------------------
+
+def test_speculative_config_and_serve_config_take_fp8():
+    from flashpd.cli import parse_speculative_config
+    from flashpd.cluster.config import ServeConfig
+
+    spec = parse_speculative_config('{"method": "dflash", "model": "d", "quantization": "fp8"}')
+    assert spec["quantization"] == "fp8"
+    with pytest.raises(ValueError, match="quantization"):
+        parse_speculative_config('{"method": "dflash", "model": "d", "quantization": "int4"}')
+    with pytest.raises(ValueError, match="draft_quantization"):
+        ServeConfig(target="t", draft_quantization="fp8")  # no drafter
+    with pytest.raises(ValueError, match="draft_quantization"):
+        ServeConfig(target="t", draft="d", draft_quantization="int4")
+    assert ServeConfig(target="t", draft="d", draft_quantization="fp8").public_settings()["draft_quantization"] == "fp8"
+
+
+def test_load_engine_and_the_cli_draft_in_fp8(dflash_engine, dflash_pair, tmp_path, capsys):
+    import json
+
+    from flashpd.cli import main as cli_main
+    from flashpd.engine.factory import load_engine
+
+    e = load_engine(dflash_pair.target_dir, dflash_pair.draft_dir, "cpu", "float32", 2048,
+                    draft_quantization="fp8")
+    assert e.drafter.quantization == "fp8"
+    with pytest.raises(ValueError, match="draft quantization"):
+        load_engine(dflash_pair.target_dir, None, "cpu", "float32", 2048, draft_quantization="fp8")
+    prompt = dflash_pair.prompts[1]
+    native = dflash_engine.native([prompt], MAX_TOKENS)[0]
+    spec = json.dumps({"method": "dflash", "model": str(dflash_pair.draft_dir), "quantization": "fp8"})
+    assert cli_main(["generate", "--target", str(dflash_pair.target_dir), "--speculative-config", spec,
+                     "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(MAX_TOKENS), "--ignore-eos",
+                     "--device", "cpu", "--dtype", "float32", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["token_ids"] == native and max(got["stats"]["acceptance_lengths"]) > 1
+
+
+def test_the_service_drafts_in_fp8_when_configured(tmp_path):
+    """`flashpd serve` with draft_quantization "fp8" (a real colocated server over gRPC, the demo pair): Health
+    reports it, and DFlash's output equals native decoding with guesses accepted."""
+    import json
+    from pathlib import Path
+
+    from flashpd.cluster.generation_client import GenerationClient
+    from tests._serve_process import serve_process
+
+    demo = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
+    prompt, n = "def add(a, b):\n", 24
+    cfg = tmp_path / "serve.json"
+    cfg.write_text(json.dumps({"target": str(demo / "target"), "draft": str(demo / "drafter"),
+                               "draft_quantization": "fp8", "device": "cpu", "dtype": "float32",
+                               "kv_cache_tokens": 2048, "torch_threads": 1}))
+    with serve_process([str(cfg)], start_timeout_s=90) as (address, _):
+        with GenerationClient(address, timeout_s=60) as c:
+            assert c.health()["settings"]["draft_quantization"] == "fp8"
+            spec = c.generate_once(prompt, max_tokens=n, method="dflash", ignore_eos=True)
+            plain = c.generate_once(prompt, max_tokens=n, method="native", ignore_eos=True)
+    assert spec.token_ids == plain.token_ids
+    assert max(spec.stats["acceptance_lengths"]) > 1

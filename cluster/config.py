@@ -19,8 +19,7 @@ PUBLIC_SETTINGS = ("mode", "device", "dtype", "kv_cache_tokens", "max_running", 
                    "session_hold_steps", "engine_process", "policy", "draft_width_policy", "draft_token_map",
                    "draft_quantization", "max_concurrent", "prefill_workers", "decode_workers", "chunk_tokens",
                    "device_cache_bytes", "host_cache_bytes", "bridge_transport", "kv_transport",
-                   "gil_switch_interval_s",
-                   "warmup")
+                   "gil_switch_interval_s", "warmup")
 
 
 @dataclass(frozen=True)

@@ -184,12 +184,16 @@ class DFlashDrafter(nn.Module):
         |hot| rows of the head a step instead of all of them."""
         if hot_ids is None:
             self.hot_ids = self._hot_head = None
+            if self.quantization is not None:
+                self._fp8_head = (self.head_weight, quantize_fp8(self.head_weight))
             return
         w = self.target.head_weight
         ids = hot_ids.to(device=w.device, dtype=torch.int64)
         assert ids.dim() == 1 and ids.numel() and bool((ids[1:] > ids[:-1]).all()), "hot ids: sorted, distinct"
         assert int(ids[-1]) < w.shape[0], "hot id outside the head"
         self.hot_ids, self._hot_head = ids, w.index_select(0, ids).contiguous()
+        if self.quantization is not None:  # the fp8 copy follows the head the draft now reads
+            self._fp8_head = (self._hot_head, quantize_fp8(self._hot_head))
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -198,12 +202,11 @@ class DFlashDrafter(nn.Module):
 
     def draft_head(self, rows: int) -> Weight:
         """`head_weight` as a draft pass of `rows` rows reads it: in fp8 under `quantize` where the few-row kernel
-        takes the pass (made once for each head it stands for)."""
+        takes the pass (made by `quantize` and `set_token_map`, never here: a pass may be a CUDA graph's capture)."""
         head = self.head_weight
         if not self._fp8_for(rows):
             return head
-        if self._fp8_head is None or self._fp8_head[0] is not head:
-            self._fp8_head = (head, quantize_fp8(head))
+        assert self._fp8_head is not None and self._fp8_head[0] is head, "the fp8 head is not the current head's"
         return self._fp8_head[1]
 
     # ---- weight format -----------------------------------------------------------------
@@ -226,6 +229,7 @@ class DFlashDrafter(nn.Module):
         names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         self._fp8_layers = [{n: quantize_fp8(getattr(l, n)) for n in names} for l in self.layers]
         self._fp8_fc = quantize_fp8(self.fc)
+        self._fp8_head = (self.head_weight, quantize_fp8(self.head_weight))
 
     def _fp8_for(self, rows: int) -> bool:
         """Whether a projection of `rows` rows reads the fp8 weights: under `quantize`, at most the few-row

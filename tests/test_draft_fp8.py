@@ -42,8 +42,13 @@ def test_passes_read_fp8_up_to_the_few_row_kernels_rows(dflash_engine, dflash_pa
         torch.testing.assert_close(few.dequantize(torch.float32), wide, rtol=1 / 16, atol=1e-3)
     assert isinstance(d.fc_weight(3), Fp8Weight) and d.fc_weight(MAX_ROWS + 1) is d.fc
     head = d.draft_head(15)
-    assert isinstance(head, Fp8Weight) and d.draft_head(15) is head  # made once
+    assert isinstance(head, Fp8Weight) and d.draft_head(15) is head  # made once, by quantize
     assert d.draft_head(MAX_ROWS + 1) is d.head_weight
+    d.set_token_map(torch.tensor([3, 7, 9]))  # a map made after quantize gets its own fp8 rows
+    assert d.draft_head(15).shape == (3, head.shape[1])
+    torch.testing.assert_close(d.draft_head(15).dequantize(torch.float32), d.head_weight, rtol=1 / 16, atol=1e-3)
+    d.set_token_map(None)
+    assert d.draft_head(15).shape == head.shape
     few = d.layer_weights(0, 16)  # the gathered pass (no kernel here): the fp8 values widened back
     assert torch.equal(few[1], d.proj(0, "qkv_proj", 16).dequantize(few[1].dtype))
     assert d.layer_weights(0, 17)[1] is d.layers[0].qkv_proj

@@ -271,6 +271,25 @@ def fp8_weights_match_their_values(sg: ModuleType, dev: str, dtype: torch.dtype)
             assert torch.equal(a, f[r:r + 1]), (r, j)
 
 
+def fp8_compiled_ops_are_the_eager_ops(sg: ModuleType, dev: str) -> None:
+    """Compiled with Fp8Weight arguments (a NamedTuple, as the draft runner's compiled functions get them), the
+    plain and fused ops are the eager calls, bitwise."""
+    o = fused_operands(dev, torch.bfloat16, 4, 72, 256, seed=6)
+    w8, w28 = sg.quantize_fp8(o["w"]), sg.quantize_fp8(o["w2"])
+    wo8 = sg.quantize_fp8(o["w"].T.contiguous()[:72, :72])
+
+    def layer(h, g, w, w2, wo, r, gn):
+        xg, ss = sg.norm_input(h, g)
+        act = sg.fused_linear(xg, w2, ss, 1e-6, swiglu=True)
+        y, xg2, ss2 = sg.fused_residual(act, wo, r, gn)
+        return sg.skinny_linear(h, w) * 2.0, sg.fused_linear(xg, w, ss, 1e-6), y, xg2, ss2
+
+    args = (o["h"], o["g"], w8, w28, wo8, o["r"], o["g_next"])
+    fn = torch.compile(layer, fullgraph=True, backend="inductor" if dev == "cuda" else "aot_eager")
+    for got, want in zip(fn(*args), layer(*args)):
+        assert torch.equal(got, want)
+
+
 def fp8_row_scales_follow_the_rows(sg: ModuleType, dev: str) -> None:
     """Rows of very different sizes each keep their own scale: a weight whose rows span 1e-4 .. 1e3 comes back
     within e4m3's relative step in every row, and a zero row stays zero (scale 1)."""
@@ -296,6 +315,7 @@ CASES["fused-compiled"] = fused_compiled_ops_are_the_eager_ops
 CASES["fused-dispatch"] = fused_dispatch
 CASES["fused-engine"] = the_engine_fuses_its_decode_layers
 CASES["fp8-scales"] = fp8_row_scales_follow_the_rows
+CASES["fp8-compiled"] = fp8_compiled_ops_are_the_eager_ops
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -45,6 +45,8 @@ def compile_(kernel, const, warps=4, stages=3):
             sig[p] = "*fp32" if p in FP32 else "*i64" if p in I64 else "*bf16"
         else:
             sig[p] = "fp32" if p in FP32 else "i32"
+    if const.get("WQ"):  # an fp8 weight (skinny_gemm.Fp8Weight) and its fp32 row scales
+        sig["w_ptr"], sig["s_ptr"] = "*fp8e4nv", "*fp32"
     attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in sig
              if p.endswith("_ptr") or p.startswith("s") and sig[p] == "i32" or p in ("N", "K")}
     cc = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
@@ -55,12 +57,16 @@ def compile_(kernel, const, warps=4, stages=3):
     return {"wait": at("griddepcontrol.wait"), "release": at("griddepcontrol.launch_dependents"),
             "mem": at(*MEM), "mma": at("mma"), "store": at("st.global")}
 
-skinny = dict(BM=16, BN=16, BK=128, EVEN_K=True, F32=False, ROWWISE=False, P_PAD=16)
+skinny = dict(BM=16, BN=16, BK=128, EVEN_K=True, F32=False, ROWWISE=False, P_PAD=16, WQ=False)
 attn = dict(G=4, PAGE=16, D=128, D_PAD=128, BM=16, BN=32, KPC=256, F32=False, INTERPRET=False)
 cases = {
     "skinny_rms_swiglu": (sg._skinny_kernel, dict(skinny, RMS=True, SWIGLU=True, RESID=False, NEXT=False, PDL=1)),
     "skinny_resid_next": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=True, NEXT=True, PDL=2)),
     "skinny_plain_off": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=False, NEXT=False, PDL=0)),
+    "skinny_fp8_rms_swiglu": (sg._skinny_kernel, dict(skinny, WQ=True, RMS=True, SWIGLU=True, RESID=False,
+                                                      NEXT=False, PDL=1)),
+    "skinny_fp8_resid_next": (sg._skinny_kernel, dict(skinny, WQ=True, RMS=False, SWIGLU=False, RESID=True,
+                                                      NEXT=True, PDL=2)),
     "prep_first": (sg._prep_kernel, dict(BK=1024, PDL=2)),
     "qkv_rope_after": (qr._qkv_rope_kernel, dict(NQ=32, NKV=8, G=4, D=128, DT=tl.bfloat16, PDL=1)),
     "attn_split_first": (pa._attn_kernel, dict(attn, SPLIT=True, PDL=2)),
@@ -81,7 +87,8 @@ for name in sys.argv[1:]:
 print(json.dumps(out))
 '''
 
-GEMMS = ("skinny_rms_swiglu", "skinny_resid_next", "skinny_never")  # any PDL: release after the loop
+# any PDL: release after the loop (the fp8 forms too: sm_90 PTX compiled here, with their e4m3 weight loads)
+GEMMS = ("skinny_rms_swiglu", "skinny_resid_next", "skinny_never", "skinny_fp8_rms_swiglu", "skinny_fp8_resid_next")
 # the engine's default form (PDL_LATENCY_RELEASE 0 -> PDL 3) for every latency kernel, and the other two forms (a
 # one-row decode's qkv_rope and split attention take 1: PDL_RELEASE_TO_LATENCY)
 LATENCY = {"prep_first": 2, "qkv_rope_after": 1, "attn_split_first": 2, "attn_walk_after": 1, "attn_split_after": 1,

@@ -300,6 +300,13 @@ def fp8_row_scales_follow_the_rows(sg: ModuleType, dev: str) -> None:
     assert torch.equal(back[5], torch.zeros(64)) and float(q.scale[5]) == 1.0
     rel = ((back - w).abs() / w.abs().amax(1, keepdim=True).clamp_min(1e-30))
     assert float(rel.max()) <= 1 / 16
+    saved = sg.QUANTIZE_ROWS
+    try:  # in row chunks (5 rows at a time here) the same bits as at once
+        sg.QUANTIZE_ROWS = 5
+        chunked = sg.quantize_fp8(w.to(dev))
+    finally:
+        sg.QUANTIZE_ROWS = saved
+    assert torch.equal(chunked.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(chunked.scale, q.scale)
 
 
 for _dt in (torch.float32, torch.bfloat16):

@@ -406,10 +406,13 @@ def main() -> None:
         sizes = [int(x) for x in a.draft_vocabs.split(",") if x]
         if sizes:
             res["dflash_draft_vocab"] = []
+
+        def hot_ids(n: int) -> torch.Tensor | None:  # seeded random hot ids (0: the whole head)
+            return None if n == 0 else torch.sort(torch.randperm(cfg.vocab_size, generator=torch.Generator()
+                                                                 .manual_seed(a.seed))[:n]).values
+
         for n in sizes:
-            hot = None if n == 0 else torch.sort(torch.randperm(cfg.vocab_size, generator=torch.Generator()
-                                                                .manual_seed(a.seed))[:n]).values
-            drafter.set_token_map(hot)
+            drafter.set_token_map(hot_ids(n))
             for b in [int(x) for x in a.dflash_batches.split(",") if x]:
                 row = loop_steps(DFlashGenerator(runner, drafter, ()), random_prompts(b, a.context, cfg.vocab_size,
                                                                                       a.seed + b),
@@ -420,9 +423,7 @@ def main() -> None:
         for q in [x for x in a.draft_quantizations.split(",") if x]:
             res.setdefault("dflash_draft_quant", [])
             for n in sizes or [0]:
-                hot = None if n == 0 else torch.sort(torch.randperm(cfg.vocab_size, generator=torch.Generator()
-                                                                    .manual_seed(a.seed))[:n]).values
-                drafter.set_token_map(hot)
+                drafter.set_token_map(hot_ids(n))
                 drafter.quantize(q)
                 for b in [int(x) for x in a.dflash_batches.split(",") if x]:
                     row = loop_steps(DFlashGenerator(runner, drafter, ()),

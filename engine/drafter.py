@@ -184,16 +184,14 @@ class DFlashDrafter(nn.Module):
         |hot| rows of the head a step instead of all of them."""
         if hot_ids is None:
             self.hot_ids = self._hot_head = None
-            if self.quantization is not None:
-                self._fp8_head = (self.head_weight, quantize_fp8(self.head_weight))
+            self._quantize_head()
             return
         w = self.target.head_weight
         ids = hot_ids.to(device=w.device, dtype=torch.int64)
         assert ids.dim() == 1 and ids.numel() and bool((ids[1:] > ids[:-1]).all()), "hot ids: sorted, distinct"
         assert int(ids[-1]) < w.shape[0], "hot id outside the head"
         self.hot_ids, self._hot_head = ids, w.index_select(0, ids).contiguous()
-        if self.quantization is not None:  # the fp8 copy follows the head the draft now reads
-            self._fp8_head = (self._hot_head, quantize_fp8(self._hot_head))
+        self._quantize_head()
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -222,14 +220,17 @@ class DFlashDrafter(nn.Module):
         if quantization not in self.QUANTIZATIONS:
             raise ValueError(f"draft quantization must be one of {list(self.QUANTIZATIONS)}, got {quantization!r}")
         self.quantization = quantization
-        self._fp8_head = None
+        self._quantize_head()
         if quantization is None:
             self._fp8_layers = self._fp8_fc = None
             return
         names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         self._fp8_layers = [{n: quantize_fp8(getattr(l, n)) for n in names} for l in self.layers]
         self._fp8_fc = quantize_fp8(self.fc)
-        self._fp8_head = (self.head_weight, quantize_fp8(self.head_weight))
+
+    def _quantize_head(self) -> None:
+        """The fp8 copy of the head the draft reads now (`head_weight`), under `quantize`; none otherwise."""
+        self._fp8_head = None if self.quantization is None else (self.head_weight, quantize_fp8(self.head_weight))
 
     def _fp8_for(self, rows: int) -> bool:
         """Whether a projection of `rows` rows reads the fp8 weights: under `quantize`, at most the few-row

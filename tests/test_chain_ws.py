@@ -1,0 +1,118 @@
+"""bench/chain_ws.py: the warp-specialized persistent chain.
+
+Gluon has no CPU interpreter, so here a child process compiles the kernel for sm_90 (triton's own ptxas; no device
+needed) and the test reads its PTX: the loader copies each weight tile by one TMA message whose completion the
+ring's `ready` barrier counts; the consumers' barriers name only their own 128 threads (a CTA-wide one would wait
+for the loader warp, which never comes); one thread arrives at a slot's `empty` barrier and at the grid's counter;
+the grid barrier ends in an acquire fence; the input row is read past L1 in 16-byte vectors. The weight layout
+(two 2D buffers that the chain's views alias) is checked on the CPU; the kernel's result, on a GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashpd.bench import chain_ws
+
+CHILD = r'''
+import json, sys
+import torch
+torch.backends.cuda.is_built = lambda: True  # a CPU build of torch: import triton as a CUDA build would
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon import language as gl
+from flashpd.bench import chain_ws as cw
+
+bk, slots, sync = (int(a) for a in sys.argv[1:4])
+lw, lx = cw.layouts(bk)
+lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+desc = f"tensordesc<bf16[{cw.BN}, {bk}],{lay!r}>"
+sig = {"wa_desc": desc, "wd_desc": desc, "y0": "*bf16", "y1": "*bf16", "y2": "*bf16", "y3": "*bf16",
+       "bar_ptr": "*i32", "err_ptr": "*i32", "L": "i32"}
+const = dict(D=4096, QKV=6144, FF=12288, FFP=16384, BN=cw.BN, BK=bk, S=slots, SYNC=sync, SPIN=1 << 20, LW=lw, LX=lx,
+             LOADER_REGS=40)
+sig.update({k: "constexpr" for k in const})
+names = list(sig)
+attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("y0", "y1", "y2", "y3", "bar_ptr", "err_ptr")}
+cc = triton.compile(GluonASTSource(fn=cw._chain_ws_kernel, signature=sig, constexprs=const, attrs=attrs),
+                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(json.dumps({"ptx": cc.asm["ptx"], "shared": cc.metadata.shared}))
+'''
+
+
+def compiled(bk: int, slots: int, sync: int) -> dict:
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(bk), str(slots), str(sync)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def lines(ptx: str, *keys: str) -> list[str]:
+    return [ln.strip() for ln in ptx.splitlines() if any(k in ln for k in keys)]
+
+
+def test_the_compiled_kernel_synchronizes_as_designed() -> None:
+    c = compiled(256, 24, 1)
+    ptx = c["ptx"]
+    assert c["shared"] <= chain_ws.SMEM_BYTES  # 24 slots of [16, 256] and the input's 32 KB fit one program
+    tma = lines(ptx, "cp.async.bulk.tensor")
+    assert len(tma) == 4 and all("mbarrier::complete_tx::bytes" in t and t.startswith("@%p") for t in tma)
+    expect = lines(ptx, "mbarrier.arrive.expect_tx")
+    assert len(expect) == 4 and all(e.endswith(f"{chain_ws.BN * 256 * 2};") for e in expect)  # a slot's bytes
+    frees = lines(ptx, "mbarrier.arrive.shared")
+    assert len(frees) == 4 and all(f.startswith("@%p") for f in frees)  # one thread frees a slot
+    assert len(lines(ptx, "fence.proxy.async")) == 4  # the consumers' reads ordered before the next TMA write
+    arrivals = lines(ptx, "atom.global.gpu.release.add")
+    assert len(arrivals) == 4 and all(a.startswith("@%p") for a in arrivals)  # one arrival a program a barrier
+    assert len(lines(ptx, "fence.acq_rel.gpu")) == 4
+    named = lines(ptx, "bar.sync")
+    assert named and all(n == "bar.sync \t0, 128;" or n == "bar.sync 0, 128;" for n in named), set(named)
+    assert lines(ptx, "ld.global.cg.v4") and not lines(ptx, "ld.global.cg.b16")
+    assert len(lines(ptx, "setmaxnreg.dec.sync.aligned.u32 \t40", "setmaxnreg.dec.sync.aligned.u32 40")) >= 1
+
+
+def test_without_barriers_no_grid_arrival_is_compiled() -> None:
+    ptx = compiled(128, 8, 0)["ptx"]
+    assert not lines(ptx, "atom.global") and not lines(ptx, "fence.acq_rel")
+    assert len(lines(ptx, "cp.async.bulk.tensor")) == 4
+
+
+def test_the_weights_lie_in_two_buffers_the_chain_reads() -> None:
+    chain = chain_ws.WsChain(2, 64, 96, 128, "cpu", seed=3)
+    ra = 96 + 64 + 2 * 128
+    assert chain.wa.shape == (2 * ra, 64) and chain.wd.shape == (2 * 64, 128)
+    assert chain.weight_bytes() == 2 * (2 * ra * 64 + 2 * 64 * 128)
+    for layer in range(2):
+        q, o, gu, d = chain.views[4 * layer:4 * layer + 4]
+        assert [tuple(v.shape) for v in (q, o, gu, d)] == [(96, 64), (64, 64), (256, 64), (64, 128)]
+        assert q.data_ptr() == chain.wa[layer * ra].data_ptr()
+        assert o.data_ptr() == chain.wa[layer * ra + 96].data_ptr()
+        assert gu.data_ptr() == chain.wa[layer * ra + 160].data_ptr()
+        assert d.data_ptr() == chain.wd[layer * 64].data_ptr()
+    assert all(v.abs().sum() > 0 for v in chain.views)  # every weight filled
+    ref = chain.reference()
+    assert ref.shape == (1, 64) and torch.isfinite(ref).all()
+    if chain_ws.available():
+        with pytest.raises(ValueError, match="tiles"):
+            chain.run_ws(1, bk=256)  # K = 64 does not split into 256-column steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not chain_ws.available(), reason="needs a CUDA GPU and Gluon")
+@pytest.mark.parametrize("bk,slots", [(128, 4), (256, 16)])
+def test_the_kernel_equals_the_chain_on_a_gpu(bk: int, slots: int) -> None:
+    chain = chain_ws.WsChain(2, 512, 768, 512, "cuda", seed=bk)
+    programs = 8
+    got = chain.run_ws(programs, bk=bk, slots=slots).clone()
+    torch.cuda.synchronize()
+    assert chain.err.item() == 0 and chain.bar[0].item() == 8 * programs
+    ref = chain.reference().float()
+    torch.testing.assert_close(got.float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+    torch.testing.assert_close(got, chain.run_launches(), rtol=0.05, atol=0.05 * ref.abs().max().item())

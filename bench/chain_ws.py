@@ -10,6 +10,11 @@ and copies them by TMA into a ring of shared-memory slots; it waits only for a f
 runs ahead of the barriers by the ring's depth. The other warps wait at each barrier, take the projection's input
 (one row) into shared memory, and multiply the ring's tiles as they land.
 
+The same partitions also run as a kernel a projection (`run_ws_launches`), launched with programmatic dependent
+launch: each kernel's loader lets the next kernel launch at once and never waits, so with a small ring two programs
+share an SM and the next projection's weights stream while this one's are multiplied. That form would keep the
+engine's launches (attention and norms between them) if it wins.
+
 One row, a batch-1 decode. The products are fp32 FMAs, summed in another order than the engine's MMAs, so the result
 is checked against the float64 chain with a tolerance, not bitwise: this measures the boundaries, not a kernel for
 the engine. Gluon (triton.experimental.gluon, triton 3.6 on the device), sm_90 and up; weights laid out as two 2D
@@ -165,6 +170,54 @@ if gluon is not None:
             (_loader, (wa_desc, wd_desc, ring, ready, empty, pid, P, L, D, QKV, FF, BN, BK, S)),
         ], [1], [LOADER_REGS])
 
+    @gluon.jit
+    def _gdc(WAIT: gl.constexpr):
+        """PTX griddepcontrol in every thread of the partition: wait for the kernel ahead to finish and its writes
+        to be visible (WAIT), or let the next kernel launch (the CTA's first call counts)."""
+        z = gl.full([32], 0, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+        if WAIT:
+            gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [z], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [z],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _proj_consumer(x_ptr, y_ptr, xs, ring, ready, empty, pid, P, N: gl.constexpr, K: gl.constexpr,
+                       KP: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, LW: gl.constexpr,
+                       LX: gl.constexpr, PDL: gl.constexpr):
+        if PDL:
+            _gdc(True)  # x is the kernel ahead's output
+        _mult_proj(x_ptr, y_ptr, xs, ring, ready, empty, pid * 0, pid, P, N, K, KP, BN, BK, S, LW, LX)
+
+    @gluon.jit
+    def _proj_loader(desc, ring, ready, empty, pid, P, row0, N: gl.constexpr, K: gl.constexpr, BN: gl.constexpr,
+                     BK: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr):
+        if PDL:
+            _gdc(False)  # at once: the next kernel's loader may stream its weights beside this one
+        _load_proj(desc, ring, ready, empty, pid * 0, pid, P, row0, N, K, BN, BK, S)
+
+    @gluon.jit
+    def _proj_ws_kernel(desc, x_ptr, y_ptr, row0, N: gl.constexpr, K: gl.constexpr, KP: gl.constexpr,
+                        BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr,
+                        PDL: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """One projection, y[0] = x[0, :K] @ w.T, w the N rows of desc's tensor from row0, on a program an SM:
+        the chain's partitions for one weight. With PDL the loader lets the next launch go at once and never
+        waits: its weights do not depend on the kernel ahead; only the consumers wait before reading x."""
+        ring = gl.allocate_shared_memory(desc.dtype, [S, BN, BK], desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        xs = gl.allocate_shared_memory(desc.dtype, [KP // BK, BK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        for i in gl.static_range(S):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        gl.warp_specialize([
+            (_proj_consumer, (x_ptr, y_ptr, xs, ring, ready, empty, pid, P, N, K, KP, BN, BK, S, LW, LX, PDL)),
+            (_proj_loader, (desc, ring, ready, empty, pid, P, row0, N, K, BN, BK, S, PDL)),
+        ], [1], [LOADER_REGS])
+
 
 def available() -> bool:
     return gluon is not None
@@ -233,6 +286,29 @@ class WsChain(Chain):
                                       SPIN=MAX_SPIN, LW=lw, LX=lx, LOADER_REGS=loader_regs, num_warps=4)
         return self.y[3]
 
+    def run_ws_launches(self, programs: int, bk: int = 256, slots: int = 8, pdl: bool = True,
+                        loader_regs: int = 40) -> torch.Tensor:
+        """The chain as 144 launches of the one-projection kernel (`_proj_ws_kernel`), each on `programs`
+        programs; pdl: launched with programmatic dependent launch, each letting the next go at its start (with
+        maxnreg 128 and a small ring two programs share an SM, so the next projection's weights stream during this
+        one) -> the last layer's output [1, d]."""
+        for n, k in self.shapes:
+            if n % BN or k % bk:
+                raise ValueError(f"a [{n}, {k}] weight does not split into [{BN}, {bk}] tiles")
+        lw, lx = layouts(bk)
+        wa_desc, wd_desc = self.descriptors(bk)
+        ra = self.qkv + self.d + 2 * self.ff
+        h = self.y[3]
+        h[:, :self.d].copy_(self.x)
+        for layer in range(self.layers):
+            rows = (layer * ra, layer * ra + self.qkv, layer * ra + self.qkv + self.d, layer * self.d)
+            for j, ((n, k), desc, row0) in enumerate(zip(self.shapes, (wa_desc, wa_desc, wa_desc, wd_desc), rows)):
+                x, y = self.y[(j - 1) % 4], self.y[j]
+                _proj_ws_kernel[(programs,)](desc, x, y, row0, N=n, K=k, KP=triton.next_power_of_2(k), BN=BN, BK=bk,
+                                             S=slots, LW=lw, LX=lx, PDL=int(pdl), LOADER_REGS=loader_regs,
+                                             num_warps=4, maxnreg=128, launch_pdl=pdl)
+        return self.y[3]
+
 
 def main() -> None:
     from flashpd.bench.attn_micro import graph_time
@@ -244,6 +320,8 @@ def main() -> None:
     ap.add_argument("--bk", default="256,128", help="K columns a ring slot (slots are [16, BK] bf16)")
     ap.add_argument("--slots", default="8,16,24", help="ring depths to time (at BK 256 a slot is 8 KB; the "
                     "ring and the input's 32 KB must fit one program's shared memory)")
+    ap.add_argument("--launch-slots", default="4,8", help="ring depths of the one-projection launches (small, "
+                    "so that two programs share an SM and the next launch's loader streams beside this one)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/chain_ws.json")
     a = ap.parse_args()
@@ -282,6 +360,13 @@ def main() -> None:
                        lambda b=bk, s=slots, y=sync: chain.run_ws(sms, bk=b, slots=s, sync=y), programs=sms, bk=bk,
                        slots=slots, barriers=sync, all_resident=resident if sync else None,
                        rel_err_vs_fp64=err if sync else None)
+    for bk in (int(b) for b in a.bk.split(",")):
+        for slots in (int(s) for s in a.launch_slots.split(",")):
+            for pdl in (True, False):
+                got = chain.run_ws_launches(sms, bk=bk, slots=slots, pdl=pdl).clone()
+                record(f"ws launches, BK {bk}, {slots} slots" + (", PDL" if pdl else ""),
+                       lambda b=bk, s=slots, p=pdl: chain.run_ws_launches(sms, bk=b, slots=s, pdl=p),
+                       programs=sms, bk=bk, slots=slots, pdl=pdl, rel_err_vs_fp64=error(got))
     write_json(a.out, {"bench": "chain_ws", "git": git_revision(), "machine": machine(),
                        "command": command_line("flashpd.bench.chain_ws"), "copy_bandwidth": copy,
                        "pdl": triton_env.pdl(dev), "layers": a.layers, "weight_gb": gb,

@@ -4,7 +4,9 @@ Gluon has no CPU interpreter, so here a child process compiles the kernel for sm
 needed) and the test reads its PTX: the loader copies each weight tile by one TMA message whose completion the
 ring's `ready` barrier counts; the consumers' barriers name only their own 128 threads (a CTA-wide one would wait
 for the loader warp, which never comes); one thread arrives at a slot's `empty` barrier and at the grid's counter;
-the grid barrier ends in an acquire fence; the input row is read past L1 in 16-byte vectors. The weight layout
+the grid barrier ends in an acquire fence; the input row is read past L1 in 16-byte vectors. The one-projection
+kernel, launched with PDL, lets the next launch go before its first copy and waits only before reading its input.
+The weight layout
 (two 2D buffers that the chain's views alias) is checked on the CPU; the kernel's result, on a GPU.
 """
 from __future__ import annotations
@@ -29,27 +31,38 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 from flashpd.bench import chain_ws as cw
 
-bk, slots, sync = (int(a) for a in sys.argv[1:4])
+kind = sys.argv[1]
+bk, slots, flag = (int(a) for a in sys.argv[2:5])
 lw, lx = cw.layouts(bk)
 lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 desc = f"tensordesc<bf16[{cw.BN}, {bk}],{lay!r}>"
-sig = {"wa_desc": desc, "wd_desc": desc, "y0": "*bf16", "y1": "*bf16", "y2": "*bf16", "y3": "*bf16",
-       "bar_ptr": "*i32", "err_ptr": "*i32", "L": "i32"}
-const = dict(D=4096, QKV=6144, FF=12288, FFP=16384, BN=cw.BN, BK=bk, S=slots, SYNC=sync, SPIN=1 << 20, LW=lw, LX=lx,
-             LOADER_REGS=40)
+options = {"num_warps": 4}
+if kind == "chain":  # flag: SYNC
+    kernel, ptrs = cw._chain_ws_kernel, ("y0", "y1", "y2", "y3", "bar_ptr", "err_ptr")
+    sig = {"wa_desc": desc, "wd_desc": desc, "y0": "*bf16", "y1": "*bf16", "y2": "*bf16", "y3": "*bf16",
+           "bar_ptr": "*i32", "err_ptr": "*i32", "L": "i32"}
+    const = dict(D=4096, QKV=6144, FF=12288, FFP=16384, BN=cw.BN, BK=bk, S=slots, SYNC=flag, SPIN=1 << 20, LW=lw,
+                 LX=lx, LOADER_REGS=40)
+else:  # one projection, down's shape; flag: PDL
+    kernel, ptrs = cw._proj_ws_kernel, ("x_ptr", "y_ptr")
+    sig = {"desc": desc, "x_ptr": "*bf16", "y_ptr": "*bf16", "row0": "i32"}
+    const = dict(N=4096, K=12288, KP=16384, BN=cw.BN, BK=bk, S=slots, LW=lw, LX=lx, PDL=flag, LOADER_REGS=40)
+    options.update(maxnreg=128, launch_pdl=bool(flag))
 sig.update({k: "constexpr" for k in const})
 names = list(sig)
-attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("y0", "y1", "y2", "y3", "bar_ptr", "err_ptr")}
-cc = triton.compile(GluonASTSource(fn=cw._chain_ws_kernel, signature=sig, constexprs=const, attrs=attrs),
-                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
+cc = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                    target=GPUTarget("cuda", 90, 32), options=options)
 print(json.dumps({"ptx": cc.asm["ptx"], "shared": cc.metadata.shared}))
 '''
 
 
-def compiled(bk: int, slots: int, sync: int) -> dict:
+def compiled(kind: str, bk: int, slots: int, flag: int) -> dict:
+    """The kernel `kind` ("chain": the persistent one, flag its SYNC; "proj": one projection, flag its PDL)
+    compiled for sm_90 in a child process -> {"ptx", "shared"}."""
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(bk), str(slots), str(sync)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", CHILD, kind, str(bk), str(slots), str(flag)], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -60,7 +73,7 @@ def lines(ptx: str, *keys: str) -> list[str]:
 
 
 def test_the_compiled_kernel_synchronizes_as_designed() -> None:
-    c = compiled(256, 24, 1)
+    c = compiled("chain", 256, 24, 1)
     ptx = c["ptx"]
     assert c["shared"] <= chain_ws.SMEM_BYTES  # 24 slots of [16, 256] and the input's 32 KB fit one program
     tma = lines(ptx, "cp.async.bulk.tensor")
@@ -80,9 +93,24 @@ def test_the_compiled_kernel_synchronizes_as_designed() -> None:
 
 
 def test_without_barriers_no_grid_arrival_is_compiled() -> None:
-    ptx = compiled(128, 8, 0)["ptx"]
+    ptx = compiled("chain", 128, 8, 0)["ptx"]
     assert not lines(ptx, "atom.global") and not lines(ptx, "fence.acq_rel")
     assert len(lines(ptx, "cp.async.bulk.tensor")) == 4
+
+
+def test_a_projection_launch_lets_the_next_go_at_once_and_waits_only_to_read_its_input() -> None:
+    c = compiled("proj", 256, 8, 1)
+    ptx = c["ptx"].splitlines()
+    at = lambda key: [i for i, ln in enumerate(ptx) if key in ln]  # noqa: E731
+    assert c["shared"] <= chain_ws.SMEM_BYTES // 2  # two programs an SM: this launch and the next
+    assert any(ln.strip() == ".maxnreg 128" for ln in ptx)  # and their registers fit one SM
+    wait, release, tma, loads = (at("griddepcontrol.wait"), at("griddepcontrol.launch_dependents"),
+                                 at("cp.async.bulk.tensor"), at("ld.global"))
+    assert len(wait) == 1 and len(release) == 1 and len(tma) == 1 and loads
+    assert wait[0] < min(loads)  # the input is read after the kernel ahead finished
+    assert release[0] < tma[0]  # the loader lets the next launch go before its first copy, and never waits
+    plain = compiled("proj", 256, 8, 0)["ptx"]
+    assert "griddepcontrol" not in plain
 
 
 def test_the_weights_lie_in_two_buffers_the_chain_reads() -> None:
@@ -116,3 +144,5 @@ def test_the_kernel_equals_the_chain_on_a_gpu(bk: int, slots: int) -> None:
     ref = chain.reference().float()
     torch.testing.assert_close(got.float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
     torch.testing.assert_close(got, chain.run_launches(), rtol=0.05, atol=0.05 * ref.abs().max().item())
+    for pdl in (True, False):  # the same kernels a projection: the same sums, so the same bits
+        assert torch.equal(chain.run_ws_launches(programs, bk=bk, slots=slots, pdl=pdl), got)

@@ -13,7 +13,9 @@ runs ahead of the barriers by the ring's depth. The other warps wait at each bar
 The same partitions also run as a kernel a projection (`run_ws_launches`), launched with programmatic dependent
 launch: each kernel's loader lets the next kernel launch at once and never waits, so with a small ring two programs
 share an SM and the next projection's weights stream while this one's are multiplied. That form would keep the
-engine's launches (attention and norms between them) if it wins.
+engine's launches (attention and norms between them) if it wins. Its MMA form (`run_mma_launches`, up to 16 rows)
+multiplies as the engine's few-row kernel does, each row's sum over K in 16-column MMA steps in order, so it is
+compared with the engine's launches bit for bit: the form the engine would take.
 
 One row, a batch-1 decode. The products are fp32 FMAs, summed in another order than the engine's MMAs, so the result
 is checked against the float64 chain with a tolerance, not bitwise: this measures the boundaries, not a kernel for
@@ -33,7 +35,7 @@ try:
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, mma_v2, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # no triton, or one without Gluon: the bench says so when run
     gluon = None
@@ -165,8 +167,8 @@ if gluon is not None:
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         gl.warp_specialize([
-            (_consumer, (y0, y1, y2, y3, bar_ptr, err_ptr, xs, ring, ready, empty, pid, P, L, D, QKV, FF, FFP, BN, BK, S,
-                         SYNC, SPIN, LW, LX)),
+            (_consumer, (y0, y1, y2, y3, bar_ptr, err_ptr, xs, ring, ready, empty, pid, P, L, D, QKV, FF, FFP, BN,
+                         BK, S, SYNC, SPIN, LW, LX)),
             (_loader, (wa_desc, wd_desc, ring, ready, empty, pid, P, L, D, QKV, FF, BN, BK, S)),
         ], [1], [LOADER_REGS])
 
@@ -218,6 +220,77 @@ if gluon is not None:
             (_proj_loader, (desc, ring, ready, empty, pid, P, row0, N, K, BN, BK, S, PDL)),
         ], [1], [LOADER_REGS])
 
+    @gluon.jit
+    def _x_fetch(x_desc, x_ring, x_ready, i, total, steps: gl.constexpr, BK: gl.constexpr, XS: gl.constexpr):
+        """Item i's input tile [16, BK] (rows past the input's zero-filled by TMA) into x slot i % XS, if i < total."""
+        ok = i < total
+        slot = i % XS
+        mbarrier.expect(x_ready.index(slot), x_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(x_desc, [0, (i % steps) * BK], x_ready.index(slot), x_ring.index(slot),
+                                        pred=ok)
+
+    @gluon.jit
+    def _mma_consumer(x_desc, y_ptr, sy, M, x_ring, x_ready, ring, ready, empty, pid, P, N: gl.constexpr,
+                      K: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, XS: gl.constexpr,
+                      PDL: gl.constexpr):
+        """y[:M, tiles] = x[:M] @ w[tiles].T with MMAs: x's [16, BK] tiles by TMA into an XS-deep ring of this
+        partition's own (issued XS items ahead, after the PDL wait), the weights' tiles from the loader's ring. Each
+        output row's sum runs over K in 16-column MMA steps in order, as tl.dot's in the engine's few-row kernel."""
+        if PDL:
+            _gdc(True)
+        steps: gl.constexpr = K // BK
+        mine = (N // BN - pid + P - 1) // P
+        total = mine * steps
+        for i in gl.static_range(XS):
+            _x_fetch(x_desc, x_ring, x_ready, i, total, steps, BK, XS)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        rm = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+        rn = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        i = pid * 0
+        for j in range(mine):
+            acc = gl.zeros([16, BN], gl.float32, mma)
+            for kk in range(steps):
+                xslot = i % XS
+                mbarrier.wait(x_ready.index(xslot), (i // XS) & 1)
+                s = i % S
+                mbarrier.wait(ready.index(s), (i // S) & 1)
+                a = x_ring.index(xslot).load(la)
+                b = ring.index(s).permute([1, 0]).load(lb)
+                _cta_barrier()  # every warp has read both slots
+                fence_async_shared()
+                mbarrier.arrive(empty.index(s), count=1)
+                _x_fetch(x_desc, x_ring, x_ready, i + XS, total, steps, BK, XS)  # into the slot just read
+                acc = mma_v2(a, b, acc)
+                i += 1
+            out = y_ptr + rm[:, None] * sy + (pid + j * P) * BN + rn[None, :]
+            gl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None])
+
+    @gluon.jit
+    def _proj_mma_kernel(w_desc, x_desc, y_ptr, sy, M, row0, N: gl.constexpr, K: gl.constexpr, BN: gl.constexpr,
+                         BK: gl.constexpr, S: gl.constexpr, XS: gl.constexpr, PDL: gl.constexpr,
+                         LOADER_REGS: gl.constexpr):
+        """`_proj_ws_kernel` with MMAs for up to 16 rows: the few-row GEMM's arithmetic (a verify's 16 rows as a
+        decode's one), warp-specialized, its weights streamed from the launch's start."""
+        ring = gl.allocate_shared_memory(w_desc.dtype, [S, BN, BK], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        x_ring = gl.allocate_shared_memory(x_desc.dtype, [XS, 16, BK], x_desc.layout)
+        x_ready = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(S):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(XS):
+            mbarrier.init(x_ready.index(i), count=1)
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        gl.warp_specialize([
+            (_mma_consumer, (x_desc, y_ptr, sy, M, x_ring, x_ready, ring, ready, empty, pid, P, N, K, BN, BK, S, XS,
+                             PDL)),
+            (_proj_loader, (w_desc, ring, ready, empty, pid, P, row0, N, K, BN, BK, S, PDL)),
+        ], [1], [LOADER_REGS])
+
 
 def available() -> bool:
     return gluon is not None
@@ -236,9 +309,12 @@ class WsChain(Chain):
     [layers * (qkv + d + 2 ff), d] (a layer's q/k/v, o_proj and gate/up rows) and wd [layers * d, ff] (the downs).
     `views` point into them, so the reference and the launches read the same weights."""
 
-    def __init__(self, layers: int, d: int, qkv: int, ff: int, device: torch.device | str, seed: int = 0) -> None:
+    def __init__(self, layers: int, d: int, qkv: int, ff: int, device: torch.device | str, seed: int = 0,
+                 rows: int = 1) -> None:
+        if not 1 <= rows <= 16:
+            raise ValueError(f"rows {rows}: 1 to 16 (a decode's to a verify's)")
         self.shapes = ((qkv, d), (d, d), (2 * ff, d), (d, ff))
-        self.d, self.qkv, self.ff, self.layers, self.rows = d, qkv, ff, layers, 1
+        self.d, self.qkv, self.ff, self.layers, self.rows = d, qkv, ff, layers, rows
         ra = qkv + d + 2 * ff
         g = torch.Generator(device=device).manual_seed(seed)
         self.wa = torch.empty(layers * ra, d, dtype=torch.bfloat16, device=device)
@@ -253,11 +329,12 @@ class WsChain(Chain):
             for v in self.views[-4:]:
                 n, k = v.shape
                 v.copy_(torch.randn(n, k, generator=g, device=device, dtype=torch.float32) * k ** -0.5)
-        self.x = torch.randn(1, d, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
-        self.y = [torch.zeros(1, n, dtype=torch.bfloat16, device=device) for n, _ in self.shapes]
+        self.x = torch.randn(rows, d, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+        self.y = [torch.zeros(rows, n, dtype=torch.bfloat16, device=device) for n, _ in self.shapes]
         self.bar = torch.zeros(64, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self._descs: dict[int, tuple[object, object]] = {}
+        self._x_descs: dict[int, list[object]] = {}
 
     def weight_bytes(self) -> int:
         return (self.wa.numel() + self.wd.numel()) * 2
@@ -274,6 +351,8 @@ class WsChain(Chain):
                loader_regs: int = 40) -> torch.Tensor:
         """The warp-specialized chain on `programs` programs (all must be resident: one an SM), slots of [16, bk]
         -> the last layer's output [1, d]."""
+        if self.rows != 1:
+            raise ValueError("the FMA kernels take one row (a batch-1 decode); run_mma_launches takes up to 16")
         for n, k in self.shapes:
             if n % BN or k % bk:
                 raise ValueError(f"a [{n}, {k}] weight does not split into [{BN}, {bk}] tiles")
@@ -282,8 +361,9 @@ class WsChain(Chain):
         self.y[3][:, :self.d].copy_(self.x)
         self.bar.zero_()
         _chain_ws_kernel[(programs,)](wa_desc, wd_desc, *self.y, self.bar, self.err, self.layers, D=self.d,
-                                      QKV=self.qkv, FF=self.ff, FFP=triton.next_power_of_2(self.ff), BN=BN, BK=bk, S=slots, SYNC=int(sync),
-                                      SPIN=MAX_SPIN, LW=lw, LX=lx, LOADER_REGS=loader_regs, num_warps=4)
+                                      QKV=self.qkv, FF=self.ff, FFP=triton.next_power_of_2(self.ff), BN=BN, BK=bk,
+                                      S=slots, SYNC=int(sync), SPIN=MAX_SPIN, LW=lw, LX=lx, LOADER_REGS=loader_regs,
+                                      num_warps=4)
         return self.y[3]
 
     def run_ws_launches(self, programs: int, bk: int = 256, slots: int = 8, pdl: bool = True,
@@ -292,6 +372,8 @@ class WsChain(Chain):
         programs; pdl: launched with programmatic dependent launch, each letting the next go at its start (with
         maxnreg 128 and a small ring two programs share an SM, so the next projection's weights stream during this
         one) -> the last layer's output [1, d]."""
+        if self.rows != 1:
+            raise ValueError("the FMA kernels take one row (a batch-1 decode); run_mma_launches takes up to 16")
         for n, k in self.shapes:
             if n % BN or k % bk:
                 raise ValueError(f"a [{n}, {k}] weight does not split into [{BN}, {bk}] tiles")
@@ -309,6 +391,36 @@ class WsChain(Chain):
                                              num_warps=4, maxnreg=128, launch_pdl=pdl)
         return self.y[3]
 
+    def x_descriptors(self, bk: int) -> list[object]:
+        """TMA descriptors of each projection's input, [rows, K] views of the activations, in [16, bk] boxes
+        (the rows past `rows` come in as zeros)."""
+        if bk not in self._x_descs:
+            lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+            xs = [self.y[(j - 1) % 4] for j in range(4)]
+            self._x_descs[bk] = [TensorDescriptor(x, [self.rows, k], [x.shape[1], 1], [16, bk], lay)
+                                 for x, (_, k) in zip(xs, self.shapes)]
+        return self._x_descs[bk]
+
+    def run_mma_launches(self, programs: int, bk: int = 256, slots: int = 8, x_slots: int = 4, pdl: bool = True,
+                         loader_regs: int = 40) -> torch.Tensor:
+        """The chain as 144 launches of `_proj_mma_kernel` (MMAs, up to 16 rows; PDL as `run_ws_launches`)
+        -> the last layer's output [rows, d]."""
+        for n, k in self.shapes:
+            if n % BN or k % bk:
+                raise ValueError(f"a [{n}, {k}] weight does not split into [{BN}, {bk}] tiles")
+        wa_desc, wd_desc = self.descriptors(bk)
+        x_descs = self.x_descriptors(bk)
+        ra = self.qkv + self.d + 2 * self.ff
+        self.y[3][:, :self.d].copy_(self.x)
+        for layer in range(self.layers):
+            rows = (layer * ra, layer * ra + self.qkv, layer * ra + self.qkv + self.d, layer * self.d)
+            for j, ((n, k), desc, row0) in enumerate(zip(self.shapes, (wa_desc, wa_desc, wa_desc, wd_desc), rows)):
+                y = self.y[j]
+                _proj_mma_kernel[(programs,)](desc, x_descs[j], y, y.stride(0), self.rows, row0, N=n, K=k, BN=BN,
+                                              BK=bk, S=slots, XS=x_slots, PDL=int(pdl), LOADER_REGS=loader_regs,
+                                              num_warps=4, maxnreg=128, launch_pdl=pdl)
+        return self.y[3]
+
 
 def main() -> None:
     from flashpd.bench.attn_micro import graph_time
@@ -322,6 +434,9 @@ def main() -> None:
                     "ring and the input's 32 KB must fit one program's shared memory)")
     ap.add_argument("--launch-slots", default="4,8", help="ring depths of the one-projection launches (small, "
                     "so that two programs share an SM and the next launch's loader streams beside this one)")
+    ap.add_argument("--mma-slots", type=int, default=8, help="weight ring depth of the MMA launches")
+    ap.add_argument("--mma-x-slots", type=int, default=4, help="input ring depth of the MMA launches (items "
+                    "fetched ahead)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/chain_ws.json")
     a = ap.parse_args()
@@ -367,6 +482,14 @@ def main() -> None:
                 record(f"ws launches, BK {bk}, {slots} slots" + (", PDL" if pdl else ""),
                        lambda b=bk, s=slots, p=pdl: chain.run_ws_launches(sms, bk=b, slots=s, pdl=p),
                        programs=sms, bk=bk, slots=slots, pdl=pdl, rel_err_vs_fp64=error(got))
+    for bk in (int(b) for b in a.bk.split(",")):
+        for pdl in (True, False):
+            got = chain.run_mma_launches(sms, bk=bk, slots=a.mma_slots, x_slots=a.mma_x_slots, pdl=pdl).clone()
+            record(f"mma launches, BK {bk}, {a.mma_slots} + {a.mma_x_slots} slots" + (", PDL" if pdl else ""),
+                   lambda b=bk, p=pdl: chain.run_mma_launches(sms, bk=b, slots=a.mma_slots, x_slots=a.mma_x_slots,
+                                                              pdl=p),
+                   programs=sms, bk=bk, slots=a.mma_slots, x_slots=a.mma_x_slots, pdl=pdl,
+                   rel_err_vs_fp64=error(got), same_bits_as_launches=bool(torch.equal(got, launches)))
     write_json(a.out, {"bench": "chain_ws", "git": git_revision(), "machine": machine(),
                        "command": command_line("flashpd.bench.chain_ws"), "copy_bandwidth": copy,
                        "pdl": triton_env.pdl(dev), "layers": a.layers, "weight_gb": gb,

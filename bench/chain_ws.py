@@ -17,11 +17,11 @@ engine's launches (attention and norms between them) if it wins. Its MMA form (`
 multiplies as the engine's few-row kernel does, each row's sum over K in 16-column MMA steps in order, so it is
 compared with the engine's launches bit for bit: the form the engine would take.
 
-One row, a batch-1 decode. The products are fp32 FMAs, summed in another order than the engine's MMAs, so the result
-is checked against the float64 chain with a tolerance, not bitwise: this measures the boundaries, not a kernel for
-the engine. Gluon (triton.experimental.gluon, triton 3.6 on the device), sm_90 and up; weights laid out as two 2D
+The persistent kernel and `run_ws_launches` take one row, a batch-1 decode, as fp32 FMAs summed in another order
+than the engine's MMAs: their result is checked against the float64 chain with a tolerance, not bitwise; they
+measure the boundaries, not a kernel for the engine. Gluon (triton.experimental.gluon, triton 3.6 on the device), sm_90 and up; weights laid out as two 2D
 tensors (every layer's q/k/v, o_proj and gate/up rows, whose K is the hidden size; every down's rows) so that two
-TMA descriptors cover them. A program an SM; the ring's slots are [16, BK] tiles.
+TMA descriptors cover them. One program an SM (two, for the launches); the ring's slots are [16, BK] tiles.
 """
 from __future__ import annotations
 

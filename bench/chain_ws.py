@@ -48,6 +48,18 @@ if gluon is not None:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
+    def _weight_ring(desc, S: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+        """The loader's ring: S slots of desc's [BN, BK] tiles, and per slot a `ready` barrier (its copy landed)
+        and an `empty` one (the consumers have read it), each counting one arrival."""
+        ring = gl.allocate_shared_memory(desc.dtype, [S, BN, BK], desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(S):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        return ring, ready, empty
+
+    @gluon.jit
     def _load_proj(desc, ring, ready, empty, it, pid, P, row0, N: gl.constexpr, K: gl.constexpr,
                    BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr):
         """The loader's walk of one projection: this program's column tiles (every P-th), each K step into the
@@ -157,13 +169,8 @@ if gluon is not None:
                          BK: gl.constexpr, S: gl.constexpr,
                          SYNC: gl.constexpr, SPIN: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr,
                          LOADER_REGS: gl.constexpr):
-        ring = gl.allocate_shared_memory(wa_desc.dtype, [S, BN, BK], wa_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        ring, ready, empty = _weight_ring(wa_desc, S, BN, BK)
         xs = gl.allocate_shared_memory(wa_desc.dtype, [FFP // BK, BK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        for i in gl.static_range(S):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         gl.warp_specialize([
@@ -206,13 +213,8 @@ if gluon is not None:
         """One projection, y[0] = x[0, :K] @ w.T, w the N rows of desc's tensor from row0, on a program an SM:
         the chain's partitions for one weight. With PDL the loader lets the next launch go at once and never
         waits: its weights do not depend on the kernel ahead; only the consumers wait before reading x."""
-        ring = gl.allocate_shared_memory(desc.dtype, [S, BN, BK], desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        ring, ready, empty = _weight_ring(desc, S, BN, BK)
         xs = gl.allocate_shared_memory(desc.dtype, [KP // BK, BK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        for i in gl.static_range(S):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         gl.warp_specialize([
@@ -273,14 +275,9 @@ if gluon is not None:
                          LOADER_REGS: gl.constexpr):
         """`_proj_ws_kernel` with MMAs for up to 16 rows: the few-row GEMM's arithmetic (a verify's 16 rows as a
         decode's one), warp-specialized, its weights streamed from the launch's start."""
-        ring = gl.allocate_shared_memory(w_desc.dtype, [S, BN, BK], w_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        ring, ready, empty = _weight_ring(w_desc, S, BN, BK)
         x_ring = gl.allocate_shared_memory(x_desc.dtype, [XS, 16, BK], x_desc.layout)
         x_ready = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(S):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(XS):
             mbarrier.init(x_ready.index(i), count=1)
         pid = gl.program_id(0)

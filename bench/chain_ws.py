@@ -138,6 +138,14 @@ if gluon is not None:
         _cta_barrier()
 
     @gluon.jit
+    def _barrier(bar_ptr, err_ptr, target, P, SYNC: gl.constexpr, SPIN: gl.constexpr):
+        """A projection's end: with SYNC, the grid barrier (P more arrivals) -> the arrivals counted so far."""
+        if SYNC:
+            target += P
+            _grid_sync(bar_ptr, err_ptr, target, SPIN)
+        return target
+
+    @gluon.jit
     def _consumer(y0, y1, y2, y3, bar_ptr, err_ptr, xs, ring, ready, empty, pid, P, L, D: gl.constexpr,
                   QKV: gl.constexpr, FF: gl.constexpr, FFP: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                   S: gl.constexpr, SYNC: gl.constexpr, SPIN: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr):
@@ -147,21 +155,13 @@ if gluon is not None:
         target = pid * 0
         for layer in range(L):
             it = _mult_proj(y3, y0, xs, ring, ready, empty, it, pid, P, QKV, D, D, BN, BK, S, LW, LX)
-            if SYNC:
-                target += P
-                _grid_sync(bar_ptr, err_ptr, target, SPIN)
+            target = _barrier(bar_ptr, err_ptr, target, P, SYNC, SPIN)
             it = _mult_proj(y0, y1, xs, ring, ready, empty, it, pid, P, D, D, D, BN, BK, S, LW, LX)
-            if SYNC:
-                target += P
-                _grid_sync(bar_ptr, err_ptr, target, SPIN)
+            target = _barrier(bar_ptr, err_ptr, target, P, SYNC, SPIN)
             it = _mult_proj(y1, y2, xs, ring, ready, empty, it, pid, P, 2 * FF, D, D, BN, BK, S, LW, LX)
-            if SYNC:
-                target += P
-                _grid_sync(bar_ptr, err_ptr, target, SPIN)
+            target = _barrier(bar_ptr, err_ptr, target, P, SYNC, SPIN)
             it = _mult_proj(y2, y3, xs, ring, ready, empty, it, pid, P, D, FF, FFP, BN, BK, S, LW, LX)
-            if SYNC:
-                target += P
-                _grid_sync(bar_ptr, err_ptr, target, SPIN)
+            target = _barrier(bar_ptr, err_ptr, target, P, SYNC, SPIN)
 
     @gluon.jit
     def _chain_ws_kernel(wa_desc, wd_desc, y0, y1, y2, y3, bar_ptr, err_ptr, L, D: gl.constexpr,

@@ -19,9 +19,10 @@ compared with the engine's launches bit for bit: the form the engine would take.
 
 The persistent kernel and `run_ws_launches` take one row, a batch-1 decode, as fp32 FMAs summed in another order
 than the engine's MMAs: their result is checked against the float64 chain with a tolerance, not bitwise; they
-measure the boundaries, not a kernel for the engine. Gluon (triton.experimental.gluon, triton 3.6 on the device), sm_90 and up; weights laid out as two 2D
-tensors (every layer's q/k/v, o_proj and gate/up rows, whose K is the hidden size; every down's rows) so that two
-TMA descriptors cover them. One program an SM (two, for the launches); the ring's slots are [16, BK] tiles.
+measure the boundaries, not a kernel for the engine. Gluon (triton.experimental.gluon, triton 3.6 on the device),
+sm_90 and up; weights laid out as two 2D tensors (every layer's q/k/v, o_proj and gate/up rows, whose K is the
+hidden size; every down's rows) so that two TMA descriptors cover them. One program an SM (two, for the launches);
+the ring's slots are [16, BK] tiles.
 """
 from __future__ import annotations
 
@@ -336,6 +337,25 @@ class WsChain(Chain):
     def weight_bytes(self) -> int:
         return (self.wa.numel() + self.wd.numel()) * 2
 
+    def _check(self, bk: int, one_row: bool) -> None:
+        """ValueError unless every weight splits into [16, bk] tiles and, for the FMA kernels, there is one row."""
+        if one_row and self.rows != 1:
+            raise ValueError("the FMA kernels take one row (a batch-1 decode); run_mma_launches takes up to 16")
+        for n, k in self.shapes:
+            if n % BN or k % bk:
+                raise ValueError(f"a [{n}, {k}] weight does not split into [{BN}, {bk}] tiles")
+
+    def _launches(self, bk: int):
+        """Each projection of the chain in order, as (its index in a layer, N, K, its weight's descriptor, its first
+        row there), the first layer's input copied in."""
+        wa_desc, wd_desc = self.descriptors(bk)
+        ra = self.qkv + self.d + 2 * self.ff
+        self.y[3][:, :self.d].copy_(self.x)
+        for layer in range(self.layers):
+            rows = (layer * ra, layer * ra + self.qkv, layer * ra + self.qkv + self.d, layer * self.d)
+            for j, ((n, k), desc, row0) in enumerate(zip(self.shapes, (wa_desc, wa_desc, wa_desc, wd_desc), rows)):
+                yield j, n, k, desc, row0
+
     def descriptors(self, bk: int) -> tuple[object, object]:
         """The two TMA descriptors for [16, bk] tiles (no swizzle: the consumer reads whole rows)."""
         if bk not in self._descs:
@@ -348,11 +368,7 @@ class WsChain(Chain):
                loader_regs: int = 40) -> torch.Tensor:
         """The warp-specialized chain on `programs` programs (all must be resident: one an SM), slots of [16, bk]
         -> the last layer's output [1, d]."""
-        if self.rows != 1:
-            raise ValueError("the FMA kernels take one row (a batch-1 decode); run_mma_launches takes up to 16")
-        for n, k in self.shapes:
-            if n % BN or k % bk:
-                raise ValueError(f"a [{n}, {k}] weight does not split into [{BN}, {bk}] tiles")
+        self._check(bk, one_row=True)
         lw, lx = layouts(bk)
         wa_desc, wd_desc = self.descriptors(bk)
         self.y[3][:, :self.d].copy_(self.x)
@@ -369,23 +385,13 @@ class WsChain(Chain):
         programs; pdl: launched with programmatic dependent launch, each letting the next go at its start (with
         maxnreg 128 and a small ring two programs share an SM, so the next projection's weights stream during this
         one) -> the last layer's output [1, d]."""
-        if self.rows != 1:
-            raise ValueError("the FMA kernels take one row (a batch-1 decode); run_mma_launches takes up to 16")
-        for n, k in self.shapes:
-            if n % BN or k % bk:
-                raise ValueError(f"a [{n}, {k}] weight does not split into [{BN}, {bk}] tiles")
+        self._check(bk, one_row=True)
         lw, lx = layouts(bk)
-        wa_desc, wd_desc = self.descriptors(bk)
-        ra = self.qkv + self.d + 2 * self.ff
-        h = self.y[3]
-        h[:, :self.d].copy_(self.x)
-        for layer in range(self.layers):
-            rows = (layer * ra, layer * ra + self.qkv, layer * ra + self.qkv + self.d, layer * self.d)
-            for j, ((n, k), desc, row0) in enumerate(zip(self.shapes, (wa_desc, wa_desc, wa_desc, wd_desc), rows)):
-                x, y = self.y[(j - 1) % 4], self.y[j]
-                _proj_ws_kernel[(programs,)](desc, x, y, row0, N=n, K=k, KP=triton.next_power_of_2(k), BN=BN, BK=bk,
-                                             S=slots, LW=lw, LX=lx, PDL=int(pdl), LOADER_REGS=loader_regs,
-                                             num_warps=4, maxnreg=128, launch_pdl=pdl)
+        for j, n, k, desc, row0 in self._launches(bk):
+            _proj_ws_kernel[(programs,)](desc, self.y[(j - 1) % 4], self.y[j], row0, N=n, K=k,
+                                         KP=triton.next_power_of_2(k), BN=BN, BK=bk, S=slots, LW=lw, LX=lx,
+                                         PDL=int(pdl), LOADER_REGS=loader_regs, num_warps=4, maxnreg=128,
+                                         launch_pdl=pdl)
         return self.y[3]
 
     def x_descriptors(self, bk: int) -> list[object]:
@@ -402,20 +408,13 @@ class WsChain(Chain):
                          loader_regs: int = 40) -> torch.Tensor:
         """The chain as 144 launches of `_proj_mma_kernel` (MMAs, up to 16 rows; PDL as `run_ws_launches`)
         -> the last layer's output [rows, d]."""
-        for n, k in self.shapes:
-            if n % BN or k % bk:
-                raise ValueError(f"a [{n}, {k}] weight does not split into [{BN}, {bk}] tiles")
-        wa_desc, wd_desc = self.descriptors(bk)
+        self._check(bk, one_row=False)
         x_descs = self.x_descriptors(bk)
-        ra = self.qkv + self.d + 2 * self.ff
-        self.y[3][:, :self.d].copy_(self.x)
-        for layer in range(self.layers):
-            rows = (layer * ra, layer * ra + self.qkv, layer * ra + self.qkv + self.d, layer * self.d)
-            for j, ((n, k), desc, row0) in enumerate(zip(self.shapes, (wa_desc, wa_desc, wa_desc, wd_desc), rows)):
-                y = self.y[j]
-                _proj_mma_kernel[(programs,)](desc, x_descs[j], y, y.stride(0), self.rows, row0, N=n, K=k, BN=BN,
-                                              BK=bk, S=slots, XS=x_slots, PDL=int(pdl), LOADER_REGS=loader_regs,
-                                              num_warps=4, maxnreg=128, launch_pdl=pdl)
+        for j, n, k, desc, row0 in self._launches(bk):
+            y = self.y[j]
+            _proj_mma_kernel[(programs,)](desc, x_descs[j], y, y.stride(0), self.rows, row0, N=n, K=k, BN=BN, BK=bk,
+                                          S=slots, XS=x_slots, PDL=int(pdl), LOADER_REGS=loader_regs, num_warps=4,
+                                          maxnreg=128, launch_pdl=pdl)
         return self.y[3]
 
 

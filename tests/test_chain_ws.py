@@ -5,9 +5,10 @@ needed) and the test reads its PTX: the loader copies each weight tile by one TM
 ring's `ready` barrier counts; the consumers' barriers name only their own 128 threads (a CTA-wide one would wait
 for the loader warp, which never comes); one thread arrives at a slot's `empty` barrier and at the grid's counter;
 the grid barrier ends in an acquire fence; the input row is read past L1 in 16-byte vectors. The one-projection
-kernel, launched with PDL, lets the next launch go before its first copy and waits only before reading its input.
-The weight layout
-(two 2D buffers that the chain's views alias) is checked on the CPU; the kernel's result, on a GPU.
+kernel, launched with PDL, lets the next launch go before its first copy and waits only before reading its input;
+its MMA form fetches its input only after that wait and multiplies in 16-column MMA steps. The weight layout (two
+2D buffers that the chain's views alias) is checked on the CPU; the kernels' results, on a GPU (the MMA form bitwise
+against the engine's few-row kernel).
 """
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ print(json.dumps({"ptx": cc.asm["ptx"], "shared": cc.metadata.shared}))
 
 
 def compiled(kind: str, bk: int, slots: int, flag: int) -> dict:
-    """The kernel `kind` ("chain": the persistent one, flag its SYNC; "proj": one projection, flag its PDL)
-    compiled for sm_90 in a child process -> {"ptx", "shared"}."""
+    """The kernel `kind` ("chain": the persistent one, flag its SYNC; "proj": one projection, "mma": its MMA form,
+    flag their PDL) compiled for sm_90 in a child process -> {"ptx", "shared"}."""
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", CHILD, kind, str(bk), str(slots), str(flag)], capture_output=True,
@@ -147,9 +148,13 @@ def test_the_weights_lie_in_two_buffers_the_chain_reads() -> None:
     assert all(v.abs().sum() > 0 for v in chain.views)  # every weight filled
     ref = chain.reference()
     assert ref.shape == (1, 64) and torch.isfinite(ref).all()
-    if chain_ws.available():
+    if chain_ws.available():  # refused before any launch
         with pytest.raises(ValueError, match="tiles"):
             chain.run_ws(1, bk=256)  # K = 64 does not split into 256-column steps
+        with pytest.raises(ValueError, match="one row"):
+            chain_ws.WsChain(1, 64, 64, 64, "cpu", rows=2).run_ws_launches(1, bk=64)  # the FMA forms: one row
+    with pytest.raises(ValueError, match="1 to 16"):
+        chain_ws.WsChain(1, 64, 64, 64, "cpu", rows=17)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not chain_ws.available(), reason="needs a CUDA GPU and Gluon")
@@ -175,5 +180,3 @@ def test_the_mma_launches_are_bitwise_the_engines_few_row_kernel(rows: int) -> N
     for bk, slots, x_slots in ((256, 8, 4), (128, 4, 2)):
         for pdl in (True, False):
             assert torch.equal(chain.run_mma_launches(8, bk=bk, slots=slots, x_slots=x_slots, pdl=pdl), want)
-    with pytest.raises(ValueError, match="one row"):
-        chain.run_ws_launches(8) if rows > 1 else chain_ws.WsChain(1, 64, 64, 64, "cuda", rows=2).run_ws(8, bk=64)

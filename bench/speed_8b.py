@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from flashpd.bench.common import command_line, copy_bandwidth_gbs, time_ms, write_json
 from flashpd.bench.dflash_step import drafter_config_for
 from flashpd.bench.profile_step import kernel_table, measure_prefill
-from flashpd.engine import triton_env
+from flashpd.engine import triton_env, ws_gemm
 from flashpd.engine.config import builtin_config_path, load_config
 from flashpd.engine.drafter import dummy_drafter
 from flashpd.engine.generate import NativeGenerator
@@ -312,6 +312,8 @@ def main() -> None:
                     help="an inductor config entry for every runner (RunnerConfig.inductor_extra); repeatable")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), default=RunnerConfig.blas,
                     help="the BLAS library of every runner (RunnerConfig.blas; process-wide in torch)")
+    ap.add_argument("--ws-gemm", action="store_true",
+                    help="the few-row projections through engine/ws_gemm.py's warp-specialized kernel (an A/B)")
     ap.add_argument("--out", default="bench/results/speed_8b.json")
     a = ap.parse_args()
     extra = tuple(inductor_option(o) for o in a.inductor_option)
@@ -319,6 +321,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("speed_8b needs a CUDA GPU")
     sections = set(a.sections.split(","))
+    ws_gemm.ENABLED = a.ws_gemm  # before any kernel is compiled or captured
+    if a.ws_gemm and not ws_gemm.available():
+        raise SystemExit("--ws-gemm needs triton with Gluon (triton.experimental.gluon)")
     res: dict = {"bench": "speed_8b", "config": a.config, "dtype": "bfloat16", "weights": "dummy",
                  "command": command_line("flashpd.bench.speed_8b")}
 
@@ -354,6 +359,7 @@ def main() -> None:
                   "release_to_latency": triton_env.PDL_RELEASE_TO_LATENCY,
                   "release_max_rows": triton_env.PDL_RELEASE_MAX_ROWS}
     res["inductor_extra"] = dict(extra)
+    res["ws_gemm"] = ws_gemm.ENABLED
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     embed = target.embed_tokens.weight

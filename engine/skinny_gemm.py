@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from flashpd.engine import triton_env
+from flashpd.engine import triton_env, ws_gemm
 from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: F.linear only
 if triton is not None:
     from flashpd.engine.triton_env import pdl_enter, pdl_release, pdl_wait
@@ -225,6 +225,8 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
     assert g_next is None or (residual is not None and g_next.shape == (n,) and g_next.is_contiguous())
     if w.numel() > MAX_WEIGHT_ELEMENTS:
         raise ValueError(f"a weight of {w.numel()} elements is past the kernel's int32 indexing")
+    if ws_gemm.applies(x, w, w_scale):  # off by default (ws_gemm.ENABLED)
+        return ws_gemm.launch_fused(x, w, ss, eps, swiglu, residual, g_next, triton_env.pdl(x.device))
     y = x.new_empty((m, n))
     programs = triton.cdiv(n, block_n)
     xg = torch.empty_like(y) if g_next is not None else None

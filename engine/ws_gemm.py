@@ -1,0 +1,252 @@
+"""The few-row projection (skinny_gemm) warp-specialized: the weight streams from the launch's start. Off by default.
+
+skinny_gemm's kernel waits for the kernel ahead (PDL) before its first load, so each of a batch-1 step's ~145
+projections pays its own start, pipeline fill and tail (docs/results.md, issue 23). Here one program an SM walks
+its column tiles; a loader warp copies their weight tiles by TMA into a ring of shared-memory slots from the start,
+waiting only for free slots, and lets the next kernel launch at once. With a small ring and 128 registers a thread
+two programs share an SM, so the next projection's weights stream beside this one's (bench/chain_ws.py measures
+that chain, `run_mma_launches`). Four consumer warps wait for the kernel ahead, take x's [16, BK] tiles by TMA
+(rows past M zero-filled) into a ring of their own, and multiply with MMAs over K in 16-column steps in order, as
+tl.dot does in skinny_gemm's kernel; the epilogues are that kernel's fused forms (RMS, SwiGLU, residual + next
+norm), a tile at a time, with one partial sum of squares a tile (as that kernel's programs write them). A row's bits
+depend on that row alone, so a decode's one row and a verify's sixteen agree as in skinny_gemm; the epilogues' sums
+may round otherwise than that kernel's.
+
+Gluon (triton.experimental.gluon), sm_90 and up, bf16 or fp16 weights (an fp8 weight keeps skinny_gemm's kernel).
+ENABLED is off until the H200 measures it against skinny_gemm in the step (`speed_8b --ws-gemm`).
+"""
+from __future__ import annotations
+
+import torch
+
+from flashpd.engine import triton_env
+
+ENABLED = False  # skinny_gemm routes its bf16/fp16 forms here on CUDA when on (and Gluon imports)
+BN = 16  # output columns a tile (a SwiGLU tile: 16 gate and 16 up rows), skinny_gemm's narrow tile
+BKS = (256, 128, 64)  # K columns a slot: the largest that divides K
+SLOTS = 8  # the weight ring: 8 slots of [16, BK] (64 KB at BK 256; SwiGLU: half as many of [32, BK])
+X_SLOTS = 4  # x's ring: tiles fetched ahead
+LOADER_REGS = 40
+
+gluon = None
+if triton_env.triton is not None and not triton_env.INTERPRET:  # a CUDA build of torch (the interpreter: no Gluon)
+    try:
+        import triton
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, mma_v2, tma
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    except ImportError:  # a triton without Gluon
+        gluon = None
+
+if gluon is not None:
+    # a barrier of the calling partition's warps: gl.thread_barrier in triton 3.6, gl.barrier later
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    @gluon.jit
+    def _gdc(WAIT: gl.constexpr):
+        """griddepcontrol in every thread of the partition: wait for the kernel ahead to finish, its writes
+        visible (WAIT), or let the next kernel launch (the program's first call counts)."""
+        z = gl.full([32], 0, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+        if WAIT:
+            gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [z], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [z],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _loader(w_desc, ring, ready, empty, pid, P, N, K, BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
+                SWIGLU: gl.constexpr, PDL: gl.constexpr):
+        """The worker partition: this program's tiles (every P-th), each K step's weight tile (SwiGLU: its gate and
+        up rows, N apart) into the next free slot. Never waits for the kernel ahead: the weight is not its output."""
+        if PDL:
+            _gdc(False)
+        steps = K // BK
+        total = ((N // BN - pid + P - 1) // P) * steps
+        for i in range(total):
+            s = i % S
+            mbarrier.wait(empty.index(s), ((i // S) & 1) ^ 1)  # a fresh barrier counts as freed
+            n0 = (pid + (i // steps) * P) * BN
+            k = (i % steps) * BK
+            if SWIGLU:
+                mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [n0, k], ready.index(s), ring.index(s).slice(0, BN))
+                tma.async_copy_global_to_shared(w_desc, [N + n0, k], ready.index(s), ring.index(s).slice(BN, BN))
+            else:
+                mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [n0, k], ready.index(s), ring.index(s))
+
+    @gluon.jit
+    def _x_fetch(x_desc, x_ring, x_ready, i, total, steps, BK: gl.constexpr, XS: gl.constexpr):
+        """Item i's x tile [16, BK] into x slot i % XS, if i < total (the same K step's tile for every column tile)."""
+        ok = i < total
+        slot = i % XS
+        mbarrier.expect(x_ready.index(slot), x_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(x_desc, [0, (i % steps) * BK], x_ready.index(slot), x_ring.index(slot),
+                                        pred=ok)
+
+    @gluon.jit
+    def _consumer(x_desc, y_ptr, M, N, K, sym, ss_ptr, P_SS, eps, r_ptr, srm, g_ptr, xg_ptr, sso_ptr, x_ring,
+                  x_ready, ring, ready, empty, pid, P, BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
+                  XS: gl.constexpr, RMS: gl.constexpr, SWIGLU: gl.constexpr, RESID: gl.constexpr,
+                  NEXT: gl.constexpr, P_PAD: gl.constexpr, PDL: gl.constexpr):
+        """The default partition: the MMAs and skinny_gemm's epilogues, a column tile at a time."""
+        if PDL:
+            _gdc(True)  # x, ss and the residual are the kernels ahead's outputs
+        steps = K // BK
+        tiles = N // BN
+        total = ((tiles - pid + P - 1) // P) * steps
+        for i in gl.static_range(XS):
+            _x_fetch(x_desc, x_ring, x_ready, i, total, steps, BK, XS)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        rm = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+        rn = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        m_ok = rm < M
+        if RMS:  # each row's 1/rms from the partial sums of its stream's squares, once for every tile
+            pp = gl.arange(0, P_PAD, layout=gl.SliceLayout(0, mma))
+            ss = gl.load(ss_ptr + rm[:, None] * P_SS + pp[None, :], mask=m_ok[:, None] & (pp < P_SS)[None, :],
+                         other=0.0)
+            scale = 1.0 / gl.sqrt(gl.sum(ss, 1) / K + eps)
+        i = pid * 0
+        for t in range(pid, tiles, P):
+            acc = gl.zeros([16, BN], gl.float32, mma)
+            if SWIGLU:
+                acc_up = gl.zeros([16, BN], gl.float32, mma)
+            for kk in range(steps):
+                xslot = i % XS
+                mbarrier.wait(x_ready.index(xslot), (i // XS) & 1)
+                s = i % S
+                mbarrier.wait(ready.index(s), (i // S) & 1)
+                a = x_ring.index(xslot).load(la)
+                if SWIGLU:
+                    b = ring.index(s).slice(0, BN).permute([1, 0]).load(lb)
+                    b_up = ring.index(s).slice(BN, BN).permute([1, 0]).load(lb)
+                else:
+                    b = ring.index(s).permute([1, 0]).load(lb)
+                _cta_barrier()  # every warp has read both slots
+                fence_async_shared()  # ... before the next copies into them
+                mbarrier.arrive(empty.index(s), count=1)
+                _x_fetch(x_desc, x_ring, x_ready, i + XS, total, steps, BK, XS)
+                acc = mma_v2(a, b, acc)
+                if SWIGLU:
+                    acc_up = mma_v2(a, b_up, acc_up)
+                i += 1
+            if RMS:
+                acc = acc * scale[:, None]
+                if SWIGLU:
+                    acc_up = acc_up * scale[:, None]
+            cols = t * BN + rn
+            out_ok = m_ok[:, None] & (cols < N)[None, :]
+            if SWIGLU:  # gate and up rounded as the unfused matmul's output, the product in fp32
+                gate = acc.to(y_ptr.dtype.element_ty).to(gl.float32)
+                up = acc_up.to(y_ptr.dtype.element_ty).to(gl.float32)
+                y = (gate * (1.0 / (1.0 + gl.exp(-gate))) * up).to(y_ptr.dtype.element_ty)
+            else:
+                y = acc.to(y_ptr.dtype.element_ty)
+            if RESID:
+                r = gl.load(r_ptr + rm[:, None] * srm + cols[None, :], mask=out_ok, other=0.0)
+                y = (y.to(gl.float32) + r.to(gl.float32)).to(y_ptr.dtype.element_ty)
+            gl.store(y_ptr + rm[:, None] * sym + cols[None, :], y, mask=out_ok)
+            if NEXT:
+                yf = gl.where(out_ok, y.to(gl.float32), 0.0)
+                gw = gl.load(g_ptr + cols).to(gl.float32)
+                gl.store(xg_ptr + rm[:, None] * sym + cols[None, :], (yf * gw[None, :]).to(y_ptr.dtype.element_ty),
+                         mask=out_ok)
+                gl.store(sso_ptr + rm * tiles + t, gl.sum(yf * yf, 1), mask=m_ok)
+
+    @gluon.jit
+    def _ws_kernel(w_desc, x_desc, y_ptr, M, N, K, sym, ss_ptr, P_SS, eps, r_ptr, srm, g_ptr, xg_ptr, sso_ptr,
+                   BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, XS: gl.constexpr, RMS: gl.constexpr,
+                   SWIGLU: gl.constexpr, RESID: gl.constexpr, NEXT: gl.constexpr, P_PAD: gl.constexpr,
+                   PDL: gl.constexpr, LOADER_REGS: gl.constexpr):
+        WN: gl.constexpr = 2 * BN if SWIGLU else BN
+        ring = gl.allocate_shared_memory(w_desc.dtype, [S, WN, BK], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        x_ring = gl.allocate_shared_memory(x_desc.dtype, [XS, 16, BK], x_desc.layout)
+        x_ready = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(S):
+            mbarrier.init(ready.index(j), count=1)
+            mbarrier.init(empty.index(j), count=1)
+        for j in gl.static_range(XS):
+            mbarrier.init(x_ready.index(j), count=1)
+        pid = gl.program_id(0)
+        P = gl.num_programs(0)
+        gl.warp_specialize([
+            (_consumer, (x_desc, y_ptr, M, N, K, sym, ss_ptr, P_SS, eps, r_ptr, srm, g_ptr, xg_ptr, sso_ptr, x_ring,
+                         x_ready, ring, ready, empty, pid, P, BN, BK, S, XS, RMS, SWIGLU, RESID, NEXT, P_PAD, PDL)),
+            (_loader, (w_desc, ring, ready, empty, pid, P, N, K, BN, BK, S, SWIGLU, PDL)),
+        ], [1], [LOADER_REGS])
+
+
+def available() -> bool:
+    return gluon is not None
+
+
+_SMS: dict[int, int] = {}  # device index -> SM count, or 0 below sm_90
+_W_DESCS: dict[tuple, object] = {}
+
+
+def _sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        major = torch.cuda.get_device_capability(index)[0]
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count if major >= 9 else 0
+    return _SMS[index]
+
+
+def block_k(k: int) -> int | None:
+    """A slot's K columns for a weight of K columns: the largest of BKS that divides it, or None."""
+    return next((b for b in BKS if k % b == 0), None)
+
+
+def applies(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> bool:
+    """Whether skinny_gemm hands a call to this kernel: ENABLED, Gluon, CUDA on sm_90 or later, a bf16/fp16 weight
+    of x's dtype (not fp8) whose rows are a multiple of 2 * BN (a SwiGLU weight's halves of BN), K a multiple of 64,
+    and rows 16-byte aligned for TMA."""
+    if not ENABLED or gluon is None or not x.is_cuda or w_scale is not None or w.dtype != x.dtype:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or not _sms(x.device):
+        return False
+    return (block_k(x.shape[1]) is not None and w.shape[0] % (2 * BN) == 0 and x.stride(0) % 8 == 0
+            and w.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+def _layout() -> object:
+    """Tiles in shared memory without a swizzle: the MMA operands load from them with ldmatrix."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+def _weight_desc(w: torch.Tensor, bk: int) -> object:
+    """A weight's TMA descriptor in [BN, bk] boxes, made once per weight (weights do not move)."""
+    key = (w.data_ptr(), tuple(w.shape), w.stride(0), w.dtype, bk)
+    if key not in _W_DESCS:
+        _W_DESCS[key] = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [BN, bk], _layout())
+    return _W_DESCS[key]
+
+
+def launch_fused(x: torch.Tensor, w: torch.Tensor, ss: torch.Tensor | None, eps: float, swiglu: bool,
+                 residual: torch.Tensor | None, g_next: torch.Tensor | None, pdl: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """skinny_gemm.launch_fused's forms (its checks already made; `applies` true): x [M <= 16, K], w [N (2N for
+    swiglu), K] -> (y, y * g_next, [M, N / BN] partial sums of y's squares) or (y, None, None)."""
+    m, k = x.shape
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
+    tiles = n // BN
+    y = x.new_empty((m, n))
+    xg = torch.empty_like(y) if g_next is not None else None
+    sso = torch.empty((m, tiles), dtype=torch.float32, device=x.device) if g_next is not None else None
+    bk = block_k(k)
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [16, bk], _layout())
+    p_ss = ss.shape[1] if ss is not None else 1
+    _ws_kernel[(min(_sms(x.device), tiles),)](
+        _weight_desc(w, bk), x_desc, y, m, n, k, y.stride(0), y if ss is None else ss, p_ss, float(eps),
+        y if residual is None else residual, 0 if residual is None else residual.stride(0),
+        y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso,
+        BN=BN, BK=bk, S=SLOTS // 2 if swiglu else SLOTS, XS=X_SLOTS, RMS=ss is not None, SWIGLU=swiglu,
+        RESID=residual is not None, NEXT=g_next is not None, P_PAD=max(16, triton.next_power_of_2(p_ss)),
+        PDL=int(pdl), LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=128, launch_pdl=pdl)
+    return y, xg, sso

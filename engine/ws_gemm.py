@@ -112,6 +112,13 @@ if gluon is not None:
             scale = 1.0 / gl.sqrt(gl.sum(ss, 1) / K + eps)
         i = pid * 0
         for t in range(pid, tiles, P):
+            cols = t * BN + rn
+            out_ok = m_ok[:, None] & (cols < N)[None, :]
+            # the epilogue's operands loaded before the K loop, their latency behind the weight's stream
+            if RESID:
+                r = gl.load(r_ptr + rm[:, None] * srm + cols[None, :], mask=out_ok, other=0.0)
+            if NEXT:
+                gw = gl.load(g_ptr + cols).to(gl.float32)
             acc = gl.zeros([16, BN], gl.float32, mma)
             if SWIGLU:
                 acc_up = gl.zeros([16, BN], gl.float32, mma)
@@ -138,8 +145,6 @@ if gluon is not None:
                 acc = acc * scale[:, None]
                 if SWIGLU:
                     acc_up = acc_up * scale[:, None]
-            cols = t * BN + rn
-            out_ok = m_ok[:, None] & (cols < N)[None, :]
             if SWIGLU:  # gate and up rounded as the unfused matmul's output, the product in fp32
                 gate = acc.to(y_ptr.dtype.element_ty).to(gl.float32)
                 up = acc_up.to(y_ptr.dtype.element_ty).to(gl.float32)
@@ -147,12 +152,10 @@ if gluon is not None:
             else:
                 y = acc.to(y_ptr.dtype.element_ty)
             if RESID:
-                r = gl.load(r_ptr + rm[:, None] * srm + cols[None, :], mask=out_ok, other=0.0)
                 y = (y.to(gl.float32) + r.to(gl.float32)).to(y_ptr.dtype.element_ty)
             gl.store(y_ptr + rm[:, None] * sym + cols[None, :], y, mask=out_ok)
             if NEXT:
                 yf = gl.where(out_ok, y.to(gl.float32), 0.0)
-                gw = gl.load(g_ptr + cols).to(gl.float32)
                 gl.store(xg_ptr + rm[:, None] * sym + cols[None, :], (yf * gw[None, :]).to(y_ptr.dtype.element_ty),
                          mask=out_ok)
                 gl.store(sso_ptr + rm * tiles + t, gl.sum(yf * yf, 1), mask=m_ok)

@@ -190,7 +190,6 @@ def available() -> bool:
 
 
 _SMS: dict[int, int] = {}  # device index -> SM count, or 0 below sm_90
-_W_DESCS: dict[tuple, object] = {}
 
 
 def _sms(device: torch.device) -> int:
@@ -223,14 +222,6 @@ def _layout() -> object:
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
-def _weight_desc(w: torch.Tensor, bk: int) -> object:
-    """A weight's TMA descriptor in [BN, bk] boxes, made once per weight (weights do not move)."""
-    key = (w.data_ptr(), tuple(w.shape), w.stride(0), w.dtype, bk)
-    if key not in _W_DESCS:
-        _W_DESCS[key] = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [BN, bk], _layout())
-    return _W_DESCS[key]
-
-
 def launch_fused(x: torch.Tensor, w: torch.Tensor, ss: torch.Tensor | None, eps: float, swiglu: bool,
                  residual: torch.Tensor | None, g_next: torch.Tensor | None, pdl: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -243,10 +234,13 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, ss: torch.Tensor | None, eps:
     xg = torch.empty_like(y) if g_next is not None else None
     sso = torch.empty((m, tiles), dtype=torch.float32, device=x.device) if g_next is not None else None
     bk = block_k(k)
+    # descriptors made a call (a few microseconds of host time; captured once in a CUDA graph), so that none
+    # outlives its tensor
+    w_desc = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [BN, bk], _layout())
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [16, bk], _layout())
     p_ss = ss.shape[1] if ss is not None else 1
     _ws_kernel[(min(_sms(x.device), tiles),)](
-        _weight_desc(w, bk), x_desc, y, m, n, k, y.stride(0), y if ss is None else ss, p_ss, float(eps),
+        w_desc, x_desc, y, m, n, k, y.stride(0), y if ss is None else ss, p_ss, float(eps),
         y if residual is None else residual, 0 if residual is None else residual.stride(0),
         y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso,
         BN=BN, BK=bk, S=SLOTS // 2 if swiglu else SLOTS, XS=X_SLOTS, RMS=ss is not None, SWIGLU=swiglu,

@@ -38,16 +38,15 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, mma_v2, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # no triton, or one without Gluon: the bench says so when run
+    # a barrier of the calling partition's warps: gl.thread_barrier in triton 3.6 (the device's), gl.barrier later
+    _cta_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+except (ImportError, AttributeError):  # no triton, or no Gluon these kernels know: the bench says so when run
     gluon = None
 
 BN = 16  # output columns a tile (the engine's narrow tile)
 SMEM_BYTES = 227 * 1024  # one program's shared memory on an H100 / H200
 
 if gluon is not None:
-    # a barrier of the calling partition's warps: gl.thread_barrier in triton 3.6 (the device's), gl.barrier later
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
     @gluon.jit
     def _weight_ring(desc, S: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
         """The loader's ring: S slots of desc's [BN, BK] tiles, and per slot a `ready` barrier (its copy landed)

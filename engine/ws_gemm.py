@@ -36,12 +36,12 @@ if triton_env.triton is not None and not triton_env.INTERPRET:  # a CUDA build o
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, mma_v2, tma
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    except ImportError:  # a triton without Gluon
+        # a barrier of the calling partition's warps: gl.thread_barrier in triton 3.6, gl.barrier later
+        _cta_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+    except (ImportError, AttributeError):  # a triton without Gluon, or with one these kernels do not know
         gluon = None
 
 if gluon is not None:
-    # a barrier of the calling partition's warps: gl.thread_barrier in triton 3.6, gl.barrier later
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
     def _gdc(WAIT: gl.constexpr):

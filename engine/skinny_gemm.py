@@ -19,6 +19,9 @@ the whole x tile; bench/results/2026-12-03_fused_layers_f8fd192.) o_proj and dow
 the next norm's input, the stream times that norm's weight, with each program's sums of the stream's squares;
 QKV and gate/up multiply that input and scale each row by 1/rms at the end; gate/up also forms silu(gate) * up.
 A layer is then 7 launches, not 10: the two norms and the SwiGLU product have no kernel of their own.
+
+With engine/ws_gemm.ENABLED (off by default; not yet measured), `launch_fused` hands its bf16/fp16 forms to that
+warp-specialized kernel instead, whose loader streams the weight from the launch's start.
 """
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ runs ahead of the barriers by the ring's depth. The other warps wait at each bar
 The same partitions also run as a kernel a projection (`run_ws_launches`), launched with programmatic dependent
 launch: each kernel's loader lets the next kernel launch at once and never waits, so with a small ring two programs
 share an SM and the next projection's weights stream while this one's are multiplied. That form would keep the
-engine's launches (attention and norms between them) if it wins. Its MMA form (`run_mma_launches`, up to 16 rows)
-multiplies as the engine's few-row kernel does, each row's sum over K in 16-column MMA steps in order, so it is
-compared with the engine's launches bit for bit: the form the engine would take.
+engine's launches (attention and norms between them) if it wins. `run_mma_launches` runs the engine's form of it,
+engine/ws_gemm.py (MMAs, up to 16 rows, each row's sum over K in 16-column MMA steps in order as in the engine's
+few-row kernel), compared with the engine's launches bit for bit.
 
 The persistent kernel and `run_ws_launches` take one row, a batch-1 decode, as fp32 FMAs summed in another order
 than the engine's MMAs: their result is checked against the float64 chain with a tolerance, not bitwise; they
@@ -31,12 +31,13 @@ import argparse
 import torch
 
 from flashpd.bench.chain_bound import MAX_SPIN, Chain
+from flashpd.engine import ws_gemm
 
 try:
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, mma_v2, tma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # a barrier of the calling partition's warps: gl.thread_barrier in triton 3.6 (the device's), gl.barrier later
     _cta_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
@@ -180,30 +181,18 @@ if gluon is not None:
         ], [1], [LOADER_REGS])
 
     @gluon.jit
-    def _gdc(WAIT: gl.constexpr):
-        """PTX griddepcontrol in every thread of the partition: wait for the kernel ahead to finish and its writes
-        to be visible (WAIT), or let the next kernel launch (the CTA's first call counts)."""
-        z = gl.full([32], 0, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-        if WAIT:
-            gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [z], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r", [z],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _proj_consumer(x_ptr, y_ptr, xs, ring, ready, empty, pid, P, N: gl.constexpr, K: gl.constexpr,
                        KP: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, LW: gl.constexpr,
                        LX: gl.constexpr, PDL: gl.constexpr):
         if PDL:
-            _gdc(True)  # x is the kernel ahead's output
+            ws_gemm.gdc(True)  # x is the kernel ahead's output
         _mult_proj(x_ptr, y_ptr, xs, ring, ready, empty, pid * 0, pid, P, N, K, KP, BN, BK, S, LW, LX)
 
     @gluon.jit
     def _proj_loader(desc, ring, ready, empty, pid, P, row0, N: gl.constexpr, K: gl.constexpr, BN: gl.constexpr,
                      BK: gl.constexpr, S: gl.constexpr, PDL: gl.constexpr):
         if PDL:
-            _gdc(False)  # at once: the next kernel's loader may stream its weights beside this one
+            ws_gemm.gdc(False)  # at once: the next kernel's loader may stream its weights beside this one
         _load_proj(desc, ring, ready, empty, pid * 0, pid, P, row0, N, K, BN, BK, S)
 
     @gluon.jit
@@ -220,72 +209,6 @@ if gluon is not None:
         gl.warp_specialize([
             (_proj_consumer, (x_ptr, y_ptr, xs, ring, ready, empty, pid, P, N, K, KP, BN, BK, S, LW, LX, PDL)),
             (_proj_loader, (desc, ring, ready, empty, pid, P, row0, N, K, BN, BK, S, PDL)),
-        ], [1], [LOADER_REGS])
-
-    @gluon.jit
-    def _x_fetch(x_desc, x_ring, x_ready, i, total, steps: gl.constexpr, BK: gl.constexpr, XS: gl.constexpr):
-        """Item i's input tile [16, BK] (rows past the input's zero-filled by TMA) into x slot i % XS, if i < total."""
-        ok = i < total
-        slot = i % XS
-        mbarrier.expect(x_ready.index(slot), x_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(x_desc, [0, (i % steps) * BK], x_ready.index(slot), x_ring.index(slot),
-                                        pred=ok)
-
-    @gluon.jit
-    def _mma_consumer(x_desc, y_ptr, sy, M, x_ring, x_ready, ring, ready, empty, pid, P, N: gl.constexpr,
-                      K: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, XS: gl.constexpr,
-                      PDL: gl.constexpr):
-        """y[:M, tiles] = x[:M] @ w[tiles].T with MMAs: x's [16, BK] tiles by TMA into an XS-deep ring of this
-        partition's own (issued XS items ahead, after the PDL wait), the weights' tiles from the loader's ring. Each
-        output row's sum runs over K in 16-column MMA steps in order, as tl.dot's in the engine's few-row kernel."""
-        if PDL:
-            _gdc(True)
-        steps: gl.constexpr = K // BK
-        mine = (N // BN - pid + P - 1) // P
-        total = mine * steps
-        for i in gl.static_range(XS):
-            _x_fetch(x_desc, x_ring, x_ready, i, total, steps, BK, XS)
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
-        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-        rm = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-        rn = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-        i = pid * 0
-        for j in range(mine):
-            acc = gl.zeros([16, BN], gl.float32, mma)
-            for kk in range(steps):
-                xslot = i % XS
-                mbarrier.wait(x_ready.index(xslot), (i // XS) & 1)
-                s = i % S
-                mbarrier.wait(ready.index(s), (i // S) & 1)
-                a = x_ring.index(xslot).load(la)
-                b = ring.index(s).permute([1, 0]).load(lb)
-                _cta_barrier()  # every warp has read both slots
-                fence_async_shared()
-                mbarrier.arrive(empty.index(s), count=1)
-                _x_fetch(x_desc, x_ring, x_ready, i + XS, total, steps, BK, XS)  # into the slot just read
-                acc = mma_v2(a, b, acc)
-                i += 1
-            out = y_ptr + rm[:, None] * sy + (pid + j * P) * BN + rn[None, :]
-            gl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None])
-
-    @gluon.jit
-    def _proj_mma_kernel(w_desc, x_desc, y_ptr, sy, M, row0, N: gl.constexpr, K: gl.constexpr, BN: gl.constexpr,
-                         BK: gl.constexpr, S: gl.constexpr, XS: gl.constexpr, PDL: gl.constexpr,
-                         LOADER_REGS: gl.constexpr):
-        """`_proj_ws_kernel` with MMAs for up to 16 rows: the few-row GEMM's arithmetic (a verify's 16 rows as a
-        decode's one), warp-specialized, its weights streamed from the launch's start."""
-        ring, ready, empty = _weight_ring(w_desc, S, BN, BK)
-        x_ring = gl.allocate_shared_memory(x_desc.dtype, [XS, 16, BK], x_desc.layout)
-        x_ready = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(XS):
-            mbarrier.init(x_ready.index(i), count=1)
-        pid = gl.program_id(0)
-        P = gl.num_programs(0)
-        gl.warp_specialize([
-            (_mma_consumer, (x_desc, y_ptr, sy, M, x_ring, x_ready, ring, ready, empty, pid, P, N, K, BN, BK, S, XS,
-                             PDL)),
-            (_proj_loader, (w_desc, ring, ready, empty, pid, P, row0, N, K, BN, BK, S, PDL)),
         ], [1], [LOADER_REGS])
 
 
@@ -331,7 +254,6 @@ class WsChain(Chain):
         self.bar = torch.zeros(64, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self._descs: dict[int, tuple[object, object]] = {}
-        self._x_descs: dict[int, list[object]] = {}
 
     def weight_bytes(self) -> int:
         return (self.wa.numel() + self.wd.numel()) * 2
@@ -393,29 +315,19 @@ class WsChain(Chain):
                                          launch_pdl=pdl)
         return self.y[3]
 
-    def x_descriptors(self, bk: int) -> list[object]:
-        """TMA descriptors of each projection's input, [rows, K] views of the activations, in [16, bk] boxes
-        (the rows past `rows` come in as zeros)."""
-        if bk not in self._x_descs:
-            lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-            xs = [self.y[(j - 1) % 4] for j in range(4)]
-            self._x_descs[bk] = [TensorDescriptor(x, [self.rows, k], [x.shape[1], 1], [16, bk], lay)
-                                 for x, (_, k) in zip(xs, self.shapes)]
-        return self._x_descs[bk]
-
-    def run_mma_launches(self, programs: int, bk: int = 256, slots: int = 8, x_slots: int = 4, pdl: bool = True,
-                         loader_regs: int = 40) -> torch.Tensor:
-        """The chain as 144 launches of `_proj_mma_kernel` (MMAs, up to 16 rows; PDL as `run_ws_launches`)
+    def run_mma_launches(self, bk: int = 256, slots: int = 8, x_slots: int = 4, pdl: bool = True) -> torch.Tensor:
+        """The chain as 144 launches of the engine's warp-specialized few-row kernel (engine/ws_gemm.py, its plain
+        form: MMAs, up to 16 rows; PDL as `run_ws_launches`), on the same views as `run_launches`
         -> the last layer's output [rows, d]."""
         self._check(bk, one_row=False)
-        x_descs = self.x_descriptors(bk)
-        for j, n, k, desc, row0 in self._launches(bk):
-            y = self.y[j]
-            _proj_mma_kernel[(programs,)](desc, x_descs[j], y, y.stride(0), self.rows, row0, N=n, K=k, BN=BN, BK=bk,
-                                          S=slots, XS=x_slots, PDL=int(pdl), LOADER_REGS=loader_regs, num_warps=4,
-                                          maxnreg=128, launch_pdl=pdl)
-        return self.y[3]
-
+        h = self.x
+        for layer in range(self.layers):
+            wq, wo, wgu, wd = self.views[4 * layer:4 * layer + 4]
+            q = ws_gemm.launch_fused(h, wq, None, 0.0, False, None, None, pdl, bk, slots, x_slots)[0]
+            o = ws_gemm.launch_fused(q[:, :self.d], wo, None, 0.0, False, None, None, pdl, bk, slots, x_slots)[0]
+            gu = ws_gemm.launch_fused(o, wgu, None, 0.0, False, None, None, pdl, bk, slots, x_slots)[0]
+            h = ws_gemm.launch_fused(gu[:, :self.ff], wd, None, 0.0, False, None, None, pdl, bk, slots, x_slots)[0]
+        return h
 
 def main() -> None:
     from flashpd.bench.attn_micro import graph_time
@@ -479,9 +391,9 @@ def main() -> None:
                        programs=sms, bk=bk, slots=slots, pdl=pdl, rel_err_vs_fp64=error(got))
     for bk in (int(b) for b in a.bk.split(",")):
         for pdl in (True, False):
-            got = chain.run_mma_launches(sms, bk=bk, slots=a.mma_slots, x_slots=a.mma_x_slots, pdl=pdl).clone()
+            got = chain.run_mma_launches(bk=bk, slots=a.mma_slots, x_slots=a.mma_x_slots, pdl=pdl).clone()
             record(f"mma launches, BK {bk}, {a.mma_slots} + {a.mma_x_slots} slots" + (", PDL" if pdl else ""),
-                   lambda b=bk, p=pdl: chain.run_mma_launches(sms, bk=b, slots=a.mma_slots, x_slots=a.mma_x_slots,
+                   lambda b=bk, p=pdl: chain.run_mma_launches(bk=b, slots=a.mma_slots, x_slots=a.mma_x_slots,
                                                               pdl=p),
                    programs=sms, bk=bk, slots=a.mma_slots, x_slots=a.mma_x_slots, pdl=pdl,
                    rel_err_vs_fp64=error(got), same_bits_as_launches=bool(torch.equal(got, launches)))

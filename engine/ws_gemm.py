@@ -44,7 +44,7 @@ if triton_env.triton is not None and not triton_env.INTERPRET:  # a CUDA build o
 if gluon is not None:
 
     @gluon.jit
-    def _gdc(WAIT: gl.constexpr):
+    def gdc(WAIT: gl.constexpr):
         """griddepcontrol in every thread of the partition: wait for the kernel ahead to finish, its writes
         visible (WAIT), or let the next kernel launch (the program's first call counts)."""
         z = gl.full([32], 0, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
@@ -61,7 +61,7 @@ if gluon is not None:
         """The worker partition: this program's tiles (every P-th), each K step's weight tile (SwiGLU: its gate and
         up rows, N apart) into the next free slot. Never waits for the kernel ahead: the weight is not its output."""
         if PDL:
-            _gdc(False)
+            gdc(False)
         steps = K // BK
         total = ((N // BN - pid + P - 1) // P) * steps
         for i in range(total):
@@ -93,7 +93,7 @@ if gluon is not None:
                   NEXT: gl.constexpr, P_PAD: gl.constexpr, PDL: gl.constexpr):
         """The default partition: the MMAs and skinny_gemm's epilogues, a column tile at a time."""
         if PDL:
-            _gdc(True)  # x, ss and the residual are the kernels ahead's outputs
+            gdc(True)  # x, ss and the residual are the kernels ahead's outputs
         steps = K // BK
         tiles = N // BN
         total = ((tiles - pid + P - 1) // P) * steps
@@ -223,17 +223,20 @@ def _layout() -> object:
 
 
 def launch_fused(x: torch.Tensor, w: torch.Tensor, ss: torch.Tensor | None, eps: float, swiglu: bool,
-                 residual: torch.Tensor | None, g_next: torch.Tensor | None, pdl: bool
+                 residual: torch.Tensor | None, g_next: torch.Tensor | None, pdl: bool, bk: int | None = None,
+                 slots: int | None = None, x_slots: int = X_SLOTS
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """skinny_gemm.launch_fused's forms (its checks already made; `applies` true): x [M <= 16, K], w [N (2N for
-    swiglu), K] -> (y, y * g_next, [M, N / BN] partial sums of y's squares) or (y, None, None)."""
+    swiglu), K] -> (y, y * g_next, [M, N / BN] partial sums of y's squares) or (y, None, None). bk, slots,
+    x_slots: the ring's shape (bench/chain_ws.py's sweep; `block_k`, SLOTS and X_SLOTS otherwise)."""
     m, k = x.shape
     n = w.shape[0] // 2 if swiglu else w.shape[0]
     tiles = n // BN
     y = x.new_empty((m, n))
     xg = torch.empty_like(y) if g_next is not None else None
     sso = torch.empty((m, tiles), dtype=torch.float32, device=x.device) if g_next is not None else None
-    bk = block_k(k)
+    bk = bk or block_k(k)
+    slots = slots or (SLOTS // 2 if swiglu else SLOTS)
     # descriptors made a call (a few microseconds of host time; captured once in a CUDA graph), so that none
     # outlives its tensor
     w_desc = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [BN, bk], _layout())
@@ -243,7 +246,7 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, ss: torch.Tensor | None, eps:
         w_desc, x_desc, y, m, n, k, y.stride(0), y if ss is None else ss, p_ss, float(eps),
         y if residual is None else residual, 0 if residual is None else residual.stride(0),
         y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso,
-        BN=BN, BK=bk, S=SLOTS // 2 if swiglu else SLOTS, XS=X_SLOTS, RMS=ss is not None, SWIGLU=swiglu,
+        BN=BN, BK=bk, S=slots, XS=x_slots, RMS=ss is not None, SWIGLU=swiglu,
         RESID=residual is not None, NEXT=g_next is not None, P_PAD=max(16, triton.next_power_of_2(p_ss)),
         PDL=int(pdl), LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=128, launch_pdl=pdl)
     return y, xg, sso

@@ -5,9 +5,9 @@ needed) and the test reads its PTX: the loader copies each weight tile by one TM
 ring's `ready` barrier counts; the consumers' barriers name only their own 128 threads (a CTA-wide one would wait
 for the loader warp, which never comes); one thread arrives at a slot's `empty` barrier and at the grid's counter;
 the grid barrier ends in an acquire fence; the input row is read past L1 in 16-byte vectors. The one-projection
-kernel, launched with PDL, lets the next launch go before its first copy and waits only before reading its input;
-its MMA form fetches its input only after that wait and multiplies in 16-column MMA steps. The weight layout (two
-2D buffers that the chain's views alias) is checked on the CPU; the kernels' results, on a GPU (the MMA form bitwise
+kernel, launched with PDL, lets the next launch go before its first copy and waits only before reading its input
+(the MMA form, engine/ws_gemm.py, has its PTX checked in tests/test_ws_gemm.py). The weight layout (two 2D buffers
+that the chain's views alias) is checked on the CPU; the kernels' results, on a GPU (the MMA launches bitwise
 against the engine's few-row kernel).
 """
 from __future__ import annotations
@@ -44,11 +44,6 @@ if kind == "chain":  # flag: SYNC
            "bar_ptr": "*i32", "err_ptr": "*i32", "L": "i32"}
     const = dict(D=4096, QKV=6144, FF=12288, FFP=16384, BN=cw.BN, BK=bk, S=slots, SYNC=flag, SPIN=1 << 20, LW=lw,
                  LX=lx, LOADER_REGS=40)
-elif kind == "mma":  # one projection with MMAs, up to 16 rows; flag: PDL (slots: the weight ring; 4 input slots)
-    kernel, ptrs = cw._proj_mma_kernel, ("y_ptr",)
-    sig = {"w_desc": desc, "x_desc": desc, "y_ptr": "*bf16", "sy": "i32", "M": "i32", "row0": "i32"}
-    const = dict(N=4096, K=4096, BN=cw.BN, BK=bk, S=slots, XS=4, PDL=flag, LOADER_REGS=40)
-    options.update(maxnreg=128, launch_pdl=bool(flag))
 else:  # one projection, down's shape; flag: PDL
     kernel, ptrs = cw._proj_ws_kernel, ("x_ptr", "y_ptr")
     sig = {"desc": desc, "x_ptr": "*bf16", "y_ptr": "*bf16", "row0": "i32"}
@@ -64,8 +59,8 @@ print(json.dumps({"ptx": cc.asm["ptx"], "shared": cc.metadata.shared}))
 
 
 def compiled(kind: str, bk: int, slots: int, flag: int) -> dict:
-    """The kernel `kind` ("chain": the persistent one, flag its SYNC; "proj": one projection, "mma": its MMA form,
-    flag their PDL) compiled for sm_90 in a child process -> {"ptx", "shared"}."""
+    """The kernel `kind` ("chain": the persistent one, flag its SYNC; "proj": one projection, flag its PDL)
+    compiled for sm_90 in a child process -> {"ptx", "shared"}."""
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", CHILD, kind, str(bk), str(slots), str(flag)], capture_output=True,
@@ -119,20 +114,6 @@ def test_a_projection_launch_lets_the_next_go_at_once_and_waits_only_to_read_its
     assert "griddepcontrol" not in plain
 
 
-def test_the_mma_form_fetches_its_input_after_the_wait_and_multiplies_as_the_engine() -> None:
-    c = compiled("mma", 256, 8, 1)
-    ptx = c["ptx"].splitlines()
-    at = lambda key: [i for i, ln in enumerate(ptx) if key in ln]  # noqa: E731
-    assert c["shared"] <= chain_ws.SMEM_BYTES // 2
-    wait, release, tma = at("griddepcontrol.wait"), at("griddepcontrol.launch_dependents"), at("cp.async.bulk.tensor")
-    assert len(wait) == 1 and len(release) == 1
-    inputs = [t for t in tma if t < release[0]]  # the consumers' part comes first: 4 fetched ahead, 1 in the loop
-    assert len(inputs) == 5 and min(inputs) > wait[0]  # the input only after the kernel ahead has finished
-    assert len(tma) == 6 and tma[-1] > release[0]  # the loader's weight copies, after it lets the next launch go
-    mmas = [ln.strip() for ln in ptx if "mma.sync" in ln]
-    assert len(mmas) == 256 // 16 and all(".m16n8k16.row.col.f32.bf16.bf16.f32" in m for m in mmas)  # a K step
-
-
 def test_the_weights_lie_in_two_buffers_the_chain_reads() -> None:
     chain = chain_ws.WsChain(2, 64, 96, 128, "cpu", seed=3)
     ra = 96 + 64 + 2 * 128
@@ -179,4 +160,4 @@ def test_the_mma_launches_are_bitwise_the_engines_few_row_kernel(rows: int) -> N
     want = chain.run_launches().clone()
     for bk, slots, x_slots in ((256, 8, 4), (128, 4, 2)):
         for pdl in (True, False):
-            assert torch.equal(chain.run_mma_launches(8, bk=bk, slots=slots, x_slots=x_slots, pdl=pdl), want)
+            assert torch.equal(chain.run_mma_launches(bk=bk, slots=slots, x_slots=x_slots, pdl=pdl), want)

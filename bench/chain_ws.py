@@ -329,6 +329,7 @@ class WsChain(Chain):
             h = ws_gemm.launch_fused(gu[:, :self.ff], wd, None, 0.0, False, None, None, pdl, bk, slots, x_slots)[0]
         return h
 
+
 def main() -> None:
     from flashpd.bench.attn_micro import graph_time
     from flashpd.bench.common import command_line, git_revision, kernel_bench_start, machine, write_json
@@ -348,7 +349,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/chain_ws.json")
     a = ap.parse_args()
     dev, sms, copy = kernel_bench_start("chain_ws")
-    if gluon is None:
+    if gluon is None or not ws_gemm.available():
         raise SystemExit("chain_ws needs triton with Gluon (triton.experimental.gluon)")
     chain = WsChain(a.layers, 4096, 6144, 12288, dev)
     gb = chain.weight_bytes() / 1e9

@@ -5,12 +5,18 @@ projections pays its own start, pipeline fill and tail (docs/results.md, issue 2
 its column tiles; a loader warp copies their weight tiles by TMA into a ring of shared-memory slots from the start,
 waiting only for free slots, and lets the next kernel launch at once. With a small ring and 128 registers a thread
 two programs share an SM, so the next projection's weights stream beside this one's (bench/chain_ws.py measures
-that chain, `run_mma_launches`). Four consumer warps wait for the kernel ahead, take x's [16, BK] tiles by TMA
+that chain, `run_mma_launches`). Two consumer warps wait for the kernel ahead, take x's [16, BK] tiles by TMA
 (rows past M zero-filled) into a ring of their own, and multiply with MMAs over K in 16-column steps in order, as
-tl.dot does in skinny_gemm's kernel; the epilogues are that kernel's fused forms (RMS, SwiGLU, residual + next
-norm), a tile at a time, with one partial sum of squares a tile (as that kernel's programs write them). A row's bits
-depend on that row alone, so a decode's one row and a verify's sixteen agree as in skinny_gemm; the epilogues' sums
-may round otherwise than that kernel's.
+tl.dot does in skinny_gemm's kernel (each warp one 8-column half, the instruction's own K grouping); the epilogues
+are that kernel's fused forms (RMS, SwiGLU, residual + next norm), a tile at a time, with one partial sum of squares
+a tile (as that kernel's programs write them). A row's bits depend on that row alone, so a decode's one row and a
+verify's sixteen agree as in skinny_gemm; the epilogues' sums may round otherwise than that kernel's.
+
+Shared memory, not HBM, is what such a kernel can run out of: every weight byte is written once by TMA and read by
+ldmatrix, and x's tile (16 rows, most of them zeros at batch 1) is written and read beside it. Tiles are [rows, 64]
+with a 128-byte swizzle, so an 8-row ldmatrix meets 8 bank groups (a [16, 256] tile unswizzled puts its rows 512
+bytes apart, in one bank group: 8-way conflicts), and no warp repeats another's MMAs: about 5 bytes of shared
+traffic a weight byte, against the ~8 a byte an SM's 128 bytes a clock allow at the copy rate.
 
 Gluon (triton.experimental.gluon), sm_90 and up, bf16 or fp16 weights (an fp8 weight keeps skinny_gemm's kernel).
 ENABLED is off until the H200 measures it against skinny_gemm in the step (`speed_8b --ws-gemm`).
@@ -24,9 +30,13 @@ from flashpd.engine import triton_env
 ENABLED = False  # skinny_gemm routes its bf16/fp16 forms here on CUDA when on (and Gluon imports)
 BN = 16  # output columns a tile (a SwiGLU tile: 16 gate and 16 up rows), skinny_gemm's narrow tile
 BKS = (256, 128, 64)  # K columns a slot: the largest that divides K
+SUB = 64  # K columns a TMA box and a shared tile: 128 bytes of bf16, the widest rows a 128-byte swizzle takes
 SLOTS = 8  # the weight ring: 8 slots of [16, BK] (64 KB at BK 256; SwiGLU: half as many of [32, BK])
 X_SLOTS = 4  # x's ring: tiles fetched ahead
-LOADER_REGS = 40
+WARPS = 2  # the consumers: one 8-column MMA half of the 16-column tile each, as skinny_gemm's 2 warps (4 would
+# repeat a half's MMAs and read x's tile 4 times: shared memory's bandwidth, not HBM's, would bound the kernel)
+IDLE_WARPS = 4  # the default partition, idle: Gluon wants a multiple of 4 warps there, the consumers are 2
+WORKER_REGS = 168  # the loader's and consumers' warpgroup; the idle one keeps 2 * 128 - 168
 
 gluon = None
 if triton_env.triton is not None and not triton_env.INTERPRET:  # a CUDA build of torch (the interpreter: no Gluon)
@@ -56,12 +66,14 @@ if gluon is not None:
                                       dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _loader(w_desc, ring, ready, empty, pid, P, N, K, BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-                SWIGLU: gl.constexpr, PDL: gl.constexpr):
+    def _loader(w_desc, ring, ready, empty, pid, P, N, K, BN: gl.constexpr, BK: gl.constexpr, SUB: gl.constexpr,
+                S: gl.constexpr, SWIGLU: gl.constexpr, PDL: gl.constexpr):
         """The worker partition: this program's tiles (every P-th), each K step's weight tile (SwiGLU: its gate and
         up rows, N apart) into the next free slot. Never waits for the kernel ahead: the weight is not its output."""
         if PDL:
             gdc(False)
+        NSUB: gl.constexpr = BK // SUB
+        G: gl.constexpr = 2 if SWIGLU else 1
         steps = K // BK
         total = ((N // BN - pid + P - 1) // P) * steps
         for i in range(total):
@@ -69,39 +81,48 @@ if gluon is not None:
             mbarrier.wait(empty.index(s), ((i // S) & 1) ^ 1)  # a fresh barrier counts as freed
             n0 = (pid + (i // steps) * P) * BN
             k = (i % steps) * BK
-            if SWIGLU:
-                mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [n0, k], ready.index(s), ring.index(s).slice(0, BN))
-                tma.async_copy_global_to_shared(w_desc, [N + n0, k], ready.index(s), ring.index(s).slice(BN, BN))
-            else:
-                mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [n0, k], ready.index(s), ring.index(s))
+            mbarrier.expect(ready.index(s), G * NSUB * w_desc.block_type.nbytes)
+            for j in gl.static_range(NSUB):  # slot s is tiles (s * NSUB + j) * G (+ 1: SwiGLU's up rows, N on)
+                tma.async_copy_global_to_shared(w_desc, [n0, k + j * SUB], ready.index(s),
+                                                ring.index((s * NSUB + j) * G))
+                if SWIGLU:
+                    tma.async_copy_global_to_shared(w_desc, [N + n0, k + j * SUB], ready.index(s),
+                                                    ring.index((s * NSUB + j) * G + 1))
 
     @gluon.jit
-    def _x_fetch(x_desc, x_ring, x_ready, i, total, steps, BK: gl.constexpr, XS: gl.constexpr):
-        """Item i's x tile [16, BK] into x slot i % XS, if i < total (the same K step's tile for every column tile)."""
+    def _x_fetch(x_desc, x_ring, x_ready, i, total, steps, BK: gl.constexpr, SUB: gl.constexpr,
+                 XS: gl.constexpr):
+        """Item i's x tile [16, BK] (BK / SUB tiles of [16, SUB]) into x slot i % XS, if i < total (the same K
+        step's tile for every column tile)."""
+        NSUB: gl.constexpr = BK // SUB
         ok = i < total
         slot = i % XS
-        mbarrier.expect(x_ready.index(slot), x_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(x_desc, [0, (i % steps) * BK], x_ready.index(slot), x_ring.index(slot),
-                                        pred=ok)
+        mbarrier.expect(x_ready.index(slot), NSUB * x_desc.block_type.nbytes, pred=ok)
+        for j in gl.static_range(NSUB):
+            tma.async_copy_global_to_shared(x_desc, [0, (i % steps) * BK + j * SUB], x_ready.index(slot),
+                                            x_ring.index(slot * NSUB + j), pred=ok)
 
     @gluon.jit
     def _consumer(x_desc, y_ptr, M, N, K, sym, ss_ptr, P_SS, eps, r_ptr, srm, g_ptr, xg_ptr, sso_ptr, x_ring,
-                  x_ready, ring, ready, empty, pid, P, BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-                  XS: gl.constexpr, RMS: gl.constexpr, SWIGLU: gl.constexpr, RESID: gl.constexpr,
+                  x_ready, ring, ready, empty, pid, P, BN: gl.constexpr, BK: gl.constexpr, SUB: gl.constexpr,
+                  S: gl.constexpr, XS: gl.constexpr, RMS: gl.constexpr, SWIGLU: gl.constexpr, RESID: gl.constexpr,
                   NEXT: gl.constexpr, P_PAD: gl.constexpr, PDL: gl.constexpr):
         """The default partition: the MMAs and skinny_gemm's epilogues, a column tile at a time."""
         if PDL:
             gdc(True)  # x, ss and the residual are the kernels ahead's outputs
+        NSUB: gl.constexpr = BK // SUB
+        G: gl.constexpr = 2 if SWIGLU else 1
         steps = K // BK
         tiles = N // BN
         total = ((tiles - pid + P - 1) // P) * steps
         for i in gl.static_range(XS):
-            _x_fetch(x_desc, x_ring, x_ready, i, total, steps, BK, XS)
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
-        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+            _x_fetch(x_desc, x_ring, x_ready, i, total, steps, BK, SUB, XS)
+        # each warp one 8-column half of the tile, as skinny_gemm's two warps; k_width 2, the instruction's own: an
+        # MMA sums k 16j .. 16j + 15, in order over j, as tl.dot's (a wider k_width would group K otherwise)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, gl.num_warps()],
+                                                      instr_shape=[16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         rm = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
         rn = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
         m_ok = rm < M
@@ -127,19 +148,15 @@ if gluon is not None:
                 mbarrier.wait(x_ready.index(xslot), (i // XS) & 1)
                 s = i % S
                 mbarrier.wait(ready.index(s), (i // S) & 1)
-                a = x_ring.index(xslot).load(la)
-                if SWIGLU:
-                    b = ring.index(s).slice(0, BN).permute([1, 0]).load(lb)
-                    b_up = ring.index(s).slice(BN, BN).permute([1, 0]).load(lb)
-                else:
-                    b = ring.index(s).permute([1, 0]).load(lb)
+                for j in gl.static_range(NSUB):
+                    a = x_ring.index(xslot * NSUB + j).load(la)
+                    acc = mma_v2(a, ring.index((s * NSUB + j) * G).permute([1, 0]).load(lb), acc)
+                    if SWIGLU:
+                        acc_up = mma_v2(a, ring.index((s * NSUB + j) * G + 1).permute([1, 0]).load(lb), acc_up)
                 _cta_barrier()  # every warp has read both slots
                 fence_async_shared()  # ... before the next copies into them
                 mbarrier.arrive(empty.index(s), count=1)
-                _x_fetch(x_desc, x_ring, x_ready, i + XS, total, steps, BK, XS)
-                acc = mma_v2(a, b, acc)
-                if SWIGLU:
-                    acc_up = mma_v2(a, b_up, acc_up)
+                _x_fetch(x_desc, x_ring, x_ready, i + XS, total, steps, BK, SUB, XS)
                 i += 1
             if RMS:
                 acc = acc * scale[:, None]
@@ -161,15 +178,23 @@ if gluon is not None:
                 gl.store(sso_ptr + rm * tiles + t, gl.sum(yf * yf, 1), mask=m_ok)
 
     @gluon.jit
+    def _idle():
+        """The default partition: nothing (the loader and the consumers are workers, see IDLE_WARPS)."""
+        pass
+
+    @gluon.jit
     def _ws_kernel(w_desc, x_desc, y_ptr, M, N, K, sym, ss_ptr, P_SS, eps, r_ptr, srm, g_ptr, xg_ptr, sso_ptr,
-                   BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr, XS: gl.constexpr, RMS: gl.constexpr,
-                   SWIGLU: gl.constexpr, RESID: gl.constexpr, NEXT: gl.constexpr, P_PAD: gl.constexpr,
-                   PDL: gl.constexpr, LOADER_REGS: gl.constexpr):
-        WN: gl.constexpr = 2 * BN if SWIGLU else BN
-        ring = gl.allocate_shared_memory(w_desc.dtype, [S, WN, BK], w_desc.layout)
+                   BN: gl.constexpr, BK: gl.constexpr, SUB: gl.constexpr, S: gl.constexpr, XS: gl.constexpr,
+                   RMS: gl.constexpr, SWIGLU: gl.constexpr, RESID: gl.constexpr, NEXT: gl.constexpr,
+                   P_PAD: gl.constexpr, PDL: gl.constexpr, WARPS: gl.constexpr, WORKER_REGS: gl.constexpr):
+        NSUB: gl.constexpr = BK // SUB
+        G: gl.constexpr = 2 if SWIGLU else 1
+        # [16, SUB] tiles, 128-byte swizzled: an MMA operand's 8-row ldmatrix reads 8 distinct bank groups (rows of
+        # a whole [16, BK] tile lie BK * 2 bytes apart, one bank group: 8-way conflicts)
+        ring = gl.allocate_shared_memory(w_desc.dtype, [S * NSUB * G, BN, SUB], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        x_ring = gl.allocate_shared_memory(x_desc.dtype, [XS, 16, BK], x_desc.layout)
+        x_ring = gl.allocate_shared_memory(x_desc.dtype, [XS * NSUB, 16, SUB], x_desc.layout)
         x_ready = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(S):
             mbarrier.init(ready.index(j), count=1)
@@ -179,10 +204,12 @@ if gluon is not None:
         pid = gl.program_id(0)
         P = gl.num_programs(0)
         gl.warp_specialize([
+            (_idle, ()),
+            (_loader, (w_desc, ring, ready, empty, pid, P, N, K, BN, BK, SUB, S, SWIGLU, PDL)),
             (_consumer, (x_desc, y_ptr, M, N, K, sym, ss_ptr, P_SS, eps, r_ptr, srm, g_ptr, xg_ptr, sso_ptr, x_ring,
-                         x_ready, ring, ready, empty, pid, P, BN, BK, S, XS, RMS, SWIGLU, RESID, NEXT, P_PAD, PDL)),
-            (_loader, (w_desc, ring, ready, empty, pid, P, N, K, BN, BK, S, SWIGLU, PDL)),
-        ], [1], [LOADER_REGS])
+                         x_ready, ring, ready, empty, pid, P, BN, BK, SUB, S, XS, RMS, SWIGLU, RESID, NEXT, P_PAD,
+                         PDL)),
+        ], [1, WARPS], [WORKER_REGS, WORKER_REGS])
 
 
 def available() -> bool:
@@ -218,8 +245,8 @@ def applies(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> b
 
 
 def _layout() -> object:
-    """Tiles in shared memory without a swizzle: the MMA operands load from them with ldmatrix."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    """[rows, SUB] tiles in shared memory with a 128-byte swizzle (TMA writes it, ldmatrix reads it)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
 def launch_fused(x: torch.Tensor, w: torch.Tensor, ss: torch.Tensor | None, eps: float, swiglu: bool,
@@ -239,14 +266,15 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, ss: torch.Tensor | None, eps:
     slots = slots or (SLOTS // 2 if swiglu else SLOTS)
     # descriptors made a call (a few microseconds of host time; captured once in a CUDA graph), so that none
     # outlives its tensor
-    w_desc = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [BN, bk], _layout())
-    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [16, bk], _layout())
+    w_desc = TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [BN, SUB], _layout())
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [16, SUB], _layout())
     p_ss = ss.shape[1] if ss is not None else 1
     _ws_kernel[(min(_sms(x.device), tiles),)](
         w_desc, x_desc, y, m, n, k, y.stride(0), y if ss is None else ss, p_ss, float(eps),
         y if residual is None else residual, 0 if residual is None else residual.stride(0),
         y if g_next is None else g_next, y if xg is None else xg, y if sso is None else sso,
-        BN=BN, BK=bk, S=slots, XS=x_slots, RMS=ss is not None, SWIGLU=swiglu,
+        BN=BN, BK=bk, SUB=SUB, S=slots, XS=x_slots, RMS=ss is not None, SWIGLU=swiglu,
         RESID=residual is not None, NEXT=g_next is not None, P_PAD=max(16, triton.next_power_of_2(p_ss)),
-        PDL=int(pdl), LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=128, launch_pdl=pdl)
+        PDL=int(pdl), WARPS=WARPS, WORKER_REGS=WORKER_REGS, num_warps=IDLE_WARPS, maxnreg=128,
+        launch_pdl=pdl)
     return y, xg, sso

@@ -3,7 +3,9 @@
 Gluon has no CPU interpreter: a child process compiles each fused form for sm_90 (triton's own ptxas) and the tests
 read the PTX. The consumers wait for the kernel ahead before their first copy of x and before reading ss or the
 residual; the loader lets the next kernel launch before its first weight copy and never waits; the MMAs run 16 a
-256-column K step (32 with SwiGLU's gate and up); two programs fit an SM. On a GPU: the plain form bitwise the
+256-column K step (32 with SwiGLU's gate and up) in each of two consumer warps, which read their operands by
+ldmatrix from 128-byte-swizzled tiles (shared memory's bandwidth, the kernel's docstring); two programs fit an SM.
+On a GPU: the plain form bitwise the
 few-row Triton kernel, the fused forms within a rounding of it, and every form's row bits independent of the rows
 beside it (a decode's one row and a verify's sixteen).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -32,22 +35,25 @@ from flashpd.engine import ws_gemm as wg
 forms = {"plain": dict(RMS=False, SWIGLU=False, RESID=False, NEXT=False),
          "rms_swiglu": dict(RMS=True, SWIGLU=True, RESID=False, NEXT=False),
          "resid_next": dict(RMS=False, SWIGLU=False, RESID=True, NEXT=True)}
-lay = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+lay = wg._layout()  # the launch's own tile layout
+assert wg.gluon is not None and lay.swizzle_byte_width == 128
 out = {}
 for name in sys.argv[1:]:
     f = forms[name]
     bk = wg.BKS[0]
-    sig = {"w_desc": f"tensordesc<bf16[{wg.BN}, {bk}],{lay!r}>", "x_desc": f"tensordesc<bf16[16, {bk}],{lay!r}>",
+    sig = {"w_desc": f"tensordesc<bf16[{wg.BN}, {wg.SUB}],{lay!r}>",
+           "x_desc": f"tensordesc<bf16[16, {wg.SUB}],{lay!r}>",
            "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sym": "i32", "ss_ptr": "*fp32", "P_SS": "i32",
            "eps": "fp32", "r_ptr": "*bf16", "srm": "i32", "g_ptr": "*bf16", "xg_ptr": "*bf16", "sso_ptr": "*fp32"}
-    const = dict(BN=wg.BN, BK=bk, S=wg.SLOTS // 2 if f["SWIGLU"] else wg.SLOTS, XS=wg.X_SLOTS, P_PAD=256, PDL=1,
-                 LOADER_REGS=wg.LOADER_REGS, **f)
+    const = dict(BN=wg.BN, BK=bk, SUB=wg.SUB, S=wg.SLOTS // 2 if f["SWIGLU"] else wg.SLOTS, XS=wg.X_SLOTS,
+                 P_PAD=256, PDL=1, WARPS=wg.WARPS, WORKER_REGS=wg.WORKER_REGS, **f)
     sig.update({c: "constexpr" for c in const})
     names = list(sig)
     attrs = {(names.index(p),): [["tt.divisibility", 16]]
              for p in ("y_ptr", "ss_ptr", "r_ptr", "g_ptr", "xg_ptr", "sso_ptr", "sym", "srm", "N", "K")}
     cc = triton.compile(GluonASTSource(fn=wg._ws_kernel, signature=sig, constexprs=const, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 128, "launch_pdl": True})
+                        target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": wg.IDLE_WARPS, "maxnreg": 128, "launch_pdl": True})
     out[name] = {"shared": cc.metadata.shared, "ptx": cc.asm["ptx"]}
 print(json.dumps(out))
 '''
@@ -71,19 +77,36 @@ def test_the_consumers_wait_and_the_loader_never_does(compiled: dict, form: str)
     at = lambda key: [i for i, ln in enumerate(ptx) if key in ln]  # noqa: E731
     assert c["shared"] <= 113 * 1024  # two programs an SM: this launch and the next
     assert any(ln.strip() == ".maxnreg 128" for ln in ptx)
+    assert any(ln.strip() == ".reqntid 256" for ln in ptx)  # 2 x 128 threads x 128 registers: two programs an SM
     wait, release = at("griddepcontrol.wait"), at("griddepcontrol.launch_dependents")
     assert len(wait) == 1 and len(release) == 1
+    # the partitions in the text: the idle one, the loader (its release, then its copies), the consumers (their
+    # wait, then x's copies); a slot is BK / SUB copies of [rows, SUB] tiles, twice for SwiGLU's gate and up rows
     tma, loads = at("cp.async.bulk.tensor"), at("ld.global")
-    # x's 4 copies fetched ahead and 1 in the loop, the weight's 1 (SwiGLU: its gate and up tiles, 2); the first
-    # copies in the text are the consumers' fetches ahead, right after their wait
-    assert len(tma) == 5 + (2 if form == "rms_swiglu" else 1)
-    assert wait[0] < min(tma) and tma[:4] == sorted(tma)[:4] and all(t < release[0] for t in tma[:4])
-    assert any(t > release[0] for t in tma)  # the loader's copies follow its release
+    nsub = ws_gemm.BKS[0] // ws_gemm.SUB
+    assert release[0] < wait[0] and min(tma) > release[0]
+    assert len([t for t in tma if t < wait[0]]) == nsub * (2 if form == "rms_swiglu" else 1)
+    assert len([t for t in tma if t > wait[0]]) == (ws_gemm.X_SLOTS + 1) * nsub  # fetched ahead, then in the loop
     assert all(i > wait[0] for i in loads)  # ss, the residual and g only after the kernel ahead
-    mmas = [ln for ln in ptx if "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ln]
-    assert len(mmas) == (2 if form == "rms_swiglu" else 1) * ws_gemm.BKS[0] // 16
     stores = at("st.global")
     assert stores and all(i > wait[0] for i in stores)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_no_warp_repeats_an_mma_or_reads_a_tile_unswizzled(compiled: dict, form: str) -> None:
+    """Shared memory's bandwidth (ws_gemm's docstring): the consumers' barrier names 2 warps, each of which runs
+    16 MMAs a 256-column step (32 with SwiGLU), so the two cover the [16, 16] tile once; operands come by ldmatrix
+    (K-contiguous rows, no element-wise reads) from [rows, 64] tiles in the launch's 128-byte-swizzled layout."""
+    ptx = compiled[form]["ptx"]
+    assert re.search(rf"bar\.sync\s+\d+, {32 * ws_gemm.WARPS};", ptx)
+    mmas = [ln for ln in ptx.splitlines() if "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ln]
+    swiglu = form == "rms_swiglu"
+    assert len(mmas) == (2 if swiglu else 1) * ws_gemm.BKS[0] // 16
+    ld = [ln for ln in ptx.splitlines() if "ldmatrix" in ln]
+    nsub = ws_gemm.BKS[0] // ws_gemm.SUB
+    assert all("ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ln for ln in ld)  # not .trans: K-contiguous rows
+    assert len(ld) == nsub * (4 + 2 * (2 if swiglu else 1))  # x's [16, 64] tile: 4; a [64, 8] half: 2
+    assert "ld.shared.v4" not in ptx  # no operand read element-wise
 
 
 def test_it_is_off_by_default_and_never_takes_a_cpu_call() -> None:

@@ -56,7 +56,42 @@ def tile(n: int, k: int) -> tuple[int, int, int, int]:
     return TILE_WIDE if n > WIDE_N else TILE_NARROW
 
 
+# e4m3 -> bf16 by bit operations, four values a call (`tl.inline_asm_elementwise`, pack 4: $2 holds four bytes,
+# the first lowest; $0 and $1 two bf16 each). A byte goes to the high byte of a 16-bit lane (prmt); its exponent
+# and mantissa bits move down 4 to bf16's places and its sign stays (and, shr, lop3: a | (b & c)): the bf16 bits of
+# the value times 2^-120, exact for every finite e4m3 value, subnormals included (the exponent fields' biases are 7
+# and 127); then times 2^120 in bf16 (fma with -0.0: exact, a power of two, no subnormal result). Triton's own
+# conversion goes through fp16, one conversion-unit instruction (F2F) a value in the sm_90 SASS, which the SM runs
+# at a lower rate than its integer and bf16x2 instructions, these 10 for four values (whether the few-row kernel's
+# fp8 forms were bound by it is not measured). tests/test_skinny_gemm.py emulates this text over all 256 bytes.
+# e4m3's NaN codes (0x7f, 0xff) would come out as +-480: `quantize_fp8` never writes them.
+E4M3_TO_BF16_ASM = """{
+.reg .b32 h, t, zr, sgn, two120;
+mov.b32 zr, 0;
+mov.b32 sgn, 0x80008000;
+mov.b32 two120, 0x7B807B80;
+prmt.b32 h, $2, zr, 0x1404;
+and.b32 t, h, 0x7F007F00;
+shr.b32 t, t, 4;
+lop3.b32 t, t, h, sgn, 0xF8;
+fma.rn.bf16x2 $0, t, two120, sgn;
+prmt.b32 h, $2, zr, 0x3424;
+and.b32 t, h, 0x7F007F00;
+shr.b32 t, t, 4;
+lop3.b32 t, t, h, sgn, 0xF8;
+fma.rn.bf16x2 $1, t, two120, sgn;
+}"""
+FP8_BITS = True  # bf16 calls widen their fp8 tiles by E4M3_TO_BF16_ASM (False: triton's conversion)
+
 if triton is not None:
+    _E4M3_TO_BF16 = tl.constexpr(E4M3_TO_BF16_ASM)
+
+    @triton.jit
+    def _e4m3_to_bf16(w):
+        """An e4m3 tile, widened to bf16 by E4M3_TO_BF16_ASM (the same values as w.to(tl.bfloat16))."""
+        return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym, ss_ptr, P, eps, r_ptr, srm, g_ptr, xg_ptr,
                        sso_ptr, s_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
@@ -74,7 +109,8 @@ if triton is not None:
         and this program's sum of each row's squares of y (sso_ptr, [M, programs]). WQ: w is float8 (e4m3) with a
         scale per row (s_ptr, fp32): each tile is widened to x's dtype before its dot (exact: every e4m3 value is a
         bf16 and fp16 value), and the fp32 sums are multiplied by their rows' scales after the loop, before any
-        other epilogue step (`Fp8Weight`). PDL (triton_env's comment): wait at the top, let the next kernel launch
+        other epilogue step (`Fp8Weight`); WQ 2 (bf16 on a GPU, FP8_BITS): widened by bits (`_e4m3_to_bf16`).
+        PDL (triton_env's comment): wait at the top, let the next kernel launch
         after the K loop, so it starts in this kernel's tail."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
@@ -118,7 +154,9 @@ if triton is not None:
                 k_ok = (k + rk) < K
                 a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-            if WQ:
+            if WQ == 2:
+                w = _e4m3_to_bf16(w)
+            elif WQ:
                 w = w.to(a.dtype)
             if ROWWISE:
                 acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
@@ -242,9 +280,18 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
         y if w_scale is None else w_scale,
         BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
         ROWWISE=INTERPRET, RMS=ss is not None, SWIGLU=swiglu, RESID=residual is not None, NEXT=g_next is not None,
-        P_PAD=max(16, triton.next_power_of_2(p)), WQ=w_scale is not None, num_warps=num_warps, num_stages=num_stages,
+        P_PAD=max(16, triton.next_power_of_2(p)), WQ=_fp8_mode(x, w_scale), num_warps=num_warps,
+        num_stages=num_stages,
         **triton_env.pdl_args(x.device))
     return y, xg, sso
+
+
+def _fp8_mode(x: torch.Tensor, w_scale: torch.Tensor | None) -> int:
+    """The kernel's WQ: 0 a bf16/fp16/fp32 weight; 2 an fp8 one widened by bits (bf16 on a GPU, FP8_BITS); 1 an fp8
+    one widened by triton's conversion (the interpreter, whose numpy cannot run PTX; fp16 and fp32 calls)."""
+    if w_scale is None:
+        return 0
+    return 2 if FP8_BITS and x.dtype == torch.bfloat16 and not INTERPRET else 1
 
 
 def fused_tile(w: torch.Tensor, swiglu: bool) -> tuple[int, int, int, int]:

@@ -57,15 +57,15 @@ def compile_(kernel, const, warps=4, stages=3):
     return {"wait": at("griddepcontrol.wait"), "release": at("griddepcontrol.launch_dependents"),
             "mem": at(*MEM), "mma": at("mma"), "store": at("st.global")}
 
-skinny = dict(BM=16, BN=16, BK=128, EVEN_K=True, F32=False, ROWWISE=False, P_PAD=16, WQ=False)
+skinny = dict(BM=16, BN=16, BK=128, EVEN_K=True, F32=False, ROWWISE=False, P_PAD=16, WQ=0)
 attn = dict(G=4, PAGE=16, D=128, D_PAD=128, BM=16, BN=32, KPC=256, F32=False, INTERPRET=False)
 cases = {
     "skinny_rms_swiglu": (sg._skinny_kernel, dict(skinny, RMS=True, SWIGLU=True, RESID=False, NEXT=False, PDL=1)),
     "skinny_resid_next": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=True, NEXT=True, PDL=2)),
     "skinny_plain_off": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=False, NEXT=False, PDL=0)),
-    "skinny_fp8_rms_swiglu": (sg._skinny_kernel, dict(skinny, WQ=True, RMS=True, SWIGLU=True, RESID=False,
+    "skinny_fp8_rms_swiglu": (sg._skinny_kernel, dict(skinny, WQ=2, RMS=True, SWIGLU=True, RESID=False,
                                                       NEXT=False, PDL=1)),
-    "skinny_fp8_resid_next": (sg._skinny_kernel, dict(skinny, WQ=True, RMS=False, SWIGLU=False, RESID=True,
+    "skinny_fp8_resid_next": (sg._skinny_kernel, dict(skinny, WQ=2, RMS=False, SWIGLU=False, RESID=True,
                                                       NEXT=True, PDL=2)),
     "prep_first": (sg._prep_kernel, dict(BK=1024, PDL=2)),
     "qkv_rope_after": (qr._qkv_rope_kernel, dict(NQ=32, NKV=8, G=4, D=128, DT=tl.bfloat16, PDL=1)),

@@ -309,6 +309,18 @@ def fp8_row_scales_follow_the_rows(sg: ModuleType, dev: str) -> None:
     assert torch.equal(chunked.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(chunked.scale, q.scale)
 
 
+def fp8_every_code_widens_to_its_value(sg: ModuleType, dev: str) -> None:
+    """Each of e4m3's 254 finite codes, through the kernel with a unit scale and one-hot rows of x (y[i, n] =
+    w[n, i]), comes out as its own value: on a GPU the bf16 form widens by E4M3_TO_BF16_ASM, here by triton's
+    conversion. (-0 comes out as +0: the fp32 sum starts at +0.)"""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    data = codes.to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16).to(dev)
+    w8 = sg.Fp8Weight(data, torch.ones(16, dtype=torch.float32, device=dev))
+    y = sg.skinny_linear(torch.eye(16, dtype=torch.bfloat16, device=dev), w8)
+    assert torch.equal(y.T.float(), data.float())
+
+
 for _dt in (torch.float32, torch.bfloat16):
     CASES[f"f-linear-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: matches_f_linear(sg, dev, dt)
     CASES[f"invariance-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: rows_do_not_depend_on_the_row_count(sg, dev, dt)
@@ -323,6 +335,7 @@ CASES["fused-dispatch"] = fused_dispatch
 CASES["fused-engine"] = the_engine_fuses_its_decode_layers
 CASES["fp8-scales"] = fp8_row_scales_follow_the_rows
 CASES["fp8-compiled"] = fp8_compiled_ops_are_the_eager_ops
+CASES["fp8-codes"] = fp8_every_code_widens_to_its_value
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -335,3 +348,69 @@ def test_the_cpu_keeps_f_linear_bitwise():
     x, w = torch.randn(1, 16, 64, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16)
     assert torch.equal(engine_sg.linear(x, w), F.linear(x, w))
     assert torch.equal(engine_sg.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+
+
+def _emulate_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
+    """Runs the instructions of an inline-asm block (mov, prmt, and, shr, lop3 on .b32; fma.rn.bf16x2) on 32-bit
+    integers, registers by name ($0 .. or declared); every bf16x2 result must be exact (it is asserted)."""
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return regs[tok] if tok in regs or not tok[0].isdigit() else int(tok, 0)
+
+    def bf16(bits: int) -> float:
+        return float(torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double())
+
+    for line in text.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        a = [val(x) for x in src]
+        if op == "mov.b32":
+            r = a[0]
+        elif op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "shr.b32":
+            r = a[0] >> a[1]
+        elif op == "lop3.b32":
+            r = sum(((a[3] >> (((a[0] >> i) & 1) << 2 | ((a[1] >> i) & 1) << 1 | ((a[2] >> i) & 1))) & 1) << i
+                    for i in range(32))
+        elif op == "prmt.b32":
+            pool = a[0] | a[1] << 32
+            r = 0
+            for i in range(4):
+                sel = (a[2] >> (4 * i)) & 0xF
+                byte = (pool >> (8 * (sel & 7))) & 0xFF
+                r |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * i)
+        elif op == "fma.rn.bf16x2":
+            r = 0
+            for lane in (0, 16):
+                x, y, z = (bf16((v >> lane) & 0xFFFF) for v in a)
+                exact = torch.tensor(x * y + z, dtype=torch.float64)
+                out = exact.to(torch.float32).to(torch.bfloat16)
+                assert float(out.double()) == float(exact) or (x * y + z != x * y + z), (x, y, z)
+                if float(exact) == 0.0 and str(float(exact)).startswith("-"):
+                    out = torch.tensor(-0.0, dtype=torch.bfloat16)
+                r |= (int(out.view(torch.int16)) & 0xFFFF) << lane
+        else:
+            raise AssertionError(f"no emulation for {op}")
+        regs[d] = r & 0xFFFFFFFF
+    return regs
+
+
+def test_the_e4m3_to_bf16_text_widens_every_finite_code_exactly() -> None:
+    """engine_sg.E4M3_TO_BF16_ASM, the text the GPU runs (pack 4: $2 four bytes, the first lowest; $0, $1 two bf16
+    each), emulated instruction by instruction over all 256 bytes: every finite code gives the bits of torch's
+    widening, -0 and the subnormals included; the two NaN codes give +-480 (`quantize_fp8` writes neither)."""
+    want = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
+    want = want.view(torch.int16).to(torch.int32) & 0xFFFF
+    got = []
+    for w in range(64):
+        regs = _emulate_ptx(engine_sg.E4M3_TO_BF16_ASM, {"$2": int.from_bytes(bytes(range(4 * w, 4 * w + 4)),
+                                                                             "little")})
+        got += [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
+    nan = [0x7F, 0xFF]
+    assert [g for c, g in enumerate(got) if c not in nan] == [int(v) for c, v in enumerate(want) if c not in nan]
+    assert [got[c] for c in nan] == [0x43F0, 0xC3F0]  # +-480
+    assert got[0x80] == 0x8000 and got[0x01] == 0x3B00  # -0; the smallest subnormal, 2^-9

@@ -68,8 +68,9 @@ if gluon is not None:
     @gluon.jit
     def _loader(w_desc, ring, ready, empty, pid, P, N, K, BN: gl.constexpr, BK: gl.constexpr, SUB: gl.constexpr,
                 S: gl.constexpr, SWIGLU: gl.constexpr, PDL: gl.constexpr):
-        """The worker partition: this program's tiles (every P-th), each K step's weight tile (SwiGLU: its gate and
-        up rows, N apart) into the next free slot. Never waits for the kernel ahead: the weight is not its output."""
+        """A worker partition of one warp: this program's tiles (every P-th), each K step's weight tile (SwiGLU: its
+        gate and up rows, N apart) into the next free slot. Never waits for the kernel ahead: the weight is not its
+        output."""
         if PDL:
             gdc(False)
         NSUB: gl.constexpr = BK // SUB
@@ -107,7 +108,7 @@ if gluon is not None:
                   x_ready, ring, ready, empty, pid, P, BN: gl.constexpr, BK: gl.constexpr, SUB: gl.constexpr,
                   S: gl.constexpr, XS: gl.constexpr, RMS: gl.constexpr, SWIGLU: gl.constexpr, RESID: gl.constexpr,
                   NEXT: gl.constexpr, P_PAD: gl.constexpr, PDL: gl.constexpr):
-        """The default partition: the MMAs and skinny_gemm's epilogues, a column tile at a time."""
+        """A worker partition of WARPS warps: the MMAs and skinny_gemm's epilogues, a column tile at a time."""
         if PDL:
             gdc(True)  # x, ss and the residual are the kernels ahead's outputs
         NSUB: gl.constexpr = BK // SUB

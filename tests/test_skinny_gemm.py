@@ -414,3 +414,23 @@ def test_the_e4m3_to_bf16_text_widens_every_finite_code_exactly() -> None:
     assert [g for c, g in enumerate(got) if c not in nan] == [int(v) for c, v in enumerate(want) if c not in nan]
     assert [got[c] for c in nan] == [0x43F0, 0xC3F0]  # +-480
     assert got[0x80] == 0x8000 and got[0x01] == 0x3B00  # -0; the smallest subnormal, 2^-9
+
+
+FP8_LAUNCHES = r'''
+from flashpd.engine import skinny_gemm as sg
+w8 = sg.quantize_fp8(torch.randn(512, 4096))
+for dt in (torch.bfloat16, torch.float16):
+    sg.launch(torch.empty(1, 4096, dtype=dt), w8.data, *sg.tile(512, 4096), w_scale=w8.scale)
+'''
+
+
+def test_the_fp8_launch_widens_bf16_calls_by_bits_and_fp16_calls_by_conversion() -> None:
+    """skinny_gemm.launch with an Fp8Weight, on CPU tensors as far as the sm_90 compile (tests/_launch_path.py):
+    a bf16 call builds WQ 2, whose PTX holds E4M3_TO_BF16_ASM's bf16x2 multiplies and no fp16 -> bf16 conversion;
+    an fp16 call builds WQ 1 (e4m3 -> fp16 is one native conversion for two values)."""
+    pytest.importorskip("triton")
+    from _launch_path import compile_launches
+    bf16, fp16 = compile_launches(FP8_LAUNCHES)
+    assert bf16["constexprs"]["WQ"] == "2" and fp16["constexprs"]["WQ"] == "1"
+    assert bf16["ptx"].count("fma.rn.bf16x2") >= 2 and "cvt.bf16.f16" not in bf16["ptx"]
+    assert "cvt.rn.f16x2.e4m3x2" in fp16["ptx"] and "fma.rn.bf16x2" not in fp16["ptx"]

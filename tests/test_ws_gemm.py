@@ -5,6 +5,7 @@ read the PTX. The consumers wait for the kernel ahead before their first copy of
 residual; the loader lets the next kernel launch before its first weight copy and never waits; the MMAs run 16 a
 256-column K step (32 with SwiGLU's gate and up) in each of two consumer warps, which read their operands by
 ldmatrix from 128-byte-swizzled tiles (shared memory's bandwidth, the kernel's docstring); two programs fit an SM.
+launch_fused itself also runs on the CPU as far as the compile (tests/_launch_path.py), at the Qwen3-8B shapes.
 On a GPU: the plain form bitwise the
 few-row Triton kernel, the fused forms within a rounding of it, and every form's row bits independent of the rows
 beside it (a decode's one row and a verify's sixteen).
@@ -107,6 +108,41 @@ def test_no_warp_repeats_an_mma_or_reads_a_tile_unswizzled(compiled: dict, form:
     assert all("ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ln for ln in ld)  # not .trans: K-contiguous rows
     assert len(ld) == nsub * (4 + 2 * (2 if swiglu else 1))  # x's [16, 64] tile: 4; a [64, 8] half: 2
     assert "ld.shared.v4" not in ptx  # no operand read element-wise
+
+
+LAUNCHES = r'''
+from flashpd.engine import ws_gemm
+ws_gemm._sms = lambda device: 132  # an H200's SMs (the CPU has no CUDA device to ask)
+t = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # nothing runs: shapes, strides and dtypes only
+x, h, ss = t(1, 4096), t(1, 12288), torch.rand(1, 256)
+ws_gemm.launch_fused(x, t(6144, 4096), None, 0.0, False, None, None, True)  # q/k/v, one row
+ws_gemm.launch_fused(x, t(6144, 4096), ss, 1e-6, False, None, None, True)  # q/k/v after the norm
+ws_gemm.launch_fused(x, t(2 * 12288, 4096), ss, 1e-6, True, None, None, True)  # gate/up, SwiGLU
+ws_gemm.launch_fused(h, t(4096, 12288), None, 0.0, False, t(1, 4096), t(4096), True)  # down + residual + next
+ws_gemm.launch_fused(t(16, 4096), t(4096, 4096), None, 0.0, False, None, None, True)  # a verify's 16 rows
+ws_gemm.launch_fused(t(3, 192), t(256, 192), None, 0.0, False, None, None, False)  # the demo pair's K, no PDL
+'''
+
+
+def test_the_launch_path_builds_each_form_as_the_gpu_would_compile_it() -> None:
+    """launch_fused itself, on CPU tensors at the Qwen3-8B shapes (and the demo pair's K = 192), as far as the
+    compile (tests/_launch_path.py): the descriptors are [rows, 64] boxes in the 128-byte swizzle, the ring's
+    constexprs follow K, the kernel has the idle warpgroup and the workers' (8 warps), two programs fit an SM, and
+    PDL appears exactly where the call asked for it."""
+    pytest.importorskip("triton.experimental.gluon")
+    from _launch_path import compile_launches
+    built = compile_launches(LAUNCHES)
+    assert [b["fn"] for b in built] == ["_ws_kernel"] * 6
+    for i, b in enumerate(built):
+        c = b["constexprs"]
+        for desc in ("w_desc", "x_desc"):  # bf16[16, 64] boxes, swizzle_byte_width=128 (as each triton spells it)
+            assert "[16, 64]" in b["signature"][desc] and re.search(r"swizzl[^,=]*=\s*128", b["signature"][desc])
+        assert (c["BK"], c["SUB"], c["WARPS"]) == ("64" if i == 5 else "256", "64", "2")
+        assert c["S"] == ("4" if i == 2 else "8") and c["SWIGLU"] == str(i == 2)
+        assert c["RMS"] == str(i in (1, 2)) and c["RESID"] == c["NEXT"] == str(i == 3)
+        assert b["num_warps"] == 8 and b["shared"] <= 113 * 1024
+        pdl = "griddepcontrol.wait" in b["ptx"], "griddepcontrol.launch_dependents" in b["ptx"]
+        assert pdl == ((i != 5),) * 2
 
 
 def test_it_is_off_by_default_and_never_takes_a_cpu_call() -> None:

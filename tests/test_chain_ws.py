@@ -7,7 +7,8 @@ for the loader warp, which never comes); one thread arrives at a slot's `empty` 
 the grid barrier ends in an acquire fence; the input row is read past L1 in 16-byte vectors. The one-projection
 kernel, launched with PDL, lets the next launch go before its first copy and waits only before reading its input
 (the MMA form, engine/ws_gemm.py, has its PTX checked in tests/test_ws_gemm.py). The weight layout (two 2D buffers
-that the chain's views alias) is checked on the CPU; the kernels' results, on a GPU (the MMA launches bitwise
+that the chain's views alias) is checked on the CPU, and the bench's run methods build each kernel on the CPU as far
+as the compile (tests/_launch_path.py); the kernels' results, on a GPU (the MMA launches bitwise
 against the engine's few-row kernel).
 """
 from __future__ import annotations
@@ -136,6 +137,37 @@ def test_the_weights_lie_in_two_buffers_the_chain_reads() -> None:
             chain_ws.WsChain(1, 64, 64, 64, "cpu", rows=2).run_ws_launches(1, bk=64)  # the FMA forms: one row
     with pytest.raises(ValueError, match="1 to 16"):
         chain_ws.WsChain(1, 64, 64, 64, "cpu", rows=17)
+
+
+RUNS = r'''
+from flashpd.bench import chain_ws as cw
+from flashpd.engine import ws_gemm
+ws_gemm._sms = lambda device: 132  # an H200's SMs (the CPU has no CUDA device to ask)
+chain = cw.WsChain(1, 4096, 6144, 12288, "cpu")  # one layer at the Qwen3-8B shape: each kernel as the bench builds it
+chain.run_ws(132, 256, 24)
+chain.run_ws(132, 256, 24, sync=False)
+chain.run_ws_launches(132, 256, 8, pdl=True)
+chain.run_mma_launches(256, 8, 4, pdl=True)
+'''
+
+
+def test_the_benchs_runs_build_their_kernels_as_the_gpu_would_compile_them() -> None:
+    """The bench's own run methods on a one-layer chain at the Qwen3-8B shape, on CPU tensors as far as the sm_90
+    compile (tests/_launch_path.py): the persistent kernel with and without barriers in one program an SM's shared
+    memory; the one-projection FMA launches, one kernel for each of a layer's four shapes, with PDL and two programs
+    an SM; the MMA launches, the engine's ws_gemm kernel."""
+    pytest.importorskip("triton.experimental.gluon")
+    from _launch_path import compile_launches
+    built = compile_launches(RUNS)
+    names = [b["fn"] for b in built]
+    assert names[:2] == ["_chain_ws_kernel"] * 2 and names[2:6] == ["_proj_ws_kernel"] * 4
+    assert set(names[6:]) == {"_ws_kernel"}
+    assert [b["constexprs"]["SYNC"] for b in built[:2]] == ["1", "0"]
+    assert all(b["shared"] <= chain_ws.SMEM_BYTES for b in built[:2])
+    assert [(b["constexprs"]["N"], b["constexprs"]["K"]) for b in built[2:6]] == [
+        ("6144", "4096"), ("4096", "4096"), ("24576", "4096"), ("4096", "12288")]
+    for b in built[2:]:
+        assert b["shared"] <= 113 * 1024 and "griddepcontrol.launch_dependents" in b["ptx"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not chain_ws.available(), reason="needs a CUDA GPU and Gluon")

@@ -61,9 +61,9 @@ def tile(n: int, k: int) -> tuple[int, int, int, int]:
 # and mantissa bits move down 4 to bf16's places and its sign stays (and, shr, lop3: a | (b & c)): the bf16 bits of
 # the value times 2^-120, exact for every finite e4m3 value, subnormals included (the exponent fields' biases are 7
 # and 127); then times 2^120 in bf16 (fma with -0.0: exact, a power of two, no subnormal result). Triton's own
-# conversion goes through fp16, one conversion-unit instruction (F2F) a value in the sm_90 SASS, which the SM runs
-# at a lower rate than its integer and bf16x2 instructions, these 10 for four values (whether the few-row kernel's
-# fp8 forms were bound by it is not measured). tests/test_skinny_gemm.py emulates this text over all 256 bytes.
+# conversion goes through fp16, one conversion-unit instruction (F2F) a value in the sm_90 SASS, a unit that issues
+# fewer instructions a clock than the integer and bf16x2 pipes (NVIDIA's throughput tables); these are 10 of those
+# for four values (whether the few-row kernel's fp8 forms were bound by F2F is not measured). tests/test_skinny_gemm.py emulates this text over all 256 bytes.
 # e4m3's NaN codes (0x7f, 0xff) would come out as +-480: `quantize_fp8` never writes them.
 E4M3_TO_BF16_ASM = """{
 .reg .b32 h, t, zr, sgn, two120;

@@ -273,6 +273,19 @@ class Chain:
         return h
 
 
+def recorder(rows: list[dict], gb: float, copy_gbs: float, reps: int, width: int):
+    """record(name, fn, **extra): fn timed in a CUDA graph over `reps` runs; a row of µs, GB/s of the chain's `gb`
+    weights and fraction of the copy rate (plus `extra`) appended to `rows` and printed (names right-aligned to
+    `width`). chain_ws's main uses it too."""
+    def record(name: str, fn, **extra) -> None:
+        us = graph_time(fn, reps=reps, inner=1)
+        gbs = gb / (us * 1e-6)
+        rows.append({"variant": name, "us": us, "gb_per_s": gbs, "of_copy_rate": gbs / copy_gbs, **extra})
+        print(f"{name:>{width}}: {us / 1e3:7.3f} ms, {gbs:6.0f} GB/s ({gbs / copy_gbs:.3f} of the copy rate)"
+              + "".join(f", {k} {v}" for k, v in extra.items()), flush=True)
+    return record
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=36)
@@ -298,12 +311,7 @@ def main() -> None:
     gb = chain.weight_bytes() / 1e9
     rows = []
 
-    def record(name: str, fn, **extra) -> None:
-        us = graph_time(fn, reps=a.reps, inner=1)
-        gbs = gb / (us * 1e-6)
-        rows.append({"variant": name, "us": us, "gb_per_s": gbs, "of_copy_rate": gbs / copy["gb_per_s"], **extra})
-        print(f"{name:>32}: {us / 1e3:7.3f} ms, {gbs:6.0f} GB/s ({gbs / copy['gb_per_s']:.3f} of the copy rate)"
-              + "".join(f", {k} {v}" for k, v in extra.items()), flush=True)
+    record = recorder(rows, gb, copy["gb_per_s"], a.reps, 32)
 
     want = chain.run_launches().clone()
     record("launches (engine)", chain.run_launches)

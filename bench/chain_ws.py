@@ -30,7 +30,7 @@ import argparse
 
 import torch
 
-from flashpd.bench.chain_bound import MAX_SPIN, Chain
+from flashpd.bench.chain_bound import MAX_SPIN, Chain, recorder
 from flashpd.engine import ws_gemm
 
 try:
@@ -331,7 +331,6 @@ class WsChain(Chain):
 
 
 def main() -> None:
-    from flashpd.bench.attn_micro import graph_time
     from flashpd.bench.common import command_line, git_revision, kernel_bench_start, machine, write_json
     from flashpd.engine import triton_env
 
@@ -356,12 +355,7 @@ def main() -> None:
     ref = chain.reference().float()
     rows = []
 
-    def record(name: str, fn, **extra) -> None:
-        us = graph_time(fn, reps=a.reps, inner=1)
-        gbs = gb / (us * 1e-6)
-        rows.append({"variant": name, "us": us, "gb_per_s": gbs, "of_copy_rate": gbs / copy["gb_per_s"], **extra})
-        print(f"{name:>40}: {us / 1e3:7.3f} ms, {gbs:6.0f} GB/s ({gbs / copy['gb_per_s']:.3f} of the copy rate)"
-              + "".join(f", {k} {v}" for k, v in extra.items()), flush=True)
+    record = recorder(rows, gb, copy["gb_per_s"], a.reps, 40)
 
     def error(got: torch.Tensor) -> float:
         return float((got.float() - ref).abs().max() / ref.abs().max())

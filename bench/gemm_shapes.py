@@ -1,6 +1,8 @@
 """A step's weight matmuls alone, by row count and kernel, at the Qwen3-8B shape.
 
     python -m flashpd.bench.gemm_shapes --rows 1,16,128 --out bench/results/gemm_shapes.json
+    python -m flashpd.bench.gemm_shapes --weights fp8 --rows 16 --shapes qkv,o_proj,gate_up,down,fc,head16k \
+        --variants skinny,skinny:16-256-2-6 --out bench/results/gemm_shapes_fp8.json
 
 Each projection (q/k/v fused, o_proj, gate/up fused, down; the LM head) is timed as a step meets it: a CUDA
 graph of one call per layer (36 weights of the shape, each read once a replay, so no weight stays in L2; the LM
@@ -11,7 +13,9 @@ engine's tile for the shape) and "gemv:n-k-w-s" (an FMA GEMV, one row) and "spli
 and its reduction at a tile) and "lt:N" (cuBLASLt's heuristic's first N algorithms, each timed as its own row "lt#i" with
 the configuration cuBLASLt reports: bench/cublaslt.py). It reports microseconds a call, the
 weight's GB/s and that over the copy rate measured in the same run, the largest difference from F.linear in
-fp32, and for the skinny tiles whether a row's bits are the same alone and inside 16 rows.
+fp32, and for the skinny tiles whether a row's bits are the same alone and inside 16 rows. --weights fp8: the
+weights as a draft pass in fp8 holds them (`skinny_gemm.quantize_fp8`, e4m3 with a scale a row; one byte a
+weight in the rate), the skinny variants only, the error against the widened weight's product in fp32.
 """
 from __future__ import annotations
 
@@ -60,6 +64,8 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, nu
 # (name, N, K, copies): Qwen3-8B (hidden 4096, 32 q heads and 8 kv heads of 128, MLP 12288, vocab 151936)
 SHAPES = (("qkv", 6144, 4096, 36), ("o_proj", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),
           ("down", 4096, 12288, 36), ("lm_head", 151936, 4096, 1))
+# the drafter's own shapes, by name only: its fc (5 target layers' hidden states -> hidden) and a 16,384-id head
+EXTRA_SHAPES = (("fc", 4096, 20480, 5), ("head16k", 16384, 4096, 1))
 
 
 def graph_us(calls: list, reps: int = 10) -> float:
@@ -88,13 +94,18 @@ def graph_us(calls: list, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def spec(v: str, n_out: int = 0, k_in: int = 0) -> dict[str, int]:
+def spec(v: str, n_out: int = 0, k_in: int = 0, fp8: bool = False) -> dict[str, int]:
     """"skinny:16-128-2-6" -> the tile's arguments; "skinny" -> the engine's tile for an [n_out, k_in] weight."""
-    n, k, w, s = (int(p) for p in v.split(":")[1].split("-")) if ":" in v else sg.tile(n_out, k_in)
+    n, k, w, s = (int(p) for p in v.split(":")[1].split("-")) if ":" in v else sg.tile(n_out, k_in, fp8)
     return {"block_n": n, "block_k": k, "num_warps": w, "num_stages": s}
 
 
-def call(variant: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None):
+def call(variant: str, x: torch.Tensor, w: sg.Weight, wt: torch.Tensor | None):
+    if isinstance(w, sg.Fp8Weight):
+        if not variant.startswith("skinny"):
+            raise ValueError(f"fp8 weights take the skinny variants only, not {variant!r}")
+        kw = spec(variant, *w.shape, fp8=True)
+        return lambda: sg.launch(x, w.data, **kw, w_scale=w.scale)
     if variant in ("cublas", "cublaslt"):
         return lambda: F.linear(x, w)
     if variant == "cublas_nn":
@@ -128,12 +139,12 @@ def applies(variant: str, m: int, n: int, k: int) -> bool:
 
 
 def measure(name: str, n: int, k: int, m: int, v: str, fns: list, ref: torch.Tensor, copy: dict,
-            config: dict | None, print_now: bool = True) -> dict:
+            config: dict | None, print_now: bool = True, weight_bytes: int = 2) -> dict:
     """One variant's row: microseconds a call in a graph of the calls, the weight's rate, the error in fp32."""
     err = (fns[0]().float() - ref).abs().max().item()
     us = graph_us(fns)
-    wbytes = n * k * 2
-    row = {"shape": name, "n": n, "k": k, "rows": m, "variant": v, "us_per_call": us,
+    wbytes = n * k * weight_bytes
+    row = {"shape": name, "n": n, "k": k, "rows": m, "variant": v, "weight_bytes": weight_bytes, "us_per_call": us,
            "weight_gb_per_s": wbytes / (us * 1e-6) / 1e9,
            "of_copy_rate": wbytes / (us * 1e-6) / 1e9 / copy["gb_per_s"], "max_abs_err_fp32": err}
     if config is not None:
@@ -155,22 +166,32 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,128")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--variants", default="cublas,cublas_nn,skinny,gemv:8-512-4-4")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--out", default="bench/results/gemm_shapes.json")
     a = ap.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
     variants = a.variants.split(",")
+    fp8 = a.weights == "fp8"
+    if fp8 and any(not v.startswith("skinny") for v in variants):
+        ap.error("--weights fp8 takes the skinny variants only")
+    names = a.shapes.split(",")
+    known = {s[0] for s in SHAPES + EXTRA_SHAPES}
+    if set(names) - known:
+        ap.error(f"unknown shapes {sorted(set(names) - known)}; known: {sorted(known)}")
     copy = copy_bandwidth_gbs()
     print(f"copy rate {copy['gb_per_s']:.0f} GB/s", flush=True)
     results = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, n, k, copies in SHAPES:
-        if name not in a.shapes.split(","):
+    for name, n, k, copies in SHAPES + EXTRA_SHAPES:
+        if name not in names:
             continue
         ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        if fp8:
+            ws = [sg.quantize_fp8(w) for w in ws]
         wts = [w.t().contiguous() for w in ws] if "cublas_nn" in variants else [None] * copies
         for m in rows:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-            ref = F.linear(x.float(), ws[0].float())
+            ref = F.linear(x.float(), ws[0].dequantize(torch.float32) if fp8 else ws[0].float())
             for v in variants:
                 if not applies(v, m, n, k):
                     continue
@@ -183,12 +204,11 @@ def main() -> None:
                     continue
                 torch.backends.cuda.preferred_blas_library("cublaslt" if v == "cublaslt" else "cublas")
                 fns = [call(v, x, ws[i], wts[i]) for i in range(copies)]
-                row = measure(name, n, k, m, v, fns, ref, copy, None, print_now=False)
+                row = measure(name, n, k, m, v, fns, ref, copy, None, print_now=False, weight_bytes=1 if fp8 else 2)
                 if v.startswith("skinny") and m > 1:
-                    kw = spec(v, n, k)
-                    full = sg.launch(x, ws[0], **kw)
-                    row["row_bits_invariant"] = all(torch.equal(sg.launch(x[i:i + 1], ws[0], **kw), full[i:i + 1])
-                                                    for i in range(m))
+                    full = fns[0]()
+                    row["row_bits_invariant"] = all(
+                        torch.equal(call(v, x[i:i + 1], ws[0], None)(), full[i:i + 1]) for i in range(m))
                 if v.startswith("splitk") and m > 1:
                     t = splitk_tile(v)
                     full = bg.launch(x, ws[0], t)
@@ -200,7 +220,7 @@ def main() -> None:
         del ws, wts
         torch.cuda.empty_cache()
     write_json(a.out, {"bench": "gemm_shapes", "command": command_line("flashpd.bench.gemm_shapes"),
-                       "copy_bandwidth": copy, "results": results})
+                       "weights": a.weights, "copy_bandwidth": copy, "results": results})
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@ MAX_WEIGHT_ELEMENTS = 2 ** 31 - 1  # the kernel indexes the weight in int32
 TILE_NARROW = (16, 128, 2, 6)
 TILE_WIDE = (32, 128, 2, 6)
 WIDE_N = 8192
+# an fp8 weight's tile, any shape: at 16 rows (a draft pass) an H200 streamed e4m3 tiles fastest 32 columns by 256
+# with 4 warps and 4 stages, 1.1-1.5x the bf16 tiles' time on them (bench/gemm_shapes.py --weights fp8 at the
+# drafter's shapes, docs/results.md); at the bf16 tiles q/k/v, o_proj, down and the fc were slower in fp8 than bf16
+TILE_FP8 = (32, 256, 4, 4)
 SWIGLU_STAGES = 4  # `fused_tile`'s pipeline depth for the SwiGLU form
 
 
@@ -51,9 +55,16 @@ def available() -> bool:
     return triton is not None
 
 
-def tile(n: int, k: int) -> tuple[int, int, int, int]:
-    """The tile for a weight of n rows and k columns: a function of the weight alone, so of no row count."""
+def tile(n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int]:
+    """The tile for a weight of n rows and k columns (fp8: float8 e4m3, `Fp8Weight`): a function of the weight
+    alone, so of no row count."""
+    if fp8:
+        return TILE_FP8
     return TILE_WIDE if n > WIDE_N else TILE_NARROW
+
+
+def _is_fp8(w: torch.Tensor) -> bool:
+    return w.dtype == torch.float8_e4m3fn
 
 
 # e4m3 -> bf16 by bit operations, four values a call (`tl.inline_asm_elementwise`, pack 4: $2 holds four bytes,
@@ -299,7 +310,7 @@ def fused_tile(w: torch.Tensor, swiglu: bool) -> tuple[int, int, int, int]:
     takes half the columns of each (as many programs stream the weight as its plain matmul has; 32 columns of
     each were no faster) and SWIGLU_STAGES stages: at the plain tile's 6 its [2*BN, BK] tile was slower on an
     H200 (docs/results.md). Stages change no bit."""
-    block_n, block_k, warps, stages = tile(w.shape[0], w.shape[1])
+    block_n, block_k, warps, stages = tile(w.shape[0], w.shape[1], _is_fp8(w))
     if swiglu:
         return max(16, block_n // 2), block_k, warps, SWIGLU_STAGES
     return block_n, block_k, warps, stages
@@ -309,7 +320,7 @@ if triton is not None:
     # an opaque custom op, as paged_attention's: compiled, inductor calls it as one extern kernel
     @torch.library.custom_op("flashpd::skinny_linear", mutates_args=())
     def _skinny_linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None) -> torch.Tensor:
-        return launch(x, w, *tile(w.shape[0], w.shape[1]), w_scale=w_scale)
+        return launch(x, w, *tile(w.shape[0], w.shape[1], _is_fp8(w)), w_scale=w_scale)
 
     @_skinny_linear_op.register_fake
     def _(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None) -> torch.Tensor:

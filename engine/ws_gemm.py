@@ -19,7 +19,9 @@ bytes apart, in one bank group: 8-way conflicts), and no warp repeats another's 
 traffic a weight byte, against the ~8 a byte an SM's 128 bytes a clock allow at the copy rate.
 
 Gluon (triton.experimental.gluon), sm_90 and up, bf16 or fp16 weights (an fp8 weight keeps skinny_gemm's kernel).
-ENABLED is off until the H200 measures it against skinny_gemm in the step (`speed_8b --ws-gemm`).
+ENABLED is off: measured on an H200 (`speed_8b --ws-gemm`, docs/results.md), it is bitwise skinny_gemm's kernel and
+slower in the step (a batch-1 step 31% longer). Its two consumer warps an SM are the likely bound (each MMA waits
+on its own ldmatrix; the Triton kernel hides that latency with many programs an SM): not profiled.
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ import torch
 
 from flashpd.bench.common import write_json
 from flashpd.bench.speedup import _timed, heldout_prompt_sets, pair_generators
+from flashpd.demo import PAIR
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
@@ -92,8 +93,8 @@ def trace(gen: NativeGenerator, prompt: list[int], new_tokens: int, width: int |
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default="flashpd/assets/demo_pair/target")
-    ap.add_argument("--draft", default="flashpd/assets/demo_pair/drafter")
+    ap.add_argument("--target", default=str(PAIR / "target"), help="default: the installed package's demo pair")
+    ap.add_argument("--draft", default=str(PAIR / "drafter"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompts", type=int, default=8, help="per set, as in bench/speedup.py (confirmation set used)")
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -37,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from flashpd.bench.common import command_line, copy_bandwidth_gbs, time_ms, write_json
 from flashpd.bench.dflash_step import drafter_config_for
 from flashpd.bench.profile_step import kernel_table, measure_prefill
+from flashpd.demo import PAIR
 from flashpd.engine import skinny_gemm, triton_env, ws_gemm
 from flashpd.engine.config import builtin_config_path, load_config
 from flashpd.engine.drafter import dummy_drafter
@@ -296,8 +297,9 @@ def main() -> None:
     ap.add_argument("--prefill-lengths", default="2048,8192",
                     help="prompt lengths whose prefill is also timed in the runner's default chunks and as one forward "
                          "(what a long prompt's TTFT costs; '' for none)")
-    ap.add_argument("--exact-target", default="flashpd/assets/demo_pair/target")
-    ap.add_argument("--exact-draft", default="flashpd/assets/demo_pair/drafter")
+    ap.add_argument("--exact-target", default=str(PAIR / "target"),
+                    help="the exactness section's target (default: the installed package's demo pair)")
+    ap.add_argument("--exact-draft", default=str(PAIR / "drafter"))
     ap.add_argument("--exact-prompts", type=int, default=8, help="per set of the speedup protocol (two sets)")
     ap.add_argument("--exact-new-tokens", type=int, default=256)
     ap.add_argument("--sections", default="paged,curve,scheduler,dflash,long,prefill,exact")

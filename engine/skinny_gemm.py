@@ -44,9 +44,9 @@ MAX_WEIGHT_ELEMENTS = 2 ** 31 - 1  # the kernel indexes the weight in int32
 TILE_NARROW = (16, 128, 2, 6)
 TILE_WIDE = (32, 128, 2, 6)
 WIDE_N = 8192
-# an fp8 weight's tile, any shape: at 16 rows (a draft pass) an H200 streamed e4m3 tiles fastest 32 columns by 256
-# with 4 warps and 4 stages, 1.1-1.5x the bf16 tiles' time on them (bench/gemm_shapes.py --weights fp8 at the
-# drafter's shapes, docs/results.md); at the bf16 tiles q/k/v, o_proj, down and the fc were slower in fp8 than bf16
+# an fp8 weight's tile, any shape: at 16 rows (a draft pass) an H200 streamed e4m3 weights fastest, or near it, 32
+# columns by 256 with 4 warps and 4 stages on five of the drafter's six shapes (bench/gemm_shapes.py --weights fp8,
+# docs/results.md); at the bf16 tiles, q/k/v, o_proj, down and the fc were slower in fp8 than in bf16
 TILE_FP8 = (32, 256, 4, 4)
 SWIGLU_STAGES = 4  # `fused_tile`'s pipeline depth for the SwiGLU form
 
@@ -74,7 +74,8 @@ def _is_fp8(w: torch.Tensor) -> bool:
 # and 127); then times 2^120 in bf16 (fma with -0.0: exact, a power of two, no subnormal result). Triton's own
 # conversion goes through fp16, one conversion-unit instruction (F2F) a value in the sm_90 SASS, a unit that issues
 # fewer instructions a clock than the integer and bf16x2 pipes (NVIDIA's throughput tables); these are 10 of those
-# for four values (whether the few-row kernel's fp8 forms were bound by F2F is not measured). tests/test_skinny_gemm.py emulates this text over all 256 bytes.
+# for four values; on an H200 the fp8 draft pass is faster this way than by triton's conversion (`speed_8b
+# --fp8-widen`, docs/results.md). tests/test_skinny_gemm.py emulates this text over all 256 bytes.
 # e4m3's NaN codes (0x7f, 0xff) would come out as +-480: `quantize_fp8` never writes them.
 E4M3_TO_BF16_ASM = """{
 .reg .b32 h, t, zr, sgn, two120;

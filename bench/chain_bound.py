@@ -276,7 +276,7 @@ class Chain:
 def recorder(rows: list[dict], gb: float, copy_gbs: float, reps: int, width: int):
     """record(name, fn, **extra): fn timed in a CUDA graph over `reps` runs; a row of µs, GB/s of the chain's `gb`
     weights and fraction of the copy rate (plus `extra`) appended to `rows` and printed (names right-aligned to
-    `width`). chain_ws's main uses it too."""
+    `width`)."""
     def record(name: str, fn, **extra) -> None:
         us = graph_time(fn, reps=reps, inner=1)
         gbs = gb / (us * 1e-6)

@@ -38,7 +38,7 @@ from flashpd.bench.common import command_line, copy_bandwidth_gbs, time_ms, writ
 from flashpd.bench.dflash_step import drafter_config_for
 from flashpd.bench.profile_step import kernel_table, measure_prefill
 from flashpd.demo import PAIR
-from flashpd.engine import skinny_gemm, triton_env, ws_gemm
+from flashpd.engine import skinny_gemm, triton_env
 from flashpd.engine.config import builtin_config_path, load_config
 from flashpd.engine.drafter import dummy_drafter
 from flashpd.engine.generate import NativeGenerator
@@ -314,8 +314,6 @@ def main() -> None:
                     help="an inductor config entry for every runner (RunnerConfig.inductor_extra); repeatable")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), default=RunnerConfig.blas,
                     help="the BLAS library of every runner (RunnerConfig.blas; process-wide in torch)")
-    ap.add_argument("--ws-gemm", action="store_true",
-                    help="the few-row projections through engine/ws_gemm.py's warp-specialized kernel (an A/B)")
     ap.add_argument("--fp8-widen", choices=("bits", "triton"), default="bits" if skinny_gemm.FP8_BITS else "triton",
                     help="how the few-row kernel's fp8 forms widen e4m3 to bf16 (skinny_gemm.FP8_BITS; an A/B for "
                          "--draft-quantizations fp8)")
@@ -326,10 +324,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("speed_8b needs a CUDA GPU")
     sections = set(a.sections.split(","))
-    ws_gemm.ENABLED = a.ws_gemm  # before any kernel is compiled or captured
     skinny_gemm.FP8_BITS = a.fp8_widen == "bits"
-    if a.ws_gemm and not ws_gemm.available():
-        raise SystemExit("--ws-gemm needs triton with Gluon (triton.experimental.gluon)")
     res: dict = {"bench": "speed_8b", "config": a.config, "dtype": "bfloat16", "weights": "dummy",
                  "command": command_line("flashpd.bench.speed_8b")}
 
@@ -365,7 +360,6 @@ def main() -> None:
                   "release_to_latency": triton_env.PDL_RELEASE_TO_LATENCY,
                   "release_max_rows": triton_env.PDL_RELEASE_MAX_ROWS}
     res["inductor_extra"] = dict(extra)
-    res["ws_gemm"] = ws_gemm.ENABLED
     res["fp8_widen"] = "bits" if skinny_gemm.FP8_BITS else "triton"
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())

@@ -19,9 +19,6 @@ the whole x tile; bench/results/2026-12-03_fused_layers_f8fd192.) o_proj and dow
 the next norm's input, the stream times that norm's weight, with each program's sums of the stream's squares;
 QKV and gate/up multiply that input and scale each row by 1/rms at the end; gate/up also forms silu(gate) * up.
 A layer is then 7 launches, not 10: the two norms and the SwiGLU product have no kernel of their own.
-
-With engine/ws_gemm.ENABLED (off by default; not yet measured), `launch_fused` hands its bf16/fp16 forms to that
-warp-specialized kernel instead, whose loader streams the weight from the launch's start.
 """
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from flashpd.engine import triton_env, ws_gemm
+from flashpd.engine import triton_env
 from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: F.linear only
 if triton is not None:
     from flashpd.engine.triton_env import pdl_enter, pdl_release, pdl_wait
@@ -278,8 +275,6 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
     assert g_next is None or (residual is not None and g_next.shape == (n,) and g_next.is_contiguous())
     if w.numel() > MAX_WEIGHT_ELEMENTS:
         raise ValueError(f"a weight of {w.numel()} elements is past the kernel's int32 indexing")
-    if ws_gemm.applies(x, w, w_scale):  # off by default (ws_gemm.ENABLED)
-        return ws_gemm.launch_fused(x, w, ss, eps, swiglu, residual, g_next, triton_env.pdl(x.device))
     y = x.new_empty((m, n))
     programs = triton.cdiv(n, block_n)
     xg = torch.empty_like(y) if g_next is not None else None

@@ -44,14 +44,30 @@ def applies(x: torch.Tensor, n_q: int, n_kv: int, d: int) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _norm_rope(x1, x2, w1, w2, cos1, cos2, sin1, sin2, eps, D: tl.constexpr, DT: tl.constexpr):
-        """Rows of one head, each as its two halves x1, x2 [R, D/2] in fp32: rms_norm (the normed row rounded to
-        the input dtype DT, then the weight), then RoPE (x * cos + rotate_half(x) * sin)."""
-        ms = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D
-        r = 1.0 / tl.sqrt(ms + eps)
-        y1 = w1[None, :] * (x1 * r[:, None]).to(DT).to(tl.float32)
-        y2 = w2[None, :] * (x2 * r[:, None]).to(DT).to(tl.float32)
-        return y1 * cos1[None, :] - y2 * sin1[None, :], y2 * cos2[None, :] + y1 * sin2[None, :]
+    def norm_rope(base, cs, cos_ptr, sin_ptr, w_ptr, eps, ok, D: tl.constexpr, DT: tl.constexpr):
+        """Rows of one head -> [R, D] in fp32: rms_norm (the normed row rounded to the input dtype DT, then the
+        weight), then RoPE (x * cos + rotate_half(x) * sin). base [R]: each row's first value; cs [R]: its RoPE
+        row's offset in cos/sin; ok [R]: rows to read (the others give zeros).
+
+        Every step is elementwise but the mean square, which sums the row's squares one column at a time in
+        column order (explicit FMAs): a tl.sum would add them in an order that follows the tensor's layout,
+        which the compiler picks per kernel and tile shape, and this function runs in two kernels (this module's
+        and the paged attention's, engine/paged_attention.py) whose bits must agree."""
+        dd = tl.arange(0, D)
+        pd = (dd + D // 2) % D  # rotate_half's partner column
+        ss = tl.zeros(base.shape, tl.float32)
+        for c in tl.static_range(D):
+            xc = tl.load(base + c, mask=ok, other=0.0).to(tl.float32)
+            ss = tl.fma(xc, xc, ss)
+        r = 1.0 / tl.sqrt(ss / D + eps)
+        x = tl.load(base[:, None] + dd[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        xr = tl.load(base[:, None] + pd[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        y = tl.load(w_ptr + dd).to(tl.float32)[None, :] * (x * r[:, None]).to(DT).to(tl.float32)
+        yr = tl.load(w_ptr + pd).to(tl.float32)[None, :] * (xr * r[:, None]).to(DT).to(tl.float32)
+        cos = tl.load(cos_ptr + cs[:, None] + dd[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs[:, None] + dd[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        sign = tl.where(dd < D // 2, -1.0, 1.0)  # rotate_half(x) = (-x2, x1)
+        return tl.fma(y, cos, (yr * sign[None, :]) * sin)
 
     @triton.jit
     def _qkv_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, T, eps,
@@ -66,38 +82,17 @@ if triton is not None:
         h = tl.program_id(1)
         b = tok // T
         t = tok % T
-        c = tl.arange(0, D // 2)
         dd = tl.arange(0, D)
         j = tl.arange(0, G)
+        one = tl.arange(0, 1)
         row = qkv_ptr + b * s_qkv_b + t * s_qkv_t
         cs = b * s_cs_b + t * s_cs_t
-        # every load first: the stores below may alias them as far as the compiler knows, so a load after a store
-        # waits for it; issued together, the program waits for memory once, not once a head (a decode at batch 1
-        # is 8 such programs, all latency)
         slot = tl.load(slot_ptr + tok)
-        qrow = row + (h * G + j)[:, None] * D + c[None, :]
-        krow = row + (NQ + h) * D + c[None, :]
-        xq1 = tl.load(qrow).to(tl.float32)
-        xq2 = tl.load(qrow + D // 2).to(tl.float32)
-        xk1 = tl.load(krow).to(tl.float32)
-        xk2 = tl.load(krow + D // 2).to(tl.float32)
         v = tl.load(row + (NQ + NKV + h) * D + dd)
-        cos1 = tl.load(cos_ptr + cs + c).to(tl.float32)
-        cos2 = tl.load(cos_ptr + cs + D // 2 + c).to(tl.float32)
-        sin1 = tl.load(sin_ptr + cs + c).to(tl.float32)
-        sin2 = tl.load(sin_ptr + cs + D // 2 + c).to(tl.float32)
-        wq1 = tl.load(wq_ptr + c).to(tl.float32)
-        wq2 = tl.load(wq_ptr + D // 2 + c).to(tl.float32)
-        wk1 = tl.load(wk_ptr + c).to(tl.float32)
-        wk2 = tl.load(wk_ptr + D // 2 + c).to(tl.float32)
-        q1, q2 = _norm_rope(xq1, xq2, wq1, wq2, cos1, cos2, sin1, sin2, eps, D, DT)
-        k1, k2 = _norm_rope(xk1, xk2, wk1, wk2, cos1, cos2, sin1, sin2, eps, D, DT)
-        qout = q_ptr + h * sq_h + b * sq_b + (t * G + j)[:, None] * D + c[None, :]
-        tl.store(qout, q1.to(q_ptr.dtype.element_ty))
-        tl.store(qout + D // 2, q2.to(q_ptr.dtype.element_ty))
-        kout = k_ptr + slot * sk_slot + h * D + c[None, :]
-        tl.store(kout, k1.to(k_ptr.dtype.element_ty))
-        tl.store(kout + D // 2, k2.to(k_ptr.dtype.element_ty))
+        q = norm_rope(row + (h * G + j) * D, cs + j * 0, cos_ptr, sin_ptr, wq_ptr, eps, j < G, D, DT)
+        k = norm_rope(row + (NQ + h) * D + one, cs + one * 0, cos_ptr, sin_ptr, wk_ptr, eps, one < 1, D, DT)
+        tl.store(q_ptr + h * sq_h + b * sq_b + (t * G + j)[:, None] * D + dd[None, :], q.to(q_ptr.dtype.element_ty))
+        tl.store(k_ptr + slot * sk_slot + h * D + one[:, None] * 0 + dd[None, :], k.to(k_ptr.dtype.element_ty))
         tl.store(v_ptr + slot * sv_slot + h * D + dd, v.to(v_ptr.dtype.element_ty))
 
     _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
 from flashpd.engine import triton_env
 from flashpd.engine.triton_env import INTERPRET, tl, triton  # triton None: the plain-PyTorch attention only
 if triton is not None:
+    from flashpd.engine.qkv_rope import norm_rope
     from flashpd.engine.triton_env import pdl_enter
 
 LOG2E = 1.4426950408889634  # scores are kept in the log2 domain: exp2 is the hardware's exponential
@@ -103,6 +104,17 @@ def forced_combine(rows: int, dims: int, unroll: int, warps: int) -> Iterator[No
 
 def available() -> bool:
     return triton is not None
+
+
+class RopeInputs(NamedTuple):
+    """What engine/qkv_rope.py's kernel takes besides the QKV rows and the cache (`paged_attention_rope`)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    w_qn: torch.Tensor
+    w_kn: torch.Tensor
+    eps: float
+    n_q: int
+    slots: torch.Tensor
 
 
 if triton is not None:
@@ -174,12 +186,22 @@ if triton is not None:
                      qk_scale, HKV, M, n_keys,
                      sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
                      sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
+                     cos_ptr, sin_ptr, wq_ptr, wk_ptr, slot_ptr, eps, s_cs_b, s_cs_t,
                      G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, SPLIT: tl.constexpr,
-                     F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                     F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+                     ROPE: tl.constexpr = False, NQ: tl.constexpr = 0, T_PAD: tl.constexpr = 1,
+                     DT: tl.constexpr = None):
         """One (row tile, kv head * batch, key chunk) program. SPLIT: write the state of the keys of chunk
         `program_id(2)` for `_combine_kernel`; else walk every chunk, merge, and write the output. PDL: see
-        triton_env.pdl."""
+        triton_env.pdl.
+
+        ROPE: q_ptr is the QKV matmul's output [B, T, (NQ + 2 HKV) D] (sq_b, sq_m its batch and token strides),
+        and the program does engine/qkv_rope.py's work for what it reads: its rows' queries (qkv_rope.norm_rope,
+        rounded to DT as that kernel stores them), and the key (normed, roped) and value of every token of the
+        call whose position lies in the keys it walks, written at the token's slot (slot_ptr [B*T]) before it
+        reads the cache. Every token of the call is written by the programs of the row tile holding its last
+        rows, if not by others before (the same bits twice); none is read before its writer's barrier."""
         pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -199,14 +221,34 @@ if triton is not None:
                 return
         dd = tl.arange(0, D_PAD)
         d_ok = dd < D
-        q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if SPLIT:
             lo = pid_s * KPC
             hi = tl.minimum(tl.minimum(max_pos + 1, n_keys), lo + KPC)
         else:
             lo = 0
             hi = tl.minimum(max_pos + 1, n_keys)
+        if ROPE:  # (D == D_PAD: qkv_rope.applies takes power-of-two head dims only)
+            tok = rows // G
+            q = norm_rope(q_ptr + b * sq_b + tok * sq_m + (h * G + rows % G) * D, b * s_cs_b + tok * s_cs_t,
+                          cos_ptr, sin_ptr, wq_ptr, eps, row_ok, D, DT).to(DT)
+            T = M // G
+            tt = tl.arange(0, T_PAD)
+            p_new = tl.load(pos_ptr + b * spos_b + tt, mask=tt < T, other=-1)
+            mine = (tt < T) & (p_new >= lo) & (p_new < hi)
+            k_new = norm_rope(q_ptr + b * sq_b + tt * sq_m + (NQ + h) * D, b * s_cs_b + tt * s_cs_t,
+                              cos_ptr, sin_ptr, wk_ptr, eps, mine, D, DT)
+            v_new = tl.load(q_ptr + b * sq_b + tt[:, None] * sq_m + (NQ + HKV + h) * D + dd[None, :],
+                            mask=mine[:, None], other=0.0)
+            slot = tl.load(slot_ptr + b * T + tt, mask=mine, other=0)
+            blk, off = slot // PAGE, slot % PAGE
+            tl.store(k_ptr + (blk * sk_blk + off * sk_off + h * sk_h)[:, None] + dd[None, :],
+                     k_new.to(k_ptr.dtype.element_ty), mask=mine[:, None])
+            tl.store(v_ptr + (blk * sv_blk + off * sv_off + h * sv_h)[:, None] + dd[None, :],
+                     v_new.to(v_ptr.dtype.element_ty), mask=mine[:, None])
+            tl.debug_barrier()  # the writes above, before any thread of the program reads the cache
+        else:
+            q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         # the row's state: its chunks' states merged in order
         m_run = tl.full([BM], float("-inf"), tl.float32)
         l_run = tl.zeros([BM], tl.float32)
@@ -283,14 +325,30 @@ if triton is not None:
     def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                positions: torch.Tensor, scale: float, split: bool | None = None, block_m: int = BLOCK_M,
                block_n: int = BLOCK_N, num_warps: int | None = None, num_stages: int = NUM_STAGES,
-               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK) -> torch.Tensor:
+               heads_last: bool = False, keys_per_chunk: int = KEYS_PER_CHUNK, rope: "RopeInputs | None" = None
+               ) -> torch.Tensor:
         """The two kernels' launch. split: a program per key chunk and the combine kernel (None: `use_split`
         decides); the same bits either way. The tile and chunk arguments exist for bench/paged_split's sweep
         (they change bits); the op passes the module's constants. num_warps: the walking or chunk programs'
         (None: NUM_WARPS, or SPLIT_NUM_WARPS for a program per chunk; no bit depends on it); the combine kernel's
-        come from `combine_form`. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q."""
-        hkv, b, m, d = q.shape
+        come from `combine_form`. heads_last: the output as [B, T, Hq*d] (o_proj's input), else like q.
+        rope: q is the QKV matmul's output [B, T, (Hq + 2 Hkv) d], and the kernel makes the queries and writes
+        the call's keys and values itself (`paged_attention_rope`)."""
         t = positions.shape[1]
+        if rope is None:
+            hkv, b, m, d = q.shape
+            q_strides = (q.stride(0), q.stride(1), q.stride(2))
+            rope_args = (q, q, q, q, q, 0.0, 0, 0)  # unread
+            rope_kw = {}
+        else:
+            hkv, d = k_cache.shape[2], k_cache.shape[3]
+            b = q.shape[0]
+            n_q = rope.n_q
+            m = t * (n_q // hkv)
+            q_strides = (0, q.stride(0), q.stride(1))  # ROPE: batch and token strides
+            rope_args = (rope.cos, rope.sin, rope.w_qn, rope.w_kn, rope.slots, float(rope.eps),
+                         rope.cos.stride(0), rope.cos.stride(1))
+            rope_kw = {"ROPE": True, "NQ": n_q, "T_PAD": triton.next_power_of_2(t), "DT": _TL_DTYPES[q.dtype]}
         assert positions.stride(1) == 1 or t == 1, "positions: each row's must be consecutive"
         assert keys_per_chunk % block_n == 0
         g = m // t
@@ -302,7 +360,7 @@ if triton is not None:
             out = torch.empty((b, t, hkv * g * d), dtype=q.dtype, device=q.device)
             so = (g * d, out.stride(0), out.stride(1), d)
         else:
-            out = torch.empty_like(q)
+            out = torch.empty((hkv, b, m, d), dtype=q.dtype, device=q.device)
             so = (out.stride(0), out.stride(1), g * out.stride(2), out.stride(2))
         tiles = triton.cdiv(m, block_m)
         n_chunks = triton.cdiv(n_keys, keys_per_chunk)
@@ -321,12 +379,12 @@ if triton is not None:
         _attn_kernel[(tiles, hkv * b, n_chunks if split else 1)](
             q, k_cache, v_cache, block_tables, positions, out, m_ws, l_ws, acc_ws,
             scale * LOG2E, hkv, m, n_keys,
-            q.stride(0), q.stride(1), q.stride(2), *so,
+            *q_strides, *so,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), positions.stride(0),
+            block_tables.stride(0), positions.stride(0), *rope_args,
             G=g, PAGE=page, D=d, D_PAD=d_pad, BM=block_m, BN=block_n, KPC=keys_per_chunk, SPLIT=bool(split),
-            F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages, **options,
+            F32=f32, INTERPRET=INTERPRET, num_warps=num_warps, num_stages=num_stages, **options, **rope_kw,
             **triton_env.pdl_args(q.device, next_latency=bool(split), tokens=t, rows=b * t))  # split: a combine next
         if split:
             rows_c = min(COMBINE_ROWS, triton.next_power_of_2(m))
@@ -337,6 +395,24 @@ if triton is not None:
                 G=g, D=d, D_PAD=d_pad, BM=rows_c, DC=dims_c, KPC=keys_per_chunk, UNROLL=unroll,
                 num_warps=warps, **triton_env.pdl_args(q.device))
         return out
+
+    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+    @torch.library.custom_op("flashpd::paged_attention_rope", mutates_args=("k_cache", "v_cache"))
+    def _paged_attention_rope_op(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
+                                 cos: torch.Tensor, sin: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
+                                 eps: float, n_q: int, slots: torch.Tensor, heads_last: bool) -> torch.Tensor:
+        return launch(qkv, k_cache, v_cache, block_tables, positions, scale, None, BLOCK_M, BLOCK_N, None,
+                      NUM_STAGES, heads_last, KEYS_PER_CHUNK, RopeInputs(cos, sin, w_qn, w_kn, eps, n_q, slots))
+
+    @_paged_attention_rope_op.register_fake
+    def _(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+          positions: torch.Tensor, scale: float, cos: torch.Tensor, sin: torch.Tensor, w_qn: torch.Tensor,
+          w_kn: torch.Tensor, eps: float, n_q: int, slots: torch.Tensor, heads_last: bool) -> torch.Tensor:
+        b, t, _ = qkv.shape
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        return qkv.new_empty((b, t, n_q * d)) if heads_last else qkv.new_empty((hkv, b, t * (n_q // hkv), d))
 
     # An opaque custom op, not a torch.library.triton_op: compiled, inductor then calls it as one extern
     # kernel instead of tracing into its launches, whose buffers (the output, the split's workspaces) its
@@ -396,6 +472,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     positions = positions.contiguous()
     return torch.ops.flashpd.paged_attention(q, k_cache, v_cache, block_tables, positions, float(scale),
                                              -1 if split is None else int(split), heads_last)
+
+
+def paged_attention_rope(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, positions: torch.Tensor, scale: float, cos: torch.Tensor,
+                         sin: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, eps: float, n_q: int,
+                         slots: torch.Tensor, heads_last: bool = False) -> torch.Tensor:
+    """engine/qkv_rope.qkv_rope_write and `paged_attention` as one launch: qkv [B, T, (n_q + 2 Hkv) d] (the QKV
+    matmul's output), cos/sin [B, T, d], the norms' weights [d], slots [B*T] -> what `paged_attention` returns for
+    qkv_rope_write's queries, with each token's key and value written at its slot as qkv_rope_write writes them
+    (the same bits: both kernels take qkv_rope.norm_rope). Where qkv_rope.applies and the cache is
+    [blocks, bs, Hkv, d]; why one launch: a decode step's kernels are latency-bound at batch 1 (docs/results.md)."""
+    if triton is None:
+        raise RuntimeError("paged_attention_rope needs triton")
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    assert qkv.dim() == 3 and qkv.shape[-1] == (n_q + 2 * hkv) * d and qkv.stride(-1) == 1
+    assert qkv.shape[:2] == positions.shape and slots.numel() == positions.numel() and slots.is_contiguous()
+    assert cos.shape == sin.shape == (*qkv.shape[:2], d) and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    assert w_qn.is_contiguous() and w_kn.is_contiguous() and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert d & (d - 1) == 0 and n_q % hkv == 0
+    positions = positions.contiguous()
+    return torch.ops.flashpd.paged_attention_rope(qkv, k_cache, v_cache, block_tables, positions, float(scale), cos,
+                                                  sin, w_qn, w_kn, float(eps), n_q, slots, heads_last)
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

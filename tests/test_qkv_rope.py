@@ -129,7 +129,8 @@ def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
     (a head dim of 24). Through a whole DFlash engine on the paged path (RunnerConfig.attention_impl "paged") both
     the target's layers (its verify) and the drafter's (its paged pass) take it: a spy on qkv_rope_write records
     whose q-norm weight each call carries. That engine's tokens and acceptance lengths against the gathered path
-    (the plain steps) are test_paged_attention's "dflash-paged-engine" case, at this same tiny pair."""
+    (the plain steps) are test_paged_attention's "dflash-paged-engine" case, at this same tiny pair. The fused
+    layer's calls take its work inside the paged attention (paged_attention_rope, spied on too)."""
     from flashpd.engine.qwen3 import fused_attn_inputs
     from flashpd.engine.runner import ModelRunner
     from flashpd.engine.runner_config import RunnerConfig
@@ -154,24 +155,70 @@ def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
     target, drafter = tiny_pair(dev, 16, 1e6, seed=4)
     gen = DFlashGenerator(ModelRunner(target, 48, 8, taps=(0, 1), config=RunnerConfig(
         cuda_graphs=False, compile=False, attention_impl="paged")), drafter, (), 8)
-    seen, real = set(), qr.qkv_rope_write
+    from flashpd.engine import qwen3
+    seen, in_attention, real, real_pa = set(), set(), qr.qkv_rope_write, qwen3.paged_attention_rope
 
     def spy(qkv, cos, sin, w_qn, *rest):
         seen.add(w_qn.data_ptr())
         return real(qkv, cos, sin, w_qn, *rest)
 
-    qr.qkv_rope_write = spy
+    def spy_pa(qkv, k_cache, v_cache, bt, pos, scale, cos, sin, w_qn, *rest, **kw):
+        seen.add(w_qn.data_ptr())
+        in_attention.add(w_qn.data_ptr())
+        return real_pa(qkv, k_cache, v_cache, bt, pos, scale, cos, sin, w_qn, *rest, **kw)
+
+    qr.qkv_rope_write, qwen3.paged_attention_rope = spy, spy_pa
     try:
         out = generate(gen, [[3, 9, 27, 17]], [SamplingParams(max_tokens=6, ignore_eos=True)], [8])
     finally:
-        qr.qkv_rope_write = real
+        qr.qkv_rope_write, qwen3.paged_attention_rope = real, real_pa
     assert len(out[0].output) == 6
+    assert in_attention  # qwen3.fused_layer's calls: the kernel's work inside the paged attention's launch
     target_norms = {l.self_attn.q_norm.weight.data_ptr() for l in target.layers}
     draft_norms = {l.q_norm.data_ptr() for l in drafter.layers}
     assert seen & target_norms and seen & draft_norms and seen <= target_norms | draft_norms
 
 
 CASES["attn-inputs"] = the_engine_takes_it_on_the_paged_path
+
+
+def attention_rope_is_the_two_kernels(qr: ModuleType, dev: str, dtype: torch.dtype) -> None:
+    """paged_attention.paged_attention_rope (one launch) against qkv_rope_write then paged_attention: bitwise the
+    same output and the same cache, for decodes and verifies, one key chunk or several, a program per chunk or
+    one walking them, in either output layout."""
+    from flashpd.engine import paged_attention as pa
+    for seed, (b, t, nblk, split) in enumerate(((1, 1, 12, True), (3, 1, 25, False), (2, 5, 12, True),
+                                                (2, 16, 25, True), (2, 16, 25, False), (1, 3, 3, False))):
+        _, k, v, bt, pos = pa.random_case(b, t, N_KV, N_Q // N_KV, D, 8, nblk, 160, dtype, dev, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        # no block in two rows' tables (random_case draws each row's apart): a sequence's writes go to blocks it
+        # alone holds, as the engine's block tables have it (the paged pass writes and reads in one launch)
+        used = bt != 0
+        bt = torch.zeros_like(bt)
+        bt[used] = (torch.randperm(159, generator=g)[:int(used.sum())] + 1).to(bt.device)
+        rot = Rotary(D, 1e6, 512, "cpu")
+        cos, sin = (x.to(dev) for x in rot.tables(pos.cpu(), dtype))
+        qkv = (torch.randn(b, t, (N_Q + 2 * N_KV) * D, generator=g) * 3).to(dev, dtype)
+        w_qn = (1 + torch.randn(D, generator=g) / 4).to(dev, dtype)
+        w_kn = (1 + torch.randn(D, generator=g) / 4).to(dev, dtype)
+        slots = (bt.gather(1, pos // 8) * 8 + pos % 8).reshape(-1).contiguous()
+        for heads_last in (False, True):
+            k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+            q = qr.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, EPS, N_Q, N_KV, k1.view(-1, N_KV, D),
+                                  v1.view(-1, N_KV, D), slots)
+            ref = pa.launch(q, k1, v1, bt, pos, D ** -0.5, split, heads_last=heads_last)
+            out = pa.launch(qkv, k2, v2, bt, pos, D ** -0.5, split, heads_last=heads_last,
+                            rope=pa.RopeInputs(cos, sin, w_qn, w_kn, EPS, N_Q, slots))
+            assert torch.equal(out, ref), (b, t, nblk, split, heads_last)
+            assert torch.equal(k2, k1) and torch.equal(v2, v1), (b, t, nblk, split, heads_last)
+            assert not torch.equal(k1, k)  # the call's keys were written
+        op = pa.paged_attention_rope(qkv, k.clone(), v.clone(), bt, pos, D ** -0.5, cos, sin, w_qn, w_kn, EPS, N_Q,
+                                     slots, heads_last=True)
+        assert torch.equal(op, ref)
+
+
+for _dt in (torch.float32, torch.bfloat16):
+    CASES[f"attention-rope-{str(_dt)[6:]}"] = lambda qr, dev, dt=_dt: attention_rope_is_the_two_kernels(qr, dev, dt)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -235,17 +235,18 @@ if triton is not None:
             tt = tl.arange(0, T_PAD)
             p_new = tl.load(pos_ptr + b * spos_b + tt, mask=tt < T, other=-1)
             mine = (tt < T) & (p_new >= lo) & (p_new < hi)
-            k_new = norm_rope(q_ptr + b * sq_b + tt * sq_m + (NQ + h) * D, b * s_cs_b + tt * s_cs_t,
-                              cos_ptr, sin_ptr, wk_ptr, eps, mine, D, DT)
-            v_new = tl.load(q_ptr + b * sq_b + tt[:, None] * sq_m + (NQ + HKV + h) * D + dd[None, :],
-                            mask=mine[:, None], other=0.0)
-            slot = tl.load(slot_ptr + b * T + tt, mask=mine, other=0)
-            blk, off = slot // PAGE, slot % PAGE
-            tl.store(k_ptr + (blk * sk_blk + off * sk_off + h * sk_h)[:, None] + dd[None, :],
-                     k_new.to(k_ptr.dtype.element_ty), mask=mine[:, None])
-            tl.store(v_ptr + (blk * sv_blk + off * sv_off + h * sv_h)[:, None] + dd[None, :],
-                     v_new.to(v_ptr.dtype.element_ty), mask=mine[:, None])
-            tl.debug_barrier()  # the writes above, before any thread of the program reads the cache
+            if tl.max(mine.to(tl.int32), 0) > 0:  # most chunk programs hold none of the call's tokens
+                k_new = norm_rope(q_ptr + b * sq_b + tt * sq_m + (NQ + h) * D, b * s_cs_b + tt * s_cs_t,
+                                  cos_ptr, sin_ptr, wk_ptr, eps, mine, D, DT)
+                v_new = tl.load(q_ptr + b * sq_b + tt[:, None] * sq_m + (NQ + HKV + h) * D + dd[None, :],
+                                mask=mine[:, None], other=0.0)
+                slot = tl.load(slot_ptr + b * T + tt, mask=mine, other=0)
+                blk, off = slot // PAGE, slot % PAGE
+                tl.store(k_ptr + (blk * sk_blk + off * sk_off + h * sk_h)[:, None] + dd[None, :],
+                         k_new.to(k_ptr.dtype.element_ty), mask=mine[:, None])
+                tl.store(v_ptr + (blk * sv_blk + off * sv_off + h * sv_h)[:, None] + dd[None, :],
+                         v_new.to(v_ptr.dtype.element_ty), mask=mine[:, None])
+                tl.debug_barrier()  # the writes above, before any thread of the program reads the cache
         else:
             q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)

@@ -49,17 +49,23 @@ if triton is not None:
         weight), then RoPE (x * cos + rotate_half(x) * sin). base [R]: each row's first value; cs [R]: its RoPE
         row's offset in cos/sin; ok [R]: rows to read (the others give zeros).
 
-        Every step is elementwise but the mean square, which sums the row's squares one column at a time in
-        column order (explicit FMAs): a tl.sum would add them in an order that follows the tensor's layout,
-        which the compiler picks per kernel and tile shape, and this function runs in two kernels (this module's
-        and the paged attention's, engine/paged_attention.py) whose bits must agree."""
+        Every step is elementwise but the mean square, whose order of additions is fixed by construction: SUMS
+        running sums (explicit FMAs), sum i taking columns i, i + SUMS, ... in turn, then added pairwise in a fixed
+        tree (tl.split). A tl.sum would add the squares in an order that follows the tensor's layout, which the
+        compiler picks per kernel and tile shape, and this function runs in two kernels (this module's and the
+        paged attention's, engine/paged_attention.py) whose bits must agree."""
         dd = tl.arange(0, D)
         pd = (dd + D // 2) % D  # rotate_half's partner column
-        ss = tl.zeros(base.shape, tl.float32)
-        for c in tl.static_range(D):
-            xc = tl.load(base + c, mask=ok, other=0.0).to(tl.float32)
-            ss = tl.fma(xc, xc, ss)
-        r = 1.0 / tl.sqrt(ss / D + eps)
+        SUMS: tl.constexpr = 8
+        part = tl.zeros([base.shape[0], SUMS], tl.float32)
+        for c in tl.static_range(0, D, SUMS):
+            xc = tl.load(base[:, None] + (c + tl.arange(0, SUMS))[None, :], mask=ok[:, None], other=0.0)
+            xc = xc.to(tl.float32)
+            part = tl.fma(xc, xc, part)
+        a, b = tl.split(tl.reshape(part, [base.shape[0], SUMS // 2, 2]))
+        a, b = tl.split(tl.reshape(a + b, [base.shape[0], SUMS // 4, 2]))
+        a, b = tl.split(a + b)
+        r = 1.0 / tl.sqrt((a + b) / D + eps)
         x = tl.load(base[:, None] + dd[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         xr = tl.load(base[:, None] + pd[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         y = tl.load(w_ptr + dd).to(tl.float32)[None, :] * (x * r[:, None]).to(DT).to(tl.float32)

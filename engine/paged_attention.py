@@ -190,8 +190,7 @@ if triton is not None:
                      G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, SPLIT: tl.constexpr,
                      F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-                     ROPE: tl.constexpr = False, NQ: tl.constexpr = 0, T_PAD: tl.constexpr = 1,
-                     DT: tl.constexpr = None):
+                     ROPE: tl.constexpr, NQ: tl.constexpr, T_PAD: tl.constexpr, DT: tl.constexpr):
         """One (row tile, kv head * batch, key chunk) program. SPLIT: write the state of the keys of chunk
         `program_id(2)` for `_combine_kernel`; else walk every chunk, merge, and write the output. PDL: see
         triton_env.pdl.
@@ -340,7 +339,7 @@ if triton is not None:
             hkv, b, m, d = q.shape
             q_strides = (q.stride(0), q.stride(1), q.stride(2))
             rope_args = (q, q, q, q, q, 0.0, 0, 0)  # unread
-            rope_kw = {}
+            rope_kw = {"ROPE": False, "NQ": 0, "T_PAD": 1, "DT": _TL_DTYPES[q.dtype]}
         else:
             hkv, d = k_cache.shape[2], k_cache.shape[3]
             b = q.shape[0]
@@ -482,8 +481,10 @@ def paged_attention_rope(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """engine/qkv_rope.qkv_rope_write and `paged_attention` as one launch: qkv [B, T, (n_q + 2 Hkv) d] (the QKV
     matmul's output), cos/sin [B, T, d], the norms' weights [d], slots [B*T] -> what `paged_attention` returns for
     qkv_rope_write's queries, with each token's key and value written at its slot as qkv_rope_write writes them
-    (the same bits: both kernels take qkv_rope.norm_rope). Where qkv_rope.applies and the cache is
-    [blocks, bs, Hkv, d]; why one launch: a decode step's kernels are latency-bound at batch 1 (docs/results.md)."""
+    (the same bits, with qkv_rope.IN_ATTENTION on: both kernels then take qkv_rope.norm_rope). Where
+    qkv_rope.applies and the cache is [blocks, bs, Hkv, d]; a block the call writes must be in no other row's
+    table (the engine's: a sequence writes only blocks it alone holds), since a row's programs write its keys as
+    they read the cache. Why one launch: a decode step at batch 1 is latency-bound between its projections."""
     if triton is None:
         raise RuntimeError("paged_attention_rope needs triton")
     hkv, d = k_cache.shape[2], k_cache.shape[3]

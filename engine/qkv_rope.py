@@ -25,6 +25,11 @@ if triton is not None:
 
 NUM_WARPS = 1  # a program holds (G + 2) x d values (768 at Qwen3-8B): one warp; fixed, so no bit depends on it
 ENABLED = True  # off: attn_inputs keeps inductor's kernels everywhere (an A/B in bench/speed_8b; other bits)
+# On: qwen3.fused_layer (a decode, verify or draft pass of at most 16 rows) does this kernel's work inside the paged
+# attention's launch (paged_attention.paged_attention_rope: one launch a layer fewer), and this kernel, which the
+# other calls still take, sums the mean squares in `norm_rope`'s fixed order so that both kernels give a token the
+# same bits (other bits than off's). Off by default until measured on a GPU (bench/speed_8b --rope-in-attention).
+IN_ATTENTION = False
 
 
 def available() -> bool:
@@ -43,6 +48,17 @@ def applies(x: torch.Tensor, n_q: int, n_kv: int, d: int) -> bool:
 
 
 if triton is not None:
+    @triton.jit
+    def _norm_rope(x1, x2, w1, w2, cos1, cos2, sin1, sin2, eps, D: tl.constexpr, DT: tl.constexpr):
+        """Rows of one head, each as its two halves x1, x2 [R, D/2] in fp32: rms_norm (the normed row rounded to
+        the input dtype DT, then the weight), then RoPE (x * cos + rotate_half(x) * sin). The mean square is a
+        tl.sum: its order follows this kernel's layout (IN_ATTENTION off)."""
+        ms = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D
+        r = 1.0 / tl.sqrt(ms + eps)
+        y1 = w1[None, :] * (x1 * r[:, None]).to(DT).to(tl.float32)
+        y2 = w2[None, :] * (x2 * r[:, None]).to(DT).to(tl.float32)
+        return y1 * cos1[None, :] - y2 * sin1[None, :], y2 * cos2[None, :] + y1 * sin2[None, :]
+
     @triton.jit
     def norm_rope(base, cs, cos_ptr, sin_ptr, w_ptr, eps, ok, D: tl.constexpr, DT: tl.constexpr):
         """Rows of one head -> [R, D] in fp32: rms_norm (the normed row rounded to the input dtype DT, then the
@@ -79,10 +95,11 @@ if triton is not None:
     def _qkv_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, T, eps,
                          s_qkv_b, s_qkv_t, s_cs_b, s_cs_t, sq_h, sq_b, sk_slot, sv_slot, NQ: tl.constexpr,
                          NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DT: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, FIXED: tl.constexpr):
         """Token `program_id(0)` (= b * T + t), KV head h = `program_id(1)`: its queries to q [NKV, B, T*G, D] at
         rows t*G .. t*G + G - 1 (attention.group_queries' layout), its key (normed, roped) and value to the
-        cache's slot `slots[token]` ([slots, NKV, D] views). PDL: see triton_env.pdl."""
+        cache's slot `slots[token]` ([slots, NKV, D] views). FIXED: `norm_rope` (IN_ATTENTION), else
+        `_norm_rope`. PDL: see triton_env.pdl."""
         pdl_enter(PDL)
         tok = tl.program_id(0)
         h = tl.program_id(1)
@@ -90,16 +107,47 @@ if triton is not None:
         t = tok % T
         dd = tl.arange(0, D)
         j = tl.arange(0, G)
-        one = tl.arange(0, 1)
         row = qkv_ptr + b * s_qkv_b + t * s_qkv_t
         cs = b * s_cs_b + t * s_cs_t
         slot = tl.load(slot_ptr + tok)
-        v = tl.load(row + (NQ + NKV + h) * D + dd)
-        q = norm_rope(row + (h * G + j) * D, cs + j * 0, cos_ptr, sin_ptr, wq_ptr, eps, j < G, D, DT)
-        k = norm_rope(row + (NQ + h) * D + one, cs + one * 0, cos_ptr, sin_ptr, wk_ptr, eps, one < 1, D, DT)
-        tl.store(q_ptr + h * sq_h + b * sq_b + (t * G + j)[:, None] * D + dd[None, :], q.to(q_ptr.dtype.element_ty))
-        tl.store(k_ptr + slot * sk_slot + h * D + one[:, None] * 0 + dd[None, :], k.to(k_ptr.dtype.element_ty))
-        tl.store(v_ptr + slot * sv_slot + h * D + dd, v.to(v_ptr.dtype.element_ty))
+        if FIXED:
+            one = tl.arange(0, 1)
+            v = tl.load(row + (NQ + NKV + h) * D + dd)
+            q = norm_rope(row + (h * G + j) * D, cs + j * 0, cos_ptr, sin_ptr, wq_ptr, eps, j < G, D, DT)
+            k = norm_rope(row + (NQ + h) * D + one, cs + one * 0, cos_ptr, sin_ptr, wk_ptr, eps, one < 1, D, DT)
+            tl.store(q_ptr + h * sq_h + b * sq_b + (t * G + j)[:, None] * D + dd[None, :],
+                     q.to(q_ptr.dtype.element_ty))
+            tl.store(k_ptr + slot * sk_slot + h * D + one[:, None] * 0 + dd[None, :], k.to(k_ptr.dtype.element_ty))
+            tl.store(v_ptr + slot * sv_slot + h * D + dd, v.to(v_ptr.dtype.element_ty))
+        else:
+            c = tl.arange(0, D // 2)
+            # every load first: the stores below may alias them as far as the compiler knows, so a load after a
+            # store waits for it; issued together, the program waits for memory once, not once a head (a decode
+            # at batch 1 is 8 such programs, all latency)
+            qrow = row + (h * G + j)[:, None] * D + c[None, :]
+            krow = row + (NQ + h) * D + c[None, :]
+            xq1 = tl.load(qrow).to(tl.float32)
+            xq2 = tl.load(qrow + D // 2).to(tl.float32)
+            xk1 = tl.load(krow).to(tl.float32)
+            xk2 = tl.load(krow + D // 2).to(tl.float32)
+            v = tl.load(row + (NQ + NKV + h) * D + dd)
+            cos1 = tl.load(cos_ptr + cs + c).to(tl.float32)
+            cos2 = tl.load(cos_ptr + cs + D // 2 + c).to(tl.float32)
+            sin1 = tl.load(sin_ptr + cs + c).to(tl.float32)
+            sin2 = tl.load(sin_ptr + cs + D // 2 + c).to(tl.float32)
+            wq1 = tl.load(wq_ptr + c).to(tl.float32)
+            wq2 = tl.load(wq_ptr + D // 2 + c).to(tl.float32)
+            wk1 = tl.load(wk_ptr + c).to(tl.float32)
+            wk2 = tl.load(wk_ptr + D // 2 + c).to(tl.float32)
+            q1, q2 = _norm_rope(xq1, xq2, wq1, wq2, cos1, cos2, sin1, sin2, eps, D, DT)
+            k1, k2 = _norm_rope(xk1, xk2, wk1, wk2, cos1, cos2, sin1, sin2, eps, D, DT)
+            qout = q_ptr + h * sq_h + b * sq_b + (t * G + j)[:, None] * D + c[None, :]
+            tl.store(qout, q1.to(q_ptr.dtype.element_ty))
+            tl.store(qout + D // 2, q2.to(q_ptr.dtype.element_ty))
+            kout = k_ptr + slot * sk_slot + h * D + c[None, :]
+            tl.store(kout, k1.to(k_ptr.dtype.element_ty))
+            tl.store(kout + D // 2, k2.to(k_ptr.dtype.element_ty))
+            tl.store(v_ptr + slot * sv_slot + h * D + dd, v.to(v_ptr.dtype.element_ty))
 
     _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -115,7 +163,7 @@ if triton is not None:
             qkv, cos, sin, w_qn, w_kn, slots, q, k_slots, v_slots, t, eps,
             qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), q.stride(0), q.stride(1), k_slots.stride(0),
             v_slots.stride(0),
-            NQ=n_q, NKV=n_kv, G=g, D=d, DT=_DTYPES[qkv.dtype], num_warps=NUM_WARPS,
+            NQ=n_q, NKV=n_kv, G=g, D=d, DT=_DTYPES[qkv.dtype], FIXED=IN_ATTENTION, num_warps=NUM_WARPS,
             **triton_env.pdl_args(qkv.device, next_latency=True, tokens=t, rows=b * t))  # attention next
         return q
 

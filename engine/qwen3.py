@@ -27,10 +27,6 @@ from flashpd.engine.skinny_gemm import fused_linear, fused_residual, linear
 from flashpd.engine.config import Qwen3Config
 from flashpd.engine.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, rms_norm, rope_tables
 
-# fused_layer's q/k norms, RoPE and cache write inside the paged attention kernel (paged_attention_rope: one launch
-# a layer fewer, the same bits); off: qkv_rope's kernel, then the attention (an A/B in bench/)
-ROPE_IN_ATTENTION = True
-
 
 def attn_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor, w_qn: torch.Tensor,
                 w_kn: torch.Tensor, eps: float, n_q: int, n_kv: int, d: int, k_slots: torch.Tensor | None = None,
@@ -127,16 +123,16 @@ def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.
                 d: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                 block_tables: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A decoder layer (`fused_layers`) in 6 launches (7 with ROPE_IN_ATTENTION off), plus the paged kernel's
+    """A decoder layer (`fused_layers`) in 7 launches (6 with qkv_rope.IN_ATTENTION), plus the paged kernel's
     combine where it splits the keys: the residual stream h, with xg = h times the input norm's weight and ss the
     partial sums of h's squares (skinny_gemm.norm_input, or the previous fused layer) -> the same three for the
     layer's output, xg by w_next (the next layer's input norm, or the final norm's weight). QKV scales its rows by
-    1/rms; the paged kernel makes the queries, writes K/V at `slots` (qkv_rope's work) and attends up to
-    `positions`; o_proj adds the residual and writes the post-attention norm's input, gate/up forms silu(gate) * up
-    of the normed rows, down adds the residual and writes the next norm's input. Eager launches (opaque ops:
-    nothing is left between them for a compiler to fuse)."""
+    1/rms; qkv_rope's kernel (or, IN_ATTENTION, the paged kernel) makes the queries and writes K/V at `slots`;
+    the paged kernel attends up to `positions`; o_proj adds the residual and writes the post-attention norm's
+    input, gate/up forms silu(gate) * up of the normed rows, down adds the residual and writes the next norm's
+    input. Eager launches (opaque ops: nothing is left between them for a compiler to fuse)."""
     qkv = fused_linear(xg, w_qkv, ss, eps)
-    if ROPE_IN_ATTENTION:
+    if qkv_rope.IN_ATTENTION:
         o = paged_attention_rope(qkv, k_cache, v_cache, block_tables, positions, d ** -0.5, cos, sin, w_qn, w_kn,
                                  eps, n_q, slots, heads_last=True)
     else:

@@ -58,7 +58,10 @@ def compile_(kernel, const, warps=4, stages=3):
             "mem": at(*MEM), "mma": at("mma"), "store": at("st.global")}
 
 skinny = dict(BM=16, BN=16, BK=128, EVEN_K=True, F32=False, ROWWISE=False, P_PAD=16, WQ=0)
-attn = dict(G=4, PAGE=16, D=128, D_PAD=128, BM=16, BN=32, KPC=256, F32=False, INTERPRET=False)
+attn = dict(G=4, PAGE=16, D=128, D_PAD=128, BM=16, BN=32, KPC=256, F32=False, INTERPRET=False, ROPE=False, NQ=0,
+            T_PAD=1, DT=tl.bfloat16)
+rope = dict(attn, ROPE=True, NQ=32)
+qkv_rope = dict(NQ=32, NKV=8, G=4, D=128, DT=tl.bfloat16, FIXED=False)
 cases = {
     "skinny_rms_swiglu": (sg._skinny_kernel, dict(skinny, RMS=True, SWIGLU=True, RESID=False, NEXT=False, PDL=1)),
     "skinny_resid_next": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=True, NEXT=True, PDL=2)),
@@ -68,7 +71,10 @@ cases = {
     "skinny_fp8_resid_next": (sg._skinny_kernel, dict(skinny, WQ=2, RMS=False, SWIGLU=False, RESID=True,
                                                       NEXT=True, PDL=2)),
     "prep_first": (sg._prep_kernel, dict(BK=1024, PDL=2)),
-    "qkv_rope_after": (qr._qkv_rope_kernel, dict(NQ=32, NKV=8, G=4, D=128, DT=tl.bfloat16, PDL=1)),
+    "qkv_rope_after": (qr._qkv_rope_kernel, dict(qkv_rope, PDL=1)),
+    "qkv_rope_fixed_after": (qr._qkv_rope_kernel, dict(qkv_rope, FIXED=True, PDL=1)),
+    "attn_rope_split_after": (pa._attn_kernel, dict(rope, SPLIT=True, PDL=1)),
+    "attn_rope_verify_never": (pa._attn_kernel, dict(rope, SPLIT=True, T_PAD=16, PDL=3)),
     "attn_split_first": (pa._attn_kernel, dict(attn, SPLIT=True, PDL=2)),
     "attn_walk_after": (pa._attn_kernel, dict(attn, SPLIT=False, PDL=1)),
     "attn_split_after": (pa._attn_kernel, dict(attn, SPLIT=True, PDL=1)),
@@ -76,7 +82,7 @@ cases = {
     "combine_never": (pa._combine_kernel, dict(G=4, D=128, D_PAD=128, BM=16, DC=32, KPC=256, UNROLL=8, PDL=3)),
     "skinny_never": (sg._skinny_kernel, dict(skinny, RMS=False, SWIGLU=False, RESID=True, NEXT=False, PDL=3)),
     "prep_never": (sg._prep_kernel, dict(BK=1024, PDL=3)),
-    "qkv_rope_never": (qr._qkv_rope_kernel, dict(NQ=32, NKV=8, G=4, D=128, DT=tl.bfloat16, PDL=3)),
+    "qkv_rope_never": (qr._qkv_rope_kernel, dict(qkv_rope, PDL=3)),
     "attn_split_never": (pa._attn_kernel, dict(attn, SPLIT=True, PDL=3)),
     "attn_walk_never": (pa._attn_kernel, dict(attn, SPLIT=False, PDL=3)),
 }
@@ -92,7 +98,7 @@ GEMMS = ("skinny_rms_swiglu", "skinny_resid_next", "skinny_never", "skinny_fp8_r
 # the engine's default form (PDL_LATENCY_RELEASE 0 -> PDL 3) for every latency kernel, and the other two forms (a
 # one-row decode's qkv_rope and split attention take 1: PDL_RELEASE_TO_LATENCY)
 LATENCY = {"prep_first": 2, "qkv_rope_after": 1, "attn_split_first": 2, "attn_walk_after": 1, "attn_split_after": 1,
-           "combine_first": 2,
+           "combine_first": 2, "qkv_rope_fixed_after": 1, "attn_rope_split_after": 1, "attn_rope_verify_never": 3,
            "combine_never": 3, "prep_never": 3, "qkv_rope_never": 3, "attn_split_never": 3, "attn_walk_never": 3}
 
 

@@ -5,9 +5,10 @@ Without a GPU the kernel runs under triton's interpreter in one child process st
 (tests/_interpreted.py says why); on a GPU the cases run here on CUDA tensors."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -98,6 +99,19 @@ def tokens_do_not_depend_on_the_call(qr: ModuleType, dev: str) -> None:
 CASES["invariance"] = tokens_do_not_depend_on_the_call
 
 
+def fixed_order(case: Callable[..., None]) -> Callable[..., None]:
+    """A case with qkv_rope.IN_ATTENTION on: the kernel's fixed-order form (norm_rope)."""
+    def run(qr: ModuleType, dev: str, *args) -> None:
+        with in_attention(qr):
+            case(qr, dev, *args)
+    return run
+
+
+for _dt in (torch.float32, torch.bfloat16):
+    CASES[f"plain-fixed-{str(_dt)[6:]}"] = lambda qr, dev, dt=_dt: fixed_order(matches_the_plain_steps)(qr, dev, dt)
+CASES["invariance-fixed"] = fixed_order(tokens_do_not_depend_on_the_call)
+
+
 def compiled_op_is_the_eager_op(qr: ModuleType, dev: str) -> None:
     """torch.compile of a caller that takes the whole cache and makes its [slots, heads, d] K and V views itself:
     the same queries and the same cache, written in place (on a GPU through inductor; on the CPU through
@@ -129,8 +143,9 @@ def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
     (a head dim of 24). Through a whole DFlash engine on the paged path (RunnerConfig.attention_impl "paged") both
     the target's layers (its verify) and the drafter's (its paged pass) take it: a spy on qkv_rope_write records
     whose q-norm weight each call carries. That engine's tokens and acceptance lengths against the gathered path
-    (the plain steps) are test_paged_attention's "dflash-paged-engine" case, at this same tiny pair. The fused
-    layer's calls take its work inside the paged attention (paged_attention_rope, spied on too)."""
+    (the plain steps) are test_paged_attention's "dflash-paged-engine" case, at this same tiny pair. With
+    qkv_rope.IN_ATTENTION on, the fused layer's calls take its work inside the paged attention
+    (paged_attention_rope, spied on too), and the engine's tokens are the same."""
     from flashpd.engine.qwen3 import fused_attn_inputs
     from flashpd.engine.runner import ModelRunner
     from flashpd.engine.runner_config import RunnerConfig
@@ -152,31 +167,39 @@ def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
     assert fused_attn_inputs(x[..., :12], o["cos"][..., :24], o["sin"][..., :24], w_qkv[:, :12], o["w_qn"][:24],
                              o["w_kn"][:24], EPS, N_Q, N_KV, 24, c1[0, :, :, :24], c1[1, :, :, :24], o["slots"]) is None
 
-    target, drafter = tiny_pair(dev, 16, 1e6, seed=4)
-    gen = DFlashGenerator(ModelRunner(target, 48, 8, taps=(0, 1), config=RunnerConfig(
-        cuda_graphs=False, compile=False, attention_impl="paged")), drafter, (), 8)
     from flashpd.engine import qwen3
-    seen, in_attention, real, real_pa = set(), set(), qr.qkv_rope_write, qwen3.paged_attention_rope
+    target, drafter = tiny_pair(dev, 16, 1e6, seed=4)
+    real, real_pa = qr.qkv_rope_write, qwen3.paged_attention_rope
 
-    def spy(qkv, cos, sin, w_qn, *rest):
-        seen.add(w_qn.data_ptr())
-        return real(qkv, cos, sin, w_qn, *rest)
+    def run() -> tuple[list[int], set[int], set[int]]:
+        gen = DFlashGenerator(ModelRunner(target, 48, 8, taps=(0, 1), config=RunnerConfig(
+            cuda_graphs=False, compile=False, attention_impl="paged")), drafter, (), 8)
+        seen, fused = set(), set()
 
-    def spy_pa(qkv, k_cache, v_cache, bt, pos, scale, cos, sin, w_qn, *rest, **kw):
-        seen.add(w_qn.data_ptr())
-        in_attention.add(w_qn.data_ptr())
-        return real_pa(qkv, k_cache, v_cache, bt, pos, scale, cos, sin, w_qn, *rest, **kw)
+        def spy(qkv, cos, sin, w_qn, *rest):
+            seen.add(w_qn.data_ptr())
+            return real(qkv, cos, sin, w_qn, *rest)
 
-    qr.qkv_rope_write, qwen3.paged_attention_rope = spy, spy_pa
-    try:
-        out = generate(gen, [[3, 9, 27, 17]], [SamplingParams(max_tokens=6, ignore_eos=True)], [8])
-    finally:
-        qr.qkv_rope_write, qwen3.paged_attention_rope = real, real_pa
-    assert len(out[0].output) == 6
-    assert in_attention  # qwen3.fused_layer's calls: the kernel's work inside the paged attention's launch
+        def spy_pa(qkv, k_cache, v_cache, bt, pos, scale, cos, sin, w_qn, *rest, **kw):
+            fused.add(w_qn.data_ptr())
+            return real_pa(qkv, k_cache, v_cache, bt, pos, scale, cos, sin, w_qn, *rest, **kw)
+
+        qr.qkv_rope_write, qwen3.paged_attention_rope = spy, spy_pa
+        try:
+            out = generate(gen, [[3, 9, 27, 17]], [SamplingParams(max_tokens=6, ignore_eos=True)], [8])
+        finally:
+            qr.qkv_rope_write, qwen3.paged_attention_rope = real, real_pa
+        assert len(out[0].output) == 6
+        return list(out[0].output), seen, fused
+
     target_norms = {l.self_attn.q_norm.weight.data_ptr() for l in target.layers}
     draft_norms = {l.q_norm.data_ptr() for l in drafter.layers}
-    assert seen & target_norms and seen & draft_norms and seen <= target_norms | draft_norms
+    tokens, seen, fused = run()
+    assert seen & target_norms and seen & draft_norms and seen <= target_norms | draft_norms and not fused
+    with in_attention(qr):  # qwen3.fused_layer's calls take the work inside the paged attention's launch
+        tokens_in, seen_in, fused_in = run()
+    assert fused_in and (seen_in | fused_in) & target_norms and (seen_in | fused_in) & draft_norms
+    assert tokens_in == tokens
 
 
 CASES["attn-inputs"] = the_engine_takes_it_on_the_paged_path
@@ -185,8 +208,22 @@ CASES["attn-inputs"] = the_engine_takes_it_on_the_paged_path
 def attention_rope_is_the_two_kernels(qr: ModuleType, dev: str, dtype: torch.dtype) -> None:
     """paged_attention.paged_attention_rope (one launch) against qkv_rope_write then paged_attention: bitwise the
     same output and the same cache, for decodes and verifies, one key chunk or several, a program per chunk or
-    one walking them, in either output layout."""
+    one walking them, in either output layout (qkv_rope.IN_ATTENTION on: both take norm_rope's sums)."""
     from flashpd.engine import paged_attention as pa
+    with in_attention(qr):
+        _attention_rope_cases(qr, pa, dev, dtype)
+
+
+@contextlib.contextmanager
+def in_attention(qr: ModuleType) -> Iterator[None]:
+    saved, qr.IN_ATTENTION = qr.IN_ATTENTION, True
+    try:
+        yield
+    finally:
+        qr.IN_ATTENTION = saved
+
+
+def _attention_rope_cases(qr: ModuleType, pa: ModuleType, dev: str, dtype: torch.dtype) -> None:
     for seed, (b, t, nblk, split) in enumerate(((1, 1, 12, True), (3, 1, 25, False), (2, 5, 12, True),
                                                 (2, 16, 25, True), (2, 16, 25, False), (1, 3, 3, False))):
         _, k, v, bt, pos = pa.random_case(b, t, N_KV, N_Q // N_KV, D, 8, nblk, 160, dtype, dev, seed=seed)

@@ -38,7 +38,7 @@ from flashpd.bench.common import command_line, copy_bandwidth_gbs, time_ms, writ
 from flashpd.bench.dflash_step import drafter_config_for
 from flashpd.bench.profile_step import kernel_table, measure_prefill
 from flashpd.demo import PAIR
-from flashpd.engine import skinny_gemm, triton_env
+from flashpd.engine import qkv_rope, skinny_gemm, triton_env
 from flashpd.engine.config import builtin_config_path, load_config
 from flashpd.engine.drafter import dummy_drafter
 from flashpd.engine.generate import NativeGenerator
@@ -317,6 +317,9 @@ def main() -> None:
     ap.add_argument("--fp8-widen", choices=("bits", "triton"), default="bits" if skinny_gemm.FP8_BITS else "triton",
                     help="how the few-row kernel's fp8 forms widen e4m3 to bf16 (skinny_gemm.FP8_BITS; an A/B for "
                          "--draft-quantizations fp8)")
+    ap.add_argument("--rope-in-attention", choices=("on", "off"), default="on" if qkv_rope.IN_ATTENTION else "off",
+                    help="the fused layer's q/k norms, RoPE and cache write inside the paged attention's launch "
+                         "(qkv_rope.IN_ATTENTION; other bits than off's, the same in every path)")
     ap.add_argument("--out", default="bench/results/speed_8b.json")
     a = ap.parse_args()
     extra = tuple(inductor_option(o) for o in a.inductor_option)
@@ -325,6 +328,7 @@ def main() -> None:
         raise SystemExit("speed_8b needs a CUDA GPU")
     sections = set(a.sections.split(","))
     skinny_gemm.FP8_BITS = a.fp8_widen == "bits"
+    qkv_rope.IN_ATTENTION = a.rope_in_attention == "on"
     res: dict = {"bench": "speed_8b", "config": a.config, "dtype": "bfloat16", "weights": "dummy",
                  "command": command_line("flashpd.bench.speed_8b")}
 
@@ -361,6 +365,7 @@ def main() -> None:
                   "release_max_rows": triton_env.PDL_RELEASE_MAX_ROWS}
     res["inductor_extra"] = dict(extra)
     res["fp8_widen"] = "bits" if skinny_gemm.FP8_BITS else "triton"
+    res["rope_in_attention"] = qkv_rope.IN_ATTENTION
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     embed = target.embed_tokens.weight

@@ -366,7 +366,8 @@ class DFlashDrafter(nn.Module):
                 h, xg, ss = fused_layer(h, xg, ss, cos, sin, self.proj(i, "qkv_proj", rows), l.q_norm, l.k_norm,
                                         self.proj(i, "o_proj", rows), l.post_attention_layernorm,
                                         self.proj(i, "gate_up_proj", rows), self.proj(i, "down_proj", rows), w_next,
-                                        eps, n_q, n_kv, d, k_cache, v_cache, block_slots, block_tables, key_pos)
+                                        eps, n_q, n_kv, d, k_cache, v_cache, block_slots, block_tables, key_pos,
+                                        positions)
                 continue
             args = (x, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, eps, c.num_attention_heads, n_kv, d,
                     k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), block_slots)

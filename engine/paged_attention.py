@@ -114,7 +114,8 @@ class RopeInputs(NamedTuple):
     w_kn: torch.Tensor
     eps: float
     n_q: int
-    slots: torch.Tensor
+    slots: torch.Tensor  # [B*T]: where each token's key and value go
+    write_pos: torch.Tensor  # [B, T] contiguous: the key index of each token's slot in its row's block table
 
 
 if triton is not None:
@@ -186,7 +187,7 @@ if triton is not None:
                      qk_scale, HKV, M, n_keys,
                      sq_h, sq_b, sq_m, so_h, so_b, so_t, so_g,
                      sk_blk, sk_off, sk_h, sv_blk, sv_off, sv_h, sbt_b, spos_b,
-                     cos_ptr, sin_ptr, wq_ptr, wk_ptr, slot_ptr, eps, s_cs_b, s_cs_t,
+                     cos_ptr, sin_ptr, wq_ptr, wk_ptr, slot_ptr, wpos_ptr, eps, s_cs_b, s_cs_t,
                      G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, KPC: tl.constexpr, SPLIT: tl.constexpr,
                      F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
@@ -232,7 +233,7 @@ if triton is not None:
                           cos_ptr, sin_ptr, wq_ptr, eps, row_ok, D, DT).to(DT)
             T = M // G
             tt = tl.arange(0, T_PAD)
-            p_new = tl.load(pos_ptr + b * spos_b + tt, mask=tt < T, other=-1)
+            p_new = tl.load(wpos_ptr + b * T + tt, mask=tt < T, other=-1)  # the keys these tokens become
             mine = (tt < T) & (p_new >= lo) & (p_new < hi)
             if tl.max(mine.to(tl.int32), 0) > 0:  # most chunk programs hold none of the call's tokens
                 k_new = norm_rope(q_ptr + b * sq_b + tt * sq_m + (NQ + h) * D, b * s_cs_b + tt * s_cs_t,
@@ -338,7 +339,7 @@ if triton is not None:
         if rope is None:
             hkv, b, m, d = q.shape
             q_strides = (q.stride(0), q.stride(1), q.stride(2))
-            rope_args = (q, q, q, q, q, 0.0, 0, 0)  # unread
+            rope_args = (q, q, q, q, q, q, 0.0, 0, 0)  # unread
             rope_kw = {"ROPE": False, "NQ": 0, "T_PAD": 1, "DT": _TL_DTYPES[q.dtype]}
         else:
             hkv, d = k_cache.shape[2], k_cache.shape[3]
@@ -346,7 +347,8 @@ if triton is not None:
             n_q = rope.n_q
             m = t * (n_q // hkv)
             q_strides = (0, q.stride(0), q.stride(1))  # ROPE: batch and token strides
-            rope_args = (rope.cos, rope.sin, rope.w_qn, rope.w_kn, rope.slots, float(rope.eps),
+            assert rope.write_pos.shape == positions.shape and rope.write_pos.is_contiguous()
+            rope_args = (rope.cos, rope.sin, rope.w_qn, rope.w_kn, rope.slots, rope.write_pos, float(rope.eps),
                          rope.cos.stride(0), rope.cos.stride(1))
             rope_kw = {"ROPE": True, "NQ": n_q, "T_PAD": triton.next_power_of_2(t), "DT": _TL_DTYPES[q.dtype]}
         assert positions.stride(1) == 1 or t == 1, "positions: each row's must be consecutive"
@@ -402,14 +404,17 @@ if triton is not None:
     def _paged_attention_rope_op(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, positions: torch.Tensor, scale: float,
                                  cos: torch.Tensor, sin: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor,
-                                 eps: float, n_q: int, slots: torch.Tensor, heads_last: bool) -> torch.Tensor:
+                                 eps: float, n_q: int, slots: torch.Tensor, write_pos: torch.Tensor,
+                                 heads_last: bool) -> torch.Tensor:
         return launch(qkv, k_cache, v_cache, block_tables, positions, scale, None, BLOCK_M, BLOCK_N, None,
-                      NUM_STAGES, heads_last, KEYS_PER_CHUNK, RopeInputs(cos, sin, w_qn, w_kn, eps, n_q, slots))
+                      NUM_STAGES, heads_last, KEYS_PER_CHUNK,
+                      RopeInputs(cos, sin, w_qn, w_kn, eps, n_q, slots, write_pos))
 
     @_paged_attention_rope_op.register_fake
     def _(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
           positions: torch.Tensor, scale: float, cos: torch.Tensor, sin: torch.Tensor, w_qn: torch.Tensor,
-          w_kn: torch.Tensor, eps: float, n_q: int, slots: torch.Tensor, heads_last: bool) -> torch.Tensor:
+          w_kn: torch.Tensor, eps: float, n_q: int, slots: torch.Tensor, write_pos: torch.Tensor,
+          heads_last: bool) -> torch.Tensor:
         b, t, _ = qkv.shape
         hkv, d = k_cache.shape[2], k_cache.shape[3]
         return qkv.new_empty((b, t, n_q * d)) if heads_last else qkv.new_empty((hkv, b, t * (n_q // hkv), d))
@@ -477,14 +482,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def paged_attention_rope(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, positions: torch.Tensor, scale: float, cos: torch.Tensor,
                          sin: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, eps: float, n_q: int,
-                         slots: torch.Tensor, heads_last: bool = False) -> torch.Tensor:
+                         slots: torch.Tensor, write_positions: torch.Tensor | None = None,
+                         heads_last: bool = False) -> torch.Tensor:
     """engine/qkv_rope.qkv_rope_write and `paged_attention` as one launch: qkv [B, T, (n_q + 2 Hkv) d] (the QKV
     matmul's output), cos/sin [B, T, d], the norms' weights [d], slots [B*T] -> what `paged_attention` returns for
     qkv_rope_write's queries, with each token's key and value written at its slot as qkv_rope_write writes them
-    (the same bits, with qkv_rope.IN_ATTENTION on: both kernels then take qkv_rope.norm_rope). Where
-    qkv_rope.applies and the cache is [blocks, bs, Hkv, d]; a block the call writes must be in no other row's
-    table (the engine's: a sequence writes only blocks it alone holds), since a row's programs write its keys as
-    they read the cache. Why one launch: a decode step at batch 1 is latency-bound between its projections."""
+    (the same bits, with qkv_rope.IN_ATTENTION on: both kernels then take qkv_rope.norm_rope).
+
+    positions bound each query's keys, as `paged_attention`'s do; write_positions [B, T] (default: positions) is
+    the key index each token's slot holds in its row's table (the drafter's block queries all see to the block's
+    last position, while its tokens' keys sit at their own). A program writes the tokens whose key index lies in
+    the keys it reads, then reads: so every token's key index must be at most its row's last query bound (it is,
+    in every call of the engine), or its key is never written. Where qkv_rope.applies and the cache is
+    [blocks, bs, Hkv, d]; a block the call writes must be in no other row's table (the engine's: a sequence writes
+    only blocks it alone holds). Why one launch: a decode step at batch 1 is latency-bound between its
+    projections (docs/architecture.md)."""
     if triton is None:
         raise RuntimeError("paged_attention_rope needs triton")
     hkv, d = k_cache.shape[2], k_cache.shape[3]
@@ -494,8 +506,11 @@ def paged_attention_rope(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert w_qn.is_contiguous() and w_kn.is_contiguous() and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert d & (d - 1) == 0 and n_q % hkv == 0
     positions = positions.contiguous()
+    write_positions = positions if write_positions is None else write_positions.contiguous()
+    assert write_positions.shape == positions.shape
     return torch.ops.flashpd.paged_attention_rope(qkv, k_cache, v_cache, block_tables, positions, float(scale), cos,
-                                                  sin, w_qn, w_kn, float(eps), n_q, slots, heads_last)
+                                                  sin, w_qn, w_kn, float(eps), n_q, slots, write_positions,
+                                                  heads_last)
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

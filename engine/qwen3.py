@@ -121,7 +121,7 @@ def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.
                 w_qkv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
                 w_gate_up: torch.Tensor, w_down: torch.Tensor, w_next: torch.Tensor, eps: float, n_q: int, n_kv: int,
                 d: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                block_tables: torch.Tensor, positions: torch.Tensor
+                block_tables: torch.Tensor, positions: torch.Tensor, write_positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decoder layer (`fused_layers`) in 7 launches (6 with qkv_rope.IN_ATTENTION), plus the paged kernel's
     combine where it splits the keys: the residual stream h, with xg = h times the input norm's weight and ss the
@@ -130,11 +130,13 @@ def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.
     1/rms; qkv_rope's kernel (or, IN_ATTENTION, the paged kernel) makes the queries and writes K/V at `slots`;
     the paged kernel attends up to `positions`; o_proj adds the residual and writes the post-attention norm's
     input, gate/up forms silu(gate) * up of the normed rows, down adds the residual and writes the next norm's
-    input. Eager launches (opaque ops: nothing is left between them for a compiler to fuse)."""
+    input. write_positions: each token's key index (default: positions; the drafter's block queries see to its
+    last position, its tokens' keys sit at their own). Eager launches (opaque ops: nothing is left between them
+    for a compiler to fuse)."""
     qkv = fused_linear(xg, w_qkv, ss, eps)
     if qkv_rope.IN_ATTENTION:
         o = paged_attention_rope(qkv, k_cache, v_cache, block_tables, positions, d ** -0.5, cos, sin, w_qn, w_kn,
-                                 eps, n_q, slots, heads_last=True)
+                                 eps, n_q, slots, write_positions, heads_last=True)
     else:
         q = qkv_rope.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, eps, n_q, n_kv, k_cache.view(-1, n_kv, d),
                                     v_cache.view(-1, n_kv, d), slots)

@@ -153,20 +153,22 @@ def tiny_pair(dev: str, head_dim: int, drafter_theta: float, seed: int, dtype: t
     return target, drafter
 
 
-def draft_pass_in_place_is_the_gathered_pass(pa: ModuleType, dev: str) -> None:
+def draft_pass_in_place_is_the_gathered_pass(pa: ModuleType, dev: str, head_dim: int = 24,
+                                             ctx: tuple[int, ...] = (5, 70, 20),
+                                             widths: tuple[int, ...] = (8, 3, 6)) -> None:
     """The drafter's paged pass (DFlashDrafter.paged_block_hidden: each layer writes its block's K/V at the
     block's slots and attends in place) against its gathered pass (context gathered, mask, concatenated block
     K/V) in fp32: rows of different context lengths (one within a chunk, one over several) and widths, block
     tables of scattered blocks padded with the scratch block. Each row's logits within its width agree, and the
     pass writes nothing but its rows' block slots and the scratch block: every context slot is untouched."""
-    target, drafter = tiny_pair(dev, 24, 10000.0, seed=1)
+    target, drafter = tiny_pair(dev, head_dim, 10000.0, seed=1)
     gen = torch.Generator().manual_seed(3)
     bs, nb, t = 8, 24, 8
-    cache = torch.randn(2, 2, nb, bs, 2, 24, generator=gen).to(dev)  # context K/V of every slot
-    ctx, widths = [5, 70, 20], [8, 3, 6]
+    cache = torch.randn(2, 2, nb, bs, 2, head_dim, generator=gen).to(dev)  # context K/V of every slot
+    ctx, widths, rows = list(ctx), list(widths), len(ctx)
     blocks = (torch.randperm(nb - 1, generator=gen) + 1).tolist()  # block 0: scratch
     nblk = 11
-    bt = torch.zeros(3, nblk, dtype=torch.int64)
+    bt = torch.zeros(rows, nblk, dtype=torch.int64)
     for i, c in enumerate(ctx):
         need = (c + t + bs - 1) // bs
         bt[i, :need] = torch.tensor([blocks.pop() for _ in range(need)])
@@ -175,7 +177,7 @@ def draft_pass_in_place_is_the_gathered_pass(pa: ModuleType, dev: str) -> None:
     pos = torch.minimum(c_t[:, None] + ar, (c_t + w_t - 1)[:, None])
     slots = bt.gather(1, pos // bs) * bs + pos % bs
     slots = torch.where(ar < w_t[:, None], slots, 0)  # past a row's width: the scratch block
-    ids = torch.randint(0, 63, (3, t), generator=gen)
+    ids = torch.randint(0, 63, (rows, t), generator=gen)
     ids[:, 1:] = 63
     bt, pos, slots, ids, c_t, w_t = (x.to(dev) for x in (bt, pos, slots, ids, c_t, w_t))
     with torch.no_grad():
@@ -194,6 +196,35 @@ def draft_pass_in_place_is_the_gathered_pass(pa: ModuleType, dev: str) -> None:
 
 
 CASES["draft-pass"] = draft_pass_in_place_is_the_gathered_pass
+
+
+def draft_pass_with_rope_in_attention(pa: ModuleType, dev: str) -> None:
+    """The same with qkv_rope.IN_ATTENTION on, at a head dim the fused layer takes (16): the paged kernel writes
+    the block's keys itself, each at its own key index, while every query sees to the block's last position; the
+    second row's block (keys 27-32) straddles a 32-key chunk's end, so its first keys are read by a program that
+    does not hold the last position. Once as the engine splits the keys, once with a program per chunk (on a GPU
+    a decode's or a draft's call takes it; under the interpreter, which counts one SM, it walks)."""
+    import flashpd.engine.qkv_rope as qr
+    from flashpd.engine import qwen3
+
+    calls, real = [], qwen3.paged_attention_rope
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    saved, qr.IN_ATTENTION, qwen3.paged_attention_rope = qr.IN_ATTENTION, True, spy
+    split_below = pa.SPLIT_BELOW_PROGRAMS_PER_SM
+    try:
+        for pa.SPLIT_BELOW_PROGRAMS_PER_SM in (split_below, 1 << 20):  # as the engine picks; a program per chunk
+            draft_pass_in_place_is_the_gathered_pass(pa, dev, 16, (70, 27), (3, 6))  # 16 rows: the fused layer's
+    finally:
+        qr.IN_ATTENTION, qwen3.paged_attention_rope = saved, real
+        pa.SPLIT_BELOW_PROGRAMS_PER_SM = split_below
+    assert calls  # the fused layer took it
+
+
+CASES["draft-pass-rope-in-attention"] = draft_pass_with_rope_in_attention
 
 
 def dflash_on_the_paged_kernel_is_the_gathered_dflash(pa: ModuleType, dev: str) -> None:

@@ -207,8 +207,9 @@ CASES["attn-inputs"] = the_engine_takes_it_on_the_paged_path
 
 def attention_rope_is_the_two_kernels(qr: ModuleType, dev: str, dtype: torch.dtype) -> None:
     """paged_attention.paged_attention_rope (one launch) against qkv_rope_write then paged_attention: bitwise the
-    same output and the same cache, for decodes and verifies, one key chunk or several, a program per chunk or
-    one walking them, in either output layout (qkv_rope.IN_ATTENTION on: both take norm_rope's sums)."""
+    same output and the same cache, for decodes, verifies and the drafter's block (queries bounded by the block's
+    last position), one key chunk or several, a program per chunk or one walking them, in either output layout
+    (qkv_rope.IN_ATTENTION on: both take norm_rope's sums)."""
     from flashpd.engine import paged_attention as pa
     with in_attention(qr):
         _attention_rope_cases(qr, pa, dev, dtype)
@@ -224,8 +225,12 @@ def in_attention(qr: ModuleType) -> Iterator[None]:
 
 
 def _attention_rope_cases(qr: ModuleType, pa: ModuleType, dev: str, dtype: torch.dtype) -> None:
-    for seed, (b, t, nblk, split) in enumerate(((1, 1, 12, True), (3, 1, 25, False), (2, 5, 12, True),
-                                                (2, 16, 25, True), (2, 16, 25, False), (1, 3, 3, False))):
+    # (rows, tokens a row, table blocks, split, the drafter's form: every query bounded by its row's last position,
+    # each token's key at its own; its rows' blocks straddle a 32-key chunk's end, so that a chunk's reader is not
+    # the program holding the last position)
+    forms = ((1, 1, 12, True, False), (3, 1, 25, False, False), (2, 5, 12, True, False), (2, 16, 25, True, False),
+             (2, 16, 25, False, False), (1, 3, 3, False, False), (2, 8, 12, True, True), (2, 8, 12, False, True))
+    for seed, (b, t, nblk, split, draft) in enumerate(forms):
         _, k, v, bt, pos = pa.random_case(b, t, N_KV, N_Q // N_KV, D, 8, nblk, 160, dtype, dev, seed=seed)
         g = torch.Generator().manual_seed(seed)
         # no block in two rows' tables (random_case draws each row's apart): a sequence's writes go to blocks it
@@ -233,25 +238,30 @@ def _attention_rope_cases(qr: ModuleType, pa: ModuleType, dev: str, dtype: torch
         used = bt != 0
         bt = torch.zeros_like(bt)
         bt[used] = (torch.randperm(159, generator=g)[:int(used.sum())] + 1).to(bt.device)
+        if draft:
+            bt[:, :nblk] = (torch.randperm(159, generator=g)[:b * nblk] + 1).view(b, nblk).to(bt.device)
+            pos = (torch.tensor([[28], [61]])[:b] + torch.arange(t)).to(dev)  # keys 28-35 and 61-68
+        bound = pos[:, -1:].expand_as(pos).contiguous() if draft else pos
         rot = Rotary(D, 1e6, 512, "cpu")
         cos, sin = (x.to(dev) for x in rot.tables(pos.cpu(), dtype))
         qkv = (torch.randn(b, t, (N_Q + 2 * N_KV) * D, generator=g) * 3).to(dev, dtype)
         w_qn = (1 + torch.randn(D, generator=g) / 4).to(dev, dtype)
         w_kn = (1 + torch.randn(D, generator=g) / 4).to(dev, dtype)
         slots = (bt.gather(1, pos // 8) * 8 + pos % 8).reshape(-1).contiguous()
+        case = (b, t, nblk, split, draft)
         for heads_last in (False, True):
             k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
             q = qr.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, EPS, N_Q, N_KV, k1.view(-1, N_KV, D),
                                   v1.view(-1, N_KV, D), slots)
-            ref = pa.launch(q, k1, v1, bt, pos, D ** -0.5, split, heads_last=heads_last)
-            out = pa.launch(qkv, k2, v2, bt, pos, D ** -0.5, split, heads_last=heads_last,
-                            rope=pa.RopeInputs(cos, sin, w_qn, w_kn, EPS, N_Q, slots))
-            assert torch.equal(out, ref), (b, t, nblk, split, heads_last)
-            assert torch.equal(k2, k1) and torch.equal(v2, v1), (b, t, nblk, split, heads_last)
+            ref = pa.launch(q, k1, v1, bt, bound, D ** -0.5, split, heads_last=heads_last)
+            out = pa.launch(qkv, k2, v2, bt, bound, D ** -0.5, split, heads_last=heads_last,
+                            rope=pa.RopeInputs(cos, sin, w_qn, w_kn, EPS, N_Q, slots, pos.contiguous()))
+            assert torch.equal(out, ref), case + (heads_last,)
+            assert torch.equal(k2, k1) and torch.equal(v2, v1), case + (heads_last,)
             assert not torch.equal(k1, k)  # the call's keys were written
-        op = pa.paged_attention_rope(qkv, k.clone(), v.clone(), bt, pos, D ** -0.5, cos, sin, w_qn, w_kn, EPS, N_Q,
-                                     slots, heads_last=True)
-        assert torch.equal(op, ref)
+        op = pa.paged_attention_rope(qkv, k.clone(), v.clone(), bt, bound, D ** -0.5, cos, sin, w_qn, w_kn, EPS, N_Q,
+                                     slots, pos, heads_last=True)
+        assert torch.equal(op, ref), case
 
 
 for _dt in (torch.float32, torch.bfloat16):

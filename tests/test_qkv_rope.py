@@ -186,20 +186,29 @@ def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
 
         qr.qkv_rope_write, qwen3.paged_attention_rope = spy, spy_pa
         try:
-            out = generate(gen, [[3, 9, 27, 17]], [SamplingParams(max_tokens=6, ignore_eos=True)], [8])
+            # a 28-token prompt: the verifies and draft blocks cross key 32, a chunk's end
+            out = generate(gen, [[3, 9, 27, 17] * 7], [SamplingParams(max_tokens=10, ignore_eos=True)], [8])
         finally:
             qr.qkv_rope_write, qwen3.paged_attention_rope = real, real_pa
-        assert len(out[0].output) == 6
-        return list(out[0].output), seen, fused
+        assert len(out[0].output) == 10
+        return list(out[0].output) + list(out[0].stats.acceptance_lengths), seen, fused
 
     target_norms = {l.self_attn.q_norm.weight.data_ptr() for l in target.layers}
     draft_norms = {l.q_norm.data_ptr() for l in drafter.layers}
     tokens, seen, fused = run()
     assert seen & target_norms and seen & draft_norms and seen <= target_norms | draft_norms and not fused
-    with in_attention(qr):  # qwen3.fused_layer's calls take the work inside the paged attention's launch
-        tokens_in, seen_in, fused_in = run()
-    assert fused_in and (seen_in | fused_in) & target_norms and (seen_in | fused_in) & draft_norms
-    assert tokens_in == tokens
+    from flashpd.engine import paged_attention as pa
+    split_below = pa.SPLIT_BELOW_PROGRAMS_PER_SM
+    try:
+        # qwen3.fused_layer's calls take the work inside the paged attention's launch; as the engine splits the
+        # keys (the interpreter counts one SM: its calls walk), then with a program per key chunk
+        for pa.SPLIT_BELOW_PROGRAMS_PER_SM in (split_below, 1 << 20):
+            with in_attention(qr):
+                tokens_in, seen_in, fused_in = run()
+            assert fused_in and (seen_in | fused_in) & target_norms and (seen_in | fused_in) & draft_norms
+            assert tokens_in == tokens  # the tokens and every step's acceptance length
+    finally:
+        pa.SPLIT_BELOW_PROGRAMS_PER_SM = split_below
 
 
 CASES["attn-inputs"] = the_engine_takes_it_on_the_paged_path

@@ -198,10 +198,10 @@ if triton is not None:
 
         ROPE: q_ptr is the QKV matmul's output [B, T, (NQ + 2 HKV) D] (sq_b, sq_m its batch and token strides),
         and the program does engine/qkv_rope.py's work for what it reads: its rows' queries (qkv_rope.norm_rope,
-        rounded to DT as that kernel stores them), and the key (normed, roped) and value of every token of the
-        call whose position lies in the keys it walks, written at the token's slot (slot_ptr [B*T]) before it
-        reads the cache. Every token of the call is written by the programs of the row tile holding its last
-        rows, if not by others before (the same bits twice); none is read before its writer's barrier."""
+        rounded to DT as that kernel stores them), and the key (normed, roped) and value of every token of its
+        sequence whose key index (wpos_ptr [B, T]) lies in the keys it reads, written at the token's slot
+        (slot_ptr [B*T]) before the barrier after which it reads the cache. A token's key is read only by the
+        programs whose keys hold its index, each of which writes it first (the same bits each time)."""
         pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)

@@ -228,9 +228,6 @@ if triton is not None:
             lo = 0
             hi = tl.minimum(max_pos + 1, n_keys)
         if ROPE:  # (D == D_PAD: qkv_rope.applies takes power-of-two head dims only)
-            tok = rows // G
-            q = norm_rope(q_ptr + b * sq_b + tok * sq_m + (h * G + rows % G) * D, b * s_cs_b + tok * s_cs_t,
-                          cos_ptr, sin_ptr, wq_ptr, eps, row_ok, D, DT).to(DT)
             T = M // G
             tt = tl.arange(0, T_PAD)
             p_new = tl.load(wpos_ptr + b * T + tt, mask=tt < T, other=-1)  # the keys these tokens become
@@ -247,6 +244,10 @@ if triton is not None:
                 tl.store(v_ptr + (blk * sv_blk + off * sv_off + h * sv_h)[:, None] + dd[None, :],
                          v_new.to(v_ptr.dtype.element_ty), mask=mine[:, None])
                 tl.debug_barrier()  # the writes above, before any thread of the program reads the cache
+            # the queries after the branch: in the block of the key loads that follow, whose latency theirs can hide
+            tok = rows // G
+            q = norm_rope(q_ptr + b * sq_b + tok * sq_m + (h * G + rows % G) * D, b * s_cs_b + tok * s_cs_t,
+                          cos_ptr, sin_ptr, wq_ptr, eps, row_ok, D, DT).to(DT)
         else:
             q = tl.load(q_ptr + h * sq_h + b * sq_b + rows[:, None] * sq_m + dd[None, :],
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)

@@ -145,7 +145,9 @@ def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
     whose q-norm weight each call carries. That engine's tokens and acceptance lengths against the gathered path
     (the plain steps) are test_paged_attention's "dflash-paged-engine" case, at this same tiny pair. With
     qkv_rope.IN_ATTENTION on, the fused layer's calls take its work inside the paged attention
-    (paged_attention_rope, spied on too), and the engine's tokens are the same."""
+    (paged_attention_rope, spied on too), walking and with a program per key chunk, and DFlash's tokens are native's
+    (at the verify's width) under the same switch; in fp32 on the CPU also the tokens and acceptance lengths of the
+    switch off. On a GPU the pair is bf16, where the fused layers run."""
     from flashpd.engine.qwen3 import fused_attn_inputs
     from flashpd.engine.runner import ModelRunner
     from flashpd.engine.runner_config import RunnerConfig
@@ -168,12 +170,16 @@ def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
                              o["w_kn"][:24], EPS, N_Q, N_KV, 24, c1[0, :, :, :24], c1[1, :, :, :24], o["slots"]) is None
 
     from flashpd.engine import qwen3
-    target, drafter = tiny_pair(dev, 16, 1e6, seed=4)
+    from flashpd.engine.generate import NativeGenerator
+    # bf16 on a GPU, where the fused layers run in bf16 and fp16 only (the interpreter takes fp32 too)
+    target, drafter = tiny_pair(dev, 16, 1e6, seed=4, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
     real, real_pa = qr.qkv_rope_write, qwen3.paged_attention_rope
 
-    def run() -> tuple[list[int], set[int], set[int]]:
-        gen = DFlashGenerator(ModelRunner(target, 48, 8, taps=(0, 1), config=RunnerConfig(
-            cuda_graphs=False, compile=False, attention_impl="paged")), drafter, (), 8)
+    def run(spec: bool = True) -> tuple[list[int], set[int], set[int]]:
+        runner = ModelRunner(target, 48, 8, taps=(0, 1), config=RunnerConfig(
+            cuda_graphs=False, compile=False, attention_impl="paged"))
+        # native at the verify's width: its steps take the verify's kernel shapes (NativeGenerator's step_width)
+        gen = DFlashGenerator(runner, drafter, (), 8) if spec else NativeGenerator(runner, (), step_width=8)
         seen, fused = set(), set()
 
         def spy(qkv, cos, sin, w_qn, *rest):
@@ -187,7 +193,8 @@ def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
         qr.qkv_rope_write, qwen3.paged_attention_rope = spy, spy_pa
         try:
             # a 28-token prompt: the verifies and draft blocks cross key 32, a chunk's end
-            out = generate(gen, [[3, 9, 27, 17] * 7], [SamplingParams(max_tokens=10, ignore_eos=True)], [8])
+            out = generate(gen, [[3, 9, 27, 17] * 7], [SamplingParams(max_tokens=10, ignore_eos=True)],
+                           [8] if spec else None)
         finally:
             qr.qkv_rope_write, qwen3.paged_attention_rope = real, real_pa
         assert len(out[0].output) == 10
@@ -200,13 +207,16 @@ def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
     from flashpd.engine import paged_attention as pa
     split_below = pa.SPLIT_BELOW_PROGRAMS_PER_SM
     try:
-        # qwen3.fused_layer's calls take the work inside the paged attention's launch; as the engine splits the
-        # keys (the interpreter counts one SM: its calls walk), then with a program per key chunk
-        for pa.SPLIT_BELOW_PROGRAMS_PER_SM in (split_below, 1 << 20):
-            with in_attention(qr):
+        with in_attention(qr):
+            native = run(spec=False)[0]
+            # qwen3.fused_layer's calls take the work inside the paged attention's launch; as the engine splits
+            # the keys (the interpreter counts one SM: its calls walk), then with a program per key chunk
+            for pa.SPLIT_BELOW_PROGRAMS_PER_SM in (split_below, 1 << 20):
                 tokens_in, seen_in, fused_in = run()
-            assert fused_in and (seen_in | fused_in) & target_norms and (seen_in | fused_in) & draft_norms
-            assert tokens_in == tokens  # the tokens and every step's acceptance length
+                assert fused_in and (seen_in | fused_in) & target_norms and (seen_in | fused_in) & draft_norms
+                assert tokens_in[:10] == native[:10]  # DFlash is native, token for token
+                if dev == "cpu":  # fp32, where the switch moves no token: the two kernels' run, acceptance too
+                    assert tokens_in == tokens
     finally:
         pa.SPLIT_BELOW_PROGRAMS_PER_SM = split_below
 

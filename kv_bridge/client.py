@@ -71,14 +71,17 @@ class BridgeProtocolError(BridgeError):
 
 @dataclass
 class PutSummary:
+    """refused counts every refused chunk; refused_keys names them (the server names at most its
+    MAX_REFUSED_KEYS a stream)."""
     stored: int = 0
     duplicates: int = 0
     refused_keys: list[str] = field(default_factory=list)
     incomplete_keys: list[str] = field(default_factory=list)
+    refused: int = 0
 
     @property
     def ok(self) -> bool:
-        return not self.refused_keys and not self.incomplete_keys
+        return not self.refused and not self.refused_keys and not self.incomplete_keys
 
 
 def _map_error(call: str, e: grpc.RpcError, timeout_s: float) -> BridgeError:
@@ -216,7 +219,8 @@ class BridgeClient:
         order = {}
         for i, (key, _, _) in enumerate(items):
             order.setdefault(key, i)
-        merged = PutSummary(sum(o.stored for o in outcomes), sum(o.duplicates for o in outcomes))
+        merged = PutSummary(sum(o.stored for o in outcomes), sum(o.duplicates for o in outcomes),
+                            refused=sum(o.refused for o in outcomes))
         rank = lambda k: order.get(k, len(items))  # noqa: E731
         merged.refused_keys = sorted((k for o in outcomes for k in o.refused_keys), key=rank)
         merged.incomplete_keys = sorted((k for o in outcomes for k in o.incomplete_keys), key=rank)
@@ -246,7 +250,7 @@ class BridgeClient:
             for name in created:  # taken by the server already, unless the call failed
                 shm.unlink_segment(name)
         self._check_version("Put", r.version)
-        return PutSummary(r.stored, r.duplicates, list(r.refused_keys), list(r.incomplete_keys))
+        return PutSummary(r.stored, r.duplicates, list(r.refused_keys), list(r.incomplete_keys), r.refused)
 
     def _messages(self, key: str, parts: list[Buffer], seal: bool) -> Iterator[bytes]:
         """The serialized PutFrames of one chunk: each frame's envelope around views of the parts, joined

@@ -5,13 +5,14 @@ before the handler runs; bytes that do not parse (garbage, a truncated message, 
 string field, an over-long varint) then end the call with INTERNAL "Exception deserializing
 request!". A client error is INVALID_ARGUMENT, so `add_guarded` builds the method handlers itself
 from the service descriptor: the deserializer never raises, and the handler answers
-INVALID_ARGUMENT for a request that did not parse. With `authorize`, a call whose metadata does not
-pass it gets UNAUTHENTICATED before the handler sees a byte of its request.
+INVALID_ARGUMENT for a request that did not parse. `TokenGate`, a server interceptor, checks a call's
+metadata while grpcio looks up its handler, before a request byte is read: a call without the token gets
+UNAUTHENTICATED at once, and no worker thread waits on a stranger's request.
 """
 from __future__ import annotations
 
 import hmac
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 from google.protobuf import message_factory
@@ -61,12 +62,15 @@ def _checked_stream(it: Iterator[Any], context: grpc.ServicerContext) -> Iterato
         yield msg
 
 
-def token_authorizer(token: str) -> Callable[[grpc.ServicerContext], bool]:
+Metadata = Sequence[tuple[str, str | bytes]]
+
+
+def token_authorizer(token: str) -> Callable[[Metadata], bool]:
     """Accept a call whose metadata carries `x-flashpd-token: <token>` (constant-time comparison)."""
     want = token.encode()
 
-    def ok(context: grpc.ServicerContext) -> bool:
-        for k, v in context.invocation_metadata() or ():
+    def ok(metadata: Metadata) -> bool:
+        for k, v in metadata or ():
             if k == TOKEN_HEADER:
                 got = v.encode() if isinstance(v, str) else bytes(v)
                 return hmac.compare_digest(got, want)
@@ -75,27 +79,40 @@ def token_authorizer(token: str) -> Callable[[grpc.ServicerContext], bool]:
     return ok
 
 
-def _wrap(fn: Callable, m: MethodDescriptor, authorize: Callable[[grpc.ServicerContext], bool] | None) -> Callable:
-    def gate(context: grpc.ServicerContext) -> None:
-        if authorize is not None and not authorize(context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{m.name}: missing or wrong {TOKEN_HEADER}")
+class TokenGate(grpc.ServerInterceptor):
+    """UNAUTHENTICATED for a call whose metadata `authorize` refuses, decided from the call's metadata alone.
 
+    grpcio reads a unary request on a worker thread before the handler runs, so a gate inside the handler
+    lets a stranger hold a worker by never sending its message. The refusal handler is request-streaming
+    and aborts without reading: the call ends as soon as a worker picks it up."""
+
+    def __init__(self, authorize: Callable[[Metadata], bool]) -> None:
+        self._authorize = authorize
+
+    def intercept_service(self, continuation, handler_call_details):
+        if self._authorize(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        name = handler_call_details.method.rsplit("/", 1)[-1]
+
+        def refuse(request_iterator, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_HEADER}")
+
+        return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+def _wrap(fn: Callable, m: MethodDescriptor) -> Callable:
     if m.client_streaming and m.server_streaming:
         def behavior(it, context):
-            gate(context)
             yield from fn(_checked_stream(it, context), context)
     elif m.client_streaming:
         def behavior(it, context):
-            gate(context)
             return fn(_checked_stream(it, context), context)
     elif m.server_streaming:
         def behavior(req, context):
-            gate(context)
             _reject(req, context)
             yield from fn(req, context)
     else:
         def behavior(req, context):
-            gate(context)
             _reject(req, context)
             return fn(req, context)
     return behavior
@@ -109,16 +126,16 @@ _FACTORIES = {
 }
 
 
-def add_guarded(server: grpc.Server, servicer: object, service: ServiceDescriptor,
-                authorize: Callable[[grpc.ServicerContext], bool] | None = None) -> None:
+def add_guarded(server: grpc.Server, servicer: object, service: ServiceDescriptor) -> None:
     """Add every method of `service` (a ServiceDescriptor of a generated _pb2 module) to `server`,
-    served by the servicer's method of the same name, behind the guards above."""
+    served by the servicer's method of the same name, undecodable requests answered INVALID_ARGUMENT (a
+    token, where one is needed, is TokenGate's: give it to grpc.server as an interceptor)."""
     handlers = {}
     for m in service.methods:
         fn = getattr(servicer, m.name)
         in_cls = message_factory.GetMessageClass(m.input_type)
         factory = _FACTORIES[(m.client_streaming, m.server_streaming)]
-        handlers[m.name] = factory(_wrap(fn, m, authorize), request_deserializer=_deserializer(in_cls),
+        handlers[m.name] = factory(_wrap(fn, m), request_deserializer=_deserializer(in_cls),
                                    response_serializer=lambda msg: msg.SerializeToString())
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 

@@ -32,16 +32,20 @@ from flashpd.kv_bridge.auth import ENV_VAR, ClusterSecret, resolve
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, verify_bytes
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
-from flashpd.kv_bridge.rpc_guard import TOKEN_HEADER, add_guarded, token_authorizer
+from flashpd.kv_bridge.rpc_guard import TokenGate, add_guarded, token_authorizer
+from flashpd.kv_bridge.stall_guard import DEFAULT_IDLE_S, StallGuard
 from flashpd.kv_bridge.store import ChunkStore, PutResult
 from flashpd.kv_bridge.tls import BridgeTls
-from flashpd.kv_bridge.wire import (DEFAULT_MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Assembler,
-                                    FrameError, clamp_frame_bytes, frame_pieces)
+from flashpd.kv_bridge.wire import (DEFAULT_MAX_CHUNK_BYTES, MAX_KEYS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
+                                    Assembler, FrameError, check_key, clamp_frame_bytes, frame_pieces)
 
 log = logging.getLogger(__name__)
 
 SHM_SWEEP_AGE_S = 600.0  # at start: any bridge segment this old was never taken by its reader
 DEFAULT_SHM_TTL_S = 60.0  # this server's own segments: a reader takes one within milliseconds
+MAX_REFUSED_KEYS = 256  # keys a PutReply names (it counts them all)
+DEFAULT_SHM_OUTSTANDING_BYTES = 1 << 30  # handed-out segments not yet taken, all Gets together
+SHM_ROOM_WAIT_S = 10.0  # how long a Get waits for readers to take segments before RESOURCE_EXHAUSTED
 
 
 class _Bytes:
@@ -95,24 +99,26 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
     announcing more is refused on its first frame."""
 
     def __init__(self, store: ChunkStore, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                 shm_ttl_s: float = DEFAULT_SHM_TTL_S, secret: ClusterSecret | None = None) -> None:
+                 shm_ttl_s: float = DEFAULT_SHM_TTL_S, secret: ClusterSecret | None = None,
+                 shm_max_bytes: int = DEFAULT_SHM_OUTSTANDING_BYTES) -> None:
         self.store = store
         self.secret = bridge_secret(store, secret)
         self.bytes = _Bytes(store, self.secret)
         self.max_chunk_bytes = max_chunk_bytes
         self.shm_ttl_s = shm_ttl_s
+        self.shm_out = shm.SegmentLedger(shm_max_bytes)
         self._lock = threading.Lock()
         self._c = dict(lookups=0, puts_streams=0, frames_received=0, chunks_stored=0, chunks_duplicate=0,
                        chunks_refused_corrupt=0, chunks_refused_store=0, chunks_incomplete=0, gets_streams=0,
                        chunks_sent=0, frames_sent=0, shm_segments_sent=0, shm_segments_reclaimed=0, shm_segments_expired=0,
-                       invalid_requests=0, unauthenticated_calls=0)
+                       invalid_requests=0, unauthenticated_calls=0, calls_stalled=0, shm_gets_refused_full=0)
 
     def authorizer(self):
         """token_authorizer for this bridge's secret, counting the calls it turns away."""
         check = token_authorizer(self.secret.token)
 
-        def ok(context: grpc.ServicerContext) -> bool:
-            if check(context):
+        def ok(metadata) -> bool:
+            if check(metadata):
                 return True
             self._count("unauthenticated_calls")
             return False
@@ -131,12 +137,20 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         if version != PROTOCOL_VERSION:
             self._invalid(context, f"{where}: {version} is not supported (this server speaks {PROTOCOL_VERSION})")
 
-    def _check_keys(self, keys, context: grpc.ServicerContext) -> None:
+    def _check_keys(self, keys, context: grpc.ServicerContext, unique: bool = False) -> None:
+        """unique: a Get naming a key twice would hand out its bytes twice (a shared-memory segment each)."""
         if not keys:
             self._invalid(context, "keys: must not be empty")
+        if len(keys) > MAX_KEYS:
+            self._invalid(context, f"keys: {len(keys)} keys, more than {MAX_KEYS} in one request")
+        seen: dict[str, int] = {}
         for i, k in enumerate(keys):
-            if not k:
-                self._invalid(context, f"keys[{i}]: empty key")
+            try:
+                check_key(k, f"keys[{i}]")
+            except FrameError as e:
+                self._invalid(context, str(e))
+            if unique and seen.setdefault(k, i) != i:
+                self._invalid(context, f"keys[{i}]: repeats keys[{seen[k]}]")
 
     # -- RPCs -----------------------------------------------------------------------------------
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
@@ -173,8 +187,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
     def _take_shm(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext) -> tuple[str, bytes]:
         if asm.in_flight is not None:
             raise FrameError("frame.shm", f"handle sent while chunk {asm.in_flight[:16]}... is incomplete")
-        if not f.key:
-            raise FrameError("frame.key", "empty")
+        check_key(f.key, "frame.key")
         if f.data or f.offset != 0 or not f.last or f.total_length != f.shm.length:
             raise FrameError("frame.shm", "a handle frame has no data, offset 0, last=true, total_length=shm.length")
         if not 0 < f.shm.length <= self.max_chunk_bytes:
@@ -208,15 +221,18 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             self._refuse(reply, key, "chunks_refused_store")
 
     def _refuse(self, reply: pb.PutReply, key: str, counter: str) -> None:
+        """`refused` counts every refusal; the first MAX_REFUSED_KEYS keys are named (a reply stays small
+        whatever a client sends)."""
         reply.refused += 1
-        reply.refused_keys.append(key)
+        if len(reply.refused_keys) < MAX_REFUSED_KEYS:
+            reply.refused_keys.append(key)
         self._count(counter)
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Serialized GetFrames: an inline frame is its envelope around views of the store's bytes,
         joined once (the only copy before gRPC's own)."""
         self._check_version(request.version, context)
-        self._check_keys(request.keys, context)
+        self._check_keys(request.keys, context, unique=True)
         if request.transport not in (pb.INLINE, pb.SHM):
             self._invalid(context, f"transport: unknown value {request.transport}")
         use_shm = request.transport == pb.SHM
@@ -246,10 +262,21 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                 if data is None:
                     break
                 if use_shm:
+                    ticket = self.shm_out.reserve(len(data), SHM_ROOM_WAIT_S, context.is_active)
+                    if ticket is None:
+                        if not context.is_active():
+                            return
+                        self._count("shm_gets_refused_full")
+                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"transport: {self.shm_out.max_bytes} bytes of shared-memory segments are "
+                                      f"out and not taken; use INLINE or read the handles")
+                    name = None
                     try:
                         name = shm.write_segment(data)
                     except OSError as e:  # /dev/shm full or gone
                         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"transport: shared memory: {e}")
+                    finally:
+                        self.shm_out.bind(ticket, name)
                     created.append(name)
                     self._count("shm_segments_sent")
                     yield pb.GetFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
@@ -276,6 +303,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         with self._lock:
             own = dict(self._c)
         counters = {f"server.{k}": v for k, v in own.items()}
+        counters["server.shm_outstanding_bytes"] = self.shm_out.outstanding()
         counters.update(flatten(self.store.stats(), "store"))
         return pb.StatsReply(version=PROTOCOL_VERSION, counters=counters, store=type(self.store).__name__)
 
@@ -284,16 +312,12 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         return pb.HealthReply(version=PROTOCOL_VERSION, serving=True, store=type(self.store).__name__)
 
 
-def bulk_handler(servicer: KVBridgeServicer, authorize) -> grpc.GenericRpcHandler:
-    """Put and Get with frame_codec's messages (the byte path), behind the guards add_guarded gives the
-    other methods: the token is checked before a byte of the request is read (UNAUTHENTICATED), and a
-    request that does not decode gets INVALID_ARGUMENT. serve() adds it before add_guarded's handler,
-    which therefore answers only Lookup, Stats and Health."""
+def bulk_handler(servicer: KVBridgeServicer) -> grpc.GenericRpcHandler:
+    """Put and Get with frame_codec's messages (the byte path), with the guard add_guarded gives the
+    other methods: a request that does not decode gets INVALID_ARGUMENT. serve() adds it before
+    add_guarded's handler, which therefore answers only Lookup, Stats and Health (the token is TokenGate's,
+    for every method)."""
     service = pb.DESCRIPTOR.services_by_name["KVBridge"]
-
-    def gate(name: str, context: grpc.ServicerContext) -> None:
-        if not authorize(context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_HEADER}")
 
     def reject(msg: object, context: grpc.ServicerContext) -> None:
         if isinstance(msg, frame_codec.Undecodable):
@@ -306,11 +330,9 @@ def bulk_handler(servicer: KVBridgeServicer, authorize) -> grpc.GenericRpcHandle
             yield msg
 
     def put(it, context):
-        gate("Put", context)
         return servicer.Put(checked(it, context), context)
 
     def get(request, context):
-        gate("Get", context)
         reject(request, context)
         yield from servicer.Get(request, context)
 
@@ -367,28 +389,33 @@ def is_loopback(host: str) -> bool:
 def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16,
           max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, allow_remote: bool = False,
           shm_ttl_s: float = DEFAULT_SHM_TTL_S, *, secret: ClusterSecret | None = None,
-          tls: BridgeTls | None = None) -> tuple[grpc.Server, int]:
+          tls: BridgeTls | None = None, idle_s: float = DEFAULT_IDLE_S,
+          shm_max_bytes: int = DEFAULT_SHM_OUTSTANDING_BYTES) -> tuple[grpc.Server, int]:
     """Start the bridge on host:port (0 picks a free port); returns the started server and its port.
 
     max_workers bounds concurrent RPCs (each Put/Get stream holds a worker for its duration).
     max_chunk_bytes: the largest chunk accepted (also bounds a request message to it plus 1 MiB).
     Only loopback hosts are accepted unless allow_remote; beyond loopback, give `tls` (cert and key).
     secret: whose token callers must present (default: the store's, else this process's).
-    shm_ttl_s: a shared-memory segment this server handed out and nobody took is unlinked after it."""
+    shm_ttl_s: a shared-memory segment this server handed out and nobody took is unlinked after it.
+    idle_s: a call whose client sends or takes nothing for this long is cancelled (stall_guard.py).
+    shm_max_bytes: shared-memory segments handed out and not yet taken, all Gets together (one segment
+    is always admitted, whatever its size)."""
     if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the bridge")
     if not is_loopback(host) and tls is None:
         log.warning("the KV bridge serves %s without TLS: chunks and the bearer token cross the network in the "
                     "clear (chunk MACs still refuse forged chunks)", host)
-    servicer = KVBridgeServicer(store, max_chunk_bytes, shm_ttl_s, secret)
+    servicer = KVBridgeServicer(store, max_chunk_bytes, shm_ttl_s, secret, shm_max_bytes)
     shm.sweep_segments(SHM_SWEEP_AGE_S)
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", min(MAX_MESSAGE_BYTES, max_chunk_bytes + (1 << 20)))]
+    guards = [TokenGate(servicer.authorizer()),  # first: a stranger's call is refused before anything else
+              StallGuard(idle_s, on_cancel=lambda method: servicer._count("calls_stalled"))]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvbridge"),
-                         options=options, maximum_concurrent_rpcs=max_workers * 4)
-    authorize = servicer.authorizer()
-    server.add_generic_rpc_handlers((bulk_handler(servicer, authorize),))  # first: it serves Put and Get
-    add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name["KVBridge"], authorize)
+                         options=options, maximum_concurrent_rpcs=max_workers * 4, interceptors=guards)
+    server.add_generic_rpc_handlers((bulk_handler(servicer),))  # first: it serves Put and Get
+    add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name["KVBridge"])
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_secure_port(address, tls.server_credentials()) if tls is not None \
         else server.add_insecure_port(address)
@@ -412,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-bytes", type=int, default=64 << 30)
     ap.add_argument("--max-workers", type=int, default=16)
     ap.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES)
+    ap.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S,
+                    help="cancel a call whose client sends or takes nothing for this long")
     ap.add_argument("--tls-cert", default=None)
     ap.add_argument("--tls-key", default=None)
     args = ap.parse_args(argv)
@@ -422,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.disk_dir:
         store = TieredStore(store, DiskStore(args.disk_dir, args.disk_bytes, secret))
     server, port = serve(store, args.host, args.port, args.max_workers, args.max_chunk_bytes, secret=secret,
-                         tls=BridgeTls.from_paths(args.tls_cert, args.tls_key, None))
+                         tls=BridgeTls.from_paths(args.tls_cert, args.tls_key, None), idle_s=args.idle_s)
     print(f"PORT {port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

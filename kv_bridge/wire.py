@@ -28,6 +28,8 @@ MIN_FRAME_BYTES = 4 << 10
 MAX_FRAME_BYTES = 32 << 20
 MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + (1 << 20)  # a frame plus its key and fields
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30  # without a model's layout; a service passes chunk.max_chunk_bytes(layout)
+MAX_KEY_CHARS = 200  # a chunk key (a 64-digit digest) as the disk tier names a file after it
+MAX_KEYS = 1 << 16  # keys in one Lookup or Get: a 1M-token prompt in 16-token chunks
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -43,6 +45,14 @@ class FrameError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+
+
+def check_key(key: str, where: str) -> None:
+    """A key is 1..MAX_KEY_CHARS characters: a client's key is echoed in replies and may name a file."""
+    if not key:
+        raise FrameError(where, "empty")
+    if len(key) > MAX_KEY_CHARS:
+        raise FrameError(where, f"{len(key)} characters, more than {MAX_KEY_CHARS}")
 
 
 def clamp_frame_bytes(n: int) -> int:
@@ -126,8 +136,7 @@ class Assembler:
 
     def feed(self, f: InlineFrame) -> Assembled | None:
         """Accept one inline frame; returns the chunk when this frame completes it."""
-        if not f.key:
-            raise FrameError("frame.key", "empty")
+        check_key(f.key, "frame.key")
         if self.key and f.key != self.key:
             raise FrameError("frame.key", f"got {f.key[:16]}... before chunk {self.key[:16]}... was complete")
         if f.offset != self.received:

@@ -12,7 +12,6 @@ the first message (a call that half-closes without one is INVALID_ARGUMENT, as g
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -32,14 +31,6 @@ class _Watch:
 
     def __init__(self, context: grpc.ServicerContext, method: str) -> None:
         self.context, self.method, self.since = context, method, None
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        self.since = time.monotonic()
-        try:
-            yield
-        finally:
-            self.since = None
 
 
 class StallGuard(grpc.ServerInterceptor):
@@ -127,17 +118,23 @@ class StallGuard(grpc.ServerInterceptor):
         def behavior(it, context):
             w = self._register(context, method)
             responses = iter(inner(self._request(it, w, unary_in, context), context))
-            for r in responses:  # computing the next one is the handler's own time
-                with w.waiting():  # grpcio sends `r` before it asks for the next
+            try:
+                for r in responses:  # computing the next one is the handler's own time
+                    w.since = time.monotonic()  # grpcio sends `r` before it asks for the next
                     yield r
+                    w.since = None
+            finally:
+                w.since = None
         return behavior
 
 
 def _watched(it: Iterator[Any], w: _Watch) -> Iterator[Any]:
     while True:
-        with w.waiting():
-            try:
-                msg = next(it)
-            except StopIteration:
-                return
+        w.since = time.monotonic()
+        try:
+            msg = next(it)
+        except StopIteration:
+            return
+        finally:
+            w.since = None
         yield msg

@@ -102,7 +102,7 @@ class ChatTemplate:
             special["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
         return cls(src, special)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+    def render(self, messages: list[dict], /, add_generation_prompt: bool = True, continue_final_message: bool = False,
                tools: list | None = None, documents: list | None = None, **kwargs: Any) -> str:
         """The prompt text of a conversation. kwargs: extra template variables (e.g. enable_thinking),
         which override the special tokens of the same name. Raises ChatTemplateError."""
@@ -115,8 +115,8 @@ class ChatTemplate:
             final = msgs[-1]["content"]
             msgs[-1]["content"] = final + _CONTINUE_TAG
         try:
-            text = self.template.render(**{**self.special_tokens, **kwargs, "messages": msgs, "tools": tools,
-                                           "documents": documents, "add_generation_prompt": add_generation_prompt})
+            text = self.template.render({**self.special_tokens, **kwargs, "messages": msgs, "tools": tools,
+                                         "documents": documents, "add_generation_prompt": add_generation_prompt})
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template refused the conversation: {e}") from None
         except (TypeError, KeyError, AttributeError, IndexError, ValueError) as e:

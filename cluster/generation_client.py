@@ -105,7 +105,8 @@ def stats_dict(s: pb.Stats) -> dict:
 def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "", block_size: int = 0,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                   ignore_eos: bool = False) -> pb.GenerateRequest:
-    """A GenerateRequest; the keywords are its fields (block_size: the DFlash draft width, 0 = the drafter's)."""
+    """A GenerateRequest; the keywords are its fields (block_size: the DFlash draft width, 0 = the drafter's;
+    seed: any value SamplingParams takes, negative ones included)."""
     req = pb.GenerateRequest(version=PROTOCOL_VERSION, max_tokens=max_tokens, method=method, block_size=block_size,
                              temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
     if isinstance(prompt, str):
@@ -114,7 +115,7 @@ def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "
         req.prompt_ids.ids.extend(int(t) for t in prompt)
         req.prompt_ids.SetInParent()  # an empty id list is still "prompt_ids" (the server names it)
     if seed is not None:
-        req.seed = seed
+        req.seed = seed % (1 << 64)  # the wire's uint64; draws are keyed by the seed mod 2**64 (request_seed)
     return req
 
 

@@ -56,13 +56,14 @@ from flashpd.cluster.generation_server import MAX_CHARS_PER_TOKEN, POLL_S, Backe
 from flashpd.decode_node.engine_loop import EngineStopped, coalesce
 from flashpd.engine.kv_cache import blocks_needed
 from flashpd.engine.scheduler import PromptTooLong, RequestFailed
-from flashpd.engine.sampling import SEED_RANGE, SamplingParams
+from flashpd.engine.sampling import SEED_RANGE, TOP_K_MAX, SamplingParams
 
 log = logging.getLogger(__name__)
 
 SUBMIT_TIMEOUT_S = 60.0  # as the gRPC API without a client deadline: the backend must take the request by then
 DISCONNECT_CHECK_S = 0.25  # how often a non-streamed request looks for its client between tokens
 MAX_STOPS = 16
+TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # fields flashpd cannot honour: refused (400) unless absent or at the value that means "off"
 UNSUPPORTED = {
@@ -84,6 +85,14 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _ErrorJSON(JSONResponse):
+    """An error body in ASCII JSON: a message may quote a client's string, which may hold lone surrogates
+    (valid in JSON input, not encodable as UTF-8)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def _cap(s: str, n: int = 64) -> str:
@@ -203,7 +212,7 @@ class _State:
         if not isinstance(m, str):
             raise _bad("model", "must be a string")
         if m != self.model_name:
-            raise APIError(404, f"The model `{_cap(m)}` does not exist (this server serves `{self.model_name}`).",
+            raise APIError(404, f"The model {_show(m)} does not exist (this server serves `{self.model_name}`).",
                            "invalid_request_error", "model", "model_not_found")
 
     def encode(self, text: str, param: str) -> list[int]:
@@ -273,7 +282,9 @@ class _State:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise _bad("chat_template_kwargs", "must be an object")
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "add_generation_prompt")}
+        for k in kwargs:
+            if k in TEMPLATE_OWN:
+                raise _bad(f"chat_template_kwargs.{k}", "is set by the server (from the request's own fields)")
         cont = _bool(body, "continue_final_message", False)
         try:
             text = self.chat.render(conv, add_generation_prompt=_bool(body, "add_generation_prompt", not cont),
@@ -321,8 +332,8 @@ class _State:
         top_k = _int(body, "top_k", int(self.defaults.get("top_k", 0)))
         if top_k == -1:  # vLLM's "off"
             top_k = 0
-        if top_k < 0:
-            raise _bad("top_k", f"must be >= 0 (0 or -1: off), got {top_k}")
+        if not 0 <= top_k <= TOP_K_MAX:
+            raise _bad("top_k", f"must be in [0, 2**31 - 1] (0 or -1: off), got {_show(top_k)}")
         seed = _int(body, "seed", None)
         if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
             raise _bad("seed", "must be in [-2**63, 2**64)")
@@ -566,8 +577,8 @@ async def _read_json(request: Request, limit: int) -> dict:
         chunks.append(c)
     try:
         body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _bad(None, f"the body is not valid JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+        raise _bad(None, f"the body is not valid JSON: {_cap(str(e))}") from None
     if not isinstance(body, dict):
         raise _bad(None, "the body must be a JSON object")
     return body
@@ -590,19 +601,19 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return _ErrorJSON(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
         typ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(e.status_code, str(e.detail), typ).body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
+        return _ErrorJSON(APIError(e.status_code, str(e.detail), typ).body(), status_code=e.status_code,
+                          headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception):
         log.exception("HTTP API request failed")
-        return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", "server_error", None, "internal_error").body(),
-                            status_code=500)
+        return _ErrorJSON(APIError(500, f"{type(e).__name__}: {e}", "server_error", None, "internal_error").body(),
+                          status_code=500)
 
     @app.get("/health")
     async def health():
@@ -630,7 +641,7 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
         if model != model_name:
-            raise APIError(404, f"The model `{_cap(model)}` does not exist.", "invalid_request_error", "model",
+            raise APIError(404, f"The model {_show(model)} does not exist.", "invalid_request_error", "model",
                            "model_not_found")
         return _model_card()
 

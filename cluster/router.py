@@ -206,13 +206,13 @@ class Router:
     def _run(self, h: RouterHandle, d: Slot) -> None:
         outcome, emitted = "error", []
         p = h.params
-        req = build_request(h.prompt, max_tokens=p.max_tokens, method=h.method, block_size=h.draft_width or 0,
-                            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                            ignore_eos=p.ignore_eos)
         stats: dict = {}
         held: Slot | None = d  # picked for this request; _stream releases it once it runs
         first: pb.PrefillReply | None = None
         try:
+            req = build_request(h.prompt, max_tokens=p.max_tokens, method=h.method, block_size=h.draft_width or 0,
+                                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                                ignore_eos=p.ignore_eos)
             first = self._prefill(h, req)
             if first is not None:
                 emitted.append(first.first_token)

@@ -19,6 +19,8 @@ from flashpd.engine import greedy_argmax
 # sampled distribution is one-hot on the argmax anyway, up to near-ties (vLLM uses the same bound).
 GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(1 << 63), 1 << 64)  # signed or unsigned 64-bit (half-open)
+TOP_K_MAX = (1 << 31) - 1  # top_k travels as int32; any value past the vocabulary means off
+TOP_P_MIN = 1.1754943508222875e-38  # float32's smallest normal: a smaller top_p rounds to 0 in float32
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,10 @@ class SamplingParams:
     temperature: any finite number >= 0. Below GREEDY_BELOW (1e-5), 0 included, the request is
     greedy (argmax; top_p, top_k and seed are unused): `greedy` is the one test of that, which every
     greedy-or-sampled branch reads. Otherwise tokens are drawn from softmax(logits / temperature)
-    after top-k, then top-p filtering (top_p in (0, 1]; top_k 0 = off, >= the vocabulary = off)."""
+    after top-k, then top-p filtering (top_p in (0, 1]; top_k 0 = off, >= the vocabulary = off).
+
+    A top_p in (0, TOP_P_MIN) is TOP_P_MIN (float32 cannot hold it, and every top_p below the most likely
+    token's probability keeps that token alone: the same distribution)."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -37,6 +42,10 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        if 0 < self.top_p < TOP_P_MIN:
+            object.__setattr__(self, "top_p", TOP_P_MIN)
+
     def validate(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
@@ -44,8 +53,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= TOP_K_MAX:
+            raise ValueError(f"top_k must be in [0, 2**31 - 1] (0 = off), got {self.top_k}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 
@@ -79,8 +88,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     scores = scores.masked_fill(scores < kth, float("-inf"))  # top-k: ties with the k-th stay
     probs = torch.softmax((scores - scores.amax(dim=-1, keepdim=True)) / temp, dim=-1)
     sorted_probs = probs.gather(-1, order)  # top-k's dropped tokens sort last: they were the smallest
-    tp = top_p.float().view(shape)
-    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs < tp) | (tp >= 1.0)  # the most likely token always stays
+    tp = top_p.float().clamp_min(TOP_P_MIN).view(shape)  # > 0: the most likely token (mass before it 0) stays
+    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs < tp) | (tp >= 1.0)
     probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     on = ((top_p < 1.0) | (k.view(-1) < vocab)).view(shape)

@@ -19,7 +19,8 @@ One request fails alone. An exception while admitting a group (prefix restore, p
 retries each of its requests alone from scratch, and fails only those that fail alone. An exception
 in a batch step rolls every row back to the tokens it already streamed and preempts it; re-admitted
 (recomputed exactly), each such suspect takes its next step alone, and a row whose solo step fails
-too is failed. A failed request frees its blocks and comes back in `StepResult.failed`; the other
+too is failed; the rows that passed alone beside it are cleared (MAX_BATCH_FAULTS counts only faults nobody
+was failed for, which only a batch shows). A failed request frees its blocks and comes back in `StepResult.failed`; the other
 rows go on, with the tokens and acceptance lengths of an undisturbed run (sampled rows too: their
 draws are keyed by token index, engine/sampling.py, so a rolled-back row draws the same tokens again).
 
@@ -488,6 +489,7 @@ class Scheduler:
     def _advance_suspects(self, result: StepResult) -> None:
         """Rows of a failed batch step take their next step alone (a row that fails alone is failed); the
         others step together."""
+        passed, culprit = [], False
         for r in [r for r in self.running if r.id in self._suspects]:
             if r.seq.done:
                 self._suspects.discard(r.id)
@@ -495,8 +497,13 @@ class Scheduler:
             try:
                 self._step_rows([r])
                 self._suspects.discard(r.id)
+                passed.append(r)
             except Exception as e:  # noqa: BLE001
                 self._fail(r, e, result)
+                culprit = True
+        if culprit:  # the fault was the failed row's: the others' count starts again
+            for r in passed:
+                r.batch_faults = 0
         rest = [r for r in self.running if r.id not in self._suspects and not r.seq.done]
         if rest:
             self._step_rows(rest)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flashpd.decode_node.engine_loop import EngineLoop
-from flashpd.engine.scheduler import generate, RequestFailed, Scheduler
+from flashpd.engine.scheduler import MAX_BATCH_FAULTS, generate, RequestFailed, Scheduler
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
@@ -113,6 +113,42 @@ def test_a_row_that_faults_in_every_step_fails_alone(pair, method):
     assert sched.stats.failed_requests == 1 and sched.stats.batch_faults >= 1
     assert sched.runner.allocator.num_free == free0 and not sched._suspects
     _check_others_exact(target, drafter, reqs, prompts, params, [method] * 5, streamed, {reqs[1].id})
+
+
+def test_rows_that_fault_one_after_another_never_fail_a_bystander(pair):
+    """Each faulty row is found by its solo step and failed; the rows that passed alone beside it are cleared,
+    so a long request that meets more than MAX_BATCH_FAULTS faulty neighbours in turn still finishes exactly."""
+    target, drafter = pair
+    prompts = _prompts(1 + MAX_BATCH_FAULTS + 1, 11)
+    long, short = SamplingParams(max_tokens=100, ignore_eos=True), SamplingParams(max_tokens=20, ignore_eos=True)
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    sched.overlap = False
+    free0 = sched.runner.allocator.num_free
+    reqs = [sched.add(prompts[0], long, "native")]
+    streamed, failed = _run(sched, reqs, steps=2)
+    bad = prompts[1:]
+    orig = sched.native.decode_step
+
+    def faulty(seqs, *a, **kw):
+        if any(s.prompt in bad for s in seqs):
+            raise RuntimeError("injected fault in one row")
+        return orig(seqs, *a, **kw)
+
+    sched.native.decode_step = faulty
+    for p in bad:  # one faulty neighbour at a time, each failed before the next arrives
+        reqs.append(sched.add(p, short, "native"))
+        for _ in range(50):
+            _, f = _run(sched, reqs, streamed, steps=1)
+            failed.update(f)
+            if reqs[-1].id in failed:
+                break
+        assert reqs[-1].id in failed and not reqs[0].seq.done
+    _, f = _run(sched, reqs, streamed)
+    failed.update(f)
+    assert set(failed) == {r.id for r in reqs[1:]}
+    assert sched.stats.batch_faults == len(bad) and sched.runner.allocator.num_free == free0
+    _check_others_exact(target, drafter, reqs, prompts, [long] + [short] * len(bad), ["native"] * len(reqs),
+                        streamed, {r.id for r in reqs[1:]})
 
 
 def test_a_transient_batch_fault_fails_nobody_and_changes_nothing(pair):

@@ -349,6 +349,31 @@ def test_load_over_client_processes_matches_one_process(server):
     server.wait_idle()
 
 
+def test_odd_but_valid_json_gets_4xx_and_tiny_top_p_is_greedy(server):
+    """Bodies a JSON parser accepts but the API must still answer cleanly (each was a 500 or worse)."""
+    post = lambda body, path="completions": server.http.post(  # noqa: E731
+        f"{server.base}/v1/{path}", content=body if isinstance(body, bytes) else json.dumps(body).encode())
+    r = post(b"[" * 50_000)  # nested past the parser's recursion limit
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = post(b'{"model": "\\ud800", "prompt": "x"}')  # a lone surrogate, echoed in the error
+    assert r.status_code == 404 and "\\ud800" in r.json()["error"]["message"]
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    for k in ("tools", "documents", "continue_final_message", "messages", "add_generation_prompt"):
+        r = post({**chat, "chat_template_kwargs": {k: None}}, "chat/completions")
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{k}", (k, r.text)
+    assert post({**chat, "chat_template_kwargs": {"self": 1}}, "chat/completions").status_code == 200
+    base = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, ignore_eos=True, return_token_ids=True)
+    for top_k in (2 ** 31, 2 ** 64):
+        r = post({**base, "top_k": top_k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+    greedy = post({**base, "temperature": 0}).json()["choices"][0]["token_ids"]
+    for kw in (dict(top_p=1e-50), dict(top_p=1e-30), dict(top_k=2 ** 31 - 1, top_p=1e-45)):
+        r = post({**base, "temperature": 1.0, "seed": 3, **kw})  # only the most likely token is left: greedy
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy, (kw, r.text)
+    assert server.health()["status"] == "ok"
+    server.wait_idle()
+
+
 def test_local_mode_serves_http_over_the_router():
     """Mode "local" (router + bridge, prefill and decode worker processes): the HTTP API is the router's,
     with the gRPC API's tokens and the prefill worker's prefill_ms."""
@@ -371,6 +396,15 @@ def test_local_mode_serves_http_over_the_router():
         chat = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                          **GREEDY, **_extra())
         assert chat.usage.completion_tokens == 6
+        # values the router's wire holds differently (uint64 seed, float32 top_p, int32 top_k) mean the same
+        sampled = lambda **kw: c.completions.create(  # noqa: E731
+            model="demo", prompt=PROMPTS[2], max_tokens=10, temperature=1.0, **_extra(**kw)
+        ).choices[0].model_extra["token_ids"]
+        assert sampled(seed=-1) == sampled(seed=2 ** 64 - 1) and len(sampled(seed=-1)) == 10
+        greedy = c.completions.create(model="demo", prompt=PROMPTS[2], max_tokens=10, **GREEDY, **_extra()
+                                      ).choices[0].model_extra["token_ids"]
+        assert sampled(seed=4, top_p=1e-50, top_k=2 ** 31 - 1) == greedy
+        assert svc.backend.inflight == 0
         assert _error(lambda: c.models.retrieve("target"))[1] == 404
         c.close()
     finally:

@@ -6,8 +6,8 @@ import torch
 
 from conftest import hf_greedy, hf_logits, new_runner, random_prompts
 from flashpd.engine.generate import NativeGenerator
-from flashpd.engine.sampling import (GREEDY_BELOW, SamplingParams, argmax_chunks, draw, greedy_tokens,
-                                    probs_from_logits, sample_tokens)
+from flashpd.engine.sampling import (GREEDY_BELOW, TOP_P_MIN, SamplingParams, argmax_chunks, draw,
+                                    filtered_probs, greedy_tokens, probs_from_logits, sample_tokens)
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.scheduler import PromptTooLong, generate
 
@@ -64,7 +64,9 @@ def test_greedy_tokens_is_argmax_first_maximum_ties_and_nan():
     (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
     (dict(top_p=1.01), r"top_p must be in \(0, 1\], got 1.01"),
     (dict(top_p=-0.5), r"top_p must be in \(0, 1\], got -0.5"),
-    (dict(top_k=-1), "top_k must be >= 0, got -1"),
+    (dict(top_k=-1), r"top_k must be in \[0, 2\*\*31 - 1\] \(0 = off\), got -1"),
+    (dict(top_k=1 << 31), r"top_k must be in \[0, 2\*\*31 - 1\] \(0 = off\), got 2147483648"),
+    (dict(top_k=1 << 64), r"top_k must be in \[0, 2\*\*31 - 1\]"),
 ])
 def test_validate_rejects(kwargs, match, ckpt):
     with pytest.raises(ValueError, match=match):
@@ -80,6 +82,15 @@ def test_validate_rejects(kwargs, match, ckpt):
                                     dict(top_k=(1 << 31) - 1), dict(seed=(1 << 64) - 1), dict(seed=-(1 << 63))])
 def test_validate_accepts(kwargs):
     SamplingParams(**kwargs).validate()
+
+
+def test_a_top_p_float32_cannot_hold_is_its_smallest_normal_and_keeps_the_top_token():
+    assert SamplingParams(top_p=1e-50).top_p == TOP_P_MIN == float(torch.tensor(TOP_P_MIN, dtype=torch.float32))
+    assert SamplingParams(top_p=1e-30).top_p == 1e-30 and SamplingParams(top_p=0.0).top_p == 0.0  # 0 stays invalid
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    for tp in (0.0, 1e-50):  # even a tensor holding 0 keeps the most likely token
+        probs = filtered_probs(logits, torch.tensor([1.0]), torch.tensor([tp]), torch.tensor([0]))
+        assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
 def test_greedy_property():
@@ -244,8 +255,10 @@ def test_sampled_tokens_lie_in_the_filtered_support(ckpt):
         assert len(set(s.output)) > 1
 
 
-@pytest.mark.parametrize("extra", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5)])
+@pytest.mark.parametrize("extra", [dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, top_p=0.5), dict(top_p=1e-50),
+                                   dict(top_p=5e-324)])
 def test_degenerate_filters_equal_greedy(ckpt, extra):
+    """top_p below float32's smallest normal is that normal (float32 would hold 0 and keep no token)."""
     hf, d = ckpt
     prompts = random_prompts([1, 7, 64], hf.config.vocab_size, seed=33)
     params = SamplingParams(max_tokens=32, temperature=0.8, seed=11, ignore_eos=True, **extra)

@@ -1,11 +1,18 @@
 """Shared helpers for the KV bridge tests (test_kv_bridge_*.py): small random chunks. Not a test module."""
 from __future__ import annotations
 
+import grpc
 import torch
 
-from flashpd.kv_bridge.auth import process_secret
+from flashpd.kv_bridge.auth import ClusterSecret, process_secret
 from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.client import BridgeClient
 from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys
+from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
+from flashpd.kv_bridge.rpc_guard import TOKEN_HEADER
+from flashpd.kv_bridge.server import serve
+from flashpd.kv_bridge.store import MemoryStore
+from flashpd.kv_bridge.wire import DEFAULT_FRAME_BYTES
 
 # What every store, server and client built without an explicit secret uses (tests in one process).
 SECRET = process_secret()
@@ -48,3 +55,27 @@ def flip_byte(data: bytes, index: int) -> bytes:
     b = bytearray(data)
     b[index] ^= 0x40
     return bytes(b)
+
+
+class BridgeHarness:
+    """A bridge server with its own explicit secret on a loopback port, a client holding that secret, and a raw
+    stub that sends no token unless a call passes md(). serve_kw go to kv_bridge.server.serve."""
+
+    def __init__(self, store=None, secret: ClusterSecret | None = None, *, timeout_s: float = 10.0,
+                 frame_bytes: int = DEFAULT_FRAME_BYTES, max_workers: int = 8, **serve_kw) -> None:
+        self.secret = secret or ClusterSecret.generate()
+        self.store = store if store is not None else MemoryStore(1 << 28, self.secret)
+        self.timeout_s = timeout_s
+        self.server, self.port = serve(self.store, max_workers=max_workers, secret=self.secret, **serve_kw)
+        self.address = f"127.0.0.1:{self.port}"
+        self.client = BridgeClient(self.address, timeout_s, frame_bytes, secret=self.secret)
+        self.channel = grpc.insecure_channel(self.address)
+        self.raw = pb_grpc.KVBridgeStub(self.channel)
+
+    def md(self, token: str | None = None) -> list[tuple[str, str]]:
+        return [(TOKEN_HEADER, token if token is not None else self.secret.token)]
+
+    def stop(self) -> None:
+        self.client.close()
+        self.channel.close()
+        self.server.stop(grace=None).wait(self.timeout_s)

@@ -27,13 +27,12 @@ from flashpd.kv_bridge import server as server_mod
 from flashpd.kv_bridge import shm
 from flashpd.kv_bridge.auth import ClusterSecret
 from flashpd.kv_bridge.chunk import KVChunk
-from flashpd.kv_bridge.client import BridgeClient
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
-from flashpd.kv_bridge.rpc_guard import TOKEN_HEADER
-from flashpd.kv_bridge.server import MAX_REFUSED_KEYS, serve
-from flashpd.kv_bridge.store import MemoryStore
+from flashpd.kv_bridge.server import MAX_REFUSED_KEYS
 from flashpd.kv_bridge.wire import MAX_KEY_CHARS, MAX_KEYS, PROTOCOL_VERSION, split_frames
+
+from tests._kv_bridge_helpers import BridgeHarness
 
 TIMEOUT_S = 10.0
 IDLE_S = 0.5
@@ -42,16 +41,9 @@ WORKERS = 2
 needs_shm = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this machine")
 
 
-class Bridge:
+class Bridge(BridgeHarness):
     def __init__(self, **kw) -> None:
-        self.secret = ClusterSecret.generate()
-        self.store = MemoryStore(1 << 28, self.secret)
-        self.server, port = serve(self.store, max_workers=WORKERS, secret=self.secret, idle_s=IDLE_S, **kw)
-        self.address = f"127.0.0.1:{port}"
-        self.client = BridgeClient(self.address, TIMEOUT_S, secret=self.secret)
-        self.channel = grpc.insecure_channel(self.address)
-        self.raw = pb_grpc.KVBridgeStub(self.channel)
-        self.md = [(TOKEN_HEADER, self.secret.token)]
+        super().__init__(timeout_s=TIMEOUT_S, max_workers=WORKERS, idle_s=IDLE_S, **kw)
 
     def healthy_within(self, seconds: float) -> bool:
         try:
@@ -61,11 +53,6 @@ class Bridge:
 
     def counters(self) -> dict:
         return self.client.stats()
-
-    def stop(self) -> None:
-        self.client.close()
-        self.channel.close()
-        self.server.stop(grace=None).wait(TIMEOUT_S)
 
 
 @pytest.fixture
@@ -121,15 +108,15 @@ def test_a_client_that_stalls_is_cancelled_and_the_bridge_goes_on(bridge, stall)
     release = threading.Event()
     if stall == "unary-request":
         call = bridge.channel.stream_unary("/flashpd.kvbridge.v1.KVBridge/Lookup")
-        futs = [call.future(never_sends(release), timeout=30, metadata=bridge.md) for _ in range(WORKERS)]
+        futs = [call.future(never_sends(release), timeout=30, metadata=bridge.md()) for _ in range(WORKERS)]
     elif stall == "put-mid-chunk":
         first = frames("other", chunk_bytes(bridge, "other", n_tokens=256, width=64))[:1]
-        futs = [bridge.raw.Put.future(never_sends(release, first), timeout=30, metadata=bridge.md)
+        futs = [bridge.raw.Put.future(never_sends(release, first), timeout=30, metadata=bridge.md())
                 for _ in range(WORKERS)]
     else:
         req = pb.GetRequest(version=PROTOCOL_VERSION, keys=["big"], frame_bytes=64 << 10)
         slow = grpc.insecure_channel(bridge.address, options=[("grpc.http2.bdp_probe", 0)])  # a 64 KiB window
-        streams = [pb_grpc.KVBridgeStub(slow).Get(req, timeout=30, metadata=bridge.md) for _ in range(WORKERS)]
+        streams = [pb_grpc.KVBridgeStub(slow).Get(req, timeout=30, metadata=bridge.md()) for _ in range(WORKERS)]
         for s in streams:
             next(s)  # the call is under way; the rest is never read
         futs = streams
@@ -196,14 +183,14 @@ def test_keys_are_bounded_in_length_and_number_and_a_get_names_each_once(bridge)
     ok_key = "k" * MAX_KEY_CHARS
     data = chunk_bytes(bridge, ok_key)
     assert bridge.client.put_bytes([(ok_key, data)]).stored == 1  # the longest key is served
-    assert code_of(lambda: bridge.raw.Put(iter(frames(long_key, data)), timeout=TIMEOUT_S, metadata=bridge.md)) \
+    assert code_of(lambda: bridge.raw.Put(iter(frames(long_key, data)), timeout=TIMEOUT_S, metadata=bridge.md())) \
         == grpc.StatusCode.INVALID_ARGUMENT
     for keys in ([long_key], [ok_key] * (MAX_KEYS + 1)):
         assert code_of(lambda: bridge.raw.Lookup(pb.LookupRequest(version=PROTOCOL_VERSION, keys=keys),
-                                                 timeout=TIMEOUT_S, metadata=bridge.md)) \
+                                                 timeout=TIMEOUT_S, metadata=bridge.md())) \
             == grpc.StatusCode.INVALID_ARGUMENT
     get = lambda keys: list(bridge.raw.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=keys),  # noqa: E731
-                                           timeout=TIMEOUT_S, metadata=bridge.md))
+                                           timeout=TIMEOUT_S, metadata=bridge.md()))
     assert code_of(lambda: get([ok_key, "x", ok_key])) == grpc.StatusCode.INVALID_ARGUMENT
     assert len(get([ok_key, "x"])) == 2  # one chunk frame, then done: distinct keys are served
     assert bridge.counters()["server.invalid_requests"] == 4  # the Put, two Lookups, the Get
@@ -213,7 +200,7 @@ def test_a_put_reply_names_a_bounded_number_of_refused_keys_and_counts_them_all(
     n = MAX_REFUSED_KEYS + 40
     bad = [f for i in range(n) for f in frames(f"bad{i}", b"not a chunk")]
     good = frames("good", chunk_bytes(bridge, "good"))
-    reply = bridge.raw.Put(iter(bad + good), timeout=TIMEOUT_S, metadata=bridge.md)
+    reply = bridge.raw.Put(iter(bad + good), timeout=TIMEOUT_S, metadata=bridge.md())
     assert (reply.stored, reply.refused, len(reply.refused_keys)) == (1, n, MAX_REFUSED_KEYS)
     assert list(reply.refused_keys) == [f"bad{i}" for i in range(MAX_REFUSED_KEYS)]
     assert bridge.counters()["server.chunks_refused_corrupt"] == n
@@ -224,7 +211,7 @@ def test_a_put_reply_names_a_bounded_number_of_refused_keys_and_counts_them_all(
 def shm_handle_put(b: Bridge, name: str, length: int) -> pb.PutReply:
     frame = pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
         key="s", offset=0, total_length=length, last=True, shm=pb.ShmHandle(name=name, length=length)))
-    return b.raw.Put(iter([frame]), timeout=TIMEOUT_S, metadata=b.md)
+    return b.raw.Put(iter([frame]), timeout=TIMEOUT_S, metadata=b.md())
 
 
 @needs_shm
@@ -278,7 +265,7 @@ def test_untaken_segments_are_bounded_and_a_get_past_the_bound_is_refused(monkey
         req = pb.GetRequest(version=PROTOCOL_VERSION, keys=keys, transport=pb.SHM)
         got = []
         with pytest.raises(grpc.RpcError) as e:
-            for msg in b.raw.Get(req, timeout=TIMEOUT_S, metadata=b.md):
+            for msg in b.raw.Get(req, timeout=TIMEOUT_S, metadata=b.md()):
                 got.append(msg)  # handles arrive; nobody takes their segments
                 assert len(set(shm.list_segments()) - before) <= 2
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(got) == 2

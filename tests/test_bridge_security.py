@@ -37,8 +37,6 @@ from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
-from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
-from flashpd.kv_bridge.rpc_guard import TOKEN_HEADER
 from flashpd.kv_bridge.server import serve
 from flashpd.kv_bridge.store import MemoryStore
 from flashpd.kv_bridge.tls import BridgeTls
@@ -46,6 +44,7 @@ from flashpd.kv_bridge.wire import PROTOCOL_VERSION, Assembler, FrameError, spli
 from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+from tests._kv_bridge_helpers import BridgeHarness
 
 CHUNK = 64
 FRAME = 4096
@@ -103,25 +102,8 @@ def forged(setup, i: int, secret_fp: str | None = None, seed: int = 0) -> list[K
 
 # ---- the bridge side ------------------------------------------------------------------------------
 
-class Bridge:
-    """A server with its own explicit secret on a loopback port, and a client holding that secret."""
-
-    def __init__(self, store=None, secret: ClusterSecret | None = None, **kw) -> None:
-        self.secret = secret or ClusterSecret.generate()
-        self.store = store if store is not None else MemoryStore(1 << 28, self.secret)
-        self.server, self.port = serve(self.store, max_workers=8, secret=self.secret, **kw)
-        self.address = f"127.0.0.1:{self.port}"
-        self.client = BridgeClient(self.address, TIMEOUT_S, FRAME, secret=self.secret)
-        self.channel = grpc.insecure_channel(self.address)
-        self.raw = pb_grpc.KVBridgeStub(self.channel)  # no token unless a call passes one
-
-    def md(self, token: str | None = None) -> list[tuple[str, str]]:
-        return [(TOKEN_HEADER, token if token is not None else self.secret.token)]
-
-    def stop(self) -> None:
-        self.client.close()
-        self.channel.close()
-        self.server.stop(grace=None).wait(TIMEOUT_S)
+def Bridge(store=None, secret: ClusterSecret | None = None, **kw) -> BridgeHarness:  # noqa: N802
+    return BridgeHarness(store, secret, timeout_s=TIMEOUT_S, frame_bytes=FRAME, **kw)
 
 
 @pytest.fixture

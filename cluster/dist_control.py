@@ -58,9 +58,9 @@ class DistControlClient:
     """The importer's side (kv_bridge/dist_transfer.Control): one channel per prefill worker. A refused send
     raises HandoffError (the pair stays); any other failure PairLost (the importer drops the pair)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, token: str | None = None) -> None:
         self.timeout_s = timeout_s + CONTROL_MARGIN_S
-        self._stubs = PrefillStubs()
+        self._stubs = PrefillStubs(token)
 
     def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
         if not address:

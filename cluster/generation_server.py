@@ -29,7 +29,7 @@ from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
-from flashpd.kv_bridge.rpc_guard import add_guarded, echo
+from flashpd.kv_bridge.rpc_guard import TokenGate, add_guarded, echo, token_authorizer
 from flashpd.kv_bridge.stall_guard import DEFAULT_IDLE_S, StallGuard
 from flashpd.kv_bridge.server import is_loopback
 
@@ -277,16 +277,19 @@ def health_reply(backend: Backend, has_tokenizer: bool, settings_json: str = "")
 
 
 def new_server(host: str, port: int, allow_remote: bool, max_workers: int, services: Mapping[str, object],
-               idle_s: float = DEFAULT_IDLE_S) -> tuple[grpc.Server, int]:
+               idle_s: float = DEFAULT_IDLE_S, token: str | None = None) -> tuple[grpc.Server, int]:
     """A started gRPC server on host:port (0 picks a free port) serving `services`: service name in
     proto/generation.proto ("Generation", "PrefillWorker", "DecodeWorker") -> its servicer, each
     registered through add_guarded (undecodable requests get INVALID_ARGUMENT). Each in-flight RPC holds
     one worker thread, so max_workers bounds the concurrent requests; a call whose client sends or takes
-    nothing for idle_s is cancelled (kv_bridge/stall_guard.py), so stalled clients cannot hold them all."""
+    nothing for idle_s is cancelled (kv_bridge/stall_guard.py), so stalled clients cannot hold them all.
+    token: every call must carry it (rpc_guard.TokenGate; the cluster's workers take the bridge's token)."""
     if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
+    guards = [TokenGate(token_authorizer(token))] if token is not None else []
+    guards.append(StallGuard(idle_s))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation"),
-                         maximum_concurrent_rpcs=max_workers, interceptors=[StallGuard(idle_s)])
+                         maximum_concurrent_rpcs=max_workers, interceptors=guards)
     for name, servicer in services.items():
         add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name[name])
     bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")

@@ -1,4 +1,7 @@
-"""The router's channel to one prefill or decode worker (proto/generation.proto's worker services)."""
+"""The router's channel to one prefill or decode worker (proto/generation.proto's worker services).
+
+Every channel carries the cluster's token (`x-flashpd-token`, as the bridge's): a worker's services refuse a
+call without it (cluster/worker_main.py)."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +13,7 @@ from flashpd.cluster.generation_server import PROTOCOL_VERSION
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.kv_bridge.handoff import Handoff
+from flashpd.kv_bridge.rpc_guard import with_token
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 5.0
@@ -22,13 +26,20 @@ def health_dict(r: pb.HealthReply) -> dict:
             "default_block_size": r.default_block_size or None}
 
 
+def worker_channel(address: str, token: str | None) -> grpc.Channel:
+    """A channel to a worker's services, presenting `token` on every call (None: none, for a worker that
+    asks for none)."""
+    ch = grpc.insecure_channel(address)
+    return with_token(ch, token) if token is not None else ch
+
+
 class WorkerClient:
-    def __init__(self, role: str, address: str) -> None:
+    def __init__(self, role: str, address: str, token: str | None = None) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: must be 'prefill' or 'decode', got {role!r}")
         self.role = role
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = worker_channel(address, token)
         self._stub = pb_grpc.PrefillWorkerStub(self._channel) if role == "prefill" else \
             pb_grpc.DecodeWorkerStub(self._channel)
 
@@ -60,9 +71,11 @@ class WorkerClient:
 
 
 class PrefillStubs:
-    """One channel and PrefillWorker stub per prefill worker address, made on first use (thread-safe)."""
+    """One channel and PrefillWorker stub per prefill worker address, made on first use (thread-safe); each
+    channel presents `token`."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
+        self._token = token
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]] = {}
         self._lock = threading.Lock()
 
@@ -70,7 +83,7 @@ class PrefillStubs:
         with self._lock:
             got = self._stubs.get(address)
             if got is None:
-                ch = grpc.insecure_channel(address)
+                ch = worker_channel(address, self._token)
                 got = self._stubs[address] = (ch, pb_grpc.PrefillWorkerStub(ch))
             return got[1]
 
@@ -85,9 +98,9 @@ class LeaseReleaser:
     """Releases device-path leases at their prefill workers without waiting (a decode worker's engine loop
     calls it): a lost release only holds the blocks until the lease's deadline. Counted, logged."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
         self.failures = 0
-        self._stubs = PrefillStubs()
+        self._stubs = PrefillStubs(token)
         self._lock = threading.Lock()
 
     def __call__(self, h: Handoff) -> None:

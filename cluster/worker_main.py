@@ -247,7 +247,8 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
                        cfg.fault_prefill_delay_s)
     metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): host.waiting})
     servicer = PrefillWorkerServicer(host, metrics, dist)
-    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent, {"PrefillWorker": servicer})
+    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent, {"PrefillWorker": servicer},
+                               token=secret.token)
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
     if worker.exporter is not None:
@@ -299,9 +300,9 @@ def dist_importer(cfg, llm, scheduler, secret, host: str):
     gen = scheduler.spec if scheduler.spec is not None else scheduler.native
     target = gen.runner.cache.data
     draft = gen.drafts.cache.data if getattr(gen, "drafts", None) is not None else None
-    control = DistControlClient(cfg.handoff_lease_s)
+    control = DistControlClient(cfg.handoff_lease_s, secret.token)
     imp = DistImporter(target, draft, fingerprint(cfg, llm), secret.mac_key, control, host, cfg.handoff_lease_s)
-    return HandoffImport(imp, LeaseReleaser())  # type: ignore[arg-type]  (CacheImporter's copy / peer_busy)
+    return HandoffImport(imp, LeaseReleaser(secret.token))  # type: ignore[arg-type]  (CacheImporter's copy / peer_busy)
 
 
 def cache_importer(cfg, llm, scheduler, secret):
@@ -313,7 +314,8 @@ def cache_importer(cfg, llm, scheduler, secret):
     gen = scheduler.spec if scheduler.spec is not None else scheduler.native
     target = gen.runner.cache.data
     draft = gen.drafts.cache.data if getattr(gen, "drafts", None) is not None else None
-    return HandoffImport(CacheImporter(target, draft, fingerprint(cfg, llm), secret.mac_key), LeaseReleaser())
+    return HandoffImport(CacheImporter(target, draft, fingerprint(cfg, llm), secret.mac_key),
+                         LeaseReleaser(secret.token))
 
 
 def _reap(host, stop: threading.Event, lease_s: float) -> None:
@@ -389,7 +391,7 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
     w.closers.append(lambda: worker.stop(10))
     servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent,
-                               {"DecodeWorker": servicer, "Generation": servicer})
+                               {"DecodeWorker": servicer, "Generation": servicer}, token=secret.token)
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
     w.alive_fn = lambda: worker.loop.alive

@@ -4,8 +4,8 @@ A supervisor thread probes every worker each `health_interval_s` (the launcher's
 then the worker's Health RPC, each bounded). A worker whose process/actor is gone, or that failed
 `health_failures` probes in a row, is stopped and started again (a restarted bridge asks for its
 old port, so the workers' bridge address stays valid). A request that sees a worker fail marks
-it down at once, so no new request is routed there while it restarts. The pool's own bridge
-client (its health probes) presents the cluster secret the launcher gave the workers.
+it down at once, so no new request is routed there while it restarts. The pool's clients (the bridge's
+health probes, every worker call) present the cluster secret the launcher gave the workers (its token).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from flashpd.cluster.launcher import Launched, Launcher, WorkerSpec
 from flashpd.cluster.worker_client import WorkerClient
-from flashpd.kv_bridge.auth import ClusterSecret
+from flashpd.kv_bridge.auth import ClusterSecret, resolve
 from flashpd.kv_bridge.client import BridgeClient
 from flashpd.kv_bridge.tls import BridgeTls
 
@@ -66,7 +66,7 @@ class WorkerPool:
             c = self.cfg
             return BridgeClient(w.address, timeout_s=c.health_timeout_s, secret=self.secret,
                                 tls=BridgeTls.from_paths(c.tls_cert, c.tls_key, c.tls_ca))
-        return WorkerClient(w.role, w.address)
+        return WorkerClient(w.role, w.address, resolve(self.secret).token)
 
     def start(self) -> None:
         """Bridge first (the others need its address), then every prefill and decode worker at once."""

@@ -30,6 +30,8 @@ from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.cluster.service import start_service
 from flashpd.cluster.worker_services import CallEnded, PrefillHost
 from flashpd.engine.sampling import SamplingParams
+from flashpd.kv_bridge.auth import resolve
+from flashpd.kv_bridge.rpc_guard import TOKEN_HEADER
 
 from tests._cluster_helpers import dflash_pair, prompts, serve_cfg, stream_chunks, wait_until  # noqa: F401
 
@@ -361,20 +363,31 @@ def test_local_tiny_temperature_is_greedy_and_the_workers_live(local):
 
 
 def test_local_undecodable_bytes_are_invalid_argument_everywhere(local):
-    """The router's Generation service, and the workers' own services (their ports are loopback too)."""
+    """The router's Generation service, and the workers' own services (their ports are loopback too; a caller
+    with the cluster's token: without it, every worker call is UNAUTHENTICATED before its request is read)."""
     long_method = build_request([5, 6, 7], max_tokens=4, method="x" * BIG)
-    targets = [(local.address, SERVICE + "Generate", long_method),
-               (local.address, SERVICE + "GenerateOnce", long_method),
-               (local.pool.slots["prefill"][0].address, "/flashpd.generation.v1.PrefillWorker/Prefill", long_method),
-               (local.pool.slots["decode"][0].address, "/flashpd.generation.v1.DecodeWorker/Decode",
-                pb.DecodeRequest(version=1, request=long_method))]
-    for address, path, long_msg in targets:
+    token = [(TOKEN_HEADER, resolve(local.pool.secret).token)]
+    prefill, decode = local.pool.slots["prefill"][0].address, local.pool.slots["decode"][0].address
+    targets = [(local.address, SERVICE + "Generate", long_method, None),
+               (local.address, SERVICE + "GenerateOnce", long_method, None),
+               (prefill, "/flashpd.generation.v1.PrefillWorker/Prefill", long_method, token),
+               (decode, "/flashpd.generation.v1.DecodeWorker/Decode", pb.DecodeRequest(version=1, request=long_method),
+                token),
+               (decode, SERVICE + "Generate", long_method, token)]
+    for address, path, long_msg, md in targets:
         with grpc.insecure_channel(address) as ch:
             if path.endswith(("Generate", "Decode")):
-                call = lambda b, m=ch.unary_stream(path): list(m(b, timeout=10))  # noqa: E731
+                call = lambda b, md, m=ch.unary_stream(path): list(m(b, timeout=10, metadata=md))  # noqa: E731
             else:
-                call = lambda b, m=ch.unary_unary(path): m(b, timeout=10)  # noqa: E731
+                call = lambda b, md, m=ch.unary_unary(path): m(b, timeout=10, metadata=md)  # noqa: E731
             for what, data in [*_undecodable(b"\x08\x01").items(), ("1 MiB method", long_msg.SerializeToString())]:
-                code, details = _status(lambda: call(data))
+                code, details = _status(lambda: call(data, md))
                 assert code == grpc.StatusCode.INVALID_ARGUMENT, (path, what, code, details[:200])
                 assert len(details) < MAX_DETAILS, (path, what, details[:200])
+            if md is not None:  # a worker: the same calls without the token, or with another, are refused
+                valid = long_msg.SerializeToString()
+                for other in (None, [(TOKEN_HEADER, "0" * 64)]):
+                    assert _status(lambda: call(valid, other))[0] == grpc.StatusCode.UNAUTHENTICATED, path
+                health = ch.unary_unary(path.rsplit("/", 1)[0] + "/Health")
+                assert _status(lambda: health(pb.HealthRequest(version=1).SerializeToString(), timeout=10))[0] == \
+                    grpc.StatusCode.UNAUTHENTICATED

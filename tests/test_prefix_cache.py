@@ -8,7 +8,9 @@ import torch
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
+from flashpd.engine.kv_transfer import position_slots, read_positions
 from flashpd.engine.runner import ModelRunner
+from flashpd.engine.runner_config import RunnerConfig
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.kv_bridge.chunk import KVChunk
@@ -72,6 +74,42 @@ def test_hit_gives_same_tokens_and_acceptance_as_cold(setup):
         assert a.output == b.output
         assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
     assert max(max(a.stats.acceptance_lengths) for a in cold) > 1  # the drafter accepts: parity means something
+
+
+def _gen(target, drafter, fresh: bool) -> DFlashGenerator:
+    runner = ModelRunner(target, 2048, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(fresh_prefill=fresh))
+    return DFlashGenerator(runner, drafter, (), 16)
+
+
+def _prefill_kv(target, drafter, prompt: list[int], pc: PrefixCache | None, fresh: bool):
+    """Both caches' K/V at every prompt position after prefilling `prompt` (restoring what `pc` holds first)."""
+    gen = _gen(target, drafter, fresh)
+    runner = gen.runner
+    s = gen.new_sequences([prompt], PARAMS)[0]
+    runner.allocator.ensure(s.table, len(prompt))
+    restored = pc.restore(gen, s) if pc is not None else 0
+    gen.prefill_request([s])
+    slots = position_slots(s.table, 0, len(prompt), 16, runner.device)
+    return read_positions(runner.cache.data, slots), read_positions(gen.drafts.cache.data, slots), restored
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_hit_restores_the_cold_prefills_bits_and_its_tail_agrees_to_rounding(setup, fresh):
+    """The restored positions hold, both halves, bit for bit, what a cold prefill of the prompt computes there. The
+    tail past them is one forward of its own, a shape the cold prefill never ran (one token here, the whole prompt
+    there), so its K/V agree with the cold run's to float32 rounding, not bitwise: a hit's tokens and acceptance
+    lengths equal a cold run's except where that rounding decides a near-tie (docs/architecture.md)."""
+    target, drafter, fp, prompts = setup
+    for n in (CHUNK + 1, 2 * CHUNK, 2 * CHUNK + 1, 300):
+        prompt = prompts[0][:n]
+        store = DictStore()
+        generate(_gen(target, drafter, fresh), [prompt], PARAMS, prefix_cache=PrefixCache(store, fp, CHUNK))  # publish
+        t0, d0, _ = _prefill_kv(target, drafter, prompt, None, fresh)
+        t1, d1, k = _prefill_kv(target, drafter, prompt, PrefixCache(store, fp, CHUNK), fresh)
+        assert k == ((n - 1) // CHUNK) * CHUNK > 0
+        assert torch.equal(t0[:, :, :k], t1[:, :, :k]) and torch.equal(d0[:, :, :k], d1[:, :, :k]), n
+        assert (t0 - t1).abs().max() < 1e-4 and (d0 - d1).abs().max() < 1e-4, n
 
 
 def test_hit_in_the_same_worker_reuses_freed_blocks(setup):

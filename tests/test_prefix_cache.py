@@ -112,6 +112,28 @@ def test_a_hit_restores_the_cold_prefills_bits_and_its_tail_agrees_to_rounding(s
         assert (t0 - t1).abs().max() < 1e-4 and (d0 - d1).abs().max() < 1e-4, n
 
 
+def test_the_weights_identity_covers_every_byte(tmp_path):
+    """One byte changed anywhere in a weight file (here far from any offset a sampled identity would read) makes
+    another identity, so a changed drafter's keys differ and the old one's entries are never restored as its own;
+    the same bytes elsewhere give the same identity, and a file changed in place is hashed again."""
+    from safetensors.torch import save_file
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "config.json").write_text('{"x": 1}')
+        save_file({"w": torch.zeros(3 << 20)}, str(d / "model.safetensors"))  # 12 MiB
+    assert weights_identity(a) == weights_identity(b)
+    path = b / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 + 100_000] ^= 1  # between the 33rd and 34th of 64 sampled 64 KiB windows
+    path.write_bytes(bytes(data))
+    assert weights_identity(a) != weights_identity(b)
+    (b / "config.json").write_text('{"x": 2}')
+    path.write_bytes((a / "model.safetensors").read_bytes())
+    assert weights_identity(a) != weights_identity(b)  # config.json counts too
+
+
 def test_hit_in_the_same_worker_reuses_freed_blocks(setup):
     target, drafter, fp, prompts = setup
     gen, store = spec_gen(target, drafter), DictStore()

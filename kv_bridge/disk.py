@@ -162,6 +162,10 @@ class DiskStore(IndexedStore):
             with self._lock:
                 self._c["misses"] += 1
             return None
+        except OSError as e:  # EIO, EACCES, ...: the entry cannot be served; a miss, and it leaves the index
+            log.warning("disk tier: reading %s... failed (%s); dropped, a miss", key[:16], e)
+            self._drop_corrupt(key, b"")
+            return None
         return data
 
     def _touch(self, key: str) -> None:
@@ -443,6 +447,8 @@ def _unlink(path: str | Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as e:  # the entry already left the index: a file that will not go is logged, not raised
+        log.warning("disk tier: could not remove %s (%s)", path, e)
 
 
 def _sparse(n: int) -> bool:

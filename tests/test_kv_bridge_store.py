@@ -198,6 +198,19 @@ def test_disk_corrupt_file_refused_and_deleted(tmp_path):
     assert s["corrupt_dropped"] == 2 and s["entries"] == 0 and s["bytes"] == 0
 
 
+def test_disk_file_that_cannot_be_read_is_a_miss_and_leaves_the_index(tmp_path):
+    """An I/O error other than a missing file (here the entry's path became a directory: EISDIR, as EIO or
+    EACCES would) is a miss, never an exception out of the store."""
+    store = DiskStore(tmp_path, 1 << 24)
+    store.put(make_chunk("k1"))
+    (tmp_path / "k1").unlink()
+    (tmp_path / "k1").mkdir()
+    assert store.get("k1") is None and store.get_bytes("k1") is None
+    s = store.stats()
+    assert (s["entries"], s["bytes"], s["misses"]) == (0, 0, 2)
+    assert store.put(make_chunk("k2")) and store.get("k2") is not None  # the store goes on
+
+
 def test_disk_rejects_keys_that_are_paths(tmp_path):
     store = DiskStore(tmp_path / "d", 1 << 24)
     for bad in ("../escape", "a/b", ".hidden", ""):

@@ -244,14 +244,19 @@ class Scheduler:
         return req
 
     def cancel(self, req: Request) -> None:
-        """Drop a request wherever it is and free its blocks (a client went away)."""
+        """Drop a request wherever it is and free its blocks (a client went away). One not yet reported finished
+        ends "cancelled" with the tokens it streamed: ending the session may have committed its in-flight step
+        (even its last token), which nobody will stream."""
         self._end_session()  # the batch changes: the device hands the others back first
+        live = req in self.waiting or req in self.running
         if req in self.waiting:
             self.waiting.remove(req)
         elif req in self.running:
             self.running.remove(req)
         self._release(req)
-        req.seq.finish_reason = req.seq.finish_reason or "cancelled"
+        if live:
+            _rollback(req)
+            req.seq.finish_reason = "cancelled"
 
     def _release(self, req: Request) -> None:
         """Give back everything a request holds: its KV blocks, (policy reserve) its reservation, and a

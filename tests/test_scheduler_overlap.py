@@ -38,10 +38,15 @@ def _drive(pair, overlap: bool, script, blocks: int = 512, policy: str = "reserv
         step += 1
         assert step < 2000
     assert runner.allocator.num_free == blocks - 1, "blocks leaked"
-    # a cancelled request's client is gone: what it was streamed before the cancel is not compared (the
-    # device loop may have committed one more step for it, read when the cancel ended the session)
+    # a cancelled request ends with what it streamed (the device loop, one step ahead, may have committed one
+    # more step for it, read when the cancel ended the session: dropped), so it is compared with its own stream;
+    # how far it got by the cancel's step differs between the paths
+    for r in reqs:
+        if r.seq.finish_reason == "cancelled":
+            got, al = r.seq.output, r.seq.stats.acceptance_lengths
+            assert got == streamed.get(r.id, []) and (not got or 1 + sum(al) == len(got)), (got, al)
     out = [(r.seq.output, r.seq.finish_reason, r.seq.stats.acceptance_lengths, r.seq.stats.position_accepts,
-            streamed.get(r.id, []) if r.seq.finish_reason != "cancelled" else None) for r in reqs]
+            streamed.get(r.id, [])) if r.seq.finish_reason != "cancelled" else "cancelled" for r in reqs]
     return out, sched
 
 
@@ -50,8 +55,9 @@ def _check(pair, script, **kw):
     want, plain = _drive(pair, False, script, **kw)
     assert plain.overlapped_steps == 0
     assert got == want
-    for output, reason, _, _, streamed in got:
-        if reason != "cancelled":
+    for row in got:
+        if row != "cancelled":
+            output, _, _, _, streamed = row
             assert streamed == output
     return got, sched
 
@@ -77,7 +83,7 @@ def test_arrivals_cancels_and_finishes_hand_the_batch_back(pair):
               (30, "add", (ps[4], sp[4], "native")), (31, "add", (ps[5], sp[5], "native"))]
     got, sched = _check(pair, script)
     assert sched.overlapped_steps >= 5
-    assert got[0][1] == "cancelled" and [len(g[0]) for g in got[1:]] == [12, 35, 44, 20, 30]
+    assert got[0] == "cancelled" and [len(g[0]) for g in got[1:]] == [12, 35, 44, 20, 30]
 
 
 def test_stop_tokens_inside_a_device_session(pair):
@@ -119,3 +125,25 @@ def test_a_handed_back_row_returns_the_blocks_reserved_for_its_end(pair):
     while not sched.idle:
         sched.step()
     assert runner.allocator.num_free == blocks - 1
+
+
+@pytest.mark.parametrize("method", ["native", "dflash"])
+def test_a_cancel_while_the_step_in_flight_holds_the_last_token_ends_cancelled(pair, method):
+    """The cancel ends the session, which reads the step in flight and commits the request's last token; the
+    request was never reported finished and its client never saw that token: it ends "cancelled", with what it
+    streamed."""
+    target, drafter = pair
+    runner = ModelRunner(target, 64, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(cuda_graphs=False, compile=False))
+    sched = Scheduler(runner, drafter)
+    sched.overlap = True
+    r = sched.add(_prompts(1, 3)[0], SamplingParams(max_tokens=4, ignore_eos=True), method)
+    streamed: list[int] = []
+    while sched._session is None or len(streamed) + 1 < 4:
+        streamed += sched.step().new_tokens.get(r.id, [])
+        assert len(streamed) < 4
+    sched.cancel(r)
+    assert r.seq.finish_reason == "cancelled" and r.seq.output == streamed
+    if method == "dflash":  # (a native request records no acceptance lengths)
+        assert 1 + sum(r.seq.stats.acceptance_lengths) == len(streamed)
+    assert sched.idle and runner.allocator.num_free == 63

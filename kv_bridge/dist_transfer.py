@@ -37,7 +37,8 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -49,6 +50,7 @@ from flashpd.kv_bridge.handoff import CacheExporter, Geometry, Handoff, HandoffE
 log = logging.getLogger(__name__)
 _DOMAIN = "flashpd dist-transfer v1"
 MAX_PAIRS = 64  # pairs one exporter holds (one per importer; an importer's new pair replaces its old one)
+SEEN_NONCES = 1 << 16  # OpenPair nonces an exporter remembers (each importer draws a fresh one per pair)
 
 
 class PairLost(HandoffError):
@@ -160,6 +162,7 @@ class _ExportPair:
     group: PairGroup | None = None
     last_tag: int = 0
     broken: bool = False
+    last_used: float = field(default_factory=time.monotonic)
 
 
 class DistExporter:
@@ -174,8 +177,10 @@ class DistExporter:
         self._store: dist.TCPStore | None = None
         self._sock: socket.socket | None = None
         self._pairs: dict[bytes, _ExportPair] = {}
+        self._seen: OrderedDict[bytes, None] = OrderedDict()  # nonces opened before: a replayed OpenPair's
         self._lock = threading.Lock()
-        self.stats = dict(pairs_opened=0, pairs_dropped=0, sends=0, refused=0, send_failures=0)
+        self.stats = dict(pairs_opened=0, pairs_dropped=0, pairs_evicted=0, sends=0, refused=0, send_failures=0,
+                          replays_refused=0)
 
     @property
     def exporter_id(self) -> str:
@@ -192,7 +197,11 @@ class DistExporter:
         return f"[{self.host}]:{self._store.port}" if ":" in self.host else f"{self.host}:{self._store.port}"
 
     def open_pair(self, exporter_id: str, importer_id: str, nonce: bytes, tag: bytes) -> tuple[str, str, bytes]:
-        """Start the pair's rank 0 (it joins on a thread of its own); returns (store address, geometry, seal)."""
+        """Start the pair's rank 0 (it joins on a thread of its own); returns (store address, geometry, seal).
+
+        A nonce opens one pair only: a replayed OpenPair (its seal verifies) is refused, so it can neither tear
+        down the importer's live pair nor start a second one. With MAX_PAIRS open, the least recently used pair
+        goes (an importer that died never reopens under its id; one that lives reopens on its next send)."""
         if not _verify(self.mac, tag, "open", exporter_id, importer_id, nonce):
             raise PermissionError("OpenPair: seal does not verify (not made with this cluster's secret)")
         if exporter_id != self.exporter_id:
@@ -200,12 +209,22 @@ class DistExporter:
         if len(nonce) < 16:
             raise ValueError("OpenPair: nonce shorter than 16 bytes")
         with self._lock:
+            if nonce in self._seen:
+                self.stats["replays_refused"] += 1
+                raise HandoffError("OpenPair: this nonce opened a pair before (a replay)")
+            self._seen[nonce] = None
+            while len(self._seen) > SEEN_NONCES:
+                self._seen.popitem(last=False)
             address = self._store_address()
             for k, p in list(self._pairs.items()):  # an importer's new pair replaces its old one
-                if p.importer_id == importer_id or k == nonce:
+                if p.importer_id == importer_id:
                     self._drop(k)
-            if len(self._pairs) >= MAX_PAIRS:
-                raise HandoffError(f"OpenPair: {MAX_PAIRS} pairs open already")
+            while len(self._pairs) >= MAX_PAIRS:
+                oldest = min(self._pairs, key=lambda k: self._pairs[k].last_used)
+                log.warning("dist: %d pairs open; the least recently used (importer %s) goes", MAX_PAIRS,
+                            self._pairs[oldest].importer_id)
+                self._drop(oldest)
+                self.stats["pairs_evicted"] += 1
             pair = _ExportPair(importer_id, threading.Event(), ThreadPoolExecutor(1, thread_name_prefix="dist-send"))
             self._pairs[nonce] = pair
             store = dist.PrefixStore(pair_prefix(self.mac, nonce), self._store)
@@ -258,6 +277,7 @@ class DistExporter:
                 if tag <= pair.last_tag:
                     raise HandoffError("SendLease: tag not above the pair's last (a replay)")
                 pair.last_tag = tag
+                pair.last_used = time.monotonic()
             idx = torch.tensor(blocks, dtype=torch.int64)
             want = torch.tensor(epochs, dtype=torch.int64)
             if not torch.equal(self.exporter.epochs[idx], want):

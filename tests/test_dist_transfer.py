@@ -2,7 +2,8 @@
 the same code). A spawned child is the exporter (a CacheExporter's leases, a DistExporter, the PrefillWorker
 gRPC service's OpenPair/SendLease); this process is the importer. One child serves the whole module, in test
 order: bit-exact blocks of both halves, refused leases (freed before the send, freed during the gather),
-a seal or a pair prefix made without the secret, a stalled exporter (bounded), a dead one (bounded)."""
+a seal or a pair prefix made without the secret, a replayed OpenPair, importers that die (pairs evicted, never
+exhausted), a stalled exporter (bounded), a dead one (bounded)."""
 from __future__ import annotations
 
 import datetime
@@ -83,6 +84,10 @@ def _exporter(secret_hex: str, conn) -> None:
             conn.send(True)
         elif cmd == "stats":
             conn.send(dict(dx.stats))
+        elif cmd == "max_pairs":
+            import flashpd.kv_bridge.dist_transfer as dt  # noqa: PLC0415
+            dt.MAX_PAIRS = arg
+            conn.send(True)
         elif cmd == "stop":
             server.stop(0)
             return
@@ -174,19 +179,71 @@ def test_no_pair_without_the_cluster_secret(peer):
     assert pair_prefix(other, nonce) != pair_prefix(mac, nonce)
 
 
+def test_a_replayed_open_pair_is_refused_and_the_live_pair_goes_on(peer):
+    """An OpenPair captured on the wire (its seal verifies) opens nothing a second time: the importer's live pair
+    stays, with its tag counter."""
+    imp, control, call = peer["imp"], peer["control"], peer["call"]
+    h = call("lease", [1])
+    imp.copy(h, [2])
+    nonce = imp._pairs[h.exporter_id].nonce
+    msg = (h.exporter_address, h.exporter_id, imp.importer_id, nonce,
+           seal(peer["secret"].mac_key, "open", h.exporter_id, imp.importer_id, nonce))
+    before = call("stats")
+    with pytest.raises(HandoffError, match="a replay"):
+        control.open_pair(*msg)
+    after = call("stats")
+    assert after["replays_refused"] == before["replays_refused"] + 1
+    assert (after["pairs_opened"], after["pairs_dropped"]) == (before["pairs_opened"], before["pairs_dropped"])
+    h = call("lease", [4])
+    imp.copy(h, [6])  # the same pair, untouched
+    _check_blocks(peer, [4], [6])
+    assert imp.stats["pairs_opened"] == 1
+
+
+def test_importers_that_die_never_exhaust_the_exporters_pairs(peer):
+    """An importer that dies never reopens under its id; at MAX_PAIRS the least recently used pair goes instead
+    of every later OpenPair being refused."""
+    from flashpd.cluster.dist_control import DistControlClient  # noqa: PLC0415
+
+    call = peer["call"]
+    assert call("max_pairs", 2)
+    gone = []
+    for _ in range(3):  # each imports once, then is abandoned (as a killed decode worker is)
+        control = DistControlClient(TIMEOUT_S)
+        t, d = torch.zeros_like(peer["target"]), torch.zeros_like(peer["draft"])
+        other = DistImporter(t, d, "fp", peer["secret"].mac_key, control, "127.0.0.1", timeout_s=TIMEOUT_S)
+        other.copy(call("lease", [3]), [1])
+        assert torch.equal(t[:, :, 1], _filled(TARGET, 1)[:, :, 3])
+        gone.append((other, control))
+    stats = call("stats")
+    assert stats["pairs_evicted"] >= 2
+    h = call("lease", [7])
+    with pytest.raises(PairLost):  # the module's importer was evicted too (least recently used): this send fails,
+        peer["imp"].copy(h, [5])  # a counted fallback (the request recomputes) ...
+    call("release", h.lease_id)
+    h = call("lease", [7])
+    peer["imp"].copy(h, [5])  # ... and its next one reopens a pair and is served
+    _check_blocks(peer, [7], [5])
+    for other, control in gone:
+        other.close()
+        control.close()
+    assert call("max_pairs", 64)
+
+
 def test_a_stalled_exporter_is_a_bounded_failure_and_a_new_pair_follows(peer):
     imp, call = peer["imp"], peer["call"]
+    dropped, opened = imp.stats["pairs_dropped"], imp.stats["pairs_opened"]
     call("stall", 2 * TIMEOUT_S)
     h = call("lease", [6])
     t0 = time.monotonic()
     with pytest.raises(HandoffError, match="receive failed"):
         imp.copy(h, [7])
     assert TIMEOUT_S * 0.9 < time.monotonic() - t0 < TIMEOUT_S + 3
-    assert imp.stats["pairs_dropped"] == 1
+    assert imp.stats["pairs_dropped"] == dropped + 1
     h = call("lease", [6])
     imp.copy(h, [7])  # a new pair (it replaces the old one at the exporter)
     _check_blocks(peer, [6], [7])
-    assert imp.stats["pairs_opened"] == 2
+    assert imp.stats["pairs_opened"] == opened + 1
 
 
 def test_an_exporter_dying_mid_transfer_fails_the_import_within_the_bound(peer):

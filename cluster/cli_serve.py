@@ -72,6 +72,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = load_config(path)
     if a.http_port is not None:
         cfg = cfg.with_(http_port=a.http_port)
+    if cfg.mode != "ray" and (cfg.device or "").startswith("cuda"):  # (ray: the workers' hosts have the GPUs)
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"{path}: device {cfg.device!r}, but this machine has no CUDA device (or torch is a "
+                             "CPU build)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     svc = start_service(cfg)
     done = threading.Event()
@@ -85,6 +91,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     while not done.wait(1.0) and svc.alive:
         pass
     svc.stop()
+    if not done.is_set():  # nobody asked it to stop: its engine or workers died (the log says how)
+        print("flashpd: error: the service stopped serving (its engine or workers died; see the log)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

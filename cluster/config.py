@@ -12,6 +12,22 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("colocated", "ray", "local")
+_SCALARS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
+
+
+def _check_types(cfg: Any) -> None:
+    """Each field holds a value of its annotated type (a config file's "64" for an int fails here, named, not
+    deep in a worker). Only fields annotated with plain scalars and None are checked; bool is never an int."""
+    for f in fields(cfg):
+        names = [n.strip() for n in str(f.type).split("|")]
+        if not all(n in _SCALARS for n in names):
+            continue
+        v = getattr(cfg, f.name)
+        ok = any(isinstance(v, t) and not (isinstance(v, bool) and n in ("int", "float"))
+                 for n in names for t in _SCALARS[n])
+        if not ok:
+            raise ValueError(f"{f.name}: must be {' or '.join('null' if n == 'None' else n for n in names)}, "
+                             f"got {v!r}")
 
 
 # ServeConfig fields a client may read back (Health's settings_json; `public_settings`)
@@ -128,6 +144,7 @@ class ServeConfig:
         return self.engine_process if self.engine_process is not None else self.mode == "colocated"
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
         if self.engine_process is not None and not isinstance(self.engine_process, bool):
@@ -170,10 +187,20 @@ class ServeConfig:
             raise ValueError("tls_cert and tls_key: give both (the bridge's certificate and its key) or neither")
         if self.tls_ca is not None and self.tls_cert is None:
             raise ValueError("tls_ca: only with tls_cert and tls_key (clients verify a bridge that serves TLS)")
-        if self.http_port is not None and not (isinstance(self.http_port, int) and not isinstance(self.http_port, bool)
-                                               and 0 <= self.http_port <= 65535):
-            raise ValueError(f"http_port: must be a port number in [0, 65535] (0: any free port) or null (off), "
-                             f"got {self.http_port!r}")
+        for name in ("port", "metrics_port", "http_port"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 65535:
+                raise ValueError(f"{name}: must be a port number in [0, 65535] (0: any free port)"
+                                 f"{'' if name == 'port' else ' or null (off)'}, got {v!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens: must be >= 1 or null (a share of free device memory), "
+                             f"got {self.kv_cache_tokens}")
+        if self.device is not None and not (self.device == "cpu" or self.device == "cuda"
+                                            or self.device.startswith("cuda:")):
+            raise ValueError(f"device: must be 'cpu', 'cuda', 'cuda:N' or null (cuda when available), "
+                             f"got {self.device!r}")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: must be 'float32', 'bfloat16', 'float16' or null, got {self.dtype!r}")
         if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
                                                    or not self.served_model_name.strip()):
             raise ValueError(f"served_model_name: must be a non-empty string, got {self.served_model_name!r}")

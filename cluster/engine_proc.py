@@ -43,6 +43,8 @@ from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+# what a start fails with on bad input (a wrong checkpoint, config value or path): the parent raises its message alone
+INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 FINAL = ("done", "cancelled", "error")
 STATS_TIMEOUT_S = 5.0  # a stats round trip (health, metrics) waits at most this long
@@ -169,8 +171,9 @@ def engine_main(conn: Connection) -> None:
         llm = load_model(cfg)
         metrics = Metrics("engine")  # what build_decode feeds; the front end keeps the served metrics
         child.worker = build_decode(cfg, llm, local_cache(cfg, llm, metrics), metrics, sink=child.sink)
-    except BaseException:  # noqa: BLE001  the parent raises it with this text
-        child.send(("failed", traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001  the parent raises it: bad input as its message, the rest with this text
+        child.send(("failed", {"input": isinstance(e, INPUT_ERRORS), "message": str(e) or type(e).__name__,
+                               "traceback": traceback.format_exc()}))
         return
     loop = child.worker.loop
     child.send(("ready", {"has_drafter": loop.has_drafter, "default_draft_width": loop.default_draft_width,
@@ -234,7 +237,11 @@ class EngineProcess:
             raise RuntimeError(f"the engine process exited (code {self._proc.returncode}) before it was ready") from None
         if msg[0] != "ready":
             self._wait(10)
-            raise RuntimeError(f"the engine process failed to start:\n{msg[1]}")
+            info = msg[1]
+            if info["input"]:  # a wrong checkpoint, config or path: the user's to fix, said in one line
+                log.debug("the engine process failed to start:\n%s", info["traceback"])
+                raise ValueError(info["message"])
+            raise RuntimeError(f"the engine process failed to start:\n{info['traceback']}")
         log.info("engine process %d ready after %.1f s", self._proc.pid, time.monotonic() - t0)
         return msg[1]
 

@@ -73,13 +73,13 @@ def max_chunk_bytes(cfg) -> int:
     weights. An unset dtype counts as float32, the widest a worker may run."""
     from pathlib import Path  # noqa: PLC0415
 
-    from flashpd.engine.config import load_config  # noqa: PLC0415
+    from flashpd.engine.config import load_config, read_json_object  # noqa: PLC0415
     from flashpd.engine.drafter import DFlashConfig  # noqa: PLC0415
     from flashpd.kv_bridge.chunk import max_chunk_bytes as chunk_limit  # noqa: PLC0415
     from flashpd.kv_bridge.layout import ChunkLayout  # noqa: PLC0415
 
     t = load_config(cfg.target)
-    d = DFlashConfig.from_dict(json.loads((Path(cfg.draft) / "config.json").read_text())) if cfg.draft else None
+    d = DFlashConfig.from_dict(read_json_object(Path(cfg.draft) / "config.json")) if cfg.draft else None
     return chunk_limit(ChunkLayout(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, cfg.chunk_tokens,
                                    cfg.dtype or "float32", d.num_hidden_layers if d else None, None,
                                    d.num_key_value_heads if d else None, d.head_dim if d else None))
@@ -432,7 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
     cfg = ServeConfig.from_dict(json.loads(a.config_json), "--config-json")
-    w = build_worker(a.role, cfg, a.port)
+    try:
+        w = build_worker(a.role, cfg, a.port)
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        print(f"flashpd {a.role} worker: error: {e}", file=sys.stderr, flush=True)  # bad input: one line, no trace
+        return 2
     if w.metrics_address:
         print(f"metrics on {w.metrics_address}", flush=True)
     print(f"listening on {w.address}", flush=True)

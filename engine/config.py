@@ -59,6 +59,8 @@ class Qwen3Config(HeadGeometry):
                                "num_attention_heads") if k not in d]
         if missing:
             raise CheckpointError(f"{source}: config is missing required fields {missing}")
+        positive_ints(d, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "max_position_embeddings"), source)
         if d.get("attention_bias"):
             raise CheckpointError(f"{source}: attention_bias=true is not supported (Qwen3 has none)")
         theta = rope_theta_of(d, source)
@@ -97,6 +99,25 @@ def rope_theta_of(d: dict[str, Any], source: str) -> float:
     return float(d.get("rope_theta", rope.get("rope_theta", 10_000.0)))  # transformers' Qwen3Config default
 
 
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict, or CheckpointError naming the file (not JSON, not an object)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(d).__name__}")
+    return d
+
+
+def positive_ints(d: dict[str, Any], names: tuple[str, ...], source: str) -> None:
+    """Each of `names` that `d` holds is a positive integer (a config's "192" fails here, named)."""
+    for k in names:
+        v = d.get(k)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            raise CheckpointError(f"{source}: {k} must be a positive integer, got {v!r}")
+
+
 def _as_ids(v: Any) -> tuple[int, ...]:
     if v is None:
         return ()
@@ -120,9 +141,9 @@ def load_config(model_dir: str | Path) -> Qwen3Config:
         cfg_file, gen_file = p / "config.json", p / "generation_config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{p}: no config.json (is this a Hugging Face model directory?)")
-    d = json.loads(cfg_file.read_text())
+    d = read_json_object(cfg_file)
     if gen_file is not None and gen_file.exists():
-        g = json.loads(gen_file.read_text())
+        g = read_json_object(gen_file)
         if g.get("eos_token_id") is not None:
             d = {**d, "eos_token_id": g["eos_token_id"]}
     cfg = Qwen3Config.from_dict(d, source=str(cfg_file))

@@ -10,7 +10,6 @@ the target's embedding, lets every block query see all context K/V plus all B bl
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 from flashpd.engine.attention import gather_kv, group_mask, group_queries, grouped_attention, out_proj, \
     paged_applies
-from flashpd.engine.config import CheckpointError, HeadGeometry, rope_theta_of
+from flashpd.engine.config import CheckpointError, HeadGeometry, positive_ints, read_json_object, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
 from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, fused_attn_inputs, fused_layer, \
@@ -73,6 +72,16 @@ class DFlashConfig(HeadGeometry):
         for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if k not in d:
                 raise CheckpointError(f"{source}: missing field {k}")
+        positive_ints(d, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "vocab_size"), source)
+        for k in ("num_target_layers", "block_size", "mask_token_id"):  # (their ranges: check_fits, against the target)
+            v = pick(k)
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool)):
+                raise CheckpointError(f"{source}: {k} must be an integer, got {v!r}")
+        ids = pick("target_layer_ids")
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                  for i in ids)):
+            raise CheckpointError(f"{source}: target_layer_ids must be a list of integers, got {ids!r}")
         heads = d["num_attention_heads"]
         n_layers = d["num_hidden_layers"]
         if pick("num_target_layers") is None:
@@ -533,7 +542,7 @@ def load_drafter(draft_dir: str | Path, target: Qwen3ForCausalLM, device: str | 
     p = Path(draft_dir)
     if not (p / "config.json").exists():
         raise CheckpointError(f"{p}: no config.json (is this a DFlash drafter directory?)")
-    cfg = DFlashConfig.from_dict(json.loads((p / "config.json").read_text()), source=str(p / "config.json"))
+    cfg = DFlashConfig.from_dict(read_json_object(p / "config.json"), source=str(p / "config.json"))
     device = torch.device(device) if device is not None else target.embed_tokens.weight.device
     dtype = dtype or target.embed_tokens.weight.dtype
     cfg.check_fits(target)

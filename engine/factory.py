@@ -80,6 +80,11 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
     `token_map`: a file of hot token ids the drafter alone drafts from (engine/token_map.py; default: all);
     `draft_quantization`: the drafter's few-row passes in "fp8" weights (DFlashDrafter.quantize; default: the
     checkpoint's dtype)."""
+    if not (isinstance(kv_block_size, int) and not isinstance(kv_block_size, bool) and kv_block_size >= 1):
+        raise ValueError(f"kv_block_size must be a positive integer, got {kv_block_size!r}")
+    if kv_cache_tokens is not None and not (isinstance(kv_cache_tokens, int) and not isinstance(kv_cache_tokens, bool)
+                                            and kv_cache_tokens >= 1):
+        raise ValueError(f"kv_cache_tokens must be a positive integer or None, got {kv_cache_tokens!r}")
     dev = torch.device(device or default_device())
     dt = resolve_dtype(dtype, str(dev))
     method = method or ("dflash" if draft else "native")

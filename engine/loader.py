@@ -6,23 +6,25 @@ parameter slice, so host memory never holds a second full copy of the model.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 
-from flashpd.engine.config import CheckpointError, Qwen3Config, load_config
+from flashpd.engine.config import CheckpointError, Qwen3Config, load_config, read_json_object
 from flashpd.engine.qwen3 import Qwen3ForCausalLM
 
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})  # safetensors' names of the dtypes a weight may have
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters write; recomputed here
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = read_json_object(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [str(f.name) for f in files if not f.exists()]
         if missing:
@@ -46,8 +48,11 @@ def iter_safetensors(files: list[Path], device: str) -> Iterator[tuple[str, Call
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
         with handle as h:
             for name in h.keys():
-                shape = list(h.get_slice(name).get_shape())
-                yield name, (lambda h=h, name=name: h.get_tensor(name)), shape
+                sl = h.get_slice(name)
+                if sl.get_dtype() not in FLOAT_DTYPES:  # copied into a float parameter it would be garbage, silently
+                    raise CheckpointError(f"{f}: tensor {name} has dtype {sl.get_dtype()}, expected one of "
+                                          f"{sorted(FLOAT_DTYPES)}")
+                yield name, (lambda h=h, name=name: h.get_tensor(name)), list(sl.get_shape())
 
 
 def target_slices(model: Qwen3ForCausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:

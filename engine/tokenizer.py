@@ -5,10 +5,15 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from flashpd.engine.config import CheckpointError
+
 
 class TextTokenizer:
     def __init__(self, path: Path) -> None:
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001  the tokenizers library raises a bare Exception for a bad file
+            raise CheckpointError(f"{path}: unreadable tokenizer.json ({e})") from None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "TextTokenizer | None":

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flashpd.cluster import cli_serve
 from flashpd.cluster.cli_serve import add_sampling_args
+from flashpd.cluster.launcher import WorkerStartError
 from flashpd.engine.config import CheckpointError
 from flashpd.engine.sampling import SamplingParams
 
@@ -62,12 +63,13 @@ def parse_speculative_config(text: str) -> dict:
         raise ValueError(f"--speculative-config: unsupported keys {sorted(unknown)}")
     if cfg.get("method") != "dflash":
         raise ValueError(f"--speculative-config: method must be 'dflash', got {cfg.get('method')!r}")
-    if not cfg.get("model"):
-        raise ValueError("--speculative-config: 'model' (the drafter directory) is required")
+    if not cfg.get("model") or not isinstance(cfg["model"], str):
+        raise ValueError(f"--speculative-config: 'model' (the drafter directory, a path) is required, got "
+                         f"{cfg.get('model')!r}")
     out = {"method": "dflash", "draft": cfg["model"]}
     if "num_speculative_tokens" in cfg:
         k = cfg["num_speculative_tokens"]
-        if not isinstance(k, int) or k < 1:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be a positive integer, got {k!r}")
         out["block_size"] = k + 1
     if "token_map" in cfg:
@@ -335,9 +337,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from flashpd.demo import run_demo  # noqa: PLC0415
         return run_demo(device=a.device)
-    except (ValueError, CheckpointError, FileNotFoundError) as e:
+    except (ValueError, CheckpointError, OSError) as e:  # OSError: a missing, unreadable or wrong-kind path
         print(f"flashpd: error: {e}", file=sys.stderr)
         return 2
+    except WorkerStartError as e:  # its message names the worker, its exit and its log's tail
+        print(f"flashpd: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _version() -> str:

@@ -157,9 +157,12 @@ def test_a_dead_engine_ends_its_streams_and_refuses_new_ones():
 
 
 def test_an_engine_that_cannot_start_fails_the_start_with_its_error(tmp_path):
+    """Bad input (here a config.json without its fields) fails the start with the child's one-line message, as
+    the in-process engine's load would (no traceback of the child's)."""
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(RuntimeError, match="engine process failed to start"):
+    with pytest.raises(ValueError, match="config is missing required fields") as e:
         start_service(ServeConfig(target=str(tmp_path), device="cpu", dtype="float32", engine_process=True))
+    assert "Traceback" not in str(e.value) and str(tmp_path) in str(e.value)
 
 
 def test_an_interrupted_start_leaves_no_engine_behind(monkeypatch):

@@ -393,3 +393,44 @@ def test_dummy_target_from_a_builtin_config_path_keeps_its_fields():
     assert m.lm_head is not None and m.cfg.rope_theta == 1e6 and m.cfg.eos_token_ids == big.eos_token_ids
     assert m.rotary is not None and m.rotary.max_positions == 128
     assert torch.isfinite(_dummy_logits(m, [1, 2, 3, 4])).all()
+
+
+# ---- malformed files: one CheckpointError naming the file and the problem --------------------
+
+def test_malformed_json_and_field_types_name_the_file(make_checkpoint):
+    _, d = make_checkpoint(fresh=True, **SPEC)
+    good = (d / "config.json").read_text()
+    for text, said in (("{not json", "not valid JSON"), ("[1, 2]", "must hold a JSON object")):
+        (d / "config.json").write_text(text)
+        with pytest.raises(CheckpointError, match=said) as e:
+            load_target(d)
+        assert str(d / "config.json") in str(e.value)
+    (d / "config.json").write_text(good)
+    _edit_config(d, hidden_size="64")
+    with pytest.raises(CheckpointError, match=r"hidden_size must be a positive integer, got '64'"):
+        load_target(d)
+    (d / "config.json").write_text(good)
+    (d / "generation_config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="generation_config.json: not valid JSON"):
+        load_target(d)
+    (d / "generation_config.json").unlink()
+    (d / "tokenizer.json").write_text('{"model": 5}')
+    from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
+
+    with pytest.raises(CheckpointError, match="tokenizer.json: unreadable tokenizer.json"):
+        TextTokenizer.from_dir(d)
+
+
+def test_a_tensor_that_is_not_a_float_type_is_refused(make_checkpoint):
+    """Copied into a float parameter an int32 tensor would load as garbage and generate silently."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    _, d = make_checkpoint(fresh=True, **SPEC)
+    path = d / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.norm.weight"
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match=f"tensor {name} has dtype I32") as e:
+        load_target(d)
+    assert str(path) in str(e.value)

@@ -34,6 +34,19 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "session_hold_fraction": 1.5}, "session_hold_fraction"),
     ({"target": "t", "session_hold_steps": 0}, "session_hold_steps"),
     ({"target": "t", "gil_switch_interval_s": 2}, "gil_switch_interval_s"),
+    ({"target": "t", "max_running": "64"}, "max_running: must be int, got '64'"),
+    ({"target": "t", "decode_workers": "2"}, "decode_workers: must be int"),
+    ({"target": "t", "kv_cache_tokens": "4096"}, "kv_cache_tokens: must be int or null"),
+    ({"target": None}, "target: must be str"),
+    ({"target": "t", "restart": 1}, "restart: must be bool"),
+    ({"target": "t", "port": 70000}, r"port: must be a port number in \[0, 65535\]"),
+    ({"target": "t", "port": -1}, "port: must be a port number"),
+    ({"target": "t", "metrics_port": 70000}, "metrics_port: must be a port number"),
+    ({"target": "t", "port": "abc"}, "port: must be int"),
+    ({"target": "t", "kv_cache_tokens": -5}, "kv_cache_tokens: must be >= 1"),
+    ({"target": "t", "kv_cache_tokens": 0}, "kv_cache_tokens: must be >= 1"),
+    ({"target": "t", "device": "tpu"}, "device: must be 'cpu', 'cuda'"),
+    ({"target": "t", "dtype": "int8"}, "dtype: must be"),
 ])
 def test_bad_configs_are_refused_by_name(tmp_path, d, msg):
     (tmp_path / "c.json").write_text(json.dumps(d))
@@ -112,3 +125,37 @@ def test_a_model_process_takes_the_configured_switch_interval():
             assert sys.getswitchinterval() == pytest.approx(want)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_serve_exits_non_zero_when_its_engine_dies(tmp_path):
+    """Nobody asked it to stop: `flashpd serve` says so and exits 1 (a supervisor must not read a clean exit)."""
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    import psutil  # noqa: PLC0415
+
+    demo = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
+    (tmp_path / "c.json").write_text(json.dumps({"target": str(demo / "target"), "device": "cpu",
+                                                 "dtype": "float32", "kv_cache_tokens": 2048, "torch_threads": 1}))
+    proc = subprocess.Popen([sys.executable, "-m", "flashpd.cli", "serve", str(tmp_path / "c.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        out = []
+        for ln in proc.stdout:  # up to "listening on": the engine process is ready
+            out.append(ln)
+            if ln.startswith("listening on "):
+                break
+        kids = psutil.Process(proc.pid).children()
+        assert kids, "".join(out)
+        os.kill(kids[0].pid, signal.SIGKILL)  # the engine process
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 1, rest[-2000:]
+        assert "the service stopped serving" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -92,7 +92,8 @@ def slices_state_dict(slices: dict[str, tuple[torch.Tensor, int, int]]) -> dict[
 
 def fill_from_checkpoint(slices: dict[str, tuple[torch.Tensor, int, int]], files: list[Path],
                          device: str, source: str, ignore: tuple[str, ...] = ()) -> None:
-    """Copy every checkpoint tensor into its slice; error on shape mismatch or missing tensors."""
+    """Copy every checkpoint tensor into its slice; error on a shape mismatch, missing tensors, or a tensor holding
+    NaN or inf once in the model's dtype (it would generate garbage, silently)."""
     seen: set[str] = set()
     unexpected: list[str] = []
     for name, load, shape in iter_safetensors(files, device):
@@ -105,7 +106,10 @@ def fill_from_checkpoint(slices: dict[str, tuple[torch.Tensor, int, int]], files
         if shape != want:
             raise CheckpointError(f"{source}: tensor {name} has shape {shape}, the config implies {want}")
         with torch.no_grad():
-            dest[off:off + rows].copy_(load())
+            part = dest[off:off + rows]
+            part.copy_(load())
+            if not torch.isfinite(torch.linalg.vector_norm(part, ord=float("inf"))):  # one reduction, no copy
+                raise CheckpointError(f"{source}: tensor {name} holds NaN or inf values (in {part.dtype})")
         seen.add(name)
     missing = sorted(set(slices) - seen)
     if missing:

@@ -434,3 +434,17 @@ def test_a_tensor_that_is_not_a_float_type_is_refused(make_checkpoint):
     with pytest.raises(CheckpointError, match=f"tensor {name} has dtype I32") as e:
         load_target(d)
     assert str(path) in str(e.value)
+
+
+def test_a_tensor_holding_nan_or_inf_is_refused(make_checkpoint):
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    for bad in (float("nan"), float("inf")):
+        _, d = make_checkpoint(fresh=True, **SPEC)
+        path = d / "model.safetensors"
+        tensors = load_file(str(path))
+        name = "model.layers.1.mlp.down_proj.weight"
+        tensors[name][3, 5] = bad
+        save_file(tensors, str(path))
+        with pytest.raises(CheckpointError, match=f"tensor {name} holds NaN or inf"):
+            load_target(d)

@@ -55,7 +55,9 @@ def compile_(kernel, const, warps=4, stages=3):
     lines = cc.asm["ptx"].splitlines()
     at = lambda *keys: [i for i, l in enumerate(lines) if any(k in l for k in keys)]
     return {"wait": at("griddepcontrol.wait"), "release": at("griddepcontrol.launch_dependents"),
-            "mem": at(*MEM), "mma": at("mma"), "store": at("st.global")}
+            "mem": at(*MEM), "mma": at("mma"), "store": at("st.global"), "bar": at("bar.sync"),
+            "cp": at("cp.async.ca.shared.global", "cp.async.cg.shared.global"),
+            "nc": [i for i in at("ld.global") if ".nc" in lines[i]]}
 
 skinny = dict(BM=16, BN=16, BK=128, EVEN_K=True, F32=False, ROWWISE=False, P_PAD=16, WQ=0)
 attn = dict(G=4, PAGE=16, D=128, D_PAD=128, BM=16, BN=32, KPC=256, F32=False, INTERPRET=False, ROPE=False, NQ=0,
@@ -182,3 +184,16 @@ def test_a_one_token_call_of_few_rows_lets_its_latency_successor_launch_early(mo
     monkeypatch.setattr(triton_env, "PDL_RELEASE_TO_LATENCY", 5)
     with pytest.raises(ValueError, match="PDL_RELEASE_TO_LATENCY"):
         triton_env.pdl_args(dev, True, tokens=1, rows=1)
+
+
+@pytest.mark.parametrize("name", ["attn_rope_split_after", "attn_rope_verify_never"])
+def test_the_rope_form_writes_its_keys_then_barriers_before_it_reads_the_cache(ptx: dict, name: str) -> None:
+    """qkv_rope's work inside the paged kernel (qkv_rope.IN_ATTENTION): a program writes the K/V it will read, so
+    in its PTX every cache store comes before a bar.sync, which comes before the first cache load (cp.async), and
+    no global load takes the non-coherent path (.nc), which need not see this kernel's own writes."""
+    c = ptx[name]
+    first_read = min(c["cp"])
+    writes = [i for i in c["store"] if i < first_read]
+    assert writes, c  # the key/value writes (the output's stores come after every read)
+    assert any(max(writes) < b < first_read for b in c["bar"]), c
+    assert c["nc"] == []

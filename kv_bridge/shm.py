@@ -108,10 +108,11 @@ def _read_exactly(fd: int, name: str, length: int, writable: bool) -> bytes | by
 
 
 def unlink_segment(name: str) -> None:
+    """Remove a segment if it is there and ours to remove (another user's file in /dev/shm is not: left alone)."""
     if _NAME_RE.match(name):
         try:
             os.unlink(SHM_DIR / name)
-        except FileNotFoundError:
+        except OSError:  # gone already, or not this process's to unlink
             pass
 
 

@@ -3,7 +3,8 @@
 The listening socket is bound here, before uvicorn starts, so port 0 gets a free port whose number is
 known at once; the bind rule is the gRPC API's (loopback unless allow_remote). stop() lets requests in
 flight finish for a grace period, then cancels them (each cancel reaches the backend: cluster/http_api.py),
-and joins the thread; every wait is bounded.
+and joins the thread; every wait is bounded. A connection must deliver each request within request_timeout_s
+(cluster/http_guard.py), so clients that trickle bytes cannot hold uvicorn's connection limit.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 
 import uvicorn
 
+from flashpd.cluster.http_guard import guarded_h11
 from flashpd.kv_bridge.server import is_loopback
 
 log = logging.getLogger(__name__)
@@ -21,17 +23,18 @@ log = logging.getLogger(__name__)
 
 class HttpServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
-                 max_concurrent: int = 256, grace_s: float = 2.0) -> None:
+                 max_concurrent: int = 256, grace_s: float = 2.0, request_timeout_s: float = 30.0) -> None:
         if not (allow_remote or is_loopback(host)):
             raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
         self.host = host
         self.grace_s = grace_s
+        self._protocol = guarded_h11(request_timeout_s)
         self.sock = _bind(host, port)
         self.port = int(self.sock.getsockname()[1])
         cfg = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                              # connections and requests (past it: 503); idle keep-alive connections count too
                              timeout_graceful_shutdown=grace_s, limit_concurrency=2 * max_concurrent + 16,
-                             timeout_keep_alive=30)
+                             timeout_keep_alive=30, http=self._protocol)
         self.server = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._run, name="http-api", daemon=True)
         self._error: BaseException | None = None
@@ -56,6 +59,11 @@ class HttpServer:
                 raise RuntimeError(f"the HTTP server did not start on {self.address}: {self._error!r}")
             time.sleep(0.01)
         return self
+
+    @property
+    def requests_timed_out(self) -> int:
+        """Connections closed because a request was not delivered whole within request_timeout_s."""
+        return self._protocol.timeouts
 
     @property
     def alive(self) -> bool:

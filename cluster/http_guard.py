@@ -1,0 +1,68 @@
+"""uvicorn's h11 protocol with a deadline on reading each request.
+
+uvicorn (0.54) times out only an idle keep-alive connection, and a byte received cancels that timer, so a client
+that opens connections and sends their headers or bodies a byte at a time holds each one forever; past
+uvicorn's `limit_concurrency` every other client gets 503. Here a connection has `request_timeout_s` to deliver
+each request whole (headers and body), counted from the connection's start or the end of the previous response;
+past it the connection is closed (an app already reading that body sees a disconnect). Once a request is read,
+the deadline is off: a long generation or stream is never cut by it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+# h11 states of the client's side in which a request is still being read
+_READING = (h11.IDLE, h11.SEND_BODY)
+
+
+def guarded_h11(request_timeout_s: float) -> type[H11Protocol]:
+    """An H11Protocol class whose connections must deliver each request within request_timeout_s seconds."""
+    if not request_timeout_s > 0:
+        raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
+
+    class GuardedH11(H11Protocol):
+        timeouts = 0  # connections closed by the deadline, over this class's servers (read by tests and metrics)
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._deadline: asyncio.TimerHandle | None = None
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state not in _READING:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            if not self.transport.is_closing():
+                self._arm()  # the next request's clock; a pipelined one already buffered disarms it below
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(request_timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing() or self.conn.their_state not in _READING:
+                return
+            type(self).timeouts += 1
+            log.info("closed a connection from %s: no whole request within %.0f s", self.client, request_timeout_s)
+            self.transport.close()
+
+    return GuardedH11

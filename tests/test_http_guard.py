@@ -1,0 +1,183 @@
+"""The HTTP server's request deadline (cluster/http_guard.py) on a real uvicorn server on 127.0.0.1: connections
+that trickle their headers, stop mid-body, send nothing, or trickle after a response are closed at the deadline
+and counted; a stream that outlasts the deadline once its request is read is not cut; keep-alive still serves a
+second request; and with the connection limit held by trickling clients, a new client is served once the
+deadline has passed (it got 503 for ever before).
+"""
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import threading
+import time
+
+import pytest
+
+from flashpd.cluster.http_api import build_app
+from flashpd.cluster.http_server import HttpServer
+
+DEADLINE_S = 1.0
+WAIT_S = 10.0
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+
+    def get(self, timeout: float):
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class _SlowBackend:
+    """A backend that streams one token every `gap_s` (no engine): a response that outlasts the deadline."""
+
+    has_drafter, default_draft_width, vocab_size, max_positions, alive = False, None, 100, 64, True
+
+    def __init__(self, gap_s: float) -> None:
+        self.gap_s = gap_s
+
+    def counts(self):
+        from flashpd.engine.load import Load
+        return Load(running=0, waiting=0, kv_blocks_free=4, kv_blocks_total=4, kv_block_size=16)
+
+    def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
+        from flashpd.decode_node.engine_loop import Event
+
+        h = _Handle()
+
+        def feed() -> None:
+            for t in range(params.max_tokens):
+                time.sleep(self.gap_s)
+                h.events.put(Event("tokens", tokens=[10 + t]))
+            h.events.put(Event("done", finish_reason="length", stats={"acceptance_lengths": [], "tau": None}))
+
+        threading.Thread(target=feed, daemon=True).start()
+        return h
+
+    def cancel(self, h) -> None:
+        pass
+
+
+def _request(n_tokens: int, stream: bool = False) -> bytes:
+    body = json.dumps({"model": "fake", "prompt": [5], "max_tokens": n_tokens, "stream": stream}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+
+
+def _closed_by_server(s: socket.socket, within_s: float) -> bool:
+    """Whether the server closes s within within_s (reads until EOF; any bytes a response sent are skipped)."""
+    s.settimeout(within_s)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One whole non-streamed response (Content-Length framed) from s."""
+    s.settimeout(WAIT_S)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        buf += s.recv(65536)
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    n = int([ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0])
+    while len(rest) < n:
+        rest += s.recv(65536)
+    return head + b"\r\n\r\n" + rest
+
+
+@pytest.fixture
+def server():
+    srv = HttpServer(build_app(_SlowBackend(gap_s=0.4), None, "fake", None), max_concurrent=2,
+                     request_timeout_s=DEADLINE_S).start()
+    yield srv
+    srv.stop()
+
+
+def _connect(srv: HttpServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S)
+
+
+def test_stalled_requests_are_closed_at_the_deadline(server):
+    req = _request(1)
+    silent, trickle, half_body = _connect(server), _connect(server), _connect(server)
+    half_body.sendall(req[:-5])  # headers whole, body 5 bytes short
+    t0 = time.monotonic()
+    stop = threading.Event()
+
+    def drip() -> None:  # a header byte every 0.1 s: each byte would cancel uvicorn's own keep-alive timer
+        for b in req:
+            if stop.is_set():
+                return
+            try:
+                trickle.send(bytes([b]))
+            except OSError:
+                return
+            time.sleep(0.1)
+
+    t = threading.Thread(target=drip, daemon=True)
+    t.start()
+    try:
+        for s in (silent, trickle, half_body):
+            assert _closed_by_server(s, DEADLINE_S + 3.0)
+        assert time.monotonic() - t0 < DEADLINE_S + 3.0
+        assert server.requests_timed_out >= 3
+    finally:
+        stop.set()
+        t.join(WAIT_S)
+        for s in (silent, trickle, half_body):
+            s.close()
+
+
+def test_a_request_read_in_time_is_not_cut_and_keep_alive_serves_again(server):
+    s = _connect(server)
+    try:
+        before = server.requests_timed_out
+        s.sendall(_request(5))  # 5 tokens, 0.4 s apart: 2 s of work, twice the deadline
+        t0 = time.monotonic()
+        r = _read_response(s)
+        assert time.monotonic() - t0 > DEADLINE_S
+        assert r.startswith(b"HTTP/1.1 200"), r[:200]
+        body = json.loads(r.partition(b"\r\n\r\n")[2])
+        assert body["usage"]["completion_tokens"] == 5
+        s.sendall(_request(1))  # the same connection, within the next request's deadline
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+        assert server.requests_timed_out == before
+        s.send(b"POST")  # then a trickle after a response: closed at the deadline, not held
+        assert _closed_by_server(s, DEADLINE_S + 3.0)
+        assert server.requests_timed_out == before + 1
+    finally:
+        s.close()
+
+
+def test_trickling_clients_cannot_hold_the_connection_limit(server):
+    """max_concurrent 2 gives uvicorn a limit of 20 connections: 24 trickling ones fill it; past the deadline
+    they are gone and a new client's request is served."""
+    held = [_connect(server) for _ in range(24)]
+    try:
+        for s in held:
+            s.send(b"P")
+        time.sleep(DEADLINE_S + 1.0)
+        c = _connect(server)
+        try:
+            c.sendall(_request(1))
+            assert _read_response(c).startswith(b"HTTP/1.1 200")
+        finally:
+            c.close()
+        assert all(_closed_by_server(s, 2.0) for s in held)
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_the_deadline_must_be_positive():
+    with pytest.raises(ValueError, match="request_timeout_s"):
+        HttpServer(None, request_timeout_s=0)

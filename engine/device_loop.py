@@ -329,6 +329,10 @@ class DeviceLoop:
             return False
         if self.spec and (self.gen.loop_widths(seqs) is None or not self.gen.model_steps()):
             return False
+        # a DFlash row's last step may commit one token past max_tokens (host-trimmed), leaving its state at its
+        # end position, which a step already queued behind it still embeds: that position must exist
+        if self.spec and any(len(s.prompt) + s.params.max_tokens >= self.runner.max_positions for s in seqs):
+            return False
         return True
 
     def _host_buffers(self, key: tuple, b: int, t: int, nblk: int, cuda: bool) -> HostBuffers:

@@ -7,6 +7,7 @@ the captured device step included, draws the same tokens for a request.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -47,6 +48,16 @@ class SamplingParams:
             object.__setattr__(self, "top_p", TOP_P_MIN)
 
     def validate(self) -> None:
+        for name in ("max_tokens", "top_k", "seed"):  # a float here (2.5) used to pass and fail inside a step
+            v = getattr(self, name)
+            if not (v is None and name == "seed") and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {v!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):

@@ -53,6 +53,7 @@ import logging
 import math
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -666,6 +667,21 @@ class Scheduler:
             self._fail(r, e, result)
         return result.failed
 
+    def cancel_all(self, also: Iterable[Request] = ()) -> None:
+        """Cancel every request (a caller interrupted mid-run): the device session ended if it still can be (else
+        dropped), every block and lease given back, the scheduler left empty and usable. `also`: requests the
+        caller made, which an interrupt may have caught between the queue and the batch (in neither list)."""
+        try:
+            self._end_session()
+        except Exception:  # noqa: BLE001  a session broken by the interrupt is dropped, not read
+            log.warning("a device session could not be ended cleanly; dropped")
+            self._session, self._session_gen = None, None
+        seen: set[int] = set()
+        for r in [*self.running, *self.waiting, *also]:
+            if id(r) not in seen:
+                seen.add(id(r))
+                self.cancel(r)
+
     def reset_stats(self) -> None:
         """Zero the counters (after a warm-up, whose requests are not the service's)."""
         self.stats = SchedulerStats()
@@ -704,8 +720,12 @@ def generate(gen: NativeGenerator, prompts: list[list[int]], params: list[Sampli
     reqs = [sched.add(p, sp, method, draft_width=w)
             for p, sp, w in zip(prompts, params, draft_widths or [None] * len(prompts))]
     failed: list[tuple[Request, RequestFailed]] = []
-    while not sched.idle:
-        failed.extend(sched.step().failed)
+    try:
+        while not sched.idle:
+            failed.extend(sched.step().failed)
+    except BaseException:  # Ctrl-C, or an error no step contained: every block back, then raise
+        sched.cancel_all(reqs)
+        raise
     if failed:
         err = failed[0][1]
         raise err.__cause__ or err

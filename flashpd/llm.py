@@ -1,6 +1,8 @@
 """The public Python API: `LLM(...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import operator
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,13 +49,23 @@ class LLM:
         self.device, self.dtype, self.method, self.block_size = e.device, e.dtype, e.method, e.draft_width
         self.model, self.tokenizer, self.stop_ids, self.drafter = e.model, e.tokenizer, e.stop_ids, e.drafter
         self.runner, self.generator = e.runner, e.generator
+        # one engine (runner, KV blocks, device loop) under every call: calls from several threads run one at
+        # a time (each batches its own prompts); interleaved they gave each other's tokens
+        self._lock = threading.Lock()
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this target has no tokenizer.json: pass token ids instead of text")
             return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
+        ids = []
+        for t in prompt:  # int(7.9) would quietly be 7
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                ids.append(operator.index(t))
+            except TypeError:
+                raise ValueError(f"prompt token ids must be integers, got {t!r}") from None
         vocab = self.model.cfg.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -68,7 +80,8 @@ class LLM:
         ids = [self.encode(p) for p in prompts]  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(ids)
-        seqs = scheduler.generate(self.generator, ids, plist)  # the engine's one driver, as a worker's
+        with self._lock:
+            seqs = scheduler.generate(self.generator, ids, plist)  # the engine's one driver, as a worker's
         return [RequestOutput(s.prompt, s.output, self.tokenizer.decode(s.output) if self.tokenizer else None,
                               s.finish_reason or "length", s.stats) for s in seqs]
 

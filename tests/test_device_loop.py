@@ -256,3 +256,37 @@ def test_compiled_step_functions_trace_whole_and_give_the_eager_tokens(dflash_pa
     assert got[True] == got[False]
     assert max(max(a) for _, a in got[True][:2]) > 1
     torch._dynamo.reset()
+
+
+def test_dflash_rows_ending_at_the_last_position_stay_off_the_device_loop(dflash_pair, caplog):  # noqa: F811
+    """A DFlash row's last step may commit one token past max_tokens (trimmed by the host), which leaves its state
+    at its end position, and a step already queued behind it embeds that position: a row ending at the model's
+    last position indexed past the RoPE table (a failed step here, a device-side assert on a GPU). Such rows run
+    stepwise; rows ending one position short still take the loop. Both final norms zeroed, so every logit is 0:
+    target and drafter both pick token 0 and every guess is accepted, the case that overshoots. Every run equals
+    the stepwise loop, with no failed step."""
+    from tests.dflash_fixtures import MAX_POS
+
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    with torch.no_grad():
+        target.norm.weight.zero_()
+        drafter.norm.zero_()
+    runner = ModelRunner(target, 512, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(cuda_graphs=False, compile=False))
+    loop, stepwise = DFlashGenerator(runner, drafter, (), 16), DFlashGenerator(runner, drafter, (), 16)
+    loop.device_loop, stepwise.device_loop = True, False
+    g = torch.Generator().manual_seed(4)
+    for n in (5, 20, 40):
+        base = torch.randint(0, 126, (MAX_POS - n,), generator=g).tolist()
+        for end, sessions in ((MAX_POS, 0), (MAX_POS - 1, 1)):
+            prompt, params = base[:end - n], [SamplingParams(max_tokens=n, ignore_eos=True)]
+            before = loop._loop.sessions if loop._loop is not None else 0
+            caplog.clear()
+            got = generate(loop, [prompt], params)[0]
+            assert not [r for r in caplog.records if "failed" in r.getMessage()], (n, end, caplog.text[-500:])
+            assert (loop._loop.sessions if loop._loop is not None else 0) - before == sessions, (n, end)
+            want = generate(stepwise, [prompt], params)[0]
+            assert (got.output, got.stats.acceptance_lengths) == (want.output, want.stats.acceptance_lengths)
+            assert got.output == [0] * n and runner.allocator.num_free == runner.allocator.num_blocks - 1
+            assert max(got.stats.acceptance_lengths) > 1, "nothing accepted: no step could overshoot"

@@ -168,12 +168,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
                first_token: int | None = None, handoff=None) -> Stream:
-        prompt, params, method, draft_width = self._parse(request, context)
-        if first_token is not None and not 0 <= first_token < self.loop.vocab_size:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"first_token: {first_token} is out of the vocabulary (size {self.loop.vocab_size})")
-        if not context.is_active():  # the client went away already: submit nothing
-            context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
+        try:  # a request refused before the loop takes it gives its prefill lease (handoff) back now
+            prompt, params, method, draft_width = self._parse(request, context)
+            if first_token is not None and not 0 <= first_token < self.loop.vocab_size:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"first_token: {first_token} is out of the vocabulary (size {self.loop.vocab_size})")
+            if not context.is_active():  # the client went away already: submit nothing
+                context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
+        except BaseException:
+            self.loop.release_handoff(handoff)
+            raise
         timeout = context.time_remaining()
         try:
             extra = {"handoff": handoff} if handoff is not None else {}  # a decode worker's device-path import
@@ -181,6 +185,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                  timeout_s=min(timeout, 60.0) if timeout is not None else 60.0,
                                  first_token=first_token, **extra)
         except Exception as e:  # noqa: BLE001  each failure gets its status code; none escapes as UNKNOWN
+            self.loop.release_handoff(handoff)  # refused, timed out or stopped: never imported (a no-op if released)
             abort_for(context, e)
         # from here on, however the RPC ends (done, client cancel, deadline), the request is dropped. An
         # RPC that ended while the submit waited runs no callbacks (add_callback returns False): drop it now.

@@ -56,7 +56,6 @@ class RouterHandle:
         self.deadline = time.monotonic() + timeout_s
         self.ttft_ms: float | None = None
         self.prefill_slot: Slot | None = None  # the prefill worker that answered (its lease is released there)
-        self.decode_started = False  # a decode worker got the request (and with it any lease)
         self._calls: list = []
         self._lock = threading.Lock()
 
@@ -234,8 +233,6 @@ class Router:
             outcome = "ok"
         except _Cancelled:
             outcome = "cancelled"
-            if first is not None and not h.decode_started and h.prefill_slot is not None:
-                self._release_lease(h.prefill_slot, first)
         except Exception as e:  # noqa: BLE001  every failure reaches the client as a status code
             if h.cancelled:
                 outcome = "cancelled"
@@ -243,6 +240,11 @@ class Router:
                 log.warning("request failed: %s: %s", type(e).__name__, e)
                 h.events.put(Event("error", error=e))
         finally:
+            if outcome != "ok" and first is not None and h.prefill_slot is not None:
+                # a request that ended otherwise (cancelled at any phase, decode worker gone, failed) frees its
+                # prefill lease now, not at its deadline: the decode worker may never have seen it. Safe even
+                # mid-copy (the importer checks the blocks' epochs after copying) and if released already.
+                self._release_lease(h.prefill_slot, first)
             if held is not None:
                 self.pool.release(held)
             with self._lock:
@@ -339,7 +341,6 @@ class Router:
                 dreq.first_token = first.first_token
                 if first.HasField("handoff"):  # the device path: the decode worker copies the prompt's KV
                     dreq.handoff.CopyFrom(first.handoff)
-            h.decode_started = True
             call = d.client.decode(dreq, h.remaining())
             h.track(call)
             seen = 0

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 ROLES = ("bridge", "prefill", "decode")
+# threads (and concurrent calls) a worker's server has beyond the router's max_concurrent requests: its Health probes
+# and lease releases must find one while every request's call is in flight (without them the pool restarted a
+# healthy, fully loaded worker, failing every request on it)
+CONTROL_RPCS = 16
 log = logging.getLogger(__name__)
 
 
@@ -247,7 +251,8 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
                        cfg.fault_prefill_delay_s)
     metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): host.waiting})
     servicer = PrefillWorkerServicer(host, metrics, dist)
-    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent, {"PrefillWorker": servicer},
+    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,
+                               {"PrefillWorker": servicer},
                                token=secret.token)
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
@@ -390,7 +395,7 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
         w.closers.append(worker.scheduler.handoff.importer.close)
     w.closers.append(lambda: worker.stop(10))
     servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer)
-    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent,
+    server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,
                                {"DecodeWorker": servicer, "Generation": servicer}, token=secret.token)
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))

@@ -14,6 +14,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+import grpc
+
 from flashpd.cluster.launcher import Launched, Launcher, WorkerSpec
 from flashpd.cluster.worker_client import WorkerClient
 from flashpd.kv_bridge.auth import ClusterSecret, resolve
@@ -138,6 +140,8 @@ class WorkerPool:
                 s.info = info
             return True
         except Exception as e:  # noqa: BLE001  any failure to answer (RpcError, BridgeError, ...) is a failed probe
+            if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return True  # its server refused for load: alive and busy, never a reason to restart it
             log.info("%s worker %d did not answer its health probe: %s", s.role, s.index, e)
             return False
 

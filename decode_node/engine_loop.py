@@ -196,6 +196,16 @@ class EngineLoop:
             self._cv.notify()
         return h, fut
 
+    def release_handoff(self, handoff) -> None:
+        """Give back the prefill worker's lease a request carried (the device path) when this loop will never
+        schedule it: refused before submit, cancelled before the loop took it, or queued at shutdown. A second
+        release of one lease is a no-op at its exporter."""
+        if handoff is not None:
+            try:
+                self.scheduler.release_unused_lease(handoff)
+            except Exception:  # noqa: BLE001  best effort: the lease's deadline frees it anyway
+                log.exception("releasing an unused lease failed; it expires at its deadline")
+
     def cancel(self, h: Handle) -> None:
         """Ask the loop to drop the request and free its KV (idempotent; no-op once it finished)."""
         with self._cv:
@@ -267,8 +277,10 @@ class EngineLoop:
     def _take(self, inbox: list[tuple[Handle, Future]]) -> None:
         for h, fut in inbox:
             if not fut.set_running_or_notify_cancel():
+                self.release_handoff(h.handoff)
                 continue
             if h.cancel_requested:  # cancelled before the loop took it: never scheduled, submit returns now
+                self.release_handoff(h.handoff)
                 self._emit(h, Event("cancelled", finish_reason="cancelled"))
                 fut.set_result(h)
                 continue
@@ -321,7 +333,8 @@ class EngineLoop:
         with self._cv:
             self._stop = True
             inbox, self._inbox = self._inbox, []
-        for _, fut in inbox:
+        for h, fut in inbox:
+            self.release_handoff(h.handoff)
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(err)
         for h in list(self._live.values()):

@@ -403,6 +403,11 @@ class Scheduler:
     def _release_lease(self, lease: object) -> None:
         """Give back a lease a request will not import (decode_node/scheduler.py); nothing to do here."""
 
+    def release_unused_lease(self, lease: object) -> None:
+        """A lease carried by a request this scheduler will never take (refused or cancelled before it was
+        added): given back at once, not at its deadline. Thread-safe (the release is an asynchronous RPC)."""
+        self._release_lease(lease)
+
     def _hold_for_prefill(self) -> None:
         """Let a prefill sharing this GPU go first (decode_node/scheduler.py); nothing to wait for here."""
 

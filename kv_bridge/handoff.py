@@ -217,6 +217,9 @@ class CacheImporter:
         self.mac = mac
         self._maps: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
         self._peers: dict[str, torch.Tensor] = {}  # busy words of the exporters on this worker's own device
+        # the exporter id mapped from each address: a restarted prefill worker comes back under a new id, and the
+        # old id's caches (a dead process's whole KV cache) are dropped then, not kept mapped for good
+        self._ids: dict[str, str] = {}
         self.stats = dict(imports=0, failures=0, positions=0, mapped_exporters=0)
 
     def _map(self, h: Handoff) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -241,6 +244,10 @@ class CacheImporter:
             import torch.multiprocessing as mp  # noqa: PLC0415
             mp.set_sharing_strategy("file_system")
         src_t, src_d, epochs, busy = _Unpickler(io.BytesIO(body[off + n:])).load()
+        old = self._ids.get(h.exporter_address)
+        if old is not None and old != h.exporter_id:
+            self.forget(old)
+        self._ids[h.exporter_address] = h.exporter_id
         self._maps[h.exporter_id] = (src_t, src_d, epochs)
         if geometry.device_id == self.geometry.device_id:
             self._peers[h.exporter_id] = busy
@@ -251,6 +258,9 @@ class CacheImporter:
         """Drop an exporter's mapping (it went away; a restarted one comes with a new id)."""
         self._maps.pop(exporter_id, None)
         self._peers.pop(exporter_id, None)
+        for addr in [a for a, i in self._ids.items() if i == exporter_id]:
+            del self._ids[addr]
+        self.stats["mapped_exporters"] = len(self._maps)
 
     def peer_busy(self, stale_s: float) -> bool:
         """An exporter on this worker's device is computing a prefill that began less than stale_s ago."""
@@ -292,4 +302,5 @@ class CacheImporter:
             raise
         except Exception as e:  # noqa: BLE001  a handle that does not open, a dead exporter's segment, ...
             self.stats["failures"] += 1
+            self.forget(h.exporter_id)  # mapped again (or refused) by its next handoff, not kept broken
             raise HandoffError(f"{type(e).__name__}: {e}") from None

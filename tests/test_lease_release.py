@@ -1,0 +1,148 @@
+"""Prefill leases (the same-host device path) and worker liveness under load, on real local services (CPU, the
+fixture pair): clients that leave at their first token, and DecodeRequests the decode worker refuses, give the
+prefill worker's blocks back at once, not at a 120 s lease deadline; a decode worker whose server holds every
+request it may take still answers its Health probes, and is not restarted; an importer drops the old mapping of
+an exporter that came back under a new id.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from flashpd.cluster.generation_client import build_request
+from flashpd.cluster.proto_gen import generation_pb2 as pb
+from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
+from flashpd.cluster.service import start_service
+from tests._cluster_helpers import serve_cfg, wait_until
+from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+
+LEASE_S = 120.0  # far past every wait here: a lease freed in time was freed by a release, not its deadline
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 126, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def device_svc(dflash_pair):  # noqa: F811
+    svc = start_service(serve_cfg(dflash_pair, "local", prefill_workers=1, decode_workers=1, kv_transport="device",
+                                  handoff_lease_s=LEASE_S))
+    yield svc
+    svc.stop()
+
+
+def _all_free(slot) -> bool:
+    h = slot.client.health(5)
+    return h["kv_blocks_free"] == h["kv_blocks_total"]
+
+
+def test_clients_leaving_at_their_first_token_free_the_prefill_leases(device_svc):
+    """24 concurrent DFlash requests, every other one cancelled by its client as its first token arrives (some
+    before the decode worker saw the call): the prefill worker's blocks are all free within seconds."""
+    pre = device_svc.pool.slots["prefill"][0]
+    n = 24
+    barrier = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        with grpc.insecure_channel(device_svc.address) as ch:
+            barrier.wait()
+            call = pb_grpc.GenerationStub(ch).Generate(build_request(_prompt(i, 40 + 7 * i), max_tokens=30,
+                                                                     method="dflash", ignore_eos=True), timeout=60)
+            try:
+                for c in call:
+                    if i % 2 and c.token_ids:
+                        call.cancel()
+            except grpc.RpcError:
+                pass
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    wait_until(lambda: _all_free(pre), "every prefill lease to be released", timeout_s=8)
+    wait_until(lambda: _all_free(device_svc.pool.slots["decode"][0]), "the decode worker's blocks", timeout_s=8)
+
+
+def test_a_decode_request_refused_by_the_decode_worker_frees_its_lease(device_svc):
+    """A DecodeRequest carrying a live lease that the decode worker refuses (a draft width out of range) is
+    released by the decode worker at once."""
+    from flashpd.cluster.generation_server import PROTOCOL_VERSION
+
+    pre, dec = device_svc.pool.slots["prefill"][0], device_svc.pool.slots["decode"][0]
+    wait_until(lambda: _all_free(pre), "a quiet prefill worker", timeout_s=8)
+    r = pre.client.prefill(build_request(_prompt(1, 100), max_tokens=30, method="dflash"), 30)
+    assert r.HasField("handoff") and not _all_free(pre)
+    bad = build_request(_prompt(1, 100), max_tokens=30, method="dflash", block_size=40)
+    with pytest.raises(grpc.RpcError) as e:
+        list(dec.client.decode(pb.DecodeRequest(version=PROTOCOL_VERSION, request=bad, first_token=r.first_token,
+                                                handoff=r.handoff), 10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    wait_until(lambda: _all_free(pre), "the refused request's lease to be released", timeout_s=3)
+
+
+def test_a_fully_loaded_decode_worker_answers_health_and_is_not_restarted(dflash_pair):  # noqa: F811
+    """max_concurrent 4 and 4 long requests on the only decode worker: its server used to have exactly 4 calls, so
+    its Health probes got RESOURCE_EXHAUSTED and the pool restarted it, failing all 4."""
+    svc = start_service(serve_cfg(dflash_pair, "local", prefill_workers=1, decode_workers=1, max_concurrent=4,
+                                  health_interval_s=0.2, health_failures=2))
+    try:
+        dec = svc.pool.slots["decode"][0]
+        done, errors = [], []
+
+        def one(i: int) -> None:
+            with grpc.insecure_channel(svc.address) as ch:
+                try:
+                    n = sum(len(c.token_ids) for c in pb_grpc.GenerationStub(ch).Generate(
+                        build_request(_prompt(50 + i, 40), max_tokens=1500, method="native", ignore_eos=True),
+                        timeout=120))
+                    done.append(n)
+                except grpc.RpcError as e:
+                    errors.append(e.code().name)
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        wait_until(lambda: dec.client.health(3)["running"] == 4, "4 requests running at the decode worker",
+                   timeout_s=30)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0 and any(t.is_alive() for t in ts):
+            assert dec.client.health(3)["serving"]  # answered while every request's call is in flight
+            time.sleep(0.2)
+        for t in ts:
+            t.join(150)
+        assert (errors, done) == ([], [1500] * 4)
+        assert sum(svc.pool.restarts.values()) == 0
+    finally:
+        svc.stop()
+
+
+def test_an_importer_drops_an_exporter_that_came_back_under_a_new_id(dflash_pair):  # noqa: F811
+    """Exporters in turn at one address (a prefill worker and its restarts): each import maps the new one's caches
+    and drops the old one's, and the output stays exact; a second address keeps its own mapping."""
+    from flashpd.engine.drafter import load_drafter
+    from flashpd.engine.loader import load_target
+    from flashpd.engine.sampling import SamplingParams
+    from tests.test_handoff import _cold, _decode_side, _drain, _prefill_side
+
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    sched, released = _decode_side(target, drafter)
+    importer = sched.handoff.importer
+    p, sp = _prompt(3, 60), SamplingParams(max_tokens=12, ignore_eos=True)
+    want = _cold(target, drafter, p, sp, "dflash")
+    for i, address in enumerate(["127.0.0.1:5555"] * 3 + ["127.0.0.1:6666"]):
+        pw = _prefill_side(target, drafter)
+        pw.exporter.address = address
+        res = pw.prefill(p, sp)
+        assert res.handoff.exporter_address == address
+        r = sched.add(p, sp, "dflash", first_token=res.first_token, handoff=res.handoff)
+        _drain(sched)
+        assert (r.seq.output, r.seq.stats.acceptance_lengths) == want
+        assert sched.stats.handoff_imports == i + 1 and not sched.handoff.fallbacks
+        assert importer.stats["mapped_exporters"] == (1 if i < 3 else 2), "an old exporter's caches stay mapped"
+        assert pw.release(released[-1])

@@ -146,3 +146,33 @@ def test_an_importer_drops_an_exporter_that_came_back_under_a_new_id(dflash_pair
         assert sched.stats.handoff_imports == i + 1 and not sched.handoff.fallbacks
         assert importer.stats["mapped_exporters"] == (1 if i < 3 else 2), "an old exporter's caches stay mapped"
         assert pw.release(released[-1])
+
+
+def test_the_engine_loop_frees_the_lease_of_a_request_it_never_schedules(dflash_pair):  # noqa: F811
+    """A request cancelled before the loop takes it, one whose submit future was cancelled, and one still queued
+    when the loop stops: each lease goes back to its exporter (a decode worker's scheduler releases through it)."""
+    from concurrent.futures import Future
+
+    from flashpd.decode_node.engine_loop import EngineLoop, Handle
+    from flashpd.engine.drafter import load_drafter
+    from flashpd.engine.loader import load_target
+    from flashpd.engine.sampling import SamplingParams
+    from tests.test_handoff import _decode_side
+
+    target = load_target(dflash_pair.target_dir)
+    sched, released = _decode_side(target, load_drafter(dflash_pair.draft_dir, target))
+    loop = EngineLoop(sched)
+    try:
+        sp = SamplingParams(max_tokens=4)
+        lease = lambda i: type("Lease", (), {"lease_id": i})()  # noqa: E731  what the release reads
+        cancelled = Handle([1, 2], sp, "dflash", None, 7, lease(1))
+        cancelled.cancel_requested = True
+        dropped_future = Future()
+        dropped_future.cancel()
+        loop._take([(cancelled, Future()), (Handle([1, 2], sp, "dflash", None, 7, lease(2)), dropped_future)])
+        assert released == [1, 2] and cancelled.events.get(timeout=1).kind == "cancelled"
+    finally:
+        loop.stop()
+    loop._inbox.append((Handle([1, 2], sp, "dflash", None, 7, lease(3)), Future()))
+    loop._shutdown()
+    assert released == [1, 2, 3]

@@ -129,7 +129,9 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
         except OutOfBlocks as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt: the prefill worker's KV cache: {e}")
         except BridgeError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"publishing to the KV bridge failed: {e}")
+            # not UNAVAILABLE: the router reads that as this worker gone and marks a healthy worker down; this
+            # request falls back to a decode-side prefill, and the worker takes the next one
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"publishing to the KV bridge failed: {e}")
         except (TimeoutError, ValueError) as e:
             abort_for(context, e)
         except Exception as e:  # noqa: BLE001  this prefill failed alone; its blocks are back, the worker goes on

@@ -1,7 +1,8 @@
 """The service disaggregated on the local launcher (plain processes, no Ray): (c) equals (a)
 colocated token for token and step for step; a killed prefill process falls back to decode-side
 recompute (exact, counted) and is restarted; a killed decode process fails its request with
-UNAVAILABLE (nothing to retry on), is restarted, and the service serves again; `flashpd serve
+UNAVAILABLE (nothing to retry on), is restarted, and the service serves again; a dead bridge costs one
+request's publish (recomputed, exact) and never marks the prefill worker down; `flashpd serve
 --config` with a YAML file (worker warm-up on) starts the same service."""
 from __future__ import annotations
 
@@ -80,6 +81,24 @@ def test_killed_decode_process_fails_its_request_then_is_restarted(service, colo
     with GenerationClient(service.address, timeout_s=60) as c:
         out = stream(c, ps[4], **request_kw(4))
     assert (out[0], out[1]["acceptance_lengths"]) == ref[4]
+
+
+def test_a_dead_bridge_does_not_mark_the_prefill_worker_down(service, colocated_reference):
+    """The bridge SIGKILLed: a prefill whose publish fails falls back to a decode-side prefill (exact, counted as
+    failed_precondition), and the prefill worker, which is healthy, is neither marked down nor restarted (its
+    publish failure used to come back as UNAVAILABLE, the code of a worker gone)."""
+    ps, ref = colocated_reference
+    router, pool = service.backend, service.pool
+    pre = pool.slots["prefill"][0]
+    restarts, before = pool.restarts["prefill"], router.fallbacks["failed_precondition"]
+    pool.launcher.kill(pool.slots["bridge"][0].launched)
+    with GenerationClient(service.address, timeout_s=60) as c:
+        got = stream(c, ps[3], **request_kw(3))
+    assert (got[0], got[1]["acceptance_lengths"]) == ref[3]
+    assert router.fallbacks["failed_precondition"] == before + 1, dict(router.fallbacks)
+    assert pre.healthy and pool.restarts["prefill"] == restarts
+    wait_until(lambda: pool.restarts["bridge"] >= 1 and pool.healthy_count("bridge") == 1,
+               "the bridge to be restarted", timeout_s=120)
 
 
 def test_flashpd_serve_yaml_config_local_mode(dflash_pair, colocated_reference, tmp_path):  # noqa: F811

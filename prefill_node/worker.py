@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from flashpd.engine.drafter import DFlashDrafter
+from flashpd.engine.kv_cache import OutOfBlocks
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
@@ -51,7 +52,11 @@ class PrefillWorker:
         if self.exporter is not None:
             self.exporter.expire()  # leases nobody came for give their blocks back first
         seq = gen.new_sequences([prompt], [params])[0]
-        gen.reserve([seq])
+        # the prompt's blocks only: a prefill computes (and a lease holds) nothing past the prompt, so a request's
+        # max_tokens must not refuse it here (its decode worker checks the whole request's room)
+        need, free = -(-len(prompt) // gen.runner.kv_block_size), gen.runner.allocator.num_free
+        if need > free:
+            raise OutOfBlocks(f"a {len(prompt)}-token prompt needs {need} KV blocks; {free} are free")
         before = self.cache.stats.hit_tokens if self.cache is not None else 0
         handoff, published = None, 0
         try:  # whatever fails (restore, prefill, publish, lease), the blocks go back

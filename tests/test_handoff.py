@@ -50,11 +50,11 @@ def _runner(target, drafter, blocks: int = 256) -> ModelRunner:
     return ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids))
 
 
-def _prefill_side(target, drafter, lease_s: float = 10.0) -> PrefillWorker:
+def _prefill_side(target, drafter, lease_s: float = 10.0, blocks: int = 256) -> PrefillWorker:
     import torch.multiprocessing as mp
 
     mp.set_sharing_strategy("file_system")
-    worker = PrefillWorker(_runner(target, drafter), drafter, None)
+    worker = PrefillWorker(_runner(target, drafter, blocks), drafter, None)
     caches = (worker.gen.runner.cache.data, worker.gen.drafts.cache.data)
     for t in caches:
         t.share_memory_()

@@ -176,3 +176,26 @@ def test_the_engine_loop_frees_the_lease_of_a_request_it_never_schedules(dflash_
     loop._inbox.append((Handle([1, 2], sp, "dflash", None, 7, lease(3)), Future()))
     loop._shutdown()
     assert released == [1, 2, 3]
+
+
+def test_a_prefill_needs_room_for_its_prompt_not_its_output(dflash_pair):  # noqa: F811
+    """A prefill worker computes the prompt and leases its blocks; nothing past it. A 100-token prompt asking for
+    3,000 tokens fits a 64-block cache there (it was refused for the whole request's worst case, so with leases
+    held, long-output requests fell back to a decode-side prefill); a prompt larger than the free blocks is still
+    refused, with nothing held."""
+    from flashpd.engine.drafter import load_drafter
+    from flashpd.engine.kv_cache import OutOfBlocks
+    from flashpd.engine.loader import load_target
+    from flashpd.engine.sampling import SamplingParams
+    from tests.test_handoff import _prefill_side
+
+    target = load_target(dflash_pair.target_dir)
+    pw = _prefill_side(target, load_drafter(dflash_pair.draft_dir, target), blocks=64)
+    alloc = pw.gen.runner.allocator
+    free0 = alloc.num_free
+    res = pw.prefill(_prompt(5, 100), SamplingParams(max_tokens=3000, ignore_eos=True))
+    assert res.handoff is not None and alloc.num_free == free0 - 7  # ceil(100 / 16) blocks under the lease
+    with pytest.raises(OutOfBlocks):
+        pw.prefill(_prompt(6, 16 * (free0 - 7) + 1), SamplingParams(max_tokens=1))
+    assert alloc.num_free == free0 - 7
+    assert pw.release(res.handoff.lease_id) and alloc.num_free == free0

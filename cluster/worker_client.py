@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 
 import grpc
 
@@ -74,18 +75,27 @@ class PrefillStubs:
     """One channel and PrefillWorker stub per prefill worker address, made on first use (thread-safe); each
     channel presents `token`."""
 
+    MAX_CHANNELS = 64  # a restarted prefill worker comes back at a new port: the least recently used go
+
     def __init__(self, token: str | None = None) -> None:
         self._token = token
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]] = {}
+        self._stubs: OrderedDict[str, tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, address: str) -> pb_grpc.PrefillWorkerStub:
+        old = None
         with self._lock:
             got = self._stubs.get(address)
             if got is None:
                 ch = worker_channel(address, self._token)
                 got = self._stubs[address] = (ch, pb_grpc.PrefillWorkerStub(ch))
-            return got[1]
+                if len(self._stubs) > self.MAX_CHANNELS:
+                    old = self._stubs.popitem(last=False)[1][0]
+            else:
+                self._stubs.move_to_end(address)
+        if old is not None:
+            old.close()  # a call still in flight on it ends CANCELLED: a release then waits for the lease deadline
+        return got[1]
 
     def close(self) -> None:
         with self._lock:

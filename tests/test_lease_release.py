@@ -199,3 +199,20 @@ def test_a_prefill_needs_room_for_its_prompt_not_its_output(dflash_pair):  # noq
         pw.prefill(_prompt(6, 16 * (free0 - 7) + 1), SamplingParams(max_tokens=1))
     assert alloc.num_free == free0 - 7
     assert pw.release(res.handoff.lease_id) and alloc.num_free == free0
+
+
+def test_prefill_stubs_keep_a_bounded_number_of_channels():
+    """One channel per prefill worker address, and a restarted worker comes back at a new port: past
+    MAX_CHANNELS addresses the least recently used channel is closed, the ones in use are kept."""
+    from flashpd.cluster.worker_client import PrefillStubs
+
+    stubs = PrefillStubs()
+    try:
+        first = stubs.get("127.0.0.1:1")
+        for port in range(2, PrefillStubs.MAX_CHANNELS + 10):
+            stubs.get("127.0.0.1:1")  # in use all along: never the least recently used
+            stubs.get(f"127.0.0.1:{port}")
+        assert len(stubs._stubs) == PrefillStubs.MAX_CHANNELS
+        assert stubs.get("127.0.0.1:1") is first and "127.0.0.1:2" not in stubs._stubs
+    finally:
+        stubs.close()

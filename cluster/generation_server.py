@@ -176,7 +176,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if not context.is_active():  # the client went away already: submit nothing
                 context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
         except BaseException:
-            self.loop.release_handoff(handoff)
+            self._release(handoff)
             raise
         timeout = context.time_remaining()
         try:
@@ -185,7 +185,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                  timeout_s=min(timeout, 60.0) if timeout is not None else 60.0,
                                  first_token=first_token, **extra)
         except Exception as e:  # noqa: BLE001  each failure gets its status code; none escapes as UNKNOWN
-            self.loop.release_handoff(handoff)  # refused, timed out or stopped: never imported (a no-op if released)
+            self._release(handoff)  # refused, timed out or stopped: never imported (a no-op if released already)
             abort_for(context, e)
         # from here on, however the RPC ends (done, client cancel, deadline), the request is dropped. An
         # RPC that ended while the submit waited runs no callbacks (add_callback returns False): drop it now.
@@ -193,6 +193,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.loop.cancel(h)
             context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
         return h
+
+    def _release(self, handoff) -> None:
+        """A decode worker's request carried a prefill lease it will not import: its engine loop gives it back
+        (only a decode worker's backend, an EngineLoop, ever gets a handoff)."""
+        if handoff is not None:
+            self.loop.release_handoff(handoff)
 
     def _events(self, h: Stream, context: grpc.ServicerContext):
         """The handle's events until the final one; aborts when the loop dies. Ends quietly when

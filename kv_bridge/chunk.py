@@ -169,6 +169,22 @@ class StreamingMac:
         return self._hasher.digest(MAC_BYTES)
 
 
+def peek_parent(data: bytes | bytearray | memoryview) -> str | None:
+    """The parent key a chunk's header names, read without verifying anything (for bytes verified elsewhere, or
+    about to be): None when the bytes do not hold a readable header."""
+    data = memoryview(data).cast("B")
+    if len(data) < PREFIX.size:
+        return None
+    magic, _, hl = PREFIX.unpack_from(data)
+    if magic != MAGIC or hl > len(data) - PREFIX.size:
+        return None
+    try:
+        parent = json.loads(bytes(data[PREFIX.size:PREFIX.size + hl])).get("parent")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return parent if isinstance(parent, str) else None
+
+
 def parse_header(raw: bytes | memoryview) -> dict:
     """The JSON header, held to the schema: exactly HEADER_FIELDS; key/parent/fingerprint strings
     (key non-empty); token_ids a list of ints in [0, 2**32); dtype a known name; target_shape 5

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from flashpd.kv_bridge.auth import ClusterSecret
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, peek_parent
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.shm import write_all
 from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked, leading, verify_checked
@@ -96,15 +96,20 @@ class DiskStore(IndexedStore):
                 if key in self._index:  # another writer finished first: keep theirs
                     self._c["duplicate_puts"] += 1
                     return PutResult.PRESENT
-                self._evict_to(len(data))
+                if not self._evict_to(len(data), self._link(key, data)):
+                    self._parent.pop(key, None)
+                    self._c["chain_refused"] += 1  # only its own prompt's chunks were left to evict
+                    return PutResult.REFUSED
                 if not _publish(tmp, self._path(key)):
                     self._c["duplicate_puts"] += 1  # the file exists (e.g. another process): first wins
                     size = self._path(key).stat().st_size
                     self._index[key] = size
                     self._bytes += size
+                    self._freshen(key)
                     return PutResult.PRESENT
                 self._index[key] = len(data)
                 self._bytes += len(data)
+                self._freshen(key)
                 self._c["puts"] += 1
             _fsync_dir(self.directory)
             return PutResult.STORED
@@ -119,13 +124,19 @@ class DiskStore(IndexedStore):
         finally:
             _unlink(tmp)
 
-    def _evict_to(self, incoming: int) -> None:
-        """Drop least recently used files until `incoming` more bytes fit (lock held)."""
+    def _evict_to(self, incoming: int, keep: set[str] | None = frozenset()) -> bool:
+        """Drop least recently used files until `incoming` more bytes fit (lock held); False, with nothing more
+        dropped, when only `keep` (the incoming entry's own prompt) is left to drop, or keep is None (an orphan:
+        IndexedStore._link)."""
         while self._index and self._bytes + incoming > self.byte_budget:
+            if not self._may_evict(keep):
+                return False
             key, size = self._index.popitem(last=False)
+            self._parent.pop(key, None)
             self._bytes -= size
             _unlink(self._path(key))
             self._c["evictions"] += 1
+        return True
 
     # -- reads ----------------------------------------------------------------------------------
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
@@ -134,7 +145,7 @@ class DiskStore(IndexedStore):
             return None
         chunk = self._decode(key, data, layout)
         if chunk is not None:
-            self._touch(key)
+            self._touch(key, chunk.parent)
         return chunk
 
     def get_bytes(self, key: str) -> bytes | None:
@@ -146,7 +157,7 @@ class DiskStore(IndexedStore):
         except CorruptChunk:
             self._drop_corrupt(key, data)
             return None
-        self._touch(key)
+        self._touch(key, peek_parent(data))
         return data
 
     def _read(self, key: str) -> bytes | None:
@@ -168,10 +179,14 @@ class DiskStore(IndexedStore):
             return None
         return data
 
-    def _touch(self, key: str) -> None:
+    def _touch(self, key: str, parent: str | None) -> None:
+        """A hit: the entry and its prompt's chunks before it become the most recent (its parent learned here
+        after a restart, whose scan reads no headers). A restart rebuilds the order from mtimes, the entry's
+        own only."""
         with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
+            if parent:
+                self._parent[key] = parent
+            self._freshen(key)
             self._c["hits"] += 1
         try:
             os.utime(self._path(key))  # the LRU order a restart rebuilds
@@ -181,6 +196,7 @@ class DiskStore(IndexedStore):
     def _drop_corrupt(self, key: str, data: bytes) -> None:
         with self._lock:
             size = self._index.pop(key, None)
+            self._parent.pop(key, None)
             if size is not None:
                 self._bytes -= size
                 _unlink(self._path(key))

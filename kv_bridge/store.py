@@ -13,7 +13,7 @@ from collections import OrderedDict
 from typing import Protocol, runtime_checkable
 
 from flashpd.kv_bridge.auth import ClusterSecret, MacKey, resolve
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, verify_bytes
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, peek_parent, verify_bytes
 from flashpd.kv_bridge.layout import ChunkLayout
 
 
@@ -83,6 +83,13 @@ class IndexedStore:
     """What the memory and disk stores share: an LRU-ordered index of whole entries under one lock,
     counters, verification of incoming bytes, and the first-put-wins admission rule.
 
+    Recency follows prompts: a put or hit makes the entry, then each held chunk before it in its prompt (its
+    header's parent, and so on), the most recently used. A prompt's leading chunks thus always stay more recent
+    than the chunks after them, so eviction takes a prompt's tail first. Plain LRU evicted the leading chunk
+    first (it is read first), and that left the rest held but useless: a hit needs every chunk before it. A put
+    that could only fit by evicting its own prompt's chunks, or one whose prompt's previous chunk is not held here
+    (of no use until it is) and that needs room, is refused (`chain_refused`).
+
     secret: the cluster secret whose MAC key entries must carry (default: this process's)."""
 
     def __init__(self, byte_budget: int, secret: ClusterSecret | None = None) -> None:
@@ -95,7 +102,8 @@ class IndexedStore:
         self._bytes = 0
         self._lock = threading.Lock()
         self._c = dict(hits=0, misses=0, puts=0, duplicate_puts=0, evictions=0, corrupt_refused=0,
-                       corrupt_dropped=0, oversize_refused=0, layout_refused=0)
+                       corrupt_dropped=0, oversize_refused=0, layout_refused=0, chain_refused=0)
+        self._parent: dict[str, str] = {}  # key -> the key of the chunk before it in its prompt, where known
 
     def put(self, chunk: KVChunk) -> bool:
         return self.put_bytes(chunk.key, chunk.to_bytes(self._mac), verified=True) is not PutResult.REFUSED
@@ -114,11 +122,46 @@ class IndexedStore:
                 self._c["corrupt_refused"] += 1
             raise
 
+    # -- recency along prompts (lock held) --------------------------------------------------------------
+    def _freshen(self, key: str) -> None:
+        """key, then each held chunk before it in its prompt, become the most recently used (the first chunk
+        last, so most recent of all). Bounded: a parent loop cannot spin."""
+        k, n = key, len(self._index)
+        while n >= 0 and k in self._index:
+            self._index.move_to_end(k)
+            k, n = self._parent.get(k, ""), n - 1
+
+    def _chain(self, key: str) -> set[str]:
+        """The held keys of key's prompt up to key itself (key included when held)."""
+        out: set[str] = set()
+        k = key
+        while k in self._index and k not in out:
+            out.add(k)
+            k = self._parent.get(k, "")
+        return out
+
+    def _link(self, key: str, data: bytes | memoryview) -> set[str] | None:
+        """Record the parent an incoming entry's header names and freshen its prompt's held chunks; returns
+        them, which its eviction must not take. None for an orphan (its parent is not held here): it may take
+        free room but evict nothing, since it is of no use here until its parent comes back."""
+        parent = peek_parent(data)
+        if not parent:
+            return set()
+        self._parent[key] = parent
+        if parent not in self._index:
+            return None
+        self._freshen(parent)
+        return self._chain(parent)
+
+    def _may_evict(self, keep: set[str] | None) -> bool:
+        """Whether an incoming entry whose `_link` gave `keep` may evict the least recently used entry now."""
+        return keep is not None and bool(self._index) and next(iter(self._index)) not in keep
+
     def _admission(self, key: str, size: int) -> PutResult | None:
         """Under the lock: PRESENT for a key already held (first put wins), REFUSED if it can never
         fit, None to go ahead."""
         if key in self._index:
-            self._index.move_to_end(key)
+            self._freshen(key)
             self._c["duplicate_puts"] += 1
             return PutResult.PRESENT
         if size > self.byte_budget:
@@ -172,12 +215,19 @@ class MemoryStore(IndexedStore):
             early = self._admission(key, len(data))
             if early is not None:
                 return early
+            keep = self._link(key, data)
             while self._bytes + len(data) > self.byte_budget:
-                _, old = self._index.popitem(last=False)
+                if not self._may_evict(keep):  # only its own prompt's chunks are left to evict, or an orphan
+                    self._parent.pop(key, None)
+                    self._c["chain_refused"] += 1
+                    return PutResult.REFUSED
+                victim, old = self._index.popitem(last=False)
+                self._parent.pop(victim, None)
                 self._bytes -= len(old)
                 self._c["evictions"] += 1
             self._index[key] = data
             self._bytes += len(data)
+            self._freshen(key)
             self._c["puts"] += 1
             return PutResult.STORED
 
@@ -203,7 +253,7 @@ class MemoryStore(IndexedStore):
             if data is None:
                 self._c["misses"] += 1
                 return None
-            self._index.move_to_end(key)
+            self._freshen(key)
             self._c["hits"] += 1
             return data
 
@@ -212,6 +262,7 @@ class MemoryStore(IndexedStore):
         with self._lock:
             if self._index.get(key) is data:
                 del self._index[key]
+                self._parent.pop(key, None)
                 self._bytes -= len(data)
             self._c["corrupt_dropped"] += 1
             self._c["hits"] -= 1
@@ -222,6 +273,7 @@ class MemoryStore(IndexedStore):
             data = self._index.pop(key, None)
             if data is None:
                 return False
+            self._parent.pop(key, None)
             self._bytes -= len(data)
             return True
 

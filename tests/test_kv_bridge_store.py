@@ -140,6 +140,67 @@ def test_memory_corrupt_entry_dropped_at_get():
     assert s["corrupt_dropped"] == 1 and s["entries"] == 0 and s["bytes"] == 0 and s["hits"] == 0
 
 
+# -- eviction along prompts (memory and disk) ----------------------------------------------------
+def _tiers(tmp_path, budget: int) -> dict:
+    return {"memory": MemoryStore(budget), "disk": DiskStore(tmp_path / "disk", budget)}
+
+
+def _held(store, keys: list[str]) -> int:
+    return sum(store.contains(k) for k in keys)
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_eviction_takes_a_prompts_tail_first_and_leaves_no_useless_chunks(tmp_path, tier):
+    """Room for 8 chunks; prompt A's 6, a hit on A's first 3 (as a restore reads them), then prompt B's 6. Plain
+    LRU evicted A's leading chunks (read first, so least recent), leaving A's tail held and useless (a hit needs
+    every chunk before it); here A loses its tail, and every held chunk of each prompt is part of its hit."""
+    n = _size()
+    store = _tiers(tmp_path, 8 * n + n // 2)[tier]
+    fp = fingerprint()
+    a = prompt_chunks(list(range(6 * CHUNK_TOKENS)), fp, seed=1)
+    b = prompt_chunks(list(range(1000, 1000 + 6 * CHUNK_TOKENS)), fp, seed=2)
+    for c in a:
+        assert store.put(c)
+    for c in a[:3]:
+        assert store.get(c.key) is not None
+    for c in b:
+        assert store.put(c)
+    ka, kb = [c.key for c in a], [c.key for c in b]
+    assert store.lookup(kb) == 6
+    assert store.lookup(ka) == _held(store, ka) == 2  # A0, A1: A5, A4, A3 went first, then A2
+    assert store.stats()["evictions"] == 4
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_prompt_longer_than_the_budget_keeps_its_leading_chunks(tmp_path, tier):
+    """10 chunks of one prompt into room for 8: the first 8 stay; the last 2 are refused, since storing them
+    would evict their own prompt's chunks (plain LRU kept chunks 2-9, none of them usable)."""
+    n = _size()
+    store = _tiers(tmp_path, 8 * n + n // 2)[tier]
+    chunks = prompt_chunks(list(range(10 * CHUNK_TOKENS)), fingerprint(), seed=3)
+    results = [store.put(c) for c in chunks]
+    assert results == [True] * 8 + [False] * 2
+    assert store.lookup([c.key for c in chunks]) == 8 and store.stats()["chain_refused"] == 2
+
+
+def test_disk_learns_parents_after_a_restart(tmp_path):
+    """A restart's scan reads no headers: a hit teaches an entry's parent, and from then on the prompt's leading
+    chunks stay more recent than its tail."""
+    n = _size()
+    fp = fingerprint()
+    a = prompt_chunks(list(range(4 * CHUNK_TOKENS)), fp, seed=4)
+    first = DiskStore(tmp_path, 6 * n + n // 2)
+    for c in a:
+        first.put(c)
+    store = DiskStore(tmp_path, 6 * n + n // 2)
+    for c in a:
+        assert store.get(c.key) is not None  # read in order: A0 least recent by plain LRU
+    for c in prompt_chunks(list(range(500, 500 + 3 * CHUNK_TOKENS)), fp, seed=5):
+        assert store.put(c)
+    ka = [c.key for c in a]
+    assert store.lookup(ka) == _held(store, ka) == 3
+
+
 # -- disk tier ----------------------------------------------------------------------------------
 def test_disk_survives_restart_byte_exact(tmp_path):
     chunks = [make_chunk(f"k{i}", dtype=dt, draft=d, seed=i) for i, (dt, d) in enumerate(VARIANTS)]

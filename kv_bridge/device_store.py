@@ -21,7 +21,7 @@ import torch
 
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
-from flashpd.kv_bridge.store import leading, leading_gets
+from flashpd.kv_bridge.store import freshen, leading, leading_gets, may_evict, protected
 
 
 class DeviceStore:
@@ -34,7 +34,12 @@ class DeviceStore:
         self._entries: OrderedDict[str, KVChunk] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        self._c = dict(puts=0, hits_device=0, hits_backing=0, misses=0, evictions=0, too_large=0)
+        self._c = dict(puts=0, hits_device=0, hits_backing=0, misses=0, evictions=0, too_large=0, chain_refused=0)
+
+    def _freshen(self, key: str) -> None:
+        """(lock held) The entry, then its prompt's held chunks before it, become the most recent: eviction
+        takes a prompt's tail first (store.freshen)."""
+        freshen(self._entries, key, lambda k: self._entries[k].parent)
 
     def put(self, chunk: KVChunk) -> bool:
         """Keep the chunk here (its tensors moved to this device; PrefixCache.publish hands over fresh
@@ -54,13 +59,19 @@ class DeviceStore:
                         chunk.draft_kv.to(self.device) if chunk.draft_kv is not None else None)
         with self._lock:
             if chunk.key in self._entries:  # first writer wins: an entry never changes under a reader
-                self._entries.move_to_end(chunk.key)
+                self._freshen(chunk.key)
                 return False
+            self._freshen(chunk.parent)  # its prompt's earlier chunks are not what makes room for it
+            keep = protected(self._entries, chunk.parent, lambda k: self._entries[k].parent)
             while self._bytes + size > self.byte_budget and self._entries:
+                if not may_evict(self._entries, keep):  # only its own prefix left to evict, or an orphan
+                    self._c["chain_refused"] += 1  # kept by the backing alone
+                    return False
                 _, old = self._entries.popitem(last=False)
                 self._bytes -= old.nbytes()
                 self._c["evictions"] += 1
             self._entries[chunk.key] = local
+            self._freshen(chunk.key)
             self._bytes += size
             self._c["puts"] += 1
         return True
@@ -70,7 +81,7 @@ class DeviceStore:
         with self._lock:
             chunk = self._entries.get(key)
             if chunk is not None:
-                self._entries.move_to_end(key)
+                self._freshen(key)
                 self._c["hits_device"] += 1
         if chunk is not None:
             why = layout.check(chunk) if layout is not None else None
@@ -97,7 +108,7 @@ class DeviceStore:
             if chunk is None:
                 return out + self._from_backing(keys[i:], layout)
             with self._lock:
-                self._entries.move_to_end(k)
+                self._freshen(k)
                 self._c["hits_device"] += 1
             out.append(chunk)
         return out

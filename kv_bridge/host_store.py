@@ -37,7 +37,7 @@ import torch
 
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
-from flashpd.kv_bridge.store import leading, leading_gets
+from flashpd.kv_bridge.store import freshen, leading, leading_gets, may_evict, protected
 
 ALIGN = 256  # slot and draft-half offsets: any dtype view is aligned, and DMA starts on a good boundary
 SEGMENT_BYTES = 1 << 30  # the largest single host allocation: bounds the stall when the arena grows
@@ -129,7 +129,7 @@ class HostStore:
         self._bytes = 0
         self._lock = threading.Lock()
         self._c = dict(puts=0, duplicate_puts=0, hits=0, hits_backing=0, misses=0, evictions=0, layout_refused=0,
-                       oversize_refused=0, waits=0)
+                       oversize_refused=0, waits=0, chain_refused=0)
 
     # -- writes ---------------------------------------------------------------------------------
     def put(self, chunk: KVChunk) -> bool:
@@ -148,18 +148,27 @@ class HostStore:
                 pass
             return len(self._arena.slots)
 
+    def _freshen(self, key: str) -> None:
+        """(lock held) The entry, then its prompt's held chunks before it, become the most recent: eviction
+        takes a prompt's tail first (store.freshen)."""
+        freshen(self._entries, key, lambda k: self._entries[k].chunk.parent)
+
     def _keep(self, chunk: KVChunk) -> bool:
         tb, db = _nbytes(chunk.target_kv), _nbytes(chunk.draft_kv)
         draft_at = _align(tb)
         used = draft_at + db
         with self._lock:  # the copy is queued under the lock: a reader never finds a slot not yet fenced
             if chunk.key in self._entries:  # first writer wins: an entry never changes under a reader
-                self._entries.move_to_end(chunk.key)
+                self._freshen(chunk.key)
                 self._c["duplicate_puts"] += 1
                 return False
             if self._arena is None:
                 self._arena = _Arena(tb + db, self.byte_budget, self._cuda)
-            slot = self._slot(used)
+            self._freshen(chunk.parent)  # its prompt's earlier chunks are not what makes room for it
+            slot = self._slot(used, protected(self._entries, chunk.parent, lambda k: self._entries[k].chunk.parent))
+            if slot is False:  # only its own prefix left to evict, or an orphan: kept by the backing alone
+                self._c["chain_refused"] += 1
+                return False
             if slot is None:
                 self._c["oversize_refused"] += 1
                 return False
@@ -174,17 +183,21 @@ class HostStore:
                 raise
             local = KVChunk(chunk.key, chunk.parent, chunk.fingerprint, list(chunk.token_ids), t, d)
             self._entries[chunk.key] = _Entry(local, slot, draft_at, used, ready)
+            self._freshen(chunk.key)
             self._bytes += tb + db
             self._c["puts"] += 1
         return True
 
-    def _slot(self, used: int) -> int | None:
+    def _slot(self, used: int, keep: set[str] | None = frozenset()) -> int | None | bool:
         """Under the lock: a free slot for `used` bytes, evicting least recently used entries; None if
-        the chunk is larger than a slot or the budget holds no slot at all."""
+        the chunk is larger than a slot or the budget holds no slot at all; False if it may evict no more
+        (store.protected: only the incoming chunk's own prefix is left, or it is an orphan)."""
         if used > self._arena.stride:
             return None
         slot = self._arena.take()
         while slot is None and self._entries:
+            if not may_evict(self._entries, keep):
+                return False
             _, old = self._entries.popitem(last=False)
             self._bytes -= old.chunk.nbytes()
             self._c["evictions"] += 1
@@ -224,7 +237,7 @@ class HostStore:
             if e is not None:
                 why = layout.check(e.chunk) if layout is not None else None
                 if why is None:
-                    self._entries.move_to_end(key)
+                    self._freshen(key)
                     self._c["hits"] += 1
                     return self._read([e])[0]
                 self._c["layout_refused"] += 1
@@ -265,7 +278,7 @@ class HostStore:
 
     def _touch_and_read(self, run: list[_Entry]) -> list[KVChunk]:
         for e in run:
-            self._entries.move_to_end(e.chunk.key)
+            self._freshen(e.chunk.key)
         self._c["hits"] += len(run)
         return self._read(run)
 

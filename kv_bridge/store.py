@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 from flashpd.kv_bridge.auth import ClusterSecret, MacKey, resolve
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, peek_parent, verify_bytes
@@ -41,6 +41,40 @@ class ByteStore(ChunkStore, Protocol):
 
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult: ...
     def get_bytes(self, key: str) -> bytes | None: ...
+
+
+def freshen(index: OrderedDict, key: str, parent_of: Callable[[str], str]) -> None:
+    """In an LRU-ordered index (least recent first): key, then each held chunk before it in its prompt (parent_of
+    a held key: its parent's key, "" for a prompt's first chunk), become the most recently used, the first chunk
+    last, so most recent of all. Bounded: a parent loop cannot spin."""
+    k, n = key, len(index)
+    while n >= 0 and k in index:
+        index.move_to_end(k)
+        k, n = parent_of(k), n - 1
+
+
+def chain(index: OrderedDict, key: str, parent_of: Callable[[str], str]) -> set[str]:
+    """The held keys of key's prompt up to key itself (key included when held)."""
+    out: set[str] = set()
+    k = key
+    while k in index and k not in out:
+        out.add(k)
+        k = parent_of(k)
+    return out
+
+
+def protected(index: OrderedDict, parent: str, parent_of: Callable[[str], str]) -> set[str] | None:
+    """What a put whose chunk names `parent` may not evict to make room: its prompt's held chunks (evicting them
+    would cut its own prefix). None for an orphan (parent named, not held): of no use here until its parent comes
+    back, it may take free room but evict nothing."""
+    if parent and parent not in index:
+        return None
+    return chain(index, parent, parent_of)
+
+
+def may_evict(index: OrderedDict, keep: set[str] | None) -> bool:
+    """Whether a put protecting `keep` (protected()) may evict the least recently used entry of index now."""
+    return keep is not None and bool(index) and next(iter(index)) not in keep
 
 
 def leading(keys: list[str], contains) -> int:
@@ -124,21 +158,7 @@ class IndexedStore:
 
     # -- recency along prompts (lock held) --------------------------------------------------------------
     def _freshen(self, key: str) -> None:
-        """key, then each held chunk before it in its prompt, become the most recently used (the first chunk
-        last, so most recent of all). Bounded: a parent loop cannot spin."""
-        k, n = key, len(self._index)
-        while n >= 0 and k in self._index:
-            self._index.move_to_end(k)
-            k, n = self._parent.get(k, ""), n - 1
-
-    def _chain(self, key: str) -> set[str]:
-        """The held keys of key's prompt up to key itself (key included when held)."""
-        out: set[str] = set()
-        k = key
-        while k in self._index and k not in out:
-            out.add(k)
-            k = self._parent.get(k, "")
-        return out
+        freshen(self._index, key, lambda k: self._parent.get(k, ""))
 
     def _link(self, key: str, data: bytes | memoryview) -> set[str] | None:
         """Record the parent an incoming entry's header names and freshen its prompt's held chunks; returns
@@ -148,14 +168,11 @@ class IndexedStore:
         if not parent:
             return set()
         self._parent[key] = parent
-        if parent not in self._index:
-            return None
         self._freshen(parent)
-        return self._chain(parent)
+        return protected(self._index, parent, lambda k: self._parent.get(k, ""))
 
     def _may_evict(self, keep: set[str] | None) -> bool:
-        """Whether an incoming entry whose `_link` gave `keep` may evict the least recently used entry now."""
-        return keep is not None and bool(self._index) and next(iter(self._index)) not in keep
+        return may_evict(self._index, keep)
 
     def _admission(self, key: str, size: int) -> PutResult | None:
         """Under the lock: PRESENT for a key already held (first put wins), REFUSED if it can never

@@ -30,11 +30,13 @@ def layout(fp: str | None = FP, dtype: str = "float32", tokens: int = T, draft: 
 SLOT = layout().payload_bytes()
 
 
-def chunk(i: int, dtype: torch.dtype = torch.float32, draft: bool = True, fp: str = FP) -> KVChunk:
+def chunk(i: int, dtype: torch.dtype = torch.float32, draft: bool = True, fp: str = FP,
+          parent: str = "") -> KVChunk:
+    """Chunk k{i}: each the first of its own prompt unless `parent` names the chunk before it."""
     g = torch.Generator().manual_seed(i)
     tk = torch.randn(LAYERS, 2, T, HEADS, DIM, generator=g).to(dtype)
     dk = torch.randn(DRAFT_LAYERS, 2, T, HEADS, DIM, generator=g).to(dtype) if draft else None
-    return KVChunk(f"k{i}", f"k{i - 1}" if i else "", fp, list(range(i, i + T)), tk, dk)
+    return KVChunk(f"k{i}", parent, fp, list(range(i, i + T)), tk, dk)
 
 
 def same(a: KVChunk, b: KVChunk) -> bool:
@@ -91,6 +93,30 @@ def test_lru_eviction_by_bytes():
     assert st["bytes"] <= st["byte_budget"]
     assert s.get("k1", layout()) is None and s.stats()["misses"] == 1
     assert same(chunk(4), s.get("k4", layout()))  # a reused slot holds the new entry, bit for bit
+
+
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_worker_tiers_evict_a_prompts_tail_first(tier):
+    """Room for 8 chunks; prompt A's 6 (chained), a hit on A's first 3, then prompt B's 6: A keeps its first two
+    (plain LRU kept two of its middle chunks, unusable without the first); each held chunk of A is in its hit. A
+    prompt longer than the room keeps its first chunks and does not keep the rest here (chain_refused)."""
+    size = chunk(0).nbytes()
+    s = HostStore(slots_budget(8), "cpu") if tier == "host" else DeviceStore(8 * size + size // 2, "cpu")
+    a = [chunk(i, parent=f"k{i - 1}" if i else "") for i in range(6)]
+    b = [chunk(i, parent=f"k{i - 1}" if i > 100 else "") for i in range(100, 106)]
+    for c in a:
+        s.put(c)
+    for c in a[:3]:
+        assert s.get(c.key, layout()) is not None
+    for c in b:
+        s.put(c)
+    held = [s.contains(c.key) for c in a]
+    assert held == [True, True, False, False, False, False], held
+    assert s.lookup([c.key for c in b]) == 6
+    long = HostStore(slots_budget(4), "cpu") if tier == "host" else DeviceStore(4 * size + size // 2, "cpu")
+    for i in range(200, 206):
+        long.put(chunk(i, parent=f"k{i - 1}" if i > 200 else ""))
+    assert long.lookup([f"k{i}" for i in range(200, 206)]) == 4 and long.stats()["chain_refused"] == 2
 
 
 def test_first_put_wins():

@@ -5,11 +5,13 @@ that opens connections and sends their headers or bodies a byte at a time holds 
 uvicorn's `limit_concurrency` every other client gets 503. Here a connection has `request_timeout_s` to deliver
 each request whole (headers and body), counted from the connection's start or the end of the previous response;
 past it the connection is closed (an app already reading that body sees a disconnect). Once a request is read,
-the deadline is off: a long generation or stream is never cut by it.
+the deadline is off: a long generation or stream is never cut by it. Past uvicorn's connection limit a request
+gets an OpenAI-style 503 (JSON, Retry-After) instead of uvicorn's plain-text one.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import h11
@@ -19,6 +21,16 @@ log = logging.getLogger(__name__)
 
 # h11 states of the client's side in which a request is still being read
 _READING = (h11.IDLE, h11.SEND_BODY)
+_BUSY = json.dumps({"error": {"message": "the server is at its connection limit; retry shortly", "type": "server_error",
+                              "param": None, "code": "service_unavailable"}}).encode()
+
+
+async def _busy(send) -> None:
+    """An OpenAI-style 503 (uvicorn's own is text/plain, which clients cannot read as an error)."""
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(_BUSY)).encode()),
+                            (b"retry-after", b"1")]})
+    await send({"type": "http.response.body", "body": _BUSY})
 
 
 def guarded_h11(request_timeout_s: float) -> type[H11Protocol]:
@@ -28,6 +40,25 @@ def guarded_h11(request_timeout_s: float) -> type[H11Protocol]:
 
     class GuardedH11(H11Protocol):
         timeouts = 0  # connections closed by the deadline, over this class's servers (read by tests and metrics)
+        busy = 0  # requests answered 503 at the connection limit
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            # uvicorn's limit check answers text/plain: the same bound is kept here, in front of the app, with
+            # an OpenAI error body (uvicorn's check is off for these connections)
+            cap, self.limit_concurrency = self.limit_concurrency, None
+            if cap is not None:
+                inner, conns, tasks, cls = self.app, self.connections, self.tasks, type(self)
+
+                async def app(scope, receive, send) -> None:
+                    # as uvicorn counts: this connection among the connections; this request's task among tasks
+                    if scope["type"] == "http" and (len(conns) >= cap or len(tasks) > cap):
+                        cls.busy += 1
+                        await _busy(send)
+                        return
+                    await inner(scope, receive, send)
+
+                self.app = app
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._deadline: asyncio.TimerHandle | None = None

@@ -66,6 +66,11 @@ class HttpServer:
         return self._protocol.timeouts
 
     @property
+    def requests_refused_busy(self) -> int:
+        """Requests answered 503 (JSON) because the connection limit was reached."""
+        return self._protocol.busy
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 

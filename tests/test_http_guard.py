@@ -178,6 +178,35 @@ def test_trickling_clients_cannot_hold_the_connection_limit(server):
             s.close()
 
 
+def test_past_the_connection_limit_a_request_gets_an_openai_503(server):
+    """max_concurrent 2: uvicorn's limit is 20 connections. With 20 held, a request gets 503 with a JSON error body
+    and Retry-After (uvicorn's own 503 was text/plain); once they are gone, it is served."""
+    held = [_connect(server) for _ in range(20)]
+    try:
+        time.sleep(0.1)
+        c = _connect(server)
+        try:
+            c.sendall(_request(1))
+            r = _read_response(c)
+        finally:
+            c.close()
+        head, _, body = r.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), head
+        err = json.loads(body)["error"]
+        assert err["code"] == "service_unavailable" and err["type"] == "server_error" and err["message"]
+        assert server.requests_refused_busy >= 1
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.2)
+    c = _connect(server)
+    try:
+        c.sendall(_request(1))
+        assert _read_response(c).startswith(b"HTTP/1.1 200")
+    finally:
+        c.close()
+
+
 def test_the_deadline_must_be_positive():
     with pytest.raises(ValueError, match="request_timeout_s"):
         HttpServer(None, request_timeout_s=0)

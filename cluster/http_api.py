@@ -514,8 +514,9 @@ class _Text:
     def _decode(self, toks: list[int]) -> str:
         return self.detok.push(toks)
 
-    def _add(self, new: str) -> tuple[str, bool]:
-        """Take new text: (what can be handed out now, whether a stop string ended the text)."""
+    def _add(self, new: str, final: bool = False) -> tuple[str, bool]:
+        """Take new text: (what can be handed out now, whether a stop string ended the text). final: the text
+        ends here, so nothing is held back (a stop string may still begin in what was held)."""
         start = max(0, len(self.pending) - self.hold)
         self.pending += new
         if self.stops:
@@ -523,7 +524,7 @@ class _Text:
             if hits:
                 out, self.pending = self.pending[:min(hits)], ""
                 return out, True
-        cut = len(self.pending) - self.hold
+        cut = len(self.pending) - (0 if final else self.hold)
         if cut <= 0:
             return "", False
         out, self.pending = self.pending[:cut], self.pending[cut:]
@@ -547,9 +548,7 @@ class _Text:
         """The rest of the text once the backend finished: (text, whether a stop string ended it)."""
         if self.tok is None:
             return "", False
-        rest = self.detok.finish()
-        self.hold = 0
-        return self._add(rest)
+        return self._add(self.detok.finish(), final=True)
 
 
 # ---- responses ---------------------------------------------------------------------------------------

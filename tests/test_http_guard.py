@@ -2,7 +2,8 @@
 that trickle their headers, stop mid-body, send nothing, or trickle after a response are closed at the deadline
 and counted; a stream that outlasts the deadline once its request is read is not cut; keep-alive still serves a
 second request; and with the connection limit held by trickling clients, a new client is served once the
-deadline has passed (it got 503 for ever before).
+deadline has passed (it got 503 for ever before). Past the limit the 503 is an OpenAI error body. Also the HTTP
+text's stop-string search at the end of a stream.
 """
 from __future__ import annotations
 
@@ -210,3 +211,21 @@ def test_past_the_connection_limit_a_request_gets_an_openai_503(server):
 def test_the_deadline_must_be_positive():
     with pytest.raises(ValueError, match="request_timeout_s"):
         HttpServer(None, request_timeout_s=0)
+
+
+def test_a_stop_string_begun_in_held_text_and_ended_by_the_last_piece_is_found():
+    """_Text holds back (longest stop - 1) characters; the final piece (what the detokenizer releases at the end)
+    may complete a stop that began in them. Zeroing the hold before the search missed it."""
+    from flashpd.cluster.http_api import _Text
+
+    class _Rest:
+        def finish(self) -> str:
+            return "XY!"
+
+    t = _Text(None, ["abXY"])
+    t.tok, t.detok = object(), _Rest()  # a tokenizer is present; only the final piece matters here
+    assert t._add("zzab") == ("z", False)
+    assert t.finish() == ("z", True)  # "zzabXY!" cut before "abXY": "zz", of which "z" went out already
+    t = _Text(None, ["abXY"])
+    t.tok, t.detok = object(), _Rest()
+    assert t._add("zz") == ("", False) and t.finish() == ("zzXY!", False)

@@ -107,6 +107,16 @@ def _connect(srv: HttpServer) -> socket.socket:
     return socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S)
 
 
+def _one_request(srv: HttpServer) -> bytes:
+    """A one-token completion on a fresh connection: the whole response."""
+    c = _connect(srv)
+    try:
+        c.sendall(_request(1))
+        return _read_response(c)
+    finally:
+        c.close()
+
+
 def test_stalled_requests_are_closed_at_the_deadline(server):
     req = _request(1)
     silent, trickle, half_body = _connect(server), _connect(server), _connect(server)
@@ -167,12 +177,7 @@ def test_trickling_clients_cannot_hold_the_connection_limit(server):
         for s in held:
             s.send(b"P")
         time.sleep(DEADLINE_S + 1.0)
-        c = _connect(server)
-        try:
-            c.sendall(_request(1))
-            assert _read_response(c).startswith(b"HTTP/1.1 200")
-        finally:
-            c.close()
+        assert _one_request(server).startswith(b"HTTP/1.1 200")
         assert all(_closed_by_server(s, 2.0) for s in held)
     finally:
         for s in held:
@@ -185,13 +190,7 @@ def test_past_the_connection_limit_a_request_gets_an_openai_503(server):
     held = [_connect(server) for _ in range(20)]
     try:
         time.sleep(0.1)
-        c = _connect(server)
-        try:
-            c.sendall(_request(1))
-            r = _read_response(c)
-        finally:
-            c.close()
-        head, _, body = r.partition(b"\r\n\r\n")
+        head, _, body = _one_request(server).partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), head
         err = json.loads(body)["error"]
         assert err["code"] == "service_unavailable" and err["type"] == "server_error" and err["message"]
@@ -200,12 +199,7 @@ def test_past_the_connection_limit_a_request_gets_an_openai_503(server):
         for s in held:
             s.close()
     time.sleep(0.2)
-    c = _connect(server)
-    try:
-        c.sendall(_request(1))
-        assert _read_response(c).startswith(b"HTTP/1.1 200")
-    finally:
-        c.close()
+    assert _one_request(server).startswith(b"HTTP/1.1 200")
 
 
 def test_the_deadline_must_be_positive():

@@ -184,7 +184,7 @@ class DiskStore(IndexedStore):
         after a restart, whose scan reads no headers). A restart rebuilds the order from mtimes, the entry's
         own only."""
         with self._lock:
-            if parent:
+            if parent and key in self._index:  # not one evicted since its read: _parent holds held keys only
                 self._parent[key] = parent
             self._freshen(key)
             self._c["hits"] += 1

@@ -8,7 +8,6 @@ text's stop-string search at the end of a stream.
 from __future__ import annotations
 
 import json
-import queue
 import socket
 import threading
 import time
@@ -17,20 +16,10 @@ import pytest
 
 from flashpd.cluster.http_api import build_app
 from flashpd.cluster.http_server import HttpServer
+from tests.test_http_api import _FakeHandle
 
 DEADLINE_S = 1.0
 WAIT_S = 10.0
-
-
-class _Handle:
-    def __init__(self) -> None:
-        self.events: queue.Queue = queue.Queue()
-
-    def get(self, timeout: float):
-        try:
-            return self.events.get(timeout=timeout)
-        except queue.Empty:
-            return None
 
 
 class _SlowBackend:
@@ -48,7 +37,7 @@ class _SlowBackend:
     def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
         from flashpd.decode_node.engine_loop import Event
 
-        h = _Handle()
+        h = _FakeHandle()
 
         def feed() -> None:
             for t in range(params.max_tokens):

@@ -3,6 +3,7 @@ Python exceptions that say what went wrong (the server's message names the bad f
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -106,16 +107,38 @@ def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                   ignore_eos: bool = False) -> pb.GenerateRequest:
     """A GenerateRequest; the keywords are its fields (block_size: the DFlash draft width, 0 = the drafter's;
-    seed: any value SamplingParams takes, negative ones included)."""
-    req = pb.GenerateRequest(version=PROTOCOL_VERSION, max_tokens=max_tokens, method=method, block_size=block_size,
-                             temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
+    seed: any value SamplingParams takes, negative ones included). A value the wire cannot carry (a float token
+    id, a negative block_size, text that is not UTF-8) raises ValueError naming the field: the client refuses it
+    rather than truncate it or let protobuf's own error through."""
+    req = pb.GenerateRequest(version=PROTOCOL_VERSION)
+    fields = dict(max_tokens=max_tokens, method=method, block_size=block_size, temperature=temperature,
+                  top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
+    for name, value in fields.items():
+        try:
+            setattr(req, name, value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}={value!r} cannot be sent: {e}") from None
     if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"prompt_text is not valid UTF-8: {e}") from None
         req.prompt_text = prompt
     else:
-        req.prompt_ids.ids.extend(int(t) for t in prompt)
+        try:
+            ids = [operator.index(t) for t in prompt]
+        except TypeError as e:
+            raise ValueError(f"prompt_ids must be a list of integers: {e}") from None
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < 1 << 32), None)
+        if bad is not None:
+            raise ValueError(f"prompt_ids[{bad}]={ids[bad]} is not a token id")
+        req.prompt_ids.ids.extend(ids)
         req.prompt_ids.SetInParent()  # an empty id list is still "prompt_ids" (the server names it)
     if seed is not None:
-        req.seed = seed % (1 << 64)  # the wire's uint64; draws are keyed by the seed mod 2**64 (request_seed)
+        try:
+            req.seed = operator.index(seed) % (1 << 64)  # the wire's uint64; draws are keyed by the seed mod 2**64
+        except TypeError:
+            raise ValueError(f"seed={seed!r} must be an integer") from None
     return req
 
 
@@ -127,9 +150,23 @@ class GenerationClient:
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.GenerationStub(self._channel)
+        self._closed = False
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
+
+    def _request(self, call: str, prompt: str | list[int], kw: dict) -> pb.GenerateRequest:
+        """The request, or GenerationInvalidArgument (a ValueError) naming the field the wire cannot carry."""
+        self._check_open(call)
+        try:
+            return build_request(prompt, **kw)
+        except ValueError as e:
+            raise GenerationInvalidArgument(call, str(e)) from None
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:  # grpc's own error here is a bare ValueError about a closed channel
+            raise GenerationError(call, f"this client of {self.address} was closed")
 
     def __enter__(self) -> "GenerationClient":
         return self
@@ -145,7 +182,7 @@ class GenerationClient:
         """Stream the chunks of one request (kw: max_tokens, method, block_size, temperature, top_p,
         top_k, seed, ignore_eos). Closing the iterator early cancels the request on the server."""
         t = self.timeout_s if timeout_s is None else timeout_s
-        call = self._stub.Generate(build_request(prompt, **kw), timeout=t)
+        call = self._stub.Generate(self._request("Generate", prompt, kw), timeout=t)
         try:
             for msg in call:
                 self._check_version("Generate", msg.version)
@@ -159,7 +196,7 @@ class GenerationClient:
     def generate_once(self, prompt: str | list[int], timeout_s: float | None = None, **kw) -> Result:
         t = self.timeout_s if timeout_s is None else timeout_s
         try:
-            r = self._stub.GenerateOnce(build_request(prompt, **kw), timeout=t)
+            r = self._stub.GenerateOnce(self._request("GenerateOnce", prompt, kw), timeout=t)
         except grpc.RpcError as e:
             raise _map_error("GenerateOnce", e, t) from None
         self._check_version("GenerateOnce", r.version)
@@ -167,6 +204,7 @@ class GenerationClient:
 
     def health(self, timeout_s: float | None = None) -> dict:
         t = self.timeout_s if timeout_s is None else timeout_s
+        self._check_open("Health")
         try:
             r = self._stub.Health(pb.HealthRequest(version=PROTOCOL_VERSION), timeout=t)
         except grpc.RpcError as e:

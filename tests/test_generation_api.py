@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashpd.decode_node.engine_loop import EngineLoop
-from flashpd.cluster.generation_client import (GenerationClient, GenerationFailedPrecondition,
+from flashpd.cluster.generation_client import (GenerationClient, GenerationError, GenerationFailedPrecondition,
                                                GenerationInvalidArgument, GenerationResourceExhausted,
                                                GenerationTimeout, build_request)
 from flashpd.cluster.generation_server import serve_generation
@@ -280,3 +280,35 @@ def test_cli_serve_and_client(dflash_pair, solo, tmp_path, capsys):  # noqa: F81
         assert out["token_ids"] == solo(prompt, 16, "dflash")[0] and out["finish_reason"] == "length"
         assert cli_main(["client", "--address", address, "--prompt-ids", "1,2", "--max-tokens", "0"]) == 1
         assert "max_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(prompt=[1, 2.5]), "prompt_ids"),  # was silently truncated to 2
+    (dict(prompt=[1, -1]), "prompt_ids[1]"),
+    (dict(prompt=[1, 1 << 32]), "prompt_ids[1]"),
+    (dict(prompt="a\ud800b"), "prompt_text"),  # a lone surrogate: protobuf's UnicodeEncodeError before
+    (dict(prompt=[1], max_tokens=1 << 40), "max_tokens"),
+    (dict(prompt=[1], max_tokens=2.5), "max_tokens"),
+    (dict(prompt=[1], block_size=-1), "block_size"),
+    (dict(prompt=[1], temperature="hot"), "temperature"),
+    (dict(prompt=[1], seed=1.5), "seed"),
+])
+def test_client_refuses_what_the_wire_cannot_carry(kw, field):
+    """Nothing is sent: the client raises GenerationInvalidArgument (still a ValueError) naming the field, for
+    every call form, instead of protobuf's bare ValueError / TypeError / UnicodeEncodeError or a truncation."""
+    c = GenerationClient("127.0.0.1:1", timeout_s=5)  # nothing listens there; no RPC may be attempted
+    try:
+        for call in (lambda: c.generate_once(**kw), lambda: list(c.generate(**kw))):
+            e = _code(call)
+            assert isinstance(e, GenerationInvalidArgument) and isinstance(e, ValueError), repr(e)
+            assert e.code is None and field in str(e), e
+    finally:
+        c.close()
+
+
+def test_closed_client_says_so():
+    c = GenerationClient("127.0.0.1:1", timeout_s=5)
+    c.close()
+    for call in (lambda: c.generate_once([1, 2]), lambda: list(c.generate([1, 2])), c.health):
+        e = _code(call)
+        assert type(e) is GenerationError and "closed" in str(e), repr(e)

@@ -15,12 +15,12 @@ The backing tier verifies its own MACs before anything from it is promoted here.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 import torch
 
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
+from flashpd.kv_bridge.lru import ChainLRU
 from flashpd.kv_bridge.store import freshen, leading, leading_gets, may_evict, protected
 
 
@@ -31,7 +31,7 @@ class DeviceStore:
         self.byte_budget = byte_budget
         self.device = torch.device(device)
         self.backing = backing
-        self._entries: OrderedDict[str, KVChunk] = OrderedDict()
+        self._entries: ChainLRU[KVChunk] = ChainLRU()
         self._bytes = 0
         self._lock = threading.Lock()
         self._c = dict(puts=0, hits_device=0, hits_backing=0, misses=0, evictions=0, too_large=0, chain_refused=0)
@@ -62,7 +62,7 @@ class DeviceStore:
                 self._freshen(chunk.key)
                 return False
             self._freshen(chunk.parent)  # its prompt's earlier chunks are not what makes room for it
-            keep = protected(self._entries, chunk.parent, lambda k: self._entries[k].parent)
+            keep = protected(self._entries, chunk.parent)
             while self._bytes + size > self.byte_budget and self._entries:
                 if not may_evict(self._entries, keep):  # only its own prefix left to evict, or an orphan
                     self._c["chain_refused"] += 1  # kept by the backing alone
@@ -70,8 +70,7 @@ class DeviceStore:
                 _, old = self._entries.popitem(last=False)
                 self._bytes -= old.nbytes()
                 self._c["evictions"] += 1
-            self._entries[chunk.key] = local
-            self._freshen(chunk.key)
+            self._entries.insert(chunk.key, local, lambda k: self._entries[k].parent)
             self._bytes += size
             self._c["puts"] += 1
         return True

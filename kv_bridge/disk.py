@@ -29,6 +29,7 @@ from flashpd.kv_bridge.auth import ClusterSecret
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, peek_parent
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.shm import write_all
+from flashpd.kv_bridge.lru import ChainLRU
 from flashpd.kv_bridge.store import IndexedStore, MemoryStore, PutResult, decode_checked, leading, verify_checked
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def _check_key(key: str) -> None:
 class DiskStore(IndexedStore):
     """Persistent LRU store of whole chunk files within a byte budget; thread-safe within a process."""
 
-    _index: OrderedDict[str, int]  # key -> file size, least recently used first
+    _index: ChainLRU[int]  # key -> file size, least recently used first
 
     def __init__(self, directory: str | Path, byte_budget: int, secret: ClusterSecret | None = None) -> None:
         super().__init__(byte_budget, secret)
@@ -107,9 +108,8 @@ class DiskStore(IndexedStore):
                     self._bytes += size
                     self._freshen(key)
                     return PutResult.PRESENT
-                self._index[key] = len(data)
+                self._index.insert(key, len(data), lambda k: self._parent.get(k, ""))
                 self._bytes += len(data)
-                self._freshen(key)
                 self._c["puts"] += 1
             _fsync_dir(self.directory)
             return PutResult.STORED
@@ -124,7 +124,7 @@ class DiskStore(IndexedStore):
         finally:
             _unlink(tmp)
 
-    def _evict_to(self, incoming: int, keep: set[str] | None = frozenset()) -> bool:
+    def _evict_to(self, incoming: int, keep: str | None = "") -> bool:
         """Drop least recently used files until `incoming` more bytes fit (lock held); False, with nothing more
         dropped, when only `keep` (the incoming entry's own prompt) is left to drop, or keep is None (an orphan:
         IndexedStore._link)."""
@@ -185,6 +185,8 @@ class DiskStore(IndexedStore):
         own only."""
         with self._lock:
             if parent and key in self._index:  # not one evicted since its read: _parent holds held keys only
+                if self._parent.get(key) != parent:
+                    self._index.forget_chain()  # a chain the index knows may have grown by this link
                 self._parent[key] = parent
             self._freshen(key)
             self._c["hits"] += 1

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
+from flashpd.kv_bridge.lru import ChainLRU
 from flashpd.kv_bridge.store import freshen, leading, leading_gets, may_evict, protected
 
 ALIGN = 256  # slot and draft-half offsets: any dtype view is aligned, and DMA starts on a good boundary
@@ -122,7 +122,7 @@ class HostStore:
         self.backing = backing
         self._cuda = device.type == "cuda"
         self._arena = _Arena(slot_bytes, byte_budget, self._cuda) if slot_bytes else None
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: ChainLRU[_Entry] = ChainLRU()
         self._fences: dict[int, dict[int, torch.cuda.Event]] = {}  # slot -> {stream: its last copy of it}
         # made now: the first stream a process makes waits for the whole device, a stall no put should take
         self._side = torch.cuda.Stream(device) if self._cuda else None
@@ -165,7 +165,7 @@ class HostStore:
             if self._arena is None:
                 self._arena = _Arena(tb + db, self.byte_budget, self._cuda)
             self._freshen(chunk.parent)  # its prompt's earlier chunks are not what makes room for it
-            slot = self._slot(used, protected(self._entries, chunk.parent, lambda k: self._entries[k].chunk.parent))
+            slot = self._slot(used, protected(self._entries, chunk.parent))
             if slot is False:  # only its own prefix left to evict, or an orphan: kept by the backing alone
                 self._c["chain_refused"] += 1
                 return False
@@ -182,13 +182,13 @@ class HostStore:
                 self._arena.free.append(slot)  # a copy that failed keeps no slot
                 raise
             local = KVChunk(chunk.key, chunk.parent, chunk.fingerprint, list(chunk.token_ids), t, d)
-            self._entries[chunk.key] = _Entry(local, slot, draft_at, used, ready)
-            self._freshen(chunk.key)
+            self._entries.insert(chunk.key, _Entry(local, slot, draft_at, used, ready),
+                                 lambda k: self._entries[k].chunk.parent)
             self._bytes += tb + db
             self._c["puts"] += 1
         return True
 
-    def _slot(self, used: int, keep: set[str] | None = frozenset()) -> int | None | bool:
+    def _slot(self, used: int, keep: str | None = "") -> int | None | bool:
         """Under the lock: a free slot for `used` bytes, evicting least recently used entries; None if
         the chunk is larger than a slot or the budget holds no slot at all; False if it may evict no more
         (store.protected: only the incoming chunk's own prefix is left, or it is an orphan)."""

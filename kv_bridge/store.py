@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections import OrderedDict
 from typing import Callable, Protocol, runtime_checkable
 
 from flashpd.kv_bridge.auth import ClusterSecret, MacKey, resolve
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, peek_parent, verify_bytes
 from flashpd.kv_bridge.layout import ChunkLayout
+from flashpd.kv_bridge.lru import ChainLRU
 
 
 class PutResult(enum.Enum):
@@ -43,38 +43,28 @@ class ByteStore(ChunkStore, Protocol):
     def get_bytes(self, key: str) -> bytes | None: ...
 
 
-def freshen(index: OrderedDict, key: str, parent_of: Callable[[str], str]) -> None:
-    """In an LRU-ordered index (least recent first): key, then each held chunk before it in its prompt (parent_of
+def freshen(index: ChainLRU, key: str, parent_of: Callable[[str], str]) -> None:
+    """In a store's recency index (least recent first): key, then each held chunk before it in its prompt (parent_of
     a held key: its parent's key, "" for a prompt's first chunk), become the most recently used, the first chunk
-    last, so most recent of all. Bounded: a parent loop cannot spin."""
-    k, n = key, len(index)
-    while n >= 0 and k in index:
-        index.move_to_end(k)
-        k, n = parent_of(k), n - 1
+    last, so most recent of all (ChainLRU.freshen; O(1) for a prompt put or read in order)."""
+    index.freshen(key, parent_of)
 
 
-def chain(index: OrderedDict, key: str, parent_of: Callable[[str], str]) -> set[str]:
-    """The held keys of key's prompt up to key itself (key included when held)."""
-    out: set[str] = set()
-    k = key
-    while k in index and k not in out:
-        out.add(k)
-        k = parent_of(k)
-    return out
-
-
-def protected(index: OrderedDict, parent: str, parent_of: Callable[[str], str]) -> set[str] | None:
+def protected(index: ChainLRU, parent: str) -> str | None:
     """What a put whose chunk names `parent` may not evict to make room: its prompt's held chunks (evicting them
-    would cut its own prefix). None for an orphan (parent named, not held): of no use here until its parent comes
-    back, it may take free room but evict nothing."""
+    would cut its own prefix), named by `parent` ("" for a prompt's first chunk: nothing). None for an orphan
+    (parent named, not held): of no use here until its parent comes back, it may take free room but evict nothing.
+    Call it right after freshen(index, parent), which made those chunks the MRU tail of the index."""
     if parent and parent not in index:
         return None
-    return chain(index, parent, parent_of)
+    return parent
 
 
-def may_evict(index: OrderedDict, keep: set[str] | None) -> bool:
-    """Whether a put protecting `keep` (protected()) may evict the least recently used entry of index now."""
-    return keep is not None and bool(index) and next(iter(index)) not in keep
+def may_evict(index: ChainLRU, keep: str | None) -> bool:
+    """Whether a put protecting `keep` (protected(), after freshen of that parent) may evict the least recently
+    used entry of index now. The parent's held chain is the index's MRU tail, parent first, so the LRU entry is
+    one of them exactly when it is the parent itself: O(1), where a set of the chain cost a walk per put."""
+    return keep is not None and bool(index) and (not keep or index.first() != keep)
 
 
 def leading(keys: list[str], contains) -> int:
@@ -132,7 +122,7 @@ class IndexedStore:
         self.byte_budget = byte_budget
         self.secret = resolve(secret)
         self._mac = self.secret.mac_key
-        self._index: OrderedDict[str, object] = OrderedDict()
+        self._index: ChainLRU[object] = ChainLRU()
         self._bytes = 0
         self._lock = threading.Lock()
         self._c = dict(hits=0, misses=0, puts=0, duplicate_puts=0, evictions=0, corrupt_refused=0,
@@ -160,18 +150,18 @@ class IndexedStore:
     def _freshen(self, key: str) -> None:
         freshen(self._index, key, lambda k: self._parent.get(k, ""))
 
-    def _link(self, key: str, data: bytes | memoryview) -> set[str] | None:
+    def _link(self, key: str, data: bytes | memoryview) -> str | None:
         """Record the parent an incoming entry's header names and freshen its prompt's held chunks; returns
-        them, which its eviction must not take. None for an orphan (its parent is not held here): it may take
-        free room but evict nothing, since it is of no use here until its parent comes back."""
+        what its eviction must not take (protected()). None for an orphan (its parent is not held here): it may
+        take free room but evict nothing, since it is of no use here until its parent comes back."""
         parent = peek_parent(data)
         if not parent:
-            return set()
+            return ""
         self._parent[key] = parent
         self._freshen(parent)
-        return protected(self._index, parent, lambda k: self._parent.get(k, ""))
+        return protected(self._index, parent)
 
-    def _may_evict(self, keep: set[str] | None) -> bool:
+    def _may_evict(self, keep: str | None) -> bool:
         return may_evict(self._index, keep)
 
     def _admission(self, key: str, size: int) -> PutResult | None:
@@ -215,7 +205,7 @@ class IndexedStore:
 class MemoryStore(IndexedStore):
     """LRU over whole entries by bytes; thread-safe; an entry larger than the budget is refused."""
 
-    _index: OrderedDict[str, bytes]
+    _index: ChainLRU[bytes]
 
     # -- writes ---------------------------------------------------------------------------------
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
@@ -242,9 +232,8 @@ class MemoryStore(IndexedStore):
                 self._parent.pop(victim, None)
                 self._bytes -= len(old)
                 self._c["evictions"] += 1
-            self._index[key] = data
+            self._index.insert(key, data, lambda k: self._parent.get(k, ""))
             self._bytes += len(data)
-            self._freshen(key)
             self._c["puts"] += 1
             return PutResult.STORED
 

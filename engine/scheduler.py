@@ -101,6 +101,7 @@ class SchedulerStats:
     prefill_hold_ms: float = 0.0  # the time they waited in all
     batch_faults: int = 0  # batch steps that raised and were recovered by re-admitting their rows
     finish_errors: int = 0  # publishes to the prefix cache that raised at a request's end (output unaffected)
+    load_errors: int = 0  # async prefix fetches that raised: read again on the engine thread at admission
     undrafted_row_steps: int = 0  # DFlash row-steps taken with no draft (the width policy's cap of 1: step_undrafted)
 
 
@@ -379,7 +380,15 @@ class Scheduler:
                 if r.load is None:
                     sync.append(r.seq)
                     continue
-                got, r.load = r.load.result(), None  # finished: _pick admits no request still loading
+                fut, r.load = r.load, None  # taken first: a retry of this admission must not read it again
+                try:
+                    got = fut.result()  # finished: _pick admits no request still loading
+                except Exception as e:  # a store's own error (an OSError of a disk tier, ...): read it here
+                    self.stats.load_errors += 1
+                    log.warning("request %d: its prefix fetch failed (%s: %s); restoring on the engine thread",
+                                r.id, type(e).__name__, e)
+                    sync.append(r.seq)
+                    continue
                 self.runner.allocator.ensure(r.seq.table, len(r.seq.prompt))
                 self.prefix_cache.apply(gen, r.seq, got)
             if local:

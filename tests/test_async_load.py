@@ -123,3 +123,44 @@ def test_a_slow_save_does_not_stop_the_batch_and_a_later_fetch_waits_for_it(pair
     cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()),
         [first], [SamplingParams(max_tokens=20, ignore_eos=True)])[0]
     assert again.seq.output == cold.output and again.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths
+
+
+class _FlakyStore(MemoryStore):
+    """A real memory store whose first lookup raises an OSError (a disk tier's transient read error)."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 28)
+        self.fail = 0
+
+    def lookup(self, keys):
+        if self.fail:
+            self.fail -= 1
+            raise OSError("transient read error")
+        return super().lookup(keys)
+
+
+def test_a_fetch_that_raised_is_read_again_not_fatal(pair):
+    """Its future is taken before it is read: the admission reads the prefix on the engine thread instead and
+    the request finishes as a cold run would, with the hit (a retry used to re-read the failed future)."""
+    target, drafter = pair
+    store = _FlakyStore()
+    cache = PrefixCache(store, "f" * 64, chunk_tokens=32)
+    p = _prompts(1, 31, 100, 101)[0]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    warm.add(p, sp, "dflash")
+    warm.run_until_idle()
+    cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()), [p], [sp])[0]
+    runner = _runner(target, drafter)
+    free0 = runner.allocator.num_free
+    sched = Scheduler(runner, drafter, prefix_cache=cache)
+    assert sched.async_load
+    store.fail = 1
+    r = sched.add(p, sp, "dflash")
+    failed = []
+    while not sched.idle:
+        failed += sched.step().failed
+    assert not failed and r.seq.finish_reason == "length"
+    assert sched.stats.load_errors == 1 and store.fail == 0
+    assert r.seq.output == cold.output and cache.stats.hit_tokens >= 96
+    assert runner.allocator.num_free == free0

@@ -28,8 +28,9 @@ ENABLED = True  # off: attn_inputs keeps inductor's kernels everywhere (an A/B i
 # On: qwen3.fused_layer (a decode, verify or draft pass of at most 16 rows) does this kernel's work inside the paged
 # attention's launch (paged_attention.paged_attention_rope: one launch a layer fewer), and this kernel, which the
 # other calls still take, sums the mean squares in `norm_rope`'s fixed order so that both kernels give a token the
-# same bits (other bits than off's). Off by default until measured on a GPU (bench/speed_8b --rope-in-attention).
-IN_ATTENTION = False
+# same bits (other bits than off's). On by default: one launch a layer fewer, measured faster at batch 1 on the H200
+# (docs/results.md, issue 23; bench/speed_8b --rope-in-attention off for the A/B).
+IN_ATTENTION = True
 
 
 def available() -> bool:

@@ -202,7 +202,8 @@ def the_engine_takes_it_on_the_paged_path(qr: ModuleType, dev: str) -> None:
 
     target_norms = {l.self_attn.q_norm.weight.data_ptr() for l in target.layers}
     draft_norms = {l.q_norm.data_ptr() for l in drafter.layers}
-    tokens, seen, fused = run()
+    with in_attention(qr, on=False):
+        tokens, seen, fused = run()
     assert seen & target_norms and seen & draft_norms and seen <= target_norms | draft_norms and not fused
     from flashpd.engine import paged_attention as pa
     split_below = pa.SPLIT_BELOW_PROGRAMS_PER_SM
@@ -235,8 +236,8 @@ def attention_rope_is_the_two_kernels(qr: ModuleType, dev: str, dtype: torch.dty
 
 
 @contextlib.contextmanager
-def in_attention(qr: ModuleType) -> Iterator[None]:
-    saved, qr.IN_ATTENTION = qr.IN_ATTENTION, True
+def in_attention(qr: ModuleType, on: bool = True) -> Iterator[None]:
+    saved, qr.IN_ATTENTION = qr.IN_ATTENTION, on
     try:
         yield
     finally:

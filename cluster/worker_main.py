@@ -140,7 +140,8 @@ def fingerprint(cfg, llm) -> str:
 
     taps = tuple(llm.drafter.cfg.target_layer_ids) if llm.drafter is not None else ()
     return MethodFingerprint(weights_identity(cfg.target), weights_identity(cfg.draft) if cfg.draft else "none",
-                             taps, str(llm.dtype).removeprefix("torch.")).digest()
+                             taps, str(llm.dtype).removeprefix("torch."),
+                             draft_quantization=(cfg.draft_quantization or "none") if cfg.draft else "none").digest()
 
 
 def host_tier(cfg, llm, backing):

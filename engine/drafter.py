@@ -163,6 +163,7 @@ class DFlashDrafter(nn.Module):
         self.quantization: str | None = None
         self._fp8_layers: list[dict[str, Fp8Weight]] | None = None
         self._fp8_fc: Fp8Weight | None = None
+        self._fc_wide: torch.Tensor | None = None  # the fp8 fc widened back, for context writes past MAX_ROWS
         self._fp8_head: tuple[torch.Tensor, Fp8Weight] | None = None  # (the bf16 head it was made from, it)
 
     def attach(self, target: Qwen3ForCausalLM) -> None:
@@ -224,18 +225,20 @@ class DFlashDrafter(nn.Module):
         e4m3 with a scale per output row, skinny_gemm.Fp8Weight): each layer's q/k/v, o_proj, gate/up and down,
         fc, and a copy of the head (or of the hot rows), at half the bytes a draft pass reads. The few-row kernel
         widens each tile back before its multiply, so drafts change only by the weights' rounding; the target
-        verifies every draft, so the output does not change at all. The bf16 weights stay for the batched passes
-        and the context K/V's rows (vLLM's speculative_config "quantization")."""
+        verifies every draft, so the output does not change at all. The bf16 weights stay for the batched passes;
+        fc's context writes take the fp8 values at every size (fc_weight says why; its widened copy is fc's size
+        again). vLLM's speculative_config "quantization"."""
         if quantization not in self.QUANTIZATIONS:
             raise ValueError(f"draft quantization must be one of {list(self.QUANTIZATIONS)}, got {quantization!r}")
         self.quantization = quantization
         self._quantize_head()
         if quantization is None:
-            self._fp8_layers = self._fp8_fc = None
+            self._fp8_layers = self._fp8_fc = self._fc_wide = None
             return
         names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         self._fp8_layers = [{n: quantize_fp8(getattr(l, n)) for n in names} for l in self.layers]
         self._fp8_fc = quantize_fp8(self.fc)
+        self._fc_wide = self._fp8_fc.dequantize(self.fc.dtype)
 
     def _quantize_head(self) -> None:
         """The fp8 copy of the head the draft reads now (`head_weight`), under `quantize`; none otherwise."""
@@ -252,8 +255,13 @@ class DFlashDrafter(nn.Module):
         return self._fp8_layers[i][name] if self._fp8_for(rows) else getattr(self.layers[i], name)
 
     def fc_weight(self, rows: int) -> Weight:
-        """The context projection as a context write of `rows` positions reads it."""
-        return self._fp8_fc if self._fp8_for(rows) else self.fc
+        """The context projection as a context write of `rows` positions reads it. Under `quantize`, every write
+        takes the fp8 values, past the few-row kernel's rows widened back (`_fc_wide`): a position's context K/V
+        must not depend on how many positions its write took, or a prefix hit's tail (a few rows) would be
+        written with other weights than a cold prefill's (many) and draft otherwise."""
+        if self.quantization is None:
+            return self.fc
+        return self._fp8_fc if self._fp8_for(rows) else self._fc_wide
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary: a reduced draft's [..., |hot|] scattered into -inf

@@ -1,7 +1,8 @@
 """Cache keys: chained hashes over fixed-size token chunks, salted with the method fingerprint.
 
 A chunk's key commits to every token before it (through its parent's key) and to the METHOD that
-produced its state: target weights, drafter weights, tapped layers, dtype and KV layout version.
+produced its state: target weights, drafter weights and their format, tapped layers, dtype and KV layout
+version.
 Two methods never share a key, so a target-only entry can never be mistaken for a full one.
 """
 from __future__ import annotations
@@ -29,9 +30,15 @@ class MethodFingerprint:
     target_layer_ids: tuple[int, ...]
     dtype: str
     layout_version: int = LAYOUT_VERSION
+    # the drafter's weight format (DFlashDrafter.quantize): its context K/V take fc's fp8 values under "fp8", so
+    # the two formats' entries differ and must not be shared
+    draft_quantization: str = "none"
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        d = asdict(self)
+        if d["draft_quantization"] == "none":  # the digest a fingerprint had before the field: old entries still hit
+            del d["draft_quantization"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
 _IDENTITIES: dict[tuple, str] = {}  # (directory, its files' stamps) -> identity: one hash a process

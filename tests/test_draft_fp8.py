@@ -3,7 +3,8 @@ from them never changes the output.
 
 float32 CPU, the tiny fixture pair. Under quantize("fp8") a pass of at most 16 rows (a batch-1 draft, its context
 write) reads the fp8 weights (their values widened back where the few-row kernel does not run), a wider pass the
-checkpoint's. The output must stay native greedy decoding's, with guesses still accepted; a drafter whose fp8 head
+checkpoint's; a context write of any size takes fc's fp8 values (a prefix hit's tail must be written as a cold
+prefill's). The output must stay native greedy decoding's, with guesses still accepted; a drafter whose fp8 head
 is zeroed must get nothing accepted, which shows the fp8 copies are what the draft pass reads; quantize(None) gives
 back the plain drafter's tokens and acceptance lengths.
 """
@@ -40,7 +41,8 @@ def test_passes_read_fp8_up_to_the_few_row_kernels_rows(dflash_engine, dflash_pa
         assert isinstance(few, Fp8Weight) and few.data.dtype == torch.float8_e4m3fn
         assert wide is getattr(d.layers[0], name)
         torch.testing.assert_close(few.dequantize(torch.float32), wide, rtol=1 / 16, atol=1e-3)
-    assert isinstance(d.fc_weight(3), Fp8Weight) and d.fc_weight(MAX_ROWS + 1) is d.fc
+    assert isinstance(d.fc_weight(3), Fp8Weight)  # past the few rows: the same fp8 values, widened back
+    assert torch.equal(d.fc_weight(MAX_ROWS + 1), d.fc_weight(3).dequantize(d.fc.dtype))
     head = d.draft_head(15)
     assert isinstance(head, Fp8Weight) and d.draft_head(15) is head  # made once, by quantize
     assert d.draft_head(MAX_ROWS + 1) is d.head_weight
@@ -152,3 +154,41 @@ def test_the_service_drafts_in_fp8_when_configured(tmp_path):
             plain = c.generate_once(prompt, max_tokens=n, method="native", ignore_eos=True)
     assert spec.token_ids == plain.token_ids
     assert max(spec.stats["acceptance_lengths"]) > 1
+
+
+def test_a_context_write_takes_the_same_weights_at_every_size(dflash_engine, dflash_pair):
+    """A prefix hit writes its tail's context K/V in a write of a few rows, a cold prefill the whole prompt's in
+    one of many: under fp8 both must take the same fc values, or a hit drafts otherwise than a cold run (the
+    review's repro: acceptance differed on 7 of 300 prompts). One write of 40 positions against 32 + 8, bitwise."""
+    d = _drafter(dflash_engine, dflash_pair, "fp8")
+    c = d.cfg
+    n, bs = 40, 16
+    g = torch.Generator().manual_seed(3)
+    taps = torch.randn(n, len(c.target_layer_ids) * c.hidden_size, generator=g)
+    pos = torch.arange(n)
+    cache = torch.zeros(c.num_hidden_layers, 2, 4, bs, c.num_key_value_heads, c.head_dim)
+    whole, split = cache.clone(), cache.clone()
+    d.write_context(whole, taps, pos, pos)
+    d.write_context(split, taps[:32], pos[:32], pos[:32])
+    d.write_context(split, taps[32:], pos[32:], pos[32:])
+    assert whole.abs().sum() > 0 and torch.equal(whole, split)
+
+
+def test_the_fingerprint_tells_the_draft_formats_apart(dflash_engine, dflash_pair):
+    """fp8 and bf16 drafters write different context K/V, so their entries get different keys; a bf16 worker's
+    keys are the ones it had before the field existed (its cache stays valid)."""
+    import hashlib
+    import json
+    from types import SimpleNamespace
+
+    from flashpd.cluster.worker_main import fingerprint
+    from flashpd.kv_bridge.keys import LAYOUT_VERSION, MethodFingerprint
+
+    before = hashlib.sha256(json.dumps({"target": "t", "drafter": "d", "target_layer_ids": [1, 3], "dtype": "bfloat16",
+                                        "layout_version": LAYOUT_VERSION}, sort_keys=True).encode()).hexdigest()
+    assert MethodFingerprint("t", "d", (1, 3), "bfloat16").digest() == before
+    assert MethodFingerprint("t", "d", (1, 3), "bfloat16", draft_quantization="fp8").digest() != before
+    llm = SimpleNamespace(drafter=_drafter(dflash_engine, dflash_pair, "fp8"), dtype=torch.float32)
+    cfg = SimpleNamespace(target=dflash_pair.target_dir, draft=dflash_pair.draft_dir, draft_quantization="fp8")
+    fp8 = fingerprint(cfg, llm)
+    assert fp8 != fingerprint(SimpleNamespace(**{**vars(cfg), "draft_quantization": None}), llm)

@@ -145,7 +145,7 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
             h = res.handoff
             reply.handoff.CopyFrom(pb.Handoff(exporter_id=h.exporter_id, exporter_address=h.exporter_address,
                                               blob=h.blob, lease_id=h.lease_id, blocks=h.blocks, epochs=h.epochs,
-                                              num_tokens=h.num_tokens))
+                                              num_tokens=h.num_tokens, prompt_digest=h.prompt_digest))
             if res.finish_reason or not context.is_active():  # nobody will import it: free it now
                 self.host.release(h.exporter_id, h.lease_id)
                 reply.ClearField("handoff")
@@ -173,5 +173,5 @@ class DecodeWorkerServicer(GenerationServicer, pb_grpc.DecodeWorkerServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handoff: needs first_token (the prefill's)")
             h = request.handoff
             handoff = Handoff(h.exporter_id, h.exporter_address, bytes(h.blob), int(h.lease_id), tuple(h.blocks),
-                              tuple(h.epochs), int(h.num_tokens))
+                              tuple(h.epochs), int(h.num_tokens), bytes(h.prompt_digest))
         return self._stream(request.request, context, first, handoff)

@@ -10,7 +10,7 @@ import time
 from flashpd.engine.scheduler import Request
 from flashpd.engine.scheduler import Scheduler as EngineScheduler
 from flashpd.decode_node.handoff_import import HandoffImport
-from flashpd.kv_bridge.handoff import HandoffError
+from flashpd.kv_bridge.handoff import HandoffError, prompt_digest
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ class Scheduler(EngineScheduler):
         try:
             if h.num_tokens != n or s.forced_first is None or s.table.blocks or s.output:
                 raise HandoffError(f"lease of {h.num_tokens} positions for a {n}-token prompt")
+            if h.prompt_digest != prompt_digest(s.prompt):
+                raise HandoffError("lease of another prompt (its digest differs from this request's)")
             alloc.ensure(s.table, n)
             if len(h.blocks) != len(s.table.blocks):
                 raise HandoffError(f"lease of {len(h.blocks)} blocks; the prompt takes {len(s.table.blocks)} here")

@@ -25,6 +25,7 @@ prompt is recomputed).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import itertools
 import pickle
@@ -35,6 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from flashpd.kv_bridge.auth import MacKey
@@ -56,6 +58,14 @@ _ALLOWED = {  # what a sealed export blob may name: torch's rebuild functions an
     ("collections", "OrderedDict"),
     ("torch", "device"),
 }
+
+
+def prompt_digest(tokens: list[int]) -> bytes:
+    """What binds a lease to its prompt: a decode worker imports a lease only for the prompt it was computed for
+    (the length alone let another prompt's lease of the same length be imported, and decode its continuation)."""
+    h = hashlib.sha256(b"flashpd-handoff-prompt")
+    h.update(np.asarray(tokens, dtype="<i8").tobytes())
+    return h.digest()
 
 
 class HandoffError(RuntimeError):
@@ -125,6 +135,7 @@ class Handoff:
     blocks: tuple[int, ...]
     epochs: tuple[int, ...]
     num_tokens: int
+    prompt_digest: bytes = b""  # prompt_digest() of the prompt the lease's KV was computed for
 
 
 class CacheExporter:
@@ -167,14 +178,16 @@ class CacheExporter:
         finally:
             self.busy[0] = 0
 
-    def lease(self, blocks: list[int], num_tokens: int, release) -> Handoff:
-        """Hold `blocks` for an importer until release(lease_id) or the deadline; `release()` frees them."""
+    def lease(self, blocks: list[int], num_tokens: int, release, digest: bytes = b"") -> Handoff:
+        """Hold `blocks` for an importer until release(lease_id) or the deadline; `release()` frees them.
+        digest: prompt_digest() of the prompt they hold, which the importer compares with its request's."""
         with self._lock:
             lid = next(self._ids)
             epochs = self.epochs[blocks].tolist() if blocks else []
             self._leases[lid] = Lease(lid, list(blocks), epochs, num_tokens, time.monotonic() + self.lease_s, release)
             self.stats["leases"] += 1
-        return Handoff(self.exporter_id, self.address, self.blob, lid, tuple(blocks), tuple(epochs), num_tokens)
+        return Handoff(self.exporter_id, self.address, self.blob, lid, tuple(blocks), tuple(epochs), num_tokens,
+                       digest)
 
     def release(self, lease_id: int) -> bool:
         """The importer is done (or gave up): free the lease's blocks. False for an unknown or expired lease."""

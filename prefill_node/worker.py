@@ -23,6 +23,7 @@ from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge.handoff import prompt_digest
 from flashpd.kv_bridge.handoff import CacheExporter, Handoff
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 
@@ -65,7 +66,8 @@ class PrefillWorker:
                 gen.prefill_request([seq])  # DFlash: the drafter's context too, in the same forwards
             if self.exporter is not None:
                 table, alloc = seq.table, gen.runner.allocator
-                handoff = self.exporter.lease(list(table.blocks), len(prompt), lambda: alloc.free(table))
+                handoff = self.exporter.lease(list(table.blocks), len(prompt), lambda: alloc.free(table),
+                                              prompt_digest(prompt))
             elif self.cache is not None:
                 published = self.cache.publish(gen, seq)
         finally:

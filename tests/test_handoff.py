@@ -157,6 +157,25 @@ def test_blocks_freed_before_the_import_are_a_counted_fallback_with_exact_output
     assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, p, sp, "dflash")
 
 
+def test_a_lease_of_another_prompt_of_the_same_length_is_refused(pair):
+    """The lease names its prompt (prompt_digest): prompt B's lease handed in with prompt A of the same length is a
+    counted fallback, and A is computed here, exactly; the lease was only checked for its length before."""
+    target, drafter = pair
+    pw = _prefill_side(target, drafter)
+    sched, released = _decode_side(target, drafter)
+    g = torch.Generator().manual_seed(4)
+    a, b = (torch.randint(0, 126, (60,), generator=g).tolist() for _ in range(2))
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    res_a, res_b = pw.prefill(a, sp), pw.prefill(b, sp)
+    r = _run_one(sched, a, sp, res_a.first_token, res_b.handoff)
+    assert sched.stats.handoff_imports == 0 and "another prompt" in next(iter(sched.handoff.fallbacks))
+    assert released == [res_b.handoff.lease_id]  # released all the same: the prefill side frees it now
+    assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, a, sp, "dflash")
+    r = _run_one(sched, a, sp, res_a.first_token, res_a.handoff)  # its own lease imports
+    assert sched.stats.handoff_imports == 1
+    assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, a, sp, "dflash")
+
+
 def test_a_forged_seal_or_other_geometry_is_refused_and_recomputed(pair):
     target, drafter = pair
     pw = _prefill_side(target, drafter)

@@ -139,7 +139,7 @@ class PrefillReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., published_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("exporter_id", "exporter_address", "blob", "lease_id", "blocks", "epochs", "num_tokens")
+    __slots__ = ("exporter_id", "exporter_address", "blob", "lease_id", "blocks", "epochs", "num_tokens", "prompt_digest")
     EXPORTER_ID_FIELD_NUMBER: _ClassVar[int]
     EXPORTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOB_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class Handoff(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     exporter_id: str
     exporter_address: str
     blob: bytes
@@ -154,7 +155,8 @@ class Handoff(_message.Message):
     blocks: _containers.RepeatedScalarFieldContainer[int]
     epochs: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    def __init__(self, exporter_id: _Optional[str] = ..., exporter_address: _Optional[str] = ..., blob: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., epochs: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    prompt_digest: bytes
+    def __init__(self, exporter_id: _Optional[str] = ..., exporter_address: _Optional[str] = ..., blob: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., epochs: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("version", "exporter_id", "lease_id")

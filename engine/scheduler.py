@@ -74,6 +74,11 @@ log = logging.getLogger(__name__)
 # that only shows in a batch (e.g. memory) must not loop forever through recover / re-admit.
 MAX_BATCH_FAULTS = 3
 LOAD_THREADS = 4  # prefix fetches in flight at once (each mostly waits on the bridge)
+# prefix fetches started ahead of admission, done or not: the queue's first requests only. A fetch holds its prefix
+# (on the cache's device, from a host tier) until its request is admitted, so a fetch per queued request held one
+# copy each (64 queued requests of a 4,096-token prefix: some 40 GB at Qwen3-8B); a later start also sees
+# prefixes published meanwhile
+LOAD_AHEAD = 2 * LOAD_THREADS
 LOAD_POLL_S = 0.05  # an idle engine waits this long at most for a load before looking again
 SAVE_WAIT_S = 60.0  # a fetch waits at most this long for the saves before it (each bounded by its store's timeout)
 
@@ -116,6 +121,7 @@ class Request:
     holds_reservation: bool = False  # policy "reserve": counted in Scheduler._reserved
     handoff: object | None = None  # a decode node's lease on the prompt's KV elsewhere (decode_node/scheduler.py)
     load: Future | None = None  # the prefix cache's fetch of its prompt, running off the engine loop
+    wants_load: bool = False  # a fetch not started yet (Scheduler._start_loads: the queue's first only)
     batch_faults: int = 0  # failed batch steps it was part of
 
 
@@ -203,13 +209,24 @@ class Scheduler:
                 self._release_lease(handoff)
             raise
         req.handoff = handoff
-        if handoff is None and self.async_load and hasattr(self.prefix_cache, "fetch"):
-            # the worker side's start-load: bridge I/O and verification run off the engine loop; the request
-            # is admitted once its data is here, and the running batch never waits for it
-            gen = self.spec if method == "dflash" else self.native
-            req.load = self._loads().submit(self._fetch_after, [f for f in self._saves if not f.done()], gen,
-                                            list(prompt))
+        # the worker side's start-load: bridge I/O and verification run off the engine loop; the request is
+        # admitted once its data is here, and the running batch never waits for it
+        req.wants_load = handoff is None and self.async_load and hasattr(self.prefix_cache, "fetch")
+        self._start_loads()
         return req
+
+    def _start_loads(self) -> None:
+        """Start the fetches of the first queued requests that want one, up to LOAD_AHEAD held at once."""
+        held = sum(1 for r in self.waiting if r.load is not None)
+        for r in self.waiting:
+            if held >= LOAD_AHEAD:
+                return
+            if r.wants_load and r.load is None:
+                gen = self.spec if r.method == "dflash" else self.native
+                r.load = self._loads().submit(self._fetch_after, [f for f in self._saves if not f.done()], gen,
+                                              list(r.seq.prompt))
+                r.wants_load = False
+                held += 1
 
     def _loads(self) -> ThreadPoolExecutor:
         if self._loader is None:
@@ -219,7 +236,7 @@ class Scheduler:
     @staticmethod
     def _ready(r: Request) -> bool:
         """Admissible now: nothing loading for it, or its load finished."""
-        return r.load is None or r.load.done()
+        return r.load.done() if r.load is not None else not r.wants_load
 
     def _has_ready(self) -> bool:
         return any(self._ready(r) for r in self.waiting)
@@ -270,6 +287,7 @@ class Scheduler:
         if req.load is not None:
             req.load.cancel()  # a fetch already running finishes on its thread; its result is dropped
             req.load = None
+        req.wants_load = False
         if req.holds_reservation:
             self._reserved -= req.reserved_blocks
             req.holds_reservation = False
@@ -606,6 +624,7 @@ class Scheduler:
     def step(self) -> StepResult:
         result = StepResult()
         self.steps += 1
+        self._start_loads()  # admissions and cancels made room ahead
         if not self.running and self.waiting and not self._has_ready():  # only loads in flight: wait for one
             wait([r.load for r in self.waiting if r.load is not None], timeout=LOAD_POLL_S, return_when=FIRST_COMPLETED)
         if (self._has_ready() and not self._holds()) or not self.overlap or self._suspects:

@@ -14,6 +14,7 @@ import torch
 
 from flashpd.engine.scheduler import generate, Scheduler
 from flashpd.engine.drafter import load_drafter
+from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
@@ -164,3 +165,37 @@ def test_a_fetch_that_raised_is_read_again_not_fatal(pair):
     assert sched.stats.load_errors == 1 and store.fail == 0
     assert r.seq.output == cold.output and cache.stats.hit_tokens >= 96
     assert runner.allocator.num_free == free0
+
+
+def test_fetches_start_for_the_queues_first_requests_only(pair, monkeypatch):
+    """A fetch holds its prefix until admission, so only LOAD_AHEAD of them run or wait ahead of it; the rest
+    start as those are admitted, and every request still gets its hit and a cold run's tokens."""
+    from flashpd.engine import scheduler as sch
+
+    monkeypatch.setattr(sch, "LOAD_AHEAD", 3)
+    target, drafter = pair
+    store = _GatedStore()
+    cache = PrefixCache(store, "f" * 64, chunk_tokens=32)
+    ps = _prompts(8, 41, 70, 100)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    for p in ps:
+        warm.add(p, sp, "native")
+    warm.run_until_idle()
+    store.gate.clear()
+    cache = PrefixCache(store, "f" * 64, chunk_tokens=32)  # its own stats
+    sched = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    reqs = [sched.add(p, sp, "native") for p in ps]
+    try:
+        assert sum(r.load is not None for r in reqs) == sch.LOAD_AHEAD
+        assert all(r.wants_load for r in reqs[sch.LOAD_AHEAD:])
+        for _ in range(3):
+            sched.step()  # nothing is ready: no more fetches start while the first ones hold the window
+        assert sum(r.load is not None for r in reqs) == sch.LOAD_AHEAD
+    finally:
+        store.gate.set()
+    sched.run_until_idle()
+    assert not any(r.wants_load or r.load is not None for r in reqs)
+    assert cache.stats.per_request_hits == [(len(p) - 1) // 32 * 32 for p in ps]
+    cold = generate(NativeGenerator(_runner(target, drafter)), ps[-2:], [sp] * 2)
+    assert [r.seq.output for r in reqs[-2:]] == [c.output for c in cold]

@@ -21,7 +21,7 @@ import grpc
 
 from flashpd.kv_bridge import frame_codec, shm
 from flashpd.kv_bridge.auth import MAC_BYTES, ClusterSecret, resolve
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, StreamingMac
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, StreamingMac, peek_parent
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
@@ -37,7 +37,7 @@ MAX_STREAMS = 32
 _PUT = "/flashpd.kvbridge.v1.KVBridge/Put"
 _GET = "/flashpd.kvbridge.v1.KVBridge/Get"
 _T = TypeVar("_T")
-_PutItem = tuple[str, Callable[[], list[Buffer]], bool]
+_PutItem = tuple[str, Callable[[], list[Buffer]], bool, str]  # key, parts, seal, parent ("" if unknown)
 
 
 class BridgeError(Exception):
@@ -88,7 +88,7 @@ def _map_error(call: str, e: grpc.RpcError, timeout_s: float) -> BridgeError:
     code = e.code() if hasattr(e, "code") else None
     details = (e.details() if hasattr(e, "details") else None) or str(code)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return BridgeTimeout(call, f"deadline of {timeout_s:g} s exceeded", code)
+        return BridgeTimeout(call, f"deadline of {timeout_s:g} s exceeded ({details})", code)
     if code == grpc.StatusCode.UNAVAILABLE:
         return BridgeUnavailable(call, f"bridge unavailable: {details}", code)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -187,29 +187,31 @@ class BridgeClient:
             timeout_s: float | None = None) -> PutSummary:
         """Stream chunks to the bridge, split across the client's streams (each serialized when its
         stream reaches it; inline, the MAC is computed frame by frame as the bytes go out; over shared
-        memory the tensors' bytes go straight into the segment). With several streams the store takes
-        the chunks in no particular order."""
+        memory the tensors' bytes go straight into the segment). A chunk whose parent is in the same call
+        goes on its parent's stream, in the call's order (see _chains); separate chains reach the store
+        in no particular order."""
         if transport == "shm":
-            items = ((c.key, lambda c=c: c.to_parts(self._mac), False) for c in chunks)
+            items = ((c.key, lambda c=c: c.to_parts(self._mac), False, c.parent) for c in chunks)
         else:
-            items = ((c.key, c.body_parts, True) for c in chunks)
+            items = ((c.key, c.body_parts, True, c.parent) for c in chunks)
         return self._put(items, transport, timeout_s)
 
     def put_bytes(self, items: Iterable[tuple[str, bytes | list[bytes | memoryview]]], transport: Transport = "inline",
                   timeout_s: float | None = None) -> PutSummary:
         """Stream already-serialized chunks (bytes, or a list of their parts in order); the server
         verifies each one and reports refusals."""
-        return self._put(((key, lambda d=data: d if isinstance(d, list) else [d], False) for key, data in items),
-                         transport, timeout_s)
+        return self._put(((key, lambda d=data: d if isinstance(d, list) else [d], False, _parent_of(data))
+                          for key, data in items), transport, timeout_s)
 
     def _put(self, items: Iterable[_PutItem], transport: Transport, timeout_s: float | None) -> PutSummary:
-        """items: (key, parts, seal): parts() gives the chunk's bytes in pieces when its stream reaches it
-        (serialized lazily); seal: they are the body, the MAC to be computed on the way and sent last."""
+        """items: (key, parts, seal, parent): parts() gives the chunk's bytes in pieces when its stream
+        reaches it (serialized lazily); seal: they are the body, the MAC to be computed on the way and sent
+        last; parent: its parent's key, which decides its stream (_chains)."""
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
         t = timeout_s or self.timeout_s
         items = list(items)
-        shares = [items[j::self.streams] for j in range(min(self.streams, len(items)))] or [[]]
+        shares = _spread(_chains(items), self.streams)
         if len(shares) == 1:
             return self._put_stream(shares[0], transport, t, 0)
         outcomes = _run_all([lambda j=j: self._put_stream(shares[j], transport, t, j) for j in range(len(shares))])
@@ -217,7 +219,7 @@ class BridgeClient:
             if isinstance(o, BaseException):
                 raise o
         order = {}
-        for i, (key, _, _) in enumerate(items):
+        for i, (key, *_) in enumerate(items):
             order.setdefault(key, i)
         merged = PutSummary(sum(o.stored for o in outcomes), sum(o.duplicates for o in outcomes),
                             refused=sum(o.refused for o in outcomes))
@@ -231,7 +233,7 @@ class BridgeClient:
         created: list[str] = []
 
         def frames() -> Iterator[bytes]:
-            for key, make_parts, seal in items:
+            for key, make_parts, seal, _ in items:
                 parts = make_parts()
                 if transport == "shm":
                     name = shm.write_segment(parts)
@@ -357,6 +359,45 @@ class BridgeClient:
             return asm.feed(f)
         except (FrameError, shm.ShmError) as e:
             raise BridgeProtocolError("Get", str(e)) from None
+
+
+def _parent_of(data: bytes | list[bytes | memoryview]) -> str:
+    """The parent a serialized chunk's header names ("" when its first part holds no readable header)."""
+    if isinstance(data, list):
+        data = data[0] if data else b""
+    return peek_parent(data) or ""
+
+
+def _chains(items: list[_PutItem]) -> list[list[_PutItem]]:
+    """Items grouped by parent chain (a chunk joins its parent's group when the parent is in the call),
+    each group in the call's order, groups in order of their first item.
+
+    A store may refuse a chunk whose parent it does not hold (a full one evicts nothing for an orphan),
+    and then every later chunk of the prompt: so a prompt's chunks travel in order on one stream, and
+    only different chains are spread across streams."""
+    root = {key: key for key, *_ in items}
+
+    def find(k: str) -> str:
+        while root[k] != k:
+            root[k] = root[root[k]]
+            k = root[k]
+        return k
+
+    for key, _, _, parent in items:
+        if parent in root:
+            root[find(key)] = find(parent)
+    groups: dict[str, list[_PutItem]] = {}
+    for item in items:
+        groups.setdefault(find(item[0]), []).append(item)
+    return list(groups.values())
+
+
+def _spread(chains: list[list[_PutItem]], streams: int) -> list[list[_PutItem]]:
+    """At most `streams` shares: each chain, longest first, onto the share with the fewest items so far."""
+    shares: list[list[_PutItem]] = [[] for _ in range(max(1, min(streams, len(chains))))]
+    for chain in sorted(chains, key=len, reverse=True):  # stable: equal chains keep the call's order
+        min(shares, key=len).extend(chain)
+    return shares
 
 
 _MISS = object()  # a stream ended before this key: the key is missing

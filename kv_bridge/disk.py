@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_QUEUE_BYTES = 512 << 20  # bytes waiting for the disk writer (cluster/config.py: bridge_disk_queue_bytes)
 CLOSE_FLUSH_S = 5.0  # what a clean shutdown waits for the queue (a launcher SIGKILLs 10 s after SIGTERM)
 WRITER_IDLE_S = 5.0  # an idle writer thread exits; the next queued write starts another
-_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")  # a file name, never a path
+_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}\Z")  # a file name, never a path
 _TMP_PREFIX = ".tmp-"
 
 

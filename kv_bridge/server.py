@@ -2,8 +2,10 @@
 
 Every call must carry the cluster's bearer token (UNAUTHENTICATED otherwise, before a byte of
 the request is read); request bytes that do not parse get INVALID_ARGUMENT (rpc_guard.py). Put
-refuses a chunk larger than the largest valid one on its FIRST frame, before buffering anything,
-reassembles the rest (hashing each frame as it arrives) and verifies whole chunks (MAC, header,
+refuses a chunk larger than the largest valid one on its FIRST frame, before buffering anything (and
+one that would take the partial chunks of all streams past their bound: RESOURCE_EXHAUSTED), ends a
+stream whose chunk arrives slower than a floor rate (a trickle StallGuard never sees idle), reassembles
+the rest (hashing each frame as it arrives) and verifies whole chunks (MAC, header,
 lengths, key) before the store takes them: a chunk that fails is refused and counted and the stream
 goes on; nothing of a chunk is visible before its last frame arrived and verified. Get streams the
 leading present chunks, inline or by same-host shared-memory handle. Put and Get carry chunk bytes
@@ -21,7 +23,9 @@ import os
 import signal
 import sys
 import threading
+import time
 import urllib.parse
+import uuid
 from concurrent import futures
 from typing import Iterator
 
@@ -37,7 +41,8 @@ from flashpd.kv_bridge.stall_guard import DEFAULT_IDLE_S, StallGuard
 from flashpd.kv_bridge.store import ChunkStore, PutResult
 from flashpd.kv_bridge.tls import BridgeTls
 from flashpd.kv_bridge.wire import (DEFAULT_MAX_CHUNK_BYTES, MAX_KEYS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
-                                    Assembler, FrameError, check_key, clamp_frame_bytes, frame_pieces)
+                                    Assembler, BudgetExhausted, ByteBudget, FrameError, check_key,
+                                    clamp_frame_bytes, frame_pieces)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,8 @@ DEFAULT_SHM_TTL_S = 60.0  # this server's own segments: a reader takes one withi
 MAX_REFUSED_KEYS = 256  # keys a PutReply names (it counts them all)
 DEFAULT_SHM_OUTSTANDING_BYTES = 1 << 30  # handed-out segments not yet taken, all Gets together
 SHM_ROOM_WAIT_S = 10.0  # how long a Get waits for readers to take segments before RESOURCE_EXHAUSTED
+DEFAULT_MIN_PUT_RATE = 1 << 20  # bytes/s a Put's chunk needs after idle_s of grace: a trickle holds a worker
+DEFAULT_INFLIGHT_BYTES = 1 << 30  # partial chunks of all Put streams together, outside any store's budget
 
 
 class _Bytes:
@@ -96,22 +103,30 @@ def bridge_secret(store: ChunkStore, secret: ClusterSecret | None) -> ClusterSec
 
 class KVBridgeServicer(pb_grpc.KVBridgeServicer):
     """max_chunk_bytes: the largest valid chunk (chunk.max_chunk_bytes of the service's layout); a Put
-    announcing more is refused on its first frame."""
+    announcing more is refused on its first frame. A Put's chunk must arrive at min_put_rate bytes/s once
+    put_grace_s have passed since its first frame (<= 0: no floor), and the partial chunks of all Puts
+    together are bounded by inflight_max_bytes (see serve)."""
 
     def __init__(self, store: ChunkStore, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  shm_ttl_s: float = DEFAULT_SHM_TTL_S, secret: ClusterSecret | None = None,
-                 shm_max_bytes: int = DEFAULT_SHM_OUTSTANDING_BYTES) -> None:
+                 shm_max_bytes: int = DEFAULT_SHM_OUTSTANDING_BYTES, *, shm_peer_max_bytes: int | None = None,
+                 min_put_rate: float = DEFAULT_MIN_PUT_RATE, put_grace_s: float = DEFAULT_IDLE_S,
+                 inflight_max_bytes: int = DEFAULT_INFLIGHT_BYTES) -> None:
         self.store = store
         self.secret = bridge_secret(store, secret)
         self.bytes = _Bytes(store, self.secret)
         self.max_chunk_bytes = max_chunk_bytes
         self.shm_ttl_s = shm_ttl_s
-        self.shm_out = shm.SegmentLedger(shm_max_bytes)
+        self.shm_out = shm.SegmentLedger(shm_max_bytes, shm_peer_max_bytes)
+        self.min_put_rate = min_put_rate
+        self.put_grace_s = put_grace_s
+        self.inflight = ByteBudget(inflight_max_bytes)
         self._lock = threading.Lock()
         self._c = dict(lookups=0, puts_streams=0, frames_received=0, chunks_stored=0, chunks_duplicate=0,
                        chunks_refused_corrupt=0, chunks_refused_store=0, chunks_incomplete=0, gets_streams=0,
                        chunks_sent=0, frames_sent=0, shm_segments_sent=0, shm_segments_reclaimed=0, shm_segments_expired=0,
-                       invalid_requests=0, unauthenticated_calls=0, calls_stalled=0, shm_gets_refused_full=0)
+                       invalid_requests=0, unauthenticated_calls=0, calls_stalled=0, shm_gets_refused_full=0,
+                       shm_gets_refused_peer=0, puts_too_slow=0, puts_refused_inflight=0)
 
     def authorizer(self):
         """token_authorizer for this bridge's secret, counting the calls it turns away."""
@@ -163,11 +178,19 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         self._count("puts_streams")
         # each frame copied once, without the GIL, into a buffer of this stream's own: the store gets a
         # read-only view of it (a store that keeps bytes copies it once more)
-        asm = Assembler(self.max_chunk_bytes, writable=True, mac=self.secret.mac_key)
+        asm = Assembler(self.max_chunk_bytes, writable=True, mac=self.secret.mac_key, budget=self.inflight)
+        try:
+            return self._put_frames(request_iterator, asm, context)
+        finally:
+            asm.release()  # however the stream ended: its partial chunk leaves the in-flight budget
+
+    def _put_frames(self, request_iterator: Iterator[frame_codec.FrameMessage], asm: Assembler,
+                    context: grpc.ServicerContext) -> pb.PutReply:
         reply = pb.PutReply(version=PROTOCOL_VERSION)
         for msg in request_iterator:  # a cancelled client raises here: the in-flight chunk is dropped
             self._check_version(msg.version, context)
             self._count("frames_received")
+            self._check_pace(asm, context)
             f = msg.frame if msg.frame is not None else frame_codec.Frame()
             try:
                 if f.shm is not None:
@@ -177,12 +200,32 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                     self._store(reply, *done)
             except FrameError as e:
                 self._invalid(context, str(e))
+            except BudgetExhausted as e:
+                self._count("puts_refused_inflight")
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame.total_length: {e}; retry later")
             except shm.ShmError:  # missing or wrong-sized segment: that chunk is refused, the stream goes on
                 self._refuse(reply, f.key, "chunks_refused_corrupt")
         if asm.in_flight is not None:
             reply.incomplete_keys.append(asm.in_flight)
             self._count("chunks_incomplete")
         return reply
+
+    def _check_pace(self, asm: Assembler, context: grpc.ServicerContext) -> None:
+        """A chunk in flight earns 1/min_put_rate seconds per byte received after its grace: a client that
+        keeps sending a byte now and then (never idle long enough for StallGuard) still cannot hold a worker
+        and a chunk's buffer for as long as it likes. Counted as a stalled call."""
+        if asm.in_flight is None or self.min_put_rate <= 0:
+            return
+        elapsed = time.monotonic() - asm.started
+        if elapsed <= self.put_grace_s + asm.received / self.min_put_rate:
+            return
+        self._count("calls_stalled")
+        self._count("puts_too_slow")
+        log.warning("Put: chunk %s... arrived at %.0f bytes/s, less than %.0f; call ended",
+                    asm.in_flight[:16], asm.received / elapsed, self.min_put_rate)
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                      f"frame: chunk {asm.in_flight[:16]}... has {asm.received} of {asm.total} bytes after "
+                      f"{elapsed:.1f} s; the bridge needs {self.min_put_rate:.0f} bytes/s after {self.put_grace_s:g} s")
 
     def _take_shm(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext) -> tuple[str, bytes]:
         if asm.in_flight is not None:
@@ -194,6 +237,8 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             raise FrameError("frame.shm.length", f"{f.shm.length} not in 1..{self.max_chunk_bytes}")
         if not _peer_is_local(context.peer()):
             raise FrameError("frame.shm", "shared memory needs a same-host client")
+        if shm.handed_out(f.shm.name):  # a server's Get segment: its reader's, never a Put's to take or unlink
+            raise shm.ShmError(f"shm segment {f.shm.name} is one a bridge handed out, not this client's")
         return f.key, shm.take_segment(f.shm.name, f.shm.length)
 
     def _store(self, reply: pb.PutReply, key: str, data: bytes | memoryview, body_mac: bytes | None) -> None:
@@ -240,10 +285,11 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             self._invalid(context, "transport: SHM needs a same-host client and /dev/shm")
         self._count("gets_streams")
         if use_shm:  # segments handed out before but never taken (a reader that died): bounded lifetime
-            self._count("shm_segments_expired", shm.sweep_segments(self.shm_ttl_s, pid=os.getpid()))
+            self._sweep_shm()
         frame_bytes = clamp_frame_bytes(request.frame_bytes)
         created: list[str] = []
         finished = False
+        call = uuid.uuid4().hex
 
         def reclaim() -> None:  # segments of a stream that did not finish may never be taken
             if not finished:
@@ -262,17 +308,12 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                 if data is None:
                     break
                 if use_shm:
-                    ticket = self.shm_out.reserve(len(data), SHM_ROOM_WAIT_S, context.is_active)
+                    ticket = self._reserve_shm(len(data), call, context)
                     if ticket is None:
-                        if not context.is_active():
-                            return
-                        self._count("shm_gets_refused_full")
-                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"transport: {self.shm_out.max_bytes} bytes of shared-memory segments are "
-                                      f"out and not taken; use INLINE or read the handles")
+                        return
                     name = None
                     try:
-                        name = shm.write_segment(data)
+                        name = shm.write_segment(data, shm.GET_TAG)
                     except OSError as e:  # /dev/shm full or gone
                         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"transport: shared memory: {e}")
                     finally:
@@ -297,6 +338,26 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             finished = True
         finally:
             reclaim()
+            self.shm_out.finish(call)
+
+    def _sweep_shm(self) -> None:
+        self._count("shm_segments_expired", shm.sweep_segments(self.shm_ttl_s, os.getpid(), shm.GET_TAG))
+
+    def _reserve_shm(self, n: int, call: str, context: grpc.ServicerContext) -> str | None:
+        """A ledger ticket for a segment of n bytes; None: the call has ended. Aborts RESOURCE_EXHAUSTED,
+        saying why, when there is no room: at once when this peer's own untaken segments fill its share."""
+        try:
+            ticket = self.shm_out.reserve(n, SHM_ROOM_WAIT_S, context.is_active, peer=context.peer(), call=call,
+                                          sweep=self._sweep_shm)
+        except shm.NoRoom as e:
+            self._count("shm_gets_refused_peer")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"transport: {e}")
+        if ticket is None and context.is_active():
+            self._count("shm_gets_refused_full")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"transport: {self.shm_out.max_bytes} bytes of shared-memory segments are "
+                          f"out and not taken; use INLINE or read the handles")
+        return ticket
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsReply:
         self._check_version(request.version, context)
@@ -304,6 +365,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             own = dict(self._c)
         counters = {f"server.{k}": v for k, v in own.items()}
         counters["server.shm_outstanding_bytes"] = self.shm_out.outstanding()
+        counters["server.inflight_bytes"] = self.inflight.used
         counters.update(flatten(self.store.stats(), "store"))
         return pb.StatsReply(version=PROTOCOL_VERSION, counters=counters, store=type(self.store).__name__)
 
@@ -390,7 +452,9 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
           max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, allow_remote: bool = False,
           shm_ttl_s: float = DEFAULT_SHM_TTL_S, *, secret: ClusterSecret | None = None,
           tls: BridgeTls | None = None, idle_s: float = DEFAULT_IDLE_S,
-          shm_max_bytes: int = DEFAULT_SHM_OUTSTANDING_BYTES) -> tuple[grpc.Server, int]:
+          shm_max_bytes: int = DEFAULT_SHM_OUTSTANDING_BYTES, shm_peer_max_bytes: int | None = None,
+          min_put_rate: float = DEFAULT_MIN_PUT_RATE,
+          inflight_max_bytes: int = DEFAULT_INFLIGHT_BYTES) -> tuple[grpc.Server, int]:
     """Start the bridge on host:port (0 picks a free port); returns the started server and its port.
 
     max_workers bounds concurrent RPCs (each Put/Get stream holds a worker for its duration).
@@ -400,13 +464,20 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
     shm_ttl_s: a shared-memory segment this server handed out and nobody took is unlinked after it.
     idle_s: a call whose client sends or takes nothing for this long is cancelled (stall_guard.py).
     shm_max_bytes: shared-memory segments handed out and not yet taken, all Gets together (one segment
-    is always admitted, whatever its size)."""
+    is always admitted, whatever its size); shm_peer_max_bytes: of one client connection (default a
+    quarter of shm_max_bytes), so that one reader who never takes its segments cannot starve the others.
+    min_put_rate: bytes/s a Put's chunk must arrive at once idle_s have passed since its first frame
+    (<= 0: no floor); a slower stream ends DEADLINE_EXCEEDED and counts as stalled.
+    inflight_max_bytes: partial chunks of all Put streams together (one chunk alone always fits); a chunk
+    past it is refused RESOURCE_EXHAUSTED on its first frame, before its buffer is allocated."""
     if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the bridge")
     if not is_loopback(host) and tls is None:
         log.warning("the KV bridge serves %s without TLS: chunks and the bearer token cross the network in the "
                     "clear (chunk MACs still refuse forged chunks)", host)
-    servicer = KVBridgeServicer(store, max_chunk_bytes, shm_ttl_s, secret, shm_max_bytes)
+    servicer = KVBridgeServicer(store, max_chunk_bytes, shm_ttl_s, secret, shm_max_bytes,
+                                shm_peer_max_bytes=shm_peer_max_bytes, min_put_rate=min_put_rate, put_grace_s=idle_s,
+                                inflight_max_bytes=inflight_max_bytes)
     shm.sweep_segments(SHM_SWEEP_AGE_S)
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", min(MAX_MESSAGE_BYTES, max_chunk_bytes + (1 << 20)))]
@@ -441,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES)
     ap.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S,
                     help="cancel a call whose client sends or takes nothing for this long")
+    ap.add_argument("--min-put-rate", type=float, default=DEFAULT_MIN_PUT_RATE,
+                    help="bytes/s a Put's chunk must arrive at once --idle-s have passed (0: no floor)")
+    ap.add_argument("--inflight-bytes", type=int, default=DEFAULT_INFLIGHT_BYTES,
+                    help="bound on the partial chunks of all Put streams together")
     ap.add_argument("--tls-cert", default=None)
     ap.add_argument("--tls-key", default=None)
     args = ap.parse_args(argv)
@@ -451,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.disk_dir:
         store = TieredStore(store, DiskStore(args.disk_dir, args.disk_bytes, secret))
     server, port = serve(store, args.host, args.port, args.max_workers, args.max_chunk_bytes, secret=secret,
-                         tls=BridgeTls.from_paths(args.tls_cert, args.tls_key, None), idle_s=args.idle_s)
+                         tls=BridgeTls.from_paths(args.tls_cert, args.tls_key, None), idle_s=args.idle_s,
+                         min_put_rate=args.min_put_rate, inflight_max_bytes=args.inflight_bytes)
     print(f"PORT {port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

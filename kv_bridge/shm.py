@@ -14,15 +14,24 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "fpkv-"
-_NAME_RE = re.compile(r"^fpkv-[A-Za-z0-9_-]{1,120}$")
+GET_TAG = "get-"  # in the names of the segments a server hands to its SHM Gets (never a Put's to take)
+_NAME_RE = re.compile(r"fpkv-[A-Za-z0-9_-]{1,120}")
+_HANDED_OUT_RE = re.compile(rf"fpkv-[0-9]+-{GET_TAG}.*", re.DOTALL)
+DEFAULT_PEER_SHARE = 4  # a peer may hold 1/4 of a ledger's bytes untaken
+OVER_SHARE_TTL_S = 2.0  # a finished call's segments past its peer's share expire after this while others wait
+_SWEEP_EVERY_S = 0.1  # how often a Get waiting for room sweeps expired segments
 
 
 class ShmError(OSError):
     """A handle that is malformed, missing or not the announced length."""
+
+
+class NoRoom(Exception):
+    """A segment the ledger refuses at once: the requesting peer already holds its share untaken."""
 
 
 def available() -> bool:
@@ -37,10 +46,19 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
             written += os.write(fd, view[written:])
 
 
-def write_segment(data: bytes | list[bytes | memoryview]) -> str:
+def valid_name(name: str) -> bool:
+    return _NAME_RE.fullmatch(name) is not None
+
+
+def handed_out(name: str) -> bool:
+    """Whether name is a segment some server wrote for an SHM Get (its reader's to take, nobody else's)."""
+    return _HANDED_OUT_RE.fullmatch(name) is not None
+
+
+def write_segment(data: bytes | list[bytes | memoryview], tag: str = "") -> str:
     """Create a new segment holding data (or its parts, in order); returns its name (the caller or its
-    peer unlinks it)."""
-    name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    peer unlinks it). tag: GET_TAG for a server's Get segments."""
+    name = f"{PREFIX}{os.getpid()}-{tag}{uuid.uuid4().hex}"
     path = SHM_DIR / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -55,13 +73,15 @@ def write_segment(data: bytes | list[bytes | memoryview]) -> str:
 
 
 def take_segment(name: str, length: int, writable: bool = False) -> bytes | bytearray:
-    """Read the segment's bytes and unlink it (also when it is the wrong size). writable: into a bytearray
-    the caller owns (an importer's, see KVChunk.from_bytes(own=True)), else immutable bytes.
+    """Read the segment's bytes and unlink it. writable: into a bytearray the caller owns (an importer's,
+    see KVChunk.from_bytes(own=True)), else immutable bytes.
 
-    The name is a peer's: only a regular file is read (a FIFO would block the open forever, a link could
-    point anywhere), and it is read with read(2), not mapped, so a peer that shrinks the file meanwhile
-    gives a short read (ShmError) rather than a SIGBUS that kills this process."""
-    if not _NAME_RE.match(name):
+    The name is a peer's, who may name a file that is not its own to hand over: only a regular file of
+    this process's user is read (a FIFO would block the open forever, a link could point anywhere), and a
+    segment that fails any check (or a read) is left where it is, for its owner or a TTL sweep to remove,
+    never unlinked on a peer's word. It is read with read(2), not mapped, so a peer that shrinks the file
+    meanwhile gives a short read (ShmError) rather than a SIGBUS that kills this process."""
+    if not valid_name(name):
         raise ShmError(f"shm.name {name!r} is not a bridge segment name")
     path = SHM_DIR / name
     try:
@@ -69,18 +89,20 @@ def take_segment(name: str, length: int, writable: bool = False) -> bytes | byte
     except FileNotFoundError as e:
         raise ShmError(f"shm segment {name} does not exist") from e
     except OSError as e:  # ELOOP: a symbolic link
-        unlink_segment(name)
         raise ShmError(f"shm segment {name} cannot be opened: {e.strerror}") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ShmError(f"shm segment {name} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise ShmError(f"shm segment {name} belongs to another user")
         if st.st_size != length or length == 0:
             raise ShmError(f"shm segment {name} holds {st.st_size} bytes, handle says {length}")
-        return _read_exactly(fd, name, length, writable)
+        data = _read_exactly(fd, name, length, writable)
     finally:
         os.close(fd)
-        unlink_segment(name)
+    unlink_segment(name)
+    return data
 
 
 def _read_exactly(fd: int, name: str, length: int, writable: bool) -> bytes | bytearray:
@@ -109,27 +131,28 @@ def _read_exactly(fd: int, name: str, length: int, writable: bool) -> bytes | by
 
 def unlink_segment(name: str) -> None:
     """Remove a segment if it is there and ours to remove (another user's file in /dev/shm is not: left alone)."""
-    if _NAME_RE.match(name):
+    if valid_name(name):
         try:
             os.unlink(SHM_DIR / name)
         except OSError:  # gone already, or not this process's to unlink
             pass
 
 
-def list_segments(pid: int | None = None) -> list[str]:
-    """Bridge segments present now (of one process when pid is given): for leak checks."""
+def list_segments(pid: int | None = None, tag: str = "") -> list[str]:
+    """Bridge segments present now (of one process when pid is given, of its `tag` ones when that is
+    given too): for leak checks."""
     if not SHM_DIR.is_dir():
         return []
-    prefix = PREFIX if pid is None else f"{PREFIX}{pid}-"
+    prefix = PREFIX if pid is None else f"{PREFIX}{pid}-{tag}"
     return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
 
 
-def sweep_segments(max_age_s: float, pid: int | None = None) -> int:
-    """Unlink bridge segments (of one process when pid is given) older than max_age_s: their
-    reader died or walked away before taking them."""
+def sweep_segments(max_age_s: float, pid: int | None = None, tag: str = "") -> int:
+    """Unlink bridge segments (of one process when pid is given, of its `tag` ones when that is given
+    too) older than max_age_s: their reader died or walked away before taking them."""
     now = time.time()
     n = 0
-    for name in list_segments(pid):
+    for name in list_segments(pid, tag):
         try:
             if now - (SHM_DIR / name).stat().st_mtime > max_age_s:
                 unlink_segment(name)
@@ -139,6 +162,15 @@ def sweep_segments(max_age_s: float, pid: int | None = None) -> int:
     return n
 
 
+class _Out(NamedTuple):
+    """One untaken segment (or reservation): its bytes, whose Get made it, and when it was bound."""
+    n: int
+    peer: str
+    call: str
+    since: float
+    done: bool = False  # its call has finished: its reader has had every handle
+
+
 class SegmentLedger:
     """The segments a server handed out that their readers have not taken yet, bounded in bytes.
 
@@ -146,12 +178,18 @@ class SegmentLedger:
     never reads, or asks for the same bytes over and over) would otherwise fill the host's memory with
     files only a later TTL sweep removes. `reserve` admits a new segment while the untaken ones and the
     new one fit in max_bytes (one segment alone always fits), waiting up to wait_s for readers to take
-    theirs."""
+    theirs.
 
-    def __init__(self, max_bytes: int) -> None:
+    One peer must not starve the others, so each may hold peer_max_bytes untaken (one segment alone
+    always fits): a Get whose peer is past that with segments of its finished calls is refused at once
+    (NoRoom: waiting would not help), one whose own stream's reader lags waits for it. While a Get waits
+    for room, segments of finished calls beyond their peer's share expire after OVER_SHARE_TTL_S."""
+
+    def __init__(self, max_bytes: int, peer_max_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes
+        self.peer_max_bytes = max(1, max_bytes // DEFAULT_PEER_SHARE) if peer_max_bytes is None else peer_max_bytes
         self._lock = threading.Lock()
-        self._out: dict[str, int] = {}  # segment name, or a reservation's "?" ticket -> bytes
+        self._out: dict[str, _Out] = {}  # segment name, or a reservation's "?" ticket
 
     def _prune(self) -> None:
         for name in [n for n in self._out if not n.startswith("?")]:
@@ -161,25 +199,65 @@ class SegmentLedger:
     def outstanding(self) -> int:
         with self._lock:
             self._prune()
-            return sum(self._out.values())
+            return sum(o.n for o in self._out.values())
 
-    def reserve(self, n: int, wait_s: float, active: Callable[[], bool]) -> str | None:
-        """A ticket for n bytes, or None when no room came within wait_s (or active() turned False)."""
+    def reserve(self, n: int, wait_s: float, active: Callable[[], bool], peer: str = "", call: str = "",
+                sweep: Callable[[], object] | None = None) -> str | None:
+        """A ticket for n bytes, or None when no room came within wait_s (or active() turned False).
+        Raises NoRoom at once when the peer's finished calls hold its share. sweep: called now and then
+        while waiting (a TTL sweep that may make room)."""
         deadline = time.monotonic() + wait_s
+        next_sweep = time.monotonic() + _SWEEP_EVERY_S
         while True:
             with self._lock:
                 self._prune()
-                if not self._out or sum(self._out.values()) + n <= self.max_bytes:
+                if self._fits(n, peer):
                     ticket = f"?{uuid.uuid4().hex}"
-                    self._out[ticket] = n
+                    self._out[ticket] = _Out(n, peer, call, time.monotonic())
                     return ticket
-            if time.monotonic() > deadline or not active():
+                self._expire_over_share(peer)
+            now = time.monotonic()
+            if now > deadline or not active():
                 return None
+            if sweep is not None and now >= next_sweep:
+                sweep()
+                next_sweep = now + _SWEEP_EVERY_S
             time.sleep(0.002)
+
+    def _fits(self, n: int, peer: str) -> bool:
+        mine = [o for o in self._out.values() if o.peer == peer]
+        held = sum(o.n for o in mine)
+        stale = sum(o.n for o in mine if o.done)
+        if stale and stale + n > self.peer_max_bytes:
+            raise NoRoom(f"this client holds {stale} bytes of shared-memory segments it never took "
+                         f"(its share is {self.peer_max_bytes}); take them or use INLINE")
+        if held and held + n > self.peer_max_bytes:
+            return False
+        return not self._out or sum(o.n for o in self._out.values()) + n <= self.max_bytes
+
+    def _expire_over_share(self, waiting: str) -> None:
+        """Unlink other peers' segments of finished calls, oldest first, while a peer holds more than its share."""
+        now = time.monotonic()
+        held: dict[str, int] = {}
+        for o in self._out.values():
+            held[o.peer] = held.get(o.peer, 0) + o.n
+        for name, o in sorted(self._out.items(), key=lambda kv: kv[1].since):
+            if (o.peer != waiting and o.done and held[o.peer] > self.peer_max_bytes
+                    and now - o.since > OVER_SHARE_TTL_S and not name.startswith("?")):
+                unlink_segment(name)
+                del self._out[name]
+                held[o.peer] -= o.n
 
     def bind(self, ticket: str, name: str | None) -> None:
         """The ticket's segment was written as `name` (None: it was not)."""
         with self._lock:
-            n = self._out.pop(ticket, 0)
-            if name is not None:
-                self._out[name] = n
+            o = self._out.pop(ticket, None)
+            if o is not None and name is not None:
+                self._out[name] = o._replace(since=time.monotonic())
+
+    def finish(self, call: str) -> None:
+        """The Get `call` has ended: its untaken segments are its peer's to take, no longer in flight."""
+        with self._lock:
+            for name, o in self._out.items():
+                if o.call == call:
+                    self._out[name] = o._replace(done=True)

@@ -5,7 +5,9 @@ sends its request, stops in the middle of a request stream, or stops reading a r
 worker blocked in grpcio, and max_workers such calls stop the server for everyone. `StallGuard` (a server
 interceptor) marks the moments a handler waits on its peer (a request message to arrive, a response to be
 taken) and a watchdog cancels a call that has waited longer than `idle_s`. Time the handler spends on its
-own work (a store read, an engine step) never counts: only the peer can stall a call.
+own work (a store read, an engine step) never counts: only the peer can stall a call. A peer that does send,
+but a byte now and then, is never idle: a handler that buffers what it receives holds such a peer to a byte
+rate itself (the KV bridge's Put: server.py, _check_pace).
 
 Unary requests are read inside the guard: their handlers are registered as request-streaming ones that take
 the first message (a call that half-closes without one is INVALID_ARGUMENT, as grpcio's own check would be).

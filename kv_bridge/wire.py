@@ -13,6 +13,8 @@ out of a message object.
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Protocol, Sequence
 
@@ -91,6 +93,36 @@ def split_frames(key: str, data: bytes, frame_bytes: int) -> Iterator[pb.ChunkFr
         yield pb.ChunkFrame(key=key, offset=off, total_length=len(data), data=b"".join(pieces), last=last)
 
 
+class BudgetExhausted(Exception):
+    """A chunk's buffer would take the receiver's in-flight bytes past their bound (nothing was allocated)."""
+
+
+class ByteBudget:
+    """Bytes of chunks in flight (announced, buffered, not yet complete) across all of a receiver's streams:
+    a store's budget counts a chunk only once it is complete, and each stream may hold one partial chunk
+    as long as it keeps sending. One chunk alone always fits."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._used = 0
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def acquire(self, n: int) -> bool:
+        with self._lock:
+            if self._used and self._used + n > self.max_bytes:
+                return False
+            self._used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+
+
 class InlineFrame(Protocol):
     """What the Assembler reads of a frame: a pb.ChunkFrame or a frame_codec.Frame."""
 
@@ -117,17 +149,22 @@ class Assembler:
     parallel streams overlap, and the buffer is numpy's (huge pages where the kernel offers them: far
     fewer page faults on fresh memory). Otherwise the frames' bytes are kept as views and joined once
     into immutable bytes at the end. mac: hash each frame on arrival; Assembled.body_mac carries the
-    digest."""
+    digest. budget: each chunk's announced length is taken from it on the chunk's first frame (before its
+    buffer exists; BudgetExhausted when it does not fit) and given back when the chunk completes or on
+    release(); `started` is when the chunk in flight began (time.monotonic), for a receiver's pace rule."""
 
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     writable: bool = False
     mac: MacKey | None = None
+    budget: ByteBudget | None = None
     key: str = ""
     total: int = 0
     received: int = 0
+    started: float = 0.0
     parts: list[Buffer] = field(default_factory=list)
     _buf: np.ndarray | None = None
     _hash: StreamingMac | None = None
+    _held: int = 0
 
     @property
     def in_flight(self) -> str | None:
@@ -154,7 +191,13 @@ class Assembler:
         if not data:
             raise FrameError("frame.data", "empty")
         if not self.key:  # the chunk's first frame, checked: now state is kept
-            self.key, self.total = f.key, f.total_length
+            if self.budget is not None:
+                if not self.budget.acquire(f.total_length):
+                    raise BudgetExhausted(f"chunk {f.key[:16]}... of {f.total_length} bytes: the receiver has "
+                                          f"{self.budget.used} bytes of chunks in flight, its bound is "
+                                          f"{self.budget.max_bytes}")
+                self._held = f.total_length
+            self.key, self.total, self.started = f.key, f.total_length, time.monotonic()
             self._hash = StreamingMac(self.mac, self.total) if self.mac is not None else None
             if self.writable:  # not zeroed: every byte is written before the chunk is handed out
                 self._buf = np.empty(self.total, dtype=np.uint8)
@@ -169,5 +212,12 @@ class Assembler:
             return None
         out = memoryview(self._buf) if self._buf is not None else b"".join(self.parts)
         done = Assembled(self.key, out, self._hash.digest() if self._hash is not None else None)
-        self.key, self.total, self.received, self.parts, self._buf, self._hash = "", 0, 0, [], None, None
+        self.release()
         return done
+
+    def release(self) -> None:
+        """Drop the chunk in flight, if any, and give its bytes back to the budget (the stream ended)."""
+        if self.budget is not None and self._held:
+            self.budget.release(self._held)
+        self.key, self.total, self.received, self.parts, self._buf, self._hash = "", 0, 0, [], None, None
+        self._held, self.started = 0, 0.0

@@ -229,7 +229,7 @@ def test_a_handle_naming_a_fifo_or_a_link_is_refused_without_blocking(bridge, tm
             reply = shm_handle_put(bridge, name, len(data))
             assert (reply.stored, list(reply.refused_keys)) == (0, ["s"]), name
             assert time.monotonic() - t0 < 5.0
-            assert not os.path.lexists(shm.SHM_DIR / name)  # unlinked like any refused handle
+            assert os.path.lexists(shm.SHM_DIR / name)  # a handle that fails a check is never unlinked
         assert target.read_bytes() == data  # a link's target is never touched
         name = shm.write_segment(data)  # a real segment is taken
         assert shm_handle_put(bridge, name, len(data)).stored == 1
@@ -244,7 +244,8 @@ def test_segment_reads_refuse_a_short_file(tmp_path):
     name = shm.write_segment(b"x" * 100)
     with pytest.raises(shm.ShmError, match="holds 100 bytes"):
         shm.take_segment(name, 200)
-    assert not os.path.exists(shm.SHM_DIR / name)
+    assert os.path.exists(shm.SHM_DIR / name)  # the handle lied, not the segment: left to its owner
+    shm.unlink_segment(name)
     for writable in (False, True):
         name = shm.write_segment(b"y" * 100)
         got = shm.take_segment(name, 100, writable=writable)
@@ -255,7 +256,8 @@ def test_segment_reads_refuse_a_short_file(tmp_path):
 def test_untaken_segments_are_bounded_and_a_get_past_the_bound_is_refused(monkeypatch):
     keys = [f"c{i}" for i in range(6)]
     size = len(chunk_bytes(Bridge.__new__(Bridge), keys[0], n_tokens=64, width=256, secret=ClusterSecret.generate()))
-    b = Bridge(shm_max_bytes=2 * size + size // 2)  # room for two untaken segments
+    bound = 2 * size + size // 2  # room for two untaken segments, all of them this one client's
+    b = Bridge(shm_max_bytes=bound, shm_peer_max_bytes=bound)
     try:
         data = {k: chunk_bytes(b, k, n_tokens=64, width=256) for k in keys}  # 128 KiB each
         assert {len(v) for v in data.values()} == {size}

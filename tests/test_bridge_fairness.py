@@ -1,0 +1,281 @@
+"""One client must not take from a bridge what other clients need, even while it keeps the rules StallGuard
+enforces (real gRPC servers on 127.0.0.1, real files in /dev/shm):
+
+- a Put that trickles a chunk (a byte now and then, never idle for idle_s) is ended and counted as stalled;
+- partial chunks of all Put streams together are bounded: past the bound a chunk is refused before its
+  buffer exists;
+- a prompt put over several streams into a full store keeps its chain (a chunk never outruns its parent);
+- a Put cannot make the server take or unlink a segment it handed to another client's SHM Get, nor any
+  segment that fails its checks;
+- a reader that never takes its SHM segments cannot starve another reader;
+- keys and segment names are whole-string matches (no trailing newline).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from flashpd.kv_bridge import frame_codec, shm
+from flashpd.kv_bridge import server as server_mod
+from flashpd.kv_bridge.auth import ClusterSecret
+from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.client import BridgeClient, BridgeError, _chains, _spread
+from flashpd.kv_bridge.disk import DiskStore
+from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
+from flashpd.kv_bridge.store import MemoryStore
+from flashpd.kv_bridge.wire import PROTOCOL_VERSION, split_frames
+
+from tests._kv_bridge_helpers import BridgeHarness, fingerprint, prompt_chunks
+
+TIMEOUT_S = 10.0
+WORKERS = 2
+PUT = "/flashpd.kvbridge.v1.KVBridge/Put"
+
+needs_shm = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this machine")
+
+
+@pytest.fixture
+def bridges():
+    made: list[BridgeHarness] = []
+
+    def make(**kw) -> BridgeHarness:
+        kw.setdefault("timeout_s", TIMEOUT_S)
+        made.append(BridgeHarness(**kw))
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.stop()
+
+
+def chunk_bytes(b: BridgeHarness | None, key: str) -> bytes:
+    """A 32 KiB chunk sealed with b's secret (None: any secret, for its size)."""
+    secret = b.secret if b is not None else ClusterSecret.generate()
+    return KVChunk(key, "", "fp", list(range(64)), torch.zeros(1, 2, 64, 1, 64), None).to_bytes(secret.mac_key)
+
+
+def put_frames(key: str, data: bytes, frame_bytes: int = 4096) -> list[pb.PutFrame]:
+    return [pb.PutFrame(version=PROTOCOL_VERSION, frame=f) for f in split_frames(key, data, frame_bytes)]
+
+
+def wait_for(cond, timeout_s: float = TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code()
+
+
+# ---- Put: pace and in-flight bytes -------------------------------------------------------------------
+
+def test_a_put_that_trickles_is_ended_and_counted_as_stalled(bridges):
+    idle_s = 0.5
+    b = bridges(max_workers=WORKERS, idle_s=idle_s)  # default floor: 1 MiB/s once idle_s have passed
+    stop = threading.Event()
+
+    def trickle(key: bytes):  # one byte every idle_s / 5: never idle long enough for StallGuard
+        for off in range(int(30 / (idle_s / 5))):
+            if stop.is_set():
+                return
+            head, tail = frame_codec.frame_envelope(PROTOCOL_VERSION, key, off, 1 << 20, 1, False)
+            yield head + b"x" + tail
+            time.sleep(idle_s / 5)
+
+    put = b.channel.stream_unary(PUT, response_deserializer=pb.PutReply.FromString)
+    futs = [put.future(trickle(f"slow{j}".encode()), timeout=60, metadata=b.md()) for j in range(WORKERS)]
+    try:
+        for f in futs:
+            with pytest.raises(grpc.RpcError) as e:
+                f.result(timeout=TIMEOUT_S)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "bytes/s" in e.value.details()
+        assert b.client.health(timeout_s=5.0)["serving"]
+    finally:
+        stop.set()
+    c = b.client.stats()
+    assert (c["server.calls_stalled"], c["server.puts_too_slow"], c["server.inflight_bytes"]) == (WORKERS, WORKERS, 0)
+    assert c["store.entries"] == 0
+
+
+def test_partial_chunks_of_all_puts_are_bounded_and_refused_before_buffering(bridges):
+    size = len(chunk_bytes(None, "k"))
+    b = bridges(max_workers=4, idle_s=60.0, inflight_max_bytes=size + size // 2)  # room for one chunk
+    data = chunk_bytes(b, "k")
+    release = threading.Event()
+
+    def first_frame_then_wait():
+        yield put_frames("h", chunk_bytes(b, "h"))[0]  # as long as "k"'s
+        release.wait()
+
+    held = b.raw.Put.future(first_frame_then_wait(), timeout=60, metadata=b.md())
+    try:
+        assert wait_for(lambda: b.client.stats()["server.inflight_bytes"] == len(data))
+        with pytest.raises(BridgeError) as e:
+            b.client.put_bytes([("k", data)])
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in str(e.value)
+        assert b.client.stats()["server.puts_refused_inflight"] == 1
+    finally:
+        release.set()
+    assert list(held.result(timeout=TIMEOUT_S).incomplete_keys) == ["h"]
+    assert b.client.stats()["server.inflight_bytes"] == 0  # the ended stream gave its bytes back
+    assert b.client.put_bytes([("k", data)]).stored == 1
+
+
+# ---- Put over several streams: a chain stays on one stream -------------------------------------------
+
+def test_chains_stay_on_one_stream_in_order_and_chains_spread():
+    item = lambda key, parent="": (key, list, False, parent)  # noqa: E731
+    items = [item("a0"), item("b0"), item("a1", "a0"), item("c0", "elsewhere"), item("b1", "b0"), item("a2", "a1")]
+    chains = _chains(items)
+    assert [[i[0] for i in c] for c in chains] == [["a0", "a1", "a2"], ["b0", "b1"], ["c0"]]
+    shares = _spread(chains, 2)
+    assert [[i[0] for i in s] for s in shares] == [["a0", "a1", "a2"], ["b0", "b1", "c0"]]
+    assert len(_spread(_chains([item(f"x{i}") for i in range(9)]), 4)) == 4  # unrelated chunks use every stream
+
+
+def test_a_prompt_put_over_several_streams_into_a_full_store_keeps_its_chain(bridges):
+    secret = ClusterSecret.generate()
+    store = MemoryStore(1 << 20, secret)
+    b = bridges(store=store, secret=secret)
+    with BridgeClient(b.address, TIMEOUT_S, secret=b.secret, streams=1) as one:
+        filler = prompt_chunks(list(range(100000, 100000 + 16 * 200)), fingerprint("filler"))
+        one.put(filler)  # one chain, in order, until the store is full
+    assert store.stats()["bytes"] > store.byte_budget - 8192
+    prompt = prompt_chunks(list(range(16 * 16)), fingerprint(), seed=1)
+    with BridgeClient(b.address, TIMEOUT_S, secret=b.secret, streams=4) as four:
+        s = four.put(prompt)
+        assert (s.stored, s.refused) == (16, 0)
+        assert four.lookup([c.key for c in prompt]) == 16
+        other = prompt_chunks(list(range(16 * 16)), fingerprint("drafter-b"), seed=2)
+        raw = [(c.key, c.to_bytes(b.secret.mac_key)) for c in other]
+        s = four.put_bytes(raw)  # the parent is read from each chunk's header
+        assert (s.stored, s.refused) == (16, 0)
+
+
+# ---- SHM Put: never a deputy for unlinking someone else's segment ------------------------------------
+
+def shm_put(b: BridgeHarness, name: str, length: int, key: str = "s") -> pb.PutReply:
+    frame = pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
+        key=key, offset=0, total_length=length, last=True, shm=pb.ShmHandle(name=name, length=length)))
+    return b.raw.Put(iter([frame]), timeout=TIMEOUT_S, metadata=b.md())
+
+
+@needs_shm
+def test_a_put_cannot_take_or_unlink_a_segment_handed_to_another_clients_get(bridges):
+    b = bridges()
+    data = chunk_bytes(b, "victim")
+    assert b.client.put_bytes([("victim", data)]).stored == 1
+    get = b.raw.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=["victim"], transport=pb.SHM),
+                    timeout=TIMEOUT_S, metadata=b.md())
+    handle = next(get).frame.shm  # handed over, not taken yet
+    assert shm.handed_out(handle.name)
+    for length in (1, handle.length):  # a wrong length, and the right one
+        reply = shm_put(b, handle.name, length)
+        assert (reply.stored, list(reply.refused_keys)) == (0, ["s"])
+        assert os.path.exists(shm.SHM_DIR / handle.name)
+    assert shm.take_segment(handle.name, handle.length) == data  # the victim still gets its bytes
+    list(get)
+
+
+@needs_shm
+def test_a_segment_that_fails_a_check_is_left_in_place(bridges):
+    b = bridges()
+    data = chunk_bytes(b, "s")
+    name = shm.write_segment(data)  # a same-host client's Put segment, named with a wrong length
+    try:
+        assert shm_put(b, name, len(data) - 1).refused == 1
+        assert os.path.exists(shm.SHM_DIR / name)
+        if os.geteuid() == 0:  # another user's file: refused, never read nor unlinked
+            os.chown(shm.SHM_DIR / name, 54321, 54321)
+            with pytest.raises(shm.ShmError, match="another user"):
+                shm.take_segment(name, len(data))
+            assert shm_put(b, name, len(data)).refused == 1
+            assert os.path.exists(shm.SHM_DIR / name)
+            os.chown(shm.SHM_DIR / name, 0, 0)
+        assert shm_put(b, name, len(data)).stored == 1  # the right length: taken and unlinked
+        assert not os.path.exists(shm.SHM_DIR / name)
+    finally:
+        shm.unlink_segment(name)
+
+
+# ---- SHM Get: one reader cannot starve another -----------------------------------------------------
+
+def hog_gets(b: BridgeHarness, keys: list[str]) -> tuple[list[str], grpc.RpcError | None]:
+    """Single-key SHM Gets on the raw channel (one peer) whose segments are never taken."""
+    got = []
+    for k in keys:
+        try:
+            msgs = list(b.raw.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=[k], transport=pb.SHM),
+                                  timeout=TIMEOUT_S * 2, metadata=b.md()))
+        except grpc.RpcError as e:
+            return got, e
+        got.append(msgs[0].frame.shm.name)
+    return got, None
+
+
+def sized_bridge(bridges, n_keys: int, **kw) -> tuple[BridgeHarness, list[str], int]:
+    size = len(chunk_bytes(None, "c0"))
+    b = bridges(**{k: (v(size) if callable(v) else v) for k, v in kw.items()})
+    keys = [f"c{i}" for i in range(n_keys)]
+    assert b.client.put_bytes([(k, chunk_bytes(b, k)) for k in keys]).stored == n_keys
+    return b, keys, size
+
+
+@needs_shm
+def test_a_reader_that_never_takes_its_segments_is_refused_at_once_and_others_are_served(bridges, monkeypatch):
+    monkeypatch.setattr(server_mod, "SHM_ROOM_WAIT_S", 1.0)
+    b, keys, size = sized_bridge(bridges, 8, shm_max_bytes=lambda s: 4 * s + s // 2)  # a share: ~1 segment
+    taken, err = hog_gets(b, keys[:5])
+    try:
+        assert len(taken) == 1 and err is not None
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "never took" in err.details()
+        assert [c.key for c in b.client.get(keys[4:], transport="shm")] == keys[4:]
+        c = b.client.stats()
+        assert (c["server.shm_gets_refused_peer"], c["server.shm_gets_refused_full"]) == (1, 0)
+    finally:
+        for name in taken:
+            shm.unlink_segment(name)
+
+
+@needs_shm
+def test_a_get_waiting_for_room_sweeps_expired_segments_meanwhile(bridges):
+    b, keys, size = sized_bridge(bridges, 2, shm_max_bytes=lambda s: s + s // 2, shm_peer_max_bytes=1 << 30,
+                                 shm_ttl_s=2.0)
+    taken, err = hog_gets(b, keys[:1])  # fills the ledger (its share is the whole of it here)
+    assert err is None and os.path.exists(shm.SHM_DIR / taken[0])
+    assert [c.key for c in b.client.get(keys[1:], transport="shm")] == keys[1:]  # within SHM_ROOM_WAIT_S
+    assert not os.path.exists(shm.SHM_DIR / taken[0])
+    assert b.client.stats()["server.shm_segments_expired"] == 1
+
+
+@needs_shm
+def test_a_finished_gets_segments_beyond_its_share_expire_for_a_waiting_reader(bridges, monkeypatch):
+    monkeypatch.setattr(shm, "OVER_SHARE_TTL_S", 0.2)
+    monkeypatch.setattr(server_mod, "SHM_ROOM_WAIT_S", 5.0)
+    b, keys, size = sized_bridge(bridges, 2, shm_max_bytes=lambda s: s + s // 2)  # one segment; share < one
+    taken, err = hog_gets(b, keys[:1])
+    assert err is None
+    assert [c.key for c in b.client.get(keys[1:], transport="shm")] == keys[1:]
+    assert not os.path.exists(shm.SHM_DIR / taken[0])
+
+
+# ---- names ------------------------------------------------------------------------------------------------
+
+def test_keys_and_segment_names_with_a_trailing_newline_are_refused(tmp_path):
+    assert shm.valid_name("fpkv-1-abc") and not shm.valid_name("fpkv-1-abc\n")
+    with pytest.raises(shm.ShmError, match="not a bridge segment name"):
+        shm.take_segment("fpkv-1-abc\n", 10)
+    store = DiskStore(tmp_path, 1 << 20)
+    with pytest.raises(ValueError, match="not a valid file name"):
+        store.put_bytes("abc\n", b"x" * 64)

@@ -344,3 +344,4 @@ class EngineLoop:
                 log.exception("cancel during shutdown failed")
             self._emit(h, Event("error", error=err))
         self._live.clear()
+        self.scheduler.close()

@@ -687,6 +687,16 @@ class Scheduler:
         wait(saves, timeout=SAVE_WAIT_S)
         return self.prefix_cache.fetch(gen, prompt)
 
+    def close(self) -> None:
+        """Let the load and save threads end: fetches not started are dropped, queued saves still reach the store
+        (each bounded by its store's timeout), then the threads exit (idle ones otherwise live for good, a set a
+        stopped engine loop). A later request starts new ones."""
+        loader, saver, self._loader, self._save_pool = self._loader, self._save_pool, None, None
+        if loader is not None:
+            loader.shutdown(wait=False, cancel_futures=True)
+        if saver is not None:
+            saver.shutdown(wait=False)
+
     def flush_saves(self, timeout_s: float = SAVE_WAIT_S) -> None:
         """Wait until every queued save reached the store (a caller about to read the store directly)."""
         wait(list(self._saves), timeout=timeout_s)

@@ -199,3 +199,26 @@ def test_fetches_start_for_the_queues_first_requests_only(pair, monkeypatch):
     assert cache.stats.per_request_hits == [(len(p) - 1) // 32 * 32 for p in ps]
     cold = generate(NativeGenerator(_runner(target, drafter)), ps[-2:], [sp] * 2)
     assert [r.seq.output for r in reqs[-2:]] == [c.output for c in cold]
+
+
+def test_a_stopped_engine_loop_leaves_no_load_or_save_threads(pair):
+    """Its scheduler's pools end with it (each stopped worker left a load and a save thread behind); the saves
+    it queued still reach the store."""
+    from flashpd.decode_node.engine_loop import EngineLoop
+
+    target, drafter = pair
+    names = ("kv-load", "kv-save")
+    before = set(threading.enumerate())  # other tests' schedulers in this process are not this test's
+    store = MemoryStore(1 << 28)
+    sched = Scheduler(_runner(target, drafter), drafter, prefix_cache=PrefixCache(store, "f" * 64, chunk_tokens=32))
+    loop = EngineLoop(sched)
+    h = loop.submit(_prompts(1, 51, 80, 81)[0], SamplingParams(max_tokens=4, ignore_eos=True), "dflash")
+    while h.events.get(timeout=60).kind != "done":
+        pass
+    ours = [t for t in set(threading.enumerate()) - before if t.name.startswith(names)]
+    assert {t.name.split("_")[0] for t in ours} == set(names)  # both pools ran
+    loop.stop()
+    for t in ours:
+        t.join(10)
+    assert not [t.name for t in ours if t.is_alive()]
+    assert store.stats()["entries"] == 2

@@ -208,10 +208,11 @@ class HostStore:
     def _copy_in(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
         """Copy the chunk's halves into the slot: on a CUDA store, from its device asynchronously on the
         side stream (after the producer's work and the slot's last readers); otherwise in place."""
-        fences = self._fences.pop(slot, {})
+        fences = self._fences.get(slot, {})  # kept until this write is queued: a failed one leaves the slot fenced
         if not (self._cuda and all(src.device == self.device for _, src in pairs)):
             for ev in fences.values():  # a host-side write must not race a DMA still using the slot
                 ev.synchronize()
+            self._fences.pop(slot, None)
             for dst, src in pairs:
                 dst.copy_(src)
             return None

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("colocated", "ray", "local")
+MAX_WORKERS = 256  # prefill or decode workers a service may ask for (each a process or a Ray actor)
 _SCALARS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 
 
@@ -210,9 +211,22 @@ class ServeConfig:
             raise ValueError(f"host_cache_bytes: must be >= 0, got {self.host_cache_bytes}")
         if self.bridge_disk_queue_bytes < 1:
             raise ValueError(f"bridge_disk_queue_bytes: must be >= 1, got {self.bridge_disk_queue_bytes}")
-        for name in ("chunk_tokens", "max_running", "max_concurrent", "health_failures"):
+        for name in ("chunk_tokens", "max_running", "max_concurrent", "health_failures", "bridge_memory_bytes",
+                     "bridge_disk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("decode_retries", "fault_prefill_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.num_gpus is not None and not self.num_gpus > 0:
+            raise ValueError(f"num_gpus: must be > 0 or null (from the cluster's GPUs), got {self.num_gpus}")
+        for name in ("prefill_workers", "decode_workers"):
+            if getattr(self, name) > MAX_WORKERS:
+                raise ValueError(f"{name}: at most {MAX_WORKERS} a service, got {getattr(self, name)}")
+        from flashpd.kv_bridge.server import is_loopback  # noqa: PLC0415  (grpc: only when a config is made)
+
+        if not (self.allow_remote or is_loopback(self.host)):  # refused here, not after every worker started
+            raise ValueError(f"host: {self.host!r} is not loopback; set allow_remote: true to expose the service")
         for name in ("health_interval_s", "health_timeout_s", "start_timeout_s", "prefill_timeout_s",
                      "request_timeout_s", "bridge_timeout_s"):
             if not getattr(self, name) > 0:

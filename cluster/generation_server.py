@@ -288,24 +288,33 @@ def health_reply(backend: Backend, has_tokenizer: bool, settings_json: str = "")
 
 
 def new_server(host: str, port: int, allow_remote: bool, max_workers: int, services: Mapping[str, object],
-               idle_s: float = DEFAULT_IDLE_S, token: str | None = None) -> tuple[grpc.Server, int]:
+               idle_s: float = DEFAULT_IDLE_S, token: str | None = None, exclusive: bool = False
+               ) -> tuple[grpc.Server, int]:
     """A started gRPC server on host:port (0 picks a free port) serving `services`: service name in
     proto/generation.proto ("Generation", "PrefillWorker", "DecodeWorker") -> its servicer, each
     registered through add_guarded (undecodable requests get INVALID_ARGUMENT). Each in-flight RPC holds
     one worker thread, so max_workers bounds the concurrent requests; a call whose client sends or takes
     nothing for idle_s is cancelled (kv_bridge/stall_guard.py), so stalled clients cannot hold them all.
-    token: every call must carry it (rpc_guard.TokenGate; the cluster's workers take the bridge's token)."""
+    token: every call must carry it (rpc_guard.TokenGate; the cluster's workers take the bridge's token).
+    exclusive: no other socket may share the port (grpcio sets SO_REUSEPORT, so a second service on a fixed port
+    started and the kernel split the connections between the two). A port that cannot be bound is an OSError
+    naming it."""
     if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
     guards = [TokenGate(token_authorizer(token))] if token is not None else []
     guards.append(StallGuard(idle_s))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation"),
-                         maximum_concurrent_rpcs=max_workers, interceptors=guards)
+                         maximum_concurrent_rpcs=max_workers, interceptors=guards,
+                         options=[("grpc.so_reuseport", 0)] if exclusive else None)
     for name, servicer in services.items():
         add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name[name])
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    try:  # grpcio returns 0 or raises RuntimeError, by version
+        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        server.stop(None)
+        raise OSError(f"port: could not bind {host}:{port} (in use by another process?)")
     server.start()
     return server, bound
 
@@ -316,4 +325,4 @@ def serve_generation(loop: Backend, host: str = "127.0.0.1", port: int = 0, toke
     """Start the service on host:port (0 picks a free port); returns the started server and its port.
     settings: what Health reports of how the service runs (ServeConfig.public_settings)."""
     return new_server(host, port, allow_remote, max_workers,
-                      {"Generation": GenerationServicer(loop, tokenizer, settings)})
+                      {"Generation": GenerationServicer(loop, tokenizer, settings)}, exclusive=True)

@@ -13,6 +13,7 @@ accepts calls and chunks only from this start's processes.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,21 +71,41 @@ def make_launcher(cfg: ServeConfig, secret: ClusterSecret) -> Launcher:
 def start_service(cfg: ServeConfig, launcher: Launcher | None = None) -> Service:
     """launcher: one made for this start (default: by mode, with a fresh cluster secret); a launcher
     passed in made its own fresh secret when it was built."""
+    check_ports_free(cfg)  # before any worker starts (minutes on a GPU), not after
     if cfg.mode == "colocated":
         svc = _colocated(cfg)
     else:
         svc = _disaggregated(cfg, launcher or make_launcher(cfg, ClusterSecret.generate()))
-    if cfg.metrics_port is not None:
-        port = svc.metrics.serve(cfg.metrics_port, "0.0.0.0" if cfg.allow_remote else cfg.host)
-        svc.metrics_address = f"{cfg.host}:{port}"
-        svc.closers.insert(0, svc.metrics.close)
-    if cfg.http_port is not None:
-        try:
+    try:
+        if cfg.metrics_port is not None:
+            try:
+                port = svc.metrics.serve(cfg.metrics_port, "0.0.0.0" if cfg.allow_remote else cfg.host)
+            except OSError as e:
+                raise OSError(f"metrics_port: cannot serve on {cfg.metrics_port} ({e.strerror or e})") from None
+            svc.metrics_address = f"{cfg.host}:{port}"
+            svc.closers.insert(0, svc.metrics.close)
+        if cfg.http_port is not None:
             _start_http(svc, cfg)
-        except BaseException:
-            svc.stop()
-            raise
+    except BaseException:  # the workers and servers already started go too
+        svc.stop()
+        raise
     return svc
+
+
+def check_ports_free(cfg: ServeConfig) -> None:
+    """Refuse a fixed public port that another process holds now, naming the field (OSError). The real bind
+    comes later, so a port taken meanwhile still fails there."""
+    for name, port, host in (("port", cfg.port, cfg.host), ("http_port", cfg.http_port, cfg.host),
+                             ("metrics_port", cfg.metrics_port, "0.0.0.0" if cfg.allow_remote else cfg.host)):
+        if not port:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed socket's TIME_WAIT is no holder
+            try:
+                s.bind((host.strip("[]"), port))
+            except OSError as e:
+                raise OSError(f"{name}: {host}:{port} is in use or cannot be bound ({e.strerror or e})") from None
 
 
 def _start_http(svc: Service, cfg: ServeConfig) -> None:

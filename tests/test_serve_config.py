@@ -47,6 +47,13 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "kv_cache_tokens": 0}, "kv_cache_tokens: must be >= 1"),
     ({"target": "t", "device": "tpu"}, "device: must be 'cpu', 'cuda'"),
     ({"target": "t", "dtype": "int8"}, "dtype: must be"),
+    ({"target": "t", "bridge_memory_bytes": -1}, "bridge_memory_bytes: must be >= 1"),
+    ({"target": "t", "bridge_disk_bytes": 0}, "bridge_disk_bytes: must be >= 1"),
+    ({"target": "t", "decode_retries": -1}, "decode_retries: must be >= 0"),
+    ({"target": "t", "fault_prefill_delay_s": -0.5}, "fault_prefill_delay_s: must be >= 0"),
+    ({"target": "t", "num_gpus": 0}, "num_gpus: must be > 0"),
+    ({"target": "t", "prefill_workers": 100000}, "prefill_workers: at most"),
+    ({"target": "t", "host": "0.0.0.0"}, "host: '0.0.0.0' is not loopback"),  # before any worker starts
 ])
 def test_bad_configs_are_refused_by_name(tmp_path, d, msg):
     (tmp_path / "c.json").write_text(json.dumps(d))
@@ -159,3 +166,38 @@ def test_serve_exits_non_zero_when_its_engine_dies(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_held_public_port_is_refused_by_name_before_any_worker_starts(monkeypatch):
+    """A fixed port another process listens on: start_service says which field, before it launches a worker
+    (a launcher that would start one fails the test); and a second generation server on a port one already
+    serves is refused (grpcio's SO_REUSEPORT let it start and share the connections)."""
+    import socket
+
+    from flashpd.cluster import service
+    from flashpd.cluster.generation_server import serve_generation
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+
+    class NoLaunch:
+        secret = None
+
+        def __getattr__(self, name):
+            raise AssertionError(f"a worker was started ({name})")
+
+    try:
+        for field in ("port", "http_port", "metrics_port"):
+            cfg = ServeConfig(target="t", mode="local", **{field: port})
+            with pytest.raises(OSError, match=rf"^{field}: 127.0.0.1:{port} is in use"):
+                service.start_service(cfg, NoLaunch())
+    finally:
+        holder.close()
+    server, bound = serve_generation(None, port=0)
+    try:
+        with pytest.raises(OSError, match=f"port: could not bind 127.0.0.1:{bound}"):
+            serve_generation(None, port=bound)
+    finally:
+        server.stop(None)

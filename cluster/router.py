@@ -307,7 +307,7 @@ class Router:
 
     def _decode(self, h: RouterHandle, req: pb.GenerateRequest, d: Slot, first: pb.PrefillReply | None,
                 emitted: list[int]) -> tuple[str, dict]:
-        tries = 0
+        tries, base = 0, len(emitted)
         while True:
             try:
                 return self._stream(h, req, d, first, emitted)
@@ -320,7 +320,9 @@ class Router:
                 if code not in WORKER_GONE:
                     raise _error_for(code, details) from None
                 self.pool.mark_down(d, f"Decode failed: {code.name} {details}")
-                reproducible = h.params.greedy or h.params.seed is not None
+                # another worker gives the same tokens (greedy, seeded), or the client has seen none of this
+                # decode's yet: a sampled request starts over from the prefill's first token as if it had not run
+                reproducible = h.params.greedy or h.params.seed is not None or len(emitted) == base
                 nxt = self.pool.pick("decode", exclude=(d,)) if reproducible and tries < self.cfg.decode_retries \
                     else None
                 if nxt is None:

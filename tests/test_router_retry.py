@@ -1,0 +1,31 @@
+"""The router retries a request whose decode worker is gone on another one when that is safe: always for greedy or
+seeded requests, and for a sampled one while the client has seen none of that decode's tokens (it starts over from
+the prefill's first token, as if the dead worker had never run). A sampled request that already streamed tokens of
+its own is not retried: another worker would not continue them. Local processes on 127.0.0.1."""
+from __future__ import annotations
+
+import pytest
+
+from flashpd.cluster.generation_client import GenerationClient
+from flashpd.cluster.service import start_service
+
+from tests._cluster_helpers import dflash_pair, serve_cfg  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def service(dflash_pair):  # noqa: F811
+    # probes far apart: the router, not the pool's prober, finds the dead worker
+    svc = start_service(serve_cfg(dflash_pair, "local", prefill_workers=1, decode_workers=2, health_interval_s=60.0,
+                                  decode_retries=1))
+    yield svc
+    svc.stop()
+
+
+def test_a_sampled_request_on_a_dead_decode_worker_is_retried_on_another(service):
+    pool = service.pool
+    dead = pool.slots["decode"][0]  # the idle pool picks the lowest index first
+    pool.launcher.kill(dead.launched)  # SIGKILL, waited for
+    with GenerationClient(service.address, timeout_s=60) as c:
+        r = c.generate_once(list(range(3, 60)), max_tokens=12, method="native", ignore_eos=True, temperature=1.0)
+    assert len(r.token_ids) == 12 and r.finish_reason == "length"
+    assert service.backend.retries == 1 and not dead.healthy

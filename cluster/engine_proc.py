@@ -208,7 +208,7 @@ class EngineProcess:
         self._stopping = False
         self._dead: EngineStopped | None = None
         try:
-            facts = self._wait_ready(progress_s)
+            facts = self._wait_ready(progress_s, cfg.start_timeout_s)
         except BaseException:  # a failed or interrupted start leaves no child and no open socket behind
             if self._proc.poll() is None:
                 self._proc.kill()
@@ -222,17 +222,21 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
 
-    def _wait_ready(self, progress_s: float) -> dict:
+    def _wait_ready(self, progress_s: float, timeout_s: float) -> dict:
+        """The child's "ready" facts; a child that hangs is given start_timeout_s (then killed by the caller)."""
         t0 = last = time.monotonic()
-        while not self._conn.poll(1.0):
+        while not self._conn.poll(min(1.0, timeout_s)):
             if self._proc.poll() is not None:
                 raise RuntimeError(f"the engine process exited (code {self._proc.returncode}) before it was ready")
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"start_timeout_s: the engine process was not ready within {timeout_s:g} s "
+                                   "(loading, compiling and warming up)")
             if time.monotonic() - last >= progress_s:
                 last = time.monotonic()
                 log.info("waiting for the engine process (loading, warming up): %.0f s", last - t0)
         try:
             msg = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the child went away mid-message (a reset connection is an OSError)
             self._wait(10)
             raise RuntimeError(f"the engine process exited (code {self._proc.returncode}) before it was ready") from None
         if msg[0] != "ready":

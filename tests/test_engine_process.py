@@ -172,7 +172,7 @@ def test_an_interrupted_start_leaves_no_engine_behind(monkeypatch):
 
     from flashpd.cluster import engine_proc  # noqa: PLC0415
 
-    def interrupted(self, progress_s):
+    def interrupted(self, *args):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(engine_proc.EngineProcess, "_wait_ready", interrupted)
@@ -181,6 +181,42 @@ def test_an_interrupted_start_leaves_no_engine_behind(monkeypatch):
         engine_proc.EngineProcess(_cfg())
     left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
     assert all(c.status() == psutil.STATUS_ZOMBIE for c in left if c.is_running()), left
+
+
+def test_an_engine_that_never_gets_ready_fails_the_start_at_start_timeout_s(monkeypatch):
+    """A child that hangs while it loads (here stopped by SIGSTOP as it starts) fails the start after
+    start_timeout_s, naming it, and is killed; the start waited for ever before."""
+    import subprocess  # noqa: PLC0415
+
+    from flashpd.cluster import engine_proc  # noqa: PLC0415
+
+    made, real = [], subprocess.Popen
+
+    def stopped(*args, **kw):
+        p = real(*args, **kw)
+        os.kill(p.pid, signal.SIGSTOP)
+        made.append(p)
+        return p
+
+    monkeypatch.setattr(engine_proc.subprocess, "Popen", stopped)
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            engine_proc.EngineProcess(_cfg(start_timeout_s=2.0))
+        except BaseException as e:  # noqa: BLE001
+            raised.append(e)
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():  # the old start: waits as long as the child lives
+        made[0].kill()
+        t.join(30)
+        pytest.fail("the start did not give up at start_timeout_s")
+    assert len(raised) == 1 and isinstance(raised[0], TimeoutError), raised
+    assert "start_timeout_s: the engine process was not ready within 2 s" in str(raised[0])
+    assert made and made[0].poll() is not None  # killed, not left stopped
 
 
 def test_engine_process_is_colocated_only_and_on_there_by_default():

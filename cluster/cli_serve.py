@@ -60,6 +60,10 @@ def add_client(sub: argparse._SubParsersAction, prompt_ids) -> None:
                    help="print text (or token ids) as they arrive, then the result as JSON")
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt("SIGTERM while the service started")
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import logging  # noqa: PLC0415
 
@@ -79,6 +83,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             raise ValueError(f"{path}: device {cfg.device!r}, but this machine has no CUDA device (or torch is a "
                              "CPU build)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)  # while starting: start_service's cleanup stops what it started
     svc = start_service(cfg)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -427,6 +427,16 @@ def _parent_gone(pid: int | None) -> bool:
     return os.getppid() != pid
 
 
+def _exit_if_orphaned_while_starting(parent_pid: int | None, started: threading.Event) -> None:
+    """A launcher killed while this worker loads (minutes on a GPU) must not leave it loading, then serving
+    nobody: the serving loop below watches the parent from then on."""
+    while not started.wait(1.0):
+        if _parent_gone(parent_pid):
+            print(f"launcher (pid {parent_pid}) is gone while this worker started: exiting", file=sys.stderr,
+                  flush=True)
+            os._exit(3)
+
+
 def main(argv: list[str] | None = None) -> int:
     from flashpd.cluster.config import ServeConfig  # noqa: PLC0415
 
@@ -438,11 +448,16 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.role} %(levelname)s %(name)s: %(message)s")
     cfg = ServeConfig.from_dict(json.loads(a.config_json), "--config-json")
+    started = threading.Event()
+    threading.Thread(target=_exit_if_orphaned_while_starting, args=(a.parent_pid, started), daemon=True,
+                     name="parent-watch").start()
     try:
         w = build_worker(a.role, cfg, a.port)
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
         print(f"flashpd {a.role} worker: error: {e}", file=sys.stderr, flush=True)  # bad input: one line, no trace
         return 2
+    finally:
+        started.set()
     if w.metrics_address:
         print(f"metrics on {w.metrics_address}", flush=True)
     print(f"listening on {w.address}", flush=True)

@@ -343,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerStartError as e:  # its message names the worker, its exit and its log's tail
         print(f"flashpd: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while `serve` starts: what started was stopped
+        print(f"flashpd: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        return 130
 
 
 def _version() -> str:

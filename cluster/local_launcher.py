@@ -5,12 +5,19 @@ to its own file (whose tail is in the error when it fails to start), is placed o
 CUDA_VISIBLE_DEVICES (placement.local_gpu) and exits by itself when this process is gone. Each
 child gets the launcher's cluster secret in FLASHPD_CLUSTER_SECRET (its environment, never its
 command line, which any user of the machine can read).
+
+shutdown() ends a start in progress (its wait for `listening on` gives up at once, the child is stopped) and
+refuses later starts, so a router stopping mid-restart is not held for the start timeout. The log directory
+it made itself is removed by a clean shutdown; one given to it, or one holding the log of a worker that
+failed (did not start, died, or needed a SIGKILL to stop), is kept and its path logged.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +29,8 @@ from pathlib import Path
 from flashpd.cluster.launcher import Launched, WorkerSpec, WorkerStartError
 from flashpd.cluster.placement import local_gpu
 from flashpd.kv_bridge.auth import ClusterSecret
+
+log = logging.getLogger(__name__)
 
 
 def _cuda_count() -> int:
@@ -69,11 +78,19 @@ class LocalLauncher:
 
     def __init__(self, log_dir: str | Path | None = None, secret: ClusterSecret | None = None) -> None:
         self.secret = secret if secret is not None else ClusterSecret.generate()  # the workers' and the router's
+        self._own_log_dir = not log_dir  # made here: removed by a clean shutdown
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="flashpd-workers-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.gpus = _cuda_count()
         self._children: list[_Child] = []
         self._seq = 0
+        self._lock = threading.Lock()  # _children and _closing: a restart's start may race shutdown()
+        self._closing = threading.Event()
+        self.failed_logs: list[Path] = []  # logs of workers that failed: their directory is kept
+
+    def _failed(self, c: _Child) -> None:
+        if c.log_path not in self.failed_logs:
+            self.failed_logs.append(c.log_path)
 
     def _spawn(self, spec: WorkerSpec) -> _Child:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.secret.child_env())
@@ -91,8 +108,11 @@ class LocalLauncher:
         return _Child(spec, proc, log_path)
 
     def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[Launched]:
-        children = [self._spawn(s) for s in specs]
-        self._children.extend(children)
+        with self._lock:  # a child spawned here is either refused or seen by shutdown(), never orphaned
+            if self._closing.is_set():
+                raise WorkerStartError("the launcher is shut down: no worker is started")
+            children = [self._spawn(s) for s in specs]
+            self._children.extend(children)
         deadline = time.monotonic() + timeout_s
         out = []
         try:
@@ -107,8 +127,11 @@ class LocalLauncher:
     def _wait_ready(self, c: _Child, deadline: float) -> Launched:
         metrics = None
         while True:
+            if self._closing.is_set():
+                raise WorkerStartError(f"{c.spec.role} worker {c.spec.index}: the launcher shut down while it started")
             left = deadline - time.monotonic()
             if left <= 0:
+                self._failed(c)
                 raise WorkerStartError(f"{c.spec.role} worker {c.spec.index} did not start in time; log "
                                        f"{c.log_path}:\n{c.log_tail()}")
             try:
@@ -116,6 +139,9 @@ class LocalLauncher:
             except queue.Empty:
                 continue
             if ln is None:
+                if self._closing.is_set():
+                    continue  # stopped by shutdown(): raised above, not a failure of its own
+                self._failed(c)
                 c.proc.wait(5)
                 raise WorkerStartError(f"{c.spec.role} worker {c.spec.index} exited with {c.proc.returncode} while "
                                        f"starting; log {c.log_path}:\n{c.log_tail()}")
@@ -129,7 +155,10 @@ class LocalLauncher:
         return [c.proc for c in self._children]
 
     def alive(self, w: Launched, timeout_s: float) -> bool:
-        return w.handle.proc.poll() is None
+        if w.handle.proc.poll() is None:
+            return True
+        self._failed(w.handle)  # died by itself (or was killed): its log is kept
+        return False
 
     def kill(self, w: Launched) -> None:
         """SIGKILL, no grace (what a crash looks like; tests use it)."""
@@ -142,18 +171,44 @@ class LocalLauncher:
     def _kill(self, c: _Child, timeout_s: float) -> None:
         p = c.proc
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            _terminate(p)
             try:
                 p.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                self._failed(c)  # hung: its log says where
                 p.kill()
                 p.wait(10)
-        if c in self._children:
-            self._children.remove(c)
+        with self._lock:
+            if c in self._children:
+                self._children.remove(c)
 
     def shutdown(self) -> None:
-        for c in list(self._children):
+        """Stop every worker (a start in progress included); then remove the log directory this launcher
+        made unless a worker failed (its logs are kept for a look, and where they are is logged)."""
+        with self._lock:
+            self._closing.set()
+            children = list(self._children)
+        for c in children:
             if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        for c in list(self._children):
+                _terminate(c.proc)
+            else:
+                self._failed(c)  # it had exited by itself
+        for c in children:
             self._kill(c, 10.0)
+        self._clean_logs()
+
+    def _clean_logs(self) -> None:
+        if self.failed_logs:
+            log.warning("worker logs kept in %s (failed: %s)", self.log_dir,
+                        ", ".join(p.name for p in self.failed_logs))
+        elif self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def _terminate(p: subprocess.Popen) -> None:
+    """SIGTERM, and SIGCONT so that a stopped child (SIGSTOP, a debugger's) sees it rather than the grace."""
+    try:
+        p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGCONT)
+    except ProcessLookupError:  # exited meanwhile
+        pass

@@ -254,7 +254,7 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
     servicer = PrefillWorkerServicer(host, metrics, dist)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,
                                {"PrefillWorker": servicer},
-                               token=secret.token)
+                               token=secret.token, exclusive=True)  # a restart asks for its old port: never shared
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
     if worker.exporter is not None:
@@ -397,7 +397,8 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
     w.closers.append(lambda: worker.stop(10))
     servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,
-                               {"DecodeWorker": servicer, "Generation": servicer}, token=secret.token)
+                               {"DecodeWorker": servicer, "Generation": servicer}, token=secret.token,
+                               exclusive=True)
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
     w.alive_fn = lambda: worker.loop.alive

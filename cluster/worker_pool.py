@@ -6,11 +6,20 @@ then the worker's Health RPC, each bounded). A worker whose process/actor is gon
 old port, so the workers' bridge address stays valid). A request that sees a worker fail marks
 it down at once, so no new request is routed there while it restarts. The pool's clients (the bridge's
 health probes, every worker call) present the cluster secret the launcher gave the workers (its token).
+
+A restarted prefill worker also asks for its old port: decode workers drop the mapped caches of an exporter
+when a new one answers at the same address (kv_bridge/handoff.py CacheImporter), so a new port would keep
+each dead prefill process's whole KV cache mapped in every decode worker. A restart that fails is retried
+after a backoff doubling per failure (restart_backoff_s .. restart_backoff_max_s); after restart_give_up
+failures in a row the slot is marked failed (stats(), failed_count) and left alone: a worker that cannot
+start (its checkpoint gone, its GPU lost) is not re-spawned forever. Shutdown stops the launcher's workers
+first, which ends a restart in progress, then joins the supervisor: it never waits out a worker's start.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -35,6 +44,9 @@ class Slot:
     healthy: bool = True
     inflight: int = 0
     failures: int = 0
+    restart_failures: int = 0  # failed restarts in a row
+    retry_at: float = 0.0  # time.monotonic() before which no restart is tried (the backoff)
+    failed: bool = False  # gave up restarting it: never probed, picked or restarted again
 
     @property
     def address(self) -> str:
@@ -43,6 +55,11 @@ class Slot:
 
 class WorkerPool:
     """secret: the cluster secret the launcher hands its workers (default: this process's)."""
+
+    restart_backoff_s = 1.0  # wait before retrying a failed restart, doubled per failure in a row ...
+    restart_backoff_max_s = 60.0  # ... up to this
+    restart_give_up = 5  # failed restarts in a row after which the slot is marked failed
+    stop_join_s = 30.0  # bound on joining the supervisor at shutdown (its calls are bounded well below it)
 
     def __init__(self, cfg, launcher: Launcher, secret: ClusterSecret | None = None) -> None:
         self.cfg = cfg
@@ -53,6 +70,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._restarting = threading.Event()  # the supervisor is in _restart (waiting on a start, maybe long)
         self._thread: threading.Thread | None = None
 
     # ---- start / stop ---------------------------------------------------------------------------
@@ -89,13 +107,22 @@ class WorkerPool:
         self._thread.start()
 
     def shutdown(self) -> None:
+        """A restart in progress waits on a worker's start (up to start_timeout_s): the launcher's shutdown
+        ends it, so it goes first then. Otherwise the supervisor is let finish its probe first (bounded), so
+        it never calls a launcher already shut down (a Ray call then could start a fresh Ray)."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(self.cfg.start_timeout_s + 30)
-        for s in self.all():
-            s.client.close()
-        self.launcher.shutdown()
+        if self._thread is not None and not self._restarting.is_set():
+            self._thread.join(2 * self.cfg.health_timeout_s + 1)  # alive + Health, each bounded
+        try:
+            self.launcher.shutdown()
+        finally:
+            if self._thread is not None:
+                self._thread.join(self.stop_join_s)
+                if self._thread.is_alive():
+                    log.error("the worker supervisor did not stop in %g s", self.stop_join_s)
+            for s in self.all():
+                s.client.close()
 
     def all(self) -> list[Slot]:
         return self.slots["bridge"] + self.slots["prefill"] + self.slots["decode"]
@@ -123,6 +150,15 @@ class WorkerPool:
 
     def healthy_count(self, role: str) -> int:
         return sum(s.healthy for s in self.slots[role])
+
+    def failed_count(self, role: str) -> int:
+        """Workers of `role` the pool gave up restarting (they stay down until the service restarts)."""
+        return sum(s.failed for s in self.slots[role])
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per role: workers, healthy, failed (given up) and restarts so far."""
+        return {r: dict(workers=len(ss), healthy=self.healthy_count(r), failed=self.failed_count(r),
+                        restarts=self.restarts[r]) for r, ss in self.slots.items()}
 
     # ---- supervision ----------------------------------------------------------------------------
     def _probe(self, s: Slot) -> bool:
@@ -152,41 +188,105 @@ class WorkerPool:
             for s in self.all():
                 if self._stop.is_set():
                     return
-                if self._probe(s):
-                    s.failures = 0
-                    if not s.healthy:
-                        log.info("%s worker %d answers again", s.role, s.index)
-                    s.healthy = True
+                if s.failed:
                     continue
-                s.failures += 1
-                s.healthy = False
-                if s.failures >= self.cfg.health_failures and self.cfg.restart:
-                    self._restart(s)
+                try:
+                    self._check(s)
+                except Exception:  # noqa: BLE001  the supervisor outlives any one worker's trouble
+                    if self._stop.is_set():
+                        return  # the launcher is being shut down under it
+                    log.exception("supervising %s worker %d", s.role, s.index)
 
-    def _restart(self, s: Slot) -> None:
+    def _check(self, s: Slot) -> None:
+        if self._probe(s):
+            s.failures = s.restart_failures = 0
+            if not s.healthy:
+                log.info("%s worker %d answers again", s.role, s.index)
+            s.healthy = True
+            return
+        s.failures += 1
+        s.healthy = False
+        if s.failures >= self.cfg.health_failures and self.cfg.restart and not self._stop.is_set() \
+                and time.monotonic() >= s.retry_at:
+            self._restarting.set()
+            try:
+                ok = self._restart(s)
+            finally:
+                self._restarting.clear()
+            if ok:
+                s.restart_failures = 0
+            elif not self._stop.is_set():
+                self._restart_failed(s)
+
+    def _restart_failed(self, s: Slot) -> None:
+        """Back off before the next try (a worker that cannot start would otherwise be re-spawned, a whole
+        process and model load each time, every health interval for good); give up after restart_give_up."""
+        s.restart_failures += 1
+        if s.restart_failures >= self.restart_give_up:
+            s.failed = True
+            log.error("%s worker %d failed to restart %d times in a row: given up, it stays down until the service "
+                      "is restarted (the launcher's error is logged above)", s.role, s.index, s.restart_failures)
+            return
+        wait = min(self.restart_backoff_max_s, self.restart_backoff_s * 2 ** (s.restart_failures - 1))
+        s.retry_at = time.monotonic() + wait
+        log.warning("%s worker %d: restart %d failed, next try in %g s", s.role, s.index, s.restart_failures, wait)
+
+    def _start_one(self, s: Slot) -> Launched:
+        """Bridge and prefill ask for their old port: the bridge so the workers' bridge address stays valid, a
+        prefill worker so the decode workers' importers drop the dead one's mapped caches (same address, new
+        exporter id). A prefill worker whose old port is taken gets a fresh one."""
+        keep = s.role in ("bridge", "prefill")
+        port = int(s.address.rsplit(":", 1)[1]) if keep else 0
+        cfg = self.cfg if s.role == "bridge" else self._worker_cfg()
+        try:
+            (w,) = self.launcher.start([WorkerSpec(s.role, s.index, cfg, port)], self.cfg.start_timeout_s)
+        except Exception as e:
+            if s.role != "prefill" or "could not bind" not in str(e) or self._stop.is_set():
+                raise
+            log.warning("prefill worker %d cannot have its old port %d back; starting it on a fresh one (the decode "
+                        "workers keep the old one's caches mapped)", s.index, port)
+            (w,) = self.launcher.start([WorkerSpec(s.role, s.index, cfg, 0)], self.cfg.start_timeout_s)
+        return w
+
+    def _answers(self, s: Slot) -> bool:
+        """The restarted worker answers its Health RPC within start_timeout_s: short probes, so a shutdown
+        stops the wait at once rather than after the whole start timeout."""
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while not self._stop.is_set():
+            t = min(self.cfg.health_timeout_s, deadline - time.monotonic())
+            try:
+                s.info = s.client.health(max(t, 0.01))
+                return True
+            except Exception:  # noqa: BLE001  not up yet; tried again until the deadline
+                if time.monotonic() >= deadline:
+                    log.exception("the restarted %s worker %d does not answer", s.role, s.index)
+                    return False
+                self._stop.wait(min(0.2, self.cfg.health_timeout_s))
+        return False
+
+    def _restart(self, s: Slot) -> bool:
+        """Replace the worker; False when it did not start or answer (the slot stays down)."""
         log.warning("restarting %s worker %d (was %s)", s.role, s.index, s.address)
         try:
             self.launcher.stop(s.launched, 10.0)
         except Exception:  # noqa: BLE001  it is being replaced whatever state it is in
             log.exception("stopping the old %s worker %d", s.role, s.index)
-        port = int(s.address.rsplit(":", 1)[1]) if s.role == "bridge" else 0
-        cfg = self.cfg if s.role == "bridge" else self._worker_cfg()
+        if self._stop.is_set():
+            return False  # shut down while the old one stopped: nothing new is started
         try:
-            (w,) = self.launcher.start([WorkerSpec(s.role, s.index, cfg, port)], self.cfg.start_timeout_s)
-        except Exception:  # noqa: BLE001  retried at the next round; the slot stays down meanwhile
-            log.exception("restarting %s worker %d failed", s.role, s.index)
-            return
+            w = self._start_one(s)
+        except Exception:  # noqa: BLE001  retried after a backoff; the slot stays down meanwhile
+            if not self._stop.is_set():
+                log.exception("restarting %s worker %d failed", s.role, s.index)
+            return False
         old = s.client
         s.launched, s.client = w, self._client(w)
         old.close()
-        if s.role != "bridge":
-            try:
-                s.info = s.client.health(self.cfg.start_timeout_s)
-            except Exception:  # noqa: BLE001  the next probe decides
-                log.exception("the restarted %s worker %d does not answer yet", s.role, s.index)
-                return
+        if s.role != "bridge" and not self._answers(s):
+            return False
         s.failures, s.healthy = 0, True
         self.restarts[s.role] += 1
         log.warning("%s worker %d restarted at %s", s.role, s.index, s.address)
         if s.role == "bridge" and s.address != self.bridge_address:
             log.error("the bridge came back at %s, not its old address: imports fall back to recompute", s.address)
+        return True

@@ -1,0 +1,252 @@
+"""The worker pool's restarts and the local launcher's shutdown: stopping the service mid-restart returns at
+once (not after the start timeout); a restart that keeps failing backs off and is given up (the slot marked
+failed, the router still serving); a restarted prefill worker comes back at its old address, so the decode
+worker drops the dead one's mapped caches (kv_transport=device); the launcher's own log directory is removed
+by a clean shutdown and kept when a worker failed. The pool's policy runs over a fake launcher (fast,
+deterministic); what needs real processes runs them with the fixture pair."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from flashpd.cluster.config import ServeConfig
+from flashpd.cluster.generation_client import GenerationClient
+from flashpd.cluster.launcher import Launched, WorkerSpec, WorkerStartError
+from flashpd.cluster.local_launcher import LocalLauncher
+from flashpd.cluster.service import start_service
+from flashpd.cluster.worker_pool import WorkerPool
+
+from tests._cluster_helpers import dflash_pair, serve_cfg, wait_until  # noqa: F401
+
+
+# ---- the pool's policy over a fake launcher ------------------------------------------------------------------
+class _Client:
+    def health(self, timeout_s: float) -> dict:
+        return {"serving": True}
+
+    def close(self) -> None:
+        pass
+
+
+class _Proc:
+    def __init__(self) -> None:
+        self.alive = True
+
+
+class _FakeLauncher:
+    """Starts every worker the first time; `fail_restarts(role)` makes later starts of that role raise."""
+    name = "fake"
+    secret = None
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[float, WorkerSpec]] = []
+        self.failing: dict[str, str] = {}
+        self.next_port = 5000
+
+    def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[Launched]:
+        out = []
+        for s in specs:
+            self.starts.append((time.monotonic(), s))
+            why = self.failing.get(s.role)
+            if why is not None and (why != "bind" or s.port != 0):
+                raise WorkerStartError(f"{s.role} worker {s.index}: could not bind" if why == "bind" else why)
+            self.next_port += 1
+            out.append(Launched(s.role, s.index, f"127.0.0.1:{s.port or self.next_port}", None, _Proc()))
+        return out
+
+    def restarts_of(self, role: str) -> list[tuple[float, WorkerSpec]]:
+        return [(t, s) for t, s in self.starts if s.role == role][1:]  # the first is the pool's start
+
+    def alive(self, w: Launched, timeout_s: float) -> bool:
+        return w.handle.alive
+
+    def stop(self, w: Launched, timeout_s: float = 10.0) -> None:
+        w.handle.alive = False
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _Pool(WorkerPool):
+    def _client(self, w: Launched):
+        return _Client()
+
+
+def _fake_pool(tmp_path: Path) -> tuple[_Pool, _FakeLauncher]:
+    cfg = ServeConfig(target=str(tmp_path), draft=str(tmp_path), mode="local", health_interval_s=0.02,
+                      health_timeout_s=1.0, health_failures=2, start_timeout_s=30.0)
+    launcher = _FakeLauncher()
+    pool = _Pool(cfg, launcher)
+    pool.start()
+    return pool, launcher
+
+
+def test_a_restart_that_keeps_failing_backs_off_then_is_given_up(tmp_path):
+    pool, launcher = _fake_pool(tmp_path)
+    pool.restart_backoff_s, pool.restart_give_up = 0.2, 4
+    try:
+        launcher.failing["prefill"] = "checkpoint gone"
+        pool.slots["prefill"][0].launched.handle.alive = False  # the process died
+        wait_until(lambda: pool.failed_count("prefill") == 1, "the prefill slot to be given up", timeout_s=30)
+        tries = [t for t, _ in launcher.restarts_of("prefill")]
+        assert len(tries) == 4, len(tries)
+        gaps = [b - a for a, b in zip(tries, tries[1:])]
+        assert all(g >= want for g, want in zip(gaps, (0.2, 0.4, 0.8))), gaps  # doubling, not every interval
+        time.sleep(1.0)  # 50 health intervals: a given-up slot is never started again
+        assert len(launcher.restarts_of("prefill")) == 4
+        assert pool.stats()["prefill"] == dict(workers=1, healthy=0, failed=1, restarts=0)
+        assert pool.pick("prefill") is None  # the router sees no prefill worker (decode-side prefill)
+        assert pool._thread.is_alive() and pool.healthy_count("decode") == 1  # the rest is still supervised
+    finally:
+        pool.shutdown()
+
+
+def test_a_worker_that_restarts_again_resets_its_backoff(tmp_path):
+    pool, launcher = _fake_pool(tmp_path)
+    pool.restart_backoff_s, pool.restart_give_up = 0.1, 3
+    try:
+        launcher.failing["decode"] = "not yet"
+        slot = pool.slots["decode"][0]
+        slot.launched.handle.alive = False
+        wait_until(lambda: slot.restart_failures == 2, "two failed restarts", timeout_s=30)
+        del launcher.failing["decode"]
+        wait_until(lambda: pool.restarts["decode"] == 1 and slot.healthy, "the decode worker to restart", timeout_s=30)
+        assert slot.restart_failures == 0 and not slot.failed
+    finally:
+        pool.shutdown()
+
+
+def test_a_restarted_prefill_worker_asks_for_its_old_port_then_any(tmp_path):
+    pool, launcher = _fake_pool(tmp_path)
+    try:
+        old = pool.slots["prefill"][0].address
+        pool.slots["prefill"][0].launched.handle.alive = False
+        wait_until(lambda: pool.restarts["prefill"] == 1, "the prefill worker to restart", timeout_s=30)
+        assert pool.slots["prefill"][0].address == old
+        launcher.failing["prefill"] = "bind"  # its old port taken: a fresh one, in the same restart
+        pool.slots["prefill"][0].launched.handle.alive = False
+        wait_until(lambda: pool.restarts["prefill"] == 2, "the prefill worker to restart again", timeout_s=30)
+        assert pool.slots["prefill"][0].address != old
+        assert [s.port for _, s in launcher.restarts_of("prefill")] == [int(old.rsplit(":")[1])] * 2 + [0]
+        assert pool.slots["prefill"][0].restart_failures == 0
+    finally:
+        pool.shutdown()
+
+
+def test_no_restart_once_stop_is_requested(tmp_path):
+    pool, launcher = _fake_pool(tmp_path)
+    n = len(launcher.starts)
+    pool._stop.set()  # what shutdown() sets first, before a probe may see its workers go
+    pool.slots["decode"][0].launched.handle.alive = False
+    pool._check(pool.slots["decode"][0])
+    pool._check(pool.slots["decode"][0])
+    assert len(launcher.starts) == n
+    pool.shutdown()
+
+
+# ---- real processes -------------------------------------------------------------------------------------------
+def test_stop_returns_promptly_while_a_restart_waits_for_its_worker(dflash_pair):  # noqa: F811
+    """The restarted decode process is SIGSTOPped (a GPU worker warming up for minutes looks the same): the
+    service's stop used to wait for its start (start_timeout_s, here 600 s)."""
+    svc = start_service(serve_cfg(dflash_pair, "local", start_timeout_s=600.0))
+    pool, launcher = svc.pool, svc.pool.launcher
+    old = pool.slots["decode"][0].launched.handle.proc.pid
+    new: list = []
+    try:
+        launcher.kill(pool.slots["decode"][0].launched)
+
+        def restarting() -> bool:
+            new.extend(c.proc for c in list(launcher._children) if c.spec.role == "decode" and c.proc.pid != old)
+            return bool(new)
+
+        wait_until(restarting, "the decode worker's restart to spawn it", every_s=0.01)
+        os.kill(new[0].pid, signal.SIGSTOP)
+        time.sleep(1.0)  # the supervisor is waiting on it
+        stopper = threading.Thread(target=svc.stop, daemon=True)
+        stopper.start()
+        stopper.join(20)
+        assert not stopper.is_alive(), "stop() waited for the restart"
+        assert new[0].poll() is not None and all(p.poll() is not None for p in launcher.processes())
+    finally:
+        for p in new:  # an old-code stop blocked on it: freed, so nothing outlives the test
+            if p.poll() is None:
+                p.kill()
+
+
+def _mapped_exporters(pid: int) -> set[str]:
+    """The processes whose torch shared-memory segments (torch_<pid>_...) `pid` has mapped: the CPU stand-in of
+    a prefill worker's CUDA IPC caches."""
+    pids = set()
+    for ln in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        name = ln.split(None, 5)[-1] if len(ln.split(None, 5)) == 6 else ""
+        base = os.path.basename(name)
+        if base.startswith("torch_"):
+            pids.add(base.split("_")[1])
+    return pids
+
+
+def test_a_restarted_prefill_worker_replaces_its_mapped_caches(dflash_pair):  # noqa: F811
+    svc = start_service(serve_cfg(dflash_pair, "local", kv_transport="device"))
+    pool = svc.pool
+    try:
+        dec = pool.slots["decode"][0].launched.handle.proc.pid
+
+        def one(i: int) -> None:
+            with GenerationClient(svc.address, timeout_s=60) as c:
+                c.generate_once([(i * 13 + j) % 120 + 1 for j in range(50)], max_tokens=4, method="native",
+                                ignore_eos=True)
+
+        one(0)
+        first = str(pool.slots["prefill"][0].launched.handle.proc.pid)
+        assert _mapped_exporters(dec) == {first}
+        address = pool.slots["prefill"][0].address
+        pool.launcher.kill(pool.slots["prefill"][0].launched)
+        wait_until(lambda: pool.restarts["prefill"] == 1 and pool.healthy_count("prefill") == 1,
+                   "the prefill worker to restart", timeout_s=60)
+        assert pool.slots["prefill"][0].address == address
+        one(1)
+        second = str(pool.slots["prefill"][0].launched.handle.proc.pid)
+        assert _mapped_exporters(dec) == {second}, "the dead prefill worker's caches are still mapped"
+    finally:
+        svc.stop()
+
+
+def _bridge_spec(pair) -> WorkerSpec:
+    return WorkerSpec("bridge", 0, serve_cfg(pair, "local"))
+
+
+def test_a_clean_shutdown_removes_the_launchers_log_dir(dflash_pair):  # noqa: F811
+    launcher = LocalLauncher()
+    (w,) = launcher.start([_bridge_spec(dflash_pair)], 60)
+    assert launcher.alive(w, 1.0) and any(launcher.log_dir.iterdir())
+    launcher.shutdown()
+    assert not launcher.log_dir.exists()
+
+
+def test_a_given_log_dir_is_kept(dflash_pair, tmp_path):  # noqa: F811
+    launcher = LocalLauncher(tmp_path / "logs")
+    launcher.start([_bridge_spec(dflash_pair)], 60)
+    launcher.shutdown()
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["bridge0-1.log"]
+
+
+def test_the_log_dir_of_a_failed_worker_is_kept_and_named(dflash_pair, tmp_path, caplog):  # noqa: F811
+    launcher = LocalLauncher()
+    bad = WorkerSpec("prefill", 0, serve_cfg(dflash_pair, "local", target=str(tmp_path / "gone"),
+                                             bridge_address="127.0.0.1:1"))
+    try:
+        try:
+            launcher.start([bad], 60)
+            raise AssertionError("a worker without a checkpoint started")
+        except WorkerStartError:
+            pass
+        with caplog.at_level("WARNING", logger="flashpd.cluster.local_launcher"):
+            launcher.shutdown()
+        assert (launcher.log_dir / "prefill0-1.log").exists()
+        assert str(launcher.log_dir) in caplog.text and "prefill0-1.log" in caplog.text
+    finally:
+        import shutil  # noqa: PLC0415
+        shutil.rmtree(launcher.log_dir, ignore_errors=True)

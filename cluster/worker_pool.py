@@ -266,7 +266,8 @@ class WorkerPool:
 
     def _restart(self, s: Slot) -> bool:
         """Replace the worker; False when it did not start or answer (the slot stays down)."""
-        log.warning("restarting %s worker %d (was %s)", s.role, s.index, s.address)
+        was = s.address
+        log.warning("restarting %s worker %d (was %s)", s.role, s.index, was)
         try:
             self.launcher.stop(s.launched, 10.0)
         except Exception:  # noqa: BLE001  it is being replaced whatever state it is in
@@ -287,6 +288,6 @@ class WorkerPool:
         s.failures, s.healthy = 0, True
         self.restarts[s.role] += 1
         log.warning("%s worker %d restarted at %s", s.role, s.index, s.address)
-        if s.role == "bridge" and s.address != self.bridge_address:
+        if s.role == "bridge" and s.address != was:  # the workers were started with the old one
             log.error("the bridge came back at %s, not its old address: imports fall back to recompute", s.address)
         return True

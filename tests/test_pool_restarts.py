@@ -250,3 +250,24 @@ def test_the_log_dir_of_a_failed_worker_is_kept_and_named(dflash_pair, tmp_path,
     finally:
         import shutil  # noqa: PLC0415
         shutil.rmtree(launcher.log_dir, ignore_errors=True)
+
+
+def test_a_bridge_back_at_another_address_is_reported(tmp_path, caplog):
+    """The workers were started with the bridge's old address: a bridge restarted elsewhere costs every import
+    (recomputed), which the pool must say (its check compared the slot's address with itself)."""
+    import logging
+
+    pool, launcher = _fake_pool(tmp_path)
+    real = launcher.start
+
+    def elsewhere(specs, timeout_s):  # its old port not honoured
+        return real([WorkerSpec(s.role, s.index, s.cfg, 0) for s in specs], timeout_s)
+
+    launcher.start = elsewhere
+    try:
+        with caplog.at_level(logging.ERROR, logger="flashpd.cluster.worker_pool"):
+            pool.slots["bridge"][0].launched.handle.alive = False
+            wait_until(lambda: pool.restarts["bridge"] == 1, "the bridge to restart", timeout_s=30)
+        assert "the bridge came back at" in caplog.text
+    finally:
+        pool.shutdown()

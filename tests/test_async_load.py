@@ -196,7 +196,8 @@ def test_fetches_start_for_the_queues_first_requests_only(pair, monkeypatch):
         store.gate.set()
     sched.run_until_idle()
     assert not any(r.wants_load or r.load is not None for r in reqs)
-    assert cache.stats.per_request_hits == [(len(p) - 1) // 32 * 32 for p in ps]
+    # in the order the fetches finished (4 load threads): compared as a multiset
+    assert sorted(cache.stats.per_request_hits) == sorted((len(p) - 1) // 32 * 32 for p in ps)
     cold = generate(NativeGenerator(_runner(target, drafter)), ps[-2:], [sp] * 2)
     assert [r.seq.output for r in reqs[-2:]] == [c.output for c in cold]
 

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import queue
+import re
 import random
 import shutil
 import subprocess
@@ -123,6 +124,9 @@ def pool_sample(pool_size: int, n: int, seed: int, level: int) -> list[int]:
     return out
 
 
+_ANNOUNCED = re.compile(r"(http|listening) on (\S+:\d+)\s*$")  # only serve prints these to its stdout
+
+
 class ServeProcess:
     """`flashpd serve --config FILE` as a child; its address once it listens; stopped with a bound."""
 
@@ -156,10 +160,13 @@ class ServeProcess:
                 self.stop()
                 raise RuntimeError(f"flashpd serve ({cfg.mode}) did not start; log {self.log_path}:\n"
                                    + self.log_path.read_text()[-3000:])
-            if ln.startswith("http on "):  # printed before "listening on"
-                self.http_address = ln.split()[-1]
-            if ln.startswith("listening on "):
-                self.address = ln.split()[-1]
+            # searched, not matched at the line's start: under Ray the driver's copies of its actors' logs share
+            # this stdout, and one that lacked its newline once took "listening on ..." into its own line
+            m = _ANNOUNCED.search(ln)
+            if m is not None and m.group(1) == "http":  # printed before "listening on"
+                self.http_address = m.group(2)
+            elif m is not None:
+                self.address = m.group(2)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.proc.poll() is None:

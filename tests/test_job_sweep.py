@@ -219,3 +219,14 @@ def test_default_sweep_cuts_disjoint_sets_as_before(monkeypatch, tmp_path):
                                         for i, n in zip((0, 1, 4, 5, 8, 9, 12, 13), (1, 3) * 4)]
     assert "exact_methods" not in d and d["settings"]["prompt_pool"] is None
     assert all(r["prefix_cache"] == "off" and "prompt_pool" not in r for r in d["runs"])
+
+
+def test_the_serve_address_is_found_inside_a_forwarded_log_line():
+    """Under Ray the driver copies its actors' logs into serve's stdout; a copy that lacked its newline took
+    "listening on ..." into its line once, and the sweep waited out its start timeout (a CI failure)."""
+    from flashpd.bench.job_sweep import _ANNOUNCED
+
+    line = "(WorkerActor pid=9823) decode INFO keys: hashed in 0.0 slistening on 127.0.0.1:33909\n"
+    assert _ANNOUNCED.search(line).groups() == ("listening", "127.0.0.1:33909")
+    assert _ANNOUNCED.search("http on 127.0.0.1:8000\n").groups() == ("http", "127.0.0.1:8000")
+    assert _ANNOUNCED.search("metrics on 127.0.0.1:9\n") is None

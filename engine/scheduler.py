@@ -689,8 +689,8 @@ class Scheduler:
 
     def close(self) -> None:
         """Let the load and save threads end: fetches not started are dropped, queued saves still reach the store
-        (each bounded by its store's timeout), then the threads exit (idle ones otherwise live for good, a set a
-        stopped engine loop). A later request starts new ones."""
+        (each bounded by its store's timeout), then the threads exit (idle, they otherwise outlive the engine loop
+        that stopped). A later request starts new ones."""
         loader, saver, self._loader, self._save_pool = self._loader, self._save_pool, None, None
         if loader is not None:
             loader.shutdown(wait=False, cancel_futures=True)

@@ -216,12 +216,17 @@ class Scheduler:
         return req
 
     def _start_loads(self) -> None:
-        """Start the fetches of the first queued requests that want one, up to LOAD_AHEAD held at once."""
-        held = sum(1 for r in self.waiting if r.load is not None)
+        """Start the fetches of the first queued requests that want one, up to LOAD_AHEAD held at once. Fetches
+        start in queue order (a re-queued preempted request has none), so the walk stops at the window's end."""
+        if not hasattr(self.prefix_cache, "fetch"):  # no request wants one
+            return
+        held = 0
         for r in self.waiting:
+            if r.load is not None:
+                held += 1
             if held >= LOAD_AHEAD:
                 return
-            if r.wants_load and r.load is None:
+            if r.wants_load:
                 gen = self.spec if r.method == "dflash" else self.native
                 r.load = self._loads().submit(self._fetch_after, [f for f in self._saves if not f.done()], gen,
                                               list(r.seq.prompt))

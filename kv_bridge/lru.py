@@ -99,21 +99,6 @@ class ChainLRU(Generic[V]):
         """The least recently used key (None when empty)."""
         return self._root.next.key if self._nodes else None
 
-    def move_to_end(self, key: str, last: bool = True) -> None:
-        n = self._nodes[key]
-        self._unlink(n)
-        self._link_before(n, self._root if last else self._root.next)
-        self._forget_tail()
-
-    def keys(self) -> list[str]:
-        return list(self)
-
-    def values(self) -> list[V]:
-        return [self._nodes[k].value for k in self]
-
-    def items(self) -> list[tuple[str, V]]:
-        return [(k, self._nodes[k].value) for k in self]
-
     # -- recency along prompts ------------------------------------------------------------------------
     def freshen(self, key: str, parent_of: Callable[[str], str]) -> None:
         """key, then each held chunk before it in its prompt (parent_of(k): the key of the chunk before k, "" for

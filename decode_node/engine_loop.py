@@ -12,8 +12,9 @@ pass of the loop go to it in one call instead of into the handles' queues (clust
 them to another process that way, one message a step).
 
 A request the scheduler fails alone (RequestFailed) ends with an "error" event while the others go
-on. Should a step still raise, every request in flight fails with that error, every block is freed,
-and the loop keeps serving new requests: no request can stop the loop.
+on. Should a step still raise, every request in flight fails with that error (but one already streamed to
+its end, waiting in a held session, ends "done"), every block is freed, and the loop keeps serving new
+requests: no request can stop the loop.
 """
 from __future__ import annotations
 
@@ -266,7 +267,10 @@ class EngineLoop:
 
     def _abort_in_flight(self, e: Exception) -> None:
         log.exception("engine step failed; failing the %d request(s) in flight and serving on", len(self._live))
-        for r, err in self.scheduler.abort_all(e):
+        res = self.scheduler.abort_all(e)
+        for r in res.finished:  # streamed to their end before the error: they end as usual
+            self._done(r)
+        for r, err in res.failed:
             h = self._live.pop(r.id, None)
             if h is not None:
                 self._emit(h, Event("error", error=err))
@@ -317,14 +321,18 @@ class EngineLoop:
             if h is not None:
                 self._emit(h, Event("error", error=err))
         for r in res.finished:
-            if self.on_finish is not None:
-                try:
-                    self.on_finish(r)
-                except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
-                    log.exception("on_finish hook failed")
-            h = self._live.pop(r.id, None)
-            if h is not None:
-                self._emit(h, Event("done", finish_reason=r.seq.finish_reason, stats=r.seq.stats.as_dict()))
+            self._done(r)
+
+    def _done(self, r: Request) -> None:
+        """A finished request: the on_finish hook, then its "done" event."""
+        if self.on_finish is not None:
+            try:
+                self.on_finish(r)
+            except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
+                log.exception("on_finish hook failed")
+        h = self._live.pop(r.id, None)
+        if h is not None:
+            self._emit(h, Event("done", finish_reason=r.seq.finish_reason, stats=r.seq.stats.as_dict()))
 
     def _shutdown(self) -> None:
         err = EngineStopped("engine loop stopped")

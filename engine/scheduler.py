@@ -17,7 +17,8 @@ trip in between (DeviceLoop.begin_after_prefill): the first step is queued behin
 
 One request fails alone. An exception while admitting a group (prefix restore, prefill, recompute)
 retries each of its requests alone from scratch, and fails only those that fail alone. An exception
-in a batch step rolls every row back to the tokens it already streamed and preempts it; re-admitted
+in a batch step rolls every row back to the tokens it already streamed and preempts it (a row streamed to its end
+before the step, riding a drain or hold session, is finished as usual: nothing of it is lost); re-admitted
 (recomputed exactly), each such suspect takes its next step alone, and a row whose solo step fails
 too is failed; the rows that passed alone beside it are cleared (MAX_BATCH_FAULTS counts only faults nobody
 was failed for, which only a batch shows). A failed request frees its blocks and comes back in `StepResult.failed`; the other
@@ -573,6 +574,7 @@ class Scheduler:
             self._end_session()
         except Exception:  # noqa: BLE001  the session's state is unknown: its rows are rebuilt below
             self._session, self._session_gen = None, None
+        self._finish_streamed(result)
         for r in list(reversed(self.running)):  # newest first: appendleft keeps the queue's order
             r.batch_faults += 1
             if r.batch_faults >= MAX_BATCH_FAULTS:
@@ -582,6 +584,14 @@ class Scheduler:
             self.running.remove(r)
             self._preempt_out(r)
             self._suspects.add(r.id)
+
+    def _finish_streamed(self, result: StepResult) -> None:
+        """Finish the running rows streamed to their end in an earlier step (riding a drain or hold session until its
+        end): the caller has every token of theirs, so an error after it must neither fail nor recompute them."""
+        for r in [r for r in self.running if _streamed_to_end(r)]:
+            self.running.remove(r)
+            self._finish(r)
+            result.finished.append(r)
 
     def _advance_batch(self) -> None:
         """One step of every running request: in the device loop when the batch allows, else stepwise."""
@@ -706,14 +716,16 @@ class Scheduler:
         """Wait until every queued save reached the store (a caller about to read the store directly)."""
         wait(list(self._saves), timeout=timeout_s)
 
-    def abort_all(self, e: BaseException) -> list[tuple[Request, RequestFailed]]:
+    def abort_all(self, e: BaseException) -> StepResult:
         """Last resort after an error the step could not contain: fail every request, free every block,
-        and leave the scheduler empty and usable."""
+        and leave the scheduler empty and usable. A row already streamed to its end (riding a drain or hold
+        session) is finished as usual instead: the caller has all of it. Returns both (no new tokens)."""
         result = StepResult()
-        self._session, self._session_gen = None, None
+        self._session, self._session_gen, self._hold_since = None, None, None
+        self._finish_streamed(result)
         for r in list(self.running) + list(self.waiting):
             self._fail(r, e, result)
-        return result.failed
+        return result
 
     def cancel_all(self, also: Iterable[Request] = ()) -> None:
         """Cancel every request (a caller interrupted mid-run): the device session ended if it still can be (else
@@ -798,6 +810,11 @@ def step_undrafted(gen: DFlashGenerator, seqs: list[Sequence]) -> None:
     for s, tok in zip(seqs, sample_rows(out.logits[:, -1], seqs)):
         s.draft_len += 1
         s.stats.record_step(len(s.commit([tok])), 1, 0)
+
+
+def _streamed_to_end(r: Request) -> bool:
+    """Finished, and every token of it handed to the caller: only its end (its session's) is still to come."""
+    return r.seq.done and len(r.seq.output) == r.emitted
 
 
 def _rollback(r: Request) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flashpd.decode_node.engine_loop import EngineLoop
+from flashpd.engine import scheduler as scheduler_mod
 from flashpd.engine.scheduler import MAX_BATCH_FAULTS, generate, RequestFailed, Scheduler
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.generate import NativeGenerator
@@ -328,6 +329,114 @@ def test_a_fault_inside_the_device_loop_session_is_recovered_exactly(pair):
     assert failed == {} and sched.stats.batch_faults == 1
     assert sched.runner.allocator.num_free == free0
     _check_others_exact(target, drafter, reqs, prompts, params, ["dflash"] * 3, streamed, set())
+
+
+def _ride_a_session(sched: Scheduler, session: str) -> None:
+    """Keep a finished row in its device-loop session until the session ends: drain (the offline batch: until
+    its last row ends) or a hold (serving: here until the other row ends too)."""
+    if session == "drain":
+        sched.drain = True
+    else:
+        sched.hold_fraction, sched.hold_steps = 1.0, 1000
+
+
+@pytest.mark.parametrize("session,bad_reads,earlier_faults", [
+    ("drain", 1, 0), ("hold", 1, MAX_BATCH_FAULTS - 1), ("drain", 2, MAX_BATCH_FAULTS - 1), ("hold", 2, 0)])
+def test_a_step_fault_finishes_a_row_streamed_to_its_end_and_recomputes_only_the_others(
+        pair, monkeypatch, session, bad_reads, earlier_faults):
+    """A row streamed to its end rides its session (drain, a hold); a step fault then finishes it as the session's
+    clean end would: not failed (even at its last allowed batch fault), not recomputed. Only the unfinished row is
+    rolled back, recomputed and finished exactly. bad_reads 2: the session's end raises too, and it is dropped."""
+    target, drafter = pair
+    prompts = _prompts(2, 19)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 40)]
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    _ride_a_session(sched, session)
+    free0 = sched.runner.allocator.num_free
+    reqs = [sched.add(p, sp, "dflash") for p, sp in zip(prompts, params)]
+    done, live = reqs
+    streamed: dict[int, list[int]] = {r.id: [] for r in reqs}
+    while not done.seq.done:
+        _, failed = _run(sched, reqs, streamed, steps=1)
+        assert failed == {} and sched.steps < 100
+    assert done in sched.running and sched._session is not None and not live.seq.done, "no finished row rode along"
+    assert streamed[done.id] == done.seq.output
+    done.batch_faults = earlier_faults  # faults it was part of (and survived) before it finished
+    recomputed: list[list[int]] = []
+    orig_recompute = scheduler_mod.recompute
+
+    def spy(gen, seqs, *a, **kw):
+        recomputed.extend(s.prompt for s in seqs)
+        return orig_recompute(gen, seqs, *a, **kw)
+
+    monkeypatch.setattr(scheduler_mod, "recompute", spy)
+    loop, left = sched.spec.loop(), [bad_reads]
+    orig_read = loop.read
+
+    def read(sess) -> None:
+        if left[0]:
+            left[0] -= 1
+            raise RuntimeError("device loop fault")
+        orig_read(sess)
+
+    loop.read = read
+    res = sched.step()
+    assert left[0] == 0 and sched.stats.batch_faults == 1
+    assert res.failed == [] and res.finished == [done] and done.id not in res.new_tokens
+    for rid, toks in res.new_tokens.items():
+        streamed[rid].extend(toks)
+    streamed, failed = _run(sched, reqs, streamed)
+    assert failed == {} and sched.stats.failed_requests == 0
+    assert recomputed == [live.seq.prompt], "only the unfinished row is recomputed"
+    assert sched.runner.allocator.num_free == free0 and not sched._suspects
+    _check_others_exact(target, drafter, reqs, prompts, params, ["dflash"] * 2, streamed, set())
+
+
+def test_an_uncontained_error_ends_a_request_streamed_to_its_end_done_and_fails_the_rest(pair):
+    """abort_all (the engine loop's last resort) ends a request already streamed to its end, riding a held
+    session, "done" with all its tokens, as the session's end would have; only the unfinished one gets an error.
+    Every block is back and the loop serves on."""
+    target, drafter = pair
+    prompts = _prompts(2, 23)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 40)]
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    _ride_a_session(sched, "hold")
+    free0 = sched.runner.allocator.num_free
+    orig, hit = sched._hold_for_prefill, []
+
+    def broken() -> None:  # outside the step's own recovery: uncontained
+        if not hit and sched._session is not None and any(r.seq.done for r in sched.running):
+            hit.append(sorted((r.id, r.seq.done) for r in sched.running))
+            raise RuntimeError("scheduler bug")
+        orig()
+
+    sched._hold_for_prefill = broken
+    loop = EngineLoop(sched)
+    try:
+        with loop._cv:  # both taken in one pass: admitted together, into one session
+            hs = [loop.submit_nowait(p, sp, "dflash")[0] for p, sp in zip(prompts, params)]
+        toks: list[list[int]] = [[], []]
+        ends: dict[int, object] = {}
+        deadline = time.monotonic() + 120
+        while len(ends) < 2 and time.monotonic() < deadline:
+            for i, h in enumerate(hs):
+                ev = None if i in ends else h.get(0.05)
+                if ev is not None and ev.kind == "tokens":
+                    toks[i] += ev.tokens
+                elif ev is not None:
+                    ends[i] = ev
+        assert hit == [[(hs[0].request.id, True), (hs[1].request.id, False)]], hit
+        out, acc = _solo(target, drafter, prompts[0], params[0], "dflash")
+        assert ends[0].kind == "done" and ends[0].finish_reason == "length"
+        assert toks[0] == out and list(ends[0].stats["acceptance_lengths"]) == acc
+        assert ends[1].kind == "error" and isinstance(ends[1].error, RequestFailed)
+        assert "scheduler bug" in str(ends[1].error) and loop.alive
+        t0 = time.monotonic()
+        while not (sched.idle and sched.runner.allocator.num_free == free0) and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        assert sched.idle and sched.runner.allocator.num_free == free0
+    finally:
+        loop.stop()
 
 
 def test_through_the_grpc_api_the_faulty_request_gets_internal_and_the_batch_finishes_exactly(pair):

@@ -657,18 +657,20 @@ class Scheduler:
                 self.drain and self._session is not None and not all(r.seq.done for r in self.running)) \
                 and not self._holds():
             self._end_session()  # a finished row leaves the batch: the others' in-flight step is read
-        still = []
+        still, sent = [], []
         for r in self.running:
             out = r.seq.output
             if len(out) > r.emitted:
                 result.new_tokens[r.id] = out[r.emitted:]
-                r.emitted = len(out)
+                sent.append((r, len(out)))
             if r.seq.done and self._session is None:  # (drain, a hold: a finished row waits for its session's end)
                 self._finish(r)
                 result.finished.append(r)
             else:
                 still.append(r)
         self.running = still
+        for r, n in sent:  # counted as handed out only with the result that hands them out (`_streamed_to_end`)
+            r.emitted = n
         return result
 
     def _finish(self, r: Request) -> None:

@@ -439,6 +439,35 @@ def test_an_uncontained_error_ends_a_request_streamed_to_its_end_done_and_fails_
         loop.stop()
 
 
+def test_tokens_of_a_step_that_raised_are_not_counted_as_streamed(pair, monkeypatch):
+    """Two rows end in one step and finishing the second raises: the step's result (the first row's last tokens)
+    never reaches the caller, so abort_all must fail both, not end the first "done" without its last tokens."""
+    target, drafter = pair
+    prompts = _prompts(2, 29)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True)] * 2
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    free0 = sched.runner.allocator.num_free
+    first, second = [sched.add(p, sp, "native") for p, sp in zip(prompts, params)]
+    orig_finish = sched._finish
+
+    def finish(r) -> None:
+        orig_finish(r)
+        if r is second:
+            raise RuntimeError("finish failed")
+
+    monkeypatch.setattr(sched, "_finish", finish)
+    streamed: dict[int, list[int]] = {first.id: [], second.id: []}
+    with pytest.raises(RuntimeError, match="finish failed"):
+        for _ in range(100):
+            res = sched.step()
+            for rid, toks in res.new_tokens.items():
+                streamed[rid].extend(toks)
+    assert first.seq.done and len(streamed[first.id]) < len(first.seq.output)
+    res = sched.abort_all(RuntimeError("finish failed"))
+    assert res.finished == [] and {r.id for r, _ in res.failed} == {first.id, second.id}
+    assert sched.idle and sched.runner.allocator.num_free == free0
+
+
 def test_through_the_grpc_api_the_faulty_request_gets_internal_and_the_batch_finishes_exactly(pair):
     """A real generation server on 127.0.0.1 over a scheduler whose step raises for one request's row:
     that stream ends INTERNAL with its cause, the concurrent streams finish with their solo tokens and

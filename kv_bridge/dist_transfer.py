@@ -13,10 +13,12 @@ Control travels over gRPC (PrefillWorker.OpenPair / SendLease, cluster/dist_cont
 and the OpenPair reply MAC-sealed with the cluster key. Per request:
 
   1 importer -> SendLease(pair, lease id, blocks, epochs, tag), sealed; the tag grows per pair (no replay)
-  2 exporter: the lease's epochs unchanged (the blocks still hold the prompt) -> one gather of the blocks
-    into one contiguous buffer per half -> epochs checked again (a lease freed during the gather is
-    refused, as CacheImporter refuses one freed during its copy) -> reply OK, and queue the send on the
-    pair's sender thread. From the gather on, the blocks are no longer read: the lease can go.
+  2 exporter: the lease is live and holds every named block at the named epoch (the seal proves only a
+    cluster member: a request reads its own lease's KV, never another's) -> the epochs unchanged (the
+    blocks still hold the prompt) -> one gather of the blocks into one contiguous buffer per half ->
+    epochs checked again (a lease freed during the gather is refused, as CacheImporter refuses one freed
+    during its copy) -> reply OK, and queue the send on the pair's sender thread. From the gather on, the
+    blocks are no longer read: the lease can go.
   3 importer, on OK only: receives both halves (bounded), scatters them into its own blocks, and
     releases the lease as on the device path (Release RPC). A refusal raises HandoffError with the pair
     intact; any failure after OK (timeout, dead peer) drops the pair on both sides (the next request
@@ -260,19 +262,25 @@ class DistExporter:
     def send_lease(self, exporter_id: str, nonce: bytes, lease_id: int, blocks: Sequence[int],
                    epochs: Sequence[int], tag: int, seal_: bytes) -> None:
         """Check and gather a lease's blocks, then queue their send (returning means: they will be sent).
-        Raises (nothing queued) when the request is not sealed, the pair is unknown, or the blocks are freed."""
+        Raises (nothing queued, nothing allocated, no lease touched) when the request is not sealed, names blocks
+        its lease does not hold (another request's KV) or a lease that is gone, the pair is unknown, or the
+        blocks are freed. The seal proves only that a cluster member sent it: the lease check is what keeps one
+        request from reading another's prompt."""
         blocks, epochs = [int(b) for b in blocks], [int(e) for e in epochs]
         if not _verify(self.mac, seal_, "send", exporter_id, nonce, int(lease_id), blocks, epochs, int(tag)):
             raise PermissionError("SendLease: seal does not verify (not made with this cluster's secret)")
         if exporter_id != self.exporter_id:
             raise HandoffError("SendLease: another exporter (it restarted)")
+        try:
+            self._check_lease(int(lease_id), blocks, epochs)
+        except HandoffError:
+            self.stats["refused"] += 1
+            raise
         with self._lock:
             pair = self._pairs.get(nonce)
         if pair is None or not pair.ready.wait(self.timeout_s) or pair.group is None or pair.broken:
             raise PairLost("SendLease: no such pair (closed or never formed)")
         try:
-            if not blocks or len(blocks) != len(epochs) or max(blocks) >= self.target.shape[2] or min(blocks) < 0:
-                raise HandoffError("SendLease: lease names blocks outside the exporter's cache")
             with self._lock:
                 if tag <= pair.last_tag:
                     raise HandoffError("SendLease: tag not above the pair's last (a replay)")
@@ -292,6 +300,16 @@ class DistExporter:
             self.stats["refused"] += 1
             raise
         pair.sender.submit(self._send, nonce, pair, bufs, tag)
+
+    def _check_lease(self, lease_id: int, blocks: list[int], epochs: list[int]) -> None:
+        """Before the pair, the tag or a gather: the blocks lie in the cache and are the live lease's own, at its
+        epochs (CacheExporter.check_blocks). HandoffError otherwise: the pair goes on, every lease untouched."""
+        if not blocks or len(blocks) != len(epochs) or max(blocks) >= self.target.shape[2] or min(blocks) < 0:
+            raise HandoffError("SendLease: lease names blocks outside the exporter's cache")
+        try:
+            self.exporter.check_blocks(lease_id, blocks, epochs)
+        except HandoffError as e:
+            raise HandoffError(f"SendLease: {e}") from None
 
     def _after_gather(self, lease_id: int) -> None:
         """Between the gather and the epochs' re-check: nothing here; a subclass may act (the fault tests free

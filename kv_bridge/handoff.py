@@ -189,6 +189,27 @@ class CacheExporter:
         return Handoff(self.exporter_id, self.address, self.blob, lid, tuple(blocks), tuple(epochs), num_tokens,
                        digest)
 
+    def check_blocks(self, lease_id: int, blocks: list[int], epochs: list[int]) -> None:
+        """Raise HandoffError unless lease `lease_id` is live (given, neither released nor past its deadline) and
+        holds each of `blocks`, named once, at the epoch given with it: a request may read its own lease's KV, never
+        another lease's (another request's prompt), nor make a gather larger than its lease. The epochs are the
+        lease's own, so the epoch checks around a gather refuse blocks freed (and leased again) after this check.
+        Checks only: no lease is touched."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                raise HandoffError(f"lease {lease_id} was freed before the send (released or expired), or never given")
+            if lease.deadline <= time.monotonic():
+                raise HandoffError(f"lease {lease_id} is past its deadline (its blocks are being freed)")
+            own = dict(zip(lease.blocks, lease.epochs))
+        if len(set(blocks)) != len(blocks):
+            raise HandoffError(f"request names a block of lease {lease_id} more than once")
+        stray = [b for b in blocks if b not in own]
+        if stray:
+            raise HandoffError(f"lease {lease_id} does not hold block(s) {stray[:8]}")
+        if any(own[b] != e for b, e in zip(blocks, epochs)):
+            raise HandoffError(f"request's epochs are not those of lease {lease_id}'s blocks")
+
     def release(self, lease_id: int) -> bool:
         """The importer is done (or gave up): free the lease's blocks. False for an unknown or expired lease."""
         with self._lock:

@@ -1,11 +1,12 @@
 """The cross-host KV path (kv_bridge/dist_transfer.py) between two real processes, on gloo (NCCL on GPUs runs
 the same code). A spawned child is the exporter (a CacheExporter's leases, a DistExporter, the PrefillWorker
 gRPC service's OpenPair/SendLease); this process is the importer. One child serves the whole module, in test
-order: bit-exact blocks of both halves, refused leases (freed before the send, freed during the gather),
-a seal or a pair prefix made without the secret, a replayed OpenPair, importers that die (pairs evicted, never
-exhausted), a stalled exporter (bounded), a dead one (bounded)."""
+order: bit-exact blocks of both halves, refused leases (freed before the send, freed during the gather, another
+lease's blocks named), a seal or a pair prefix made without the secret, a replayed OpenPair, importers that die
+(pairs evicted, never exhausted), a stalled exporter (bounded), a dead one (bounded)."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 
@@ -158,6 +159,27 @@ def test_a_lease_freed_before_or_during_the_send_is_refused_and_the_pair_goes_on
     imp.copy(h, [8])  # the same pair still works: refusals left nothing in flight
     _check_blocks(peer, [5], [8])
     assert imp.stats["pairs_opened"] == 1
+
+
+def test_a_send_naming_another_leases_blocks_is_refused_and_every_lease_goes_on(peer):
+    """An importer that names request A's blocks under request B's lease (sealed with the cluster key, as any member
+    can) reads nothing of A's KV: the exporter refuses (FAILED_PRECONDITION: HandoffError, the pair stays), and
+    both leases are still served to their own requests."""
+    imp, call = peer["imp"], peer["call"]
+    peer["target"].zero_()
+    peer["draft"].zero_()
+    ha, hb = call("lease", [2, 4]), call("lease", [7])
+    before, dropped = call("stats"), imp.stats["pairs_dropped"]
+    with pytest.raises(HandoffError, match="does not hold") as got:
+        imp.copy(dataclasses.replace(hb, blocks=ha.blocks, epochs=ha.epochs), [1, 3])
+    assert not isinstance(got.value, PairLost)
+    assert not peer["target"].any() and not peer["draft"].any()  # nothing of A's prompt arrived
+    assert call("stats")["refused"] == before["refused"] + 1
+    imp.copy(hb, [0])
+    imp.copy(ha, [1, 3])
+    _check_blocks(peer, [7, 2, 4], [0, 1, 3])
+    assert imp.stats["pairs_dropped"] == dropped
+    assert call("release", ha.lease_id) is True and call("release", hb.lease_id) is True
 
 
 def test_no_pair_without_the_cluster_secret(peer):

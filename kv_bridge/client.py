@@ -236,7 +236,7 @@ class BridgeClient:
             for key, make_parts, seal, _ in items:
                 parts = make_parts()
                 if transport == "shm":
-                    name = shm.write_segment(parts)
+                    name = shm.write_segment(parts, shm.PUT_TAG)  # its writer's pid: see shm.PutLeftovers
                     created.append(name)
                     size = sum(len(memoryview(p).cast("B")) for p in parts)
                     yield pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(

@@ -8,7 +8,8 @@ stream whose chunk arrives slower than a floor rate (a trickle StallGuard never 
 the rest (hashing each frame as it arrives) and verifies whole chunks (MAC, header,
 lengths, key) before the store takes them: a chunk that fails is refused and counted and the stream
 goes on; nothing of a chunk is visible before its last frame arrived and verified. Get streams the
-leading present chunks, inline or by same-host shared-memory handle. Put and Get carry chunk bytes
+leading present chunks, inline or by same-host shared-memory handle; a Put's segment the server does not take
+is unlinked by it once the client that wrote it is gone (shm.PutLeftovers). Put and Get carry chunk bytes
 through frame_codec (no copy into or out of protobuf messages); each stream is one RPC on the
 thread pool, so a client's parallel streams are served side by side. Bad requests get
 INVALID_ARGUMENT with the field named; the server binds loopback unless told otherwise, and serves
@@ -26,6 +27,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+import weakref
 from concurrent import futures
 from typing import Iterator
 
@@ -53,6 +55,7 @@ DEFAULT_SHM_OUTSTANDING_BYTES = 1 << 30  # handed-out segments not yet taken, al
 SHM_ROOM_WAIT_S = 10.0  # how long a Get waits for readers to take segments before RESOURCE_EXHAUSTED
 DEFAULT_MIN_PUT_RATE = 1 << 20  # bytes/s a Put's chunk needs after idle_s of grace: a trickle holds a worker
 DEFAULT_INFLIGHT_BYTES = 1 << 30  # partial chunks of all Put streams together, outside any store's budget
+PUT_SWEEP_EVERY_S = 1.0  # how often a server unlinks untaken Put segments of clients gone (shm.PutLeftovers)
 
 
 class _Bytes:
@@ -118,6 +121,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         self.max_chunk_bytes = max_chunk_bytes
         self.shm_ttl_s = shm_ttl_s
         self.shm_out = shm.SegmentLedger(shm_max_bytes, shm_peer_max_bytes)
+        self.shm_left = shm.PutLeftovers()  # Put segments named and not taken: unlinked once their writer is gone
         self.min_put_rate = min_put_rate
         self.put_grace_s = put_grace_s
         self.inflight = ByteBudget(inflight_max_bytes)
@@ -126,7 +130,8 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                        chunks_refused_corrupt=0, chunks_refused_store=0, chunks_incomplete=0, gets_streams=0,
                        chunks_sent=0, frames_sent=0, shm_segments_sent=0, shm_segments_reclaimed=0, shm_segments_expired=0,
                        invalid_requests=0, unauthenticated_calls=0, calls_stalled=0, shm_gets_refused_full=0,
-                       shm_gets_refused_peer=0, puts_too_slow=0, puts_refused_inflight=0)
+                       shm_gets_refused_peer=0, puts_too_slow=0, puts_refused_inflight=0, shm_put_segments_left=0,
+                       shm_put_segments_reclaimed=0)
 
     def authorizer(self):
         """token_authorizer for this bridge's secret, counting the calls it turns away."""
@@ -228,6 +233,23 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                       f"{elapsed:.1f} s; the bridge needs {self.min_put_rate:.0f} bytes/s after {self.put_grace_s:g} s")
 
     def _take_shm(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext) -> tuple[str, bytes]:
+        """The handle's chunk, its segment taken (read and unlinked). A segment not taken (whatever the reason)
+        that a same-host client named is noted for reclaim_put_segments: its writer may die before unlinking it."""
+        try:
+            return self._take_checked(f, asm, context)
+        except BaseException:
+            if _peer_is_local(context.peer()) and self.shm_left.note(f.shm.name):
+                self._count("shm_put_segments_left")
+            raise
+
+    def reclaim_put_segments(self) -> int:
+        """Unlink the Put segments not taken whose writers are gone (shm.PutLeftovers says when); how many."""
+        n = self.shm_left.reclaim()
+        if n:
+            self._count("shm_put_segments_reclaimed", n)
+        return n
+
+    def _take_checked(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext) -> tuple[str, bytes]:
         if asm.in_flight is not None:
             raise FrameError("frame.shm", f"handle sent while chunk {asm.in_flight[:16]}... is incomplete")
         check_key(f.key, "frame.key")
@@ -493,7 +515,20 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()
+    threading.Thread(target=_reclaim_put_segments, args=(weakref.ref(server), servicer), name="bridge-put-reclaim",
+                     daemon=True).start()
     return server, bound
+
+
+def _reclaim_put_segments(server_ref: weakref.ref, servicer: KVBridgeServicer) -> None:
+    """Every PUT_SWEEP_EVERY_S until the server stops (or is gone): the Put segments it did not take of clients
+    that died go (KVBridgeServicer.reclaim_put_segments), not only at the next start's sweep."""
+    while (server := server_ref()) is not None and server.wait_for_termination(PUT_SWEEP_EVERY_S):  # True: timed out
+        del server  # not held between rounds: a server nobody holds is not kept alive by this thread
+        try:
+            servicer.reclaim_put_segments()
+        except Exception:  # noqa: BLE001  a failed round is logged; the next one tries again
+            log.exception("reclaiming Put segments failed")
 
 
 def main(argv: list[str] | None = None) -> int:

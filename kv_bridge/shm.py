@@ -3,7 +3,8 @@
 Plain files on the tmpfs rather than multiprocessing.shared_memory: on Python 3.11 the latter
 registers every segment (even one merely attached) with a resource tracker that unlinks it or
 warns at exit, which fights the hand-off (the writer creates, the reader unlinks). The writer
-creates a segment with O_EXCL; the reader reads it out and unlinks it.
+creates a segment with O_EXCL; the reader reads it out and unlinks it. A Put segment the server does not
+take stays its writer's, until the writer is gone (PutLeftovers).
 """
 from __future__ import annotations
 
@@ -13,14 +14,19 @@ import stat
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "fpkv-"
 GET_TAG = "get-"  # in the names of the segments a server hands to its SHM Gets (never a Put's to take)
+PUT_TAG = "put-"  # in the names of the segments a client writes for its SHM Puts (fpkv-<its pid>-put-<hex>)
 _NAME_RE = re.compile(r"fpkv-[A-Za-z0-9_-]{1,120}")
 _HANDED_OUT_RE = re.compile(rf"fpkv-[0-9]+-{GET_TAG}.*", re.DOTALL)
+_PUT_RE = re.compile(rf"fpkv-([1-9][0-9]{{0,6}})-{PUT_TAG}[0-9a-f]{{32}}")  # pids stay below 2**22 on Linux
+PUT_LEFTOVER_GRACE_S = 30.0  # a Put segment the server did not take, of a writer that is gone, goes after this
+MAX_PUT_LEFTOVERS = 4096  # such segments a server keeps track of (past it, the oldest are left to the start sweep)
 DEFAULT_PEER_SHARE = 4  # a peer may hold 1/4 of a ledger's bytes untaken
 OVER_SHARE_TTL_S = 2.0  # a finished call's segments past its peer's share expire after this while others wait
 _SWEEP_EVERY_S = 0.1  # how often a Get waiting for room sweeps expired segments
@@ -55,9 +61,26 @@ def handed_out(name: str) -> bool:
     return _HANDED_OUT_RE.fullmatch(name) is not None
 
 
+def put_writer(name: str) -> int | None:
+    """The pid of the process that wrote a Put segment, as its name says (None: not a Put segment's name)."""
+    m = _PUT_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process `pid` exists on this host (of any user: EPERM means it does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def write_segment(data: bytes | list[bytes | memoryview], tag: str = "") -> str:
     """Create a new segment holding data (or its parts, in order); returns its name (the caller or its
-    peer unlinks it). tag: GET_TAG for a server's Get segments."""
+    peer unlinks it). tag: GET_TAG for a server's Get segments, PUT_TAG for a client's Put segments."""
     name = f"{PREFIX}{os.getpid()}-{tag}{uuid.uuid4().hex}"
     path = SHM_DIR / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -261,3 +284,73 @@ class SegmentLedger:
             for name, o in self._out.items():
                 if o.call == call:
                     self._out[name] = o._replace(done=True)
+
+
+class _Seen(NamedTuple):
+    """A Put segment a server did not take: the file it was (device, inode) and when it was last seen so."""
+    dev: int
+    ino: int
+    since: float
+
+
+class PutLeftovers:
+    """The Put segments a server was handed and did not take (a handle it refused: wrong length, a stream that
+    ended at it), which it unlinks itself once no one can use them, so that a client that dies leaks none.
+
+    Until then such a segment is its writer's: BridgeClient unlinks its own after every Put, and a client may
+    send it again. The rule: a segment is unlinked when its name is a Put segment's (fpkv-<pid>-put-<hex>,
+    PUT_TAG), the process <pid> that wrote it no longer exists, PUT_LEFTOVER_GRACE_S have passed since a Put
+    last named it, and the file is still the one seen then (a regular file of this user, same device and
+    inode). Whoever names a segment, only its writer's death frees it: a client cannot make the server unlink a
+    live client's segment (one in use for a retry), a Get's (get- names never match), another user's file, or a
+    file that replaced the one seen. The pid must name the same process to the writer and the server (one PID
+    namespace, as same-host transfer through /dev/shm has here); a pid reused by then keeps the segment, for
+    the start sweep. At most MAX_PUT_LEFTOVERS are kept, the least recently seen forgotten first (left in place)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[str, _Seen] = OrderedDict()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._seen)
+
+    def note(self, name: str) -> bool:
+        """A Put named `name` and the server did not take it: kept (True) when it is a Put segment's name and a
+        regular file of this user is there now."""
+        if put_writer(name) is None:
+            return False
+        st = _own_file(name)
+        if st is None:
+            return False
+        with self._lock:
+            self._seen.pop(name, None)
+            self._seen[name] = _Seen(st.st_dev, st.st_ino, time.monotonic())
+            while len(self._seen) > MAX_PUT_LEFTOVERS:
+                self._seen.popitem(last=False)
+        return True
+
+    def reclaim(self) -> int:
+        """Unlink the kept segments the rule frees (see the class doc), forget those gone or replaced; returns
+        how many were unlinked."""
+        now = time.monotonic()
+        n = 0
+        with self._lock:
+            for name, seen in list(self._seen.items()):
+                st = _own_file(name)
+                if st is None or (st.st_dev, st.st_ino) != (seen.dev, seen.ino):
+                    del self._seen[name]  # taken, unlinked by its writer, or another file now: not what was seen
+                elif now - seen.since >= PUT_LEFTOVER_GRACE_S and not process_exists(put_writer(name)):
+                    unlink_segment(name)
+                    del self._seen[name]
+                    n += 1
+        return n
+
+
+def _own_file(name: str) -> os.stat_result | None:
+    """The segment's stat when it is a regular file of this process's user (not followed if a link), else None."""
+    try:
+        st = os.lstat(SHM_DIR / name)
+    except OSError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() else None

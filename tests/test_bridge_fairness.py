@@ -6,15 +6,18 @@ enforces (real gRPC servers on 127.0.0.1, real files in /dev/shm):
   buffer exists;
 - a prompt put over several streams into a full store keeps its chain (a chunk never outruns its parent);
 - a Put cannot make the server take or unlink a segment it handed to another client's SHM Get, nor any
-  segment that fails its checks;
+  segment that fails its checks while its writer lives; one the server did not take goes once its writer died;
 - a reader that never takes its SHM segments cannot starve another reader;
 - keys and segment names are whole-string matches (no trailing newline).
 """
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
+import uuid
 
 import grpc
 import pytest
@@ -207,6 +210,93 @@ def test_a_segment_that_fails_a_check_is_left_in_place(bridges):
         assert not os.path.exists(shm.SHM_DIR / name)
     finally:
         shm.unlink_segment(name)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    p = subprocess.Popen([sys.executable, "-c", ""])
+    p.wait()
+    return p.pid
+
+
+def dead_clients_segment(data: bytes) -> str:
+    """A Put segment written as BridgeClient writes one, by a process that then exited without unlinking it."""
+    code = ("import sys; from flashpd.kv_bridge import shm; "
+            "print(shm.write_segment(sys.stdin.buffer.read(), shm.PUT_TAG))")
+    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True, timeout=120)
+    return out.stdout.decode().strip()
+
+
+def put_segment_file(pid: int, tag: str = shm.PUT_TAG, data: bytes = b"x" * 64) -> str:
+    name = f"{shm.PREFIX}{pid}-{tag}{uuid.uuid4().hex}"
+    fd = os.open(shm.SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    shm.write_all(fd, data)
+    os.close(fd)
+    return name
+
+
+@needs_shm
+def test_a_refused_put_segment_goes_once_its_writer_died_and_a_live_writers_stays(bridges, monkeypatch):
+    """A client that dies after its Put was refused leaves its segment to the server, which unlinks it after the
+    grace; a live client's refused segment stays (it may send it again: the retry is served)."""
+    monkeypatch.setattr(shm, "PUT_LEFTOVER_GRACE_S", 0.3)
+    monkeypatch.setattr(server_mod, "PUT_SWEEP_EVERY_S", 0.05, raising=False)  # a bridge without it fails below
+    b = bridges()
+    data = chunk_bytes(b, "s")
+    dead = dead_clients_segment(data)
+    live = shm.write_segment(data, shm.PUT_TAG)
+    assert shm.put_writer(dead) not in (None, os.getpid()) and shm.put_writer(live) == os.getpid()
+    try:
+        for name in (dead, live):
+            assert shm_put(b, name, len(data) - 1).refused == 1  # a wrong length: refused, left in place
+            assert os.path.exists(shm.SHM_DIR / name)
+        assert wait_for(lambda: not os.path.exists(shm.SHM_DIR / dead))
+        time.sleep(shm.PUT_LEFTOVER_GRACE_S + 10 * server_mod.PUT_SWEEP_EVERY_S)  # sweeps past the live one's grace
+        assert os.path.exists(shm.SHM_DIR / live)
+        assert shm_put(b, live, len(data)).stored == 1  # its writer's retry, with the right length
+        assert not os.path.exists(shm.SHM_DIR / live)
+        c = b.client.stats()
+        assert (c["server.shm_put_segments_left"], c["server.shm_put_segments_reclaimed"]) == (2, 1)
+    finally:
+        shm.unlink_segment(dead)
+        shm.unlink_segment(live)
+
+
+@needs_shm
+def test_put_leftovers_unlink_only_a_dead_writers_put_segment_still_the_file_seen(monkeypatch, tmp_path):
+    """What PutLeftovers keeps and unlinks: Put segments only (not a Get's, not an untagged name, not a link),
+    of a writer that is gone, after the grace, and only the very file a Put named (not one put in its place)."""
+    gone_pid = dead_pid()
+    left = shm.PutLeftovers()
+    gone, replaced, mine = put_segment_file(gone_pid), put_segment_file(gone_pid), put_segment_file(os.getpid())
+    others = [put_segment_file(gone_pid, tag=""), put_segment_file(gone_pid, tag=shm.GET_TAG)]
+    link = f"{shm.PREFIX}{gone_pid}-{shm.PUT_TAG}{uuid.uuid4().hex}"
+    target = tmp_path / "target"
+    target.write_bytes(b"keep")
+    os.symlink(target, shm.SHM_DIR / link)
+    missing = f"{shm.PREFIX}{gone_pid}-{shm.PUT_TAG}{uuid.uuid4().hex}"
+    names = [gone, replaced, mine, *others, link, missing]
+    try:
+        assert [left.note(n) for n in names] == [True, True, True, False, False, False, False]
+        fresh = put_segment_file(gone_pid)  # another file takes `replaced`'s name after it was seen
+        os.replace(shm.SHM_DIR / fresh, shm.SHM_DIR / replaced)
+        assert left.reclaim() == 0  # within the grace: nothing goes
+        monkeypatch.setattr(shm, "PUT_LEFTOVER_GRACE_S", 0.0)
+        assert left.reclaim() == 1
+        assert not os.path.exists(shm.SHM_DIR / gone)
+        assert all(os.path.lexists(shm.SHM_DIR / n) for n in (replaced, mine, *others, link))
+        assert target.read_bytes() == b"keep" and len(left) == 1  # `mine` (a live writer) is still watched
+        monkeypatch.setattr(shm, "MAX_PUT_LEFTOVERS", 2)
+        extra = [put_segment_file(gone_pid) for _ in range(2)]
+        names += extra
+        assert all(left.note(n) for n in extra) and len(left) == 2  # bounded: `mine` forgotten (left in place)
+        assert left.reclaim() == 2 and os.path.exists(shm.SHM_DIR / mine)
+    finally:
+        for n in names:
+            try:
+                os.unlink(shm.SHM_DIR / n)
+            except FileNotFoundError:
+                pass
 
 
 # ---- SHM Get: one reader cannot starve another -----------------------------------------------------

@@ -3,9 +3,13 @@ held chunk before it in its prompt, the most recently used (store.freshen says w
 
 An OrderedDict could only do that by moving the whole chain to the end on every touch, which made a prompt of N
 chunks cost O(N^2) to put or read in order, under the store's lock (a client could build chains of thousands of
-tiny chunks). Here the order is a linked list, and the index remembers which key's chain is already the MRU tail
-in order: touching the next chunk of that prompt (a put or read in prompt order, the common case) inserts it just
-before its parent in O(1). Any other touch walks the chain once."""
+tiny chunks). Here the order is a linked list, and the index remembers runs: a run is a held chain (a key, its
+parent, ... up to the chain's first held chunk) that lies in the list as one contiguous stretch, in that order.
+Any number of runs are remembered, one per prompt touched in order, so touching a run's first key moves the
+whole stretch to the MRU end in O(1), and touching the next chunk of a run's prompt (a put or read in prompt
+order) inserts it just before its parent in O(1): prompts put or read side by side, chunk by chunk (two clients'
+streams, duplicate puts of two long chains in turn) stay O(1) a chunk. Only a touch in the middle of a run (a
+prefix of a longer chain) walks the chain once, and starts a run of its own."""
 from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
@@ -15,12 +19,24 @@ _MISSING = object()
 
 
 class _Node:
-    __slots__ = ("key", "value", "prev", "next")
+    __slots__ = ("key", "value", "prev", "next", "run")
 
     def __init__(self, key: str, value: object) -> None:
         self.key, self.value = key, value
         self.prev: _Node | None = None
         self.next: _Node | None = None
+        self.run: _Run | None = None  # the run this node lies in, if that run is still live (ChainLRU._live)
+
+
+class _Run:
+    """A contiguous stretch head .. root of the list, each node's next its parent's node: the held chain of head.
+    head is None once the run is dead (a node left it in the middle, or the chains changed)."""
+    __slots__ = ("head", "root", "epoch")
+
+    def __init__(self, head: _Node, root: _Node, epoch: int) -> None:
+        self.head: _Node | None = head
+        self.root = root
+        self.epoch = epoch
 
 
 class ChainLRU(Generic[V]):
@@ -30,8 +46,7 @@ class ChainLRU(Generic[V]):
         self._nodes: dict[str, _Node] = {}
         self._root = _Node("", None)  # sentinel: root.next is the LRU entry, root.prev the MRU one
         self._root.prev = self._root.next = self._root
-        self._head: str | None = None  # the key whose held chain is the MRU tail, in order (freshen)
-        self._tail_keys: set[str] = set()  # that chain's keys
+        self._epoch = 0  # bumped by forget_chain: every run of an older epoch is dead
 
     # -- the mapping ------------------------------------------------------------------------------
     def __contains__(self, key: object) -> bool:
@@ -58,21 +73,20 @@ class ChainLRU(Generic[V]):
         return default if n is None else n.value
 
     def __setitem__(self, key: str, value: V) -> None:
-        """A new key becomes the most recent (OrderedDict's rule); an existing one keeps its place."""
+        """A new key becomes the most recent (OrderedDict's rule); an existing one keeps its place. A new key goes
+        after every run's stretch, so it splits none (a run it completes fails _closed and is walked again)."""
         n = self._nodes.get(key)
         if n is not None:
             n.value = value
             return
         n = self._nodes[key] = _Node(key, value)
         self._link_before(n, self._root)
-        self._forget_tail()
 
     def insert(self, key: str, value: V, parent_of: Callable[[str], str]) -> None:
-        """A new key, freshened (as a put does): O(1) when its parent's chain is the MRU tail."""
+        """A new key, freshened (as a put does): O(1) when its parent starts a run."""
         if key in self._nodes:
             raise KeyError(f"{key} is already held")
-        n = self._nodes[key] = _Node(key, value)
-        self._link_before(n, self._root)  # the tail stays known: freshen moves the key before its parent
+        self[key] = value
         self.freshen(key, parent_of)
 
     def __delitem__(self, key: str) -> None:
@@ -84,9 +98,8 @@ class ChainLRU(Generic[V]):
             if default is _MISSING:
                 raise KeyError(key)
             return default
+        self._leave_run(n)
         self._unlink(n)
-        if key in self._tail_keys:
-            self._forget_tail()
         return n.value
 
     def popitem(self, last: bool = True) -> tuple[str, V]:
@@ -102,40 +115,89 @@ class ChainLRU(Generic[V]):
     # -- recency along prompts ------------------------------------------------------------------------
     def freshen(self, key: str, parent_of: Callable[[str], str]) -> None:
         """key, then each held chunk before it in its prompt (parent_of(k): the key of the chunk before k, "" for
-        a prompt's first), become the most recently used, the first chunk last. A parent loop stops the walk."""
-        if key not in self._nodes or key == self._head:
+        a prompt's first), become the most recently used, the first chunk last. A parent loop stops the walk.
+        O(1) when key starts a run, or its parent does; else one walk of the chain."""
+        n = self._nodes.get(key)
+        if n is None:
+            return
+        run = self._live(n.run)
+        if run is not None and run.head is n and self._closed(run, parent_of):
+            self._to_end(run)
             return
         parent = parent_of(key)
-        if parent and parent == self._head:  # the parent's chain is the MRU tail, in order: key goes before it
-            n = self._nodes[key]
+        pn = self._nodes.get(parent) if parent else None
+        prun = self._live(pn.run) if pn is not None else None
+        if prun is not None and prun is not run and prun.head is pn and self._closed(prun, parent_of):
+            if run is not None:  # n leaves a run it does not start (or one that no longer holds its chain)
+                run.head = None
             self._unlink(n)
-            self._link_before(n, self._nodes[parent])
-            self._head = key
-            self._tail_keys.add(key)
+            self._to_end(prun)
+            self._link_before(n, pn)
+            prun.head, n.run = n, prun
             return
-        walk: list[str] = []
-        seen: set[str] = set()
-        k = key
-        while k and k in self._nodes and k not in seen:
-            seen.add(k)
-            walk.append(k)
-            k = parent_of(k)
-        for k in walk:
-            n = self._nodes[k]
-            self._unlink(n)
-            self._link_before(n, self._root)
-        self._head, self._tail_keys = key, seen
+        self._walk(key, parent_of)
 
     def forget_chain(self) -> None:
-        """A held key's parent changed (a store learned it late): the next freshen walks its chain again."""
-        self._forget_tail()
+        """A held key's parent changed (a store learned it late): every run is dropped, the next freshen of
+        each chain walks it again."""
+        self._epoch += 1
+
+    # -- runs ---------------------------------------------------------------------------------------
+    def _live(self, run: _Run | None) -> _Run | None:
+        return run if run is not None and run.head is not None and run.epoch == self._epoch else None
+
+    def _closed(self, run: _Run, parent_of: Callable[[str], str]) -> bool:
+        """Whether the run still ends where its head's chain does: its root's parent is not held (a prompt's
+        first chunk, or one evicted), or lies in the run itself (a parent loop, where the walk stops too). A key
+        inserted since may be that parent: then the chain is longer than the run and is walked again."""
+        parent = parent_of(run.root.key)
+        pn = self._nodes.get(parent) if parent else None
+        return pn is None or self._live(pn.run) is run
+
+    def _walk(self, key: str, parent_of: Callable[[str], str]) -> None:
+        """Move key's held chain to the MRU end one node at a time; it becomes a run. Runs it cut are dropped."""
+        walk: list[_Node] = []
+        seen: set[str] = set()
+        k = key
+        while k and k not in seen and (n := self._nodes.get(k)) is not None:
+            seen.add(k)
+            walk.append(n)
+            k = parent_of(k)
+        if not walk:  # key "" names no chunk
+            return
+        run = _Run(walk[0], walk[-1], self._epoch)
+        for n in walk:
+            old = self._live(n.run)
+            if old is not None:
+                old.head = None
+            self._unlink(n)
+            self._link_before(n, self._root)
+            n.run = run
+
+    def _to_end(self, run: _Run) -> None:
+        """Splice the run's stretch to the MRU end: O(1). No other run lies inside it, so none is cut."""
+        first, last = run.head, run.root
+        if last.next is self._root:
+            return
+        first.prev.next, last.next.prev = last.next, first.prev
+        first.prev, last.next = self._root.prev, self._root
+        self._root.prev.next = first
+        self._root.prev = last
+
+    def _leave_run(self, n: _Node) -> None:
+        """n leaves the index: its run keeps the rest when n is an end of it (an eviction takes a run's head, the
+        least recent of it), else the run is dropped."""
+        run = self._live(n.run)
+        if run is None:
+            return
+        if run.head is n and run.root is not n:
+            run.head = n.next  # n's parent: the chain of what is left
+        elif run.root is n and run.head is not n:
+            run.root = n.prev  # the chain now stops there (n is not held)
+        else:
+            run.head = None
 
     # -- the list -----------------------------------------------------------------------------------
-    def _forget_tail(self) -> None:
-        self._head = None
-        if self._tail_keys:
-            self._tail_keys = set()
-
     @staticmethod
     def _unlink(n: _Node) -> None:
         n.prev.next, n.next.prev = n.next, n.prev

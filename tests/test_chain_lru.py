@@ -103,3 +103,142 @@ def test_in_order_put_and_read_cost_o1_a_chunk():
     assert calls[0] <= 4 * 3 * n + 2 * n, calls[0]  # the walk made about n * n / 2 of them
     assert list(lru)[-3:] == ["a2", "a1", "a0"]  # the first chunk is the most recent
     assert lru.first() == f"a{n - 1}"  # the tail goes first
+
+
+class _Sim:
+    """A store's use of its index, as MemoryStore.put_bytes and _take do it (a duplicate put freshens its key; a
+    new one freshens its parent, evicts what protected/may_evict allow, then is inserted), over ChainLRU or over
+    the reference walk on an OrderedDict (ref=True). Records what each put evicted."""
+
+    def __init__(self, budget: int, ref: bool) -> None:
+        self.budget, self.ref = budget, ref
+        self.index: OrderedDict[str, int] | ChainLRU[int] = OrderedDict() if ref else ChainLRU()
+        self.parent: dict[str, str] = {}
+        self.evicted: list[str] = []
+        self.calls = 0
+
+    def parent_of(self, k: str) -> str:
+        self.calls += 1
+        return self.parent.get(k, "")
+
+    def _freshen(self, key: str) -> None:
+        if self.ref:
+            _walk_freshen(self.index, key, self.parent)
+        else:
+            freshen(self.index, key, self.parent_of)
+
+    def put(self, key: str, parent: str) -> str:
+        if key in self.index:  # a duplicate: first put wins, its prompt becomes the most recent
+            self._freshen(key)
+            return "present"
+        self.parent[key] = parent
+        self._freshen(parent)
+        if self.ref:
+            keep = None if parent and parent not in self.index else _chain(self.index, parent, self.parent)
+        else:
+            keep = protected(self.index, parent)
+        while len(self.index) >= self.budget:
+            if self.ref:
+                allowed = keep is not None and next(iter(self.index)) not in keep
+            else:
+                allowed = may_evict(self.index, keep)
+            if not allowed:
+                self.parent.pop(key)
+                return "refused"
+            victim, _ = self.index.popitem(last=False)
+            self.parent.pop(victim, None)
+            self.evicted.append(victim)
+        if self.ref:
+            self.index[key] = 0
+            _walk_freshen(self.index, key, self.parent)
+        else:
+            self.index.insert(key, 0, self.parent_of)
+        return "stored"
+
+    def hit(self, key: str) -> None:
+        if key in self.index:
+            self._freshen(key)
+
+
+def _chains(n_chains: int, depth: int) -> list[list[tuple[str, str]]]:
+    """(key, parent) of each chunk of n_chains prompts of `depth` chunks."""
+    return [[(f"{c}{i}", f"{c}{i - 1}" if i else "") for i in range(depth)] for c in "abcdefgh"[:n_chains]]
+
+
+def _interleaved(chains: list[list[tuple[str, str]]]) -> list[tuple[str, str]]:
+    return [chunk for step in zip(*chains) for chunk in step]
+
+
+@pytest.mark.parametrize("budget", [10_000, 150, 61])
+def test_alternating_duplicate_puts_keep_the_walks_order_and_eviction(budget):
+    """Two long prompts put side by side, then put again as duplicates in turn (chunk by chunk, whole prompt by
+    whole prompt, last chunk by last chunk, a third prompt's new chunks among them): the order, every put's
+    outcome and every eviction are the walk's."""
+    ref, lru = _Sim(budget, ref=True), _Sim(budget, ref=False)
+    a, b, c = _chains(3, 80)
+    rounds = [_interleaved([a, b]), _interleaved([a, b]), a + b, b + a, [a[-1], b[-1]] * 20,
+              _interleaved([a, b, c]), [a[40], b[40], a[79], b[79]] * 5, _interleaved([b, a])]
+    for r, ops in enumerate(rounds):
+        for key, parent in ops:
+            assert lru.put(key, parent) == ref.put(key, parent), (r, key)
+            assert list(lru.index) == list(ref.index), (r, key)
+            assert lru.evicted == ref.evicted, (r, key)
+    if budget < 100:
+        assert lru.evicted  # the small budgets did evict, along the prompts' tails
+
+
+def test_alternating_duplicate_puts_cost_o1_a_chunk():
+    """Counted in parent lookups (one a node the walk visits), not timed: two 3,000-chunk prompts put side by
+    side, then put again as duplicates in turn, chunk by chunk and last chunk by last chunk. The single
+    remembered chain made each such put walk its prompt: about n * n lookups a round."""
+    n = 3000
+    sim = _Sim(1 << 30, ref=False)
+    a, b = _chains(2, n)
+    for key, parent in _interleaved([a, b]):
+        sim.put(key, parent)
+    stored = sim.calls
+    for _ in range(3):
+        for key, parent in _interleaved([a, b]):
+            assert sim.put(key, parent) == "present"
+    for _ in range(n):
+        sim.put(a[-1][0], a[-2][0])
+        sim.put(b[-1][0], b[-2][0])
+    touches = 2 * n + 3 * 2 * n + 2 * n
+    assert stored <= 4 * 2 * n, stored
+    assert sim.calls - stored <= 3 * touches, sim.calls - stored
+    assert list(sim.index)[-2:] == ["b1", "b0"] and sim.index.first() == "a2999"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_interleaved_prompts_keep_the_walks_order(seed):
+    """Random puts that extend one of several prompts (as clients' streams do side by side), duplicates, hits,
+    drops and late-learned parents: the order and the eviction rule stay the walk's."""
+    rng = random.Random(seed)
+    ref, lru = _Sim(45, ref=True), _Sim(45, ref=False)
+    tips = [""] * 4
+    serial = 0
+    for step in range(2500):
+        op = rng.random()
+        if op < 0.5:  # the next chunk of a prompt (a new prompt now and then)
+            j = rng.randrange(len(tips))
+            if rng.random() < 0.05:
+                tips[j] = ""
+            key, serial = f"k{serial}", serial + 1
+            got = ref.put(key, tips[j])
+            assert lru.put(key, tips[j]) == got, step
+            if got == "stored":
+                tips[j] = key
+        elif op < 0.8 and ref.index:  # a duplicate put or a hit
+            key = rng.choice(list(ref.index)[-10:] if rng.random() < 0.5 else list(ref.index))
+            assert lru.put(key, ref.parent.get(key, "")) == ref.put(key, ref.parent.get(key, "")) == "present"
+        elif op < 0.95 and ref.index:  # a drop (corrupt entry, remove())
+            key = rng.choice(list(ref.index))
+            for sim in (ref, lru):
+                sim.index.pop(key)
+                sim.parent.pop(key, None)
+        elif ref.index:  # a held key's parent learned late (the disk tier), here a loop now and then
+            key, new = rng.choice(list(ref.index)), rng.choice(list(ref.index))
+            ref.parent[key] = lru.parent[key] = new
+            lru.index.forget_chain()
+        assert list(lru.index) == list(ref.index), step
+        assert lru.evicted == ref.evicted, step

@@ -118,7 +118,9 @@ class ServeConfig:
     # supervision and bounds
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
-    health_failures: int = 3  # consecutive failed probes of a live-looking worker before it is restarted
+    # consecutive failed probes of a live-looking worker before it leaves rotation and is restarted (a worker
+    # whose process / actor is gone: at once)
+    health_failures: int = 3
     start_timeout_s: float = 900.0  # a worker compiles and captures its graphs before it is ready (engine/warmup.py)
     prefill_timeout_s: float = 120.0
     request_timeout_s: float = 600.0  # bound on one request's decode stream when the client set no deadline

@@ -161,6 +161,9 @@ class Router:
                lambda: {(r,): self.pool.healthy_count(r) for r in ("bridge", "prefill", "decode")})
         m.live("flashpd_worker_restarts", "Workers restarted by the router", "counter", ("worker",),
                lambda: {(r,): v for r, v in self.pool.restarts.items()})
+        m.live("flashpd_worker_early_crashes", "Restarted workers down again within the pool's stable_s (a crash "
+               "loop: each counts as a failed restart)", "counter", ("worker",),
+               lambda: {(r,): v for r, v in self.pool.early_crashes.items()})
 
     # ---- facts ---------------------------------------------------------------------------------
     @property

@@ -1,19 +1,26 @@
 """The router's workers: start them, pick one per request, watch them, restart the dead.
 
 A supervisor thread probes every worker each `health_interval_s` (the launcher's liveness check,
-then the worker's Health RPC, each bounded). A worker whose process/actor is gone, or that failed
-`health_failures` probes in a row, is stopped and started again (a restarted bridge asks for its
-old port, so the workers' bridge address stays valid). A request that sees a worker fail marks
-it down at once, so no new request is routed there while it restarts. The pool's clients (the bridge's
-health probes, every worker call) present the cluster secret the launcher gave the workers (its token).
+then the worker's Health RPC, each bounded). A worker whose process/actor is gone is taken out of
+rotation at once; one that is alive but fails its Health probe stays in rotation until it failed
+`health_failures` probes in a row (one slow answer under load is no reason to drop a worker). Either
+is then stopped and started again (a restarted bridge asks for its old port, so the workers' bridge
+address stays valid), and is back in rotation on its first good probe. A request that sees a worker
+fail marks it down at once, so no new request is routed there while it restarts. The pool's clients
+(the bridge's health probes, every worker call) present the cluster secret the launcher gave the
+workers (its token).
 
 A restarted prefill worker also asks for its old port: decode workers drop the mapped caches of an exporter
 when a new one answers at the same address (kv_bridge/handoff.py CacheImporter), so a new port would keep
 each dead prefill process's whole KV cache mapped in every decode worker. A restart that fails is retried
 after a backoff doubling per failure (restart_backoff_s .. restart_backoff_max_s); after restart_give_up
 failures in a row the slot is marked failed (stats(), failed_count) and left alone: a worker that cannot
-start (its checkpoint gone, its GPU lost) is not re-spawned forever. Shutdown stops the launcher's workers
-first, which ends a restart in progress, then joins the supervisor: it never waits out a worker's start.
+start (its checkpoint gone, its GPU lost) is not re-spawned forever. A restart only counts as a success
+once the new worker has stayed up `stable_s`: one that starts, then goes down within that time (a crash
+loop: a GPU that fails under load, a fault it hits at once) counts as a failed restart (stats()'s
+early_crashes), so it backs off and is given up like a worker that cannot start, rather than re-spawned at
+once for good. Shutdown stops the launcher's workers first, which ends a restart in progress, then joins
+the supervisor: it never waits out a worker's start.
 """
 from __future__ import annotations
 
@@ -43,8 +50,9 @@ class Slot:
     info: dict = field(default_factory=dict)
     healthy: bool = True
     inflight: int = 0
-    failures: int = 0
-    restart_failures: int = 0  # failed restarts in a row
+    failures: int = 0  # failed probes in a row
+    restart_failures: int = 0  # failed restarts, and crashes within stable_s of a restart, in a row
+    restarted_at: float | None = None  # time.monotonic() its last restart answered; None once stable_s passed
     retry_at: float = 0.0  # time.monotonic() before which no restart is tried (the backoff)
     failed: bool = False  # gave up restarting it: never probed, picked or restarted again
 
@@ -59,6 +67,7 @@ class WorkerPool:
     restart_backoff_s = 1.0  # wait before retrying a failed restart, doubled per failure in a row ...
     restart_backoff_max_s = 60.0  # ... up to this
     restart_give_up = 5  # failed restarts in a row after which the slot is marked failed
+    stable_s = 60.0  # a restarted worker up this long resets its backoff; a crash before then counts as a failure
     stop_join_s = 30.0  # bound on joining the supervisor at shutdown (its calls are bounded well below it)
 
     def __init__(self, cfg, launcher: Launcher, secret: ClusterSecret | None = None) -> None:
@@ -67,6 +76,7 @@ class WorkerPool:
         self.secret = secret
         self.slots: dict[str, list[Slot]] = {"bridge": [], "prefill": [], "decode": []}
         self.restarts: Counter[str] = Counter()
+        self.early_crashes: Counter[str] = Counter()  # restarted workers that went down again within stable_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -156,30 +166,33 @@ class WorkerPool:
         return sum(s.failed for s in self.slots[role])
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per role: workers, healthy, failed (given up) and restarts so far."""
+        """Per role: workers, healthy, failed (given up), restarts and early crashes (a restarted worker down
+        again within stable_s) so far."""
         return {r: dict(workers=len(ss), healthy=self.healthy_count(r), failed=self.failed_count(r),
-                        restarts=self.restarts[r]) for r, ss in self.slots.items()}
+                        restarts=self.restarts[r], early_crashes=self.early_crashes[r])
+                for r, ss in self.slots.items()}
 
     # ---- supervision ----------------------------------------------------------------------------
-    def _probe(self, s: Slot) -> bool:
+    def _probe(self, s: Slot) -> str:
+        """How the probe went: "ok"; "gone" (its process / actor is gone: no point probing again); or "failed"
+        (alive, but its Health probe failed or it says it is not serving)."""
         t = self.cfg.health_timeout_s
         if not self.launcher.alive(s.launched, t):
-            s.failures = self.cfg.health_failures  # the process / actor is gone: no point probing again
-            return False
+            return "gone"
         try:
             if s.role == "bridge":
                 s.client.health(t)
             else:
                 info = s.client.health(t)
                 if not info["serving"]:
-                    return False
+                    return "failed"
                 s.info = info
-            return True
+            return "ok"
         except Exception as e:  # noqa: BLE001  any failure to answer (RpcError, BridgeError, ...) is a failed probe
             if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                return True  # its server refused for load: alive and busy, never a reason to restart it
+                return "ok"  # its server refused for load: alive and busy, never a reason to restart it
             log.info("%s worker %d did not answer its health probe: %s", s.role, s.index, e)
-            return False
+            return "failed"
 
     def _supervise(self) -> None:
         while not self._stop.is_set():
@@ -198,25 +211,56 @@ class WorkerPool:
                     log.exception("supervising %s worker %d", s.role, s.index)
 
     def _check(self, s: Slot) -> None:
-        if self._probe(s):
-            s.failures = s.restart_failures = 0
-            if not s.healthy:
-                log.info("%s worker %d answers again", s.role, s.index)
-            s.healthy = True
+        probe = self._probe(s)
+        if probe == "ok":
+            self._answered(s)
             return
-        s.failures += 1
+        s.failures = self.cfg.health_failures if probe == "gone" else s.failures + 1
+        if s.failures < self.cfg.health_failures:
+            return  # alive, a probe unanswered (a slow moment): in rotation until health_failures in a row
+        if s.healthy:
+            log.warning("%s worker %d (%s) out of rotation: %s", s.role, s.index, s.address,
+                        "its process is gone" if probe == "gone" else f"{s.failures} failed health probes in a row")
         s.healthy = False
-        if s.failures >= self.cfg.health_failures and self.cfg.restart and not self._stop.is_set() \
-                and time.monotonic() >= s.retry_at:
-            self._restarting.set()
-            try:
-                ok = self._restart(s)
-            finally:
-                self._restarting.clear()
-            if ok:
-                s.restart_failures = 0
-            elif not self._stop.is_set():
-                self._restart_failed(s)
+        if s.restarted_at is not None and not self._stop.is_set():
+            self._down_after_restart(s)
+        if s.failed or not self.cfg.restart or self._stop.is_set() or time.monotonic() < s.retry_at:
+            return
+        self._restarting.set()
+        try:
+            ok = self._restart(s)
+        finally:
+            self._restarting.clear()
+        if not ok and not self._stop.is_set():
+            self._restart_failed(s)
+
+    def _answered(self, s: Slot) -> None:
+        """A good probe: back in rotation; a restarted worker up stable_s has its backoff reset."""
+        s.failures = 0
+        if not s.healthy:
+            log.info("%s worker %d answers again", s.role, s.index)
+        s.healthy = True
+        now = time.monotonic()
+        if s.restart_failures and s.restarted_at is None:
+            s.restarted_at = now  # a restart that looked failed answers after all: its stable period starts now
+        if s.restarted_at is not None and now - s.restarted_at >= self.stable_s:
+            if s.restart_failures:
+                log.info("%s worker %d up %g s since its restart: its restart backoff is reset", s.role, s.index,
+                         self.stable_s)
+            s.restart_failures, s.restarted_at = 0, None
+
+    def _down_after_restart(self, s: Slot) -> None:
+        """Down within stable_s of its restart: that restart did not hold, it counts as a failed one (a worker
+        that starts fine then crashes would otherwise be re-spawned at once, forever). Later: a fresh failure."""
+        up = time.monotonic() - s.restarted_at
+        s.restarted_at = None
+        if up >= self.stable_s:
+            s.restart_failures = 0
+            return
+        self.early_crashes[s.role] += 1
+        log.warning("%s worker %d went down %.1f s after its restart (within stable_s %g s)", s.role, s.index, up,
+                    self.stable_s)
+        self._restart_failed(s)
 
     def _restart_failed(self, s: Slot) -> None:
         """Back off before the next try (a worker that cannot start would otherwise be re-spawned, a whole
@@ -285,7 +329,7 @@ class WorkerPool:
         old.close()
         if s.role != "bridge" and not self._answers(s):
             return False
-        s.failures, s.healthy = 0, True
+        s.failures, s.healthy, s.restarted_at = 0, True, time.monotonic()
         self.restarts[s.role] += 1
         log.warning("%s worker %d restarted at %s", s.role, s.index, s.address)
         if s.role == "bridge" and s.address != was:  # the workers were started with the old one

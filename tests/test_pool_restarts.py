@@ -1,6 +1,8 @@
 """The worker pool's restarts and the local launcher's shutdown: stopping the service mid-restart returns at
 once (not after the start timeout); a restart that keeps failing backs off and is given up (the slot marked
-failed, the router still serving); a restarted prefill worker comes back at its old address, so the decode
+failed, the router still serving), and so does a worker that starts fine but goes down again within stable_s
+of each restart (a crash loop); a live worker leaves rotation after health_failures failed probes in a row,
+a dead one at once; a restarted prefill worker comes back at its old address, so the decode
 worker drops the dead one's mapped caches (kv_transport=device); the launcher's own log directory is removed
 by a clean shutdown and kept when a worker failed. The pool's policy runs over a fake launcher (fast,
 deterministic); what needs real processes runs them with the fixture pair."""
@@ -24,7 +26,11 @@ from tests._cluster_helpers import dflash_pair, serve_cfg, wait_until  # noqa: F
 
 # ---- the pool's policy over a fake launcher ------------------------------------------------------------------
 class _Client:
+    fail = False  # its Health probe fails (a live worker that does not answer)
+
     def health(self, timeout_s: float) -> dict:
+        if self.fail:
+            raise RuntimeError("no answer")
         return {"serving": True}
 
     def close(self) -> None:
@@ -32,18 +38,21 @@ class _Client:
 
 
 class _Proc:
-    def __init__(self) -> None:
+    def __init__(self, lifetime_s: float | None = None) -> None:
         self.alive = True
+        self.dies_at = None if lifetime_s is None else time.monotonic() + lifetime_s
 
 
 class _FakeLauncher:
-    """Starts every worker the first time; `fail_restarts(role)` makes later starts of that role raise."""
+    """Starts every worker; `failing[role]` makes later starts of that role raise, `crash_after_s[role]` makes
+    them die that long after they started."""
     name = "fake"
     secret = None
 
     def __init__(self) -> None:
         self.starts: list[tuple[float, WorkerSpec]] = []
         self.failing: dict[str, str] = {}
+        self.crash_after_s: dict[str, float] = {}
         self.next_port = 5000
 
     def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[Launched]:
@@ -54,14 +63,15 @@ class _FakeLauncher:
             if why is not None and (why != "bind" or s.port != 0):
                 raise WorkerStartError(f"{s.role} worker {s.index}: could not bind" if why == "bind" else why)
             self.next_port += 1
-            out.append(Launched(s.role, s.index, f"127.0.0.1:{s.port or self.next_port}", None, _Proc()))
+            out.append(Launched(s.role, s.index, f"127.0.0.1:{s.port or self.next_port}", None,
+                                _Proc(self.crash_after_s.get(s.role))))
         return out
 
     def restarts_of(self, role: str) -> list[tuple[float, WorkerSpec]]:
         return [(t, s) for t, s in self.starts if s.role == role][1:]  # the first is the pool's start
 
     def alive(self, w: Launched, timeout_s: float) -> bool:
-        return w.handle.alive
+        return w.handle.alive and (w.handle.dies_at is None or time.monotonic() < w.handle.dies_at)
 
     def stop(self, w: Launched, timeout_s: float = 10.0) -> None:
         w.handle.alive = False
@@ -75,9 +85,9 @@ class _Pool(WorkerPool):
         return _Client()
 
 
-def _fake_pool(tmp_path: Path) -> tuple[_Pool, _FakeLauncher]:
+def _fake_pool(tmp_path: Path, **kw) -> tuple[_Pool, _FakeLauncher]:
     cfg = ServeConfig(target=str(tmp_path), draft=str(tmp_path), mode="local", health_interval_s=0.02,
-                      health_timeout_s=1.0, health_failures=2, start_timeout_s=30.0)
+                      health_timeout_s=1.0, health_failures=2, start_timeout_s=30.0).with_(**kw)
     launcher = _FakeLauncher()
     pool = _Pool(cfg, launcher)
     pool.start()
@@ -97,16 +107,16 @@ def test_a_restart_that_keeps_failing_backs_off_then_is_given_up(tmp_path):
         assert all(g >= want for g, want in zip(gaps, (0.2, 0.4, 0.8))), gaps  # doubling, not every interval
         time.sleep(1.0)  # 50 health intervals: a given-up slot is never started again
         assert len(launcher.restarts_of("prefill")) == 4
-        assert pool.stats()["prefill"] == dict(workers=1, healthy=0, failed=1, restarts=0)
+        assert pool.stats()["prefill"] == dict(workers=1, healthy=0, failed=1, restarts=0, early_crashes=0)
         assert pool.pick("prefill") is None  # the router sees no prefill worker (decode-side prefill)
         assert pool._thread.is_alive() and pool.healthy_count("decode") == 1  # the rest is still supervised
     finally:
         pool.shutdown()
 
 
-def test_a_worker_that_restarts_again_resets_its_backoff(tmp_path):
+def test_a_worker_that_restarts_again_resets_its_backoff_once_it_stayed_up(tmp_path):
     pool, launcher = _fake_pool(tmp_path)
-    pool.restart_backoff_s, pool.restart_give_up = 0.1, 3
+    pool.restart_backoff_s, pool.restart_give_up, pool.stable_s = 0.1, 3, 0.5
     try:
         launcher.failing["decode"] = "not yet"
         slot = pool.slots["decode"][0]
@@ -114,7 +124,68 @@ def test_a_worker_that_restarts_again_resets_its_backoff(tmp_path):
         wait_until(lambda: slot.restart_failures == 2, "two failed restarts", timeout_s=30)
         del launcher.failing["decode"]
         wait_until(lambda: pool.restarts["decode"] == 1 and slot.healthy, "the decode worker to restart", timeout_s=30)
-        assert slot.restart_failures == 0 and not slot.failed
+        assert slot.restart_failures == 2  # not until it has stayed up stable_s
+        wait_until(lambda: slot.restart_failures == 0, "the backoff to reset after stable_s", timeout_s=30)
+        assert not slot.failed and pool.early_crashes["decode"] == 0
+        n = len(launcher.restarts_of("decode"))
+        slot.launched.handle.alive = False  # a crash after stable_s: restarted at once, no backoff
+        wait_until(lambda: pool.restarts["decode"] == 2 and slot.healthy, "the decode worker to restart again",
+                   timeout_s=30)
+        assert len(launcher.restarts_of("decode")) == n + 1 and slot.restart_failures == 0
+    finally:
+        pool.shutdown()
+
+
+def test_a_worker_that_crashes_soon_after_each_restart_backs_off_then_is_given_up(tmp_path):
+    """Each restart starts fine, then the worker dies 50 ms later: within stable_s, so each counts as a failed
+    restart (it used to reset the backoff: restarted at the minimum delay, forever)."""
+    pool, launcher = _fake_pool(tmp_path)
+    pool.restart_backoff_s, pool.restart_give_up, pool.stable_s = 0.2, 4, 30.0
+    try:
+        launcher.crash_after_s["decode"] = 0.05
+        pool.slots["decode"][0].launched.handle.alive = False  # its first crash: restarted at once
+        wait_until(lambda: pool.failed_count("decode") == 1, "the crash-looping slot to be given up", timeout_s=20)
+        tries = [t for t, _ in launcher.restarts_of("decode")]
+        assert len(tries) == 4, len(tries)
+        gaps = [b - a for a, b in zip(tries, tries[1:])]
+        assert all(g >= want for g, want in zip(gaps, (0.2, 0.4, 0.8))), gaps
+        time.sleep(0.5)
+        assert len(launcher.restarts_of("decode")) == 4
+        assert pool.stats()["decode"] == dict(workers=1, healthy=0, failed=1, restarts=4, early_crashes=4)
+        assert pool.healthy_count("prefill") == 1 and pool._thread.is_alive()
+    finally:
+        pool.shutdown()
+
+
+def test_a_live_worker_leaves_rotation_after_health_failures_failed_probes_a_dead_one_at_once(tmp_path):
+    """One failed probe (a slow moment under load) used to take a worker out of rotation. The supervisor is
+    idle here (an hour's interval): the probes are made by hand."""
+    pool, launcher = _fake_pool(tmp_path, health_failures=3, health_interval_s=3600.0, restart=False)
+    s = pool.slots["decode"][0]
+
+    def routed() -> bool:
+        got = pool.pick("decode")
+        if got is not None:
+            pool.release(got)
+        return got is s
+
+    try:
+        s.client.fail = True
+        for _ in range(2):
+            pool._check(s)
+            assert s.healthy and routed()
+        pool._check(s)
+        assert not s.healthy and not routed()
+        s.client.fail = False
+        pool._check(s)
+        assert s.healthy and routed()  # one good probe: back in rotation
+        s.client.fail = True
+        pool._check(s)
+        assert s.healthy and routed()  # its count started over
+        s.launched.handle.alive = False  # its process died: out at once, no health_failures probes
+        pool._check(s)
+        assert not s.healthy and not routed()
+        assert pool.stats()["decode"]["healthy"] == 0
     finally:
         pool.shutdown()
 
@@ -131,7 +202,8 @@ def test_a_restarted_prefill_worker_asks_for_its_old_port_then_any(tmp_path):
         wait_until(lambda: pool.restarts["prefill"] == 2, "the prefill worker to restart again", timeout_s=30)
         assert pool.slots["prefill"][0].address != old
         assert [s.port for _, s in launcher.restarts_of("prefill")] == [int(old.rsplit(":")[1])] * 2 + [0]
-        assert pool.slots["prefill"][0].restart_failures == 0
+        # down again within stable_s of its restart: one failed restart; its fallback port is no second one
+        assert pool.slots["prefill"][0].restart_failures == 1
     finally:
         pool.shutdown()
 

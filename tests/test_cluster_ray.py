@@ -21,36 +21,12 @@ from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 
-from tests._cluster_helpers import (N_PROMPTS, colocated_reference, dflash_pair, request_kw,  # noqa: F401
-                                    run_concurrently, serve_cfg, stream, wait_until)
+from tests._cluster_helpers import (N_PROMPTS, colocated_reference, dflash_pair, ray_cluster,  # noqa: F401
+                                    request_kw, run_concurrently, serve_cfg, stream, wait_until)
 
 ray = pytest.importorskip("ray")
 from flashpd.cluster.ray_launcher import RayLauncher  # noqa: E402  (needs ray)
 from flashpd.engine.scheduler import generate
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster. Ray gives its raylet a fixed 30 s to register; on a 2-core machine whose other test
-    worker is starting a service's processes it once took longer (a CI failure): then what that start left is
-    killed and it is tried once more."""
-    import psutil  # noqa: PLC0415
-
-    before = {c.pid for c in psutil.Process().children(recursive=True)}
-    for attempt in (1, 2):
-        try:
-            ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False,
-                     object_store_memory=128 << 20)
-            break
-        except Exception as e:
-            if attempt == 2 or "timed out during startup" not in str(e):
-                raise
-            for c in psutil.Process().children(recursive=True):
-                if c.pid not in before:
-                    c.kill()
-            ray.shutdown()
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 BUILTIN_CONFIGS = ("qwen3-4b", "qwen3-8b", "qwen3-32b")
+# RoPE tables of max_position_embeddings rows are built on the device at load; past this a typo is an OOM
+MAX_POSITIONS = 1 << 20
 
 
 class CheckpointError(ValueError):
@@ -47,8 +50,9 @@ class Qwen3Config(HeadGeometry):
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "Qwen3Config":
-        archs = d.get("architectures") or []
+    def from_dict(cls, d: dict[str, Any], source: str = "config", eos_source: str | None = None) -> "Qwen3Config":
+        """`eos_source`: the file eos_token_id came from when not `source` (generation_config.json)."""
+        archs = architectures_of(d, source)
         if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise CheckpointError(
                 f"{source}: unsupported architecture {archs}; flashpd's target engine runs "
@@ -61,6 +65,11 @@ class Qwen3Config(HeadGeometry):
             raise CheckpointError(f"{source}: config is missing required fields {missing}")
         positive_ints(d, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                           "num_key_value_heads", "head_dim", "max_position_embeddings"), source)
+        if (d.get("max_position_embeddings") or 0) > MAX_POSITIONS:
+            raise CheckpointError(f"{source}: max_position_embeddings {d['max_position_embeddings']} is over "
+                                  f"{MAX_POSITIONS} (flashpd builds RoPE tables of that many rows at load)")
+        positive_numbers(d, ("rms_norm_eps",), source)
+        booleans(d, ("tie_word_embeddings",), source)
         if d.get("attention_bias"):
             raise CheckpointError(f"{source}: attention_bias=true is not supported (Qwen3 has none)")
         theta = rope_theta_of(d, source)
@@ -75,10 +84,10 @@ class Qwen3Config(HeadGeometry):
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6), rope_theta=float(theta),
+            max_position_embeddings=d.get("max_position_embeddings") or 40960,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            eos_token_ids=_as_ids(eos), raw=dict(d),
+            eos_token_ids=token_ids(eos, eos_source or source), raw=dict(d),
         )
 
     def validate(self) -> None:
@@ -96,7 +105,19 @@ def rope_theta_of(d: dict[str, Any], source: str) -> float:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in (None, "default"):
         raise CheckpointError(f"{source}: rope scaling {rope_type!r} is not supported")
-    return float(d.get("rope_theta", rope.get("rope_theta", 10_000.0)))  # transformers' Qwen3Config default
+    theta = d.get("rope_theta")
+    if theta is None:
+        theta = rope.get("rope_theta", 10_000.0)  # transformers' Qwen3Config default
+    positive_numbers({"rope_theta": theta}, ("rope_theta",), source)
+    return float(theta)
+
+
+def architectures_of(d: dict[str, Any], source: str) -> list[str]:
+    """config.json's architectures, a list of names ("Qwen3ForCausalLM" alone would be read letter by letter)."""
+    archs = d.get("architectures") or []
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise CheckpointError(f"{source}: architectures must be a list of names, got {archs!r}")
+    return archs
 
 
 def read_json_object(path: str | Path) -> dict[str, Any]:
@@ -118,10 +139,37 @@ def positive_ints(d: dict[str, Any], names: tuple[str, ...], source: str) -> Non
             raise CheckpointError(f"{source}: {k} must be a positive integer, got {v!r}")
 
 
-def _as_ids(v: Any) -> tuple[int, ...]:
+def positive_numbers(d: dict[str, Any], names: tuple[str, ...], source: str) -> None:
+    """Each of `names` that `d` holds is a finite positive number: a string would load and fail at the first
+    step, and a zero or negative eps or RoPE theta would load and generate garbage."""
+    for k in names:
+        v = d.get(k)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                  and v > 0):
+            raise CheckpointError(f"{source}: {k} must be a positive number, got {v!r}")
+
+
+def booleans(d: dict[str, Any], names: tuple[str, ...], source: str) -> None:
+    """Each of `names` that `d` holds is a JSON true/false (bool("false") is True: an untied head would be
+    silently replaced by the embedding)."""
+    for k in names:
+        v = d.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise CheckpointError(f"{source}: {k} must be true or false, got {v!r}")
+
+
+def token_ids(v: Any, source: str, vocab_size: int | None = None, name: str = "eos_token_id") -> tuple[int, ...]:
+    """An id or a list of ids, each an integer (in [0, vocab_size) when given: a checkpoint's): a stop id the model
+    cannot produce (or a 2.7 read as 2) would silently change where generation stops."""
     if v is None:
         return ()
-    return tuple(int(x) for x in v) if isinstance(v, (list, tuple)) else (int(v),)
+    ids = list(v) if isinstance(v, (list, tuple)) else [v]
+    top = float("inf") if vocab_size is None else vocab_size
+    for i in ids:
+        if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < top):
+            within = "" if vocab_size is None else f" in [0, {vocab_size})"
+            raise CheckpointError(f"{source}: {name} must be token ids{within}, got {v!r}")
+    return tuple(ids)
 
 
 def builtin_config_path(name: str) -> Path:
@@ -142,10 +190,13 @@ def load_config(model_dir: str | Path) -> Qwen3Config:
     if not cfg_file.exists():
         raise CheckpointError(f"{p}: no config.json (is this a Hugging Face model directory?)")
     d = read_json_object(cfg_file)
+    eos_source = None
     if gen_file is not None and gen_file.exists():
         g = read_json_object(gen_file)
         if g.get("eos_token_id") is not None:
             d = {**d, "eos_token_id": g["eos_token_id"]}
-    cfg = Qwen3Config.from_dict(d, source=str(cfg_file))
+            eos_source = str(gen_file)
+    cfg = Qwen3Config.from_dict(d, source=str(cfg_file), eos_source=eos_source)
+    token_ids(list(cfg.eos_token_ids), eos_source or str(cfg_file), cfg.vocab_size)  # a checkpoint's: in its vocab
     cfg.validate()
     return cfg

@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 from flashpd.engine.attention import gather_kv, group_mask, group_queries, grouped_attention, out_proj, \
     paged_applies
-from flashpd.engine.config import CheckpointError, HeadGeometry, positive_ints, read_json_object, rope_theta_of
+from flashpd.engine.config import CheckpointError, HeadGeometry, architectures_of, positive_ints, positive_numbers, \
+    read_json_object, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
-from flashpd.engine.loader import fill_from_checkpoint, safetensors_files
+from flashpd.engine.loader import check_checkpoint, fill_from_checkpoint, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, fused_attn_inputs, fused_layer, \
     fused_layers, mlp_residual
 from flashpd.engine import skinny_gemm
@@ -61,10 +62,12 @@ class DFlashConfig(HeadGeometry):
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "drafter config") -> "DFlashConfig":
-        archs = d.get("architectures") or []
+        archs = architectures_of(d, source)
         if archs and "DFlashDraftModel" not in archs:
             raise CheckpointError(f"{source}: architectures {archs} is not a DFlash drafter (DFlashDraftModel)")
         dc = d.get("dflash_config") or {}
+        if not isinstance(dc, dict):
+            raise CheckpointError(f"{source}: dflash_config must be a JSON object, got {dc!r}")
 
         def pick(name: str, default=None):
             return dc.get(name, d.get(name, default))
@@ -79,9 +82,13 @@ class DFlashConfig(HeadGeometry):
             if v is not None and not (isinstance(v, int) and not isinstance(v, bool)):
                 raise CheckpointError(f"{source}: {k} must be an integer, got {v!r}")
         ids = pick("target_layer_ids")
-        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
-                                                                  for i in ids)):
-            raise CheckpointError(f"{source}: target_layer_ids must be a list of integers, got {ids!r}")
+        if ids is not None and not (isinstance(ids, list) and ids and all(isinstance(i, int) and
+                                                                         not isinstance(i, bool) for i in ids)):
+            raise CheckpointError(f"{source}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
+        positive_numbers(d, ("rms_norm_eps",), source)
+        scales = {k: pick(k) for k in ("input_embedding_scale", "output_multiplier")}
+        scales["final_logit_softcapping"] = pick("final_logit_softcapping") or None  # 0: no softcap
+        positive_numbers(scales, tuple(scales), source)  # a string: a bare float() error; a sign: garbage drafts
         heads = d["num_attention_heads"]
         n_layers = d["num_hidden_layers"]
         if pick("num_target_layers") is None:
@@ -90,18 +97,19 @@ class DFlashConfig(HeadGeometry):
         mask = pick("mask_token_id")
         if mask is None:
             raise CheckpointError(f"{source}: missing field dflash_config.mask_token_id")
-        ids = pick("target_layer_ids") or default_target_layer_ids(n_target, n_layers)
+        if ids is None:
+            ids = default_target_layer_ids(n_target, n_layers)
         softcap = pick("final_logit_softcapping")
         return cls(hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
                    num_hidden_layers=n_layers, num_attention_heads=heads,
-                   num_key_value_heads=d.get("num_key_value_heads", heads),
+                   num_key_value_heads=d.get("num_key_value_heads") or heads,
                    head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-                   rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope_theta_of(d, source),
+                   rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6), rope_theta=rope_theta_of(d, source),
                    block_size=int(pick("block_size", 16)), num_target_layers=n_target,
                    target_layer_ids=tuple(int(i) for i in ids), mask_token_id=int(mask),
                    vocab_size=d.get("vocab_size"),
-                   input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
-                   output_multiplier=float(pick("output_multiplier", 1.0)),
+                   input_embedding_scale=float(pick("input_embedding_scale") or 1.0),
+                   output_multiplier=float(pick("output_multiplier") or 1.0),
                    final_logit_softcapping=float(softcap) if softcap else None)
 
     def check_fits(self, target: Qwen3ForCausalLM) -> None:
@@ -553,12 +561,17 @@ def load_drafter(draft_dir: str | Path, target: Qwen3ForCausalLM, device: str | 
     cfg = DFlashConfig.from_dict(read_json_object(p / "config.json"), source=str(p / "config.json"))
     device = torch.device(device) if device is not None else target.embed_tokens.weight.device
     dtype = dtype or target.embed_tokens.weight.dtype
-    cfg.check_fits(target)
+    try:
+        cfg.check_fits(target)
+    except DrafterMismatch as e:  # name the file, as every other checkpoint error does
+        raise DrafterMismatch(f"{p / 'config.json'}: {e}") from None
     with torch.device("meta"):
         m = DFlashDrafter(cfg).to(dtype)
+    files = safetensors_files(p)
+    check_checkpoint(draft_slices(m), files, str(p))  # before any allocation
     m = m.to_empty(device=device)
     dev = "cpu" if device.type == "cpu" else str(device if device.index is not None else f"{device.type}:0")
-    fill_from_checkpoint(draft_slices(m), safetensors_files(p), dev, str(p))
+    fill_from_checkpoint(draft_slices(m), files, dev, str(p))
     m.attach(target)
     return m.eval().requires_grad_(False)
 

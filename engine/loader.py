@@ -90,6 +90,36 @@ def slices_state_dict(slices: dict[str, tuple[torch.Tensor, int, int]]) -> dict[
     return {name: p[off:off + rows].detach().contiguous().cpu() for name, (p, off, rows) in slices.items()}
 
 
+def check_checkpoint(slices: dict[str, tuple[torch.Tensor, int, int]], files: list[Path], source: str,
+                     ignore: tuple[str, ...] = ()) -> None:
+    """The files' headers against `slices` (meta tensors will do): names, shapes, dtypes, and no tensor in two
+    files. Run before the model is allocated, so a config that does not fit its checkpoint (an absurd size
+    included) is refused here, by name, instead of in the allocator; and a duplicate cannot silently win."""
+    where: dict[str, Path] = {}
+    unexpected: list[str] = []
+    for f in files:
+        for name, _, shape in iter_safetensors([f], "cpu"):
+            if name in where:
+                raise CheckpointError(f"{source}: tensor {name} is in both {where[name].name} and {f.name}")
+            where[name] = f
+            if name not in slices:
+                if not name.endswith(_IGNORED_SUFFIXES) and name not in ignore:
+                    unexpected.append(name)
+                continue
+            dest, _, rows = slices[name]
+            want = [rows, *dest.shape[1:]]
+            if shape != want:
+                raise CheckpointError(f"{source}: tensor {name} has shape {shape}, the config implies {want}")
+    missing = sorted(set(slices) - set(where))
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{source}: checkpoint is missing tensors {missing[:5]}{more}")
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"{source}: checkpoint has tensors this architecture does not use: "
+                              f"{unexpected[:5]}{more}")
+
+
 def fill_from_checkpoint(slices: dict[str, tuple[torch.Tensor, int, int]], files: list[Path],
                          device: str, source: str, ignore: tuple[str, ...] = ()) -> None:
     """Copy every checkpoint tensor into its slice; error on a shape mismatch, missing tensors, or a tensor holding
@@ -121,10 +151,13 @@ def fill_from_checkpoint(slices: dict[str, tuple[torch.Tensor, int, int]], files
                               f"{unexpected[:5]}{more}")
 
 
-def _empty_model(cfg: Qwen3Config, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+def _meta_model(cfg: Qwen3Config, dtype: torch.dtype) -> Qwen3ForCausalLM:
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg).to(dtype)
-    return model.to_empty(device=device)
+        return Qwen3ForCausalLM(cfg).to(dtype)
+
+
+def _empty_model(cfg: Qwen3Config, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    return _meta_model(cfg, dtype).to_empty(device=device)
 
 
 def load_target(model_dir: str | Path, device: str | torch.device = "cpu",
@@ -135,14 +168,15 @@ def load_target(model_dir: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"{model_dir}: not a directory")
     cfg = load_config(model_dir)
     device = torch.device(device)
-    model = _empty_model(cfg, device, dtype)
     files = safetensors_files(model_dir)
-    dev = "cpu" if device.type == "cpu" else str(device if device.index is not None else f"{device.type}:0")
-    slices = target_slices(model)
     ignored: tuple[str, ...] = ()
     if cfg.tie_word_embeddings:  # tied: some exporters still write lm_head.weight (a copy of the embedding)
         ignored = ("lm_head.weight",)
-    fill_from_checkpoint(slices, files, dev, str(model_dir), ignore=ignored)
+    model = _meta_model(cfg, dtype)
+    check_checkpoint(target_slices(model), files, str(model_dir), ignore=ignored)  # before any allocation
+    model = model.to_empty(device=device)
+    dev = "cpu" if device.type == "cpu" else str(device if device.index is not None else f"{device.type}:0")
+    fill_from_checkpoint(target_slices(model), files, dev, str(model_dir), ignore=ignored)
     model.init_rotary(device)
     return model.eval().requires_grad_(False)
 

@@ -5,11 +5,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from flashpd.engine.config import CheckpointError
+from flashpd.engine.config import CheckpointError, read_json_object
 
 
 class TextTokenizer:
     def __init__(self, path: Path) -> None:
+        self.path = path
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001  the tokenizers library raises a bare Exception for a bad file
@@ -17,8 +18,25 @@ class TextTokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "TextTokenizer | None":
+        """The directory's tokenizer.json (None without one), checked against its config.json's vocab_size."""
         p = Path(model_dir) / "tokenizer.json"
-        return cls(p) if p.exists() else None
+        if not p.exists():
+            return None
+        tok = cls(p)
+        cfg = Path(model_dir) / "config.json"
+        if cfg.exists():
+            vocab = read_json_object(cfg).get("vocab_size")
+            if isinstance(vocab, int) and not isinstance(vocab, bool):  # (its type: the model loader's error)
+                tok.check_vocab(vocab, f"{cfg}: vocab_size")
+        return tok
+
+    def check_vocab(self, vocab_size: int, what: str) -> None:
+        """Every id this tokenizer can produce indexes the model's embedding: an id past it (another model's
+        tokenizer) would fail a text prompt deep in the forward, or on a GPU take the whole engine down."""
+        top = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= vocab_size:
+            raise CheckpointError(f"{self.path}: tokenizer has token id {top}, outside {what} {vocab_size} "
+                                  f"(a tokenizer of another model?)")
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,188 @@
+"""Bad checkpoints are refused at load with a CheckpointError naming the file and the field, before the model is
+allocated, and nothing malformed loads silently (a config field of the wrong type or sign, a duplicated tensor, a
+tokenizer of another model, a drafter config that does not parse)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashpd.engine.config import CheckpointError
+from flashpd.engine.drafter import DrafterMismatch, load_drafter
+from flashpd.engine.loader import load_target
+from flashpd.engine.tokenizer import TextTokenizer
+
+DEMO = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Path:
+    """A copy of the demo pair (target/, drafter/) to mutate."""
+    shutil.copytree(DEMO / "target", tmp_path / "target")
+    shutil.copytree(DEMO / "drafter", tmp_path / "drafter")
+    return tmp_path
+
+
+def _edit(path: Path, **changes) -> None:
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def _no_allocation(monkeypatch) -> None:
+    """Fail the test if a model is materialised (every loader allocates through Module.to_empty)."""
+    def refuse(self, *a, **k):
+        raise AssertionError("the model was allocated before the checkpoint was checked")
+    monkeypatch.setattr(torch.nn.Module, "to_empty", refuse)
+
+
+# ---- sizes that do not fit the checkpoint: refused from the headers, before any allocation --------------------
+
+@pytest.mark.parametrize("which,field,value,tensor", [
+    ("target", "vocab_size", 10**10, "model.embed_tokens.weight"),          # 7.7 TB of embedding at fp32
+    ("target", "intermediate_size", 10**9, "mlp."),
+    ("drafter", "intermediate_size", 10**9, "mlp."),
+])
+def test_a_size_the_checkpoint_does_not_have_is_refused_before_allocating(pair, monkeypatch, which, field, value,
+                                                                          tensor):
+    _edit(pair / which / "config.json", **{field: value})
+    target = load_target(pair / "target") if which == "drafter" else None
+    _no_allocation(monkeypatch)
+    with pytest.raises(CheckpointError, match="the config implies") as e:
+        load_target(pair / "target") if target is None else load_drafter(pair / "drafter", target)
+    assert str(pair / which) in str(e.value) and tensor in str(e.value) and str(value) in str(e.value)
+
+
+def test_a_missing_tensor_is_refused_before_allocating(pair, monkeypatch):
+    path = pair / "target" / "model.safetensors"
+    sd = load_file(str(path))
+    del sd["model.norm.weight"]
+    save_file(sd, str(path))
+    _no_allocation(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"missing tensors \['model.norm.weight'\]"):
+        load_target(pair / "target")
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_a_tensor_in_two_files_is_refused(pair, indexed):
+    """Read in file order, the later copy silently won (whatever the index said)."""
+    d = pair / "target"
+    sd = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").rename(d / "a.safetensors")
+    save_file({"model.norm.weight": sd["model.norm.weight"] * 2}, str(d / "b.safetensors"))
+    if indexed:
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            **{k: "a.safetensors" for k in sd}, "model.layers.0.input_layernorm.weight": "b.safetensors"}}))
+    with pytest.raises(CheckpointError, match="model.norm.weight is in both a.safetensors and b.safetensors"):
+        load_target(d)
+
+
+# ---- config.json fields of the wrong type or sign ----------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("rms_norm_eps", "1e-6"),       # loaded, then every request failed (Tensor + str)
+    ("rms_norm_eps", -1.0),         # loaded and generated garbage
+    ("rope_theta", "abc"),          # a bare float() error naming neither file nor field
+    ("rope_theta", 0),              # loaded and generated garbage
+    ("tie_word_embeddings", "false"),
+    ("max_position_embeddings", (1 << 20) + 1),  # RoPE tables of that many rows (2**31: an OOM kill)
+    ("eos_token_id", 2.7),          # read as 2
+    ("eos_token_id", 4096),         # a stop id the model can never produce: never stops
+    ("eos_token_id", [0, -1]),
+])
+def test_target_config_field_of_the_wrong_type_or_value_is_refused(pair, field, value):
+    (pair / "target" / "generation_config.json").unlink()
+    _edit(pair / "target" / "config.json", **{field: value})
+    with pytest.raises(CheckpointError, match=field) as e:
+        load_target(pair / "target")
+    assert str(pair / "target" / "config.json") in str(e.value)
+
+
+def test_a_string_false_tie_does_not_silently_tie_an_untied_head(make_checkpoint):
+    """bool("false") is True: the untied lm_head.weight was ignored and the embedding served as the head."""
+    _, d = make_checkpoint(tie=False, fresh=True)
+    _edit(d / "config.json", tie_word_embeddings="false")
+    with pytest.raises(CheckpointError, match="tie_word_embeddings must be true or false, got 'false'"):
+        load_target(d)
+
+
+def test_generation_config_eos_error_names_that_file(pair):
+    (pair / "target" / "generation_config.json").write_text(json.dumps({"eos_token_id": "abc"}))
+    with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id"):
+        load_target(pair / "target")
+
+
+# ---- the drafter's config.json ---------------------------------------------------------------------------------
+
+def _edit_drafter(pair: Path, top: dict | None = None, dflash: dict | None = None) -> None:
+    path = pair / "drafter" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(top or {})
+    if dflash is not None:
+        cfg["dflash_config"].update(dflash)
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("top,dflash,field", [
+    ({"dflash_config": [1]}, None, "dflash_config must be a JSON object"),
+    ({"rms_norm_eps": "x"}, None, "rms_norm_eps must be a positive number"),
+    ({"rope_theta": "x"}, None, "rope_theta must be a positive number"),
+    ({"input_embedding_scale": "x"}, None, "input_embedding_scale must be a positive number"),
+    ({"final_logit_softcapping": -30.0}, None, "final_logit_softcapping must be a positive number"),
+    (None, {"target_layer_ids": []}, "target_layer_ids must be a non-empty list"),  # was: the default taps
+    ({"architectures": "DFlashDraftModel"}, None, "architectures must be a list"),
+])
+def test_drafter_config_field_of_the_wrong_type_is_refused(pair, top, dflash, field):
+    _edit_drafter(pair, top, dflash)
+    target = load_target(pair / "target")
+    with pytest.raises(CheckpointError, match=field) as e:
+        load_drafter(pair / "drafter", target)
+    assert str(pair / "drafter" / "config.json") in str(e.value)
+
+
+def test_drafter_null_kv_heads_means_the_default_as_for_the_target(pair):
+    """null used to reach the head arithmetic (TypeError); now it means num_attention_heads, as in the target's
+    config, and this checkpoint's 2 KV heads then do not fit (named)."""
+    _edit_drafter(pair, {"num_key_value_heads": None})
+    with pytest.raises(CheckpointError, match=r"k_proj.weight has shape \[96, 192\], the config implies \[192, 192\]"):
+        load_drafter(pair / "drafter", load_target(pair / "target"))
+
+
+def test_drafter_mismatch_names_the_drafter_config(pair):
+    _edit_drafter(pair, {"num_target_layers": 12})
+    with pytest.raises(DrafterMismatch, match="num_target_layers 12") as e:
+        load_drafter(pair / "drafter", load_target(pair / "target"))
+    assert str(pair / "drafter" / "config.json") in str(e.value)
+
+
+# ---- the tokenizer against the vocabulary ------------------------------------------------------------------------
+
+def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused_at_load(pair):
+    """Its ids past the embedding failed a text prompt deep in the forward (IndexError; on a GPU a device assert
+    that takes the engine down)."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    path = pair / "target" / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    tok.add_tokens(["QQQZZZ"])  # id 4096 in a 4096-token vocabulary
+    tok.save(str(path))
+    with pytest.raises(CheckpointError, match="tokenizer has token id 4096, outside .*config.json: vocab_size 4096") \
+            as e:
+        TextTokenizer.from_dir(pair / "target")
+    assert str(path) in str(e.value)
+    from flashpd.llm import LLM  # noqa: PLC0415
+
+    with pytest.raises(CheckpointError, match="tokenizer has token id 4096"):
+        LLM(target=pair / "target", device="cpu", kv_cache_tokens=64)
+
+
+def test_the_demo_pair_still_loads(pair):
+    from flashpd.llm import LLM  # noqa: PLC0415
+
+    llm = LLM(target=pair / "target", draft=pair / "drafter", device="cpu", kv_cache_tokens=256)
+    assert llm.tokenizer is not None and llm.drafter is not None
+    assert llm.generate([[5, 6, 7]])[0].token_ids

@@ -8,10 +8,14 @@ the serving layer (an asynchronous RPC to the prefill worker); it must never blo
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Callable
 
 from flashpd.kv_bridge.handoff import CacheImporter, Handoff
+
+MAX_REASONS = 32  # distinct fallback reasons counted apart; a new one past them counts as "other"
+_NUMBER = re.compile(r"\d+")
 
 
 class HandoffImport:
@@ -26,4 +30,10 @@ class HandoffImport:
         self.importer.copy(h, dst_blocks)
 
     def fallback(self, reason: str) -> None:
-        self.fallbacks[reason] += 1
+        """Count one fallback by reason. The keys are bounded: a message's numbers (lease ids, lengths, block
+        counts) read as N, and past MAX_REASONS keys a new reason counts as "other" (keyed by the raw message,
+        a worker gained one key per refused lease id for as long as it ran)."""
+        key = _NUMBER.sub("N", reason)
+        if key not in self.fallbacks and len(self.fallbacks) >= MAX_REASONS:
+            key = "other"
+        self.fallbacks[key] += 1

@@ -38,6 +38,9 @@ class Store(Protocol):
     def lookup(self, keys: list[str]) -> int: ...
 
 
+PER_REQUEST_HITS_KEPT = 4096  # restores whose hit `per_request_hits` keeps (the most recent; up to twice that)
+
+
 @dataclass
 class PrefixCacheStats:
     requests: int = 0
@@ -45,7 +48,7 @@ class PrefixCacheStats:
     prompt_tokens: int = 0
     published_chunks: int = 0
     refused_chunks: int = 0  # present but unusable (tokens, layout, fingerprint, a failed write): recomputed
-    per_request_hits: list[int] = field(default_factory=list)
+    per_request_hits: list[int] = field(default_factory=list)  # the latest restores' hits, oldest first (bounded)
 
 
 @dataclass
@@ -147,7 +150,10 @@ class PrefixCache:
         seq.table.num_tokens = hit
         seq.draft_len = hit  # with restore_draft=False these positions hold NO valid draft state (the control)
         self.stats.hit_tokens += hit
-        self.stats.per_request_hits.append(hit)
+        hits = self.stats.per_request_hits
+        hits.append(hit)
+        if len(hits) > 2 * PER_REQUEST_HITS_KEPT:  # one entry a request, for as long as a worker served: bounded
+            del hits[:-PER_REQUEST_HITS_KEPT]
         return hit
 
     def restore(self, gen, seq: Sequence) -> int:

@@ -65,3 +65,25 @@ def test_forced_first_token_is_committed_and_decoding_continues_from_it(dflash_p
     cont = generate(NativeGenerator(ModelRunner(target, 64, 16)), [prompt + [forced]], [SamplingParams(
         max_tokens=11, ignore_eos=True)])[0].output
     assert r.seq.output == [forced] + cont
+
+
+def test_per_request_hits_stay_bounded_however_many_prompts_a_cache_restores(dflash_pair, monkeypatch):  # noqa: F811
+    """`per_request_hits` took one entry per restore for as long as a worker served (every prefill of a prefill
+    worker, every admission of a decode worker with a bridge): it keeps the latest ones only, while the counters
+    count every restore."""
+    import flashpd.kv_bridge.prefix_cache as prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "PER_REQUEST_HITS_KEPT", 4)
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    taps = tuple(drafter.cfg.target_layer_ids)
+    fp = MethodFingerprint("fixture-target", "fixture-drafter", taps, "float32").digest()
+    cache = PrefixCache(MemoryStore(1 << 26), fp, 64)
+    prefill = PrefillWorker(ModelRunner(target, 64, 16, taps=taps), drafter, cache)
+    prompt = torch.randint(0, 126, (140,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(13):
+        res = prefill.prefill(prompt, params)
+        assert res.cached_tokens == (0 if i == 0 else 128)
+    assert cache.stats.requests == 13 and cache.stats.hit_tokens == 12 * 128
+    assert 4 <= len(cache.stats.per_request_hits) <= 8 and set(cache.stats.per_request_hits) == {128}

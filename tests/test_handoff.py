@@ -176,6 +176,30 @@ def test_a_lease_of_another_prompt_of_the_same_length_is_refused(pair):
     assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, a, sp, "dflash")
 
 
+def test_fallback_reasons_stay_bounded_however_many_leases_are_refused(pair):
+    """A fallback is counted by its reason, and reasons name numbers (lengths, lease ids): each refused lease
+    made a key of its own, so a worker's counter grew for as long as it served. Numbers read as N, and past
+    MAX_REASONS keys a new reason counts as "other"; every fallback is still counted, every output exact."""
+    from flashpd.decode_node.handoff_import import MAX_REASONS
+
+    target, drafter = pair
+    pw = _prefill_side(target, drafter)
+    sched, released = _decode_side(target, drafter)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    g = torch.Generator().manual_seed(7)
+    for n in range(20, 32):  # each request carries the lease of its prompt less its last token
+        p = torch.randint(0, 126, (n,), generator=g).tolist()
+        want = _cold(target, drafter, p, sp, "dflash")[0]
+        r = _run_one(sched, p, sp, want[0], pw.prefill(p[:-1], sp).handoff)
+        assert r.seq.output == want
+    fb = sched.handoff.fallbacks
+    assert sum(fb.values()) == 12 and sched.stats.handoff_imports == 0 and len(released) == 12
+    assert dict(fb) == {"lease of N positions for a N-token prompt": 12}
+    for i in range(3 * MAX_REASONS):  # reasons without numbers to fold: the keys stop at the bound
+        sched.handoff.fallback(f"reason {chr(65 + i % 26)}{chr(65 + i // 26)}")
+    assert len(fb) <= MAX_REASONS + 1 and sum(fb.values()) == 12 + 3 * MAX_REASONS
+
+
 def test_a_forged_seal_or_other_geometry_is_refused_and_recomputed(pair):
     target, drafter = pair
     pw = _prefill_side(target, drafter)

@@ -163,15 +163,19 @@ class DecodeWorkerServicer(GenerationServicer, pb_grpc.DecodeWorkerServicer):
     """Generation (colocated use) and DecodeWorker (the router's) over one EngineLoop."""
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
-        if request.version != PROTOCOL_VERSION:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
+        """A refused request gives the prefill lease it carries back now, as `_start` does (else the prefill
+        worker's blocks stay held until the lease's deadline)."""
         first = request.first_token if request.HasField("first_token") else None
         handoff = None
         if request.HasField("handoff"):
-            if first is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handoff: needs first_token (the prefill's)")
             h = request.handoff
             handoff = Handoff(h.exporter_id, h.exporter_address, bytes(h.blob), int(h.lease_id), tuple(h.blocks),
                               tuple(h.epochs), int(h.num_tokens), bytes(h.prompt_digest))
+        if request.version != PROTOCOL_VERSION:
+            self._release(handoff)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
+        if handoff is not None and first is None:
+            self._release(handoff)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handoff: needs first_token (the prefill's)")
         return self._stream(request.request, context, first, handoff)

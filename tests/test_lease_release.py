@@ -68,19 +68,26 @@ def test_clients_leaving_at_their_first_token_free_the_prefill_leases(device_svc
     wait_until(lambda: _all_free(device_svc.pool.slots["decode"][0]), "the decode worker's blocks", timeout_s=8)
 
 
-def test_a_decode_request_refused_by_the_decode_worker_frees_its_lease(device_svc):
-    """A DecodeRequest carrying a live lease that the decode worker refuses (a draft width out of range) is
-    released by the decode worker at once."""
+@pytest.mark.parametrize("flaw", ["draft-width", "no-first-token", "version"])
+def test_a_decode_request_refused_by_the_decode_worker_frees_its_lease(device_svc, flaw):
+    """A DecodeRequest carrying a live lease that the decode worker refuses (a draft width out of range, no
+    first token, another protocol version) is released by the decode worker at once."""
     from flashpd.cluster.generation_server import PROTOCOL_VERSION
 
     pre, dec = device_svc.pool.slots["prefill"][0], device_svc.pool.slots["decode"][0]
     wait_until(lambda: _all_free(pre), "a quiet prefill worker", timeout_s=8)
-    r = pre.client.prefill(build_request(_prompt(1, 100), max_tokens=30, method="dflash"), 30)
+    req = build_request(_prompt(1, 100), max_tokens=30, method="dflash")
+    r = pre.client.prefill(req, 30)
     assert r.HasField("handoff") and not _all_free(pre)
-    bad = build_request(_prompt(1, 100), max_tokens=30, method="dflash", block_size=40)
+    msg = pb.DecodeRequest(version=PROTOCOL_VERSION, request=req, first_token=r.first_token, handoff=r.handoff)
+    if flaw == "draft-width":
+        msg.request.CopyFrom(build_request(_prompt(1, 100), max_tokens=30, method="dflash", block_size=40))
+    elif flaw == "no-first-token":
+        msg.ClearField("first_token")
+    else:
+        msg.version = PROTOCOL_VERSION + 1
     with pytest.raises(grpc.RpcError) as e:
-        list(dec.client.decode(pb.DecodeRequest(version=PROTOCOL_VERSION, request=bad, first_token=r.first_token,
-                                                handoff=r.handoff), 10))
+        list(dec.client.decode(msg, 10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     wait_until(lambda: _all_free(pre), "the refused request's lease to be released", timeout_s=3)
 

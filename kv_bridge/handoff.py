@@ -161,7 +161,8 @@ class CacheExporter:
         from multiprocessing.reduction import ForkingPickler  # noqa: PLC0415
 
         payload = bytes(ForkingPickler.dumps((target, draft, self.epochs, self.busy)))
-        head = pickle.dumps(self.geometry.__dict__, protocol=4)
+        # the id is sealed with the caches: an importer maps a blob under the id it was made for, and no other
+        head = pickle.dumps({**self.geometry.__dict__, "exporter_id": self.exporter_id}, protocol=4)
         body = _BLOB_MAGIC + len(head).to_bytes(4, "little") + head + payload
         self.blob = body + mac.tag([body])
         self._leases: dict[int, Lease] = {}
@@ -249,7 +250,8 @@ class CacheImporter:
         self.target, self.draft = target, draft
         self.geometry = Geometry.of(target, draft, fingerprint)
         self.mac = mac
-        self._maps: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+        # exporter id -> (its target cache, draft cache, epochs; the MAC tag of the blob they were mapped from)
+        self._maps: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bytes]] = {}
         self._peers: dict[str, torch.Tensor] = {}  # busy words of the exporters on this worker's own device
         # the exporter id mapped from each address: a restarted prefill worker comes back under a new id, and the
         # old id's caches (a dead process's whole KV cache) are dropped then, not kept mapped for good
@@ -257,9 +259,14 @@ class CacheImporter:
         self.stats = dict(imports=0, failures=0, positions=0, mapped_exporters=0)
 
     def _map(self, h: Handoff) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The exporter's caches and epochs, mapped on its first handoff. A handoff whose blob is not the one its
+        exporter id was sealed into (another exporter's, with this id) is refused: else it would read this
+        exporter's blocks as the other's, whose epochs may well coincide (a wrong KV, used silently)."""
         got = self._maps.get(h.exporter_id)
         if got is not None:
-            return got
+            if h.blob[-32:] != got[3]:
+                raise HandoffError(f"export blob: not the one exporter {h.exporter_id[:12]} sealed")
+            return got[:3]
         blob = h.blob
         if len(blob) < len(_BLOB_MAGIC) + 4 + 32 or not blob.startswith(_BLOB_MAGIC):
             raise HandoffError("export blob: not a flashpd cache export")
@@ -268,7 +275,10 @@ class CacheImporter:
             raise HandoffError("export blob: MAC does not verify (not made with this cluster's secret)")
         n = int.from_bytes(body[len(_BLOB_MAGIC):len(_BLOB_MAGIC) + 4], "little")
         off = len(_BLOB_MAGIC) + 4
-        geometry = Geometry(**_Unpickler(io.BytesIO(body[off:off + n])).load())
+        head = _Unpickler(io.BytesIO(body[off:off + n])).load()
+        if not isinstance(head, dict) or head.pop("exporter_id", None) != h.exporter_id:
+            raise HandoffError("export blob: sealed for another exporter id")
+        geometry = Geometry(**head)
         if (geometry.target, geometry.draft, geometry.dtype) != \
                 (self.geometry.target, self.geometry.draft, self.geometry.dtype):
             raise HandoffError(f"exporter's caches {geometry} do not fit this worker's {self.geometry}")
@@ -282,7 +292,7 @@ class CacheImporter:
         if old is not None and old != h.exporter_id:
             self.forget(old)
         self._ids[h.exporter_address] = h.exporter_id
-        self._maps[h.exporter_id] = (src_t, src_d, epochs)
+        self._maps[h.exporter_id] = (src_t, src_d, epochs, tag)
         if geometry.device_id == self.geometry.device_id:
             self._peers[h.exporter_id] = busy
         self.stats["mapped_exporters"] = len(self._maps)

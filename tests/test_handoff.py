@@ -225,6 +225,32 @@ def test_a_forged_seal_or_other_geometry_is_refused_and_recomputed(pair):
     assert "MAC" in next(iter(sched.handoff.fallbacks)) and r.seq.output == want[0]
 
 
+def test_a_blob_under_another_exporters_id_is_refused_and_recomputed(pair):
+    """Two prefill workers, both sealed with the cluster's key. After the decode side mapped A's caches, a handoff
+    naming A's id with B's blob (B's lease: its blocks and epochs) must not read A's blocks as B's: refused, the
+    prompt recomputed. So is B's blob under an id it was not sealed for."""
+    target, drafter = pair
+    pa, pb = _prefill_side(target, drafter), _prefill_side(target, drafter)
+    sched, _ = _decode_side(target, drafter)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    (p1, p2), want = _prompts(2, 41), []
+    res = pa.prefill(p1, sp)
+    r = _run_one(sched, p1, sp, res.first_token, res.handoff)  # maps A's caches under A's id
+    assert sched.stats.handoff_imports == 1 and r.seq.output == _cold(target, drafter, p1, sp, "dflash")[0]
+    pa.release(res.handoff.lease_id)
+    want = _cold(target, drafter, p2, sp, "dflash")
+    for fake_id in (pa.exporter.exporter_id, "0" * 32):
+        res = pb.prefill(p2, sp)
+        forged = Handoff(**{**res.handoff.__dict__, "exporter_id": fake_id})
+        n = sum(sched.handoff.fallbacks.values())
+        r = _run_one(sched, p2, sp, res.first_token, forged)
+        assert sum(sched.handoff.fallbacks.values()) == n + 1, fake_id
+        assert (r.seq.output, r.seq.stats.acceptance_lengths) == want, fake_id
+        pb.release(res.handoff.lease_id)
+    assert sched.stats.handoff_imports == 1
+    assert any("sealed" in k for k in sched.handoff.fallbacks), sched.handoff.fallbacks
+
+
 def test_leases_expire_at_their_deadline(pair):
     """A decode worker that dies mid-import never releases: the lease's deadline frees its blocks."""
     target, drafter = pair

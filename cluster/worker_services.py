@@ -131,7 +131,8 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
         except BridgeError as e:
             # not UNAVAILABLE: the router reads that as this worker gone and marks a healthy worker down; this
             # request falls back to a decode-side prefill, and the worker takes the next one
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"publishing to the KV bridge failed: {e}")
+            # (restoring a cached prefix from the bridge or publishing the prompt to it: both go through it)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the KV bridge failed: {type(e).__name__}: {e}")
         except (TimeoutError, ValueError) as e:
             abort_for(context, e)
         except Exception as e:  # noqa: BLE001  this prefill failed alone; its blocks are back, the worker goes on

@@ -341,11 +341,11 @@ def decode_metrics(metrics, worker) -> None:
     metrics.live("flashpd_kv_blocks_free", "Free KV blocks", "gauge", (), lambda: {(): st()["kv_blocks_free"]})
     metrics.live("flashpd_preemptions", "Requests preempted (recomputed when re-admitted)", "counter", (),
                  lambda: {(): st()["preemptions"]})
-    metrics.live("flashpd_handoff_imports", "Prompts whose KV came over the same-host device path", "counter", (),
+    metrics.live("flashpd_handoff_imports", "Prompts whose KV came from a prefill worker (device or dist path)", "counter", (),
                  lambda: {(): st()["handoff_imports"]})
     metrics.live("flashpd_prefill_holds", "Decode steps held while a prefill worker on the same GPU computed",
                  "counter", (), lambda: {(): st()["prefill_holds"]})
-    metrics.live("flashpd_handoff_fallbacks", "Device-path imports that failed and were recomputed locally",
+    metrics.live("flashpd_handoff_fallbacks", "Prefill-worker KV imports (device or dist path) that failed and were recomputed locally",
                  "counter", (), lambda: {(): st()["handoff_fallbacks"]})
     metrics.live("flashpd_jit_compiles_after_warmup", "Triton kernel variants compiled while serving (shapes the "
                  "warm-up did not meet)", "counter", (), lambda: {(): st()["jit_compiles_after_warmup"]})

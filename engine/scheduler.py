@@ -121,8 +121,9 @@ class Request:
     preemptions: int = 0
     holds_reservation: bool = False  # policy "reserve": counted in Scheduler._reserved
     handoff: object | None = None  # a decode node's lease on the prompt's KV elsewhere (decode_node/scheduler.py)
-    load: Future | None = None  # the prefix cache's fetch of its prompt, running off the engine loop
+    load: Future | None = None  # its prefix's fetch (or, handoff_load, its lease's), running off the engine loop
     wants_load: bool = False  # a fetch not started yet (Scheduler._start_loads: the queue's first only)
+    handoff_load: bool = False  # `load` receives its lease's KV (a decode node's dist path), not a prefix
     batch_faults: int = 0  # failed batch steps it was part of
 
 
@@ -212,14 +213,29 @@ class Scheduler:
         req.handoff = handoff
         # the worker side's start-load: bridge I/O and verification run off the engine loop; the request is
         # admitted once its data is here, and the running batch never waits for it
-        req.wants_load = handoff is None and self.async_load and hasattr(self.prefix_cache, "fetch")
+        req.wants_load = self._wants_load(req)
         self._start_loads()
         return req
+
+    def _wants_load(self, req: Request) -> bool:
+        """Whether the request's data is fetched off the engine loop before its admission: its prefix, from the
+        prefix cache (a decode node also fetches a lease's KV: decode_node/scheduler.py)."""
+        return req.handoff is None and self.async_load and hasattr(self.prefix_cache, "fetch")
+
+    def _may_load(self) -> bool:
+        """Whether any request may want a fetch (else _start_loads need not walk the queue)."""
+        return hasattr(self.prefix_cache, "fetch")
+
+    def _submit_load(self, req: Request) -> Future:
+        """Start the request's fetch on the load threads: its prefix (after the saves queued before it)."""
+        gen = self.spec if req.method == "dflash" else self.native
+        return self._loads().submit(self._fetch_after, [f for f in self._saves if not f.done()], gen,
+                                    list(req.seq.prompt))
 
     def _start_loads(self) -> None:
         """Start the fetches of the first queued requests that want one, up to LOAD_AHEAD held at once. Fetches
         start in queue order (a re-queued preempted request has none), so the walk stops at the window's end."""
-        if not hasattr(self.prefix_cache, "fetch"):  # no request wants one
+        if not self._may_load():  # no request wants one
             return
         held = 0
         for r in self.waiting:
@@ -228,9 +244,7 @@ class Scheduler:
             if held >= LOAD_AHEAD:
                 return
             if r.wants_load:
-                gen = self.spec if r.method == "dflash" else self.native
-                r.load = self._loads().submit(self._fetch_after, [f for f in self._saves if not f.done()], gen,
-                                              list(r.seq.prompt))
+                r.load = self._submit_load(r)
                 r.wants_load = False
                 held += 1
 
@@ -285,7 +299,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Give back everything a request holds: its KV blocks, (policy reserve) its reservation, and a
-        device-path lease it never imported."""
+        prefill worker's lease it never imported (its fetch, if one runs, ends on its thread and is dropped)."""
         self.runner.allocator.free(req.seq.table)  # no-op for one that holds none
         if req.handoff is not None:
             self._release_lease(req.handoff)
@@ -293,7 +307,7 @@ class Scheduler:
         if req.load is not None:
             req.load.cancel()  # a fetch already running finishes on its thread; its result is dropped
             req.load = None
-        req.wants_load = False
+        req.wants_load = req.handoff_load = False
         if req.holds_reservation:
             self._reserved -= req.reserved_blocks
             req.holds_reservation = False

@@ -19,13 +19,16 @@ and the OpenPair reply MAC-sealed with the cluster key. Per request:
     epochs checked again (a lease freed during the gather is refused, as CacheImporter refuses one freed
     during its copy) -> reply OK, and queue the send on the pair's sender thread. From the gather on, the
     blocks are no longer read: the lease can go.
-  3 importer, on OK only: receives both halves (bounded), scatters them into its own blocks, and
-    releases the lease as on the device path (Release RPC). A refusal raises HandoffError with the pair
-    intact; any failure after OK (timeout, dead peer) drops the pair on both sides (the next request
-    opens a new one) and raises HandoffError: the scheduler counts it and recomputes the prompt.
+  3 importer, on OK only: receives both halves (bounded) into staging buffers (`fetch`, on a thread of
+    the decode scheduler's: the engine keeps stepping meanwhile), then, at the request's admission on the
+    engine thread, scatters them into its own blocks (`apply`); the lease is released as on the device
+    path (Release RPC). A refusal raises HandoffError with the pair intact; any failure after OK (timeout,
+    dead peer) drops the pair on both sides (the next request opens a new one) and raises HandoffError:
+    the scheduler counts it and recomputes the prompt.
 
-Ordering: one transfer at a time per pair (NCCL ignores tags), the sender sends in the order it said OK,
-and the importer posts its receives only after OK, so a refused request never leaves a receive waiting.
+Ordering: one transfer at a time per pair (NCCL ignores tags): the importer holds a per-exporter lock from
+SendLease to the end of the receive, the sender sends in the order it said OK, and the importer posts its
+receives only after OK, so a refused request never leaves a receive waiting.
 """
 from __future__ import annotations
 
@@ -140,16 +143,33 @@ def send_blocks(pair: PairGroup, target: torch.Tensor, draft: torch.Tensor | Non
     pair.send(gather_blocks(target, draft, blocks), tag, timeout_s or pair.timeout_s)
 
 
-def recv_blocks(pair: PairGroup, target: torch.Tensor, draft: torch.Tensor | None, dst_blocks: Sequence[int],
-                tag: int, timeout_s: float | None = None) -> None:
-    """Receive len(dst_blocks) blocks of both halves and scatter them into dst_blocks of this side's caches."""
-    n = len(dst_blocks)
+def recv_staged(pair: PairGroup, target: torch.Tensor, draft: torch.Tensor | None, n: int, tag: int,
+                timeout_s: float | None = None) -> list[torch.Tensor]:
+    """Receive n blocks of both halves into fresh contiguous buffers, one per half (no cache block is written:
+    what an asynchronous fetch does off the engine thread)."""
     caches = [c for c in (target, draft) if c is not None]
     bufs = [torch.empty(c.shape[:2] + (n,) + c.shape[3:], dtype=c.dtype, device=c.device) for c in caches]
     pair.recv(bufs, tag, timeout_s or pair.timeout_s)
+    return bufs
+
+
+def scatter_blocks(target: torch.Tensor, draft: torch.Tensor | None, bufs: Sequence[torch.Tensor],
+                   dst_blocks: Sequence[int]) -> None:
+    """Write received buffers (recv_staged's) into dst_blocks of this side's caches: one index_copy_ per half."""
+    caches = [c for c in (target, draft) if c is not None]
+    if len(bufs) != len(caches) or any(b.shape[2] != len(dst_blocks) for b in bufs):
+        raise HandoffError(f"staged {[tuple(b.shape) for b in bufs]} do not fit {len(dst_blocks)} blocks of "
+                           f"{len(caches)} caches")
     idx = torch.tensor(list(dst_blocks), dtype=torch.int64, device=target.device)
     for c, b in zip(caches, bufs):
         c.index_copy_(2, idx, b)
+
+
+def recv_blocks(pair: PairGroup, target: torch.Tensor, draft: torch.Tensor | None, dst_blocks: Sequence[int],
+                tag: int, timeout_s: float | None = None) -> None:
+    """Receive len(dst_blocks) blocks of both halves and scatter them into dst_blocks of this side's caches."""
+    bufs = recv_staged(pair, target, draft, len(dst_blocks), tag, timeout_s)
+    scatter_blocks(target, draft, bufs, dst_blocks)
 
 
 def _geometry_json(g: Geometry) -> str:
@@ -334,8 +354,14 @@ class DistExporter:
         with self._lock:
             for k in list(self._pairs):
                 self._drop(k)
-        if self._sock is not None:
-            self._sock.close()
+            sock, store, self._sock, self._store = self._sock, self._store, None, None
+        if sock is not None:
+            # a TCPStore made on the listening fd owns it and closes it when destroyed: closing it here as well
+            # closed the fd twice, the second time whatever the process had reused its number for by then
+            if store is not None:
+                sock.detach()
+            else:
+                sock.close()
 
 
 class Control(Protocol):
@@ -356,8 +382,23 @@ class _ImportPair:
     tag: int = 0
 
 
+@dataclass
+class Staged:
+    """A lease's blocks received (DistImporter.fetch), not yet written into any cache block: one contiguous
+    buffer per half, applied at admission (DistImporter.apply) into the blocks the request is given then."""
+
+    handoff: Handoff
+    bufs: list[torch.Tensor]
+
+
 class DistImporter:
-    """The decode side: one PairGroup per exporter (opened on first use), `copy` as CacheImporter's."""
+    """The decode side: one PairGroup per exporter (opened on first use). `fetch` (any thread) receives a lease's
+    blocks into staging buffers; `apply` (the engine thread, at admission) writes them into the request's blocks;
+    `copy` is both at once, as CacheImporter's.
+
+    Ordering: a pair's tags grow and its receives must be posted in the order its SendLeases were answered, so
+    one exporter's fetches run one at a time, each holding that exporter's lock from opening the pair (if need
+    be) through SendLease to the end of the receive. Fetches from different exporters run in parallel."""
 
     def __init__(self, target: torch.Tensor, draft: torch.Tensor | None, fingerprint: str, mac: MacKey,
                  control: Control, host: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
@@ -366,14 +407,26 @@ class DistImporter:
         self.geometry = _geometry_json(Geometry.of(target, draft, fingerprint))
         self.importer_id = uuid.uuid4().hex
         self._pairs: dict[str, _ImportPair] = {}
-        self._lock = threading.Lock()  # one transfer at a time (pairs are used in order)
+        self._lock = threading.Lock()  # the dicts below and the stats (fetches run on several threads)
+        self._exporter_locks: dict[str, threading.Lock] = {}  # per exporter: one transfer at a time (see above)
         self.stats = dict(imports=0, failures=0, positions=0, pairs_opened=0, pairs_dropped=0)
 
     def peer_busy(self, stale_s: float) -> bool:  # noqa: ARG002  (the device path's same-GPU hold: not here)
         return False
 
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[key] += n
+
+    def _exporter_lock(self, exporter_id: str) -> threading.Lock:
+        with self._lock:
+            return self._exporter_locks.setdefault(exporter_id, threading.Lock())
+
     def _pair(self, h: Handoff) -> _ImportPair:
-        got = self._pairs.get(h.exporter_id)
+        """The pair with h's exporter, opened (OpenPair, its store, the group's formation: all bounded) when there is
+        none. Called with that exporter's lock held."""
+        with self._lock:
+            got = self._pairs.get(h.exporter_id)
         if got is not None:
             return got
         nonce = secrets.token_bytes(16)
@@ -391,52 +444,92 @@ class DistImporter:
                               self.host, self.timeout_s)
         except Exception as e:  # noqa: BLE001
             raise HandoffError(f"pair with exporter not formed: {type(e).__name__}: {e}") from None
-        self._pairs[h.exporter_id] = pair = _ImportPair(nonce, group)
-        self.stats["pairs_opened"] += 1
+        pair = _ImportPair(nonce, group)
+        with self._lock:
+            self._pairs[h.exporter_id] = pair
+            self.stats["pairs_opened"] += 1
         return pair
 
-    def forget(self, exporter_id: str) -> None:
-        """Drop the pair with an exporter (it failed, or went away)."""
-        pair = self._pairs.pop(exporter_id, None)
-        if pair is not None:
-            pair.group.close()
+    def forget(self, exporter_id: str, pair: _ImportPair | None = None) -> None:
+        """Drop the pair with an exporter (it failed, or went away); with `pair`, only if it is still that one."""
+        with self._lock:
+            got = self._pairs.get(exporter_id)
+            if got is None or (pair is not None and got is not pair):
+                return
+            del self._pairs[exporter_id]
             self.stats["pairs_dropped"] += 1
+        got.group.close()
+
+    def fetch(self, h: Handoff) -> Staged:
+        """Ask h's exporter for the lease's blocks and receive both halves into staging buffers (blocking, bounded
+        by timeout_s per wait; safe on any thread: no cache block is written). Raises HandoffError when that
+        cannot be done (PairLost and any failure after the exporter's OK also drop the pair)."""
+        try:
+            nblk = len(h.blocks)
+            if nblk != len(h.epochs):
+                raise HandoffError(f"lease of {nblk} blocks with {len(h.epochs)} epochs")
+            if nblk == 0:
+                return Staged(h, [])
+            on_device = torch.cuda.device(self.target.device) if self.target.device.type == "cuda" else \
+                contextlib.nullcontext()  # a pool thread's current device is not the engine's
+            with self._exporter_lock(h.exporter_id), on_device:
+                return Staged(h, self._transfer(h))
+        except HandoffError:
+            self._count("failures")
+            raise
+        except Exception as e:  # noqa: BLE001  opening the pair failed in an unforeseen way (no pair was kept)
+            self._count("failures")
+            raise HandoffError(f"{type(e).__name__}: {e}") from None
+
+    def _transfer(self, h: Handoff) -> list[torch.Tensor]:
+        """SendLease, then the receive of its blocks; under h's exporter lock (the pair's order)."""
+        pair = self._pair(h)
+        pair.tag += 1
+        blocks, epochs = [int(b) for b in h.blocks], [int(e) for e in h.epochs]
+        try:
+            self.control.send_lease(h.exporter_address, h.exporter_id, pair.nonce, h.lease_id, blocks, epochs,
+                                    pair.tag, seal(self.mac, "send", h.exporter_id, pair.nonce, int(h.lease_id),
+                                                   blocks, epochs, pair.tag))
+        except PairLost:
+            self.forget(h.exporter_id, pair)
+            raise
+        except HandoffError:  # a refusal: nothing was sent, the pair stays in step
+            raise
+        except Exception as e:  # noqa: BLE001  a control call that failed in an unforeseen way: the pair goes
+            self.forget(h.exporter_id, pair)
+            raise HandoffError(f"{type(e).__name__}: {e}") from None
+        try:  # the exporter said it sends: receive, or the pair is out of step and goes
+            return recv_staged(pair.group, self.target, self.draft, len(blocks), pair.tag, self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            self.forget(h.exporter_id, pair)
+            raise HandoffError(f"receive failed: {type(e).__name__}: {str(e)[:200]}") from None
+
+    def apply(self, staged: Staged, dst_blocks: list[int]) -> None:
+        """Write a fetch's buffers into dst_blocks of this worker's caches (both halves): the engine thread's part,
+        at admission, into blocks the request owns."""
+        h = staged.handoff
+        if len(h.blocks) != len(dst_blocks):
+            self._count("failures")
+            raise HandoffError(f"lease of {len(h.blocks)} blocks for {len(dst_blocks)} destination blocks")
+        if dst_blocks:
+            scatter_blocks(self.target, self.draft, staged.bufs, dst_blocks)
+            if self.target.device.type == "cuda":  # allocated on the fetch thread's stream: freed after this copy
+                for b in staged.bufs:
+                    b.record_stream(torch.cuda.current_stream(self.target.device))
+        with self._lock:
+            self.stats["imports"] += 1
+            self.stats["positions"] += h.num_tokens
 
     def copy(self, h: Handoff, dst_blocks: list[int]) -> None:
-        """Receive the lease's blocks into dst_blocks of this worker's caches (both halves). Raises
-        HandoffError when that cannot be done; then nothing received may be read."""
-        with self._lock:
-            try:
-                nblk = len(h.blocks)
-                if nblk != len(dst_blocks) or nblk != len(h.epochs):
-                    raise HandoffError(f"lease of {nblk} blocks for {len(dst_blocks)} destination blocks")
-                if nblk == 0:
-                    return
-                pair = self._pair(h)
-                pair.tag += 1
-                blocks, epochs = [int(b) for b in h.blocks], [int(e) for e in h.epochs]
-                self.control.send_lease(h.exporter_address, h.exporter_id, pair.nonce, h.lease_id, blocks, epochs,
-                                        pair.tag, seal(self.mac, "send", h.exporter_id, pair.nonce, int(h.lease_id),
-                                                       blocks, epochs, pair.tag))
-                try:  # the exporter said it sends: receive, or the pair is out of step and goes
-                    recv_blocks(pair.group, self.target, self.draft, dst_blocks, pair.tag, self.timeout_s)
-                except Exception as e:  # noqa: BLE001
-                    self.forget(h.exporter_id)
-                    raise HandoffError(f"receive failed: {type(e).__name__}: {str(e)[:200]}") from None
-                self.stats["imports"] += 1
-                self.stats["positions"] += h.num_tokens
-            except PairLost:
-                self.stats["failures"] += 1
-                self.forget(h.exporter_id)
-                raise
-            except HandoffError:
-                self.stats["failures"] += 1
-                raise
-            except Exception as e:  # noqa: BLE001  a control call that failed in an unforeseen way
-                self.stats["failures"] += 1
-                self.forget(h.exporter_id)
-                raise HandoffError(f"{type(e).__name__}: {e}") from None
+        """Receive the lease's blocks into dst_blocks of this worker's caches (both halves): fetch, then apply.
+        Raises HandoffError when that cannot be done; then nothing received may be read."""
+        if len(h.blocks) != len(dst_blocks):
+            self._count("failures")
+            raise HandoffError(f"lease of {len(h.blocks)} blocks for {len(dst_blocks)} destination blocks")
+        self.apply(self.fetch(h), dst_blocks)
 
     def close(self) -> None:
-        for k in list(self._pairs):
+        with self._lock:
+            exporters = list(self._pairs)
+        for k in exporters:
             self.forget(k)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import threading
 import time
 
 import pytest
@@ -180,6 +181,39 @@ def test_a_send_naming_another_leases_blocks_is_refused_and_every_lease_goes_on(
     _check_blocks(peer, [7, 2, 4], [0, 1, 3])
     assert imp.stats["pairs_dropped"] == dropped
     assert call("release", ha.lease_id) is True and call("release", hb.lease_id) is True
+
+
+def test_fetches_from_several_threads_keep_the_pairs_order_and_write_no_cache_block(peer):
+    """The asynchronous form: fetches on threads of their own share one pair (serialized per exporter, so each
+    receive matches its own SendLease), receive into staging buffers only (the caches stay untouched), and each
+    apply writes its own lease's blocks bit-exact into the blocks it is given."""
+    imp, call = peer["imp"], peer["call"]
+    peer["target"].zero_()
+    peer["draft"].zero_()
+    srcs = [[0, 5], [3], [7, 1, 6], [2, 4]]
+    dsts = [[9, 0], [4], [1, 8, 2], [3, 5]]
+    leases = [call("lease", src) for src in srcs]
+    opened, staged, errors = imp.stats["pairs_opened"], {}, []
+
+    def fetch(k: int) -> None:
+        try:
+            staged[k] = imp.fetch(leases[k])
+        except Exception as e:  # noqa: BLE001  reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=fetch, args=(k,)) for k in range(len(leases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and len(staged) == len(leases)
+    assert not peer["target"].any() and not peer["draft"].any()  # nothing written before the apply
+    for k in (2, 0, 3, 1):  # applied in any order, each into its own blocks
+        imp.apply(staged[k], dsts[k])
+    for src, dst, h in zip(srcs, dsts, leases):
+        _check_blocks(peer, src, dst)
+        assert call("release", h.lease_id) is True
+    assert imp.stats["pairs_opened"] == opened
 
 
 def test_no_pair_without_the_cluster_secret(peer):

@@ -95,16 +95,9 @@ def graph_us(calls: list, reps: int = 10) -> float:
 
 
 def spec(v: str, n_out: int = 0, k_in: int = 0, fp8: bool = False) -> dict[str, int]:
-    """"skinny:16-128-2-6" -> the tile's arguments; "skinny" -> the engine's tile for an [n_out, k_in] weight. A fifth
-    field, "skinny:16-128-2-6-2", is the K step's accumulators (skinny_gemm.ACC_SPLIT; the engine's without it)."""
-    if ":" not in v:
-        n, k, w, s = sg.tile(n_out, k_in, fp8)
-        return {"block_n": n, "block_k": k, "num_warps": w, "num_stages": s}
-    parts = [int(p) for p in v.split(":")[1].split("-")]
-    out = dict(zip(("block_n", "block_k", "num_warps", "num_stages"), parts[:4]))
-    if len(parts) == 5:
-        out["acc_split"] = parts[4]
-    return out
+    """"skinny:16-128-2-6" -> the tile's arguments; "skinny" -> the engine's tile for an [n_out, k_in] weight."""
+    n, k, w, s = (int(p) for p in v.split(":")[1].split("-")) if ":" in v else sg.tile(n_out, k_in, fp8)
+    return {"block_n": n, "block_k": k, "num_warps": w, "num_stages": s}
 
 
 def call(variant: str, x: torch.Tensor, w: sg.Weight, wt: torch.Tensor | None):

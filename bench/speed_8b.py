@@ -320,9 +320,6 @@ def main() -> None:
     ap.add_argument("--rope-in-attention", choices=("on", "off"), default="on" if qkv_rope.IN_ATTENTION else "off",
                     help="the fused layer's q/k norms, RoPE and cache write inside the paged attention's launch "
                          "(qkv_rope.IN_ATTENTION; other bits than off's, the same in every path)")
-    ap.add_argument("--acc-split", type=int, choices=(1, 2, 4), default=skinny_gemm.ACC_SPLIT,
-                    help="independent accumulators a K step of the few-row kernel (skinny_gemm.ACC_SPLIT; other "
-                         "bits than 1's, the same in every path)")
     ap.add_argument("--out", default="bench/results/speed_8b.json")
     a = ap.parse_args()
     extra = tuple(inductor_option(o) for o in a.inductor_option)
@@ -332,7 +329,6 @@ def main() -> None:
     sections = set(a.sections.split(","))
     skinny_gemm.FP8_BITS = a.fp8_widen == "bits"
     qkv_rope.IN_ATTENTION = a.rope_in_attention == "on"
-    skinny_gemm.ACC_SPLIT = a.acc_split
     res: dict = {"bench": "speed_8b", "config": a.config, "dtype": "bfloat16", "weights": "dummy",
                  "command": command_line("flashpd.bench.speed_8b")}
 
@@ -370,7 +366,6 @@ def main() -> None:
     res["inductor_extra"] = dict(extra)
     res["fp8_widen"] = "bits" if skinny_gemm.FP8_BITS else "triton"
     res["rope_in_attention"] = qkv_rope.IN_ATTENTION
-    res["acc_split"] = skinny_gemm.ACC_SPLIT
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     embed = target.embed_tokens.weight

@@ -46,12 +46,6 @@ WIDE_N = 8192
 # docs/results.md); at the bf16 tiles, q/k/v, o_proj, down and the fc were slower in fp8 than in bf16
 TILE_FP8 = (32, 256, 4, 4)
 SWIGLU_STAGES = 4  # `fused_tile`'s pipeline depth for the SwiGLU form
-# A K step's independent accumulators (bf16 / fp16 weights): 1 sums a program's whole BLOCK_K into one fp32 tile;
-# S > 1 splits it into S slices of BLOCK_K / S columns, each into its own tile, added in order after the loop. A
-# warp of the narrow tile holds one 8-column MMA tile, so with one accumulator its MMAs form a single dependent
-# chain (8 a K step at BLOCK_K 128); S chains can overlap. Like the tile, a function of nothing but the weight's
-# kind: a row's bits stay the same alone and among 16, and every form shares the loop.
-ACC_SPLIT = 1
 
 
 def available() -> bool:
@@ -108,34 +102,11 @@ if triton is not None:
                                          dtype=tl.bfloat16, is_pure=True, pack=4)
 
     @triton.jit
-    def _k_slice(x_base, w_base, k, K, rk, m_ok, w_ok, acc, EVEN_K: tl.constexpr, WQ: tl.constexpr,
-                 ROWWISE: tl.constexpr, F32: tl.constexpr):
-        """acc plus the product of x's and w's columns k .. k + len(rk) (masked past K): one slice of a K step."""
-        if EVEN_K:
-            a = tl.load(x_base + k, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_base + k, mask=w_ok[:, None], other=0.0)
-        else:
-            k_ok = (k + rk) < K
-            a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + k, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-        if WQ == 2:
-            w = _e4m3_to_bf16(w)
-        elif WQ:
-            w = w.to(a.dtype)
-        if ROWWISE:
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-        elif F32:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-        return acc
-
-    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym, ss_ptr, P, eps, r_ptr, srm, g_ptr, xg_ptr,
                        sso_ptr, s_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                        F32: tl.constexpr, ROWWISE: tl.constexpr, RMS: tl.constexpr, SWIGLU: tl.constexpr,
                        RESID: tl.constexpr, NEXT: tl.constexpr, P_PAD: tl.constexpr, WQ: tl.constexpr,
-                       PDL: tl.constexpr, SPLIT: tl.constexpr = 1):
+                       PDL: tl.constexpr):
         """One program: y[:M, n0:n0+BN] over all of K. F32: fp32 inputs, multiplied in fp32 (no tf32). ROWWISE
         (the interpreter only): a broadcast product summed along K, as paged_attention._dot explains.
         The fused layer's forms (`fused_linear`), all in the epilogue, so the K loop stays the plain one:
@@ -149,14 +120,12 @@ if triton is not None:
         bf16 and fp16 value), and the fp32 sums are multiplied by their rows' scales after the loop, before any
         other epilogue step (`Fp8Weight`); WQ 2 (bf16 on a GPU, FP8_BITS): widened by bits (`_e4m3_to_bf16`).
         PDL (triton_env's comment): wait at the top, let the next kernel launch
-        after the K loop, so it starts in this kernel's tail. SPLIT (ACC_SPLIT): a K step's slices of BK / SPLIT
-        columns each summed into its own accumulator, the accumulators added in order after the loop."""
+        after the K loop, so it starts in this kernel's tail."""
         pid = tl.program_id(0)
         rm = tl.arange(0, BM)
         rn = pid * BN + tl.arange(0, BN)
         pdl_wait(PDL)
-        HK: tl.constexpr = BK // SPLIT  # the columns of one accumulator's slice of a K step
-        rk = tl.arange(0, HK)
+        rk = tl.arange(0, BK)
         m_ok = rm < M
         n_ok = rn < N
         if RMS:  # loaded before the loop, summed after it (on an H200 faster in the step than after the loop)
@@ -186,23 +155,25 @@ if triton is not None:
             else:
                 w_scale = tl.load(s_ptr + rn, mask=w_ok, other=0.0)
         acc = tl.zeros([BM, WN], tl.float32)
-        if SPLIT >= 2:
-            acc1 = tl.zeros([BM, WN], tl.float32)
-        if SPLIT >= 4:
-            acc2 = tl.zeros([BM, WN], tl.float32)
-            acc3 = tl.zeros([BM, WN], tl.float32)
         for k in range(0, K, BK):
-            acc = _k_slice(x_base, w_base, k, K, rk, m_ok, w_ok, acc, EVEN_K, WQ, ROWWISE, F32)
-            if SPLIT >= 2:
-                acc1 = _k_slice(x_base, w_base, k + HK, K, rk, m_ok, w_ok, acc1, EVEN_K, WQ, ROWWISE, F32)
-            if SPLIT >= 4:
-                acc2 = _k_slice(x_base, w_base, k + 2 * HK, K, rk, m_ok, w_ok, acc2, EVEN_K, WQ, ROWWISE, F32)
-                acc3 = _k_slice(x_base, w_base, k + 3 * HK, K, rk, m_ok, w_ok, acc3, EVEN_K, WQ, ROWWISE, F32)
+            if EVEN_K:
+                a = tl.load(x_base + k, mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_base + k, mask=w_ok[:, None], other=0.0)
+            else:
+                k_ok = (k + rk) < K
+                a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + k, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+            if WQ == 2:
+                w = _e4m3_to_bf16(w)
+            elif WQ:
+                w = w.to(a.dtype)
+            if ROWWISE:
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            elif F32:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
         pdl_release(PDL)
-        if SPLIT == 2:
-            acc = acc + acc1
-        if SPLIT >= 4:
-            acc = (acc + acc1) + (acc2 + acc3)
         if WQ:
             acc = acc * w_scale[None, :]
         if RMS:
@@ -277,22 +248,16 @@ def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int, num_stages: int,
-           w_scale: torch.Tensor | None = None, acc_split: int | None = None) -> torch.Tensor:
+           w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= 16, K] (rows contiguous), w [N, K] (rows contiguous) -> x @ w.T [M, N] in x's dtype; w_scale:
-    w is fp8 with these row scales (`Fp8Weight`); acc_split: the K step's accumulators (None: `acc_split_of`)."""
-    return launch_fused(x, w, block_n, block_k, num_warps, num_stages, w_scale=w_scale, acc_split=acc_split)[0]
-
-
-def acc_split_of(w: torch.Tensor) -> int:
-    """A weight's accumulators a K step (ACC_SPLIT): bf16 / fp16 weights; fp8 ones keep one (their tile was
-    chosen so)."""
-    return 1 if _is_fp8(w) else ACC_SPLIT
+    w is fp8 with these row scales (`Fp8Weight`)."""
+    return launch_fused(x, w, block_n, block_k, num_warps, num_stages, w_scale=w_scale)[0]
 
 
 def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, num_warps: int, num_stages: int,
                  ss: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
                  residual: torch.Tensor | None = None, g_next: torch.Tensor | None = None,
-                 w_scale: torch.Tensor | None = None, acc_split: int | None = None
+                 w_scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`launch` -> (y, None, None), or a fused form (`fused_linear` says what each computes): ss [M, P] fp32
     partial sums of squares (x then holds the stream times its norm's weight); swiglu, w is [gate; up] and the
@@ -310,9 +275,6 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
     assert g_next is None or (residual is not None and g_next.shape == (n,) and g_next.is_contiguous())
     if w.numel() > MAX_WEIGHT_ELEMENTS:
         raise ValueError(f"a weight of {w.numel()} elements is past the kernel's int32 indexing")
-    split = acc_split_of(w) if acc_split is None else acc_split
-    if split not in (1, 2, 4) or block_k % split or block_k // split < 16:
-        raise ValueError(f"acc_split {split}: 1, 2 or 4 slices of at least 16 of the tile's {block_k} columns")
     y = x.new_empty((m, n))
     programs = triton.cdiv(n, block_n)
     xg = torch.empty_like(y) if g_next is not None else None
@@ -325,7 +287,7 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
         y if w_scale is None else w_scale,
         BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
         ROWWISE=INTERPRET, RMS=ss is not None, SWIGLU=swiglu, RESID=residual is not None, NEXT=g_next is not None,
-        P_PAD=max(16, triton.next_power_of_2(p)), WQ=_fp8_mode(x, w_scale), SPLIT=split, num_warps=num_warps,
+        P_PAD=max(16, triton.next_power_of_2(p)), WQ=_fp8_mode(x, w_scale), num_warps=num_warps,
         num_stages=num_stages,
         **triton_env.pdl_args(x.device))
     return y, xg, sso

@@ -54,43 +54,6 @@ def rows_do_not_depend_on_the_row_count(sg: ModuleType, dev: str, dtype: torch.d
         assert torch.equal(sg.skinny_linear(x[3:10], w), full[3:10]), (n, k)
 
 
-def split_accumulators_keep_the_kernels_contract(sg: ModuleType, dev: str) -> None:
-    """With a K step split into 2 or 4 accumulators (ACC_SPLIT) the kernel still equals F.linear to rounding, each
-    row of a 16-row call is bitwise the row alone and among 7, and the residual form is bitwise the residual plus
-    the plain product: every path takes the same split, so DFlash's verify still writes a decode's bits."""
-    # under the interpreter (minutes a case) fp32 on the smaller shapes: the bitwise checks there are exact
-    shapes, dtypes = (SHAPES, (torch.float32, torch.bfloat16)) if dev == "cuda" else (SHAPES[:3], (torch.float32,))
-    for split in (2, 4):
-        for i, (m, n, k) in enumerate(shapes):
-            for dtype in dtypes:
-                x, w = operands(dev, dtype, 16, n, k, seed=30 + i)
-                bn, bk, nw, ns = sg.tile(n, k)
-                full = sg.launch(x, w, bn, bk, nw, ns, acc_split=split)
-                tol = 1e-5 if dtype == torch.float32 else 1e-2
-                torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), rtol=tol, atol=tol)
-                for r in (0, 15):
-                    assert torch.equal(sg.launch(x[r:r + 1], w, bn, bk, nw, ns, acc_split=split), full[r:r + 1])
-                assert torch.equal(sg.launch(x[3:10], w, bn, bk, nw, ns, acc_split=split), full[3:10])
-                res = operands(dev, dtype, 16, n, 1, seed=40 + i)[1].view(1, n).expand(16, n).contiguous()
-                g = torch.ones(n, device=dev, dtype=dtype)
-                h = sg.launch_fused(x, w, bn, bk, nw, ns, residual=res, g_next=g, acc_split=split)[0]
-                want = (full.float() + res.float()).to(dtype)
-                if sg.INTERPRET and dtype != torch.float32:  # its bf16 casts truncate (fused_forms_match_the_steps)
-                    torch.testing.assert_close(h.float(), want.float(), rtol=2 ** -7, atol=0)
-                else:
-                    assert torch.equal(h, want), (split, n, k, dtype)
-        saved = sg.ACC_SPLIT
-        try:  # the module's switch reaches the engine's calls
-            sg.ACC_SPLIT = split
-            x, w = operands(dev, torch.bfloat16, 3, 72, 256, seed=50)
-            assert torch.equal(sg.skinny_linear(x, w), sg.launch(x, w, *sg.tile(72, 256), acc_split=split))
-        finally:
-            sg.ACC_SPLIT = saved
-    x, w = operands(dev, torch.float32, 1, 40, 256, seed=51)
-    with pytest.raises(ValueError, match="acc_split"):
-        sg.launch(x, w, 16, 128, 2, 6, acc_split=3)
-
-
 def compiled_op_is_the_eager_op(sg: ModuleType, dev: str) -> None:
     """Under torch.compile the op is one opaque call that gives the eager bits, at two row counts."""
     fn = torch.compile(lambda a, b: sg.skinny_linear(a, b) * 2.0, fullgraph=True,
@@ -376,7 +339,6 @@ for _dt in (torch.float32, torch.bfloat16):
         lambda sg, dev, dt=_dt: fused_rows_do_not_depend_on_the_row_count(sg, dev, dt))
     CASES[f"fp8-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: fp8_weights_match_their_values(sg, dev, dt)
 CASES["compiled"] = compiled_op_is_the_eager_op
-CASES["acc-split"] = split_accumulators_keep_the_kernels_contract
 CASES["dispatch"] = the_engine_takes_it_for_few_low_precision_rows_on_cuda
 CASES["fused-compiled"] = fused_compiled_ops_are_the_eager_ops
 CASES["fused-dispatch"] = fused_dispatch

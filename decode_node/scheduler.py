@@ -69,6 +69,12 @@ class Scheduler(EngineScheduler):
             return super()._submit_load(req)
         req.handoff_load = True
         self._fetching.append(req)
+        try:  # a lease that cannot be this prompt's is refused before its KV crosses the network
+            _check_lease(req, req.handoff)
+        except HandoffError as e:
+            refused: Future = Future()
+            refused.set_exception(e)
+            return refused
         return self._importers().submit(self.handoff.fetch, req.handoff)
 
     def _importers(self) -> ThreadPoolExecutor:
@@ -146,10 +152,7 @@ class Scheduler(EngineScheduler):
         """Check that the lease holds this request's prompt, then allocate the prompt's blocks here."""
         s, alloc = r.seq, self.runner.allocator
         n = len(s.prompt)
-        if h.num_tokens != n or s.forced_first is None or s.table.blocks or s.output:
-            raise HandoffError(f"lease of {h.num_tokens} positions for a {n}-token prompt")
-        if h.prompt_digest != prompt_digest(s.prompt):
-            raise HandoffError("lease of another prompt (its digest differs from this request's)")
+        _check_lease(r, h)
         alloc.ensure(s.table, n)
         if len(h.blocks) != len(s.table.blocks):
             raise HandoffError(f"lease of {len(h.blocks)} blocks; the prompt takes {len(s.table.blocks)} here")
@@ -183,6 +186,16 @@ class Scheduler(EngineScheduler):
             time.sleep(HOLD_POLL_S)
         self.stats.prefill_holds += 1
         self.stats.prefill_hold_ms += (time.perf_counter() - t0) * 1e3
+
+
+def _check_lease(r: Request, h: Handoff) -> None:
+    """The lease holds this fresh request's prompt: its length and digest (HandoffError otherwise)."""
+    s = r.seq
+    n = len(s.prompt)
+    if h.num_tokens != n or s.forced_first is None or s.table.blocks or s.output:
+        raise HandoffError(f"lease of {h.num_tokens} positions for a {n}-token prompt")
+    if h.prompt_digest != prompt_digest(s.prompt):
+        raise HandoffError("lease of another prompt (its digest differs from this request's)")
 
 
 def _fetched(fut: Future):

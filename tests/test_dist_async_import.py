@@ -248,3 +248,24 @@ def test_both_import_forms_equal_a_cold_run(pair, link, async_import):
     assert sorted(ln.released) == sorted(leases)
     for r, p in zip(reqs, ps):
         _exact(pair, r, p, sp)
+
+
+def test_a_lease_of_another_prompt_is_refused_before_any_transfer(pair, link):
+    """A request carrying another prompt's lease (same length, another digest) falls back without a SendLease: no KV
+    crosses the network for it, its lease is released once, and it is computed here exactly."""
+    ln = link(timeout_s=30.0)
+    sched = ln.sched
+    free0 = sched.runner.allocator.num_free
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    mine = _prompts(1, 61)[0]
+    theirs = list(reversed(mine))  # same length, another prompt
+    res, own = ln.prefill(theirs, sp), ln.prefill(mine, sp)
+    ln.pw.release(own.handoff.lease_id)  # only its first token is used
+    r = sched.add(mine, sp, "dflash", first_token=own.first_token, handoff=res.handoff)
+    _drain(sched)
+    assert ln.dx.stats["sends"] == 0 and ln.imp.stats["pairs_opened"] == 0
+    assert sched.stats.handoff_imports == 0
+    assert any(k.startswith("lease of another prompt") for k in sched.handoff.fallbacks), sched.handoff.fallbacks
+    assert ln.released == [res.handoff.lease_id]
+    _exact(pair, r, mine, sp)
+    assert sched.runner.allocator.num_free == free0

@@ -46,11 +46,8 @@ WIDE_N = 8192
 # columns by 256 with 4 warps and 4 stages on five of the drafter's six shapes (bench/gemm_shapes.py --weights fp8,
 # docs/results.md); at the bf16 tiles, q/k/v, o_proj, down and the fc were slower in fp8 than in bf16
 TILE_FP8 = (32, 256, 4, 4)
-# a wide fp8 weight's tile (more than WIDE_N rows: the heads, gate/up) when x is quantized too (FP8_ACTIVATIONS):
-# wgmma takes 64 weight rows a warpgroup at least, so a 4,096-row weight would have 64 programs, and on an H100 those
-# streamed at 0.31-0.35 of the copy rate against the widening form's 0.58-0.71; at this tile the LM head streamed at
-# 0.95 against 0.84 (bench/gemm_shapes.py --weights fp8, docs/results.md)
-TILE_FP8_A8 = (128, 256, 8, 3)
+# an fp8 weight's tile when x is quantized too (FP8_ACTIVATIONS): wgmma takes 64 weight rows a warpgroup at least
+TILE_FP8_A8 = (64, 256, 4, 4)
 SWIGLU_STAGES = 4  # `fused_tile`'s pipeline depth for the SwiGLU form
 
 
@@ -62,7 +59,7 @@ def tile(n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int]:
     """The tile for a weight of n rows and k columns (fp8: float8 e4m3, `Fp8Weight`): a function of the weight
     alone, so of no row count."""
     if fp8:
-        return TILE_FP8_A8 if FP8_ACTIVATIONS and n > WIDE_N else TILE_FP8
+        return TILE_FP8_A8 if FP8_ACTIVATIONS else TILE_FP8
     return TILE_WIDE if n > WIDE_N else TILE_NARROW
 
 
@@ -321,22 +318,21 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
         y if w_scale is None else w_scale,
         BM=BLOCK_M, BN=block_n, BK=block_k, EVEN_K=k % block_k == 0, F32=x.dtype == torch.float32,
         ROWWISE=INTERPRET, RMS=ss is not None, SWIGLU=swiglu, RESID=residual is not None, NEXT=g_next is not None,
-        P_PAD=max(16, triton.next_power_of_2(p)),
-        WQ=_fp8_mode(x, w_scale, (2 * block_n if swiglu else block_n) >= 16 * num_warps), num_warps=num_warps,
+        P_PAD=max(16, triton.next_power_of_2(p)), WQ=_fp8_mode(x, w_scale), num_warps=num_warps,
         num_stages=num_stages,
         **triton_env.pdl_args(x.device))
     return y, xg, sso
 
 
-def _fp8_mode(x: torch.Tensor, w_scale: torch.Tensor | None, wgmma_rows: bool) -> int:
+def _fp8_mode(x: torch.Tensor, w_scale: torch.Tensor | None) -> int:
     """The kernel's WQ: 0 a bf16/fp16/fp32 weight; 3 an fp8 one times x quantized to e4m3 (FP8_ACTIVATIONS: bf16
-    calls on sm_90 or later, and under the interpreter, which emulates it, at a tile of at least 64 weight rows a
-    warpgroup, wgmma_rows: TILE_FP8_A8); 2 an fp8 one widened by bits (bf16 on a GPU, FP8_BITS); 1 an fp8 one
-    widened by triton's conversion (the interpreter, whose numpy cannot run PTX; fp16 and fp32 calls)."""
+    calls on sm_90 or later, and under the interpreter, which emulates it); 2 an fp8 one widened by bits (bf16 on a
+    GPU, FP8_BITS); 1 an fp8 one widened by triton's conversion (the interpreter, whose numpy cannot run PTX; fp16
+    and fp32 calls)."""
     if w_scale is None:
         return 0
     bf16 = x.dtype == torch.bfloat16
-    if FP8_ACTIVATIONS and wgmma_rows and bf16 and (INTERPRET or _fp8_tensor_cores(x.device)):
+    if FP8_ACTIVATIONS and bf16 and (INTERPRET or _fp8_tensor_cores(x.device)):
         return 3
     return 2 if FP8_BITS and bf16 and not INTERPRET else 1
 

@@ -17,7 +17,6 @@ from tokenizers import Tokenizer
 
 from flashpd.bench.common import write_json
 from flashpd.demo import PAIR
-from flashpd.engine import skinny_gemm
 from flashpd.engine.drafter import load_drafter
 from flashpd.engine.loader import load_target
 from flashpd.engine.token_map import load_token_map
@@ -34,9 +33,6 @@ def main() -> None:
                                         "python -m flashpd.training.token_map): tau under it, output still exact")
     ap.add_argument("--draft-quantization", choices=["fp8"], help="the drafter's few-row passes in this weight "
                                                                    "format (DFlashDrafter.quantize): tau under it")
-    ap.add_argument("--fp8-activations", choices=("on", "off"), default="on" if skinny_gemm.FP8_ACTIVATIONS else "off",
-                    help="with --draft-quantization fp8: x quantized to e4m3 too on sm_90 "
-                         "(skinny_gemm.FP8_ACTIVATIONS; off: the weights widened to bf16)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--prompts", type=int, default=16)
@@ -44,7 +40,6 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/demo_pair_eval.json")
     a = ap.parse_args()
-    skinny_gemm.FP8_ACTIVATIONS = a.fp8_activations == "on"
     pair = Path(a.pair)
     target = load_target(pair / "target", a.device, getattr(torch, a.dtype))
     drafter = load_drafter(a.drafter or pair / "drafter", target)
@@ -63,7 +58,6 @@ def main() -> None:
     payload = {"bench": "demo_eval", "pair": str(a.pair), "drafter": a.drafter, "device": a.device, "dtype": a.dtype, "block_size": 16,
                "token_map": a.token_map, "draft_vocab": None if drafter.hot_ids is None else drafter.hot_ids.numel(),
                "draft_quantization": a.draft_quantization,
-               "fp8_activations": skinny_gemm.FP8_ACTIVATIONS if a.draft_quantization == "fp8" else None,
                "max_tokens": a.max_tokens, "prompts": rows, "tau_mean": statistics.mean(taus),
                "tau_geomean": statistics.geometric_mean(taus),
                "tau_64_mean": statistics.mean(r["tau_64"] for r in rows), "exact": f"{sum(r['exact'] for r in rows)}/{len(rows)}",
@@ -71,8 +65,7 @@ def main() -> None:
                           f"--prompts {a.prompts} --max-tokens {a.max_tokens} --seed {a.seed}"
                           + (f" --drafter {a.drafter}" if a.drafter else "")
                           + (f" --token-map {a.token_map}" if a.token_map else "")
-                          + (f" --draft-quantization {a.draft_quantization} --fp8-activations {a.fp8_activations}"
-                             if a.draft_quantization else "")
+                          + (f" --draft-quantization {a.draft_quantization}" if a.draft_quantization else "")
                           + f" --out {a.out}"}
     write_json(Path(a.out), payload)
     print(f"tau mean {payload['tau_mean']:.2f} (geomean {payload['tau_geomean']:.2f}, first 64 tokens "

@@ -167,11 +167,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--variants", default="cublas,cublas_nn,skinny,gemv:8-512-4-4")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
-    ap.add_argument("--fp8-activations", choices=("on", "off"), default="on" if sg.FP8_ACTIVATIONS else "off",
-                    help="with --weights fp8: x quantized to e4m3 too on sm_90 (skinny_gemm.FP8_ACTIVATIONS)")
     ap.add_argument("--out", default="bench/results/gemm_shapes.json")
     a = ap.parse_args()
-    sg.FP8_ACTIVATIONS = a.fp8_activations == "on"
     rows = [int(r) for r in a.rows.split(",")]
     variants = a.variants.split(",")
     fp8 = a.weights == "fp8"
@@ -223,8 +220,7 @@ def main() -> None:
         del ws, wts
         torch.cuda.empty_cache()
     write_json(a.out, {"bench": "gemm_shapes", "command": command_line("flashpd.bench.gemm_shapes"),
-                       "weights": a.weights, "fp8_activations": sg.FP8_ACTIVATIONS, "copy_bandwidth": copy,
-                       "results": results})
+                       "weights": a.weights, "copy_bandwidth": copy, "results": results})
 
 
 if __name__ == "__main__":

@@ -317,10 +317,6 @@ def main() -> None:
     ap.add_argument("--fp8-widen", choices=("bits", "triton"), default="bits" if skinny_gemm.FP8_BITS else "triton",
                     help="how the few-row kernel's fp8 forms widen e4m3 to bf16 (skinny_gemm.FP8_BITS; an A/B for "
                          "--draft-quantizations fp8)")
-    ap.add_argument("--fp8-activations", choices=("on", "off"), default="on" if skinny_gemm.FP8_ACTIVATIONS else "off",
-                    help="the fp8 forms also quantize x to e4m3 on sm_90 and multiply e4m3 by e4m3 "
-                         "(skinny_gemm.FP8_ACTIVATIONS; off: widen the weight to bf16; an A/B for "
-                         "--draft-quantizations fp8)")
     ap.add_argument("--rope-in-attention", choices=("on", "off"), default="on" if qkv_rope.IN_ATTENTION else "off",
                     help="the fused layer's q/k norms, RoPE and cache write inside the paged attention's launch "
                          "(qkv_rope.IN_ATTENTION; other bits than off's, the same in every path)")
@@ -332,7 +328,6 @@ def main() -> None:
         raise SystemExit("speed_8b needs a CUDA GPU")
     sections = set(a.sections.split(","))
     skinny_gemm.FP8_BITS = a.fp8_widen == "bits"
-    skinny_gemm.FP8_ACTIVATIONS = a.fp8_activations == "on"
     qkv_rope.IN_ATTENTION = a.rope_in_attention == "on"
     res: dict = {"bench": "speed_8b", "config": a.config, "dtype": "bfloat16", "weights": "dummy",
                  "command": command_line("flashpd.bench.speed_8b")}
@@ -370,7 +365,6 @@ def main() -> None:
                   "release_max_rows": triton_env.PDL_RELEASE_MAX_ROWS}
     res["inductor_extra"] = dict(extra)
     res["fp8_widen"] = "bits" if skinny_gemm.FP8_BITS else "triton"
-    res["fp8_activations"] = skinny_gemm.FP8_ACTIVATIONS
     res["rope_in_attention"] = qkv_rope.IN_ATTENTION
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())

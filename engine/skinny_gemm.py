@@ -22,7 +22,6 @@ A layer is then 7 launches, not 10: the two norms and the SwiGLU product have no
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -46,8 +45,6 @@ WIDE_N = 8192
 # columns by 256 with 4 warps and 4 stages on five of the drafter's six shapes (bench/gemm_shapes.py --weights fp8,
 # docs/results.md); at the bf16 tiles, q/k/v, o_proj, down and the fc were slower in fp8 than in bf16
 TILE_FP8 = (32, 256, 4, 4)
-# an fp8 weight's tile when x is quantized too (FP8_ACTIVATIONS): wgmma takes 64 weight rows a warpgroup at least
-TILE_FP8_A8 = (64, 256, 4, 4)
 SWIGLU_STAGES = 4  # `fused_tile`'s pipeline depth for the SwiGLU form
 
 
@@ -59,7 +56,7 @@ def tile(n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int]:
     """The tile for a weight of n rows and k columns (fp8: float8 e4m3, `Fp8Weight`): a function of the weight
     alone, so of no row count."""
     if fp8:
-        return TILE_FP8_A8 if FP8_ACTIVATIONS else TILE_FP8
+        return TILE_FP8
     return TILE_WIDE if n > WIDE_N else TILE_NARROW
 
 
@@ -94,10 +91,6 @@ lop3.b32 t, t, h, sgn, 0xF8;
 fma.rn.bf16x2 $1, t, two120, sgn;
 }"""
 FP8_BITS = True  # bf16 calls widen their fp8 tiles by E4M3_TO_BF16_ASM (False: triton's conversion)
-# bf16 calls with an fp8 weight on a GPU with e4m3 tensor cores (sm_90) quantize x too, a scale per row and K tile
-# (`quantize_x`), and multiply e4m3 by e4m3 (WQ 3, vLLM's dynamic fp8): nothing to widen in the loop. Draft passes
-# only: a draft's rounding moves guesses, never the verified output.
-FP8_ACTIVATIONS = True
 
 if triton is not None:
     _E4M3_TO_BF16 = tl.constexpr(E4M3_TO_BF16_ASM)
@@ -107,17 +100,6 @@ if triton is not None:
         """An e4m3 tile, widened to bf16 by E4M3_TO_BF16_ASM (the same values as w.to(tl.bfloat16))."""
         return tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
                                          dtype=tl.bfloat16, is_pure=True, pack=4)
-
-    @triton.jit
-    def _e4m3_grid(v):
-        """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32: what the GPU's
-        cvt.rn.satfinite gives, in fp32 arithmetic for the interpreter, whose own fp32 -> e4m3 conversion does not
-        carry a rounded-up mantissa into the exponent (124.3 comes out as 64). Normal range: the fp32 bits rounded
-        to 3 mantissa bits; below 2^-6, steps of 2^-9 (rint by adding and taking away 2^23)."""
-        bits = v.to(tl.int32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-        sub = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0) / 512.0
-        return tl.where(tl.abs(v) < 0.015625, tl.where(v < 0, -sub, sub), normal)
 
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym, ss_ptr, P, eps, r_ptr, srm, g_ptr, xg_ptr,
@@ -173,7 +155,6 @@ if triton is not None:
             else:
                 w_scale = tl.load(s_ptr + rn, mask=w_ok, other=0.0)
         acc = tl.zeros([BM, WN], tl.float32)
-        acc_t = tl.zeros([WN, BM], tl.float32)  # WQ 3 on a GPU: the swapped product's sums (w is wgmma's A)
         for k in range(0, K, BK):
             if EVEN_K:
                 a = tl.load(x_base + k, mask=m_ok[:, None], other=0.0)
@@ -182,29 +163,17 @@ if triton is not None:
                 k_ok = (k + rk) < K
                 a = tl.load(x_base + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + k, mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-            if WQ == 3:  # x's tile to e4m3, a scale per row (its largest magnitude to FP8_MAX), as `quantize_x`
-                af = a.to(tl.float32)
-                amax = tl.max(tl.abs(af), 1)
-                a_scale = tl.where(amax > 0, amax / 448.0, 1.0)
-                af = tl.minimum(tl.maximum(af * (1.0 / a_scale)[:, None], -448.0), 448.0)
-                if ROWWISE:
-                    acc += tl.sum(_e4m3_grid(af)[:, None, :] * w.to(tl.float32)[None, :, :], 2) * a_scale[:, None]
-                else:  # e4m3 x e4m3 on the tensor cores: rows are wgmma's N (16), weight rows its M (>= 64)
-                    acc_t += tl.dot(w, tl.trans(af.to(tl.float8e4nv))) * a_scale[None, :]
+            if WQ == 2:
+                w = _e4m3_to_bf16(w)
+            elif WQ:
+                w = w.to(a.dtype)
+            if ROWWISE:
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            elif F32:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
             else:
-                if WQ == 2:
-                    w = _e4m3_to_bf16(w)
-                elif WQ:
-                    w = w.to(a.dtype)
-                if ROWWISE:
-                    acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-                elif F32:
-                    acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, tl.trans(w), acc)
+                acc = tl.dot(a, tl.trans(w), acc)
         pdl_release(PDL)
-        if WQ == 3 and not ROWWISE:
-            acc = tl.trans(acc_t)
         if WQ:
             acc = acc * w_scale[None, :]
         if RMS:
@@ -325,35 +294,11 @@ def launch_fused(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, n
 
 
 def _fp8_mode(x: torch.Tensor, w_scale: torch.Tensor | None) -> int:
-    """The kernel's WQ: 0 a bf16/fp16/fp32 weight; 3 an fp8 one times x quantized to e4m3 (FP8_ACTIVATIONS: bf16
-    calls on sm_90 or later, and under the interpreter, which emulates it); 2 an fp8 one widened by bits (bf16 on a
-    GPU, FP8_BITS); 1 an fp8 one widened by triton's conversion (the interpreter, whose numpy cannot run PTX; fp16
-    and fp32 calls)."""
+    """The kernel's WQ: 0 a bf16/fp16/fp32 weight; 2 an fp8 one widened by bits (bf16 on a GPU, FP8_BITS); 1 an fp8
+    one widened by triton's conversion (the interpreter, whose numpy cannot run PTX; fp16 and fp32 calls)."""
     if w_scale is None:
         return 0
-    bf16 = x.dtype == torch.bfloat16
-    if FP8_ACTIVATIONS and bf16 and (INTERPRET or _fp8_tensor_cores(x.device)):
-        return 3
-    return 2 if FP8_BITS and bf16 and not INTERPRET else 1
-
-
-@functools.cache
-def _fp8_tensor_cores(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def quantize_x(x: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What WQ 3 multiplies: x [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / block_k)]), each row's block of
-    block_k columns scaled so that its largest magnitude maps to FP8_MAX (an all-zero block keeps scale 1) and
-    rounded to nearest. The kernel sums each block's e4m3 products in fp32 and adds them times the block's scale
-    (tests compare against this)."""
-    m, k = x.shape
-    blocks = -(-k // block_k)
-    xf = torch.nn.functional.pad(x.float(), (0, blocks * block_k - k)).view(m, blocks, block_k)
-    amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (xf * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(m, -1)[:, :k], scale
+    return 2 if FP8_BITS and x.dtype == torch.bfloat16 and not INTERPRET else 1
 
 
 def fused_tile(w: torch.Tensor, swiglu: bool) -> tuple[int, int, int, int]:

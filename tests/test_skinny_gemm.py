@@ -72,15 +72,10 @@ def the_engine_takes_it_for_few_low_precision_rows_on_cuda(sg: ModuleType, dev: 
     assert not sg.applies(cpu, torch.bfloat16, 1, head)
     assert not sg.applies(cuda, torch.bfloat16, 1, 2 ** 31)  # past int32 offsets: cuBLAS
     assert sg.tile(151936, 4096) == sg.TILE_WIDE and sg.tile(4096, 12288) == sg.TILE_NARROW
+    assert sg.tile(151936, 4096, fp8=True) == sg.tile(4096, 12288, fp8=True) == sg.TILE_FP8
     w8 = torch.zeros(64, 32, dtype=torch.float8_e4m3fn)
-    saved = sg.FP8_ACTIVATIONS
-    try:
-        for sg.FP8_ACTIVATIONS, t in ((True, sg.TILE_FP8_A8), (False, sg.TILE_FP8)):
-            assert sg.tile(151936, 4096, fp8=True) == sg.tile(4096, 12288, fp8=True) == t
-            assert sg.fused_tile(w8, False) == t and sg.fused_tile(w8, True)[:3] == (t[0] // 2, t[1], t[2])
-    finally:
-        sg.FP8_ACTIVATIONS = saved
-    assert sg.TILE_FP8_A8[0] // 2 >= 32 and sg.TILE_FP8_A8[2] == 4  # SwiGLU's 2 * BN/2 rows: wgmma's 64 a warpgroup
+    assert sg.fused_tile(w8, False) == sg.TILE_FP8 and sg.fused_tile(w8, True)[:3] == (
+        sg.TILE_FP8[0] // 2, sg.TILE_FP8[1], sg.TILE_FP8[2])
 
 
 def fused_operands(dev: str, dtype: torch.dtype, m: int, n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
@@ -286,94 +281,6 @@ def fp8_weights_match_their_values(sg: ModuleType, dev: str, dtype: torch.dtype)
             assert torch.equal(a, f[r:r + 1]), (r, j)
 
 
-def dequantized_x(sg: ModuleType, x: torch.Tensor, block_k: int) -> torch.Tensor:
-    """x as WQ 3 multiplies it, in fp32: each block's e4m3 values times the block's scale (`quantize_x`)."""
-    q, s = sg.quantize_x(x, block_k)
-    return q.float() * s.repeat_interleave(block_k, 1)[:, :x.shape[1]]
-
-
-def fp8_activations_match_quantize_x(sg: ModuleType, dev: str) -> None:
-    """With FP8_ACTIVATIONS (bf16 calls on sm_90, and here under the interpreter), every form multiplies x as
-    `quantize_x` gives it: equal, within bf16's rounding, to the same form in fp32 on the dequantized x and
-    weight, and not to the form on the bf16 x (the e4m3 rounding of x is larger than the tolerance: the check
-    sees it). quantize_x maps each block's largest magnitude to FP8_MAX, keeps zero blocks at scale 1 and stays
-    within e4m3's relative step; a row's bits are the same alone and among 16, as with every form."""
-    assert sg.FP8_ACTIVATIONS and sg.tile(4096, 4096, fp8=True) == sg.TILE_FP8_A8
-    x = torch.randn(3, 300) * torch.logspace(-3, 2, 3)[:, None]
-    x[1, 256:] = 0  # a zero block: scale 1
-    q, s = sg.quantize_x(x.to(dev), 256)
-    assert q.shape == (3, 300) and s.shape == (3, 2) and float(s[1, 1]) == 1.0
-    assert torch.equal(q.float().abs().amax(1).cpu(), torch.full((3,), sg.FP8_MAX))
-    back = dequantized_x(sg, x.to(dev), 256).cpu()
-    assert float(((back - x).abs() / x.abs().amax(1, keepdim=True)).max()) <= 1 / 16
-    tol = 1e-2
-    for i, (m, n, k) in enumerate(SHAPES[:3]):
-        o = fused_operands(dev, torch.bfloat16, m, n, k, seed=80 + i)
-        w8, w28 = sg.quantize_fp8(o["w"]), sg.quantize_fp8(o["w2"])
-        wide, wide2 = w8.dequantize(torch.float32), w28.dequantize(torch.float32)
-        bk = sg.tile(n, k, fp8=True)[1]
-        xq = dequantized_x(sg, o["h"], bk)
-        got, ref = sg.skinny_linear(o["h"], w8).float(), F.linear(xq.double(), wide.double()).float()
-        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
-        unquantized = F.linear(o["h"].double(), wide.double()).float()
-        assert not torch.allclose(unquantized, ref, rtol=tol, atol=tol), (m, n, k)
-        xg, ss = sg.norm_input(o["h"], o["g"])
-        xgq = dequantized_x(sg, xg, bk)
-        torch.testing.assert_close(sg.fused_linear(xg, w8, ss, 1e-6).float(),
-                                   sg.fused_linear(xgq, wide, ss, 1e-6), rtol=tol, atol=tol)
-        torch.testing.assert_close(sg.fused_linear(xg, w28, ss, 1e-6, swiglu=True).float(),
-                                   sg.fused_linear(xgq, wide2, ss, 1e-6, swiglu=True), rtol=4 * tol, atol=4 * tol)
-        h, _, _ = sg.fused_residual(o["h"], w8, o["r"], o["g_next"])
-        torch.testing.assert_close(h.float(), o["r"].float() + ref, rtol=4 * tol, atol=4 * tol)
-    o = fused_operands(dev, torch.bfloat16, 16, 72, 300, seed=90)
-    w8, w28 = sg.quantize_fp8(o["w"]), sg.quantize_fp8(o["w2"])
-    xg, ss = sg.norm_input(o["h"], o["g"])
-    full = (sg.skinny_linear(o["h"], w8), sg.fused_linear(xg, w28, ss, 1e-6, swiglu=True),
-            *sg.fused_residual(o["h"], w8, o["r"], o["g_next"]))
-    for r in (0, 9):
-        alone = (sg.skinny_linear(o["h"][r:r + 1], w8), sg.fused_linear(xg[r:r + 1], w28, ss[r:r + 1], 1e-6,
-                                                                           swiglu=True),
-                 *sg.fused_residual(o["h"][r:r + 1], w8, o["r"][r:r + 1], o["g_next"]))
-        for j, (a, f) in enumerate(zip(alone, full)):
-            assert torch.equal(a, f[r:r + 1]), (r, j)
-
-
-def e4m3_grid_rounds_as_torch(sg: ModuleType, dev: str) -> None:
-    """The interpreter's rounding to e4m3 (`_e4m3_grid`, WQ 3 under ROWWISE) is torch's fp32 -> float8_e4m3fn
-    (to nearest, ties to even, subnormals kept) on every finite e4m3 value, every midpoint between neighbours (the
-    ties), and a value just above and below each midpoint. On a GPU it is not what the kernel runs (cvt does)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def grid(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < n
-        tl.store(out_ptr + i, engine_sg._e4m3_grid(tl.load(v_ptr + i, mask=ok, other=0.0)), mask=ok)
-
-    codes = torch.arange(256, dtype=torch.int32)
-    values = codes[(codes & 0x7F) != 0x7F].to(torch.uint8).view(torch.float8_e4m3fn).float().unique()
-    mids = (values[1:] + values[:-1]) / 2
-    v = torch.cat([values, mids, torch.nextafter(mids, values[1:]), torch.nextafter(mids, values[:-1])]).to(dev)
-    out = torch.empty_like(v)
-    grid[(triton.cdiv(v.numel(), 256),)](v, out, v.numel(), BLOCK=256)
-    want = v.to(torch.float8_e4m3fn).float()
-    bad = (out != want).nonzero()[:5].flatten().tolist()
-    assert not bad, [(float(v[i]), float(out[i]), float(want[i])) for i in bad]
-
-
-def weights_only(case: Callable[..., None]) -> Callable[..., None]:
-    """`case` with FP8_ACTIVATIONS off: the forms that widen an fp8 weight and multiply x as it is."""
-    def run(sg: ModuleType, dev: str, *args: object) -> None:
-        saved = sg.FP8_ACTIVATIONS
-        sg.FP8_ACTIVATIONS = False
-        try:
-            case(sg, dev, *args)
-        finally:
-            sg.FP8_ACTIVATIONS = saved
-    return run
-
-
 def fp8_compiled_ops_are_the_eager_ops(sg: ModuleType, dev: str) -> None:
     """Compiled with Fp8Weight arguments (a NamedTuple, as the draft runner's compiled functions get them), the
     plain and fused ops are the eager calls, bitwise."""
@@ -430,7 +337,7 @@ for _dt in (torch.float32, torch.bfloat16):
     CASES[f"fused-forms-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: fused_forms_match_the_steps(sg, dev, dt)
     CASES[f"fused-invariance-{str(_dt)[6:]}"] = (
         lambda sg, dev, dt=_dt: fused_rows_do_not_depend_on_the_row_count(sg, dev, dt))
-    CASES[f"fp8-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: weights_only(fp8_weights_match_their_values)(sg, dev, dt)
+    CASES[f"fp8-{str(_dt)[6:]}"] = lambda sg, dev, dt=_dt: fp8_weights_match_their_values(sg, dev, dt)
 CASES["compiled"] = compiled_op_is_the_eager_op
 CASES["dispatch"] = the_engine_takes_it_for_few_low_precision_rows_on_cuda
 CASES["fused-compiled"] = fused_compiled_ops_are_the_eager_ops
@@ -438,10 +345,7 @@ CASES["fused-dispatch"] = fused_dispatch
 CASES["fused-engine"] = the_engine_fuses_its_decode_layers
 CASES["fp8-scales"] = fp8_row_scales_follow_the_rows
 CASES["fp8-compiled"] = fp8_compiled_ops_are_the_eager_ops
-CASES["fp8-codes"] = weights_only(fp8_every_code_widens_to_its_value)
-CASES["fp8-compiled-weights-only"] = weights_only(fp8_compiled_ops_are_the_eager_ops)
-CASES["fp8-activations"] = fp8_activations_match_quantize_x
-CASES["e4m3-grid"] = e4m3_grid_rounds_as_torch
+CASES["fp8-codes"] = fp8_every_code_widens_to_its_value
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -524,7 +428,6 @@ def test_the_e4m3_to_bf16_text_widens_every_finite_code_exactly() -> None:
 
 FP8_LAUNCHES = r'''
 from flashpd.engine import skinny_gemm as sg
-sg.FP8_ACTIVATIONS = False
 w8 = sg.quantize_fp8(torch.randn(512, 4096))
 for dt in (torch.bfloat16, torch.float16):
     sg.launch(torch.empty(1, 4096, dtype=dt), w8.data, *sg.tile(512, 4096, fp8=True), w_scale=w8.scale)
@@ -544,35 +447,3 @@ def test_the_fp8_launch_widens_bf16_calls_by_bits_and_fp16_calls_by_conversion()
     assert 0 < bf16["shared"] <= 227 * 1024
     assert bf16["ptx"].count("fma.rn.bf16x2") >= 2 and "cvt.bf16.f16" not in bf16["ptx"]
     assert "cvt.rn.f16x2.e4m3x2" in fp16["ptx"] and "fma.rn.bf16x2" not in fp16["ptx"]
-
-
-A8_LAUNCHES = r'''
-from flashpd.engine import skinny_gemm as sg
-sg._fp8_tensor_cores = lambda device: True  # as on an sm_90 GPU (the launch runs on CPU tensors here)
-w8, w28 = sg.quantize_fp8(torch.randn(512, 4096)), sg.quantize_fp8(torch.randn(1024, 4096))
-x = torch.empty(16, 4096, dtype=torch.bfloat16)
-sg.launch(x, w8.data, *sg.tile(512, 4096, fp8=True), w_scale=w8.scale)
-ss = torch.empty(16, 1)
-sg.launch_fused(x, w28.data, *sg.fused_tile(w28.data, True), ss=ss, eps=1e-6, swiglu=True, w_scale=w28.scale)
-sg.launch_fused(x, w8.data, *sg.fused_tile(w8.data, False), residual=torch.empty(16, 512, dtype=torch.bfloat16),
-                g_next=torch.empty(512, dtype=torch.bfloat16), w_scale=w8.scale)
-sg.launch(x.half(), w8.data, *sg.tile(512, 4096, fp8=True), w_scale=w8.scale)
-'''
-
-
-def test_the_fp8_activation_launch_multiplies_e4m3_on_the_tensor_cores() -> None:
-    """With FP8_ACTIVATIONS, a bf16 launch on an sm_90 device (the plain, SwiGLU and residual forms) builds WQ 3,
-    whose PTX quantizes x (cvt to e4m3x2) and multiplies by wgmma with e4m3 operands, widens no weight and fits
-    an H100/H200's shared memory; an fp16 call keeps WQ 1."""
-    pytest.importorskip("triton")
-    from _launch_path import compile_launches
-    *a8, fp16 = compile_launches(A8_LAUNCHES)
-    assert fp16["constexprs"]["WQ"] == "1"
-    bn, bk, warps, _ = engine_sg.TILE_FP8_A8
-    for built, cols in zip(a8, (bn, bn // 2, bn)):
-        assert built["constexprs"]["WQ"] == "3"
-        assert (built["constexprs"]["BN"], built["constexprs"]["BK"], built["num_warps"]) == (str(cols), str(bk), warps)
-        assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in built["ptx"]
-        assert "mma.sync" not in built["ptx"] and "fma.rn.bf16x2" not in built["ptx"]
-        assert "cvt.rn.satfinite.e4m3x2.f32" in built["ptx"]
-        assert 0 < built["shared"] <= 227 * 1024 and "ld.local" not in built["ptx"]

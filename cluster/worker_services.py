@@ -49,6 +49,8 @@ class PrefillHost:
         self._lock = threading.Lock()
         self._waiting_lock = threading.Lock()  # waiting changes on many threads (running only under _lock)
         self._capacity = runner.allocator.num_free
+        self._releases: list[int] = []  # leases to free at the next moment the lock is free (`release`)
+        self._releases_lock = threading.Lock()
         self.waiting = 0
         self.running = 0
         self.prefills = 0
@@ -67,6 +69,7 @@ class PrefillHost:
             self._count_waiting(-1)
         try:
             self.running += 1
+            self._free_released()  # their blocks first, for this prompt
             if self.delay_s:
                 time.sleep(self.delay_s)
             res = self.worker.prefill(prompt, params)
@@ -74,26 +77,58 @@ class PrefillHost:
             return res
         finally:
             self.running -= 1
-            self._lock.release()
+            self._free_released()
+            self._unlock()
 
     def release(self, exporter_id: str, lease_id: int) -> bool:
-        """Free a device-path lease (the decode worker is done with it); under the runner's lock, as the
-        allocator is not thread-safe."""
+        """Free a device-path lease (the decode worker is done with it). The allocator is not thread-safe, so
+        the blocks are freed under the runner's lock: now if it is free, else by the prefill holding it, as it
+        ends. The call never waits for a running prefill (a Release RPC would hold a server thread that long,
+        and enough of them would starve Prefill and Health). True: the lease was live and will be freed."""
         ex = self.worker.exporter
-        if ex is None or exporter_id != ex.exporter_id:
+        if ex is None or exporter_id != ex.exporter_id or not ex.holds(lease_id):
             return False
-        with self._lock:
-            return self.worker.release(lease_id)
+        with self._releases_lock:
+            self._releases.append(lease_id)
+        self._free_released_if_idle()
+        return True
 
     def expire(self) -> int:
-        """Free leases past their deadline (a decode worker that died or never came)."""
+        """Free leases past their deadline (a decode worker that died or never came), and released ones
+        still waiting for the lock."""
         ex = self.worker.exporter
         if ex is None or not ex.held or not self._lock.acquire(timeout=POLL_S):
             return 0
         try:
+            self._free_released()
             return ex.expire()
         finally:
-            self._lock.release()
+            self._unlock()
+
+    def _unlock(self) -> None:
+        self._lock.release()
+        self._free_released_if_idle()
+
+    def _free_released(self) -> int:
+        """Under the lock: free every lease `release` queued (one expired meanwhile is already free)."""
+        with self._releases_lock:
+            ids, self._releases = self._releases, []
+        return sum(bool(self.worker.release(i)) for i in ids)
+
+    def _free_released_if_idle(self) -> None:
+        """Free queued releases if the lock can be had without waiting. Called after each release of the lock
+        too (`_unlock`), so a lease queued while the lock's holder was ending is not left for the next prefill or
+        expiry pass."""
+        while True:
+            with self._releases_lock:
+                if not self._releases:
+                    return
+            if not self._lock.acquire(blocking=False):
+                return  # its holder frees them as it ends
+            try:
+                self._free_released()
+            finally:
+                self._lock.release()
 
     def _count_waiting(self, d: int) -> None:
         with self._waiting_lock:
@@ -108,7 +143,7 @@ class PrefillHost:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"prefill worker busy for {timeout_s:g} s")
         if not active():
-            self._lock.release()
+            self._unlock()
             raise CallEnded
 
 

@@ -242,6 +242,11 @@ class CacheExporter:
         with self._lock:
             return len(self._leases)
 
+    def holds(self, lease_id: int) -> bool:
+        """Whether the lease is live (given, not yet released or expired); thread-safe, touches no block."""
+        with self._lock:
+            return lease_id in self._leases
+
 
 class CacheImporter:
     """The decode side: maps each exporter's caches once, copies a lease's blocks into its own caches."""

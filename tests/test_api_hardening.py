@@ -324,6 +324,44 @@ def test_a_prefill_whose_call_ended_while_waiting_never_runs():
     assert ran == [[1]] and host.running == 0
 
 
+def test_a_lease_release_never_waits_for_a_running_prefill():
+    """A Release RPC during a long prefill returns at once (it used to wait for the runner's lock, holding a
+    server thread for the whole prefill; enough of them starve Prefill and Health). The blocks are still freed
+    only under the lock (the allocator is not thread-safe): by the prefill as it ends, or at once when the
+    worker is idle. An unknown lease or another exporter's id is refused at once, and nothing is freed twice."""
+    go, freed = threading.Event(), []
+    live = {7, 8}
+
+    def prefill(prompt, params):
+        go.wait(10)
+        return "result"
+
+    def release(lease_id):
+        freed.append((lease_id, host._lock.locked()))
+        live.discard(lease_id)
+        return True
+
+    exporter = SimpleNamespace(exporter_id="ex-a", holds=lambda i: i in live, held=2, expire=lambda: 0)
+    runner = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=8)), max_positions=64,
+                             allocator=SimpleNamespace(num_free=4), kv_block_size=16)
+    host = PrefillHost(SimpleNamespace(prefill=prefill, release=release, exporter=exporter), runner, None)
+    busy = threading.Thread(target=host.prefill, args=([1], SamplingParams(), 10.0))
+    busy.start()
+    wait_until(lambda: host.running == 1, "the prefill to run", timeout_s=5)
+    answers: list[bool] = []
+    caller = threading.Thread(target=lambda: answers.append(host.release("ex-a", 7)))
+    caller.start()
+    caller.join(1.0)
+    assert not caller.is_alive() and answers == [True], "Release waited for the running prefill"
+    assert host.release("ex-a", 99) is False and host.release("ex-b", 8) is False
+    assert freed == []  # not while the prefill holds the runner
+    go.set()
+    busy.join(5)
+    assert freed == [(7, True)]
+    assert host.release("ex-a", 8) is True and freed == [(7, True), (8, True)]  # idle: freed before it returns
+    assert host.release("ex-a", 8) is False and len(freed) == 2
+
+
 # ---- mode "local": router + bridge, prefill and decode worker processes ---------------------------
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -408,7 +408,9 @@ class DistImporter:
         self.importer_id = uuid.uuid4().hex
         self._pairs: dict[str, _ImportPair] = {}
         self._lock = threading.Lock()  # the dicts below and the stats (fetches run on several threads)
-        self._exporter_locks: dict[str, threading.Lock] = {}  # per exporter: one transfer at a time (see above)
+        # per exporter: one transfer at a time (see above); an entry [lock, fetches holding or waiting for it] lives
+        # only while a fetch of that exporter does, so ids of exporters long gone (restarts) leave nothing behind
+        self._exporter_locks: dict[str, list] = {}
         self.stats = dict(imports=0, failures=0, positions=0, pairs_opened=0, pairs_dropped=0)
 
     def peer_busy(self, stale_s: float) -> bool:  # noqa: ARG002  (the device path's same-GPU hold: not here)
@@ -418,9 +420,20 @@ class DistImporter:
         with self._lock:
             self.stats[key] += n
 
-    def _exporter_lock(self, exporter_id: str) -> threading.Lock:
+    @contextlib.contextmanager
+    def _exporter_turn(self, exporter_id: str) -> Iterator[None]:
+        """Hold exporter_id's transfer lock: that exporter's fetches run one at a time."""
         with self._lock:
-            return self._exporter_locks.setdefault(exporter_id, threading.Lock())
+            entry = self._exporter_locks.setdefault(exporter_id, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._exporter_locks[exporter_id]
 
     def _pair(self, h: Handoff) -> _ImportPair:
         """The pair with h's exporter, opened (OpenPair, its store, the group's formation: all bounded) when there is
@@ -472,7 +485,7 @@ class DistImporter:
                 return Staged(h, [])
             on_device = torch.cuda.device(self.target.device) if self.target.device.type == "cuda" else \
                 contextlib.nullcontext()  # a pool thread's current device is not the engine's
-            with self._exporter_lock(h.exporter_id), on_device:
+            with self._exporter_turn(h.exporter_id), on_device:
                 return Staged(h, self._transfer(h))
         except HandoffError:
             self._count("failures")

@@ -214,6 +214,20 @@ def test_fetches_from_several_threads_keep_the_pairs_order_and_write_no_cache_bl
         _check_blocks(peer, src, dst)
         assert call("release", h.lease_id) is True
     assert imp.stats["pairs_opened"] == opened
+    assert imp._exporter_locks == {}  # the per-exporter locks live only while a fetch does
+
+
+def test_fetches_naming_exporters_that_are_gone_leave_no_lock_behind(peer):
+    """A fetch whose exporter id this cluster no longer has (a prefill worker restarted: a new id each start)
+    fails, and its per-exporter lock goes with it: the table does not grow with every id ever seen."""
+    imp, call = peer["imp"], peer["call"]
+    h = call("lease", [1])
+    failures = imp.stats["failures"]
+    for i in range(20):
+        with pytest.raises(HandoffError):
+            imp.fetch(dataclasses.replace(h, exporter_id=f"gone-{i}"))
+    assert imp.stats["failures"] == failures + 20 and imp._exporter_locks == {}
+    assert call("release", h.lease_id) is True
 
 
 def test_no_pair_without_the_cluster_secret(peer):

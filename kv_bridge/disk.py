@@ -3,7 +3,9 @@
 A file appears under its key's name only once it is complete: bytes go to a hidden temp file,
 are fsynced, then hard-linked (or renamed) into place, so a crash mid-write leaves at most a
 temp file that the next start deletes. The index is rebuilt by scanning the directory, so a
-restarted process sees every entry; LRU order is the files' mtime, touched on every hit.
+restarted process sees every entry; LRU order is the files' mtime (touched on every hit), with each
+file's header read for its parent so that a prompt's leading chunks stay more recent than its tail
+across a restart too (DiskStore._rebuild).
 A file is trusted no more than bytes off the network: every read checks its MAC (under the store's
 cluster secret), header and key, and a file that fails is deleted and read as a miss (counted in
 `corrupt_dropped`). A file written under another secret (another service start, or an older chunk
@@ -25,8 +27,8 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
-from flashpd.kv_bridge.auth import ClusterSecret
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, peek_parent
+from flashpd.kv_bridge.auth import MAC_BYTES, ClusterSecret
+from flashpd.kv_bridge.chunk import PREFIX, CorruptChunk, KVChunk, peek_parent
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.shm import write_all
 from flashpd.kv_bridge.lru import ChainLRU
@@ -59,19 +61,34 @@ class DiskStore(IndexedStore):
         self._scan()
 
     def _scan(self) -> None:
-        found = []
-        for entry in os.scandir(self.directory):
-            if entry.name.startswith(_TMP_PREFIX):  # an interrupted write: never visible
-                _unlink(entry.path)
-                self._c["temp_files_removed"] += 1
-            elif entry.is_file(follow_symlinks=False) and _KEY_RE.match(entry.name):
-                st = entry.stat(follow_symlinks=False)
-                found.append((st.st_mtime_ns, entry.name, st.st_size))
-        for _, name, size in sorted(found):
-            self._index[name] = size
-            self._bytes += size
+        found: list[tuple[int, str, int, str | None]] = []
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if entry.name.startswith(_TMP_PREFIX):  # an interrupted write: never visible
+                    _unlink(entry.path)
+                    self._c["temp_files_removed"] += 1
+                    continue
+                try:
+                    if not (entry.is_file(follow_symlinks=False) and _KEY_RE.match(entry.name)):
+                        continue
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:  # gone since the listing (another process's eviction), or not statable: no entry
+                    continue
+                found.append((st.st_mtime_ns, entry.name, st.st_size, _header_parent(entry.path)))
+        self._rebuild(found)
         with self._lock:
             self._evict_to(0)  # the budget may have shrunk since the last run
+
+    def _rebuild(self, found: list[tuple[int, str, int, str | None]]) -> None:
+        """The index from the scan's (mtime, key, size, parent), in the order the running store keeps
+        (_restart_order says why mtimes alone are not that order). Parents come from headers not yet verified:
+        they only order eviction, and a read verifies the bytes (and relearns the parent, _touch) before
+        anything is served."""
+        size = {name: n for _, name, n, _ in found}
+        self._parent = {name: p for _, name, _, p in found if p}
+        for name in _restart_order(found):
+            self._index[name] = size[name]
+            self._bytes += size[name]
 
     def _path(self, key: str) -> Path:
         return self.directory / key
@@ -115,6 +132,8 @@ class DiskStore(IndexedStore):
             return PutResult.STORED
         except OSError as e:  # disk full, EIO, a directory gone: refused, counted, logged; never raised
             with self._lock:
+                if key not in self._index:  # a link (or stat) that failed after _link: its parent leaves with it
+                    self._parent.pop(key, None)
                 self._c["write_errors"] += 1
                 n = self._c["write_errors"]
             if _sparse(n):
@@ -180,9 +199,9 @@ class DiskStore(IndexedStore):
         return data
 
     def _touch(self, key: str, parent: str | None) -> None:
-        """A hit: the entry and its prompt's chunks before it become the most recent (its parent learned here
-        after a restart, whose scan reads no headers). A restart rebuilds the order from mtimes, the entry's
-        own only."""
+        """A hit: the entry and its prompt's chunks before it become the most recent (its parent confirmed from
+        verified bytes: a restart's scan read it unverified). Only the entry's own mtime is touched; a restart
+        rebuilds the chain order from mtimes and parents (_restart_order)."""
         with self._lock:
             if parent and key in self._index:  # not one evicted since its read: _parent holds held keys only
                 if self._parent.get(key) != parent:
@@ -429,6 +448,63 @@ class TieredStore:
             own = dict(self._c, disk_pending_entries=len(self._pending), disk_pending_bytes=self._pending_bytes,
                        disk_queue_bytes=self.queue_bytes)
         return {**own, "memory": self.memory.stats(), "disk": self.disk.stats()}
+
+
+def _header_parent(path: str) -> str | None:
+    """The parent key a chunk file's header names ("" for a prompt's first chunk), read without verifying
+    anything (only the fixed prefix and the header); None when the file holds no readable chunk header."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(PREFIX.size)
+            if len(prefix) < PREFIX.size:
+                return None
+            _, _, hl = PREFIX.unpack(prefix)
+            if hl > size - PREFIX.size - MAC_BYTES:
+                return None
+            return peek_parent(prefix + f.read(hl))
+    except (OSError, ValueError):
+        return None
+
+
+def _restart_order(found: list[tuple[int, str, int, str | None]]) -> list[str]:
+    """The scanned keys, least recent first, as the running store ordered them: a hit or put of a chunk freshens
+    its prompt's chunks before it, the first chunk last (store.freshen), but touches only its own file. By
+    mtimes alone a prompt's FIRST chunk (put and read first) was the least recent, so the first eviction after a
+    restart cut a prompt at its head, leaving the rest held and unreachable, and a put extending a prompt
+    evicted that prompt's own prefix. Here a chunk's recency is the newest mtime of it and every held chunk after
+    it in a prompt, ties broken deeper first (a prompt's tail is evicted before its head); and chains no hit can
+    reach (a held chunk whose parent is not held, an unreadable header, a parent loop) go first of all.
+    O(N log N): no chain is walked twice."""
+    mtime = {name: t for t, name, _, _ in found}
+    parent = {name: p for _, name, _, p in found}
+    depth: dict[str, int] = {}
+    reach: dict[str, bool] = {}
+    for start in parent:
+        path: list[str] = []
+        on_path: set[str] = set()
+        k, base, ok = start, -1, False
+        while True:
+            if k in depth:
+                base, ok = depth[k], reach[k]
+                break
+            if k not in parent or k in on_path:  # an ancestor not held, or a loop: no hit reaches this chain
+                break
+            path.append(k)
+            on_path.add(k)
+            p = parent[k]
+            if not p:  # "": a prompt's first chunk; None: a header that cannot be read
+                ok = p == ""
+                break
+            k = p
+        for i, n in enumerate(reversed(path)):
+            depth[n], reach[n] = base + 1 + i, ok
+    recent = dict(mtime)
+    for n in sorted(parent, key=lambda n: -depth[n]):  # children before parents: a chain's max flows up once
+        p = parent[n]
+        if p and p in recent and depth[p] < depth[n]:
+            recent[p] = max(recent[p], recent[n])
+    return sorted(parent, key=lambda n: (reach[n], recent[n], -depth[n], n))
 
 
 def _publish(tmp: Path, final: Path) -> bool:

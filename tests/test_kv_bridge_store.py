@@ -184,8 +184,8 @@ def test_a_prompt_longer_than_the_budget_keeps_its_leading_chunks(tmp_path, tier
 
 
 def test_disk_learns_parents_after_a_restart(tmp_path):
-    """A restart's scan reads no headers: a hit teaches an entry's parent, and from then on the prompt's leading
-    chunks stay more recent than its tail."""
+    """After a restart a hit (re)learns an entry's parent from its verified bytes, and from then on the prompt's
+    leading chunks stay more recent than its tail."""
     n = _size()
     fp = fingerprint()
     a = prompt_chunks(list(range(4 * CHUNK_TOKENS)), fp, seed=4)
@@ -202,6 +202,131 @@ def test_disk_learns_parents_after_a_restart(tmp_path):
 
 
 # -- disk tier ----------------------------------------------------------------------------------
+def _put_in_order(store: DiskStore, chunks, t0: int = 0) -> None:
+    """Put each chunk and give its file a distinct, increasing mtime (what puts seconds apart leave)."""
+    for i, c in enumerate(chunks):
+        assert store.put(c)
+        os.utime(store.directory / c.key, ns=(10**18 + (t0 + i) * 10**9,) * 2)
+
+
+def test_disk_restart_keeps_a_prompts_head_and_protects_its_prefix(tmp_path):
+    """After a restart the order comes from mtimes, where a prompt's first chunk (put and read first) is the
+    oldest file: eviction cut every prompt at its head, leaving its other chunks held but unreachable, and a put
+    extending a prompt evicted that prompt's own first chunk. The scan reads each header's parent so the order
+    is the running store's: the tail goes first, and an extending put that could only evict its own prefix is
+    refused."""
+    n = _size()
+    fp = fingerprint()
+    a = prompt_chunks(list(range(6 * CHUNK_TOKENS)), fp, seed=11)
+    ka = [c.key for c in a]
+    _put_in_order(DiskStore(tmp_path / "x", 5 * n + n // 2), a[:5])
+    store = DiskStore(tmp_path / "x", 5 * n + n // 2)
+    assert not store.put(a[5]) and store.stats()["chain_refused"] == 1
+    assert store.lookup(ka) == _held(store, ka) == 5
+    _put_in_order(DiskStore(tmp_path / "y", 5 * n + n // 2), a[:5])
+    store = DiskStore(tmp_path / "y", 5 * n + n // 2)
+    b = prompt_chunks(list(range(500, 500 + CHUNK_TOKENS)), fp, seed=12)
+    assert store.put(b[0])
+    assert store.lookup(ka) == _held(store, ka) == 4  # A4 went, not A0
+    assert store.lookup([b[0].key]) == 1
+
+
+def test_disk_restart_evicts_unreachable_chunks_first(tmp_path):
+    """Chunks no hit can reach after a restart (their parent's file is gone, or their header is unreadable)
+    are evicted before any reachable chunk, even an older one."""
+    n = _size()
+    fp = fingerprint()
+    a = prompt_chunks(list(range(3 * CHUNK_TOKENS)), fp, seed=21)
+    b = prompt_chunks(list(range(700, 700 + 2 * CHUNK_TOKENS)), fp, seed=31)
+    first = DiskStore(tmp_path, 1 << 24)
+    _put_in_order(first, a)
+    _put_in_order(first, b, t0=10)  # B is the most recent prompt
+    (tmp_path / b[0].key).unlink()  # B1 is an orphan now
+    (tmp_path / "junk").write_bytes(b"not a chunk")  # a stray file under a key-like name
+    os.utime(tmp_path / "junk", ns=(10**18 + 50 * 10**9,) * 2)
+    store = DiskStore(tmp_path, 4 * n + n // 2)  # room for 4: A (3) and the orphan B1 fit, the junk too
+    c = prompt_chunks(list(range(900, 900 + 2 * CHUNK_TOKENS)), fp, seed=41)
+    assert store.put(c[0])  # the orphan B1 goes, though newer than all of A
+    assert not store.contains(b[1].key) and store.contains("junk")
+    assert store.lookup([x.key for x in a]) == 3 and store.lookup([c[0].key]) == 1
+    assert store.put(c[1])  # the junk goes first, then A's tail
+    assert not store.contains("junk") and not (tmp_path / "junk").exists()
+    assert store.lookup([x.key for x in a]) == 2 and store.lookup([x.key for x in c]) == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_disk_restart_rebuilds_the_running_order(tmp_path, seed):
+    """Prompts sharing prefixes, put in order and read (a prefix each), each file touched at a distinct time: a
+    restarted store's LRU order is the one the running store had."""
+    import random
+
+    rng = random.Random(seed)
+    fp = fingerprint()
+    store = DiskStore(tmp_path, 1 << 24)
+    clock = iter(range(10**18, 10**19, 10**9))
+    prompts = []
+    for i in range(8):
+        base = rng.choice(prompts)[:rng.randint(0, 3) * CHUNK_TOKENS] if prompts and rng.random() < 0.6 else []
+        tokens = base + [rng.randrange(50000) for _ in range(rng.randint(1, 4) * CHUNK_TOKENS)]
+        prompts.append(tokens)
+    chunks = {}
+    for _ in range(40):
+        tokens = rng.choice(prompts)
+        cs = prompt_chunks(tokens, fp, seed=rng.randrange(1000))
+        n = rng.randint(1, len(cs))
+        if rng.random() < 0.5:
+            for c in cs[:n]:
+                if c.key not in chunks:
+                    assert store.put(c)
+                    chunks[c.key] = c
+                    t = next(clock)
+                    os.utime(tmp_path / c.key, ns=(t, t))
+        else:
+            for c in cs[:n]:
+                if c.key not in chunks:
+                    break
+                assert store.get(c.key) is not None
+                t = next(clock)
+                os.utime(tmp_path / c.key, ns=(t, t))
+    again = DiskStore(tmp_path, 1 << 24)
+    assert list(again._index) == list(store._index)
+
+
+def test_disk_scan_survives_files_that_vanish_or_are_malformed(tmp_path, monkeypatch):
+    """Another process sharing the directory may evict a file between the scan's listing and its stat; an empty
+    or garbage file may sit under a key-like name: the store starts, and neither is ever served."""
+    store = DiskStore(tmp_path, 1 << 24)
+    for k in ("k1", "k2", "k3"):
+        store.put(make_chunk(k))
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "garbage").write_bytes(os.urandom(300))
+    real_scandir = os.scandir
+
+    def racing_scandir(path):
+        it = real_scandir(path)
+        listed = list(it)
+        it.close()
+        (tmp_path / "k2").unlink()  # evicted by another process after the listing
+
+        class _It:
+            def __enter__(self):
+                return iter(listed)
+
+            def __exit__(self, *exc):
+                return False
+
+            def __iter__(self):
+                return iter(listed)
+        return _It()
+
+    monkeypatch.setattr(os, "scandir", racing_scandir)
+    again = DiskStore(tmp_path, 1 << 24)
+    monkeypatch.undo()
+    assert again.lookup(["k1"]) == 1 and again.lookup(["k3"]) == 1 and not again.contains("k2")
+    assert again.get("empty") is None and again.get("garbage") is None
+    assert again.stats()["entries"] == 2 and again.get("k1") is not None
+
+
 def test_disk_survives_restart_byte_exact(tmp_path):
     chunks = [make_chunk(f"k{i}", dtype=dt, draft=d, seed=i) for i, (dt, d) in enumerate(VARIANTS)]
     store = DiskStore(tmp_path, 1 << 24)
@@ -270,6 +395,27 @@ def test_disk_file_that_cannot_be_read_is_a_miss_and_leaves_the_index(tmp_path):
     s = store.stats()
     assert (s["entries"], s["bytes"], s["misses"]) == (0, 0, 2)
     assert store.put(make_chunk("k2")) and store.get("k2") is not None  # the store goes on
+
+
+def test_disk_failed_publish_leaves_no_parent_entry(tmp_path, monkeypatch):
+    """A write that fails after its header's parent was recorded (the hard link into place: ENOSPC, EIO) is
+    refused; its parent record must go with it, or a disk that keeps failing grows the table without bound."""
+    import errno
+
+    store = DiskStore(tmp_path, 1 << 24)
+    chunks = prompt_chunks(list(range(20 * CHUNK_TOKENS)), fingerprint(), seed=51)
+    assert store.put(chunks[0])
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "link", no_space)
+    assert not any(store.put(c) for c in chunks[1:])
+    monkeypatch.undo()
+    assert store.stats()["write_errors"] == 19 and store.stats()["entries"] == 1
+    assert store._parent == {}
+    assert os.listdir(tmp_path) == [chunks[0].key]
+    assert store.put(chunks[1]) and store.lookup([c.key for c in chunks]) == 2
 
 
 def test_disk_rejects_keys_that_are_paths(tmp_path):

@@ -176,7 +176,11 @@ class PrefixCache:
         return True
 
     def publish(self, gen, seq: Sequence) -> int:
-        """Store the prompt's full chunks (both halves) not yet in the store; returns how many were put."""
+        """Store the prompt's full chunks (both halves) not yet in the store; returns how many were put. The
+        control (restore_draft=False) puts nothing: the draft halves it restored are zeros, and one evicted
+        since the restore would go back into the store as a full entry under the real fingerprint."""
+        if not self.restore_draft:
+            return 0
         return self.store_pending(self.collect(gen, seq))
 
     def collect(self, gen, seq: Sequence) -> Pending:
@@ -198,7 +202,9 @@ class PrefixCache:
     def store_pending(self, p: Pending) -> int:
         """The save's I/O half: the collected chunks the store does not hold yet, in order; returns how many
         were put. A native request's chunks (target K/V only) go to the target-only chain, unless full
-        entries already cover its prompt."""
+        entries already cover its prompt. The control puts nothing (`publish`)."""
+        if not self.restore_draft:
+            return 0
         fp = self.fingerprint
         keys = self._keys(p.prompt)
         if not p.with_draft and keys:

@@ -15,7 +15,7 @@ from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.kv_bridge.chunk import KVChunk
 from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys, weights_identity
-from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.prefix_cache import Pending, PrefixCache
 from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
@@ -192,6 +192,18 @@ def test_target_only_control_keeps_tokens_exact(setup):
     ctl = generate(spec_gen(target, drafter), prompts[:6], PARAMS * 6, prefix_cache=pc)
     assert pc.stats.hit_tokens > 0
     assert [s.output for s in ctl] == [s.output for s in cold]
+
+
+def test_the_control_never_writes_to_its_store(setup):
+    """The control's restored draft halves are zeros: it publishes nothing (were a chunk evicted after its
+    restore, it would go back as a full entry of zeroed drafter state under the real fingerprint)."""
+    target, drafter, fp, prompts = setup
+    store = DictStore()
+    pc = PrefixCache(store, fp, CHUNK, restore_draft=False)
+    generate(spec_gen(target, drafter), prompts[:3], PARAMS * 3, prefix_cache=pc)
+    assert not store.d and pc.stats.published_chunks == 0
+    # the scheduler's form (collect on the engine loop, store_pending on another thread) puts nothing either
+    assert pc.store_pending(Pending(list(prompts[0]), True, [torch.zeros(1)], [torch.zeros(1)])) == 0 and not store.d
 
 
 def _cold_and_hit(setup, publish_store, hit_store_factory, n: int = 20):

@@ -229,15 +229,25 @@ class BridgeClient:
         return merged
 
     def _put_stream(self, items: list[_PutItem], transport: Transport, t: float, channel: int) -> PutSummary:
-        """One Put stream of items (see _put) on one channel."""
+        """One Put stream of items (see _put) on one channel.
+
+        gRPC pulls frames() on a thread of its own, which may still be writing a segment when the call has
+        already failed (a deadline, the server gone): that segment is unlinked here once written, since the
+        cleanup below has run and the server never learns its name."""
         created: list[str] = []
+        lock = threading.Lock()
+        ended = [False]  # the call has returned: no segment written from now on is sent or cleaned up later
 
         def frames() -> Iterator[bytes]:
             for key, make_parts, seal, _ in items:
                 parts = make_parts()
                 if transport == "shm":
                     name = shm.write_segment(parts, shm.PUT_TAG)  # its writer's pid: see shm.PutLeftovers
-                    created.append(name)
+                    with lock:
+                        if ended[0]:
+                            shm.unlink_segment(name)
+                            return
+                        created.append(name)
                     size = sum(len(memoryview(p).cast("B")) for p in parts)
                     yield pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
                         key=key, offset=0, total_length=size, last=True,
@@ -249,7 +259,10 @@ class BridgeClient:
             with self._rpc("Put", t):
                 r = self._put_calls[channel](frames(), timeout=t)
         finally:
-            for name in created:  # taken by the server already, unless the call failed
+            with lock:
+                ended[0] = True
+                names = list(created)
+            for name in names:  # taken by the server already, unless the call failed
                 shm.unlink_segment(name)
         self._check_version("Put", r.version)
         return PutSummary(r.stored, r.duplicates, list(r.refused_keys), list(r.incomplete_keys), r.refused)

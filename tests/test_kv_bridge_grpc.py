@@ -599,3 +599,27 @@ def test_remote_store_put_many(bridge):
     chunks = [make_chunk(f"m{i}", seed=i) for i in range(6)]
     assert rs.put_many(chunks[:4]) == 4 and rs.put_many(chunks) == 6
     assert [c.key for c in rs.get_many([c.key for c in chunks])] == [c.key for c in chunks]
+
+
+@pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this machine")
+def test_a_shm_put_that_times_out_while_a_segment_is_written_leaves_no_segment(bridge, monkeypatch):
+    """gRPC reads the request stream on a thread of its own: a segment it is still writing when the call's
+    deadline passes was written after the client's cleanup, and its name never reached the server."""
+    from flashpd.kv_bridge import client as client_mod
+
+    real, written = shm.write_segment, []
+
+    def slow_second(data, tag=""):  # the second chunk is written while the deadline passes (a large chunk)
+        written.append(tag)
+        if len(written) == 2:
+            time.sleep(1.0)
+        return real(data, tag)
+
+    monkeypatch.setattr(client_mod.shm, "write_segment", slow_second)
+    before = set(shm.list_segments(os.getpid()))
+    with pytest.raises(BridgeTimeout, match="Put"):
+        bridge.client.put([make_chunk("t0", seed=0), make_chunk("t1", seed=1)], transport="shm", timeout_s=0.3)
+    assert len(written) == 2
+    time.sleep(1.5)  # the request thread has finished writing the second segment by now
+    assert set(shm.list_segments(os.getpid())) - before == set()
+    assert bridge.client.health()["serving"]

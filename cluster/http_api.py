@@ -31,13 +31,17 @@ as a `data: {"error": ...}` event before `data: [DONE]`.
 A request is cancelled in the backend (its KV blocks freed) whenever its response does not run to the
 end: the client disconnects (mid-stream: the stream task is cancelled; non-streamed: polled), a stop
 string ends the text, or anything fails. Blocking backend calls run on worker threads (one per request
-at most), so the event loop never waits on the engine.
+at most), so the event loop never waits on the engine; so do parsing a request (tokenizing its prompt,
+rendering its chat template), /health's and /metrics' reads of the backend, and cancels (a thread of
+their own, in order).
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import queue
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -49,6 +53,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from flashpd.cluster.detok import Detokenizer
 from flashpd.cluster.chat_template import ChatTemplate, ChatTemplateError
@@ -224,7 +229,10 @@ class _State:
         if len(text) > limit * MAX_CHARS_PER_TOKEN:
             raise _too_long(param, f"{len(text)} characters cannot fit the model's {limit} positions")
         try:
-            ids = self.tokenizer.encode(text)
+            # encode_many (the tokenizers library's batch call) lets go of the interpreter lock while it works, so
+            # a long prompt does not stop the event loop's thread (the streams) as encode would
+            many = getattr(self.tokenizer, "encode_many", None)
+            ids = many([text])[0] if many is not None else self.tokenizer.encode(text)
         except Exception as e:  # noqa: BLE001  whatever the tokenizer refuses is the client's text
             raise _bad(param, f"the tokenizer refused it ({_cap(str(e))})") from None
         if not ids:
@@ -297,6 +305,10 @@ class _State:
         for name, offs in UNSUPPORTED.items():
             if name in body and body[name] not in offs:
                 raise _bad(name, "is not supported by flashpd")
+        lp = body.get("logprobs")
+        if not chat and isinstance(lp, int) and not isinstance(lp, bool):  # (chat's is a bool: false is off)
+            # completions' logprobs is a count of alternatives, and 0 still asks for the chosen tokens' logprobs
+            raise _bad("logprobs", f"is not supported by flashpd (got {lp}; 0 still asks for the chosen tokens')")
         n = _int(body, "n", 1)
         if n != 1:
             raise _bad("n", f"only n=1 is supported, got {n}")
@@ -368,6 +380,15 @@ class _State:
             raise _too_long("messages", f"the prompt's {prompt_len} tokens leave no room for output")
         return room
 
+    async def request(self, body: dict, chat: bool) -> _Req:
+        """The parsed request, made on a worker thread: tokenizing a long prompt, rendering a chat template and
+        chat's default max_tokens (backend.counts(): a round trip to an engine process, up to seconds when it is
+        stuck) would otherwise stop the event loop, and with it every stream and request."""
+        def parse() -> _Req:
+            return self.parse(body, self.chat_prompt(body) if chat else self.completion_prompt(body), chat)
+
+        return await anyio.to_thread.run_sync(parse, limiter=self.limiter)
+
     # ---- running -----------------------------------------------------------------------------------
     async def submit(self, r: _Req):
         fn = partial(self.backend.submit, r.prompt, r.params, r.method, r.draft_width, timeout_s=SUBMIT_TIMEOUT_S)
@@ -410,6 +431,32 @@ class _State:
         return run, _prepend(first, it)
 
 
+_cancels: queue.SimpleQueue = queue.SimpleQueue()
+_canceller: threading.Thread | None = None
+_canceller_lock = threading.Lock()
+
+
+def _cancel_soon(backend: Backend, h) -> None:
+    """backend.cancel(h) on a thread of its own, at once and in order: close() runs on the event loop, and a cancel
+    can block (engine_proc's pipe to an engine process that is stuck fills up, and its writes have no deadline): on
+    the loop, one client leaving then froze every request and /health until the engine came back."""
+    global _canceller
+    with _canceller_lock:
+        if _canceller is None or not _canceller.is_alive():
+            _canceller = threading.Thread(target=_cancel_forever, name="http-api-cancel", daemon=True)
+            _canceller.start()
+    _cancels.put((backend, h))
+
+
+def _cancel_forever() -> None:
+    while True:
+        backend, h = _cancels.get()
+        try:
+            backend.cancel(h)
+        except Exception:  # noqa: BLE001  this thread serves every request's cancel: it must go on
+            log.exception("cancelling a request in the backend failed")
+
+
 class _Run:
     """One request in the backend: its pieces of output, and close() to cancel it unless it finished."""
 
@@ -422,7 +469,7 @@ class _Run:
         """Drop the request in the backend (its KV blocks freed) unless it ran to its end."""
         if not self.done:
             self.done = True
-            self.st.backend.cancel(self.h)
+            _cancel_soon(self.st.backend, self.h)
 
     async def pieces(self) -> AsyncIterator["_Piece"]:
         """The output as pieces (new text and tokens), the last one with finish_reason and stats; ends
@@ -517,10 +564,11 @@ class _Text:
     def _add(self, new: str, final: bool = False) -> tuple[str, bool]:
         """Take new text: (what can be handed out now, whether a stop string ended the text). final: the text
         ends here, so nothing is held back (a stop string may still begin in what was held)."""
-        start = max(0, len(self.pending) - self.hold)
+        old = len(self.pending)
         self.pending += new
-        if self.stops:
-            hits = [i for s in self.stops if (i := self.pending.find(s, start)) >= 0]
+        if self.stops:  # a stop not found before can only end in the new text: each search starts len(stop) - 1 back
+            # (not `hold` back: with one long stop, every stop then searched all the text held so far, at each token)
+            hits = [i for s in self.stops if (i := self.pending.find(s, max(0, old - len(s) + 1))) >= 0]
             if hits:
                 out, self.pending = self.pending[:min(hits)], ""
                 return out, True
@@ -568,12 +616,16 @@ async def _read_json(request: Request, limit: int) -> dict:
         raise APIError(413, f"the request body is over {limit} bytes", "invalid_request_error", None,
                        "request_too_large")
     chunks, n = [], 0
-    async for c in request.stream():
-        n += len(c)
-        if n > limit:
-            raise APIError(413, f"the request body is over {limit} bytes", "invalid_request_error", None,
-                           "request_too_large")
-        chunks.append(c)
+    try:
+        async for c in request.stream():
+            n += len(c)
+            if n > limit:
+                raise APIError(413, f"the request body is over {limit} bytes", "invalid_request_error", None,
+                               "request_too_large")
+            chunks.append(c)
+    except ClientDisconnect:  # gone before its body came whole (or cut off by http_guard's deadline): no server
+        # failure, so no traceback in the log (two each, for any client who likes), and nobody to answer
+        raise APIError(499, "the client disconnected while sending its request", "invalid_request_error") from None
     try:
         body = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
@@ -616,7 +668,8 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
 
     @app.get("/health")
     async def health():
-        c = backend.counts()
+        # may wait on an engine process; anyio's own threads, so a probe never queues behind requests' threads
+        c = await anyio.to_thread.run_sync(backend.counts)
         serving = (backend.alive if c.serving is None else c.serving) and backend.alive
         return JSONResponse({"status": "ok" if serving else "unavailable", **c.as_dict(), "settings": settings},
                             status_code=200 if serving else 503)
@@ -627,7 +680,9 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
             raise APIError(404, "this server has no metrics", "not_found_error")
         from prometheus_client import CONTENT_TYPE_LATEST  # noqa: PLC0415
 
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        # live families read the backend (engine-process round trips, seconds each when it is stuck): off the loop
+        text = await anyio.to_thread.run_sync(metrics.exposition)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     def _model_card() -> dict:
         return {"id": model_name, "object": "model", "created": st.created, "owned_by": "flashpd",
@@ -648,7 +703,7 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
     async def completions(request: Request):
         body = await _read_json(request, body_limit)
         st.check_model(body)
-        r = st.parse(body, st.completion_prompt(body), chat=False)
+        r = await st.request(body, chat=False)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
 
@@ -693,7 +748,7 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
     async def chat_completions(request: Request):
         body = await _read_json(request, body_limit)
         st.check_model(body)
-        r = st.parse(body, st.chat_prompt(body), chat=True)
+        r = await st.request(body, chat=True)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
 

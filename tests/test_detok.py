@@ -57,3 +57,55 @@ def test_decoding_work_is_linear_in_the_tokens():
 def test_no_tokenizer_no_text():
     d = Detokenizer(None)
     assert d.push([1, 2]) == "" and d.finish() == ""
+
+
+def _byte_fallback_tokenizer():
+    """A real `tokenizers` tokenizer with Llama's decoder (byte tokens <0x00>..<0xFF>, ByteFallback): a run of byte
+    tokens decodes as UTF-8 when the whole run is valid, else as one U+FFFD per byte."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁the": 257}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+
+    class _Tok:
+        def decode(self, ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=True)
+
+    return _Tok()
+
+
+def test_a_decode_that_disagrees_with_the_window_drops_no_text(caplog):
+    """"a" as a byte token, then the first byte of a 3-byte character (max_tokens cut it): the window hands out "a",
+    but the whole run [0x61, 0xE4] is invalid, so the full decode is two U+FFFD and does not begin with "a". The
+    last token's text must still come out (it was silently dropped), and the mismatch is logged."""
+    tok = _byte_fallback_tokenizer()
+    a, e4 = 1 + 0x61, 1 + 0xE4
+    assert tok.decode([a]) == "a" and tok.decode([a, e4]) == "\ufffd\ufffd"
+    d = Detokenizer(tok)
+    assert d.push([a]) == "a" and d.push([e4]) == ""
+    with caplog.at_level("WARNING", logger="flashpd.cluster.detok"):
+        assert d.finish() == "\ufffd"
+    assert "not a prefix" in caplog.text
+    # where they agree, nothing changes: the rest is the full decode's, and nothing is logged
+    caplog.clear()
+    d = Detokenizer(tok)
+    pieces = [d.push([t]) for t in (a, 1 + 0xE4, 1 + 0xB8, 1 + 0xAD, 257, 1 + 0xE4)]
+    with caplog.at_level("WARNING", logger="flashpd.cluster.detok"):
+        rest = d.finish()
+    assert "".join(pieces) + rest == tok.decode([a, 1 + 0xE4, 1 + 0xB8, 1 + 0xAD, 257, 1 + 0xE4]) and not caplog.text
+
+
+def test_tokens_without_text_do_not_make_decoding_quadratic():
+    """Special tokens decode to nothing (skip_special_tokens), so they never hand out text; they used to stay in the
+    window, which then grew by one at every token and was decoded whole each time: with ignore_eos, a model that
+    repeats <|endoftext|> cost len(ids)^2 decoded ids (8 million for 4000 tokens, on the server's event loop)."""
+    eos = TOK._tok.token_to_id("<|endoftext|>")
+    assert eos is not None and TOK.decode([eos]) == ""
+    ids = TOK.encode("def f(x):\n") + [eos] * 2000 + TOK.encode("    return x\n") + [eos] * 2000 + [eos, 1]
+    for chunks in ([1] * len(ids), [3] * (len(ids) // 3) + [len(ids) % 3]):
+        counting = _Counting(TOK)
+        pieces, rest = _stream(ids, chunks, counting)
+        assert "".join(pieces) + rest == TOK.decode(ids) == "def f(x):\n    return x\n"
+        assert counting.ids <= 8 * len(ids), counting.ids

@@ -48,6 +48,10 @@ INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryE
 
 FINAL = ("done", "cancelled", "error")
 STATS_TIMEOUT_S = 5.0  # a stats round trip (health, metrics) waits at most this long
+# bytes of messages queued for the engine process and not yet written: its socket is full when it stops reading (a
+# stuck step); a submit then waits for room at most its own timeout and fails, instead of blocking its thread (and
+# every other sender, cancels and health reads included) for as long as the engine is stuck
+OUTBOX_MAX_BYTES = 64 << 20
 
 
 def _portable(e: BaseException | None) -> BaseException | None:
@@ -199,7 +203,11 @@ class EngineProcess:
         self._conn = Connection(mine.detach())
         self._conn.send(("config", cfg.to_dict()))
         self.on_done = on_done
-        self._send_lock = threading.Lock()
+        self._outbox: deque[bytes] = deque()  # pickled messages for the writer thread, in order
+        self._outbox_bytes = 0
+        self._out_cv = threading.Condition()
+        self._closing = False
+        self._write_error: BaseException | None = None
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._taken: dict[int, Future] = {}
@@ -221,6 +229,8 @@ class EngineProcess:
         self.max_positions: int = facts["max_positions"]
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="engine-writer", daemon=True)
+        self._writer.start()
 
     def _wait_ready(self, progress_s: float, timeout_s: float) -> dict:
         """The child's "ready" facts; a child that hangs is given start_timeout_s (then killed by the caller)."""
@@ -273,15 +283,16 @@ class EngineProcess:
                 raise EngineStopped("engine process is not running") from self._dead
             self._taken[rid] = fut
             self._live[rid] = (h, [0])
+        end = time.monotonic() + timeout_s
         try:
-            self._send(("submit", rid, h.prompt, params, method, draft_width, first_token))
-        except EngineStopped:
+            self._send(("submit", rid, h.prompt, params, method, draft_width, first_token), wait_s=timeout_s)
+        except (EngineStopped, TimeoutError):
             with self._lock:
                 self._taken.pop(rid, None)
                 self._live.pop(rid, None)
             raise
         try:
-            fut.result(timeout=timeout_s)
+            fut.result(timeout=max(0.0, end - time.monotonic()))
         except FutureTimeout:
             self.cancel(h)
             raise TimeoutError(f"the engine did not take the request within {timeout_s:g} s") from None
@@ -346,6 +357,10 @@ class EngineProcess:
                 self._proc.kill()
                 self._wait(5)
         self._reader.join(5)  # the child's end closed with it: the reader has met EOF
+        with self._out_cv:
+            self._closing = True
+            self._out_cv.notify_all()
+        self._writer.join(5)  # a write to the exited child has failed by now
         self._conn.close()
 
     def _wait(self, timeout_s: float) -> bool:
@@ -357,12 +372,51 @@ class EngineProcess:
             return False
 
     # ---- the pipe ---------------------------------------------------------------------------------
-    def _send(self, msg: tuple) -> None:
-        try:
-            with self._send_lock:
-                self._conn.send(msg)
-        except (OSError, ValueError) as e:  # a closed pipe: the engine is gone
-            raise EngineStopped(f"engine process is gone ({type(e).__name__}: {e})") from None
+    def _send(self, msg: tuple, wait_s: float | None = None) -> None:
+        """Queue msg for the writer thread; never blocks on the socket. wait_s: while OUTBOX_MAX_BYTES are queued
+        (the engine stopped reading), wait at most this long for room, then raise TimeoutError; None: queue it
+        anyway (the small control messages: cancel, stats, stop, which must never wait behind a stuck engine)."""
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)  # what Connection.send writes, recv() loads
+        end = time.monotonic() + (wait_s or 0.0)
+        with self._out_cv:
+            while True:
+                if self._write_error is not None:
+                    e = self._write_error
+                    raise EngineStopped(f"engine process is gone ({type(e).__name__}: {e})")
+                if wait_s is None or not self._outbox or self._outbox_bytes + len(data) <= OUTBOX_MAX_BYTES:
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the engine process is not reading: {self._outbox_bytes} bytes of messages "
+                                       f"wait to be written to it")
+                self._out_cv.wait(left)
+            self._outbox.append(data)
+            self._outbox_bytes += len(data)
+            self._out_cv.notify_all()
+
+    def _write(self) -> None:
+        """The writer thread: the queued messages to the socket in order (a write blocks while the engine does
+        not read; only this thread waits then). A failed write means the engine is gone."""
+        while True:
+            with self._out_cv:
+                while not self._outbox and not self._closing:
+                    self._out_cv.wait()
+                if not self._outbox:
+                    return
+                data = self._outbox[0]
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, ValueError) as e:  # a closed pipe: the engine is gone (the reader ends its requests)
+                with self._out_cv:
+                    self._write_error = e
+                    self._outbox.clear()
+                    self._outbox_bytes = 0
+                    self._out_cv.notify_all()
+                return
+            with self._out_cv:
+                self._outbox.popleft()
+                self._outbox_bytes -= len(data)
+                self._out_cv.notify_all()
 
     def _read(self) -> None:
         try:

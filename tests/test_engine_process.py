@@ -358,3 +358,55 @@ def test_health_reports_the_settings_and_a_sweep_against_the_service_records_the
     assert (s["session_hold_fraction"], s["gil_switch_interval_s"], s["draft_width_policy"], s["max_running"]) == (
         got["session_hold_fraction"], got["gil_switch_interval_s"], got["draft_width_policy"], got["max_running"])
     assert s["prompt_pool"]["prefix_cache"] == {"external": "off"}
+
+
+def test_a_stuck_engine_never_blocks_a_sender(monkeypatch):
+    """An engine process that stops reading (here: stopped by SIGSTOP; a step that hangs) fills its socket. Writes
+    to it block, so they happen on one writer thread: a submit waits at most its own timeout for room and fails
+    with TimeoutError, a cancel and a health read return (not serving, within STATS_TIMEOUT_S), and none of them
+    holds its thread for as long as the engine is stuck. Once the engine reads again, it serves as before."""
+    from flashpd.cluster import engine_proc
+    from flashpd.engine.sampling import SamplingParams
+
+    monkeypatch.setattr(engine_proc, "OUTBOX_MAX_BYTES", 256 << 10, raising=False)
+    svc = start_service(_cfg(engine_process=True))
+    be = svc.backend
+    big = [5] * 300_000  # about 600 KB pickled: more than the socket holds (refused by the engine, once it reads)
+    try:
+        os.kill(be.pid, signal.SIGSTOP)
+        out: dict[str, object] = {}
+
+        def call(name: str, fn) -> None:
+            t0 = time.monotonic()
+            try:
+                out[name] = fn()
+            except BaseException as e:  # noqa: BLE001  checked below
+                out[name] = e
+            out[name + "_s"] = time.monotonic() - t0
+
+        params = SamplingParams(max_tokens=4)
+        first = threading.Thread(target=call, args=("first", lambda: be.submit(big, params, timeout_s=1.0)))
+        first.start()
+        time.sleep(0.5)  # its message is queued and being written, the socket full
+        threads = [threading.Thread(target=call, args=("second", lambda: be.submit(big, params, timeout_s=1.0))),
+                   threading.Thread(target=call, args=("counts", be.counts))]
+        for t in threads:
+            t.start()
+        for t in [first, *threads]:
+            t.join(engine_proc.STATS_TIMEOUT_S + 5)
+        assert not any(t.is_alive() for t in [first, *threads]), out
+        assert isinstance(out["first"], TimeoutError) and isinstance(out["second"], TimeoutError), out
+        assert "not reading" in str(out["second"]) and out["second_s"] < 3, out
+        assert out["counts"].serving is False and out["counts_s"] < engine_proc.STATS_TIMEOUT_S + 2, out
+    finally:
+        os.kill(be.pid, signal.SIGCONT)
+    try:
+        client = GenerationClient(svc.address, timeout_s=60.0)
+        r = client.generate_once(PROMPTS[0], max_tokens=4, method="native", ignore_eos=True)
+        assert len(r.token_ids) == 4
+        _idle(client)
+        client.close()
+    finally:
+        t0 = time.monotonic()
+        svc.stop()
+        assert time.monotonic() - t0 < 20

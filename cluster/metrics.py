@@ -8,6 +8,7 @@ hits and misses by tier, bridge bytes, seconds and GB/s, recompute fallbacks, wo
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -26,8 +27,10 @@ class _Live:
 
     def __init__(self) -> None:
         self.families: list[tuple[str, str, str, tuple[str, ...], LiveFn]] = []
+        self.scrapes = 0  # scrapes begun (Metrics.per_scrape)
 
     def collect(self) -> Iterable:
+        self.scrapes += 1
         for name, doc, kind, labels, fn in self.families:
             fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=list(labels))
             try:
@@ -65,6 +68,26 @@ class Metrics:
         """Add a family read from fn() at scrape time: {label values: value}; the role label is added."""
         self._live.families.append((name, doc, kind, ("role",) + labels,
                                     lambda: {(self.role,) + k: v for k, v in fn().items()}))
+
+    def per_scrape(self, fn: Callable[[], dict]) -> Callable[[], dict]:
+        """fn() read once per scrape, its result (or its failure) shared by the scrape's live families: with the
+        engine in its own process each read is a round trip, and a stuck engine made each family wait out its own
+        timeout (5 s each, 45 s a scrape). A scrape reads afresh, so no family shows an earlier scrape's value."""
+        lock = threading.Lock()
+        memo: list = [-1, None, None]  # the scrape read in, the value, the failure
+
+        def read() -> dict:
+            with lock:  # a second read of this scrape waits for the first and takes its result
+                n = self._live.scrapes
+                if memo[0] != n:
+                    try:
+                        memo[:] = [n, fn(), None]
+                    except Exception as e:  # noqa: BLE001  shared: every family of this scrape fails at once
+                        memo[:] = [n, None, e]
+                if memo[2] is not None:
+                    raise memo[2]
+                return memo[1]
+        return read
 
     def observe_request(self, method: str, stats: dict, outcome: str, output_tokens: int) -> None:
         """One finished request: stats as RequestStats.as_dict() / the API's stats (ms, acceptance_lengths)."""

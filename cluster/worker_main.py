@@ -334,8 +334,8 @@ def _reap(host, stop: threading.Event, lease_s: float) -> None:
 
 
 def decode_metrics(metrics, worker) -> None:
-    """The decode worker's live families (also used by the colocated server)."""
-    st = worker.stats
+    """The decode worker's live families (also used by the colocated server), read from one stats dict a scrape."""
+    st = metrics.per_scrape(worker.stats)
     metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): st()["waiting"]})
     metrics.live("flashpd_running_requests", "Requests in the running batch", "gauge", (), lambda: {(): st()["running"]})
     metrics.live("flashpd_kv_blocks_free", "Free KV blocks", "gauge", (), lambda: {(): st()["kv_blocks_free"]})

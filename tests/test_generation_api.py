@@ -312,3 +312,32 @@ def test_closed_client_says_so():
     for call in (lambda: c.generate_once([1, 2]), lambda: list(c.generate([1, 2])), c.health):
         e = _code(call)
         assert type(e) is GenerationError and "closed" in str(e), repr(e)
+
+
+def test_a_text_prompt_is_tokenized_by_the_call_that_lets_go_of_the_interpreter_lock():
+    """`encode` of the tokenizers library holds the interpreter lock for the whole prompt (0.15 s for 260k
+    characters), stalling every stream and, in-process, the engine loop; its batch call lets go of it. The gRPC
+    servicer takes the batch call, and gives the same ids."""
+    from pathlib import Path
+
+    from flashpd.cluster.generation_server import GenerationServicer
+    from flashpd.engine.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_dir(Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair" / "target")
+    calls = []
+
+    class Watched:
+        def encode(self, text):
+            calls.append("encode")
+            return tok.encode(text)
+
+        def encode_many(self, texts):
+            calls.append("encode_many")
+            return tok.encode_many(texts)
+
+    def refuse(msg):
+        raise AssertionError(msg)
+
+    text = "def f(x):\n    return x * 2  # é 中文\n" * 50
+    got = GenerationServicer(None, Watched())._encode(text, 4096, refuse, refuse)
+    assert calls == ["encode_many"] and got == tok.encode(text)

@@ -360,6 +360,8 @@ class _State:
         so = body.get("stream_options")
         if so is not None and not isinstance(so, dict):
             raise _bad("stream_options", "must be an object")
+        if so is not None and not stream:  # as OpenAI and vLLM: usage asked for in a stream that is not one
+            raise _bad("stream_options", "is only allowed when stream is true")
         include_usage = _bool(so or {}, "include_usage", False)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 ignore_eos=_bool(body, "ignore_eos", False))
@@ -662,9 +664,11 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception):
-        log.exception("HTTP API request failed")
-        return _ErrorJSON(APIError(500, f"{type(e).__name__}: {e}", "server_error", None, "internal_error").body(),
-                          status_code=500)
+        # a server bug: its text (paths, internals) stays in the log; the client gets an id to find it there
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("HTTP API request failed (error id %s)", error_id)
+        return _ErrorJSON(APIError(500, f"internal server error (error id {error_id}: the server's log has the "
+                                        "details)", "server_error", None, "internal_error").body(), status_code=500)
 
     @app.get("/health")
     async def health():

@@ -362,3 +362,38 @@ def test_a_client_that_leaves_mid_body_is_not_a_server_error(caplog):
         assert not errors, [(r.name, r.getMessage()) for r in errors]
     finally:
         srv.stop()
+
+
+def test_stream_options_without_a_stream_is_refused(served):
+    """stream_options asks for usage in a stream; with stream false it is refused naming it (as OpenAI and vLLM
+    do), not ignored."""
+    _, _, base = served
+    status, body = _post(base, "/v1/completions", {"prompt": [5, 6], "max_tokens": 1,
+                                                   "stream_options": {"include_usage": True}})
+    assert status == 400 and body["error"]["param"] == "stream_options", body
+    status, body = _post(base, "/v1/completions", {"prompt": [5, 6], "max_tokens": 1, "stream_options": None})
+    assert status == 200, body
+
+
+class _BrokenBackend(_Backend):
+    def counts(self):  # a bug on the server's side (a backend's failures to serve map to their own statuses)
+        raise KeyError("/secret/path/of/the/server")
+
+
+def test_a_server_bug_answers_500_without_its_internals(caplog):
+    """An unexpected exception answers 500 with an error id, and its text (paths, internals) only in the log."""
+    srv = start_http(build_app(_BrokenBackend(), None, "fake", None))
+    try:
+        with caplog.at_level("ERROR", logger="flashpd.cluster.http_api"):
+            req = urllib.request.Request(f"http://{srv.address}/health")
+            try:
+                urllib.request.urlopen(req, timeout=10)
+                status, body = 200, {}
+            except urllib.error.HTTPError as e:
+                status, body = e.code, json.loads(e.read())
+    finally:
+        srv.stop()
+    assert status == 500 and body["error"]["code"] == "internal_error", body
+    assert "secret" not in json.dumps(body) and "KeyError" not in json.dumps(body)
+    error_id = body["error"]["message"].split("error id ")[1][:12]
+    assert any(error_id in r.getMessage() and r.exc_info for r in caplog.records)

@@ -9,7 +9,6 @@ stream that fell behind the engine gets its queued tokens in one chunk.
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 from functools import partial
@@ -22,6 +21,7 @@ openai = pytest.importorskip("openai")
 from flashpd.cluster.chat_template import ChatTemplate  # noqa: E402
 from flashpd.cluster.generation_client import GenerationClient  # noqa: E402
 from flashpd.engine.tokenizer import TextTokenizer  # noqa: E402
+from tests._fake_handle import FakeHandle  # noqa: E402
 from tests._serve_process import serve_lines  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
@@ -426,17 +426,6 @@ def test_config_http_port_and_model_name():
         HttpServer(None, host="0.0.0.0")
 
 
-class _FakeHandle:
-    def __init__(self) -> None:
-        self.events: queue.Queue = queue.Queue()
-
-    def get(self, timeout: float):
-        try:
-            return self.events.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-
 class _FakeBackend:
     """A backend whose requests fail as the prompt's first id says (no engine): for the status mapping."""
 
@@ -457,7 +446,7 @@ class _FakeBackend:
                 3: PromptTooLong("needs 9 KV blocks; a worker has 4")}
         if prompt[0] in fail:
             raise fail[prompt[0]]
-        h = _FakeHandle()
+        h = FakeHandle()
         h.events.put(Event("tokens", tokens=[7]))
         h.events.put(Event("error", error=RequestFailed("request failed: boom")) if prompt[0] == 4 else
                      Event("done", finish_reason="length", stats={"acceptance_lengths": [], "tau": None}))
@@ -505,7 +494,7 @@ class _BehindBackend(_FakeBackend):
     def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
         from flashpd.decode_node.engine_loop import Event
 
-        h = _FakeHandle()
+        h = FakeHandle()
         for toks in ([7], [8, 9], [10]):
             self.flags.append(threading.Event())
             h.events.put(Event("tokens", tokens=toks, sent=self.flags[-1]))

@@ -31,6 +31,7 @@ from flashpd.cluster.chat_template import ChatTemplate
 from flashpd.cluster.http_api import build_app
 from flashpd.cluster.http_server import start_http
 from flashpd.engine.tokenizer import TextTokenizer
+from tests._fake_handle import FakeHandle
 
 DEMO = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair" / "target"
 STUCK_S = 8.0  # how long a blocked call stays blocked unless released (the test fails before that)
@@ -58,21 +59,9 @@ class _Backend:
         return Load(running=0, waiting=0, kv_blocks_free=256, kv_blocks_total=256, kv_block_size=16)
 
     def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
-        import queue
-
         from flashpd.decode_node.engine_loop import Event
 
-        class _H:
-            def __init__(self) -> None:
-                self.events: queue.Queue = queue.Queue()
-
-            def get(self, timeout: float):
-                try:
-                    return self.events.get(timeout=timeout)
-                except queue.Empty:
-                    return None
-
-        h = _H()
+        h = FakeHandle()
         h.events.put(Event("tokens", tokens=[65]))
         h.events.put(Event("done", finish_reason="length", stats={"acceptance_lengths": [], "tau": None}))
         return h

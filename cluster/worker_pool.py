@@ -19,8 +19,11 @@ start (its checkpoint gone, its GPU lost) is not re-spawned forever. A restart o
 once the new worker has stayed up `stable_s`: one that starts, then goes down within that time (a crash
 loop: a GPU that fails under load, a fault it hits at once) counts as a failed restart (stats()'s
 early_crashes), so it backs off and is given up like a worker that cannot start, rather than re-spawned at
-once for good. Shutdown stops the launcher's workers first, which ends a restart in progress, then joins
-the supervisor: it never waits out a worker's start.
+once for good. Each restart runs on a thread of its own (at most one per slot): a start takes up to
+start_timeout_s, and the supervisor keeps probing the other workers meanwhile (it used to restart inline, so
+a second worker that died or hung then stayed in rotation until the first restart ended). Shutdown joins the
+supervisor (one bounded probe), stops the launcher's workers, which ends a restart in progress, then joins
+the restarts: it never waits out a worker's start.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -55,6 +59,7 @@ class Slot:
     restarted_at: float | None = None  # time.monotonic() its last restart answered; None once stable_s passed
     retry_at: float = 0.0  # time.monotonic() before which no restart is tried (the backoff)
     failed: bool = False  # gave up restarting it: never probed, picked or restarted again
+    restarting: bool = False  # a thread of its own restarts (or retires) it: the supervisor leaves it alone meanwhile
 
     @property
     def address(self) -> str:
@@ -80,8 +85,8 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._restarting = threading.Event()  # the supervisor is in _restart (waiting on a start, maybe long)
         self._thread: threading.Thread | None = None
+        self._restarters: set[threading.Thread] = set()  # restarts in progress (joined at shutdown)
 
     # ---- start / stop ---------------------------------------------------------------------------
     def _worker_cfg(self):
@@ -117,20 +122,23 @@ class WorkerPool:
         self._thread.start()
 
     def shutdown(self) -> None:
-        """A restart in progress waits on a worker's start (up to start_timeout_s): the launcher's shutdown
-        ends it, so it goes first then. Otherwise the supervisor is let finish its probe first (bounded), so
-        it never calls a launcher already shut down (a Ray call then could start a fresh Ray)."""
+        """The supervisor is let finish its probe first (bounded: it never waits on a start), so it never calls
+        a launcher already shut down (a Ray call then could start a fresh Ray). A restart in progress waits on a
+        worker's start (up to start_timeout_s): the launcher's shutdown ends it, then it is joined."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None and not self._restarting.is_set():
+        if self._thread is not None:
             self._thread.join(2 * self.cfg.health_timeout_s + 1)  # alive + Health, each bounded
         try:
             self.launcher.shutdown()
         finally:
-            if self._thread is not None:
-                self._thread.join(self.stop_join_s)
-                if self._thread.is_alive():
-                    log.error("the worker supervisor did not stop in %g s", self.stop_join_s)
+            deadline = time.monotonic() + self.stop_join_s
+            with self._lock:
+                threads = ([self._thread] if self._thread is not None else []) + list(self._restarters)
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+                if t.is_alive():
+                    log.error("the worker pool's %s thread did not stop in %g s", t.name, self.stop_join_s)
             for s in self.all():
                 s.client.close()
 
@@ -201,7 +209,7 @@ class WorkerPool:
             for s in self.all():
                 if self._stop.is_set():
                     return
-                if s.failed:
+                if s.failed or s.restarting:
                     continue
                 try:
                     self._check(s)
@@ -224,15 +232,57 @@ class WorkerPool:
         s.healthy = False
         if s.restarted_at is not None and not self._stop.is_set():
             self._down_after_restart(s)
+        if s.failed and not self._stop.is_set():
+            self._in_background(s, self._retire, "retire")  # given up just now: its process may still run
+            return
         if s.failed or not self.cfg.restart or self._stop.is_set() or time.monotonic() < s.retry_at:
             return
-        self._restarting.set()
+        self._in_background(s, self._restart_slot, "restart")
+
+    def _in_background(self, s: Slot, fn: Callable[[Slot], None], what: str) -> None:
+        """Run fn(s) on a thread of its own that owns the slot meanwhile (the supervisor skips it): a start or a
+        stop takes long, and the other workers are probed all the while."""
+        s.restarting = True
+        t = threading.Thread(target=self._owned, args=(s, fn), name=f"{what}-{s.role}{s.index}", daemon=True)
+        with self._lock:
+            self._restarters.add(t)
         try:
-            ok = self._restart(s)
+            t.start()
+        except BaseException:
+            with self._lock:
+                self._restarters.discard(t)
+            s.restarting = False
+            raise
+
+    def _owned(self, s: Slot, fn: Callable[[Slot], None]) -> None:
+        """The body of a slot's thread: fn(s); then the slot is the supervisor's again."""
+        try:
+            fn(s)
+        except Exception:  # noqa: BLE001  the slot stays down; the supervisor tries again after its backoff
+            log.exception("supervising %s worker %d", s.role, s.index)
         finally:
-            self._restarting.clear()
+            s.restarting = False
+            with self._lock:
+                self._restarters.discard(threading.current_thread())
+            self._wake.set()  # probe it (and the rest) now rather than an interval later
+
+    def _restart_slot(self, s: Slot) -> None:
+        """Replace the worker; a failure counts toward giving up, and a given-up worker's process is stopped."""
+        ok = self._restart(s)
         if not ok and not self._stop.is_set():
             self._restart_failed(s)
+            if s.failed:
+                self._retire(s)
+
+    def _retire(self, s: Slot) -> None:
+        """A given-up slot's process is stopped (it may have started but never answered, or hung): it is never
+        probed, picked or restarted again, and would hold its GPU memory and port until the service stopped."""
+        if self._stop.is_set():
+            return  # the launcher's shutdown stops it
+        try:
+            self.launcher.stop(s.launched, 10.0)
+        except Exception:  # noqa: BLE001  best effort; the launcher's shutdown stops it at the latest
+            log.exception("stopping the given-up %s worker %d", s.role, s.index)
 
     def _answered(self, s: Slot) -> None:
         """A good probe: back in rotation; a restarted worker up stable_s has its backoff reset."""

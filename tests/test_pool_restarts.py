@@ -1,8 +1,9 @@
 """The worker pool's restarts and the local launcher's shutdown: stopping the service mid-restart returns at
 once (not after the start timeout); a restart that keeps failing backs off and is given up (the slot marked
 failed, the router still serving), and so does a worker that starts fine but goes down again within stable_s
-of each restart (a crash loop); a live worker leaves rotation after health_failures failed probes in a row,
-a dead one at once; a restarted prefill worker comes back at its old address, so the decode
+of each restart (a crash loop), and a given-up worker that still runs is stopped; a restart in progress does not
+pause the other workers' probes and restarts; a live worker leaves rotation after health_failures failed probes in a
+row, a dead one at once; a restarted prefill worker comes back at its old address, so the decode
 worker drops the dead one's mapped caches (kv_transport=device); the launcher's own log directory is removed
 by a clean shutdown and kept when a worker failed. The pool's policy runs over a fake launcher (fast,
 deterministic); what needs real processes runs them with the fixture pair."""
@@ -341,5 +342,69 @@ def test_a_bridge_back_at_another_address_is_reported(tmp_path, caplog):
             pool.slots["bridge"][0].launched.handle.alive = False
             wait_until(lambda: pool.restarts["bridge"] == 1, "the bridge to restart", timeout_s=30)
         assert "the bridge came back at" in caplog.text
+    finally:
+        pool.shutdown()
+
+
+def test_a_restart_in_progress_does_not_pause_the_other_workers_supervision(tmp_path):
+    """A restart waits for its worker's start (up to start_timeout_s, 900 s by default: a GPU worker compiles and
+    captures its graphs). The supervisor used to restart inline, so meanwhile no other worker was probed: one that
+    died (or hung) stayed in rotation, and was restarted only after the first restart ended."""
+    pool, launcher = _fake_pool(tmp_path)
+    entered = {"prefill": threading.Event(), "decode": threading.Event()}
+    gate = {"prefill": threading.Event(), "decode": threading.Event()}
+    real = launcher.start
+
+    def slow(specs, timeout_s):  # each restart's start waits for its gate (a long start)
+        role = specs[0].role
+        if role in gate:
+            entered[role].set()
+            gate[role].wait(30)
+        return real(specs, timeout_s)
+
+    launcher.start = slow
+    try:
+        pool.slots["prefill"][0].launched.handle.alive = False
+        assert entered["prefill"].wait(10), "the prefill worker's restart did not begin"
+        dec = pool.slots["decode"][0]
+        dec.launched.handle.alive = False  # dies while the prefill worker is still starting
+        wait_until(lambda: not dec.healthy, "the dead decode worker to leave rotation", timeout_s=5)
+        assert pool.pick("decode") is None
+        assert entered["decode"].wait(5), "the decode worker's restart did not begin"
+        gate["decode"].set()
+        wait_until(lambda: pool.restarts["decode"] == 1 and dec.healthy, "the decode worker's restart", timeout_s=5)
+        assert pool.restarts["prefill"] == 0  # still starting
+        gate["prefill"].set()
+        wait_until(lambda: pool.restarts["prefill"] == 1 and pool.slots["prefill"][0].healthy,
+                   "the prefill worker's restart", timeout_s=10)
+    finally:
+        for g in gate.values():
+            g.set()
+        pool.shutdown()
+
+
+def test_a_given_up_worker_that_still_runs_is_stopped(tmp_path):
+    """Every restarted decode worker starts but never answers its Health probe (hung in its start: a stuck CUDA or
+    NCCL init). The slot is given up; its last process, alive and holding its GPU memory and port, used to be left
+    running until the service stopped."""
+
+    class _Hung(_Pool):
+        def _client(self, w: Launched):
+            c = _Client()
+            c.fail = w.role == "decode" and len(launcher.restarts_of("decode")) > 0  # each restarted one hangs
+            return c
+
+    cfg = ServeConfig(target=str(tmp_path), draft=str(tmp_path), mode="local", health_interval_s=0.02,
+                      health_timeout_s=0.05, health_failures=2, start_timeout_s=0.2)
+    launcher = _FakeLauncher()
+    pool = _Hung(cfg, launcher)
+    pool.start()
+    pool.restart_backoff_s, pool.restart_give_up = 0.05, 2
+    try:
+        pool.slots["decode"][0].launched.handle.alive = False
+        wait_until(lambda: pool.failed_count("decode") == 1, "the decode slot to be given up", timeout_s=20)
+        last = pool.slots["decode"][0].launched
+        assert len(launcher.restarts_of("decode")) == 2
+        wait_until(lambda: not last.handle.alive, "the given-up worker's process to be stopped", timeout_s=5)
     finally:
         pool.shutdown()

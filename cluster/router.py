@@ -304,9 +304,11 @@ class Router:
             return
         try:
             s.client.release(reply.handoff.exporter_id, int(reply.handoff.lease_id), RELEASE_TIMEOUT_S)
-        except grpc.RpcError as e:
+        except Exception as e:  # noqa: BLE001  any failure (an RPC's, a channel a restart closed: ValueError): the
+            # caller's cleanup (its decode slot, the in-flight count) must still run
+            what = e.code().name if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
             log.warning("releasing lease %d of a cancelled request failed (%s); it expires at its deadline",
-                        reply.handoff.lease_id, e.code().name)
+                        reply.handoff.lease_id, what)
 
     def _decode(self, h: RouterHandle, req: pb.GenerateRequest, d: Slot, first: pb.PrefillReply | None,
                 emitted: list[int]) -> tuple[str, dict]:

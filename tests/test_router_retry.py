@@ -29,3 +29,22 @@ def test_a_sampled_request_on_a_dead_decode_worker_is_retried_on_another(service
         r = c.generate_once(list(range(3, 60)), max_tokens=12, method="native", ignore_eos=True, temperature=1.0)
     assert len(r.token_ids) == 12 and r.finish_reason == "length"
     assert service.backend.retries == 1 and not dead.healthy
+
+
+def test_a_lease_release_that_fails_in_any_way_is_logged_not_raised(caplog):
+    """The router's cleanup releases a cancelled request's prefill lease before it frees the request's decode slot
+    and in-flight count: a release failing other than as an RPC (a channel a restart closed raises ValueError) must
+    not skip the rest."""
+    from types import SimpleNamespace
+
+    from flashpd.cluster.proto_gen import generation_pb2 as pb
+    from flashpd.cluster.router import Router
+
+    def closed_channel(*_a, **_k):
+        raise ValueError("Cannot invoke RPC on closed channel!")
+
+    slot = SimpleNamespace(client=SimpleNamespace(release=closed_channel))
+    reply = pb.PrefillReply(handoff=pb.Handoff(exporter_id="ex", lease_id=7))
+    with caplog.at_level("WARNING", logger="flashpd.cluster.router"):
+        Router._release_lease(None, slot, reply)  # the method reads nothing of the router
+    assert "releasing lease 7" in caplog.text and "closed channel" in caplog.text

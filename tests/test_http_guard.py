@@ -16,7 +16,7 @@ import pytest
 
 from flashpd.cluster.http_api import build_app
 from flashpd.cluster.http_server import HttpServer
-from tests.test_http_api import _FakeHandle
+from tests._fake_handle import FakeHandle
 
 DEADLINE_S = 1.0
 WAIT_S = 10.0
@@ -37,7 +37,7 @@ class _SlowBackend:
     def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
         from flashpd.decode_node.engine_loop import Event
 
-        h = _FakeHandle()
+        h = FakeHandle()
 
         def feed() -> None:
             for t in range(params.max_tokens):

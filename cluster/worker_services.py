@@ -8,6 +8,7 @@ call ended while it waited (the router cancelled it: its client went away) never
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Iterator
@@ -27,6 +28,8 @@ from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.client import BridgeError
 from flashpd.kv_bridge.handoff import Handoff
 from flashpd.prefill_node.worker import PrefillResult, PrefillWorker
+
+log = logging.getLogger(__name__)
 
 
 class CallEnded(Exception):
@@ -113,7 +116,13 @@ class PrefillHost:
         """Under the lock: free every lease `release` queued (one expired meanwhile is already free)."""
         with self._releases_lock:
             ids, self._releases = self._releases, []
-        return sum(bool(self.worker.release(i)) for i in ids)
+        freed = 0
+        for i in ids:
+            try:
+                freed += bool(self.worker.release(i))
+            except Exception:  # noqa: BLE001  its caller must still let the lock go (else the worker stops for good)
+                log.exception("freeing lease %d failed; it expires at its deadline", i)
+        return freed
 
     def _free_released_if_idle(self) -> None:
         """Free queued releases if the lock can be had without waiting. Called after each release of the lock

@@ -429,3 +429,30 @@ def test_local_undecodable_bytes_are_invalid_argument_everywhere(local):
                 health = ch.unary_unary(path.rsplit("/", 1)[0] + "/Health")
                 assert _status(lambda: health(pb.HealthRequest(version=1).SerializeToString(), timeout=10))[0] == \
                     grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_lease_whose_freeing_fails_does_not_keep_the_runner_locked(caplog):
+    """A queued release whose freeing raises is logged (the lease then expires at its deadline); the prefill that
+    freed it still lets the runner's lock go, and the next prefill runs."""
+    go = threading.Event()
+
+    def prefill(prompt, params):
+        go.wait(10)
+        return "result"
+
+    def release(lease_id):
+        raise RuntimeError("allocator says no")
+
+    exporter = SimpleNamespace(exporter_id="ex-a", holds=lambda i: True, held=1, expire=lambda: 0)
+    runner = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=8)), max_positions=64,
+                             allocator=SimpleNamespace(num_free=4), kv_block_size=16)
+    host = PrefillHost(SimpleNamespace(prefill=prefill, release=release, exporter=exporter), runner, None)
+    busy = threading.Thread(target=host.prefill, args=([1], SamplingParams(), 10.0))
+    busy.start()
+    wait_until(lambda: host.running == 1, "the prefill to run", timeout_s=5)
+    assert host.release("ex-a", 7) is True
+    with caplog.at_level("ERROR", logger="flashpd.cluster.worker_services"):
+        go.set()
+        busy.join(5)
+    assert not busy.is_alive() and not host._lock.locked() and "freeing lease 7 failed" in caplog.text
+    assert host.prefill([2], SamplingParams(), 5.0) == "result"

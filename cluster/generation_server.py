@@ -157,10 +157,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if len(text) > limit * MAX_CHARS_PER_TOKEN:
             too_big(f"prompt_text: {len(text)} characters cannot fit the model's {limit} positions")
         try:
-            # encode_many (the tokenizers library's batch call) lets go of the interpreter lock while it works: a long
-            # prompt's encode would hold it throughout, stalling every stream and, in-process, the engine loop
-            many = getattr(self.tokenizer, "encode_many", None)
-            prompt = many([text])[0] if many is not None else self.tokenizer.encode(text)
+            prompt = self.tokenizer.encode(text)
         except Exception as e:  # noqa: BLE001  whatever the tokenizer refuses is the client's text
             bad(f"prompt_text: the tokenizer refused it ({echo(str(e))})")
         if not prompt:

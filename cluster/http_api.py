@@ -230,10 +230,7 @@ class _State:
         if len(text) > limit * MAX_CHARS_PER_TOKEN:
             raise _too_long(param, f"{len(text)} characters cannot fit the model's {limit} positions")
         try:
-            # encode_many (the tokenizers library's batch call) lets go of the interpreter lock while it works, so
-            # a long prompt does not stop the event loop's thread (the streams) as encode would
-            many = getattr(self.tokenizer, "encode_many", None)
-            ids = many([text])[0] if many is not None else self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(text)  # on a worker thread (`request`), and without the interpreter lock
         except Exception as e:  # noqa: BLE001  whatever the tokenizer refuses is the client's text
             raise _bad(param, f"the tokenizer refused it ({_cap(str(e))})") from None
         if not ids:

@@ -314,30 +314,28 @@ def test_closed_client_says_so():
         assert type(e) is GenerationError and "closed" in str(e), repr(e)
 
 
-def test_a_text_prompt_is_tokenized_by_the_call_that_lets_go_of_the_interpreter_lock():
-    """`encode` of the tokenizers library holds the interpreter lock for the whole prompt (0.15 s for 260k
-    characters), stalling every stream and, in-process, the engine loop; its batch call lets go of it. The gRPC
-    servicer takes the batch call, and gives the same ids."""
+
+def test_text_is_tokenized_by_the_call_that_lets_go_of_the_interpreter_lock():
+    """The tokenizers library's `encode` holds the interpreter lock for the whole text (0.15 s for 260k characters),
+    stalling every stream and, in-process, the engine loop; its batch call lets go of it. TextTokenizer.encode
+    (what the gRPC and HTTP front ends call) takes the batch call, and gives the single call's ids."""
     from pathlib import Path
 
-    from flashpd.cluster.generation_server import GenerationServicer
     from flashpd.engine.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_dir(Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair" / "target")
-    calls = []
+    lib, calls = tok._tok, []
 
-    class Watched:
-        def encode(self, text):
+    class Spy:
+        def encode(self, *a, **k):
             calls.append("encode")
-            return tok.encode(text)
+            return lib.encode(*a, **k)
 
-        def encode_many(self, texts):
-            calls.append("encode_many")
-            return tok.encode_many(texts)
+        def encode_batch(self, *a, **k):
+            calls.append("encode_batch")
+            return lib.encode_batch(*a, **k)
 
-    def refuse(msg):
-        raise AssertionError(msg)
-
-    text = "def f(x):\n    return x * 2  # é 中文\n" * 50
-    got = GenerationServicer(None, Watched())._encode(text, 4096, refuse, refuse)
-    assert calls == ["encode_many"] and got == tok.encode(text)
+    text = "def f(x):\n    return x * 2  # é 中文 🙂\n" * 50
+    tok._tok = Spy()
+    got = tok.encode(text)
+    assert calls == ["encode_batch"] and got == lib.encode(text, add_special_tokens=False).ids

@@ -158,45 +158,74 @@ class DiskStore(IndexedStore):
         return True
 
     # -- reads ----------------------------------------------------------------------------------
+    # A read holds the file open until it has verified the bytes (or dropped the file): a file found corrupt is
+    # dropped only if the key's path still names that very file (_drop_corrupt). Between a failed read and its
+    # drop, another reader may drop the same file and a put publish a good one under the key; dropping by name
+    # then took the good file and its index entry. The open descriptor pins the inode, so its number cannot be
+    # reused by the new file meanwhile.
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
-        data = self._read(key)
-        if data is None:
+        found = self._read(key)
+        if found is None:
             return None
-        chunk = self._decode(key, data, layout)
-        if chunk is not None:
-            self._touch(key, chunk.parent)
+        data, fd, st = found
+        try:
+            chunk = self._decode(key, data, layout, st)
+        finally:
+            os.close(fd)
+        if chunk is None:
+            return None
+        self._touch(key, chunk.parent)
         return chunk
 
     def get_bytes(self, key: str) -> bytes | None:
-        data = self._read(key)
-        if data is None:
+        found = self._read(key)
+        if found is None:
             return None
+        data, fd, st = found
         try:
-            verify_checked(key, data, self._mac)
-        except CorruptChunk:
-            self._drop_corrupt(key, data)
-            return None
+            try:
+                verify_checked(key, data, self._mac)
+            except CorruptChunk:
+                self._drop_corrupt(key, st)
+                return None
+        finally:
+            os.close(fd)
         self._touch(key, peek_parent(data))
         return data
 
-    def _read(self, key: str) -> bytes | None:
+    def _read(self, key: str) -> tuple[bytes, int, os.stat_result] | None:
+        """The entry's bytes, its file's descriptor, still open (the caller closes it once the bytes are verified
+        or the file dropped), and that file's fstat; None on a miss (a file that cannot be read is dropped)."""
         with self._lock:
             known = key in self._index
-        if not known:
-            with self._lock:
+            if not known:
                 self._c["misses"] += 1
+        if not known:
             return None
+        path = self._path(key)
         try:
-            data = self._path(key).read_bytes()
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:  # evicted between the index check and the open
             with self._lock:
                 self._c["misses"] += 1
             return None
-        except OSError as e:  # EIO, EACCES, ...: the entry cannot be served; a miss, and it leaves the index
+        except OSError as e:  # EACCES, ...: a miss, and it leaves the index; with no descriptor to pin the file,
             log.warning("disk tier: reading %s... failed (%s); dropped, a miss", key[:16], e)
-            self._drop_corrupt(key, b"")
+            self._drop_corrupt(key, _stat(path))  # it is named by what the path holds right after the failure
             return None
-        return data
+        try:
+            st = os.fstat(fd)
+            return _read_fd(fd), fd, st
+        except OSError as e:  # EIO, EISDIR, ...: the entry cannot be served; a miss, and it leaves the index
+            log.warning("disk tier: reading %s... failed (%s); dropped, a miss", key[:16], e)
+            try:
+                self._drop_corrupt(key, _fstat(fd))
+            finally:
+                os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _touch(self, key: str, parent: str | None) -> None:
         """A hit: the entry and its prompt's chunks before it become the most recent (its parent confirmed from
@@ -214,13 +243,21 @@ class DiskStore(IndexedStore):
         except FileNotFoundError:
             pass
 
-    def _drop_corrupt(self, key: str, data: bytes) -> None:
+    def _drop_corrupt(self, key: str, found: os.stat_result | None) -> None:
+        """A read found the file `found` (its fstat, taken while the file was held open) corrupt or unreadable: a
+        miss; the file and the key's index entry go only if the key's path still names that file. Otherwise the
+        file was dropped already (another reader of it, an eviction) and whatever the path names now (a put
+        since: a new inode) is left alone, and so is its index entry. Every change to this directory's files
+        and the index is made under the lock, so while the path names `found` the entry describes it. (Another
+        process sharing the directory may still replace the file between the stat and the unlink here.)"""
+        path = self._path(key)
         with self._lock:
-            size = self._index.pop(key, None)
-            self._parent.pop(key, None)
-            if size is not None:
-                self._bytes -= size
-                _unlink(self._path(key))
+            if found is not None and _same_file(_stat(path), found):
+                size = self._index.pop(key, None)
+                self._parent.pop(key, None)
+                if size is not None:
+                    self._bytes -= size
+                _unlink(path)
             self._c["corrupt_dropped"] += 1
             self._c["misses"] += 1
 
@@ -521,6 +558,30 @@ def _publish(tmp: Path, final: Path) -> bool:
             return False
         os.replace(tmp, final)
         return True
+
+
+def _read_fd(fd: int) -> bytes:
+    """The whole file behind an open descriptor, from its start."""
+    with open(fd, "rb", closefd=False) as f:
+        return f.read()
+
+
+def _stat(path: str | Path) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def _fstat(fd: int) -> os.stat_result | None:
+    try:
+        return os.fstat(fd)
+    except OSError:
+        return None
+
+
+def _same_file(a: os.stat_result | None, b: os.stat_result) -> bool:
+    return a is not None and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -185,9 +185,10 @@ class IndexedStore:
         with self._lock:
             return leading(keys, self._index.__contains__)
 
-    def _decode(self, key: str, data: bytes, layout: ChunkLayout | None) -> KVChunk | None:
+    def _decode(self, key: str, data: bytes, layout: ChunkLayout | None, found: object) -> KVChunk | None:
         """The entry's chunk; None (dropped, counted) when it no longer verifies; LayoutMismatch
-        (counted, the entry kept) when it is valid but not of `layout`."""
+        (counted, the entry kept) when it is valid but not of `layout`. found: what names the entry read, for
+        _drop_corrupt (a store drops only the very entry that failed, never one put under the key since)."""
         try:
             return decode_checked(key, data, self._mac, layout=layout)
         except LayoutMismatch:
@@ -195,10 +196,10 @@ class IndexedStore:
                 self._c["layout_refused"] += 1
             raise
         except CorruptChunk:
-            self._drop_corrupt(key, data)
+            self._drop_corrupt(key, found)
             return None
 
-    def _drop_corrupt(self, key: str, data: bytes) -> None:
+    def _drop_corrupt(self, key: str, found) -> None:
         raise NotImplementedError
 
 
@@ -240,7 +241,7 @@ class MemoryStore(IndexedStore):
     # -- reads ----------------------------------------------------------------------------------
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
         data = self._take(key)
-        return None if data is None else self._decode(key, data, layout)
+        return None if data is None else self._decode(key, data, layout, data)
 
     def get_bytes(self, key: str) -> bytes | None:
         data = self._take(key)

@@ -120,6 +120,9 @@ class BridgeClient:
         self.streams = streams
         secret = resolve(secret)
         self._mac = secret.mac_key
+        # this client's Put segments carry its owner id; only its Put calls present the key (see shm.SegmentOwner)
+        self._shm_owner = shm.SegmentOwner.generate()
+        self._shm_md = [self._shm_owner.metadata()]
         # a pool of its own per channel: channels with equal options would otherwise share one connection
         options = GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
         self._channels = [grpc.secure_channel(address, tls.channel_credentials(), options=options)
@@ -242,7 +245,8 @@ class BridgeClient:
             for key, make_parts, seal, _ in items:
                 parts = make_parts()
                 if transport == "shm":
-                    name = shm.write_segment(parts, shm.PUT_TAG)  # its writer's pid: see shm.PutLeftovers
+                    # its writer's pid (shm.PutLeftovers) and this client's owner id (shm.SegmentOwner)
+                    name = shm.write_segment(parts, self._shm_owner.put_tag)
                     with lock:
                         if ended[0]:
                             shm.unlink_segment(name)
@@ -257,7 +261,8 @@ class BridgeClient:
 
         try:
             with self._rpc("Put", t):
-                r = self._put_calls[channel](frames(), timeout=t)
+                r = self._put_calls[channel](frames(), timeout=t,
+                                             metadata=self._shm_md if transport == "shm" else None)
         finally:
             with lock:
                 ended[0] = True

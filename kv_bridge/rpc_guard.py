@@ -50,15 +50,19 @@ def _deserializer(cls: type) -> Callable[[bytes], Any]:
     return parse
 
 
-def _reject(msg: Any, context: grpc.ServicerContext) -> None:
+def _reject(msg: Any, context: grpc.ServicerContext, on_invalid: Callable[[], None] | None = None) -> None:
+    """INVALID_ARGUMENT for a request that did not decode; on_invalid() first (the service counts its rejections)."""
     if isinstance(msg, _Undecodable):
+        if on_invalid is not None:
+            on_invalid()
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"request: not a valid {msg.type_name} message ({msg.reason})")
 
 
-def _checked_stream(it: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+def _checked_stream(it: Iterator[Any], context: grpc.ServicerContext,
+                    on_invalid: Callable[[], None] | None = None) -> Iterator[Any]:
     for msg in it:
-        _reject(msg, context)
+        _reject(msg, context, on_invalid)
         yield msg
 
 
@@ -100,20 +104,20 @@ class TokenGate(grpc.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(refuse)
 
 
-def _wrap(fn: Callable, m: MethodDescriptor) -> Callable:
+def _wrap(fn: Callable, m: MethodDescriptor, on_invalid: Callable[[], None] | None = None) -> Callable:
     if m.client_streaming and m.server_streaming:
         def behavior(it, context):
-            yield from fn(_checked_stream(it, context), context)
+            yield from fn(_checked_stream(it, context, on_invalid), context)
     elif m.client_streaming:
         def behavior(it, context):
-            return fn(_checked_stream(it, context), context)
+            return fn(_checked_stream(it, context, on_invalid), context)
     elif m.server_streaming:
         def behavior(req, context):
-            _reject(req, context)
+            _reject(req, context, on_invalid)
             yield from fn(req, context)
     else:
         def behavior(req, context):
-            _reject(req, context)
+            _reject(req, context, on_invalid)
             return fn(req, context)
     return behavior
 
@@ -126,16 +130,18 @@ _FACTORIES = {
 }
 
 
-def add_guarded(server: grpc.Server, servicer: object, service: ServiceDescriptor) -> None:
+def add_guarded(server: grpc.Server, servicer: object, service: ServiceDescriptor,
+                on_invalid: Callable[[], None] | None = None) -> None:
     """Add every method of `service` (a ServiceDescriptor of a generated _pb2 module) to `server`,
     served by the servicer's method of the same name, undecodable requests answered INVALID_ARGUMENT (a
-    token, where one is needed, is TokenGate's: give it to grpc.server as an interceptor)."""
+    token, where one is needed, is TokenGate's: give it to grpc.server as an interceptor). on_invalid: called
+    once for each such request (so that a service's count of invalid requests includes them)."""
     handlers = {}
     for m in service.methods:
         fn = getattr(servicer, m.name)
         in_cls = message_factory.GetMessageClass(m.input_type)
         factory = _FACTORIES[(m.client_streaming, m.server_streaming)]
-        handlers[m.name] = factory(_wrap(fn, m), request_deserializer=_deserializer(in_cls),
+        handlers[m.name] = factory(_wrap(fn, m, on_invalid), request_deserializer=_deserializer(in_cls),
                                    response_serializer=lambda msg: msg.SerializeToString())
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 

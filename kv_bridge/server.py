@@ -8,8 +8,13 @@ stream whose chunk arrives slower than a floor rate (a trickle StallGuard never 
 the rest (hashing each frame as it arrives) and verifies whole chunks (MAC, header,
 lengths, key) before the store takes them: a chunk that fails is refused and counted and the stream
 goes on; nothing of a chunk is visible before its last frame arrived and verified. Get streams the
-leading present chunks, inline or by same-host shared-memory handle; a Put's segment the server does not take
-is unlinked by it once the client that wrote it is gone (shm.PutLeftovers). Put and Get carry chunk bytes
+leading present chunks, inline or by same-host shared-memory handle. A Put's handle is taken only when the
+segment's name carries the owner id of the key that Put presents (shm.SegmentOwner): one client cannot make the
+bridge read and unlink another's segment (refused, counted, never opened); an owned segment the server does not
+take is unlinked by it once the client that wrote it is gone (shm.PutLeftovers). A store that raises ends a
+Lookup, Get or Stats INTERNAL with an error id (details in the log), and refuses that one chunk of a Put.
+invalid_requests counts each client-caused rejection once: a call ended INVALID_ARGUMENT, or a Put's chunk
+refused for its bytes or its handle. Put and Get carry chunk bytes
 through frame_codec (no copy into or out of protobuf messages); each stream is one RPC on the
 thread pool, so a client's parallel streams are served side by side. Bad requests get
 INVALID_ARGUMENT with the field named; the server binds loopback unless told otherwise, and serves
@@ -29,7 +34,7 @@ import urllib.parse
 import uuid
 import weakref
 from concurrent import futures
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 import grpc
 
@@ -55,6 +60,7 @@ DEFAULT_SHM_OUTSTANDING_BYTES = 1 << 30  # handed-out segments not yet taken, al
 SHM_ROOM_WAIT_S = 10.0  # how long a Get waits for readers to take segments before RESOURCE_EXHAUSTED
 DEFAULT_MIN_PUT_RATE = 1 << 20  # bytes/s a Put's chunk needs after idle_s of grace: a trickle holds a worker
 DEFAULT_INFLIGHT_BYTES = 1 << 30  # partial chunks of all Put streams together, outside any store's budget
+REFUSAL_HEADER = "x-flashpd-put-refused"  # a Put reply's trailing metadata: why a chunk's handle was refused
 PUT_SWEEP_EVERY_S = 1.0  # how often a server unlinks untaken Put segments of clients gone (shm.PutLeftovers)
 
 
@@ -131,7 +137,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                        chunks_sent=0, frames_sent=0, shm_segments_sent=0, shm_segments_reclaimed=0, shm_segments_expired=0,
                        invalid_requests=0, unauthenticated_calls=0, calls_stalled=0, shm_gets_refused_full=0,
                        shm_gets_refused_peer=0, puts_too_slow=0, puts_refused_inflight=0, shm_put_segments_left=0,
-                       shm_put_segments_reclaimed=0)
+                       shm_put_segments_reclaimed=0, shm_put_segments_not_owned=0, store_errors=0)
 
     def authorizer(self):
         """token_authorizer for this bridge's secret, counting the calls it turns away."""
@@ -149,9 +155,22 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         with self._lock:
             self._c[name] += n
 
-    def _invalid(self, context: grpc.ServicerContext, message: str) -> None:
+    def count_invalid(self) -> None:
+        """One client-caused rejection: a call ended INVALID_ARGUMENT (undecodable bytes included), or one chunk
+        of a Put refused for what the client sent. Each is counted once, where it is decided."""
         self._count("invalid_requests")
+
+    def _invalid(self, context: grpc.ServicerContext, message: str) -> None:
+        self.count_invalid()
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    def _store_failed(self, context: grpc.ServicerContext, what: str) -> NoReturn:
+        """A store call raised (called from its except block): logged in full here under an error id, the call
+        ended INTERNAL with a short message naming only that id (no paths, no traceback), the server serving on."""
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("KVBridge.%s: the store failed (error id %s)", what, error_id)
+        self._count("store_errors")
+        context.abort(grpc.StatusCode.INTERNAL, f"{what}: the bridge's store failed (error id {error_id})")
 
     def _check_version(self, version: int, context: grpc.ServicerContext, where: str = "version") -> None:
         if version != PROTOCOL_VERSION:
@@ -177,20 +196,26 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         self._check_version(request.version, context)
         self._check_keys(request.keys, context)
         self._count("lookups")
-        return pb.LookupReply(version=PROTOCOL_VERSION, hits=self.store.lookup(list(request.keys)))
+        try:
+            hits = self.store.lookup(list(request.keys))
+        except Exception:  # noqa: BLE001  INTERNAL, not UNKNOWN with the exception's text
+            self._store_failed(context, "Lookup")
+        return pb.LookupReply(version=PROTOCOL_VERSION, hits=hits)
 
     def Put(self, request_iterator: Iterator[frame_codec.FrameMessage], context: grpc.ServicerContext) -> pb.PutReply:
         self._count("puts_streams")
         # each frame copied once, without the GIL, into a buffer of this stream's own: the store gets a
         # read-only view of it (a store that keeps bytes copies it once more)
         asm = Assembler(self.max_chunk_bytes, writable=True, mac=self.secret.mac_key, budget=self.inflight)
+        # whose segments this stream may hand over: the owner key its metadata presents (shm.SegmentOwner)
+        owner = shm.SegmentOwner.from_metadata(context.invocation_metadata())
         try:
-            return self._put_frames(request_iterator, asm, context)
+            return self._put_frames(request_iterator, asm, context, owner)
         finally:
             asm.release()  # however the stream ended: its partial chunk leaves the in-flight budget
 
     def _put_frames(self, request_iterator: Iterator[frame_codec.FrameMessage], asm: Assembler,
-                    context: grpc.ServicerContext) -> pb.PutReply:
+                    context: grpc.ServicerContext, owner: shm.SegmentOwner | None) -> pb.PutReply:
         reply = pb.PutReply(version=PROTOCOL_VERSION)
         for msg in request_iterator:  # a cancelled client raises here: the in-flight chunk is dropped
             self._check_version(msg.version, context)
@@ -199,7 +224,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             f = msg.frame if msg.frame is not None else frame_codec.Frame()
             try:
                 if f.shm is not None:
-                    key, data = self._take_shm(f, asm, context)
+                    key, data = self._take_shm(f, asm, context, owner)
                     self._store(reply, key, data, None)
                 elif (done := asm.feed(f)) is not None:
                     self._store(reply, *done)
@@ -208,8 +233,10 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             except BudgetExhausted as e:
                 self._count("puts_refused_inflight")
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame.total_length: {e}; retry later")
+            except shm.NotOwned as e:  # another client's segment (or none of this caller's): never opened
+                self._not_owned(reply, f.key, str(e), context)
             except shm.ShmError:  # missing or wrong-sized segment: that chunk is refused, the stream goes on
-                self._refuse(reply, f.key, "chunks_refused_corrupt")
+                self._refuse(reply, f.key, "chunks_refused_corrupt", invalid=True)
         if asm.in_flight is not None:
             reply.incomplete_keys.append(asm.in_flight)
             self._count("chunks_incomplete")
@@ -232,15 +259,45 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                       f"frame: chunk {asm.in_flight[:16]}... has {asm.received} of {asm.total} bytes after "
                       f"{elapsed:.1f} s; the bridge needs {self.min_put_rate:.0f} bytes/s after {self.put_grace_s:g} s")
 
-    def _take_shm(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext) -> tuple[str, bytes]:
-        """The handle's chunk, its segment taken (read and unlinked). A segment not taken (whatever the reason)
-        that a same-host client named is noted for reclaim_put_segments: its writer may die before unlinking it."""
-        try:
-            return self._take_checked(f, asm, context)
+    def _take_shm(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext,
+                  owner: shm.SegmentOwner | None) -> tuple[str, bytes]:
+        """The handle's chunk, its segment taken (read and unlinked). Before the file is touched the name must carry
+        the caller's owner id (NotOwned otherwise: every client holds the token and can list /dev/shm, so the name
+        alone proves nothing). An owned segment not taken (whatever the reason) is noted for reclaim_put_segments:
+        its writer may die before unlinking it. A segment not owned is never noted, read nor unlinked here."""
+        if not _peer_is_local(context.peer()):
+            raise FrameError("frame.shm", "shared memory needs a same-host client")
+        check_key(f.key, "frame.key")  # before the key may be named in a reply (a refusal names it)
+        if shm.handed_out(f.shm.name):  # a server's Get segment: its reader's, never a Put's to take or unlink
+            raise shm.ShmError(f"shm segment {f.shm.name} is one a bridge handed out, not this client's")
+        if owner is None:
+            raise shm.NotOwned(f"frame.shm.name: this Put presents no valid {shm.SHM_OWNER_HEADER}, so no segment "
+                               f"is its own to hand over")
+        if not owner.owns(f.shm.name):
+            raise shm.NotOwned(f"frame.shm.name: not a segment written by this client (its name does not carry the "
+                               f"owner id of this Put's {shm.SHM_OWNER_HEADER})")
+        try:  # the caller's own segment from here: refused for any reason, it is noted for reclaim
+            if asm.in_flight is not None:
+                raise FrameError("frame.shm", f"handle sent while chunk {asm.in_flight[:16]}... is incomplete")
+            if f.data or f.offset != 0 or not f.last or f.total_length != f.shm.length:
+                raise FrameError("frame.shm", "a handle frame has no data, offset 0, last=true, "
+                                              "total_length=shm.length")
+            if not 0 < f.shm.length <= self.max_chunk_bytes:
+                raise FrameError("frame.shm.length", f"{f.shm.length} not in 1..{self.max_chunk_bytes}")
+            return f.key, shm.take_segment(f.shm.name, f.shm.length)
         except BaseException:
-            if _peer_is_local(context.peer()) and self.shm_left.note(f.shm.name):
+            if self.shm_left.note(f.shm.name):
                 self._count("shm_put_segments_left")
             raise
+
+    def _not_owned(self, reply: pb.PutReply, key: str, reason: str, context: grpc.ServicerContext) -> None:
+        """A chunk refused because its handle names a segment that is not the caller's: counted (an invalid
+        request, and shm_put_segments_not_owned), logged, and its reason in the reply's trailing metadata
+        (REFUSAL_HEADER: PutReply has no field for a reason); the rest of the stream goes on."""
+        context.set_trailing_metadata(((REFUSAL_HEADER, reason),))
+        self._count("shm_put_segments_not_owned")
+        log.warning("Put from %s: chunk %s... refused: %s", context.peer(), key[:16], reason)
+        self._refuse(reply, key, "chunks_refused_corrupt", invalid=True)
 
     def reclaim_put_segments(self) -> int:
         """Unlink the Put segments not taken whose writers are gone (shm.PutLeftovers says when); how many."""
@@ -249,33 +306,21 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             self._count("shm_put_segments_reclaimed", n)
         return n
 
-    def _take_checked(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext) -> tuple[str, bytes]:
-        if asm.in_flight is not None:
-            raise FrameError("frame.shm", f"handle sent while chunk {asm.in_flight[:16]}... is incomplete")
-        check_key(f.key, "frame.key")
-        if f.data or f.offset != 0 or not f.last or f.total_length != f.shm.length:
-            raise FrameError("frame.shm", "a handle frame has no data, offset 0, last=true, total_length=shm.length")
-        if not 0 < f.shm.length <= self.max_chunk_bytes:
-            raise FrameError("frame.shm.length", f"{f.shm.length} not in 1..{self.max_chunk_bytes}")
-        if not _peer_is_local(context.peer()):
-            raise FrameError("frame.shm", "shared memory needs a same-host client")
-        if shm.handed_out(f.shm.name):  # a server's Get segment: its reader's, never a Put's to take or unlink
-            raise shm.ShmError(f"shm segment {f.shm.name} is one a bridge handed out, not this client's")
-        return f.key, shm.take_segment(f.shm.name, f.shm.length)
-
     def _store(self, reply: pb.PutReply, key: str, data: bytes | memoryview, body_mac: bytes | None) -> None:
         if isinstance(data, memoryview):
             data = data.toreadonly()  # nobody writes the buffer after this: a store may keep it as is
         try:
             result = self.bytes.put(key, data, body_mac)
         except CorruptChunk:  # malformed, lying header, wrong key, MAC mismatch
-            self._refuse(reply, key, "chunks_refused_corrupt")
+            self._refuse(reply, key, "chunks_refused_corrupt", invalid=True)
             return
         except ValueError:  # e.g. a key the disk tier cannot name a file after
-            self._refuse(reply, key, "chunks_refused_store")
+            self._refuse(reply, key, "chunks_refused_store", invalid=True)
             return
         except Exception:  # noqa: BLE001  a store failure refuses this chunk; the stream goes on (never UNKNOWN)
-            log.exception("the bridge's store failed to take chunk %s...", key[:16])
+            log.exception("the bridge's store failed to take chunk %s... (error id %s)", key[:16],
+                          uuid.uuid4().hex[:12])
+            self._count("store_errors")
             self._refuse(reply, key, "chunks_refused_store")
             return
         if result is PutResult.STORED:
@@ -287,13 +332,16 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         else:
             self._refuse(reply, key, "chunks_refused_store")
 
-    def _refuse(self, reply: pb.PutReply, key: str, counter: str) -> None:
+    def _refuse(self, reply: pb.PutReply, key: str, counter: str, invalid: bool = False) -> None:
         """`refused` counts every refusal; the first MAX_REFUSED_KEYS keys are named (a reply stays small
-        whatever a client sends)."""
+        whatever a client sends). invalid: the client's fault (bad bytes, a bad handle), not the store's
+        (full, failed): counted in invalid_requests too."""
         reply.refused += 1
         if len(reply.refused_keys) < MAX_REFUSED_KEYS:
             reply.refused_keys.append(key)
         self._count(counter)
+        if invalid:
+            self.count_invalid()
 
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Serialized GetFrames: an inline frame is its envelope around views of the store's bytes,
@@ -326,7 +374,10 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             for key in request.keys:
                 if not context.is_active():
                     return
-                data = self.bytes.get(key)
+                try:
+                    data = self.bytes.get(key)
+                except Exception:  # noqa: BLE001  INTERNAL; this stream's segments are reclaimed below
+                    self._store_failed(context, "Get")
                 if data is None:
                     break
                 if use_shm:
@@ -388,7 +439,11 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         counters = {f"server.{k}": v for k, v in own.items()}
         counters["server.shm_outstanding_bytes"] = self.shm_out.outstanding()
         counters["server.inflight_bytes"] = self.inflight.used
-        counters.update(flatten(self.store.stats(), "store"))
+        try:
+            store_stats = self.store.stats()
+        except Exception:  # noqa: BLE001  INTERNAL, not UNKNOWN with the exception's text
+            self._store_failed(context, "Stats")
+        counters.update(flatten(store_stats, "store"))
         return pb.StatsReply(version=PROTOCOL_VERSION, counters=counters, store=type(self.store).__name__)
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
@@ -405,6 +460,7 @@ def bulk_handler(servicer: KVBridgeServicer) -> grpc.GenericRpcHandler:
 
     def reject(msg: object, context: grpc.ServicerContext) -> None:
         if isinstance(msg, frame_codec.Undecodable):
+            servicer.count_invalid()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"request: not a valid {msg.type_name} message ({msg.reason})")
 
@@ -508,7 +564,7 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvbridge"),
                          options=options, maximum_concurrent_rpcs=max_workers * 4, interceptors=guards)
     server.add_generic_rpc_handlers((bulk_handler(servicer),))  # first: it serves Put and Get
-    add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name["KVBridge"])
+    add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name["KVBridge"], on_invalid=servicer.count_invalid)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_secure_port(address, tls.server_credentials()) if tls is not None \
         else server.add_insecure_port(address)

@@ -5,26 +5,41 @@ registers every segment (even one merely attached) with a resource tracker that 
 warns at exit, which fights the hand-off (the writer creates, the reader unlinks). The writer
 creates a segment with O_EXCL; the reader reads it out and unlinks it. A Put segment the server does not
 take stays its writer's, until the writer is gone (PutLeftovers).
+
+A Put segment is its writer's alone to hand over (SegmentOwner): its name carries the writer's owner id, a
+hash of a secret key the writer presents with its Put (SHM_OWNER_HEADER) and nobody else knows. Every Put
+client holds the cluster's token and /dev/shm lists every name, so neither a name nor the token tells the
+server who wrote a segment; a name's owner id that does not match the key of the Put naming it is refused
+before the file is opened, so no client can make the server take (read and unlink) another client's segment.
 """
 from __future__ import annotations
 
+import hmac
 import os
 import re
+import secrets
 import stat
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
+
+import blake3
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "fpkv-"
 GET_TAG = "get-"  # in the names of the segments a server hands to its SHM Gets (never a Put's to take)
-PUT_TAG = "put-"  # in the names of the segments a client writes for its SHM Puts (fpkv-<its pid>-put-<hex>)
+PUT_TAG = "put-"  # in the names of the segments a client writes for its SHM Puts (fpkv-<pid>-put-<owner>-<hex>)
+SHM_OWNER_HEADER = "x-flashpd-shm-owner"  # a Put's metadata: the hex key of the SegmentOwner that wrote its segments
+OWNER_KEY_BYTES = 32
+OWNER_ID_HEX = 32  # the owner id in a Put segment's name: 128 bits of a keyed hash of the owner's key
+_OWNER_CONTEXT = "flashpd 2025 kv-bridge shm Put segment owner id v1"
 _NAME_RE = re.compile(r"fpkv-[A-Za-z0-9_-]{1,120}")
 _HANDED_OUT_RE = re.compile(rf"fpkv-[0-9]+-{GET_TAG}.*", re.DOTALL)
-_PUT_RE = re.compile(rf"fpkv-([1-9][0-9]{{0,6}})-{PUT_TAG}[0-9a-f]{{32}}")  # pids stay below 2**22 on Linux
+# pids stay below 2**22 on Linux; group 2 is the writer's owner id (SegmentOwner)
+_PUT_RE = re.compile(rf"fpkv-([1-9][0-9]{{0,6}})-{PUT_TAG}([0-9a-f]{{{OWNER_ID_HEX}}})-[0-9a-f]{{32}}")
 PUT_LEFTOVER_GRACE_S = 30.0  # a Put segment the server did not take, of a writer that is gone, goes after this
 MAX_PUT_LEFTOVERS = 4096  # such segments a server keeps track of (past it, the oldest are left to the start sweep)
 DEFAULT_PEER_SHARE = 4  # a peer may hold 1/4 of a ledger's bytes untaken
@@ -34,6 +49,61 @@ _SWEEP_EVERY_S = 0.1  # how often a Get waiting for room sweeps expired segments
 
 class ShmError(OSError):
     """A handle that is malformed, missing or not the announced length."""
+
+
+class NotOwned(ShmError):
+    """A Put handle naming a segment whose name does not carry the caller's owner id: never opened nor unlinked."""
+
+
+class SegmentOwner:
+    """A Put writer's secret key, and the owner id (a keyed hash of it) that the names of its segments carry.
+
+    Why: every client holds the cluster's token and can list /dev/shm, so a segment's name alone would let one
+    client make the bridge take (read and unlink) another's segment, refusing the victim's Put. The key travels
+    only in the writer's own Put calls (SHM_OWNER_HEADER) and the id does not reveal it, so only its writer can
+    name a segment that `owns` accepts. One per BridgeClient: its retries may name its earlier segments."""
+
+    __slots__ = ("_key", "_id")
+
+    def __init__(self, key: bytes) -> None:
+        if not isinstance(key, (bytes, bytearray)) or len(key) != OWNER_KEY_BYTES:
+            raise ValueError(f"a segment owner key is {OWNER_KEY_BYTES} bytes")
+        self._key = bytes(key)
+        self._id = blake3.blake3(self._key, derive_key_context=_OWNER_CONTEXT).hexdigest(OWNER_ID_HEX // 2)
+
+    @classmethod
+    def generate(cls) -> "SegmentOwner":
+        return cls(secrets.token_bytes(OWNER_KEY_BYTES))
+
+    @classmethod
+    def from_metadata(cls, metadata: Sequence[tuple[str, str | bytes]] | None) -> "SegmentOwner | None":
+        """The owner a call's metadata presents (SHM_OWNER_HEADER: 64 hex digits); None when absent or malformed."""
+        for k, v in metadata or ():
+            if k == SHM_OWNER_HEADER:
+                try:
+                    return cls(bytes.fromhex(v.decode("ascii") if isinstance(v, bytes) else v))
+                except (ValueError, UnicodeDecodeError):
+                    return None
+        return None
+
+    def metadata(self) -> tuple[str, str]:
+        """The metadata entry a Put naming this owner's segments carries (never log a call's metadata)."""
+        return SHM_OWNER_HEADER, self._key.hex()
+
+    @property
+    def put_tag(self) -> str:
+        """The write_segment tag of this owner's Put segments: fpkv-<pid>-put-<owner id>-<hex>."""
+        return f"{PUT_TAG}{self._id}-"
+
+    def owns(self, name: str) -> bool:
+        """Whether `name` is a Put segment's name carrying this owner's id (a check of the string alone)."""
+        m = _PUT_RE.fullmatch(name)
+        return m is not None and hmac.compare_digest(m.group(2), self._id)
+
+    def __repr__(self) -> str:
+        return f"SegmentOwner(id={self._id})"
+
+    __str__ = __repr__
 
 
 class NoRoom(Exception):
@@ -80,7 +150,8 @@ def process_exists(pid: int) -> bool:
 
 def write_segment(data: bytes | list[bytes | memoryview], tag: str = "") -> str:
     """Create a new segment holding data (or its parts, in order); returns its name (the caller or its
-    peer unlinks it). tag: GET_TAG for a server's Get segments, PUT_TAG for a client's Put segments."""
+    peer unlinks it). tag: GET_TAG for a server's Get segments, SegmentOwner.put_tag for a client's Put
+    segments (a bridge takes a Put's segment only from the owner its name carries)."""
     name = f"{PREFIX}{os.getpid()}-{tag}{uuid.uuid4().hex}"
     path = SHM_DIR / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -297,15 +368,16 @@ class PutLeftovers:
     """The Put segments a server was handed and did not take (a handle it refused: wrong length, a stream that
     ended at it), which it unlinks itself once no one can use them, so that a client that dies leaks none.
 
-    Until then such a segment is its writer's: BridgeClient unlinks its own after every Put, and a client may
-    send it again. The rule: a segment is unlinked when its name is a Put segment's (fpkv-<pid>-put-<hex>,
-    PUT_TAG), the process <pid> that wrote it no longer exists, PUT_LEFTOVER_GRACE_S have passed since a Put
-    last named it, and the file is still the one seen then (a regular file of this user, same device and
-    inode). Whoever names a segment, only its writer's death frees it: a client cannot make the server unlink a
-    live client's segment (one in use for a retry), a Get's (get- names never match), another user's file, or a
-    file that replaced the one seen. The pid must name the same process to the writer and the server (one PID
-    namespace, as same-host transfer through /dev/shm has here); a pid reused by then keeps the segment, for
-    the start sweep. At most MAX_PUT_LEFTOVERS are kept, the least recently seen forgotten first (left in place)."""
+    Until then such a segment is its writer's: BridgeClient unlinks its own after every Put, and a client may send
+    it again. The rule: a segment is unlinked when its name is a Put segment's (fpkv-<pid>-put-<owner>-<hex>,
+    SegmentOwner.put_tag), the process <pid> that wrote it no longer exists, PUT_LEFTOVER_GRACE_S have passed since
+    a Put last named it, and the file is still the one seen then (a regular file of this user, same device and
+    inode). Whoever names a segment, only its writer's death frees it: a client cannot make the server unlink a live
+    client's segment (one in use for a retry), a Get's (get- names never match), another user's file, or a file that
+    replaced the one seen. The pid must name the same process to the writer and the server (one PID namespace, as
+    same-host transfer through /dev/shm has here); a pid reused by then keeps the segment, for the start sweep. At
+    most MAX_PUT_LEFTOVERS are kept, the least recently seen forgotten first (left in place). A server notes only
+    segments whose owner id matched the Put naming them (SegmentOwner)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -11,6 +11,7 @@ from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
 from flashpd.kv_bridge.rpc_guard import TOKEN_HEADER
 from flashpd.kv_bridge.server import serve
+from flashpd.kv_bridge.shm import SegmentOwner
 from flashpd.kv_bridge.store import MemoryStore
 from flashpd.kv_bridge.wire import DEFAULT_FRAME_BYTES
 
@@ -72,8 +73,11 @@ class BridgeHarness:
         self.channel = grpc.insecure_channel(self.address)
         self.raw = pb_grpc.KVBridgeStub(self.channel)
 
-    def md(self, token: str | None = None) -> list[tuple[str, str]]:
-        return [(TOKEN_HEADER, token if token is not None else self.secret.token)]
+    def md(self, token: str | None = None, owner: SegmentOwner | None = None) -> list[tuple[str, str]]:
+        """A raw call's metadata: the token (this bridge's unless given), and the owner key of the SHM Put
+        segments the call may name (shm.SegmentOwner), as BridgeClient sends them."""
+        return [(TOKEN_HEADER, token if token is not None else self.secret.token),
+                *([owner.metadata()] if owner is not None else [])]
 
     def stop(self) -> None:
         self.client.close()

@@ -168,10 +168,14 @@ def test_a_prompt_put_over_several_streams_into_a_full_store_keeps_its_chain(bri
 
 # ---- SHM Put: never a deputy for unlinking someone else's segment ------------------------------------
 
-def shm_put(b: BridgeHarness, name: str, length: int, key: str = "s") -> pb.PutReply:
+OWNER = shm.SegmentOwner.generate()  # this test process's Put segments (as a BridgeClient's)
+
+
+def shm_put(b: BridgeHarness, name: str, length: int, key: str = "s",
+            owner: shm.SegmentOwner | None = OWNER) -> pb.PutReply:
     frame = pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
         key=key, offset=0, total_length=length, last=True, shm=pb.ShmHandle(name=name, length=length)))
-    return b.raw.Put(iter([frame]), timeout=TIMEOUT_S, metadata=b.md())
+    return b.raw.Put(iter([frame]), timeout=TIMEOUT_S, metadata=b.md(owner=owner))
 
 
 @needs_shm
@@ -195,7 +199,7 @@ def test_a_put_cannot_take_or_unlink_a_segment_handed_to_another_clients_get(bri
 def test_a_segment_that_fails_a_check_is_left_in_place(bridges):
     b = bridges()
     data = chunk_bytes(b, "s")
-    name = shm.write_segment(data)  # a same-host client's Put segment, named with a wrong length
+    name = shm.write_segment(data, OWNER.put_tag)  # a same-host client's Put segment, named with a wrong length
     try:
         assert shm_put(b, name, len(data) - 1).refused == 1
         assert os.path.exists(shm.SHM_DIR / name)
@@ -219,15 +223,17 @@ def dead_pid() -> int:
     return p.pid
 
 
-def dead_clients_segment(data: bytes) -> str:
-    """A Put segment written as BridgeClient writes one, by a process that then exited without unlinking it."""
-    code = ("import sys; from flashpd.kv_bridge import shm; "
-            "print(shm.write_segment(sys.stdin.buffer.read(), shm.PUT_TAG))")
+def dead_clients_segment(data: bytes) -> tuple[str, shm.SegmentOwner]:
+    """A Put segment written as BridgeClient writes one, by a process that then exited without unlinking it,
+    and that process's owner (what its Put presented)."""
+    code = ("import sys; from flashpd.kv_bridge import shm; o = shm.SegmentOwner.generate(); "
+            "print(shm.write_segment(sys.stdin.buffer.read(), o.put_tag), o.metadata()[1])")
     out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True, timeout=120)
-    return out.stdout.decode().strip()
+    name, key = out.stdout.decode().split()
+    return name, shm.SegmentOwner(bytes.fromhex(key))
 
 
-def put_segment_file(pid: int, tag: str = shm.PUT_TAG, data: bytes = b"x" * 64) -> str:
+def put_segment_file(pid: int, tag: str = OWNER.put_tag, data: bytes = b"x" * 64) -> str:
     name = f"{shm.PREFIX}{pid}-{tag}{uuid.uuid4().hex}"
     fd = os.open(shm.SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     shm.write_all(fd, data)
@@ -243,12 +249,12 @@ def test_a_refused_put_segment_goes_once_its_writer_died_and_a_live_writers_stay
     monkeypatch.setattr(server_mod, "PUT_SWEEP_EVERY_S", 0.05, raising=False)  # a bridge without it fails below
     b = bridges()
     data = chunk_bytes(b, "s")
-    dead = dead_clients_segment(data)
-    live = shm.write_segment(data, shm.PUT_TAG)
+    dead, dead_owner = dead_clients_segment(data)
+    live = shm.write_segment(data, OWNER.put_tag)
     assert shm.put_writer(dead) not in (None, os.getpid()) and shm.put_writer(live) == os.getpid()
     try:
-        for name in (dead, live):
-            assert shm_put(b, name, len(data) - 1).refused == 1  # a wrong length: refused, left in place
+        for name, owner in ((dead, dead_owner), (live, OWNER)):
+            assert shm_put(b, name, len(data) - 1, owner=owner).refused == 1  # a wrong length: refused, left in place
             assert os.path.exists(shm.SHM_DIR / name)
         assert wait_for(lambda: not os.path.exists(shm.SHM_DIR / dead))
         time.sleep(shm.PUT_LEFTOVER_GRACE_S + 10 * server_mod.PUT_SWEEP_EVERY_S)  # sweeps past the live one's grace
@@ -270,11 +276,11 @@ def test_put_leftovers_unlink_only_a_dead_writers_put_segment_still_the_file_see
     left = shm.PutLeftovers()
     gone, replaced, mine = put_segment_file(gone_pid), put_segment_file(gone_pid), put_segment_file(os.getpid())
     others = [put_segment_file(gone_pid, tag=""), put_segment_file(gone_pid, tag=shm.GET_TAG)]
-    link = f"{shm.PREFIX}{gone_pid}-{shm.PUT_TAG}{uuid.uuid4().hex}"
+    link = f"{shm.PREFIX}{gone_pid}-{OWNER.put_tag}{uuid.uuid4().hex}"
     target = tmp_path / "target"
     target.write_bytes(b"keep")
     os.symlink(target, shm.SHM_DIR / link)
-    missing = f"{shm.PREFIX}{gone_pid}-{shm.PUT_TAG}{uuid.uuid4().hex}"
+    missing = f"{shm.PREFIX}{gone_pid}-{OWNER.put_tag}{uuid.uuid4().hex}"
     names = [gone, replaced, mine, *others, link, missing]
     try:
         assert [left.note(n) for n in names] == [True, True, True, False, False, False, False]

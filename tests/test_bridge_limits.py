@@ -12,9 +12,12 @@
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 import threading
 import time
+import uuid
 
 import grpc
 import pytest
@@ -27,9 +30,11 @@ from flashpd.kv_bridge import server as server_mod
 from flashpd.kv_bridge import shm
 from flashpd.kv_bridge.auth import ClusterSecret
 from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.client import BridgeError
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
 from flashpd.kv_bridge.server import MAX_REFUSED_KEYS
+from flashpd.kv_bridge.store import MemoryStore
 from flashpd.kv_bridge.wire import MAX_KEY_CHARS, MAX_KEYS, PROTOCOL_VERSION, split_frames
 
 from tests._kv_bridge_helpers import BridgeHarness
@@ -208,17 +213,20 @@ def test_a_put_reply_names_a_bounded_number_of_refused_keys_and_counts_them_all(
 
 # ---- shared memory ---------------------------------------------------------------------------------------
 
+OWNER = shm.SegmentOwner.generate()  # this test process's Put segments (as a BridgeClient's)
+
+
 def shm_handle_put(b: Bridge, name: str, length: int) -> pb.PutReply:
     frame = pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
         key="s", offset=0, total_length=length, last=True, shm=pb.ShmHandle(name=name, length=length)))
-    return b.raw.Put(iter([frame]), timeout=TIMEOUT_S, metadata=b.md())
+    return b.raw.Put(iter([frame]), timeout=TIMEOUT_S, metadata=b.md(owner=OWNER))
 
 
 @needs_shm
 def test_a_handle_naming_a_fifo_or_a_link_is_refused_without_blocking(bridge, tmp_path):
     data = chunk_bytes(bridge, "s")
-    fifo = f"fpkv-test-fifo-{os.getpid()}"
-    link = f"fpkv-test-link-{os.getpid()}"
+    fifo = f"fpkv-{os.getpid()}-{OWNER.put_tag}{uuid.uuid4().hex}"  # names this caller owns: the file is checked
+    link = f"fpkv-{os.getpid()}-{OWNER.put_tag}{uuid.uuid4().hex}"
     target = tmp_path / "target"
     target.write_bytes(data)
     os.mkfifo(shm.SHM_DIR / fifo)
@@ -231,7 +239,7 @@ def test_a_handle_naming_a_fifo_or_a_link_is_refused_without_blocking(bridge, tm
             assert time.monotonic() - t0 < 5.0
             assert os.path.lexists(shm.SHM_DIR / name)  # a handle that fails a check is never unlinked
         assert target.read_bytes() == data  # a link's target is never touched
-        name = shm.write_segment(data)  # a real segment is taken
+        name = shm.write_segment(data, OWNER.put_tag)  # a real segment is taken
         assert shm_handle_put(bridge, name, len(data)).stored == 1
     finally:
         for name in (fifo, link):
@@ -281,3 +289,133 @@ def test_untaken_segments_are_bounded_and_a_get_past_the_bound_is_refused(monkey
         assert [ch.key for ch in b.client.get(keys, transport="shm")] == keys
     finally:
         b.stop()
+
+
+# ---- store failures ----------------------------------------------------------------------------------------
+
+SECRET_PATH = "/srv/flashpd/private/tier-7"  # what a store's exception may say, and a client must never see
+
+
+class FailingStore(MemoryStore):
+    """A memory store whose calls raise for the key "boom" (and whose stats raise while fail_stats is set): an
+    unexpected store failure, with internal details in its message."""
+
+    fail_stats = False
+
+    def _fail(self) -> None:
+        raise OSError(5, "Input/output error", SECRET_PATH)
+
+    def lookup(self, keys: list[str]) -> int:
+        if "boom" in keys:
+            self._fail()
+        return super().lookup(keys)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        if key == "boom":
+            self._fail()
+        return super().get_bytes(key)
+
+    def put_bytes(self, key: str, data, verified: bool = False):
+        if key == "boom":
+            self._fail()
+        return super().put_bytes(key, data, verified)
+
+    def stats(self) -> dict:
+        if self.fail_stats:
+            self._fail()
+        return super().stats()
+
+
+def test_a_store_failure_is_internal_with_an_error_id_and_the_server_serves_on(caplog):
+    """Lookup, Get (inline and SHM) and Stats answer INTERNAL with a short message naming an error id that the
+    server's log holds with the details; Put refuses that chunk and goes on; other requests are served meanwhile."""
+    secret = ClusterSecret.generate()
+    store = FailingStore(1 << 24, secret)
+    b = Bridge(store=store, secret=secret)
+    caplog.set_level(logging.ERROR, logger=server_mod.__name__)
+    try:
+        ok = chunk_bytes(b, "ok")
+        s = b.client.put_bytes([("boom", ok), ("ok", ok)])  # Put: that chunk refused, the stream goes on
+        assert (s.stored, s.refused_keys) == (1, ["boom"])
+        calls = [lambda: b.client.lookup(["ok", "boom"]), lambda: b.client.get(["ok", "boom"]),
+                 lambda: b.client.get(["ok", "boom"], transport="shm") if shm.available() else b.client.get(["boom"])]
+        before = set(shm.list_segments(os.getpid()))
+        errors = []
+        for call in calls:
+            with pytest.raises(BridgeError) as e:
+                call()
+            errors.append(e.value)
+            assert b.client.lookup(["ok"]) == 1 and len(b.client.get(["ok"])) == 1  # others are served
+        store.fail_stats = True
+        with pytest.raises(BridgeError) as e:
+            b.client.stats()
+        errors.append(e.value)
+        store.fail_stats = False
+        assert set(shm.list_segments(os.getpid())) - before == set()  # the failed SHM stream's segments reclaimed
+        ids = []
+        for err in errors:
+            text = str(err)
+            assert err.code == grpc.StatusCode.INTERNAL, text
+            assert SECRET_PATH not in text and "Traceback" not in text and "OSError" not in text, text
+            ids.append(re.search(r"error id ([0-9a-f]{12})", text).group(1))
+        logged = {r.getMessage(): r for r in caplog.records}
+        for error_id in ids:  # each id names one logged failure, with its traceback and details
+            (record,) = [r for m, r in logged.items() if error_id in m]
+            assert record.exc_info is not None and SECRET_PATH in str(record.exc_info[1])
+        c = b.counters()
+        assert c["server.store_errors"] == 1 + len(errors)  # the Put's chunk, and each failed call
+        assert c["server.invalid_requests"] == 0  # the store's failure, not the client's
+        assert b.healthy_within(5.0)
+    finally:
+        b.stop()
+
+
+# ---- counting rejections -----------------------------------------------------------------------------------
+
+def test_every_client_caused_rejection_is_counted_once_in_invalid_requests(bridge):
+    """invalid_requests counts each call refused INVALID_ARGUMENT (undecodable bytes included) and each Put chunk
+    refused for what the client sent, exactly once; refusals that are not the client's fault are not counted."""
+    counted = 0
+
+    def invalid(call) -> None:
+        nonlocal counted
+        assert code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
+        counted += 1
+
+    garbage = b"\xff\xff\xff\xff"
+    for method in ("Lookup", "Stats", "Health"):  # undecodable unary requests
+        raw = bridge.channel.unary_unary(f"/flashpd.kvbridge.v1.KVBridge/{method}")
+        invalid(lambda: raw(garbage, timeout=TIMEOUT_S, metadata=bridge.md()))
+    put = bridge.channel.stream_unary("/flashpd.kvbridge.v1.KVBridge/Put")
+    get = bridge.channel.unary_stream("/flashpd.kvbridge.v1.KVBridge/Get")
+    invalid(lambda: put(iter([garbage]), timeout=TIMEOUT_S, metadata=bridge.md()))
+    invalid(lambda: list(get(garbage, timeout=TIMEOUT_S, metadata=bridge.md())))
+    invalid(lambda: bridge.raw.Lookup(pb.LookupRequest(version=PROTOCOL_VERSION, keys=[""]),  # bad key
+                                      timeout=TIMEOUT_S, metadata=bridge.md()))
+    invalid(lambda: bridge.raw.Health(pb.HealthRequest(version=PROTOCOL_VERSION + 1),  # bad version
+                                      timeout=TIMEOUT_S, metadata=bridge.md()))
+    big = pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(  # oversized, refused on its first frame
+        key="big", offset=0, total_length=server_mod.DEFAULT_MAX_CHUNK_BYTES + 1, data=b"x", last=False))
+    invalid(lambda: bridge.raw.Put(iter([big]), timeout=TIMEOUT_S, metadata=bridge.md()))
+    # chunks refused inside a Put that goes on: a bad header, a foreign MAC, a handle naming no segment
+    forged = chunk_bytes(bridge, "mac", secret=ClusterSecret.generate())
+    missing = f"fpkv-{os.getpid()}-{OWNER.put_tag}{uuid.uuid4().hex}"
+    stream = [*frames("hdr", b"not a chunk"), *frames("mac", forged),
+              pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
+                  key="shm", offset=0, total_length=64, last=True, shm=pb.ShmHandle(name=missing, length=64))),
+              *frames("good", chunk_bytes(bridge, "good"))]
+    reply = bridge.raw.Put(iter(stream), timeout=TIMEOUT_S, metadata=bridge.md(owner=OWNER))
+    assert (reply.stored, list(reply.refused_keys)) == (1, ["hdr", "mac", "shm"])
+    counted += 3
+    # not the client's fault, or counted elsewhere: a chunk larger than the whole store, a stranger's call
+    small = Bridge(store=MemoryStore(64, bridge.secret), secret=bridge.secret)
+    try:
+        assert small.client.put_bytes([("k", chunk_bytes(small, "k"))]).refused == 1
+        assert code_of(lambda: bridge.raw.Lookup(pb.LookupRequest(version=PROTOCOL_VERSION, keys=["k"]),
+                                                 timeout=TIMEOUT_S)) == grpc.StatusCode.UNAUTHENTICATED
+        assert small.counters()["server.invalid_requests"] == 0
+    finally:
+        small.stop()
+    c = bridge.counters()
+    assert c["server.invalid_requests"] == counted == 11
+    assert c["server.unauthenticated_calls"] == 1

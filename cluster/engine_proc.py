@@ -270,8 +270,9 @@ class EngineProcess:
 
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native",
                draft_width: int | None = None, timeout_s: float = DEFAULT_SUBMIT_TIMEOUT_S,
-               first_token: int | None = None, handoff=None) -> Handle:
-        """As EngineLoop.submit: the handle once the engine took the request, or its refusal raised."""
+               first_token: int | None = None, handoff=None, deadline_s: float | None = None) -> Handle:
+        """As EngineLoop.submit: the handle once the engine took the request, or its refusal raised (deadline_s:
+        as EngineLoop's, not needed)."""
         if handoff is not None:
             raise ValueError("a device-path handoff needs the engine in the serving process (engine_process off)")
         rid = next(self._ids)

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Mapping, Protocol
 import grpc
 
 from flashpd.cluster.detok import Detokenizer
-from flashpd.decode_node.engine_loop import EngineStopped, Event, coalesce
+from flashpd.decode_node.engine_loop import EngineStopped, Event, Overloaded, coalesce
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.engine.scheduler import PromptTooLong, RequestFailed
@@ -60,7 +60,9 @@ class Backend(Protocol):
     def counts(self) -> Load: ...
 
     def submit(self, prompt: list[int], params: SamplingParams, method: str, draft_width: int | None,
-               timeout_s: float, first_token: int | None = None) -> Stream: ...
+               timeout_s: float, first_token: int | None = None, deadline_s: float | None = None) -> Stream:
+        """timeout_s: how long to wait for the backend to take the request; deadline_s: the client's time left
+        (None: no deadline), which a backend with calls no cancel reaches (the Router's prefill) must bound."""
 
     def cancel(self, h: Stream) -> None: ...
 
@@ -76,6 +78,8 @@ def abort_for(context: grpc.ServicerContext, e: BaseException) -> None:
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _cap(str(e)))
     if isinstance(e, ValueError):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, _cap(str(e)))
+    if isinstance(e, Overloaded):  # busy, not gone: the client may retry later
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _cap(str(e)))
     context.abort(grpc.StatusCode.UNAVAILABLE,
                   _cap(str(e) if isinstance(e, EngineStopped) else f"{type(e).__name__}: {e}"))
 
@@ -183,7 +187,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             extra = {"handoff": handoff} if handoff is not None else {}  # a decode worker's device-path import
             h = self.loop.submit(prompt, params, method, draft_width,
                                  timeout_s=min(timeout, 60.0) if timeout is not None else 60.0,
-                                 first_token=first_token, **extra)
+                                 first_token=first_token, deadline_s=timeout, **extra)
         except Exception as e:  # noqa: BLE001  each failure gets its status code; none escapes as UNKNOWN
             self._release(handoff)  # refused, timed out or stopped: never imported (a no-op if released already)
             abort_for(context, e)

@@ -9,7 +9,11 @@ Faults, each logged and counted: a prefill that fails (worker killed, bridge dow
 back to the decode worker computing the prompt itself (output unchanged); a decode worker that
 dies is marked down, and a reproducible request (greedy or seeded) is retried once on another,
 skipping the tokens already streamed after checking they match; otherwise the request ends with
-UNAVAILABLE. Every internal call has a deadline; a client's cancellation cancels them.
+UNAVAILABLE. A decode worker that refuses a request because it is overloaded (RESOURCE_EXHAUSTED other than
+a prompt it cannot fit) is busy, not gone: another is tried (the same bound, decode_retries), else the request ends
+with Overloaded (RESOURCE_EXHAUSTED saying so), never as a prompt error. Every internal call is bounded by the request's deadline (the
+client's when shorter than request_timeout_s): past it, the request ends with TimeoutError (DEADLINE_EXCEEDED)
+having released what it held; a client's cancellation cancels the calls.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from collections import Counter
 
 import grpc
 
-from flashpd.decode_node.engine_loop import EngineStopped, Event
+from flashpd.decode_node.engine_loop import EngineStopped, Event, Overloaded
 from flashpd.cluster.generation_client import build_request, stats_dict
 from flashpd.cluster.generation_server import PROTOCOL_VERSION
 from flashpd.cluster.metrics import Metrics
@@ -37,11 +41,17 @@ log = logging.getLogger(__name__)
 # Codes with which a call ends when its worker went away (the router's own cancels are told apart).
 WORKER_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
 RELEASE_TIMEOUT_S = 2.0
+# How a worker's RESOURCE_EXHAUSTED says the request itself cannot fit: generation_server.abort_for's "prompt: "
+# (the scheduler's PromptTooLong) and _parse's field names. Those and grpcio's message-size limits ("... larger than
+# max") are the request's; any other is the worker's load (grpcio's "Concurrent RPC limit exceeded!" when every slot
+# of its server is taken): see _overloaded.
+PROMPT_REFUSALS = ("prompt", "max_tokens:")
 FIRST_TOKEN_WAIT_S = 0.01  # the longest the decode call waits for the first token to reach the client's transport
 
 
 class _Cancelled(Exception):
     """The client cancelled: end quietly."""
+
 
 
 class RouterHandle:
@@ -66,9 +76,10 @@ class RouterHandle:
             return None
 
     def remaining(self) -> float:
+        """Time left to the request's deadline, the bound of each internal call; TimeoutError once it passed."""
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError("the request's internal deadline (request_timeout_s) passed")
+            raise TimeoutError("the request's deadline passed (the client's, or request_timeout_s)")
         return left
 
     def check(self) -> None:
@@ -111,17 +122,22 @@ class RequestThreads:
         self._lock = threading.Lock()
 
     def run(self, fn, *args) -> None:
+        """Run fn(*args) on an idle thread, or a new one. Raises when a new thread cannot start (RuntimeError:
+        can't start new thread): the job is then not queued, so the caller may undo what it took for it without a
+        thread running it later (it used to be queued first, and ran once a busy thread came free)."""
         with self._lock:
             start = self._idle == 0
             if not start:
                 self._idle -= 1  # this job is that thread's
-        self._jobs.put((fn, args))
         if start:
-            threading.Thread(target=self._work, name=self.name, daemon=True).start()
+            threading.Thread(target=self._work, args=((fn, args),), name=self.name, daemon=True).start()
+        else:
+            self._jobs.put((fn, args))
 
-    def _work(self) -> None:
+    def _work(self, job: tuple | None = None) -> None:
         while True:
-            fn, args = self._jobs.get()
+            fn, args = job if job is not None else self._jobs.get()
+            job = None
             try:
                 fn(*args)
             except Exception:  # noqa: BLE001  a job handles its own errors; this thread must survive anyway
@@ -154,7 +170,7 @@ class Router:
         m = self.metrics
         m.live("flashpd_queue_depth", "Requests in flight at the router", "gauge", (), lambda: {(): self.inflight})
         m.live("flashpd_recompute_fallbacks", "Prefills that failed; the decode worker computed the prompt",
-               "counter", ("reason",), lambda: {(k,): v for k, v in self.fallbacks.items()})
+               "counter", ("reason",), self._fallback_counts)
         m.live("flashpd_decode_retries", "Requests retried on another decode worker", "counter", (),
                lambda: {(): self.retries})
         m.live("flashpd_workers_healthy", "Healthy workers by role", "gauge", ("worker",),
@@ -164,6 +180,12 @@ class Router:
         m.live("flashpd_worker_early_crashes", "Restarted workers down again within the pool's stable_s (a crash "
                "loop: each counts as a failed restart)", "counter", ("worker",),
                lambda: {(r,): v for r, v in self.pool.early_crashes.items()})
+
+    def _fallback_counts(self) -> dict[tuple[str, ...], int]:
+        """A scrape's copy, taken under the lock: request threads add reasons meanwhile (iterating the Counter
+        while one did raised "dictionary changed size during iteration" and emptied the family)."""
+        with self._lock:
+            return {(k,): v for k, v in self.fallbacks.items()}
 
     # ---- facts ---------------------------------------------------------------------------------
     @property
@@ -179,7 +201,12 @@ class Router:
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, method: str, draft_width: int | None,
-               timeout_s: float = 30.0, first_token: int | None = None) -> RouterHandle:
+               timeout_s: float = 30.0, first_token: int | None = None, deadline_s: float | None = None
+               ) -> RouterHandle:
+        """deadline_s: the client's time left (None: none); the request's deadline is the sooner of it and
+        request_timeout_s, and bounds every internal call (the blocking prefill's too, which no cancel reaches).
+        timeout_s (how long the caller waits for the request to be taken) is unused: nothing here waits. Whatever
+        fails here gives back the decode slot picked and the in-flight count."""
         if first_token is not None:
             raise ValueError("first_token: the router computes the first token itself")
         if self._stopped:
@@ -187,17 +214,26 @@ class Router:
         d = self.pool.pick("decode")
         if d is None:
             raise EngineStopped("no decode worker is available (all are down or restarting)")
-        width = (draft_width or self.default_draft_width or 1) if method == "dflash" else 1
-        need = blocks_needed(len(prompt), params.max_tokens, width, d.info["kv_block_size"])
-        if need > d.info["kv_blocks_total"]:
+        counted = False
+        try:
+            width = (draft_width or self.default_draft_width or 1) if method == "dflash" else 1
+            need = blocks_needed(len(prompt), params.max_tokens, width, d.info["kv_block_size"])
+            if need > d.info["kv_blocks_total"]:
+                raise PromptTooLong(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} needs {need} "
+                                    f"KV blocks; a decode worker has {d.info['kv_blocks_total']}")
+            budget = self.cfg.request_timeout_s if deadline_s is None else min(self.cfg.request_timeout_s, deadline_s)
+            h = RouterHandle(prompt, params, method, draft_width, budget)
+            with self._lock:
+                self.inflight += 1
+            counted = True
+            self._threads.run(self._run, h, d)  # from here on _run releases both
+            return h
+        except BaseException:
+            if counted:
+                with self._lock:
+                    self.inflight -= 1
             self.pool.release(d)
-            raise PromptTooLong(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} needs {need} KV "
-                                f"blocks; a decode worker has {d.info['kv_blocks_total']}")
-        h = RouterHandle(prompt, params, method, draft_width, self.cfg.request_timeout_s)
-        with self._lock:
-            self.inflight += 1
-        self._threads.run(self._run, h, d)
-        return h
+            raise
 
     def cancel(self, h: RouterHandle) -> None:
         h.cancel()
@@ -255,7 +291,8 @@ class Router:
             self.metrics.observe_request(h.method, stats, outcome, len(emitted))
 
     def _fallback(self, reason: str, detail: str) -> None:
-        self.fallbacks[reason] += 1
+        with self._lock:  # request threads count at once; an unlocked += lost counts
+            self.fallbacks[reason] += 1
         log.warning("prefill failed (%s: %s); the decode worker computes the prompt itself", reason, detail)
 
     def _prefill(self, h: RouterHandle, req: pb.GenerateRequest) -> pb.PrefillReply | None:
@@ -267,7 +304,8 @@ class Router:
             self._fallback("no_prefill_worker", "every prefill worker is down")
             return None
         try:
-            timeout = min(self.cfg.prefill_timeout_s, h.remaining())
+            left = h.remaining()  # the blocking call below cannot be cancelled: only its deadline bounds it
+            timeout = min(self.cfg.prefill_timeout_s, left)
             if s.inflight == 1:
                 # the worker had nothing else to do: a blocking call (faster, but a cancel cannot stop it; what
                 # a cancelled request costs is then this one prefill, and its lease is released below)
@@ -290,6 +328,10 @@ class Router:
             code = e.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and left <= self.cfg.prefill_timeout_s:
+                # the request's own time ran out (no prefill fault: a recompute has no time left either)
+                raise TimeoutError(f"the request's deadline passed during its prefill on prefill worker {s.index} "
+                                   f"({e.details()})") from None
             if code in WORKER_GONE and not _request_failed(code, e.details()):
                 self.pool.mark_down(s, f"Prefill failed: {code.name}")
             self._fallback(code.name.lower(), e.details() or "")
@@ -312,7 +354,7 @@ class Router:
 
     def _decode(self, h: RouterHandle, req: pb.GenerateRequest, d: Slot, first: pb.PrefillReply | None,
                 emitted: list[int]) -> tuple[str, dict]:
-        tries, base = 0, len(emitted)
+        tries, base, tried = 0, len(emitted), [d]
         while True:
             try:
                 return self._stream(h, req, d, first, emitted)
@@ -322,22 +364,33 @@ class Router:
                 code, details = e.code(), e.details() or ""
                 if _request_failed(code, details):  # this request failed on a healthy worker: it alone ends
                     raise RequestFailed(details) from None
-                if code not in WORKER_GONE:
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # the call carried the request's deadline
+                    raise TimeoutError(f"the request's deadline passed while decode worker {d.index} served it "
+                                       f"({details})") from None
+                busy = _overloaded(code, details)
+                if code not in WORKER_GONE and not busy:
                     raise _error_for(code, details) from None
-                self.pool.mark_down(d, f"Decode failed: {code.name} {details}")
+                if not busy:  # an overloaded worker is alive: it stays in rotation (as the pool's probe keeps it)
+                    self.pool.mark_down(d, f"Decode failed: {code.name} {details}")
                 # another worker gives the same tokens (greedy, seeded), or the client has seen none of this
                 # decode's yet: a sampled request starts over from the prefill's first token as if it had not run
                 reproducible = h.params.greedy or h.params.seed is not None or len(emitted) == base
-                nxt = self.pool.pick("decode", exclude=(d,)) if reproducible and tries < self.cfg.decode_retries \
-                    else None
+                nxt = self.pool.pick("decode", exclude=tuple(tried)) \
+                    if reproducible and tries < self.cfg.decode_retries else None
                 if nxt is None:
+                    if busy:
+                        raise Overloaded(f"the decode workers are overloaded (decode worker {d.index} at "
+                                                f"{d.address}: RESOURCE_EXHAUSTED: {details}; tried {len(tried)} of "
+                                                f"{len(self.pool.slots['decode'])}); retry later") from None
                     raise EngineStopped(f"decode worker {d.index} at {d.address} is gone ({code.name}: {details})") \
                         from None
                 tries += 1
-                self.retries += 1
-                log.warning("decode worker %d failed (%s); retrying on decode worker %d after %d streamed tokens",
-                            d.index, code.name, nxt.index, len(emitted))
+                with self._lock:
+                    self.retries += 1
+                log.warning("decode worker %d %s (%s); retrying on decode worker %d after %d streamed tokens",
+                            d.index, "is overloaded" if busy else "failed", code.name, nxt.index, len(emitted))
                 d = nxt
+                tried.append(d)
 
     def _stream(self, h: RouterHandle, req: pb.GenerateRequest, d: Slot, first: pb.PrefillReply | None,
                 emitted: list[int]) -> tuple[str, dict]:
@@ -375,10 +428,16 @@ def _request_failed(code: grpc.StatusCode, details: str | None) -> bool:
     return code == grpc.StatusCode.INTERNAL and (details or "").startswith(REQUEST_FAILED)
 
 
+def _overloaded(code: grpc.StatusCode, details: str) -> bool:
+    """A worker's RESOURCE_EXHAUSTED for its load, not for a request that cannot fit (see PROMPT_REFUSALS)."""
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and not details.startswith(PROMPT_REFUSALS) \
+        and "larger than max" not in details
+
+
 def _error_for(code: grpc.StatusCode, details: str) -> Exception:
     """A worker's status as the exception the servicer turns back into the same status."""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return PromptTooLong(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a request that cannot fit (overload never gets here)
+        return PromptTooLong(details.removeprefix("prompt: "))  # the servicer puts "prompt: " back
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -40,6 +40,11 @@ class EngineStopped(RuntimeError):
     """The loop is stopped (or died): no new work is taken, and in-flight requests end with this."""
 
 
+class Overloaded(EngineStopped):
+    """Every worker that could take the request refused it for its load: the request is fine and may be sent again
+    later (gRPC RESOURCE_EXHAUSTED, never a prompt error). An EngineStopped: no worker serves it now."""
+
+
 @dataclass
 class Event:
     """What a handle's queue carries: kind "tokens" (new token ids), "done" (finish_reason + stats),
@@ -172,9 +177,11 @@ class EngineLoop:
     # ---- from other threads --------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native",
                draft_width: int | None = None, timeout_s: float = DEFAULT_SUBMIT_TIMEOUT_S,
-               first_token: int | None = None, handoff=None) -> Handle:
-        """Queue a request; returns its handle once the scheduler accepted it. Raises what
-        Scheduler.add raises (PromptTooLong, ValueError), EngineStopped, or TimeoutError."""
+               first_token: int | None = None, handoff=None, deadline_s: float | None = None) -> Handle:
+        """Queue a request; returns its handle once the scheduler accepted it (timeout_s: how long to wait for
+        that). Raises what Scheduler.add raises (PromptTooLong, ValueError), EngineStopped, or TimeoutError.
+        deadline_s (the client's time left) is not needed here: every step of the loop can be cancelled, and the
+        front end cancels the request when its call ends (the Router, whose prefill call cannot be, bounds it)."""
         h, fut = self.submit_nowait(prompt, params, method, draft_width, first_token, handoff)
         try:
             return fut.result(timeout=timeout_s)

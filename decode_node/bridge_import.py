@@ -42,12 +42,13 @@ class GuardedPrefixCache:
         try:
             return self.cache.restore(gen, seq)
         except IMPORT_ERRORS as e:
-            seq.table.num_tokens = 0  # whatever was written is overwritten by the local prefill
-            seq.draft_len = 0
             self.import_failures[type(e).__name__] += 1
             log.warning("KV import from the bridge failed (%s: %s); recomputing the %d-token prompt locally",
                         type(e).__name__, e, len(seq.prompt))
-            return 0
+            # nothing restored (num_tokens and draft_len 0: the local prefill computes every position), and the
+            # request counted as one whose prompt was a miss, as the fetch path counts it: prompt_tokens is what
+            # the miss metric is made from
+            return self.cache.apply(gen, seq, Fetched(len(seq.prompt)))
 
     def lookup_tokens(self, gen, prompt: list[int]) -> int:
         try:

@@ -11,6 +11,8 @@ import hashlib
 import json
 import logging
 import mmap
+import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,27 +43,41 @@ class MethodFingerprint:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
-_IDENTITIES: dict[tuple, str] = {}  # (directory, its files' stamps) -> identity: one hash a process
+# directory -> (its files' stamps, identity): one hash a process, and one entry a directory (a directory whose files
+# changed is hashed again and replaces its entry; the old stamps can never be asked for again)
+_IDENTITIES: dict[str, tuple[tuple, str]] = {}
+_IDENTITIES_LOCK = threading.Lock()
 
 
 def weights_identity(model_dir: str | Path) -> str:
-    """A content identity of a checkpoint directory: config.json and every byte of each safetensors file.
+    """A content identity of a checkpoint directory: config.json and every byte of each weight file the loader reads.
 
-    Every byte, because a sampled identity lets a checkpoint changed between its samples (a drafter fine-tuned in
-    part) share keys with the one before it, whose cache entries would then be restored as its own. BLAKE3 over a
-    memory map on all cores: a 16 GB model hashes in about the time one read of it takes (the loader's read finds
-    it in the page cache). Kept per process, keyed by each file's size, mtime and inode."""
+    Exactly the loader's files (engine/loader.safetensors_files: the shards model.safetensors.index.json names,
+    wherever they are, else model.safetensors, else *.safetensors), each under its path relative to the directory:
+    a shard the identity does not hash could differ between two checkpoints that would then share keys, and one's
+    cache entries be restored as the other's. Every byte, because a sampled identity lets a checkpoint changed
+    between its samples (a drafter fine-tuned in part) share keys with the one before it. BLAKE3 over a memory map on
+    all cores: a 16 GB model hashes in about the time one read of it takes (the loader's read finds it in the page
+    cache). Kept per process, keyed by each file's size, mtime, ctime and inode: ctime because a file rewritten in
+    place can keep its size, inode and mtime (cp -p, tar -x and rsync -t set mtimes), while any change of a file's
+    bytes or stamps moves its ctime, which no caller can set."""
+    from flashpd.engine.loader import safetensors_files  # noqa: PLC0415  (torch: only where identities are made)
+
     d = Path(model_dir).resolve()
-    files = [d / "config.json", *sorted(d.glob("*.safetensors"))]
-    stamps = tuple((f.name, st.st_size, st.st_mtime_ns, st.st_ino) for f in files for st in (f.stat(),))
-    key = (str(d), stamps)
-    if key in _IDENTITIES:
-        return _IDENTITIES[key]
+    files = [d / "config.json", *safetensors_files(d)]
+    names = [os.path.relpath(f, d) for f in files]
+    stamps = tuple((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                   for name, f in zip(names, files) for st in (f.stat(),))
+    with _IDENTITIES_LOCK:
+        held = _IDENTITIES.get(str(d))
+    if held is not None and held[0] == stamps:
+        return held[1]
     t0 = time.perf_counter()
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     total = 0
-    for f, (name, size, _, _) in zip(files, stamps):
-        h.update(len(name).to_bytes(8, "little") + name.encode() + size.to_bytes(8, "little"))
+    for f, (name, size, *_) in zip(files, stamps):
+        raw = name.encode()  # a top-level file's name as before: identities of plain checkpoints are unchanged
+        h.update(len(raw).to_bytes(8, "little") + raw + size.to_bytes(8, "little"))
         if size == 0:
             continue
         with f.open("rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
@@ -69,7 +85,8 @@ def weights_identity(model_dir: str | Path) -> str:
         total += size
     digest = h.hexdigest()
     log.info("weights identity of %s: %.2f GB hashed in %.1f s", d.name, total / 1e9, time.perf_counter() - t0)
-    _IDENTITIES[key] = digest
+    with _IDENTITIES_LOCK:
+        _IDENTITIES[str(d)] = (stamps, digest)
     return digest
 
 

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from flashpd.kv_bridge.auth import MAC_BYTES, MacKey
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, check_identity
+from flashpd.kv_bridge.chunk import MAX_TOKEN_ID, CorruptChunk, KVChunk, LayoutMismatch, check_identity
 from flashpd.kv_bridge.layout import ChunkLayout, dtype_name
 
 _MAGIC = b"FPL2"  # FPLM: XXH3-128 digest; FPL2: keyed BLAKE3 MAC
 _TAG = slice(len(_MAGIC), len(_MAGIC) + MAC_BYTES)
 _FIXED = len(_MAGIC) + MAC_BYTES + 4  # magic, MAC, u32 length of the JSON header
+_KEY_CHARS = 64  # a flashpd key, parent and fingerprint: SHA-256 hex digests (keys.chunk_keys, MethodFingerprint)
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,11 @@ class PackedLayout:
     def __post_init__(self) -> None:
         if min(self.target_layers, self.kv_heads, self.head_dim, self.chunk_tokens) <= 0 or self.draft_layers < 0:
             raise ValueError(f"layout sizes must be positive (draft_layers may be 0): {self}")
-        if self.header_capacity < _FIXED + 512:
-            raise ValueError(f"a header row of {self.header_capacity} bytes is too small for chunk metadata; "
-                             "use more tokens per chunk")
+        need = _FIXED + len(_meta("k" * _KEY_CHARS, "p" * _KEY_CHARS, "f" * _KEY_CHARS,
+                                  [MAX_TOKEN_ID] * self.chunk_tokens))
+        if self.header_capacity < need:  # the token ids grow with the chunk as the row does: K/V width decides
+            raise ValueError(f"a header row of {self.header_capacity} bytes is too small for the metadata of a "
+                             f"{self.chunk_tokens}-token chunk (up to {need} bytes); the K/V width is too small")
 
     @classmethod
     def of_models(cls, target_cfg, draft_cfg, chunk_tokens: int, dtype: torch.dtype) -> "PackedLayout":
@@ -95,6 +98,9 @@ class PackedLayout:
             return f"draft K/V of shape {list(chunk.draft_kv.shape)}"
         if chunk.target_kv.dtype != self.dtype or (chunk.draft_kv is not None and chunk.draft_kv.dtype != self.dtype):
             return f"dtype {chunk.target_kv.dtype}, the store holds {self.dtype}"
+        n = _FIXED + len(_meta(chunk.key, chunk.parent, chunk.fingerprint, chunk.token_ids))
+        if n > self.header_capacity:  # longer keys than flashpd's own: refused here, before LMCache allocates
+            return f"chunk metadata of {n} bytes exceeds the header row ({self.header_capacity})"
         return None
 
 
@@ -109,9 +115,8 @@ def pack(layout: PackedLayout, chunk: KVChunk, out: torch.Tensor, mac: MacKey) -
     out[:, :lt].copy_(chunk.target_kv.permute(1, 0, 2, 3, 4).reshape(2, lt, t, w))
     if chunk.draft_kv is not None:
         out[:, lt:lt + layout.draft_layers].copy_(chunk.draft_kv.permute(1, 0, 2, 3, 4).reshape(2, layout.draft_layers, t, w))
-    meta = json.dumps({"key": chunk.key, "parent": chunk.parent, "fingerprint": chunk.fingerprint,
-                       "token_ids": chunk.token_ids}).encode()
-    if _FIXED + len(meta) > layout.header_capacity:
+    meta = _meta(chunk.key, chunk.parent, chunk.fingerprint, chunk.token_ids)
+    if _FIXED + len(meta) > layout.header_capacity:  # fits() refused it already: not reached from LMCacheStore.put
         raise ValueError(f"chunk metadata of {len(meta)} bytes exceeds the header row ({layout.header_capacity})")
     _write_header(out, _MAGIC + bytes(MAC_BYTES) + struct.pack("<I", len(meta)) + meta)
     _header_rows(out)[0][_TAG].copy_(torch.frombuffer(bytearray(_mac(layout, out, mac)), dtype=torch.uint8))
@@ -152,6 +157,12 @@ def unpack(layout: PackedLayout, obj: torch.Tensor, key: str, mac: MacKey,
     tk = obj[:, :lt].reshape(2, lt, *kv).permute(1, 0, 2, 3, 4).contiguous()
     dk = obj[:, lt:lt + ld].reshape(2, ld, *kv).permute(1, 0, 2, 3, 4).contiguous() if ld else None
     return KVChunk(h["key"], h["parent"], h["fingerprint"], h["token_ids"], tk, dk)
+
+
+def _meta(key: str, parent: str, fingerprint: str, token_ids: list[int]) -> bytes:
+    """The JSON metadata a header row holds (what pack writes and fits / the layout size)."""
+    return json.dumps({"key": key, "parent": parent, "fingerprint": fingerprint,
+                       "token_ids": [int(t) for t in token_ids]}).encode()
 
 
 def _as_header(layout: PackedLayout, h: dict) -> dict:

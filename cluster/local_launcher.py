@@ -6,6 +6,13 @@ CUDA_VISIBLE_DEVICES (placement.local_gpu) and exits by itself when this process
 child gets the launcher's cluster secret in FLASHPD_CLUSTER_SECRET (its environment, never its
 command line, which any user of the machine can read).
 
+start() waits for all its children at once: the first that exits while starting fails the start at once, named with
+its log (a decode worker with a bad config is not reported only once a prefill worker beside it has warmed up, or as
+the prefill worker that did not start in time); a spawn that fails stops the children already spawned. A child's
+output is drained to its end by a reader thread that never dies on what it reads (an undecodable byte used to end
+it: the start then waited out its timeout, and the child blocked once its pipe filled) and keeps nothing it prints
+after `listening on`.
+
 shutdown() ends a start in progress (its wait for `listening on` gives up at once, the child is stopped) and
 refuses later starts, so a router stopping mid-restart is not held for the start timeout. The log directory
 it made itself is removed by a clean shutdown; one given to it, or one holding the log of a worker that
@@ -53,18 +60,45 @@ def visible_device(gpu: int, parent_visible: str | None) -> str:
     return entries[gpu]
 
 
+READY = "listening on "  # the line a worker prints once it serves (worker_main.main); METRICS before it
+METRICS = "metrics on "
+
+
 class _Child:
-    def __init__(self, spec: WorkerSpec, proc: subprocess.Popen, log_path: Path) -> None:
+    """A worker process and the reader of its stdout. `lines` holds what it printed up to and including its
+    `listening on` line, then None at the end of its output; what it prints later is read and dropped (nobody waits
+    for it: kept, it would grow for the worker's whole life). `wake` is set after each line queued."""
+
+    def __init__(self, spec: WorkerSpec, proc: subprocess.Popen, log_path: Path,
+                 wake: threading.Event | None = None) -> None:
         self.spec = spec
         self.proc = proc
         self.log_path = log_path
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.metrics: str | None = None  # its `metrics on` address, once the start read it
+        self._wake = wake
         threading.Thread(target=self._read, daemon=True, name=f"{spec.role}{spec.index}-stdout").start()
 
+    @property
+    def name(self) -> str:
+        return f"{self.spec.role} worker {self.spec.index}"
+
+    def _put(self, ln: str | None) -> None:
+        self.lines.put(ln)
+        if self._wake is not None:
+            self._wake.set()
+
     def _read(self) -> None:
-        for ln in self.proc.stdout:  # keeps draining, so the pipe never fills
-            self.lines.put(ln.rstrip("\n"))
-        self.lines.put(None)
+        ready = False
+        try:
+            for ln in self.proc.stdout:  # keeps draining, so the pipe never fills
+                if not ready:
+                    self._put(ln.rstrip("\n"))
+                    ready = ln.startswith(READY)
+        except Exception:  # noqa: BLE001  logged; the end of its output is still told (else a start waits it out)
+            log.exception("reading the output of the %s (pid %d)", self.name, self.proc.pid)
+        finally:
+            self._put(None)
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -92,7 +126,7 @@ class LocalLauncher:
         if c.log_path not in self.failed_logs:
             self.failed_logs.append(c.log_path)
 
-    def _spawn(self, spec: WorkerSpec) -> _Child:
+    def _spawn(self, spec: WorkerSpec, wake: threading.Event | None = None) -> _Child:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.secret.child_env())
         gpu = local_gpu(spec.role, spec.index, spec.cfg, self.gpus)
         if gpu is not None:
@@ -104,51 +138,87 @@ class LocalLauncher:
                 [sys.executable, "-m", "flashpd.cluster.worker_main", "--role", spec.role,
                  "--config-json", json.dumps(spec.cfg.to_dict()), "--port", str(spec.port),
                  "--parent-pid", str(os.getpid())],
-                stdout=subprocess.PIPE, stderr=logf, text=True, env=env, start_new_session=True)
-        return _Child(spec, proc, log_path)
+                stdout=subprocess.PIPE, stderr=logf, text=True, errors="replace", env=env, start_new_session=True)
+        return _Child(spec, proc, log_path, wake)
 
     def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[Launched]:
+        wake = threading.Event()  # set by the children's readers: a line, or the end of a child's output
+        children: list[_Child] = []
+        refused: tuple[WorkerSpec, Exception] | None = None
         with self._lock:  # a child spawned here is either refused or seen by shutdown(), never orphaned
             if self._closing.is_set():
                 raise WorkerStartError("the launcher is shut down: no worker is started")
-            children = [self._spawn(s) for s in specs]
-            self._children.extend(children)
-        deadline = time.monotonic() + timeout_s
-        out = []
+            for s in specs:
+                try:
+                    c = self._spawn(s, wake)
+                except Exception as e:  # noqa: BLE001  (fork refused, log not writable, ...): the others go too
+                    refused = (s, e)
+                    break
+                children.append(c)
+                self._children.append(c)
+        if refused is not None:
+            self._stop_children(children, 5.0)
+            s, e = refused
+            raise WorkerStartError(f"{s.role} worker {s.index} could not be spawned: {type(e).__name__}: {e}") from e
         try:
-            for c in children:
-                out.append(self._wait_ready(c, deadline))
+            return self._wait_ready(children, time.monotonic() + timeout_s, wake)
         except BaseException:
-            for c in children:
-                self._kill(c, 5.0)
+            self._stop_children(children, 5.0)
             raise
-        return out
 
-    def _wait_ready(self, c: _Child, deadline: float) -> Launched:
-        metrics = None
+    def _wait_ready(self, children: list[_Child], deadline: float, wake: threading.Event) -> list[Launched]:
+        """Every child's `listening on`, all waited for at once: the first to exit fails the start then, not once
+        those before it are ready."""
+        ready: dict[_Child, Launched] = {}
         while True:
+            wake.clear()  # before reading: a line that comes after the reads below sets it again
+            for c in children:
+                if c not in ready and (w := self._read_start(c)) is not None:
+                    ready[c] = w
+            pending = [c for c in children if c not in ready]
+            if not pending:
+                return [ready[c] for c in children]
             if self._closing.is_set():
-                raise WorkerStartError(f"{c.spec.role} worker {c.spec.index}: the launcher shut down while it started")
+                raise WorkerStartError(f"{pending[0].name}: the launcher shut down while it started")
             left = deadline - time.monotonic()
             if left <= 0:
-                self._failed(c)
-                raise WorkerStartError(f"{c.spec.role} worker {c.spec.index} did not start in time; log "
-                                       f"{c.log_path}:\n{c.log_tail()}")
+                for c in pending:
+                    self._failed(c)
+                c = pending[0]
+                also = f" (nor did {', '.join(o.name for o in pending[1:])})" if len(pending) > 1 else ""
+                raise WorkerStartError(f"{c.name} did not start in time{also}; log {c.log_path}:\n{c.log_tail()}")
+            wake.wait(min(left, 1.0))
+
+    def _read_start(self, c: _Child) -> Launched | None:
+        """What the child printed so far: its Launched once it is listening, None while it starts; raises
+        WorkerStartError when it exited first."""
+        while True:
             try:
-                ln = c.lines.get(timeout=min(left, 1.0))
+                ln = c.lines.get_nowait()
             except queue.Empty:
-                continue
+                return None
             if ln is None:
                 if self._closing.is_set():
-                    continue  # stopped by shutdown(): raised above, not a failure of its own
+                    return None  # stopped by shutdown(): raised by the caller, not a failure of its own
                 self._failed(c)
-                c.proc.wait(5)
-                raise WorkerStartError(f"{c.spec.role} worker {c.spec.index} exited with {c.proc.returncode} while "
-                                       f"starting; log {c.log_path}:\n{c.log_tail()}")
-            if ln.startswith("metrics on "):
-                metrics = ln.split()[-1]
-            elif ln.startswith("listening on "):
-                return Launched(c.spec.role, c.spec.index, ln.split()[-1], metrics, c)
+                try:
+                    c.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass  # its output ended, the process not yet: its exit status is None
+                raise WorkerStartError(f"{c.name} exited with {c.proc.returncode} while starting; log "
+                                       f"{c.log_path}:\n{c.log_tail()}")
+            if ln.startswith(METRICS):
+                c.metrics = ln.split()[-1]
+            elif ln.startswith(READY):
+                return Launched(c.spec.role, c.spec.index, ln.split()[-1], c.metrics, c)
+
+    def _stop_children(self, children: list[_Child], timeout_s: float) -> None:
+        """SIGTERM to all at once, then each waited for (a SIGKILL after timeout_s)."""
+        for c in children:
+            if c.proc.poll() is None:
+                _terminate(c.proc)
+        for c in children:
+            self._kill(c, timeout_s)
 
     def processes(self) -> list[subprocess.Popen]:
         """The worker processes this launcher started and has not stopped."""

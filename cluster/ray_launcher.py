@@ -9,12 +9,22 @@ worker, or shutting down, first asks each started actor to stop gracefully (its 
 queued, e.g. the bridge's disk writes), bounded by a grace, then kills it, then waits (bounded) until its
 process has exited: ray.kill returns at once and Ray reports the actor dead before its process is gone
 with its ports, so a restart on the same port would race it.
+
+shutdown() refuses later starts (a restart racing it would otherwise create an actor nobody kills: in a cluster this
+process joined, it held its GPU for as long as the cluster ran). alive() is False only when Ray says the actor is
+dead (or its ping fails): a ping not answered in time is a busy or hung process, which the pool's Health probe judges
+with its failures in a row (a timeout used to count as dead, so a worker slow to answer under load was restarted at
+once); a ping left unanswered is waited for again by the next alive(), never sent twice. A start that times out says
+which workers Ray never placed and what they ask for against what the cluster has (a GPU share on a cluster without
+GPUs waited out the whole start timeout, then said only "did not start"); one not placed within `place_warn_s` is
+logged as such meanwhile.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -67,12 +77,14 @@ class _Actor:
     name: str  # "decode worker 1"
     started: bool = False  # its worker started: a graceful stop is worth asking
     where: tuple[int, str] | None = None  # (its process's pid, its node id), once it said
+    opts: dict | None = None  # what it was placed with (ray_options)
 
 
 class RayLauncher:
     name = "ray"
     shutdown_grace_s = 10.0  # bound on the actors' graceful stop at shutdown (all at once)
     exit_wait_s = 10.0  # bound on waiting for killed actors' processes to exit
+    place_warn_s = 30.0  # a starting actor Ray has not placed this long is logged (what it asks for, what there is)
 
     def __init__(self, address: str | None = None, secret: ClusterSecret | None = None) -> None:
         self.secret = secret if secret is not None else ClusterSecret.generate()  # the workers' and the router's
@@ -81,17 +93,23 @@ class RayLauncher:
             ray.init(address=address)  # inside a Ray job this joins the job's cluster
         self.actor_cls = ray.remote(max_restarts=0)(WorkerActor)
         self._actors: dict = {}  # actor handle -> _Actor, until it is killed
+        self._pings: dict = {}  # actor handle -> its ping not answered yet (alive() waits for it again)
+        self._lock = threading.Lock()  # _actors' additions and _closing: a restart's start may race shutdown()
+        self._closing = False
         self._node = ray.get_runtime_context().get_node_id()  # this process's node: its actors' pids checked here
 
     def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[Launched]:
-        resources = ray.cluster_resources()
         actors = []
-        for s in specs:
-            opts = ray_options(s.role, s.cfg, resources)
-            log.info("starting %s worker %d as a Ray actor with %s", s.role, s.index, opts)
-            actors.append(self.actor_cls.options(**opts).remote(s.role, s.cfg.to_dict(), s.port,
-                                                                self.secret.export_hex()))
-            self._actors[actors[-1]] = _Actor(f"{s.role} worker {s.index}")
+        with self._lock:  # an actor created here is either refused or seen by shutdown(), never left running
+            if self._closing:
+                raise WorkerStartError("the launcher is shut down: no worker is started")
+            resources = ray.cluster_resources()
+            for s in specs:
+                opts = ray_options(s.role, s.cfg, resources)
+                log.info("starting %s worker %d as a Ray actor with %s", s.role, s.index, opts)
+                actors.append(self.actor_cls.options(**opts).remote(s.role, s.cfg.to_dict(), s.port,
+                                                                    self.secret.export_hex()))
+                self._actors[actors[-1]] = _Actor(f"{s.role} worker {s.index}", opts=opts)
         wheres = [a.where.remote() for a in actors]
         starts = [a.start.remote() for a in actors]
         try:
@@ -105,24 +123,55 @@ class RayLauncher:
 
     def _wait_started(self, specs, actors, wheres, starts, timeout_s: float) -> list[tuple[str, str | None]]:
         """Each start's answer; the first to fail (not waiting for the others) raised as WorkerStartError in one
-        line, its remote traceback logged at debug level."""
-        deadline = time.monotonic() + timeout_s
+        line, its remote traceback logged at debug level. Not placed within place_warn_s: logged."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        warned = False
         pending = list(starts)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            left = max(0.0, deadline - time.monotonic())
+            if not warned:
+                left = min(left, max(0.0, t0 + self.place_warn_s - time.monotonic()))
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not ready:
+                if time.monotonic() < deadline:  # (not warned yet: the warning's time came)
+                    warned = True
+                    self._note_where(actors, wheres, 0.0)
+                    unplaced = self._unplaced(actors, [a for a, ref in zip(actors, starts) if ref in pending])
+                    if unplaced:
+                        log.warning("not placed by Ray after %g s (still waiting, up to %g s): %s", self.place_warn_s,
+                                    timeout_s, unplaced)
+                    continue
                 self._note_where(actors, wheres, 1.0)
                 late = [(s.role, s.index) for s, ref in zip(specs, starts) if ref in pending]
-                raise WorkerStartError(f"Ray workers {late} did not start in {timeout_s:g} s")
+                unplaced = self._unplaced(actors, [a for a, ref in zip(actors, starts) if ref in pending])
+                raise WorkerStartError(f"Ray workers {late} did not start in {timeout_s:g} s"
+                                       + (f"; not placed by Ray (no process yet): {unplaced}" if unplaced else ""))
             s = specs[starts.index(ready[0])]
             try:
                 ray.get(ready[0], timeout=0)
             except RayError as e:
                 log.debug("%s worker %d did not start:\n%s", s.role, s.index, e)
                 self._note_where(actors, wheres, 1.0)
+                if self._closing:
+                    raise WorkerStartError(f"{s.role} worker {s.index}: the launcher shut down while it started") \
+                        from None
                 raise WorkerStartError(start_error(s.role, s.index, e)) from None
         self._note_where(actors, wheres, 10.0)
         return ray.get(starts, timeout=0)
+
+    def _unplaced(self, actors: list, late: list) -> str:
+        """The late actors that never said where they run (Ray has not given them a process): what each asks for,
+        and the cluster's resources in all and free ("" when every late one runs, its start still busy)."""
+        asks = [f"{rec.name} asks for {rec.opts}" for a in late if (rec := self._actors.get(a)) is not None
+                and rec.where is None]
+        if not asks:
+            return ""
+        try:
+            have = f"the cluster has {_fmt(ray.cluster_resources())}, free {_fmt(ray.available_resources())}"
+        except Exception as e:  # noqa: BLE001  the message without it
+            have = f"the cluster's resources unknown ({type(e).__name__}: {e})"
+        return "; ".join(asks) + f" ({have})"
 
     def _note_where(self, actors: list, wheres: list, timeout_s: float) -> None:
         """Which process each actor runs in, as far as it said within timeout_s (waited for once it is killed;
@@ -136,10 +185,21 @@ class RayLauncher:
                     pass  # died before it said: waited for through Ray alone when killed
 
     def alive(self, w: Launched, timeout_s: float) -> bool:
+        """False when Ray says the actor is dead or its ping fails or says no; a ping not answered within timeout_s
+        is True (alive as far as Ray knows: the Health probe judges a busy or hung worker) and stays pending, to be
+        waited for by the next call rather than sent again (a hung actor's queue does not grow a ping a probe)."""
+        ref = self._pings.get(w.handle)
+        if ref is None:
+            ref = self._pings[w.handle] = w.handle.ping.remote()
         try:
-            return bool(ray.get(w.handle.ping.remote(), timeout=timeout_s))
-        except (GetTimeoutError, RayError):
-            return False
+            ok = bool(ray.get(ref, timeout=timeout_s))
+        except GetTimeoutError:
+            return True
+        except RayError as e:
+            log.debug("the %s worker %d's ping failed: %s", w.role, w.index, e)
+            ok = False
+        self._pings.pop(w.handle, None)
+        return ok
 
     def kill(self, w: Launched) -> None:
         """No grace (what a crash looks like; tests use it)."""
@@ -173,6 +233,7 @@ class RayLauncher:
                 log.exception("ray.kill failed")
         deadline = time.monotonic() + self.exit_wait_s
         for a in actors:
+            self._pings.pop(a, None)
             rec = self._actors.pop(a, None) or _Actor("Ray worker")
             if not self._wait_exited(a, rec.where, deadline):
                 log.warning("the killed %s's process is still there after %g s", rec.name, self.exit_wait_s)
@@ -211,10 +272,20 @@ class RayLauncher:
     def shutdown(self) -> None:
         """Every actor: a graceful stop (bounded by shutdown_grace_s), then killed and waited for; an actor
         still starting is killed at once (its start has nothing queued yet)."""
-        actors = list(self._actors)
+        with self._lock:
+            self._closing = True
+            actors = list(self._actors)
         try:
             self._stop_all(actors, self.shutdown_grace_s)
         finally:
             self._kill_all(actors)
+            self._pings.clear()
             if self._owns_ray:
                 ray.shutdown()
+
+
+def _fmt(resources: dict) -> str:
+    """Ray's resources as "CPU 8, GPU 0, ..." (its internal node: and memory keys left out)."""
+    keep = {k: v for k, v in resources.items() if not k.startswith("node:") and "memory" not in k}
+    keep.setdefault("GPU", 0.0)
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(keep.items()))

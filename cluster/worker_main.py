@@ -5,7 +5,9 @@
 same either way. Its cluster secret (the bridge's token and chunk MAC key) comes from the launcher:
 a Ray actor's argument, or the child's FLASHPD_CLUSTER_SECRET. It prints `metrics on ADDR` (when
 enabled) and then `listening on ADDR` once it serves, and stops on SIGTERM/SIGINT or when the
-process that launched it is gone.
+process that launched it is gone. Once stopped, the process exits within EXIT_GRACE_S: a server thread
+stuck in a call that never returns (a hung prefill) held the interpreter's exit for good, and with its
+launcher gone nothing else would end it (it kept its GPU memory, serving nobody).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,7 +27,18 @@ ROLES = ("bridge", "prefill", "decode")
 # and lease releases must find one while every request's call is in flight (without them the pool restarted a
 # healthy, fully loaded worker, failing every request on it)
 CONTROL_RPCS = 16
+# A prefill, or a decode worker's engine step while it has requests, running longer than this is taken for a hung
+# device or kernel: the worker's Health says it is not serving, so the pool restarts it (SGLang's watchdog_timeout:
+# 300 s too). Never under twice prefill_timeout_s (stall_bound): a prefill its router still waits for is not hung.
+STALL_S = 300.0
+EXIT_GRACE_S = 10.0  # a stopped worker process's exit (which joins its threads) is forced after this long
+QUIESCE_S = 5.0  # a stopping prefill worker waits this long for its running prefill before its bridge client closes
 log = logging.getLogger(__name__)
+
+
+def stall_bound(cfg) -> float:
+    """The worker's stall_s (STALL_S, or twice its prefill_timeout_s when that is longer)."""
+    return max(STALL_S, 2.0 * cfg.prefill_timeout_s)
 
 
 @dataclass
@@ -194,15 +208,24 @@ def device_tier_metrics(metrics, stats) -> None:
                  lambda: {(): stats()["bytes"]})
 
 
-def _bridge_cache(cfg, llm, w: RunningWorker, metrics, secret):
-    """A PrefixCache on the bridge, metered; its bytes / seconds / GB/s become live metrics."""
+def _bridge_cache(cfg, llm, w: RunningWorker, metrics, secret, in_use: Callable[[], bool] = lambda: False):
+    """A PrefixCache on the bridge, metered; its bytes / seconds / GB/s become live metrics. Its client is closed
+    last of the worker's closers, unless `in_use()` says a call may still use it then (a call on a closed gRPC
+    channel can crash the process): it is left open, and goes with the process."""
     from flashpd.cluster.bridge_meter import MeteredStore  # noqa: PLC0415
     from flashpd.kv_bridge.client import BridgeClient, RemoteStore  # noqa: PLC0415
     from flashpd.kv_bridge.prefix_cache import PrefixCache  # noqa: PLC0415
 
     client = BridgeClient(cfg.bridge_address, timeout_s=cfg.bridge_timeout_s, secret=secret, tls=bridge_tls(cfg),
                           max_chunk_bytes=max_chunk_bytes(cfg))
-    w.closers.append(client.close)
+
+    def close() -> None:
+        if in_use():
+            log.warning("the %s worker's bridge client is left open: work that uses it still runs", w.role)
+            return
+        client.close()
+
+    w.closers.append(close)
     meter = MeteredStore(RemoteStore(client, cfg.bridge_transport))
     cache = PrefixCache(device_tier(cfg, llm, meter, metrics), fingerprint(cfg, llm), cfg.chunk_tokens)
     metrics.live("flashpd_bridge_bytes", "Bytes moved through the KV bridge", "counter", ("direction",),
@@ -230,7 +253,10 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
     bind, adv = _hosts(cfg)
     metrics = Metrics("prefill")
     w = RunningWorker("prefill", "")
-    cache = _bridge_cache(cfg, llm, w, metrics, secret)
+    host: PrefillHost | None = None
+    # stopping: the running prefill ends first (bounded), as it may still restore from or publish to the bridge
+    cache = _bridge_cache(cfg, llm, w, metrics, secret,
+                          in_use=lambda: host is not None and not host.quiesce(QUIESCE_S))
     if cfg.kv_transport in ("device", "dist"):
         # the bridge only offers cached prefixes here (nothing is published): a bridge that fails is a miss,
         # counted and logged, not a failed prefill
@@ -249,7 +275,7 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
         dist = dist_exporter(cfg, worker.exporter, worker.gen, secret, adv)
         w.closers.append(dist.close)
     host = PrefillHost(worker, llm.runner, llm.draft_width if llm.drafter is not None else None,
-                       cfg.fault_prefill_delay_s)
+                       cfg.fault_prefill_delay_s, stall_s=stall_bound(cfg))
     metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): host.waiting})
     servicer = PrefillWorkerServicer(host, metrics, dist)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,
@@ -395,7 +421,8 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
         worker.scheduler.handoff = dist_importer(cfg, llm, worker.scheduler, secret, adv)
         w.closers.append(worker.scheduler.handoff.importer.close)
     w.closers.append(lambda: worker.stop(10))
-    servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer)
+    worker.stall_s = stall_bound(cfg)
+    servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer, stalled=worker.stalled)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,
                                {"DecodeWorker": servicer, "Generation": servicer}, token=secret.token,
                                exclusive=True)
@@ -438,6 +465,20 @@ def _exit_if_orphaned_while_starting(parent_pid: int | None, started: threading.
             os._exit(3)
 
 
+def _exit_within(code: int, grace_s: float) -> None:
+    """End this process with `code` once grace_s has passed, whatever still runs: the interpreter's exit joins the
+    server's threads, and one stuck in a call that never returns would hold it for good (a daemon thread keeps
+    running while the exit waits for those)."""
+    def force() -> None:
+        time.sleep(grace_s)
+        stuck = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
+        print(f"the stopped worker did not exit in {grace_s:g} s (threads still running: {', '.join(stuck) or '-'}): "
+              f"exiting anyway", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    threading.Thread(target=force, name="exit-watchdog", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     from flashpd.cluster.config import ServeConfig  # noqa: PLC0415
 
@@ -465,17 +506,20 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
+    code = 0
     while not done.wait(1.0):
         if _parent_gone(a.parent_pid):
             log.warning("launcher (pid %s) is gone: stopping", a.parent_pid)
             break
         if not w.alive():
             log.error("the %s worker stopped serving: exiting", a.role)
-            w.stop()
-            return 1
+            code = 1
+            break
     w.stop()
-    return 0
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    _exit_within(rc, EXIT_GRACE_S)  # the worker is stopped: what still runs may not hold the process
+    sys.exit(rc)

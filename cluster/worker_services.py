@@ -5,6 +5,12 @@ streaming, so a decode worker answers Decode exactly as a colocated server answe
 (it serves Generation too, for colocated runs). A prefill worker runs one prefill at a time
 (its runner is not thread-safe); a waiting prefill is bounded by the call's deadline, and one whose
 call ended while it waited (the router cancelled it: its client went away) never runs.
+
+A worker that hangs (a device or kernel that never returns) is told apart from a busy one by `stall_s`: a prefill
+running longer, or a decode worker's engine loop finishing no step that long while it has requests, makes its
+Health say not serving (logged), so the pool takes it out of rotation and restarts it. Its server still answers
+Health meanwhile (it used to say serving for good, and the pool never restarted a worker every request then waited
+on for its whole timeout); it says serving again once the prefill or the step ends.
 """
 from __future__ import annotations
 
@@ -40,14 +46,16 @@ class PrefillHost:
     """A PrefillWorker behind a lock, with the facts the request checks and Health read."""
 
     def __init__(self, worker: PrefillWorker, runner: ModelRunner, default_draft_width: int | None,
-                 delay_s: float = 0.0) -> None:
+                 delay_s: float = 0.0, stall_s: float | None = None) -> None:
         self.worker = worker
         self.runner = runner
         self.has_drafter = default_draft_width is not None
         self.default_draft_width = default_draft_width
         self.vocab_size = int(runner.model.cfg.vocab_size)
         self.max_positions = int(runner.max_positions)
-        self.alive = True
+        self.stall_s = stall_s  # a prefill running longer: taken for a hung worker (`alive` False); None: never
+        self._running_since: float | None = None  # time.monotonic() the running prefill took the runner
+        self._stall_logged = False
         self.delay_s = delay_s  # fault injection (tests): a window in which the worker can be killed mid-request
         self._lock = threading.Lock()
         self._waiting_lock = threading.Lock()  # waiting changes on many threads (running only under _lock)
@@ -57,6 +65,18 @@ class PrefillHost:
         self.waiting = 0
         self.running = 0
         self.prefills = 0
+
+    @property
+    def alive(self) -> bool:
+        """False while one prefill has run longer than stall_s (what Health's `serving` says)."""
+        since = self._running_since
+        if self.stall_s is None or since is None or time.monotonic() - since <= self.stall_s:
+            return True
+        if not self._stall_logged:
+            self._stall_logged = True
+            log.error("a prefill has run for %.0f s (stall_s %g s): the worker looks hung; its Health says it is not "
+                      "serving", time.monotonic() - since, self.stall_s)
+        return False
 
     def counts(self) -> Load:
         return Load(running=self.running, waiting=self.waiting, kv_blocks_free=self.runner.allocator.num_free,
@@ -72,6 +92,7 @@ class PrefillHost:
             self._count_waiting(-1)
         try:
             self.running += 1
+            self._running_since = time.monotonic()
             self._free_released()  # their blocks first, for this prompt
             if self.delay_s:
                 time.sleep(self.delay_s)
@@ -80,8 +101,18 @@ class PrefillHost:
             return res
         finally:
             self.running -= 1
+            if self._stall_logged:
+                log.warning("the prefill that ran past stall_s ended after %.0f s: serving again",
+                            time.monotonic() - self._running_since)
+                self._stall_logged = False
+            self._running_since = None
             self._free_released()
             self._unlock()
+
+    def quiesce(self, timeout_s: float) -> bool:
+        """For a worker that stops: wait (up to timeout_s) for the running prefill to end, then hold the runner for
+        good, so nothing runs on it (or on the clients it uses) any more. False: a prefill still runs."""
+        return self._lock.acquire(timeout=timeout_s)
 
     def release(self, exporter_id: str, lease_id: int) -> bool:
         """Free a device-path lease (the decode worker is done with it). The allocator is not thread-safe, so
@@ -205,7 +236,18 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
 
 
 class DecodeWorkerServicer(GenerationServicer, pb_grpc.DecodeWorkerServicer):
-    """Generation (colocated use) and DecodeWorker (the router's) over one EngineLoop."""
+    """Generation (colocated use) and DecodeWorker (the router's) over one EngineLoop. `stalled`: whether its engine
+    loop looks hung (DecodeWorker.stalled): Health then says not serving."""
+
+    def __init__(self, loop, tokenizer=None, settings=None, stalled: Callable[[], bool] | None = None) -> None:
+        super().__init__(loop, tokenizer, settings)
+        self.stalled = stalled
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        reply = super().Health(request, context)
+        if reply.serving and self.stalled is not None and self.stalled():
+            reply.serving = False
+        return reply
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
         """A refused request gives the prefill lease it carries back now, as `_start` does (else the prefill

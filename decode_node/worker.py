@@ -5,11 +5,15 @@ when blocks run out) behind an EngineLoop thread that streams each request's tok
 prompts from the KV bridge through a GuardedPrefixCache (a failed import is recomputed locally,
 counted and logged). A request may carry the first token its prefill worker already streamed;
 it is committed as is. A `sink` goes to its EngineLoop (an engine process forwards the events
-through it). `stats()` is what the worker's metrics and health read.
+through it). `stats()` is what the worker's metrics and health read. `stalled()` tells a hung engine loop (it has
+requests and has finished no step for more than `stall_s`: a device or kernel that never returns) from a busy one;
+a decode worker's Health says not serving meanwhile (cluster/worker_services.py), so the pool restarts it.
 """
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Callable
 
 from flashpd.decode_node.engine_loop import EngineLoop, Handle
@@ -32,7 +36,11 @@ class DecodeWorker:
                  prefix_cache: PrefixCache | None = None, max_running: int = 64, policy: str = "preempt",
                  on_finish: Callable[[Request], None] | None = None, warmup: bool = False,
                  width_policy: WidthPolicy | None = None, step_log_s: float = 10.0, hold_fraction: float = 0.0,
-                 hold_steps: int = 4, sink=None) -> None:
+                 hold_steps: int = 4, sink=None, stall_s: float | None = None) -> None:
+        self.stall_s = stall_s  # see stalled(); None: never taken for hung
+        self._progress = (-1, time.monotonic())  # (the loop's steps when last seen to move, when), for stalled()
+        self._progress_lock = threading.Lock()
+        self._stall_logged = False
         self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
         self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy, width_policy)
         self.warmup = None
@@ -63,6 +71,31 @@ class DecodeWorker:
                first_token: int | None = None, timeout_s: float = 30.0) -> Handle:
         """Queue a request (see EngineLoop.submit); its events stream from the returned handle."""
         return self.loop.submit(prompt, params, method, draft_width, timeout_s, first_token)
+
+    def stalled(self) -> bool:
+        """Whether the engine loop has had requests and finished no step for more than stall_s, as seen by the calls
+        of this method (each Health probe makes one): idle, or a step finished since the last call, restarts the
+        clock. Logged once a stall; its end too."""
+        if self.stall_s is None:
+            return False
+        c, steps, now = self.loop.counts(), self.loop.steps, time.monotonic()
+        with self._progress_lock:
+            seen, since = self._progress
+            if steps != seen or c.running + c.waiting == 0:
+                self._progress = (steps, now)
+                if self._stall_logged:
+                    self._stall_logged = False
+                    log.warning("the engine loop steps again (or is idle) after a stall: serving again")
+                return False
+            stuck = now - since
+            if stuck <= self.stall_s:
+                return False
+            if not self._stall_logged:
+                self._stall_logged = True
+                log.error("the engine loop has finished no step for %.0f s with %d request(s) running and %d waiting "
+                          "(stall_s %g s): it looks hung; its Health says it is not serving", stuck, c.running,
+                          c.waiting, self.stall_s)
+            return True
 
     def stats(self) -> dict:
         """Counters since start (read from any thread; each value is a plain int)."""

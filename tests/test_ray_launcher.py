@@ -3,7 +3,10 @@ listening socket, no model) where the worker's own behaviour is the point: a shu
 gracefully before it kills the actor (a bridge's queued disk writes finish); a worker stuck in its stop is
 killed after the grace, and the stop returns only once its process has exited (ray.kill returns at once), so a
 new worker can have its port straight away; a worker whose start fails (a bad checkpoint config) is reported in
-one line with the original exception, its remote traceback only in the debug log."""
+one line with the original exception, its remote traceback only in the debug log. A start after shutdown is refused
+(a restart racing the shutdown left an actor nobody killed); a worker slow to answer its ping is alive (the Health
+probe judges it; a timeout used to count as dead, restarting a busy worker at once) and is not pinged again while a
+ping is pending; a worker Ray cannot place is reported with what it asks for and what the cluster has."""
 from __future__ import annotations
 
 import logging
@@ -116,4 +119,70 @@ def test_a_worker_that_fails_to_start_is_reported_in_one_line(ray_cluster, tmp_p
                              "JSON object, got list")
     assert ei.value.__cause__ is None and ei.value.__suppress_context__  # no remote traceback chained to it
     assert "in read_json_object" in caplog.text  # its remote traceback: in the debug log
+    assert not launcher._actors
+
+
+def test_a_start_after_shutdown_is_refused_and_leaves_no_actor(ray_cluster, tmp_path):  # noqa: F811
+    """What a restart racing the service's shutdown does: the launcher's shutdown has listed and killed its actors,
+    then the restart's start comes. It used to create a worker that nothing would ever stop."""
+    launcher = _launcher(_Worker)
+    launcher.shutdown()
+    started = []
+    try:
+        with pytest.raises(WorkerStartError, match="shut down"):
+            started = launcher.start([_spec(tmp_path)], 60)
+    finally:
+        for w in started:  # old code: the leaked worker, killed so that nothing outlives the test
+            ray.kill(w.handle, no_restart=True)
+    assert not launcher._actors
+
+
+class _SlowPing(_Worker):
+    """Its first ping takes 3 s (an interpreter busy with the engine, a GIL held): alive, just slow."""
+    pings = 0
+
+    def ping(self) -> bool:
+        self.pings += 1
+        if self.pings == 1:
+            time.sleep(3.0)
+        return True
+
+    def count(self) -> int:
+        return self.pings
+
+
+def test_a_worker_slow_to_answer_its_ping_is_alive_and_pinged_once(ray_cluster, tmp_path):  # noqa: F811
+    launcher = _launcher(_SlowPing)
+    try:
+        (w,) = launcher.start([_spec(tmp_path)], 60)
+        for _ in range(3):  # three probes while its first ping is unanswered
+            assert launcher.alive(w, 0.3), "a ping not answered in time was taken for a dead worker"
+        assert launcher.alive(w, 30.0)  # the pending ping's answer
+        assert ray.get(w.handle.count.remote(), timeout=30) == 1, "a ping sent again while one was pending"
+        launcher.kill(w)
+        assert not launcher.alive(w, 10.0)  # dead is still dead
+        assert not launcher._pings
+    finally:
+        launcher.shutdown()
+
+
+def test_a_worker_ray_cannot_place_is_named_with_what_it_asks_for(ray_cluster, tmp_path, caplog):  # noqa: F811
+    """A GPU share on a cluster without GPUs: the start used to wait out its timeout (900 s by default), then say
+    only that the worker "did not start". Now: logged once place_warn_s passes, and named in the error."""
+    launcher = _launcher(_Worker)
+    launcher.place_warn_s = 1.0
+    spec = WorkerSpec("prefill", 0, ServeConfig(target=str(tmp_path), draft=None, mode="ray", device="cpu",
+                                                num_gpus=1.0))
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="flashpd.cluster.ray_launcher"):
+            with pytest.raises(WorkerStartError) as ei:
+                launcher.start([spec], 4.0)
+    finally:
+        launcher.shutdown()
+    msg = str(ei.value)
+    assert msg.startswith("Ray workers [('prefill', 0)] did not start in 4 s; not placed by Ray"), msg
+    assert "prefill worker 0 asks for {'num_cpus': 1, 'num_gpus': 1.0}" in msg and "GPU 0" in msg, msg
+    assert "not placed by Ray after 1 s" in caplog.text and "prefill worker 0 asks for" in caplog.text
+    assert time.monotonic() - t0 < 4.0 + launcher.exit_wait_s + 10.0
     assert not launcher._actors

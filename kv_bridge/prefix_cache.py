@@ -136,6 +136,11 @@ class PrefixCache:
         halves; returns the positions restored (a chunk that fails to write ends the run)."""
         if got.prompt_len != len(seq.prompt):
             raise ValueError(f"fetched for a {got.prompt_len}-token prompt, applied to {len(seq.prompt)}")
+        for i, chunk in enumerate(got.chunks):  # before any write: a fetch of another prompt must never be applied
+            lo, hi = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
+            if chunk.token_ids != seq.prompt[lo:hi]:
+                raise ValueError(f"fetched chunk {i} holds other tokens than the prompt's positions {lo}..{hi - 1}: "
+                                 f"a restore fetched for another prompt")
         self.stats.requests += 1
         self.stats.prompt_tokens += len(seq.prompt)
         runner, drafts = gen.runner, getattr(gen, "drafts", None)

@@ -17,6 +17,7 @@ from flashpd.kv_bridge.chunk import KVChunk
 from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys, weights_identity
 from flashpd.kv_bridge.prefix_cache import Pending, PrefixCache
 from flashpd.engine.scheduler import generate
+from flashpd.engine.sequence import Sequence
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
 
@@ -169,6 +170,29 @@ def test_a_chunk_whose_tokens_disagree_is_refused_and_recomputed(setup):
     assert pc.stats.refused_chunks == 1 and pc.stats.per_request_hits[0] == CHUNK
     assert [s.output for s in again] == [s.output for s in cold]
     assert [s.stats.acceptance_lengths for s in again] == [s.stats.acceptance_lengths for s in cold]
+
+
+def test_a_fetch_applied_to_another_prompt_of_its_length_is_refused_before_any_write(setup):
+    """apply() checks each fetched chunk's tokens against the sequence it writes, not only the prompt's length: a
+    restore fetched for one prompt and applied to another (a scheduler bug) would write the wrong KV silently."""
+    target, drafter, fp, prompts = setup
+    store, gen = DictStore(), spec_gen(target, drafter)
+    generate(gen, prompts[:1], PARAMS, prefix_cache=PrefixCache(store, fp, CHUNK))
+    pc = PrefixCache(store, fp, CHUNK)
+    got = pc.fetch(gen, prompts[0])
+    assert len(got.chunks) >= 2
+    other = list(prompts[0])
+    other[CHUNK + 3] = (other[CHUNK + 3] + 1) % 126  # the same length; its second chunk differs
+    seq = Sequence(other, PARAMS[0], frozenset())
+    gen.runner.allocator.ensure(seq.table, len(other))
+    before = (gen.runner.cache.data.clone(), gen.drafts.cache.data.clone())
+    try:
+        with pytest.raises(ValueError, match="another prompt"):
+            pc.apply(gen, seq, got)
+        assert seq.table.num_tokens == 0 and seq.draft_len == 0 and pc.stats.requests == 0
+        assert torch.equal(before[0], gen.runner.cache.data) and torch.equal(before[1], gen.drafts.cache.data)
+    finally:
+        gen.runner.allocator.free(seq.table)
 
 
 def test_native_prefix_cache_stores_target_kv_only_and_is_exact(setup):

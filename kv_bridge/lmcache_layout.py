@@ -51,10 +51,14 @@ class PackedLayout:
     def of_models(cls, target_cfg, draft_cfg, chunk_tokens: int, dtype: torch.dtype) -> "PackedLayout":
         """The layout of a target (Qwen3Config) and its drafter (DFlashConfig, or None for native).
 
-        A drafter whose K/V width differs from the target's cannot share one KV_2LTD tensor."""
-        if draft_cfg is not None and draft_cfg.kv_size != target_cfg.kv_size:
-            raise ValueError(f"drafter K/V width {draft_cfg.kv_size} != target's {target_cfg.kv_size}: "
-                             "the two halves cannot be packed into one LMCache object")
+        A drafter whose K/V heads or head size differ from the target's cannot share one KV_2LTD tensor: refused
+        here, when the store is made (the same width split otherwise, say 8 x 128 against 16 x 64, made a store that
+        refused every put)."""
+        if draft_cfg is not None and (draft_cfg.num_key_value_heads, draft_cfg.head_dim) != \
+                (target_cfg.num_key_value_heads, target_cfg.head_dim):
+            raise ValueError(f"drafter K/V of {draft_cfg.num_key_value_heads} heads x {draft_cfg.head_dim} != target's "
+                             f"{target_cfg.num_key_value_heads} x {target_cfg.head_dim}: the two halves cannot be "
+                             "packed into one LMCache object")
         return cls(target_cfg.num_hidden_layers, draft_cfg.num_hidden_layers if draft_cfg is not None else 0,
                    target_cfg.num_key_value_heads, target_cfg.head_dim, chunk_tokens, dtype)
 

@@ -148,6 +148,19 @@ def test_lmcache_layout_whose_header_row_cannot_hold_a_chunks_metadata_is_refuse
     PackedLayout(1, 1, 1, 8, 128, torch.float32)  # 8192 bytes: enough
 
 
+def test_lmcache_layout_of_a_drafter_whose_heads_split_its_width_otherwise_is_refused():
+    """The same K/V width split into other heads (8 x 16 against 4 x 32) cannot share the target's object rows: the
+    store is refused when made, not found refusing every put later."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    target = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=4, head_dim=32, kv_size=128)
+    draft = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=8, head_dim=16, kv_size=128)
+    with pytest.raises(ValueError, match="heads"):
+        PackedLayout.of_models(target, draft, 128, torch.float32)
+    same = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=4, head_dim=32, kv_size=128)
+    assert PackedLayout.of_models(target, same, 128, torch.float32).draft_layers == 1
+
+
 # ---- (d) a failed import: counted as a recomputed prompt, blocks all back, tokens exact -------------------------
 def test_a_failed_bridge_import_is_counted_as_a_miss_and_recomputes_exactly(make_checkpoint):
     """The restore path (generate, a prefill worker) over a bridge that went away: every prompt is recomputed

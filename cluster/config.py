@@ -123,6 +123,10 @@ class ServeConfig:
     health_failures: int = 3
     start_timeout_s: float = 900.0  # a worker compiles and captures its graphs before it is ready (engine/warmup.py)
     prefill_timeout_s: float = 120.0
+    # a prefill, or a decode worker's engine step while it has requests, running longer than this is taken for a hung
+    # device or kernel: the worker's Health says it is not serving, so the pool restarts it. Never under twice
+    # prefill_timeout_s (worker_main.stall_bound): a prefill its router still waits for is not hung
+    stall_s: float = 300.0
     request_timeout_s: float = 600.0  # bound on one request's decode stream when the client set no deadline
     decode_retries: int = 1  # a reproducible request whose decode worker died is retried on another
     restart: bool = True
@@ -230,7 +234,7 @@ class ServeConfig:
         if not (self.allow_remote or is_loopback(self.host)):  # refused here, not after every worker started
             raise ValueError(f"host: {self.host!r} is not loopback; set allow_remote: true to expose the service")
         for name in ("health_interval_s", "health_timeout_s", "start_timeout_s", "prefill_timeout_s",
-                     "request_timeout_s", "bridge_timeout_s"):
+                     "request_timeout_s", "bridge_timeout_s", "stall_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
 

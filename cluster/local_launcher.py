@@ -13,6 +13,12 @@ output is drained to its end by a reader thread that never dies on what it reads
 it: the start then waited out its timeout, and the child blocked once its pipe filled) and keeps nothing it prints
 after `listening on`.
 
+Each child is the leader of a process group of its own (start_new_session), and is stopped with it: a stop is a
+SIGTERM to the child (it stops what it started itself), then a SIGKILL to its group, after the grace if it still runs
+and at once if it exited, so nothing it started (a library's helper processes) outlives it; kill() is a SIGKILL to
+the group. The group is signalled before the child is reaped, while its id can be no other group's, and never when
+it is this process's own (it used to be the child alone: what it started outlived a worker killed by SIGKILL).
+
 shutdown() ends a start in progress (its wait for `listening on` gives up at once, the child is stopped) and
 refuses later starts, so a router stopping mid-restart is not held for the start timeout. The log directory
 it made itself is removed by a clean shutdown; one given to it, or one holding the log of a worker that
@@ -215,7 +221,7 @@ class LocalLauncher:
     def _stop_children(self, children: list[_Child], timeout_s: float) -> None:
         """SIGTERM to all at once, then each waited for (a SIGKILL after timeout_s)."""
         for c in children:
-            if c.proc.poll() is None:
+            if not _exited(c.proc, 0):
                 _terminate(c.proc)
         for c in children:
             self._kill(c, timeout_s)
@@ -231,23 +237,30 @@ class LocalLauncher:
         return False
 
     def kill(self, w: Launched) -> None:
-        """SIGKILL, no grace (what a crash looks like; tests use it)."""
-        w.handle.proc.kill()
-        w.handle.proc.wait(10)
+        """SIGKILL, no grace (what a crash looks like; tests use it), to its whole process group: what it started
+        goes with it."""
+        p = w.handle.proc
+        _signal_group(p, signal.SIGKILL)
+        p.wait(10)
 
     def stop(self, w: Launched, timeout_s: float = 10.0) -> None:
         self._kill(w.handle, timeout_s)
 
     def _kill(self, c: _Child, timeout_s: float) -> None:
+        """SIGTERM (a graceful stop: it stops what it started itself), SIGKILL to its process group after timeout_s;
+        once it has exited, what it started and left running (the rest of its group) is SIGKILLed too."""
         p = c.proc
-        if p.poll() is None:
+        if not _exited(p, 0):
             _terminate(p)
-            try:
-                p.wait(timeout_s)
-            except subprocess.TimeoutExpired:
+            if not _exited(p, timeout_s):
                 self._failed(c)  # hung: its log says where
-                p.kill()
-                p.wait(10)
+        # the child if it hangs, and what it left running (it died, or did not stop them): before it is reaped, so
+        # the group's id cannot be another group's yet (a child reaped elsewhere, e.g. by alive(): see _signal_group)
+        _signal_group(p, signal.SIGKILL)
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:  # not even SIGKILL ended it (a process stuck in the kernel)
+            log.error("the %s (pid %d) did not exit after SIGKILL", c.name, p.pid)
         with self._lock:
             if c in self._children:
                 self._children.remove(c)
@@ -259,7 +272,7 @@ class LocalLauncher:
             self._closing.set()
             children = list(self._children)
         for c in children:
-            if c.proc.poll() is None:
+            if not _exited(c.proc, 0):
                 _terminate(c.proc)
             else:
                 self._failed(c)  # it had exited by itself
@@ -276,9 +289,54 @@ class LocalLauncher:
 
 
 def _terminate(p: subprocess.Popen) -> None:
-    """SIGTERM, and SIGCONT so that a stopped child (SIGSTOP, a debugger's) sees it rather than the grace."""
+    """SIGTERM to the child (it stops what it started itself), and SIGCONT to its group so that a stopped child
+    (SIGSTOP, a debugger's) sees it rather than the grace."""
     try:
         p.send_signal(signal.SIGTERM)
-        p.send_signal(signal.SIGCONT)
     except ProcessLookupError:  # exited meanwhile
         pass
+    _signal_group(p, signal.SIGCONT)
+
+
+def _exited(p: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether the child has exited, waiting up to timeout_s, WITHOUT reaping it: until it is reaped (a zombie keeps its
+    pid) its process group's id cannot be given to another process, so signalling that group reaches only what the
+    child started. Reaped already (Popen.poll or wait elsewhere, e.g. a liveness check): True."""
+    deadline = time.monotonic() + timeout_s
+    while p.returncode is None:
+        try:
+            if not hasattr(os, "waitid"):  # (macOS): reaped then, see _signal_group
+                if p.poll() is not None:
+                    return True
+            elif os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:  # reaped by another thread meanwhile
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+    return True
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> bool:
+    """sig to the child's process group: its own (start_new_session: its pid is the group's id), so the processes it
+    started (a compiler's, a library's workers) get it too; never to this process's own group. The group's id is
+    the child's alone while the child is unreaped (see _exited). Once it is reaped (a liveness check's poll() saw it
+    die), the id still names its group as long as that has a process left (the kernel does not reuse it meanwhile);
+    only a group emptied, its id reused by a new group leader, and both between the reap and this call, would be hit
+    instead. False: there was no such group (any more)."""
+    pgid = p.pid
+    if pgid == os.getpgrp():  # not its own group after all: never signal ours
+        try:
+            p.send_signal(sig)
+        except ProcessLookupError:
+            return False
+        return True
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # its id is not ours to signal (the child changed its group's owner): leave it
+        log.warning("not allowed to signal process group %d (the worker's, pid %d)", pgid, p.pid)
+        return False
+    return True

@@ -27,18 +27,21 @@ ROLES = ("bridge", "prefill", "decode")
 # and lease releases must find one while every request's call is in flight (without them the pool restarted a
 # healthy, fully loaded worker, failing every request on it)
 CONTROL_RPCS = 16
-# A prefill, or a decode worker's engine step while it has requests, running longer than this is taken for a hung
-# device or kernel: the worker's Health says it is not serving, so the pool restarts it (SGLang's watchdog_timeout:
-# 300 s too). Never under twice prefill_timeout_s (stall_bound): a prefill its router still waits for is not hung.
-STALL_S = 300.0
 EXIT_GRACE_S = 10.0  # a stopped worker process's exit (which joins its threads) is forced after this long
-QUIESCE_S = 5.0  # a stopping prefill worker waits this long for its running prefill before its bridge client closes
+LOOP_STOP_S = 10.0  # a stopping decode worker waits this long for its engine loop to end
+# a stopping worker then waits this long more for what may still use its bridge client (a prefill worker: its running
+# prefill; a decode worker: its engine loop, and its load and save threads) before the client closes; still in use
+# then, it is left open (a call on a closed gRPC channel can crash the process) and goes with the process
+QUIESCE_S = 5.0
 log = logging.getLogger(__name__)
 
 
 def stall_bound(cfg) -> float:
-    """The worker's stall_s (STALL_S, or twice its prefill_timeout_s when that is longer)."""
-    return max(STALL_S, 2.0 * cfg.prefill_timeout_s)
+    """How long a prefill, or a decode worker's engine step while it has requests, may run before the worker is taken
+    for a hung device or kernel (its Health says not serving, so the pool restarts it): the config's stall_s (300 s
+    by default, as SGLang's watchdog_timeout), but never under twice prefill_timeout_s (a prefill its router still
+    waits for is not hung)."""
+    return max(cfg.stall_s, 2.0 * cfg.prefill_timeout_s)
 
 
 @dataclass
@@ -379,7 +382,7 @@ def decode_metrics(metrics, worker) -> None:
                  "did not meet)", "counter", (), lambda: {(): st()["graph_captures_after_warmup"]})
     if worker.cache is not None:
         metrics.live("flashpd_recompute_fallbacks", "Bridge imports that failed and were recomputed locally",
-                     "counter", ("reason",), lambda: {(k,): v for k, v in worker.cache.import_failures.items()})
+                     "counter", ("reason",), lambda: {(k,): v for k, v in worker.failure_reasons().items()})
 
 
 def wants_warmup(cfg, runner) -> bool:
@@ -412,7 +415,12 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
     bind, adv = _hosts(cfg)
     metrics = Metrics("decode")
     w = RunningWorker("decode", "")
-    cache = _bridge_cache(cfg, llm, w, metrics, secret) if cfg.bridge_address else None
+    worker = None
+    # stopping: the engine loop, and the load and save threads it leaves, end first (bounded): they may still call
+    # the bridge (a loop that did not stop within LOOP_STOP_S runs on)
+    cache = _bridge_cache(cfg, llm, w, metrics, secret,
+                          in_use=lambda: worker is not None and not worker.quiesce(QUIESCE_S)) \
+        if cfg.bridge_address else None
     worker = build_decode(cfg, llm, cache, metrics)
     if cfg.kv_transport == "device":  # before the engine loop takes its first request
         worker.scheduler.handoff = cache_importer(cfg, llm, worker.scheduler, secret)
@@ -420,7 +428,7 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
     elif cfg.kv_transport == "dist":
         worker.scheduler.handoff = dist_importer(cfg, llm, worker.scheduler, secret, adv)
         w.closers.append(worker.scheduler.handoff.importer.close)
-    w.closers.append(lambda: worker.stop(10))
+    w.closers.append(lambda: worker.stop(LOOP_STOP_S))
     worker.stall_s = stall_bound(cfg)
     servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer, stalled=worker.stalled)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,

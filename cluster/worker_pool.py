@@ -10,6 +10,11 @@ fail marks it down at once, so no new request is routed there while it restarts.
 (the bridge's health probes, every worker call) present the cluster secret the launcher gave the
 workers (its token).
 
+start() gives each prefill and decode worker first_health_s (30 s, at most start_timeout_s) to answer its first
+Health probe at the address it advertised: it already listens by then, so one that does not answer fails the start,
+named with that address (the probe used to be given start_timeout_s, 900 s by default, and an address that reached
+nothing that answered held the start that long; one refused failed it with a bare gRPC error).
+
 A restarted prefill worker also asks for its old port: decode workers drop the mapped caches of an exporter
 when a new one answers at the same address (kv_bridge/handoff.py CacheImporter), so a new port would keep
 each dead prefill process's whole KV cache mapped in every decode worker. A restart that fails is retried
@@ -36,7 +41,7 @@ from typing import Callable
 
 import grpc
 
-from flashpd.cluster.launcher import Launched, Launcher, WorkerSpec
+from flashpd.cluster.launcher import Launched, Launcher, WorkerSpec, WorkerStartError
 from flashpd.cluster.worker_client import WorkerClient
 from flashpd.kv_bridge.auth import ClusterSecret, resolve
 from flashpd.kv_bridge.client import BridgeClient
@@ -74,6 +79,10 @@ class WorkerPool:
     restart_give_up = 5  # failed restarts in a row after which the slot is marked failed
     stable_s = 60.0  # a restarted worker up this long resets its backoff; a crash before then counts as a failure
     stop_join_s = 30.0  # bound on joining the supervisor at shutdown (its calls are bounded well below it)
+    # bound on a started worker's first Health answer at start(): it already listens (it printed so), so an answer
+    # slower than this means the address it advertised is not the one that reaches it (start_timeout_s, 900 s by
+    # default, is for its load and warm-up, which are done by then)
+    first_health_s = 30.0
 
     def __init__(self, cfg, launcher: Launcher, secret: ClusterSecret | None = None) -> None:
         self.cfg = cfg
@@ -113,8 +122,18 @@ class WorkerPool:
                 [WorkerSpec("decode", i, wcfg) for i in range(self.cfg.decode_workers)]
         for w in self.launcher.start(specs, t):
             self.slots[w.role].append(Slot(w.role, w.index, w, self._client(w)))
+        first = min(t, self.first_health_s)
         for s in self.slots["prefill"] + self.slots["decode"]:
-            s.info = s.client.health(t)
+            try:
+                s.info = s.client.health(first)
+            except Exception as e:  # noqa: BLE001  (grpc.RpcError: refused, timed out, ...) named, and the start fails
+                code, details = getattr(e, "code", None), getattr(e, "details", None)
+                why = f"{code().name}: {details()}" if callable(code) and callable(details) else \
+                    f"{type(e).__name__}: {e}"
+                raise WorkerStartError(
+                    f"{s.role} worker {s.index} is listening, but did not answer its Health probe within {first:g} s "
+                    f"at the address it advertised, {s.address} ({why}): is that address reachable from the router "
+                    f"(allow_remote, FLASHPD_ADVERTISE_HOST)?") from e
         for s in self.all():
             log.info("%s worker %d at %s%s", s.role, s.index, s.address,
                      f" (metrics {s.launched.metrics_address})" if s.launched.metrics_address else "")

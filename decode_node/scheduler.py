@@ -107,6 +107,7 @@ class Scheduler(EngineScheduler):
         pool, self._import_pool = self._import_pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+            self.let_go.append(pool)
 
     # ---- admission ---------------------------------------------------------------------------------
     def _import(self, r: Request, method: str) -> bool:

@@ -8,12 +8,20 @@ it is committed as is. A `sink` goes to its EngineLoop (an engine process forwar
 through it). `stats()` is what the worker's metrics and health read. `stalled()` tells a hung engine loop (it has
 requests and has finished no step for more than `stall_s`: a device or kernel that never returns) from a busy one;
 a decode worker's Health says not serving meanwhile (cluster/worker_services.py), so the pool restarts it.
+
+`stats()` and `failure_reasons()` read counters that other threads add keys to (the engine thread, the load and save
+threads: import and publish failures, device-path fallbacks) through `snapshot()`, a copy made in one C call: a
+scrape that iterated them in Python while a thread added a new reason failed ("dictionary changed size during
+iteration"). `quiesce()` says when nothing of the worker can use its stores any more (its engine loop has ended and
+the load, save and import threads its scheduler let go at that end have finished): the bridge client is closed
+only then (a call on a closed gRPC channel can crash the process).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Callable
 
 from flashpd.decode_node.engine_loop import EngineLoop, Handle
@@ -29,6 +37,14 @@ from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.engine.width_policy import WidthPolicy
 
 log = logging.getLogger(__name__)
+
+
+def snapshot(counts: Mapping[str, int]) -> dict[str, int]:
+    """A copy of a dict of counts that other threads add keys to. dict.copy runs no Python code (the keys are str,
+    the values int), so no other thread runs while it copies: iterating it in Python instead (a comprehension over
+    its items(), sum() over a subclass's values()) lets a writer in between two items, and a new key then fails the
+    read with "dictionary changed size during iteration"."""
+    return dict.copy(counts)  # type: ignore[arg-type]  (a Counter, or any dict subclass: its own storage)
 
 
 class DecodeWorker:
@@ -103,15 +119,42 @@ class DecodeWorker:
         out = dict(self.loop.counts().as_dict(), preemptions=s.stats.preemptions, recomputed_tokens=s.stats.recomputed_tokens,
                    steps=self.loop.steps, failed_requests=s.stats.failed_requests,
                    handoff_imports=s.stats.handoff_imports, prefill_holds=s.stats.prefill_holds,
-                   handoff_fallbacks=sum(s.handoff.fallbacks.values()) if s.handoff is not None else 0,
+                   handoff_fallbacks=sum(snapshot(s.handoff.fallbacks).values()) if s.handoff is not None else 0,
                    jit_compiles_after_warmup=self.jit.compiled_after if self.jit is not None else 0,
                    graph_captures_after_warmup=self.jit.captures_after if self.jit is not None else 0)
         if self.cache is not None:
             c = self.cache.stats
             out.update(cache_hit_tokens=c.hit_tokens, cache_prompt_tokens=c.prompt_tokens,
-                       import_failures=sum(self.cache.import_failures.values()),
-                       publish_failures=sum(self.cache.publish_failures.values()))
+                       import_failures=sum(snapshot(self.cache.import_failures).values()),
+                       publish_failures=sum(snapshot(self.cache.publish_failures).values()))
         return out
+
+    def failure_reasons(self) -> dict[str, int]:
+        """Bridge imports that failed and were recomputed, by reason (a copy: see snapshot)."""
+        return snapshot(self.cache.import_failures) if self.cache is not None else {}
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.loop.stop(timeout_s)
+
+    def quiesce(self, timeout_s: float) -> bool:
+        """Wait (up to timeout_s) until nothing of this worker can call its stores (the bridge client behind its
+        prefix cache) any more: its engine loop has ended (it is stopped, if it was not), and so have the load,
+        save and import threads its scheduler let go at that end (a running fetch, the queued saves). False:
+        something may still use them."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.loop.stop(timeout_s)
+        except TimeoutError:
+            return False
+        pools = list(self.scheduler.let_go)
+        if not pools:
+            return True
+        done = threading.Event()
+
+        def join() -> None:
+            for p in pools:
+                p.shutdown(wait=True)
+            done.set()
+
+        threading.Thread(target=join, name="decode-quiesce", daemon=True).start()
+        return done.wait(max(0.0, deadline - time.monotonic()))

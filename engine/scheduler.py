@@ -192,6 +192,9 @@ class Scheduler:
         self.async_load = True  # prefix fetches on a thread pool (False: inside admission, as restore does)
         self._loader: ThreadPoolExecutor | None = None
         self._save_pool: ThreadPoolExecutor | None = None
+        # the pools close() let go, whose threads may still run a fetch or a queued save through the stores (a worker
+        # closing its bridge client waits for them: DecodeWorker.quiesce)
+        self.let_go: list[ThreadPoolExecutor] = []
         self._saves: list[Future] = []  # saves not yet known to be done
 
     # ---- requests ------------------------------------------------------------------------
@@ -723,6 +726,7 @@ class Scheduler:
         (each bounded by its store's timeout), then the threads exit (idle, they otherwise outlive the engine loop
         that stopped). A later request starts new ones."""
         loader, saver, self._loader, self._save_pool = self._loader, self._save_pool, None, None
+        self.let_go = [p for p in (loader, saver) if p is not None]
         if loader is not None:
             loader.shutdown(wait=False, cancel_futures=True)
         if saver is not None:

@@ -5,10 +5,11 @@ system stops the workers already spawned (they went on loading, then served nobo
 that is no UTF-8 neither stops the reader of its output nor leaves the worker blocked on a full pipe; what a worker
 prints after `listening on` is drained and not kept. A worker that hangs (a prefill, or a decode worker's engine
 step, that never returns: here the config's fault delay, and a step held on an event) says it is not serving once
-past its stall bound, so the pool restarts it (it said serving for good), and serving again once it moves. A prefill
-worker stopped while a prefill runs lets it end before its bridge client closes (the prefill then called the closed
-channel, and the process died of a segmentation fault). A worker whose launcher is killed while one of its prefills
-hangs still exits (its interpreter's exit waited for that prefill's thread for good)."""
+past its stall bound (the config's stall_s, 1 s here), so the pool restarts it (it said serving for good), and
+serving again once it moves. A prefill worker stopped while a prefill runs lets it end before its bridge client
+closes (the prefill then called the closed channel, and the process died of a segmentation fault). A worker whose
+launcher is killed while one of its prefills hangs still exits (its interpreter's exit waited for that prefill's
+thread for good)."""
 from __future__ import annotations
 
 import errno
@@ -142,11 +143,10 @@ def _serving(client: WorkerClient) -> bool:
     return client.health(10.0)["serving"]
 
 
-def test_a_prefill_worker_hung_in_a_prefill_says_not_serving_until_it_ends(dflash_pair, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(worker_main, "STALL_S", 1.0, raising=False)  # (raising: old code had none)
+def test_a_prefill_worker_hung_in_a_prefill_says_not_serving_until_it_ends(dflash_pair):  # noqa: F811
     secret = ClusterSecret.generate()
     cfg = serve_cfg(dflash_pair, "local", bridge_address="127.0.0.1:1", fault_prefill_delay_s=HANG_S,
-                    prefill_timeout_s=0.25, worker_metrics=False)
+                    prefill_timeout_s=0.25, stall_s=1.0, worker_metrics=False)
     w = worker_main.build_worker("prefill", cfg, 0, secret)
     client = WorkerClient("prefill", w.address, secret.token)
     done = threading.Event()
@@ -173,7 +173,6 @@ def test_a_prefill_worker_hung_in_a_prefill_says_not_serving_until_it_ends(dflas
 
 
 def test_a_decode_worker_whose_step_hangs_says_not_serving_until_it_steps(dflash_pair, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(worker_main, "STALL_S", 1.0, raising=False)  # (raising: old code had none)
     gate, held = threading.Event(), threading.Event()
     real_step = Scheduler.step
 
@@ -185,7 +184,7 @@ def test_a_decode_worker_whose_step_hangs_says_not_serving_until_it_steps(dflash
 
     monkeypatch.setattr(Scheduler, "step", step)
     secret = ClusterSecret.generate()
-    w = worker_main.build_worker("decode", serve_cfg(dflash_pair, "local", prefill_timeout_s=0.25,
+    w = worker_main.build_worker("decode", serve_cfg(dflash_pair, "local", prefill_timeout_s=0.25, stall_s=1.0,
                                                      worker_metrics=False), 0, secret)
     client = WorkerClient("decode", w.address, secret.token)
     out: dict = {}

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import grpc
+import pytest
 
 from flashpd.cluster.config import ServeConfig
 from flashpd.cluster.generation_client import GenerationClient
@@ -408,3 +413,98 @@ def test_a_given_up_worker_that_still_runs_is_stopped(tmp_path):
         wait_until(lambda: not last.handle.alive, "the given-up worker's process to be stopped", timeout_s=5)
     finally:
         pool.shutdown()
+
+
+# ---- the first Health probe at start: bounded, and named -------------------------------------------------------
+class _AddressedLauncher(_FakeLauncher):
+    """Starts every worker at once; a prefill worker advertises `prefill_address` (the bridge: nothing is called)."""
+
+    def __init__(self, prefill_address: str) -> None:
+        super().__init__()
+        self.prefill_address = prefill_address
+
+    def start(self, specs: list[WorkerSpec], timeout_s: float) -> list[Launched]:
+        out = super().start(specs, timeout_s)
+        for w in out:
+            if w.role == "prefill":
+                w.address = self.prefill_address
+        return out
+
+
+class _NeverAnswers(grpc.GenericRpcHandler):
+    """Something listening at the advertised address that takes every call and answers none (until `release`): an
+    address that is not the worker's (another process's port, a proxy that holds calls)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def service(self, details):
+        def handler(request, context):
+            self.release.wait(120)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "released by the test")
+
+        return grpc.unary_unary_rpc_method_handler(handler)
+
+
+@pytest.fixture
+def advertised(request):
+    """The address a worker advertised, and what is there: `never_answers` (a server that takes every call and answers
+    none), `silent` (a socket that accepts connections and never speaks: a host that drops what it gets looks the
+    same to gRPC) or `refused` (nothing listens)."""
+    release = threading.Event()
+    server = sock = None
+    if request.param == "never_answers":
+        server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        server.add_generic_rpc_handlers((_NeverAnswers(release),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+    else:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        if request.param == "silent":
+            sock.listen(8)
+        else:
+            sock.close()
+    yield f"127.0.0.1:{port}"
+    release.set()
+    if server is not None:
+        server.stop(None)
+    if sock is not None:
+        sock.close()
+
+
+@pytest.mark.parametrize("advertised", ["never_answers", "silent", "refused"], indirect=True)
+def test_a_worker_whose_advertised_address_does_not_answer_fails_the_start_soon_by_name(tmp_path, advertised):
+    """start_timeout_s is 900 s (a worker's load and warm-up); the workers already listen when their first Health
+    probe goes out, so a probe not answered within first_health_s fails the start, naming the worker and the
+    address it advertised. The probe was given the whole start timeout: a server that never answers held the start
+    that long, a silent socket until gRPC's own connect timeout (20 s), and either, like a refused connection, then
+    failed it with a bare gRPC error that named neither the worker nor the address."""
+    cfg = ServeConfig(target=str(tmp_path), draft=str(tmp_path), mode="local", health_interval_s=0.05,
+                      health_timeout_s=1.0, start_timeout_s=900.0)
+    pool = WorkerPool(cfg, _AddressedLauncher(advertised))
+    pool.first_health_s = 1.0
+    out: dict = {}
+
+    def start() -> None:
+        t0 = time.monotonic()
+        try:
+            pool.start()
+        except Exception as e:  # noqa: BLE001
+            out["error"] = e
+        out["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=start, daemon=True)
+    try:
+        t.start()
+        t.join(15.0)
+        assert not t.is_alive(), "the start still waits on the worker's first Health probe"
+        err = out.get("error")
+        assert isinstance(err, WorkerStartError), repr(err)
+        assert f"prefill worker 0 is listening, but did not answer its Health probe within 1 s at the address it " \
+               f"advertised, {advertised}" in str(err), str(err)
+        assert out["s"] < 10, out
+    finally:
+        pool.shutdown()
+        t.join(30.0)  # (old code: released by the fixture's teardown, or gRPC's connect timeout)

@@ -52,6 +52,9 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "decode_retries": -1}, "decode_retries: must be >= 0"),
     ({"target": "t", "fault_prefill_delay_s": -0.5}, "fault_prefill_delay_s: must be >= 0"),
     ({"target": "t", "num_gpus": 0}, "num_gpus: must be > 0"),
+    ({"target": "t", "stall_s": 0}, "stall_s: must be > 0"),
+    ({"target": "t", "stall_s": -1.0}, "stall_s: must be > 0"),
+    ({"target": "t", "stall_s": "300"}, "stall_s: must be float"),
     ({"target": "t", "prefill_workers": 100000}, "prefill_workers: at most"),
     ({"target": "t", "host": "0.0.0.0"}, "host: '0.0.0.0' is not loopback"),  # before any worker starts
 ])
@@ -201,3 +204,17 @@ def test_a_held_public_port_is_refused_by_name_before_any_worker_starts(monkeypa
             serve_generation(None, port=bound)
     finally:
         server.stop(None)
+
+
+def test_the_stall_bound_is_the_configs_stall_s_never_under_twice_the_prefill_timeout():
+    """worker_main.stall_bound: how long a prefill, or a decode step while requests wait, runs before the worker is
+    taken for hung (its Health says not serving). The worker tests in test_launch_robustness.py set stall_s: 1 and
+    see it used."""
+    from flashpd.cluster.worker_main import stall_bound  # noqa: PLC0415
+
+    assert ServeConfig(target="t").stall_s == 300.0
+    assert stall_bound(ServeConfig(target="t")) == 300.0
+    assert stall_bound(ServeConfig(target="t", stall_s=50.0, prefill_timeout_s=10.0)) == 50.0
+    assert stall_bound(ServeConfig(target="t", stall_s=5.0, prefill_timeout_s=10.0)) == 20.0
+    assert stall_bound(ServeConfig(target="t", stall_s=600)) == 600  # an int is a float here, as everywhere
+    assert ServeConfig.from_dict(ServeConfig(target="t", stall_s=42.0).to_dict()).stall_s == 42.0  # to the workers

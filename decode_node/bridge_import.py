@@ -9,6 +9,7 @@ tokens and acceptance lengths as an import would. Each such fallback is logged a
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 
 from flashpd.engine.sequence import Sequence
@@ -29,6 +30,12 @@ class GuardedPrefixCache:
         self.cache = cache
         self.import_failures: Counter[str] = Counter()
         self.publish_failures: Counter[str] = Counter()
+        # the engine thread, the load threads and the save thread count at once: `c[k] += 1` unlocked lost counts
+        self._count_lock = threading.Lock()
+
+    def _count(self, counts: Counter[str], e: BaseException) -> None:
+        with self._count_lock:
+            counts[type(e).__name__] += 1
 
     @property
     def stats(self):
@@ -42,7 +49,7 @@ class GuardedPrefixCache:
         try:
             return self.cache.restore(gen, seq)
         except IMPORT_ERRORS as e:
-            self.import_failures[type(e).__name__] += 1
+            self._count(self.import_failures, e)
             log.warning("KV import from the bridge failed (%s: %s); recomputing the %d-token prompt locally",
                         type(e).__name__, e, len(seq.prompt))
             # nothing restored (num_tokens and draft_len 0: the local prefill computes every position), and the
@@ -61,7 +68,7 @@ class GuardedPrefixCache:
         try:
             return self.cache.fetch(gen, prompt)
         except IMPORT_ERRORS as e:
-            self.import_failures[type(e).__name__] += 1
+            self._count(self.import_failures, e)
             log.warning("KV import from the bridge failed (%s: %s); recomputing the %d-token prompt locally",
                         type(e).__name__, e, len(prompt))
             return Fetched(len(prompt))
@@ -79,6 +86,6 @@ class GuardedPrefixCache:
         try:
             return self.cache.store_pending(p)
         except IMPORT_ERRORS as e:
-            self.publish_failures[type(e).__name__] += 1
+            self._count(self.publish_failures, e)
             log.warning("publishing a prompt to the bridge failed (%s: %s); not cached", type(e).__name__, e)
             return 0

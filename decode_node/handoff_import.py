@@ -11,6 +11,7 @@ the serving layer (an asynchronous RPC to the prefill worker); it must never blo
 from __future__ import annotations
 
 import re
+import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Callable
 
@@ -30,6 +31,7 @@ class HandoffImport:
         self.importer = importer
         self.release = release
         self.fallbacks: Counter[str] = Counter()
+        self._count_lock = threading.Lock()  # the engine thread and the import threads count at once
 
     def copy(self, h: Handoff, dst_blocks: list[int]) -> None:
         self.importer.copy(h, dst_blocks)
@@ -53,6 +55,7 @@ class HandoffImport:
         counts) read as N, and past MAX_REASONS keys a new reason counts as "other" (keyed by the raw message,
         a worker gained one key per refused lease id for as long as it ran)."""
         key = _NUMBER.sub("N", reason)
-        if key not in self.fallbacks and len(self.fallbacks) >= MAX_REASONS:
-            key = "other"
-        self.fallbacks[key] += 1
+        with self._count_lock:
+            if key not in self.fallbacks and len(self.fallbacks) >= MAX_REASONS:
+                key = "other"
+            self.fallbacks[key] += 1

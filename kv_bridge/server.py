@@ -61,6 +61,7 @@ SHM_ROOM_WAIT_S = 10.0  # how long a Get waits for readers to take segments befo
 DEFAULT_MIN_PUT_RATE = 1 << 20  # bytes/s a Put's chunk needs after idle_s of grace: a trickle holds a worker
 DEFAULT_INFLIGHT_BYTES = 1 << 30  # partial chunks of all Put streams together, outside any store's budget
 REFUSAL_HEADER = "x-flashpd-put-refused"  # a Put reply's trailing metadata: why a chunk's handle was refused
+NOT_OWNED_LOG_EVERY_S = 10.0  # at most one warning this often for refused segments (a client could send thousands)
 PUT_SWEEP_EVERY_S = 1.0  # how often a server unlinks untaken Put segments of clients gone (shm.PutLeftovers)
 
 
@@ -138,6 +139,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                        invalid_requests=0, unauthenticated_calls=0, calls_stalled=0, shm_gets_refused_full=0,
                        shm_gets_refused_peer=0, puts_too_slow=0, puts_refused_inflight=0, shm_put_segments_left=0,
                        shm_put_segments_reclaimed=0, shm_put_segments_not_owned=0, store_errors=0)
+        self._not_owned_logged = -NOT_OWNED_LOG_EVERY_S  # when a not-owned refusal was last logged (monotonic)
 
     def authorizer(self):
         """token_authorizer for this bridge's secret, counting the calls it turns away."""
@@ -296,7 +298,14 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         (REFUSAL_HEADER: PutReply has no field for a reason); the rest of the stream goes on."""
         context.set_trailing_metadata(((REFUSAL_HEADER, reason),))
         self._count("shm_put_segments_not_owned")
-        log.warning("Put from %s: chunk %s... refused: %s", context.peer(), key[:16], reason)
+        now = time.monotonic()
+        with self._lock:  # one line per NOT_OWNED_LOG_EVERY_S: a client naming segments not its own cannot flood the log
+            quiet = now < self._not_owned_logged + NOT_OWNED_LOG_EVERY_S
+            if not quiet:
+                self._not_owned_logged = now
+        if not quiet:
+            log.warning("Put from %s: chunk %s... refused: %s (further such refusals for %g s are only counted: "
+                        "shm_put_segments_not_owned)", context.peer(), key[:16], reason, NOT_OWNED_LOG_EVERY_S)
         self._refuse(reply, key, "chunks_refused_corrupt", invalid=True)
 
     def reclaim_put_segments(self) -> int:

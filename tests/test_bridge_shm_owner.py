@@ -137,3 +137,17 @@ def test_segment_owner_ids_bind_names_to_a_key_that_is_never_in_them():
         assert shm.SegmentOwner.from_metadata(bad) is None
     for other in (name + "\n", name.replace(shm.PUT_TAG, shm.GET_TAG), f"{shm.PREFIX}{os.getpid()}-{shm.PUT_TAG}x"):
         assert not a.owns(other)
+
+
+@needs_shm
+def test_a_client_naming_many_segments_not_its_own_cannot_flood_the_log(bridge, caplog):
+    """Each refusal is counted, but a stream of them logs one warning, not one a chunk."""
+    owner, attacker = shm.SegmentOwner.generate(), shm.SegmentOwner.generate()
+    names = [f"{shm.PREFIX}{os.getpid()}-{owner.put_tag}{uuid.uuid4().hex}" for _ in range(50)]
+    with caplog.at_level("WARNING", logger="flashpd.kv_bridge.server"):
+        reply = bridge.raw.Put(iter([handle(f"k{i}", n, 100) for i, n in enumerate(names)]), timeout=TIMEOUT_S,
+                               metadata=bridge.md(owner=attacker))
+    assert reply.refused == 50
+    assert bridge.client.stats()["server.shm_put_segments_not_owned"] == 50
+    warned = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]

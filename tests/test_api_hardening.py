@@ -287,6 +287,17 @@ def test_odd_but_valid_fields_are_served(demo, kw):
     assert _idle(client.health())
 
 
+def _fake_host(prefill, release=None, holds=None, held: int = 0) -> PrefillHost:
+    """A PrefillHost over a stand-in worker (its prefill, and its lease release and exporter "ex-a" when given) and a
+    stand-in runner: the host's locking and queueing alone, no model."""
+    runner = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=8)), max_positions=64,
+                             allocator=SimpleNamespace(num_free=4), kv_block_size=16)
+    if release is None:
+        return PrefillHost(SimpleNamespace(prefill=prefill), runner, None)
+    exporter = SimpleNamespace(exporter_id="ex-a", holds=holds, held=held, expire=lambda: 0)
+    return PrefillHost(SimpleNamespace(prefill=prefill, release=release, exporter=exporter), runner, None)
+
+
 def test_a_prefill_whose_call_ended_while_waiting_never_runs():
     """The prefill worker runs one prefill at a time; one queued behind it whose call ends (the router
     cancelled it) leaves the queue at once instead of running later for nobody."""
@@ -297,9 +308,7 @@ def test_a_prefill_whose_call_ended_while_waiting_never_runs():
         release.wait(10)
         return "result"
 
-    runner = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=8)), max_positions=64,
-                             allocator=SimpleNamespace(num_free=4), kv_block_size=16)
-    host = PrefillHost(SimpleNamespace(prefill=prefill), runner, None)
+    host = _fake_host(prefill)
     busy = threading.Thread(target=host.prefill, args=([1], SamplingParams(), 10.0))
     busy.start()
     wait_until(lambda: host.running == 1, "the first prefill to run", timeout_s=5)
@@ -341,10 +350,7 @@ def test_a_lease_release_never_waits_for_a_running_prefill():
         live.discard(lease_id)
         return True
 
-    exporter = SimpleNamespace(exporter_id="ex-a", holds=lambda i: i in live, held=2, expire=lambda: 0)
-    runner = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=8)), max_positions=64,
-                             allocator=SimpleNamespace(num_free=4), kv_block_size=16)
-    host = PrefillHost(SimpleNamespace(prefill=prefill, release=release, exporter=exporter), runner, None)
+    host = _fake_host(prefill, release, holds=lambda i: i in live, held=2)
     busy = threading.Thread(target=host.prefill, args=([1], SamplingParams(), 10.0))
     busy.start()
     wait_until(lambda: host.running == 1, "the prefill to run", timeout_s=5)
@@ -443,10 +449,7 @@ def test_a_lease_whose_freeing_fails_does_not_keep_the_runner_locked(caplog):
     def release(lease_id):
         raise RuntimeError("allocator says no")
 
-    exporter = SimpleNamespace(exporter_id="ex-a", holds=lambda i: True, held=1, expire=lambda: 0)
-    runner = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=8)), max_positions=64,
-                             allocator=SimpleNamespace(num_free=4), kv_block_size=16)
-    host = PrefillHost(SimpleNamespace(prefill=prefill, release=release, exporter=exporter), runner, None)
+    host = _fake_host(prefill, release, holds=lambda i: True, held=1)
     busy = threading.Thread(target=host.prefill, args=([1], SamplingParams(), 10.0))
     busy.start()
     wait_until(lambda: host.running == 1, "the prefill to run", timeout_s=5)

@@ -508,12 +508,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         started.set()
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before `listening on`: a launcher may stop it the moment it reads that
+        signal.signal(sig, lambda *_: done.set())
     if w.metrics_address:
         print(f"metrics on {w.metrics_address}", flush=True)
     print(f"listening on {w.address}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
     code = 0
     while not done.wait(1.0):
         if _parent_gone(a.parent_pid):

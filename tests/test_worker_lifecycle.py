@@ -243,6 +243,32 @@ def test_what_a_worker_started_goes_with_it(dflash_pair, tmp_path, monkeypatch, 
             grandchild.kill()
 
 
+# A worker whose SIGTERM handler takes a while to install (here: made slow on purpose, as a loaded machine may be).
+_SLOW_SIGTERM_HANDLER = """\
+import signal, time
+_install = signal.signal
+def _slow(sig, handler):
+    if sig == signal.SIGTERM:
+        time.sleep(1.0)
+    return _install(sig, handler)
+signal.signal = _slow
+"""
+
+
+def test_a_worker_stopped_the_moment_it_serves_stops_cleanly(dflash_pair, tmp_path, monkeypatch):  # noqa: F811
+    """The launcher may send SIGTERM as soon as it reads `listening on`: the worker's handler is in place by then, so
+    it stops by itself (exit 0), not by the signal's default action (-15, its clean-up skipped)."""
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_SIGTERM_HANDLER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    launcher = LocalLauncher(tmp_path / "logs")
+    try:
+        (w,) = launcher.start([WorkerSpec("bridge", 0, serve_cfg(dflash_pair, "local"))], 60.0)
+        launcher.stop(w, 10.0)
+        assert w.handle.proc.returncode == 0
+    finally:
+        launcher.shutdown()
+
+
 def test_the_launcher_never_signals_its_own_process_group(monkeypatch):
     """A child that is not the leader of a group of its own (its pid is this process's group's id: never so for a
     child started with start_new_session, but never to be relied on) is signalled alone."""

@@ -41,6 +41,9 @@ CLOSE_FLUSH_S = 5.0  # what a clean shutdown waits for the queue (a launcher SIG
 WRITER_IDLE_S = 5.0  # an idle writer thread exits; the next queued write starts another
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}\Z")  # a file name, never a path
 _TMP_PREFIX = ".tmp-"
+# A temp file older than this is an interrupted write (a writer process killed): the start-up scan deletes it. A
+# younger one may be a write in progress by another process sharing the directory (a chunk takes well under a second).
+STALE_TMP_S = 600.0
 
 
 def _check_key(key: str) -> None:
@@ -64,9 +67,10 @@ class DiskStore(IndexedStore):
         found: list[tuple[int, str, int, str | None]] = []
         with os.scandir(self.directory) as entries:
             for entry in entries:
-                if entry.name.startswith(_TMP_PREFIX):  # an interrupted write: never visible
-                    _unlink(entry.path)
-                    self._c["temp_files_removed"] += 1
+                if entry.name.startswith(_TMP_PREFIX):  # a write not yet (or never to be) published: never visible
+                    if _stale(entry):
+                        _unlink(entry.path)
+                        self._c["temp_files_removed"] += 1
                     continue
                 try:
                     if not (entry.is_file(follow_symlinks=False) and _KEY_RE.match(entry.name)):
@@ -542,6 +546,14 @@ def _restart_order(found: list[tuple[int, str, int, str | None]]) -> list[str]:
         if p and p in recent and depth[p] < depth[n]:
             recent[p] = max(recent[p], recent[n])
     return sorted(parent, key=lambda n: (reach[n], recent[n], -depth[n], n))
+
+
+def _stale(entry: os.DirEntry) -> bool:
+    """A temp file no writer still works on (see STALE_TMP_S); one gone since the listing is not."""
+    try:
+        return time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S
+    except OSError:
+        return False
 
 
 def _publish(tmp: Path, final: Path) -> bool:

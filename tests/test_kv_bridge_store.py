@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
 
+from flashpd.kv_bridge import disk
 from flashpd.kv_bridge.auth import ClusterSecret
 from flashpd.kv_bridge.chunk import CorruptChunk
 from flashpd.kv_bridge.disk import DiskStore, TieredStore
@@ -364,10 +366,15 @@ def test_disk_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     assert store.put_bytes("k", make_chunk("k").to_bytes(MAC)) is PutResult.REFUSED
     monkeypatch.undo()
     assert os.listdir(tmp_path) == [] and not store.contains("k") and store.stats()["write_errors"] == 1
-    # a process killed mid-write leaves a temp file: never visible, deleted at the next start
-    (tmp_path / ".tmp-k-123").write_bytes(make_chunk("k").to_bytes(MAC)[:500])
+    # a process killed mid-write leaves a temp file: never visible, deleted at the next start once stale; a fresh
+    # one may be another process's write in progress into the same directory: left to it
+    old = tmp_path / ".tmp-k-123"
+    old.write_bytes(make_chunk("k").to_bytes(MAC)[:500])
+    past = time.time() - disk.STALE_TMP_S - 60
+    os.utime(old, (past, past))
+    (tmp_path / ".tmp-j-456").write_bytes(make_chunk("j").to_bytes(MAC)[:500])
     again = DiskStore(tmp_path, 1 << 24)
-    assert again.lookup(["k"]) == 0 and os.listdir(tmp_path) == []
+    assert again.lookup(["k"]) == again.lookup(["j"]) == 0 and os.listdir(tmp_path) == [".tmp-j-456"]
     assert again.stats()["temp_files_removed"] == 1
 
 

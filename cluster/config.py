@@ -7,6 +7,7 @@ Unknown keys are refused by name: a typo must not silently fall back to a defaul
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -235,8 +236,8 @@ class ServeConfig:
             raise ValueError(f"host: {self.host!r} is not loopback; set allow_remote: true to expose the service")
         for name in ("health_interval_s", "health_timeout_s", "start_timeout_s", "prefill_timeout_s",
                      "request_timeout_s", "bridge_timeout_s", "stall_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:  # inf: a wait that overflows, or a hang never noticed
+                raise ValueError(f"{name}: must be a finite number > 0, got {getattr(self, name)}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "ServeConfig":

@@ -242,6 +242,9 @@ class LocalLauncher:
         p = w.handle.proc
         _signal_group(p, signal.SIGKILL)
         p.wait(10)
+        with self._lock:  # stopped: no longer one of processes()
+            if w.handle in self._children:
+                self._children.remove(w.handle)
 
     def stop(self, w: Launched, timeout_s: float = 10.0) -> None:
         self._kill(w.handle, timeout_s)

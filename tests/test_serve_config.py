@@ -52,8 +52,10 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "decode_retries": -1}, "decode_retries: must be >= 0"),
     ({"target": "t", "fault_prefill_delay_s": -0.5}, "fault_prefill_delay_s: must be >= 0"),
     ({"target": "t", "num_gpus": 0}, "num_gpus: must be > 0"),
-    ({"target": "t", "stall_s": 0}, "stall_s: must be > 0"),
-    ({"target": "t", "stall_s": -1.0}, "stall_s: must be > 0"),
+    ({"target": "t", "stall_s": 0}, "stall_s: must be a finite number > 0"),
+    ({"target": "t", "stall_s": -1.0}, "stall_s: must be a finite number > 0"),
+    ({"target": "t", "stall_s": float("inf")}, "stall_s: must be a finite number > 0"),  # JSON's Infinity
+    ({"target": "t", "request_timeout_s": float("nan")}, "request_timeout_s: must be a finite number > 0"),
     ({"target": "t", "stall_s": "300"}, "stall_s: must be float"),
     ({"target": "t", "prefill_workers": 100000}, "prefill_workers: at most"),
     ({"target": "t", "host": "0.0.0.0"}, "host: '0.0.0.0' is not loopback"),  # before any worker starts

@@ -221,6 +221,7 @@ def test_what_a_worker_started_goes_with_it(dflash_pair, tmp_path, monkeypatch, 
         assert os.getpgid(grandchild.pid) == w.handle.proc.pid  # in the worker's group, as a library's child is
         if how == "kill":
             launcher.kill(w)
+            assert w.handle.proc not in launcher.processes()  # stopped: no longer the launcher's
         elif how == "stop":
             launcher.stop(w, 10.0)
             assert w.handle.proc.returncode == 0  # it stopped by itself, on SIGTERM

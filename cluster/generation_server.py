@@ -3,7 +3,8 @@
 A backend is what serves the requests: an `EngineLoop` (one process, colocated) or the `Router`
 (prefill and decode workers behind it); the request checks, status codes, streaming and
 cancellation here are the same for both. Bad requests get INVALID_ARGUMENT with the field named;
-a prompt that cannot fit gets RESOURCE_EXHAUSTED; method "dflash" on a server without a drafter
+a prompt that cannot fit gets RESOURCE_EXHAUSTED ("prompt: ..."), and so does a request no worker can take now
+(overloaded: try again later); method "dflash" on a server without a drafter
 gets FAILED_PRECONDITION; a worker that is gone gives UNAVAILABLE. Bytes that are not a request
 message get INVALID_ARGUMENT too (services are registered through kv_bridge/rpc_guard.add_guarded),
 and an error message quotes at most 64 characters of a client's value (a long echo would overflow

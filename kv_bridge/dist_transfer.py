@@ -411,6 +411,7 @@ class DistImporter:
         # per exporter: one transfer at a time (see above); an entry [lock, fetches holding or waiting for it] lives
         # only while a fetch of that exporter does, so ids of exporters long gone (restarts) leave nothing behind
         self._exporter_locks: dict[str, list] = {}
+        self._closed = False  # close() ran: no fetch starts a transfer, and a pair left in use goes at its turn's end
         self.stats = dict(imports=0, failures=0, positions=0, pairs_opened=0, pairs_dropped=0)
 
     def peer_busy(self, stale_s: float) -> bool:  # noqa: ARG002  (the device path's same-GPU hold: not here)
@@ -432,8 +433,11 @@ class DistImporter:
         finally:
             with self._lock:
                 entry[1] -= 1
-                if entry[1] == 0:
+                last = entry[1] == 0
+                if last:
                     del self._exporter_locks[exporter_id]
+            if last and self._closed:  # close() left this exporter's pair to its last fetch
+                self.forget(exporter_id)
 
     def _pair(self, h: Handoff) -> _ImportPair:
         """The pair with h's exporter, opened (OpenPair, its store, the group's formation: all bounded) when there is
@@ -494,9 +498,17 @@ class DistImporter:
             self._count("failures")
             raise HandoffError(f"{type(e).__name__}: {e}") from None
 
+    def _refuse_if_closed(self) -> None:
+        """A fetch still running when the importer was closed (an import thread its scheduler let go) starts no
+        transfer: a pair it formed then would never be closed."""
+        if self._closed:
+            raise HandoffError("the importer is closed (its worker is stopping)")
+
     def _transfer(self, h: Handoff) -> list[torch.Tensor]:
         """SendLease, then the receive of its blocks; under h's exporter lock (the pair's order)."""
+        self._refuse_if_closed()
         pair = self._pair(h)
+        self._refuse_if_closed()  # closed while the pair formed: it goes at this turn's end, unused
         pair.tag += 1
         blocks, epochs = [int(b) for b in h.blocks], [int(e) for e in h.epochs]
         try:
@@ -542,7 +554,11 @@ class DistImporter:
         self.apply(self.fetch(h), dst_blocks)
 
     def close(self) -> None:
+        """Drop every pair; fetches fail from now on. A worker closes its importer before the import threads its
+        scheduler let go have ended, so a pair a fetch is using (its exporter's turn is held) is not aborted under
+        that fetch: it goes when the turn ends (_exporter_turn), and a fetch starts no transfer after this."""
         with self._lock:
-            exporters = list(self._pairs)
-        for k in exporters:
+            self._closed = True
+            idle = [k for k in self._pairs if k not in self._exporter_locks]
+        for k in idle:
             self.forget(k)

@@ -21,6 +21,10 @@ Use after free: the exporter bumps a block's epoch (in a shared host tensor) bef
 reused. The importer checks the lease's epochs before the copy and again after it completed; any
 change means the blocks were freed meanwhile, and the copy is discarded (a counted fallback: the
 prompt is recomputed).
+
+Another request's blocks: the exporter also shares which lease holds each block, and the importer copies only
+blocks of the handoff's own lease (a header naming another lease's blocks would import another prompt's KV as
+this one's; the dist path's exporter refuses such a send the same way).
 """
 from __future__ import annotations
 
@@ -158,9 +162,12 @@ class CacheExporter:
         # [0]: CLOCK_MONOTONIC (ns, one clock for every process of a host) when the running prefill began, 0 idle
         self.busy = torch.zeros(1, dtype=torch.int64)
         self.busy.share_memory_()
+        # the lease id holding each block (0: none), shared: an importer copies only its own lease's blocks
+        self.owners = torch.zeros(target.shape[2], dtype=torch.int64)
+        self.owners.share_memory_()
         from multiprocessing.reduction import ForkingPickler  # noqa: PLC0415
 
-        payload = bytes(ForkingPickler.dumps((target, draft, self.epochs, self.busy)))
+        payload = bytes(ForkingPickler.dumps((target, draft, self.epochs, self.busy, self.owners)))
         # the id is sealed with the caches: an importer maps a blob under the id it was made for, and no other
         head = pickle.dumps({**self.geometry.__dict__, "exporter_id": self.exporter_id}, protocol=4)
         body = _BLOB_MAGIC + len(head).to_bytes(4, "little") + head + payload
@@ -185,6 +192,8 @@ class CacheExporter:
         with self._lock:
             lid = next(self._ids)
             epochs = self.epochs[blocks].tolist() if blocks else []
+            if blocks:
+                self.owners[blocks] = lid
             self._leases[lid] = Lease(lid, list(blocks), epochs, num_tokens, time.monotonic() + self.lease_s, release)
             self.stats["leases"] += 1
         return Handoff(self.exporter_id, self.address, self.blob, lid, tuple(blocks), tuple(epochs), num_tokens,
@@ -235,6 +244,7 @@ class CacheExporter:
     def _free(self, lease: Lease) -> None:
         if lease.blocks:  # bump first: an importer mid-copy sees the change and discards its copy
             self.epochs[lease.blocks] += 1
+            self.owners[lease.blocks] = 0
         lease.release()
 
     @property
@@ -248,6 +258,18 @@ class CacheExporter:
             return lease_id in self._leases
 
 
+def _check_owned(h: Handoff, owners: torch.Tensor) -> None:
+    """The blocks are h's own lease's, each named once (HandoffError otherwise): a header naming another lease's blocks
+    would import another request's prompt KV as this one's. Checked after the epochs matched, so a block freed since
+    (its owner cleared, its epoch bumped) reads as freed; one leased again since fails the epoch re-check after the
+    copy."""
+    if len(set(h.blocks)) != len(h.blocks):
+        raise HandoffError(f"handoff names a block of lease {h.lease_id} more than once")
+    stray = [b for b, o in zip(h.blocks, owners.tolist()) if o != h.lease_id]
+    if stray:
+        raise HandoffError(f"lease {h.lease_id} does not hold block(s) {stray[:8]}")
+
+
 class CacheImporter:
     """The decode side: maps each exporter's caches once, copies a lease's blocks into its own caches."""
 
@@ -255,23 +277,24 @@ class CacheImporter:
         self.target, self.draft = target, draft
         self.geometry = Geometry.of(target, draft, fingerprint)
         self.mac = mac
-        # exporter id -> (its target cache, draft cache, epochs; the MAC tag of the blob they were mapped from)
-        self._maps: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bytes]] = {}
+        # exporter id -> (its target cache, draft cache, epochs, block owners; the MAC tag of the blob they were mapped
+        # from)
+        self._maps: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, bytes]] = {}
         self._peers: dict[str, torch.Tensor] = {}  # busy words of the exporters on this worker's own device
         # the exporter id mapped from each address: a restarted prefill worker comes back under a new id, and the
         # old id's caches (a dead process's whole KV cache) are dropped then, not kept mapped for good
         self._ids: dict[str, str] = {}
         self.stats = dict(imports=0, failures=0, positions=0, mapped_exporters=0)
 
-    def _map(self, h: Handoff) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _map(self, h: Handoff) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """The exporter's caches and epochs, mapped on its first handoff. A handoff whose blob is not the one its
         exporter id was sealed into (another exporter's, with this id) is refused: else it would read this
         exporter's blocks as the other's, whose epochs may well coincide (a wrong KV, used silently)."""
         got = self._maps.get(h.exporter_id)
         if got is not None:
-            if h.blob[-32:] != got[3]:
+            if h.blob[-32:] != got[4]:
                 raise HandoffError(f"export blob: not the one exporter {h.exporter_id[:12]} sealed")
-            return got[:3]
+            return got[:4]
         blob = h.blob
         if len(blob) < len(_BLOB_MAGIC) + 4 + 32 or not blob.startswith(_BLOB_MAGIC):
             raise HandoffError("export blob: not a flashpd cache export")
@@ -292,16 +315,16 @@ class CacheImporter:
         if self.target.device.type == "cpu":
             import torch.multiprocessing as mp  # noqa: PLC0415
             mp.set_sharing_strategy("file_system")
-        src_t, src_d, epochs, busy = _Unpickler(io.BytesIO(body[off + n:])).load()
+        src_t, src_d, epochs, busy, owners = _Unpickler(io.BytesIO(body[off + n:])).load()
         old = self._ids.get(h.exporter_address)
         if old is not None and old != h.exporter_id:
             self.forget(old)
         self._ids[h.exporter_address] = h.exporter_id
-        self._maps[h.exporter_id] = (src_t, src_d, epochs, tag)
+        self._maps[h.exporter_id] = (src_t, src_d, epochs, owners, tag)
         if geometry.device_id == self.geometry.device_id:
             self._peers[h.exporter_id] = busy
         self.stats["mapped_exporters"] = len(self._maps)
-        return src_t, src_d, epochs
+        return src_t, src_d, epochs, owners
 
     def forget(self, exporter_id: str) -> None:
         """Drop an exporter's mapping (it went away; a restarted one comes with a new id)."""
@@ -322,7 +345,7 @@ class CacheImporter:
         """Copy the lease's blocks into dst_blocks of this worker's caches (both halves). Raises
         HandoffError when the handoff cannot be used; then nothing copied may be read."""
         try:
-            src_t, src_d, epochs = self._map(h)
+            src_t, src_d, epochs, owners = self._map(h)
             nblk = len(h.blocks)
             if nblk != len(dst_blocks) or nblk != len(h.epochs):
                 raise HandoffError(f"lease of {nblk} blocks for {len(dst_blocks)} destination blocks")
@@ -334,6 +357,7 @@ class CacheImporter:
             idx = torch.tensor(h.blocks, dtype=torch.int64)
             if not torch.equal(epochs[idx], want):
                 raise HandoffError("lease's blocks were freed before the import (epoch changed)")
+            _check_owned(h, owners[idx])
             didx = torch.tensor(dst_blocks, dtype=torch.int64, device=self.target.device)
             for src, dst in ((src_t, self.target), (src_d, self.draft)):
                 if dst is None:

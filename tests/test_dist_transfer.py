@@ -300,6 +300,75 @@ def test_importers_that_die_never_exhaust_the_exporters_pairs(peer):
     assert call("max_pairs", 64)
 
 
+class _HeldControl:
+    """The real control client, with OpenPair held at `gate` (a fetch that is opening its pair)."""
+
+    def __init__(self, control) -> None:
+        self.control, self.gate, self.opening = control, threading.Event(), threading.Event()
+
+    def open_pair(self, *args):
+        self.opening.set()
+        assert self.gate.wait(20)
+        return self.control.open_pair(*args)
+
+    def send_lease(self, *args) -> None:
+        self.control.send_lease(*args)
+
+
+def test_an_importer_closed_while_a_fetch_opens_its_pair_keeps_no_pair(peer):
+    """The decode worker closes its importer before the import threads it let go have ended: a fetch that is
+    opening its pair then must not form one after the close (it was never closed: a process group leaked) nor
+    deliver KV; it fails as a HandoffError, and every pair opened is dropped."""
+    call = peer["call"]
+    control = _HeldControl(peer["control"])
+    t, d = torch.zeros_like(peer["target"]), torch.zeros_like(peer["draft"])
+    imp = DistImporter(t, d, "fp", peer["secret"].mac_key, control, "127.0.0.1", timeout_s=TIMEOUT_S)
+    h = call("lease", [2])
+    got: list = []
+    fetch = threading.Thread(target=lambda: got.append(_outcome(imp.fetch, h)))
+    fetch.start()
+    assert control.opening.wait(10)
+    imp.close()
+    control.gate.set()
+    fetch.join(20)
+    assert len(got) == 1 and isinstance(got[0], HandoffError), got
+    assert imp.stats["pairs_opened"] == imp.stats["pairs_dropped"]
+    with pytest.raises(HandoffError, match="closed"):  # and a fetch after the close opens nothing
+        imp.fetch(h)
+    assert imp.stats["pairs_opened"] == imp.stats["pairs_dropped"]
+    assert call("release", h.lease_id) is True
+
+
+def test_an_importer_closed_mid_receive_leaves_the_pair_to_its_fetch(peer):
+    """Closed while a fetch receives (the exporter is slow to send): the pair is not torn down under the receive
+    (on NCCL an abort under a running receive), the fetch ends within its bound, and the pair goes with it."""
+    call = peer["call"]
+    t, d = torch.zeros_like(peer["target"]), torch.zeros_like(peer["draft"])
+    imp = DistImporter(t, d, "fp", peer["secret"].mac_key, peer["control"], "127.0.0.1", timeout_s=TIMEOUT_S)
+    h0 = call("lease", [1])
+    imp.copy(h0, [0])  # the pair is formed
+    assert call("release", h0.lease_id) is True
+    assert call("stall", 1.0)
+    h = call("lease", [5])
+    got: list = []
+    fetch = threading.Thread(target=lambda: got.append(_outcome(imp.fetch, h)))
+    fetch.start()
+    time.sleep(0.5)  # SendLease answered; the receive waits for the held send
+    imp.close()
+    assert imp.stats["pairs_dropped"] == 0 and fetch.is_alive()
+    fetch.join(20)
+    assert len(got) == 1 and not isinstance(got[0], Exception), got
+    assert imp.stats["pairs_opened"] == imp.stats["pairs_dropped"] == 1
+    call("release", h.lease_id)
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001  the caller asserts on it
+        return e
+
+
 def test_a_stalled_exporter_is_a_bounded_failure_and_a_new_pair_follows(peer):
     imp, call = peer["imp"], peer["call"]
     dropped, opened = imp.stats["pairs_dropped"], imp.stats["pairs_opened"]

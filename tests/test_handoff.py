@@ -8,6 +8,7 @@ release or at their deadline.
 """
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import subprocess
 import sys
@@ -174,6 +175,28 @@ def test_a_lease_of_another_prompt_of_the_same_length_is_refused(pair):
     r = _run_one(sched, a, sp, res_a.first_token, res_a.handoff)  # its own lease imports
     assert sched.stats.handoff_imports == 1
     assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, a, sp, "dflash")
+
+
+def test_a_handoff_naming_another_leases_blocks_is_refused(pair):
+    """A header with this prompt's lease id and digest but another lease's blocks and epochs (another prompt of the
+    same length): the device path read those blocks as this prompt's KV (the dist path's exporter refuses them).
+    Refused as a counted fallback, computed here exactly; both leases still serve their own requests."""
+    target, drafter = pair
+    pw = _prefill_side(target, drafter)
+    sched, released = _decode_side(target, drafter)
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(0, 126, (60,), generator=g).tolist() for _ in range(2))
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    res_a, res_b = pw.prefill(a, sp), pw.prefill(b, sp)
+    forged = dataclasses.replace(res_a.handoff, blocks=res_b.handoff.blocks, epochs=res_b.handoff.epochs)
+    r = _run_one(sched, a, sp, res_a.first_token, forged)
+    assert sched.stats.handoff_imports == 0 and "does not hold" in next(iter(sched.handoff.fallbacks))
+    assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, a, sp, "dflash")
+    assert pw.release(res_a.handoff.lease_id) is True  # what the decode worker's release did
+    r = _run_one(sched, b, sp, res_b.first_token, res_b.handoff)  # B's lease still imports
+    assert sched.stats.handoff_imports == 1
+    assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, b, sp, "dflash")
+    assert released == [res_a.handoff.lease_id, res_b.handoff.lease_id]
 
 
 def test_fallback_reasons_stay_bounded_however_many_leases_are_refused(pair):

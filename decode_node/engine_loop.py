@@ -352,11 +352,12 @@ class EngineLoop:
             self.release_handoff(h.handoff)
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(err)
-        for h in list(self._live.values()):
-            try:
-                self.scheduler.cancel(h.request)
-            except Exception:  # noqa: BLE001  best effort: the loop is going away
-                log.exception("cancel during shutdown failed")
+        live = list(self._live.values())
+        try:  # cancel_all drops a device session that cannot end (one cancel at a time kept its blocks then)
+            self.scheduler.cancel_all([h.request for h in live])
+        except Exception:  # noqa: BLE001  best effort: the loop is going away
+            log.exception("cancel during shutdown failed")
+        for h in live:
             self._emit(h, Event("error", error=err))
         self._live.clear()
         self.scheduler.close()

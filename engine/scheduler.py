@@ -537,6 +537,15 @@ class Scheduler:
             self._session, self._session_gen = None, None
             self.sessions_ended += 1
 
+    def _end_session_or_recover(self, result: StepResult) -> None:
+        """End the session between steps (an arrival, a finished row). Ending it reads the step in flight, so a
+        fault there is a batch step's fault, recovered as in _advance: not an error out of step() (which fails
+        every request in flight)."""
+        try:
+            self._end_session()
+        except Exception as e:  # noqa: BLE001  one row's fault must not end the others
+            self._recover(e, result)
+
     def _advance(self, result: StepResult) -> None:
         """One step of every running request; a step that raises is recovered (see the module doc)."""
         try:
@@ -549,9 +558,11 @@ class Scheduler:
 
     def _advance_suspects(self, result: StepResult) -> None:
         """Rows of a failed batch step take their next step alone (a row that fails alone is failed); the
-        others step together."""
+        others step together. A suspect takes one step here, alone: stepping it again with the others would take
+        blocks that policy preempt did not make room for (_make_room covers one step a row)."""
         passed, culprit = [], False
-        for r in [r for r in self.running if r.id in self._suspects]:
+        suspects = [r for r in self.running if r.id in self._suspects]
+        for r in suspects:
             if r.seq.done:
                 self._suspects.discard(r.id)
                 continue
@@ -565,7 +576,8 @@ class Scheduler:
         if culprit:  # the fault was the failed row's: the others' count starts again
             for r in passed:
                 r.batch_faults = 0
-        rest = [r for r in self.running if r.id not in self._suspects and not r.seq.done]
+        stepped = {r.id for r in suspects}
+        rest = [r for r in self.running if r.id not in stepped and not r.seq.done]
         if rest:
             self._step_rows(rest)
 
@@ -660,7 +672,7 @@ class Scheduler:
         if not self.running and self.waiting and not self._has_ready():  # only loads in flight: wait for one
             wait([r.load for r in self.waiting if r.load is not None], timeout=LOAD_POLL_S, return_when=FIRST_COMPLETED)
         if (self._has_ready() and not self._holds()) or not self.overlap or self._suspects:
-            self._end_session()  # admissions (and preemptions) work on the host's view of the batch
+            self._end_session_or_recover(result)  # admissions (and preemptions) work on the host's view of the batch
         if self._session is None:
             admitted = self._admit(result)
             self.admitted += len(admitted)
@@ -673,7 +685,7 @@ class Scheduler:
         if any(r.seq.done for r in self.running) and not (
                 self.drain and self._session is not None and not all(r.seq.done for r in self.running)) \
                 and not self._holds():
-            self._end_session()  # a finished row leaves the batch: the others' in-flight step is read
+            self._end_session_or_recover(result)  # a finished row leaves the batch: the others' in-flight step is read
         still, sent = [], []
         for r in self.running:
             out = r.seq.output

@@ -521,3 +521,89 @@ def test_through_the_grpc_api_the_faulty_request_gets_internal_and_the_batch_fin
         client.close()
         server.stop(0)
         loop.stop()
+
+
+def test_a_transient_fault_under_kv_pressure_fails_nobody(pair):
+    """After a batch fault each suspect takes its next step alone, once: a row that passed must not step again
+    with the rest in the same step (preempt policy reserves only one step's blocks per row, so a second step ran
+    out of blocks, which counted as more batch faults until both innocent rows were failed)."""
+    target, drafter = pair
+    prompts = [list(range(10, 24)), list(range(40, 54))]  # 14 tokens: the 18th decode step ends a 2-block context
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 2
+    sched = Scheduler(_runner(target, drafter, blocks=5), drafter, policy="preempt")  # 4 blocks: each row's worst case
+    sched.overlap = False
+    free0 = sched.runner.allocator.num_free
+    orig, calls = sched.native.decode_step, []
+
+    def once(seqs, *a, **kw):  # the 18th step raises before its work: both rows then hold 2 full blocks, none free
+        calls.append([s.prompt[0] for s in seqs])
+        if len(calls) == 18:
+            raise RuntimeError("transient")
+        return orig(seqs, *a, **kw)
+
+    sched.native.decode_step = once
+    reqs = [sched.add(p, sp, "native") for p, sp in zip(prompts, params)]
+    streamed, failed = _run(sched, reqs)
+    assert failed == {} and sched.stats.batch_faults == 1
+    assert sched.runner.allocator.num_free == free0 and not sched._suspects
+    _check_others_exact(target, drafter, reqs, prompts, params, ["native"] * 2, streamed, set())
+
+
+@pytest.mark.parametrize("trigger", ["arrival", "finish"])
+def test_a_fault_read_when_a_session_ends_between_steps_is_recovered_exactly(pair, trigger):
+    """A device-loop session also ends outside the batch step: at an arrival (before admitting it) and at a finished
+    row (after the step). Its in-flight step raising there is a batch step's fault like any other: recovered (every
+    row back to what it streamed, recomputed), not an error out of step() that fails every request in flight."""
+    target, drafter = pair
+    prompts = _prompts(3, 29)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 12 if trigger == "finish" else 45, 30)]
+    n = 3 if trigger == "arrival" else 2
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    free0 = sched.runner.allocator.num_free
+    reqs = [sched.add(p, sp, "dflash") for p, sp in zip(prompts[:2], params[:2])]
+    streamed, failed = _run(sched, reqs, steps=3)
+    assert sched._session is not None and failed == {} and not any(r.seq.done for r in reqs), "no session"
+    loop, armed = sched.spec.loop(), [True]
+    orig = loop.read
+
+    def read(sess) -> None:  # arrival: the read of the session's end; finish: the first read after a row's end
+        if armed[0] and (sched.waiting if trigger == "arrival" else any(s.done for s in sess.seqs)):
+            armed[0] = False
+            raise RuntimeError("device loop fault")
+        orig(sess)
+
+    loop.read = read
+    if trigger == "arrival":
+        reqs.append(sched.add(prompts[2], params[2], "dflash"))
+    streamed, failed = _run(sched, reqs, streamed)
+    assert not armed[0] and failed == {} and sched.stats.batch_faults == 1
+    assert sched.runner.allocator.num_free == free0 and not sched._suspects
+    _check_others_exact(target, drafter, reqs[:n], prompts[:n], params[:n], ["dflash"] * n, streamed, set())
+
+
+def test_an_engine_loop_stopped_while_its_session_cannot_end_frees_every_block(pair):
+    """Stopping the loop cancels what is in flight. Should the device session's end raise then, it is dropped:
+    every request's blocks and reservation still come back (a cancel that raised left its request holding them)."""
+    target, drafter = pair
+    sched = Scheduler(_runner(target, drafter), drafter)
+    free0 = sched.runner.allocator.num_free
+    loop = EngineLoop(sched, idle_wait_s=0.01)
+    dev = sched.spec.loop()
+    orig_end = dev.end
+
+    def end(sess) -> None:
+        if not loop.alive:  # stopping: the session's end raises
+            raise RuntimeError("device loop fault at shutdown")
+        orig_end(sess)
+
+    dev.end = end
+    try:
+        hs = [loop.submit(p, SamplingParams(max_tokens=200, ignore_eos=True), "dflash") for p in _prompts(2, 31)]
+        deadline = time.monotonic() + 60
+        while sched._session is None or any(h.events.empty() for h in hs):
+            assert time.monotonic() < deadline, "the batch never stepped in a device-loop session"
+            time.sleep(0.005)
+    finally:
+        loop.stop()
+    assert sched.runner.allocator.num_free == free0 and sched._reserved == 0 and sched.idle
+    assert [h.events.queue[-1].kind for h in hs] == ["error", "error"]

@@ -166,11 +166,19 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None) -> i
     return v
 
 
+def _finite(v: int | float) -> bool:
+    """Whether v is a finite float: a JSON integer too large for a float is not (math.isfinite raises on it)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _num(body: dict, name: str, default: float) -> float:
     v = body.get(name)
     if v is None:
         return float(default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
         raise _bad(name, f"must be a finite number, got {_show(v)}")
     return float(v)
 

@@ -5,8 +5,13 @@ that opens connections and sends their headers or bodies a byte at a time holds 
 uvicorn's `limit_concurrency` every other client gets 503. Here a connection has `request_timeout_s` to deliver
 each request whole (headers and body), counted from the connection's start or the end of the previous response;
 past it the connection is closed (an app already reading that body sees a disconnect). Once a request is read,
-the deadline is off: a long generation or stream is never cut by it. Past uvicorn's connection limit a request
-gets an OpenAI-style 503 (JSON, Retry-After) instead of uvicorn's plain-text one.
+the deadline is off: a long generation or stream is never cut by it. The response has the same bound the other
+way: uvicorn has no write timeout, so a client that stops reading a response larger than the socket buffers (a
+long stream) held its connection, the response's task and the output queued behind it for ever; here a connection
+whose writes stay paused (the client takes nothing) for request_timeout_s is aborted (closing would wait for the
+unread bytes to drain), and the app sees a disconnect (a stream's request is cancelled in the backend). Past
+uvicorn's connection limit a request gets an OpenAI-style 503 (JSON, Retry-After) instead of uvicorn's plain-text
+one.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ def guarded_h11(request_timeout_s: float) -> type[H11Protocol]:
     class GuardedH11(H11Protocol):
         timeouts = 0  # connections closed by the deadline, over this class's servers (read by tests and metrics)
         busy = 0  # requests answered 503 at the connection limit
+        stalls = 0  # connections aborted because the client took no bytes of a response for request_timeout_s
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -62,6 +68,7 @@ def guarded_h11(request_timeout_s: float) -> type[H11Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._deadline: asyncio.TimerHandle | None = None
+            self._stall: asyncio.TimerHandle | None = None
             super().connection_made(transport)
             self._arm()
 
@@ -77,7 +84,29 @@ def guarded_h11(request_timeout_s: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._unstall()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stall is None:  # the client has stopped taking bytes: it has request_timeout_s to resume
+                self._stall = self.loop.call_later(request_timeout_s, self._stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._unstall()
+
+        def _unstall(self) -> None:
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
+
+        def _stalled(self) -> None:
+            self._stall = None
+            type(self).stalls += 1
+            log.info("aborted a connection to %s: it took no bytes of a response for %.0f s", self.client,
+                     request_timeout_s)
+            self.transport.abort()  # (close() would wait for the unread bytes, for ever)
 
         def _arm(self) -> None:
             self._disarm()

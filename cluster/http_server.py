@@ -4,7 +4,8 @@ The listening socket is bound here, before uvicorn starts, so port 0 gets a free
 known at once; the bind rule is the gRPC API's (loopback unless allow_remote). stop() lets requests in
 flight finish for a grace period, then cancels them (each cancel reaches the backend: cluster/http_api.py),
 and joins the thread; every wait is bounded. A connection must deliver each request within request_timeout_s
-(cluster/http_guard.py), so clients that trickle bytes cannot hold uvicorn's connection limit.
+(cluster/http_guard.py), and take each response's bytes with no pause that long, so clients that trickle bytes
+or stop reading cannot hold uvicorn's connection limit.
 """
 from __future__ import annotations
 
@@ -69,6 +70,11 @@ class HttpServer:
     def requests_refused_busy(self) -> int:
         """Requests answered 503 (JSON) because the connection limit was reached."""
         return self._protocol.busy
+
+    @property
+    def responses_stalled(self) -> int:
+        """Connections aborted because the client took no bytes of a response within request_timeout_s."""
+        return self._protocol.stalls
 
     @property
     def alive(self) -> bool:

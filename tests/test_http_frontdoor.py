@@ -384,3 +384,18 @@ def test_a_server_bug_answers_500_without_its_internals(caplog):
     assert "secret" not in json.dumps(body) and "KeyError" not in json.dumps(body)
     error_id = body["error"]["message"].split("error id ")[1][:12]
     assert any(error_id in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_a_number_too_large_for_a_float_is_refused_naming_it(served):
+    """A JSON integer with hundreds of digits as temperature or top_p is the client's error: math.isfinite raised
+    OverflowError on it, and the client got a 500 (with two tracebacks in the log)."""
+    _, _, base = served
+    for name in ("temperature", "top_p"):
+        raw = b'{"prompt": [5, 6], "max_tokens": 1, "%s": %s}' % (name.encode(), b"9" * 400)
+        req = urllib.request.Request(f"{base}/v1/completions", data=raw, headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=30).close()
+            status, body = 200, {}
+        except urllib.error.HTTPError as e:
+            status, body = e.code, json.loads(e.read())
+        assert status == 400 and body["error"]["param"] == name, (name, status, body)

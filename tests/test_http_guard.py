@@ -2,7 +2,8 @@
 that trickle their headers, stop mid-body, send nothing, or trickle after a response are closed at the deadline
 and counted; a stream that outlasts the deadline once its request is read is not cut; keep-alive still serves a
 second request; and with the connection limit held by trickling clients, a new client is served once the
-deadline has passed (it got 503 for ever before). Past the limit the 503 is an OpenAI error body. Also the HTTP
+deadline has passed (it got 503 for ever before); a client that stops reading a stream is cut at the deadline
+and its request cancelled. Past the limit the 503 is an OpenAI error body. Also the HTTP
 text's stop-string search at the end of a stream.
 """
 from __future__ import annotations
@@ -189,6 +190,55 @@ def test_past_the_connection_limit_a_request_gets_an_openai_503(server):
             s.close()
     time.sleep(0.2)
     assert _one_request(server).startswith(b"HTTP/1.1 200")
+
+
+class _FloodBackend(_SlowBackend):
+    """A backend whose one request streams 4,000-token chunks (8 KB of token ids each, a millisecond apart) until it
+    is cancelled (or 3,000 chunks): far more than the socket buffers hold."""
+
+    def __init__(self) -> None:
+        super().__init__(gap_s=0.001)
+        self.cancelled = threading.Event()
+
+    def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
+        from flashpd.decode_node.engine_loop import Event
+
+        h = FakeHandle()
+
+        def feed() -> None:
+            for _ in range(3000):
+                if self.cancelled.is_set():
+                    return
+                h.events.put(Event("tokens", tokens=[7] * 4000))
+                time.sleep(self.gap_s)
+            h.events.put(Event("done", finish_reason="length", stats={"acceptance_lengths": [], "tau": None}))
+
+        threading.Thread(target=feed, daemon=True).start()
+        return h
+
+    def cancel(self, h) -> None:
+        self.cancelled.set()
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_and_its_request_cancelled():
+    """uvicorn has no write timeout: a client that stopped reading a stream held its connection (one of the limit's),
+    the stream's task and all its queued output for ever, and its request ran on in the backend. Once the client has
+    taken no bytes for the deadline, the connection is aborted and the request cancelled."""
+    be = _FloodBackend()
+    srv = HttpServer(build_app(be, None, "fake", None), max_concurrent=2, request_timeout_s=DEADLINE_S).start()
+    body = json.dumps({"prompt": [5], "max_tokens": 8, "stream": True, "return_token_ids": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        s.connect(("127.0.0.1", srv.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)  # and never reads
+        assert be.cancelled.wait(DEADLINE_S + 6.0), "the stalled stream was never cut"
+        assert srv.responses_stalled == 1
+        assert _closed_by_server(s, 5.0)
+    finally:
+        s.close()
+        srv.stop()
 
 
 def test_the_deadline_must_be_positive():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import json
 import struct
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -88,11 +89,14 @@ class KVChunk:
                    body_mac: bytes | None = None) -> "KVChunk":
         """Verify (see verify_bytes) and build the tensors. own: the caller hands over a writable buffer
         nobody else holds (a segment just taken, a stream just assembled), and the tensors are views of
-        it instead of copies: one copy of the chunk less on the import path. Otherwise (a store's own
-        bytes) the tensors are copies. body_mac: see verify_bytes."""
+        it instead of copies: one copy of the chunk less on the import path. Immutable `bytes` (a memory
+        store's entry) are aliased too, read-only: no reader writes a chunk's tensors, and a store verifies
+        an entry again at every read, so even a write through one could never be used silently. Copying them
+        cost more than the rest of a memory-store hit (a fresh buffer's page faults: docs/results.md).
+        Otherwise (a writable buffer someone else holds) the tensors are copies. body_mac: see verify_bytes."""
         h, offsets = verify_bytes(data, mac, layout, key, body_mac)
         body = memoryview(data)[:-MAC_BYTES]
-        alias = own and not body.readonly
+        alias = (own and not body.readonly) or type(data) is bytes
         dtype = DTYPES[h["dtype"]]
         tk = _tensor(body, offsets[0], h["target_shape"], dtype, alias)
         dk = _tensor(body, offsets[1], h["draft_shape"], dtype, alias) if h["draft_shape"] is not None else None
@@ -243,3 +247,7 @@ def _tensor(body: memoryview, off: int, shape: list[int], dtype: torch.dtype, al
         return torch.empty(shape, dtype=dtype)
     buf = body[off:off + nb] if alias else bytearray(body[off:off + nb])
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+# from_bytes aliases immutable bytes on purpose (see there); torch warns once that it cannot mark the tensor read-only
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)

@@ -37,14 +37,4 @@ def write_positions(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tens
                          f"at {slots.numel()} positions")
     if values.dtype != cache.dtype:
         raise ValueError(f"KV dtype {values.dtype} != cache dtype {cache.dtype}")
-    flat.index_copy_(2, slots, _to_device(values, cache.device))
-
-
-def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """values on `device`. Host K/V from pageable memory (a byte store's chunk) goes to a GPU through pinned memory:
-    torch's cached pinned blocks take a multi-threaded copy and then one DMA, where a pageable copy is staged by
-    the driver at a fraction of that rate. The pinned block is reused only once its copy has run (torch records it
-    on the stream), and the index_copy_ after it runs on the same stream."""
-    if device.type != "cuda" or values.device.type != "cpu" or values.is_pinned():
-        return values.to(device)
-    return values.pin_memory().to(device, non_blocking=True)
+    flat.index_copy_(2, slots, values.to(cache.device))

@@ -86,17 +86,18 @@ class KVChunk:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, mac: MacKey, own: bool = False,
                    layout: ChunkLayout | None = None, key: str | None = None,
-                   body_mac: bytes | None = None) -> "KVChunk":
+                   body_mac: bytes | None = None, share: bool = False) -> "KVChunk":
         """Verify (see verify_bytes) and build the tensors. own: the caller hands over a writable buffer
         nobody else holds (a segment just taken, a stream just assembled), and the tensors are views of
-        it instead of copies: one copy of the chunk less on the import path. Immutable `bytes` (a memory
-        store's entry) are aliased too, read-only: no reader writes a chunk's tensors, and a store verifies
-        an entry again at every read, so even a write through one could never be used silently. Copying them
-        cost more than the rest of a memory-store hit (a fresh buffer's page faults: docs/results.md).
-        Otherwise (a writable buffer someone else holds) the tensors are copies. body_mac: see verify_bytes."""
+        it instead of copies: one copy of the chunk less on the import path. share: `data` is immutable (a
+        memory store's entry: bytes, or a read-only view handed over to it) and the caller only reads the
+        tensors (a restore copies them into its caches): they are views of it too, read-only by that contract
+        (torch has no read-only tensors; a write would change what every other sharing reader sees). A copy
+        into a fresh buffer cost more than the rest of a memory-store hit (its page faults: docs/results.md).
+        Otherwise the tensors are copies. body_mac: see verify_bytes."""
         h, offsets = verify_bytes(data, mac, layout, key, body_mac)
         body = memoryview(data)[:-MAC_BYTES]
-        alias = (own and not body.readonly) or type(data) is bytes
+        alias = not body.readonly if own else share and body.readonly
         dtype = DTYPES[h["dtype"]]
         tk = _tensor(body, offsets[0], h["target_shape"], dtype, alias)
         dk = _tensor(body, offsets[1], h["draft_shape"], dtype, alias) if h["draft_shape"] is not None else None
@@ -249,5 +250,5 @@ def _tensor(body: memoryview, off: int, shape: list[int], dtype: torch.dtype, al
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
-# from_bytes aliases immutable bytes on purpose (see there); torch warns once that it cannot mark the tensor read-only
+# from_bytes(share=True) aliases immutable bytes on purpose; torch warns (once) that such a tensor is not read-only
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)

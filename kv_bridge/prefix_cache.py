@@ -31,7 +31,8 @@ from flashpd.kv_bridge.layout import ChunkLayout
 
 class Store(Protocol):
     """get(key, layout) returns None for a miss and raises LayoutMismatch for an entry not of `layout`.
-    An optional get_many(keys, layout) returns the leading chunks that are present and fit."""
+    An optional get_many(keys, layout) returns the leading chunks that are present and fit. An optional
+    get_shared(key, layout) is get whose tensors may be views of the store's own bytes (a restore only reads them)."""
 
     def put(self, chunk: KVChunk) -> bool: ...
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None: ...
@@ -115,11 +116,12 @@ class PrefixCache:
                                        self.chunk_tokens, fp)
         get_many = getattr(self.store, "get_many", None)  # a remote store fetches the run in one call
         fetched = get_many(keys[:n], layout) if get_many is not None and n else None
+        get = getattr(self.store, "get_shared", self.store.get)  # the chunks are only copied into the caches
         out = Fetched(len(prompt))
         for i in range(n):
             lo, hi = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
             try:  # past the fetched run, get() tells a miss (None) from a chunk that does not fit
-                chunk = fetched[i] if fetched is not None and i < len(fetched) else self.store.get(keys[i], layout)
+                chunk = fetched[i] if fetched is not None and i < len(fetched) else get(keys[i], layout)
             except (LayoutMismatch, CorruptChunk):
                 out.refused = True
                 break

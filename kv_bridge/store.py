@@ -98,9 +98,9 @@ def verify_checked(key: str, data: bytes | memoryview, mac: MacKey) -> None:
 
 
 def decode_checked(key: str, data: bytes | bytearray | memoryview, mac: MacKey, own: bool = False,
-                   layout: ChunkLayout | None = None) -> KVChunk:
-    """KVChunk.from_bytes (own, layout: see there) of bytes filed under `key`."""
-    return KVChunk.from_bytes(data, mac, own, layout, key)
+                   layout: ChunkLayout | None = None, share: bool = False) -> KVChunk:
+    """KVChunk.from_bytes (own, layout, share: see there) of bytes filed under `key`."""
+    return KVChunk.from_bytes(data, mac, own, layout, key, share=share)
 
 
 class IndexedStore:
@@ -185,12 +185,14 @@ class IndexedStore:
         with self._lock:
             return leading(keys, self._index.__contains__)
 
-    def _decode(self, key: str, data: bytes, layout: ChunkLayout | None, found: object) -> KVChunk | None:
+    def _decode(self, key: str, data: bytes, layout: ChunkLayout | None, found: object,
+                share: bool = False) -> KVChunk | None:
         """The entry's chunk; None (dropped, counted) when it no longer verifies; LayoutMismatch
         (counted, the entry kept) when it is valid but not of `layout`. found: what names the entry read, for
-        _drop_corrupt (a store drops only the very entry that failed, never one put under the key since)."""
+        _drop_corrupt (a store drops only the very entry that failed, never one put under the key since).
+        share: see get_shared."""
         try:
-            return decode_checked(key, data, self._mac, layout=layout)
+            return decode_checked(key, data, self._mac, layout=layout, share=share)
         except LayoutMismatch:
             with self._lock:
                 self._c["layout_refused"] += 1
@@ -207,6 +209,14 @@ class MemoryStore(IndexedStore):
     """LRU over whole entries by bytes; thread-safe; an entry larger than the budget is refused."""
 
     _index: ChainLRU[bytes]
+
+    # -- reads ----------------------------------------------------------------------------------
+    def get_shared(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
+        """As get, verified the same way, but the tensors are read-only views of the entry's immutable bytes, not
+        copies: for a reader that only copies them out (a prefix restore into its caches), which must never write
+        them (every sharing reader would see the write)."""
+        data = self._take(key)
+        return None if data is None else self._decode(key, data, layout, data, share=True)
 
     # -- writes ---------------------------------------------------------------------------------
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:

@@ -97,6 +97,19 @@ def test_chunks_read_from_a_store_are_copies():
     assert same(store.get("k"), c)
 
 
+def test_a_shared_read_is_a_view_of_the_entry_and_verified_as_a_get_is():
+    """get_shared (a restore's read: it only copies the tensors out) hands out views of the entry's immutable bytes,
+    not copies; get still copies (above). Both verify the entry first and count the hit."""
+    store = MemoryStore(1 << 24)
+    c = make_chunk("k", dtype=torch.float32, draft=True, seed=3)
+    store.put(c)
+    a, b = store.get_shared("k"), store.get_shared("k")
+    assert same(a, c) and same(b, c)
+    assert a.target_kv.data_ptr() == b.target_kv.data_ptr() and a.draft_kv.data_ptr() == b.draft_kv.data_ptr()
+    assert store.get("k").target_kv.data_ptr() != a.target_kv.data_ptr()
+    assert store.get_shared("missing") is None and store.stats()["hits"] == 3
+
+
 def test_lookup_and_get_stop_at_first_missing_key(bridge):
     bridge.client.put([make_chunk(k) for k in ("a", "b", "d")])
     assert bridge.client.lookup(["a", "b", "c", "d"]) == 2

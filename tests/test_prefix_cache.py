@@ -16,6 +16,7 @@ from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.kv_bridge.chunk import KVChunk
 from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys, weights_identity
 from flashpd.kv_bridge.prefix_cache import Pending, PrefixCache
+from flashpd.kv_bridge.store import MemoryStore
 from flashpd.engine.scheduler import generate
 from flashpd.engine.sequence import Sequence
 
@@ -75,6 +76,35 @@ def test_hit_gives_same_tokens_and_acceptance_as_cold(setup):
         assert a.output == b.output
         assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
     assert max(max(a.stats.acceptance_lengths) for a in cold) > 1  # the drafter accepts: parity means something
+
+
+def test_a_memory_store_hit_reads_its_entries_in_place_and_equals_cold(setup):
+    """A restore reads a memory store's chunks as views of its entries (get_shared: no copy of each chunk into fresh
+    memory, the larger part of such a hit's time on a GPU) and only copies them out: the entries stay byte for byte
+    what was published, and the hit's tokens and acceptance equal cold's."""
+    target, drafter, fp, prompts = setup
+    prompts = prompts[:3]
+
+    class Counting(MemoryStore):
+        shared = 0
+
+        def get_shared(self, key, layout=None):
+            Counting.shared += 1
+            return super().get_shared(key, layout)
+
+    store = Counting(1 << 30)
+    cold = generate(spec_gen(target, drafter), prompts, PARAMS * len(prompts), prefix_cache=PrefixCache(store, fp, CHUNK))
+    before = {k: store.get_bytes(k) for k in chunk_keys_of(prompts, fp)}
+    pc = PrefixCache(store, fp, CHUNK)
+    hit = generate(spec_gen(target, drafter), prompts, PARAMS * len(prompts), prefix_cache=pc)
+    assert Counting.shared == sum(h // CHUNK for h in pc.stats.per_request_hits) > 0
+    assert {k: store.get_bytes(k) for k in before} == before and None not in before.values()
+    for a, b in zip(cold, hit):
+        assert (a.output, a.stats.acceptance_lengths) == (b.output, b.stats.acceptance_lengths)
+
+
+def chunk_keys_of(prompts: list[list[int]], fp: str) -> list[str]:
+    return [k for p in prompts for k in chunk_keys(p, CHUNK, fp)]
 
 
 def _gen(target, drafter, fresh: bool) -> DFlashGenerator:
@@ -245,7 +275,6 @@ def test_transfer_through_a_real_grpc_bridge_equals_cold(setup, transport):
     """Prefill side publishes into the bridge over gRPC (127.0.0.1); the decode side imports from it."""
     from flashpd.kv_bridge.client import BridgeClient, RemoteStore
     from flashpd.kv_bridge.server import serve
-    from flashpd.kv_bridge.store import MemoryStore
     server, port = serve(MemoryStore(1 << 30))
     try:
         with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as prefill_side, \
@@ -294,7 +323,6 @@ def test_device_tier_evicts_whole_entries_and_its_backing_serves_them(setup):
     """A budget of 3 entries: the device tier evicts least-recently-used entries (both halves at once),
     the backing store it writes through still serves them exactly, and a served entry is promoted."""
     from flashpd.kv_bridge.device_store import DeviceStore
-    from flashpd.kv_bridge.store import MemoryStore
     target, drafter, fp, prompts = setup
     probe = DeviceStore(1 << 30, "cpu")
     generate(spec_gen(target, drafter), prompts[:1], PARAMS, prefix_cache=PrefixCache(probe, fp, CHUNK))
@@ -336,7 +364,6 @@ def test_device_tier_over_a_real_grpc_bridge_promotes_what_it_fetches(setup):
     from flashpd.kv_bridge.client import BridgeClient, RemoteStore
     from flashpd.kv_bridge.device_store import DeviceStore
     from flashpd.kv_bridge.server import serve
-    from flashpd.kv_bridge.store import MemoryStore
     target, drafter, fp, prompts = setup
     server, port = serve(MemoryStore(1 << 30))
     try:

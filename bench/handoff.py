@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             r = json.loads(proc.stdout.readline())
             times.append(r["ms"])
             exact.append(r["exact"])
-            ex.release(h.lease_id)
+            ex.release(h.lease_id, h.blocks, h.epochs)
     finally:
         proc.stdin.close()
         proc.wait(60)

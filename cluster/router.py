@@ -345,7 +345,7 @@ class Router:
         if reply is None or not reply.HasField("handoff"):
             return
         try:
-            s.client.release(reply.handoff.exporter_id, int(reply.handoff.lease_id), RELEASE_TIMEOUT_S)
+            s.client.release(reply.handoff, RELEASE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  any failure (an RPC's, a channel a restart closed: ValueError): the
             # caller's cleanup (its decode slot, the in-flight count) must still run
             what = e.code().name if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"

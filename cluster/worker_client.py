@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from typing import Sequence
 
 import grpc
 
@@ -25,6 +26,13 @@ def health_dict(r: pb.HealthReply) -> dict:
             "kv_blocks_free": r.kv_blocks_free, "kv_blocks_total": r.kv_blocks_total,
             "kv_block_size": r.kv_block_size, "vocab_size": r.vocab_size, "max_positions": r.max_positions,
             "default_block_size": r.default_block_size or None}
+
+
+def release_request(exporter_id: str, lease_id: int, blocks: Sequence[int], epochs: Sequence[int]) -> pb.ReleaseRequest:
+    """A Release naming the lease's blocks and epochs as its handoff gave them: the exporter frees a lease only for
+    exactly its own (a lease id alone let a header carrying another request's id free that lease early)."""
+    return pb.ReleaseRequest(version=PROTOCOL_VERSION, exporter_id=exporter_id, lease_id=lease_id, blocks=blocks,
+                             epochs=epochs)
 
 
 def worker_channel(address: str, token: str | None) -> grpc.Channel:
@@ -58,9 +66,10 @@ class WorkerClient:
         on failure)."""
         return self._stub.Prefill(request, timeout=timeout_s)
 
-    def release(self, exporter_id: str, lease_id: int, timeout_s: float) -> bool:
-        """Free a device-path lease this worker holds (False: unknown or expired already)."""
-        req = pb.ReleaseRequest(version=PROTOCOL_VERSION, exporter_id=exporter_id, lease_id=lease_id)
+    def release(self, handoff: pb.Handoff, timeout_s: float) -> bool:
+        """Free a device-path lease this worker holds (False: unknown or expired already, or refused: the release
+        names the handoff's blocks and epochs, and they are not exactly the lease's)."""
+        req = release_request(handoff.exporter_id, handoff.lease_id, handoff.blocks, handoff.epochs)
         return self._stub.Release(req, timeout=timeout_s).released
 
     def decode(self, request: pb.DecodeRequest, timeout_s: float):
@@ -116,7 +125,7 @@ class LeaseReleaser:
     def __call__(self, h: Handoff) -> None:
         if not h.exporter_address:
             return
-        req = pb.ReleaseRequest(version=PROTOCOL_VERSION, exporter_id=h.exporter_id, lease_id=h.lease_id)
+        req = release_request(h.exporter_id, h.lease_id, h.blocks, h.epochs)
         try:
             fut = self._stubs.get(h.exporter_address).Release.future(req, timeout=RELEASE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  a release never fails the request

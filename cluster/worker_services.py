@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import grpc
 
@@ -60,7 +60,8 @@ class PrefillHost:
         self._lock = threading.Lock()
         self._waiting_lock = threading.Lock()  # waiting changes on many threads (running only under _lock)
         self._capacity = runner.allocator.num_free
-        self._releases: list[int] = []  # leases to free at the next moment the lock is free (`release`)
+        # leases to free at the next moment the lock is free (`release`): (lease id, its blocks, their epochs)
+        self._releases: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
         self._releases_lock = threading.Lock()
         self.waiting = 0
         self.running = 0
@@ -114,16 +115,18 @@ class PrefillHost:
         good, so nothing runs on it (or on the clients it uses) any more. False: a prefill still runs."""
         return self._lock.acquire(timeout=timeout_s)
 
-    def release(self, exporter_id: str, lease_id: int) -> bool:
+    def release(self, exporter_id: str, lease_id: int, blocks: Sequence[int], epochs: Sequence[int]) -> bool:
         """Free a device-path lease (the decode worker is done with it). The allocator is not thread-safe, so
         the blocks are freed under the runner's lock: now if it is free, else by the prefill holding it, as it
         ends. The call never waits for a running prefill (a Release RPC would hold a server thread that long,
-        and enough of them would starve Prefill and Health). True: the lease was live and will be freed."""
+        and enough of them would starve Prefill and Health). True: the lease was live, held exactly `blocks` at
+        `epochs` (the handoff's), and will be freed; a release naming other blocks is refused, the lease untouched
+        (a header carrying another request's lease id must not free that lease)."""
         ex = self.worker.exporter
-        if ex is None or exporter_id != ex.exporter_id or not ex.holds(lease_id):
+        if ex is None or exporter_id != ex.exporter_id or not ex.admits_release(lease_id, blocks, epochs):
             return False
         with self._releases_lock:
-            self._releases.append(lease_id)
+            self._releases.append((lease_id, tuple(blocks), tuple(epochs)))
         self._free_released_if_idle()
         return True
 
@@ -146,11 +149,11 @@ class PrefillHost:
     def _free_released(self) -> int:
         """Under the lock: free every lease `release` queued (one expired meanwhile is already free)."""
         with self._releases_lock:
-            ids, self._releases = self._releases, []
+            queued, self._releases = self._releases, []
         freed = 0
-        for i in ids:
+        for i, blocks, epochs in queued:
             try:
-                freed += bool(self.worker.release(i))
+                freed += bool(self.worker.release(i, blocks, epochs))
             except Exception:  # noqa: BLE001  its caller must still let the lock go (else the worker stops for good)
                 log.exception("freeing lease %d failed; it expires at its deadline", i)
         return freed
@@ -223,7 +226,7 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
                                               blob=h.blob, lease_id=h.lease_id, blocks=h.blocks, epochs=h.epochs,
                                               num_tokens=h.num_tokens, prompt_digest=h.prompt_digest))
             if res.finish_reason or not context.is_active():  # nobody will import it: free it now
-                self.host.release(h.exporter_id, h.lease_id)
+                self.host.release(h.exporter_id, h.lease_id, h.blocks, h.epochs)
                 reply.ClearField("handoff")
         return reply
 
@@ -231,8 +234,9 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
         if request.version != PROTOCOL_VERSION:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
-        return pb.ReleaseReply(version=PROTOCOL_VERSION,
-                               released=self.host.release(request.exporter_id, int(request.lease_id)))
+        released = self.host.release(request.exporter_id, int(request.lease_id), list(request.blocks),
+                                     list(request.epochs))
+        return pb.ReleaseReply(version=PROTOCOL_VERSION, released=released)
 
 
 class DecodeWorkerServicer(GenerationServicer, pb_grpc.DecodeWorkerServicer):

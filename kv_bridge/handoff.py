@@ -24,7 +24,9 @@ prompt is recomputed).
 
 Another request's blocks: the exporter also shares which lease holds each block, and the importer copies only
 blocks of the handoff's own lease (a header naming another lease's blocks would import another prompt's KV as
-this one's; the dist path's exporter refuses such a send the same way).
+this one's; the dist path's exporter refuses such a send the same way). A release names the lease's blocks and
+epochs too, and frees the lease only if they are exactly its own: a header carrying another request's lease id
+would otherwise free that lease early (its request then recomputes its prompt).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -175,7 +177,7 @@ class CacheExporter:
         self._leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self.stats = dict(leases=0, released=0, expired=0, unknown_releases=0)
+        self.stats = dict(leases=0, released=0, expired=0, unknown_releases=0, refused_releases=0)
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
@@ -187,7 +189,7 @@ class CacheExporter:
             self.busy[0] = 0
 
     def lease(self, blocks: list[int], num_tokens: int, release, digest: bytes = b"") -> Handoff:
-        """Hold `blocks` for an importer until release(lease_id) or the deadline; `release()` frees them.
+        """Hold `blocks` for an importer until its release (naming them) or the deadline; `release()` frees them.
         digest: prompt_digest() of the prompt they hold, which the importer compares with its request's."""
         with self._lock:
             lid = next(self._ids)
@@ -220,15 +222,32 @@ class CacheExporter:
         if any(own[b] != e for b, e in zip(blocks, epochs)):
             raise HandoffError(f"request's epochs are not those of lease {lease_id}'s blocks")
 
-    def release(self, lease_id: int) -> bool:
-        """The importer is done (or gave up): free the lease's blocks. False for an unknown or expired lease."""
+    def release(self, lease_id: int, blocks: Sequence[int], epochs: Sequence[int]) -> bool:
+        """The importer is done (or gave up): free the lease's blocks. False for an unknown or expired lease, and
+        for a release naming other blocks or epochs than the lease's own (`admits_release`), which leaves it live."""
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
-                self.stats["unknown_releases"] += 1
+            if not self._admits(lease_id, blocks, epochs):
                 return False
-            self._free(lease)
+            self._free(self._leases.pop(lease_id))
             self.stats["released"] += 1
+        return True
+
+    def admits_release(self, lease_id: int, blocks: Sequence[int], epochs: Sequence[int]) -> bool:
+        """Whether release(lease_id, blocks, epochs) would free a live lease now, counted as `release` counts a
+        refusal: for a caller that queues its releases (PrefillHost) and so never makes a refused one."""
+        with self._lock:
+            return self._admits(lease_id, blocks, epochs)
+
+    def _admits(self, lease_id: int, blocks: Sequence[int], epochs: Sequence[int]) -> bool:
+        """Under the lock: the lease is live and holds exactly `blocks` at `epochs`, as its handoff named them. A
+        handoff header names any lease id it likes: one carrying another request's id would free that lease early."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            self.stats["unknown_releases"] += 1
+            return False
+        if [int(b) for b in blocks] != lease.blocks or [int(e) for e in epochs] != lease.epochs:
+            self.stats["refused_releases"] += 1
+            return False
         return True
 
     def expire(self, now: float | None = None) -> int:

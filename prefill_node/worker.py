@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 from flashpd.engine.drafter import DFlashDrafter
 from flashpd.engine.kv_cache import OutOfBlocks
@@ -77,6 +78,7 @@ class PrefillWorker:
         return PrefillResult(seq.output[0], seq.finish_reason, published, cached, (time.perf_counter() - t0) * 1e3,
                              handoff)
 
-    def release(self, lease_id: int) -> bool:
-        """The decode worker is done with a lease: free its blocks (False: unknown or expired already)."""
-        return self.exporter.release(lease_id) if self.exporter is not None else False
+    def release(self, lease_id: int, blocks: Sequence[int], epochs: Sequence[int]) -> bool:
+        """The decode worker is done with a lease: free its blocks (False: unknown or expired already, or refused:
+        not exactly the lease's blocks and epochs, as its handoff named them)."""
+        return self.exporter.release(lease_id, blocks, epochs) if self.exporter is not None else False

@@ -294,7 +294,8 @@ def _fake_host(prefill, release=None, holds=None, held: int = 0) -> PrefillHost:
                              allocator=SimpleNamespace(num_free=4), kv_block_size=16)
     if release is None:
         return PrefillHost(SimpleNamespace(prefill=prefill), runner, None)
-    exporter = SimpleNamespace(exporter_id="ex-a", holds=holds, held=held, expire=lambda: 0)
+    exporter = SimpleNamespace(exporter_id="ex-a", admits_release=lambda i, blocks, epochs: holds(i), held=held,
+                               expire=lambda: 0)
     return PrefillHost(SimpleNamespace(prefill=prefill, release=release, exporter=exporter), runner, None)
 
 
@@ -345,7 +346,7 @@ def test_a_lease_release_never_waits_for_a_running_prefill():
         go.wait(10)
         return "result"
 
-    def release(lease_id):
+    def release(lease_id, blocks, epochs):
         freed.append((lease_id, host._lock.locked()))
         live.discard(lease_id)
         return True
@@ -355,17 +356,18 @@ def test_a_lease_release_never_waits_for_a_running_prefill():
     busy.start()
     wait_until(lambda: host.running == 1, "the prefill to run", timeout_s=5)
     answers: list[bool] = []
-    caller = threading.Thread(target=lambda: answers.append(host.release("ex-a", 7)))
+    caller = threading.Thread(target=lambda: answers.append(host.release("ex-a", 7, (1,), (0,))))
     caller.start()
     caller.join(1.0)
     assert not caller.is_alive() and answers == [True], "Release waited for the running prefill"
-    assert host.release("ex-a", 99) is False and host.release("ex-b", 8) is False
+    assert host.release("ex-a", 99, (1,), (0,)) is False and host.release("ex-b", 8, (1,), (0,)) is False
     assert freed == []  # not while the prefill holds the runner
     go.set()
     busy.join(5)
     assert freed == [(7, True)]
-    assert host.release("ex-a", 8) is True and freed == [(7, True), (8, True)]  # idle: freed before it returns
-    assert host.release("ex-a", 8) is False and len(freed) == 2
+    assert host.release("ex-a", 8, (1,), (0,)) is True
+    assert freed == [(7, True), (8, True)]  # idle: freed before it returns
+    assert host.release("ex-a", 8, (1,), (0,)) is False and len(freed) == 2
 
 
 # ---- mode "local": router + bridge, prefill and decode worker processes ---------------------------
@@ -446,14 +448,14 @@ def test_a_lease_whose_freeing_fails_does_not_keep_the_runner_locked(caplog):
         go.wait(10)
         return "result"
 
-    def release(lease_id):
+    def release(lease_id, blocks, epochs):
         raise RuntimeError("allocator says no")
 
     host = _fake_host(prefill, release, holds=lambda i: True, held=1)
     busy = threading.Thread(target=host.prefill, args=([1], SamplingParams(), 10.0))
     busy.start()
     wait_until(lambda: host.running == 1, "the prefill to run", timeout_s=5)
-    assert host.release("ex-a", 7) is True
+    assert host.release("ex-a", 7, (1,), (0,)) is True
     with caplog.at_level("ERROR", logger="flashpd.cluster.worker_services"):
         go.set()
         busy.join(5)

@@ -91,7 +91,7 @@ def link(pair):
 
         def release(h) -> None:  # what LeaseReleaser's RPC does at the prefill worker
             got.released.append(h.lease_id)
-            pw.release(h.lease_id)
+            pw.release(h.lease_id, h.blocks, h.epochs)
 
         sched.handoff = HandoffImport(imp, release)
         got.closers = [dx.gate.set, sched.close, imp.close, control.close, dx.close, lambda: server.stop(0)]
@@ -260,7 +260,7 @@ def test_a_lease_of_another_prompt_is_refused_before_any_transfer(pair, link):
     mine = _prompts(1, 61)[0]
     theirs = list(reversed(mine))  # same length, another prompt
     res, own = ln.prefill(theirs, sp), ln.prefill(mine, sp)
-    ln.pw.release(own.handoff.lease_id)  # only its first token is used
+    ln.pw.release(own.handoff.lease_id, own.handoff.blocks, own.handoff.epochs)  # only its first token is used
     r = sched.add(mine, sp, "dflash", first_token=own.first_token, handoff=res.handoff)
     _drain(sched)
     assert ln.dx.stats["sends"] == 0 and ln.imp.stats["pairs_opened"] == 0

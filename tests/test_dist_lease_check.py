@@ -68,7 +68,7 @@ def test_a_request_for_another_leases_blocks_is_refused_and_nothing_is_sent(expo
     ha = ex.lease([1, 2], 8, lambda: None)  # request A's prompt
     hb = ex.lease([5], 4, lambda: None)  # request B's: its importer names A's blocks under B's lease
     gone = ex.lease([6], 4, lambda: None)
-    ex.release(gone.lease_id)
+    ex.release(gone.lease_id, gone.blocks, gone.epochs)
     epochs_before = ex.epochs.clone()
     forged = [
         (hb.lease_id, ha.blocks, ha.epochs, "does not hold"),  # all of another lease's blocks

@@ -68,15 +68,23 @@ def _exporter(secret_hex: str, conn) -> None:
 
     server, port = new_server("127.0.0.1", 0, False, 8, {"PrefillWorker": Servicer()})
     ex.address = f"127.0.0.1:{port}"
+    given = {}  # lease id -> its handoff: a release names the lease's blocks and epochs too
+
+    def release(lease_id: int) -> bool:
+        h = given[lease_id]
+        return ex.release(lease_id, h.blocks, h.epochs)
+
     conn.send("ready")
     while True:
         cmd, arg = conn.recv()
         if cmd == "lease":
-            conn.send(ex.lease(arg, len(arg) * TARGET[3], lambda: None))
+            h = ex.lease(arg, len(arg) * TARGET[3], lambda: None)
+            given[h.lease_id] = h
+            conn.send(h)
         elif cmd == "release":
-            conn.send(ex.release(arg))
+            conn.send(release(arg))
         elif cmd == "free_during_gather":
-            dx.after_gather = ex.release
+            dx.after_gather = release
             conn.send(True)
         elif cmd == "stall":
             dx.before_send = lambda tag, s=arg: time.sleep(s)

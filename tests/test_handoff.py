@@ -63,6 +63,11 @@ def _prefill_side(target, drafter, lease_s: float = 10.0, blocks: int = 256) -> 
     return worker
 
 
+def _release(pw: PrefillWorker, h: Handoff) -> bool:
+    """What a decode worker's Release does at the prefill worker: names the lease's blocks and epochs too."""
+    return pw.release(h.lease_id, h.blocks, h.epochs)
+
+
 def _decode_side(target, drafter, secret: ClusterSecret = SECRET, fingerprint: str = "fp"):
     sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
     released: list[int] = []
@@ -95,16 +100,17 @@ def test_handoff_equals_a_cold_colocated_run_and_frees_the_prefill_blocks(pair, 
     sched, released = _decode_side(target, drafter)
     prompts = _prompts(4, 1)
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
-    reqs = []
+    reqs, handoffs = [], {}
     for p in prompts:
         res = pw.prefill(p, sp)
         assert res.handoff is not None and res.published_chunks == 0
+        handoffs[res.handoff.lease_id] = res.handoff
         reqs.append(sched.add(p, sp, method, first_token=res.first_token, handoff=res.handoff))
     assert pw.gen.runner.allocator.num_free < free0  # held under the leases
     _drain(sched)
     assert sched.stats.handoff_imports == 4 and not sched.handoff.fallbacks
     for lid in released:
-        assert pw.release(lid)
+        assert _release(pw, handoffs[lid])
     assert pw.gen.runner.allocator.num_free == free0 and pw.exporter.held == 0
     for r, p in zip(reqs, prompts):
         out, acc = _cold(target, drafter, p, sp, method)
@@ -150,7 +156,7 @@ def test_blocks_freed_before_the_import_are_a_counted_fallback_with_exact_output
     sched, _ = _decode_side(target, drafter)
     p, sp = _prompts(1, 2)[0], SamplingParams(max_tokens=30, ignore_eos=True)
     res = pw.prefill(p, sp)
-    assert pw.release(res.handoff.lease_id)  # the lease ends (say, its deadline) before the decode side copies
+    assert _release(pw, res.handoff)  # the lease ends (say, its deadline) before the decode side copies
     pw.prefill(_prompts(1, 3)[0], sp)  # and another prompt reuses its blocks
     r = _run_one(sched, p, sp, res.first_token, res.handoff)
     assert sched.stats.handoff_imports == 0 and sum(sched.handoff.fallbacks.values()) == 1
@@ -192,11 +198,36 @@ def test_a_handoff_naming_another_leases_blocks_is_refused(pair):
     r = _run_one(sched, a, sp, res_a.first_token, forged)
     assert sched.stats.handoff_imports == 0 and "does not hold" in next(iter(sched.handoff.fallbacks))
     assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, a, sp, "dflash")
-    assert pw.release(res_a.handoff.lease_id) is True  # what the decode worker's release did
+    assert _release(pw, forged) is False  # what the decode worker's release did: A's lease names other blocks
+    assert _release(pw, res_a.handoff) is True
     r = _run_one(sched, b, sp, res_b.first_token, res_b.handoff)  # B's lease still imports
     assert sched.stats.handoff_imports == 1
     assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, b, sp, "dflash")
     assert released == [res_a.handoff.lease_id, res_b.handoff.lease_id]
+
+
+def test_a_release_naming_other_blocks_leaves_the_lease_live(pair):
+    """A release names the lease's blocks and epochs as its handoff gave them, and frees the lease only if they are
+    exactly its own: a header carrying lease A's id (with B's blocks, or a subset of A's) freed A before, and A's
+    request then recomputed its prompt. Refused and counted; A still imports exactly; A's own release frees it."""
+    target, drafter = pair
+    pw = _prefill_side(target, drafter)
+    ex, free0 = pw.exporter, pw.gen.runner.allocator.num_free
+    sched, _ = _decode_side(target, drafter)
+    a, b = _prompts(2, 11)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    res_a, res_b = pw.prefill(a, sp), pw.prefill(b, sp)
+    ha, hb = res_a.handoff, res_b.handoff
+    assert len(ha.blocks) > 1
+    for blocks, epochs in ((hb.blocks, hb.epochs), (ha.blocks[:1], ha.epochs[:1]),
+                           (ha.blocks, tuple(e + 1 for e in ha.epochs))):
+        assert pw.release(ha.lease_id, blocks, epochs) is False
+    assert ex.stats["refused_releases"] == 3 and ex.holds(ha.lease_id) and ex.holds(hb.lease_id)
+    r = _run_one(sched, a, sp, res_a.first_token, ha)
+    assert sched.stats.handoff_imports == 1 and not sched.handoff.fallbacks
+    assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, a, sp, "dflash")
+    assert _release(pw, ha) is True and _release(pw, hb) is True
+    assert ex.held == 0 and ex.stats["released"] == 2 and pw.gen.runner.allocator.num_free == free0
 
 
 def test_fallback_reasons_stay_bounded_however_many_leases_are_refused(pair):
@@ -237,7 +268,7 @@ def test_a_forged_seal_or_other_geometry_is_refused_and_recomputed(pair):
         r = _run_one(sched, p, sp, res.first_token, res.handoff)
         assert sum(sched.handoff.fallbacks.values()) == 1, name
         assert (r.seq.output, r.seq.stats.acceptance_lengths) == want, name
-        pw.release(res.handoff.lease_id)
+        _release(pw, res.handoff)
     # a blob altered after sealing
     sched, _ = _decode_side(target, drafter)
     res = pw.prefill(p, sp)
@@ -260,7 +291,7 @@ def test_a_blob_under_another_exporters_id_is_refused_and_recomputed(pair):
     res = pa.prefill(p1, sp)
     r = _run_one(sched, p1, sp, res.first_token, res.handoff)  # maps A's caches under A's id
     assert sched.stats.handoff_imports == 1 and r.seq.output == _cold(target, drafter, p1, sp, "dflash")[0]
-    pa.release(res.handoff.lease_id)
+    _release(pa, res.handoff)
     want = _cold(target, drafter, p2, sp, "dflash")
     for fake_id in (pa.exporter.exporter_id, "0" * 32):
         res = pb.prefill(p2, sp)
@@ -269,7 +300,7 @@ def test_a_blob_under_another_exporters_id_is_refused_and_recomputed(pair):
         r = _run_one(sched, p2, sp, res.first_token, forged)
         assert sum(sched.handoff.fallbacks.values()) == n + 1, fake_id
         assert (r.seq.output, r.seq.stats.acceptance_lengths) == want, fake_id
-        pb.release(res.handoff.lease_id)
+        _release(pb, res.handoff)
     assert sched.stats.handoff_imports == 1
     assert any("sealed" in k for k in sched.handoff.fallbacks), sched.handoff.fallbacks
 
@@ -286,7 +317,7 @@ def test_leases_expire_at_their_deadline(pair):
     time.sleep(0.25)
     assert pw.exporter.expire() == 3
     assert pw.exporter.held == 0 and pw.gen.runner.allocator.num_free == free0
-    assert not pw.release(1)  # a late release of an expired lease is refused
+    assert not pw.release(1, [], [])  # a late release of an expired lease is refused
 
 
 _CHILD = r'''

@@ -134,7 +134,7 @@ def test_an_importer_drops_an_exporter_that_came_back_under_a_new_id(dflash_pair
     from flashpd.engine.drafter import load_drafter
     from flashpd.engine.loader import load_target
     from flashpd.engine.sampling import SamplingParams
-    from tests.test_handoff import _cold, _decode_side, _drain, _prefill_side
+    from tests.test_handoff import _cold, _decode_side, _drain, _prefill_side, _release
 
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
@@ -152,7 +152,7 @@ def test_an_importer_drops_an_exporter_that_came_back_under_a_new_id(dflash_pair
         assert (r.seq.output, r.seq.stats.acceptance_lengths) == want
         assert sched.stats.handoff_imports == i + 1 and not sched.handoff.fallbacks
         assert importer.stats["mapped_exporters"] == (1 if i < 3 else 2), "an old exporter's caches stay mapped"
-        assert pw.release(released[-1])
+        assert released[-1] == res.handoff.lease_id and _release(pw, res.handoff)
 
 
 def test_the_engine_loop_frees_the_lease_of_a_request_it_never_schedules(dflash_pair):  # noqa: F811
@@ -205,7 +205,7 @@ def test_a_prefill_needs_room_for_its_prompt_not_its_output(dflash_pair):  # noq
     with pytest.raises(OutOfBlocks):
         pw.prefill(_prompt(6, 16 * (free0 - 7) + 1), SamplingParams(max_tokens=1))
     assert alloc.num_free == free0 - 7
-    assert pw.release(res.handoff.lease_id) and alloc.num_free == free0
+    assert pw.release(res.handoff.lease_id, res.handoff.blocks, res.handoff.epochs) and alloc.num_free == free0
 
 
 def test_prefill_stubs_keep_a_bounded_number_of_channels():

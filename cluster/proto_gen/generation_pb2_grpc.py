@@ -244,7 +244,8 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """The decode worker is done with a handoff's lease (imported, or gave up): its blocks are freed.
+        """The decode worker is done with a handoff's lease (imported, or gave up): its blocks are freed, if the
+        request names exactly the lease's blocks and epochs (else refused: released false, the lease untouched).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,8 +1,8 @@
 """A worker's hot tier: cache entries kept as tensors on the KV cache's own device.
 
 Every other store serialises a chunk (bytes + keyed MAC) and a hit copies it back through the
-host: on a GPU that path restored a long Qwen3-8B-shaped prefix slower than recomputing it
-(docs/results.md). Here a hit is a device-to-device copy into the paged
+host: on a GPU that path restores a long Qwen3-8B-shaped prefix many times slower than this one, and through
+shared memory or gRPC slower than recomputing it (docs/results.md). Here a hit is a device-to-device copy into the paged
 caches. Entries are whole (target and drafter halves together), evicted least-recently-used under a
 byte budget; a `backing` store (memory, disk, a remote bridge) receives every put and serves what
 this tier evicted, promoting it back.

@@ -1,8 +1,7 @@
 """A worker's host tier: cache entries kept as tensors in pinned host memory, restored at PCIe speed.
 
-Why not the MemoryStore: it keeps serialised bytes, so a hit pays a MAC over the whole chunk, a
-parse and several single-threaded host copies before the data even starts towards the GPU, and
-restoring a long prefix from it is slower than recomputing it. Here an entry is the chunk's two
+Why not the MemoryStore: it keeps serialised bytes, so a hit pays a MAC over the whole chunk and a
+pageable host-to-device copy, several times this tier's restore (docs/results.md). Here an entry is the chunk's two
 tensors in a slot of a pinned arena: a put is one asynchronous device-to-host DMA on a side
 stream, a hit is one asynchronous host-to-device DMA per chunk on the reader's stream, and the
 PrefixCache then writes that device copy into the paged caches.

@@ -255,8 +255,12 @@ class DistExporter:
 
     def _join(self, nonce: bytes, pair: _ExportPair, store) -> None:
         try:
-            pair.group = PairGroup(store, 0, self.target.device, self.host, self.timeout_s)
-            self.stats["pairs_opened"] += 1
+            group = PairGroup(store, 0, self.target.device, self.host, self.timeout_s)
+            with self._lock:  # one decision with _drop's: a pair dropped while its group formed closes it here
+                pair.group, dropped = group, pair.broken
+                self.stats["pairs_opened"] += 1
+            if dropped:  # _drop's close found no group yet: it would leak (a process group, its store client)
+                group.close()
         except Exception as e:  # noqa: BLE001  nobody (or a stranger) joined in time: the pair goes
             log.warning("dist pair with importer %s not formed: %s", pair.importer_id, e)
             with self._lock:

@@ -6,6 +6,7 @@ stays as it was."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -103,3 +104,32 @@ def test_a_lease_past_its_deadline_is_refused(exporter):
     with pytest.raises(HandoffError, match="past its deadline"):
         _send(e, h.lease_id, h.blocks, h.epochs, 1)
     assert e["pair"].group.sent == [] and e["ex"].held == 1
+
+
+def test_a_pair_dropped_while_its_group_forms_closes_the_group(exporter, monkeypatch):
+    """An importer's new pair replaces its old one while the old one's group is still forming: the drop finds no group
+    to close, so the group, once formed, must close itself (it leaked: a process group and its store client)."""
+    e = exporter
+    gate, made = threading.Event(), []
+
+    class _Forming(_Pair):
+        def __init__(self, *args) -> None:  # noqa: ARG002
+            super().__init__()
+            self.closed = False
+            made.append(self)
+            assert gate.wait(10)
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(dt, "PairGroup", _Forming)
+    dx, ex_id = e["dx"], e["ex"].exporter_id
+    first, second = b"a" * 16, b"b" * 16
+    for nonce in (first, second):  # the second replaces the first (same importer): the first is dropped
+        dx.open_pair(ex_id, "imp-2", nonce, seal(e["mac"], "open", ex_id, "imp-2", nonce))
+    gate.set()
+    assert dx._pairs[second].ready.wait(10)
+    deadline = time.monotonic() + 5
+    while not (len(made) == 2 and made[0].closed) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the first pair's join thread ends on its own
+    assert len(made) == 2 and made[0].closed and not made[1].closed

@@ -17,8 +17,9 @@ talks to it over a private socket pair (no address: nothing else can reach it, s
 A reader thread here puts each event into its request's `Handle` queue, so the front ends see the handles they
 see in-process (coalescing included). Refusals come back as the exceptions the scheduler raised (PromptTooLong,
 ValueError); an exception that does not survive a pickle round trip comes back as a RuntimeError naming it. The
-child exits when its pipe closes (this process gone); when the child dies, every request in flight ends with an
-"error" event (EngineStopped), new submissions are refused, and `alive` turns false.
+child exits when its pipe closes (this process gone) or its engine loop dies, and ignores SIGINT (a terminal's
+Ctrl-C reaches the whole process group; the front end stops it); when the child dies, every request in flight
+ends with an "error" event (EngineStopped), new submissions are refused, and `alive` turns false.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import argparse
 import itertools
 import logging
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -52,6 +54,7 @@ STATS_TIMEOUT_S = 5.0  # a stats round trip (health, metrics) waits at most this
 # stuck step); a submit then waits for room at most its own timeout and fails, instead of blocking its thread (and
 # every other sender, cancels and health reads included) for as long as the engine is stuck
 OUTBOX_MAX_BYTES = 64 << 20
+LOOP_CHECK_S = 1.0  # how often the idle engine process checks that its engine loop still runs
 
 
 def _portable(e: BaseException | None) -> BaseException | None:
@@ -120,14 +123,27 @@ class _Child:
             self.ended.append(rid)
         self.send(("taken", rid, _portable(e)))
 
-    def serve(self) -> None:
-        """Commands until "stop" or the pipe closes."""
-        loop = self.worker.loop
+    def _next(self) -> tuple | None:
+        """The next command; None once the pipe closed, or once the engine loop died (a failed step whose requests
+        could not even be failed): this process then exits, and the front end sees its engine gone, not alive and
+        refusing every request."""
         while True:
             try:
-                msg = self.conn.recv()
+                if self.conn.poll(LOOP_CHECK_S):
+                    return self.conn.recv()
             except (EOFError, OSError):
                 log.warning("the front end is gone: stopping the engine")
+                return None
+            if not self.worker.loop.alive:
+                log.error("the engine loop stopped: ending the engine process")
+                return None
+
+    def serve(self) -> None:
+        """Commands until "stop", the pipe closes or the engine loop dies."""
+        loop = self.worker.loop
+        while True:
+            msg = self._next()
+            if msg is None:
                 return
             self._drop_ended()
             op = msg[0]
@@ -149,7 +165,7 @@ class _Child:
                     st = self.worker.stats()
                     st["tracked_requests"] = len(self.handles)  # requests this side still names (0 when idle)
                     if self.worker.cache is not None:
-                        st["import_failures_by_reason"] = dict(self.worker.cache.import_failures)
+                        st["import_failures_by_reason"] = self.worker.failure_reasons()
                         store = self.worker.cache.cache.store
                         if type(store).__name__ == "DeviceStore":  # the device tier's metrics, served by the parent
                             st["device_store"] = store.stats()
@@ -287,7 +303,7 @@ class EngineProcess:
         end = time.monotonic() + timeout_s
         try:
             self._send(("submit", rid, h.prompt, params, method, draft_width, first_token), wait_s=timeout_s)
-        except (EngineStopped, TimeoutError):
+        except BaseException:  # not queued (stopped, no room in time, does not pickle): nothing of it stays named
             with self._lock:
                 self._taken.pop(rid, None)
                 self._live.pop(rid, None)
@@ -426,10 +442,7 @@ class EngineProcess:
                 if msg[0] == "events":
                     self._deliver(msg[1])
                 elif msg[0] == "taken":
-                    with self._lock:
-                        fut = self._taken.pop(msg[1], None)
-                    if fut is not None:
-                        fut.set_exception(msg[2]) if msg[2] is not None else fut.set_result(None)
+                    self._on_taken(msg[1], msg[2])
                 elif msg[0] == "stats":
                     with self._lock:
                         fut = self._asks.pop(msg[1], None)
@@ -441,6 +454,16 @@ class EngineProcess:
             log.exception("engine reader failed")
         finally:
             self._gone()
+
+    def _on_taken(self, rid: int, refusal: BaseException | None) -> None:
+        """The engine took the request, or refused it. A refused request gets no events, so it is no longer live
+        here whether or not its submitter still waits (one that timed out does not, and would leave it named)."""
+        with self._lock:
+            fut = self._taken.pop(rid, None)
+            if refusal is not None:
+                self._live.pop(rid, None)
+        if fut is not None:
+            fut.set_exception(refusal) if refusal is not None else fut.set_result(None)
 
     def _deliver(self, events: list[tuple]) -> None:
         for rid, kind, tokens, finish_reason, stats, error in events:
@@ -481,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", type=int, default=logging.INFO)
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    # the front end alone stops this process (its pipe, "stop", a kill on a failed start): a Ctrl-C at a terminal
+    # reaches the whole process group, and must not end the requests the front end lets finish in its grace
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine_main(Connection(a.fd))
     return 0
 

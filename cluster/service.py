@@ -173,8 +173,8 @@ class _EngineStats:
         self.stats = engine.stats
         self.cache = self if has_cache else None
 
-    @property
-    def import_failures(self) -> dict:
+    def failure_reasons(self) -> dict[str, int]:
+        """As DecodeWorker.failure_reasons: the engine's bridge imports that failed and were recomputed, by reason."""
         return self.stats().get("import_failures_by_reason", {})
 
 

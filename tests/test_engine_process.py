@@ -410,3 +410,93 @@ def test_a_stuck_engine_never_blocks_a_sender(monkeypatch):
         t0 = time.monotonic()
         svc.stop()
         assert time.monotonic() - t0 < 20
+
+
+def test_a_submit_that_timed_out_and_was_then_refused_leaves_nothing_named(split):
+    """A submit that gives up while the engine is busy (here stopped) is refused once the engine reads it: nothing
+    waits for it any more, and the refusal still drops it from the requests in flight (it stayed there for ever,
+    holding its prompt)."""
+    from flashpd.engine.sampling import SamplingParams  # noqa: PLC0415
+
+    svc, client = split
+    be = svc.backend
+    h = client.health()
+    too_long = [5] * (h["kv_blocks_total"] * h["kv_block_size"] + 16)  # the scheduler refuses it
+    os.kill(be.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):
+            be.submit(too_long, SamplingParams(max_tokens=4), timeout_s=0.3)
+    finally:
+        os.kill(be.pid, signal.SIGCONT)
+    t0 = time.monotonic()
+    while be._taken:  # the refusal came back
+        assert time.monotonic() < t0 + WAIT_S
+        time.sleep(0.05)
+    _idle(client)
+    assert not be._live and be.stats()["tracked_requests"] == 0
+
+
+def test_a_ctrl_c_at_the_terminal_does_not_end_the_engines_requests():
+    """SIGINT reaches the engine process with the rest of the terminal's process group; the front end alone stops
+    it, so a stream in flight goes on to its end (it ended with UNAVAILABLE, the engine gone under the front end)."""
+    svc = start_service(_cfg(engine_process=True))
+    client = GenerationClient(svc.address, timeout_s=60.0)
+    try:
+        it = client.generate(PROMPTS[2], max_tokens=200, method="native", ignore_eos=True)
+        toks = list(next(it).token_ids)
+        os.kill(svc.backend.pid, signal.SIGINT)
+        for ch in it:
+            toks.extend(ch.token_ids)
+        assert len(toks) == 200 and svc.alive
+        assert len(client.generate_once(PROMPTS[0], max_tokens=4, method="native", ignore_eos=True).token_ids) == 4
+    finally:
+        client.close()
+        svc.stop()
+
+
+def test_an_engine_process_whose_loop_died_exits():
+    """The child's engine loop can die (a step failed, and failing its requests failed too) while the process and
+    its pipe live on. The child then leaves its command loop (and so exits), as a dead in-process loop turns the
+    service not alive; it went on reading commands, refusing every request while it looked alive."""
+    import multiprocessing  # noqa: PLC0415
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from flashpd.cluster.engine_proc import _Child  # noqa: PLC0415
+    from flashpd.decode_node.engine_loop import EngineLoop  # noqa: PLC0415
+    from flashpd.decode_node.scheduler import Scheduler  # noqa: PLC0415
+    from flashpd.engine.factory import load_engine  # noqa: PLC0415
+    from flashpd.engine.sampling import SamplingParams  # noqa: PLC0415
+
+    llm = load_engine(str(DEMO / "target"), None, device="cpu", dtype="float32", kv_cache_tokens=1024)
+    sched = Scheduler(llm.runner, None, tuple(llm.stop_ids))
+
+    def broken(*_a, **_k):
+        raise RuntimeError("device lost")
+
+    sched.step, sched.abort_all = broken, broken
+    here, there = multiprocessing.Pipe()
+    child = _Child(there)
+    child.worker = SimpleNamespace(loop=EngineLoop(sched, sink=child.sink))
+    served = threading.Thread(target=child.serve, daemon=True)
+    served.start()
+    here.send(("submit", 1, PROMPTS[0], SamplingParams(max_tokens=4), "native", None, None))
+    served.join(10)
+    assert not child.worker.loop.alive
+    assert not served.is_alive(), "the engine process still serves commands with a dead engine loop"
+    here.close()
+
+
+def test_the_recompute_fallbacks_family_is_read_from_the_engine_process(caplog):
+    """With a prefix cache, the served metrics read the engine's import failures by reason through the engine
+    process's stats; every scrape failed there (what decode_metrics calls was missing), logged its traceback and
+    left the family empty."""
+    import logging  # noqa: PLC0415
+
+    svc = start_service(_cfg(engine_process=True, device_cache_bytes=16 << 20))
+    try:
+        with caplog.at_level(logging.ERROR, logger="flashpd.cluster.metrics"):
+            text = svc.metrics.exposition()
+        assert "flashpd_recompute_fallbacks" in text
+        assert not [r for r in caplog.records if "could not be read" in r.getMessage()], caplog.text
+    finally:
+        svc.stop()

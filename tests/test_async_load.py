@@ -40,10 +40,17 @@ class _GatedStore(MemoryStore):
         self.gate.set()
         self.reading = threading.Event()
 
-    def get(self, key, layout=None):
+    def _wait(self) -> None:
         self.reading.set()
         assert self.gate.wait(60), "test gate never opened"
+
+    def get(self, key, layout=None):
+        self._wait()
         return super().get(key, layout)
+
+    def get_shared(self, key, layout=None):  # a restore's read
+        self._wait()
+        return super().get_shared(key, layout)
 
 
 def _runner(target, drafter) -> ModelRunner:

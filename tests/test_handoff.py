@@ -164,16 +164,22 @@ def test_blocks_freed_before_the_import_are_a_counted_fallback_with_exact_output
     assert (r.seq.output, r.seq.stats.acceptance_lengths) == _cold(target, drafter, p, sp, "dflash")
 
 
+def _two_leases(target, drafter, seed: int):
+    """A prefill side holding the leases of two random 60-token prompts A and B, and a decode side: (prefill side,
+    scheduler, its released lease ids, the sampling params, (A, its prefill result), (B, its prefill result))."""
+    pw = _prefill_side(target, drafter)
+    sched, released = _decode_side(target, drafter)
+    g = torch.Generator().manual_seed(seed)
+    a, b = (torch.randint(0, 126, (60,), generator=g).tolist() for _ in range(2))
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    return pw, sched, released, sp, (a, pw.prefill(a, sp)), (b, pw.prefill(b, sp))
+
+
 def test_a_lease_of_another_prompt_of_the_same_length_is_refused(pair):
     """The lease names its prompt (prompt_digest): prompt B's lease handed in with prompt A of the same length is a
     counted fallback, and A is computed here, exactly; the lease was only checked for its length before."""
     target, drafter = pair
-    pw = _prefill_side(target, drafter)
-    sched, released = _decode_side(target, drafter)
-    g = torch.Generator().manual_seed(4)
-    a, b = (torch.randint(0, 126, (60,), generator=g).tolist() for _ in range(2))
-    sp = SamplingParams(max_tokens=20, ignore_eos=True)
-    res_a, res_b = pw.prefill(a, sp), pw.prefill(b, sp)
+    pw, sched, released, sp, (a, res_a), (b, res_b) = _two_leases(target, drafter, 4)
     r = _run_one(sched, a, sp, res_a.first_token, res_b.handoff)
     assert sched.stats.handoff_imports == 0 and "another prompt" in next(iter(sched.handoff.fallbacks))
     assert released == [res_b.handoff.lease_id]  # released all the same: the prefill side frees it now
@@ -188,12 +194,7 @@ def test_a_handoff_naming_another_leases_blocks_is_refused(pair):
     same length): the device path read those blocks as this prompt's KV (the dist path's exporter refuses them).
     Refused as a counted fallback, computed here exactly; both leases still serve their own requests."""
     target, drafter = pair
-    pw = _prefill_side(target, drafter)
-    sched, released = _decode_side(target, drafter)
-    g = torch.Generator().manual_seed(5)
-    a, b = (torch.randint(0, 126, (60,), generator=g).tolist() for _ in range(2))
-    sp = SamplingParams(max_tokens=20, ignore_eos=True)
-    res_a, res_b = pw.prefill(a, sp), pw.prefill(b, sp)
+    pw, sched, released, sp, (a, res_a), (b, res_b) = _two_leases(target, drafter, 5)
     forged = dataclasses.replace(res_a.handoff, blocks=res_b.handoff.blocks, epochs=res_b.handoff.epochs)
     r = _run_one(sched, a, sp, res_a.first_token, forged)
     assert sched.stats.handoff_imports == 0 and "does not hold" in next(iter(sched.handoff.fallbacks))

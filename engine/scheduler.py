@@ -189,6 +189,9 @@ class Scheduler:
         self.sessions_ended = 0  # device-loop sessions ended (a finish, an admission): the serving log reads it
         self.admitted = 0  # requests admitted (prefilled or recomputed), for the same log
         self._suspects: set[int] = set()  # rows of a failed batch step: their next step runs alone
+        # ends decided between steps (a cancel's session end that raised: _end_session_for_cancel), reported with the
+        # next step's result
+        self._pending = StepResult()
         self.async_load = True  # prefix fetches on a thread pool (False: inside admission, as restore does)
         self._loader: ThreadPoolExecutor | None = None
         self._save_pool: ThreadPoolExecutor | None = None
@@ -214,11 +217,22 @@ class Scheduler:
                 self._release_lease(handoff)
             raise
         req.handoff = handoff
-        # the worker side's start-load: bridge I/O and verification run off the engine loop; the request is
-        # admitted once its data is here, and the running batch never waits for it
-        req.wants_load = self._wants_load(req)
-        self._start_loads()
+        try:
+            # the worker side's start-load: bridge I/O and verification run off the engine loop; the request is
+            # admitted once its data is here, and the running batch never waits for it
+            req.wants_load = self._wants_load(req)
+            self._start_loads()
+        except BaseException:
+            self._withdraw(req)
+            raise
         return req
+
+    def _withdraw(self, req: Request) -> None:
+        """Undo an add that raised after queueing its request (starting the loads: a thread that could not start):
+        the caller has no handle on it, so it must not stay queued and run, nor keep its lease or fetch."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
 
     def _wants_load(self, req: Request) -> bool:
         """Whether the request's data is fetched off the engine loop before its admission: its prefix, from the
@@ -289,8 +303,8 @@ class Scheduler:
         """Drop a request wherever it is and free its blocks (a client went away). One not yet reported finished
         ends "cancelled" with the tokens it streamed: ending the session may have committed its in-flight step
         (even its last token), which nobody will stream."""
-        self._end_session()  # the batch changes: the device hands the others back first
         live = req in self.waiting or req in self.running
+        self._end_session_for_cancel(req)  # the batch changes: the device hands the others back first
         if req in self.waiting:
             self.waiting.remove(req)
         elif req in self.running:
@@ -299,6 +313,18 @@ class Scheduler:
         if live:
             _rollback(req)
             req.seq.finish_reason = "cancelled"
+
+    def _end_session_for_cancel(self, req: Request) -> None:
+        """End the session before a cancel. Its end reads the step in flight, so a fault there is a batch step's
+        fault: the other rows are recovered as in step() (_recover), and what that ends (a row streamed to its end,
+        one at its last allowed fault) is reported by the next step(). Raising instead kept the cancelled request's
+        blocks, reservation and lease, and the engine loop then failed every other request (abort_all)."""
+        try:
+            self._end_session()
+        except Exception as e:  # noqa: BLE001  one cancel must not leak, nor end the others
+            if req in self.running:  # cancelled, not recovered: it is neither re-admitted nor reported
+                self.running.remove(req)
+            self._recover(e, self._pending)
 
     def _release(self, req: Request) -> None:
         """Give back everything a request holds: its KV blocks, (policy reserve) its reservation, and a
@@ -338,7 +364,8 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        """Nothing queued or running, and no end left to report (a cancel's recovery: _end_session_for_cancel)."""
+        return not self.waiting and not self.running and not self._pending.finished and not self._pending.failed
 
     # ---- one iteration ------------------------------------------------------------------
     def _width(self, r: Request) -> int:
@@ -700,6 +727,14 @@ class Scheduler:
         self.running = still
         for r, n in sent:  # counted as handed out only with the result that hands them out (`_streamed_to_end`)
             r.emitted = n
+        return self._with_pending(result)
+
+    def _with_pending(self, result: StepResult) -> StepResult:
+        """A step's result with the ends decided since the last one first (a cancel's recovery). Taken only as the step
+        returns: after a step that raised, abort_all reports them."""
+        pending, self._pending = self._pending, StepResult()
+        result.finished[:0] = pending.finished
+        result.failed[:0] = pending.failed
         return result
 
     def _finish(self, r: Request) -> None:
@@ -752,7 +787,7 @@ class Scheduler:
         """Last resort after an error the step could not contain: fail every request, free every block,
         and leave the scheduler empty and usable. A row already streamed to its end (riding a drain or hold
         session) is finished as usual instead: the caller has all of it. Returns both (no new tokens)."""
-        result = StepResult()
+        result, self._pending = self._pending, StepResult()
         self._session, self._session_gen, self._hold_since = None, None, None
         self._finish_streamed(result)
         for r in list(self.running) + list(self.waiting):
@@ -768,6 +803,7 @@ class Scheduler:
         except Exception:  # noqa: BLE001  a session broken by the interrupt is dropped, not read
             log.warning("a device session could not be ended cleanly; dropped")
             self._session, self._session_gen = None, None
+        self._pending = StepResult()  # ends not reported yet: those requests are the caller's to end now
         seen: set[int] = set()
         for r in [*self.running, *self.waiting, *also]:
             if id(r) not in seen:

@@ -8,11 +8,13 @@ batch step that raises whenever one request's row is in it, and a step that rais
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from flashpd.decode_node.engine_loop import EngineLoop
+from flashpd.decode_node.scheduler import Scheduler as DecodeScheduler
 from flashpd.engine import scheduler as scheduler_mod
 from flashpd.engine.scheduler import MAX_BATCH_FAULTS, generate, RequestFailed, Scheduler
 from flashpd.engine.drafter import load_drafter
@@ -21,6 +23,7 @@ from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge.handoff import Handoff, prompt_digest
 from flashpd.kv_bridge.keys import chunk_keys
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.store import MemoryStore
@@ -607,3 +610,99 @@ def test_an_engine_loop_stopped_while_its_session_cannot_end_frees_every_block(p
         loop.stop()
     assert sched.runner.allocator.num_free == free0 and sched._reserved == 0 and sched.idle
     assert [h.events.queue[-1].kind for h in hs] == ["error", "error"]
+
+
+@pytest.mark.parametrize("session", ["stream", "hold"])
+def test_a_cancel_whose_session_end_faults_frees_it_and_recovers_the_others_exactly(pair, session):
+    """A cancel ends the device-loop session first, which reads the step in flight. That read raising is a batch
+    fault like any other: the cancelled request still frees its blocks and reservation (a cancel that raised kept
+    them, and the engine loop then failed every other request), the others are recovered exactly, and a row streamed
+    to its end (riding a hold) is finished by the next step as the session's end would have."""
+    target, drafter = pair
+    prompts = _prompts(3, 37)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8 if session == "hold" else 40, 45, 30)]
+    sched = Scheduler(_runner(target, drafter), drafter)  # policy reserve: a leaked reservation shows too
+    if session == "hold":
+        _ride_a_session(sched, "hold")
+    free0 = sched.runner.allocator.num_free
+    reqs = [sched.add(p, sp, "dflash") for p, sp in zip(prompts, params)]
+    done, gone = reqs[0], reqs[2]
+    streamed: dict[int, list[int]] = {r.id: [] for r in reqs}
+    while sched.steps < 3 or (session == "hold" and not done.seq.done):
+        _, failed = _run(sched, reqs, streamed, steps=1)
+        assert failed == {} and sched.steps < 100
+    assert sched._session is not None and sched._session.queued and not gone.seq.done, "no step in flight"
+    loop, armed = sched.spec.loop(), [True]
+    orig = loop.read
+
+    def read(sess) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("device loop fault at a cancel")
+        orig(sess)
+
+    loop.read = read
+    sched.cancel(gone)
+    assert not armed[0] and sched.stats.batch_faults == 1
+    assert gone.seq.finish_reason == "cancelled" and gone.seq.output == streamed[gone.id]
+    res = sched.step()
+    assert res.failed == [] and (done in res.finished) == (session == "hold")
+    for rid, toks in res.new_tokens.items():
+        streamed[rid].extend(toks)
+    streamed, failed = _run(sched, reqs, streamed)
+    assert failed == {} and sched.idle and not sched._suspects
+    assert sched.runner.allocator.num_free == free0 and sched._reserved == 0
+    _check_others_exact(target, drafter, reqs, prompts, params, ["dflash"] * 3, streamed, {gone.id})
+
+
+class _NoThreads(ThreadPoolExecutor):
+    """A pool that cannot start its thread (as when the OS refuses one): submit raises."""
+
+    def submit(self, *args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+
+class _Importer:
+    """A dist-path importer whose fetches run off the engine loop; it records the leases given back."""
+
+    can_fetch = True
+
+    def __init__(self) -> None:
+        self.released: list[Handoff] = []
+
+    def fetch(self, lease: Handoff) -> None:  # what a load thread would run
+        raise AssertionError("no thread started")
+
+    def release(self, lease: Handoff) -> None:
+        self.released.append(lease)
+
+
+@pytest.mark.parametrize("load", ["prefix", "lease"])
+def test_an_add_whose_load_cannot_start_leaves_nothing_queued_or_held(pair, load):
+    """add() starts the request's load (a prefix fetch, a lease's fetch) after queueing it. Should that raise, the
+    caller gets the error and no handle: the request must not stay queued (it ran later, unseen), and its lease is
+    given back. The scheduler serves on."""
+    target, drafter = pair
+    prompt, other = _prompts(2, 41)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runner = _runner(target, drafter)
+    free0 = runner.allocator.num_free
+    lease = None
+    if load == "prefix":
+        sched = Scheduler(runner, drafter, prefix_cache=PrefixCache(MemoryStore(1 << 24), "f" * 64, 32))
+        sched._loader = _NoThreads()
+    else:
+        sched = DecodeScheduler(runner, drafter)
+        sched.handoff, sched._import_pool = _Importer(), _NoThreads()
+        lease = Handoff("x", "", b"", 1, (0,), (0,), len(prompt), prompt_digest(prompt))
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        sched.add(prompt, params, "native", first_token=5 if lease else None, handoff=lease)
+    assert sched.idle and not sched.waiting and sched._reserved == 0
+    if lease is not None:
+        assert sched.handoff.released == [lease]
+    sched._loader = sched._import_pool = None  # threads start again
+    req = sched.add(other, params, "native")
+    streamed, failed = _run(sched, [req])
+    assert failed == {} and sched.admitted == 1, "only the request that was added ran"
+    assert runner.allocator.num_free == free0
+    _check_others_exact(target, drafter, [req], [other], [params], ["native"], streamed, set())

@@ -4,24 +4,14 @@ the read and the write of `c[k] += 1` makes the race happen on every run instead
 from __future__ import annotations
 
 import threading
-import time
-from collections import Counter
 
 from flashpd.decode_node.bridge_import import GuardedPrefixCache
 from flashpd.decode_node.handoff_import import HandoffImport
 from flashpd.kv_bridge.client import BridgeError
 from flashpd.kv_bridge.prefix_cache import Fetched
+from tests._counters import SlowCounter
 
 THREADS, EACH = 8, 25
-
-
-class YieldingCounter(Counter):
-    """Reads a count, then lets other threads run before the caller writes it back (`c[k] += 1` is two steps)."""
-
-    def __getitem__(self, k):
-        v = super().__getitem__(k)
-        time.sleep(0.0005)
-        return v
 
 
 def _hammer(fn) -> None:
@@ -57,7 +47,7 @@ class FailingCache:
 
 def test_import_and_publish_failures_counted_from_many_threads_lose_no_count():
     g = GuardedPrefixCache(FailingCache())  # type: ignore[arg-type]
-    g.import_failures, g.publish_failures = YieldingCounter(), YieldingCounter()
+    g.import_failures, g.publish_failures = SlowCounter(), SlowCounter()
     _hammer(lambda: g.fetch(None, [1, 2, 3]))
     _hammer(lambda: g.store_pending(None))
     assert g.import_failures == {"BridgeError": THREADS * EACH}
@@ -67,6 +57,6 @@ def test_import_and_publish_failures_counted_from_many_threads_lose_no_count():
 
 def test_handoff_fallbacks_counted_from_many_threads_lose_no_count():
     h = HandoffImport(importer=None, release=lambda _: None)  # type: ignore[arg-type]
-    h.fallbacks = YieldingCounter()
+    h.fallbacks = SlowCounter()
     _hammer(lambda: h.fallback("lease 17 refused"))
     assert h.fallbacks == {"lease N refused": THREADS * EACH}

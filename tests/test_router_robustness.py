@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -36,6 +35,7 @@ from flashpd.decode_node.worker import DecodeWorker
 from flashpd.decode_node.engine_loop import Overloaded
 from flashpd.engine.scheduler import PromptTooLong
 from flashpd.engine.sampling import SamplingParams
+from tests._counters import SlowCounter
 
 WAIT_S = 8.0  # bound on every wait for the router: the old behaviour waited out prefill_timeout_s (30 s here)
 CLIENT_DEADLINE_S = 2.0  # long enough that the router's thread starts well within it on a loaded machine
@@ -332,20 +332,6 @@ def test_a_prompt_a_decode_worker_can_never_fit_stays_a_prompt_error_and_is_not_
 
 
 # ---- 3. counters bumped by many request threads --------------------------------------------------------------
-class SlowCounter(Counter):
-    """A Counter that gives the interpreter up between reading a count and writing it back, and between the
-    items it yields: the window in which an unlocked `c[k] += 1`, or a read while another thread adds a key,
-    goes wrong, made wide enough to hit every time."""
-
-    def __getitem__(self, k):
-        v = super().__getitem__(k)
-        time.sleep(0.0005)
-        return v
-
-    def items(self):
-        for kv in super().items():
-            time.sleep(0.0005)
-            yield kv
 
 
 def test_fallback_counts_are_not_lost_between_request_threads(tiny_dir):

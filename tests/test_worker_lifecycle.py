@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -34,6 +33,7 @@ from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.store import MemoryStore
 
 from tests._cluster_helpers import dflash_pair, serve_cfg  # noqa: F401
+from tests._counters import SlowCounter
 
 # ---- 1. a decode worker stopped while its work goes on keeps its bridge client open -----------------------------
 # The decode worker's first request is held (the test's gate) on the engine loop's thread (where="engine_loop": as it
@@ -119,20 +119,6 @@ def test_a_decode_worker_stopped_while_its_work_goes_on_does_not_crash(dflash_pa
 
 
 # ---- 2. counters other threads add reasons to, read by a scrape ------------------------------------------------
-class YieldingCounter(Counter):
-    """A Counter whose Python-level iteration gives the interpreter up between items, as a comprehension over a real
-    one does at any switch interval: a thread adding a new reason in between fails the read ("dictionary changed
-    size during iteration"), made to happen every time here."""
-
-    def items(self):
-        for kv in super().items():
-            time.sleep(0.0005)
-            yield kv
-
-    def values(self):
-        for v in super().values():
-            time.sleep(0.0005)
-            yield v
 
 
 def test_a_decode_workers_counters_read_while_the_engine_adds_reasons(dflash_pair):  # noqa: F811
@@ -146,10 +132,10 @@ def test_a_decode_workers_counters_read_while_the_engine_adds_reasons(dflash_pai
         worker_main.decode_metrics(metrics, worker)
         reasons = {name: fn for name, *_, fn in metrics._live.families}["flashpd_recompute_fallbacks"]
         seen = {f"seen_{i}": 1 for i in range(20)}
-        worker.cache.import_failures = YieldingCounter(seen)
-        worker.cache.publish_failures = YieldingCounter(seen)
+        worker.cache.import_failures = SlowCounter(seen)
+        worker.cache.publish_failures = SlowCounter(seen)
         worker.scheduler.handoff = HandoffImport(None, lambda h: None)  # type: ignore[arg-type]
-        worker.scheduler.handoff.fallbacks = YieldingCounter(seen)
+        worker.scheduler.handoff.fallbacks = SlowCounter(seen)
         stop = threading.Event()
 
         def add() -> None:  # what the engine, load and save threads do on a failure

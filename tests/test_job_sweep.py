@@ -82,32 +82,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# The head's job agent registers late, as on a loaded machine: the dashboard answers first and refuses a job
-# for want of an agent once its 10 s wait runs out. Only the agent process sleeps.
-_SLOW_AGENT = """import sys, time
-if sys.argv and sys.argv[0].replace("\\\\", "/").endswith("dashboard/agent.py"):
-    time.sleep(14)
-"""
+RAY_AGENT_PORT = 52365  # Ray's default port for a node's dashboard agent (its HTTP server takes job submissions)
+
+
+def _hold(port: int) -> socket.socket:
+    """A listening socket on `port` until closed (when someone else holds the port, it is busy all the same)."""
+    s = socket.socket()
+    try:
+        s.bind(("0.0.0.0", port))
+        s.listen()
+    except OSError:
+        pass
+    return s
 
 
 @pytest.fixture
 def ray_head(tmp_path_factory):
     """`ray start --head --block` in its own session, with its own auth token (nothing read from or
     written to ~/.ray); teardown stops that process (it stops its children), then kills what is
-    left of the process group it leads, by its id."""
+    left of the process group it leads, by its id.
+
+    Every port it listens on is a free one, the dashboard agent's included: at Ray's default (52365) another
+    cluster on the host (a test running beside this one) held it, the agent ran without its HTTP server, and
+    every submission was refused with "No available agent". The default is held busy while the head starts,
+    so a head that used it would fail here every time."""
     pytest.importorskip("ray")
     ray_bin = Path(sys.executable).parent / "ray"
-    port, dash, client = _free_port(), _free_port(), _free_port()
+    port, dash, client, agent = _free_port(), _free_port(), _free_port(), _free_port()
     temp = Path("/tmp") / f"ray-fpd-{os.getpid()}-{port}"  # short: Ray's socket paths have a length limit
     log = tmp_path_factory.mktemp("ray_head") / "ray_start.log"
-    slow = tmp_path_factory.mktemp("slow_agent")
-    (slow / "sitecustomize.py").write_text(_SLOW_AGENT)
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16),
-               PYTHONPATH=os.pathsep.join([str(slow), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
+    busy = _hold(RAY_AGENT_PORT)  # for the head's whole life: its agent starts after `ray start` returns
     with open(log, "w") as f:
         proc = subprocess.Popen([str(ray_bin), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
                                  "--port", str(port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-                                 "--ray-client-server-port", str(client), "--include-dashboard", "true",
+                                 "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
+                                 "--include-dashboard", "true",
                                  "--num-cpus", "4", "--num-gpus", "0", "--temp-dir", str(temp),
                                  "--disable-usage-stats"],
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -137,22 +147,7 @@ def ray_head(tmp_path_factory):
         except ProcessLookupError:
             pass
         proc.wait(20)
-
-
-NO_AGENT = "No available agent to submit job"
-
-
-def _submit(cmd: list[str], env: dict, patience_s: float = 90) -> tuple[subprocess.CompletedProcess, int]:
-    """`ray job submit`, tried again while the head refuses it for want of a job agent. The dashboard answers
-    before its node's agent has registered, and the head waits only 10 s for one (on a loaded machine the
-    agent can take longer); that refusal comes before any job exists, so submitting again is safe, as the
-    message itself says. Any other failure is returned at once."""
-    deadline, tries = time.monotonic() + patience_s, 0
-    while True:
-        p, tries = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env), tries + 1
-        if p.returncode == 0 or NO_AGENT not in p.stdout + p.stderr or time.monotonic() > deadline:
-            return p, tries
-        time.sleep(2)
+        busy.close()
 
 
 def test_ray_job_submit_runs_the_sweep(ray_head, dflash_pair, tmp_path):  # noqa: F811
@@ -164,9 +159,8 @@ def test_ray_job_submit_runs_the_sweep(ray_head, dflash_pair, tmp_path):  # noqa
            "--runtime-env-json", json.dumps(runtime_env), "--",
            sys.executable, "-m", "flashpd.bench.job_sweep", "--launcher", "ray",
            "--target", str(dflash_pair.target_dir), "--draft", str(dflash_pair.draft_dir), "--out", str(out), *SMALL]
-    p, tries = _submit(cmd, env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
     assert p.returncode == 0 and "succeeded" in p.stdout, p.stdout[-4000:] + p.stderr[-3000:]
-    assert tries >= 2  # the late agent did refuse the first submission
     _check(out, "ray")
     # the kept service log says where Ray placed each worker (no GPUs here: empty GPU ids)
     served = Path(f"{out}.serve-disaggregated.log").read_text()

@@ -43,9 +43,11 @@ def make_chunks(tokens: int, count: int) -> list[KVChunk]:
     return [KVChunk(f"bench-{tag}-{tokens}-{i}", "", "bench", list(range(tokens)), tk, dk) for i in range(count)]
 
 
-def start_server(memory_bytes: int) -> tuple[subprocess.Popen, str]:
+def start_server(memory_bytes: int, arena: bool = False) -> tuple[subprocess.Popen, str]:
+    """A bridge server in its own process (arena: its memory tier in a shared-memory arena, kv_bridge/arena.py)."""
     # the bridge shares this process's cluster secret, so the default clients here may use it
-    proc = subprocess.Popen([sys.executable, "-m", "flashpd.kv_bridge.server", "--memory-bytes", str(memory_bytes)],
+    proc = subprocess.Popen([sys.executable, "-m", "flashpd.kv_bridge.server", "--memory-bytes", str(memory_bytes),
+                             *(["--arena"] if arena else [])],
                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, **process_secret().child_env()))
     line = proc.stdout.readline().strip()  # "PORT n", printed once the server listens
     if not line.startswith("PORT "):
@@ -72,8 +74,18 @@ def timed(fn, server_pid: int) -> tuple[float, float, float]:
     return wall, cpu_s() - c0, cpu_s(server_pid) - s0
 
 
+def copy_out(chunks: list, dst: list[torch.Tensor]) -> None:
+    """What a restore does with a fetched chunk: its bytes copied out (here into a host buffer, on a worker into its
+    caches), then checked still to be the chunk's (KVChunk.fresh: an arena's chunk is read in place)."""
+    for c in chunks:
+        dst[0].copy_(c.target_kv)
+        dst[1].copy_(c.draft_kv)
+        if not c.fresh():
+            raise RuntimeError(f"chunk {c.key} went stale while it was copied out")
+
+
 def run_config(address: str, server_pid: int, tokens: int, frame_bytes: int, transport: str, streams: int,
-               total_bytes: int, timeout_s: float) -> dict:
+               total_bytes: int, timeout_s: float, consume: bool = False) -> dict:
     chunk_bytes = len(make_chunks(tokens, 1)[0].to_bytes(process_secret().mac_key))
     count = max(streams, round(total_bytes / chunk_bytes))
     chunks = make_chunks(tokens, count)
@@ -84,12 +96,20 @@ def run_config(address: str, server_pid: int, tokens: int, frame_bytes: int, tra
         _check_put(client.put(warm, transport=transport), streams)
         client.get([c.key for c in warm], transport=transport)
         put = timed(lambda: _check_put(client.put(chunks, transport=transport), count), server_pid)
-        get = timed(lambda: got.extend(client.get(keys, transport=transport)), server_pid)
+        dst = [torch.empty_like(chunks[0].target_kv), torch.empty_like(chunks[0].draft_kv)]
+
+        def get_all() -> None:
+            for c in client.iter_get(keys, transport=transport):
+                got.append(c.key)
+                if consume:
+                    copy_out([c], dst)
+
+        get = timed(get_all, server_pid)
     if len(got) != count:
         raise RuntimeError(f"got {len(got)} of {count} chunks back (store budget too small?)")
     moved = count * chunk_bytes
     gb = moved / 1e9
-    return {"transport": transport, "chunk_tokens": tokens, "chunk_bytes": chunk_bytes,
+    return {"transport": transport, "get_copies_out": consume, "chunk_tokens": tokens, "chunk_bytes": chunk_bytes,
             "frame_bytes": frame_bytes if transport == "inline" else None, "streams": streams, "chunks": count,
             "bytes_moved": moved, "put_s": put[0], "get_s": get[0],
             "put_gb_per_s": gb / put[0], "get_gb_per_s": gb / get[0],
@@ -119,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="KV bridge loopback throughput")
     ap.add_argument("--chunk-tokens", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--frame-mib", type=float, nargs="+", default=[0.25, 1.0, 4.0])
-    ap.add_argument("--transports", nargs="+", default=["inline", "shm"], choices=["inline", "shm"])
+    ap.add_argument("--transports", nargs="+", default=["inline", "shm"], choices=["inline", "shm", "arena"],
+                    help="arena: a second server keeps its entries in a shared-memory arena (kv_bridge/arena.py)")
+    ap.add_argument("--copy-out", action="store_true",
+                    help="the Get phase also copies each chunk's K/V out, as a restore does (an arena chunk is read "
+                         "in place, so without this its bytes are not all read)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--total-mib", type=int, default=256, help="chunk bytes moved per config and direction")
     ap.add_argument("--timeout-s", type=float, default=300.0)
@@ -130,15 +154,21 @@ def main(argv: list[str] | None = None) -> int:
     total = args.total_mib << 20
     load_before = os.getloadavg()  # other work on the same cores skews every number: recorded
     proc, address = start_server(memory_bytes=4 * total + (256 << 20))
+    procs = [proc]
+    if "arena" in args.transports:
+        aproc, arena_address = start_server(memory_bytes=4 * total + (256 << 20), arena=True)
+        procs.append(aproc)
     rows = []
     try:
         run_config(address, proc.pid, 16, 1 << 20, "inline", 1, 8 << 20, args.timeout_s)  # warm-up
         for transport in args.transports:
             frames = [int(f * (1 << 20)) for f in args.frame_mib] if transport == "inline" else [1 << 20]
+            addr, server = (arena_address, procs[-1]) if transport == "arena" else (address, proc)
             for tokens in args.chunk_tokens:
                 for frame in frames:
                     for streams in args.streams:
-                        r = run_config(address, proc.pid, tokens, frame, transport, streams, total, args.timeout_s)
+                        r = run_config(addr, server.pid, tokens, frame, transport, streams, total, args.timeout_s,
+                                       args.copy_out)
                         rows.append(r)
                         fb = "-" if r["frame_bytes"] is None else f"{r['frame_bytes'] / (1 << 20):g}"
                         pc, gc = r["put_cpu_s_per_gb"], r["get_cpu_s_per_gb"]
@@ -147,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"get={r['get_gb_per_s']:.3f} GB/s  cpu-s/GB put {pc['client']:.2f}+{pc['server']:.2f} "
                               f"get {gc['client']:.2f}+{gc['server']:.2f} (client+server)", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for p in procs:
+            p.terminate()
+            p.wait(30)
     ref = reference_rates()
     cmd = "python -m flashpd.bench.bridge_throughput " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     path = write_json(args.out, {"command": cmd, "bytes_per_token": BYTES_PER_TOKEN, "total_bytes_per_config": total,

@@ -419,7 +419,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the service's ServeConfig.session_hold_fraction (engine/scheduler.py)")
     ap.add_argument("--gil-switch-interval-s", type=float, dest="gil_switch_interval_s",
                     help="the service's sys.setswitchinterval (ServeConfig.gil_switch_interval_s)")
-    ap.add_argument("--bridge-transport", choices=["inline", "shm"], dest="bridge_transport",
+    ap.add_argument("--bridge-transport", choices=["inline", "shm", "arena"], dest="bridge_transport",
                     help="how KV chunks move between workers and the bridge: in the gRPC messages, or through "
                          "shared memory with gRPC carrying handles (same host)")
     ap.add_argument("--kv-transport", choices=["bridge", "device"], dest="kv_transport",

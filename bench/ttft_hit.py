@@ -12,6 +12,8 @@ One DFlash generator (target + 5-layer drafter, dummy weights) serves every mode
   memory   hit in an in-process MemoryStore: both halves restored (checksum, host -> device);
   shm      hit from a bridge server in its own process, bytes through /dev/shm, gRPC for handles;
   grpc     the same server, bytes inline in gRPC frames;
+  arena    hit from a bridge server in its own process that keeps its entries in a shared-memory arena
+           (kv_bridge/arena.py): the reader maps it once and reads each chunk in place, gRPC for handles;
   lmcache  hit through the LMCache backend (kv_bridge/lmcache_store.py), in process; opt-in.
 A hit restores the prompt's full chunks (the last token is always recomputed: its logits give
 the first token) and prefills only the rest. Protocol (../shared/design/experiments.md): each
@@ -49,7 +51,7 @@ from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.store import MemoryStore
 from flashpd.engine.scheduler import generate
 
-MODES = ("cold", "device", "host", "memory", "shm", "grpc", "lmcache")
+MODES = ("cold", "device", "host", "memory", "shm", "grpc", "arena", "lmcache")
 TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32)  # 8 layers: five distinct default taps
 
@@ -79,6 +81,11 @@ def make_stores(modes: list[str], gen: DFlashGenerator, chunk: int, budget: int)
         for m in ("shm", "grpc"):
             if m in modes:
                 stores[m] = RemoteStore(client, transport="shm" if m == "shm" else "inline")
+    if "arena" in modes:
+        proc_a, address_a = start_server(budget, arena=True)
+        client_a = BridgeClient(address_a, timeout_s=600)
+        closers += [client_a.close, lambda: (proc_a.terminate(), proc_a.wait(30))]
+        stores["arena"] = RemoteStore(client_a, transport="arena")
     if "lmcache" in modes:
         from flashpd.kv_bridge.lmcache_layout import PackedLayout
         from flashpd.kv_bridge.lmcache_store import LMCacheStore

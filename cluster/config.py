@@ -97,7 +97,9 @@ class ServeConfig:
     # bytes of chunks waiting for the disk tier's background writer (kv_bridge/disk.py TieredStore); when full, a
     # Put's disk copy is dropped (counted: store.disk_dropped) and its memory copy kept: a Put never waits for disk
     bridge_disk_queue_bytes: int = 512 << 20
-    bridge_transport: str = "inline"  # "shm": same-host shared memory for imports
+    # "shm": same-host shared memory for imports; "arena": the bridge keeps its memory tier in a shared-memory arena
+    # that same-host decode workers map and read in place (kv_bridge/arena.py)
+    bridge_transport: str = "inline"
     # how a prefill's KV reaches its decode worker: "bridge" (published chunks, imported by key) or "device"
     # (same host: the decode worker copies the prefill worker's blocks device to device, kv_bridge/handoff.py;
     # the prefill holds them under a lease until released or handoff_lease_s passes) or "dist" (any hosts: the
@@ -185,8 +187,8 @@ class ServeConfig:
             raise ValueError(f"handoff_lease_s: must be > 0, got {self.handoff_lease_s}")
         if not 0 <= self.prefill_hold_s <= 10:
             raise ValueError(f"prefill_hold_s: must be in [0, 10] seconds, got {self.prefill_hold_s}")
-        if self.bridge_transport not in ("inline", "shm"):
-            raise ValueError(f"bridge_transport: must be 'inline' or 'shm', got {self.bridge_transport!r}")
+        if self.bridge_transport not in ("inline", "shm", "arena"):
+            raise ValueError(f"bridge_transport: must be 'inline', 'shm' or 'arena', got {self.bridge_transport!r}")
         for name in ("prefill_workers", "decode_workers"):
             if getattr(self, name) < (0 if name == "prefill_workers" else 1):
                 raise ValueError(f"{name}: must be >= {0 if name == 'prefill_workers' else 1}, "

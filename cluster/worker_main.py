@@ -111,7 +111,11 @@ def _bridge(cfg, port: int, secret) -> RunningWorker:
     from flashpd.kv_bridge.server import serve  # noqa: PLC0415
     from flashpd.kv_bridge.store import MemoryStore  # noqa: PLC0415
 
-    store = MemoryStore(cfg.bridge_memory_bytes, secret)
+    if cfg.bridge_transport == "arena":  # its readers map the memory tier (same host) and read entries in place
+        from flashpd.kv_bridge.arena_store import ArenaStore  # noqa: PLC0415
+        store = ArenaStore(cfg.bridge_memory_bytes, secret)
+    else:
+        store = MemoryStore(cfg.bridge_memory_bytes, secret)
     if cfg.bridge_disk_dir:
         from flashpd.kv_bridge.disk import DiskStore, TieredStore  # noqa: PLC0415
         store = TieredStore(store, DiskStore(cfg.bridge_disk_dir, cfg.bridge_disk_bytes, secret),

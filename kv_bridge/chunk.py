@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import json
 import struct
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -48,6 +49,13 @@ class KVChunk:
     token_ids: list[int]
     target_kv: torch.Tensor
     draft_kv: torch.Tensor | None
+    # the tensors view a bridge's shared arena (arena.py), whose slot may be reused after this (time.monotonic):
+    # whoever copies them out checks fresh() afterwards, and does not use the copy when it is False
+    expires_at: float | None = None
+
+    def fresh(self) -> bool:
+        """Whether the bytes read so far are still the chunk's (always, for a chunk that owns them)."""
+        return self.expires_at is None or time.monotonic() < self.expires_at
 
     @property
     def num_tokens(self) -> int:

@@ -13,13 +13,14 @@ frame by frame on the way (StreamingMac): no pass over a whole chunk besides tho
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Literal, TypeVar
 
 import grpc
 
-from flashpd.kv_bridge import frame_codec, shm
+from flashpd.kv_bridge import arena, frame_codec, shm
 from flashpd.kv_bridge.auth import MAC_BYTES, ClusterSecret, resolve
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, StreamingMac, peek_parent
 from flashpd.kv_bridge.layout import ChunkLayout
@@ -30,8 +31,10 @@ from flashpd.kv_bridge.tls import BridgeTls
 from flashpd.kv_bridge.wire import (DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES, GRPC_OPTIONS, PROTOCOL_VERSION,
                                     Assembled, Assembler, Buffer, FrameError, clamp_frame_bytes, frame_pieces)
 
-Transport = Literal["inline", "shm"]
-_TRANSPORTS = {"inline": pb.INLINE, "shm": pb.SHM}
+# "arena": as "shm", and a Get reads the entries of a bridge that keeps them in an arena in place (arena.py)
+Transport = Literal["inline", "shm", "arena"]
+_TRANSPORTS = {"inline": pb.INLINE, "shm": pb.SHM, "arena": pb.SHM}
+_SAME_HOST = ("shm", "arena")
 DEFAULT_STREAMS = 4  # parallel streams (and connections) of one transfer of several chunks
 MAX_STREAMS = 32
 _PUT = "/flashpd.kvbridge.v1.KVBridge/Put"
@@ -123,6 +126,7 @@ class BridgeClient:
         # this client's Put segments carry its owner id; only its Put calls present the key (see shm.SegmentOwner)
         self._shm_owner = shm.SegmentOwner.generate()
         self._shm_md = [self._shm_owner.metadata()]
+        self._arenas = arena.ArenaMaps()  # the arenas of this bridge this client has mapped
         # a pool of its own per channel: channels with equal options would otherwise share one connection
         options = GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
         self._channels = [grpc.secure_channel(address, tls.channel_credentials(), options=options)
@@ -193,7 +197,7 @@ class BridgeClient:
         memory the tensors' bytes go straight into the segment). A chunk whose parent is in the same call
         goes on its parent's stream, in the call's order (see _chains); separate chains reach the store
         in no particular order."""
-        if transport == "shm":
+        if transport in _SAME_HOST:
             items = ((c.key, lambda c=c: c.to_parts(self._mac), False, c.parent) for c in chunks)
         else:
             items = ((c.key, c.body_parts, True, c.parent) for c in chunks)
@@ -244,7 +248,7 @@ class BridgeClient:
         def frames() -> Iterator[bytes]:
             for key, make_parts, seal, _ in items:
                 parts = make_parts()
-                if transport == "shm":
+                if transport in _SAME_HOST:
                     # its writer's pid (shm.PutLeftovers) and this client's owner id (shm.SegmentOwner)
                     name = shm.write_segment(parts, self._shm_owner.put_tag)
                     with lock:
@@ -262,7 +266,7 @@ class BridgeClient:
         try:
             with self._rpc("Put", t):
                 r = self._put_calls[channel](frames(), timeout=t,
-                                             metadata=self._shm_md if transport == "shm" else None)
+                                             metadata=self._shm_md if transport in _SAME_HOST else None)
         finally:
             with lock:
                 ended[0] = True
@@ -308,6 +312,8 @@ class BridgeClient:
         left behind)."""
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
+        if transport == "arena" and not arena.available():
+            raise ValueError("transport 'arena' needs Linux memfd_create and file seals (use 'shm')")
         if not keys:
             return
         t = timeout_s or self.timeout_s
@@ -317,14 +323,15 @@ class BridgeClient:
                 return
         n = min(self.streams, len(keys))
         calls = [self._get_calls[j](pb.GetRequest(version=PROTOCOL_VERSION, keys=keys[j::n],
-                                                  transport=_TRANSPORTS[transport], frame_bytes=self.frame_bytes),
+                                                  transport=_TRANSPORTS[transport], frame_bytes=self.frame_bytes,
+                                                  arena=transport == "arena"),
                                     timeout=t) for j in range(n)]
         if n == 1:
             yield from self._read_get(calls[0], keys, transport, t, layout)
             return
         yield from _in_order(len(keys), [lambda j=j: self._read_get(calls[j], keys[j::n], transport, t, layout)
                                          for j in range(n)],
-                             stop=None if transport == "shm" else lambda: [c.cancel() for c in calls])
+                             stop=None if transport in _SAME_HOST else lambda: [c.cancel() for c in calls])
 
     def _read_get(self, call, keys: list[str], transport: Transport, t: float,
                   layout: ChunkLayout | None) -> Iterator[KVChunk]:
@@ -344,15 +351,17 @@ class BridgeClient:
                         if msg.done != got:
                             raise BridgeProtocolError("Get", f"server says {msg.done} found, sent {got}")
                         return
-                    done = self._receive(msg.frame or frame_codec.Frame(), asm, self.max_chunk_bytes)
+                    done = self._receive(msg.frame or frame_codec.Frame(), asm, self.max_chunk_bytes, self._arenas)
                     if done is None:
                         continue
                     if got >= len(keys) or done.key != keys[got]:
                         raise BridgeProtocolError("Get", f"chunk {got} has key {done.key[:16]}..., "
                                                          "not the one asked for")
-                    try:  # a buffer only this call holds; LayoutMismatch goes to the caller as is
-                        chunk = KVChunk.from_bytes(done.data, self._mac, own=True, layout=layout, key=done.key,
-                                                   body_mac=done.body_mac)
+                    try:  # a buffer only this call holds (or the arena's, read-only); LayoutMismatch goes as is
+                        chunk = KVChunk.from_bytes(done.data, self._mac, own=done.expires_at is None, layout=layout,
+                                                   key=done.key, body_mac=done.body_mac,
+                                                   share=done.expires_at is not None)
+                        chunk.expires_at = done.expires_at
                     except CorruptChunk as e:
                         raise BridgeProtocolError("Get", f"chunk {done.key[:16]}... failed verification: {e}") from None
                     got += 1
@@ -360,23 +369,40 @@ class BridgeClient:
             raise BridgeProtocolError("Get", "stream ended without its GetDone message")
         finally:
             if not complete:
-                if transport == "shm":
+                if transport in _SAME_HOST:
                     _drain_shm(call)
                 call.cancel()  # stops the server when the stream is closed early
 
     @staticmethod
-    def _receive(f: frame_codec.Frame, asm: Assembler, max_bytes: int) -> Assembled | None:
+    def _receive(f: frame_codec.Frame, asm: Assembler, max_bytes: int, arenas: arena.ArenaMaps) -> Assembled | None:
         try:
             if f.shm is not None:
                 if asm.in_flight is not None:
                     raise FrameError("frame.shm", "handle inside an incomplete chunk")
+                if f.shm.arena_pid:
+                    return _in_arena(f, max_bytes, arenas)
                 if not 0 < f.shm.length <= max_bytes:
                     shm.unlink_segment(f.shm.name)
                     raise FrameError("frame.shm.length", f"{f.shm.length} not in 1..{max_bytes}")
                 return Assembled(f.key, shm.take_segment(f.shm.name, f.shm.length, writable=True), None)
             return asm.feed(f)
-        except (FrameError, shm.ShmError) as e:
+        except (FrameError, shm.ShmError, arena.ArenaError) as e:
             raise BridgeProtocolError("Get", str(e)) from None
+
+
+def _in_arena(f: frame_codec.Frame, max_bytes: int, arenas: arena.ArenaMaps) -> Assembled:
+    """A chunk read in place in the bridge's arena: a read-only view, trusted until the handle's hold (less a
+    margin) from now; the caller checks that after copying it out (KVChunk.fresh)."""
+    s, received = f.shm, time.monotonic()
+    if f.offset != 0 or not f.last or f.data or f.total_length != s.length:
+        raise FrameError("frame.shm", "an arena handle frame has no data, offset 0, last=true, total_length=length")
+    if not 0 < s.length <= max_bytes:
+        raise FrameError("frame.shm.length", f"{s.length} not in 1..{max_bytes}")
+    hold_s = s.hold_ms / 1000
+    if hold_s <= arena.READER_MARGIN_S:
+        raise FrameError("frame.shm.hold_ms", f"{s.hold_ms} ms leaves no time to read the chunk")
+    view = arenas.view(arena.ArenaRef(s.arena_pid, s.arena_fd, s.arena_inode, s.arena_size), s.offset, s.length)
+    return Assembled(f.key, view, None, received + hold_s - arena.READER_MARGIN_S)
 
 
 def _parent_of(data: bytes | list[bytes | memoryview]) -> str:

@@ -34,7 +34,8 @@ class DeviceStore:
         self._entries: ChainLRU[KVChunk] = ChainLRU()
         self._bytes = 0
         self._lock = threading.Lock()
-        self._c = dict(puts=0, hits_device=0, hits_backing=0, misses=0, evictions=0, too_large=0, chain_refused=0)
+        self._c = dict(puts=0, hits_device=0, hits_backing=0, misses=0, evictions=0, too_large=0, chain_refused=0,
+                       stale_refused=0)
 
     def _freshen(self, key: str) -> None:
         """(lock held) The entry, then its prompt's held chunks before it, become the most recent: eviction
@@ -57,6 +58,10 @@ class DeviceStore:
         local = KVChunk(chunk.key, chunk.parent, chunk.fingerprint, list(chunk.token_ids),
                         chunk.target_kv.to(self.device),
                         chunk.draft_kv.to(self.device) if chunk.draft_kv is not None else None)
+        if not chunk.fresh():  # read from a bridge's arena past its hold: the bytes may be another chunk's
+            with self._lock:
+                self._c["stale_refused"] += 1
+            return False
         with self._lock:
             if chunk.key in self._entries:  # first writer wins: an entry never changes under a reader
                 self._freshen(chunk.key)

@@ -320,6 +320,8 @@ class TieredStore:
         self._closed = False
         self._c = dict(hits_memory=0, hits_disk=0, hits_pending=0, misses=0, corrupt_refused=0,
                        disk_queued=0, disk_written=0, disk_dropped=0, disk_write_errors=0)
+        if hasattr(memory, "get_handle"):  # an arena memory tier (ArenaStore): the bridge hands out where entries lie
+            self.get_handle = self._get_handle
 
     def put(self, chunk: KVChunk) -> bool:
         return self.put_bytes(chunk.key, chunk.to_bytes(self._mac), verified=True) is not PutResult.REFUSED
@@ -447,6 +449,15 @@ class TieredStore:
             self._count("hits_memory")
             return data
         return self._from_below(key)
+
+    def _get_handle(self, key: str):
+        """Where the memory tier's arena holds the entry, a disk hit promoted into it first (as get_bytes); None
+        on a miss, or when the promoted entry did not stay in memory."""
+        h = self.memory.get_handle(key)
+        if h is not None:
+            self._count("hits_memory")
+            return h
+        return None if self._from_below(key) is None else self.memory.get_handle(key)
 
     def _from_below(self, key: str) -> bytes | None:
         """The disk tier's copy (its write queue first), verified, promoted into memory; None on a miss."""

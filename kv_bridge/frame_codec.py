@@ -33,6 +33,12 @@ class DecodeError(ValueError):
 class ShmRef:
     name: str = ""
     length: int = 0
+    arena_pid: int = 0  # set: an arena handle (kv_bridge.proto's ShmHandle), not a segment
+    arena_fd: int = 0
+    arena_inode: int = 0
+    arena_size: int = 0
+    offset: int = 0
+    hold_ms: int = 0
 
 
 @dataclass(slots=True)
@@ -144,6 +150,11 @@ def _merge_shm(ref: ShmRef, b: memoryview, pos: int, end: int) -> None:
             ref.name = _text(b[value:stop])
         elif number == 2 and wire == _VARINT:
             ref.length = value
+        elif 3 <= number <= 8 and wire == _VARINT:
+            setattr(ref, _SHM_ARENA_FIELDS[number], value)
+
+
+_SHM_ARENA_FIELDS = {3: "arena_pid", 4: "arena_fd", 5: "arena_inode", 6: "arena_size", 7: "offset", 8: "hold_ms"}
 
 
 def _merge_frame(f: Frame, b: memoryview, pos: int, end: int) -> None:

@@ -128,7 +128,7 @@ class HostStore:
         self._bytes = 0
         self._lock = threading.Lock()
         self._c = dict(puts=0, duplicate_puts=0, hits=0, hits_backing=0, misses=0, evictions=0, layout_refused=0,
-                       oversize_refused=0, waits=0, chain_refused=0)
+                       oversize_refused=0, waits=0, chain_refused=0, stale_refused=0)
 
     # -- writes ---------------------------------------------------------------------------------
     def put(self, chunk: KVChunk) -> bool:
@@ -180,6 +180,10 @@ class HostStore:
             except BaseException:
                 self._arena.free.append(slot)  # a copy that failed keeps no slot
                 raise
+            if not chunk.fresh():  # read from a bridge's arena past its hold: the slot may hold another chunk now
+                self._arena.free.append(slot)
+                self._c["stale_refused"] += 1
+                return False
             local = KVChunk(chunk.key, chunk.parent, chunk.fingerprint, list(chunk.token_ids), t, d)
             self._entries.insert(chunk.key, _Entry(local, slot, draft_at, used, ready),
                                  lambda k: self._entries[k].chunk.parent)

@@ -180,7 +180,8 @@ class PrefixCache:
                                 else torch.zeros_like(chunk.draft_kv))
         except Exception:  # noqa: BLE001  whatever a chunk does, it never takes the engine loop down
             return False
-        return True
+        # read in place from a bridge's arena past its hold: what was written may be another chunk's bytes
+        return chunk.fresh()
 
     def publish(self, gen, seq: Sequence) -> int:
         """Store the prompt's full chunks (both halves) not yet in the store; returns how many were put. The

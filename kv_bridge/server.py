@@ -138,7 +138,8 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                        chunks_sent=0, frames_sent=0, shm_segments_sent=0, shm_segments_reclaimed=0, shm_segments_expired=0,
                        invalid_requests=0, unauthenticated_calls=0, calls_stalled=0, shm_gets_refused_full=0,
                        shm_gets_refused_peer=0, puts_too_slow=0, puts_refused_inflight=0, shm_put_segments_left=0,
-                       shm_put_segments_reclaimed=0, shm_put_segments_not_owned=0, store_errors=0)
+                       shm_put_segments_reclaimed=0, shm_put_segments_not_owned=0, store_errors=0,
+                       arena_handles_sent=0)
         self._not_owned_logged = -NOT_OWNED_LOG_EVERY_S  # when a not-owned refusal was last logged (monotonic)
 
     def authorizer(self):
@@ -229,7 +230,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                     key, data = self._take_shm(f, asm, context, owner)
                     self._store(reply, key, data, None)
                 elif (done := asm.feed(f)) is not None:
-                    self._store(reply, *done)
+                    self._store(reply, done.key, done.data, done.body_mac)
             except FrameError as e:
                 self._invalid(context, str(e))
             except BudgetExhausted as e:
@@ -366,6 +367,8 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         if use_shm:  # segments handed out before but never taken (a reader that died): bounded lifetime
             self._sweep_shm()
         frame_bytes = clamp_frame_bytes(request.frame_bytes)
+        # where the store keeps its entries in an arena (ArenaStore), a same-host reader that asks reads them there
+        get_handle = getattr(self.store, "get_handle", None) if use_shm and request.arena else None
         created: list[str] = []
         finished = False
         call = uuid.uuid4().hex
@@ -383,6 +386,21 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             for key in request.keys:
                 if not context.is_active():
                     return
+                if get_handle is not None:
+                    try:
+                        h = get_handle(key)
+                    except Exception:  # noqa: BLE001  INTERNAL, as any store failure
+                        self._store_failed(context, "Get")
+                    if h is None:
+                        break
+                    self._count("arena_handles_sent")
+                    yield pb.GetFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
+                        key=key, offset=0, total_length=h.length, last=True, shm=pb.ShmHandle(
+                            length=h.length, arena_pid=h.arena.pid, arena_fd=h.arena.fd, arena_inode=h.arena.inode,
+                            arena_size=h.arena.size, offset=h.offset, hold_ms=int(h.hold_s * 1000)))).SerializeToString()
+                    found += 1
+                    self._count("chunks_sent")
+                    continue
                 try:
                     data = self.bytes.get(key)
                 except Exception:  # noqa: BLE001  INTERNAL; this stream's segments are reclaimed below
@@ -618,11 +636,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="bound on the partial chunks of all Put streams together")
     ap.add_argument("--tls-cert", default=None)
     ap.add_argument("--tls-key", default=None)
+    ap.add_argument("--arena", action="store_true",
+                    help="keep the memory tier in a shared-memory arena that same-host readers map (kv_bridge/arena.py)")
     args = ap.parse_args(argv)
     secret = ClusterSecret.from_env()
     if secret is None:  # a random secret of its own would admit no client at all
         ap.error(f"set {ENV_VAR} (64 hex digits, e.g. from secrets.token_hex(32)) here and for its clients")
-    store: ChunkStore = MemoryStore(args.memory_bytes, secret)
+    if args.arena:
+        from flashpd.kv_bridge.arena_store import ArenaStore
+
+        store: ChunkStore = ArenaStore(args.memory_bytes, secret)
+    else:
+        store = MemoryStore(args.memory_bytes, secret)
     if args.disk_dir:
         store = TieredStore(store, DiskStore(args.disk_dir, args.disk_bytes, secret))
     server, port = serve(store, args.host, args.port, args.max_workers, args.max_chunk_bytes, secret=secret,

@@ -243,10 +243,23 @@ class MemoryStore(IndexedStore):
                 self._parent.pop(victim, None)
                 self._bytes -= len(old)
                 self._c["evictions"] += 1
+                self._dropped(victim, old)
+            data = self._place(key, data)
+            if data is None:
+                self._parent.pop(key, None)
+                return PutResult.REFUSED
             self._index.insert(key, data, lambda k: self._parent.get(k, ""))
             self._bytes += len(data)
             self._c["puts"] += 1
             return PutResult.STORED
+
+    def _place(self, key: str, data: bytes | memoryview) -> bytes | memoryview | None:
+        """Under the lock, room made: what the entry will be (None: refused after all, counted by the caller's
+        subclass). Here the bytes themselves; an arena store copies them into its arena."""
+        return data
+
+    def _dropped(self, key: str, data: bytes | memoryview) -> None:
+        """Under the lock: an entry left the index (evicted, removed or dropped as corrupt)."""
 
     # -- reads ----------------------------------------------------------------------------------
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
@@ -281,6 +294,7 @@ class MemoryStore(IndexedStore):
                 del self._index[key]
                 self._parent.pop(key, None)
                 self._bytes -= len(data)
+                self._dropped(key, data)
             self._c["corrupt_dropped"] += 1
             self._c["hits"] -= 1
             self._c["misses"] += 1
@@ -292,6 +306,7 @@ class MemoryStore(IndexedStore):
                 return False
             self._parent.pop(key, None)
             self._bytes -= len(data)
+            self._dropped(key, data)
             return True
 
     def stats(self) -> dict:

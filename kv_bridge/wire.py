@@ -137,6 +137,7 @@ class Assembled(NamedTuple):
     key: str
     data: bytes | memoryview  # bytes, or (writable) a view of the receiver's own buffer
     body_mac: bytes | None  # the StreamingMac digest of the body when the Assembler had a MAC key
+    expires_at: float | None = None  # data is a view of a bridge's arena, usable until then (time.monotonic)
 
 
 @dataclass

@@ -50,12 +50,12 @@ def test_sweep_runs_on_the_local_launcher_without_ray(dflash_pair, tmp_path):  #
     out = tmp_path / "sweep.json"
     p = subprocess.run([sys.executable, "-m", "flashpd.bench.job_sweep", "--target", str(dflash_pair.target_dir),
                         "--draft", str(dflash_pair.draft_dir), "--out", str(out), *SMALL,
-                        "--long-every", "4", "--long-prompt-tokens", "300", "--bridge-transport", "shm"],
+                        "--long-every", "4", "--long-prompt-tokens", "300", "--bridge-transport", "arena"],
                        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     _check(out, "local", long_every=4)
     settings = json.loads(out.read_text())["settings"]
-    assert settings["long_prompt_tokens"] == 300 and settings["bridge_transport"] == "shm"
+    assert settings["long_prompt_tokens"] == 300 and settings["bridge_transport"] == "arena"
 
 
 def test_prompt_sets_mix_long_prompts(dflash_pair):  # noqa: F811

@@ -2,6 +2,8 @@
 acceptance lengths equal a cold colocated run (float32, CPU, the trained fixture pair)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -377,5 +379,63 @@ def test_device_tier_over_a_real_grpc_bridge_promotes_what_it_fetches(setup):
             pc = PrefixCache(tier, fp, CHUNK)
             generate(spec_gen(target, drafter), prompts[:8], PARAMS * 8, prefix_cache=pc)
             assert tier.stats()["hits_device"] == hits and tier.stats()["hits_backing"] == hits
+    finally:
+        server.stop(grace=None).wait(10)
+
+
+def test_hits_read_in_place_from_a_bridge_arena_equal_cold(setup):
+    """The arena transport: the decode side reads each chunk where the bridge's arena holds it (no segment, no
+    copy in between), and the restore equals cold."""
+    from flashpd.kv_bridge import shm
+    from flashpd.kv_bridge.arena_store import ArenaStore
+    from flashpd.kv_bridge.client import BridgeClient, RemoteStore
+    from flashpd.kv_bridge.server import serve
+    server, port = serve(ArenaStore(256 << 20))
+    try:
+        with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as prefill_side, \
+                BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as decode_side:
+            before = shm.list_segments()
+            _cold_and_hit(setup, RemoteStore(prefill_side, "arena"), lambda: RemoteStore(decode_side, "arena"), n=6)
+            st = decode_side.stats()
+            hits = sum((len(p) - 1) // CHUNK for p in setup[3][:6])
+            assert st["server.arena_handles_sent"] == hits and st["server.shm_segments_sent"] == 0
+            assert shm.list_segments() == before
+    finally:
+        server.stop(grace=None).wait(10)
+
+
+def test_a_restore_read_past_its_arena_hold_is_recomputed_never_used(setup):
+    """A reader slower than its hold (here: the bridge holds a slot 0.2 s past the reader's margin, and the reader
+    waits 0.3 s before it restores) must not use what it read: the slot may hold another chunk by then. The
+    restore recomputes those positions (tokens and acceptance equal cold), and a device tier in front refuses to
+    keep such a chunk."""
+    from flashpd.kv_bridge.arena import READER_MARGIN_S
+    from flashpd.kv_bridge.arena_store import ArenaStore
+    from flashpd.kv_bridge.client import BridgeClient, RemoteStore
+    from flashpd.kv_bridge.device_store import DeviceStore
+    from flashpd.kv_bridge.server import serve
+    target, drafter, fp, prompts = setup
+
+    class SlowReader(RemoteStore):
+        def get_many(self, keys, layout=None):
+            got = super().get_many(keys, layout)
+            time.sleep(0.3)
+            return got
+
+    server, port = serve(ArenaStore(256 << 20, hold_s=READER_MARGIN_S + 0.2))
+    try:
+        with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as c:
+            cold = generate(spec_gen(target, drafter), prompts[:2], PARAMS * 2,
+                            prefix_cache=PrefixCache(RemoteStore(c, "arena"), fp, CHUNK))
+            pc = PrefixCache(SlowReader(c, "arena"), fp, CHUNK)
+            late = generate(spec_gen(target, drafter), prompts[:2], PARAMS * 2, prefix_cache=pc)
+            assert pc.stats.per_request_hits == [0, 0] and pc.stats.refused_chunks == 2
+            for a, b in zip(cold, late):
+                assert a.output == b.output and a.stats.acceptance_lengths == b.stats.acceptance_lengths
+            tier = DeviceStore(64 << 20, "cpu", backing=SlowReader(c, "arena"))
+            pc = PrefixCache(tier, fp, CHUNK)
+            generate(spec_gen(target, drafter), prompts[:1], PARAMS, prefix_cache=pc)
+            assert tier.stats()["stale_refused"] >= 1 and tier.stats()["entries"] == 0
+            assert pc.stats.per_request_hits == [0]
     finally:
         server.stop(grace=None).wait(10)

@@ -15,12 +15,24 @@ INLINE: Transport
 SHM: Transport
 
 class ShmHandle(_message.Message):
-    __slots__ = ("name", "length")
+    __slots__ = ("name", "length", "arena_pid", "arena_fd", "arena_inode", "arena_size", "offset", "hold_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FD_FIELD_NUMBER: _ClassVar[int]
+    ARENA_INODE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     length: int
-    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+    arena_pid: int
+    arena_fd: int
+    arena_inode: int
+    arena_size: int
+    offset: int
+    hold_ms: int
+    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., arena_pid: _Optional[int] = ..., arena_fd: _Optional[int] = ..., arena_inode: _Optional[int] = ..., arena_size: _Optional[int] = ..., offset: _Optional[int] = ..., hold_ms: _Optional[int] = ...) -> None: ...
 
 class ChunkFrame(_message.Message):
     __slots__ = ("key", "offset", "total_length", "data", "last", "shm")
@@ -79,16 +91,18 @@ class PutReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., refused: _Optional[int] = ..., refused_keys: _Optional[_Iterable[str]] = ..., incomplete_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("version", "keys", "transport", "frame_bytes")
+    __slots__ = ("version", "keys", "transport", "frame_bytes", "arena")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
     version: int
     keys: _containers.RepeatedScalarFieldContainer[str]
     transport: Transport
     frame_bytes: int
-    def __init__(self, version: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., frame_bytes: _Optional[int] = ...) -> None: ...
+    arena: bool
+    def __init__(self, version: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., frame_bytes: _Optional[int] = ..., arena: _Optional[bool] = ...) -> None: ...
 
 class GetDone(_message.Message):
     __slots__ = ("found",)

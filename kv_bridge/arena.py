@@ -1,0 +1,189 @@
+"""Same-host prefix hits without copying the bytes: a bridge's entries in one shared-memory arena its readers map.
+
+Why: through segments (shm.py) a hit copies each chunk twice, the server into a fresh /dev/shm file and the reader
+out of it, both into fresh pages; at the Qwen3-8B shape that made a hit slower than computing the prompt again
+(docs/results.md). Here the server copies a chunk once, when it is put, into a slot of one memfd; a Get sends
+where the entry lies, and the reader reads it in place from a mapping it made once.
+
+Safety:
+- The memfd is sealed against shrinking and growing before anyone maps it, and a reader maps it only when those
+  seals are on (checked on the file it opened): no access through the mapping can fault past the end (SIGBUS).
+- It is sealed against future writes too, once the server has mapped it: only that one mapping, in the bridge's
+  process, can change an entry; a write(2) or a writable mapping by any other process is refused by the kernel,
+  so a reader's verified bytes cannot be changed by another client between its MAC check and its copy.
+- A reader opens the arena as /proc/<server pid>/fd/<fd>, read-only, and maps it only when it is a regular file of
+  this user with the inode and size the handle names (a reused descriptor number names another file: refused).
+- A live entry is never rewritten (the store's first put wins). An evicted entry's slot is reused only once the
+  hold of its last hand-out has passed (`hold_s`, counted from the Get). The reader holds it for less
+  (READER_MARGIN_S less, from when the handle arrived: no clock is shared) and checks that deadline after it
+  copied the bytes out (KVChunk.fresh()): bytes of a reused slot are never used silently; those positions
+  are computed instead.
+- The reader verifies each chunk's MAC over the mapped bytes, as every other transport does.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import stat
+import threading
+import time
+from bisect import insort
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+PAGE = 4096
+HOLD_S = 30.0  # an evicted slot handed out is not reused for this long after its last Get
+READER_MARGIN_S = 2.0  # a reader trusts a handle for hold - this, from when it arrived
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; Python 3.11's fcntl lacks the name
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE if hasattr(fcntl, "F_SEAL_SHRINK") else 0
+MAX_MAPPED = 4  # arenas a reader keeps mapped (a bridge that restarts hands out a new one)
+
+
+class ArenaError(OSError):
+    """A handle that names no usable arena, or a range outside it."""
+
+
+def available() -> bool:
+    """Whether this host can make and map sealed arenas (Linux: memfd_create and file seals)."""
+    return hasattr(os, "memfd_create") and bool(_SEALS) and os.path.isdir("/proc/self/fd")
+
+
+def _round_up(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaRef:
+    """Where a reader finds an arena: the server's pid and descriptor, and the file's inode and size."""
+    pid: int
+    fd: int
+    inode: int
+    size: int
+
+
+class Arena:
+    """One sealed memfd of `capacity` bytes (pages come as they are first written), cut into page-aligned slots
+    by first fit; a freed slot is held until its hold time has passed. Thread-safe."""
+
+    def __init__(self, capacity: int) -> None:
+        if not available():
+            raise ArenaError("a shared-memory arena needs Linux memfd_create and file seals")
+        self.size = _round_up(max(capacity, PAGE))
+        fd = os.memfd_create("fpkv-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, self.size)
+            self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)  # this mapping stays the only writer
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.ref = ArenaRef(os.getpid(), fd, os.fstat(fd).st_ino, self.size)
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, length), sorted, coalesced
+        self._held: list[tuple[float, int, int]] = []  # (until, offset, length): freed, not reusable yet
+        self._lock = threading.Lock()
+
+    def alloc(self, n: int) -> int | None:
+        """The offset of a free slot of n bytes (rounded up to pages), or None when none is free now."""
+        need = _round_up(n)
+        with self._lock:
+            self._release_expired()
+            for i, (off, length) in enumerate(self._free):
+                if length >= need:
+                    if length == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + need, length - need)
+                    return off
+        return None
+
+    def free(self, offset: int, n: int, hold_until: float = 0.0) -> None:
+        """Give a slot back; it is reused only after `hold_until` (time.monotonic)."""
+        with self._lock:
+            if hold_until > time.monotonic():
+                self._held.append((hold_until, offset, _round_up(n)))
+            else:
+                self._give(offset, _round_up(n))
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            self._release_expired()
+            return sum(n for _, _, n in self._held)
+
+    def _release_expired(self) -> None:
+        now = time.monotonic()
+        if any(until <= now for until, _, _ in self._held):
+            keep = []
+            for until, off, n in self._held:
+                if until <= now:
+                    self._give(off, n)
+                else:
+                    keep.append((until, off, n))
+            self._held = keep
+
+    def _give(self, offset: int, n: int) -> None:
+        insort(self._free, (offset, n))
+        merged: list[tuple[int, int]] = []
+        for off, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((off, length))
+        self._free = merged
+
+    def write(self, offset: int, data: bytes | memoryview) -> memoryview:
+        """Copy data into the slot at offset; returns a read-only view of it there."""
+        n = len(data)
+        self._array[offset:offset + n] = np.frombuffer(data, dtype=np.uint8)
+        return memoryview(self._map)[offset:offset + n].toreadonly()
+
+
+class ArenaMaps:
+    """A reader's read-only mappings of the arenas its bridges hand out, made on first use, the most recent
+    MAX_MAPPED kept (a mapping is unmapped once no chunk views it any more)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: OrderedDict[ArenaRef, mmap.mmap] = OrderedDict()
+
+    def view(self, ref: ArenaRef, offset: int, length: int) -> memoryview:
+        """A read-only view of length bytes at offset in the arena ref names; ArenaError when unusable."""
+        if not 0 < length <= ref.size or not 0 <= offset <= ref.size - length:
+            raise ArenaError(f"arena range {offset}+{length} is outside its {ref.size} bytes")
+        with self._lock:
+            m = self._maps.get(ref)
+            if m is None:
+                m = self._maps[ref] = _map(ref)
+                while len(self._maps) > MAX_MAPPED:
+                    self._maps.popitem(last=False)
+            self._maps.move_to_end(ref)
+        return memoryview(m)[offset:offset + length].toreadonly()
+
+
+def _map(ref: ArenaRef) -> mmap.mmap:
+    """Open the server's arena read-only and map it, once every check on the opened file has passed."""
+    if ref.pid <= 0 or ref.fd < 0 or ref.size <= 0:
+        raise ArenaError(f"arena handle {ref} is malformed")
+    try:
+        fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise ArenaError(f"arena of process {ref.pid} cannot be opened: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != ref.inode or st.st_size != ref.size:
+            raise ArenaError(f"process {ref.pid}'s descriptor {ref.fd} is not the arena the handle names")
+        if st.st_uid != os.geteuid():
+            raise ArenaError(f"arena of process {ref.pid} belongs to another user")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as e:
+            raise ArenaError(f"arena of process {ref.pid} is not a sealable memfd: {e.strerror}") from e
+        if seals & _SEALS != _SEALS:
+            raise ArenaError(f"arena of process {ref.pid} is not sealed against shrinking, growing and writes")
+        return mmap.mmap(fd, ref.size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)

@@ -1,0 +1,77 @@
+"""A bridge's memory store whose entries live in a shared-memory arena (arena.py): an SHM Get can send where an
+entry lies instead of its bytes, and a same-host reader reads it in place."""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from flashpd.kv_bridge.arena import HOLD_S, Arena, ArenaRef
+from flashpd.kv_bridge.auth import ClusterSecret
+from flashpd.kv_bridge.chunk import CorruptChunk
+from flashpd.kv_bridge.store import MemoryStore, verify_checked
+
+
+class ArenaHandle(NamedTuple):
+    """An entry's place: its arena, offset and length, and how long from now its slot stays unreused."""
+    arena: ArenaRef
+    offset: int
+    length: int
+    hold_s: float
+
+
+class ArenaStore(MemoryStore):
+    """MemoryStore (same LRU, admission and verification) whose entries are copied, once, into an arena.
+
+    The arena holds byte_budget plus `slack_bytes` (default: a quarter of the budget, at least 64 MiB): room for
+    the slots of evicted entries that are still held for a reader (HOLD_S after their last hand-out), and for
+    rounding each slot up to whole pages. A put that finds no free slot, the live entries within budget but the
+    slack used up, is refused (`arena_refused`).
+    The copy happens under the store's lock: reads wait for it (a few milliseconds a chunk)."""
+
+    def __init__(self, byte_budget: int, secret: ClusterSecret | None = None, slack_bytes: int | None = None,
+                 hold_s: float = HOLD_S) -> None:
+        super().__init__(byte_budget, secret)
+        slack = max(byte_budget // 4, 64 << 20) if slack_bytes is None else slack_bytes
+        self.arena = Arena(byte_budget + slack)
+        self.hold_s = hold_s
+        self._slot: dict[str, int] = {}  # key -> offset of its entry in the arena
+        self._hold: dict[str, float] = {}  # key -> when its slot may be reused once evicted (time.monotonic)
+        self._c.update(arena_refused=0, handles=0)
+
+    def _place(self, key: str, data: bytes | memoryview) -> memoryview | None:
+        off = self.arena.alloc(len(data))
+        if off is None:
+            self._c["arena_refused"] += 1
+            return None
+        self._slot[key] = off
+        return self.arena.write(off, data)
+
+    def _dropped(self, key: str, data: bytes | memoryview) -> None:
+        off = self._slot.pop(key, None)
+        if off is not None:
+            self.arena.free(off, len(data), self._hold.pop(key, 0.0))
+
+    def get_handle(self, key: str) -> ArenaHandle | None:
+        """Where the entry lies, verified, its slot held for hold_s from now; None on a miss (or a corrupt entry,
+        dropped as a get drops it)."""
+        with self._lock:
+            data = self._index.get(key)
+            if data is None:
+                self._c["misses"] += 1
+                return None
+            self._freshen(key)
+            self._c["hits"] += 1
+            self._c["handles"] += 1
+            self._hold[key] = time.monotonic() + self.hold_s
+            off = self._slot[key]
+        try:  # outside the lock: a live entry is never rewritten, and its slot is now held
+            verify_checked(key, data, self._mac)
+        except CorruptChunk:
+            self._drop_corrupt(key, data)
+            return None
+        return ArenaHandle(self.arena.ref, off, len(data), self.hold_s)
+
+    def stats(self) -> dict:
+        st = super().stats()
+        st.update(arena_bytes=self.arena.size, arena_held_bytes=self.arena.held_bytes())
+        return st

@@ -1,0 +1,276 @@
+"""The bridge's shared-memory arena (kv_bridge/arena.py, arena_store.py): slots, holds, seals, and the client's
+checks on the handles it is sent. Real memfds, a real gRPC server on 127.0.0.1, and a real server process."""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from flashpd.kv_bridge import arena, shm
+from flashpd.kv_bridge.arena import PAGE, Arena, ArenaError, ArenaMaps, ArenaRef
+from flashpd.kv_bridge.arena_store import ArenaStore
+from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.client import BridgeClient, BridgeProtocolError, _in_arena
+from flashpd.kv_bridge.frame_codec import Frame, ShmRef
+from flashpd.kv_bridge.server import serve
+from flashpd.kv_bridge.store import MemoryStore, PutResult
+from flashpd.kv_bridge.wire import Assembler
+
+from tests._cluster_helpers import dflash_pair  # noqa: F401  (session fixture)
+
+pytestmark = pytest.mark.skipif(not arena.available(), reason="memfd arenas are Linux-only")
+
+
+def chunk(i: int, tokens: int = 8, parent: str = "") -> KVChunk:
+    g = torch.Generator().manual_seed(i)
+    return KVChunk(f"{i:064x}", parent, "fp", list(range(tokens)), torch.randn(2, 2, tokens, 2, 16, generator=g),
+                   torch.randn(1, 2, tokens, 2, 16, generator=g))
+
+
+def same(a: KVChunk, b: KVChunk) -> bool:
+    return a.key == b.key and torch.equal(a.target_kv, b.target_kv) and torch.equal(a.draft_kv, b.draft_kv)
+
+
+def test_slots_are_page_aligned_first_fit_and_freed_slots_coalesce():
+    a = Arena(8 * PAGE)
+    x, y, z = a.alloc(1), a.alloc(PAGE + 1), a.alloc(PAGE)
+    assert (x, y, z) == (0, PAGE, 3 * PAGE)
+    assert a.alloc(5 * PAGE) is None  # 4 pages are left
+    a.free(x, 1)
+    a.free(y, PAGE + 1)
+    assert a.alloc(3 * PAGE) == 0  # the two freed slots became one
+    assert a.alloc(4 * PAGE) == 4 * PAGE
+
+
+def test_a_held_slot_is_not_reused_until_its_hold_has_passed():
+    a = Arena(2 * PAGE)
+    x = a.alloc(PAGE)
+    a.alloc(PAGE)
+    a.free(x, PAGE, time.monotonic() + 0.3)
+    assert a.alloc(PAGE) is None and a.held_bytes() == PAGE
+    time.sleep(0.35)
+    assert a.alloc(PAGE) == x and a.held_bytes() == 0
+
+
+def test_the_arena_cannot_shrink_or_grow_so_a_mapping_never_faults_past_its_end():
+    a = Arena(4 * PAGE)
+    seals = fcntl.fcntl(a.fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+    for n in (PAGE, 8 * PAGE):
+        with pytest.raises(PermissionError):
+            os.ftruncate(a.fd, n)
+
+
+def test_only_the_bridges_own_mapping_can_change_an_entry():
+    """Another process of the same user opens the arena writable through /proc: its writes and writable mappings
+    are refused by the kernel (future-write seal), so bytes a reader verified stay what it verified."""
+    s = ArenaStore(1 << 20)
+    c = chunk(5)
+    assert s.put(c)
+    fd = os.open(f"/proc/{os.getpid()}/fd/{s.arena.fd}", os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, s.arena.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    assert same(s.get(c.key), c)
+
+
+def test_the_store_copies_entries_into_its_arena_and_hands_out_where_they_lie():
+    s = ArenaStore(1 << 20)
+    c = chunk(1)
+    assert s.put(c) and s.stats()["entries"] == 1
+    h = s.get_handle(c.key)
+    assert h is not None and h.arena == s.arena.ref and h.offset % PAGE == 0
+    view = ArenaMaps().view(h.arena, h.offset, h.length)
+    assert same(KVChunk.from_bytes(view, s.secret.mac_key, share=True), c)
+    assert same(s.get(c.key), c) and s.get_handle("f" * 64) is None
+
+
+def test_a_slot_handed_out_is_reused_only_after_the_readers_deadline():
+    """The invariant the reader relies on: an evicted entry's slot holds other bytes only once the hold of its
+    last hand-out has passed, and by then every reader of that hand-out sees its chunk as stale."""
+    s = ArenaStore(3500, slack_bytes=0, hold_s=arena.READER_MARGIN_S + 0.3)
+    a = chunk(1, tokens=4)
+    n = len(a.to_bytes(s.secret.mac_key))
+    assert n < 3500 < 2 * n and s.put(a)
+    maps = ArenaMaps()
+    view = maps.view(*_handle_parts(s.get_handle(a.key)))
+    got = KVChunk.from_bytes(view, s.secret.mac_key, share=True)
+    got.expires_at = time.monotonic() + 0.3  # what the client sets: hold less its margin, from receipt
+    b = chunk(2, tokens=4)
+    assert s.put_bytes(b.key, b.to_bytes(s.secret.mac_key)) is PutResult.REFUSED  # a evicted, its slot held
+    assert s.stats()["arena_refused"] == 1 and not s.contains(a.key) and got.fresh()
+    time.sleep(0.35)
+    assert not got.fresh()
+    time.sleep(arena.READER_MARGIN_S)
+    assert s.put(b)  # the slot is free now, and b lies where a did
+    assert not torch.equal(got.target_kv, a.target_kv)  # what the stale view shows now is b's bytes
+
+
+def _handle_parts(h):
+    return h.arena, h.offset, h.length
+
+
+def test_an_evicted_unheld_slot_is_reused_at_once():
+    s = ArenaStore(3500, slack_bytes=0)
+    a, b = chunk(1, tokens=4), chunk(2, tokens=4)
+    assert s.put(a) and s.put(b) and not s.contains(a.key) and s.contains(b.key)
+
+
+def _frame(ref: ArenaRef, offset: int, length: int, hold_ms: int = 30_000) -> Frame:
+    return Frame(key="k" * 64, offset=0, total_length=length, last=True,
+                 shm=ShmRef(length=length, arena_pid=ref.pid, arena_fd=ref.fd, arena_inode=ref.inode,
+                            arena_size=ref.size, offset=offset, hold_ms=hold_ms))
+
+
+def test_the_client_maps_only_the_sealed_arena_the_handle_names():
+    a = Arena(4 * PAGE)
+    maps = ArenaMaps()
+    ok = _in_arena(_frame(a.ref, PAGE, 100), 1 << 20, maps)
+    assert len(ok.data) == 100 and ok.data.readonly and ok.expires_at > time.monotonic()
+    bad = {
+        "another file at that descriptor number": replace(a.ref, inode=a.ref.inode + 1),
+        "another size": replace(a.ref, size=a.ref.size + PAGE),
+        "a descriptor the process does not have": replace(a.ref, fd=1 << 20),
+        "a process that does not exist": replace(a.ref, pid=(1 << 22) + 1),
+    }
+    for why, ref in bad.items():
+        with pytest.raises(ArenaError):
+            ArenaMaps().view(ref, 0, 100)
+    for off, n in ((a.size - 50, 100), (0, 0), (a.size, 1)):
+        with pytest.raises(ArenaError, match="outside"):
+            maps.view(a.ref, off, n)
+
+
+def test_the_client_refuses_an_unsealed_memfd_that_could_shrink_under_it():
+    """A mapping of a file that shrinks faults (SIGBUS, the reader dies): only a memfd sealed against shrinking
+    is ever mapped."""
+    fd = os.memfd_create("not-an-arena", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4 * PAGE)
+        ref = ArenaRef(os.getpid(), fd, os.fstat(fd).st_ino, 4 * PAGE)
+        with pytest.raises(ArenaError, match="not sealed"):
+            ArenaMaps().view(ref, 0, 100)
+    finally:
+        os.close(fd)
+
+
+def test_a_handle_whose_hold_leaves_no_time_to_read_is_refused():
+    a = Arena(4 * PAGE)
+    with pytest.raises(Exception, match="hold_ms"):
+        _in_arena(_frame(a.ref, 0, 100, hold_ms=int(arena.READER_MARGIN_S * 1000)), 1 << 20, ArenaMaps())
+    with pytest.raises(Exception, match="length"):
+        _in_arena(_frame(a.ref, 0, 2 << 20), 1 << 20, ArenaMaps())
+
+
+def test_a_get_through_the_arena_reads_in_place_and_writes_no_segment():
+    server, port = serve(ArenaStore(64 << 20))
+    try:
+        with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as c:
+            cs = [chunk(i, parent=chunk(i - 1).key if i else "") for i in range(4)]
+            assert c.put(cs, "arena").stored == 4
+            before = shm.list_segments()
+            got = c.get([x.key for x in cs], "arena")
+            assert all(same(g, x) and g.fresh() and g.expires_at is not None for g, x in zip(got, cs))
+            st = c.stats()
+            assert st["server.arena_handles_sent"] == 4 and st["server.shm_segments_sent"] == 0
+            assert shm.list_segments() == before
+            # the same bridge, asked for segments, writes them as before
+            got = c.get([x.key for x in cs], "shm")
+            assert all(same(g, x) and g.expires_at is None for g, x in zip(got, cs))
+            assert c.stats()["server.shm_segments_sent"] == 4
+    finally:
+        server.stop(grace=None).wait(10)
+
+
+def test_an_arena_get_from_a_bridge_without_an_arena_gets_segments():
+    server, port = serve(MemoryStore(64 << 20))
+    try:
+        with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as c:
+            x = chunk(3)
+            c.put([x], "arena")
+            (g,) = c.get([x.key], "arena")
+            assert same(g, x) and g.expires_at is None and c.stats()["server.shm_segments_sent"] == 1
+    finally:
+        server.stop(grace=None).wait(10)
+
+
+def test_a_launched_bridge_with_the_arena_transport_is_read_in_place_from_another_process(dflash_pair, tmp_path):  # noqa: F811
+    """The real same-host case: `bridge_transport: arena` gives the bridge worker (its own process, started by the
+    local launcher) an arena memory tier; this process opens it through /proc/<pid>/fd and reads what another
+    client put, in place."""
+    from flashpd.cluster.launcher import WorkerSpec
+    from flashpd.cluster.local_launcher import LocalLauncher
+    from tests._cluster_helpers import serve_cfg
+
+    launcher = LocalLauncher(tmp_path / "logs")
+    try:
+        (w,) = launcher.start([WorkerSpec("bridge", 0, serve_cfg(dflash_pair, "local", bridge_transport="arena"))],
+                              120.0)
+        with BridgeClient(w.address, 30, secret=launcher.secret) as writer, \
+                BridgeClient(w.address, 30, secret=launcher.secret) as reader:
+            assert reader.health()["store"] == "ArenaStore"
+            cs = [chunk(10 + i) for i in range(3)]
+            assert writer.put(cs, "inline").stored == 3
+            got = reader.get([x.key for x in cs], "arena")
+            assert all(same(g, x) and g.expires_at is not None for g, x in zip(got, cs))
+            assert reader.stats()["server.arena_handles_sent"] == 3
+    finally:
+        launcher.shutdown()
+
+
+def test_a_disk_hit_is_promoted_into_the_arena_and_handed_out_from_there(tmp_path):
+    from flashpd.kv_bridge.disk import DiskStore, TieredStore
+    cs = [chunk(20 + i) for i in range(2)]
+    first = TieredStore(ArenaStore(1 << 20), DiskStore(tmp_path / "kv", 1 << 20))
+    assert all(first.put(c) for c in cs) and first.flush(10)
+    first.close()
+    again = TieredStore(ArenaStore(1 << 20), DiskStore(tmp_path / "kv", 1 << 20))  # a restart: memory empty
+    server, port = serve(again)
+    try:
+        with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as c:
+            got = c.get([x.key for x in cs], "arena")
+            assert all(same(g, x) for g, x in zip(got, cs)) and c.stats()["server.arena_handles_sent"] == 2
+            assert again.stats()["hits_disk"] == 2 and again.memory.stats()["entries"] == 2
+    finally:
+        server.stop(grace=None).wait(10)
+        again.close()
+    plain = TieredStore(MemoryStore(1 << 20), DiskStore(tmp_path / "kv2", 1 << 20))
+    assert not hasattr(plain, "get_handle")  # no arena below it: a bridge sends segments
+    plain.close()
+
+
+def test_a_handle_naming_another_file_fails_the_get_loudly():
+    """A handle the client cannot map is a protocol error of that Get (the caller recomputes), never a crash."""
+    a = Arena(4 * PAGE)
+    with pytest.raises(BridgeProtocolError, match="not the arena"):
+        BridgeClient._receive(_frame(replace(a.ref, inode=a.ref.inode + 7), 0, 100), Assembler(), 1 << 20, ArenaMaps())
+
+
+def test_a_readers_view_of_the_arena_is_read_only():
+    a = Arena(4 * PAGE)
+    view = ArenaMaps().view(a.ref, 0, 100)
+    with pytest.raises(TypeError):
+        view[0] = 1
+
+
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_a_worker_tier_never_keeps_a_chunk_read_past_its_hold(tier):
+    """A chunk read in place from an arena whose deadline has passed is not promoted into a worker's tier: what
+    it copied may be another chunk's bytes."""
+    from flashpd.kv_bridge.device_store import DeviceStore
+    from flashpd.kv_bridge.host_store import HostStore
+    store = HostStore(1 << 20, "cpu") if tier == "host" else DeviceStore(1 << 20, "cpu")
+    late, ok = chunk(1), chunk(2)
+    late.expires_at, ok.expires_at = time.monotonic() - 0.01, time.monotonic() + 30
+    assert not store.put(late) and store.put(ok)
+    st = store.stats()
+    assert st["stale_refused"] == 1 and st["entries"] == 1 and store.get(late.key) is None

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from flashpd.kv_bridge.arena import HOLD_S, Arena, ArenaRef
+from flashpd.kv_bridge.arena import HOLD_S, READER_MARGIN_S, Arena, ArenaRef
 from flashpd.kv_bridge.auth import ClusterSecret
-from flashpd.kv_bridge.chunk import CorruptChunk
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.store import MemoryStore, verify_checked
 
 
@@ -51,9 +52,8 @@ class ArenaStore(MemoryStore):
         if off is not None:
             self.arena.free(off, len(data), self._hold.pop(key, 0.0))
 
-    def get_handle(self, key: str) -> ArenaHandle | None:
-        """Where the entry lies, verified, its slot held for hold_s from now; None on a miss (or a corrupt entry,
-        dropped as a get drops it)."""
+    # -- reads: every read holds the entry's slot for hold_s, so it is not reused under whoever reads it ----------
+    def _take(self, key: str) -> memoryview | None:
         with self._lock:
             data = self._index.get(key)
             if data is None:
@@ -61,15 +61,48 @@ class ArenaStore(MemoryStore):
                 return None
             self._freshen(key)
             self._c["hits"] += 1
-            self._c["handles"] += 1
             self._hold[key] = time.monotonic() + self.hold_s
-            off = self._slot[key]
-        try:  # outside the lock: a live entry is never rewritten, and its slot is now held
+            return data
+
+    def get_handle(self, key: str) -> ArenaHandle | None:
+        """Where the entry lies, verified, its slot held for hold_s from now; None on a miss (or a corrupt entry,
+        dropped as a get drops it)."""
+        data = self._take(key)
+        if data is None:
+            return None
+        try:  # a live entry is never rewritten, and its slot is now held
             verify_checked(key, data, self._mac)
         except CorruptChunk:
             self._drop_corrupt(key, data)
             return None
+        with self._lock:
+            self._c["handles"] += 1
+            off = self._slot.get(key)
+        if off is None:  # removed since (its slot stays held): a miss now
+            return None
         return ArenaHandle(self.arena.ref, off, len(data), self.hold_s)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        """A copy of the entry, verified: whoever asks for bytes (an inline or segment Get, a disk tier) may keep
+        them longer than any hold."""
+        view = self._take(key)
+        if view is None:
+            return None
+        data = bytes(view)
+        try:
+            verify_checked(key, data, self._mac)
+        except CorruptChunk:
+            self._drop_corrupt(key, view)
+            return None
+        return data
+
+    def get_shared(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
+        """As MemoryStore's, the tensors views of the entry in the arena: usable until the hold less the reader's
+        margin (KVChunk.expires_at), as a chunk an arena Get hands a client."""
+        chunk = super().get_shared(key, layout)
+        if chunk is not None:
+            chunk.expires_at = time.monotonic() + self.hold_s - READER_MARGIN_S
+        return chunk
 
     def stats(self) -> dict:
         st = super().stats()

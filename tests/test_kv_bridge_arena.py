@@ -274,3 +274,17 @@ def test_a_worker_tier_never_keeps_a_chunk_read_past_its_hold(tier):
     assert not store.put(late) and store.put(ok)
     st = store.stats()
     assert st["stale_refused"] == 1 and st["entries"] == 1 and store.get(late.key) is None
+
+
+def test_every_read_holds_the_slot_and_only_copies_leave_without_a_deadline():
+    """An inline or segment Get streams (or writes out) what get_bytes returned, for as long as its client takes:
+    a copy, never a view of a slot that may be reused. A shared read's views carry the reader's deadline. And a
+    slot read any way is held, so it is not reused while the read is still copying or verifying."""
+    s = ArenaStore(3500, slack_bytes=0)
+    a, b = chunk(1, tokens=4), chunk(2, tokens=4)
+    assert s.put(a)
+    data = s.get_bytes(a.key)
+    assert isinstance(data, bytes) and same(KVChunk.from_bytes(data, s.secret.mac_key), a)
+    shared = s.get_shared(a.key)
+    assert same(shared, a) and shared.fresh() and shared.expires_at < time.monotonic() + s.hold_s
+    assert not s.put(b) and s.stats()["arena_refused"] == 1  # a evicted for b, its slot held by those reads

@@ -135,6 +135,10 @@ class Arena:
                 merged.append((off, length))
         self._free = merged
 
+    def buffer(self, offset: int, n: int) -> np.ndarray:
+        """A writable array over the slot at offset (for a receiver to fill before the slot is put)."""
+        return np.frombuffer(self._map, dtype=np.uint8, count=n, offset=offset)
+
     def write(self, offset: int, data: bytes | memoryview) -> memoryview:
         """Copy data into the slot at offset; returns a read-only view of it there."""
         n = len(data)

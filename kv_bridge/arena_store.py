@@ -2,8 +2,12 @@
 entry lies instead of its bytes, and a same-host reader reads it in place."""
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from typing import NamedTuple
+
+import numpy as np
 
 from flashpd.kv_bridge.arena import HOLD_S, READER_MARGIN_S, Arena, ArenaRef
 from flashpd.kv_bridge.auth import ClusterSecret
@@ -37,9 +41,39 @@ class ArenaStore(MemoryStore):
         self.hold_s = hold_s
         self._slot: dict[str, int] = {}  # key -> offset of its entry in the arena
         self._hold: dict[str, float] = {}  # key -> when its slot may be reused once evicted (time.monotonic)
-        self._c.update(arena_refused=0, handles=0)
+        self._reserved: dict[int, tuple[weakref.ref, int, int]] = {}  # id(buffer) -> (buffer, offset, length)
+        self._lock = threading.RLock()  # a reservation's finalizer may run wherever its buffer's last reference goes
+        self._c.update(arena_refused=0, handles=0, filled_in_place=0)
+
+    # -- writes: a receiver may fill a reserved slot itself, so a put needs no copy of its own ---------------
+    def reserve(self, n: int) -> np.ndarray | None:
+        """A writable buffer of n bytes in a free slot, for a receiver to fill (read a segment or frames into):
+        put_bytes of a read-only view of it then takes the slot as it is, without a copy. A buffer not put (a chunk
+        refused, a stream cut) gives its slot back when it is garbage. None when no slot is free now (the receiver
+        uses memory of its own; the put copies)."""
+        off = self.arena.alloc(n)
+        if off is None:
+            return None
+        buf = self.arena.buffer(off, n)
+        with self._lock:
+            self._reserved[id(buf)] = (weakref.ref(buf), off, n)
+        weakref.finalize(buf, self._unreserve, id(buf))
+        return buf
+
+    def _unreserve(self, ident: int) -> None:
+        with self._lock:
+            found = self._reserved.pop(ident, None)
+        if found is not None:
+            self.arena.free(found[1], found[2])
 
     def _place(self, key: str, data: bytes | memoryview) -> memoryview | None:
+        owner = data.obj if isinstance(data, memoryview) else None
+        found = self._reserved.get(id(owner)) if owner is not None else None
+        if found is not None and found[0]() is owner and found[2] == len(data):  # filled in place: no copy
+            del self._reserved[id(owner)]
+            self._slot[key] = found[1]
+            self._c["filled_in_place"] += 1
+            return data
         off = self.arena.alloc(len(data))
         if off is None:
             self._c["arena_refused"] += 1

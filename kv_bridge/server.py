@@ -209,7 +209,9 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         self._count("puts_streams")
         # each frame copied once, without the GIL, into a buffer of this stream's own: the store gets a
         # read-only view of it (a store that keeps bytes copies it once more)
-        asm = Assembler(self.max_chunk_bytes, writable=True, mac=self.secret.mac_key, budget=self.inflight)
+        # an arena store lends the slot a chunk will live in: the frames (or a segment) land there, no copy after
+        asm = Assembler(self.max_chunk_bytes, writable=True, mac=self.secret.mac_key, budget=self.inflight,
+                        alloc=getattr(self.store, "reserve", None))
         # whose segments this stream may hand over: the owner key its metadata presents (shm.SegmentOwner)
         owner = shm.SegmentOwner.from_metadata(context.invocation_metadata())
         try:
@@ -287,7 +289,9 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                                               "total_length=shm.length")
             if not 0 < f.shm.length <= self.max_chunk_bytes:
                 raise FrameError("frame.shm.length", f"{f.shm.length} not in 1..{self.max_chunk_bytes}")
-            return f.key, shm.take_segment(f.shm.name, f.shm.length)
+            reserve = getattr(self.store, "reserve", None)
+            into = reserve(f.shm.length) if reserve is not None else None
+            return f.key, shm.take_segment(f.shm.name, f.shm.length, into=into)
         except BaseException:
             if self.shm_left.note(f.shm.name):
                 self._count("shm_put_segments_left")

@@ -167,10 +167,11 @@ def write_segment(data: bytes | list[bytes | memoryview], tag: str = "") -> str:
     return name
 
 
-def take_segment(name: str, length: int, writable: bool = False) -> bytes | memoryview:
+def take_segment(name: str, length: int, writable: bool = False, into: np.ndarray | None = None) -> bytes | memoryview:
     """Read the segment's bytes and unlink it. writable: into a buffer the caller owns (an importer's, see
     KVChunk.from_bytes(own=True)), a view of numpy's memory (huge pages where the kernel offers them: a fresh
-    bytearray's 4 KiB page faults made the read 3x slower), else immutable bytes.
+    bytearray's 4 KiB page faults made the read 3x slower), else immutable bytes. into: a buffer of `length`
+    bytes to read into (a store's reserved slot), returned as a view.
 
     The name is a peer's, who may name a file that is not its own to hand over: only a regular file of
     this process's user is read (a FIFO would block the open forever, a link could point anywhere), and a
@@ -194,16 +195,18 @@ def take_segment(name: str, length: int, writable: bool = False) -> bytes | memo
             raise ShmError(f"shm segment {name} belongs to another user")
         if st.st_size != length or length == 0:
             raise ShmError(f"shm segment {name} holds {st.st_size} bytes, handle says {length}")
-        data = _read_exactly(fd, name, length, writable)
+        data = _read_exactly(fd, name, length, writable, into)
     finally:
         os.close(fd)
     unlink_segment(name)
     return data
 
 
-def _read_exactly(fd: int, name: str, length: int, writable: bool) -> bytes | memoryview:
-    if writable:  # not zeroed: every byte is read into it before it is returned
-        view, got = memoryview(np.empty(length, dtype=np.uint8)), 0
+def _read_exactly(fd: int, name: str, length: int, writable: bool, into: np.ndarray | None = None) -> bytes | memoryview:
+    if into is not None and len(into) != length:
+        raise ValueError(f"a buffer of {len(into)} bytes for a segment of {length}")
+    if writable or into is not None:  # not zeroed: every byte is read into it before it is returned
+        view, got = memoryview(into if into is not None else np.empty(length, dtype=np.uint8)), 0
         while got < length:
             n = os.readv(fd, [view[got:]])
             if n == 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Protocol, Sequence
+from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -158,6 +158,9 @@ class Assembler:
     writable: bool = False
     mac: MacKey | None = None
     budget: ByteBudget | None = None
+    # writable: where a chunk's buffer comes from first (a store's reserve(n): the put then needs no copy of its
+    # own); None from it, or no alloc, means numpy's memory
+    alloc: Callable[[int], np.ndarray | None] | None = None
     key: str = ""
     total: int = 0
     received: int = 0
@@ -201,7 +204,9 @@ class Assembler:
             self.key, self.total, self.started = f.key, f.total_length, time.monotonic()
             self._hash = StreamingMac(self.mac, self.total) if self.mac is not None else None
             if self.writable:  # not zeroed: every byte is written before the chunk is handed out
-                self._buf = np.empty(self.total, dtype=np.uint8)
+                self._buf = self.alloc(self.total) if self.alloc is not None else None
+                if self._buf is None:
+                    self._buf = np.empty(self.total, dtype=np.uint8)
         if self._hash is not None:
             self._hash.update(data)
         if self._buf is not None:  # numpy copies without the GIL: parallel streams overlap here

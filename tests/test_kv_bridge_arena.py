@@ -288,3 +288,31 @@ def test_every_read_holds_the_slot_and_only_copies_leave_without_a_deadline():
     shared = s.get_shared(a.key)
     assert same(shared, a) and shared.fresh() and shared.expires_at < time.monotonic() + s.hold_s
     assert not s.put(b) and s.stats()["arena_refused"] == 1  # a evicted for b, its slot held by those reads
+
+
+@pytest.mark.parametrize("transport", ["inline", "arena"])
+def test_a_put_lands_in_its_arena_slot_with_no_copy_of_its_own(transport):
+    """The frames (inline) or the segment (same host) are read straight into the slot the entry will live in; a
+    chunk refused (a duplicate, a corrupt one) gives its reserved slot back."""
+    store = ArenaStore(64 << 20)
+    server, port = serve(store)
+    try:
+        with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as c:
+            cs = [chunk(30 + i) for i in range(3)]
+            assert c.put(cs, transport).stored == 3
+            assert store.stats()["filled_in_place"] == 3
+            assert all(same(g, x) for g, x in zip(c.get([x.key for x in cs], "arena"), cs))
+            assert c.put(cs[:1], transport).duplicates == 1
+            bad = chunk(40)
+            data = bytearray(bad.to_bytes(store.secret.mac_key))
+            data[-1] ^= 1
+            assert c.put_bytes([(bad.key, bytes(data))], transport).refused == 1
+            assert store.stats()["filled_in_place"] == 3 and store.stats()["entries"] == 3
+        used = sum(_round(len(x.to_bytes(store.secret.mac_key))) for x in cs)
+        assert store.arena.alloc(store.arena.size - used) is not None  # the refused chunks' slots came back
+    finally:
+        server.stop(grace=None).wait(10)
+
+
+def _round(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE

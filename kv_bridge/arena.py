@@ -14,10 +14,11 @@ Safety:
 - A reader opens the arena as /proc/<server pid>/fd/<fd>, read-only, and maps it only when it is a regular file of
   this user with the inode and size the handle names (a reused descriptor number names another file: refused).
 - A live entry is never rewritten (the store's first put wins). An evicted entry's slot is reused only once the
-  hold of its last hand-out has passed (`hold_s`, counted from the Get). The reader holds it for less
-  (READER_MARGIN_S less, from when the handle arrived: no clock is shared) and checks that deadline after it
-  copied the bytes out (KVChunk.fresh()): bytes of a reused slot are never used silently; those positions
-  are computed instead.
+  hold of its last hand-out has passed (`hold_s`, counted from the Get), and its generation word (one 32-bit word a
+  page, after the slots) is bumped before it can be. The reader trusts a handle for READER_MARGIN_S less than its
+  hold, from when it arrived (no clock is shared), and while the word still reads what the handle said; it checks
+  both after it copied the bytes out (KVChunk.fresh(), chunk.Lease): bytes of a reused slot are never used
+  silently; those positions are computed instead.
 - The reader verifies each chunk's MAC over the mapped bytes, as every other transport does.
 """
 from __future__ import annotations
@@ -65,13 +66,15 @@ class ArenaRef:
 
 
 class Arena:
-    """One sealed memfd of `capacity` bytes (pages come as they are first written), cut into page-aligned slots
-    by first fit; a freed slot is held until its hold time has passed. Thread-safe."""
+    """One sealed memfd: `capacity` bytes of page-aligned slots cut by first fit (pages come as they are first
+    written), then a generation word for each page; a freed slot is held until its hold time has passed, and the
+    word of its first page is bumped as it becomes free for reuse. Thread-safe."""
 
     def __init__(self, capacity: int) -> None:
         if not available():
             raise ArenaError("a shared-memory arena needs Linux memfd_create and file seals")
-        self.size = _round_up(max(capacity, PAGE))
+        self.data_size = _round_up(max(capacity, PAGE))
+        self.size = self.data_size + _round_up(self.data_size // PAGE * 4)
         fd = os.memfd_create("fpkv-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, self.size)
@@ -82,8 +85,9 @@ class Arena:
             raise
         self.fd = fd
         self.ref = ArenaRef(os.getpid(), fd, os.fstat(fd).st_ino, self.size)
-        self._array = np.frombuffer(self._map, dtype=np.uint8)
-        self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, length), sorted, coalesced
+        self._array = np.frombuffer(self._map, dtype=np.uint8, count=self.data_size)
+        self._gen = np.frombuffer(self._map, dtype=np.uint32, count=self.data_size // PAGE, offset=self.data_size)
+        self._free: list[tuple[int, int]] = [(0, self.data_size)]  # (offset, length), sorted, coalesced
         self._held: list[tuple[float, int, int]] = []  # (until, offset, length): freed, not reusable yet
         self._lock = threading.Lock()
 
@@ -125,7 +129,16 @@ class Arena:
                     keep.append((until, off, n))
             self._held = keep
 
+    def generation(self, offset: int) -> tuple[int, int]:
+        """The slot at offset's generation word: where it lies in the arena, and what it reads now."""
+        return self.data_size + 4 * (offset // PAGE), int(self._gen[offset // PAGE])
+
+    def word(self, gen_offset: int) -> np.ndarray:
+        """A one-element uint32 view of the generation word at gen_offset (as generation() gave it)."""
+        return np.frombuffer(self._map, dtype=np.uint32, count=1, offset=gen_offset)
+
     def _give(self, offset: int, n: int) -> None:
+        self._gen[offset // PAGE] += 1  # before any part of the slot can be handed out again
         insort(self._free, (offset, n))
         merged: list[tuple[int, int]] = []
         for off, length in self._free:
@@ -167,13 +180,22 @@ class ArenaMaps:
             self._maps.move_to_end(ref)
         return memoryview(m)[offset:offset + length].toreadonly()
 
+    def word(self, ref: ArenaRef, offset: int) -> np.ndarray:
+        """A one-element uint32 view of the arena's word at offset (a slot's generation word)."""
+        if offset % 4 or not 0 <= offset <= ref.size - 4:
+            raise ArenaError(f"arena word at {offset} is not an aligned word of its {ref.size} bytes")
+        self.view(ref, offset, 4)  # maps the arena if it is not yet
+        with self._lock:
+            m = self._maps[ref]
+        return np.frombuffer(m, dtype=np.uint32, count=1, offset=offset)
+
 
 def _map(ref: ArenaRef) -> mmap.mmap:
     """Open the server's arena read-only and map it, once every check on the opened file has passed."""
     if ref.pid <= 0 or ref.fd < 0 or ref.size <= 0:
         raise ArenaError(f"arena handle {ref} is malformed")
     try:
-        fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as e:
         raise ArenaError(f"arena of process {ref.pid} cannot be opened: {e.strerror}") from e
     try:

@@ -11,17 +11,20 @@ import numpy as np
 
 from flashpd.kv_bridge.arena import HOLD_S, READER_MARGIN_S, Arena, ArenaRef
 from flashpd.kv_bridge.auth import ClusterSecret
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, Lease
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.store import MemoryStore, verify_checked
 
 
 class ArenaHandle(NamedTuple):
-    """An entry's place: its arena, offset and length, and how long from now its slot stays unreused."""
+    """An entry's place: its arena, offset and length, how long from now its slot stays unreused, and its slot's
+    generation word (where, and what it reads now)."""
     arena: ArenaRef
     offset: int
     length: int
     hold_s: float
+    gen_offset: int
+    gen: int
 
 
 class ArenaStore(MemoryStore):
@@ -112,9 +115,10 @@ class ArenaStore(MemoryStore):
         with self._lock:
             self._c["handles"] += 1
             off = self._slot.get(key)
-        if off is None:  # removed since (its slot stays held): a miss now
-            return None
-        return ArenaHandle(self.arena.ref, off, len(data), self.hold_s)
+            if off is None:  # removed since (its slot stays held): a miss now
+                return None
+            gen_offset, gen = self.arena.generation(off)
+        return ArenaHandle(self.arena.ref, off, len(data), self.hold_s, gen_offset, gen)
 
     def get_bytes(self, key: str) -> bytes | None:
         """A copy of the entry, verified: whoever asks for bytes (an inline or segment Get, a disk tier) may keep
@@ -135,7 +139,12 @@ class ArenaStore(MemoryStore):
         margin (KVChunk.expires_at), as a chunk an arena Get hands a client."""
         chunk = super().get_shared(key, layout)
         if chunk is not None:
-            chunk.expires_at = time.monotonic() + self.hold_s - READER_MARGIN_S
+            with self._lock:
+                off = self._slot.get(key)
+            if off is None:  # removed since: its slot is held, but nothing here says for how long it stays this
+                return None
+            gen_offset, gen = self.arena.generation(off)
+            chunk.lease = Lease(time.monotonic() + self.hold_s - READER_MARGIN_S, self.arena.word(gen_offset), gen)
         return chunk
 
     def stats(self) -> dict:

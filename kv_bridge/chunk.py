@@ -18,6 +18,7 @@ import struct
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,6 +42,22 @@ class LayoutMismatch(ValueError):
     token count or method): a miss for this reader; the entry itself is left alone."""
 
 
+@dataclass(frozen=True)
+class Lease:
+    """How long a chunk's bytes, read in place from a bridge's arena, are still its own: until `expires_at`
+    (time.monotonic, the reader's own clock) and while the slot's generation word (`word`, a one-element uint32
+    view of the arena) still reads `value` (the bridge bumps it before the slot can be reused). Either alone would
+    do in the common case; the clock bounds a reader that outlives the hold, the word one whose handle waited in a
+    buffer longer than the margin."""
+
+    expires_at: float
+    word: Any = None
+    value: int = 0
+
+    def valid(self) -> bool:
+        return time.monotonic() < self.expires_at and (self.word is None or int(self.word[0]) == self.value)
+
+
 @dataclass
 class KVChunk:
     key: str
@@ -49,13 +66,13 @@ class KVChunk:
     token_ids: list[int]
     target_kv: torch.Tensor
     draft_kv: torch.Tensor | None
-    # the tensors view a bridge's shared arena (arena.py), whose slot may be reused after this (time.monotonic):
-    # whoever copies them out checks fresh() afterwards, and does not use the copy when it is False
-    expires_at: float | None = None
+    # the tensors view a bridge's shared arena (arena.py), whose slot may be reused: whoever copies them out checks
+    # fresh() afterwards, and does not use the copy when it is False
+    lease: "Lease | None" = None
 
     def fresh(self) -> bool:
         """Whether the bytes read so far are still the chunk's (always, for a chunk that owns them)."""
-        return self.expires_at is None or time.monotonic() < self.expires_at
+        return self.lease is None or self.lease.valid()
 
     @property
     def num_tokens(self) -> int:

@@ -22,7 +22,7 @@ import grpc
 
 from flashpd.kv_bridge import arena, frame_codec, shm
 from flashpd.kv_bridge.auth import MAC_BYTES, ClusterSecret, resolve
-from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, StreamingMac, peek_parent
+from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, Lease, StreamingMac, peek_parent
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
@@ -358,10 +358,9 @@ class BridgeClient:
                         raise BridgeProtocolError("Get", f"chunk {got} has key {done.key[:16]}..., "
                                                          "not the one asked for")
                     try:  # a buffer only this call holds (or the arena's, read-only); LayoutMismatch goes as is
-                        chunk = KVChunk.from_bytes(done.data, self._mac, own=done.expires_at is None, layout=layout,
-                                                   key=done.key, body_mac=done.body_mac,
-                                                   share=done.expires_at is not None)
-                        chunk.expires_at = done.expires_at
+                        chunk = KVChunk.from_bytes(done.data, self._mac, own=done.lease is None, layout=layout,
+                                                   key=done.key, body_mac=done.body_mac, share=done.lease is not None)
+                        chunk.lease = done.lease
                     except CorruptChunk as e:
                         raise BridgeProtocolError("Get", f"chunk {done.key[:16]}... failed verification: {e}") from None
                     got += 1
@@ -391,8 +390,9 @@ class BridgeClient:
 
 
 def _in_arena(f: frame_codec.Frame, max_bytes: int, arenas: arena.ArenaMaps) -> Assembled:
-    """A chunk read in place in the bridge's arena: a read-only view, trusted until the handle's hold (less a
-    margin) from now; the caller checks that after copying it out (KVChunk.fresh)."""
+    """A chunk read in place in the bridge's arena: a read-only view, its own while its Lease holds (the handle's
+    hold less a margin from now, and the slot's generation word unchanged); the caller checks that after copying it
+    out (KVChunk.fresh)."""
     s, received = f.shm, time.monotonic()
     if f.offset != 0 or not f.last or f.data or f.total_length != s.length:
         raise FrameError("frame.shm", "an arena handle frame has no data, offset 0, last=true, total_length=length")
@@ -401,8 +401,10 @@ def _in_arena(f: frame_codec.Frame, max_bytes: int, arenas: arena.ArenaMaps) -> 
     hold_s = s.hold_ms / 1000
     if hold_s <= arena.READER_MARGIN_S:
         raise FrameError("frame.shm.hold_ms", f"{s.hold_ms} ms leaves no time to read the chunk")
-    view = arenas.view(arena.ArenaRef(s.arena_pid, s.arena_fd, s.arena_inode, s.arena_size), s.offset, s.length)
-    return Assembled(f.key, view, None, received + hold_s - arena.READER_MARGIN_S)
+    ref = arena.ArenaRef(s.arena_pid, s.arena_fd, s.arena_inode, s.arena_size)
+    view = arenas.view(ref, s.offset, s.length)
+    word = arenas.word(ref, s.gen_offset)
+    return Assembled(f.key, view, None, Lease(received + hold_s - arena.READER_MARGIN_S, word, s.gen))
 
 
 def _parent_of(data: bytes | list[bytes | memoryview]) -> str:

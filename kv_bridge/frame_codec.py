@@ -39,6 +39,8 @@ class ShmRef:
     arena_size: int = 0
     offset: int = 0
     hold_ms: int = 0
+    gen_offset: int = 0
+    gen: int = 0
 
 
 @dataclass(slots=True)
@@ -150,11 +152,12 @@ def _merge_shm(ref: ShmRef, b: memoryview, pos: int, end: int) -> None:
             ref.name = _text(b[value:stop])
         elif number == 2 and wire == _VARINT:
             ref.length = value
-        elif 3 <= number <= 8 and wire == _VARINT:
+        elif 3 <= number <= 10 and wire == _VARINT:
             setattr(ref, _SHM_ARENA_FIELDS[number], value)
 
 
-_SHM_ARENA_FIELDS = {3: "arena_pid", 4: "arena_fd", 5: "arena_inode", 6: "arena_size", 7: "offset", 8: "hold_ms"}
+_SHM_ARENA_FIELDS = {3: "arena_pid", 4: "arena_fd", 5: "arena_inode", 6: "arena_size", 7: "offset", 8: "hold_ms",
+                     9: "gen_offset", 10: "gen"}
 
 
 def _merge_frame(f: Frame, b: memoryview, pos: int, end: int) -> None:

@@ -401,7 +401,8 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                     yield pb.GetFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
                         key=key, offset=0, total_length=h.length, last=True, shm=pb.ShmHandle(
                             length=h.length, arena_pid=h.arena.pid, arena_fd=h.arena.fd, arena_inode=h.arena.inode,
-                            arena_size=h.arena.size, offset=h.offset, hold_ms=int(h.hold_s * 1000)))).SerializeToString()
+                            arena_size=h.arena.size, offset=h.offset, hold_ms=int(h.hold_s * 1000),
+                            gen_offset=h.gen_offset, gen=h.gen))).SerializeToString()
                     found += 1
                     self._count("chunks_sent")
                     continue

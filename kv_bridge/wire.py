@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -137,7 +137,7 @@ class Assembled(NamedTuple):
     key: str
     data: bytes | memoryview  # bytes, or (writable) a view of the receiver's own buffer
     body_mac: bytes | None  # the StreamingMac digest of the body when the Assembler had a MAC key
-    expires_at: float | None = None  # data is a view of a bridge's arena, usable until then (time.monotonic)
+    lease: Any = None  # a chunk.Lease: data is a view of a bridge's arena, its own while the lease is valid
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from flashpd.kv_bridge import arena, shm
 from flashpd.kv_bridge.arena import PAGE, Arena, ArenaError, ArenaMaps, ArenaRef
 from flashpd.kv_bridge.arena_store import ArenaStore
-from flashpd.kv_bridge.chunk import KVChunk
+from flashpd.kv_bridge.chunk import KVChunk, Lease
 from flashpd.kv_bridge.client import BridgeClient, BridgeProtocolError, _in_arena
 from flashpd.kv_bridge.frame_codec import Frame, ShmRef
 from flashpd.kv_bridge.server import serve
@@ -104,7 +104,7 @@ def test_a_slot_handed_out_is_reused_only_after_the_readers_deadline():
     maps = ArenaMaps()
     view = maps.view(*_handle_parts(s.get_handle(a.key)))
     got = KVChunk.from_bytes(view, s.secret.mac_key, share=True)
-    got.expires_at = time.monotonic() + 0.3  # what the client sets: hold less its margin, from receipt
+    got.lease = Lease(time.monotonic() + 0.3, None)  # the client's clock half: hold less its margin, from receipt
     b = chunk(2, tokens=4)
     assert s.put_bytes(b.key, b.to_bytes(s.secret.mac_key)) is PutResult.REFUSED  # a evicted, its slot held
     assert s.stats()["arena_refused"] == 1 and not s.contains(a.key) and got.fresh()
@@ -125,17 +125,17 @@ def test_an_evicted_unheld_slot_is_reused_at_once():
     assert s.put(a) and s.put(b) and not s.contains(a.key) and s.contains(b.key)
 
 
-def _frame(ref: ArenaRef, offset: int, length: int, hold_ms: int = 30_000) -> Frame:
+def _frame(ref: ArenaRef, offset: int, length: int, hold_ms: int = 30_000, gen: tuple[int, int] = (0, 0)) -> Frame:
     return Frame(key="k" * 64, offset=0, total_length=length, last=True,
                  shm=ShmRef(length=length, arena_pid=ref.pid, arena_fd=ref.fd, arena_inode=ref.inode,
-                            arena_size=ref.size, offset=offset, hold_ms=hold_ms))
+                            arena_size=ref.size, offset=offset, hold_ms=hold_ms, gen_offset=gen[0], gen=gen[1]))
 
 
 def test_the_client_maps_only_the_sealed_arena_the_handle_names():
     a = Arena(4 * PAGE)
     maps = ArenaMaps()
-    ok = _in_arena(_frame(a.ref, PAGE, 100), 1 << 20, maps)
-    assert len(ok.data) == 100 and ok.data.readonly and ok.expires_at > time.monotonic()
+    ok = _in_arena(_frame(a.ref, PAGE, 100, gen=a.generation(PAGE)), 1 << 20, maps)
+    assert len(ok.data) == 100 and ok.data.readonly and ok.lease.valid()
     bad = {
         "another file at that descriptor number": replace(a.ref, inode=a.ref.inode + 1),
         "another size": replace(a.ref, size=a.ref.size + PAGE),
@@ -179,13 +179,13 @@ def test_a_get_through_the_arena_reads_in_place_and_writes_no_segment():
             assert c.put(cs, "arena").stored == 4
             before = shm.list_segments()
             got = c.get([x.key for x in cs], "arena")
-            assert all(same(g, x) and g.fresh() and g.expires_at is not None for g, x in zip(got, cs))
+            assert all(same(g, x) and g.fresh() and g.lease is not None for g, x in zip(got, cs))
             st = c.stats()
             assert st["server.arena_handles_sent"] == 4 and st["server.shm_segments_sent"] == 0
             assert shm.list_segments() == before
             # the same bridge, asked for segments, writes them as before
             got = c.get([x.key for x in cs], "shm")
-            assert all(same(g, x) and g.expires_at is None for g, x in zip(got, cs))
+            assert all(same(g, x) and g.lease is None for g, x in zip(got, cs))
             assert c.stats()["server.shm_segments_sent"] == 4
     finally:
         server.stop(grace=None).wait(10)
@@ -198,7 +198,7 @@ def test_an_arena_get_from_a_bridge_without_an_arena_gets_segments():
             x = chunk(3)
             c.put([x], "arena")
             (g,) = c.get([x.key], "arena")
-            assert same(g, x) and g.expires_at is None and c.stats()["server.shm_segments_sent"] == 1
+            assert same(g, x) and g.lease is None and c.stats()["server.shm_segments_sent"] == 1
     finally:
         server.stop(grace=None).wait(10)
 
@@ -221,7 +221,7 @@ def test_a_launched_bridge_with_the_arena_transport_is_read_in_place_from_anothe
             cs = [chunk(10 + i) for i in range(3)]
             assert writer.put(cs, "inline").stored == 3
             got = reader.get([x.key for x in cs], "arena")
-            assert all(same(g, x) and g.expires_at is not None for g, x in zip(got, cs))
+            assert all(same(g, x) and g.lease is not None for g, x in zip(got, cs))
             assert reader.stats()["server.arena_handles_sent"] == 3
     finally:
         launcher.shutdown()
@@ -270,7 +270,7 @@ def test_a_worker_tier_never_keeps_a_chunk_read_past_its_hold(tier):
     from flashpd.kv_bridge.host_store import HostStore
     store = HostStore(1 << 20, "cpu") if tier == "host" else DeviceStore(1 << 20, "cpu")
     late, ok = chunk(1), chunk(2)
-    late.expires_at, ok.expires_at = time.monotonic() - 0.01, time.monotonic() + 30
+    late.lease, ok.lease = Lease(time.monotonic() - 0.01), Lease(time.monotonic() + 30)
     assert not store.put(late) and store.put(ok)
     st = store.stats()
     assert st["stale_refused"] == 1 and st["entries"] == 1 and store.get(late.key) is None
@@ -286,7 +286,7 @@ def test_every_read_holds_the_slot_and_only_copies_leave_without_a_deadline():
     data = s.get_bytes(a.key)
     assert isinstance(data, bytes) and same(KVChunk.from_bytes(data, s.secret.mac_key), a)
     shared = s.get_shared(a.key)
-    assert same(shared, a) and shared.fresh() and shared.expires_at < time.monotonic() + s.hold_s
+    assert same(shared, a) and shared.fresh() and shared.lease.expires_at < time.monotonic() + s.hold_s
     assert not s.put(b) and s.stats()["arena_refused"] == 1  # a evicted for b, its slot held by those reads
 
 
@@ -309,10 +309,28 @@ def test_a_put_lands_in_its_arena_slot_with_no_copy_of_its_own(transport):
             assert c.put_bytes([(bad.key, bytes(data))], transport).refused == 1
             assert store.stats()["filled_in_place"] == 3 and store.stats()["entries"] == 3
         used = sum(_round(len(x.to_bytes(store.secret.mac_key))) for x in cs)
-        assert store.arena.alloc(store.arena.size - used) is not None  # the refused chunks' slots came back
+        assert store.arena.alloc(store.arena.data_size - used) is not None  # the refused chunks' slots came back
     finally:
         server.stop(grace=None).wait(10)
 
 
 def _round(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
+
+
+def test_a_handle_that_arrives_after_its_slot_was_reused_is_stale_whatever_the_readers_clock_says():
+    """The reader's clock counts from when a handle reached it; one that waited in a buffer longer than the margin
+    would trust a slot the bridge already reused. The slot's generation word catches that: bumped before reuse."""
+    s = ArenaStore(3500, slack_bytes=0, hold_s=arena.READER_MARGIN_S + 0.5)
+    a, b = chunk(1, tokens=4), chunk(2, tokens=4)
+    assert s.put(a)
+    h = s.get_handle(a.key)  # sent now...
+    time.sleep(arena.READER_MARGIN_S + 0.6)  # ...delivered late: the bridge's hold has passed
+    assert s.put(b) and not s.contains(a.key)  # a evicted, b in its slot
+    late = _in_arena(Frame(key=a.key, offset=0, total_length=h.length, last=True, shm=ShmRef(
+        length=h.length, arena_pid=h.arena.pid, arena_fd=h.arena.fd, arena_inode=h.arena.inode, arena_size=h.arena.size,
+        offset=h.offset, hold_ms=int(h.hold_s * 1000), gen_offset=h.gen_offset, gen=h.gen)), 1 << 20, ArenaMaps())
+    assert late.lease.expires_at > time.monotonic()  # the clock alone would trust it
+    assert not late.lease.valid()  # the word says the slot is not a's any more
+    now = s.get_handle(b.key)
+    assert now.offset == h.offset and now.gen == h.gen + 1

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fkv_bridge.proto\x12\x13\x66lashpd.kvbridge.v1\"\x98\x01\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tarena_pid\x18\x03 \x01(\r\x12\x10\n\x08\x61rena_fd\x18\x04 \x01(\r\x12\x13\n\x0b\x61rena_inode\x18\x05 \x01(\x04\x12\x12\n\narena_size\x18\x06 \x01(\x04\x12\x0e\n\x06offset\x18\x07 \x01(\x04\x12\x0f\n\x07hold_ms\x18\x08 \x01(\r\"\x88\x01\n\nChunkFrame\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x14\n\x0ctotal_length\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12+\n\x03shm\x18\x06 \x01(\x0b\x32\x1e.flashpd.kvbridge.v1.ShmHandle\".\n\rLookupRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\t\",\n\x0bLookupReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04hits\x18\x02 \x01(\r\"K\n\x08PutFrame\x12\x0f\n\x07version\x18\x01 \x01(\r\x12.\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1f.flashpd.kvbridge.v1.ChunkFrame\"\x7f\n\x08PutReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06stored\x18\x02 \x01(\r\x12\x12\n\nduplicates\x18\x03 \x01(\r\x12\x0f\n\x07refused\x18\x04 \x01(\r\x12\x14\n\x0crefused_keys\x18\x05 \x03(\t\x12\x17\n\x0fincomplete_keys\x18\x06 \x03(\t\"\x82\x01\n\nGetRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x31\n\ttransport\x18\x03 \x01(\x0e\x32\x1e.flashpd.kvbridge.v1.Transport\x12\x13\n\x0b\x66rame_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x61rena\x18\x05 \x01(\x08\"\x18\n\x07GetDone\x12\r\n\x05\x66ound\x18\x01 \x01(\r\"\x83\x01\n\x08GetFrame\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x30\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1f.flashpd.kvbridge.v1.ChunkFrameH\x00\x12,\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1c.flashpd.kvbridge.v1.GetDoneH\x00\x42\x06\n\x04item\"\x1f\n\x0cStatsRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\"\x9e\x01\n\nStatsReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12?\n\x08\x63ounters\x18\x02 \x03(\x0b\x32-.flashpd.kvbridge.v1.StatsReply.CountersEntry\x12\r\n\x05store\x18\x03 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\" \n\rHealthRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\">\n\x0bHealthReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\r\n\x05store\x18\x03 \x01(\t* \n\tTransport\x12\n\n\x06INLINE\x10\x00\x12\x07\n\x03SHM\x10\x01\x32\x87\x03\n\x08KVBridge\x12N\n\x06Lookup\x12\".flashpd.kvbridge.v1.LookupRequest\x1a .flashpd.kvbridge.v1.LookupReply\x12\x45\n\x03Put\x12\x1d.flashpd.kvbridge.v1.PutFrame\x1a\x1d.flashpd.kvbridge.v1.PutReply(\x01\x12G\n\x03Get\x12\x1f.flashpd.kvbridge.v1.GetRequest\x1a\x1d.flashpd.kvbridge.v1.GetFrame0\x01\x12K\n\x05Stats\x12!.flashpd.kvbridge.v1.StatsRequest\x1a\x1f.flashpd.kvbridge.v1.StatsReply\x12N\n\x06Health\x12\".flashpd.kvbridge.v1.HealthRequest\x1a .flashpd.kvbridge.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fkv_bridge.proto\x12\x13\x66lashpd.kvbridge.v1\"\xb9\x01\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x11\n\tarena_pid\x18\x03 \x01(\r\x12\x10\n\x08\x61rena_fd\x18\x04 \x01(\r\x12\x13\n\x0b\x61rena_inode\x18\x05 \x01(\x04\x12\x12\n\narena_size\x18\x06 \x01(\x04\x12\x0e\n\x06offset\x18\x07 \x01(\x04\x12\x0f\n\x07hold_ms\x18\x08 \x01(\r\x12\x12\n\ngen_offset\x18\t \x01(\x04\x12\x0b\n\x03gen\x18\n \x01(\r\"\x88\x01\n\nChunkFrame\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x14\n\x0ctotal_length\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12+\n\x03shm\x18\x06 \x01(\x0b\x32\x1e.flashpd.kvbridge.v1.ShmHandle\".\n\rLookupRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\t\",\n\x0bLookupReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04hits\x18\x02 \x01(\r\"K\n\x08PutFrame\x12\x0f\n\x07version\x18\x01 \x01(\r\x12.\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1f.flashpd.kvbridge.v1.ChunkFrame\"\x7f\n\x08PutReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06stored\x18\x02 \x01(\r\x12\x12\n\nduplicates\x18\x03 \x01(\r\x12\x0f\n\x07refused\x18\x04 \x01(\r\x12\x14\n\x0crefused_keys\x18\x05 \x03(\t\x12\x17\n\x0fincomplete_keys\x18\x06 \x03(\t\"\x82\x01\n\nGetRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x31\n\ttransport\x18\x03 \x01(\x0e\x32\x1e.flashpd.kvbridge.v1.Transport\x12\x13\n\x0b\x66rame_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x61rena\x18\x05 \x01(\x08\"\x18\n\x07GetDone\x12\r\n\x05\x66ound\x18\x01 \x01(\r\"\x83\x01\n\x08GetFrame\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x30\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x1f.flashpd.kvbridge.v1.ChunkFrameH\x00\x12,\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1c.flashpd.kvbridge.v1.GetDoneH\x00\x42\x06\n\x04item\"\x1f\n\x0cStatsRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\"\x9e\x01\n\nStatsReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12?\n\x08\x63ounters\x18\x02 \x03(\x0b\x32-.flashpd.kvbridge.v1.StatsReply.CountersEntry\x12\r\n\x05store\x18\x03 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\" \n\rHealthRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\">\n\x0bHealthReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\r\n\x05store\x18\x03 \x01(\t* \n\tTransport\x12\n\n\x06INLINE\x10\x00\x12\x07\n\x03SHM\x10\x01\x32\x87\x03\n\x08KVBridge\x12N\n\x06Lookup\x12\".flashpd.kvbridge.v1.LookupRequest\x1a .flashpd.kvbridge.v1.LookupReply\x12\x45\n\x03Put\x12\x1d.flashpd.kvbridge.v1.PutFrame\x1a\x1d.flashpd.kvbridge.v1.PutReply(\x01\x12G\n\x03Get\x12\x1f.flashpd.kvbridge.v1.GetRequest\x1a\x1d.flashpd.kvbridge.v1.GetFrame0\x01\x12K\n\x05Stats\x12!.flashpd.kvbridge.v1.StatsRequest\x1a\x1f.flashpd.kvbridge.v1.StatsReply\x12N\n\x06Health\x12\".flashpd.kvbridge.v1.HealthRequest\x1a .flashpd.kvbridge.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSREPLY_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSREPLY_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_TRANSPORT']._serialized_start=1219
-  _globals['_TRANSPORT']._serialized_end=1251
+  _globals['_TRANSPORT']._serialized_start=1252
+  _globals['_TRANSPORT']._serialized_end=1284
   _globals['_SHMHANDLE']._serialized_start=41
-  _globals['_SHMHANDLE']._serialized_end=193
-  _globals['_CHUNKFRAME']._serialized_start=196
-  _globals['_CHUNKFRAME']._serialized_end=332
-  _globals['_LOOKUPREQUEST']._serialized_start=334
-  _globals['_LOOKUPREQUEST']._serialized_end=380
-  _globals['_LOOKUPREPLY']._serialized_start=382
-  _globals['_LOOKUPREPLY']._serialized_end=426
-  _globals['_PUTFRAME']._serialized_start=428
-  _globals['_PUTFRAME']._serialized_end=503
-  _globals['_PUTREPLY']._serialized_start=505
-  _globals['_PUTREPLY']._serialized_end=632
-  _globals['_GETREQUEST']._serialized_start=635
-  _globals['_GETREQUEST']._serialized_end=765
-  _globals['_GETDONE']._serialized_start=767
-  _globals['_GETDONE']._serialized_end=791
-  _globals['_GETFRAME']._serialized_start=794
-  _globals['_GETFRAME']._serialized_end=925
-  _globals['_STATSREQUEST']._serialized_start=927
-  _globals['_STATSREQUEST']._serialized_end=958
-  _globals['_STATSREPLY']._serialized_start=961
-  _globals['_STATSREPLY']._serialized_end=1119
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1072
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1119
-  _globals['_HEALTHREQUEST']._serialized_start=1121
-  _globals['_HEALTHREQUEST']._serialized_end=1153
-  _globals['_HEALTHREPLY']._serialized_start=1155
-  _globals['_HEALTHREPLY']._serialized_end=1217
-  _globals['_KVBRIDGE']._serialized_start=1254
-  _globals['_KVBRIDGE']._serialized_end=1645
+  _globals['_SHMHANDLE']._serialized_end=226
+  _globals['_CHUNKFRAME']._serialized_start=229
+  _globals['_CHUNKFRAME']._serialized_end=365
+  _globals['_LOOKUPREQUEST']._serialized_start=367
+  _globals['_LOOKUPREQUEST']._serialized_end=413
+  _globals['_LOOKUPREPLY']._serialized_start=415
+  _globals['_LOOKUPREPLY']._serialized_end=459
+  _globals['_PUTFRAME']._serialized_start=461
+  _globals['_PUTFRAME']._serialized_end=536
+  _globals['_PUTREPLY']._serialized_start=538
+  _globals['_PUTREPLY']._serialized_end=665
+  _globals['_GETREQUEST']._serialized_start=668
+  _globals['_GETREQUEST']._serialized_end=798
+  _globals['_GETDONE']._serialized_start=800
+  _globals['_GETDONE']._serialized_end=824
+  _globals['_GETFRAME']._serialized_start=827
+  _globals['_GETFRAME']._serialized_end=958
+  _globals['_STATSREQUEST']._serialized_start=960
+  _globals['_STATSREQUEST']._serialized_end=991
+  _globals['_STATSREPLY']._serialized_start=994
+  _globals['_STATSREPLY']._serialized_end=1152
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1105
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1152
+  _globals['_HEALTHREQUEST']._serialized_start=1154
+  _globals['_HEALTHREQUEST']._serialized_end=1186
+  _globals['_HEALTHREPLY']._serialized_start=1188
+  _globals['_HEALTHREPLY']._serialized_end=1250
+  _globals['_KVBRIDGE']._serialized_start=1287
+  _globals['_KVBRIDGE']._serialized_end=1678
 # @@protoc_insertion_point(module_scope)

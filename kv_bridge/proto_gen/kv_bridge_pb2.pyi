@@ -15,7 +15,7 @@ INLINE: Transport
 SHM: Transport
 
 class ShmHandle(_message.Message):
-    __slots__ = ("name", "length", "arena_pid", "arena_fd", "arena_inode", "arena_size", "offset", "hold_ms")
+    __slots__ = ("name", "length", "arena_pid", "arena_fd", "arena_inode", "arena_size", "offset", "hold_ms", "gen_offset", "gen")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     ARENA_PID_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class ShmHandle(_message.Message):
     ARENA_SIZE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    GEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    GEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     length: int
     arena_pid: int
@@ -32,7 +34,9 @@ class ShmHandle(_message.Message):
     arena_size: int
     offset: int
     hold_ms: int
-    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., arena_pid: _Optional[int] = ..., arena_fd: _Optional[int] = ..., arena_inode: _Optional[int] = ..., arena_size: _Optional[int] = ..., offset: _Optional[int] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+    gen_offset: int
+    gen: int
+    def __init__(self, name: _Optional[str] = ..., length: _Optional[int] = ..., arena_pid: _Optional[int] = ..., arena_fd: _Optional[int] = ..., arena_inode: _Optional[int] = ..., arena_size: _Optional[int] = ..., offset: _Optional[int] = ..., hold_ms: _Optional[int] = ..., gen_offset: _Optional[int] = ..., gen: _Optional[int] = ...) -> None: ...
 
 class ChunkFrame(_message.Message):
     __slots__ = ("key", "offset", "total_length", "data", "last", "shm")

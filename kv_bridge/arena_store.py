@@ -90,16 +90,8 @@ class ArenaStore(MemoryStore):
             self.arena.free(off, len(data), self._hold.pop(key, 0.0))
 
     # -- reads: every read holds the entry's slot for hold_s, so it is not reused under whoever reads it ----------
-    def _take(self, key: str) -> memoryview | None:
-        with self._lock:
-            data = self._index.get(key)
-            if data is None:
-                self._c["misses"] += 1
-                return None
-            self._freshen(key)
-            self._c["hits"] += 1
-            self._hold[key] = time.monotonic() + self.hold_s
-            return data
+    def _read(self, key: str) -> None:
+        self._hold[key] = time.monotonic() + self.hold_s
 
     def get_handle(self, key: str) -> ArenaHandle | None:
         """Where the entry lies, verified, its slot held for hold_s from now; None on a miss (or a corrupt entry,

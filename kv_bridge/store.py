@@ -285,7 +285,11 @@ class MemoryStore(IndexedStore):
                 return None
             self._freshen(key)
             self._c["hits"] += 1
+            self._read(key)
             return data
+
+    def _read(self, key: str) -> None:
+        """Under the lock: the entry is being handed to a reader (an arena store holds its slot for it)."""
 
     def _drop_corrupt(self, key: str, data: bytes) -> None:
         """Remove the entry if it is still the one that failed; the read becomes a miss."""

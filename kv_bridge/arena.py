@@ -79,7 +79,11 @@ class Arena:
         try:
             os.ftruncate(fd, self.size)
             self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)  # this mapping stays the only writer
+            try:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)  # this mapping stays the only writer
+            except OSError as e:
+                raise ArenaError(f"this kernel cannot seal a memfd against shrinking, growing and future writes "
+                                 f"(Linux 5.1 or later): {e.strerror}") from e
         except BaseException:
             os.close(fd)
             raise

@@ -12,12 +12,20 @@ tokens, which a decode skips) leave the window at once, or a model repeating one
 byte tokens into U+FFFD once any of them is invalid, so a run the window saw as valid may not be one in the
 whole), the text handed out stands and the tokens not yet handed out are decoded on their own: no text is
 dropped, and the mismatch is logged.
+Text held back at every push (byte tokens that never form valid UTF-8, or valid text whose chunks all end inside a
+character) would keep the window growing, each push decoding it whole: quadratic again, for as many tokens as a
+client's max_tokens asks. Once text was held back for more than _HELD pushes in a row, its settled part (the text of
+a cut of the window that the rest of the window no longer changes) is handed out and the window moves on.
 """
 from __future__ import annotations
 
 import logging
 
 log = logging.getLogger(__name__)
+
+_HELD = 4  # pushes in a row that hold text back before a cut of the held run is sought (a character: 4 bytes)
+_HELD_MAX = 16  # pushes in a row that hold text back before the window is cut even with no settled cut
+_CUTS = 3  # cut points tried, from the end (of 4 consecutive byte tokens' ends, one ends a character)
 
 
 class Detokenizer:
@@ -29,6 +37,7 @@ class Detokenizer:
         self.read = 0  # win[:read] is handed out
         self.taken = 0  # ids[:taken] are handed out, or were dropped from the window as adding no text
         self.decoded = ""  # all text handed out so far
+        self.held = 0  # pushes in a row that held text back (past _HELD, _cut hands out its settled part)
 
     def push(self, toks: list[int]) -> str:
         """The text these tokens add (possibly empty: a character still incomplete)."""
@@ -39,15 +48,52 @@ class Detokenizer:
         self.win.extend(toks)
         after = self.tok.decode(self.win)
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.win, self.read, self.taken = self.win[self.read:], len(self.win) - self.read, len(self.ids)
-            new = after[len(before):]
-            self.decoded += new
-            return new
+            return self._hand_out(len(self.win), after[len(before):])
         if after == before:  # tokens with no text here (special tokens, which a decode skips) leave the window:
             del self.win[len(self.win) - len(toks):]  # kept, it would grow with each and be decoded whole each time
             if len(self.win) == self.read:
                 self.taken = len(self.ids)
+        else:
+            self.held += 1
+            if self.held > _HELD and len(self.win) - self.read > _HELD:
+                return self._cut(before, after)
         return ""
+
+    def _cut(self, before: str, after: str) -> str:
+        """The settled text of a long held run, handed out so that the window stays short: the decode of win[:s]
+        for the last cut s where it is a prefix of the window's decode that more text follows (what comes later can
+        then only change the text after it: the character at the cut ended), if the window that follows decodes as
+        the whole one does (_window_agrees). Past _HELD_MAX such pushes with no such cut, the window is cut at its
+        last token anyway (a mismatch that finish logs)."""
+        n = len(self.win)
+        for s in range(n - 1, max(self.read, n - 1 - _CUTS), -1):
+            head = self.tok.decode(self.win[:s])
+            if len(before) < len(head) < len(after) and after.startswith(head):
+                if self._window_agrees(after):
+                    return self._hand_out(s, head[len(before):])
+                break
+        if self.held <= _HELD_MAX:
+            return ""
+        return self._hand_out(n - 1, self.tok.decode(self.win[:n - 1])[len(before):])
+
+    def _window_agrees(self, after: str) -> bool:
+        """Whether win[read:], the window a cut leaves, decodes as the whole window does at its first token and its
+        last _CUTS + 1 ends: the same text, bar what its first token's text loses at a window's start (a stripped
+        leading space). ByteFallback decodes a run of byte tokens as a whole, and a run's tail can be valid UTF-8
+        where the run is not; if the tail can still become valid, one of those ends is valid on its own."""
+        n, r = len(self.win), self.read + 1
+        ends = [r, *range(max(r + 1, n - _CUTS), n + 1)]
+        part = {j: self.tok.decode(self.win[self.read:j]) for j in ends}
+        whole = {j: after if j == n else self.tok.decode(self.win[:j]) for j in ends}
+        lost = len(whole[n]) - len(part[n])
+        return all(len(whole[j]) - len(part[j]) == lost and whole[j].endswith(part[j][1:]) for j in ends)
+
+    def _hand_out(self, s: int, new: str) -> str:
+        """Hands out new, the text of win[read:s]; the window then starts at the ids of that text."""
+        self.taken = len(self.ids) - (len(self.win) - s)
+        self.win, self.read, self.held = self.win[self.read:], s - self.read, 0
+        self.decoded += new
+        return new
 
     def finish(self) -> str:
         """The rest of the text once the stream ended: the decode of all ids past what was handed out (a trailing

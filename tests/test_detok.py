@@ -109,3 +109,40 @@ def test_tokens_without_text_do_not_make_decoding_quadratic():
         pieces, rest = _stream(ids, chunks, counting)
         assert "".join(pieces) + rest == TOK.decode(ids) == "def f(x):\n    return x\n"
         assert counting.ids <= 8 * len(ids), counting.ids
+
+
+def test_text_held_back_at_every_push_is_decoded_in_linear_work():
+    """Where every push leaves the text ending inside a character (byte tokens that never form valid UTF-8, or valid
+    text whose chunks all end inside one), the window grew by a chunk a push and was decoded whole each time:
+    len(ids)^2 / 2 decoded ids (32 million for 8000 tokens, about 3 s of the server's interpreter lock, for as many
+    tokens as a client's max_tokens asks). The settled part of the held text is handed out instead, and the pieces
+    still add up to the decode of all ids."""
+    cont, lead, mid, c3, a9 = (TOK._tok.token_to_id(c) for c in "Ģä¸Ã©")  # byte-level BPE's 80 E4 B8 C3 A9
+    eos = TOK._tok.token_to_id("<|endoftext|>")
+    assert TOK.decode([cont]) == TOK.decode([lead]) == TOK.decode([lead, mid]) == "\ufffd"
+    assert TOK.decode([c3, a9]) == "é"
+    cases = [(run * (2000 // len(run)), n) for run in ([cont], [lead], [lead, mid], [lead, eos]) for n in (1, 3)]
+    cases.append(([c3, a9] * 1000, 2))  # é as two byte tokens, two a push after one: every push ends inside an é
+    for run, n in cases:
+        ids = TOK.encode("x") + run + TOK.encode("中'\n")
+        counting = _Counting(TOK)
+        pieces, rest = _stream(ids, [1] + [min(n, len(ids) - i) for i in range(1, len(ids), n)], counting)
+        assert "".join(pieces) + rest == TOK.decode(ids)
+        assert counting.ids <= 40 * len(ids), counting.ids  # measured: up to 30 a token
+
+
+def test_a_cut_of_a_byte_fallback_run_keeps_its_text():
+    """ByteFallback decodes a run of byte tokens as a whole (all U+FFFD once it is invalid), so a window that starts
+    inside a run can decode it otherwise: a cut is taken only where the window it leaves decodes as the whole one,
+    also at its last few ends (the run's tail [61 E4 A9 AD C3] is invalid by its last byte only, and valid "a䩭í"
+    after one more). These streams came out short of text (U+FFFD lost) with cuts not so checked."""
+    tok = _byte_fallback_tokenizer()
+    the = 257
+    for raw in ([0xA9, 0x61, 0x80, 0xE4, 0xE4, 0xA9, 0xA9, 0xC3, 0xA9, the],
+                [0x80, 0xAD, 0xB8, 0xC3, 0x61, 0xE4, 0xA9, 0xAD, 0xC3, 0xAD, the],
+                [the] + [0x80] * 1000 + [0xE4, 0xB8, 0xAD, the]):
+        ids = [t if t == the else 1 + t for t in raw]
+        counting = _Counting(tok)
+        pieces, rest = _stream(ids, [1] * len(ids), counting)
+        assert "".join(pieces) + rest == tok.decode(ids)
+        assert counting.ids <= 40 * len(ids), counting.ids

@@ -29,6 +29,7 @@ import os
 import stat
 import threading
 import time
+import weakref
 from bisect import insort
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -92,11 +93,17 @@ class Arena:
             raise
         self.fd = fd
         self.ref = ArenaRef(os.getpid(), fd, os.fstat(fd).st_ino, self.size)
+        self._closer = weakref.finalize(self, os.close, fd)  # the descriptor goes with the arena, or at close()
         self._array = np.frombuffer(self._map, dtype=np.uint8, count=self.data_size)
         self._gen = np.frombuffer(self._map, dtype=np.uint32, count=self.data_size // PAGE, offset=self.data_size)
         self._free: list[tuple[int, int]] = [(0, self.data_size)]  # (offset, length), sorted, coalesced
         self._held: list[tuple[float, int, int]] = []  # (until, offset, length): freed, not reusable yet
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the descriptor readers open the arena through (mappings made stay valid: the pages live on while
+        any view of them does)."""
+        self._closer()
 
     def alloc(self, n: int) -> int | None:
         """The offset of a free slot of n bytes (rounded up to pages), or None when none is free now."""
@@ -167,8 +174,8 @@ class Arena:
 
 
 class ArenaMaps:
-    """A reader's read-only mappings of the arenas its bridges hand out, made on first use, the most recent
-    MAX_MAPPED kept (a mapping is unmapped once no chunk views it any more)."""
+    """A reader's read-only mappings of the arenas its bridges hand out, made on first use, the MAX_MAPPED most
+    recently used kept (a mapping dropped is unmapped once no chunk views it any more)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -178,6 +185,16 @@ class ArenaMaps:
         """A read-only view of length bytes at offset in the arena ref names; ArenaError when unusable."""
         if not 0 < length <= ref.size or not 0 <= offset <= ref.size - length:
             raise ArenaError(f"arena range {offset}+{length} is outside its {ref.size} bytes")
+        return memoryview(self._mapping(ref))[offset:offset + length].toreadonly()
+
+    def word(self, ref: ArenaRef, offset: int) -> np.ndarray:
+        """A one-element uint32 view of the arena's word at offset (a slot's generation word)."""
+        if offset % 4 or not 0 <= offset <= ref.size - 4:
+            raise ArenaError(f"arena word at {offset} is not an aligned word of its {ref.size} bytes")
+        return np.frombuffer(self._mapping(ref), dtype=np.uint32, count=1, offset=offset)
+
+    def _mapping(self, ref: ArenaRef) -> mmap.mmap:
+        """The mapping of ref's arena, made on first use; the MAX_MAPPED most recently used are kept."""
         with self._lock:
             m = self._maps.get(ref)
             if m is None:
@@ -185,16 +202,7 @@ class ArenaMaps:
                 while len(self._maps) > MAX_MAPPED:
                     self._maps.popitem(last=False)
             self._maps.move_to_end(ref)
-        return memoryview(m)[offset:offset + length].toreadonly()
-
-    def word(self, ref: ArenaRef, offset: int) -> np.ndarray:
-        """A one-element uint32 view of the arena's word at offset (a slot's generation word)."""
-        if offset % 4 or not 0 <= offset <= ref.size - 4:
-            raise ArenaError(f"arena word at {offset} is not an aligned word of its {ref.size} bytes")
-        self.view(ref, offset, 4)  # maps the arena if it is not yet
-        with self._lock:
-            m = self._maps[ref]
-        return np.frombuffer(m, dtype=np.uint32, count=1, offset=offset)
+            return m
 
 
 def _map(ref: ArenaRef) -> mmap.mmap:
@@ -217,6 +225,9 @@ def _map(ref: ArenaRef) -> mmap.mmap:
             raise ArenaError(f"arena of process {ref.pid} is not a sealable memfd: {e.strerror}") from e
         if seals & _SEALS != _SEALS:
             raise ArenaError(f"arena of process {ref.pid} is not sealed against shrinking, growing and writes")
-        return mmap.mmap(fd, ref.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        try:
+            return mmap.mmap(fd, ref.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as e:  # out of address space, or a kernel that refuses the mapping
+            raise ArenaError(f"arena of process {ref.pid} cannot be mapped: {e.strerror}") from e
     finally:
         os.close(fd)

@@ -27,14 +27,18 @@ class ArenaHandle(NamedTuple):
     gen: int
 
 
+MAX_EXTRA_EVICTIONS = 16  # entries a put may evict beyond the budget's need, to find a free slot
+
+
 class ArenaStore(MemoryStore):
-    """MemoryStore (same LRU, admission and verification) whose entries are copied, once, into an arena.
+    """MemoryStore (same LRU, admission and verification) whose entries live in an arena.
 
     The arena holds byte_budget plus `slack_bytes` (default: a quarter of the budget, at least 64 MiB): room for
-    the slots of evicted entries that are still held for a reader (HOLD_S after their last hand-out), and for
-    rounding each slot up to whole pages. A put that finds no free slot, the live entries within budget but the
-    slack used up, is refused (`arena_refused`).
-    The copy happens under the store's lock: reads wait for it (a few milliseconds a chunk)."""
+    the slots of evicted entries still held for a reader (HOLD_S after their last read), for slots lent to Puts in
+    flight (reserve), and for rounding each slot up to whole pages. A put that finds no free slot evicts up to
+    MAX_EXTRA_EVICTIONS more entries (free room can be in pieces where entries differ in size), then is refused
+    (`arena_refused`). A copy into the arena (a put whose bytes were not received into a lent slot) happens under
+    the store's lock: reads wait for it (a few milliseconds a chunk)."""
 
     def __init__(self, byte_budget: int, secret: ClusterSecret | None = None, slack_bytes: int | None = None,
                  hold_s: float = HOLD_S) -> None:
@@ -45,31 +49,42 @@ class ArenaStore(MemoryStore):
         self._slot: dict[str, int] = {}  # key -> offset of its entry in the arena
         self._hold: dict[str, float] = {}  # key -> when its slot may be reused once evicted (time.monotonic)
         self._reserved: dict[int, tuple[weakref.ref, int, int]] = {}  # id(buffer) -> (buffer, offset, length)
-        self._lock = threading.RLock()  # a reservation's finalizer may run wherever its buffer's last reference goes
+        # ids of lent buffers that became garbage, appended by their finalizers (which take no lock and hold no
+        # reference to the store: one may run anywhere, under any lock), freed by the next reserve, put or stats.
+        # A lent buffer's id can be another's only once it died, its id appended here: reserve frees these first.
+        self._returned: list[int] = []
+        self._last = threading.local()  # what this thread's last read found: (key, offset, generation word)
         self._c.update(arena_refused=0, handles=0, filled_in_place=0)
 
-    # -- writes: a receiver may fill a reserved slot itself, so a put needs no copy of its own ---------------
+    def close(self) -> None:
+        """No reader can map the arena from now on (its descriptor is closed); mappings made stay valid."""
+        self.arena.close()
+
+    # -- writes: a receiver may fill a lent slot itself, so a put needs no copy of its own ---------------------
     def reserve(self, n: int) -> np.ndarray | None:
         """A writable buffer of n bytes in a free slot, for a receiver to fill (read a segment or frames into):
         put_bytes of a read-only view of it then takes the slot as it is, without a copy. A buffer not put (a chunk
-        refused, a stream cut) gives its slot back when it is garbage. None when no slot is free now (the receiver
+        refused, a stream cut) gives its slot back once it is garbage. None when no slot is free now (the receiver
         uses memory of its own; the put copies)."""
-        off = self.arena.alloc(n)
-        if off is None:
-            return None
-        buf = self.arena.buffer(off, n)
         with self._lock:
+            self._free_returned()
+            off = self.arena.alloc(n)
+            if off is None:
+                return None
+            buf = self.arena.buffer(off, n)
             self._reserved[id(buf)] = (weakref.ref(buf), off, n)
-        weakref.finalize(buf, self._unreserve, id(buf))
+        weakref.finalize(buf, self._returned.append, id(buf))
         return buf
 
-    def _unreserve(self, ident: int) -> None:
-        with self._lock:
-            found = self._reserved.pop(ident, None)
-        if found is not None:
-            self.arena.free(found[1], found[2])
+    def _free_returned(self) -> None:
+        """Under the lock: the slots of lent buffers that became garbage without being put."""
+        while self._returned:
+            found = self._reserved.pop(self._returned.pop(), None)
+            if found is not None:
+                self.arena.free(found[1], found[2])
 
-    def _place(self, key: str, data: bytes | memoryview) -> memoryview | None:
+    def _place(self, key: str, data: bytes | memoryview, keep: str | None) -> memoryview | None:
+        self._free_returned()
         owner = data.obj if isinstance(data, memoryview) else None
         found = self._reserved.get(id(owner)) if owner is not None else None
         if found is not None and found[0]() is owner and found[2] == len(data):  # filled in place: no copy
@@ -78,6 +93,10 @@ class ArenaStore(MemoryStore):
             self._c["filled_in_place"] += 1
             return data
         off = self.arena.alloc(len(data))
+        extra = 0
+        while off is None and extra < MAX_EXTRA_EVICTIONS and self._evict_one(keep):
+            extra += 1
+            off = self.arena.alloc(len(data))
         if off is None:
             self._c["arena_refused"] += 1
             return None
@@ -92,6 +111,15 @@ class ArenaStore(MemoryStore):
     # -- reads: every read holds the entry's slot for hold_s, so it is not reused under whoever reads it ----------
     def _read(self, key: str) -> None:
         self._hold[key] = time.monotonic() + self.hold_s
+        off = self._slot[key]
+        self._last.found = (key, off, *self.arena.generation(off))
+
+    def _found(self, key: str) -> tuple[int, int, int]:
+        """The offset and generation word (where, what it read) that this thread's read of `key` found, under the
+        lock of that read: a later lookup could find another entry put under the key since."""
+        k, off, gen_offset, gen = self._last.found
+        assert k == key
+        return off, gen_offset, gen
 
     def get_handle(self, key: str) -> ArenaHandle | None:
         """Where the entry lies, verified, its slot held for hold_s from now; None on a miss (or a corrupt entry,
@@ -99,6 +127,7 @@ class ArenaStore(MemoryStore):
         data = self._take(key)
         if data is None:
             return None
+        off, gen_offset, gen = self._found(key)
         try:  # a live entry is never rewritten, and its slot is now held
             verify_checked(key, data, self._mac)
         except CorruptChunk:
@@ -106,10 +135,6 @@ class ArenaStore(MemoryStore):
             return None
         with self._lock:
             self._c["handles"] += 1
-            off = self._slot.get(key)
-            if off is None:  # removed since (its slot stays held): a miss now
-                return None
-            gen_offset, gen = self.arena.generation(off)
         return ArenaHandle(self.arena.ref, off, len(data), self.hold_s, gen_offset, gen)
 
     def get_bytes(self, key: str) -> bytes | None:
@@ -127,19 +152,18 @@ class ArenaStore(MemoryStore):
         return data
 
     def get_shared(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
-        """As MemoryStore's, the tensors views of the entry in the arena: usable until the hold less the reader's
-        margin (KVChunk.expires_at), as a chunk an arena Get hands a client."""
+        """As MemoryStore's, the tensors views of the entry in the arena, its own while its Lease holds (the hold
+        less the reader's margin, and the slot's generation word as this read found it)."""
+        t = time.monotonic()
         chunk = super().get_shared(key, layout)
         if chunk is not None:
-            with self._lock:
-                off = self._slot.get(key)
-            if off is None:  # removed since: its slot is held, but nothing here says for how long it stays this
-                return None
-            gen_offset, gen = self.arena.generation(off)
-            chunk.lease = Lease(time.monotonic() + self.hold_s - READER_MARGIN_S, self.arena.word(gen_offset), gen)
+            _, gen_offset, gen = self._found(key)
+            chunk.lease = Lease(t + self.hold_s - READER_MARGIN_S, self.arena.word(gen_offset), gen)
         return chunk
 
     def stats(self) -> dict:
+        with self._lock:
+            self._free_returned()
         st = super().stats()
         st.update(arena_bytes=self.arena.size, arena_held_bytes=self.arena.held_bytes())
         return st

@@ -55,9 +55,10 @@ class DeviceStore:
             with self._lock:
                 self._c["too_large"] += 1
             return False
+        copy = chunk.lease is not None  # views of a bridge's arena: to() on their own device would keep the views
         local = KVChunk(chunk.key, chunk.parent, chunk.fingerprint, list(chunk.token_ids),
-                        chunk.target_kv.to(self.device),
-                        chunk.draft_kv.to(self.device) if chunk.draft_kv is not None else None)
+                        chunk.target_kv.to(self.device, copy=copy),
+                        chunk.draft_kv.to(self.device, copy=copy) if chunk.draft_kv is not None else None)
         if not chunk.fresh():  # read from a bridge's arena past its hold: the bytes may be another chunk's
             with self._lock:
                 self._c["stale_refused"] += 1

@@ -235,16 +235,11 @@ class MemoryStore(IndexedStore):
                 return early
             keep = self._link(key, data)
             while self._bytes + len(data) > self.byte_budget:
-                if not self._may_evict(keep):  # only its own prompt's chunks are left to evict, or an orphan
+                if not self._evict_one(keep):  # only its own prompt's chunks are left to evict, or an orphan
                     self._parent.pop(key, None)
                     self._c["chain_refused"] += 1
                     return PutResult.REFUSED
-                victim, old = self._index.popitem(last=False)
-                self._parent.pop(victim, None)
-                self._bytes -= len(old)
-                self._c["evictions"] += 1
-                self._dropped(victim, old)
-            data = self._place(key, data)
+            data = self._place(key, data, keep)
             if data is None:
                 self._parent.pop(key, None)
                 return PutResult.REFUSED
@@ -253,9 +248,21 @@ class MemoryStore(IndexedStore):
             self._c["puts"] += 1
             return PutResult.STORED
 
-    def _place(self, key: str, data: bytes | memoryview) -> bytes | memoryview | None:
-        """Under the lock, room made: what the entry will be (None: refused after all, counted by the caller's
-        subclass). Here the bytes themselves; an arena store copies them into its arena."""
+    def _evict_one(self, keep: str | None) -> bool:
+        """Under the lock: evict the least recently used entry that `keep` allows (False: none)."""
+        if not self._may_evict(keep):
+            return False
+        victim, old = self._index.popitem(last=False)
+        self._parent.pop(victim, None)
+        self._bytes -= len(old)
+        self._c["evictions"] += 1
+        self._dropped(victim, old)
+        return True
+
+    def _place(self, key: str, data: bytes | memoryview, keep: str | None) -> bytes | memoryview | None:
+        """Under the lock, room made within the budget: what the entry will be (None: refused after all, counted by
+        the subclass). Here the bytes themselves; an arena store puts them in a slot of its arena (evicting more,
+        as `keep` allows, where no slot is free)."""
         return data
 
     def _dropped(self, key: str, data: bytes | memoryview) -> None:

@@ -6,6 +6,7 @@ import fcntl
 import mmap
 import os
 import time
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -309,6 +310,7 @@ def test_a_put_lands_in_its_arena_slot_with_no_copy_of_its_own(transport):
             assert c.put_bytes([(bad.key, bytes(data))], transport).refused == 1
             assert store.stats()["filled_in_place"] == 3 and store.stats()["entries"] == 3
         used = sum(_round(len(x.to_bytes(store.secret.mac_key))) for x in cs)
+        store.stats()  # (slots of lent buffers that died are freed by the next reserve, put or stats)
         assert store.arena.alloc(store.arena.data_size - used) is not None  # the refused chunks' slots came back
     finally:
         server.stop(grace=None).wait(10)
@@ -334,3 +336,56 @@ def test_a_handle_that_arrives_after_its_slot_was_reused_is_stale_whatever_the_r
     assert not late.lease.valid()  # the word says the slot is not a's any more
     now = s.get_handle(b.key)
     assert now.offset == h.offset and now.gen == h.gen + 1
+
+
+def test_a_device_tier_on_the_cpu_copies_an_arena_chunk_rather_than_keep_its_views():
+    """to() on the tensors' own device returns them as they are: a CPU device tier kept views of the bridge's arena,
+    whose slot later held another chunk (no lease on the kept entry). It copies such a chunk."""
+    from flashpd.kv_bridge.device_store import DeviceStore
+    s = ArenaStore(1 << 20)
+    c = chunk(7)
+    assert s.put(c)
+    shared = s.get_shared(c.key)
+    assert shared.lease is not None
+    tier = DeviceStore(1 << 20, "cpu")
+    assert tier.put(shared)
+    kept = tier.get(c.key)
+    assert kept.lease is None and same(kept, c)
+    assert kept.target_kv.data_ptr() != shared.target_kv.data_ptr()
+    assert kept.draft_kv.data_ptr() != shared.draft_kv.data_ptr()
+
+
+def test_a_put_evicts_more_to_find_a_slot_where_free_room_is_in_pieces():
+    """Entries of different sizes (a native entry has no drafter half) leave free room in pieces: a larger entry
+    finds no slot though the budget has room. It evicts further (least recently used first) until one frees up."""
+    small = [chunk(50 + i, tokens=4) for i in range(6)]
+    n_small = _round(len(small[0].to_bytes(ArenaStore(1 << 16).secret.mac_key)))
+    s = ArenaStore(6 * n_small, slack_bytes=0)
+    assert all(s.put(x) for x in small)
+    for x in small[1::2]:  # every other one gone: free room in pieces of one slot
+        assert s.remove(x.key)
+    big = chunk(60, tokens=12)
+    assert _round(len(big.to_bytes(s.secret.mac_key))) > n_small
+    assert s.put(big) and s.stats()["arena_refused"] == 0
+    assert not s.contains(small[0].key) and s.contains(small[4].key)
+
+
+def test_a_store_that_is_dropped_is_collected_and_closes_its_arena():
+    """A lent buffer's finalizer holds no reference to its store: a store with entries received in place is
+    collected like any other, and its arena's descriptor goes with it."""
+    import gc
+    s = ArenaStore(1 << 20)
+    c = chunk(70)
+    data = c.to_bytes(s.secret.mac_key)
+    buf = s.reserve(len(data))
+    buf[:] = memoryview(data)
+    assert s.put_bytes(c.key, memoryview(buf).toreadonly()) is PutResult.STORED
+    assert s.stats()["filled_in_place"] == 1
+    ref, fd, inode = weakref.ref(s), s.arena.fd, s.arena.ref.inode
+    del s, buf
+    gc.collect()
+    assert ref() is None
+    try:  # the descriptor is closed (its number may name another file by now)
+        assert os.fstat(fd).st_ino != inode
+    except OSError:
+        pass

@@ -39,9 +39,11 @@ import numpy as np
 PAGE = 4096
 # An evicted slot read is not reused for HOLD_S after its last read: long enough for a reader to copy a chunk out
 # (a restore does within milliseconds), short because held slots are room the store cannot use (its slack), and
-# every read of an entry that is later evicted holds it: under churn, held bytes ~ eviction rate x HOLD_S.
-HOLD_S = 5.0
-READER_MARGIN_S = 1.0  # a reader trusts a handle for hold - this, from when it arrived
+# every read of an entry that is later evicted holds it: under churn, held bytes ~ eviction rate x HOLD_S. The
+# generation word, not the hold, is what keeps a late reader from using a reused slot; the hold spares readers
+# needless recomputes.
+HOLD_S = 2.0
+READER_MARGIN_S = 0.5  # a reader trusts a handle for hold - this, from when it arrived
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; Python 3.11's fcntl lacks the name
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 MAX_MAPPED = 4  # arenas a reader keeps mapped (a bridge that restarts hands out a new one)

@@ -35,7 +35,7 @@ class ArenaStore(MemoryStore):
 
     The arena holds byte_budget plus `slack_bytes` (default: a quarter of the budget, at least 64 MiB): room for
     the slots of evicted entries still held for a reader (HOLD_S after their last read), for slots lent to Puts in
-    flight (reserve), and for rounding each slot up to whole pages. A put that finds no free slot evicts up to
+    flight (reserve, at most half the slack), and for rounding each slot up to whole pages. A put that finds no free slot evicts up to
     MAX_EXTRA_EVICTIONS more entries (free room can be in pieces where entries differ in size), then is refused
     (`arena_refused`). A copy into the arena (a put whose bytes were not received into a lent slot) happens under
     the store's lock: reads wait for it (a few milliseconds a chunk)."""
@@ -53,6 +53,8 @@ class ArenaStore(MemoryStore):
         # reference to the store: one may run anywhere, under any lock), freed by the next reserve, put or stats.
         # A lent buffer's id can be another's only once it died, its id appended here: reserve frees these first.
         self._returned: list[int] = []
+        self._lent = 0  # bytes of slots lent to Puts in flight
+        self.max_lent_bytes = slack // 2  # past it a Put is received into memory of its own (and copied in)
         self._last = threading.local()  # what this thread's last read found: (key, offset, generation word)
         self._c.update(arena_refused=0, handles=0, filled_in_place=0)
 
@@ -68,11 +70,14 @@ class ArenaStore(MemoryStore):
         uses memory of its own; the put copies)."""
         with self._lock:
             self._free_returned()
+            if self._lent + n > self.max_lent_bytes:  # Puts in flight may not take the room evicted slots wait in
+                return None
             off = self.arena.alloc(n)
             if off is None:
                 return None
             buf = self.arena.buffer(off, n)
             self._reserved[id(buf)] = (weakref.ref(buf), off, n)
+            self._lent += n
         weakref.finalize(buf, self._returned.append, id(buf))
         return buf
 
@@ -81,6 +86,7 @@ class ArenaStore(MemoryStore):
         while self._returned:
             found = self._reserved.pop(self._returned.pop(), None)
             if found is not None:
+                self._lent -= found[2]
                 self.arena.free(found[1], found[2])
 
     def _place(self, key: str, data: bytes | memoryview, keep: str | None) -> memoryview | None:
@@ -89,6 +95,7 @@ class ArenaStore(MemoryStore):
         found = self._reserved.get(id(owner)) if owner is not None else None
         if found is not None and found[0]() is owner and found[2] == len(data):  # filled in place: no copy
             del self._reserved[id(owner)]
+            self._lent -= found[2]
             self._slot[key] = found[1]
             self._c["filled_in_place"] += 1
             return data

@@ -389,3 +389,14 @@ def test_a_store_that_is_dropped_is_collected_and_closes_its_arena():
         assert os.fstat(fd).st_ino != inode
     except OSError:
         pass
+
+
+def test_puts_in_flight_borrow_at_most_half_the_slack():
+    """Slots lent to Puts still arriving (a slow client's) must not take the room evicted entries' held slots wait
+    in: past half the slack a receiver uses memory of its own, and a lent buffer that dies gives its share back."""
+    s = ArenaStore(1 << 20, slack_bytes=8 * PAGE)
+    a = s.reserve(2 * PAGE)
+    b = s.reserve(2 * PAGE)
+    assert a is not None and b is not None and s.reserve(1) is None
+    del a
+    assert s.reserve(2 * PAGE) is not None  # (the one just made dies at once, as a stream cut would leave it)

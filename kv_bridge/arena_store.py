@@ -2,6 +2,7 @@
 entry lies instead of its bytes, and a same-host reader reads it in place."""
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -48,10 +49,12 @@ class ArenaStore(MemoryStore):
         self.hold_s = hold_s
         self._slot: dict[str, int] = {}  # key -> offset of its entry in the arena
         self._hold: dict[str, float] = {}  # key -> when its slot may be reused once evicted (time.monotonic)
-        self._reserved: dict[int, tuple[weakref.ref, int, int]] = {}  # id(buffer) -> (buffer, offset, length)
-        # ids of lent buffers that became garbage, appended by their finalizers (which take no lock and hold no
-        # reference to the store: one may run anywhere, under any lock), freed by the next reserve, put or stats.
-        # A lent buffer's id can be another's only once it died, its id appended here: reserve frees these first.
+        # lent buffers by a number of their own (never id(): a dead buffer's id is the next one's at once, and its
+        # finalizer may run while another thread is between a drain and a new loan)
+        self._reserved: dict[int, tuple[weakref.ref, int, int]] = {}  # number -> (buffer, offset, length)
+        self._loans = itertools.count()
+        # numbers of lent buffers that became garbage, appended by their finalizers (which take no lock and hold no
+        # reference to the store: one may run anywhere, under any lock), freed by the next reserve, put or stats
         self._returned: list[int] = []
         self._lent = 0  # bytes of slots lent to Puts in flight
         self.max_lent_bytes = slack // 2  # past it a Put is received into memory of its own (and copied in)
@@ -76,9 +79,10 @@ class ArenaStore(MemoryStore):
             if off is None:
                 return None
             buf = self.arena.buffer(off, n)
-            self._reserved[id(buf)] = (weakref.ref(buf), off, n)
+            loan = next(self._loans)
+            self._reserved[loan] = (weakref.ref(buf), off, n)
             self._lent += n
-        weakref.finalize(buf, self._returned.append, id(buf))
+        weakref.finalize(buf, self._returned.append, loan)
         return buf
 
     def _free_returned(self) -> None:
@@ -92,11 +96,12 @@ class ArenaStore(MemoryStore):
     def _place(self, key: str, data: bytes | memoryview, keep: str | None) -> memoryview | None:
         self._free_returned()
         owner = data.obj if isinstance(data, memoryview) else None
-        found = self._reserved.get(id(owner)) if owner is not None else None
-        if found is not None and found[0]() is owner and found[2] == len(data):  # filled in place: no copy
-            del self._reserved[id(owner)]
-            self._lent -= found[2]
-            self._slot[key] = found[1]
+        loan = next((k for k, (ref, _, n) in self._reserved.items() if ref() is owner and n == len(data)), None) \
+            if owner is not None else None  # (a few loans at a time: one per Put stream at most)
+        if loan is not None:  # filled in place: no copy
+            _, off, n = self._reserved.pop(loan)
+            self._lent -= n
+            self._slot[key] = off
             self._c["filled_in_place"] += 1
             return data
         off = self.arena.alloc(len(data))

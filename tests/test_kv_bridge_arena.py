@@ -400,3 +400,27 @@ def test_puts_in_flight_borrow_at_most_half_the_slack():
     assert a is not None and b is not None and s.reserve(1) is None
     del a
     assert s.reserve(2 * PAGE) is not None  # (the one just made dies at once, as a stream cut would leave it)
+
+
+def test_a_loan_that_dies_while_another_is_made_frees_its_own_slot_only():
+    """A lent buffer dropped by one thread while another is between a drain and a new loan: the new buffer can be
+    given the dead one's id at once. Loans known by id() then lost the dead one's slot for good and later freed the
+    live one's, which a third loan got while the second was still being written (two chunks in one slot)."""
+    s = ArenaStore(1 << 20, slack_bytes=16 * PAGE)
+    lent = {"x": s.reserve(PAGE)}
+    alloc = s.arena.alloc
+
+    def alloc_while_another_thread_drops_its_loan(n: int) -> int | None:
+        lent.pop("x", None)
+        return alloc(n)
+
+    s.arena.alloc = alloc_while_another_thread_drops_its_loan
+    b = s.reserve(PAGE)
+    s.arena.alloc = alloc
+    s.stats()  # the dead loan's slot is freed here
+    c = s.reserve(PAGE)
+    address = lambda a: a.__array_interface__["data"][0]  # noqa: E731
+    assert address(c) != address(b)
+    del b, c
+    s.stats()
+    assert s.arena.alloc(s.arena.data_size) == 0  # every loan's slot came back

@@ -106,7 +106,8 @@ class ArenaStore(MemoryStore):
             return data
         off = self.arena.alloc(len(data))
         extra = 0
-        while off is None and extra < MAX_EXTRA_EVICTIONS and self._evict_one(keep):
+        while off is None and extra < MAX_EXTRA_EVICTIONS and not self._held_now(self._index.first()) \
+                and self._evict_one(keep):  # (an entry read within its hold would free no room now: kept)
             extra += 1
             off = self.arena.alloc(len(data))
         if off is None:
@@ -114,6 +115,10 @@ class ArenaStore(MemoryStore):
             return None
         self._slot[key] = off
         return self.arena.write(off, data)
+
+    def _held_now(self, key: str | None) -> bool:
+        """Under the lock: whether the entry's slot would be held if it were evicted now."""
+        return key is not None and self._hold.get(key, 0.0) > time.monotonic()
 
     def _dropped(self, key: str, data: bytes | memoryview) -> None:
         off = self._slot.pop(key, None)

@@ -424,3 +424,18 @@ def test_a_loan_that_dies_while_another_is_made_frees_its_own_slot_only():
     del b, c
     s.stats()
     assert s.arena.alloc(s.arena.data_size) == 0  # every loan's slot came back
+
+
+def test_a_put_does_not_evict_entries_whose_slots_a_read_still_holds_for_nothing():
+    """Evicting an entry read within its hold frees no room now (its slot waits out the hold): a put that finds no
+    slot does not throw such entries away beyond what the budget needs; it is refused and they stay."""
+    small = [chunk(80 + i, tokens=4) for i in range(6)]
+    n_small = _round(len(small[0].to_bytes(ArenaStore(1 << 16).secret.mac_key)))
+    s = ArenaStore(6 * n_small, slack_bytes=0)
+    assert all(s.put(x) for x in small)
+    for x in small[1::2]:
+        assert s.remove(x.key)
+    assert all(s.get_handle(x.key) is not None for x in small[0::2])  # all read: held if evicted
+    big = chunk(90, tokens=12)
+    assert not s.put(big) and s.stats()["arena_refused"] == 1
+    assert all(s.contains(x.key) for x in small[0::2])

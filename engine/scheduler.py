@@ -22,7 +22,7 @@ before the step, riding a drain or hold session, is finished as usual: nothing o
 (recomputed exactly), each such suspect takes its next step alone, and a row whose solo step fails
 too is failed; the rows that passed alone beside it are cleared (MAX_BATCH_FAULTS counts only faults nobody
 was failed for, which only a batch shows). A failed request frees its blocks and comes back in `StepResult.failed`; the other
-rows go on, with the tokens and acceptance lengths of an undisturbed run (sampled rows too: their
+rows go on, with the tokens, acceptance lengths and per-position acceptance of an undisturbed run (sampled rows too: their
 draws are keyed by token index, engine/sampling.py, so a rolled-back row draws the same tokens again).
 
 A width policy whose cap is 1 at a batch size (engine/width_policy.py: BatchWidth, "batch:caps=1-16/65-1")
@@ -887,11 +887,10 @@ def _streamed_to_end(r: Request) -> bool:
 
 def _rollback(r: Request) -> None:
     """Back to the tokens already streamed (whole steps): a failed step may have committed part of its
-    rows' tokens; with them go their steps' acceptance lengths and any finish they set."""
+    rows' tokens; with them go their steps' stats (acceptance lengths and per-position counts: the steps
+    run again) and any finish they set."""
     s = r.seq
     if len(s.output) > r.emitted:
         del s.output[r.emitted:]
         s.finish_reason = None
-    al = s.stats.acceptance_lengths
-    while al and 1 + sum(al) > len(s.output):
-        al.pop()
+    s.stats.rollback(len(s.output))

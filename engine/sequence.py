@@ -24,6 +24,8 @@ class RequestStats:
     # counters cost a loop over the width for every row of every step (the host's time at 128 rows)
     _by_accepted: list[int] = field(default_factory=list, repr=False)
     _by_guesses: list[int] = field(default_factory=list, repr=False)
+    # (width, accepted) a step, beside acceptance_lengths: what `rollback` takes out of the histograms again
+    _steps: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     def record_step(self, kept: int, width: int, accepted: int) -> None:
         """One speculative step: `kept` tokens committed, `accepted` of its width - 1 guesses taken."""
@@ -34,6 +36,27 @@ class RequestStats:
             guesses.extend([0] * (width - len(guesses)))
         acc[accepted] += 1
         guesses[width - 1] += 1
+        self._steps.append((width, accepted))
+
+    def rollback(self, output_len: int) -> None:
+        """Drop the last steps until the rest account for an output of `output_len` tokens (its first is the
+        prefill's, no step's): a rolled-back step runs again (or never, cancelled), so every count of it goes,
+        or the redone step would be counted twice in the per-position acceptance."""
+        al = self.acceptance_lengths
+        total = sum(al)
+        while al and 1 + total > output_len:
+            total -= al.pop()
+            self._unrecord(*self._steps.pop())
+
+    def _unrecord(self, width: int, accepted: int) -> None:
+        """Take one step out of both histograms; trailing positions no kept step drafted go too (as if never
+        drafted: no position_acceptance of 0 / 0)."""
+        acc, guesses = self._by_accepted, self._by_guesses
+        acc[accepted] -= 1
+        guesses[width - 1] -= 1
+        while guesses and not guesses[-1]:  # accepted <= width - 1: acc is 0 there too
+            guesses.pop()
+            acc.pop()
 
     @property
     def position_accepts(self) -> list[int]:

@@ -49,11 +49,20 @@ def _runner(target, drafter, blocks: int = BLOCKS) -> ModelRunner:
     return ModelRunner(target, blocks, 16, taps=tuple(drafter.cfg.target_layer_ids))
 
 
-def _solo(target, drafter, prompt, params, method):
+def _solo_seq(target, drafter, prompt, params, method):
     runner = _runner(target, drafter, 256)
     gen = DFlashGenerator(runner, drafter, ()) if method == "dflash" else NativeGenerator(runner)
-    s = generate(gen, [prompt], [params])[0]
+    return generate(gen, [prompt], [params])[0]
+
+
+def _solo(target, drafter, prompt, params, method):
+    s = _solo_seq(target, drafter, prompt, params, method)
     return s.output, s.stats.acceptance_lengths
+
+
+def _positions(s) -> tuple[list[int], list[int]]:
+    """A sequence's per-position acceptance counts: a step rolled back and run again must count once."""
+    return s.stats.position_accepts, s.stats.position_drafted
 
 
 def _run(sched: Scheduler, reqs, streamed: dict | None = None, steps: int = 10_000) -> tuple[dict, dict]:
@@ -79,10 +88,11 @@ def _check_others_exact(target, drafter, reqs, prompts, params, methods, streame
     for r, p, sp, m in zip(reqs, prompts, params, methods):
         if r.id in bad:
             continue
-        out, acc = _solo(target, drafter, p, sp, m)
+        solo = _solo_seq(target, drafter, p, sp, m)
         assert r.seq.finish_reason == "length"
-        assert streamed[r.id] == out == r.seq.output, f"request {r.id} ({m}) differs from its solo run"
-        assert r.seq.stats.acceptance_lengths == acc, f"request {r.id}: acceptance lengths differ"
+        assert streamed[r.id] == solo.output == r.seq.output, f"request {r.id} ({m}) differs from its solo run"
+        assert r.seq.stats.acceptance_lengths == solo.stats.acceptance_lengths, f"request {r.id}: acceptances differ"
+        assert _positions(r.seq) == _positions(solo), f"request {r.id}: per-position acceptance differs"
 
 
 def _rows_raise_for(gen, method_name: str, bad_prompt: list[int]) -> None:
@@ -181,6 +191,33 @@ def test_a_transient_batch_fault_fails_nobody_and_changes_nothing(pair):
     assert failed == {} and sched.stats.batch_faults == 1
     assert sched.runner.allocator.num_free == free0
     _check_others_exact(target, drafter, reqs, prompts, params, methods, streamed, set())
+
+
+def test_a_step_rolled_back_by_a_fault_counts_once_in_the_position_stats(pair):
+    """A step that committed its tokens and then raised is rolled back and run again: its tokens and acceptance
+    length are kept once, and so must its per-position counts (position_accepts / position_drafted), or the
+    redone step is counted twice and position_acceptance is skewed toward the rolled-back steps."""
+    target, drafter = pair
+    prompt, params = _prompts(1, 41)[0], SamplingParams(max_tokens=40, ignore_eos=True)
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    sched.overlap = False
+    req = sched.add(prompt, params, "dflash")
+    orig, calls = sched.spec.spec_step, []
+
+    def after_commit(seqs, *a, **kw):  # the third step raises once, after committing its tokens
+        calls.append(1)
+        orig(seqs, *a, **kw)
+        if len(calls) == 3:
+            raise RuntimeError("transient")
+
+    sched.spec.spec_step = after_commit
+    streamed, failed = _run(sched, [req])
+    assert failed == {} and sched.stats.batch_faults == 1
+    solo = _solo_seq(target, drafter, prompt, params, "dflash")
+    assert streamed[req.id] == req.seq.output == solo.output
+    assert req.seq.stats.acceptance_lengths == solo.stats.acceptance_lengths
+    assert _positions(req.seq) == _positions(solo)
+    assert req.seq.stats.as_dict()["position_acceptance"] == solo.stats.as_dict()["position_acceptance"]
 
 
 class _RaisingStore(MemoryStore):

@@ -147,3 +147,27 @@ def test_a_cancel_while_the_step_in_flight_holds_the_last_token_ends_cancelled(p
     if method == "dflash":  # (a native request records no acceptance lengths)
         assert 1 + sum(r.seq.stats.acceptance_lengths) == len(streamed)
     assert sched.idle and runner.allocator.num_free == 63
+
+
+def test_a_cancel_counts_only_the_steps_it_streamed_in_the_position_stats(pair):
+    """The cancel ends the session, which reads the step in flight (committing and counting it), then rolls the
+    request back to what it streamed. The dropped step must leave the per-position counts too: every step here
+    drafts the full width (max_tokens far off), so position k was drafted by every kept step and accepted by those
+    whose acceptance length exceeds k + 1."""
+    target, drafter = pair
+    runner = ModelRunner(target, 64, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(cuda_graphs=False, compile=False))
+    sched = Scheduler(runner, drafter)
+    sched.overlap = True
+    r = sched.add(_prompts(1, 3)[0], SamplingParams(max_tokens=400, ignore_eos=True), "dflash")
+    streamed: list[int] = []
+    while sched._session is None or sched.steps < 4:
+        streamed += sched.step().new_tokens.get(r.id, [])
+    assert sched._session.queued and not r.seq.done, "no step in flight"
+    sched.cancel(r)
+    st, w = r.seq.stats, r.seq.draft_width
+    al = st.acceptance_lengths
+    assert r.seq.finish_reason == "cancelled" and r.seq.output == streamed and 1 + sum(al) == len(streamed)
+    assert st.position_drafted == [len(al)] * (w - 1)
+    assert st.position_accepts == [sum(a - 1 > k for a in al) for k in range(w - 1)]
+    assert sched.idle and runner.allocator.num_free == 63

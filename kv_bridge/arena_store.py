@@ -36,10 +36,10 @@ class ArenaStore(MemoryStore):
 
     The arena holds byte_budget plus `slack_bytes` (default: a quarter of the budget, at least 64 MiB): room for
     the slots of evicted entries still held for a reader (HOLD_S after their last read), for slots lent to Puts in
-    flight (reserve, at most half the slack), and for rounding each slot up to whole pages. A put that finds no free slot evicts up to
-    MAX_EXTRA_EVICTIONS more entries (free room can be in pieces where entries differ in size), then is refused
-    (`arena_refused`). A copy into the arena (a put whose bytes were not received into a lent slot) happens under
-    the store's lock: reads wait for it (a few milliseconds a chunk)."""
+    flight (reserve, at most half the slack), and for rounding each slot up to whole pages. A put that finds no
+    free slot evicts up to MAX_EXTRA_EVICTIONS more entries (free room can be in pieces where entries differ in
+    size), then is refused (`arena_refused`). A copy into the arena (a put whose bytes were not received into a
+    lent slot) happens under the store's lock: reads wait for it (a few milliseconds a chunk)."""
 
     def __init__(self, byte_budget: int, secret: ClusterSecret | None = None, slack_bytes: int | None = None,
                  hold_s: float = HOLD_S) -> None:

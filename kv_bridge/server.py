@@ -642,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tls-cert", default=None)
     ap.add_argument("--tls-key", default=None)
     ap.add_argument("--arena", action="store_true",
-                    help="keep the memory tier in a shared-memory arena that same-host readers map (kv_bridge/arena.py)")
+                    help="keep the memory tier in a shared-memory arena that same-host readers map "
+                         "(kv_bridge/arena.py)")
     args = ap.parse_args(argv)
     secret = ClusterSecret.from_env()
     if secret is None:  # a random secret of its own would admit no client at all

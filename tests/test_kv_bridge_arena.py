@@ -204,7 +204,7 @@ def test_an_arena_get_from_a_bridge_without_an_arena_gets_segments():
         server.stop(grace=None).wait(10)
 
 
-def test_a_launched_bridge_with_the_arena_transport_is_read_in_place_from_another_process(dflash_pair, tmp_path):  # noqa: F811
+def test_a_launched_arena_bridge_is_read_in_place_from_another_process(dflash_pair, tmp_path):  # noqa: F811
     """The real same-host case: `bridge_transport: arena` gives the bridge worker (its own process, started by the
     local launcher) an arena memory tier; this process opens it through /proc/<pid>/fd and reads what another
     client put, in place."""

@@ -55,6 +55,12 @@ STATS_TIMEOUT_S = 5.0  # a stats round trip (health, metrics) waits at most this
 # every other sender, cancels and health reads included) for as long as the engine is stuck
 OUTBOX_MAX_BYTES = 64 << 20
 LOOP_CHECK_S = 1.0  # how often the idle engine process checks that its engine loop still runs
+# what counts() says of an engine that cannot say (gone, not answering, its stats failing)
+NOT_SERVING = Load(running=0, waiting=0, kv_blocks_free=0, kv_blocks_total=0, kv_block_size=0, serving=False)
+
+
+class EngineStatsFailed(RuntimeError):
+    """The engine process is there but its own stats call failed (its answer was {"error": ...})."""
 
 
 def _portable(e: BaseException | None) -> BaseException | None:
@@ -231,6 +237,7 @@ class EngineProcess:
         self._asks: dict[int, Future] = {}
         self._stopping = False
         self._dead: EngineStopped | None = None
+        self._stats_error: str | None = None  # the last stats failure logged (None: stats answer)
         try:
             facts = self._wait_ready(progress_s, cfg.start_timeout_s)
         except BaseException:  # a failed or interrupted start leaves no child and no open socket behind
@@ -329,7 +336,8 @@ class EngineProcess:
                 pass
 
     def stats(self) -> dict:
-        """DecodeWorker.stats() of the engine (a round trip; raises EngineStopped or TimeoutError)."""
+        """DecodeWorker.stats() of the engine (a round trip; raises EngineStopped, TimeoutError, or
+        EngineStatsFailed when the engine's own stats call failed)."""
         qid = next(self._ids)
         fut: Future = Future()
         with self._lock:
@@ -349,16 +357,32 @@ class EngineProcess:
                 self._asks.pop(qid, None)
             raise TimeoutError(f"the engine process did not answer within {STATS_TIMEOUT_S:g} s") from None
         if "error" in st:
-            raise RuntimeError(f"engine stats: {st['error']}")
+            raise EngineStatsFailed(f"engine stats: {st['error']}")
         return st
 
     def counts(self) -> Load:
+        """The engine's load, or not serving when it cannot say (gone, not answering, or its stats call failed): an
+        engine that cannot report its state is not healthy, and Health and /health must say so, not fail."""
         try:
             st = self.stats()
         except (EngineStopped, TimeoutError, OSError):
-            return Load(running=0, waiting=0, kv_blocks_free=0, kv_blocks_total=0, kv_block_size=0, serving=False)
+            return NOT_SERVING
+        except EngineStatsFailed as e:
+            self._note_stats(str(e))
+            return NOT_SERVING
+        self._note_stats(None)
         return Load(running=st["running"], waiting=st["waiting"], kv_blocks_free=st["kv_blocks_free"],
                     kv_blocks_total=st["kv_blocks_total"], kv_block_size=st["kv_block_size"])
+
+    def _note_stats(self, error: str | None) -> None:
+        """Log a stats failure once per distinct message, and its end once: health probes read counts() every few
+        seconds, and a log line each time would bury everything else."""
+        with self._lock:
+            last, self._stats_error = self._stats_error, error
+        if error is not None and error != last:
+            log.error("the engine process cannot report its state (%s): not serving until it can", error)
+        elif error is None and last is not None:
+            log.warning("the engine process reports its state again: serving again")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the engine (requests in flight end with an "error" event) and reap the process."""

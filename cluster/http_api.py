@@ -375,10 +375,16 @@ class _State:
                     _bool(body, "return_token_ids", False))
 
     def _room(self, prompt_len: int, method: str, draft_width: int | None) -> int:
-        """Chat's default max_tokens: what the context and one worker's whole KV cache leave."""
+        """Chat's default max_tokens: what the context and one worker's whole KV cache leave. A backend that is not
+        serving has no KV figures to bound it by: 503 (retry later, or name max_tokens), not an unbounded default
+        the engine would then refuse as the client's prompt error."""
         be = self.backend
         room = be.max_positions - prompt_len
         c = be.counts()
+        if c.serving is False or not be.alive:
+            raise APIError(503, "the server is not serving now, so chat's default max_tokens (what the KV cache "
+                           "leaves) cannot be worked out: retry later, or set max_tokens",
+                           "server_error", None, "service_unavailable")
         total, bs = c.kv_blocks_total, c.kv_block_size
         if total and bs:
             width = (draft_width or be.default_draft_width or 1) if method == "dflash" else 1

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -499,4 +500,70 @@ def test_the_recompute_fallbacks_family_is_read_from_the_engine_process(caplog):
         assert "flashpd_recompute_fallbacks" in text
         assert not [r for r in caplog.records if "could not be read" in r.getMessage()], caplog.text
     finally:
+        svc.stop()
+
+
+# Loaded by the engine process (PYTHONPATH): while the file TEST_ENGINE_STATS_FAIL names exists, the engine's own
+# stats call raises its text, as a device or allocator fault would; the engine loop itself goes on serving.
+_STATS_FAIL = """\
+import os
+flag = os.environ.get("TEST_ENGINE_STATS_FAIL")
+if flag:
+    from flashpd.decode_node.worker import DecodeWorker
+    real = DecodeWorker.stats
+    def stats(self):
+        if os.path.exists(flag):
+            raise RuntimeError(open(flag).read())
+        return real(self)
+    DecodeWorker.stats = stats
+"""
+
+
+def _http(base: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_an_engine_that_cannot_report_its_state_is_not_serving(tmp_path, monkeypatch, caplog):
+    """The engine's stats call fails in the child (its answer is {"error": ...}). counts() raised that as a
+    RuntimeError: gRPC Health ended UNKNOWN with the exception's text, /health and chat's default max_tokens
+    answered 500. Now the worker says it is not serving (Health answers, /health 503, so a balancer takes it out
+    of rotation), chat without max_tokens gets a 503 (its default needs the KV figures), a request that names its
+    max_tokens is still served, the error is logged once, not per probe, and serving resumes when stats answer."""
+    import logging  # noqa: PLC0415
+
+    (tmp_path / "sitecustomize.py").write_text(_STATS_FAIL)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    flag = tmp_path / "stats_fail"
+    monkeypatch.setenv("TEST_ENGINE_STATS_FAIL", str(flag))
+    svc = start_service(_cfg(engine_process=True, http_port=0))
+    client = GenerationClient(svc.address, timeout_s=30.0)
+    base = f"http://{svc.http_address}"
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    try:
+        assert client.health()["serving"]
+        flag.write_text("CUDA error: an illegal memory access was encountered")
+        with caplog.at_level(logging.WARNING, logger="flashpd.cluster.engine_proc"):
+            for _ in range(3):
+                h = client.health()
+                assert not h["serving"] and h["kv_blocks_total"] == 0, h
+            status, body = _http(base, "/health")
+            assert status == 503 and body["status"] == "unavailable" and body["serving"] is False, body
+            status, body = _http(base, "/v1/chat/completions", chat)
+            assert status == 503 and body["error"]["code"] == "service_unavailable", body
+            assert "max_tokens" in body["error"]["message"], body
+            status, body = _http(base, "/v1/chat/completions", {**chat, "max_tokens": 2, "ignore_eos": True})
+            assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+            flag.unlink()
+            assert client.health()["serving"]
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("illegal memory access" in m for m in said) == 1, said
+        assert any("serving again" in m for m in said), said
+    finally:
+        client.close()
         svc.stop()

@@ -178,6 +178,23 @@ def test_chat_default_max_tokens_reads_the_backend_off_the_loop(served):
     assert got["r"][0] == 200 and got["r"][1]["usage"]["completion_tokens"] == 1
 
 
+def test_chat_default_max_tokens_from_a_backend_not_serving_is_a_503(served):
+    """A backend that is not serving (an engine process whose stats fail, a router with no decode worker up) has no
+    KV figures to bound chat's default max_tokens by: 503, not an unbounded default or a 500. A request that sets
+    max_tokens needs no figures and still goes to the backend."""
+    be, _, base = served
+    from flashpd.engine.load import Load  # noqa: PLC0415
+
+    be.counts = lambda: Load(running=0, waiting=0, kv_blocks_free=0, kv_blocks_total=0, kv_block_size=0,
+                             serving=False)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    status, body = _post(base, "/v1/chat/completions", chat)
+    assert status == 503 and body["error"]["code"] == "service_unavailable", body
+    assert "max_tokens" in body["error"]["message"], body
+    status, body = _post(base, "/v1/chat/completions", {**chat, "max_tokens": 1})
+    assert status == 200 and body["usage"]["completion_tokens"] == 1, body
+
+
 class _WatchedTokenizer:
     """The demo tokenizer, recording which call tokenized a prompt and on which thread."""
 

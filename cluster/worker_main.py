@@ -222,9 +222,11 @@ def _bridge_cache(cfg, llm, w: RunningWorker, metrics, secret, in_use: Callable[
     from flashpd.cluster.bridge_meter import MeteredStore  # noqa: PLC0415
     from flashpd.kv_bridge.client import BridgeClient, RemoteStore  # noqa: PLC0415
     from flashpd.kv_bridge.prefix_cache import PrefixCache  # noqa: PLC0415
+    import torch  # noqa: PLC0415
 
+    on_gpu = torch.device(llm.device).type == "cuda"  # restores copy out of the arena it maps: page-locked, one DMA
     client = BridgeClient(cfg.bridge_address, timeout_s=cfg.bridge_timeout_s, secret=secret, tls=bridge_tls(cfg),
-                          max_chunk_bytes=max_chunk_bytes(cfg))
+                          max_chunk_bytes=max_chunk_bytes(cfg), pin_arenas=cfg.bridge_transport == "arena" and on_gpu)
 
     def close() -> None:
         if in_use():

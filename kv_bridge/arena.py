@@ -20,21 +20,34 @@ Safety:
   both after it copied the bytes out (KVChunk.fresh(), chunk.Lease): bytes of a reused slot are never used
   silently; those positions are computed instead.
 - The reader verifies each chunk's MAC over the mapped bytes, as every other transport does.
+
+Page-locking (a reader whose restores copy to a GPU, `ArenaMaps(pinner=CudaPinner())`): a host -> device copy out
+of pageable memory goes through the driver's staging buffers; out of page-locked memory it is one DMA at the link's
+rate. The reader registers each arena it maps with CUDA once, read-only, on a thread of its own (a restore never
+waits for it: until it is done copies are pageable, as before; a failure is logged once and changes nothing else).
+Registering commits every page of the arena (the bridge's memory tier, which it would fill under load anyway).
+A mapping dropped is unregistered, then unmapped, once no chunk or word views it any more.
 """
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
+import queue
 import stat
+import sys
 import threading
 import time
 import weakref
 from bisect import insort
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 PAGE = 4096
 # An evicted slot read is not reused for HOLD_S after its last read: long enough for a reader to copy a chunk out
@@ -175,36 +188,171 @@ class Arena:
         return memoryview(self._map)[offset:offset + n].toreadonly()
 
 
-class ArenaMaps:
-    """A reader's read-only mappings of the arenas its bridges hand out, made on first use, the MAX_MAPPED most
-    recently used kept (a mapping dropped is unmapped once no chunk views it any more)."""
+class HostPinner(Protocol):
+    """Page-locks a range of this process's memory for a device's copies (CudaPinner), and undoes it."""
+
+    def register(self, addr: int, n: int) -> None: ...  # raises OSError (ArenaError) when it cannot
+
+    def unregister(self, addr: int) -> None: ...
+
+
+class CudaPinner:
+    """cudaHostRegister, read-only (the arena is mapped read-only) and portable (every device's context sees it).
+    Called on ArenaMaps' pinning thread only: a failed CUDA runtime call leaves that thread's last-error state set,
+    and no kernel is launched there that would pick it up."""
+
+    FLAGS = 1 | 8  # cudaHostRegisterPortable | cudaHostRegisterReadOnly
 
     def __init__(self) -> None:
+        import torch  # noqa: PLC0415  (a reader that copies to a GPU has torch)
+
+        if not torch.cuda.is_available():
+            raise ArenaError("page-locking an arena for a GPU needs CUDA")
+        self._rt = torch.cuda.cudart()
+
+    def register(self, addr: int, n: int) -> None:
+        e = self._rt.cudaHostRegister(addr, n, self.FLAGS)
+        if int(e) != 0:
+            raise ArenaError(f"cudaHostRegister of {n} bytes (read-only) failed: {e}")
+
+    def unregister(self, addr: int) -> None:
+        e = self._rt.cudaHostUnregister(addr)
+        if int(e) != 0:
+            raise ArenaError(f"cudaHostUnregister failed: {e}")
+
+
+class _Mapped:
+    """One mapped arena: the mapping, and whether it is page-locked (set by the pinning thread only)."""
+
+    __slots__ = ("mm", "addr", "pinned", "_refs")
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.mm = mm
+        a = np.frombuffer(mm, dtype=np.uint8)  # only for the address: dropped at once, so it holds no export
+        self.addr = int(a.ctypes.data)
+        del a
+        self.pinned = False
+        self._refs = 0
+
+    def _count(self) -> int:
+        return sys.getrefcount(self.mm)
+
+    def settle(self) -> None:
+        """Take the reference count of the mapping with no view made yet: called once constructed, where the
+        caller holds it only through this object (a count taken inside __init__ would include its argument)."""
+        self._refs = self._count()
+
+    def viewed(self) -> bool:
+        """Whether any view of the mapping is alive: each memoryview or array made from it holds a reference to
+        the mapping (one more than `settle` counted). No new view is made once it is dropped."""
+        return self._count() > self._refs
+
+
+class ArenaMaps:
+    """A reader's read-only mappings of the arenas its bridges hand out, made on first use, the MAX_MAPPED most
+    recently used kept. A mapping dropped is unmapped (unregistered first, when pinned) once no chunk views it any
+    more. pinner: page-lock each mapping (the module's docstring)."""
+
+    def __init__(self, pinner: HostPinner | None = None) -> None:
         self._lock = threading.Lock()
-        self._maps: OrderedDict[ArenaRef, mmap.mmap] = OrderedDict()
+        self._maps: OrderedDict[ArenaRef, _Mapped] = OrderedDict()
+        self._dropped: list[_Mapped] = []  # out of _maps, not yet unmapped: some view of it may be alive
+        self._pinner = pinner
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] | None = None
+        self._warned = False
 
     def view(self, ref: ArenaRef, offset: int, length: int) -> memoryview:
         """A read-only view of length bytes at offset in the arena ref names; ArenaError when unusable."""
         if not 0 < length <= ref.size or not 0 <= offset <= ref.size - length:
             raise ArenaError(f"arena range {offset}+{length} is outside its {ref.size} bytes")
-        return memoryview(self._mapping(ref))[offset:offset + length].toreadonly()
+        return memoryview(self._mapping(ref).mm)[offset:offset + length].toreadonly()
 
     def word(self, ref: ArenaRef, offset: int) -> np.ndarray:
         """A one-element uint32 view of the arena's word at offset (a slot's generation word)."""
         if offset % 4 or not 0 <= offset <= ref.size - 4:
             raise ArenaError(f"arena word at {offset} is not an aligned word of its {ref.size} bytes")
-        return np.frombuffer(self._mapping(ref), dtype=np.uint32, count=1, offset=offset)
+        return np.frombuffer(self._mapping(ref).mm, dtype=np.uint32, count=1, offset=offset)
 
-    def _mapping(self, ref: ArenaRef) -> mmap.mmap:
+    def stats(self) -> dict:
+        """Arenas mapped here, how many of them are page-locked, and dropped mappings some view still holds."""
+        with self._lock:
+            return {"mapped": len(self._maps), "pinned": sum(m.pinned for m in self._maps.values()),
+                    "dropped_viewed": len(self._dropped)}
+
+    def close(self) -> None:
+        """Drop every mapping (each unmapped once nothing views it; those still viewed then go with the process)
+        and stop the pinning thread."""
+        with self._lock:
+            self._dropped.extend(self._maps.values())
+            self._maps.clear()
+            self._reap()
+            if self._jobs is not None:
+                self._jobs.put(None)
+                self._jobs = None
+
+    def _mapping(self, ref: ArenaRef) -> _Mapped:
         """The mapping of ref's arena, made on first use; the MAX_MAPPED most recently used are kept."""
         with self._lock:
             m = self._maps.get(ref)
             if m is None:
-                m = self._maps[ref] = _map(ref)
+                self._reap()
+                m = self._maps[ref] = _Mapped(_map(ref))
+                m.settle()
                 while len(self._maps) > MAX_MAPPED:
-                    self._maps.popitem(last=False)
+                    self._dropped.append(self._maps.popitem(last=False)[1])
+                if self._pinner is not None:
+                    self._submit(lambda m=m: self._pin(m))
             self._maps.move_to_end(ref)
             return m
+
+    def _reap(self) -> None:
+        """Unmap the dropped mappings nothing views any more (under the lock: no view of them can be made)."""
+        keep = []
+        for m in self._dropped:
+            if m.viewed():
+                keep.append(m)
+            elif self._pinner is None:
+                m.mm.close()
+            else:  # on the pinning thread, after its registration if that is still queued: unregistered, unmapped
+                self._submit(lambda m=m: self._release(m))
+        self._dropped = keep
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._run_jobs, args=(self._jobs,), name="arena-pin", daemon=True).start()
+        self._jobs.put(job)
+
+    @staticmethod
+    def _run_jobs(jobs: "queue.SimpleQueue[Callable[[], None] | None]") -> None:
+        while (job := jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # noqa: BLE001  one job's failure must not strand the ones queued after it
+                log.exception("an arena page-locking job failed")
+
+    def _pin(self, m: _Mapped) -> None:
+        assert self._pinner is not None
+        try:
+            self._pinner.register(m.addr, len(m.mm))
+        except OSError as e:
+            if not self._warned:  # the copies stay pageable: slower, never wrong
+                self._warned = True
+                log.warning("an arena could not be page-locked for device copies (restores from it stay pageable): "
+                            "%s", e)
+            return
+        m.pinned = True
+
+    def _release(self, m: _Mapped) -> None:
+        assert self._pinner is not None
+        if m.pinned:
+            try:
+                self._pinner.unregister(m.addr)
+            except OSError as e:  # left mapped: unmapping pages the driver may still hold would be worse
+                log.warning("an arena mapping could not be unregistered; it stays mapped: %s", e)
+                return
+            m.pinned = False
+        m.mm.close()
 
 
 def _map(ref: ArenaRef) -> mmap.mmap:

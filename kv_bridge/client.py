@@ -109,11 +109,13 @@ class BridgeClient:
     tls.ca (None: plaintext). max_chunk_bytes: the largest chunk a Get may hand this client.
     streams: how many concurrent streams one put/get of several chunks is split across, each on a
     channel of its own (channels connect on first use: a client that moves one chunk at a time
-    opens one connection)."""
+    opens one connection). pin_arenas: page-lock the arenas it maps for a GPU's copies (a reader whose
+    restores go to a GPU; needs CUDA)."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, frame_bytes: int = DEFAULT_FRAME_BYTES, *,
                  secret: ClusterSecret | None = None, tls: BridgeTls | None = None,
-                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, streams: int = DEFAULT_STREAMS) -> None:
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, streams: int = DEFAULT_STREAMS,
+                 pin_arenas: bool = False) -> None:
         if not 1 <= streams <= MAX_STREAMS:
             raise ValueError(f"streams must be in 1..{MAX_STREAMS}, got {streams}")
         self.address = address
@@ -126,7 +128,8 @@ class BridgeClient:
         # this client's Put segments carry its owner id; only its Put calls present the key (see shm.SegmentOwner)
         self._shm_owner = shm.SegmentOwner.generate()
         self._shm_md = [self._shm_owner.metadata()]
-        self._arenas = arena.ArenaMaps()  # the arenas of this bridge this client has mapped
+        # the arenas of this bridge this client has mapped; page-locked for a GPU's copies (pin_arenas, arena.py)
+        self._arenas = arena.ArenaMaps(arena.CudaPinner() if pin_arenas else None)
         # a pool of its own per channel: channels with equal options would otherwise share one connection
         options = GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
         self._channels = [grpc.secure_channel(address, tls.channel_credentials(), options=options)
@@ -143,6 +146,11 @@ class BridgeClient:
     def close(self) -> None:
         for c in self._channels:
             c.close()
+        self._arenas.close()
+
+    def arena_stats(self) -> dict:
+        """The arenas this client has mapped, and how many are page-locked (ArenaMaps.stats)."""
+        return self._arenas.stats()
 
     def __enter__(self) -> "BridgeClient":
         return self

@@ -439,3 +439,117 @@ def test_a_put_does_not_evict_entries_whose_slots_a_read_still_holds_for_nothing
     big = chunk(90, tokens=12)
     assert not s.put(big) and s.stats()["arena_refused"] == 1
     assert all(s.contains(x.key) for x in small[0::2])
+
+
+class RecordingPinner:
+    """Stands in for CudaPinner (no GPU here): records what it is asked, and checks that a range it unregisters
+    is still mapped (unmapping a range before the driver lets go of it would be the bug)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.events: list[tuple[str, int, int]] = []
+        self.still_mapped_at_unregister: list[bool] = []
+        self.maps: ArenaMaps | None = None
+
+    def register(self, addr: int, n: int) -> None:
+        self.events.append(("register", addr, n))
+        if self.fail:
+            raise ArenaError("no CUDA here")
+
+    def unregister(self, addr: int) -> None:
+        self.events.append(("unregister", addr, 0))
+        assert self.maps is not None
+        m = next(m for m in self.maps._dropped_all if m.addr == addr)
+        self.still_mapped_at_unregister.append(not m.mm.closed)
+
+
+def _pinned_maps(p: RecordingPinner) -> ArenaMaps:
+    maps = ArenaMaps(p)
+    p.maps = maps
+    maps._dropped_all = []  # every mapping made, for the pinner's check
+    orig = maps._mapping
+
+    def mapping(ref):
+        m = orig(ref)
+        if m not in maps._dropped_all:
+            maps._dropped_all.append(m)
+        return m
+
+    maps._mapping = mapping
+    return maps
+
+
+def _wait(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_pinning_reader_page_locks_each_arena_once_whole_and_unregisters_before_unmapping():
+    p = RecordingPinner()
+    maps = _pinned_maps(p)
+    arenas = [Arena(4 * PAGE) for _ in range(arena.MAX_MAPPED + 1)]
+    view = maps.view(arenas[0].ref, PAGE, 100)
+    maps.view(arenas[0].ref, 0, 10)
+    _wait(lambda: maps.stats()["pinned"] == 1)
+    first = maps._dropped_all[0]
+    assert p.events == [("register", first.addr, arenas[0].size)]  # the whole mapping, once
+    for a in arenas[1:]:  # the first arena drops out of the reader's MAX_MAPPED, but a view of it is alive
+        maps.view(a.ref, 0, 10)
+    _wait(lambda: maps.stats()["pinned"] == arena.MAX_MAPPED)
+    assert maps.stats()["dropped_viewed"] == 1 and not first.mm.closed and first.pinned
+    assert ("unregister", first.addr, 0) not in p.events
+    assert bytes(view) == bytes(100)  # still readable
+    del view
+    maps.view(arenas[1].ref, 0, 10)  # a mapping made or reused reaps the dropped ones nothing views
+    maps.close()  # the rest: unregistered, then unmapped, on the pinning thread
+    _wait(lambda: all(m.mm.closed for m in maps._dropped_all))
+    unreg = [e for e in p.events if e[0] == "unregister"]
+    assert len(unreg) == arena.MAX_MAPPED + 1 and all(p.still_mapped_at_unregister)
+    assert unreg[0][1] == first.addr  # the dropped one went first, once its view was gone
+
+
+def test_a_reader_that_cannot_page_lock_reads_as_before_and_warns_once(caplog):
+    p = RecordingPinner(fail=True)
+    maps = _pinned_maps(p)
+    a, b = Arena(4 * PAGE), Arena(4 * PAGE)
+    with caplog.at_level("WARNING", logger="flashpd.kv_bridge.arena"):
+        v = maps.view(a.ref, 0, 16)
+        maps.view(b.ref, 0, 16)
+        _wait(lambda: len(p.events) == 2)
+        maps.close()
+        _wait(lambda: maps._jobs is None)
+    assert bytes(v) == bytes(16) and maps.stats()["pinned"] == 0
+    assert len([r for r in caplog.records if "page-locked" in r.getMessage()]) == 1
+    assert all(e[0] == "register" for e in p.events)  # nothing registered: nothing to unregister
+
+
+def test_a_mapping_dropped_unviewed_is_unmapped_without_a_pinner():
+    maps = ArenaMaps()
+    arenas = [Arena(4 * PAGE) for _ in range(arena.MAX_MAPPED + 2)]
+    w = maps.word(arenas[0].ref, arenas[0].generation(0)[0])  # a generation word is a view too
+    first = maps._maps[arenas[0].ref]
+    for a in arenas[1:]:
+        maps.view(a.ref, 0, 8)
+    assert not first.mm.closed and maps.stats()["dropped_viewed"] >= 1
+    del w
+    maps.view(arenas[1].ref, 0, 8)
+    assert first.mm.closed and maps.stats()["mapped"] == arena.MAX_MAPPED
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locking for a GPU needs CUDA")
+def test_a_cuda_pinned_arena_copies_to_the_gpu_as_page_locked_memory():
+    s = ArenaStore(1 << 22)
+    c = chunk(3, tokens=64)
+    assert s.put(c)
+    h = s.get_handle(c.key)
+    maps = ArenaMaps(arena.CudaPinner())
+    view = maps.view(h.arena, h.offset, h.length)
+    _wait(lambda: maps.stats()["pinned"] == 1)
+    got = KVChunk.from_bytes(view, s.secret.mac_key, share=True)
+    assert got.target_kv.is_pinned()
+    assert torch.equal(got.target_kv.to("cuda").cpu(), c.target_kv)
+    del got, view
+    maps.close()
+    _wait(lambda: maps._jobs is None and maps.stats()["mapped"] == 0)

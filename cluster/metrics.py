@@ -4,15 +4,25 @@ Per request (observed when it ends): TTFT and latency histograms, tau, accepted 
 draft position, output tokens, outcome. Live values (read from their owner at scrape time, so
 nothing is counted twice): queue depth, running requests, free KV blocks, preemptions, prefix-cache
 hits and misses by tier, bridge bytes, seconds and GB/s, recompute fallbacks, worker restarts.
+
+The per-request counters and histograms are kept in this process's memory (`_Family`), not in prometheus_client's
+Counter and Histogram: with PROMETHEUS_MULTIPROC_DIR in a process's environment those keep every value in a file of
+that directory named by the process id (made for a MultiProcessCollector, which nothing here uses), and start from
+what the file holds. A process that got a dead one's pid then counted on from the dead one's totals: LMCache sets
+the variable for good in any process that builds its engine, the processes started from there inherit it, and a
+Ray prefill worker reported 68 prefills for the 32 it ran (a CI failure).
 """
 from __future__ import annotations
 
+import bisect
 import logging
+import math
 import threading
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +53,69 @@ class _Live:
             yield fam
 
 
+class _Family:
+    """A counter (buckets None) or a histogram (its upper bounds) by label values, in this process's memory (see the
+    module's docstring); collected like prometheus_client's (a counter's `_total`, a histogram's `_bucket`, `_count`
+    and `_sum`)."""
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...] | None = None) -> None:
+        self.name, self.doc, self.labelnames = name, doc, labels
+        self.bounds = None if buckets is None else tuple(sorted(buckets)) + (math.inf,)
+        self._children: dict[tuple[str, ...], _Child] = {}
+        self.lock = threading.Lock()
+
+    def labels(self, *values: object) -> "_Child":
+        key = tuple(str(v) for v in values)
+        if len(key) != len(self.labelnames):
+            raise ValueError(f"{self.name}: labels {self.labelnames}, got {key}")
+        with self.lock:
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = _Child(self)
+            return child
+
+    def collect(self) -> Iterable:
+        with self.lock:
+            rows = [(k, c.value, list(c.counts)) for k, c in self._children.items()]
+        if self.bounds is None:
+            fam = CounterMetricFamily(self.name, self.doc, labels=list(self.labelnames))
+            for key, value, _ in rows:
+                fam.add_metric(list(key), value)
+            yield fam
+            return
+        fam = HistogramMetricFamily(self.name, self.doc, labels=list(self.labelnames))
+        for key, total, counts in rows:
+            cumulative, buckets = 0.0, []
+            for bound, n in zip(self.bounds, counts):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            fam.add_metric(list(key), buckets, total)
+        yield fam
+
+
+class _Child:
+    """One label set's value: a counter's total, or a histogram's sum (`value`) and per-bucket counts."""
+
+    __slots__ = ("_family", "value", "counts")
+
+    def __init__(self, family: _Family) -> None:
+        self._family = family
+        self.value = 0.0
+        self.counts = [0] * len(family.bounds) if family.bounds is not None else []
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError(f"{self._family.name}: a counter only goes up, got {amount}")
+        with self._family.lock:
+            self.value += amount
+
+    def observe(self, amount: float) -> None:
+        i = bisect.bisect_left(self._family.bounds, amount)  # the first bucket whose bound is >= amount
+        with self._family.lock:
+            self.value += amount
+            self.counts[i] += 1  # the last bound is +Inf
+
+
 class Metrics:
     """The metrics of one process; `role` (router, prefill, decode, bridge, colocated) is a label."""
 
@@ -50,17 +123,16 @@ class Metrics:
         self.role = role
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("flashpd_ttft_seconds", "Time to first token", ["role", "method"], buckets=SECONDS,
-                              registry=r)
-        self.latency = Histogram("flashpd_latency_seconds", "Whole-request latency", ["role", "method"],
-                                 buckets=SECONDS, registry=r)
-        self.tau = Histogram("flashpd_tau", "Mean acceptance length of a DFlash request", ["role"], buckets=TAU,
-                             registry=r)
-        self.accepted = Counter("flashpd_accepted_tokens", "Draft tokens accepted, by draft position (1 = first)",
-                                ["role", "position"], registry=r)
-        self.requests = Counter("flashpd_requests", "Requests ended, by method and outcome",
-                                ["role", "method", "outcome"], registry=r)
-        self.output_tokens = Counter("flashpd_output_tokens", "Tokens generated", ["role", "method"], registry=r)
+        self.ttft = _Family("flashpd_ttft_seconds", "Time to first token", ("role", "method"), SECONDS)
+        self.latency = _Family("flashpd_latency_seconds", "Whole-request latency", ("role", "method"), SECONDS)
+        self.tau = _Family("flashpd_tau", "Mean acceptance length of a DFlash request", ("role",), TAU)
+        self.accepted = _Family("flashpd_accepted_tokens", "Draft tokens accepted, by draft position (1 = first)",
+                                ("role", "position"))
+        self.requests = _Family("flashpd_requests", "Requests ended, by method and outcome",
+                                ("role", "method", "outcome"))
+        self.output_tokens = _Family("flashpd_output_tokens", "Tokens generated", ("role", "method"))
+        for fam in (self.ttft, self.latency, self.tau, self.accepted, self.requests, self.output_tokens):
+            r.register(fam)
         self._live = _Live()
         r.register(self._live)
 

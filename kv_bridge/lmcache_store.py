@@ -41,11 +41,25 @@ from flashpd.kv_bridge.lmcache_layout import PackedLayout, pack, unpack
 def _lmcache_quirks() -> Iterator[None]:
     """Where LMCache modules load and its engine starts. Each LMCache logger attaches an
     OpenTelemetry LoggingHandler when opentelemetry is installed (ray brings it), which recent
-    opentelemetry-sdk releases deprecate with one warning per logger: silenced here only."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`LoggingHandler` in `opentelemetry-sdk` is deprecated",
-                                category=DeprecationWarning)
-        yield
+    opentelemetry-sdk releases deprecate with one warning per logger: silenced here only.
+    Building its engine sets PROMETHEUS_MULTIPROC_DIR in the process's environment for good (its
+    observability module), and every process started from there would inherit it: prometheus_client
+    then keeps a process's counters in files named by its pid, which a later process given that pid
+    counts on from. Put back as it was."""
+    prom = os.environ.get(_PROM_DIR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`LoggingHandler` in `opentelemetry-sdk` is deprecated",
+                                    category=DeprecationWarning)
+            yield
+    finally:
+        if prom is None:
+            os.environ.pop(_PROM_DIR, None)
+        else:
+            os.environ[_PROM_DIR] = prom
+
+
+_PROM_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 # Set before LMCache is imported: it reads both at import / engine creation. LMCache otherwise

@@ -5,6 +5,7 @@ lmcache is a test requirement: a missing lmcache fails this module, it is never 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 
 import pytest
@@ -45,6 +46,18 @@ def test_round_trip_both_halves_byte_exact(dtype, draft):
             got = s.get(c.key)
             assert got is not None and same(got, c) and (got.draft_kv is not None) == draft
         assert s.stats()["entries"] == 3 and s.stats()["hits"] == 3
+
+
+def test_building_the_engine_leaves_the_processs_environment_as_it_was(monkeypatch, tmp_path):
+    """LMCache's engine sets PROMETHEUS_MULTIPROC_DIR for good; a process started from here would inherit it, and
+    prometheus_client would keep its counters in pid-named files a later process with that pid counts on from (a
+    Ray prefill worker reported 68 prefills for 32: tests/test_metrics_scrape.py)."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with LMCacheStore(layout(torch.float32, True), 1 << 22):
+        assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))  # the user's own: kept
+    with LMCacheStore(layout(torch.float32, True), 1 << 22):
+        assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path)
 
 
 def test_lookup_leading_hits_and_wrong_fingerprint_is_a_miss(store):

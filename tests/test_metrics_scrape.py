@@ -3,10 +3,13 @@ with the engine in its own process each read is a round trip, and a stuck engine
 own timeout (STATS_TIMEOUT_S each: 45 s a scrape)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
-from flashpd.cluster.metrics import Metrics
+from flashpd.cluster.metrics import SECONDS, Metrics
 from flashpd.cluster.worker_main import decode_metrics
 
 STATS = {"waiting": 2, "running": 3, "kv_blocks_free": 7, "preemptions": 1, "handoff_imports": 0, "prefill_holds": 0,
@@ -70,3 +73,51 @@ def test_each_scrape_reads_afresh_and_one_reading_is_shared():
     assert got == [{"n": 1}] * 4 and len(calls) == 1
     m.exposition()  # a new scrape
     assert read() == {"n": 2} and len(calls) == 2
+
+
+# A process that ran before (a prefill worker that served 36 prefills), its counts in prometheus_client's multiprocess
+# files as any process's are when PROMETHEUS_MULTIPROC_DIR is in its environment; prints its pid.
+_DEAD = f"""
+import os
+from prometheus_client import CollectorRegistry, Counter, Histogram
+r = CollectorRegistry()
+ttft = Histogram("flashpd_ttft_seconds", "Time to first token", ["role", "method"], buckets={SECONDS!r}, registry=r)
+requests = Counter("flashpd_requests", "Requests ended, by method and outcome", ["role", "method", "outcome"],
+                   registry=r)
+for _ in range(36):
+    ttft.labels("prefill", "dflash").observe(0.03)
+    requests.labels("prefill", "dflash", "ok").inc()
+print(os.getpid())
+"""
+
+# A later process the kernel gave the dead one's pid (pids wrap; the directory outlives both): its files are this
+# process's now. It counts 32 prefills and prints its exposition.
+_REBORN = """
+import os, shutil, sys
+d, dead = sys.argv[1], sys.argv[2]
+for f in os.listdir(d):
+    if f.endswith(f"_{dead}.db"):
+        shutil.copyfile(os.path.join(d, f), os.path.join(d, f.removesuffix(f"_{dead}.db") + f"_{os.getpid()}.db"))
+from flashpd.cluster.metrics import Metrics
+m = Metrics("prefill")
+for _ in range(32):
+    m.ttft.labels("prefill", "dflash").observe(0.03)
+    m.requests.labels("prefill", "dflash", "ok").inc()
+print(m.exposition())
+"""
+
+
+def test_counts_are_the_processs_own_when_the_environment_asks_for_prometheus_multiprocess_files(tmp_path):
+    """LMCache sets PROMETHEUS_MULTIPROC_DIR for good in a process that builds its engine (a test's LMCacheStore),
+    and every process started from there inherits it (a Ray cluster's actors, a local launcher's workers): with
+    prometheus_client's Counter and Histogram those kept their values in files named by pid, and a worker that got a
+    dead process's pid counted on from its totals (a CI failure: 68 prefills reported for 32)."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    dead = subprocess.run([sys.executable, "-c", _DEAD], env=env, capture_output=True, text=True, timeout=60)
+    assert dead.returncode == 0, dead.stderr[-2000:]
+    assert any(f.name.startswith("histogram_") for f in tmp_path.iterdir())  # what the dead process left there
+    p = subprocess.run([sys.executable, "-c", _REBORN, str(tmp_path), dead.stdout.strip()], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert 'flashpd_ttft_seconds_count{method="dflash",role="prefill"} 32.0' in p.stdout, p.stdout
+    assert 'flashpd_requests_total{method="dflash",outcome="ok",role="prefill"} 32.0' in p.stdout, p.stdout

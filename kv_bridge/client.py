@@ -325,11 +325,14 @@ class BridgeClient:
         if not keys:
             return
         t = timeout_s or self.timeout_s
-        if self.streams > 1 and len(keys) > 1:
+        # an arena Get moves no bytes, only handles: one stream (more would add a Lookup and threads contending
+        # for the cores that verify each chunk's MAC, itself multi-threaded)
+        streams = 1 if transport == "arena" else self.streams
+        if streams > 1 and len(keys) > 1:
             keys = keys[:self._lookup("Get", keys, t)]
             if not keys:
                 return
-        n = min(self.streams, len(keys))
+        n = min(streams, len(keys))
         calls = [self._get_calls[j](pb.GetRequest(version=PROTOCOL_VERSION, keys=keys[j::n],
                                                   transport=_TRANSPORTS[transport], frame_bytes=self.frame_bytes,
                                                   arena=transport == "arena"),

@@ -192,6 +192,24 @@ def test_a_get_through_the_arena_reads_in_place_and_writes_no_segment():
         server.stop(grace=None).wait(10)
 
 
+def test_an_entry_corrupted_in_the_arena_is_refused_by_the_reader():
+    """The bridge hands out where an entry lies without verifying it again (it was verified when put; only the
+    bridge's mapping can write the arena): the reader's MAC over the mapped bytes is what refuses a changed one."""
+    store = ArenaStore(64 << 20)
+    server, port = serve(store)
+    try:
+        with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as c:
+            cs = [chunk(i, parent=chunk(i - 1).key if i else "") for i in range(3)]
+            assert c.put(cs, "arena").stored == 3
+            h = store.get_handle(cs[1].key)
+            store.arena._array[h.offset + h.length // 2] ^= 0x40  # one bit, through the bridge's own mapping
+            with pytest.raises(BridgeProtocolError, match="failed verification"):
+                c.get([x.key for x in cs], "arena")
+            assert same(c.get([cs[0].key], "arena")[0], cs[0])  # its neighbours are untouched
+    finally:
+        server.stop(grace=None).wait(10)
+
+
 def test_an_arena_get_from_a_bridge_without_an_arena_gets_segments():
     server, port = serve(MemoryStore(64 << 20))
     try:

@@ -21,7 +21,8 @@ prompt is published once, every mode warms up once per prompt, then --reps round
 interleaved; per prompt the median of each mode and the paired speedup cold / mode; across
 prompts the geometric mean, median, min and max of those speedups. Each hit's restore (lookup,
 fetch, verification, copy into both caches) is timed apart, with the GB/s it reached; the rest
-of its TTFT is the prefill of the prompt's tail. Every timed run's tokens are compared with the
+of its TTFT is the prefill of the prompt's tail. Each mode's publish (its store empty of the prompt: what a
+disaggregated prefill worker does before it answers) is timed once per prompt. Every timed run's tokens are compared with the
 cold run's (exact k/n, first differing position): a check of the restore, since dummy weights
 make the tokens themselves meaningless (and bf16 near-ties may flip on a GPU).
 """
@@ -101,6 +102,7 @@ class TimedPrefixCache(PrefixCache):
     the part of a hit's TTFT that is the bridge's, the rest being the prefill of the tail."""
 
     restore_ms = 0.0
+    publish_ms = 0.0
 
     def restore(self, gen, seq) -> int:
         t = time.perf_counter()
@@ -109,6 +111,13 @@ class TimedPrefixCache(PrefixCache):
             torch.cuda.synchronize(gen.runner.device)
         self.restore_ms += (time.perf_counter() - t) * 1e3
         return hit
+
+    def publish(self, gen, seq) -> int:
+        """Timed too: a disaggregated prefill worker publishes before it answers, so this is on that TTFT's path."""
+        t = time.perf_counter()
+        n = super().publish(gen, seq)
+        self.publish_ms += (time.perf_counter() - t) * 1e3
+        return n
 
 
 def run(gen: DFlashGenerator, prompt: list[int], params: SamplingParams, cache: TimedPrefixCache | None) -> dict:
@@ -179,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(gen, prompts[0][:64], params, None)  # process warm-up (allocator, kernels)
         for i, p in enumerate(prompts):
+            publish = {}
             for m in hit_modes:  # publish: a cold run with the store as its prefix cache
-                run(gen, p, params, TimedPrefixCache(stores[m], fp, a.chunk))
+                pc = TimedPrefixCache(stores[m], fp, a.chunk)
+                run(gen, p, params, pc)
+                publish[m] = pc.publish_ms
             samples: dict[str, list[dict]] = {m: [] for m in modes}
             for rep in range(a.reps + 1):  # round 0 is this prompt's warm-up
                 for m in modes:
@@ -195,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"prompt": i, "prompt_tokens": len(p), "ttft_median_ms": med,
                    "speedup": {m: med["cold"] / med[m] for m in hit_modes},
                    "restore_median_ms": restore,
+                   "publish_ms": publish,  # the prompt's chunks put into an empty store (one run, not a median)
                    "restore_gb_per_s": {m: samples[m][0]["hit_tokens"] * per_token / restore[m] / 1e6 for m in hit_modes},
                    "hit_tokens": {m: samples[m][0]["hit_tokens"] for m in hit_modes},
                    "exact_vs_cold": {m: f"{sum(r['tokens'] == base for r in samples[m])}/{len(samples[m])}" for m in modes},
@@ -204,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                    "latency_ms": {m: [r["latency_ms"] for r in samples[m]] for m in modes}}
             rows.append(row)
             print(f"prompt {i} ({len(p)} tok): " + " | ".join(
-                f"{m} {med[m]:.1f} ms" + (f" (x{row['speedup'][m]:.2f}, restore {restore[m]:.1f} ms)" if m != "cold" else "")
+                f"{m} {med[m]:.1f} ms" + (f" (x{row['speedup'][m]:.2f}, restore {restore[m]:.1f} ms, "
+                                          f"publish {publish[m]:.1f} ms)" if m != "cold" else "")
                 for m in modes), flush=True)
         arena_end = stores["arena"].client.arena_stats() if "arena" in stores else {}
     finally:

@@ -43,11 +43,12 @@ def make_chunks(tokens: int, count: int) -> list[KVChunk]:
     return [KVChunk(f"bench-{tag}-{tokens}-{i}", "", "bench", list(range(tokens)), tk, dk) for i in range(count)]
 
 
-def start_server(memory_bytes: int, arena: bool = False) -> tuple[subprocess.Popen, str]:
-    """A bridge server in its own process (arena: its memory tier in a shared-memory arena, kv_bridge/arena.py)."""
+def start_server(memory_bytes: int, arena: bool = False, populate: bool = True) -> tuple[subprocess.Popen, str]:
+    """A bridge server in its own process (arena: its memory tier in a shared-memory arena, kv_bridge/arena.py,
+    faulted in at start unless populate is False)."""
     # the bridge shares this process's cluster secret, so the default clients here may use it
     proc = subprocess.Popen([sys.executable, "-m", "flashpd.kv_bridge.server", "--memory-bytes", str(memory_bytes),
-                             *(["--arena"] if arena else [])],
+                             *(["--arena"] if arena else []), *([] if populate else ["--no-arena-populate"])],
                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, **process_secret().child_env()))
     line = proc.stdout.readline().strip()  # "PORT n", printed once the server listens
     if not line.startswith("PORT "):
@@ -118,6 +119,18 @@ def run_config(address: str, server_pid: int, tokens: int, frame_bytes: int, tra
             "put_tokens_per_s": count * tokens / put[0], "get_tokens_per_s": count * tokens / get[0]}
 
 
+def wait_populated(address: str, timeout_s: float = 300.0) -> float:
+    """Wait until the arena bridge at address has faulted its arena in (ArenaStore populate); returns the wait."""
+    t0 = time.perf_counter()
+    with BridgeClient(address, timeout_s=30) as c:
+        while time.perf_counter() - t0 < timeout_s:
+            st = c.stats()
+            if st["store.arena_populated_bytes"] >= st["store.arena_bytes"] - (st["store.arena_bytes"] >> 6):
+                return time.perf_counter() - t0
+            time.sleep(0.05)
+    raise RuntimeError(f"the arena bridge did not fault its arena in within {timeout_s:g} s")
+
+
 def _check_put(summary, n: int) -> None:
     if summary.stored + summary.duplicates != n:
         raise RuntimeError(f"put stored {summary.stored} of {n}: {summary}")
@@ -146,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                          "in place, so without this its bytes are not all read)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--total-mib", type=int, default=256, help="chunk bytes moved per config and direction")
+    ap.add_argument("--arena-populate", choices=("on", "off"), default="on",
+                    help="the arena bridge faults its pages in at start (waited for before timing), or not")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--out", default="bench/results/bridge_throughput_cpu.json")
     args = ap.parse_args(argv)
@@ -156,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     proc, address = start_server(memory_bytes=4 * total + (256 << 20))
     procs = [proc]
     if "arena" in args.transports:
-        aproc, arena_address = start_server(memory_bytes=4 * total + (256 << 20), arena=True)
+        aproc, arena_address = start_server(memory_bytes=4 * total + (256 << 20), arena=True,
+                                            populate=args.arena_populate == "on")
         procs.append(aproc)
+        if args.arena_populate == "on":
+            print(f"arena faulted in after {wait_populated(arena_address):.2f} s", flush=True)
     rows = []
     try:
         run_config(address, proc.pid, 16, 1 << 20, "inline", 1, 8 << 20, args.timeout_s)  # warm-up
@@ -183,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference_rates()
     cmd = "python -m flashpd.bench.bridge_throughput " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     path = write_json(args.out, {"command": cmd, "bytes_per_token": BYTES_PER_TOKEN, "total_bytes_per_config": total,
+                                 "arena_populate": args.arena_populate,
                                  "cpu_cores": os.cpu_count(), "loadavg_before": load_before,
                                  "loadavg_after": os.getloadavg(), "reference_single_core": ref, "results": rows})
     print(f"single core: blake3 {ref['blake3_gb_per_s']:.2f} GB/s, memcpy {ref['memcpy_gb_per_s']:.2f} GB/s")

@@ -42,10 +42,12 @@ class ArenaStore(MemoryStore):
     lent slot) happens under the store's lock: reads wait for it (a few milliseconds a chunk)."""
 
     def __init__(self, byte_budget: int, secret: ClusterSecret | None = None, slack_bytes: int | None = None,
-                 hold_s: float = HOLD_S) -> None:
+                 hold_s: float = HOLD_S, populate: bool = True) -> None:
         super().__init__(byte_budget, secret)
         slack = max(byte_budget // 4, 64 << 20) if slack_bytes is None else slack_bytes
         self.arena = Arena(byte_budget + slack)
+        if populate:  # its pages faulted in ahead of the puts, in the background (Arena.populate_async)
+            self.arena.populate_async()
         self.hold_s = hold_s
         self._slot: dict[str, int] = {}  # key -> offset of its entry in the arena
         self._hold: dict[str, float] = {}  # key -> when its slot may be reused once evicted (time.monotonic)
@@ -179,5 +181,6 @@ class ArenaStore(MemoryStore):
         with self._lock:
             self._free_returned()
         st = super().stats()
-        st.update(arena_bytes=self.arena.size, arena_held_bytes=self.arena.held_bytes())
+        st.update(arena_bytes=self.arena.size, arena_held_bytes=self.arena.held_bytes(),
+                  arena_populated_bytes=self.arena.populated)
         return st

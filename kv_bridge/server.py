@@ -644,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arena", action="store_true",
                     help="keep the memory tier in a shared-memory arena that same-host readers map "
                          "(kv_bridge/arena.py)")
+    ap.add_argument("--no-arena-populate", action="store_true",
+                    help="do not fault the arena's pages in at start (they then fault as puts first write them)")
     args = ap.parse_args(argv)
     secret = ClusterSecret.from_env()
     if secret is None:  # a random secret of its own would admit no client at all
@@ -651,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.arena:
         from flashpd.kv_bridge.arena_store import ArenaStore
 
-        store: ChunkStore = ArenaStore(args.memory_bytes, secret)
+        store: ChunkStore = ArenaStore(args.memory_bytes, secret, populate=not args.no_arena_populate)
     else:
         store = MemoryStore(args.memory_bytes, secret)
     if args.disk_dir:

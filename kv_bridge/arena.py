@@ -230,20 +230,28 @@ class HostPinner(Protocol):
 
 
 class CudaPinner:
-    """cudaHostRegister, read-only (the arena is mapped read-only) and portable (every device's context sees it).
-    Called on ArenaMaps' pinning thread only: a failed CUDA runtime call leaves that thread's last-error state set,
-    and no kernel is launched there that would pick it up."""
+    """cudaHostRegister, read-only (the arena is mapped read-only) and portable (every device's context sees it),
+    from the engine's device's context (a new thread's current device is 0: registering there would make a context
+    on a GPU the worker does not use). Called on ArenaMaps' pinning thread only: a failed CUDA runtime call leaves
+    that thread's last-error state set, and no kernel is launched there that would pick it up."""
 
     FLAGS = 1 | 8  # cudaHostRegisterPortable | cudaHostRegisterReadOnly
 
-    def __init__(self) -> None:
+    def __init__(self, device: object = None) -> None:
         import torch  # noqa: PLC0415  (a reader that copies to a GPU has torch)
 
         if not torch.cuda.is_available():
             raise ArenaError("page-locking an arena for a GPU needs CUDA")
+        self._torch = torch
         self._rt = torch.cuda.cudart()
+        d = torch.device(device) if device is not None else None
+        self._index = d.index if d is not None and d.index is not None else torch.cuda.current_device()
+        self._thread: int | None = None  # the thread whose current device was set
 
     def register(self, addr: int, n: int) -> None:
+        if self._thread != threading.get_ident():
+            self._torch.cuda.set_device(self._index)
+            self._thread = threading.get_ident()
         e = self._rt.cudaHostRegister(addr, n, self.FLAGS)
         if int(e) != 0:
             raise ArenaError(f"cudaHostRegister of {n} bytes (read-only) failed: {e}")
@@ -281,6 +289,13 @@ class _Mapped:
         return self._count() > self._refs
 
 
+# Page-locked mappings, held here from their registration until they are unregistered: no collection can unmap
+# one that is still registered (an ArenaMaps dropped or closed while a view was alive, an unregister that failed).
+_REGISTERED: set[_Mapped] = set()
+_REGISTERED_LOCK = threading.Lock()
+TICK_S = 1.0  # how often the pinning thread looks for dropped mappings whose last view has gone
+
+
 class ArenaMaps:
     """A reader's read-only mappings of the arenas its bridges hand out, made on first use, the MAX_MAPPED most
     recently used kept. A mapping dropped is unmapped (unregistered first, when pinned) once no chunk views it any
@@ -291,55 +306,66 @@ class ArenaMaps:
         self._maps: OrderedDict[ArenaRef, _Mapped] = OrderedDict()
         self._dropped: list[_Mapped] = []  # out of _maps, not yet unmapped: some view of it may be alive
         self._pinner = pinner
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None]] | None = None
+        self._closed = False
+        self._pin_failed = 0
         self._warned = False
 
     def view(self, ref: ArenaRef, offset: int, length: int) -> memoryview:
         """A read-only view of length bytes at offset in the arena ref names; ArenaError when unusable."""
         if not 0 < length <= ref.size or not 0 <= offset <= ref.size - length:
             raise ArenaError(f"arena range {offset}+{length} is outside its {ref.size} bytes")
-        return memoryview(self._mapping(ref).mm)[offset:offset + length].toreadonly()
+        return self._made(ref, lambda mm: memoryview(mm)[offset:offset + length].toreadonly())
 
     def word(self, ref: ArenaRef, offset: int) -> np.ndarray:
         """A one-element uint32 view of the arena's word at offset (a slot's generation word)."""
         if offset % 4 or not 0 <= offset <= ref.size - 4:
             raise ArenaError(f"arena word at {offset} is not an aligned word of its {ref.size} bytes")
-        return np.frombuffer(self._mapping(ref).mm, dtype=np.uint32, count=1, offset=offset)
+        return self._made(ref, lambda mm: np.frombuffer(mm, dtype=np.uint32, count=1, offset=offset))
 
     def stats(self) -> dict:
-        """Arenas mapped here, how many of them are page-locked, and dropped mappings some view still holds."""
+        """Arenas mapped here, how many of them are page-locked or could not be, and dropped mappings some view
+        still holds."""
         with self._lock:
             return {"mapped": len(self._maps), "pinned": sum(m.pinned for m in self._maps.values()),
-                    "dropped_viewed": len(self._dropped)}
+                    "pin_failed": self._pin_failed, "dropped_viewed": len(self._dropped)}
 
     def close(self) -> None:
-        """Drop every mapping (each unmapped once nothing views it; those still viewed then go with the process)
-        and stop the pinning thread."""
+        """Drop every mapping: each is unmapped (unregistered first) once nothing views it, by the pinning thread,
+        which stops once none is left."""
         with self._lock:
+            self._closed = True
             self._dropped.extend(self._maps.values())
             self._maps.clear()
             self._reap()
-            if self._jobs is not None:
-                self._jobs.put(None)
-                self._jobs = None
+
+    def _made(self, ref: ArenaRef, make: Callable[[mmap.mmap], object]):
+        """make(mapping of ref's arena), under the lock: no reap can unmap it before the view exists."""
+        with self._lock:
+            m = self._mapping(ref)
+            try:
+                return make(m.mm)
+            except (ValueError, BufferError) as e:
+                raise ArenaError(f"arena of process {ref.pid} cannot be read: {e}") from e
 
     def _mapping(self, ref: ArenaRef) -> _Mapped:
-        """The mapping of ref's arena, made on first use; the MAX_MAPPED most recently used are kept."""
-        with self._lock:
-            m = self._maps.get(ref)
-            if m is None:
-                self._reap()
-                m = self._maps[ref] = _Mapped(_map(ref))
-                m.settle()
-                while len(self._maps) > MAX_MAPPED:
-                    self._dropped.append(self._maps.popitem(last=False)[1])
-                if self._pinner is not None:
-                    self._submit(lambda m=m: self._pin(m))
-            self._maps.move_to_end(ref)
-            return m
+        """Under the lock: the mapping of ref's arena, made on first use; the MAX_MAPPED most recently used kept."""
+        if self._dropped:
+            self._reap()
+        m = self._maps.get(ref)
+        if m is None:
+            m = _Mapped(_map(ref))
+            m.settle()
+            self._maps[ref] = m
+            while len(self._maps) > MAX_MAPPED:
+                self._dropped.append(self._maps.popitem(last=False)[1])
+            if self._pinner is not None:
+                self._submit(lambda m=m: self._pin(m))
+        self._maps.move_to_end(ref)
+        return m
 
     def _reap(self) -> None:
-        """Unmap the dropped mappings nothing views any more (under the lock: no view of them can be made)."""
+        """Under the lock: unmap the dropped mappings nothing views any more (no view of them can be made now)."""
         keep = []
         for m in self._dropped:
             if m.viewed():
@@ -351,14 +377,31 @@ class ArenaMaps:
         self._dropped = keep
 
     def _submit(self, job: Callable[[], None]) -> None:
+        """Under the lock: queue a job for the pinning thread, started on first use."""
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
-            threading.Thread(target=self._run_jobs, args=(self._jobs,), name="arena-pin", daemon=True).start()
+            threading.Thread(target=ArenaMaps._run, args=(self._jobs, weakref.ref(self)), name="arena-pin",
+                             daemon=True).start()
         self._jobs.put(job)
 
     @staticmethod
-    def _run_jobs(jobs: "queue.SimpleQueue[Callable[[], None] | None]") -> None:
-        while (job := jobs.get()) is not None:
+    def _run(jobs: "queue.SimpleQueue[Callable[[], None]]", maps_ref: "weakref.ref[ArenaMaps]") -> None:
+        """The pinning thread: its jobs in order; every TICK_S without one, a reap. It ends once its ArenaMaps is
+        gone, or closed with nothing left to unmap (registered mappings of a collected one stay in _REGISTERED)."""
+        while True:
+            try:
+                job = jobs.get(timeout=TICK_S)
+            except queue.Empty:
+                maps = maps_ref()
+                if maps is None:
+                    return
+                with maps._lock:
+                    maps._reap()
+                    if maps._closed and not maps._dropped and jobs.empty():
+                        maps._jobs = None  # a later use starts another thread
+                        return
+                del maps
+                continue
             try:
                 job()
             except Exception:  # noqa: BLE001  one job's failure must not strand the ones queued after it
@@ -369,11 +412,15 @@ class ArenaMaps:
         try:
             self._pinner.register(m.addr, len(m.mm))
         except OSError as e:
-            if not self._warned:  # the copies stay pageable: slower, never wrong
-                self._warned = True
+            with self._lock:
+                self._pin_failed += 1
+                warn, self._warned = not self._warned, True
+            if warn:  # the copies stay pageable: slower, never wrong
                 log.warning("an arena could not be page-locked for device copies (restores from it stay pageable): "
                             "%s", e)
             return
+        with _REGISTERED_LOCK:
+            _REGISTERED.add(m)
         m.pinned = True
 
     def _release(self, m: _Mapped) -> None:
@@ -381,11 +428,16 @@ class ArenaMaps:
         if m.pinned:
             try:
                 self._pinner.unregister(m.addr)
-            except OSError as e:  # left mapped: unmapping pages the driver may still hold would be worse
+            except OSError as e:  # left registered and mapped (held in _REGISTERED): unmapping it would be worse
                 log.warning("an arena mapping could not be unregistered; it stays mapped: %s", e)
                 return
             m.pinned = False
-        m.mm.close()
+            with _REGISTERED_LOCK:
+                _REGISTERED.discard(m)
+        try:
+            m.mm.close()
+        except BufferError as e:  # a view made after the reap found none: cannot happen under the lock
+            log.warning("a dropped arena mapping is still viewed; it goes with its last view: %s", e)
 
 
 def _map(ref: ArenaRef) -> mmap.mmap:

@@ -144,7 +144,8 @@ class ArenaStore(MemoryStore):
         """Where the entry lies, its slot held for hold_s from now; None on a miss. Not verified here: the entry
         was when it was put, a live entry is never rewritten, only this process's mapping can write the arena, and
         the reader verifies the MAC over the very bytes it then copies (a second pass over them here put as much
-        time again on every hit's critical path: docs/results.md)."""
+        time again on every hit's critical path: docs/results.md). A reader that finds an entry corrupt asks for
+        its bytes (get_bytes verifies them), which drops it."""
         data = self._take(key)
         if data is None:
             return None

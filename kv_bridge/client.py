@@ -12,6 +12,7 @@ frame by frame on the way (StreamingMac): no pass over a whole chunk besides tho
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -30,6 +31,8 @@ from flashpd.kv_bridge.rpc_guard import with_token
 from flashpd.kv_bridge.tls import BridgeTls
 from flashpd.kv_bridge.wire import (DEFAULT_FRAME_BYTES, DEFAULT_MAX_CHUNK_BYTES, GRPC_OPTIONS, PROTOCOL_VERSION,
                                     Assembled, Assembler, Buffer, FrameError, clamp_frame_bytes, frame_pieces)
+
+log = logging.getLogger(__name__)
 
 # "arena": as "shm", and a Get reads the entries of a bridge that keeps them in an arena in place (arena.py)
 Transport = Literal["inline", "shm", "arena"]
@@ -109,13 +112,13 @@ class BridgeClient:
     tls.ca (None: plaintext). max_chunk_bytes: the largest chunk a Get may hand this client.
     streams: how many concurrent streams one put/get of several chunks is split across, each on a
     channel of its own (channels connect on first use: a client that moves one chunk at a time
-    opens one connection). pin_arenas: page-lock the arenas it maps for a GPU's copies (a reader whose
-    restores go to a GPU; needs CUDA)."""
+    opens one connection). pin_device: page-lock the arenas it maps for copies to this CUDA device (a
+    reader whose restores go to a GPU; arena.CudaPinner)."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, frame_bytes: int = DEFAULT_FRAME_BYTES, *,
                  secret: ClusterSecret | None = None, tls: BridgeTls | None = None,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, streams: int = DEFAULT_STREAMS,
-                 pin_arenas: bool = False) -> None:
+                 pin_device: object = None) -> None:
         if not 1 <= streams <= MAX_STREAMS:
             raise ValueError(f"streams must be in 1..{MAX_STREAMS}, got {streams}")
         self.address = address
@@ -128,8 +131,8 @@ class BridgeClient:
         # this client's Put segments carry its owner id; only its Put calls present the key (see shm.SegmentOwner)
         self._shm_owner = shm.SegmentOwner.generate()
         self._shm_md = [self._shm_owner.metadata()]
-        # the arenas of this bridge this client has mapped; page-locked for a GPU's copies (pin_arenas, arena.py)
-        self._arenas = arena.ArenaMaps(arena.CudaPinner() if pin_arenas else None)
+        # the arenas of this bridge this client has mapped; page-locked for a GPU's copies (pin_device, arena.py)
+        self._arenas = arena.ArenaMaps(arena.CudaPinner(pin_device) if pin_device is not None else None)
         # a pool of its own per channel: channels with equal options would otherwise share one connection
         options = GRPC_OPTIONS + [("grpc.use_local_subchannel_pool", 1)]
         self._channels = [grpc.secure_channel(address, tls.channel_credentials(), options=options)
@@ -373,7 +376,15 @@ class BridgeClient:
                                                    key=done.key, body_mac=done.body_mac, share=done.lease is not None)
                         chunk.lease = done.lease
                     except CorruptChunk as e:
-                        raise BridgeProtocolError("Get", f"chunk {done.key[:16]}... failed verification: {e}") from None
+                        if done.lease is None:
+                            raise BridgeProtocolError("Get", f"chunk {done.key[:16]}... failed verification: {e}") \
+                                from None
+                        # read in place in the bridge's arena, which hands entries out unverified: the run ends
+                        # before it (recomputed), and the bridge is made to drop it (it would fail every Get)
+                        log.warning("arena chunk %s... failed verification (%s); asking the bridge to drop it",
+                                    done.key[:16], e)
+                        self._drop_corrupt(done.key, t)
+                        return
                     got += 1
                     yield chunk
             raise BridgeProtocolError("Get", "stream ended without its GetDone message")
@@ -382,6 +393,15 @@ class BridgeClient:
                 if transport in _SAME_HOST:
                     _drain_shm(call)
                 call.cancel()  # stops the server when the stream is closed early
+
+    def _drop_corrupt(self, key: str, t: float) -> None:
+        """Have the bridge verify key's entry and drop it if it is corrupt: an inline Get of it, which the bridge
+        verifies before it sends (a disk tier's good copy, where there is one, comes back up in its place). Best
+        effort: a failure leaves the entry to fail the next reader the same way."""
+        try:
+            self.get([key], "inline", timeout_s=t)
+        except BridgeError as e:
+            log.warning("asking the bridge to drop chunk %s... failed: %s", key[:16], e)
 
     @staticmethod
     def _receive(f: frame_codec.Frame, asm: Assembler, max_bytes: int, arenas: arena.ArenaMaps) -> Assembled | None:

@@ -96,8 +96,8 @@ class KVChunk:
     def body_parts(self) -> list[bytes | memoryview]:
         """to_parts without the MAC: a streaming writer hashes them as it sends them (StreamingMac)
         instead of in a pass of their own before the first byte leaves."""
-        tk = self.target_kv.detach().contiguous().cpu()
-        dk = self.draft_kv.detach().contiguous().cpu() if self.draft_kv is not None else None
+        tk = _host(self.target_kv)
+        dk = _host(self.draft_kv) if self.draft_kv is not None else None
         dt = dtype_name(tk.dtype)
         if dt not in DTYPES or (dk is not None and dk.dtype != tk.dtype):
             raise ValueError(f"chunk {self.key[:16]}...: K/V dtypes {tk.dtype} / {None if dk is None else dk.dtype} "
@@ -260,6 +260,19 @@ def max_chunk_bytes(layout: ChunkLayout) -> int:
     10 digits, three 64-character keys), the fixed prefix and the MAC. What a bridge accepts at most."""
     header = 4096 + 12 * layout.chunk_tokens
     return PREFIX.size + header + layout.payload_bytes() + MAC_BYTES
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """t's values, contiguous, on the CPU. Off a GPU they are copied into page-locked memory from torch's caching
+    host allocator (a chunk's block goes back to it when the last view of its bytes is gone, and the next chunk of
+    the same size takes it): a pageable copy into fresh memory is the driver's staged path plus a page fault a page
+    (docs/results.md, the publish path)."""
+    t = t.detach()
+    if t.device.type != "cuda":
+        return t.contiguous().cpu()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)  # blocking: the bytes are there when it returns
+    return out
 
 
 def _raw(t: torch.Tensor) -> memoryview | bytes:

@@ -9,6 +9,7 @@ import torch
 
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge.auth import process_secret
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.device_store import DeviceStore
 from flashpd.kv_bridge.host_store import HostStore
@@ -287,3 +288,18 @@ def test_cuda_puts_and_hits_are_asynchronous_exact_and_ordered():
     assert back.target_kv.is_cuda and same(host, KVChunk(back.key, back.parent, back.fingerprint, back.token_ids,
                                                          back.target_kv.cpu(), back.draft_kv.cpu()))
     assert s.stats()["allocations"] == 1 and s.stats()["evictions"] == n + 1
+
+
+@CUDA
+def test_a_cuda_chunk_serialises_through_page_locked_memory_to_the_cpu_chunks_bytes():
+    c = big_chunk(7)
+    cpu = KVChunk(c.key, c.parent, c.fingerprint, c.token_ids, c.target_kv.cpu(), c.draft_kv.cpu())
+    mac = process_secret().mac_key
+    parts = c.to_parts(mac)
+    # the copies are done when to_parts returns: the GPU tensors may change at once
+    c.target_kv.zero_()
+    c.draft_kv.zero_()
+    assert b"".join(parts) == cpu.to_bytes(mac)
+    body = c.body_parts()
+    assert all(isinstance(p, memoryview) for p in body[2:])
+    assert torch.frombuffer(body[2], dtype=torch.uint8).is_pinned()  # the tensors' bytes are page-locked

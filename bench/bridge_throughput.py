@@ -29,6 +29,7 @@ from flashpd.bench.common import write_json
 from flashpd.kv_bridge.chunk import KVChunk
 from flashpd.kv_bridge.auth import process_secret
 from flashpd.kv_bridge.client import BridgeClient
+from flashpd.kv_bridge import shm_pool
 
 TARGET_LAYERS, DRAFT_LAYERS, KV_HEADS, HEAD_DIM = 36, 5, 8, 128
 BYTES_PER_TOKEN = (TARGET_LAYERS + DRAFT_LAYERS) * 2 * KV_HEADS * HEAD_DIM * 2  # 167,936
@@ -86,15 +87,20 @@ def copy_out(chunks: list, dst: list[torch.Tensor]) -> None:
 
 
 def run_config(address: str, server_pid: int, tokens: int, frame_bytes: int, transport: str, streams: int,
-               total_bytes: int, timeout_s: float, consume: bool = False) -> dict:
+               total_bytes: int, timeout_s: float, consume: bool = False,
+               shm_pool_bytes: int = shm_pool.DEFAULT_POOL_BYTES) -> dict:
     chunk_bytes = len(make_chunks(tokens, 1)[0].to_bytes(process_secret().mac_key))
     count = max(streams, round(total_bytes / chunk_bytes))
     chunks = make_chunks(tokens, count)
     keys = [c.key for c in chunks]
     got: list = []
-    with BridgeClient(address, timeout_s=timeout_s, frame_bytes=frame_bytes, streams=streams) as client:
+    with BridgeClient(address, timeout_s=timeout_s, frame_bytes=frame_bytes, streams=streams,
+                      shm_pool_bytes=shm_pool_bytes) as client:
         warm = make_chunks(16, streams)  # every stream's channel connects before timing
         _check_put(client.put(warm, transport=transport), streams)
+        if transport != "inline":  # a same-host Put's pool files are the chunk's size before timing
+            _check_put(client.put(make_chunks(tokens, 1), transport=transport), 1)
+            time.sleep(1.0)
         client.get([c.key for c in warm], transport=transport)
         put = timed(lambda: _check_put(client.put(chunks, transport=transport), count), server_pid)
         dst = [torch.empty_like(chunks[0].target_kv), torch.empty_like(chunks[0].draft_kv)]
@@ -112,6 +118,7 @@ def run_config(address: str, server_pid: int, tokens: int, frame_bytes: int, tra
     gb = moved / 1e9
     return {"transport": transport, "get_copies_out": consume, "chunk_tokens": tokens, "chunk_bytes": chunk_bytes,
             "frame_bytes": frame_bytes if transport == "inline" else None, "streams": streams, "chunks": count,
+            "shm_pool_bytes": shm_pool_bytes if transport != "inline" else None,
             "bytes_moved": moved, "put_s": put[0], "get_s": get[0],
             "put_gb_per_s": gb / put[0], "get_gb_per_s": gb / get[0],
             "put_cpu_s_per_gb": {"client": put[1] / gb, "server": put[2] / gb},
@@ -161,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-mib", type=int, default=256, help="chunk bytes moved per config and direction")
     ap.add_argument("--arena-populate", choices=("on", "off"), default="on",
                     help="the arena bridge faults its pages in at start (waited for before timing), or not")
+    ap.add_argument("--shm-pool-mib", type=int, default=shm_pool.DEFAULT_POOL_BYTES >> 20,
+                    help="the client's pool of pre-allocated Put segment files (kv_bridge/shm_pool.py; 0: none)")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--out", default="bench/results/bridge_throughput_cpu.json")
     args = ap.parse_args(argv)
@@ -186,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 for frame in frames:
                     for streams in args.streams:
                         r = run_config(addr, server.pid, tokens, frame, transport, streams, total, args.timeout_s,
-                                       args.copy_out)
+                                       args.copy_out, args.shm_pool_mib << 20)
                         rows.append(r)
                         fb = "-" if r["frame_bytes"] is None else f"{r['frame_bytes'] / (1 << 20):g}"
                         pc, gc = r["put_cpu_s_per_gb"], r["get_cpu_s_per_gb"]

@@ -46,6 +46,7 @@ from flashpd.engine.loader import dummy_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge import shm_pool
 from flashpd.kv_bridge.client import BridgeClient, RemoteStore
 from flashpd.kv_bridge.keys import MethodFingerprint
 from flashpd.kv_bridge.prefix_cache import PrefixCache
@@ -62,9 +63,9 @@ def target_config(name: str) -> Qwen3Config:
 
 
 def make_stores(modes: list[str], gen: DFlashGenerator, chunk: int, budget: int,
-                pin_arenas: bool = False) -> tuple[dict, list]:
+                pin_arenas: bool = False, shm_pool_bytes: int = shm_pool.DEFAULT_POOL_BYTES) -> tuple[dict, list]:
     """One store per hit mode; returns them and what to close afterwards. pin_arenas: the arena mode's reader
-    page-locks the arena for the generator's device."""
+    page-locks the arena for the generator's device. shm_pool_bytes: the same-host clients' Put segment pool."""
     stores, closers = {}, []
     if "device" in modes:
         from flashpd.kv_bridge.device_store import DeviceStore
@@ -79,14 +80,15 @@ def make_stores(modes: list[str], gen: DFlashGenerator, chunk: int, budget: int,
         stores["memory"] = MemoryStore(budget)
     if {"shm", "grpc"} & set(modes):
         proc, address = start_server(budget)
-        client = BridgeClient(address, timeout_s=600)
+        client = BridgeClient(address, timeout_s=600, shm_pool_bytes=shm_pool_bytes)
         closers += [client.close, lambda: (proc.terminate(), proc.wait(30))]
         for m in ("shm", "grpc"):
             if m in modes:
                 stores[m] = RemoteStore(client, transport="shm" if m == "shm" else "inline")
     if "arena" in modes:
         proc_a, address_a = start_server(budget, arena=True)
-        client_a = BridgeClient(address_a, timeout_s=600, pin_device=gen.runner.device if pin_arenas else None)
+        client_a = BridgeClient(address_a, timeout_s=600, pin_device=gen.runner.device if pin_arenas else None,
+                                shm_pool_bytes=shm_pool_bytes)
         closers += [client_a.close, lambda: (proc_a.terminate(), proc_a.wait(30))]
         stores["arena"] = RemoteStore(client_a, transport="arena")
     if "lmcache" in modes:
@@ -165,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--arena-pin", choices=("auto", "off"), default="auto",
                     help="page-lock the arena mode's mapping for the GPU's copies (auto: on a CUDA device)")
+    ap.add_argument("--shm-pool-mib", type=int, default=shm_pool.DEFAULT_POOL_BYTES >> 20,
+                    help="the shm and arena modes' pool of pre-allocated Put segment files (kv_bridge/shm_pool.py; "
+                         "0: none)")
     ap.add_argument("--out", default="bench/results/ttft_hit.json")
     a = ap.parse_args(argv)
     modes = a.modes.split(",")
@@ -186,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)
     hit_modes = [m for m in modes if m != "cold"]
     pin = a.arena_pin == "auto" and a.device.startswith("cuda")
-    stores, closers = make_stores(hit_modes, gen, a.chunk, budget, pin)
+    stores, closers = make_stores(hit_modes, gen, a.chunk, budget, pin, a.shm_pool_mib << 20)
     arena_pin_wait_s = None
     rows = []
     try:
@@ -225,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                                           f"publish {publish[m]:.1f} ms)" if m != "cold" else "")
                 for m in modes), flush=True)
         arena_end = stores["arena"].client.arena_stats() if "arena" in stores else {}
+        pools = {m: stores[m].client.shm_pool_stats() for m in ("shm", "arena") if m in stores}
     finally:
         for close in closers:
             close()
@@ -232,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     tiers = {m: stores[m].stats() for m in ("device", "host") if m in stores}  # in-process: counters, allocations
     if "arena" in stores:
         tiers["arena"] = {"pin": pin, "pin_wait_s": arena_pin_wait_s, **arena_end}
+    for m, st in pools.items():  # the Put segment pool's writes (pooled or fresh) over the whole run
+        tiers.setdefault(m, {})["shm_pool"] = {"bytes": a.shm_pool_mib << 20, **st}
     for m in hit_modes:
         print(f"{m}: speedup over cold geomean x{summary[m]['geomean']:.2f} (min {summary[m]['min']:.2f}, "
               f"max {summary[m]['max']:.2f})")

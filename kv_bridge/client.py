@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator, Literal, TypeVar
 
 import grpc
 
-from flashpd.kv_bridge import arena, frame_codec, shm
+from flashpd.kv_bridge import arena, frame_codec, shm, shm_pool
 from flashpd.kv_bridge.auth import MAC_BYTES, ClusterSecret, resolve
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch, Lease, StreamingMac, peek_parent
 from flashpd.kv_bridge.layout import ChunkLayout
@@ -113,12 +113,13 @@ class BridgeClient:
     streams: how many concurrent streams one put/get of several chunks is split across, each on a
     channel of its own (channels connect on first use: a client that moves one chunk at a time
     opens one connection). pin_device: page-lock the arenas it maps for copies to this CUDA device (a
-    reader whose restores go to a GPU; arena.CudaPinner)."""
+    reader whose restores go to a GPU; arena.CudaPinner). shm_pool_bytes: tmpfs files allocated ahead for its
+    same-host Puts' segments (shm_pool.SegmentPool; 0: none)."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, frame_bytes: int = DEFAULT_FRAME_BYTES, *,
                  secret: ClusterSecret | None = None, tls: BridgeTls | None = None,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, streams: int = DEFAULT_STREAMS,
-                 pin_device: object = None) -> None:
+                 pin_device: object = None, shm_pool_bytes: int = shm_pool.DEFAULT_POOL_BYTES) -> None:
         if not 1 <= streams <= MAX_STREAMS:
             raise ValueError(f"streams must be in 1..{MAX_STREAMS}, got {streams}")
         self.address = address
@@ -131,6 +132,7 @@ class BridgeClient:
         # this client's Put segments carry its owner id; only its Put calls present the key (see shm.SegmentOwner)
         self._shm_owner = shm.SegmentOwner.generate()
         self._shm_md = [self._shm_owner.metadata()]
+        self._shm_pool = shm_pool.SegmentPool(shm_pool_bytes)  # its files allocated ahead of the Puts' segments
         # the arenas of this bridge this client has mapped; page-locked for a GPU's copies (pin_device, arena.py)
         self._arenas = arena.ArenaMaps(arena.CudaPinner(pin_device) if pin_device is not None else None)
         # a pool of its own per channel: channels with equal options would otherwise share one connection
@@ -150,10 +152,16 @@ class BridgeClient:
         for c in self._channels:
             c.close()
         self._arenas.close()
+        self._shm_pool.close()
 
     def arena_stats(self) -> dict:
         """The arenas this client has mapped, and how many are page-locked (ArenaMaps.stats)."""
         return self._arenas.stats()
+
+    def shm_pool_stats(self) -> dict:
+        """Its Put segment pool: writes into pool files and into fresh ones, files made, bytes held, and why it is
+        off (None: on; shm_pool.SegmentPool)."""
+        return self._shm_pool.stats_now()
 
     def __enter__(self) -> "BridgeClient":
         return self
@@ -261,7 +269,7 @@ class BridgeClient:
                 parts = make_parts()
                 if transport in _SAME_HOST:
                     # its writer's pid (shm.PutLeftovers) and this client's owner id (shm.SegmentOwner)
-                    name = shm.write_segment(parts, self._shm_owner.put_tag)
+                    name = self._shm_pool.write(parts, self._shm_owner.put_tag)
                     with lock:
                         if ended[0]:
                             shm.unlink_segment(name)

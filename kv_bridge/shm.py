@@ -149,11 +149,16 @@ def process_exists(pid: int) -> bool:
     return True
 
 
+def segment_name(tag: str = "") -> str:
+    """A new segment's name: this process's pid, the tag, 128 random bits."""
+    return f"{PREFIX}{os.getpid()}-{tag}{uuid.uuid4().hex}"
+
+
 def write_segment(data: bytes | list[bytes | memoryview], tag: str = "") -> str:
     """Create a new segment holding data (or its parts, in order); returns its name (the caller or its
     peer unlinks it). tag: GET_TAG for a server's Get segments, SegmentOwner.put_tag for a client's Put
     segments (a bridge takes a Put's segment only from the owner its name carries)."""
-    name = f"{PREFIX}{os.getpid()}-{tag}{uuid.uuid4().hex}"
+    name = segment_name(tag)
     path = SHM_DIR / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:

@@ -130,7 +130,7 @@ class IndexedStore:
         self._parent: dict[str, str] = {}  # key -> the key of the chunk before it in its prompt, where known
 
     def put(self, chunk: KVChunk) -> bool:
-        return self.put_bytes(chunk.key, chunk.to_bytes(self._mac), verified=True) is not PutResult.REFUSED
+        return self.put_bytes(chunk.key, chunk.to_view(self._mac), verified=True) is not PutResult.REFUSED
 
     def put_bytes(self, key: str, data: bytes, verified: bool = False) -> PutResult:
         raise NotImplementedError

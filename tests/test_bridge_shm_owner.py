@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flashpd.kv_bridge import client as client_mod
 from flashpd.kv_bridge import shm
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.server import REFUSAL_HEADER
+from flashpd.kv_bridge.shm_pool import SegmentPool
 from flashpd.kv_bridge.wire import PROTOCOL_VERSION, split_frames
 
 from tests._kv_bridge_helpers import BridgeHarness, make_chunk, same
@@ -51,18 +51,18 @@ def test_a_client_cannot_make_the_bridge_take_another_clients_put_segment(bridge
     unlinked, the attacker's stream goes on, and the victim's Put then stores its chunk."""
     victim = make_chunk("victim", seed=1)
     data = victim.to_bytes(bridge.secret.mac_key)
-    real_write = shm.write_segment
+    real_write = SegmentPool.write
     names: list[str] = []
     written, release = threading.Event(), threading.Event()
 
-    def write_then_wait(parts, tag=""):  # the victim's segment exists; its handle is not sent until release
-        name = real_write(parts, tag)
+    def write_then_wait(pool, parts, tag=""):  # the victim's segment exists; its handle is not sent until release
+        name = real_write(pool, parts, tag)
         names.append(name)
         written.set()
         release.wait(TIMEOUT_S)
         return name
 
-    monkeypatch.setattr(client_mod.shm, "write_segment", write_then_wait)
+    monkeypatch.setattr(SegmentPool, "write", write_then_wait)
     with ThreadPoolExecutor(1) as pool:
         victim_put = pool.submit(bridge.client.put, [victim], "shm")
         try:

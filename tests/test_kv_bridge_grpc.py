@@ -618,17 +618,17 @@ def test_remote_store_put_many(bridge):
 def test_a_shm_put_that_times_out_while_a_segment_is_written_leaves_no_segment(bridge, monkeypatch):
     """gRPC reads the request stream on a thread of its own: a segment it is still writing when the call's
     deadline passes was written after the client's cleanup, and its name never reached the server."""
-    from flashpd.kv_bridge import client as client_mod
+    from flashpd.kv_bridge.shm_pool import SegmentPool
 
-    real, written = shm.write_segment, []
+    real, written = SegmentPool.write, []
 
-    def slow_second(data, tag=""):  # the second chunk is written while the deadline passes (a large chunk)
+    def slow_second(pool, data, tag=""):  # the second chunk is written while the deadline passes (a large chunk)
         written.append(tag)
         if len(written) == 2:
             time.sleep(1.0)
-        return real(data, tag)
+        return real(pool, data, tag)
 
-    monkeypatch.setattr(client_mod.shm, "write_segment", slow_second)
+    monkeypatch.setattr(SegmentPool, "write", slow_second)
     before = set(shm.list_segments(os.getpid()))
     with pytest.raises(BridgeTimeout, match="Put"):
         bridge.client.put([make_chunk("t0", seed=0), make_chunk("t1", seed=1)], transport="shm", timeout_s=0.3)

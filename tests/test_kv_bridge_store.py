@@ -10,7 +10,7 @@ import torch
 
 from flashpd.kv_bridge import disk
 from flashpd.kv_bridge.auth import ClusterSecret
-from flashpd.kv_bridge.chunk import CorruptChunk
+from flashpd.kv_bridge.chunk import CorruptChunk, join_parts
 from flashpd.kv_bridge.disk import DiskStore, TieredStore
 from flashpd.kv_bridge.keys import chunk_keys
 from flashpd.kv_bridge.store import ByteStore, ChunkStore, MemoryStore, PutResult
@@ -454,3 +454,16 @@ def test_tiered_write_through_promotion_and_hits_by_tier(tmp_path):
     cold = TieredStore(MemoryStore(1 << 24), DiskStore(tmp_path, 1 << 24))
     assert all(same(cold.get(c.key), c) for c in chunks)
     assert cold.stats()["hits_disk"] == 3
+
+
+def test_a_memory_stores_put_keeps_the_chunks_bytes_read_only_in_memory_of_their_own():
+    secret = ClusterSecret.generate()
+    s = MemoryStore(1 << 26, secret)
+    c = make_chunk("v0", seed=3)
+    assert s.put(c)
+    held = s.get_bytes("v0")
+    assert isinstance(held, memoryview) and held.readonly
+    assert bytes(held) == c.to_bytes(secret.mac_key)
+    c.target_kv.zero_()  # the chunk's tensors are not what the entry holds
+    assert bytes(s.get_bytes("v0")) != c.to_bytes(secret.mac_key)
+    assert bytes(join_parts([b"ab", memoryview(b"cd"), b"", bytearray(b"e")])) == b"abcde"

@@ -589,6 +589,7 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
                                 shm_peer_max_bytes=shm_peer_max_bytes, min_put_rate=min_put_rate, put_grace_s=idle_s,
                                 inflight_max_bytes=inflight_max_bytes)
     shm.sweep_segments(SHM_SWEEP_AGE_S)
+    shm.sweep_retired()
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", min(MAX_MESSAGE_BYTES, max_chunk_bytes + (1 << 20)))]
     guards = [TokenGate(servicer.authorizer()),  # first: a stranger's call is refused before anything else

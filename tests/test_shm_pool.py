@@ -147,3 +147,28 @@ def test_a_clients_shm_puts_go_through_its_pool_and_store_the_exact_chunks():
     finally:
         b.stop()
     assert b.client._shm_pool.held_bytes() == 0
+
+
+def test_a_taken_segment_leaves_its_name_at_once_and_its_pages_on_the_reaper():
+    data = os.urandom(5 << 20)
+    name = shm.write_segment(data, OWNER.put_tag)
+    assert shm.take_segment(name, len(data)) == data
+    assert not (shm.SHM_DIR / name).exists() and name not in shm.list_segments()  # nobody finds it by name
+    shm.drain_reaper()
+    assert shm.reap_pending() == 0
+    assert not [p for p in os.listdir(shm.SHM_DIR) if p.startswith(f"{shm.GONE_PREFIX}{os.getpid()}-")]
+
+
+def test_retired_segments_of_a_process_that_died_are_swept_and_a_live_ones_are_not():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    left = shm.SHM_DIR / f"{shm.GONE_PREFIX}{pid}-{'a' * 32}"
+    mine = shm.SHM_DIR / f"{shm.GONE_PREFIX}{os.getpid()}-{'b' * 32}"
+    left.write_bytes(b"x")
+    mine.write_bytes(b"y")
+    try:
+        assert shm.sweep_retired() >= 1
+        assert not left.exists() and mine.exists()
+    finally:
+        for p in (left, mine):
+            p.unlink(missing_ok=True)

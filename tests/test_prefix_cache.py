@@ -439,3 +439,33 @@ def test_a_restore_read_past_its_arena_hold_is_recomputed_never_used(setup):
             assert pc.stats.per_request_hits == [0]
     finally:
         server.stop(grace=None).wait(10)
+
+
+def test_a_publish_to_a_bridge_is_one_put_call_for_the_prompts_chunks(setup):
+    """Chunk by chunk, each Put waited for the bridge before the next chunk was serialised; one streamed call lets
+    the two overlap. The bridge holds every chunk, in its prompt's order, and a hit from it equals cold."""
+    from flashpd.kv_bridge.client import BridgeClient, RemoteStore
+    from flashpd.kv_bridge.server import serve
+    target, drafter, fp, prompts = setup
+    server, port = serve(MemoryStore(1 << 30))
+    try:
+        with BridgeClient(f"127.0.0.1:{port}", timeout_s=30) as c:
+            calls = []
+            real_put = c.put
+
+            def counting_put(chunks, *a, **k):
+                chunks = list(chunks)
+                calls.append(len(chunks))
+                return real_put(chunks, *a, **k)
+            c.put = counting_put
+            pc = PrefixCache(RemoteStore(c), fp, CHUNK)
+            cold = generate(spec_gen(target, drafter), prompts[:2], PARAMS * 2, prefix_cache=pc)
+            assert calls == [len(p) // CHUNK for p in prompts[:2]] and pc.stats.published_chunks == sum(calls)
+            assert c.stats()["store.entries"] == sum(calls)
+            hit_pc = PrefixCache(RemoteStore(c), fp, CHUNK)
+            hit = generate(spec_gen(target, drafter), prompts[:2], PARAMS * 2, prefix_cache=hit_pc)
+            assert hit_pc.stats.per_request_hits == [((len(p) - 1) // CHUNK) * CHUNK for p in prompts[:2]]
+            for a, b in zip(cold, hit):
+                assert a.output == b.output and a.stats.acceptance_lengths == b.stats.acceptance_lengths
+    finally:
+        server.stop(grace=None).wait(10)

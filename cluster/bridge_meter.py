@@ -11,6 +11,7 @@ import time
 
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
+from flashpd.kv_bridge.store import put_all
 
 
 class MeteredStore:
@@ -38,6 +39,12 @@ class MeteredStore:
         ok = self.store.put(chunk)
         self._add("export", [chunk], t0)
         return ok
+
+    def put_many(self, chunks: list[KVChunk]) -> int:
+        t0 = time.perf_counter()
+        n = put_all(self.store, chunks)
+        self._add("export", chunks, t0)
+        return n
 
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
         t0 = time.perf_counter()

@@ -289,7 +289,10 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cuda":
         return t.contiguous().cpu()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    try:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    except RuntimeError:  # no page-locked memory to be had (a locked-memory limit): the pageable copy, slower
+        return t.contiguous().cpu()
     out.copy_(t)  # blocking: the bytes are there when it returns
     return out
 

@@ -40,6 +40,10 @@ _TRANSPORTS = {"inline": pb.INLINE, "shm": pb.SHM, "arena": pb.SHM}
 _SAME_HOST = ("shm", "arena")
 DEFAULT_STREAMS = 4  # parallel streams (and connections) of one transfer of several chunks
 MAX_STREAMS = 32
+# a same-host Put stream's segments written and not yet taken by the bridge, at most (one alone always): its
+# handles are a few bytes, so gRPC would otherwise let the writer run a whole prompt's segments ahead into tmpfs
+SHM_AHEAD_BYTES = 256 << 20
+AHEAD_GRACE_S = 2.0  # a segment untaken this long (one the bridge refused stays until the call ends) stops counting
 _PUT = "/flashpd.kvbridge.v1.KVBridge/Put"
 _GET = "/flashpd.kvbridge.v1.KVBridge/Get"
 _T = TypeVar("_T")
@@ -263,11 +267,15 @@ class BridgeClient:
         created: list[str] = []
         lock = threading.Lock()
         ended = [False]  # the call has returned: no segment written from now on is sent or cleaned up later
+        ahead: list[tuple[str, int]] = []  # this stream's segments not yet seen taken: (name, bytes)
 
         def frames() -> Iterator[bytes]:
             for key, make_parts, seal, _ in items:
                 parts = make_parts()
                 if transport in _SAME_HOST:
+                    size = sum(len(memoryview(p).cast("B")) for p in parts)
+                    if not _wait_taken(ahead, size, lambda: ended[0]):
+                        return
                     # its writer's pid (shm.PutLeftovers) and this client's owner id (shm.SegmentOwner)
                     name = self._shm_pool.write(parts, self._shm_owner.put_tag)
                     with lock:
@@ -275,7 +283,7 @@ class BridgeClient:
                             shm.unlink_segment(name)
                             return
                         created.append(name)
-                    size = sum(len(memoryview(p).cast("B")) for p in parts)
+                    ahead.append((name, size))
                     yield pb.PutFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
                         key=key, offset=0, total_length=size, last=True,
                         shm=pb.ShmHandle(name=name, length=size))).SerializeToString()
@@ -446,6 +454,29 @@ def _in_arena(f: frame_codec.Frame, max_bytes: int, arenas: arena.ArenaMaps) -> 
     return Assembled(f.key, view, None, Lease(received + hold_s - arena.READER_MARGIN_S, word, s.gen))
 
 
+def _wait_taken(ahead: list[tuple[str, int]], size: int, ended: Callable[[], bool],
+                limit: int | None = None, grace_s: float | None = None) -> bool:
+    """Wait until the segments in `ahead` still under their names (the bridge renames or unlinks one when it takes
+    it) and one more of `size` bytes fit `limit`; one alone always fits. False: the call ended meanwhile. The oldest
+    stops counting after grace_s untaken (the bridge refused it; it stays until the call's cleanup). limit, grace_s:
+    SHM_AHEAD_BYTES and AHEAD_GRACE_S by default."""
+    limit = SHM_AHEAD_BYTES if limit is None else limit
+    grace_s = AHEAD_GRACE_S if grace_s is None else grace_s
+    since = time.monotonic()
+    while ahead:
+        ahead[:] = [(n, b) for n, b in ahead if (shm.SHM_DIR / n).exists()]
+        if not ahead or sum(b for _, b in ahead) + size <= limit:
+            return True
+        if ended():
+            return False
+        if time.monotonic() - since > grace_s:
+            ahead.pop(0)
+            since = time.monotonic()
+            continue
+        time.sleep(0.001)
+    return True
+
+
 def _parent_of(data: bytes | list[bytes | memoryview]) -> str:
     """The parent a serialized chunk's header names ("" when its first part holds no readable header)."""
     if isinstance(data, list):
@@ -591,8 +622,9 @@ class RemoteStore:
 
     def put_many(self, chunks: list[KVChunk]) -> int:
         """Store several chunks in ONE call, split across the client's streams (a prompt's chunks
-        published together); returns how many the bridge now holds of them."""
-        s = self.client.put(chunks, self.transport)
+        published together); returns how many the bridge now holds of them. The call's deadline is the client's
+        timeout a chunk, as the chunks' calls one by one had."""
+        s = self.client.put(chunks, self.transport, timeout_s=self.client.timeout_s * max(1, len(chunks)))
         return s.stored + s.duplicates
 
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:

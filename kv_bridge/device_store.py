@@ -21,7 +21,7 @@ import torch
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.lru import ChainLRU
-from flashpd.kv_bridge.store import freshen, leading, leading_gets, may_evict, protected
+from flashpd.kv_bridge.store import freshen, leading, leading_gets, may_evict, protected, put_all
 
 
 class DeviceStore:
@@ -48,6 +48,12 @@ class DeviceStore:
         stored = self._keep(chunk)
         backed = self.backing.put(chunk) if self.backing is not None else False
         return stored or backed
+
+    def put_many(self, chunks: list[KVChunk]) -> int:
+        """put() of a prompt's chunks, the backing store's part in one call where it takes one (store.put_all); how
+        many are held here or there (the larger of the two counts)."""
+        kept = sum(self._keep(c) for c in chunks)
+        return max(kept, put_all(self.backing, chunks) if self.backing is not None else 0)
 
     def _keep(self, chunk: KVChunk) -> bool:
         size = chunk.nbytes()

@@ -36,7 +36,7 @@ import torch
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.lru import ChainLRU
-from flashpd.kv_bridge.store import freshen, leading, leading_gets, may_evict, protected
+from flashpd.kv_bridge.store import freshen, leading, leading_gets, may_evict, protected, put_all
 
 ALIGN = 256  # slot and draft-half offsets: any dtype view is aligned, and DMA starts on a good boundary
 SEGMENT_BYTES = 1 << 30  # the largest single host allocation: bounds the stall when the arena grows
@@ -136,6 +136,12 @@ class HostStore:
         stored = self._keep(chunk)
         backed = self.backing.put(chunk) if self.backing is not None else False
         return stored or backed
+
+    def put_many(self, chunks: list[KVChunk]) -> int:
+        """put() of a prompt's chunks, the backing store's part in one call where it takes one (store.put_all); how
+        many are held here or there (the larger of the two counts)."""
+        kept = sum(self._keep(c) for c in chunks)
+        return max(kept, put_all(self.backing, chunks) if self.backing is not None else 0)
 
     def reserve(self) -> int:
         """Allocate the whole arena now (at startup), so no put ever waits for a host allocation.

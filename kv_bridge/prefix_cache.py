@@ -27,6 +27,7 @@ from flashpd.engine.sequence import Sequence
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch
 from flashpd.kv_bridge.keys import chunk_keys
 from flashpd.kv_bridge.layout import ChunkLayout
+from flashpd.kv_bridge.store import put_all
 
 
 class Store(Protocol):
@@ -228,12 +229,6 @@ class PrefixCache:
             chunks.append(KVChunk(keys[i], parent, fp, p.prompt[i * ct:(i + 1) * ct], p.target[i],
                                   p.draft[i] if p.with_draft else None))
             parent = keys[i]
-        put_many = getattr(self.store, "put_many", None)
-        if put_many is not None and len(chunks) > 1:
-            # a bridge: one streamed call, each chunk serialised as the stream reaches it while the bridge takes
-            # the one before (a call a chunk left client and bridge waiting on each other: half the publish)
-            put = put_many(chunks)
-        else:
-            put = sum(bool(self.store.put(c)) for c in chunks)
+        put = put_all(self.store, chunks)
         self.stats.published_chunks += put
         return put

@@ -143,7 +143,7 @@ def process_exists(pid: int) -> bool:
     """Whether a process `pid` exists on this host (of any user: EPERM means it does)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
         return False
     except PermissionError:
         return True
@@ -243,21 +243,29 @@ def unlink_segment(name: str) -> None:
 
 
 GONE_PREFIX = ".fpkv-gone-"  # a taken segment, renamed for the reaper: fpkv-<pid>-... names never match it
+_GONE_RE = re.compile(rf"{re.escape(GONE_PREFIX)}[0-9]{{1,7}}-[0-9a-f]{{32}}")
+MAX_REAP_BACKLOG = 64  # retired files queued at most; past it a take unlinks its own (the tmpfs stays bounded)
 _reap_lock = threading.Lock()
-_reap_queue: list[str] = []
 _reap_wake = threading.Condition(_reap_lock)
+_reap_queue: list[str] = []
+_reaping = 0  # queued or being unlinked now
 _reaper: threading.Thread | None = None
 
 
 def retire(name: str) -> None:
     """Remove a taken segment from under its name now, and free its pages later, on a thread of its own. Unlinking a
     43 MB tmpfs file frees its pages (6 ms on the CPU machine, a third of a bridge's work a Put chunk: py-spy),
-    on the path of the call that took it; a rename frees none (0.05 ms). The renamed file (GONE_PREFIX, this pid)
-    is unlinked by the reaper; one left by a process that died first goes at the next bridge's start sweep."""
-    global _reaper
+    on the path of the call that took it; a rename frees none (0.05 ms). The renamed file (GONE_PREFIX) is garbage:
+    this process's reaper unlinks it, or any bridge's sweep (`sweep_retired`) once this process has died first."""
+    global _reaper, _reaping
     if not valid_name(name):
         return
     gone = f"{GONE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    with _reap_lock:
+        backlog = _reaping >= MAX_REAP_BACKLOG
+    if backlog:  # the reaper is behind: this one is unlinked here, as before
+        unlink_segment(name)
+        return
     try:
         os.rename(SHM_DIR / name, SHM_DIR / gone)
     except OSError:  # gone already (its writer's cleanup), or not this process's to move: unlink as before
@@ -265,6 +273,7 @@ def retire(name: str) -> None:
         return
     with _reap_lock:
         _reap_queue.append(gone)
+        _reaping += 1
         if _reaper is None or not _reaper.is_alive():
             _reaper = threading.Thread(target=_reap, name="shm-reaper", daemon=True)
             _reaper.start()
@@ -272,6 +281,7 @@ def retire(name: str) -> None:
 
 
 def _reap() -> None:
+    global _reaping
     while True:
         with _reap_lock:
             while not _reap_queue:
@@ -281,48 +291,56 @@ def _reap() -> None:
             os.unlink(SHM_DIR / gone)
         except OSError:
             pass
+        with _reap_lock:
+            _reaping -= 1
 
 
 def reap_pending() -> int:
-    """Retired segments not yet unlinked (by this process's reaper)."""
+    """Retired segments this process has not unlinked yet (queued, or being unlinked)."""
     with _reap_lock:
-        return len(_reap_queue)
+        return _reaping
 
 
-def drain_reaper(timeout_s: float = 5.0) -> None:
-    """Wait until the reaper has unlinked every retired segment (at exit; tests)."""
+def drain_reaper(timeout_s: float = 5.0) -> bool:
+    """Wait until this process's reaper has unlinked every segment it retired (at exit; tests); False on timeout."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and (reap_pending() or _retired_here()):
+    while reap_pending():
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.002)
-
-
-def _retired_here() -> bool:
-    prefix = f"{GONE_PREFIX}{os.getpid()}-"
-    return SHM_DIR.is_dir() and any(p.name.startswith(prefix) for p in SHM_DIR.iterdir())
+    return True
 
 
 def sweep_retired() -> int:
-    """Unlink the retired segments of processes that are gone (left when one died before its reaper); how many."""
+    """Unlink every retired segment of this user (GONE_PREFIX names) that is a regular file; how many. A retired
+    file is garbage by construction: whoever renamed it had taken its bytes. One whose process is alive is in its
+    reaper's queue, whose own unlink then finds it gone. Run at a bridge's start and with its periodic sweeps, so
+    a reader or client that died before its reaper leaks nothing for long."""
     n = 0
     if not SHM_DIR.is_dir():
         return 0
     for p in SHM_DIR.iterdir():
-        if not p.name.startswith(GONE_PREFIX):
+        if _GONE_RE.fullmatch(p.name) is None:
             continue
         try:
-            pid = int(p.name[len(GONE_PREFIX):].split("-", 1)[0])
             st = p.lstat()
-        except (ValueError, OSError):
-            continue
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not process_exists(pid):
-            try:
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
                 p.unlink()
                 n += 1
-            except OSError:
-                pass
+        except OSError:
+            pass
     return n
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has no reaper thread: it starts with an empty queue and locks of its own."""
+    global _reap_lock, _reap_wake, _reap_queue, _reaping, _reaper
+    _reap_lock = threading.Lock()
+    _reap_wake = threading.Condition(_reap_lock)
+    _reap_queue, _reaping, _reaper = [], 0, None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(drain_reaper, 2.0)
 
 

@@ -43,6 +43,16 @@ class ByteStore(ChunkStore, Protocol):
     def get_bytes(self, key: str) -> bytes | None: ...
 
 
+def put_all(store, chunks: list[KVChunk]) -> int:
+    """Put a prompt's chunks, in order: through the store's put_many when it has one (a bridge: one streamed call,
+    each chunk serialised as the stream reaches it while the bridge takes the one before; a call a chunk left the
+    two waiting on each other, half a publish's time), else one put each. How many the store holds of them."""
+    many = getattr(store, "put_many", None)
+    if many is not None and len(chunks) > 1:
+        return many(chunks)
+    return sum(bool(store.put(c)) for c in chunks)
+
+
 def freshen(index: ChainLRU, key: str, parent_of: Callable[[str], str]) -> None:
     """In a store's recency index (least recent first): key, then each held chunk before it in its prompt (parent_of
     a held key: its parent's key, "" for a prompt's first chunk), become the most recently used, the first chunk

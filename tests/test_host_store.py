@@ -292,14 +292,41 @@ def test_cuda_puts_and_hits_are_asynchronous_exact_and_ordered():
 
 @CUDA
 def test_a_cuda_chunk_serialises_through_page_locked_memory_to_the_cpu_chunks_bytes():
-    c = big_chunk(7)
-    cpu = KVChunk(c.key, c.parent, c.fingerprint, c.token_ids, c.target_kv.cpu(), c.draft_kv.cpu())
+    c, new = big_chunk(7), big_chunk(8)
+    torch.cuda.synchronize()
+    want = KVChunk(c.key, c.parent, c.fingerprint, c.token_ids, new.target_kv.cpu(), new.draft_kv.cpu())
     mac = process_secret().mac_key
+    # the chunk's values change on the GPU behind a long kernel: a serialisation that did not wait for its stream
+    # would copy the old values, or a mix
+    torch.cuda._sleep(400_000_000)
+    c.target_kv.copy_(new.target_kv)
+    c.draft_kv.copy_(new.draft_kv)
     parts = c.to_parts(mac)
-    # the copies are done when to_parts returns: the GPU tensors may change at once
-    c.target_kv.zero_()
-    c.draft_kv.zero_()
-    assert b"".join(parts) == cpu.to_bytes(mac)
+    assert b"".join(parts) == want.to_bytes(mac)
     body = c.body_parts()
     assert all(isinstance(p, memoryview) for p in body[2:])
     assert torch.frombuffer(body[2], dtype=torch.uint8).is_pinned()  # the tensors' bytes are page-locked
+
+
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_a_worker_tier_hands_a_prompts_chunks_to_its_backing_in_one_call(tier):
+    """put_many keeps each chunk here and passes them on in one call where the backing takes one (a bridge: one
+    streamed Put, store.put_all); a backing without put_many gets one put a chunk."""
+    class Recorder:
+        def __init__(self, many: bool) -> None:
+            self.calls: list[int] = []
+            if many:
+                self.put_many = lambda cs: (self.calls.append(len(cs)), len(cs))[1]
+
+        def put(self, c: KVChunk) -> bool:
+            self.calls.append(1)
+            return True
+
+    cs = [chunk(i) for i in range(3)]
+    for many in (True, False):
+        back = Recorder(many)
+        s = (HostStore(slots_budget(8), "cpu", backing=back) if tier == "host"
+             else DeviceStore(1 << 24, "cpu", backing=back))
+        assert s.put_many(cs) == 3
+        assert back.calls == ([3] if many else [1, 1, 1])
+        assert [s.get(c.key).key for c in cs] == [c.key for c in cs]  # kept here too

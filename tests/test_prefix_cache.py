@@ -441,9 +441,13 @@ def test_a_restore_read_past_its_arena_hold_is_recomputed_never_used(setup):
         server.stop(grace=None).wait(10)
 
 
-def test_a_publish_to_a_bridge_is_one_put_call_for_the_prompts_chunks(setup):
+@pytest.mark.parametrize("tiers", ["bridge", "worker"])
+def test_a_publish_to_a_bridge_is_one_put_call_for_the_prompts_chunks(setup, tiers):
     """Chunk by chunk, each Put waited for the bridge before the next chunk was serialised; one streamed call lets
-    the two overlap. The bridge holds every chunk, in its prompt's order, and a hit from it equals cold."""
+    the two overlap. The bridge holds every chunk, in its prompt's order, and a hit from it equals cold. "worker":
+    the stores a worker builds (cluster/worker_main.py: a device tier over a metered bridge store) pass it on."""
+    from flashpd.cluster.bridge_meter import MeteredStore
+    from flashpd.kv_bridge.device_store import DeviceStore
     from flashpd.kv_bridge.client import BridgeClient, RemoteStore
     from flashpd.kv_bridge.server import serve
     target, drafter, fp, prompts = setup
@@ -458,10 +462,14 @@ def test_a_publish_to_a_bridge_is_one_put_call_for_the_prompts_chunks(setup):
                 calls.append(len(chunks))
                 return real_put(chunks, *a, **k)
             c.put = counting_put
-            pc = PrefixCache(RemoteStore(c), fp, CHUNK)
+            meter = MeteredStore(RemoteStore(c))
+            store = RemoteStore(c) if tiers == "bridge" else DeviceStore(64 << 20, "cpu", backing=meter)
+            pc = PrefixCache(store, fp, CHUNK)
             cold = generate(spec_gen(target, drafter), prompts[:2], PARAMS * 2, prefix_cache=pc)
             assert calls == [len(p) // CHUNK for p in prompts[:2]] and pc.stats.published_chunks == sum(calls)
             assert c.stats()["store.entries"] == sum(calls)
+            if tiers == "worker":
+                assert meter.chunks["export"] == sum(calls) and meter.bytes["export"] > 0
             hit_pc = PrefixCache(RemoteStore(c), fp, CHUNK)
             hit = generate(spec_gen(target, drafter), prompts[:2], PARAMS * 2, prefix_cache=hit_pc)
             assert hit_pc.stats.per_request_hits == [((len(p) - 1) // CHUNK) * CHUNK for p in prompts[:2]]

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
+import threading
 import time
 
 import pytest
@@ -65,25 +64,13 @@ def test_held_files_have_no_names_and_close_frees_them():
     filled(pool, 1000)
     assert pool.held_bytes() > 0
     assert set(shm.list_segments(os.getpid())) == before  # nothing in /dev/shm for anyone to name or leak
+    for fd, _ in pool._ready:  # unnamed files (O_TMPFILE): the kernel frees them with the process's descriptors
+        assert os.readlink(f"/proc/self/fd/{fd}").endswith("(deleted)")
     pool.close()
     assert pool.held_bytes() == 0
     assert pool._thread is None or not pool._thread.is_alive()
     name = pool.write([b"after close"], OWNER.put_tag)  # a closed pool still writes, into a fresh file
     assert shm.take_segment(name, 11) == b"after close" and pool.stats["fresh_writes"] == 2
-
-
-def test_a_writer_that_dies_holding_pool_files_leaves_no_segment():
-    code = ("import os, sys, time; from flashpd.kv_bridge import shm, shm_pool; "
-            "o = shm.SegmentOwner.generate(); p = shm_pool.SegmentPool(64 << 20); "
-            "shm.unlink_segment(p.write([b'x' * 5000], o.put_tag)); "
-            "t = time.monotonic()\n"
-            "while p.stats['files_made'] < shm_pool.MAX_FILES and time.monotonic() - t < 10: time.sleep(0.01)\n"
-            "print(os.getpid(), p.stats['files_made'], flush=True); os._exit(0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    pid, made = map(int, out.stdout.split())
-    assert made == shm_pool.MAX_FILES
-    assert shm.list_segments(pid) == []  # died without close(): its files went with its descriptors
 
 
 def test_an_idle_pool_frees_its_files_and_restarts_on_the_next_write(monkeypatch):
@@ -152,23 +139,113 @@ def test_a_clients_shm_puts_go_through_its_pool_and_store_the_exact_chunks():
 def test_a_taken_segment_leaves_its_name_at_once_and_its_pages_on_the_reaper():
     data = os.urandom(5 << 20)
     name = shm.write_segment(data, OWNER.put_tag)
+    mine = f"{shm.GONE_PREFIX}{os.getpid()}-"
+    gone = lambda: {p for p in os.listdir(shm.SHM_DIR) if p.startswith(mine)}  # noqa: E731
+    before = gone()
     assert shm.take_segment(name, len(data)) == data
     assert not (shm.SHM_DIR / name).exists() and name not in shm.list_segments()  # nobody finds it by name
-    shm.drain_reaper()
-    assert shm.reap_pending() == 0
-    assert not [p for p in os.listdir(shm.SHM_DIR) if p.startswith(f"{shm.GONE_PREFIX}{os.getpid()}-")]
+    assert shm.drain_reaper() and shm.reap_pending() == 0
+    assert gone() - before == set()
 
 
-def test_retired_segments_of_a_process_that_died_are_swept_and_a_live_ones_are_not():
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
-    left = shm.SHM_DIR / f"{shm.GONE_PREFIX}{pid}-{'a' * 32}"
+def test_a_sweep_unlinks_every_retired_file_of_this_user_and_nothing_else(tmp_path):
+    """A retired file is garbage whoever renamed it (a process that died before its reaper, or one alive whose reaper
+    then finds it gone); names that are not a retired file's, and directories, are left; a pid no process can have
+    is no error (os.kill raised OverflowError on it)."""
+    dead = shm.SHM_DIR / f"{shm.GONE_PREFIX}1234567-{'a' * 32}"
     mine = shm.SHM_DIR / f"{shm.GONE_PREFIX}{os.getpid()}-{'b' * 32}"
-    left.write_bytes(b"x")
-    mine.write_bytes(b"y")
+    odd = shm.SHM_DIR / f"{shm.GONE_PREFIX}99999999999-{'c' * 32}"  # not a pid: left alone, and no OverflowError
+    folder = shm.SHM_DIR / f"{shm.GONE_PREFIX}{os.getpid()}-{'d' * 32}"
+    for p in (dead, mine, odd):
+        p.write_bytes(b"x")
+    folder.mkdir()
     try:
-        assert shm.sweep_retired() >= 1
-        assert not left.exists() and mine.exists()
+        assert shm.sweep_retired() >= 2
+        assert not dead.exists() and not mine.exists() and odd.exists() and folder.is_dir()
+        assert not shm.process_exists(99999999999)
     finally:
-        for p in (left, mine):
+        for p in (dead, mine, odd):
             p.unlink(missing_ok=True)
+        folder.rmdir()
+
+
+def test_the_pool_never_fills_the_tmpfs_past_half_and_waits_for_room(monkeypatch):
+    """A small /dev/shm (a container's 64 MiB) gets no pool files rather than a Put that no longer fits; the pool
+    stays on and makes files once there is room again."""
+    real = os.statvfs
+    room = {"small": True}
+
+    def statvfs(path):
+        st = real(path)
+        if not room["small"]:
+            return st
+        blocks = (64 << 20) // st.f_frsize  # 64 MiB, 30 MiB of it free
+        return os.statvfs_result((st.f_bsize, st.f_frsize, blocks, (30 << 20) // st.f_frsize,
+                                  (30 << 20) // st.f_frsize, st.f_files, st.f_ffree, st.f_favail, st.f_flag,
+                                  st.f_namemax))
+    monkeypatch.setattr(shm_pool.os, "statvfs", statvfs)
+    pool = SegmentPool(64 << 20)
+    try:
+        shm.unlink_segment(pool.write([b"x" * 100_000], OWNER.put_tag))  # 2 MiB more: 28 of 64 MiB left
+        wait_for(lambda: pool._paused)
+        assert pool.stats["files_made"] == 0 and pool.disabled is None
+        room["small"] = False
+        shm.unlink_segment(pool.write([b"x" * 100_000], OWNER.put_tag))  # a write ends the pause
+        wait_for(lambda: pool.stats["files_made"] >= shm_pool.MAX_FILES)
+        assert pool.stats["fresh_writes"] == 2
+    finally:
+        pool.close()
+
+
+def test_waiting_for_taken_segments_bounds_the_bytes_ahead_and_gives_up_on_a_refused_one():
+    from flashpd.kv_bridge.client import _wait_taken
+    a, b = shm.write_segment(b"a" * 100, OWNER.put_tag), shm.write_segment(b"b" * 100, OWNER.put_tag)
+    ahead = [(a, 100), (b, 100)]
+    try:
+        assert _wait_taken(list(ahead), 100, lambda: False, limit=300)  # fits
+        assert not _wait_taken(list(ahead), 100, lambda: True, limit=250)  # does not fit, and the call has ended
+        t = threading.Timer(0.2, shm.unlink_segment, (a,))  # the bridge takes the oldest
+        t.start()
+        t0 = time.monotonic()
+        waiting = list(ahead)
+        assert _wait_taken(waiting, 100, lambda: False, limit=250)
+        assert 0.15 < time.monotonic() - t0 < 2 and waiting == [(b, 100)]
+        t0 = time.monotonic()  # a segment never taken (refused) stops counting after the grace
+        assert _wait_taken([(b, 100)], 100, lambda: False, limit=150, grace_s=0.2)
+        assert 0.15 < time.monotonic() - t0 < 2
+    finally:
+        shm.unlink_segment(a)
+        shm.unlink_segment(b)
+
+
+def test_a_put_stream_never_runs_its_segments_far_ahead_of_a_slow_bridge(monkeypatch):
+    """A handle is a few bytes, so nothing else stops a writer from putting a whole prompt's segments into tmpfs
+    while the bridge is busy storing the first: SHM_AHEAD_BYTES bounds what is written and not yet taken."""
+    from flashpd.kv_bridge import client as client_mod
+    from flashpd.kv_bridge.store import MemoryStore
+
+    class SlowStore(MemoryStore):
+        def put_bytes(self, key, data, verified=False):
+            time.sleep(0.05)
+            return super().put_bytes(key, data, verified)
+
+    from flashpd.kv_bridge.auth import ClusterSecret
+    secret = ClusterSecret.generate()
+    chunks = [make_chunk(f"s{i}", parent=f"s{i - 1}" if i else "", seed=i) for i in range(8)]  # one chain: one stream
+    size = len(chunks[0].to_bytes(secret.mac_key))
+    monkeypatch.setattr(client_mod, "SHM_AHEAD_BYTES", 2 * size + 1000)
+    seen = []
+    real = SegmentPool.write
+
+    def counting(pool, parts, tag=""):
+        seen.append(len(shm.list_segments(os.getpid(), "put-")))
+        return real(pool, parts, tag)
+    monkeypatch.setattr(SegmentPool, "write", counting)
+    b = BridgeHarness(SlowStore(1 << 28, secret), secret, timeout_s=10.0, max_workers=4)
+    try:
+        assert b.client.put(chunks, "shm").stored == 8
+        got = b.client.get([c.key for c in chunks])
+        assert len(got) == 8 and all(same(x, y) for x, y in zip(chunks, got))
+    finally:
+        b.stop()
+    assert len(seen) == 8 and max(seen) <= 1, seen  # at most one other untaken when a segment is written

@@ -100,6 +100,8 @@ class ServeConfig:
     # "shm": same-host shared memory for imports; "arena": the bridge keeps its memory tier in a shared-memory arena
     # that same-host decode workers map and read in place (kv_bridge/arena.py)
     bridge_transport: str = "inline"
+    # a worker's tmpfs files allocated ahead for its same-host Put segments (kv_bridge/shm_pool.py; 0: none)
+    bridge_shm_pool_bytes: int = 256 << 20
     # how a prefill's KV reaches its decode worker: "bridge" (published chunks, imported by key) or "device"
     # (same host: the decode worker copies the prefill worker's blocks device to device, kv_bridge/handoff.py;
     # the prefill holds them under a lease until released or handoff_lease_s passes) or "dist" (any hosts: the
@@ -218,6 +220,8 @@ class ServeConfig:
             raise ValueError(f"device_cache_bytes: must be >= 0, got {self.device_cache_bytes}")
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes: must be >= 0, got {self.host_cache_bytes}")
+        if self.bridge_shm_pool_bytes < 0:
+            raise ValueError(f"bridge_shm_pool_bytes: must be >= 0, got {self.bridge_shm_pool_bytes}")
         if self.bridge_disk_queue_bytes < 1:
             raise ValueError(f"bridge_disk_queue_bytes: must be >= 1, got {self.bridge_disk_queue_bytes}")
         for name in ("chunk_tokens", "max_running", "max_concurrent", "health_failures", "bridge_memory_bytes",

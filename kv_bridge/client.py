@@ -42,8 +42,11 @@ DEFAULT_STREAMS = 4  # parallel streams (and connections) of one transfer of sev
 MAX_STREAMS = 32
 # a same-host Put stream's segments written and not yet taken by the bridge, at most (one alone always): its
 # handles are a few bytes, so gRPC would otherwise let the writer run a whole prompt's segments ahead into tmpfs
-SHM_AHEAD_BYTES = 256 << 20
-AHEAD_GRACE_S = 2.0  # a segment untaken this long (one the bridge refused stays until the call ends) stops counting
+SHM_AHEAD_BYTES = 256 << 20  # (all of one call's streams together)
+AHEAD_GRACE_S = 2.0  # the newest segments untaken this long (refused ones stay until the call ends) stop counting
+# a publish's deadline (RemoteStore.put_many): the client's timeout, plus its bytes at this floor rate (a bridge
+# that hangs fails it about as soon as one chunk's call did; a long prompt still has the time its bytes need)
+PUBLISH_FLOOR_BYTES_PER_S = 100e6
 _PUT = "/flashpd.kvbridge.v1.KVBridge/Put"
 _GET = "/flashpd.kvbridge.v1.KVBridge/Get"
 _T = TypeVar("_T")
@@ -242,9 +245,11 @@ class BridgeClient:
         t = timeout_s or self.timeout_s
         items = list(items)
         shares = _spread(_chains(items), self.streams)
+        ahead = SHM_AHEAD_BYTES // max(1, len(shares))  # the call's streams share SHM_AHEAD_BYTES
         if len(shares) == 1:
-            return self._put_stream(shares[0], transport, t, 0)
-        outcomes = _run_all([lambda j=j: self._put_stream(shares[j], transport, t, j) for j in range(len(shares))])
+            return self._put_stream(shares[0], transport, t, 0, ahead)
+        outcomes = _run_all([lambda j=j: self._put_stream(shares[j], transport, t, j, ahead)
+                             for j in range(len(shares))])
         for o in outcomes:
             if isinstance(o, BaseException):
                 raise o
@@ -258,8 +263,10 @@ class BridgeClient:
         merged.incomplete_keys = sorted((k for o in outcomes for k in o.incomplete_keys), key=rank)
         return merged
 
-    def _put_stream(self, items: list[_PutItem], transport: Transport, t: float, channel: int) -> PutSummary:
-        """One Put stream of items (see _put) on one channel.
+    def _put_stream(self, items: list[_PutItem], transport: Transport, t: float, channel: int,
+                    ahead_bytes: int = SHM_AHEAD_BYTES) -> PutSummary:
+        """One Put stream of items (see _put) on one channel; same-host, at most ahead_bytes of its segments written
+        and not yet taken (one alone always).
 
         gRPC pulls frames() on a thread of its own, which may still be writing a segment when the call has
         already failed (a deadline, the server gone): that segment is unlinked here once written, since the
@@ -274,7 +281,7 @@ class BridgeClient:
                 parts = make_parts()
                 if transport in _SAME_HOST:
                     size = sum(len(memoryview(p).cast("B")) for p in parts)
-                    if not _wait_taken(ahead, size, lambda: ended[0]):
+                    if not _wait_taken(ahead, size, lambda: ended[0], ahead_bytes):
                         return
                     # its writer's pid (shm.PutLeftovers) and this client's owner id (shm.SegmentOwner)
                     name = self._shm_pool.write(parts, self._shm_owner.put_tag)
@@ -456,15 +463,18 @@ def _in_arena(f: frame_codec.Frame, max_bytes: int, arenas: arena.ArenaMaps) -> 
 
 def _wait_taken(ahead: list[tuple[str, int]], size: int, ended: Callable[[], bool],
                 limit: int | None = None, grace_s: float | None = None) -> bool:
-    """Wait until the segments in `ahead` still under their names (the bridge renames or unlinks one when it takes
-    it) and one more of `size` bytes fit `limit`; one alone always fits. False: the call ended meanwhile. The oldest
-    stops counting after grace_s untaken (the bridge refused it; it stays until the call's cleanup). limit, grace_s:
-    SHM_AHEAD_BYTES and AHEAD_GRACE_S by default."""
+    """Wait until the segments in `ahead` (oldest first) still under their names (the bridge renames or unlinks one
+    when it takes it) and one more of `size` bytes fit `limit`; one alone always fits. False: the call ended
+    meanwhile. The bridge takes a stream's segments in order, so one still there while a later one is gone was
+    refused: it stops counting at once (it stays until the call's cleanup); the oldest of the rest stops counting
+    after grace_s (the newest refused). limit, grace_s: SHM_AHEAD_BYTES and AHEAD_GRACE_S by default."""
     limit = SHM_AHEAD_BYTES if limit is None else limit
     grace_s = AHEAD_GRACE_S if grace_s is None else grace_s
     since = time.monotonic()
     while ahead:
-        ahead[:] = [(n, b) for n, b in ahead if (shm.SHM_DIR / n).exists()]
+        there = [(shm.SHM_DIR / n).exists() for n, _ in ahead]
+        last_taken = max((i for i, x in enumerate(there) if not x), default=-1)
+        ahead[:] = [e for i, (e, x) in enumerate(zip(ahead, there)) if x and i > last_taken]
         if not ahead or sum(b for _, b in ahead) + size <= limit:
             return True
         if ended():
@@ -622,9 +632,10 @@ class RemoteStore:
 
     def put_many(self, chunks: list[KVChunk]) -> int:
         """Store several chunks in ONE call, split across the client's streams (a prompt's chunks
-        published together); returns how many the bridge now holds of them. The call's deadline is the client's
-        timeout a chunk, as the chunks' calls one by one had."""
-        s = self.client.put(chunks, self.transport, timeout_s=self.client.timeout_s * max(1, len(chunks)))
+        published together); returns how many the bridge now holds of them. Its deadline: the client's timeout plus
+        the chunks' bytes at PUBLISH_FLOOR_BYTES_PER_S."""
+        t = self.client.timeout_s + sum(c.nbytes() for c in chunks) / PUBLISH_FLOOR_BYTES_PER_S
+        s = self.client.put(chunks, self.transport, timeout_s=t)
         return s.stored + s.duplicates
 
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:

@@ -139,9 +139,19 @@ class HostStore:
 
     def put_many(self, chunks: list[KVChunk]) -> int:
         """put() of a prompt's chunks, the backing store's part in one call where it takes one (store.put_all); how
-        many are held here or there (the larger of the two counts)."""
-        kept = sum(self._keep(c) for c in chunks)
-        return max(kept, put_all(self.backing, chunks) if self.backing is not None else 0)
+        many are held here or there (the larger of the two counts). A chunk that fails to be kept here (the
+        exception is raised after) still leaves every chunk to the backing store."""
+        kept, failed = 0, None
+        for c in chunks:
+            try:
+                kept += self._keep(c)
+            except Exception as e:  # noqa: BLE001  raised below, once the backing store has them
+                failed = e
+                break
+        backed = put_all(self.backing, chunks) if self.backing is not None else 0
+        if failed is not None:
+            raise failed
+        return max(kept, backed)
 
     def reserve(self) -> int:
         """Allocate the whole arena now (at startup), so no put ever waits for a host allocation.

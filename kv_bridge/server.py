@@ -617,9 +617,12 @@ def _reclaim_put_segments(server_ref: weakref.ref, servicer: KVBridgeServicer) -
         del server  # not held between rounds: a server nobody holds is not kept alive by this thread
         try:
             servicer.reclaim_put_segments()
-            shm.sweep_retired()  # taken segments a process renamed and died before unlinking (shm.retire)
         except Exception:  # noqa: BLE001  a failed round is logged; the next one tries again
             log.exception("reclaiming Put segments failed")
+        try:
+            shm.sweep_retired()  # taken segments a process renamed and died before unlinking (shm.retire)
+        except Exception:  # noqa: BLE001
+            log.exception("sweeping retired segments failed")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -204,7 +204,7 @@ def take_segment(name: str, length: int, writable: bool = False, into: np.ndarra
         data = _read_exactly(fd, name, length, writable, into)
     finally:
         os.close(fd)
-    retire(name)
+    retire(name, length)
     return data
 
 
@@ -244,25 +244,28 @@ def unlink_segment(name: str) -> None:
 
 GONE_PREFIX = ".fpkv-gone-"  # a taken segment, renamed for the reaper: fpkv-<pid>-... names never match it
 _GONE_RE = re.compile(rf"{re.escape(GONE_PREFIX)}[0-9]{{1,7}}-[0-9a-f]{{32}}")
-MAX_REAP_BACKLOG = 64  # retired files queued at most; past it a take unlinks its own (the tmpfs stays bounded)
+# retired files queued at most, and their bytes; past either a take unlinks its own (the tmpfs stays bounded)
+MAX_REAP_BACKLOG = 64
+MAX_REAP_BACKLOG_BYTES = 1 << 30
 _reap_lock = threading.Lock()
 _reap_wake = threading.Condition(_reap_lock)
-_reap_queue: list[str] = []
+_reap_queue: list[tuple[str, int]] = []
 _reaping = 0  # queued or being unlinked now
+_reaping_bytes = 0
 _reaper: threading.Thread | None = None
 
 
-def retire(name: str) -> None:
-    """Remove a taken segment from under its name now, and free its pages later, on a thread of its own. Unlinking a
-    43 MB tmpfs file frees its pages (6 ms on the CPU machine, a third of a bridge's work a Put chunk: py-spy),
-    on the path of the call that took it; a rename frees none (0.05 ms). The renamed file (GONE_PREFIX) is garbage:
-    this process's reaper unlinks it, or any bridge's sweep (`sweep_retired`) once this process has died first."""
-    global _reaper, _reaping
+def retire(name: str, nbytes: int = 0) -> None:
+    """Remove a taken segment (of nbytes) from under its name now, and free its pages later, on a thread of its own.
+    Unlinking a 43 MB tmpfs file frees its pages (6 ms on the CPU machine, a third of a bridge's work a Put chunk:
+    py-spy), on the path of the call that took it; a rename frees none (0.05 ms). The renamed file (GONE_PREFIX) is
+    garbage: this process's reaper unlinks it, or a bridge's sweep (`sweep_retired`) first, whichever comes."""
+    global _reaper, _reaping, _reaping_bytes
     if not valid_name(name):
         return
     gone = f"{GONE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     with _reap_lock:
-        backlog = _reaping >= MAX_REAP_BACKLOG
+        backlog = _reaping >= MAX_REAP_BACKLOG or _reaping_bytes + nbytes > MAX_REAP_BACKLOG_BYTES
     if backlog:  # the reaper is behind: this one is unlinked here, as before
         unlink_segment(name)
         return
@@ -272,27 +275,43 @@ def retire(name: str) -> None:
         unlink_segment(name)
         return
     with _reap_lock:
-        _reap_queue.append(gone)
+        _reap_queue.append((gone, nbytes))
         _reaping += 1
-        if _reaper is None or not _reaper.is_alive():
-            _reaper = threading.Thread(target=_reap, name="shm-reaper", daemon=True)
-            _reaper.start()
-        _reap_wake.notify()
+        _reaping_bytes += nbytes
+        try:
+            if _reaper is None or not _reaper.is_alive():
+                _reaper = threading.Thread(target=_reap, name="shm-reaper", daemon=True)
+                _reaper.start()
+        except RuntimeError:  # no thread to be had (a thread limit, the interpreter exiting): unlinked here
+            _reaper = None
+            _reap_queue.remove((gone, nbytes))
+            _reaping -= 1
+            _reaping_bytes -= nbytes
+            unlink_now = True
+        else:
+            unlink_now = False
+            _reap_wake.notify()
+    if unlink_now:
+        try:
+            os.unlink(SHM_DIR / gone)
+        except OSError:
+            pass
 
 
 def _reap() -> None:
-    global _reaping
+    global _reaping, _reaping_bytes
     while True:
         with _reap_lock:
             while not _reap_queue:
                 _reap_wake.wait()
-            gone = _reap_queue.pop(0)
+            gone, nbytes = _reap_queue.pop(0)
         try:
             os.unlink(SHM_DIR / gone)
         except OSError:
             pass
         with _reap_lock:
             _reaping -= 1
+            _reaping_bytes -= nbytes
 
 
 def reap_pending() -> int:
@@ -334,10 +353,10 @@ def sweep_retired() -> int:
 
 def _after_fork_in_child() -> None:
     """A forked child has no reaper thread: it starts with an empty queue and locks of its own."""
-    global _reap_lock, _reap_wake, _reap_queue, _reaping, _reaper
+    global _reap_lock, _reap_wake, _reap_queue, _reaping, _reaping_bytes, _reaper
     _reap_lock = threading.Lock()
     _reap_wake = threading.Condition(_reap_lock)
-    _reap_queue, _reaping, _reaper = [], 0, None
+    _reap_queue, _reaping, _reaping_bytes, _reaper = [], 0, 0, None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -31,6 +31,8 @@ MAX_FILES = 4  # at most this many files held (small chunks would otherwise fill
 ROUND = 2 << 20  # a pool file's size: the latest segment's, rounded up to this
 IDLE_S = 30.0  # a pool with no write for this long frees its files and ends its thread (the next write restarts it)
 MAX_TMPFS_FILL = 0.5  # the pool allocates a file only while the tmpfs stays at most this full with it
+# errors that say "not now" (no room, no descriptor, no memory): a pause or a fresh write, never the pool off for good
+_TRANSIENT = frozenset({errno.ENOSPC, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
 
 
 class SegmentPool:
@@ -67,7 +69,7 @@ class SegmentPool:
             os.ftruncate(fd, size)  # a larger file gives its tail back; the segment is exactly the chunk
             _link(fd, name)
         except OSError as e:
-            if e.errno != errno.ENOSPC:  # no /proc, or a tmpfs that cannot link: every later write goes fresh
+            if e.errno not in _TRANSIENT:  # no /proc, or a tmpfs that cannot link: every later write goes fresh
                 self._disable(f"a pool file cannot be filled and named ({e.strerror})")
             return self._fresh(parts, tag)
         finally:
@@ -112,11 +114,24 @@ class SegmentPool:
             self._last_take = time.monotonic()
             self._paused = False
             if self._thread is None:
-                self._thread = threading.Thread(target=self._refill, name="shm-pool", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._refill_guarded, name="shm-pool", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread to be had now (a thread limit, the interpreter exiting)
+                    return None
+                self._thread = thread
             fd = self._ready.pop(0)[0] if self._ready else None
             self._cond.notify_all()
             return fd
+
+    def _refill_guarded(self) -> None:
+        try:
+            self._refill()
+        except Exception as e:  # noqa: BLE001  a bug here must not leave a pool that silently never refills
+            self._disable(f"its refill thread failed ({e!r})")
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None
 
     def _refill(self) -> None:
         while True:
@@ -136,7 +151,7 @@ class SegmentPool:
             fd, why = _allocate(want)
             with self._cond:
                 if fd is None:
-                    if why is None:  # no room on the tmpfs: wait for the next write
+                    if why is None:  # no room on the tmpfs (or no descriptor) now: wait for the next write
                         self._paused = True
                         continue
                 elif not self._closed and self.disabled is None:
@@ -177,26 +192,27 @@ class SegmentPool:
 
 
 def _allocate(size: int) -> tuple[int | None, str | None]:
-    """A new unnamed tmpfs file of `size` allocated bytes: (fd, None); (None, None) when the tmpfs has no room for it
-    within MAX_TMPFS_FILL; (None, why) when such files cannot be made here."""
+    """A new unnamed tmpfs file of `size` allocated bytes: (fd, None); (None, None) when not now (no room for it
+    within MAX_TMPFS_FILL, or a transient error); (None, why) when such files cannot be made here."""
     try:
         st = os.statvfs(shm.SHM_DIR)
-        if (st.f_bavail * st.f_frsize - size) < (1 - MAX_TMPFS_FILL) * st.f_blocks * st.f_frsize:
+        # f_blocks 0: a tmpfs mounted without a size limit
+        if st.f_blocks and (st.f_bavail * st.f_frsize - size) < (1 - MAX_TMPFS_FILL) * st.f_blocks * st.f_frsize:
             return None, None
         d = os.open(shm.SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
-        return None, f"{shm.SHM_DIR} cannot be opened ({e.strerror})"
+        return None, None if e.errno in _TRANSIENT else f"{shm.SHM_DIR} cannot be opened ({e.strerror})"
     try:
         fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=d)
     except OSError as e:
-        return None, f"an unnamed tmpfs file cannot be made ({e.strerror})"
+        return None, None if e.errno in _TRANSIENT else f"an unnamed tmpfs file cannot be made ({e.strerror})"
     finally:
         os.close(d)
     try:
         os.posix_fallocate(fd, 0, size)  # the pages allocated and zeroed here, not on the writer's thread
     except OSError as e:
         os.close(fd)
-        return (None, None) if e.errno == errno.ENOSPC else (None, f"{size} bytes cannot be allocated ({e.strerror})")
+        return None, None if e.errno in _TRANSIENT else f"{size} bytes cannot be allocated ({e.strerror})"
     return fd, None
 
 

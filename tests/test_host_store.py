@@ -323,10 +323,19 @@ def test_a_worker_tier_hands_a_prompts_chunks_to_its_backing_in_one_call(tier):
             return True
 
     cs = [chunk(i) for i in range(3)]
+    make = lambda back: (HostStore(slots_budget(8), "cpu", backing=back) if tier == "host"  # noqa: E731
+                         else DeviceStore(1 << 24, "cpu", backing=back))
     for many in (True, False):
         back = Recorder(many)
-        s = (HostStore(slots_budget(8), "cpu", backing=back) if tier == "host"
-             else DeviceStore(1 << 24, "cpu", backing=back))
+        s = make(back)
         assert s.put_many(cs) == 3
         assert back.calls == ([3] if many else [1, 1, 1])
         assert [s.get(c.key).key for c in cs] == [c.key for c in cs]  # kept here too
+    # a chunk that fails to be kept here still leaves them all to the backing store, then the error is raised
+    back = Recorder(True)
+    s = make(back)
+    real_keep = s._keep
+    s._keep = lambda c: (_ for _ in ()).throw(RuntimeError("out of memory")) if c.key == "k1" else real_keep(c)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        s.put_many(cs)
+    assert back.calls == [3]

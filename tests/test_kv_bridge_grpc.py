@@ -614,6 +614,20 @@ def test_remote_store_put_many(bridge):
     assert [c.key for c in rs.get_many([c.key for c in chunks])] == [c.key for c in chunks]
 
 
+def test_a_publishs_deadline_is_the_clients_timeout_plus_its_bytes_at_a_floor_rate(bridge, monkeypatch):
+    """One call for a prompt's chunks: a hung bridge fails it about as soon as one chunk's call did, and a long
+    prompt still gets the time its bytes need (not the client's timeout a chunk: 64 chunks would wait 640 s)."""
+    from flashpd.kv_bridge import client as client_mod
+    seen = []
+    real = bridge.client.put
+    monkeypatch.setattr(bridge.client, "put", lambda cs, tr="inline", timeout_s=None: (
+        seen.append(timeout_s), real(cs, tr, timeout_s))[1])
+    chunks = [make_chunk(f"d{i}", seed=i) for i in range(5)]
+    assert RemoteStore(bridge.client).put_many(chunks) == 5
+    nbytes = sum(c.nbytes() for c in chunks)
+    assert seen == [pytest.approx(bridge.client.timeout_s + nbytes / client_mod.PUBLISH_FLOOR_BYTES_PER_S)]
+
+
 @pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this machine")
 def test_a_shm_put_that_times_out_while_a_segment_is_written_leaves_no_segment(bridge, monkeypatch):
     """gRPC reads the request stream on a thread of its own: a segment it is still writing when the call's

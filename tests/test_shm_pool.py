@@ -208,11 +208,17 @@ def test_waiting_for_taken_segments_bounds_the_bytes_ahead_and_gives_up_on_a_ref
         t.start()
         t0 = time.monotonic()
         waiting = list(ahead)
-        assert _wait_taken(waiting, 100, lambda: False, limit=250)
-        assert 0.15 < time.monotonic() - t0 < 2 and waiting == [(b, 100)]
-        t0 = time.monotonic()  # a segment never taken (refused) stops counting after the grace
+        assert _wait_taken(waiting, 100, lambda: False, limit=250, grace_s=60)
+        assert 0.15 < time.monotonic() - t0 < 30 and waiting == [(b, 100)]
+        c = shm.write_segment(b"c" * 100, OWNER.put_tag)
+        shm.unlink_segment(c)  # a later segment taken: b, still there, was refused and counts no more, at once
+        waiting = [(b, 100), (c, 100)]
+        t0 = time.monotonic()
+        assert _wait_taken(waiting, 100, lambda: False, limit=150, grace_s=60) and waiting == []
+        assert time.monotonic() - t0 < 30
+        t0 = time.monotonic()  # the newest never taken (refused) stops counting after the grace
         assert _wait_taken([(b, 100)], 100, lambda: False, limit=150, grace_s=0.2)
-        assert 0.15 < time.monotonic() - t0 < 2
+        assert 0.15 < time.monotonic() - t0 < 30
     finally:
         shm.unlink_segment(a)
         shm.unlink_segment(b)
@@ -223,6 +229,7 @@ def test_a_put_stream_never_runs_its_segments_far_ahead_of_a_slow_bridge(monkeyp
     while the bridge is busy storing the first: SHM_AHEAD_BYTES bounds what is written and not yet taken."""
     from flashpd.kv_bridge import client as client_mod
     from flashpd.kv_bridge.store import MemoryStore
+    monkeypatch.setattr(client_mod, "AHEAD_GRACE_S", 60.0)  # a starved bridge thread must not count as a refusal
 
     class SlowStore(MemoryStore):
         def put_bytes(self, key, data, verified=False):
@@ -249,3 +256,44 @@ def test_a_put_stream_never_runs_its_segments_far_ahead_of_a_slow_bridge(monkeyp
     finally:
         b.stop()
     assert len(seen) == 8 and max(seen) <= 1, seen  # at most one other untaken when a segment is written
+
+
+def test_a_full_tmpfs_or_no_descriptor_pauses_the_pool_it_does_not_turn_it_off(monkeypatch):
+    import errno as errno_mod
+    pool = SegmentPool(64 << 20)
+    fail = {"errno": errno_mod.ENOSPC}
+    real = os.posix_fallocate
+
+    def fallocate(fd, off, n):
+        if fail["errno"]:
+            raise OSError(fail["errno"], os.strerror(fail["errno"]))
+        return real(fd, off, n)
+    monkeypatch.setattr(shm_pool.os, "posix_fallocate", fallocate)
+    try:
+        shm.unlink_segment(pool.write([b"x" * 1000], OWNER.put_tag))
+        wait_for(lambda: pool._paused)
+        fail["errno"] = errno_mod.EMFILE
+        shm.unlink_segment(pool.write([b"x" * 1000], OWNER.put_tag))
+        wait_for(lambda: pool._paused)
+        assert pool.disabled is None and pool.stats["files_made"] == 0
+        fail["errno"] = 0
+        shm.unlink_segment(pool.write([b"x" * 1000], OWNER.put_tag))
+        wait_for(lambda: pool.stats["files_made"] >= 1)
+        fail["errno"] = errno_mod.EOPNOTSUPP  # not a "not now": the pool goes off, and says so
+        deadline = time.monotonic() + 10
+        while pool.disabled is None and time.monotonic() < deadline:  # each write takes a file: a refill is due
+            shm.unlink_segment(pool.write([b"x" * 1000], OWNER.put_tag))
+            time.sleep(0.05)
+        assert "cannot be allocated" in pool.disabled
+    finally:
+        pool.close()
+
+
+def test_past_its_backlog_a_take_unlinks_its_segment_itself(monkeypatch):
+    monkeypatch.setattr(shm, "MAX_REAP_BACKLOG", 0)
+    mine = f"{shm.GONE_PREFIX}{os.getpid()}-"
+    before = {p for p in os.listdir(shm.SHM_DIR) if p.startswith(mine)}
+    name = shm.write_segment(b"q" * 1000, OWNER.put_tag)
+    assert shm.take_segment(name, 1000) == b"q" * 1000
+    assert not (shm.SHM_DIR / name).exists() and shm.reap_pending() == 0
+    assert {p for p in os.listdir(shm.SHM_DIR) if p.startswith(mine)} - before == set()

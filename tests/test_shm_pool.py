@@ -297,3 +297,59 @@ def test_past_its_backlog_a_take_unlinks_its_segment_itself(monkeypatch):
     assert shm.take_segment(name, 1000) == b"q" * 1000
     assert not (shm.SHM_DIR / name).exists() and shm.reap_pending() == 0
     assert {p for p in os.listdir(shm.SHM_DIR) if p.startswith(mine)} - before == set()
+
+
+def test_a_tmpfs_without_a_size_limit_gets_its_pool(monkeypatch):
+    """statvfs says 0 blocks for a tmpfs mounted with size=0 (no limit): that is no reason to pause forever."""
+    real = os.statvfs
+
+    def unlimited(path):
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, 0, 0, 0, st.f_files, st.f_ffree, st.f_favail,
+                                  st.f_flag, st.f_namemax))
+    monkeypatch.setattr(shm_pool.os, "statvfs", unlimited)
+    pool = SegmentPool(64 << 20)
+    try:
+        filled(pool, 1000)
+        assert not pool._paused and pool.disabled is None
+    finally:
+        pool.close()
+
+
+def test_a_thread_that_cannot_start_costs_one_fresh_write_not_the_pool(monkeypatch):
+    real = threading.Thread.start
+    fail = {"once": True}
+
+    def start(self):
+        if fail["once"] and self.name == "shm-pool":
+            fail["once"] = False
+            raise RuntimeError("can't start new thread")
+        return real(self)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    pool = SegmentPool(64 << 20)
+    try:
+        assert shm.take_segment(pool.write([b"first"], OWNER.put_tag), 5) == b"first"  # fresh, no thread
+        assert pool._thread is None and pool.disabled is None
+        filled(pool, 1000)  # the next write starts one
+        assert pool.stats["fresh_writes"] == 2
+    finally:
+        pool.close()
+
+
+def test_a_forked_child_drops_the_parents_pool_files_and_reaper_state():
+    pool = SegmentPool(64 << 20)
+    try:
+        filled(pool, 1000)
+        name = shm.write_segment(b"r" * 100, OWNER.put_tag)
+        shm.take_segment(name, 100)  # something for the parent's reaper
+        pid = os.fork()
+        if pid == 0:  # the child: only checks, then leaves without running the parent's exit handlers
+            ok = (pool._ready == [] and pool._thread is None and shm.reap_pending() == 0
+                  and shm._reaper is None)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert len(pool._ready) == shm_pool.MAX_FILES  # the parent's files untouched
+        assert shm.drain_reaper()
+    finally:
+        pool.close()

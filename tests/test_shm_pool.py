@@ -347,8 +347,14 @@ def test_a_forked_child_drops_the_parents_pool_files_and_reaper_state():
             ok = (pool._ready == [] and pool._thread is None and shm.reap_pending() == 0
                   and shm._reaper is None)
             os._exit(0 if ok else 1)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        deadline = time.monotonic() + 30  # a child stuck on a lock some other thread held at the fork: fail, not hang
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not finish within 30 s")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
         assert len(pool._ready) == shm_pool.MAX_FILES  # the parent's files untouched
         assert shm.drain_reaper()
     finally:

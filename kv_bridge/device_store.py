@@ -21,7 +21,7 @@ import torch
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.lru import ChainLRU
-from flashpd.kv_bridge.store import freshen, leading, leading_gets, may_evict, protected, put_all
+from flashpd.kv_bridge.store import freshen, leading, leading_gets, may_evict, protected, put_through
 
 
 class DeviceStore:
@@ -50,20 +50,8 @@ class DeviceStore:
         return stored or backed
 
     def put_many(self, chunks: list[KVChunk]) -> int:
-        """put() of a prompt's chunks, the backing store's part in one call where it takes one (store.put_all); how
-        many are held here or there (the larger of the two counts). A chunk that fails to be kept here (the
-        exception is raised after) still leaves every chunk to the backing store."""
-        kept, failed = 0, None
-        for c in chunks:
-            try:
-                kept += self._keep(c)
-            except Exception as e:  # noqa: BLE001  raised below, once the backing store has them
-                failed = e
-                break
-        backed = put_all(self.backing, chunks) if self.backing is not None else 0
-        if failed is not None:
-            raise failed
-        return max(kept, backed)
+        """put() of a prompt's chunks, the backing store's part in one call (store.put_through)."""
+        return put_through(self._keep, self.backing, chunks)
 
     def _keep(self, chunk: KVChunk) -> bool:
         size = chunk.nbytes()

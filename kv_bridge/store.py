@@ -53,6 +53,24 @@ def put_all(store, chunks: list[KVChunk]) -> int:
     return sum(bool(store.put(c)) for c in chunks)
 
 
+def put_through(keep: Callable[[KVChunk], bool], backing, chunks: list[KVChunk]) -> int:
+    """A worker tier's put_many: each chunk kept here (`keep`), then all of them to the backing store in one call
+    where it takes one (put_all); how many are held here or there (the larger of the two counts). A chunk that
+    fails to be kept here (the exception is raised after) still leaves every chunk to the backing store, as put()
+    does chunk by chunk."""
+    kept, failed = 0, None
+    for c in chunks:
+        try:
+            kept += keep(c)
+        except Exception as e:  # noqa: BLE001  raised below, once the backing store has them
+            failed = e
+            break
+    backed = put_all(backing, chunks) if backing is not None else 0
+    if failed is not None:
+        raise failed
+    return max(kept, backed)
+
+
 def freshen(index: ChainLRU, key: str, parent_of: Callable[[str], str]) -> None:
     """In a store's recency index (least recent first): key, then each held chunk before it in its prompt (parent_of
     a held key: its parent's key, "" for a prompt's first chunk), become the most recently used, the first chunk

@@ -50,6 +50,7 @@ from flashpd.kv_bridge import shm_pool
 from flashpd.kv_bridge.client import BridgeClient, RemoteStore
 from flashpd.kv_bridge.keys import MethodFingerprint
 from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.stage import DEFAULT_STAGE_BYTES
 from flashpd.kv_bridge.store import MemoryStore
 from flashpd.engine.scheduler import generate
 
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shm-pool-mib", type=int, default=shm_pool.DEFAULT_POOL_BYTES >> 20,
                     help="the shm and arena modes' pool of pre-allocated Put segment files (kv_bridge/shm_pool.py; "
                          "0: none)")
+    ap.add_argument("--stage-mib", type=int, default=DEFAULT_STAGE_BYTES >> 20,
+                    help="device memory a restore may fill with chunks copied to the GPU while the next is read "
+                         "(kv_bridge/stage.py; 0: each chunk copied from the host when written, as before)")
     ap.add_argument("--out", default="bench/results/ttft_hit.json")
     a = ap.parse_args(argv)
     modes = a.modes.split(",")
@@ -199,13 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         for i, p in enumerate(prompts):
             publish = {}
             for m in hit_modes:  # publish: a cold run with the store as its prefix cache
-                pc = TimedPrefixCache(stores[m], fp, a.chunk)
+                pc = TimedPrefixCache(stores[m], fp, a.chunk, stage_bytes=a.stage_mib << 20)
                 run(gen, p, params, pc)
                 publish[m] = pc.publish_ms
             samples: dict[str, list[dict]] = {m: [] for m in modes}
             for rep in range(a.reps + 1):  # round 0 is this prompt's warm-up
                 for m in modes:
-                    r = run(gen, p, params, TimedPrefixCache(stores[m], fp, a.chunk) if m != "cold" else None)
+                    pc = TimedPrefixCache(stores[m], fp, a.chunk, stage_bytes=a.stage_mib << 20) if m != "cold" else None
+                    r = run(gen, p, params, pc)
                     if rep:
                         samples[m].append(r)
                 if pin and "arena" in stores and arena_pin_wait_s is None:
@@ -246,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m flashpd.bench.ttft_hit " + " ".join(sys.argv[1:] if argv is None else argv)
     write_json(a.out, {"loadavg_after": os.getloadavg(), "bench": "ttft_hit", "config": a.config, "draft_layers": a.draft_layers, "weights": "dummy",
                        "device": a.device, "dtype": str(dtype).removeprefix("torch."), "chunk_tokens": a.chunk,
+                       "stage_bytes": a.stage_mib << 20,
                        "bytes_per_token_both_halves": per_token, "reps": a.reps, "modes": modes, "rows": rows,
                        "summary": summary, "tier_stats": tiers, "command": cmd})
     print(f"wrote {a.out}")

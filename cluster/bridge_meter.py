@@ -1,6 +1,6 @@
 """A store wrapper that counts the bytes and seconds a worker moves through the KV bridge.
 
-Wraps the RemoteStore a worker's PrefixCache uses: reads (get / get_many) count as "import",
+Wraps the RemoteStore a worker's PrefixCache uses: reads (get / get_many / iter_many) count as "import",
 writes (put) as "export". The totals feed the workers' bridge bytes and GB/s metrics; errors
 pass through unchanged (the decode side's GuardedPrefixCache decides what they mean).
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 from flashpd.kv_bridge.chunk import KVChunk, LayoutMismatch
 from flashpd.kv_bridge.layout import ChunkLayout
@@ -68,6 +69,21 @@ class MeteredStore:
                 got.append(c)
         self._add("import", got, t0)
         return got
+
+    def iter_many(self, keys: list[str], layout: ChunkLayout | None = None) -> Iterator[KVChunk]:
+        """get_many's chunks one by one where the store reads them so (iter_many), metered when the run ends."""
+        inner = getattr(self.store, "iter_many", None)
+        if inner is None:
+            yield from self.get_many(keys, layout)
+            return
+        t0 = time.perf_counter()
+        got: list[KVChunk] = []
+        try:
+            for c in inner(keys, layout):
+                got.append(c)
+                yield c
+        finally:
+            self._add("import", got, t0)
 
     def contains(self, key: str) -> bool:
         return self.store.contains(key)

@@ -102,6 +102,9 @@ class ServeConfig:
     bridge_transport: str = "inline"
     # a worker's tmpfs files allocated ahead for its same-host Put segments (kv_bridge/shm_pool.py; 0: none)
     bridge_shm_pool_bytes: int = 256 << 20
+    # device memory a worker's prefix restores may fill with chunks copied to the GPU while the next is read and
+    # verified, across the restores in flight (kv_bridge/stage.py; 0: the engine copies each from the host)
+    prefix_stage_bytes: int = 1 << 30
     # how a prefill's KV reaches its decode worker: "bridge" (published chunks, imported by key) or "device"
     # (same host: the decode worker copies the prefill worker's blocks device to device, kv_bridge/handoff.py;
     # the prefill holds them under a lease until released or handoff_lease_s passes) or "dist" (any hosts: the
@@ -220,6 +223,8 @@ class ServeConfig:
             raise ValueError(f"device_cache_bytes: must be >= 0, got {self.device_cache_bytes}")
         if self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes: must be >= 0, got {self.host_cache_bytes}")
+        if self.prefix_stage_bytes < 0:
+            raise ValueError(f"prefix_stage_bytes: must be >= 0, got {self.prefix_stage_bytes}")
         if self.bridge_shm_pool_bytes < 0:
             raise ValueError(f"bridge_shm_pool_bytes: must be >= 0, got {self.bridge_shm_pool_bytes}")
         if self.bridge_disk_queue_bytes < 1:

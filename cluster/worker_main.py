@@ -185,7 +185,8 @@ def local_cache(cfg, llm, metrics):
         return None
     from flashpd.kv_bridge.prefix_cache import PrefixCache  # noqa: PLC0415
 
-    return PrefixCache(device_tier(cfg, llm, None, metrics), fingerprint(cfg, llm), cfg.chunk_tokens)
+    return PrefixCache(device_tier(cfg, llm, None, metrics), fingerprint(cfg, llm), cfg.chunk_tokens,
+                       stage_bytes=cfg.prefix_stage_bytes)
 
 
 def device_tier(cfg, llm, backing, metrics):
@@ -238,7 +239,8 @@ def _bridge_cache(cfg, llm, w: RunningWorker, metrics, secret, in_use: Callable[
 
     w.closers.append(close)
     meter = MeteredStore(RemoteStore(client, cfg.bridge_transport))
-    cache = PrefixCache(device_tier(cfg, llm, meter, metrics), fingerprint(cfg, llm), cfg.chunk_tokens)
+    cache = PrefixCache(device_tier(cfg, llm, meter, metrics), fingerprint(cfg, llm), cfg.chunk_tokens,
+                        stage_bytes=cfg.prefix_stage_bytes)
     metrics.live("flashpd_bridge_bytes", "Bytes moved through the KV bridge", "counter", ("direction",),
                  lambda: {(d,): v for d, v in meter.bytes.items()})
     metrics.live("flashpd_bridge_seconds", "Seconds spent moving them", "counter", ("direction",),

@@ -645,13 +645,15 @@ class RemoteStore:
     def get_many(self, keys: list[str], layout: ChunkLayout | None = None) -> list[KVChunk]:
         """The leading present chunks of `keys` that fit `layout`, in ONE streamed call (a prefix
         restore); the run ends before a missing chunk or one that does not fit (get() says which)."""
-        out: list[KVChunk] = []
+        return list(self.iter_many(keys, layout))
+
+    def iter_many(self, keys: list[str], layout: ChunkLayout | None = None) -> Iterator[KVChunk]:
+        """get_many's chunks one by one, each as soon as it is read and verified (a restore copies it to the GPU
+        while the next is read). Closing it early ends the call as iter_get's close does."""
         try:
-            for chunk in self.client.iter_get(keys, self.transport, layout=layout):
-                out.append(chunk)
+            yield from self.client.iter_get(keys, self.transport, layout=layout)
         except LayoutMismatch:
-            pass
-        return out
+            return
 
     def contains(self, key: str) -> bool:
         return self.client.lookup([key]) == 1

@@ -54,11 +54,21 @@ class DeviceStore:
         return put_through(self._keep, self.backing, chunks)
 
     def _keep(self, chunk: KVChunk) -> bool:
+        return self._keep_copy(chunk)[0]
+
+    def _promoted(self, chunk: KVChunk) -> KVChunk:
+        """A backing store's chunk, kept here; returned as this device's copy where one was made (a restore then
+        writes it device to device, not from the host a second time), else as it came."""
+        local = self._keep_copy(chunk)[1]
+        return local if local is not None else chunk
+
+    def _keep_copy(self, chunk: KVChunk) -> tuple[bool, KVChunk | None]:
+        """(kept as a new entry, the chunk's copy on this device: None when too large or read stale)."""
         size = chunk.nbytes()
         if size > self.byte_budget:
             with self._lock:
                 self._c["too_large"] += 1
-            return False
+            return False, None
         copy = chunk.lease is not None  # views of a bridge's arena: to() on their own device would keep the views
         local = KVChunk(chunk.key, chunk.parent, chunk.fingerprint, list(chunk.token_ids),
                         chunk.target_kv.to(self.device, copy=copy),
@@ -66,24 +76,24 @@ class DeviceStore:
         if not chunk.fresh():  # read from a bridge's arena past its hold: the bytes may be another chunk's
             with self._lock:
                 self._c["stale_refused"] += 1
-            return False
+            return False, None
         with self._lock:
             if chunk.key in self._entries:  # first writer wins: an entry never changes under a reader
                 self._freshen(chunk.key)
-                return False
+                return False, local
             self._freshen(chunk.parent)  # its prompt's earlier chunks are not what makes room for it
             keep = protected(self._entries, chunk.parent)
             while self._bytes + size > self.byte_budget and self._entries:
                 if not may_evict(self._entries, keep):  # only its own prefix left to evict, or an orphan
                     self._c["chain_refused"] += 1  # kept by the backing alone
-                    return False
+                    return False, local
                 _, old = self._entries.popitem(last=False)
                 self._bytes -= old.nbytes()
                 self._c["evictions"] += 1
             self._entries.insert(chunk.key, local, lambda k: self._entries[k].parent)
             self._bytes += size
             self._c["puts"] += 1
-        return True
+        return True, local
 
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
         """The entry (LayoutMismatch when it is not of `layout`), else the backing store's, promoted."""
@@ -101,7 +111,7 @@ class DeviceStore:
         with self._lock:
             self._c["hits_backing" if chunk is not None else "misses"] += 1
         if chunk is not None:
-            self._keep(chunk)  # promote: the next hit on this prefix stays on the device
+            chunk = self._promoted(chunk)  # the next hit on this prefix stays on the device
         return chunk
 
     def get_many(self, keys: list[str], layout: ChunkLayout | None = None) -> list[KVChunk | None]:
@@ -132,10 +142,7 @@ class DeviceStore:
         with self._lock:
             self._c["hits_backing"] += sum(c is not None for c in got)
             self._c["misses"] += len(keys) - sum(c is not None for c in got)
-        for c in got:
-            if c is not None:
-                self._keep(c)
-        return got
+        return [self._promoted(c) if c is not None else None for c in got]
 
     def contains(self, key: str) -> bool:
         with self._lock:

@@ -27,19 +27,23 @@ from flashpd.engine.sequence import Sequence
 from flashpd.kv_bridge.chunk import CorruptChunk, KVChunk, LayoutMismatch
 from flashpd.kv_bridge.keys import chunk_keys
 from flashpd.kv_bridge.layout import ChunkLayout
+from flashpd.kv_bridge.stage import DEFAULT_STAGE_BYTES, StagedChunk, Stager
 from flashpd.kv_bridge.store import put_all
 
 
 class Store(Protocol):
     """get(key, layout) returns None for a miss and raises LayoutMismatch for an entry not of `layout`.
-    An optional get_many(keys, layout) returns the leading chunks that are present and fit. An optional
-    get_shared(key, layout) is get whose tensors may be views of the store's own bytes (a restore only reads them)."""
+    An optional get_many(keys, layout) returns the leading chunks that are present and fit; an optional
+    iter_many(keys, layout) yields them one by one as they are read (a restore then copies each to the GPU while
+    the next is read: kv_bridge/stage.py). An optional get_shared(key, layout) is get whose tensors may be views of
+    the store's own bytes (a restore only reads them)."""
 
     def put(self, chunk: KVChunk) -> bool: ...
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None: ...
     def lookup(self, keys: list[str]) -> int: ...
 
 
+_END = object()  # a read run's end
 PER_REQUEST_HITS_KEPT = 4096  # restores whose hit `per_request_hits` keeps (the most recent; up to twice that)
 
 
@@ -55,7 +59,8 @@ class PrefixCacheStats:
 
 @dataclass
 class Fetched:
-    """A restore's data, read but not yet written: the leading usable chunks of one prompt."""
+    """A restore's data, read but not yet written: the leading usable chunks of one prompt (StagedChunks where
+    their copy to the caches' device was made ahead: kv_bridge/stage.py)."""
 
     prompt_len: int
     chunks: list[KVChunk] = field(default_factory=list)
@@ -73,9 +78,13 @@ class Pending:
 
 
 class PrefixCache:
-    def __init__(self, store: Store, fingerprint: str, chunk_tokens: int = 256, restore_draft: bool = True) -> None:
+    def __init__(self, store: Store, fingerprint: str, chunk_tokens: int = 256, restore_draft: bool = True,
+                 stage_bytes: int = DEFAULT_STAGE_BYTES) -> None:
+        """stage_bytes: device memory a fetch may fill with chunks copied ahead of apply, across the fetches in
+        flight (kv_bridge/stage.py; 0: apply copies every chunk from the host, as before)."""
         if chunk_tokens <= 0:
             raise ValueError("chunk_tokens must be positive")
+        self.stager = Stager(stage_bytes)
         self.store = store
         self.fingerprint = fingerprint
         # what a native request computes (target K/V only) lives on a chain of its own: under the full
@@ -115,24 +124,48 @@ class PrefixCache:
         runner, drafts = gen.runner, getattr(gen, "drafts", None)
         layout = ChunkLayout.of_caches(runner.cache.data, drafts.cache.data if drafts is not None else None,
                                        self.chunk_tokens, fp)
-        get_many = getattr(self.store, "get_many", None)  # a remote store fetches the run in one call
-        fetched = get_many(keys[:n], layout) if get_many is not None and n else None
+        chunks = self._read(keys[:n], layout) if n else iter(())
         get = getattr(self.store, "get_shared", self.store.get)  # the chunks are only copied into the caches
         out = Fetched(len(prompt))
-        for i in range(n):
-            lo, hi = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
-            try:  # past the fetched run, get() tells a miss (None) from a chunk that does not fit
-                chunk = fetched[i] if fetched is not None and i < len(fetched) else get(keys[i], layout)
-            except (LayoutMismatch, CorruptChunk):
-                out.refused = True
-                break
-            if chunk is None:  # evicted between lookup and get: the rest is recomputed
-                break
-            if layout.check(chunk) is not None or chunk.token_ids != prompt[lo:hi]:
-                out.refused = True
-                break
-            out.chunks.append(chunk)
+        run = self.stager.run() if self.stager.budget_bytes else None
+        target_dev = runner.cache.data.device
+        draft_dev = drafts.cache.data.device if drafts is not None and self.restore_draft else None
+        try:
+            for i in range(n):
+                lo, hi = i * self.chunk_tokens, (i + 1) * self.chunk_tokens
+                try:  # past the read run, get() tells a miss (None) from a chunk that does not fit
+                    chunk = next(chunks, _END)
+                    if chunk is _END:
+                        chunk = get(keys[i], layout)
+                except (LayoutMismatch, CorruptChunk):
+                    out.refused = True
+                    break
+                if chunk is None:  # evicted between lookup and get: the rest is recomputed
+                    break
+                if layout.check(chunk) is not None or chunk.token_ids != prompt[lo:hi]:
+                    out.refused = True
+                    break
+                out.chunks.append(run.add(chunk, target_dev, draft_dev) if run is not None else chunk)
+        finally:
+            try:  # every started copy done, errors or not, before anything its sources lie in can go
+                stale = run.finish() if run is not None else None
+            finally:
+                close = getattr(chunks, "close", None)
+                if close is not None:  # a stream not read to its end is cancelled (or drained) now
+                    close()
+        if stale is not None:  # an arena slot reused under its copy: that chunk and the rest are recomputed
+            del out.chunks[stale:]
+            out.refused = True
         return out
+
+    def _read(self, keys: list[str], layout: ChunkLayout):
+        """The store's leading present chunks of `keys` that fit `layout`, as an iterator: one by one as they
+        are read where the store can (iter_many), else its get_many's list, else nothing (get() reads each)."""
+        iter_many = getattr(self.store, "iter_many", None)
+        if iter_many is not None:
+            return iter_many(keys, layout)
+        get_many = getattr(self.store, "get_many", None)  # a remote store fetches the run in one call
+        return iter(get_many(keys, layout) if get_many is not None else ())
 
     def apply(self, gen, seq: Sequence, got: Fetched) -> int:
         """The write half of a restore: the fetched run into the sequence's (already reserved) blocks, both
@@ -172,6 +205,8 @@ class PrefixCache:
         """Write one chunk into the sequence's slots; False if anything fails (positions from lo on are
         then recomputed, overwriting whatever part was written)."""
         try:
+            if isinstance(chunk, StagedChunk):
+                chunk.handed_to_current_stream()
             slots = position_slots(seq.table, lo, hi, runner.kv_block_size, runner.device)
             write_positions(runner.cache.data, slots, chunk.target_kv)
             if drafts is not None:

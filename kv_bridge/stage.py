@@ -96,7 +96,7 @@ class StageRun:
     def __init__(self, stager: Stager) -> None:
         self._stager = stager
         self._sources: list[KVChunk | None] = []  # what each staged chunk was copied from (None: not staged)
-        self._events: list[object] = []
+        self._streams: list[object] = []  # the side streams this run's copies went to
 
     def add(self, chunk: KVChunk, target_device: torch.device | None, draft_device: torch.device | None
             ) -> KVChunk:
@@ -117,8 +117,6 @@ class StageRun:
             with torch.cuda.stream(stream):
                 t = chunk.target_kv.to(target_device, non_blocking=True) if move_t else chunk.target_kv
                 d = chunk.draft_kv.to(draft_device, non_blocking=True) if move_d else chunk.draft_kv
-                ev = torch.cuda.Event()
-                ev.record(stream)
         except torch.cuda.OutOfMemoryError:
             self._stager._give(n)
             self._stager._count("out_of_memory")
@@ -128,7 +126,8 @@ class StageRun:
                             "the host by the engine (logged once)", n)
             self._sources.append(None)
             return chunk
-        self._events.append(ev)
+        if stream not in self._streams:
+            self._streams.append(stream)
         staged = StagedChunk(chunk.key, chunk.parent, chunk.fingerprint, chunk.token_ids, t, d, stream=stream)
         weakref.finalize(staged, self._stager._give, n)
         self._sources.append(chunk)  # kept until finish: its bytes may still be read by the copy
@@ -139,9 +138,11 @@ class StageRun:
         """Wait for every copy this run started; the index of the first staged chunk whose source was no longer its
         own once its copy was done (an arena slot reused: that chunk and the rest must not be used), else None.
         Call it on every path, errors included: a source must outlive the copy reading it."""
-        for ev in self._events:
+        for stream in self._streams:  # an event after this run's last copy on each (other runs' may follow it)
+            ev = torch.cuda.Event()
+            ev.record(stream)
             ev.synchronize()
-        self._events.clear()
+        self._streams.clear()
         sources, self._sources = self._sources, []
         for i, src in enumerate(sources):
             if src is not None and not src.fresh():

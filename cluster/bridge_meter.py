@@ -6,6 +6,7 @@ pass through unchanged (the decode side's GuardedPrefixCache decides what they m
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,9 @@ class MeteredStore:
         self.chunks = {"import": 0, "export": 0}
 
     def _add(self, direction: str, chunks: list[KVChunk], t0: float) -> None:
-        dt = time.perf_counter() - t0
+        self._add_spent(direction, chunks, time.perf_counter() - t0)
+
+    def _add_spent(self, direction: str, chunks: list[KVChunk], dt: float) -> None:
         with self._lock:
             self.bytes[direction] += sum(c.nbytes() for c in chunks)
             self.seconds[direction] += dt
@@ -71,19 +74,28 @@ class MeteredStore:
         return got
 
     def iter_many(self, keys: list[str], layout: ChunkLayout | None = None) -> Iterator[KVChunk]:
-        """get_many's chunks one by one where the store reads them so (iter_many), metered when the run ends."""
+        """get_many's chunks one by one where the store reads them so (iter_many), metered when the run ends: the
+        time inside the store's reads only, not the consumer's between them."""
         inner = getattr(self.store, "iter_many", None)
         if inner is None:
             yield from self.get_many(keys, layout)
             return
-        t0 = time.perf_counter()
         got: list[KVChunk] = []
-        try:
-            for c in inner(keys, layout):
-                got.append(c)
-                yield c
-        finally:
-            self._add("import", got, t0)
+        spent = 0.0
+        with contextlib.closing(inner(keys, layout)) as it:
+            try:
+                while True:
+                    t0 = time.perf_counter()
+                    try:
+                        c = next(it)
+                    except StopIteration:
+                        return
+                    finally:
+                        spent += time.perf_counter() - t0
+                    got.append(c)
+                    yield c
+            finally:
+                self._add_spent("import", got, spent)
 
     def contains(self, key: str) -> bool:
         return self.store.contains(key)

@@ -57,13 +57,14 @@ class DeviceStore:
         return self._keep_copy(chunk)[0]
 
     def _promoted(self, chunk: KVChunk) -> KVChunk:
-        """A backing store's chunk, kept here; returned as this device's copy where one was made (a restore then
+        """A backing store's chunk, kept here; returned as this tier's entry where it holds one (a restore then
         writes it device to device, not from the host a second time), else as it came."""
         local = self._keep_copy(chunk)[1]
         return local if local is not None else chunk
 
     def _keep_copy(self, chunk: KVChunk) -> tuple[bool, KVChunk | None]:
-        """(kept as a new entry, the chunk's copy on this device: None when too large or read stale)."""
+        """(kept as a new entry, this tier's copy of the chunk: its entry, or None when it is not kept here, being
+        too large, read stale, or refused to keep its prompt's earlier chunks)."""
         size = chunk.nbytes()
         if size > self.byte_budget:
             with self._lock:
@@ -80,13 +81,13 @@ class DeviceStore:
         with self._lock:
             if chunk.key in self._entries:  # first writer wins: an entry never changes under a reader
                 self._freshen(chunk.key)
-                return False, local
+                return False, self._entries[chunk.key]  # (the copy just made goes: no budget counts it)
             self._freshen(chunk.parent)  # its prompt's earlier chunks are not what makes room for it
             keep = protected(self._entries, chunk.parent)
             while self._bytes + size > self.byte_budget and self._entries:
                 if not may_evict(self._entries, keep):  # only its own prefix left to evict, or an orphan
                     self._c["chain_refused"] += 1  # kept by the backing alone
-                    return False, local
+                    return False, None  # nor is this copy handed out: no budget counts it
                 _, old = self._entries.popitem(last=False)
                 self._bytes -= old.nbytes()
                 self._c["evictions"] += 1

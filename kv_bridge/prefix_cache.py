@@ -146,6 +146,11 @@ class PrefixCache:
                     out.refused = True
                     break
                 out.chunks.append(run.add(chunk, target_dev, draft_dev) if run is not None else chunk)
+            else:  # every chunk read: the read's end (a bridge stream's closing message, checked) rather than a cancel
+                next(chunks, None)
+        except BaseException:
+            out.chunks.clear()  # staged device memory goes now, not with the exception's traceback
+            raise
         finally:
             try:  # every started copy done, errors or not, before anything its sources lie in can go
                 stale = run.finish() if run is not None else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -28,14 +29,15 @@ from flashpd.kv_bridge.chunk import KVChunk
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGE_BYTES = 1 << 30  # a 6,000-token prefix of the Qwen3-8B pair (both halves), or several shorter ones
+# After an out-of-memory error no chunk is staged for this long: each failed allocation makes torch's allocator free
+# its cached blocks (a device-wide synchronisation), which must not recur a chunk while memory is short
+OOM_PAUSE_S = 1.0
 
 
 @dataclass
 class StagedChunk(KVChunk):
     """A chunk whose tensors were copied to their cache's device on a Stager's side stream (the copy is complete
     once its run finished). `handed_to_current_stream` must be called before another stream reads them."""
-
-    stream: object = None
 
     def handed_to_current_stream(self) -> None:
         """Tell the caching allocator that the current stream uses the tensors: their blocks, allocated on the side
@@ -54,9 +56,12 @@ class Stager:
         self.budget_bytes = budget_bytes
         self.staged_bytes = 0  # held now by staged chunks not yet dropped
         self.stats = {"staged_chunks": 0, "over_budget": 0, "out_of_memory": 0, "stale": 0}
-        self._lock = threading.Lock()
+        # re-entrant: a staged chunk's finalizer gives its bytes back under it, and the collector may run one while
+        # this thread holds it (a staged chunk in a reference cycle, an exception's traceback)
+        self._lock = threading.RLock()
         self._streams: dict[torch.device, object] = {}
         self._oom_logged = False
+        self._paused_until = 0.0  # time.monotonic(): no staging before it (OOM_PAUSE_S)
 
     def run(self) -> "StageRun":
         """One fetch's copies."""
@@ -85,6 +90,18 @@ class Stager:
         with self._lock:
             self.stats[what] += 1
 
+    def _paused(self) -> bool:
+        return time.monotonic() < self._paused_until
+
+    def _out_of_memory(self, n: int) -> None:
+        with self._lock:
+            self.stats["out_of_memory"] += 1
+            self._paused_until = time.monotonic() + OOM_PAUSE_S
+            first, self._oom_logged = not self._oom_logged, True
+        if first:
+            log.warning("prefix restore: no device memory to stage %d bytes; chunks are copied from the host by the "
+                        "engine meanwhile (logged once)", n)
+
 
 def _moves(t: torch.Tensor | None, device: torch.device | None) -> bool:
     return t is not None and device is not None and device.type == "cuda" and t.device != device
@@ -95,54 +112,61 @@ class StageRun:
 
     def __init__(self, stager: Stager) -> None:
         self._stager = stager
-        self._sources: list[KVChunk | None] = []  # what each staged chunk was copied from (None: not staged)
+        self._sources: list[KVChunk | None] = []  # what each added chunk was copied from (None: not staged)
+        self._held: list[KVChunk] = []  # every chunk a copy may still read, until finish (failed copies' too)
         self._streams: list[object] = []  # the side streams this run's copies went to
 
     def add(self, chunk: KVChunk, target_device: torch.device | None, draft_device: torch.device | None
             ) -> KVChunk:
         """The chunk with its copy to the devices started (a StagedChunk), or the chunk itself where nothing moves
-        to a CUDA device (already there, a CPU cache), the budget is spent, or the device is out of memory.
-        draft_device None: the draft half is not staged (the control restores none)."""
+        to a CUDA device (already there, a CPU cache), the budget is spent, or the device is out of memory (then
+        nothing is staged for OOM_PAUSE_S). draft_device None: the draft half is not staged (the control restores
+        none). Any other error is raised, with the budget given back and the chunk held until finish."""
         move_t, move_d = _moves(chunk.target_kv, target_device), _moves(chunk.draft_kv, draft_device)
-        if not (move_t or move_d):
+        if not (move_t or move_d) or self._stager._paused():
             self._sources.append(None)
             return chunk
         n = (chunk.target_kv.nbytes if move_t else 0) + (chunk.draft_kv.nbytes if move_d else 0)
         if not self._stager._take(n):
             self._sources.append(None)
             return chunk
-        device = target_device if move_t else draft_device
-        stream = self._stager._stream(device)
+        self._held.append(chunk)  # before any copy starts: its bytes are read until finish has waited
         try:
-            with torch.cuda.stream(stream):
-                t = chunk.target_kv.to(target_device, non_blocking=True) if move_t else chunk.target_kv
-                d = chunk.draft_kv.to(draft_device, non_blocking=True) if move_d else chunk.draft_kv
+            t = self._copy(chunk.target_kv, target_device) if move_t else chunk.target_kv
+            d = self._copy(chunk.draft_kv, draft_device) if move_d else chunk.draft_kv
         except torch.cuda.OutOfMemoryError:
             self._stager._give(n)
-            self._stager._count("out_of_memory")
-            if not self._stager._oom_logged:
-                self._stager._oom_logged = True
-                log.warning("prefix restore: no device memory to stage %d bytes; chunks past it are copied from "
-                            "the host by the engine (logged once)", n)
+            self._stager._out_of_memory(n)
             self._sources.append(None)
             return chunk
-        if stream not in self._streams:
-            self._streams.append(stream)
-        staged = StagedChunk(chunk.key, chunk.parent, chunk.fingerprint, chunk.token_ids, t, d, stream=stream)
+        except BaseException:
+            self._stager._give(n)
+            raise
+        staged = StagedChunk(chunk.key, chunk.parent, chunk.fingerprint, chunk.token_ids, t, d)
         weakref.finalize(staged, self._stager._give, n)
-        self._sources.append(chunk)  # kept until finish: its bytes may still be read by the copy
+        self._sources.append(chunk)
         self._stager._count("staged_chunks")
         return staged
+
+    def _copy(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """t's copy to device, started on the device's side stream (which finish then waits for)."""
+        stream = self._stager._stream(device)
+        if stream not in self._streams:  # before the copy is issued: finish must wait for it whatever follows
+            self._streams.append(stream)
+        with torch.cuda.stream(stream):
+            return t.to(device, non_blocking=True)
 
     def finish(self) -> int | None:
         """Wait for every copy this run started; the index of the first staged chunk whose source was no longer its
         own once its copy was done (an arena slot reused: that chunk and the rest must not be used), else None.
-        Call it on every path, errors included: a source must outlive the copy reading it."""
-        for stream in self._streams:  # an event after this run's last copy on each (other runs' may follow it)
+        Call it on every path, errors included: a source must outlive the copy reading it. The wait is for each
+        side stream as it is now, so it may include other fetches' copies queued in between."""
+        for stream in self._streams:
             ev = torch.cuda.Event()
             ev.record(stream)
             ev.synchronize()
         self._streams.clear()
+        self._held.clear()
         sources, self._sources = self._sources, []
         for i, src in enumerate(sources):
             if src is not None and not src.fresh():

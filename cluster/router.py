@@ -301,7 +301,10 @@ class Router:
         h.check()
         s = self.pool.pick("prefill")
         if s is None:
-            self._fallback("no_prefill_worker", "every prefill worker is down")
+            if self.pool.suspended_count("prefill"):
+                self._fallback("prefill_suspended", "every prefill worker in rotation timed out a prefill lately")
+            else:
+                self._fallback("no_prefill_worker", "every prefill worker is down")
             return None
         try:
             left = h.remaining()  # the blocking call below cannot be cancelled: only its deadline bounds it
@@ -334,6 +337,9 @@ class Router:
                                    f"({e.details()})") from None
             if code in WORKER_GONE and not _request_failed(code, e.details()):
                 self.pool.mark_down(s, f"Prefill failed: {code.name}")
+            elif code == grpc.StatusCode.DEADLINE_EXCEEDED:  # prefill_timeout_s passed: the worker is stuck or far
+                # behind; the requests after this one fall back at once rather than each wait out the same timeout
+                self.pool.suspend(s, self.cfg.prefill_timeout_s, f"a prefill took over {timeout:g} s")
             self._fallback(code.name.lower(), e.details() or "")
             return None
         finally:

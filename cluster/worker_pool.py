@@ -65,6 +65,8 @@ class Slot:
     retry_at: float = 0.0  # time.monotonic() before which no restart is tried (the backoff)
     failed: bool = False  # gave up restarting it: never probed, picked or restarted again
     restarting: bool = False  # a thread of its own restarts (or retires) it: the supervisor leaves it alone meanwhile
+    # time.monotonic() before which it is not picked: a prefill worker whose prefill timed out (`suspend`)
+    suspended_until: float = 0.0
 
     @property
     def address(self) -> str:
@@ -166,9 +168,10 @@ class WorkerPool:
 
     # ---- routing --------------------------------------------------------------------------------
     def pick(self, role: str, exclude: tuple[Slot, ...] = ()) -> Slot | None:
-        """The healthy worker of `role` with the fewest requests in flight (None when there is none)."""
+        """The healthy, unsuspended worker of `role` with the fewest requests in flight (None when there is none)."""
+        now = time.monotonic()
         with self._lock:
-            ok = [s for s in self.slots[role] if s.healthy and s not in exclude]
+            ok = [s for s in self.slots[role] if s.healthy and s not in exclude and s.suspended_until <= now]
             if not ok:
                 return None
             s = min(ok, key=lambda s: (s.inflight, s.index))
@@ -178,6 +181,20 @@ class WorkerPool:
     def release(self, s: Slot) -> None:
         with self._lock:
             s.inflight -= 1
+
+    def suspend(self, s: Slot, seconds: float, why: str) -> None:
+        """Pick no new requests for s for `seconds`: it answers Health, but a call to it timed out (a worker stuck in
+        its engine, or queued far behind). Each request sent to it meanwhile would wait out the same timeout; after
+        it, the next request tries it again (a worker that stays stuck is restarted by its stall watchdog)."""
+        if s.suspended_until <= time.monotonic():
+            log.warning("%s worker %d (%s) gets no new requests for %g s: %s", s.role, s.index, s.address, seconds,
+                        why)
+        s.suspended_until = max(s.suspended_until, time.monotonic() + seconds)
+
+    def suspended_count(self, role: str) -> int:
+        """Workers of `role` in rotation but suspended now."""
+        now = time.monotonic()
+        return sum(s.healthy and s.suspended_until > now for s in self.slots[role])
 
     def mark_down(self, s: Slot, why: str) -> None:
         if s.healthy:
@@ -308,6 +325,7 @@ class WorkerPool:
         s.failures = 0
         if not s.healthy:
             log.info("%s worker %d answers again", s.role, s.index)
+            s.suspended_until = 0.0  # a worker back from down (restarted) starts afresh
         s.healthy = True
         now = time.monotonic()
         if s.restart_failures and s.restarted_at is None:

@@ -140,7 +140,8 @@ def _slot(role: str, index: int, address: str, info: dict | None = None) -> Slot
 
 def make_router(prefill: list[str], decode: list[str], info: dict | None = None, **kw) -> Router:
     """A Router over a pool of these workers (no launcher, no supervisor: the router alone marks workers down)."""
-    cfg = ServeConfig(target="unused", mode="local", prefill_timeout_s=30.0, request_timeout_s=60.0, **kw)
+    cfg = ServeConfig(**{"target": "unused", "mode": "local", "prefill_timeout_s": 30.0, "request_timeout_s": 60.0,
+                         **kw})
     pool = WorkerPool(cfg, launcher=None)  # type: ignore[arg-type]  (nothing is started or restarted)
     pool.slots["prefill"] = [_slot("prefill", i, a, info={}) for i, a in enumerate(prefill)]
     pool.slots["decode"] = [_slot("decode", i, a, info) for i, a in enumerate(decode)]
@@ -203,6 +204,32 @@ def test_a_blocking_prefill_is_bounded_by_the_requests_deadline_and_ends_deadlin
         assert took < CLIENT_DEADLINE_S + 5.0, took
         assert prefill.time_left and prefill.time_left[0] <= CLIENT_DEADLINE_S + SLACK_S, prefill.time_left
         assert sum(router.fallbacks.values()) == 0, dict(router.fallbacks)  # not a prefill fault: time ran out
+        assert_nothing_held(router)
+
+
+def test_a_prefill_worker_whose_prefill_timed_out_gets_no_new_requests_for_a_while(tiny_dir):
+    """A prefill worker that answers Health but is stuck: the first request waits out prefill_timeout_s and falls
+    back to the decode worker computing its prompt. The requests after it must not each wait out the same timeout:
+    they fall back at once while the worker is suspended (prefill_timeout_s), and the first request after that
+    tries it again."""
+    prefill = ScriptedPrefill("hang")
+    with scripted("PrefillWorker", prefill) as p, decode_worker(tiny_dir) as (d, _):
+        router = make_router([p], [d], prefill_timeout_s=1.0)
+        slot = router.pool.slots["prefill"][0]
+        first = events(router.submit(PROMPT, GREEDY, "native", None))
+        assert first[-1].kind == "done" and len(prefill.time_left) == 1
+        assert dict(router.fallbacks) == {"deadline_exceeded": 1}
+        assert slot.healthy and slot.suspended_until > time.monotonic()
+        t0 = time.monotonic()
+        second = events(router.submit(PROMPT, GREEDY, "native", None))
+        assert second[-1].kind == "done" and time.monotonic() - t0 < 0.9  # no wait on the stuck worker
+        assert len(prefill.time_left) == 1 and router.fallbacks["prefill_suspended"] == 1
+        assert [t for e in first if e.kind == "tokens" for t in e.tokens] == \
+            [t for e in second if e.kind == "tokens" for t in e.tokens]
+        wait_until(lambda: slot.suspended_until <= time.monotonic(), "the suspension's end")
+        third = events(router.submit(PROMPT, GREEDY, "native", None))
+        assert third[-1].kind == "done" and len(prefill.time_left) == 2  # tried again, timed out again
+        assert router.fallbacks["deadline_exceeded"] == 2 and slot.suspended_until > time.monotonic()
         assert_nothing_held(router)
 
 

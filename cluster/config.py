@@ -36,7 +36,7 @@ def _check_types(cfg: Any) -> None:
 PUBLIC_SETTINGS = ("mode", "device", "dtype", "kv_cache_tokens", "max_running", "session_hold_fraction",
                    "session_hold_steps", "engine_process", "policy", "draft_width_policy", "draft_token_map",
                    "draft_quantization", "max_concurrent", "prefill_workers", "decode_workers", "chunk_tokens",
-                   "device_cache_bytes", "host_cache_bytes", "bridge_transport", "kv_transport",
+                   "device_cache_bytes", "host_cache_bytes", "bridge_transport", "kv_transport", "prefill_publish",
                    "gil_switch_interval_s", "warmup")
 
 
@@ -110,6 +110,9 @@ class ServeConfig:
     # the prefill holds them under a lease until released or handoff_lease_s passes) or "dist" (any hosts: the
     # leased blocks travel over a torch.distributed pair, NCCL on GPUs, gloo on CPUs: kv_bridge/dist_transfer.py)
     kv_transport: str = "bridge"
+    # kv_transport "bridge": "after_answer" (a prefill answers with its first token, then publishes the prompt's
+    # chunks; the router waits for them before the decode call) or "before_answer" (publishes, then answers)
+    prefill_publish: str = "after_answer"
     handoff_lease_s: float = 10.0
     # device path, prefill and decode worker on one GPU: the decode worker holds its next step while the
     # prefill worker computes (at most this long for one prefill; 0 = never), as a colocated engine runs a
@@ -188,6 +191,8 @@ class ServeConfig:
             raise ValueError("draft_quantization: needs a drafter (draft)")
         if self.kv_transport not in ("bridge", "device", "dist"):
             raise ValueError(f"kv_transport: must be 'bridge', 'device' or 'dist', got {self.kv_transport!r}")
+        if self.prefill_publish not in ("after_answer", "before_answer"):
+            raise ValueError(f"prefill_publish: must be 'after_answer' or 'before_answer', got {self.prefill_publish!r}")
         if not self.handoff_lease_s > 0:
             raise ValueError(f"handoff_lease_s: must be > 0, got {self.handoff_lease_s}")
         if not 0 <= self.prefill_hold_s <= 10:

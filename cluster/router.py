@@ -262,6 +262,8 @@ class Router:
             if first is not None and first.finish_reason:
                 reason = first.finish_reason
             else:
+                if first is not None and first.publish_ticket:
+                    self._await_publish(h, first)
                 held = None
                 reason, stats = self._decode(h, req, d, first, emitted)
             stats.update(ttft_ms=h.ttft_ms, latency_ms=(time.perf_counter() - h.t0) * 1e3,
@@ -293,7 +295,8 @@ class Router:
     def _fallback(self, reason: str, detail: str) -> None:
         with self._lock:  # request threads count at once; an unlocked += lost counts
             self.fallbacks[reason] += 1
-        log.warning("prefill failed (%s: %s); the decode worker computes the prompt itself", reason, detail)
+        log.warning("prefill path failed (%s: %s); the decode worker computes the prompt, or what the bridge lacks "
+                    "of it, itself", reason, detail)
 
     def _prefill(self, h: RouterHandle, req: pb.GenerateRequest) -> pb.PrefillReply | None:
         if not self.pool.slots["prefill"]:
@@ -344,6 +347,28 @@ class Router:
             return None
         finally:
             self.pool.release(s)
+
+    def _await_publish(self, h: RouterHandle, first: pb.PrefillReply) -> None:
+        """The prefill answered before its chunks reached the bridge (its first token is out): wait until they are
+        there, so the decode worker's restore finds the whole prefix. A publish that failed, or an answer that does
+        not come in prefill_timeout_s, is a partial fallback (counted): the decode worker computes what is missing,
+        exactly as it would the whole prompt."""
+        s = h.prefill_slot
+        if s is None:
+            return
+        h.check()
+        try:
+            reply = s.client.await_publish(first.publish_ticket, min(self.cfg.prefill_timeout_s, h.remaining()))
+        except grpc.RpcError as e:
+            if h.cancelled:
+                raise _Cancelled from None
+            self._fallback("publish_" + e.code().name.lower(), e.details() or "")
+            return
+        except ValueError as e:  # a channel a restart closed
+            self._fallback("publish_unavailable", str(e))
+            return
+        if not reply.published:
+            self._fallback("publish_failed", reply.error)
 
     def _release_lease(self, s: Slot, reply: pb.PrefillReply | None) -> None:
         """A prefill's device-path lease that no decode worker will import (its request was cancelled): freed

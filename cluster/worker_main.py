@@ -275,7 +275,10 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
         # counted and logged, not a failed prefill
         from flashpd.decode_node.bridge_import import GuardedPrefixCache  # noqa: PLC0415
         cache = GuardedPrefixCache(cache)
-    worker = PrefillWorker(llm.runner, llm.drafter, cache, tuple(llm.stop_ids))
+    worker = PrefillWorker(llm.runner, llm.drafter, cache, tuple(llm.stop_ids),
+                           publish_after_answer=cfg.kv_transport == "bridge" and cfg.prefill_publish == "after_answer")
+    if worker.publisher is not None:
+        w.closers.append(worker.publisher.close)  # (a stopping worker's quiesce waited for its publishes)
     if wants_warmup(cfg, llm.runner):  # before serving: nothing else runs on this runner yet
         from flashpd.engine.warmup import lengths_for, warm_prefill  # noqa: PLC0415
         done = warm_prefill(worker.gen, lengths_for(llm.runner.max_positions, 1))

@@ -33,7 +33,7 @@ from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.client import BridgeError
 from flashpd.kv_bridge.handoff import Handoff
-from flashpd.prefill_node.worker import PrefillResult, PrefillWorker
+from flashpd.prefill_node.worker import PrefillResult, PrefillWorker, UnknownTicket
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class PrefillHost:
     def prefill(self, prompt: list[int], params: SamplingParams, timeout_s: float,
                 active: Callable[[], bool] = lambda: True) -> PrefillResult:
         """Run one prefill once the worker is free; raises CallEnded when `active()` turns false first."""
+        deadline = time.monotonic() + timeout_s
         self._count_waiting(1)
         try:
             self._acquire(timeout_s, active)
@@ -97,7 +98,7 @@ class PrefillHost:
             self._free_released()  # their blocks first, for this prompt
             if self.delay_s:
                 time.sleep(self.delay_s)
-            res = self.worker.prefill(prompt, params)
+            res = self.worker.prefill(prompt, params, max(0.0, deadline - time.monotonic()))
             self.prefills += 1
             return res
         finally:
@@ -112,8 +113,17 @@ class PrefillHost:
 
     def quiesce(self, timeout_s: float) -> bool:
         """For a worker that stops: wait (up to timeout_s) for the running prefill to end, then hold the runner for
-        good, so nothing runs on it (or on the clients it uses) any more. False: a prefill still runs."""
-        return self._lock.acquire(timeout=timeout_s)
+        good, so nothing runs on it (or on the clients it uses) any more, and for the publishes queued after their
+        answers. False: a prefill or a publish still runs."""
+        deadline = time.monotonic() + timeout_s
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        pub = self.worker.publisher
+        return pub is None or pub.drain(max(0.0, deadline - time.monotonic()))
+
+    def await_publish(self, ticket: int, timeout_s: float | None) -> int:
+        """A publish after an answer's outcome (PrefillWorker.await_publish); never takes the runner's lock."""
+        return self.worker.await_publish(ticket, timeout_s)
 
     def release(self, exporter_id: str, lease_id: int, blocks: Sequence[int], epochs: Sequence[int]) -> bool:
         """Free a device-path lease (the decode worker is done with it). The allocator is not thread-safe, so
@@ -219,7 +229,8 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
             self.metrics.ttft.labels("prefill", method).observe(res.prefill_ms / 1e3)
         reply = pb.PrefillReply(version=PROTOCOL_VERSION, first_token=res.first_token,
                                 finish_reason=res.finish_reason or "", published_chunks=res.published_chunks,
-                                cached_tokens=res.cached_tokens, prefill_ms=res.prefill_ms)
+                                cached_tokens=res.cached_tokens, prefill_ms=res.prefill_ms,
+                                publish_ticket=res.publish_ticket)
         if res.handoff is not None:
             h = res.handoff
             reply.handoff.CopyFrom(pb.Handoff(exporter_id=h.exporter_id, exporter_address=h.exporter_address,
@@ -229,6 +240,21 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
                 self.host.release(h.exporter_id, h.lease_id, h.blocks, h.epochs)
                 reply.ClearField("handoff")
         return reply
+
+    def AwaitPublish(self, request: pb.AwaitPublishRequest, context: grpc.ServicerContext) -> pb.AwaitPublishReply:
+        if request.version != PROTOCOL_VERSION:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
+        try:
+            put = self.host.await_publish(int(request.ticket), context.time_remaining())
+        except UnknownTicket:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"ticket: no publish {request.ticket} (unknown or expired)")
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the publish of ticket {request.ticket} still runs")
+        except Exception as e:  # noqa: BLE001  the publish's own error: the answer says so, the call succeeded
+            return pb.AwaitPublishReply(version=PROTOCOL_VERSION, published=False,
+                                        error=f"{type(e).__name__}: {e}")
+        return pb.AwaitPublishReply(version=PROTOCOL_VERSION, published=True, published_chunks=put)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
         if request.version != PROTOCOL_VERSION:

@@ -6,6 +6,14 @@ bridge as two-half entries, and the first token (from the prefill's last logits)
 once for TTFT. A decode worker with a prefix cache on the same bridge then imports those chunks
 and recomputes only the partial tail, so its output and acceptance equal a colocated run.
 
+With `publish_after_answer` the first token does not wait for the bridge: the prompt's full chunks are read out
+of the caches (device copies, so the blocks go back at once), the answer leaves with a ticket, and a thread of the
+worker's own publishes them in order; `await_publish(ticket)` says when they are there (the router waits for it
+before it sends the request to a decode worker, which then finds the whole prefix). A publish writes its chunks
+through the bridge in about the time of the prefill itself at the Qwen3-8B shape (docs/results.md), all of it on
+the first token's path before. The copies waiting for their publish are bounded (`max_pending_bytes`): a prefill
+past it waits for the older publishes first.
+
 With an exporter (the same-host device path, kv_bridge/handoff.py) nothing is published: the
 prompt's blocks stay allocated under a lease that the result carries, the decode worker copies them
 device to device, and `release` (or the lease's deadline, `expire`) frees them. While it computes, the
@@ -14,7 +22,11 @@ exporter's busy word is set, so a decode worker on the same GPU holds its steps 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,29 +38,125 @@ from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.kv_bridge.handoff import prompt_digest
 from flashpd.kv_bridge.handoff import CacheExporter, Handoff
-from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.prefix_cache import Pending, PrefixCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PENDING_BYTES = 1 << 30  # chunk copies waiting for their publish (device memory): 2 prompts of 2,700
+TICKET_TTL_S = 120.0  # a finished publish's outcome is kept this long for its AwaitPublish
+
+
+class UnknownTicket(KeyError):
+    """No publish of this ticket (never issued, or its outcome expired)."""
 
 
 @dataclass
 class PrefillResult:
     first_token: int
     finish_reason: str | None  # set when the first token already ends the request
-    published_chunks: int
+    published_chunks: int  # with a publish_ticket: the full chunks the bridge will hold once it is done
     cached_tokens: int  # prompt positions that were already in the bridge (not recomputed)
     prefill_ms: float
     handoff: Handoff | None = None  # the device path's lease on the prompt's blocks
+    publish_ticket: int = 0  # nonzero: the publish runs after the answer (await_publish)
+
+
+def _pending_bytes(p: Pending) -> int:
+    return sum(t.numel() * t.element_size() for t in p.target + p.draft)
+
+
+class Publisher:
+    """The publishes a prefill worker runs after its answers: one thread, in order, each under a ticket whose
+    outcome (chunks put, or the error) await() returns; at most max_bytes of chunk copies wait at once."""
+
+    def __init__(self, cache, max_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
+        self.cache = cache
+        self.max_bytes = max_bytes
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-publish")
+        self._ids = itertools.count(1)
+        self._futures: dict[int, tuple[Future, float]] = {}  # ticket -> (its publish, when it was submitted)
+        self._bytes = 0
+        self._cond = threading.Condition()
+        self.failures = 0
+
+    def submit(self, pending: Pending, wait_s: float) -> int:
+        """Queue a publish; its ticket. Waits (at most wait_s) while the copies already queued exceed max_bytes;
+        raises TimeoutError past it (the prefill fails alone: its copies are dropped)."""
+        n = _pending_bytes(pending)
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while self._bytes and self._bytes + n > self.max_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self._bytes} bytes of chunk copies wait for their publish "
+                                       f"(max_pending_bytes {self.max_bytes})")
+                self._cond.wait(left)
+            self._bytes += n
+            ticket = next(self._ids)
+            self._expire()
+            self._futures[ticket] = (self._pool.submit(self._publish, pending, n), time.monotonic())
+        return ticket
+
+    def _publish(self, pending: Pending, n: int) -> int:
+        try:
+            return self.cache.store_pending(pending)
+        except Exception as e:
+            with self._cond:
+                self.failures += 1
+            log.warning("publishing a prompt's %d chunks after its answer failed (%s: %s); its decode worker "
+                        "computes what is missing", len(pending.target), type(e).__name__, e)
+            raise
+        finally:
+            pending.target.clear()  # the device copies go now, not with the ticket's outcome
+            pending.draft.clear()
+            with self._cond:
+                self._bytes -= n
+                self._cond.notify_all()
+
+    def await_(self, ticket: int, timeout_s: float | None) -> int:
+        """The chunks the ticket's publish put; its error raised; TimeoutError while it still runs past timeout_s;
+        UnknownTicket for a ticket never issued or whose outcome expired (TICKET_TTL_S after it was queued)."""
+        with self._cond:
+            entry = self._futures.get(ticket)
+        if entry is None:
+            raise UnknownTicket(ticket)
+        return entry[0].result(timeout=timeout_s)
+
+    def _expire(self) -> None:
+        """(under the lock) Forget the finished publishes older than TICKET_TTL_S."""
+        now = time.monotonic()
+        for t in [t for t, (f, at) in self._futures.items() if f.done() and now - at > TICKET_TTL_S]:
+            del self._futures[t]
+
+    def drain(self, timeout_s: float) -> bool:
+        """Whether every queued publish finished within timeout_s (a stopping worker waits for them)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            futures = [f for f, _ in self._futures.values()]
+        for f in futures:
+            try:
+                f.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return False
+        return True
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
 
 
 class PrefillWorker:
     def __init__(self, runner: ModelRunner, drafter: DFlashDrafter | None, cache: PrefixCache | None,
-                 stop_ids: tuple[int, ...] = (), exporter: CacheExporter | None = None) -> None:
+                 stop_ids: tuple[int, ...] = (), exporter: CacheExporter | None = None,
+                 publish_after_answer: bool = False, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         self.gen = DFlashGenerator(runner, drafter, stop_ids) if drafter is not None else \
             NativeGenerator(runner, stop_ids)
         self.cache = cache
         self.exporter = exporter
+        self.publisher = Publisher(cache, max_pending_bytes) if publish_after_answer and cache is not None else None
 
-    def prefill(self, prompt: list[int], params: SamplingParams) -> PrefillResult:
-        """Not thread-safe (one runner): the caller serialises prefill, release and expire."""
+    def prefill(self, prompt: list[int], params: SamplingParams, timeout_s: float = 120.0) -> PrefillResult:
+        """Not thread-safe (one runner): the caller serialises prefill, release and expire. timeout_s bounds the
+        wait for room among the publishes queued (publish_after_answer)."""
         t0 = time.perf_counter()
         gen = self.gen
         if self.exporter is not None:
@@ -60,7 +168,7 @@ class PrefillWorker:
         if need > free:
             raise OutOfBlocks(f"a {len(prompt)}-token prompt needs {need} KV blocks; {free} are free")
         before = self.cache.stats.hit_tokens if self.cache is not None else 0
-        handoff, published = None, 0
+        handoff, published, ticket = None, 0, 0
         try:  # whatever fails (restore, prefill, publish, lease), the blocks go back
             with self.exporter.computing() if self.exporter is not None else contextlib.nullcontext():
                 gen.restore_prefixes([seq], self.cache)
@@ -69,6 +177,11 @@ class PrefillWorker:
                 table, alloc = seq.table, gen.runner.allocator
                 handoff = self.exporter.lease(list(table.blocks), len(prompt), lambda: alloc.free(table),
                                               prompt_digest(prompt))
+            elif self.publisher is not None:
+                pending = self.cache.collect(gen, seq)  # device copies: the blocks go back below
+                published = len(pending.target)
+                if pending.target:
+                    ticket = self.publisher.submit(pending, timeout_s)
             elif self.cache is not None:
                 published = self.cache.publish(gen, seq)
         finally:
@@ -76,7 +189,13 @@ class PrefillWorker:
                 gen.runner.allocator.free(seq.table)
         cached = (self.cache.stats.hit_tokens - before) if self.cache is not None else 0
         return PrefillResult(seq.output[0], seq.finish_reason, published, cached, (time.perf_counter() - t0) * 1e3,
-                             handoff)
+                             handoff, ticket)
+
+    def await_publish(self, ticket: int, timeout_s: float | None) -> int:
+        """The chunks a publish after an answer put (Publisher.await_; thread-safe, not serialised with prefill)."""
+        if self.publisher is None:
+            raise UnknownTicket(ticket)
+        return self.publisher.await_(ticket, timeout_s)
 
     def release(self, lease_id: int, blocks: Sequence[int], epochs: Sequence[int]) -> bool:
         """The decode worker is done with a lease: free its blocks (False: unknown or expired already, or refused:

@@ -87,3 +87,76 @@ def test_per_request_hits_stay_bounded_however_many_prompts_a_cache_restores(dfl
         assert res.cached_tokens == (0 if i == 0 else 128)
     assert cache.stats.requests == 13 and cache.stats.hit_tokens == 12 * 128
     assert 4 <= len(cache.stats.per_request_hits) <= 8 and set(cache.stats.per_request_hits) == {128}
+
+
+class GatedStore:
+    """A store in front of a bridge whose puts wait for `go` (a bridge slower than the prefill), or fail."""
+
+    def __init__(self, inner, fail: bool = False) -> None:
+        import threading
+        self.inner, self.fail, self.go = inner, fail, threading.Event()
+
+    def put_many(self, chunks):
+        self.go.wait(30)
+        if self.fail:
+            raise ConnectionError("the bridge went away")
+        return self.inner.put_many(chunks)
+
+    def put(self, c):
+        return self.put_many([c]) == 1
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_prefill_answers_before_its_publish_and_the_decode_worker_finds_the_whole_prefix(dflash_pair):  # noqa: F811
+    """publish_after_answer: the first token comes back while the bridge has none of the prompt's chunks yet (its
+    puts are held), from device copies, with the prefill's blocks already free; await_publish returns once they
+    are there, and a decode worker then restores the whole prefix: tokens and acceptance equal colocated. A failed
+    publish is await_publish's error; an unknown ticket is UnknownTicket."""
+    import pytest
+    from flashpd.prefill_node.worker import UnknownTicket
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    taps = tuple(drafter.cfg.target_layer_ids)
+    fp = MethodFingerprint("fixture-target", "fixture-drafter", taps, "float32").digest()
+    g = torch.Generator().manual_seed(22)
+    prompts = [torch.randint(0, 126, (int(n),), generator=g).tolist() for n in (300, 200)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    colocated = generate(DFlashGenerator(ModelRunner(target, 1024, 16, taps=taps), drafter, ()), prompts, [params] * 2)
+    server, port = serve(MemoryStore(1 << 30))
+    try:
+        with BridgeClient(f"127.0.0.1:{port}") as pc, BridgeClient(f"127.0.0.1:{port}") as dc:
+            gated = GatedStore(RemoteStore(pc))
+            runner = ModelRunner(target, 256, 16, taps=taps)
+            prefill = PrefillWorker(runner, drafter, PrefixCache(gated, fp, 64), publish_after_answer=True)
+            free = runner.allocator.num_free
+            firsts = [prefill.prefill(p, params) for p in prompts]
+            assert runner.allocator.num_free == free  # every block back: the publishes read copies
+            assert [f.published_chunks for f in firsts] == [len(p) // 64 for p in prompts]
+            assert all(f.publish_ticket for f in firsts) and firsts[0].publish_ticket != firsts[1].publish_ticket
+            remote = RemoteStore(dc)
+            assert remote.stats()["store.entries"] == 0  # answered, nothing in the bridge yet
+            with pytest.raises(TimeoutError):
+                prefill.await_publish(firsts[0].publish_ticket, 0.05)
+            gated.go.set()
+            assert [prefill.await_publish(f.publish_ticket, 30) for f in firsts] == [len(p) // 64 for p in prompts]
+            assert remote.stats()["store.entries"] == sum(len(p) // 64 for p in prompts)
+            with pytest.raises(UnknownTicket):
+                prefill.await_publish(10_000, 1)
+            decode_cache = PrefixCache(RemoteStore(dc, transport="shm"), fp, 64)
+            sched = Scheduler(ModelRunner(target, 1024, 16, taps=taps), drafter, prefix_cache=decode_cache)
+            reqs = [sched.add(p, params, "dflash", first_token=f.first_token) for p, f in zip(prompts, firsts)]
+            sched.run_until_idle()
+            assert sorted(decode_cache.stats.per_request_hits) == sorted(((len(p) - 1) // 64) * 64 for p in prompts)
+            for c, r in zip(colocated, reqs):
+                assert r.seq.output == c.output and r.seq.stats.acceptance_lengths == c.stats.acceptance_lengths
+            failing = GatedStore(RemoteStore(pc), fail=True)
+            failing.go.set()
+            prefill = PrefillWorker(runner, drafter, PrefixCache(failing, fp, 64), publish_after_answer=True)
+            res = prefill.prefill([3 + i % 100 for i in range(135)], params)
+            with pytest.raises(ConnectionError, match="went away"):
+                prefill.await_publish(res.publish_ticket, 30)
+            assert prefill.publisher.failures == 1 and runner.allocator.num_free == free
+    finally:
+        server.stop(grace=None).wait(10)

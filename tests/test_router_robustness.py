@@ -233,6 +233,50 @@ def test_a_prefill_worker_whose_prefill_timed_out_gets_no_new_requests_for_a_whi
         assert_nothing_held(router)
 
 
+class PublishingPrefill(pb_grpc.PrefillWorkerServicer):
+    """A prefill worker that answers before its publish (publish_ticket 9): AwaitPublish returns once `done` is
+    set, with `published` as given."""
+
+    def __init__(self, published: bool = True) -> None:
+        self.published = published
+        self.done = threading.Event()
+        self.awaited = threading.Event()
+        self.tickets: list[int] = []
+
+    def Prefill(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.PrefillReply:
+        return pb.PrefillReply(version=PROTOCOL_VERSION, first_token=5, prefill_ms=1.0, published_chunks=1,
+                               publish_ticket=9)
+
+    def AwaitPublish(self, request: pb.AwaitPublishRequest, context) -> pb.AwaitPublishReply:
+        self.tickets.append(int(request.ticket))
+        self.awaited.set()
+        self.done.wait(WAIT_S)
+        return pb.AwaitPublishReply(version=PROTOCOL_VERSION, published=self.published,
+                                    published_chunks=1 if self.published else 0,
+                                    error="" if self.published else "ConnectionError: the bridge went away")
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_the_first_token_leaves_before_the_publish_and_the_decode_call_after_it(tiny_dir, published):
+    """A prefill that answers before its publish: the router streams the first token at once, waits for the
+    publish (AwaitPublish with the reply's ticket), then sends the decode call. A failed publish is a counted
+    partial fallback: the request still completes (its decode worker computes what the bridge lacks)."""
+    prefill = PublishingPrefill(published)
+    with scripted("PrefillWorker", prefill) as p, decode_worker(tiny_dir) as (d, _):
+        router = make_router([p], [d])
+        h = router.submit(PROMPT, GREEDY, "native", None)
+        assert prefill.awaited.wait(WAIT_S)
+        first = h.get(WAIT_S)
+        assert first.kind == "tokens" and first.tokens == [5]  # out while the publish is still awaited
+        time.sleep(0.2)
+        assert h.get(0.05) is None  # no decode tokens before the publish is done
+        prefill.done.set()
+        evs = events(h)
+        assert evs[-1].kind == "done" and prefill.tickets == [9]
+        assert dict(router.fallbacks) == ({} if published else {"publish_failed": 1})
+        assert_nothing_held(router)
+
+
 def test_a_clients_deadline_frees_the_router_in_time_through_the_grpc_front(tiny_dir):
     """End to end: a client with a 2 s deadline. Its RPC ends DEADLINE_EXCEEDED (gRPC's doing), and the router's
     request thread, its prefill worker's slot and the in-flight count must be free within seconds of it, not when

@@ -51,6 +51,7 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "bridge_disk_bytes": 0}, "bridge_disk_bytes: must be >= 1"),
     ({"target": "t", "bridge_shm_pool_bytes": -1}, "bridge_shm_pool_bytes: must be >= 0"),
     ({"target": "t", "prefix_stage_bytes": -1}, "prefix_stage_bytes: must be >= 0"),
+    ({"target": "t", "prefill_publish": "later"}, "prefill_publish: must be 'after_answer' or 'before_answer'"),
     ({"target": "t", "decode_retries": -1}, "decode_retries: must be >= 0"),
     ({"target": "t", "fault_prefill_delay_s": -0.5}, "fault_prefill_delay_s: must be >= 0"),
     ({"target": "t", "num_gpus": 0}, "num_gpus: must be > 0"),

@@ -121,7 +121,7 @@ class HealthReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., serving: _Optional[bool] = ..., has_drafter: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., default_block_size: _Optional[int] = ..., settings_json: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("version", "first_token", "finish_reason", "published_chunks", "cached_tokens", "prefill_ms", "handoff")
+    __slots__ = ("version", "first_token", "finish_reason", "published_chunks", "cached_tokens", "prefill_ms", "handoff", "publish_ticket")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class PrefillReply(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_TICKET_FIELD_NUMBER: _ClassVar[int]
     version: int
     first_token: int
     finish_reason: str
@@ -136,7 +137,28 @@ class PrefillReply(_message.Message):
     cached_tokens: int
     prefill_ms: float
     handoff: Handoff
-    def __init__(self, version: _Optional[int] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., published_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
+    publish_ticket: int
+    def __init__(self, version: _Optional[int] = ..., first_token: _Optional[int] = ..., finish_reason: _Optional[str] = ..., published_chunks: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., publish_ticket: _Optional[int] = ...) -> None: ...
+
+class AwaitPublishRequest(_message.Message):
+    __slots__ = ("version", "ticket")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    ticket: int
+    def __init__(self, version: _Optional[int] = ..., ticket: _Optional[int] = ...) -> None: ...
+
+class AwaitPublishReply(_message.Message):
+    __slots__ = ("version", "published", "published_chunks", "error")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    published: bool
+    published_chunks: int
+    error: str
+    def __init__(self, version: _Optional[int] = ..., published: _Optional[bool] = ..., published_chunks: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Handoff(_message.Message):
     __slots__ = ("exporter_id", "exporter_address", "blob", "lease_id", "blocks", "epochs", "num_tokens", "prompt_digest")

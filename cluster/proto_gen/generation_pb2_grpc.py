@@ -222,6 +222,11 @@ class PrefillWorkerStub:
                 request_serializer=generation__pb2.SendLeaseRequest.SerializeToString,
                 response_deserializer=generation__pb2.SendLeaseReply.FromString,
                 _registered_method=True)
+        self.AwaitPublish = channel.unary_unary(
+                '/flashpd.generation.v1.PrefillWorker/AwaitPublish',
+                request_serializer=generation__pb2.AwaitPublishRequest.SerializeToString,
+                response_deserializer=generation__pb2.AwaitPublishReply.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -267,6 +272,15 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitPublish(self, request, context):
+        """A prefill answered before its publish finished (publish_ticket set): returns once the prompt's chunks are in
+        the KV bridge (published true) or their publish failed (false, why in error; the decode worker then computes
+        what is missing). An unknown or expired ticket gets NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -294,6 +308,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.SendLease,
                     request_deserializer=generation__pb2.SendLeaseRequest.FromString,
                     response_serializer=generation__pb2.SendLeaseReply.SerializeToString,
+            ),
+            'AwaitPublish': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitPublish,
+                    request_deserializer=generation__pb2.AwaitPublishRequest.FromString,
+                    response_serializer=generation__pb2.AwaitPublishReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +453,33 @@ class PrefillWorker:
             '/flashpd.generation.v1.PrefillWorker/SendLease',
             generation__pb2.SendLeaseRequest.SerializeToString,
             generation__pb2.SendLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitPublish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashpd.generation.v1.PrefillWorker/AwaitPublish',
+            generation__pb2.AwaitPublishRequest.SerializeToString,
+            generation__pb2.AwaitPublishReply.FromString,
             options,
             channel_credentials,
             insecure,

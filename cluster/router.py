@@ -357,11 +357,19 @@ class Router:
         if s is None:
             return
         h.check()
+        left = h.remaining()
         try:
-            reply = s.client.await_publish(first.publish_ticket, min(self.cfg.prefill_timeout_s, h.remaining()))
+            fut = s.client.await_publish_future(first.publish_ticket, min(self.cfg.prefill_timeout_s, left))
+            h.track(fut)  # a cancel ends the wait
+            reply = fut.result()
+        except grpc.FutureCancelledError:
+            raise _Cancelled from None
         except grpc.RpcError as e:
             if h.cancelled:
                 raise _Cancelled from None
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and left <= self.cfg.prefill_timeout_s:
+                raise TimeoutError(f"the request's deadline passed while its prefill's publish ran on prefill "
+                                   f"worker {s.index}") from None
             self._fallback("publish_" + e.code().name.lower(), e.details() or "")
             return
         except ValueError as e:  # a channel a restart closed

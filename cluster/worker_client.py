@@ -66,11 +66,11 @@ class WorkerClient:
         on failure)."""
         return self._stub.Prefill(request, timeout=timeout_s)
 
-    def await_publish(self, ticket: int, timeout_s: float) -> pb.AwaitPublishReply:
-        """Wait for a prefill's publish after its answer (raises grpc.RpcError: NOT_FOUND for an unknown ticket,
-        DEADLINE_EXCEEDED while it still runs)."""
-        return self._stub.AwaitPublish(pb.AwaitPublishRequest(version=PROTOCOL_VERSION, ticket=ticket),
-                                       timeout=timeout_s)
+    def await_publish_future(self, ticket: int, timeout_s: float):
+        """A cancellable wait for a prefill's publish after its answer (.result() raises grpc.RpcError: NOT_FOUND
+        for an unknown ticket, DEADLINE_EXCEEDED while it still runs)."""
+        return self._stub.AwaitPublish.future(pb.AwaitPublishRequest(version=PROTOCOL_VERSION, ticket=ticket),
+                                              timeout=timeout_s)
 
     def release(self, handoff: pb.Handoff, timeout_s: float) -> bool:
         """Free a device-path lease this worker holds (False: unknown or expired already, or refused: the release

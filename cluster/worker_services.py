@@ -33,7 +33,7 @@ from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.client import BridgeError
 from flashpd.kv_bridge.handoff import Handoff
-from flashpd.prefill_node.worker import PrefillResult, PrefillWorker, UnknownTicket
+from flashpd.prefill_node.worker import PrefillResult, PrefillWorker, PublishFailed, PublishPending, UnknownTicket
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,6 @@ class PrefillHost:
     def prefill(self, prompt: list[int], params: SamplingParams, timeout_s: float,
                 active: Callable[[], bool] = lambda: True) -> PrefillResult:
         """Run one prefill once the worker is free; raises CallEnded when `active()` turns false first."""
-        deadline = time.monotonic() + timeout_s
         self._count_waiting(1)
         try:
             self._acquire(timeout_s, active)
@@ -98,7 +97,7 @@ class PrefillHost:
             self._free_released()  # their blocks first, for this prompt
             if self.delay_s:
                 time.sleep(self.delay_s)
-            res = self.worker.prefill(prompt, params, max(0.0, deadline - time.monotonic()))
+            res = self.worker.prefill(prompt, params)
             self.prefills += 1
             return res
         finally:
@@ -245,15 +244,19 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
         if request.version != PROTOCOL_VERSION:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
+        ticket = int(request.ticket)
         try:
-            put = self.host.await_publish(int(request.ticket), context.time_remaining())
+            while True:  # in slices, so that a cancelled or expired call frees its server thread
+                try:
+                    put = self.host.await_publish(ticket, POLL_S)
+                    break
+                except PublishPending:
+                    if not context.is_active():
+                        context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
         except UnknownTicket:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"ticket: no publish {request.ticket} (unknown or expired)")
-        except TimeoutError:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the publish of ticket {request.ticket} still runs")
-        except Exception as e:  # noqa: BLE001  the publish's own error: the answer says so, the call succeeded
-            return pb.AwaitPublishReply(version=PROTOCOL_VERSION, published=False,
-                                        error=f"{type(e).__name__}: {e}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"ticket: no publish {ticket} (unknown, awaited or expired)")
+        except PublishFailed as e:  # the publish's own failure: the answer says so, the call succeeded
+            return pb.AwaitPublishReply(version=PROTOCOL_VERSION, published=False, error=str(e))
         return pb.AwaitPublishReply(version=PROTOCOL_VERSION, published=True, published_chunks=put)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:

@@ -12,7 +12,8 @@ worker's own publishes them in order; `await_publish(ticket)` says when they are
 before it sends the request to a decode worker, which then finds the whole prefix). A publish writes its chunks
 through the bridge in about the time of the prefill itself at the Qwen3-8B shape (docs/results.md), all of it on
 the first token's path before. The copies waiting for their publish are bounded (`max_pending_bytes`): a prefill
-past it waits for the older publishes first.
+past it publishes before it answers, as before. A prefill whose prompt begins with a queued publish's first chunk
+waits for that publish, so it restores the shared prefix rather than computing it again.
 
 With an exporter (the same-host device path, kv_bridge/handoff.py) nothing is published: the
 prompt's blocks stay allocated under a lease that the result carries, the decode worker copies them
@@ -26,7 +27,9 @@ import itertools
 import logging
 import threading
 import time
+import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -43,11 +46,21 @@ from flashpd.kv_bridge.prefix_cache import Pending, PrefixCache
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_BYTES = 1 << 30  # chunk copies waiting for their publish (device memory): 2 prompts of 2,700
-TICKET_TTL_S = 120.0  # a finished publish's outcome is kept this long for its AwaitPublish
+TICKET_TTL_S = 120.0  # a finished publish's outcome is kept this long for its AwaitPublish (or until awaited)
+PREFIX_WAIT_S = 30.0  # a prefill waits at most this long for a queued publish of its prompt's first chunk
 
 
 class UnknownTicket(KeyError):
-    """No publish of this ticket (never issued, or its outcome expired)."""
+    """No publish of this ticket (never issued, already awaited, or its outcome expired)."""
+
+
+class PublishPending(Exception):
+    """The ticket's publish still runs (await_publish's timeout passed first)."""
+
+
+class PublishFailed(Exception):
+    """The ticket's publish failed; the message says why. (Raised afresh, without the failure's traceback, whose
+    frames would keep the publish's device copies alive for as long as the outcome is kept.)"""
 
 
 @dataclass
@@ -67,78 +80,93 @@ def _pending_bytes(p: Pending) -> int:
 
 class Publisher:
     """The publishes a prefill worker runs after its answers: one thread, in order, each under a ticket whose
-    outcome (chunks put, or the error) await() returns; at most max_bytes of chunk copies wait at once."""
+    outcome (chunks put, or PublishFailed) await_ returns once; at most max_bytes of chunk copies wait at once
+    (`has_room`: a prefill past it publishes before it answers)."""
 
     def __init__(self, cache, max_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:
         self.cache = cache
         self.max_bytes = max_bytes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-publish")
-        self._ids = itertools.count(1)
-        self._futures: dict[int, tuple[Future, float]] = {}  # ticket -> (its publish, when it was submitted)
+        # tickets start at a random base: a router's AwaitPublish to a restarted worker must not find another's
+        self._ids = itertools.count(secrets.randbits(62) + 1)
+        # ticket -> (its publish, when it was queued, the prompt's first chunk_tokens tokens)
+        self._futures: dict[int, tuple[Future, float, tuple[int, ...]]] = {}
         self._bytes = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self.failures = 0
 
-    def submit(self, pending: Pending, wait_s: float) -> int:
-        """Queue a publish; its ticket. Waits (at most wait_s) while the copies already queued exceed max_bytes;
-        raises TimeoutError past it (the prefill fails alone: its copies are dropped)."""
+    def has_room(self, pending: Pending) -> bool:
+        with self._lock:
+            return not self._bytes or self._bytes + _pending_bytes(pending) <= self.max_bytes
+
+    def submit(self, pending: Pending, head: tuple[int, ...]) -> int:
+        """Queue a publish (head: the prompt's first chunk's tokens, for `wait_for_prefix`); its ticket."""
         n = _pending_bytes(pending)
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            while self._bytes and self._bytes + n > self.max_bytes:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{self._bytes} bytes of chunk copies wait for their publish "
-                                       f"(max_pending_bytes {self.max_bytes})")
-                self._cond.wait(left)
-            self._bytes += n
-            ticket = next(self._ids)
+        with self._lock:
             self._expire()
-            self._futures[ticket] = (self._pool.submit(self._publish, pending, n), time.monotonic())
+            ticket = next(self._ids)
+            self._bytes += n
+            try:
+                self._futures[ticket] = (self._pool.submit(self._publish, pending, n), time.monotonic(), head)
+            except BaseException:  # a closed pool (a stopping worker): nothing queued
+                self._bytes -= n
+                raise
         return ticket
 
     def _publish(self, pending: Pending, n: int) -> int:
+        why = None
         try:
             return self.cache.store_pending(pending)
-        except Exception as e:
-            with self._cond:
-                self.failures += 1
-            log.warning("publishing a prompt's %d chunks after its answer failed (%s: %s); its decode worker "
-                        "computes what is missing", len(pending.target), type(e).__name__, e)
-            raise
+        except Exception as e:  # noqa: BLE001  the ticket's outcome: its AwaitPublish says so
+            why = f"{type(e).__name__}: {e}"
         finally:
             pending.target.clear()  # the device copies go now, not with the ticket's outcome
             pending.draft.clear()
-            with self._cond:
+            with self._lock:
                 self._bytes -= n
-                self._cond.notify_all()
+                self.failures += why is not None
+        log.warning("publishing a prompt's chunks after its answer failed (%s); its decode worker computes what "
+                    "is missing", why)
+        raise PublishFailed(why)  # outside the except block: no reference to the failure's frames
+
+    def wait_for_prefix(self, prompt: list[int], chunk_tokens: int, timeout_s: float) -> None:
+        """Wait (at most timeout_s) for the queued publishes of prompts that begin with this prompt's first chunk:
+        a prefill restores what they put rather than computing it again (the scheduler's saves give the same
+        guarantee to its fetches, engine/scheduler.py `_fetch_after`)."""
+        head = tuple(prompt[:chunk_tokens])
+        if len(head) < chunk_tokens:
+            return
+        with self._lock:
+            waits = [f for f, _, h in self._futures.values() if h == head and not f.done()]
+        if waits:
+            futures_wait(waits, timeout=timeout_s)
 
     def await_(self, ticket: int, timeout_s: float | None) -> int:
-        """The chunks the ticket's publish put; its error raised; TimeoutError while it still runs past timeout_s;
-        UnknownTicket for a ticket never issued or whose outcome expired (TICKET_TTL_S after it was queued)."""
-        with self._cond:
+        """The chunks the ticket's publish put, once: a ticket whose outcome was returned (or raised) is forgotten.
+        PublishFailed when it failed; PublishPending while it still runs past timeout_s; UnknownTicket for a ticket
+        never issued, already awaited, or whose outcome expired (TICKET_TTL_S after it was queued)."""
+        with self._lock:
             entry = self._futures.get(ticket)
         if entry is None:
             raise UnknownTicket(ticket)
-        return entry[0].result(timeout=timeout_s)
+        done, _ = futures_wait([entry[0]], timeout=timeout_s)
+        if not done:
+            raise PublishPending(f"the publish of ticket {ticket} still runs")
+        with self._lock:
+            self._futures.pop(ticket, None)
+        return entry[0].result()
 
     def _expire(self) -> None:
         """(under the lock) Forget the finished publishes older than TICKET_TTL_S."""
         now = time.monotonic()
-        for t in [t for t, (f, at) in self._futures.items() if f.done() and now - at > TICKET_TTL_S]:
+        for t in [t for t, (f, at, _) in self._futures.items() if f.done() and now - at > TICKET_TTL_S]:
             del self._futures[t]
 
     def drain(self, timeout_s: float) -> bool:
         """Whether every queued publish finished within timeout_s (a stopping worker waits for them)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            futures = [f for f, _ in self._futures.values()]
-        for f in futures:
-            try:
-                f.exception(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                return False
-        return True
+        with self._lock:
+            futures = [f for f, _, _ in self._futures.values()]
+        return not futures_wait(futures, timeout=timeout_s).not_done
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -154,9 +182,8 @@ class PrefillWorker:
         self.exporter = exporter
         self.publisher = Publisher(cache, max_pending_bytes) if publish_after_answer and cache is not None else None
 
-    def prefill(self, prompt: list[int], params: SamplingParams, timeout_s: float = 120.0) -> PrefillResult:
-        """Not thread-safe (one runner): the caller serialises prefill, release and expire. timeout_s bounds the
-        wait for room among the publishes queued (publish_after_answer)."""
+    def prefill(self, prompt: list[int], params: SamplingParams) -> PrefillResult:
+        """Not thread-safe (one runner): the caller serialises prefill, release and expire."""
         t0 = time.perf_counter()
         gen = self.gen
         if self.exporter is not None:
@@ -169,6 +196,8 @@ class PrefillWorker:
             raise OutOfBlocks(f"a {len(prompt)}-token prompt needs {need} KV blocks; {free} are free")
         before = self.cache.stats.hit_tokens if self.cache is not None else 0
         handoff, published, ticket = None, 0, 0
+        if self.publisher is not None:  # a queued publish of this prompt's first chunk: restored, not recomputed
+            self.publisher.wait_for_prefix(prompt, self.cache.chunk_tokens, PREFIX_WAIT_S)
         try:  # whatever fails (restore, prefill, publish, lease), the blocks go back
             with self.exporter.computing() if self.exporter is not None else contextlib.nullcontext():
                 gen.restore_prefixes([seq], self.cache)
@@ -177,11 +206,15 @@ class PrefillWorker:
                 table, alloc = seq.table, gen.runner.allocator
                 handoff = self.exporter.lease(list(table.blocks), len(prompt), lambda: alloc.free(table),
                                               prompt_digest(prompt))
-            elif self.publisher is not None:
+            elif self.publisher is not None and self.cache.restore_draft:
                 pending = self.cache.collect(gen, seq)  # device copies: the blocks go back below
-                published = len(pending.target)
-                if pending.target:
-                    ticket = self.publisher.submit(pending, timeout_s)
+                if not pending.target:
+                    pass
+                elif self.publisher.has_room(pending):
+                    published = len(pending.target)
+                    ticket = self.publisher.submit(pending, tuple(prompt[:self.cache.chunk_tokens]))
+                else:  # the copies queued already fill the bound: this one publishes before it answers
+                    published = self.cache.store_pending(pending)
             elif self.cache is not None:
                 published = self.cache.publish(gen, seq)
         finally:
@@ -192,7 +225,8 @@ class PrefillWorker:
                              handoff, ticket)
 
     def await_publish(self, ticket: int, timeout_s: float | None) -> int:
-        """The chunks a publish after an answer put (Publisher.await_; thread-safe, not serialised with prefill)."""
+        """The chunks a publish after an answer put (Publisher.await_: once a ticket; thread-safe, not serialised
+        with prefill)."""
         if self.publisher is None:
             raise UnknownTicket(ticket)
         return self.publisher.await_(ticket, timeout_s)

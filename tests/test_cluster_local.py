@@ -35,7 +35,10 @@ def test_local_disaggregated_equals_colocated(service, colocated_reference):
     got = run_concurrently(service.address, list(range(N_PROMPTS)), ps)
     for i in range(N_PROMPTS):
         assert got[i] == ref[i], f"request {i}: tokens / acceptance lengths differ from colocated"
-    assert sum(service.backend.fallbacks.values()) == 0
+    assert sum(service.backend.fallbacks.values()) == 0  # every publish after its answer awaited, none failed
+    with pytest.raises(grpc.RpcError) as e:  # the prefill worker's AwaitPublish: a ticket it never issued
+        service.pool.slots["prefill"][0].client.await_publish_future(12345, 10).result()
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_killed_prefill_process_falls_back_exactly_and_is_restarted(service, colocated_reference):

@@ -112,16 +112,19 @@ class GatedStore:
 def test_a_prefill_answers_before_its_publish_and_the_decode_worker_finds_the_whole_prefix(dflash_pair):  # noqa: F811
     """publish_after_answer: the first token comes back while the bridge has none of the prompt's chunks yet (its
     puts are held), from device copies, with the prefill's blocks already free; await_publish returns once they
-    are there, and a decode worker then restores the whole prefix: tokens and acceptance equal colocated. A failed
-    publish is await_publish's error; an unknown ticket is UnknownTicket."""
+    are there (once a ticket), and a decode worker then restores the whole prefix: tokens and acceptance equal
+    colocated. A prefill whose prompt begins with a queued publish's first chunk waits for it and restores the
+    shared prefix. A failed publish is await_publish's PublishFailed; an unknown ticket is UnknownTicket."""
+    import threading
     import pytest
-    from flashpd.prefill_node.worker import UnknownTicket
+    from flashpd.prefill_node.worker import PublishFailed, PublishPending, UnknownTicket
     target = load_target(dflash_pair.target_dir)
     drafter = load_drafter(dflash_pair.draft_dir, target)
     taps = tuple(drafter.cfg.target_layer_ids)
     fp = MethodFingerprint("fixture-target", "fixture-drafter", taps, "float32").digest()
     g = torch.Generator().manual_seed(22)
     prompts = [torch.randint(0, 126, (int(n),), generator=g).tolist() for n in (300, 200)]
+    shared = prompts[0][:150] + torch.randint(0, 126, (60,), generator=g).tolist()  # prompt 0's first two chunks
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     colocated = generate(DFlashGenerator(ModelRunner(target, 1024, 16, taps=taps), drafter, ()), prompts, [params] * 2)
     server, port = serve(MemoryStore(1 << 30))
@@ -137,13 +140,23 @@ def test_a_prefill_answers_before_its_publish_and_the_decode_worker_finds_the_wh
             assert all(f.publish_ticket for f in firsts) and firsts[0].publish_ticket != firsts[1].publish_ticket
             remote = RemoteStore(dc)
             assert remote.stats()["store.entries"] == 0  # answered, nothing in the bridge yet
-            with pytest.raises(TimeoutError):
+            with pytest.raises(PublishPending):
                 prefill.await_publish(firsts[0].publish_ticket, 0.05)
+            later = []
+            t = threading.Thread(target=lambda: later.append(prefill.prefill(shared, params)))
+            t.start()
+            t.join(0.5)
+            assert t.is_alive()  # waits for prompt 0's publish: its first chunk is this prompt's
             gated.go.set()
+            t.join(30)
+            assert later and later[0].cached_tokens == 128  # restored what prompt 0 published, not recomputed
             assert [prefill.await_publish(f.publish_ticket, 30) for f in firsts] == [len(p) // 64 for p in prompts]
-            assert remote.stats()["store.entries"] == sum(len(p) // 64 for p in prompts)
+            with pytest.raises(UnknownTicket):  # once a ticket
+                prefill.await_publish(firsts[0].publish_ticket, 1)
             with pytest.raises(UnknownTicket):
                 prefill.await_publish(10_000, 1)
+            assert prefill.await_publish(later[0].publish_ticket, 30) == 1  # its third chunk: the rest were there
+            assert remote.stats()["store.entries"] == sum(len(p) // 64 for p in prompts) + 1
             decode_cache = PrefixCache(RemoteStore(dc, transport="shm"), fp, 64)
             sched = Scheduler(ModelRunner(target, 1024, 16, taps=taps), drafter, prefix_cache=decode_cache)
             reqs = [sched.add(p, params, "dflash", first_token=f.first_token) for p, f in zip(prompts, firsts)]
@@ -155,8 +168,40 @@ def test_a_prefill_answers_before_its_publish_and_the_decode_worker_finds_the_wh
             failing.go.set()
             prefill = PrefillWorker(runner, drafter, PrefixCache(failing, fp, 64), publish_after_answer=True)
             res = prefill.prefill([3 + i % 100 for i in range(135)], params)
-            with pytest.raises(ConnectionError, match="went away"):
+            with pytest.raises(PublishFailed, match="went away") as e:
                 prefill.await_publish(res.publish_ticket, 30)
+            assert e.value.__context__ is None and e.value.__cause__ is None  # no frame keeps the copies
             assert prefill.publisher.failures == 1 and runner.allocator.num_free == free
+    finally:
+        server.stop(grace=None).wait(10)
+
+
+def test_a_prefill_past_the_publish_bound_publishes_before_it_answers(dflash_pair):  # noqa: F811
+    """The copies queued already fill max_pending_bytes: the next prefill publishes its own chunks before it answers
+    (no ticket), as prefill_publish before_answer does, rather than queue past the bound."""
+    import threading
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    taps = tuple(drafter.cfg.target_layer_ids)
+    fp = MethodFingerprint("fixture-target", "fixture-drafter", taps, "float32").digest()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    a, b = [3 + i % 100 for i in range(140)], [7 + i % 90 for i in range(140)]
+    server, port = serve(MemoryStore(1 << 30))
+    try:
+        with BridgeClient(f"127.0.0.1:{port}") as pc:
+            gated = GatedStore(RemoteStore(pc))
+            prefill = PrefillWorker(ModelRunner(target, 64, 16, taps=taps), drafter, PrefixCache(gated, fp, 64),
+                                    publish_after_answer=True, max_pending_bytes=1)
+            first = prefill.prefill(a, params)  # an empty queue takes any one publish
+            assert first.publish_ticket
+            second = []
+            t = threading.Thread(target=lambda: second.append(prefill.prefill(b, params)))
+            t.start()
+            t.join(0.5)
+            assert t.is_alive()  # publishing before it answers: the bridge holds its puts
+            gated.go.set()
+            t.join(30)
+            assert second and second[0].publish_ticket == 0 and second[0].published_chunks == 2
+            assert prefill.await_publish(first.publish_ticket, 30) == 2
     finally:
         server.stop(grace=None).wait(10)

@@ -236,7 +236,8 @@ class PrefillWorkerServicer:
     """
 
     def Prefill(self, request, context):
-        """Prefill the prompt, publish its target KV + drafter state to the KV bridge, return the first token.
+        """Prefill the prompt, publish its target KV + drafter state to the KV bridge, return the first token (before the
+        publish has ended when the reply carries a publish_ticket: see AwaitPublish).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

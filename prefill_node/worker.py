@@ -9,9 +9,9 @@ and recomputes only the partial tail, so its output and acceptance equal a coloc
 With `publish_after_answer` the first token does not wait for the bridge: the prompt's full chunks are read out
 of the caches (device copies, so the blocks go back at once), the answer leaves with a ticket, and a thread of the
 worker's own publishes them in order; `await_publish(ticket)` says when they are there (the router waits for it
-before it sends the request to a decode worker, which then finds the whole prefix). A publish writes its chunks
-through the bridge in about the time of the prefill itself at the Qwen3-8B shape (docs/results.md), all of it on
-the first token's path before. The copies waiting for their publish are bounded (`max_pending_bytes`): a prefill
+before it sends the request to a decode worker, which then finds the whole prefix). At the Qwen3-8B shape a
+publish took 1.4-3.8x the prefill's own time (arena and inline bridges, docs/results.md), all of it on the first
+token's path before. The copies waiting for their publish are bounded (`max_pending_bytes`): a prefill
 past it publishes before it answers, as before. A prefill whose prompt begins with a queued publish's first chunk
 waits for that publish, so it restores the shared prefix rather than computing it again.
 
@@ -25,9 +25,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import secrets
 import threading
 import time
-import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass

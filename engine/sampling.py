@@ -123,7 +123,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1
 # path, batch, step or retry computes it: the captured device step samples without a host round trip and
 # gives the stepwise loop's tokens, a preempted and recomputed row continues exactly as if undisturbed,
 # and a seeded request retried on another worker repeats itself. The hash is 32-bit arithmetic in int64
-# with multipliers below 2**31 (no overflow on any backend); its uniforms have 24 bits.
+# with multipliers below 2**31 (no overflow on any backend); its uniforms have 23 bits (see `unit`).
 TOKEN, DRAFT, ACCEPT = 1, 2, 3  # streams: a token drawn from the target (or a residual), a draft guess, an accept test
 _M32 = 0xFFFFFFFF
 
@@ -153,14 +153,25 @@ def uniforms(seed: torch.Tensor, index: torch.Tensor, stream: int, vocab: int | 
     if vocab is not None:
         v = torch.arange(vocab, dtype=torch.int64, device=k.device)
         k = _mix((k[..., None] + v * 0x27D4EB2F) & _M32)
-    return ((k >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit(k)
+
+
+def unit(k: torch.Tensor) -> torch.Tensor:
+    """32-bit keys -> float32 uniforms strictly inside (0, 1): the midpoints of 2**23 equal cells, each exact
+    in float32 (the largest is 1 - 2**-24). Midpoints of 2**24 cells were not: the top one rounded to 1.0,
+    whose -log is 0, so once in 2**24 entries the exponential race divided by zero and a token of probability 0
+    (top-k's or top-p's cut, a residual's zeros) won as NaN: one draw in about 110 at a 151,936-token
+    vocabulary."""
+    return ((k >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def draw(probs: torch.Tensor, seed: torch.Tensor, index: torch.Tensor, stream: int = TOKEN) -> torch.Tensor:
     """One token per distribution: probs [R, ..., V], seed [R], index [R, ...] (the token's index in
     prompt + output) -> [R, ...] int64. An exponential race, argmax(p / E) with E ~ Exp(1) per entry,
     which picks token v with probability p_v (gpt-fast samples this way) and needs no host sync."""
-    e = -torch.log(uniforms(seed, index, stream, probs.shape[-1]))
+    # E > 0 always (uniforms < 1); the floor holds it so under any log a compiler emits: 0 / 0 is NaN, which
+    # argmax takes as the maximum, so a token of probability 0 would win
+    e = (-torch.log(uniforms(seed, index, stream, probs.shape[-1]))).clamp_min(1e-30)
     return (probs / e).argmax(dim=-1)
 
 

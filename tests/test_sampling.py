@@ -6,8 +6,8 @@ import torch
 
 from conftest import hf_greedy, hf_logits, new_runner, random_prompts
 from flashpd.engine.generate import NativeGenerator
-from flashpd.engine.sampling import (GREEDY_BELOW, TOP_P_MIN, SamplingParams, argmax_chunks, draw,
-                                    filtered_probs, greedy_tokens, probs_from_logits, sample_tokens)
+from flashpd.engine.sampling import (GREEDY_BELOW, TOKEN, TOP_P_MIN, SamplingParams, _key, _mix, argmax_chunks,
+                                    draw, filtered_probs, greedy_tokens, probs_from_logits, sample_tokens, unit)
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.scheduler import PromptTooLong, generate
 
@@ -199,6 +199,66 @@ def test_huge_temperature_is_near_uniform_and_tiny_is_argmax():
         assert sample_tokens(logits, torch.tensor([t]), torch.tensor([1.0]), one * 0, one, one).tolist() == [2]
         # sampled, not greedy, just above the bound: the one-hot distribution still gives the argmax
         assert sample_tokens(logits, torch.tensor([2e-5]), torch.tensor([1.0]), one * 0, one, one).tolist() == [2]
+
+
+def test_uniforms_stay_strictly_inside_zero_one():
+    """Every 32-bit key, the extremes included, maps to a float32 uniform in (0, 1) whose -log is finite and
+    positive: a uniform of exactly 1.0 made the exponential race divide by zero."""
+    k = torch.tensor([0, 1, 511, 512, (1 << 31), (1 << 32) - 513, (1 << 32) - 512, (1 << 32) - 1])
+    u = unit(k)
+    assert u.dtype == torch.float32 and bool((u > 0).all()) and bool((u < 1).all()), u.tolist()
+    e = -torch.log(u)
+    assert bool(torch.isfinite(e).all()) and bool((e > 0).all())
+    assert u[-1].item() == 1 - 2 ** -24 and u[0].item() == 2 ** -24
+    assert u[:3].unique().numel() == 1 and u[3] > u[2]  # 2**9 keys a cell, cells in order
+
+
+def test_a_token_of_probability_zero_is_never_drawn():
+    """A one-hot distribution (top-k 1 at any temperature, a residual with one survivor) draws its token for
+    every seed. Before uniforms were kept below 1.0, about one seed in 2,900 drew another token here (a
+    4,096-entry vocabulary; one in 110 at Qwen3's)."""
+    n, v = 20000, 4096
+    probs = torch.zeros(n, v)
+    probs[:, 7] = 1.0
+    seeds = torch.arange(n, dtype=torch.int64)
+    for index in (0, 1):
+        assert bool((draw(probs, seeds, torch.full((n,), index)) == 7).all())
+    one = torch.ones(n, dtype=torch.int64)  # the same through the filters: top_k 1 at a huge temperature
+    logits = torch.randn(n // 10, v, generator=torch.Generator().manual_seed(3))
+    r = logits.shape[0]
+    tok = sample_tokens(logits, torch.full((r,), 1e30), torch.ones(r), one[:r], seeds[:r], one[:r])
+    assert torch.equal(tok, logits.argmax(-1))
+
+
+def _seed_hitting_the_top_key(index: int, vocab: int, argmax: int) -> int:
+    """A seed whose draw at token `index` gives some entry other than `argmax` the largest 32-bit key (the one
+    whose uniform rounded to 1.0 before `unit`)."""
+    for start in range(0, 1 << 21, 1 << 13):
+        seeds = torch.arange(start, start + (1 << 13), dtype=torch.int64)
+        k = _key(seeds, torch.full_like(seeds, index), TOKEN)
+        k = _mix((k[:, None] + torch.arange(vocab) * 0x27D4EB2F) & 0xFFFFFFFF)
+        top = k >= (1 << 32) - 256
+        top[:, argmax] = False
+        hit = top.any(-1).nonzero()
+        if hit.numel():
+            return start + int(hit[0])
+    raise AssertionError("no seed found")
+
+
+def test_top_k_one_is_greedy_at_seeds_whose_draw_hits_the_top_key(ckpt):
+    """Through the generator (the prefill's draw, then the device loop's): top-k 1 at a huge temperature with
+    seeds chosen so that a draw meets the largest key at a token of probability 0, at the first token and at
+    the second. Each drew that token before `unit` kept every uniform below 1.0."""
+    hf, d = ckpt
+    prompt = random_prompts([11], hf.config.vocab_size, seed=41)[0]
+    ref = hf_greedy(hf, prompt, 3)
+    seeds = [_seed_hitting_the_top_key(len(prompt) + i, hf.config.vocab_size, ref[i]) for i in (0, 1)]
+    params = [SamplingParams(max_tokens=3, temperature=1e30, top_k=1, seed=sd, ignore_eos=True) for sd in seeds]
+    for s in _generate(d, [prompt, prompt], params):
+        assert s.output == ref, seeds
+    for sd in seeds:  # and alone (a batch of one)
+        assert _generate(d, [prompt], SamplingParams(max_tokens=3, temperature=1e30, top_k=1, seed=sd,
+                                                     ignore_eos=True))[0].output == ref, sd
 
 
 def test_extreme_temperatures_through_the_generator(ckpt):

@@ -3,6 +3,7 @@ Python exceptions that say what went wrong (the server's message names the bad f
 from __future__ import annotations
 
 import json
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -11,6 +12,8 @@ import grpc
 
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
+
+_FLOAT32_LARGEST = 3.4028234663852886e38  # float32's largest finite value
 
 PROTOCOL_VERSION = 1
 
@@ -111,6 +114,10 @@ def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "
     id, a negative block_size, text that is not UTF-8) raises ValueError naming the field: the client refuses it
     rather than truncate it or let protobuf's own error through."""
     req = pb.GenerateRequest(version=PROTOCOL_VERSION)
+    if isinstance(temperature, float) and math.isfinite(temperature):
+        # the field is float32: a finite temperature past its range samples as the largest (SamplingParams' rule),
+        # not as an infinity the server must refuse
+        temperature = min(temperature, _FLOAT32_LARGEST)
     fields = dict(max_tokens=max_tokens, method=method, block_size=block_size, temperature=temperature,
                   top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
     for name, value in fields.items():

@@ -312,7 +312,7 @@ class _State:
             if name in body and body[name] not in offs:
                 raise _bad(name, "is not supported by flashpd")
         lp = body.get("logprobs")
-        if not chat and isinstance(lp, int) and not isinstance(lp, bool):  # (chat's is a bool: false is off)
+        if not chat and isinstance(lp, (int, float)) and not isinstance(lp, bool):  # (chat's is a bool: false is off)
             # completions' logprobs is a count of alternatives, and 0 still asks for the chosen tokens' logprobs
             raise _bad("logprobs", f"is not supported by flashpd (got {lp}; 0 still asks for the chosen tokens')")
         n = _int(body, "n", 1)

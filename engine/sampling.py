@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,8 @@ from flashpd.engine import greedy_argmax
 # Temperatures below this are greedy decoding. Dividing float32 logits by a temperature this small
 # overflows (1e-38 gave inf - inf = NaN in the softmax and killed the engine loop), and below it a
 # sampled distribution is one-hot on the argmax anyway, up to near-ties (vLLM uses the same bound).
-GREEDY_BELOW = 1e-5
+GREEDY_BELOW = 1e-5  # compared in float32 everywhere (`SamplingParams.greedy`, the device's tensors)
+_GREEDY_BELOW_F32 = float(struct.unpack("f", struct.pack("f", GREEDY_BELOW))[0])
 SEED_RANGE = (-(1 << 63), 1 << 64)  # signed or unsigned 64-bit (half-open)
 TOP_K_MAX = (1 << 31) - 1  # top_k travels as int32; any value past the vocabulary means off
 TOP_P_MIN = 1.1754943508222875e-38  # float32's smallest normal: a smaller top_p rounds to 0 in float32
@@ -48,6 +50,12 @@ class SamplingParams:
             object.__setattr__(self, "top_p", TOP_P_MIN)
 
     def validate(self) -> None:
+        try:
+            self._validate()
+        except OverflowError as e:  # an int past float's range (10**400): a bad value, not a crash
+            raise ValueError(f"a sampling value is out of range: {e}") from None
+
+    def _validate(self) -> None:
         for name in ("max_tokens", "top_k", "seed"):  # a float here (2.5) used to pass and fail inside a step
             v = getattr(self, name)
             if not (v is None and name == "seed") and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
@@ -71,14 +79,20 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
+        """Greedy iff float32(temperature) < float32(GREEDY_BELOW): the test the device makes on its float32
+        tensors, and the one a temperature that crossed the wire as float32 gets again, so a row is greedy or
+        sampled alike on every path and in every batch."""
+        t = min(self.temperature, 1.0)  # anything >= 1 is sampled (and float32 cannot hold 1e39)
+        return struct.unpack("f", struct.pack("f", t))[0] < _GREEDY_BELOW_F32
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
                    filtered: bool = True) -> torch.Tensor:
     """Each row's filtered, renormalised distribution (float32): logits [R, ..., V]; temperature, top_p [R]
     float32 and top_k [R] int64, one request's parameters a row. The one definition every path samples from
-    (host and captured device step alike), vectorised so a row's result does not depend on its batch.
+    (host and captured device step alike), vectorised row by row. On a GPU the compiled step and the eager host
+    path round the softmax and its scan in their own orders, so top-p's last kept token can differ between them
+    in a row whose mass reaches top_p within those last bits (2 of 512 bf16 rows on an H100: docs/results.md).
 
     Valid at any temperature (one below GREEDY_BELOW counts as GREEDY_BELOW): the logits are shifted so
     their maximum is 0 before the division, so every score is finite or -inf and the top one is exactly 0
@@ -94,7 +108,9 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     if not filtered:
         return plain
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).view(shape)
-    ranked, order = scores.sort(dim=-1, descending=True)  # one sort serves both filters
+    # one sort serves both filters; stable, so top-p splits a group of equal logits the same way on every
+    # device (the lower ids first; CPU's default sort is not stable)
+    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
     kth = ranked.gather(-1, (k - 1).expand(*ranked.shape[:-1], 1))
     scores = scores.masked_fill(scores < kth, float("-inf"))  # top-k: ties with the k-th stay
     probs = torch.softmax((scores - scores.amax(dim=-1, keepdim=True)) / temp, dim=-1)
@@ -122,8 +138,10 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1
 # the vocabulary entry), not a draw from a stateful generator. So a token's draws do not depend on which
 # path, batch, step or retry computes it: the captured device step samples without a host round trip and
 # gives the stepwise loop's tokens, a preempted and recomputed row continues exactly as if undisturbed,
-# and a seeded request retried on another worker repeats itself. The hash is 32-bit arithmetic in int64
-# with multipliers below 2**31 (no overflow on any backend); its uniforms have 23 bits (see `unit`).
+# and a seeded request retried on another worker repeats itself: a native one always, a DFlash one at the same
+# draft widths (a token's value depends on where in a step it is verified, as a guess or as the token after the
+# accepted ones, and the width policy narrows steps as the batch grows: exact in distribution either way). The hash is 32-bit arithmetic in int64
+# with multipliers below 2**31 (no overflow on any backend); `unit` makes its uniforms.
 TOKEN, DRAFT, ACCEPT = 1, 2, 3  # streams: a token drawn from the target (or a residual), a draft guess, an accept test
 _M32 = 0xFFFFFFFF
 
@@ -148,30 +166,41 @@ def _key(seed: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tensor:
 
 
 def uniforms(seed: torch.Tensor, index: torch.Tensor, stream: int, vocab: int | None = None) -> torch.Tensor:
-    """Uniforms in (0, 1), float32: one per (row, index) [R, ...], or with `vocab` one per entry [R, ..., vocab]."""
+    """Uniforms in (0, 1), float32: one per (row, index) [R, ...], or with `vocab` one per entry [R, ..., vocab].
+
+    An entry's key is the row's key XOR a hash of the entry's id: the row's key plus id x constant (the first
+    form) made two rows' streams shifted copies of each other whenever their keys differed by d x constant,
+    |d| < V (7.6e-5 of index pairs at Qwen3's vocabulary: a draft guess and its residual draw then shared
+    their numbers)."""
     k = _key(seed, index, stream)
-    if vocab is not None:
-        v = torch.arange(vocab, dtype=torch.int64, device=k.device)
-        k = _mix((k[..., None] + v * 0x27D4EB2F) & _M32)
-    return unit(k)
+    return unit(k if vocab is None else entry_keys(k, vocab))
+
+
+def entry_keys(k: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each vocabulary entry's 32-bit key under row keys k [R, ...] -> [R, ..., vocab]."""
+    v = torch.arange(vocab, dtype=torch.int64, device=k.device)
+    return _mix(k[..., None] ^ _mix((v * 0x27D4EB2F + 0x165667B1) & _M32))
 
 
 def unit(k: torch.Tensor) -> torch.Tensor:
-    """32-bit keys -> float32 uniforms strictly inside (0, 1): the midpoints of 2**23 equal cells, each exact
-    in float32 (the largest is 1 - 2**-24). Midpoints of 2**24 cells were not: the top one rounded to 1.0,
-    whose -log is 0, so once in 2**24 entries the exponential race divided by zero and a token of probability 0
-    (top-k's or top-p's cut, a residual's zeros) won as NaN: one draw in about 110 at a 151,936-token
-    vocabulary."""
-    return ((k >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    """32-bit keys -> float32 uniforms in (0, 1): (k + 1/2) / 2**32, fine near 0 (2**-33 apart there) and at
+    most 1 - 2**-24. `draw` turns u into Exp(1) as -log1p(-u), so its small values are fine where the race
+    needs them: the least E is 1.2e-10, and ties between entries are about V / 2**32 rare.
+
+    Two earlier forms: midpoints of 2**24 cells, whose top one rounded to 1.0 (-log(1.0) = 0: the race took
+    0 / 0 = NaN for a token of probability 0, one draw in about 110 at Qwen3's 151,936 entries); then 2**23
+    cells with E = -log(u), whose least E of 6e-8 left tokens of probability below about 5e-8 almost never
+    drawn and made about one draw in 110 a tie that the lower id won."""
+    return ((k.float() + 0.5) * (1.0 / (1 << 32))).clamp_max(1.0 - 2.0 ** -24)
 
 
 def draw(probs: torch.Tensor, seed: torch.Tensor, index: torch.Tensor, stream: int = TOKEN) -> torch.Tensor:
     """One token per distribution: probs [R, ..., V], seed [R], index [R, ...] (the token's index in
     prompt + output) -> [R, ...] int64. An exponential race, argmax(p / E) with E ~ Exp(1) per entry,
     which picks token v with probability p_v (gpt-fast samples this way) and needs no host sync."""
-    # E > 0 always (uniforms < 1); the floor holds it so under any log a compiler emits: 0 / 0 is NaN, which
+    # E > 0 always (u > 0); the floor holds it so under any log1p a compiler emits: 0 / 0 is NaN, which
     # argmax takes as the maximum, so a token of probability 0 would win
-    e = (-torch.log(uniforms(seed, index, stream, probs.shape[-1]))).clamp_min(1e-30)
+    e = (-torch.log1p(-uniforms(seed, index, stream, probs.shape[-1]))).clamp_min(1e-30)
     return (probs / e).argmax(dim=-1)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashpd.engine.kv_cache import BlockTable
-from flashpd.engine.sampling import GREEDY_BELOW, SamplingParams
+from flashpd.engine.sampling import SamplingParams
 
 
 @dataclass
@@ -150,7 +150,7 @@ def row_params(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor
 
 def any_filtered(seqs: list[Sequence], vocab: int) -> bool:
     """Whether a sampled row asks for top-p or top-k (else filtered_probs may skip its sort)."""
-    return any(s.params.temperature >= GREEDY_BELOW and (s.params.top_p < 1.0 or 0 < s.params.top_k < vocab)
+    return any(not s.params.greedy and (s.params.top_p < 1.0 or 0 < s.params.top_k < vocab)
                for s in seqs)
 
 

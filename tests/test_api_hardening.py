@@ -87,8 +87,9 @@ def test_any_finite_temperature_is_served_and_the_server_lives(demo, method):
     for t in (1e-40, 1e-38, 1e-30, 1e-6, 9e-6):  # below 1e-5: greedy, seed or not
         assert client.generate_once(prompt, temperature=t, seed=7, **kw).token_ids == ref, t
         assert stream_chunks(client, prompt, temperature=t, **kw)[0] == ref, t
-    # huge: near-uniform sampling, still valid; top_k 1 (chosen on the logits) stays greedy even so
-    for t in (1e30, 3.0e38):
+    # huge: near-uniform sampling, still valid; top_k 1 (chosen on the logits) stays greedy even so. Past
+    # float32's range (1e300) the client sends float32's largest: the wire's float32 would make it inf, refused
+    for t in (1e30, 3.0e38, 1e300):
         out = client.generate_once(prompt, temperature=t, seed=3, **kw).token_ids
         assert len(out) == 10 and all(0 <= x < 4096 for x in out)
         assert client.generate_once(prompt, temperature=t, top_k=1, **kw).token_ids == ref

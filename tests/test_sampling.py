@@ -6,8 +6,8 @@ import torch
 
 from conftest import hf_greedy, hf_logits, new_runner, random_prompts
 from flashpd.engine.generate import NativeGenerator
-from flashpd.engine.sampling import (GREEDY_BELOW, TOKEN, TOP_P_MIN, SamplingParams, _key, _mix, argmax_chunks,
-                                    draw, filtered_probs, greedy_tokens, probs_from_logits, sample_tokens, unit)
+from flashpd.engine.sampling import (GREEDY_BELOW, TOP_P_MIN, SamplingParams, argmax_chunks, draw, entry_keys,
+                                    filtered_probs, greedy_tokens, probs_from_logits, sample_tokens, unit)
 from flashpd.engine.sequence import Sequence
 from flashpd.engine.scheduler import PromptTooLong, generate
 
@@ -201,22 +201,40 @@ def test_huge_temperature_is_near_uniform_and_tiny_is_argmax():
         assert sample_tokens(logits, torch.tensor([2e-5]), torch.tensor([1.0]), one * 0, one, one).tolist() == [2]
 
 
-def test_uniforms_stay_strictly_inside_zero_one():
-    """Every 32-bit key, the extremes included, maps to a float32 uniform in (0, 1) whose -log is finite and
-    positive: a uniform of exactly 1.0 made the exponential race divide by zero."""
+def test_uniforms_stay_inside_zero_one_and_are_fine_near_zero():
+    """Every 32-bit key maps to a float32 uniform in (0, 1) whose E = -log1p(-u) is finite and positive (a
+    uniform of 1.0 made the exponential race divide 0 by 0). Near 0, where the race's winners are, keys keep
+    their order and E is -log1p(-(k + 1/2) / 2**32): a coarser grid there (least E 6e-8) left tokens of probability
+    below about 5e-8 almost never drawn, and made ties that the lower id won."""
     k = torch.tensor([0, 1, 511, 512, (1 << 31), (1 << 32) - 513, (1 << 32) - 512, (1 << 32) - 1])
     u = unit(k)
     assert u.dtype == torch.float32 and bool((u > 0).all()) and bool((u < 1).all()), u.tolist()
-    e = -torch.log(u)
+    e = -torch.log1p(-u)
     assert bool(torch.isfinite(e).all()) and bool((e > 0).all())
-    assert u[-1].item() == 1 - 2 ** -24 and u[0].item() == 2 ** -24
-    assert u[:3].unique().numel() == 1 and u[3] > u[2]  # 2**9 keys a cell, cells in order
+    assert u[-1].item() == 1 - 2 ** -24 and u[0].item() == 2 ** -33
+    low = torch.arange(1 << 20)
+    e = -torch.log1p(-unit(low))
+    assert bool((e[1:] > e[:-1]).all())  # distinct and in order: no ties among the smallest keys
+    torch.testing.assert_close(e.double(), -torch.log1p(-(low.double() + 0.5) / 2 ** 32), rtol=1e-6, atol=0)
+
+
+def test_entry_streams_are_not_shifted_copies():
+    """Two row keys that differ by d times the entry constant gave the same entry keys shifted by d (a draft
+    guess and its residual draw could share their numbers). Now they share no more than chance does."""
+    k1 = torch.tensor([123456789])
+    for d in (1, 7, -86187):
+        k2 = (k1 + d * 0x27D4EB2F) & 0xFFFFFFFF
+        a, b = entry_keys(k1, 4096)[0], entry_keys(k2, 4096)[0]
+        shifted = a[max(d, 0):4096 + min(d, 0)] == b[max(-d, 0):4096 - max(d, 0)] if abs(d) < 4096 else None
+        if shifted is not None:
+            assert int(shifted.sum()) <= 2, d
+        assert len(set(a.tolist()) & set(b.tolist())) <= 3, d  # 4096**2 / 2**32 = 0.004 expected
 
 
 def test_a_token_of_probability_zero_is_never_drawn():
     """A one-hot distribution (top-k 1 at any temperature, a residual with one survivor) draws its token for
-    every seed. Before uniforms were kept below 1.0, about one seed in 2,900 drew another token here (a
-    4,096-entry vocabulary; one in 110 at Qwen3's)."""
+    every seed. When the top uniform rounded to 1.0, about one seed in 2,900 drew another token here (4,096
+    entries; one in 110 at Qwen3's)."""
     n, v = 20000, 4096
     probs = torch.zeros(n, v)
     probs[:, 7] = 1.0
@@ -230,35 +248,45 @@ def test_a_token_of_probability_zero_is_never_drawn():
     assert torch.equal(tok, logits.argmax(-1))
 
 
-def _seed_hitting_the_top_key(index: int, vocab: int, argmax: int) -> int:
-    """A seed whose draw at token `index` gives some entry other than `argmax` the largest 32-bit key (the one
-    whose uniform rounded to 1.0 before `unit`)."""
-    for start in range(0, 1 << 21, 1 << 13):
-        seeds = torch.arange(start, start + (1 << 13), dtype=torch.int64)
-        k = _key(seeds, torch.full_like(seeds, index), TOKEN)
-        k = _mix((k[:, None] + torch.arange(vocab) * 0x27D4EB2F) & 0xFFFFFFFF)
-        top = k >= (1 << 32) - 256
-        top[:, argmax] = False
-        hit = top.any(-1).nonzero()
-        if hit.numel():
-            return start + int(hit[0])
-    raise AssertionError("no seed found")
+def test_greedy_is_decided_in_float32_on_host_and_device():
+    """`SamplingParams.greedy` and the device's float32 test agree at and around the bound, so a row is greedy
+    or sampled alike whatever shares its batch and whichever path (the wire's float32 included) it took."""
+    bound = torch.tensor(GREEDY_BELOW, dtype=torch.float32).item()
+    ts = [0.0, 1e-40, 9.9999993e-06, 9.9999995e-06, 9.9999999e-06, bound, GREEDY_BELOW, 1.00000001e-05, 0.7, 3e38,
+          torch.nextafter(torch.tensor(bound), torch.tensor(0.0)).item()]
+    for t in ts:
+        device = bool(torch.tensor([t], dtype=torch.float32) < GREEDY_BELOW)
+        assert SamplingParams(temperature=t).greedy == device, t
+        wire = torch.tensor(t, dtype=torch.float32).item()  # what a float32 proto field carries
+        assert SamplingParams(temperature=wire).greedy == device, t
+    # a row on the bound's float32 side that float64 called greedy: sampled alone and beside a sampled row alike
+    t = 9.9999999e-06
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    seeds, index = torch.tensor([5, 6]), torch.tensor([10, 10])
+    for i in range(40):
+        alone = sample_tokens(logits[:1], torch.tensor([t]), torch.ones(1), torch.zeros(1, dtype=torch.int64),
+                              seeds[:1], index[:1] + i)
+        both = sample_tokens(logits, torch.tensor([t, 0.8]), torch.ones(2), torch.zeros(2, dtype=torch.int64),
+                             seeds, index + i)
+        assert alone[0] == both[0]
 
 
-def test_top_k_one_is_greedy_at_seeds_whose_draw_hits_the_top_key(ckpt):
-    """Through the generator (the prefill's draw, then the device loop's): top-k 1 at a huge temperature with
-    seeds chosen so that a draw meets the largest key at a token of probability 0, at the first token and at
-    the second. Each drew that token before `unit` kept every uniform below 1.0."""
-    hf, d = ckpt
-    prompt = random_prompts([11], hf.config.vocab_size, seed=41)[0]
-    ref = hf_greedy(hf, prompt, 3)
-    seeds = [_seed_hitting_the_top_key(len(prompt) + i, hf.config.vocab_size, ref[i]) for i in (0, 1)]
-    params = [SamplingParams(max_tokens=3, temperature=1e30, top_k=1, seed=sd, ignore_eos=True) for sd in seeds]
-    for s in _generate(d, [prompt, prompt], params):
-        assert s.output == ref, seeds
-    for sd in seeds:  # and alone (a batch of one)
-        assert _generate(d, [prompt], SamplingParams(max_tokens=3, temperature=1e30, top_k=1, seed=sd,
-                                                     ignore_eos=True))[0].output == ref, sd
+def test_top_p_splits_ties_by_id_on_every_device():
+    """Top-p keeps the lower ids of a group of equal logits it cuts (a stable sort), not whatever order the
+    device's sort left them in."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randint(0, 4, (64, 300), generator=g).float()  # many ties at every level
+    top_p = torch.rand(64, generator=g) * 0.9 + 0.05
+    p = filtered_probs(logits, torch.ones(64), top_p, torch.zeros(64, dtype=torch.int64))
+    for row, tp in zip(range(64), top_p.tolist()):
+        order = sorted(range(300), key=lambda i: (-logits[row, i].item(), i))
+        soft = torch.softmax(logits[row], -1).double()
+        mass, kept = 0.0, []
+        for i in order:
+            if mass < tp:
+                kept.append(i)
+            mass += soft[i].item()
+        assert sorted((p[row] > 0).nonzero().view(-1).tolist()) == sorted(kept), row
 
 
 def test_extreme_temperatures_through_the_generator(ckpt):

@@ -92,7 +92,10 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     float32 and top_k [R] int64, one request's parameters a row. The one definition every path samples from
     (host and captured device step alike), vectorised row by row. On a GPU the compiled step and the eager host
     path round the softmax and its scan in their own orders, so top-p's last kept token can differ between them
-    in a row whose mass reaches top_p within those last bits (2 of 512 bf16 rows on an H100: docs/results.md).
+    in a row whose mass reaches top_p within those last bits (10-15 of 512 bf16 rows on an H100; the eager path
+    gives a row the same set in any batch). Each token of a native row always takes the same path (its first
+    eagerly, the rest in the device step); a DFlash row's steps can move between them (a confidence cut's and an
+    undrafted step run eagerly), and its tokens already depend on its step widths (the randomness note below).
 
     Valid at any temperature (one below GREEDY_BELOW counts as GREEDY_BELOW): the logits are shifted so
     their maximum is 0 before the division, so every score is finite or -inf and the top one is exactly 0

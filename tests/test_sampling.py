@@ -229,6 +229,16 @@ def test_entry_streams_are_not_shifted_copies():
         if shifted is not None:
             assert int(shifted.sum()) <= 2, d
         assert len(set(a.tolist()) & set(b.tolist())) <= 3, d  # 4096**2 / 2**32 = 0.004 expected
+    # 100 random pairs and shifts: no entry lines up (XOR with id x constant, unhashed, left 7 a pair)
+    g = torch.Generator().manual_seed(2)
+    same = 0
+    for _ in range(100):
+        k1 = torch.randint(0, 1 << 32, (1,), generator=g)
+        d = int(torch.randint(-4095, 4096, (1,), generator=g))
+        a, b = entry_keys(k1, 4096)[0], entry_keys((k1 + d * 0x27D4EB2F) & 0xFFFFFFFF, 4096)[0]
+        lo, hi = max(d, 0), 4096 + min(d, 0)
+        same += int((a[lo:hi] == b[lo - d:hi - d]).sum())
+    assert same == 0
 
 
 def test_a_token_of_probability_zero_is_never_drawn():

@@ -122,6 +122,7 @@ class ChatTemplate:
         except (TypeError, KeyError, AttributeError, IndexError, ValueError) as e:
             raise ChatTemplateError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") \
                 from None
+        _check_rendered(messages, text)
         if continue_final_message:
             tag = _CONTINUE_TAG.strip()
             if tag not in text:
@@ -129,6 +130,23 @@ class ChatTemplate:
             at = text.rindex(tag)
             text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
         return text
+
+
+# Roles whose text a template may rewrite (an assistant turn's reasoning stripped, a tool result serialised): the
+# rest must appear in the prompt as sent (trimmed)
+_REWRITTEN_ROLES = ("assistant", "tool")
+
+
+def _check_rendered(messages: list[dict], text: str) -> None:
+    """A message the template left out is an error, not a silently shorter prompt: Qwen3's template renders only
+    system, user, assistant and tool turns, so a 'developer' message (newer OpenAI clients send one) vanished."""
+    for i, m in enumerate(messages):
+        c = m.get("content")
+        if m.get("role") in _REWRITTEN_ROLES or not isinstance(c, str) or not c.strip():
+            continue
+        if c.strip() not in text:
+            raise ChatTemplateError(f"the chat template left out messages[{i}] (role {m.get('role')!r}): this "
+                                    "model's template does not render that role here")
 
 
 def load_chat_template(model_dir: str | Path) -> tuple[ChatTemplate | None, str | None]:

@@ -310,6 +310,25 @@ def test_chat_template_renders_as_transformers():
         t.render([{"role": "tool", "content": "x"}])
 
 
+def test_a_message_the_template_leaves_out_is_an_error():
+    """Qwen3's template renders system, user, assistant and tool turns only: a 'developer' message vanished from
+    the prompt without a word. Now the render names it; assistant and tool turns, which templates rewrite, and
+    trimmed text are not flagged."""
+    from flashpd.cluster.chat_template import ChatTemplateError
+    tpl = ("{% for m in messages %}{% if m.role in ['system', 'user'] %}{{ '<|im_start|>' + m.role + '\n' + "
+           "m.content | trim + '<|im_end|>\n' }}{% elif m.role == 'assistant' %}{{ '<|im_start|>assistant\n' + "
+           "m.content.split('</think>')[-1] | trim + '<|im_end|>\n' }}{% elif m.role == 'tool' %}"
+           "{{ '<tool>' + m.content | tojson + '</tool>' }}{% endif %}{% endfor %}")
+    t = ChatTemplate(tpl, {})
+    ok = [{"role": "system", "content": "  be brief  "}, {"role": "user", "content": "hi"},
+          {"role": "assistant", "content": "<think>x</think> ok"}, {"role": "tool", "content": 'a "b"'},
+          {"role": "user", "content": "go"}]
+    assert "be brief" in t.render(ok)
+    for role in ("developer", "function", "User"):
+        with pytest.raises(ChatTemplateError, match=rf"messages\[1\] \(role '{role}'\)"):
+            t.render([{"role": "user", "content": "hi"}, {"role": role, "content": "answer in French"}])
+
+
 def test_http_load_tool_matches_grpc_load(server):
     from flashpd.bench.http_load import run_load_http
     from flashpd.bench.load_gen import run_load, summarize

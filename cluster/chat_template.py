@@ -145,8 +145,9 @@ def _check_rendered(messages: list[dict], text: str) -> None:
         if m.get("role") in _REWRITTEN_ROLES or not isinstance(c, str) or not c.strip():
             continue
         if c.strip() not in text:
+            hint = " (send a developer message as 'system')" if m.get("role") == "developer" else ""
             raise ChatTemplateError(f"the chat template left out messages[{i}] (role {m.get('role')!r}): this "
-                                    "model's template does not render that role here")
+                                    f"model's template does not render that role here{hint}")
 
 
 def load_chat_template(model_dir: str | Path) -> tuple[ChatTemplate | None, str | None]:

@@ -30,9 +30,9 @@ TOP_P_MIN = 1.1754943508222875e-38  # float32's smallest normal: a smaller top_p
 class SamplingParams:
     """What a request asks for. max_tokens counts every generated token, the first included.
 
-    temperature: any finite number >= 0. Below GREEDY_BELOW (1e-5), 0 included, the request is
-    greedy (argmax; top_p, top_k and seed are unused): `greedy` is the one test of that, which every
-    greedy-or-sampled branch reads. Otherwise tokens are drawn from softmax(logits / temperature)
+    temperature: any finite number >= 0. Below GREEDY_BELOW (1e-5; both as float32 holds them), 0 included,
+    the request is greedy (argmax; top_p, top_k and seed are unused): `greedy` is the one host test of that,
+    which every greedy-or-sampled branch reads, and the device's float32 test agrees with it. Otherwise tokens are drawn from softmax(logits / temperature)
     after top-k, then top-p filtering (top_p in (0, 1]; top_k 0 = off, >= the vocabulary = off).
 
     A top_p in (0, TOP_P_MIN) is TOP_P_MIN (float32 cannot hold it, and every top_p below the most likely

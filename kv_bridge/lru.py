@@ -8,8 +8,10 @@ parent, ... up to the chain's first held chunk) that lies in the list as one con
 Any number of runs are remembered, one per prompt touched in order, so touching a run's first key moves the
 whole stretch to the MRU end in O(1), and touching the next chunk of a run's prompt (a put or read in prompt
 order) inserts it just before its parent in O(1): prompts put or read side by side, chunk by chunk (two clients'
-streams, duplicate puts of two long chains in turn) stay O(1) a chunk. Only a touch in the middle of a run (a
-prefix of a longer chain) walks the chain once, and starts a run of its own."""
+streams, duplicate puts of two long chains in turn) stay O(1) a chunk. A touch inside a run (a chain read
+deepest-first, or two read so in turn) moves the stretch from it to the run's root, which is its chain, in one
+splice; the run is then cut there (`_Run.cut`). A walk is left for chains no run holds whole: a chunk put or
+read after its chain changed, a parent loop, a chunk put on a cut run's head (once: the walk makes a new run)."""
 from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
@@ -19,24 +21,28 @@ _MISSING = object()
 
 
 class _Node:
-    __slots__ = ("key", "value", "prev", "next", "run")
+    __slots__ = ("key", "value", "prev", "next", "run", "depth")
 
     def __init__(self, key: str, value: object) -> None:
         self.key, self.value = key, value
         self.prev: _Node | None = None
         self.next: _Node | None = None
-        self.run: _Run | None = None  # the run this node lies in, if that run is still live (ChainLRU._live)
+        self.run: _Run | None = None  # the run this node lies in, if it still does (ChainLRU._run_of)
+        self.depth = 0  # within its run: the root's + 1 a chunk toward the head
 
 
 class _Run:
     """A contiguous stretch head .. root of the list, each node's next its parent's node: the held chain of head.
-    head is None once the run is dead (a node left it in the middle, or the chains changed)."""
-    __slots__ = ("head", "root", "epoch")
+    head is None once the run is dead (a node left it in the middle, or the chains changed). `cut`: a touch
+    inside it moved head .. root away from the nodes that lay before head, which still name this run but deeper
+    than head: no longer members (ChainLRU._run_of), and the run grows no more at its head."""
+    __slots__ = ("head", "root", "epoch", "cut")
 
     def __init__(self, head: _Node, root: _Node, epoch: int) -> None:
         self.head: _Node | None = head
         self.root = root
         self.epoch = epoch
+        self.cut = False
 
 
 class ChainLRU(Generic[V]):
@@ -120,20 +126,28 @@ class ChainLRU(Generic[V]):
         n = self._nodes.get(key)
         if n is None:
             return
-        run = self._live(n.run)
+        run = self._run_of(n)
         if run is not None and run.head is n and self._closed(run, parent_of):
             self._to_end(run)
             return
+        if run is not None and self._ends(run, parent_of):
+            # n lies inside the run, and n .. root is its whole held chain, in order: that stretch moves to the MRU
+            # end in one splice (reads of a long chain deepest-first walked it once a key: O(N^2))
+            if run.root.next is not self._root:
+                self._splice_to_end(n, run.root)
+                run.head, run.cut = n, True
+            return
         parent = parent_of(key)
         pn = self._nodes.get(parent) if parent else None
-        prun = self._live(pn.run) if pn is not None else None
-        if prun is not None and prun is not run and prun.head is pn and self._closed(prun, parent_of):
+        prun = self._run_of(pn) if pn is not None else None
+        if prun is not None and prun is not run and prun.head is pn and not prun.cut and \
+                self._closed(prun, parent_of):
             if run is not None:  # n leaves a run it does not start (or one that no longer holds its chain)
                 run.head = None
             self._unlink(n)
             self._to_end(prun)
             self._link_before(n, pn)
-            prun.head, n.run = n, prun
+            prun.head, n.run, n.depth = n, prun, pn.depth + 1
             return
         self._walk(key, parent_of)
 
@@ -146,13 +160,26 @@ class ChainLRU(Generic[V]):
     def _live(self, run: _Run | None) -> _Run | None:
         return run if run is not None and run.head is not None and run.epoch == self._epoch else None
 
+    def _run_of(self, n: _Node) -> _Run | None:
+        """The live run n lies in, if any (a cut run's nodes deeper than its head no longer do)."""
+        run = self._live(n.run)
+        if run is not None and run.cut and n.depth > run.head.depth:
+            return None
+        return run
+
     def _closed(self, run: _Run, parent_of: Callable[[str], str]) -> bool:
         """Whether the run still ends where its head's chain does: its root's parent is not held (a prompt's
         first chunk, or one evicted), or lies in the run itself (a parent loop, where the walk stops too). A key
         inserted since may be that parent: then the chain is longer than the run and is walked again."""
         parent = parent_of(run.root.key)
         pn = self._nodes.get(parent) if parent else None
-        return pn is None or self._live(pn.run) is run
+        return pn is None or self._run_of(pn) is run
+
+    def _ends(self, run: _Run, parent_of: Callable[[str], str]) -> bool:
+        """Whether the run's root is where every member's chain ends: its parent is not held (in a parent loop the
+        chain of a member goes on past the root, into the run again)."""
+        parent = parent_of(run.root.key)
+        return not parent or parent not in self._nodes
 
     def _walk(self, key: str, parent_of: Callable[[str], str]) -> None:
         """Move key's held chain to the MRU end one node at a time; it becomes a run. Runs it cut are dropped."""
@@ -165,18 +192,22 @@ class ChainLRU(Generic[V]):
             k = parent_of(k)
         if not walk:  # key "" names no chunk
             return
-        run = _Run(walk[0], walk[-1], self._epoch)
-        for n in walk:
-            old = self._live(n.run)
+        for old in [self._run_of(n) for n in walk]:  # (membership reads depths: before they change)
             if old is not None:
                 old.head = None
+        run = _Run(walk[0], walk[-1], self._epoch)
+        for depth, n in enumerate(reversed(walk)):
             self._unlink(n)
+            n.run, n.depth = run, depth
+        for n in walk:
             self._link_before(n, self._root)
-            n.run = run
 
     def _to_end(self, run: _Run) -> None:
         """Splice the run's stretch to the MRU end: O(1). No other run lies inside it, so none is cut."""
-        first, last = run.head, run.root
+        self._splice_to_end(run.head, run.root)
+
+    def _splice_to_end(self, first: _Node, last: _Node) -> None:
+        """Move the stretch first .. last of the list to the MRU end: O(1)."""
         if last.next is self._root:
             return
         first.prev.next, last.next.prev = last.next, first.prev
@@ -187,7 +218,7 @@ class ChainLRU(Generic[V]):
     def _leave_run(self, n: _Node) -> None:
         """n leaves the index: its run keeps the rest when n is an end of it (an eviction takes a run's head, the
         least recent of it), else the run is dropped."""
-        run = self._live(n.run)
+        run = self._run_of(n)
         if run is None:
             return
         if run.head is n and run.root is not n:

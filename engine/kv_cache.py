@@ -28,7 +28,9 @@ class BlockTable:
 
 
 class BlockAllocator:
-    """A free list of block ids 1..num_blocks-1 (0 is scratch)."""
+    """A free list of block ids 1..num_blocks-1 (0 is scratch). It knows which blocks it handed out: giving back
+    one it did not (a block freed twice, the scratch block, an id out of range) raises before anything changes,
+    since two sequences sharing a block would read each other's KV silently."""
 
     def __init__(self, num_blocks: int, kv_block_size: int) -> None:
         if num_blocks < 2:
@@ -36,6 +38,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.kv_block_size = kv_block_size
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))
+        self._out = bytearray(num_blocks)  # 1: handed out (in some table)
 
     @property
     def num_free(self) -> int:
@@ -50,7 +53,9 @@ class BlockAllocator:
         if need > self.num_free:
             raise OutOfBlocks(f"need {need} KV blocks, {self.num_free} free")
         for _ in range(need):
-            table.blocks.append(self._free.pop())
+            b = self._free.pop()
+            self._out[b] = 1
+            table.blocks.append(b)
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Roll a sequence back to `num_tokens` valid positions and free the blocks past them.
@@ -60,15 +65,27 @@ class BlockAllocator:
         """
         if not 0 <= num_tokens <= table.num_tokens:
             raise ValueError(f"cannot truncate a sequence of {table.num_tokens} tokens to {num_tokens}")
-        table.num_tokens = num_tokens
         keep = math.ceil(num_tokens / self.kv_block_size)
-        while len(table.blocks) > keep:
-            self._free.append(table.blocks.pop())
+        self._give_back(table.blocks[keep:])
+        table.num_tokens = num_tokens
+        del table.blocks[keep:]
 
     def free(self, table: BlockTable) -> None:
-        self._free.extend(reversed(table.blocks))
+        self._give_back(table.blocks)
         table.blocks.clear()
         table.num_tokens = 0
+
+    def _give_back(self, blocks: list[int]) -> None:
+        """Blocks back to the free list (the last first, so the next ensure takes them back in order)."""
+        for b in blocks:
+            if not (0 < b < self.num_blocks and self._out[b]):
+                raise RuntimeError(f"KV block {b} was not handed out (freed twice, or not this allocator's): "
+                                   f"{len(blocks)} blocks given back, none freed")
+        if len(set(blocks)) != len(blocks):
+            raise RuntimeError(f"a block table holds a KV block twice: {sorted(blocks)}")
+        for b in reversed(blocks):
+            self._out[b] = 0
+            self._free.append(b)
 
 
 class PagedKVCache:

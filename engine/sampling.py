@@ -48,6 +48,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if 0 < self.top_p < TOP_P_MIN:
             object.__setattr__(self, "top_p", TOP_P_MIN)
+        object.__setattr__(self, "_greedy", _greedy(self.temperature))  # read on every step of every row
 
     def validate(self) -> None:
         try:
@@ -82,8 +83,15 @@ class SamplingParams:
         """Greedy iff float32(temperature) < float32(GREEDY_BELOW): the test the device makes on its float32
         tensors, and the one a temperature that crossed the wire as float32 gets again, so a row is greedy or
         sampled alike on every path and in every batch."""
-        t = min(self.temperature, 1.0)  # anything >= 1 is sampled (and float32 cannot hold 1e39)
+        return self._greedy
+
+
+def _greedy(temperature: object) -> bool:
+    try:
+        t = min(temperature, 1.0)  # anything >= 1 is sampled (and float32 cannot hold 1e39)
         return struct.unpack("f", struct.pack("f", t))[0] < _GREEDY_BELOW_F32
+    except (TypeError, OverflowError):  # not a number (validate() says so): no row is built from it
+        return False
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,

@@ -93,9 +93,8 @@ def test_same_order_and_eviction_rule_as_the_walk(seed):
     assert [(k, lru[k]) for k in lru] == list(ref.items())
 
 
-def test_in_order_put_and_read_cost_o1_a_chunk():
-    """Counted in parent lookups, not timed: a 4,000-chunk prompt put in order, read in order, put again as
-    duplicates, and a second prompt sharing its first half."""
+def _counted_parents():
+    """(parent map, [lookups], parent_of counting its calls): costs counted in lookups, not timed."""
     parent: dict[str, str] = {}
     calls = [0]
 
@@ -103,6 +102,13 @@ def test_in_order_put_and_read_cost_o1_a_chunk():
         calls[0] += 1
         return parent.get(k, "")
 
+    return parent, calls, parent_of
+
+
+def test_in_order_put_and_read_cost_o1_a_chunk():
+    """Counted in parent lookups, not timed: a 4,000-chunk prompt put in order, read in order, put again as
+    duplicates, and a second prompt sharing its first half."""
+    parent, calls, parent_of = _counted_parents()
     lru: ChainLRU[int] = ChainLRU()
     n = 4000
     for i in range(n):
@@ -122,13 +128,7 @@ def test_a_chain_read_deepest_first_costs_o1_a_chunk():
     """A Get naming a long chain's keys deepest-first (every other one) walked the chain once a key under the
     store's lock: 26.6 ms a key at 64,000 chunks. After the first walk each key lies inside a run, and its
     stretch to the root is its chain, already in place or moved in one splice. Same order as the walk."""
-    parent: dict[str, str] = {}
-    calls = [0]
-
-    def parent_of(k: str) -> str:
-        calls[0] += 1
-        return parent.get(k, "")
-
+    parent, calls, parent_of = _counted_parents()
     lru: ChainLRU[int] = ChainLRU()
     ref: OrderedDict[str, int] = OrderedDict()
     n = 4000

@@ -124,7 +124,9 @@ def pool_sample(pool_size: int, n: int, seed: int, level: int) -> list[int]:
     return out
 
 
-_ANNOUNCED = re.compile(r"(http|listening) on (\S+:\d+)\s*$")  # only serve prints these to its stdout
+# only serve prints these to its stdout. Under Ray a forwarded actor log line can land on either side of one: before
+# it (a copy that lacked its newline) or between it and its newline (print writes the text, then the newline)
+_ANNOUNCED = re.compile(r"(http|listening) on (\S+:\d+)(?!\d)")
 
 
 class ServeProcess:

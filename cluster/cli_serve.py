@@ -60,6 +60,13 @@ def add_client(sub: argparse._SubParsersAction, prompt_ids) -> None:
                    help="print text (or token ids) as they arrive, then the result as JSON")
 
 
+def _announce(line: str) -> None:
+    """One line, text and newline in one write: a launcher reads these, and under Ray the driver's copies of its
+    actors' logs share this stdout (print writes the newline apart, and a copy landed in between once)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt("SIGTERM while the service started")
 
@@ -89,10 +96,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     if svc.metrics_address:
-        print(f"metrics on {svc.metrics_address}", flush=True)
+        _announce(f"metrics on {svc.metrics_address}")
     if svc.http_address:
-        print(f"http on {svc.http_address}", flush=True)
-    print(f"listening on {svc.address}", flush=True)
+        _announce(f"http on {svc.http_address}")
+    _announce(f"listening on {svc.address}")
     while not done.wait(1.0) and svc.alive:
         pass
     svc.stop()

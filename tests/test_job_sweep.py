@@ -252,3 +252,7 @@ def test_the_serve_address_is_found_inside_a_forwarded_log_line():
     assert _ANNOUNCED.search(line).groups() == ("listening", "127.0.0.1:33909")
     assert _ANNOUNCED.search("http on 127.0.0.1:8000\n").groups() == ("http", "127.0.0.1:8000")
     assert _ANNOUNCED.search("metrics on 127.0.0.1:9\n") is None
+    # and one that landed between "listening on ..." and its newline (print writes them apart: a CI failure too)
+    line = "listening on 127.0.0.1:40445\x1b[36m(WorkerActor pid=22539)\x1b[0m 2026-12-06 12:00:49,034 prefill INFO\n"
+    assert _ANNOUNCED.search(line).groups() == ("listening", "127.0.0.1:40445")
+    assert _ANNOUNCED.search("listening on [::1]:50051\n").groups() == ("listening", "[::1]:50051")

@@ -254,9 +254,12 @@ def check_identity(h: dict) -> None:
         raise CorruptChunk("chunk header token_ids is not a list of token ids")
 
 
+MAX_DIM = 1 << 31  # past any real layout; a chunk of no bytes with larger dims passed, and torch could not stride it
+
+
 def _check_shape(shape: object, name: str, n_tokens: int) -> None:
-    if type(shape) is not list or len(shape) != 5 or not all(type(d) is int and d >= 0 for d in shape):
-        raise CorruptChunk(f"chunk header {name} is not 5 non-negative integers")
+    if type(shape) is not list or len(shape) != 5 or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape):
+        raise CorruptChunk(f"chunk header {name} is not 5 integers in [0, 2**31)")
     if shape[1] != 2 or shape[2] != n_tokens:
         raise CorruptChunk(f"chunk header {name} is not [layers, 2, {n_tokens} tokens, kv_heads, head_dim]")
 

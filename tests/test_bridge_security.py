@@ -258,6 +258,9 @@ def _cases(setup, secret: ClusterSecret) -> list[tuple[str, str, int, str, bytes
     key, h = header(i)
     add("truncated", "put", i, key, seal(h, full, secret)[:-100])
     i += 1
+    key, h = header(i, target_shape=[0, 2, t[2], 1 << 62, 1 << 62])  # no bytes, but no tensor can take its strides
+    add("dimension past 2**31", "put", i, key, seal(h, payload([d]), secret))
+    i += 1
     key, h = header(i)
     add("zeroed K/V under another key", "put", i, key, seal(h, bytes(len(full)), ClusterSecret.generate()))
     i += 1

@@ -32,8 +32,9 @@ class SamplingParams:
 
     temperature: any finite number >= 0. Below GREEDY_BELOW (1e-5; both as float32 holds them), 0 included,
     the request is greedy (argmax; top_p, top_k and seed are unused): `greedy` is the one host test of that,
-    which every greedy-or-sampled branch reads, and the device's float32 test agrees with it. Otherwise tokens are drawn from softmax(logits / temperature)
-    after top-k, then top-p filtering (top_p in (0, 1]; top_k 0 = off, >= the vocabulary = off).
+    which every greedy-or-sampled branch reads, and the device's float32 test agrees with it. Otherwise tokens
+    are drawn from softmax(logits / temperature) after top-k, then top-p filtering (top_p in (0, 1]; top_k 0 =
+    off, >= the vocabulary = off).
 
     A top_p in (0, TOP_P_MIN) is TOP_P_MIN (float32 cannot hold it, and every top_p below the most likely
     token's probability keeps that token alone: the same distribution)."""
@@ -151,8 +152,9 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1
 # gives the stepwise loop's tokens, a preempted and recomputed row continues exactly as if undisturbed,
 # and a seeded request retried on another worker repeats itself: a native one always, a DFlash one at the same
 # draft widths (a token's value depends on where in a step it is verified, as a guess or as the token after the
-# accepted ones, and the width policy narrows steps as the batch grows: exact in distribution either way). The hash is 32-bit arithmetic in int64
-# with multipliers below 2**31 (no overflow on any backend); `unit` makes its uniforms.
+# accepted ones, and the width policy narrows steps as the batch grows: exact in distribution either way). The
+# hash is 32-bit arithmetic in int64 with multipliers below 2**31 (no overflow on any backend); `unit` makes its
+# uniforms.
 TOKEN, DRAFT, ACCEPT = 1, 2, 3  # streams: a token drawn from the target (or a residual), a draft guess, an accept test
 _M32 = 0xFFFFFFFF
 

@@ -9,9 +9,9 @@ Any number of runs are remembered, one per prompt touched in order, so touching 
 whole stretch to the MRU end in O(1), and touching the next chunk of a run's prompt (a put or read in prompt
 order) inserts it just before its parent in O(1): prompts put or read side by side, chunk by chunk (two clients'
 streams, duplicate puts of two long chains in turn) stay O(1) a chunk when they share no held prefix. (Two that
-share one, put side by side, walk that prefix a chunk: one run cannot hold it for both.) A touch inside a run (a chain read
-deepest-first, or two read so in turn) moves the stretch from it to the run's root, which is its chain, in one
-splice; the run is then cut there (`_Run.cut`). A walk is left for chains no run holds whole: a chunk put or
+share one, put side by side, walk that prefix a chunk: one run cannot hold it for both.) A touch inside a run (a
+chain read deepest-first, or two read so in turn) moves the stretch from it to the run's root, which is its chain,
+in one splice; the run is then cut there (`_Run.cut`). A walk is left for chains no run holds whole: a chunk put or
 read after its chain changed, a parent loop, a chunk put on a cut run's head (once: the walk makes a new run)."""
 from __future__ import annotations
 

@@ -160,7 +160,9 @@ def fingerprint(cfg, llm) -> str:
     from flashpd.kv_bridge.keys import MethodFingerprint, weights_identity  # noqa: PLC0415
 
     taps = tuple(llm.drafter.cfg.target_layer_ids) if llm.drafter is not None else ()
-    return MethodFingerprint(weights_identity(cfg.target), weights_identity(cfg.draft) if cfg.draft else "none",
+    target = weights_identity(cfg.target, loaded=llm.target_stamps or None)  # of the files loaded, or refused
+    draft = weights_identity(cfg.draft, loaded=llm.draft_stamps or None) if cfg.draft else "none"
+    return MethodFingerprint(target, draft,
                              taps, str(llm.dtype).removeprefix("torch."),
                              draft_quantization=(cfg.draft_quantization or "none") if cfg.draft else "none").digest()
 

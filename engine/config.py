@@ -70,8 +70,7 @@ class Qwen3Config(HeadGeometry):
                                   f"{MAX_POSITIONS} (flashpd builds RoPE tables of that many rows at load)")
         positive_numbers(d, ("rms_norm_eps",), source)
         booleans(d, ("tie_word_embeddings",), source)
-        if d.get("attention_bias"):
-            raise CheckpointError(f"{source}: attention_bias=true is not supported (Qwen3 has none)")
+        check_math(d, source)
         theta = rope_theta_of(d, source)
         layer_types = d.get("layer_types") or []
         if (d.get("use_sliding_window") and d.get("sliding_window")) or "sliding_attention" in layer_types:
@@ -98,18 +97,45 @@ class Qwen3Config(HeadGeometry):
 
 
 def rope_theta_of(d: dict[str, Any], source: str) -> float:
-    """rope_theta from a config of either transformers generation (top level, or rope_parameters)."""
-    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        rope = {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise CheckpointError(f"{source}: rope scaling {rope_type!r} is not supported")
-    theta = d.get("rope_theta")
-    if theta is None:
-        theta = rope.get("rope_theta", 10_000.0)  # transformers' Qwen3Config default
-    positive_numbers({"rope_theta": theta}, ("rope_theta",), source)
-    return float(theta)
+    """rope_theta from a config of either transformers generation (top level, or rope_parameters). Anything this
+    engine would compute differently from transformers is refused, never read past: a scaling in either field, a
+    field that is not an object, two thetas that disagree (transformers 5 takes rope_parameters', older ones the top
+    level's)."""
+    ropes = []
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = d.get(name)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise CheckpointError(f"{source}: {name} must be a JSON object, got {rope!r}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise CheckpointError(f"{source}: rope scaling {rope_type!r} is not supported")
+        ropes.append(rope)
+    thetas = [t for t in (d.get("rope_theta"), *(r.get("rope_theta") for r in ropes)) if t is not None]
+    positive_numbers({f"rope_theta_{i}": t for i, t in enumerate(thetas)}, tuple(f"rope_theta_{i}" for i in
+                                                                                range(len(thetas))), source)
+    if len({float(t) for t in thetas}) > 1:
+        raise CheckpointError(f"{source}: rope_theta values disagree ({thetas}): which one the checkpoint was trained "
+                              f"with is ambiguous")
+    return float(thetas[0]) if thetas else 10_000.0  # transformers' Qwen3Config default
+
+
+def check_math(d: dict[str, Any], source: str) -> None:
+    """Fields that would change a Qwen3 layer's arithmetic from what this engine computes: refused by name, never
+    loaded as if absent (the output would differ from transformers' with nothing said)."""
+    act = d.get("hidden_act")
+    if act not in (None, "silu"):
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (Qwen3's MLP is SwiGLU: 'silu')")
+    prf = d.get("partial_rotary_factor")
+    if prf is not None and prf != 1:
+        raise CheckpointError(f"{source}: partial_rotary_factor {prf!r} is not supported (RoPE over the whole head)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if d.get(flag) not in (None, False):
+            raise CheckpointError(f"{source}: {flag}={d[flag]!r} is not supported (Qwen3's projections have no bias)")
+    if d.get("quantization_config") is not None:
+        raise CheckpointError(f"{source}: quantized checkpoints (quantization_config) are not supported; give "
+                              f"bf16, fp16 or fp32 weights")
 
 
 def architectures_of(d: dict[str, Any], source: str) -> list[str]:
@@ -126,6 +152,8 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
         d = json.loads(Path(path).read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a directory, no permission
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
     if not isinstance(d, dict):
         raise CheckpointError(f"{path}: must hold a JSON object, got {type(d).__name__}")
     return d
@@ -172,6 +200,12 @@ def token_ids(v: Any, source: str, vocab_size: int | None = None, name: str = "e
     return tuple(ids)
 
 
+def require_file(f: Path, model_dir: str | Path) -> None:
+    """A checkpoint's config.json exists, else the error that says what the directory is not."""
+    if not f.exists():
+        raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+
+
 def builtin_config_path(name: str) -> Path:
     """Path of a config shipped as data (qwen3-4b, qwen3-8b, qwen3-32b)."""
     key = name.lower()
@@ -187,8 +221,7 @@ def load_config(model_dir: str | Path) -> Qwen3Config:
         cfg_file, gen_file = p, None
     else:
         cfg_file, gen_file = p / "config.json", p / "generation_config.json"
-    if not cfg_file.exists():
-        raise CheckpointError(f"{p}: no config.json (is this a Hugging Face model directory?)")
+    require_file(cfg_file, p)
     d = read_json_object(cfg_file)
     eos_source = None
     if gen_file is not None and gen_file.exists():

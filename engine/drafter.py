@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from flashpd.engine.attention import gather_kv, group_mask, group_queries, grouped_attention, out_proj, \
     paged_applies
 from flashpd.engine.config import CheckpointError, HeadGeometry, architectures_of, positive_ints, positive_numbers, \
-    read_json_object, rope_theta_of
+    check_math, read_json_object, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
 from flashpd.engine.loader import check_checkpoint, fill_from_checkpoint, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, fused_attn_inputs, fused_layer, \
@@ -86,6 +86,7 @@ class DFlashConfig(HeadGeometry):
                                                                          not isinstance(i, bool) for i in ids)):
             raise CheckpointError(f"{source}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
         positive_numbers(d, ("rms_norm_eps",), source)
+        check_math(d, source)
         scales = {k: pick(k) for k in ("input_embedding_scale", "output_multiplier")}
         scales["final_logit_softcapping"] = pick("final_logit_softcapping") or None  # 0: no softcap
         positive_numbers(scales, tuple(scales), source)  # a string: a bare float() error; a sign: garbage drafts

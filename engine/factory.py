@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashpd.engine.generate import NativeGenerator
-from flashpd.engine.loader import load_target
+from flashpd.engine.loader import Stamps, checkpoint_stamps, load_target, loaded_unchanged
 from flashpd.engine.runner import ModelRunner, RunnerConfig
 from flashpd.engine.tokenizer import TextTokenizer
 
@@ -65,6 +65,10 @@ class EngineParts:
     drafter: DFlashDrafter | None
     runner: ModelRunner
     generator: NativeGenerator  # a DFlashGenerator when there is a drafter
+    # the target's and drafter's files as they were when loaded (loader.checkpoint_stamps; () for none): a cache
+    # identity hashed later must be of these files, not of a checkpoint rewritten since
+    target_stamps: Stamps = ()
+    draft_stamps: Stamps = ()
 
 
 def load_engine(target: str | Path, draft: str | Path | None = None, device: str | None = None,
@@ -98,6 +102,8 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
         raise ValueError("a draft quantization needs method 'dflash' and a drafter")
     if draft_quantization not in (None, "fp8"):
         raise ValueError(f"draft quantization must be 'fp8' or unset, got {draft_quantization!r}")
+    target_stamps = checkpoint_stamps(target) if Path(target).is_dir() else ()
+    draft_stamps = checkpoint_stamps(draft) if method == "dflash" and Path(draft).is_dir() else ()
     model = load_target(target, dev, dt)
     tokenizer = TextTokenizer.from_dir(target)
     stop_ids = model.cfg.eos_token_ids
@@ -123,4 +129,9 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
         generator = DFlashGenerator(runner, drafter, stop_ids, draft_width, width_policy=width_policy)
     else:
         generator = NativeGenerator(runner, stop_ids)
-    return EngineParts(dev, dt, method, draft_width, model, tokenizer, stop_ids, drafter, runner, generator)
+    if target_stamps:  # after the whole load: a file rewritten meanwhile may have given tensors of two versions
+        loaded_unchanged(target, target_stamps)
+    if draft_stamps:
+        loaded_unchanged(draft, draft_stamps)
+    return EngineParts(dev, dt, method, draft_width, model, tokenizer, stop_ids, drafter, runner, generator,
+                       target_stamps, draft_stamps)

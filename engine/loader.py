@@ -6,13 +6,14 @@ parameter slice, so host memory never holds a second full copy of the model.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 
-from flashpd.engine.config import CheckpointError, Qwen3Config, load_config, read_json_object
+from flashpd.engine.config import CheckpointError, Qwen3Config, load_config, read_json_object, require_file
 from flashpd.engine.qwen3 import Qwen3ForCausalLM
 
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})  # safetensors' names of the dtypes a weight may have
@@ -37,6 +38,31 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{model_dir}: no model.safetensors, no index, no *.safetensors files")
     return files
+
+
+Stamps = tuple[tuple[str, int, int, int, int], ...]
+
+
+def checkpoint_stamps(model_dir: str | Path) -> Stamps:
+    """(name, size, mtime, ctime, inode) of config.json and each weight file the loader reads: a file rewritten in
+    place moves its ctime whatever else it keeps (cp -p, tar -x and rsync -t set mtimes; no caller can set ctime).
+    What a load is checked against (`loaded_unchanged`) and what the cache's weights identity is kept under."""
+    d = Path(model_dir).resolve()
+    require_file(d / "config.json", model_dir)
+    files = [d / "config.json", *safetensors_files(d)]
+    try:
+        return tuple((os.path.relpath(f, d), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                     for f in files for st in (f.stat(),))
+    except OSError as e:  # no config.json, or a shard removed between the listing and its stat
+        raise CheckpointError(f"{d}: cannot read {e.filename}: {e.strerror}") from None
+
+
+def loaded_unchanged(model_dir: str | Path, before: Stamps) -> None:
+    """Refuse a load during which the checkpoint's files changed: its tensors may mix two versions, and the
+    prefix cache would key this process's KV to weights it does not hold."""
+    if checkpoint_stamps(model_dir) != before:
+        raise CheckpointError(f"{model_dir}: the checkpoint's files changed while it was loaded; load it again once "
+                              f"it is completely written")
 
 
 def iter_safetensors(files: list[Path], device: str) -> Iterator[tuple[str, Callable[[], torch.Tensor], list[int]]]:

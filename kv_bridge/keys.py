@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import mmap
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -49,7 +48,7 @@ _IDENTITIES: dict[str, tuple[tuple, str]] = {}
 _IDENTITIES_LOCK = threading.Lock()
 
 
-def weights_identity(model_dir: str | Path) -> str:
+def weights_identity(model_dir: str | Path, loaded: tuple | None = None) -> str:
     """A content identity of a checkpoint directory: config.json and every byte of each weight file the loader reads.
 
     Exactly the loader's files (engine/loader.safetensors_files: the shards model.safetensors.index.json names,
@@ -58,16 +57,19 @@ def weights_identity(model_dir: str | Path) -> str:
     cache entries be restored as the other's. Every byte, because a sampled identity lets a checkpoint changed
     between its samples (a drafter fine-tuned in part) share keys with the one before it. BLAKE3 over a memory map on
     all cores: a 16 GB model hashes in about the time one read of it takes (the loader's read finds it in the page
-    cache). Kept per process, keyed by each file's size, mtime, ctime and inode: ctime because a file rewritten in
-    place can keep its size, inode and mtime (cp -p, tar -x and rsync -t set mtimes), while any change of a file's
-    bytes or stamps moves its ctime, which no caller can set."""
-    from flashpd.engine.loader import safetensors_files  # noqa: PLC0415  (torch: only where identities are made)
+    cache). Kept per process, keyed by the files' stamps (loader.checkpoint_stamps).
+
+    `loaded`: the stamps the process's weights were loaded at (EngineParts.target_stamps). The identity is of those
+    files or refused: a checkpoint rewritten after the load would otherwise key this process's KV to weights it does
+    not hold, and every worker loading the new files would restore that KV as theirs."""
+    from flashpd.engine.config import CheckpointError  # noqa: PLC0415  (torch: only where identities are made)
+    from flashpd.engine.loader import checkpoint_stamps  # noqa: PLC0415
 
     d = Path(model_dir).resolve()
-    files = [d / "config.json", *safetensors_files(d)]
-    names = [os.path.relpath(f, d) for f in files]
-    stamps = tuple((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-                   for name, f in zip(names, files) for st in (f.stat(),))
+    stamps = checkpoint_stamps(d)
+    if loaded is not None and stamps != loaded:
+        raise CheckpointError(f"{d}: the checkpoint's files changed after this process loaded them; its KV cannot be "
+                              f"keyed to them (restart the worker to serve the new weights)")
     with _IDENTITIES_LOCK:
         held = _IDENTITIES.get(str(d))
     if held is not None and held[0] == stamps:
@@ -75,14 +77,20 @@ def weights_identity(model_dir: str | Path) -> str:
     t0 = time.perf_counter()
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     total = 0
-    for f, (name, size, *_) in zip(files, stamps):
-        raw = name.encode()  # a top-level file's name as before: identities of plain checkpoints are unchanged
-        h.update(len(raw).to_bytes(8, "little") + raw + size.to_bytes(8, "little"))
-        if size == 0:
-            continue
-        with f.open("rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
-            h.update(mm)
-        total += size
+    try:
+        for name, size, *_ in stamps:
+            raw = name.encode()  # a top-level file's name as before: identities of plain checkpoints are unchanged
+            h.update(len(raw).to_bytes(8, "little") + raw + size.to_bytes(8, "little"))
+            if size == 0:
+                continue
+            with (d / name).open("rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                h.update(mm)
+            total += size
+    except (OSError, ValueError):  # a file removed or cut short since its stat (mmap past its end)
+        stamps = ()
+    if checkpoint_stamps(d) != stamps:  # bytes of two versions were hashed
+        raise CheckpointError(f"{d}: the checkpoint's files changed while they were hashed; start again once they "
+                              f"are completely written")
     digest = h.hexdigest()
     log.info("weights identity of %s: %.2f GB hashed in %.1f s", d.name, total / 1e9, time.perf_counter() - t0)
     with _IDENTITIES_LOCK:

@@ -106,6 +106,74 @@ def test_the_identity_cache_keeps_one_entry_per_directory(tmp_path):
     assert len(keys_mod._IDENTITIES) - n0 <= 1
 
 
+def _touch_weights(d: Path) -> None:
+    """Rewrite model.safetensors with its own bytes: a new ctime, the same content (a copy of the same checkpoint)."""
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    path = d / "model.safetensors"
+    path.write_bytes(path.read_bytes())
+
+
+def test_a_checkpoint_changed_after_the_load_has_no_identity_for_this_process(make_checkpoint, tmp_path):
+    """The identity is hashed lazily (when a cache needs it), so a checkpoint updated in place after a worker loaded
+    it would otherwise be hashed as the new files: the worker's KV, made by the old weights, keyed to the new ones,
+    and restored by every worker that loads them. Hashed against the stamps the load recorded, it is refused."""
+    from flashpd.engine.config import CheckpointError
+    from flashpd.engine.factory import load_engine
+
+    _, src = make_checkpoint()
+    d = Path(shutil.copytree(src, tmp_path / "ckpt"))
+    parts = load_engine(d, device="cpu", kv_cache_tokens=256)
+    assert parts.target_stamps and parts.draft_stamps == ()
+    assert weights_identity(d, loaded=parts.target_stamps) == weights_identity(d)  # unchanged: the same identity
+    _touch_weights(d)
+    with pytest.raises(CheckpointError, match="changed after this process loaded them"):
+        weights_identity(d, loaded=parts.target_stamps)
+    weights_identity(d)  # a process that loads the files now may hash them
+
+
+def test_a_checkpoint_changed_during_the_load_is_refused(make_checkpoint, tmp_path, monkeypatch):
+    """Files rewritten while their tensors are read may give a model of two versions: the load fails, named."""
+    from flashpd.engine import factory
+    from flashpd.engine.config import CheckpointError
+
+    _, src = make_checkpoint()
+    d = Path(shutil.copytree(src, tmp_path / "ckpt"))
+    real = factory.load_target
+
+    def load_then_rewrite(*a, **k):
+        model = real(*a, **k)
+        _touch_weights(d)
+        return model
+
+    monkeypatch.setattr(factory, "load_target", load_then_rewrite)
+    with pytest.raises(CheckpointError, match="changed while it was loaded"):
+        factory.load_engine(d, device="cpu", kv_cache_tokens=256)
+
+
+def test_a_checkpoint_changed_while_it_is_hashed_has_no_identity(make_checkpoint, tmp_path, monkeypatch):
+    """The stamps are read again after the hash: bytes of two versions never make an identity."""
+    from flashpd.engine import loader
+    from flashpd.engine.config import CheckpointError
+
+    _, src = make_checkpoint()
+    d = Path(shutil.copytree(src, tmp_path / "ckpt"))
+    real, calls = loader.checkpoint_stamps, []
+
+    def stamps_then_rewrite(model_dir):
+        calls.append(model_dir)
+        out = real(model_dir)
+        if len(calls) == 1:  # after the first stat, before the hash's bytes are read
+            _touch_weights(d)
+        return out
+
+    monkeypatch.setattr(loader, "checkpoint_stamps", stamps_then_rewrite)
+    with pytest.raises(CheckpointError, match="changed while they were hashed"):
+        weights_identity(d)
+    assert len(calls) == 2
+    monkeypatch.setattr(loader, "checkpoint_stamps", real)
+    assert weights_identity(d) == weights_identity(src)  # the same bytes: the same identity once it is still
+
+
 def test_the_paged_block_size_is_not_part_of_an_entry(make_checkpoint):
     """Why kv_block_size is not in the fingerprint: an entry holds K/V by prompt position (read and written through
     each side's own block table), so a worker with 8-token blocks restores what one with 16-token blocks published,

@@ -64,6 +64,14 @@ def test_mismatched_drafter_is_refused_naming_the_field(dflash_pair, dflash_engi
         assert w in str(e.value), f"message {str(e.value)!r} does not name {w!r}"
 
 
+@pytest.mark.parametrize("key,value", [("hidden_act", "gelu"), ("mlp_bias", True), ("partial_rotary_factor", 0.5)])
+def test_a_drafter_whose_layers_compute_otherwise_is_refused(dflash_pair, dflash_engine, tmp_path, key, value):
+    """The drafter's layers are Qwen3's: a config that says otherwise is refused by name, not drafted with silently."""
+    d = _edited_drafter(dflash_pair.draft_dir, tmp_path / "drafter", _set(key, value))
+    with pytest.raises(CheckpointError, match=key):
+        load_drafter(d, dflash_engine.target)
+
+
 def test_unedited_copy_loads(dflash_pair, dflash_engine, tmp_path):
     """Control for the mismatch tests: the copy mechanism itself yields a loadable drafter."""
     d = _edited_drafter(dflash_pair.draft_dir, tmp_path / "drafter", lambda cfg: None)

@@ -188,7 +188,8 @@ def test_the_fingerprint_tells_the_draft_formats_apart(dflash_engine, dflash_pai
                                         "layout_version": LAYOUT_VERSION}, sort_keys=True).encode()).hexdigest()
     assert MethodFingerprint("t", "d", (1, 3), "bfloat16").digest() == before
     assert MethodFingerprint("t", "d", (1, 3), "bfloat16", draft_quantization="fp8").digest() != before
-    llm = SimpleNamespace(drafter=_drafter(dflash_engine, dflash_pair, "fp8"), dtype=torch.float32)
+    llm = SimpleNamespace(drafter=_drafter(dflash_engine, dflash_pair, "fp8"), dtype=torch.float32,
+                          target_stamps=(), draft_stamps=())
     cfg = SimpleNamespace(target=dflash_pair.target_dir, draft=dflash_pair.draft_dir, draft_quantization="fp8")
     fp8 = fingerprint(cfg, llm)
     assert fp8 != fingerprint(SimpleNamespace(**{**vars(cfg), "draft_quantization": None}), llm)

@@ -190,11 +190,36 @@ def test_dflash_drafter_error_points_to_draft(make_checkpoint):
     ({"rope_parameters": _DELETE, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"hidden_size": _DELETE}, r"missing required fields \['hidden_size'\]"),
+    # fields that change the arithmetic, refused rather than loaded as if absent
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"rope_scaling": [{"rope_type": "yarn", "factor": 4.0}]}, "rope_scaling must be a JSON object"),
+    ({"rope_scaling": "yarn"}, "rope_scaling must be a JSON object"),
+    ({"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     "rope scaling 'yarn'"),
+    ({"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "rope_theta values disagree"),
 ])
 def test_config_errors(make_checkpoint, changes, match):
     _, d = make_checkpoint(**SPEC, seed=12, fresh=True)
     _edit_config(d, **changes)
     with pytest.raises(CheckpointError, match=match):
+        load_target(d)
+
+
+def test_equal_rope_thetas_in_both_places_load(make_checkpoint):
+    """A config of transformers 5 may repeat rope_theta at the top level: equal values are one theta."""
+    _, d = make_checkpoint(**SPEC, seed=12, fresh=True)
+    _edit_config(d, rope_theta=5e5, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert load_config(d).rope_theta == 5e5
+
+
+def test_a_config_json_that_is_a_directory_is_a_checkpoint_error(make_checkpoint, tmp_path):
+    _, d = make_checkpoint(**SPEC, seed=12, fresh=True)
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+    with pytest.raises(CheckpointError, match="cannot be read"):
         load_target(d)
 
 

@@ -275,6 +275,10 @@ class EngineLoop:
     def _abort_in_flight(self, e: Exception) -> None:
         log.exception("engine step failed; failing the %d request(s) in flight and serving on", len(self._live))
         res = self.scheduler.abort_all(e)
+        for rid, toks in res.new_tokens.items():  # the last tokens of rows that ended before the error
+            h = self._live.get(rid)
+            if h is not None:
+                self._emit(h, Event("tokens", tokens=list(toks)))
         for r in res.finished:  # streamed to their end before the error: they end as usual
             self._done(r)
         for r, err in res.failed:

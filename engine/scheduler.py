@@ -701,6 +701,7 @@ class Scheduler:
         if (self._has_ready() and not self._holds()) or not self.overlap or self._suspects:
             self._end_session_or_recover(result)  # admissions (and preemptions) work on the host's view of the batch
         if self._session is None:
+            self._finish_ended()  # before admissions and preemptions count the free blocks
             admitted = self._admit(result)
             self.admitted += len(admitted)
             self.running.extend(admitted)
@@ -730,12 +731,34 @@ class Scheduler:
         return self._with_pending(result)
 
     def _with_pending(self, result: StepResult) -> StepResult:
-        """A step's result with the ends decided since the last one first (a cancel's recovery). Taken only as the step
-        returns: after a step that raised, abort_all reports them."""
+        """A step's result with the ends decided since the last one first (a cancel's recovery, rows whose session
+        ended). Taken only as the step returns: after a step that raised, abort_all reports them."""
         pending, self._pending = self._pending, StepResult()
+        for rid, toks in result.new_tokens.items():
+            pending.new_tokens[rid] = pending.new_tokens.get(rid, []) + list(toks)
+        result.new_tokens = pending.new_tokens
         result.finished[:0] = pending.finished
         result.failed[:0] = pending.failed
         return result
+
+    def _finish_ended(self) -> None:
+        """Finish the rows whose session ended with them done (they rode a hold or a drain, or a cancel's end of
+        session read their last step): freed before admissions and preemptions count the free blocks. Else their
+        blocks were still held while `_make_room` found a lone unfinished row short of its next step's blocks and
+        raised, failing every request in flight. Their last tokens and ends go out with this step's result
+        (pending: a step that raises after this still reports them, through abort_all)."""
+        still = []
+        for r in self.running:
+            if not r.seq.done:
+                still.append(r)
+                continue
+            out = r.seq.output
+            if len(out) > r.emitted:
+                self._pending.new_tokens[r.id] = out[r.emitted:]
+                r.emitted = len(out)
+            self._finish(r)
+            self._pending.finished.append(r)
+        self.running = still
 
     def _finish(self, r: Request) -> None:
         """A request's end: publish its prompt (a failure there is counted, the output stands) and free. With
@@ -786,7 +809,8 @@ class Scheduler:
     def abort_all(self, e: BaseException) -> StepResult:
         """Last resort after an error the step could not contain: fail every request, free every block,
         and leave the scheduler empty and usable. A row already streamed to its end (riding a drain or hold
-        session) is finished as usual instead: the caller has all of it. Returns both (no new tokens)."""
+        session) is finished as usual instead: the caller has all of it. Returns both, with the last tokens of rows
+        whose session ended before the error (`_finish_ended`)."""
         result, self._pending = self._pending, StepResult()
         self._session, self._session_gen, self._hold_since = None, None, None
         self._finish_streamed(result)

@@ -171,3 +171,41 @@ def test_a_cancel_counts_only_the_steps_it_streamed_in_the_position_stats(pair):
     assert st.position_drafted == [len(al)] * (w - 1)
     assert st.position_accepts == [sum(a - 1 > k for a in al) for k in range(w - 1)]
     assert sched.idle and runner.allocator.num_free == 63
+
+
+def test_rows_ended_with_their_session_free_their_blocks_before_an_arrival_is_admitted(pair):
+    """Preempt policy, a held session: B finishes and rides along holding its blocks while A, near its end, needs one
+    block more than it holds (a DFlash step verifies a whole draft width past its reservation). An arrival ends the
+    session; B's blocks must be free before admissions and `_make_room` count them. They were not: `_make_room`
+    found A alone and short, raised, and the engine loop failed A and the newcomer (a review's reproduction)."""
+    target, drafter = pair
+    runner = ModelRunner(target, 7, 16, taps=tuple(drafter.cfg.target_layer_ids),
+                         config=RunnerConfig(cuda_graphs=False, compile=False))
+    sched = Scheduler(runner, drafter, (), policy="preempt")
+    sched.overlap, sched.hold_fraction, sched.hold_steps = True, 1.0, 1000
+    greedy = lambda n: SamplingParams(max_tokens=n, ignore_eos=True)  # noqa: E731
+    prompt_a, prompt_b = _prompts(2, 21)
+    a = sched.add(prompt_a[:16] + [1] * (16 - len(prompt_a[:16])), greedy(48), "dflash")
+    b = sched.add(prompt_b[:16] + [2] * (16 - len(prompt_b[:16])), greedy(8), "dflash")
+    streamed: dict[int, list[int]] = {}
+    for _ in range(200):
+        for rid, toks in sched.step().new_tokens.items():
+            streamed.setdefault(rid, []).extend(toks)
+        # A within a draft width of its end: its next step verifies past the 4 blocks it reserved
+        if b.seq.done and not a.seq.done and 16 + len(a.seq.output) + sched.spec.draft_width > 16 + 48:
+            break
+    else:
+        pytest.fail("the scenario (B done and riding, A short of a block) was not reached")
+    assert sched._session is not None and b in sched.running  # B rides the held session with its blocks
+    c = sched.add(_prompts(1, 22)[0][:10], greedy(4), "native")
+    finished = []
+    while not sched.idle:
+        res = sched.step()  # raised RuntimeError("a lone request cannot get the blocks ...") before the fix
+        assert not res.failed
+        finished += res.finished
+        for rid, toks in res.new_tokens.items():
+            streamed.setdefault(rid, []).extend(toks)
+    assert {r.id for r in finished} == {a.id, b.id, c.id}
+    for r, n in ((a, 48), (b, 8), (c, 4)):
+        assert len(r.seq.output) == n and streamed[r.id] == r.seq.output
+    assert runner.allocator.num_free == 6, "blocks leaked"

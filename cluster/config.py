@@ -120,9 +120,11 @@ class ServeConfig:
     prefill_hold_s: float = 0.5
     bridge_timeout_s: float = 10.0
     bridge_address: str | None = None  # set by the launcher for the workers it starts
-    # TLS of the KV bridge (PEM file paths, readable wherever a worker runs; None = plaintext). The bridge
-    # serves tls_cert/tls_key (its certificate must name the address workers dial, e.g. an IP SAN); its
-    # clients verify it against tls_ca (None: the system's roots). Wanted whenever allow_remote is on.
+    # TLS of the cluster's gRPC channels (PEM file paths, readable wherever a worker runs; None = plaintext):
+    # the KV bridge and every prefill and decode worker serve tls_cert/tls_key (the certificate must name every
+    # address dialed, the bridge's and the workers', e.g. IP SANs); their clients (workers, the router) verify it
+    # against tls_ca (None: the system's roots). Wanted whenever allow_remote is on: the bearer tokens, the
+    # prompts and the KV otherwise cross the network in the clear.
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None

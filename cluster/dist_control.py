@@ -13,6 +13,7 @@ from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.cluster.worker_client import PrefillStubs
 from flashpd.kv_bridge.dist_transfer import DistExporter, PairLost
 from flashpd.kv_bridge.handoff import HandoffError
+from flashpd.kv_bridge.tls import BridgeTls
 
 CONTROL_MARGIN_S = 5.0  # a SendLease may wait for its pair to form (the exporter's timeout) plus the gather
 
@@ -58,9 +59,9 @@ class DistControlClient:
     """The importer's side (kv_bridge/dist_transfer.Control): one channel per prefill worker. A refused send
     raises HandoffError (the pair stays); any other failure PairLost (the importer drops the pair)."""
 
-    def __init__(self, timeout_s: float, token: str | None = None) -> None:
+    def __init__(self, timeout_s: float, token: str | None = None, tls: BridgeTls | None = None) -> None:
         self.timeout_s = timeout_s + CONTROL_MARGIN_S
-        self._stubs = PrefillStubs(token)
+        self._stubs = PrefillStubs(token, tls)
 
     def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
         if not address:

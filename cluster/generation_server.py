@@ -17,6 +17,7 @@ authentication).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from concurrent import futures
 from typing import Callable, Iterator, Mapping, Protocol
@@ -33,6 +34,9 @@ from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.rpc_guard import TokenGate, add_guarded, echo, token_authorizer
 from flashpd.kv_bridge.stall_guard import DEFAULT_IDLE_S, StallGuard
 from flashpd.kv_bridge.server import is_loopback
+from flashpd.kv_bridge.tls import BridgeTls
+
+log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 POLL_S = 0.1  # how often a waiting RPC re-checks that its client and the loop are still there
@@ -293,8 +297,8 @@ def health_reply(backend: Backend, has_tokenizer: bool, settings_json: str = "")
 
 
 def new_server(host: str, port: int, allow_remote: bool, max_workers: int, services: Mapping[str, object],
-               idle_s: float = DEFAULT_IDLE_S, token: str | None = None, exclusive: bool = False
-               ) -> tuple[grpc.Server, int]:
+               idle_s: float = DEFAULT_IDLE_S, token: str | None = None, exclusive: bool = False,
+               tls: BridgeTls | None = None) -> tuple[grpc.Server, int]:
     """A started gRPC server on host:port (0 picks a free port) serving `services`: service name in
     proto/generation.proto ("Generation", "PrefillWorker", "DecodeWorker") -> its servicer, each
     registered through add_guarded (undecodable requests get INVALID_ARGUMENT). Each in-flight RPC holds
@@ -302,10 +306,14 @@ def new_server(host: str, port: int, allow_remote: bool, max_workers: int, servi
     nothing for idle_s is cancelled (kv_bridge/stall_guard.py), so stalled clients cannot hold them all.
     token: every call must carry it (rpc_guard.TokenGate; the cluster's workers take the bridge's token).
     exclusive: no other socket may share the port (grpcio sets SO_REUSEPORT, so a second service on a fixed port
-    started and the kernel split the connections between the two). A port that cannot be bound is an OSError
-    naming it."""
+    started and the kernel split the connections between the two). tls: serve TLS with its certificate and key
+    (the cluster's workers, when the service has TLS). A port that cannot be bound is an OSError naming it."""
     if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
+    if token is not None and tls is None and not is_loopback(host):
+        log.warning("a worker serves %s without TLS: its token, the prompts and the tokens cross the network in the "
+                    "clear (set tls_cert, tls_key and tls_ca)", host)
+    creds = tls.server_credentials() if tls is not None else None  # (unreadable files: before any server exists)
     guards = [TokenGate(token_authorizer(token))] if token is not None else []
     guards.append(StallGuard(idle_s))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation"),
@@ -314,7 +322,8 @@ def new_server(host: str, port: int, allow_remote: bool, max_workers: int, servi
     for name, servicer in services.items():
         add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name[name])
     try:  # grpcio returns 0 or raises RuntimeError, by version
-        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     except RuntimeError:
         bound = 0
     if bound == 0:

@@ -1,7 +1,8 @@
 """The router's channel to one prefill or decode worker (proto/generation.proto's worker services).
 
-Every channel carries the cluster's token (`x-flashpd-token`, as the bridge's): a worker's services refuse a
-call without it (cluster/worker_main.py)."""
+Every channel carries the workers' token (`x-flashpd-token`; ClusterSecret.worker_token, not the bridge's): a
+worker's services refuse a call without it (cluster/worker_main.py). With the service's TLS configured
+(ServeConfig.tls_*), every channel to a worker is TLS too: else the token crosses the network in the clear."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +17,7 @@ from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.kv_bridge.handoff import Handoff
 from flashpd.kv_bridge.rpc_guard import with_token
+from flashpd.kv_bridge.tls import BridgeTls
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 5.0
@@ -35,20 +37,20 @@ def release_request(exporter_id: str, lease_id: int, blocks: Sequence[int], epoc
                              epochs=epochs)
 
 
-def worker_channel(address: str, token: str | None) -> grpc.Channel:
+def worker_channel(address: str, token: str | None, tls: BridgeTls | None = None) -> grpc.Channel:
     """A channel to a worker's services, presenting `token` on every call (None: none, for a worker that
-    asks for none)."""
-    ch = grpc.insecure_channel(address)
+    asks for none); TLS verified against tls.ca when `tls` is given (the workers then serve it)."""
+    ch = grpc.secure_channel(address, tls.channel_credentials()) if tls is not None else grpc.insecure_channel(address)
     return with_token(ch, token) if token is not None else ch
 
 
 class WorkerClient:
-    def __init__(self, role: str, address: str, token: str | None = None) -> None:
+    def __init__(self, role: str, address: str, token: str | None = None, tls: BridgeTls | None = None) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: must be 'prefill' or 'decode', got {role!r}")
         self.role = role
         self.address = address
-        self._channel = worker_channel(address, token)
+        self._channel = worker_channel(address, token, tls)
         self._stub = pb_grpc.PrefillWorkerStub(self._channel) if role == "prefill" else \
             pb_grpc.DecodeWorkerStub(self._channel)
 
@@ -92,8 +94,8 @@ class PrefillStubs:
 
     MAX_CHANNELS = 64  # a restarted prefill worker comes back at a new port: the least recently used go
 
-    def __init__(self, token: str | None = None) -> None:
-        self._token = token
+    def __init__(self, token: str | None = None, tls: BridgeTls | None = None) -> None:
+        self._token, self._tls = token, tls
         self._stubs: OrderedDict[str, tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -102,7 +104,7 @@ class PrefillStubs:
         with self._lock:
             got = self._stubs.get(address)
             if got is None:
-                ch = worker_channel(address, self._token)
+                ch = worker_channel(address, self._token, self._tls)
                 got = self._stubs[address] = (ch, pb_grpc.PrefillWorkerStub(ch))
                 if len(self._stubs) > self.MAX_CHANNELS:
                     old = self._stubs.popitem(last=False)[1][0]
@@ -123,9 +125,9 @@ class LeaseReleaser:
     """Releases device-path leases at their prefill workers without waiting (a decode worker's engine loop
     calls it): a lost release only holds the blocks until the lease's deadline. Counted, logged."""
 
-    def __init__(self, token: str | None = None) -> None:
+    def __init__(self, token: str | None = None, tls: BridgeTls | None = None) -> None:
         self.failures = 0
-        self._stubs = PrefillStubs(token)
+        self._stubs = PrefillStubs(token, tls)
         self._lock = threading.Lock()
 
     def __call__(self, h: Handoff) -> None:

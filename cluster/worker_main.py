@@ -82,7 +82,8 @@ def _serve_metrics(w: RunningWorker, metrics, cfg, bind: str, adv: str) -> None:
 
 
 def bridge_tls(cfg):
-    """The bridge's TLS material from the config (None: plaintext), for the bridge and its clients."""
+    """The service's TLS material from the config (None: plaintext): the bridge and the workers serve it, their
+    clients (workers, the router's pool) verify it."""
     from flashpd.kv_bridge.tls import BridgeTls  # noqa: PLC0415
 
     return BridgeTls.from_paths(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
@@ -298,7 +299,8 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
     servicer = PrefillWorkerServicer(host, metrics, dist)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,
                                {"PrefillWorker": servicer},
-                               token=secret.token, exclusive=True)  # a restart asks for its old port: never shared
+                               token=secret.worker_token, exclusive=True,  # a restart asks for its old port
+                               tls=bridge_tls(cfg))
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
     if worker.exporter is not None:
@@ -350,9 +352,9 @@ def dist_importer(cfg, llm, scheduler, secret, host: str):
     gen = scheduler.spec if scheduler.spec is not None else scheduler.native
     target = gen.runner.cache.data
     draft = gen.drafts.cache.data if getattr(gen, "drafts", None) is not None else None
-    control = DistControlClient(cfg.handoff_lease_s, secret.token)
+    control = DistControlClient(cfg.handoff_lease_s, secret.worker_token, bridge_tls(cfg))
     imp = DistImporter(target, draft, fingerprint(cfg, llm), secret.mac_key, control, host, cfg.handoff_lease_s)
-    return HandoffImport(imp, LeaseReleaser(secret.token))  # type: ignore[arg-type]  (CacheImporter's copy / peer_busy)
+    return HandoffImport(imp, LeaseReleaser(secret.worker_token, bridge_tls(cfg)))  # type: ignore[arg-type]  (CacheImporter's copy / peer_busy)
 
 
 def cache_importer(cfg, llm, scheduler, secret):
@@ -365,7 +367,7 @@ def cache_importer(cfg, llm, scheduler, secret):
     target = gen.runner.cache.data
     draft = gen.drafts.cache.data if getattr(gen, "drafts", None) is not None else None
     return HandoffImport(CacheImporter(target, draft, fingerprint(cfg, llm), secret.mac_key),
-                         LeaseReleaser(secret.token))
+                         LeaseReleaser(secret.worker_token, bridge_tls(cfg)))
 
 
 def _reap(host, stop: threading.Event, lease_s: float) -> None:
@@ -447,8 +449,8 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
     worker.stall_s = stall_bound(cfg)
     servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer, stalled=worker.stalled)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,
-                               {"DecodeWorker": servicer, "Generation": servicer}, token=secret.token,
-                               exclusive=True)
+                               {"DecodeWorker": servicer, "Generation": servicer}, token=secret.worker_token,
+                               exclusive=True, tls=bridge_tls(cfg))
     w.address = f"{adv}:{bound}"
     w.closers.append(lambda: server.stop(grace=1.0).wait(5))
     w.alive_fn = lambda: worker.loop.alive

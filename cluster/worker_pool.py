@@ -108,11 +108,11 @@ class WorkerPool:
         return self.slots["bridge"][0].address
 
     def _client(self, w: Launched):
+        c = self.cfg
+        tls = BridgeTls.from_paths(c.tls_cert, c.tls_key, c.tls_ca)  # the bridge's and the workers' alike
         if w.role == "bridge":
-            c = self.cfg
-            return BridgeClient(w.address, timeout_s=c.health_timeout_s, secret=self.secret,
-                                tls=BridgeTls.from_paths(c.tls_cert, c.tls_key, c.tls_ca))
-        return WorkerClient(w.role, w.address, resolve(self.secret).token)
+            return BridgeClient(w.address, timeout_s=c.health_timeout_s, secret=self.secret, tls=tls)
+        return WorkerClient(w.role, w.address, resolve(self.secret).worker_token, tls)
 
     def start(self) -> None:
         """Bridge first (the others need its address), then every prefill and decode worker at once."""

@@ -3,8 +3,10 @@
 One 32-byte secret per service start, made by the launcher and handed to every worker process
 in FLASHPD_CLUSTER_SECRET (hex). Two independent subkeys are derived from it with BLAKE3's
 derive_key mode: the chunk MAC key (every chunk carries a keyed BLAKE3 MAC over header and
-payload) and the bridge's gRPC bearer token. They are separate so that a token seen on the wire
-(a bridge without TLS) lets nobody forge a chunk. A process without the variable (a single
+payload), the bridge's gRPC bearer token and the workers' (Prefill, Decode, Release: what the
+router and the decode workers call). They are separate so that a token seen on the wire (a
+channel without TLS) lets nobody forge a chunk, and a worker's token read off a worker call
+opens no bridge (its stored KV), nor the bridge's any worker. A process without the variable (a single
 process, tests) uses a random secret of its own: MACs then still refuse anything made outside
 the process. The secret never appears in repr, str, logs or exception text.
 """
@@ -23,6 +25,7 @@ SECRET_BYTES = 32
 MAC_BYTES = 32
 _MAC_CONTEXT = "flashpd 2025 kv-bridge chunk MAC v1"
 _TOKEN_CONTEXT = "flashpd 2025 kv-bridge gRPC bearer token v1"
+_WORKER_TOKEN_CONTEXT = "flashpd 2026 worker gRPC bearer token v1"
 
 
 class MacKey:
@@ -65,7 +68,7 @@ class ClusterSecret:
     """The service's shared secret (32 random bytes). Hands out subkeys, never itself, except to a
     child process through `child_env()` / `export_hex()`."""
 
-    __slots__ = ("_secret", "_mac", "_token")
+    __slots__ = ("_secret", "_mac", "_token", "_worker_token")
 
     def __init__(self, secret: bytes) -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) != SECRET_BYTES:
@@ -73,6 +76,7 @@ class ClusterSecret:
         self._secret = bytes(secret)
         self._mac = MacKey(blake3.blake3(self._secret, derive_key_context=_MAC_CONTEXT).digest())
         self._token = blake3.blake3(self._secret, derive_key_context=_TOKEN_CONTEXT).hexdigest()
+        self._worker_token = blake3.blake3(self._secret, derive_key_context=_WORKER_TOKEN_CONTEXT).hexdigest()
 
     @classmethod
     def generate(cls) -> "ClusterSecret":
@@ -104,6 +108,11 @@ class ClusterSecret:
     def token(self) -> str:
         """The bridge's bearer token (hex): sent as gRPC metadata, so never log a call's metadata."""
         return self._token
+
+    @property
+    def worker_token(self) -> str:
+        """The prefill and decode workers' bearer token (hex), as `token` is the bridge's."""
+        return self._worker_token
 
     def export_hex(self) -> str:
         """The secret itself, for handing to a worker process (environment or actor argument) only."""

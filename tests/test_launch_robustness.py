@@ -148,7 +148,7 @@ def test_a_prefill_worker_hung_in_a_prefill_says_not_serving_until_it_ends(dflas
     cfg = serve_cfg(dflash_pair, "local", bridge_address="127.0.0.1:1", fault_prefill_delay_s=HANG_S,
                     prefill_timeout_s=0.25, stall_s=1.0, worker_metrics=False)
     w = worker_main.build_worker("prefill", cfg, 0, secret)
-    client = WorkerClient("prefill", w.address, secret.token)
+    client = WorkerClient("prefill", w.address, secret.worker_token)
     done = threading.Event()
 
     def prefill() -> None:
@@ -186,7 +186,7 @@ def test_a_decode_worker_whose_step_hangs_says_not_serving_until_it_steps(dflash
     secret = ClusterSecret.generate()
     w = worker_main.build_worker("decode", serve_cfg(dflash_pair, "local", prefill_timeout_s=0.25, stall_s=1.0,
                                                      worker_metrics=False), 0, secret)
-    client = WorkerClient("decode", w.address, secret.token)
+    client = WorkerClient("decode", w.address, secret.worker_token)
     out: dict = {}
 
     def decode() -> None:
@@ -228,7 +228,7 @@ from flashpd.kv_bridge.auth import ClusterSecret
 cfg = ServeConfig.from_dict(json.loads(sys.argv[1]), "test")
 secret = ClusterSecret.generate()
 w = worker_main.build_worker("prefill", cfg, 0, secret)
-client = WorkerClient("prefill", w.address, secret.token)
+client = WorkerClient("prefill", w.address, secret.worker_token)
 
 def prefill():
     try:
@@ -288,7 +288,7 @@ def test_a_worker_whose_launcher_is_killed_while_a_prefill_hangs_still_exits(dfl
                 worker = psutil.Process(int(pid))
                 break
         assert worker is not None, "the worker did not start"
-        client = WorkerClient("prefill", address, secret.token)
+        client = WorkerClient("prefill", address, secret.worker_token)
         call = client.prefill_future(build_request(list(range(1, 40)), max_tokens=4, method="native"), 900.0)
         wait_until(lambda: client.health(10.0)["running"] == 1, "the prefill to run", every_s=0.05)
         parent.kill()

@@ -88,7 +88,7 @@ Scheduler.add, PrefixCache.fetch = add, fetch
 cfg = ServeConfig.from_dict(json.loads(sys.argv[1]), "test")
 secret = ClusterSecret.generate()
 w = worker_main.build_worker("decode", cfg, 0, secret)
-client = WorkerClient("decode", w.address, secret.token)
+client = WorkerClient("decode", w.address, secret.worker_token)
 
 def decode():
     try:

@@ -234,6 +234,7 @@ class LocalLauncher:
         if w.handle.proc.poll() is None:
             return True
         self._failed(w.handle)  # died by itself (or was killed): its log is kept
+        unlink_shared_memory(w.handle.proc.pid)
         return False
 
     def kill(self, w: Launched) -> None:
@@ -242,6 +243,7 @@ class LocalLauncher:
         p = w.handle.proc
         _signal_group(p, signal.SIGKILL)
         p.wait(10)
+        unlink_shared_memory(p.pid)
         with self._lock:  # stopped: no longer one of processes()
             if w.handle in self._children:
                 self._children.remove(w.handle)
@@ -262,6 +264,7 @@ class LocalLauncher:
         _signal_group(p, signal.SIGKILL)
         try:
             p.wait(10)
+            unlink_shared_memory(p.pid)
         except subprocess.TimeoutExpired:  # not even SIGKILL ended it (a process stuck in the kernel)
             log.error("the %s (pid %d) did not exit after SIGKILL", c.name, p.pid)
         with self._lock:
@@ -289,6 +292,25 @@ class LocalLauncher:
                         ", ".join(p.name for p in self.failed_logs))
         elif self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def unlink_shared_memory(pid: int, shm_dir: Path = Path("/dev/shm")) -> int:
+    """Remove the shared-memory files an exited worker made (torch's file_system strategy names them torch_<pid>_*:
+    a CPU prefill worker's caches on the device path). torch's manager unlinks them only once every process that
+    mapped them has let go, and a decode worker that mapped a dead exporter's caches keeps its manager connection
+    for its whole life: each crash of a prefill worker left a whole KV cache in /dev/shm until the decode worker
+    exited. Unlinked, the memory goes as the last mapping does (a decode worker forgets a dead exporter's at its
+    successor's first handoff). Returns how many were removed."""
+    n = 0
+    for f in shm_dir.glob(f"torch_{pid}_*"):
+        try:
+            f.unlink()
+            n += 1
+        except OSError:  # gone meanwhile, or not ours
+            pass
+    if n:
+        log.info("removed %d shared-memory file(s) of exited worker pid %d", n, pid)
+    return n
 
 
 def _terminate(p: subprocess.Popen) -> None:

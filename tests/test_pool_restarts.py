@@ -281,6 +281,7 @@ def test_a_restarted_prefill_worker_replaces_its_mapped_caches(dflash_pair):  # 
         first = str(pool.slots["prefill"][0].launched.handle.proc.pid)
         assert _mapped_exporters(dec) == {first}
         address = pool.slots["prefill"][0].address
+        assert list(Path("/dev/shm").glob(f"torch_{first}_*"))  # its caches, shared by file name
         pool.launcher.kill(pool.slots["prefill"][0].launched)
         wait_until(lambda: pool.restarts["prefill"] == 1 and pool.healthy_count("prefill") == 1,
                    "the prefill worker to restart", timeout_s=60)
@@ -288,6 +289,9 @@ def test_a_restarted_prefill_worker_replaces_its_mapped_caches(dflash_pair):  # 
         one(1)
         second = str(pool.slots["prefill"][0].launched.handle.proc.pid)
         assert _mapped_exporters(dec) == {second}, "the dead prefill worker's caches are still mapped"
+        # and their files are gone: the decode worker's connection to the dead worker's torch_shm_manager kept
+        # them in /dev/shm (a whole KV cache a crash) until the decode worker exited
+        assert not list(Path("/dev/shm").glob(f"torch_{first}_*"))
     finally:
         svc.stop()
 

@@ -5,8 +5,8 @@
 
 - POST /v1/completions and /v1/chat/completions, streamed (server-sent events ending with
   `data: [DONE]`) or not. Parameters: model, prompt (a string, token ids, or a list of one of them) /
-  messages, max_tokens (chat: max_completion_tokens too), temperature, top_p, seed, stop (strings: the
-  text ends before the first one, finish_reason "stop"), n (1 only), stream, stream_options.include_usage (with
+  messages, max_tokens (chat: max_completion_tokens too), temperature, top_p, seed, stop (at most 16 strings of
+  at most 1,024 characters: the text ends before the first one, finish_reason "stop"), n (1 only), stream, stream_options.include_usage (with
   stream only);
   extra body fields as vLLM takes them: top_k, ignore_eos, method ("dflash" | "native"), block_size (the draft width),
   return_token_ids, and for chat add_generation_prompt, continue_final_message, chat_template_kwargs.
@@ -69,6 +69,9 @@ log = logging.getLogger(__name__)
 SUBMIT_TIMEOUT_S = 60.0  # as the gRPC API without a client deadline: the backend must take the request by then
 DISCONNECT_CHECK_S = 0.25  # how often a non-streamed request looks for its client between tokens
 MAX_STOPS = 16
+# Each stop string is searched for in the held-back text at every token, on the event loop that serves every
+# stream: stops as long as the output made that quadratic (16 stops of 8k characters: 0.6 s at 16k tokens)
+MAX_STOP_CHARS = 1024
 TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # fields flashpd cannot honour: refused (400) unless absent or at the value that means "off"
@@ -359,6 +362,8 @@ class _State:
         stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
             raise _bad("stop", f"must be a string or a list of at most {MAX_STOPS} strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise _bad("stop", f"each stop string may have at most {MAX_STOP_CHARS} characters")
         stops = [s for s in stops if s]
         if stops and self.tokenizer is None:
             raise _bad("stop", "stop strings need a server with a tokenizer")

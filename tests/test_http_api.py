@@ -208,7 +208,8 @@ def test_errors_have_openai_bodies_and_codes(server, stream):
     for kw, param in ((dict(temperature=-1), "temperature"), (dict(n=2), "n"), (dict(top_p=1.5), "top_p"),
                       (dict(max_tokens=0), "max_tokens"), (dict(prompt=""), "prompt"),
                       (dict(prompt=[1, 2, 99999]), "prompt"), (dict(presence_penalty=0.5), "presence_penalty"),
-                      (dict(extra_body={"method": "beam"}), "method"), (dict(extra_body={"top_k": -3}), "top_k")):
+                      (dict(extra_body={"method": "beam"}), "method"), (dict(extra_body={"top_k": -3}), "top_k"),
+                      (dict(stop=["ok", "x" * 1025]), "stop"), (dict(stop=[";"] * 17), "stop")):
         typ, status, body = _error(comp(**kw))
         assert (typ, status, body["type"], body["param"]) == (openai.BadRequestError, 400, "invalid_request_error",
                                                                param), (kw, body)

@@ -6,8 +6,8 @@
 - POST /v1/completions and /v1/chat/completions, streamed (server-sent events ending with
   `data: [DONE]`) or not. Parameters: model, prompt (a string, token ids, or a list of one of them) /
   messages, max_tokens (chat: max_completion_tokens too), temperature, top_p, seed, stop (at most 16 strings of
-  at most 1,024 characters: the text ends before the first one, finish_reason "stop"), n (1 only), stream, stream_options.include_usage (with
-  stream only);
+  at most 1,024 characters: the text ends before the first one, finish_reason "stop"), n (1 only), stream,
+  stream_options.include_usage (with stream only);
   extra body fields as vLLM takes them: top_k, ignore_eos, method ("dflash" | "native"), block_size (the draft width),
   return_token_ids, and for chat add_generation_prompt, continue_final_message, chat_template_kwargs.
   Unknown fields are ignored; known ones flashpd cannot honour (penalties, logprobs, logit_bias, echo,

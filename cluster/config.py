@@ -118,6 +118,8 @@ class ServeConfig:
     # prefill worker computes (at most this long for one prefill; 0 = never), as a colocated engine runs a
     # prefill before its next decode step (kv_bridge/handoff.py says why)
     prefill_hold_s: float = 0.5
+    # a worker's bridge calls' deadline; after one timed out (or found the bridge gone) the worker skips the bridge
+    # for as long (a miss: the prompt is recomputed), so a hung bridge costs one request a timeout, not every one
     bridge_timeout_s: float = 10.0
     bridge_address: str | None = None  # set by the launcher for the workers it starts
     # TLS of the cluster's gRPC channels (PEM file paths, readable wherever a worker runs; None = plaintext):

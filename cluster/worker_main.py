@@ -230,6 +230,7 @@ def _bridge_cache(cfg, llm, w: RunningWorker, metrics, secret, in_use: Callable[
 
     on_gpu = torch.device(llm.device).type == "cuda"  # restores copy out of the arena it maps: page-locked, one DMA
     client = BridgeClient(cfg.bridge_address, timeout_s=cfg.bridge_timeout_s, secret=secret, tls=bridge_tls(cfg),
+                          cooloff_s=cfg.bridge_timeout_s,
                           max_chunk_bytes=max_chunk_bytes(cfg),
                           pin_device=llm.device if cfg.bridge_transport == "arena" and on_gpu else None,
                           shm_pool_bytes=cfg.bridge_shm_pool_bytes if cfg.bridge_transport != "inline" else 0)

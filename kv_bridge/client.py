@@ -121,12 +121,16 @@ class BridgeClient:
     channel of its own (channels connect on first use: a client that moves one chunk at a time
     opens one connection). pin_device: page-lock the arenas it maps for copies to this CUDA device (a
     reader whose restores go to a GPU; arena.CudaPinner). shm_pool_bytes: tmpfs files allocated ahead for its
-    same-host Puts' segments (shm_pool.SegmentPool; 0: none)."""
+    same-host Puts' segments (shm_pool.SegmentPool; 0: none). cooloff_s: after a call that timed out or found the
+    bridge unavailable, every call but Health fails at once (BridgeUnavailable) for this long, then one may try again
+    (0: never skip). A hung bridge otherwise cost every request a whole timeout, on each side of the handoff, until it
+    was restarted; its callers fall back to recomputing, which gives the same tokens."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, frame_bytes: int = DEFAULT_FRAME_BYTES, *,
                  secret: ClusterSecret | None = None, tls: BridgeTls | None = None,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, streams: int = DEFAULT_STREAMS,
-                 pin_device: object = None, shm_pool_bytes: int = shm_pool.DEFAULT_POOL_BYTES) -> None:
+                 pin_device: object = None, shm_pool_bytes: int = shm_pool.DEFAULT_POOL_BYTES,
+                 cooloff_s: float = 0.0) -> None:
         if not 1 <= streams <= MAX_STREAMS:
             raise ValueError(f"streams must be in 1..{MAX_STREAMS}, got {streams}")
         self.address = address
@@ -134,6 +138,10 @@ class BridgeClient:
         self.frame_bytes = clamp_frame_bytes(frame_bytes)
         self.max_chunk_bytes = max_chunk_bytes
         self.streams = streams
+        self.cooloff_s = cooloff_s
+        self._down_until = 0.0  # monotonic time before which calls are skipped (cooloff_s)
+        self._down_why = ""
+        self.skipped_calls = 0
         secret = resolve(secret)
         self._mac = secret.mac_key
         # this client's Put segments carry its owner id; only its Put calls present the key (see shm.SegmentOwner)
@@ -178,10 +186,24 @@ class BridgeClient:
 
     @contextmanager
     def _rpc(self, call: str, timeout_s: float) -> Iterator[None]:
+        if call != "Health":  # a probe is how anyone learns the bridge is back
+            self._check_up(call)
         try:
             yield
         except grpc.RpcError as e:
-            raise _map_error(call, e, timeout_s) from None
+            err = _map_error(call, e, timeout_s)
+            if self.cooloff_s > 0 and isinstance(err, (BridgeTimeout, BridgeUnavailable)):
+                self._down_until, self._down_why = time.monotonic() + self.cooloff_s, str(err)
+            raise err from None
+        self._down_until = 0.0
+
+    def _check_up(self, call: str) -> None:
+        """Raise BridgeUnavailable at once while the cool-off after a failed call lasts (cooloff_s)."""
+        left = self._down_until - time.monotonic()
+        if left > 0:
+            self.skipped_calls += 1
+            raise BridgeUnavailable(call, f"skipped for {left:.1f} s more: a call {self.cooloff_s - left:.1f} s ago "
+                                          f"failed ({self._down_why})")
 
     def _check_version(self, call: str, version: int) -> None:
         if version != PROTOCOL_VERSION:
@@ -350,6 +372,7 @@ class BridgeClient:
             raise ValueError("transport 'arena' needs Linux memfd_create and file seals (use 'shm')")
         if not keys:
             return
+        self._check_up("Get")  # before its streams are opened
         t = timeout_s or self.timeout_s
         # an arena Get moves no bytes, only handles: one stream (more would add a Lookup and threads contending
         # for the cores that verify each chunk's MAC, itself multi-threaded)

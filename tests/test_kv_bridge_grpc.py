@@ -264,6 +264,39 @@ def test_client_timeout_raises_and_server_keeps_serving():
         b.stop()
 
 
+def test_after_a_timeout_calls_are_skipped_for_the_cooloff_then_tried_again():
+    """A hung bridge (its store stalls) cost each caller a whole timeout; with cooloff_s a client that saw one
+    fails its next calls at once (BridgeUnavailable, which every caller takes as a miss) until the cool-off ends;
+    Health still probes; a call after it goes through and clears it."""
+    store = SlowStore(MemoryStore(1 << 24), delay_s=1.0)
+    b = Bridge(store)
+    cl = BridgeClient(b.address, timeout_s=0.2, frame_bytes=FRAME, cooloff_s=0.8)
+    try:
+        b.client.put([make_chunk("a")])
+        store.slow.set()
+        with pytest.raises(BridgeTimeout):
+            cl.lookup(["a"])
+        t0 = time.monotonic()
+        for call in (lambda: cl.lookup(["a"]), lambda: cl.get(["a"]), lambda: cl.put([make_chunk("b")])):
+            with pytest.raises(BridgeUnavailable, match="skipped"):
+                call()
+        assert time.monotonic() - t0 < 0.15 and cl.skipped_calls == 3  # none waited for the hung bridge
+        assert cl.health()["serving"]  # a probe is never skipped
+        assert b.client.lookup(["b"]) == 0  # the skipped Put never reached the bridge
+        store.slow.clear()
+        time.sleep(0.85)
+        assert cl.lookup(["a"]) == 1 and same(cl.get(["a"])[0], make_chunk("a"))
+        with BridgeClient(b.address, timeout_s=0.2, frame_bytes=FRAME) as plain:  # cooloff_s 0: never skips
+            store.slow.set()
+            for _ in range(2):
+                with pytest.raises(BridgeTimeout):
+                    plain.lookup(["a"])
+            assert plain.skipped_calls == 0
+    finally:
+        cl.close()
+        b.stop()
+
+
 def test_unreachable_bridge_raises_connection_error():
     b = Bridge(MemoryStore(1 << 20))
     address = b.address

@@ -411,6 +411,9 @@ class DistImporter:
         self.geometry = _geometry_json(Geometry.of(target, draft, fingerprint))
         self.importer_id = uuid.uuid4().hex
         self._pairs: dict[str, _ImportPair] = {}
+        # exporter address -> the id of the exporter last paired there: a restarted prefill worker comes back at its
+        # old address under a new id, and the dead one's pair (its store's socket, the group's threads) is dropped
+        self._ids: dict[str, str] = {}
         self._lock = threading.Lock()  # the dicts below and the stats (fetches run on several threads)
         # per exporter: one transfer at a time (see above); an entry [lock, fetches holding or waiting for it] lives
         # only while a fetch of that exporter does, so ids of exporters long gone (restarts) leave nothing behind
@@ -469,6 +472,9 @@ class DistImporter:
         with self._lock:
             self._pairs[h.exporter_id] = pair
             self.stats["pairs_opened"] += 1
+            old, self._ids[h.exporter_address] = self._ids.get(h.exporter_address), h.exporter_id
+        if old is not None and old != h.exporter_id:  # (after the new one answered, sealed: the old one is gone)
+            self.forget(old)
         return pair
 
     def forget(self, exporter_id: str, pair: _ImportPair | None = None) -> None:
@@ -479,6 +485,8 @@ class DistImporter:
                 return
             del self._pairs[exporter_id]
             self.stats["pairs_dropped"] += 1
+            for addr in [a for a, i in self._ids.items() if i == exporter_id]:
+                del self._ids[addr]
         got.group.close()
 
     def fetch(self, h: Handoff) -> Staged:

@@ -32,7 +32,7 @@ def _filled(shape, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _exporter(secret_hex: str, conn) -> None:
+def _exporter(secret_hex: str, conn, port: int = 0) -> None:
     """The child: serve leases of two filled caches until told to stop (or to die mid-send)."""
     import os  # noqa: PLC0415
 
@@ -66,7 +66,7 @@ def _exporter(secret_hex: str, conn) -> None:
     class Servicer(DistControlServicer, pb_grpc.PrefillWorkerServicer):
         dist = dx
 
-    server, port = new_server("127.0.0.1", 0, False, 8, {"PrefillWorker": Servicer()})
+    server, port = new_server("127.0.0.1", port, False, 8, {"PrefillWorker": Servicer()}, exclusive=True)
     ex.address = f"127.0.0.1:{port}"
     given = {}  # lease id -> its handoff: a release names the lease's blocks and epochs too
 
@@ -74,7 +74,7 @@ def _exporter(secret_hex: str, conn) -> None:
         h = given[lease_id]
         return ex.release(lease_id, h.blocks, h.epochs)
 
-    conn.send("ready")
+    conn.send(("ready", port))
     while True:
         cmd, arg = conn.recv()
         if cmd == "lease":
@@ -112,7 +112,7 @@ def peer():
     conn, child_conn = ctx.Pipe()
     proc = ctx.Process(target=_exporter, args=(secret.export_hex(), child_conn), daemon=True)
     proc.start()
-    assert conn.poll(60) and conn.recv() == "ready"
+    assert conn.poll(60) and conn.recv()[0] == "ready"
 
     def call(cmd, arg=None):
         conn.send((cmd, arg))
@@ -432,3 +432,53 @@ def test_local_service_over_the_dist_path_equals_colocated(dflash_pair, colocate
         assert metric(dec, "flashpd_handoff_fallbacks_total") == 0
     finally:
         svc.stop()
+
+
+def test_an_exporter_back_at_its_address_under_a_new_id_replaces_the_dead_ones_pair():
+    """A restarted prefill worker listens at its old address with a new exporter id. The importer opens a pair with
+    it and drops the dead one's (whose store socket and group threads it otherwise kept for its whole life)."""
+    from flashpd.cluster.dist_control import DistControlClient  # noqa: PLC0415
+
+    secret = ClusterSecret.generate()
+    ctx = mp.get_context("spawn")
+
+    def spawn(port: int):
+        conn, child_conn = ctx.Pipe()
+        proc = ctx.Process(target=_exporter, args=(secret.export_hex(), child_conn, port), daemon=True)
+        proc.start()
+        assert conn.poll(60)
+        ready, bound = conn.recv()
+        return proc, conn, bound
+
+    def lease(conn, blocks):
+        conn.send(("lease", blocks))
+        assert conn.poll(20)
+        return conn.recv()
+
+    target, draft = torch.zeros(TARGET[:2] + (10,) + TARGET[3:]), torch.zeros(DRAFT[:2] + (10,) + DRAFT[3:])
+    control = DistControlClient(TIMEOUT_S)
+    imp = DistImporter(target, draft, "fp", secret.mac_key, control, "127.0.0.1", timeout_s=TIMEOUT_S)
+    procs = []
+    try:
+        proc, conn, port = spawn(0)
+        procs.append(proc)
+        first = lease(conn, [1])
+        imp.copy(first, [0])
+        conn.send(("stop", None))
+        proc.join(20)
+        proc, conn, again = spawn(port)
+        procs.append(proc)
+        assert again == port
+        second = lease(conn, [2])
+        assert second.exporter_address == first.exporter_address and second.exporter_id != first.exporter_id
+        imp.copy(second, [1])
+        assert set(imp._pairs) == {second.exporter_id}
+        assert imp.stats["pairs_opened"] == 2 and imp.stats["pairs_dropped"] == 1
+        conn.send(("stop", None))
+    finally:
+        imp.close()
+        control.close()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()

@@ -113,8 +113,8 @@ def rope_theta_of(d: dict[str, Any], source: str) -> float:
             raise CheckpointError(f"{source}: rope scaling {rope_type!r} is not supported")
         ropes.append(rope)
     thetas = [t for t in (d.get("rope_theta"), *(r.get("rope_theta") for r in ropes)) if t is not None]
-    positive_numbers({f"rope_theta_{i}": t for i, t in enumerate(thetas)}, tuple(f"rope_theta_{i}" for i in
-                                                                                range(len(thetas))), source)
+    for t in thetas:
+        positive_numbers({"rope_theta": t}, ("rope_theta",), source)
     if len({float(t) for t in thetas}) > 1:
         raise CheckpointError(f"{source}: rope_theta values disagree ({thetas}): which one the checkpoint was trained "
                               f"with is ambiguous")

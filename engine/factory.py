@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashpd.engine.config import CheckpointError
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import Stamps, checkpoint_stamps, load_target, loaded_unchanged
 from flashpd.engine.runner import ModelRunner, RunnerConfig
@@ -71,6 +72,15 @@ class EngineParts:
     draft_stamps: Stamps = ()
 
 
+def _stamps(model_dir: str | Path) -> "Stamps | None":
+    """The checkpoint's stamps before its load, or None where they cannot be read (no config.json, no weights): the
+    load then fails with the loader's own message, in its order (the config's fields first)."""
+    try:
+        return checkpoint_stamps(model_dir)
+    except CheckpointError:
+        return None
+
+
 def load_engine(target: str | Path, draft: str | Path | None = None, device: str | None = None,
                 dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None, *,
                 method: str | None = None, draft_width: int | None = None, kv_block_size: int = 16,
@@ -102,8 +112,9 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
         raise ValueError("a draft quantization needs method 'dflash' and a drafter")
     if draft_quantization not in (None, "fp8"):
         raise ValueError(f"draft quantization must be 'fp8' or unset, got {draft_quantization!r}")
-    target_stamps = checkpoint_stamps(target) if Path(target).is_dir() else ()
-    draft_stamps = checkpoint_stamps(draft) if method == "dflash" and Path(draft).is_dir() else ()
+    # (None: not stampable now; the loader then names what is wrong, or the files changed while it read them)
+    target_stamps = _stamps(target) if Path(target).is_dir() else ()
+    draft_stamps = _stamps(draft) if method == "dflash" and Path(draft).is_dir() else ()
     model = load_target(target, dev, dt)
     tokenizer = TextTokenizer.from_dir(target)
     stop_ids = model.cfg.eos_token_ids
@@ -129,9 +140,9 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
         generator = DFlashGenerator(runner, drafter, stop_ids, draft_width, width_policy=width_policy)
     else:
         generator = NativeGenerator(runner, stop_ids)
-    if target_stamps:  # after the whole load: a file rewritten meanwhile may have given tensors of two versions
+    if target_stamps != ():  # after the whole load: a file rewritten meanwhile may have given tensors of two versions
         loaded_unchanged(target, target_stamps)
-    if draft_stamps:
+    if draft_stamps != ():
         loaded_unchanged(draft, draft_stamps)
     return EngineParts(dev, dt, method, draft_width, model, tokenizer, stop_ids, drafter, runner, generator,
                        target_stamps, draft_stamps)

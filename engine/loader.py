@@ -57,10 +57,10 @@ def checkpoint_stamps(model_dir: str | Path) -> Stamps:
         raise CheckpointError(f"{d}: cannot read {e.filename}: {e.strerror}") from None
 
 
-def loaded_unchanged(model_dir: str | Path, before: Stamps) -> None:
+def loaded_unchanged(model_dir: str | Path, before: Stamps | None) -> None:
     """Refuse a load during which the checkpoint's files changed: its tensors may mix two versions, and the
     prefix cache would key this process's KV to weights it does not hold."""
-    if checkpoint_stamps(model_dir) != before:
+    if before is None or checkpoint_stamps(model_dir) != before:  # None: unreadable before, yet it loaded
         raise CheckpointError(f"{model_dir}: the checkpoint's files changed while it was loaded; load it again once "
                               f"it is completely written")
 

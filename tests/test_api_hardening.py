@@ -411,9 +411,9 @@ def test_local_tiny_temperature_is_greedy_and_the_workers_live(local):
 
 def test_local_undecodable_bytes_are_invalid_argument_everywhere(local):
     """The router's Generation service, and the workers' own services (their ports are loopback too; a caller
-    with the cluster's token: without it, every worker call is UNAUTHENTICATED before its request is read)."""
+    with the workers' token: without it, every worker call is UNAUTHENTICATED before its request is read)."""
     long_method = build_request([5, 6, 7], max_tokens=4, method="x" * BIG)
-    token = [(TOKEN_HEADER, resolve(local.pool.secret).token)]
+    token = [(TOKEN_HEADER, resolve(local.pool.secret).worker_token)]
     prefill, decode = local.pool.slots["prefill"][0].address, local.pool.slots["decode"][0].address
     targets = [(local.address, SERVICE + "Generate", long_method, None),
                (local.address, SERVICE + "GenerateOnce", long_method, None),

@@ -83,11 +83,21 @@ class _Child:
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.metrics: str | None = None  # its `metrics on` address, once the start read it
         self._wake = wake
+        self._shm_lock = threading.Lock()
+        self._shm_done = False
         threading.Thread(target=self._read, daemon=True, name=f"{spec.role}{spec.index}-stdout").start()
 
     @property
     def name(self) -> str:
         return f"{self.spec.role} worker {self.spec.index}"
+
+    def reaped(self) -> None:
+        """Its shared-memory files removed, once: at the first reap this launcher sees. Its pid is free from then on,
+        and a later call (a dead slot is probed until it restarts) would remove files of the pid's next owner."""
+        with self._shm_lock:
+            done, self._shm_done = self._shm_done, True
+        if not done:
+            unlink_shared_memory(self.proc.pid)
 
     def _put(self, ln: str | None) -> None:
         self.lines.put(ln)
@@ -234,7 +244,7 @@ class LocalLauncher:
         if w.handle.proc.poll() is None:
             return True
         self._failed(w.handle)  # died by itself (or was killed): its log is kept
-        unlink_shared_memory(w.handle.proc.pid)
+        w.handle.reaped()
         return False
 
     def kill(self, w: Launched) -> None:
@@ -243,7 +253,7 @@ class LocalLauncher:
         p = w.handle.proc
         _signal_group(p, signal.SIGKILL)
         p.wait(10)
-        unlink_shared_memory(p.pid)
+        w.handle.reaped()
         with self._lock:  # stopped: no longer one of processes()
             if w.handle in self._children:
                 self._children.remove(w.handle)
@@ -264,7 +274,7 @@ class LocalLauncher:
         _signal_group(p, signal.SIGKILL)
         try:
             p.wait(10)
-            unlink_shared_memory(p.pid)
+            c.reaped()
         except subprocess.TimeoutExpired:  # not even SIGKILL ended it (a process stuck in the kernel)
             log.error("the %s (pid %d) did not exit after SIGKILL", c.name, p.pid)
         with self._lock:

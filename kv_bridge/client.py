@@ -195,7 +195,8 @@ class BridgeClient:
             if self.cooloff_s > 0 and isinstance(err, (BridgeTimeout, BridgeUnavailable)):
                 self._down_until, self._down_why = time.monotonic() + self.cooloff_s, str(err)
             raise err from None
-        self._down_until = 0.0
+        if call != "Health":  # a bridge that answers probes can still hang on its store: only data calls clear it
+            self._down_until = 0.0
 
     def _check_up(self, call: str) -> None:
         """Raise BridgeUnavailable at once while the cool-off after a failed call lasts (cooloff_s)."""

@@ -28,7 +28,7 @@ import pytest
 from flashpd.cluster import local_launcher, worker_main
 from flashpd.cluster.generation_client import build_request
 from flashpd.cluster.generation_server import PROTOCOL_VERSION
-from flashpd.cluster.launcher import WorkerSpec, WorkerStartError
+from flashpd.cluster.launcher import Launched, WorkerSpec, WorkerStartError
 from flashpd.cluster.local_launcher import LocalLauncher, _Child
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.worker_client import WorkerClient
@@ -303,3 +303,25 @@ def test_a_worker_whose_launcher_is_killed_while_a_prefill_hangs_still_exits(dfl
             parent.kill()
         if worker is not None and worker.is_running():
             worker.kill()
+
+
+def test_a_dead_workers_shared_memory_is_removed_once_not_at_each_probe(tmp_path):
+    """An exited worker's torch_<pid>_* files go when the launcher first reaps it. A dead slot is probed again and
+    again until it restarts, and its pid is free after that first reap: a file of the pid's next owner must stay."""
+    launcher = LocalLauncher(tmp_path / "logs")
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = _Child(WorkerSpec("prefill", 0, None), proc, tmp_path / "w.log")
+    mine = Path(f"/dev/shm/torch_{proc.pid}_9_0")
+    mine.write_bytes(b"x")  # as the worker's shared caches are named
+    proc.wait(30)
+    w = Launched("prefill", 0, "", None, child)
+    try:
+        assert not launcher.alive(w, 1.0) and not mine.exists()
+        next_owner = Path(f"/dev/shm/torch_{proc.pid}_9_1")
+        next_owner.write_bytes(b"y")
+        assert not launcher.alive(w, 1.0)
+        launcher.stop(w)
+        assert next_owner.exists()
+    finally:
+        for f in Path("/dev/shm").glob(f"torch_{proc.pid}_9_*"):
+            f.unlink()

@@ -60,7 +60,7 @@ class DiskStore(IndexedStore):
         super().__init__(byte_budget, secret)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._c.update(write_errors=0, temp_files_removed=0)
+        self._c.update(write_errors=0, temp_files_removed=0, touch_errors=0, files_vanished=0)
         self._scan()
 
     def _scan(self) -> None:
@@ -209,9 +209,8 @@ class DiskStore(IndexedStore):
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:  # evicted between the index check and the open
-            with self._lock:
-                self._c["misses"] += 1
+        except FileNotFoundError:  # evicted between the index check and the open, or removed from under the store
+            self._drop_missing(key)
             return None
         except OSError as e:  # EACCES, ...: a miss, and it leaves the index; with no descriptor to pin the file,
             log.warning("disk tier: reading %s... failed (%s); dropped, a miss", key[:16], e)
@@ -246,6 +245,26 @@ class DiskStore(IndexedStore):
             os.utime(self._path(key))  # the LRU order a restart rebuilds
         except FileNotFoundError:
             pass
+        except OSError as e:  # a read-only file system (EROFS), EACCES: the hit stands; only the order is not kept
+            with self._lock:
+                first = not self._c["touch_errors"]
+                self._c["touch_errors"] += 1
+            if first:
+                log.warning("disk tier: cannot record a hit's recency on disk (%s); hits are still served", e)
+
+    def _drop_missing(self, key: str) -> None:
+        """A miss whose file is gone. If the key is still indexed and its path still names nothing, the file was
+        removed from under the store (an operator, another bridge sharing the directory): the entry leaves the index
+        and its bytes the budget. Kept, Lookup went on reporting it, every Get missed it, and a put of it again was
+        PRESENT, never rewritten. (An eviction between the index check and the open removed the entry already.)"""
+        with self._lock:
+            self._c["misses"] += 1
+            if key in self._index and not os.path.lexists(self._path(key)):
+                size = self._index.pop(key, None)
+                self._parent.pop(key, None)
+                if size is not None:
+                    self._bytes -= size
+                self._c["files_vanished"] += 1
 
     def _drop_corrupt(self, key: str, found: os.stat_result | None) -> None:
         """A read found the file `found` (its fstat, taken while the file was held open) corrupt or unreadable: a

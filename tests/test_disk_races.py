@@ -247,3 +247,41 @@ def test_a_late_corrupt_drop_leaves_the_write_behind_copy(tmp_path):
     assert store.close(WAIT_S)
     _assert_holds_exactly(disk, tmp_path, "k", good)
     assert DiskStore(tmp_path, 1 << 24).get_bytes("k") == good  # and a restart finds it
+
+
+def test_a_file_removed_from_under_the_store_leaves_its_index(tmp_path):
+    """An operator, or another bridge sharing the directory (its evictions delete files it did not write), removes
+    an entry's file: the entry leaves the index and the budget at its first miss. Kept, Lookup went on reporting it,
+    every Get missed it, and putting it again was PRESENT, never rewritten."""
+    store = DiskStore(tmp_path, 1 << 24)
+    c = make_chunk("k", seed=7)
+    assert store.put(c)
+    (tmp_path / "k").unlink()
+    assert store.contains("k")  # the store cannot know before it looks
+    assert store.get("k") is None
+    s = store.stats()
+    assert (s["entries"], s["bytes"], s["files_vanished"]) == (0, 0, 1) and not store.contains("k")
+    assert store.put_bytes("k", c.to_bytes(MAC)) == PutResult.STORED
+    assert (tmp_path / "k").exists() and same(store.get("k"), c)
+
+
+def test_a_hit_whose_recency_cannot_be_written_is_still_served(tmp_path, monkeypatch, caplog):
+    """On a read-only file system (ext4 remounted read-only after an error) os.utime raises EROFS: the hit's
+    recency is not kept on disk, and the hit is served. It used to end the whole Get INTERNAL, at every hit.
+    (The read-only file system itself cannot be made here: utime's failure is injected.)"""
+    import errno  # noqa: PLC0415
+
+    from flashpd.kv_bridge import disk as disk_mod  # noqa: PLC0415
+
+    store = DiskStore(tmp_path, 1 << 24)
+    c = make_chunk("k", seed=7)
+    assert store.put(c)
+
+    def read_only(*_a, **_k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(disk_mod.os, "utime", read_only)
+    for _ in range(3):
+        assert same(store.get("k"), c)
+    assert store.stats()["touch_errors"] == 3
+    assert sum("cannot record a hit's recency" in r.message for r in caplog.records) == 1  # said once

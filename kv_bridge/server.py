@@ -138,8 +138,8 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                        chunks_sent=0, frames_sent=0, shm_segments_sent=0, shm_segments_reclaimed=0, shm_segments_expired=0,
                        invalid_requests=0, unauthenticated_calls=0, calls_stalled=0, shm_gets_refused_full=0,
                        shm_gets_refused_peer=0, puts_too_slow=0, puts_refused_inflight=0, shm_put_segments_left=0,
-                       shm_put_segments_reclaimed=0, shm_put_segments_not_owned=0, store_errors=0,
-                       arena_handles_sent=0)
+                       shm_put_segments_reclaimed=0, shm_segments_of_dead_writers=0, shm_put_segments_not_owned=0,
+                       store_errors=0, arena_handles_sent=0)
         self._not_owned_logged = -NOT_OWNED_LOG_EVERY_S  # when a not-owned refusal was last logged (monotonic)
 
     def authorizer(self):
@@ -590,6 +590,7 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
                                 inflight_max_bytes=inflight_max_bytes)
     shm.sweep_segments(SHM_SWEEP_AGE_S)
     shm.sweep_retired()
+    servicer._count("shm_segments_of_dead_writers", shm.sweep_dead_writers())
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", min(MAX_MESSAGE_BYTES, max_chunk_bytes + (1 << 20)))]
     guards = [TokenGate(servicer.authorizer()),  # first: a stranger's call is refused before anything else
@@ -621,6 +622,9 @@ def _reclaim_put_segments(server_ref: weakref.ref, servicer: KVBridgeServicer) -
             log.exception("reclaiming Put segments failed")
         try:
             shm.sweep_retired()  # taken segments a process renamed and died before unlinking (shm.retire)
+            # what no one can take any more: a dead bridge's Get segments, a client's written ahead of a Put it
+            # died in (PutLeftovers knows only those a Put named)
+            servicer._count("shm_segments_of_dead_writers", shm.sweep_dead_writers())
         except Exception:  # noqa: BLE001
             log.exception("sweeping retired segments failed")
 

@@ -372,6 +372,28 @@ def list_segments(pid: int | None = None, tag: str = "") -> list[str]:
     return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
 
 
+_WRITER_RE = re.compile(rf"{PREFIX}([1-9][0-9]{{0,9}})-")
+
+
+def sweep_dead_writers(grace_s: float = PUT_LEFTOVER_GRACE_S) -> int:
+    """Unlink this user's segments whose writer (the pid in the name: a Get's bridge, a Put's or a pool's client) is
+    gone and which were last written grace_s ago or more; how many. Nobody can take them any more: a bridge that
+    died left its Get segments (a restart's age sweep spared those under SHM_SWEEP_AGE_S), a client killed mid-Put
+    the segments it wrote ahead of the frames the bridge read. One PID namespace is assumed, as same-host transfer
+    through /dev/shm has (see PutLeftovers); a pid reused meanwhile keeps its segments for the age sweep."""
+    now = time.time()
+    n = 0
+    for name in list_segments():
+        m = _WRITER_RE.match(name)
+        if m is None or int(m.group(1)) == os.getpid() or process_exists(int(m.group(1))):
+            continue
+        st = _own_file(name)
+        if st is not None and now - st.st_mtime >= grace_s:
+            unlink_segment(name)
+            n += 1
+    return n
+
+
 def sweep_segments(max_age_s: float, pid: int | None = None, tag: str = "") -> int:
     """Unlink bridge segments (of one process when pid is given, of its `tag` ones when that is given
     too) older than max_age_s: their reader died or walked away before taking them."""

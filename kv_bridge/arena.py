@@ -48,6 +48,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from flashpd.kv_bridge.shm import process_exists
+
 log = logging.getLogger(__name__)
 
 PAGE = 4096
@@ -354,6 +356,7 @@ class ArenaMaps:
             self._reap()
         m = self._maps.get(ref)
         if m is None:
+            self._drop_dead()  # a new arena: often a restarted bridge's, whose old one nobody serves any more
             m = _Mapped(_map(ref))
             m.settle()
             self._maps[ref] = m
@@ -363,6 +366,15 @@ class ArenaMaps:
                 self._submit(lambda m=m: self._pin(m))
         self._maps.move_to_end(ref)
         return m
+
+    def _drop_dead(self) -> None:
+        """Under the lock: drop the mappings of arenas whose bridge process is gone. Each is a whole memory tier
+        (budget and slack, committed), held in memory by this mapping alone once its bridge died: a client kept up
+        to MAX_MAPPED - 1 of them, whatever their bridges' fate, until it closed."""
+        for ref in [r for r in self._maps if not process_exists(r.pid)]:
+            self._dropped.append(self._maps.pop(ref))
+        if self._dropped:
+            self._reap()
 
     def _reap(self) -> None:
         """Under the lock: unmap the dropped mappings nothing views any more (no view of them can be made now)."""
@@ -396,6 +408,7 @@ class ArenaMaps:
                 if maps is None:
                     return
                 with maps._lock:
+                    maps._drop_dead()
                     maps._reap()
                     if maps._closed and not maps._dropped and jobs.empty():
                         maps._jobs = None  # a later use starts another thread

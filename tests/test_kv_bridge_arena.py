@@ -624,3 +624,30 @@ def _resident_bytes(a: Arena) -> int:
                 if more.startswith("Rss:"):
                     return int(more.split()[1]) * 1024
     raise AssertionError("the arena's mapping is not in /proc/self/smaps")
+
+
+def test_a_dead_bridges_arena_is_unmapped_when_another_arena_is_mapped():
+    """A bridge that died (restarted: a new process, a new arena) left its whole arena held in memory by each
+    client's mapping, up to MAX_MAPPED - 1 of them a client. Mapping a new arena drops the mappings of arenas whose
+    process is gone (unmapped at once when nothing views them)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = ("import sys; from flashpd.kv_bridge.arena import Arena, PAGE; a = Arena(4 * PAGE); "
+            "print(a.ref.pid, a.ref.fd, a.ref.inode, a.ref.size, flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        dead = ArenaRef(*map(int, p.stdout.readline().split()))
+        maps = ArenaMaps()
+        maps.view(dead, 0, 8)  # mapped, the view dropped at once
+        first = maps._maps[dead]
+        p.stdin.close()
+        p.wait(30)
+        live = Arena(4 * PAGE)
+        maps.view(live.ref, 0, 8)
+        assert dead not in maps._maps and first.mm.closed
+        assert maps.stats() == {"mapped": 1, "pinned": 0, "pin_failed": 0, "dropped_viewed": 0}
+        maps.close()
+    finally:
+        if p.poll() is None:
+            p.kill()

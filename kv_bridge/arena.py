@@ -150,6 +150,13 @@ class Arena:
                     return off
         return None
 
+    def fits(self, n: int) -> bool:
+        """Whether a free slot of n bytes exists now (alloc would find one)."""
+        need = _round_up(n)
+        with self._lock:
+            self._release_expired()
+            return any(length >= need for _, length in self._free)
+
     def free(self, offset: int, n: int, hold_until: float = 0.0) -> None:
         """Give a slot back; it is reused only after `hold_until` (time.monotonic)."""
         with self._lock:

@@ -95,6 +95,18 @@ class ArenaStore(MemoryStore):
                 self._lent -= found[2]
                 self.arena.free(found[1], found[2])
 
+    def _placeable(self, data: bytes | memoryview) -> bool:
+        """No free slot now and the least recently used entry's slot held by a recent read (evicting it, or the
+        budget's next victims behind it, frees no room before their holds end): refused before the budget evicts
+        anything. Else a Put refused for want of a slot had first evicted entries it could not use."""
+        owner = data.obj if isinstance(data, memoryview) else None
+        if owner is not None and any(ref() is owner and n == len(data) for ref, _, n in self._reserved.values()):
+            return True  # its slot is reserved: filled in place
+        if self.arena.fits(len(data)) or (len(self._index) and not self._held_now(self._index.first())):
+            return True
+        self._c["arena_refused"] += 1
+        return False
+
     def _place(self, key: str, data: bytes | memoryview, keep: str | None) -> memoryview | None:
         self._free_returned()
         owner = data.obj if isinstance(data, memoryview) else None

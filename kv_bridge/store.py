@@ -262,6 +262,9 @@ class MemoryStore(IndexedStore):
             if early is not None:
                 return early
             keep = self._link(key, data)
+            if not self._placeable(data):  # before the budget's evictions: a refusal then evicts nothing
+                self._parent.pop(key, None)
+                return PutResult.REFUSED
             while self._bytes + len(data) > self.byte_budget:
                 if not self._evict_one(keep):  # only its own prompt's chunks are left to evict, or an orphan
                     self._parent.pop(key, None)
@@ -285,6 +288,11 @@ class MemoryStore(IndexedStore):
         self._bytes -= len(old)
         self._c["evictions"] += 1
         self._dropped(victim, old)
+        return True
+
+    def _placeable(self, data: bytes | memoryview) -> bool:
+        """Under the lock, before any eviction: False where `_place` could not take the entry whatever the budget's
+        evictions free (counted by the subclass). Here always True."""
         return True
 
     def _place(self, key: str, data: bytes | memoryview, keep: str | None) -> bytes | memoryview | None:

@@ -107,7 +107,8 @@ def test_a_slot_handed_out_is_reused_only_after_the_readers_deadline():
     got = KVChunk.from_bytes(view, s.secret.mac_key, share=True)
     got.lease = Lease(time.monotonic() + 0.3, None)  # the client's clock half: hold less its margin, from receipt
     b = chunk(2, tokens=4)
-    assert s.put_bytes(b.key, b.to_bytes(s.secret.mac_key)) is PutResult.REFUSED  # a evicted, its slot held
+    assert s.remove(a.key)  # gone while its hand-out's hold lasts: its slot is held
+    assert s.put_bytes(b.key, b.to_bytes(s.secret.mac_key)) is PutResult.REFUSED
     assert s.stats()["arena_refused"] == 1 and not s.contains(a.key) and got.fresh()
     time.sleep(0.35)
     assert not got.fresh()
@@ -463,6 +464,22 @@ def test_a_put_does_not_evict_entries_whose_slots_a_read_still_holds_for_nothing
     big = chunk(90, tokens=12)
     assert not s.put(big) and s.stats()["arena_refused"] == 1
     assert all(s.contains(x.key) for x in small[0::2])
+
+
+def test_a_put_refused_for_want_of_a_slot_evicts_nothing():
+    """Every entry read within its hold and the arena full: the budget's evictions could free no room before the
+    holds end, so the put is refused before evicting. It used to evict entries first, then find no slot: a client
+    reading hot entries shrank the store while its puts failed."""
+    small = [chunk(60 + i, tokens=4) for i in range(4)]
+    n_small = _round(len(small[0].to_bytes(ArenaStore(1 << 16).secret.mac_key)))
+    s = ArenaStore(4 * n_small, slack_bytes=0)
+    assert all(s.put(x) for x in small)
+    assert all(s.get_handle(x.key) is not None for x in small)  # all read: each slot held if evicted
+    for i in range(3):
+        assert not s.put(chunk(70 + i, tokens=4))
+    st = s.stats()
+    assert (st["arena_refused"], st["evictions"], st["entries"]) == (3, 0, 4)
+    assert all(s.contains(x.key) for x in small)
 
 
 class RecordingPinner:

@@ -6,8 +6,12 @@ over both. Every call is bounded: start by a timeout, alive by a probe timeout, 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,3 +46,22 @@ class Launcher(Protocol):
     def stop(self, w: Launched, timeout_s: float = 10.0) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+def unlink_shared_memory(pid: int, shm_dir: Path = Path("/dev/shm")) -> int:
+    """Remove the shared-memory files an exited worker made (torch's file_system strategy names them torch_<pid>_*:
+    a CPU prefill worker's caches on the device path). torch's manager unlinks them only once every process that
+    mapped them has let go, and a decode worker that mapped a dead exporter's caches keeps its manager connection
+    for its whole life: each crash of a prefill worker left a whole KV cache in /dev/shm until the decode worker
+    exited. Unlinked, the memory goes as the last mapping does (a decode worker forgets a dead exporter's at its
+    successor's first handoff). Returns how many were removed."""
+    n = 0
+    for f in shm_dir.glob(f"torch_{pid}_*"):
+        try:
+            f.unlink()
+            n += 1
+        except OSError:  # gone meanwhile, or not ours
+            pass
+    if n:
+        log.info("removed %d shared-memory file(s) of exited worker pid %d", n, pid)
+    return n

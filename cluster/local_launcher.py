@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from flashpd.cluster.launcher import Launched, WorkerSpec, WorkerStartError
+from flashpd.cluster.launcher import Launched, WorkerSpec, WorkerStartError, unlink_shared_memory
 from flashpd.cluster.placement import local_gpu
 from flashpd.kv_bridge.auth import ClusterSecret
 
@@ -302,25 +302,6 @@ class LocalLauncher:
                         ", ".join(p.name for p in self.failed_logs))
         elif self._own_log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
-
-
-def unlink_shared_memory(pid: int, shm_dir: Path = Path("/dev/shm")) -> int:
-    """Remove the shared-memory files an exited worker made (torch's file_system strategy names them torch_<pid>_*:
-    a CPU prefill worker's caches on the device path). torch's manager unlinks them only once every process that
-    mapped them has let go, and a decode worker that mapped a dead exporter's caches keeps its manager connection
-    for its whole life: each crash of a prefill worker left a whole KV cache in /dev/shm until the decode worker
-    exited. Unlinked, the memory goes as the last mapping does (a decode worker forgets a dead exporter's at its
-    successor's first handoff). Returns how many were removed."""
-    n = 0
-    for f in shm_dir.glob(f"torch_{pid}_*"):
-        try:
-            f.unlink()
-            n += 1
-        except OSError:  # gone meanwhile, or not ours
-            pass
-    if n:
-        log.info("removed %d shared-memory file(s) of exited worker pid %d", n, pid)
-    return n
 
 
 def _terminate(p: subprocess.Popen) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from flashpd.cluster.launcher import Launched, WorkerSpec, WorkerStartError
+from flashpd.cluster.launcher import Launched, WorkerSpec, WorkerStartError, unlink_shared_memory
 from flashpd.cluster.placement import ray_options
 from flashpd.cluster.ray_actors import WorkerActor
 from flashpd.kv_bridge.auth import ClusterSecret
@@ -54,10 +54,20 @@ def process_gone(pid: int, timeout_s: float) -> bool:
         time.sleep(0.01)
 
 
+def gone_and_cleaned(pid: int, timeout_s: float) -> bool:
+    """process_gone, then the shared-memory files the process left removed (launcher.unlink_shared_memory): a killed
+    actor's torch_shm_manager dies with it before unlinking them, so a CPU prefill worker's caches stayed in
+    /dev/shm after every crash, stop and job stop."""
+    gone = process_gone(pid, timeout_s)
+    if gone:
+        unlink_shared_memory(pid)
+    return gone
+
+
 @functools.cache
 def _remote_process_gone():
-    """process_gone as a Ray task, run on the node of a killed actor of another host."""
-    return ray.remote(num_cpus=0, max_retries=0)(process_gone)
+    """gone_and_cleaned as a Ray task, run on the node of a killed actor of another host."""
+    return ray.remote(num_cpus=0, max_retries=0)(gone_and_cleaned)
 
 
 def start_error(role: str, index: int, e: RayError) -> str:
@@ -94,6 +104,10 @@ class RayLauncher:
         self.actor_cls = ray.remote(max_restarts=0)(WorkerActor)
         self._actors: dict = {}  # actor handle -> _Actor, until it is killed
         self._pings: dict = {}  # actor handle -> its ping not answered yet (alive() waits for it again)
+        # (role, index) -> the options its first start was placed with: a restart asks for the same (a snapshot of
+        # the cluster after a node died gave a GPU worker no GPU and dropped its node-type pin, and it was placed at
+        # once on a node of another role, to fail there until the pool gave the slot up)
+        self._placed: dict[tuple[str, int], dict] = {}
         self._lock = threading.Lock()  # _actors' additions and _closing: a restart's start may race shutdown()
         self._closing = False
         self._node = ray.get_runtime_context().get_node_id()  # this process's node: its actors' pids checked here
@@ -105,7 +119,7 @@ class RayLauncher:
                 raise WorkerStartError("the launcher is shut down: no worker is started")
             resources = ray.cluster_resources()
             for s in specs:
-                opts = ray_options(s.role, s.cfg, resources)
+                opts = self._placed.setdefault((s.role, s.index), ray_options(s.role, s.cfg, resources))
                 log.info("starting %s worker %d as a Ray actor with %s", s.role, s.index, opts)
                 actors.append(self.actor_cls.options(**opts).remote(s.role, s.cfg.to_dict(), s.port,
                                                                     self.secret.export_hex()))
@@ -246,7 +260,7 @@ class RayLauncher:
         pid, node = where
         left = max(0.0, deadline - time.monotonic())
         if node == self._node:
-            return process_gone(pid, left)
+            return gone_and_cleaned(pid, left)
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
         task = _remote_process_gone().options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))

@@ -229,7 +229,7 @@ def test_a_ray_prefill_actors_shared_caches_leave_dev_shm_when_it_dies_and_when_
     cache in /dev/shm. The launcher removes them once the actor's process is gone; the restart asks for the options
     the first start was placed with. (No request follows the restart here: under Ray the decode actor then aborts
     as it frees the dead exporter's tensors, whose torch_shm_manager Ray killed with the actor; a known defect of
-    this CPU stand-in for CUDA IPC, docs/results.md's thirty-seventh session.)"""
+    this CPU stand-in for CUDA IPC: CHANGELOG.md, thirty-seventh session.)"""
     from pathlib import Path  # noqa: PLC0415
 
     svc = start_service(serve_cfg(dflash_pair, "ray", prefill_workers=1, decode_workers=1, kv_transport="device"),

@@ -95,12 +95,19 @@ class ArenaStore(MemoryStore):
                 self._lent -= found[2]
                 self.arena.free(found[1], found[2])
 
+    def _loan_of(self, data: bytes | memoryview) -> object | None:
+        """Under the lock: the reservation whose slot `data` was assembled in (None: none). A few loans at a time:
+        one per Put stream at most."""
+        owner = data.obj if isinstance(data, memoryview) else None
+        if owner is None:
+            return None
+        return next((k for k, (ref, _, n) in self._reserved.items() if ref() is owner and n == len(data)), None)
+
     def _placeable(self, data: bytes | memoryview) -> bool:
         """No free slot now and the least recently used entry's slot held by a recent read (evicting it, or the
         budget's next victims behind it, frees no room before their holds end): refused before the budget evicts
         anything. Else a Put refused for want of a slot had first evicted entries it could not use."""
-        owner = data.obj if isinstance(data, memoryview) else None
-        if owner is not None and any(ref() is owner and n == len(data) for ref, _, n in self._reserved.values()):
+        if self._loan_of(data) is not None:
             return True  # its slot is reserved: filled in place
         if self.arena.fits(len(data)) or (len(self._index) and not self._held_now(self._index.first())):
             return True
@@ -109,9 +116,7 @@ class ArenaStore(MemoryStore):
 
     def _place(self, key: str, data: bytes | memoryview, keep: str | None) -> memoryview | None:
         self._free_returned()
-        owner = data.obj if isinstance(data, memoryview) else None
-        loan = next((k for k, (ref, _, n) in self._reserved.items() if ref() is owner and n == len(data)), None) \
-            if owner is not None else None  # (a few loans at a time: one per Put stream at most)
+        loan = self._loan_of(data)
         if loan is not None:  # filled in place: no copy
             _, off, n = self._reserved.pop(loan)
             self._lent -= n

@@ -18,6 +18,7 @@ and a directory fsync. TieredStore says what a full queue, a failed write and a 
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -42,8 +43,47 @@ WRITER_IDLE_S = 5.0  # an idle writer thread exits; the next queued write starts
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}\Z")  # a file name, never a path
 _TMP_PREFIX = ".tmp-"
 # A temp file older than this is an interrupted write (a writer process killed): the start-up scan deletes it. A
-# younger one may be a write in progress by another process sharing the directory (a chunk takes well under a second).
+# younger one may be a write in progress by another process sharing the directory (a chunk takes well under a
+# second), unless its name says it was this host's and its writer is gone (`_temp_name`): then it goes at once.
 STALE_TMP_S = 600.0
+
+
+def _host_tag() -> str:
+    """Who may judge a temp file's writer by its pid: this host's boot and pid namespace, hashed (another
+    container's or machine's pids mean nothing here)."""
+    parts = [os.uname().nodename]
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(open(path).read().strip() if path.endswith("boot_id") else str(os.stat(path).st_ino))
+        except OSError:
+            parts.append("-")
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=4).hexdigest()
+
+
+_HOST = _host_tag()
+
+
+def _temp_name(key: str) -> str:
+    """.tmp-<host tag>-<pid>-<key>-<random>: at most 5 + 8 + 1 + 7 + 1 + 200 + 1 + 16 = 239 characters."""
+    return f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{key}-{uuid.uuid4().hex[:16]}"
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether a temp file's name says this host's process wrote it and that process is gone. Names of other
+    hosts, and of older versions (no tag), are judged by age alone."""
+    host, _, rest = name[len(_TMP_PREFIX):].partition("-")
+    pid, _, _ = rest.partition("-")
+    if host != _HOST or not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: a live process of another user
+        return False
+    return False
 
 
 def _check_key(key: str) -> None:
@@ -60,7 +100,7 @@ class DiskStore(IndexedStore):
         super().__init__(byte_budget, secret)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._c.update(write_errors=0, temp_files_removed=0, touch_errors=0, files_vanished=0)
+        self._c.update(write_errors=0, temp_files_removed=0, touch_errors=0, files_vanished=0, space_evictions=0)
         self._scan()
 
     def _scan(self) -> None:
@@ -106,14 +146,16 @@ class DiskStore(IndexedStore):
             early = self._admission(key, len(data))
             if early is not None:
                 return early
-        tmp = self.directory / f"{_TMP_PREFIX}{key}-{uuid.uuid4().hex}"
+        tmp = self.directory / _temp_name(key)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                _write_file(tmp, data)
+            except OSError as e:  # the file system is full below this tier's budget (other users of the disk):
+                # room is made from this tier's least recently used files, and the write tried once more
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._free_space(key, data):
+                    raise
+                _unlink(tmp)
+                _write_file(tmp, data)
             with self._lock:
                 if key in self._index:  # another writer finished first: keep theirs
                     self._c["duplicate_puts"] += 1
@@ -146,6 +188,25 @@ class DiskStore(IndexedStore):
             return PutResult.REFUSED
         finally:
             _unlink(tmp)
+
+    def _free_space(self, key: str, data: bytes) -> bool:
+        """After a write found the file system full: drop least recently used files (never the incoming entry's
+        own prompt's, as `_evict_to`) until they add up to the incoming size; whether any went. Without this a
+        disk filled by others below the budget refused every write and evicted nothing, freezing the tier."""
+        with self._lock:
+            keep = self._link(key, data)
+            if key not in self._index:
+                self._parent.pop(key, None)  # recorded again when the retried write is published
+            freed = 0
+            while self._index and freed < len(data) and self._may_evict(keep):
+                victim, size = self._index.popitem(last=False)
+                self._parent.pop(victim, None)
+                self._bytes -= size
+                _unlink(self._path(victim))
+                self._c["evictions"] += 1
+                self._c["space_evictions"] += 1
+                freed += size
+            return freed > 0
 
     def _evict_to(self, incoming: int, keep: str | None = "") -> bool:
         """Drop least recently used files until `incoming` more bytes fit (lock held); False, with nothing more
@@ -579,11 +640,22 @@ def _restart_order(found: list[tuple[int, str, int, str | None]]) -> list[str]:
 
 
 def _stale(entry: os.DirEntry) -> bool:
-    """A temp file no writer still works on (see STALE_TMP_S); one gone since the listing is not."""
+    """A temp file no writer still works on (see STALE_TMP_S, `_writer_gone`); one gone since the listing is not."""
     try:
-        return time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S
+        old = time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S
     except OSError:
         return False
+    return old or _writer_gone(entry.name)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """data into a new file at path, fsynced (O_EXCL: never another writer's file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _publish(tmp: Path, final: Path) -> bool:

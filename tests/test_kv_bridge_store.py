@@ -378,6 +378,80 @@ def test_disk_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     assert again.stats()["temp_files_removed"] == 1
 
 
+def test_disk_temp_file_of_a_dead_writer_on_this_host_goes_at_the_next_start(tmp_path):
+    """A writer killed mid-write leaves a temp file that names its host and pid: a restart sooner than STALE_TMP_S
+    removes it once that process is gone. A live writer's (this process, another live process) and another
+    host's fresh temp files stay; the 600 s rule still covers them."""
+    import subprocess
+    import sys
+
+    data = make_chunk("k").to_bytes(MAC)[:500]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead_name = disk._temp_name("k").replace(f"-{os.getpid()}-", f"-{gone.pid}-", 1)
+        live_name = disk._temp_name("j").replace(f"-{os.getpid()}-", f"-{alive.pid}-", 1)
+        mine = disk._temp_name("m")
+        other_host = ".tmp-0badc0de-" + f"{gone.pid}-k-0123456789abcdef"
+        for name in (dead_name, live_name, mine, other_host):
+            (tmp_path / name).write_bytes(data)
+        again = DiskStore(tmp_path, 1 << 24)
+        assert sorted(os.listdir(tmp_path)) == sorted([live_name, mine, other_host])
+        assert again.stats()["temp_files_removed"] == 1 and again.stats()["entries"] == 0
+    finally:
+        alive.kill()
+        alive.wait()
+    assert len(disk._temp_name("k" * 200)) <= 255
+
+
+class _SmallDisk:
+    """A file system of `capacity` bytes under one directory (os.write through the store's write_all raises
+    ENOSPC past it): a disk that other users filled below this tier's budget. No real small file system can be
+    mounted on a CI machine without privileges."""
+
+    def __init__(self, directory, capacity: int) -> None:
+        import errno
+
+        self.directory, self.capacity, self.real = directory, capacity, disk.write_all
+        self.errno = errno.ENOSPC
+
+    def __call__(self, fd: int, data) -> None:
+        used = sum(os.path.getsize(self.directory / f) for f in os.listdir(self.directory))
+        if used + len(data) > self.capacity:
+            raise OSError(self.errno, "No space left on device")
+        self.real(fd, data)
+
+
+def test_disk_full_below_the_budget_evicts_instead_of_freezing(tmp_path, monkeypatch):
+    """The file system fills up with this tier's budget far from reached: each write that finds no room drops the
+    least recently used files and is tried once more, so the tier keeps its most recent entries instead of
+    refusing every write from then on with nothing evicted."""
+    n = _size()
+    store = DiskStore(tmp_path, 100 * n)
+    monkeypatch.setattr(disk, "write_all", _SmallDisk(tmp_path, 3 * n + n // 2))
+    keys = [f"k{i}" for i in range(8)]
+    for k in keys:
+        assert store.put_bytes(k, make_chunk(k).to_bytes(MAC)) is PutResult.STORED, k
+    assert store.lookup(keys[-2:]) == 2 and store.get("k7") is not None
+    s = store.stats()
+    assert s["entries"] == 3 and s["space_evictions"] == 5 and s["write_errors"] == 0
+    assert sorted(os.listdir(tmp_path)) == ["k5", "k6", "k7"]
+    assert s["bytes"] == sum(os.path.getsize(tmp_path / k) for k in os.listdir(tmp_path))
+
+
+def test_disk_full_with_nothing_of_its_own_to_drop_refuses(tmp_path, monkeypatch):
+    """A disk full of other users' files, this tier holding nothing: the write is refused (counted), not retried
+    forever, and nothing is left behind."""
+    n = _size()
+    store = DiskStore(tmp_path, 100 * n)
+    monkeypatch.setattr(disk, "write_all", _SmallDisk(tmp_path, n // 2))
+    assert store.put_bytes("k", make_chunk("k").to_bytes(MAC)) is PutResult.REFUSED
+    s = store.stats()
+    assert (s["entries"], s["write_errors"], s["space_evictions"]) == (0, 1, 0)
+    assert os.listdir(tmp_path) == []
+
+
 def test_disk_corrupt_file_refused_and_deleted(tmp_path):
     store = DiskStore(tmp_path, 1 << 24)
     store.put(make_chunk("k1"))

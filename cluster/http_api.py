@@ -29,8 +29,9 @@ fit (RESOURCE_EXHAUSTED) -> 400 with code "context_length_exceeded", no worker /
 A body over max_positions * 128 bytes (at least 1 MiB) gets 413. An error after a stream started is sent
 as a `data: {"error": ...}` event before `data: [DONE]`.
 
-A request is cancelled in the backend (its KV blocks freed) whenever its response does not run to the
-end: the client disconnects (mid-stream: the stream task is cancelled; non-streamed: polled), a stop
+A server that stops gives requests in flight most of its grace period, then ends each with a 503 (a stream:
+an error event, then [DONE]). A request is cancelled in the backend (its KV blocks freed) whenever its response
+does not run to the end: the client disconnects (mid-stream: the stream task is cancelled; non-streamed: polled), a stop
 string ends the text, or anything fails. Blocking backend calls run on worker threads (one per request
 at most), so the event loop never waits on the engine; so do parsing a request (tokenizing its prompt,
 rendering its chat template), /health's and /metrics' reads of the backend, and cancels (a thread of
@@ -220,6 +221,13 @@ class _State:
     defaults: dict
     limiter: anyio.CapacityLimiter
     created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # drain(): the server stops; requests in flight end now with a 503 / an error event
+
+    def drain(self) -> None:
+        """End every request in flight with OpenAI's error body (a stream: an error event, then [DONE]) and cancel
+        it in the backend: called by http_server before its grace period runs out, when uvicorn would cancel the
+        tasks (a bare 500, or a stream cut with no error event). Requests see it within POLL_S."""
+        self.draining = True
 
     # ---- parsing ---------------------------------------------------------------------------------
     def check_model(self, body: dict) -> None:
@@ -502,6 +510,8 @@ class _Run:
         pending = None  # an event met after token events merged into one (engine_loop.coalesce), to go next
         try:
             while True:
+                if st.draining:
+                    raise APIError(503, "the server is shutting down", "server_error", None, "service_unavailable")
                 ev, pending = (pending, None) if pending is not None else (h.get(0), None)
                 if ev is None:
                     ev = await anyio.to_thread.run_sync(h.get, POLL_S, limiter=st.limiter)
@@ -668,6 +678,7 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
     body_limit = max(1 << 20, backend.max_positions * MAX_CHARS_PER_TOKEN * 2)
     app = FastAPI(title="flashpd", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.flashpd = st
+    app.state.drain = st.drain  # http_server.HttpServer.stop()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):

@@ -2,8 +2,8 @@
 
 The listening socket is bound here, before uvicorn starts, so port 0 gets a free port whose number is
 known at once; the bind rule is the gRPC API's (loopback unless allow_remote). stop() lets requests in
-flight finish for a grace period, then cancels them (each cancel reaches the backend: cluster/http_api.py),
-and joins the thread; every wait is bounded. A connection must deliver each request within request_timeout_s
+flight finish for a grace period, then ends them with a 503 or a stream's error event (each cancel reaches the
+backend: cluster/http_api.py), and joins the thread; every wait is bounded. A connection must deliver each request within request_timeout_s
 (cluster/http_guard.py), and take each response's bytes with no pause that long, so clients that trickle bytes
 or stop reading cannot hold uvicorn's connection limit.
 """
@@ -21,6 +21,8 @@ from flashpd.kv_bridge.server import is_loopback
 
 log = logging.getLogger(__name__)
 
+DRAIN_LEAD_S = 0.5  # how long before the grace period ends requests still running are ended by the app (stop())
+
 
 class HttpServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
@@ -28,6 +30,7 @@ class HttpServer:
         if not (allow_remote or is_loopback(host)):
             raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
         self.host = host
+        self.app = app
         self.grace_s = grace_s
         self._protocol = guarded_h11(request_timeout_s)
         self.sock = _bind(host, port)
@@ -81,10 +84,18 @@ class HttpServer:
         return self._thread.is_alive()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop accepting, give requests in flight grace_s, cancel the rest, join the thread."""
+        """Stop accepting, give requests in flight grace_s, end the rest with the app's error (its `drain`, some
+        DRAIN_LEAD_S before the grace period ends; uvicorn's own cancel at its end gave a bare 500 or a stream cut
+        with no error event), join the thread."""
         self.server.should_exit = True
+        lead = min(DRAIN_LEAD_S, self.grace_s / 2)
         if self._thread.is_alive():
-            self._thread.join(self.grace_s + 1.0)
+            self._thread.join(self.grace_s - lead)
+        drain = getattr(getattr(self.app, "state", None), "drain", None)
+        if self._thread.is_alive() and drain is not None:
+            drain()
+        if self._thread.is_alive():
+            self._thread.join(lead + 1.0)
         if self._thread.is_alive():
             self.server.force_exit = True
             self._thread.join(max(0.0, timeout_s - self.grace_s - 1.0))

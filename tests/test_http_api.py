@@ -503,6 +503,65 @@ def test_backend_failures_map_to_http_statuses():
         srv.stop()
 
 
+class _EndlessBackend(_FakeBackend):
+    """Requests that send one token and then never finish (an engine busy on long outputs)."""
+
+    def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
+        from flashpd.decode_node.engine_loop import Event
+
+        h = FakeHandle()
+        h.events.put(Event("tokens", tokens=[7]))
+        return h
+
+
+def test_stopping_ends_requests_in_flight_with_an_error_not_a_bare_500_or_a_cut_stream():
+    """A server stopped while requests run past its grace period ends them with OpenAI's error: a non-streamed
+    request gets a 503 with the JSON body, a stream an error event and then [DONE]; both are cancelled in the
+    backend. (uvicorn's own cancel at the grace period's end gave a plain-text 500 and a stream cut with no error
+    event.)"""
+    import http.client
+
+    from flashpd.cluster.http_api import build_app
+    from flashpd.cluster.http_server import HttpServer
+
+    be = _EndlessBackend()
+    srv = HttpServer(build_app(be, None, "fake", None), grace_s=1.0).start()
+    got: dict = {}
+
+    def post(body: dict) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10.0)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        return conn.getresponse()
+
+    def plain() -> None:
+        r = post({"model": "fake", "prompt": [5], "max_tokens": 4})
+        got["plain"] = (r.status, r.getheader("content-type"), r.read().decode())
+
+    def stream() -> None:
+        r = post({"model": "fake", "prompt": [5], "max_tokens": 4, "stream": True})
+        got["stream"] = [line for line in r.read().decode().splitlines() if line]
+
+    threads = [threading.Thread(target=f) for f in (plain, stream)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # both requests are in flight, each holding its first token
+    srv.stop()
+    for t in threads:
+        t.join(10.0)
+    status, ctype, text = got["plain"]
+    assert status == 503 and ctype == "application/json", got["plain"]
+    err = json.loads(text)["error"]
+    assert err["code"] == "service_unavailable" and "shutting down" in err["message"]
+    events = got["stream"]
+    assert events[-1] == "data: [DONE]", events
+    last = json.loads(events[-2][len("data: "):])
+    assert "shutting down" in last["error"]["message"], events
+    deadline = time.monotonic() + 5.0
+    while len(be.cancelled) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(be.cancelled) == 2
+
+
 class _BehindBackend(_FakeBackend):
     """A backend whose stream fell behind by every step: all of a request's token events (each with its `sent`
     flag) and its final event are queued before the front end reads the first."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -14,6 +15,11 @@ from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 
 _FLOAT32_LARGEST = 3.4028234663852886e38  # float32's largest finite value
+TOP_P_MIN = 1.1754943508222875e-38  # engine/sampling.TOP_P_MIN (float32's smallest normal; no torch imported here)
+
+
+def _real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 PROTOCOL_VERSION = 1
 
@@ -114,10 +120,14 @@ def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "
     id, a negative block_size, text that is not UTF-8) raises ValueError naming the field: the client refuses it
     rather than truncate it or let protobuf's own error through."""
     req = pb.GenerateRequest(version=PROTOCOL_VERSION)
-    if isinstance(temperature, float) and math.isfinite(temperature):
-        # the field is float32: a finite temperature past its range samples as the largest (SamplingParams' rule),
-        # not as an infinity the server must refuse
-        temperature = min(temperature, _FLOAT32_LARGEST)
+    if _real(temperature) and _FLOAT32_LARGEST < temperature < math.inf:
+        # the field is float32: a finite temperature past its range (a float or an int) samples as the largest
+        # (SamplingParams' rule), not as an infinity the server must refuse
+        temperature = _FLOAT32_LARGEST
+    if _real(top_p) and 0 < top_p < TOP_P_MIN:
+        # below float32's smallest normal a top_p would reach the server as a denormal or as 0, and 0 reads as
+        # unset (1.0: no filtering at all); SamplingParams raises it to TOP_P_MIN, and so does the client
+        top_p = TOP_P_MIN
     fields = dict(max_tokens=max_tokens, method=method, block_size=block_size, temperature=temperature,
                   top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
     for name, value in fields.items():

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -94,6 +95,10 @@ def test_any_finite_temperature_is_served_and_the_server_lives(demo, method):
         assert len(out) == 10 and all(0 <= x < 4096 for x in out)
         assert client.generate_once(prompt, temperature=t, top_k=1, **kw).token_ids == ref
         assert len(client.generate_once(prompt, temperature=t, top_p=1e-9, seed=1, **kw).token_ids) == 10
+    # a top_p below float32's range keeps the most likely token alone (SamplingParams' TOP_P_MIN): greedy. The
+    # client once sent it as 0, which the server reads as unset (1.0), sampling from the whole distribution
+    for p in (1e-50, 1e-44):
+        assert client.generate_once(prompt, temperature=2.0, top_p=p, seed=5, **kw).token_ids == ref, p
     # a tiny temperature next to sampled and greedy requests in one batch
     outs: dict[int, list[int]] = {}
     temps = [0.0, 1e-40, 0.8, 1e-38, 1e30, 0.0]
@@ -275,6 +280,23 @@ def test_oversized_fields_get_a_short_status_naming_the_field(demo, field, code,
         assert details.startswith(field) and len(details) < MAX_DETAILS, details[:200]
     assert time.monotonic() - t0 < 10  # refused before any heavy work (a 1 MiB prompt_text is not tokenized)
     assert _idle(client.health())
+
+
+def test_the_client_sends_what_sampling_params_would_serve():
+    """Values float32 cannot carry are sent as SamplingParams reads them: a top_p below its smallest normal as
+    TOP_P_MIN (not 0, which reads as unset), a temperature past its range as its largest, ints included."""
+    from flashpd.cluster import generation_client as gc
+    from flashpd.engine import sampling
+
+    assert gc.TOP_P_MIN == sampling.TOP_P_MIN
+    for p in (1e-50, 1e-44, 1e-39):
+        sent = build_request([5], temperature=1.0, top_p=p).top_p
+        assert sent > 0 and sent == np.float32(sampling.TOP_P_MIN), p
+    assert build_request([5], top_p=0.5).top_p == np.float32(0.5)
+    for t in (1e40, 10 ** 40, 10 ** 400):
+        assert build_request([5], temperature=t).temperature == np.float32(gc._FLOAT32_LARGEST), t
+    assert build_request([5], temperature=7).temperature == 7.0
+    assert math.isinf(build_request([5], temperature=math.inf).temperature)  # refused by the server, by name
 
 
 @pytest.mark.parametrize("kw", [dict(top_k=(1 << 31) - 1, temperature=0.7, seed=(1 << 64) - 1),

@@ -155,7 +155,7 @@ class BridgeClient:
         self._channels = [grpc.secure_channel(address, tls.channel_credentials(), options=options)
                           if tls is not None else grpc.insecure_channel(address, options=options)
                           for _ in range(streams)]
-        authed = [with_token(c, secret.token) for c in self._channels]
+        authed = self._authed = [with_token(c, secret.token) for c in self._channels]  # close these, not those
         self.stub = pb_grpc.KVBridgeStub(authed[0])
         # the byte path: PutFrames go out as bytes made here, GetFrames are read by frame_codec
         self._put_calls = [c.stream_unary(_PUT, response_deserializer=pb.PutReply.FromString) for c in authed]
@@ -164,7 +164,7 @@ class BridgeClient:
                                           response_deserializer=get_frame) for c in authed]
 
     def close(self) -> None:
-        for c in self._channels:
+        for c in self._authed:
             c.close()
         self._arenas.close()
         self._shm_pool.close()

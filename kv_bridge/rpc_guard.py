@@ -12,6 +12,7 @@ UNAUTHENTICATED at once, and no worker thread waits on a stranger's request.
 from __future__ import annotations
 
 import hmac
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import grpc
@@ -174,7 +175,102 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
         return continuation(self._details(details), request_iterator)
 
 
+class ChannelClosed(grpc.RpcError, ValueError):
+    """A call on a channel closed under its caller (a worker restart swapped the client, a pool stopping): an
+    RpcError whose code is UNAVAILABLE, since the peer is being replaced or gone, and the ValueError that grpc
+    raises for a plain closed channel. Raised by a blocking call, a future's result() and a stream's iteration."""
+
+    MESSAGE = "Cannot invoke RPC on closed channel!"
+
+    def __init__(self) -> None:
+        super().__init__(self.MESSAGE)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self.MESSAGE
+
+
+class _CloseGuard(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Closes the channel under an intercepted one only when no call is being made on it. grpcio (1.85) makes a
+    call's handle on the channel under the interceptors at each call, and on a closed channel that crashed the
+    process (SIGSEGV in _get_registered_call_handle), where a plain channel raises ValueError. A call after
+    close() now raises ChannelClosed; a call in progress when close() comes closes the channel as it returns
+    (a blocking call ends with its reply or its deadline; a stream or future already made is cancelled then)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._closing = False
+        self._closed = False
+
+    def _call(self, continuation, details, arg):
+        with self._lock:
+            if self._closing:
+                raise ChannelClosed()
+            self._calls += 1
+        try:
+            return continuation(details, arg)
+        finally:
+            with self._lock:
+                self._calls -= 1
+                last = self._closing and self._calls == 0 and not self._closed
+                self._closed = self._closed or last
+            if last:
+                self._channel.close()
+
+    intercept_unary_unary = intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = _call
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            now = self._calls == 0 and not self._closed
+            self._closed = self._closed or now
+        if now:
+            self._channel.close()
+
+
+class _GuardedChannel(grpc.Channel):
+    """An intercepted channel whose close() goes through its _CloseGuard."""
+
+    def __init__(self, inner: grpc.Channel, guard: _CloseGuard) -> None:
+        self._inner, self._guard = inner, guard
+
+    def subscribe(self, callback, try_to_connect=False):
+        return self._inner.subscribe(callback, try_to_connect)
+
+    def unsubscribe(self, callback):
+        return self._inner.unsubscribe(callback)
+
+    def unary_unary(self, *args, **kwargs):
+        return self._inner.unary_unary(*args, **kwargs)
+
+    def unary_stream(self, *args, **kwargs):
+        return self._inner.unary_stream(*args, **kwargs)
+
+    def stream_unary(self, *args, **kwargs):
+        return self._inner.stream_unary(*args, **kwargs)
+
+    def stream_stream(self, *args, **kwargs):
+        return self._inner.stream_stream(*args, **kwargs)
+
+    def close(self) -> None:
+        self._guard.close()
+
+    def __enter__(self) -> "_GuardedChannel":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+
 def with_token(channel: grpc.Channel, token: str) -> grpc.Channel:
-    """The channel, with `x-flashpd-token: <token>` added to every call's metadata (what
-    token_authorizer checks on the other side)."""
-    return grpc.intercept_channel(channel, _TokenInterceptor(token))
+    """The channel, with `x-flashpd-token: <token>` added to every call's metadata (what token_authorizer checks
+    on the other side). Close the returned channel, not `channel`: its close waits for calls being made on it
+    (_CloseGuard says why)."""
+    guard = _CloseGuard(channel)
+    return _GuardedChannel(grpc.intercept_channel(channel, guard, _TokenInterceptor(token)), guard)

@@ -48,3 +48,33 @@ def test_a_lease_release_that_fails_in_any_way_is_logged_not_raised(caplog):
     with caplog.at_level("WARNING", logger="flashpd.cluster.router"):
         Router._release_lease(None, slot, reply)  # the method reads nothing of the router
     assert "releasing lease 7" in caplog.text and "closed channel" in caplog.text
+
+
+def test_a_call_on_a_channel_a_restart_closed_is_a_worker_gone_not_a_bad_request(service):
+    """A request that picked a slot just before a restart swapped its client calls the old, closed channel: grpc
+    raises ValueError, which the API answered as INVALID_ARGUMENT (the client's fault). It is the worker gone: the
+    prefill falls back to the decode worker, the decode is retried on another; the tokens are those of a healthy
+    service."""
+    import time
+
+    pool = service.pool
+    deadline = time.monotonic() + 90
+    while not all(s.healthy for s in pool.all()) and time.monotonic() < deadline:  # the first test's restart
+        time.sleep(0.2)
+    assert all(s.healthy for s in pool.all())
+    prompt = list(range(5, 70))
+    with GenerationClient(service.address, timeout_s=60) as c:
+        ref = c.generate_once(prompt, max_tokens=10, method="native", ignore_eos=True).token_ids
+        slots = (pool.slots["prefill"][0], pool.slots["decode"][0])
+        saved = [s.client for s in slots]
+        try:
+            for s in slots:  # as restart() leaves the old client of a slot a request already holds
+                s.client = pool._client(s.launched)
+                s.client.close()
+            r = c.generate_once(prompt, max_tokens=10, method="native", ignore_eos=True)
+        finally:
+            for s, old in zip(slots, saved):
+                s.client = old
+                s.healthy = True
+    assert r.token_ids == ref
+    assert service.backend.retries >= 1 and service.backend.fallbacks.get("unavailable", 0) >= 1

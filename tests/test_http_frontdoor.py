@@ -417,3 +417,36 @@ def test_a_number_too_large_for_a_float_is_refused_naming_it(served):
         except urllib.error.HTTPError as e:
             status, body = e.code, json.loads(e.read())
         assert status == 400 and body["error"]["param"] == name, (name, status, body)
+
+
+class _ScanCount(str):
+    """A rendered prompt that counts the characters its searches pass over."""
+
+    scanned = 0
+
+    def find(self, sub, start=0, *args):
+        at = str.find(self, sub, start, *args)
+        _ScanCount.scanned += (at + len(sub) if at >= 0 else len(self)) - start
+        return at
+
+    def __contains__(self, sub):
+        _ScanCount.scanned += len(self)
+        return str.__contains__(self, sub)
+
+
+def test_checking_a_rendered_chat_costs_linear_work():
+    """Each message of a chat is checked to be in the rendered prompt (a template that drops a role is an error).
+    One search of the whole prompt per message was quadratic: a 1 MB body of 28,000 short messages cost 7 s of CPU
+    before its 400. Each search now starts where the message before it ended; the work is counted, not timed."""
+    from flashpd.cluster.chat_template import ChatTemplateError, _check_rendered
+
+    template = ChatTemplate.from_dir(DEMO)
+    messages = [{"role": "user" if i % 2 == 0 else "system", "content": f"m{i:05d} " + "x" * 20} for i in range(2000)]
+    messages[0]["role"] = "system"
+    text = template.render(messages)
+    _ScanCount.scanned = 0
+    _check_rendered(messages, _ScanCount(text))
+    assert _ScanCount.scanned <= 2 * len(text), (_ScanCount.scanned, len(text))  # quadratic: ~1,000 x len(text)
+    # a message the template left out is still found missing
+    with pytest.raises(ChatTemplateError, match=r"messages\[3\]"):
+        _check_rendered(messages[:3] + [{"role": "developer", "content": "not rendered anywhere"}], text)

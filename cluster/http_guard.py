@@ -11,7 +11,7 @@ long stream) held its connection, the response's task and the output queued behi
 whose writes stay paused (the client takes nothing) for request_timeout_s is aborted (closing would wait for the
 unread bytes to drain), and the app sees a disconnect (a stream's request is cancelled in the backend). Past
 uvicorn's connection limit a request gets an OpenAI-style 503 (JSON, Retry-After) instead of uvicorn's plain-text
-one.
+one; /health and /metrics are answered even then.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 # h11 states of the client's side in which a request is still being read
 _READING = (h11.IDLE, h11.SEND_BODY)
+# answered even at the connection limit: a full server is alive, and a probe or scrape must not read it as down
+ALWAYS_SERVED = ("/health", "/metrics")
 _BUSY = json.dumps({"error": {"message": "the server is at its connection limit; retry shortly", "type": "server_error",
                               "param": None, "code": "service_unavailable"}}).encode()
 
@@ -58,7 +60,8 @@ def guarded_h11(request_timeout_s: float) -> type[H11Protocol]:
 
                 async def app(scope, receive, send) -> None:
                     # as uvicorn counts: this connection among the connections; this request's task among tasks
-                    if scope["type"] == "http" and (len(conns) >= cap or len(tasks) > cap):
+                    if scope["type"] == "http" and (len(conns) >= cap or len(tasks) > cap) \
+                            and scope.get("path") not in ALWAYS_SERVED:
                         cls.busy += 1
                         await _busy(send)
                         return

@@ -176,7 +176,8 @@ def test_trickling_clients_cannot_hold_the_connection_limit(server):
 
 def test_past_the_connection_limit_a_request_gets_an_openai_503(server):
     """max_concurrent 2: uvicorn's limit is 20 connections. With 20 held, a request gets 503 with a JSON error body
-    and Retry-After (uvicorn's own 503 was text/plain); once they are gone, it is served."""
+    and Retry-After (uvicorn's own 503 was text/plain), /health is still answered; once they are gone, a request
+    is served."""
     held = [_connect(server) for _ in range(20)]
     try:
         time.sleep(0.1)
@@ -185,6 +186,14 @@ def test_past_the_connection_limit_a_request_gets_an_openai_503(server):
         err = json.loads(body)["error"]
         assert err["code"] == "service_unavailable" and err["type"] == "server_error" and err["message"]
         assert server.requests_refused_busy >= 1
+        # a full server is alive: /health is answered (a probe read 503 as down, and 18-528 sockets that send
+        # nothing were enough to get there)
+        c = _connect(server)
+        try:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(c).startswith(b"HTTP/1.1 200")
+        finally:
+            c.close()
     finally:
         for s in held:
             s.close()

@@ -142,7 +142,7 @@ class ServeConfig:
     # device or kernel: the worker's Health says it is not serving, so the pool restarts it. Never under twice
     # prefill_timeout_s (worker_main.stall_bound): a prefill its router still waits for is not hung
     stall_s: float = 300.0
-    request_timeout_s: float = 600.0  # bound on one request's decode stream when the client set no deadline
+    request_timeout_s: float = 600.0  # the router's bound on a decode stream when the client set no deadline
     decode_retries: int = 1  # a reproducible request whose decode worker died is retried on another
     restart: bool = True
     # placement

@@ -172,8 +172,8 @@ class ServeConfig:
         if self.engine_process is not None and not isinstance(self.engine_process, bool):
             raise ValueError(f"engine_process: must be true, false or null, got {self.engine_process!r}")
         if self.engine_process and self.mode != "colocated":
-            raise ValueError(f"engine_process: only mode 'colocated' runs its engine in the serving process, got mode "
-                             f"{self.mode!r} (its workers are processes already)")
+            raise ValueError(f"engine_process: applies to mode 'colocated' only (its engine in a child process), got "
+                             f"mode {self.mode!r}, whose workers are processes of their own already")
         if not 0 <= self.session_hold_fraction <= 1:
             raise ValueError(f"session_hold_fraction: must be in [0, 1], got {self.session_hold_fraction!r}")
         if self.session_hold_steps < 1:

@@ -64,7 +64,13 @@ def make_launcher(cfg: ServeConfig, secret: ClusterSecret) -> Launcher:
     if cfg.mode == "local":
         from flashpd.cluster.local_launcher import LocalLauncher  # noqa: PLC0415
         return LocalLauncher(secret=secret)
-    from flashpd.cluster.ray_launcher import RayLauncher  # noqa: PLC0415  (imports ray)
+    try:
+        from flashpd.cluster.ray_launcher import RayLauncher  # noqa: PLC0415  (imports ray)
+    except ModuleNotFoundError as e:
+        if e.name != "ray":
+            raise
+        raise RuntimeError("mode 'ray' needs Ray, which is not installed: pip install -c constraints.txt -e '.[ray]'") \
+            from None
     return RayLauncher(cfg.ray_address, secret)
 
 

@@ -325,3 +325,18 @@ def test_a_dead_workers_shared_memory_is_removed_once_not_at_each_probe(tmp_path
     finally:
         for f in Path("/dev/shm").glob(f"torch_{proc.pid}_9_*"):
             f.unlink()
+
+
+def test_mode_ray_without_ray_installed_names_the_extra():
+    """The quick start's install has no Ray: mode 'ray' ended in a ModuleNotFoundError traceback from
+    cluster/ray_launcher.py. A child process where `import ray` fails stands for that install."""
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "from flashpd.cluster.config import ServeConfig\n"
+            "from flashpd.cluster.service import make_launcher\n"
+            "try:\n"
+            "    make_launcher(ServeConfig.from_dict({'target': 't', 'mode': 'ray'}), None)\n"
+            "except RuntimeError as e:\n"
+            "    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mode 'ray' needs Ray" in r.stdout and "'.[ray]'" in r.stdout, r.stdout

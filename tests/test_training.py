@@ -499,3 +499,20 @@ def test_demo_eval_scores_a_given_drafter_on_the_pairs_target(tmp_path):
     # (write_json keeps paths repository-relative)
     assert run["drafter"].endswith("demo_pair/drafter") and "--drafter " in run["command"] and "--seed 1" in run["command"]
     assert run["exact"] == "1/1" and run["max_tokens"] == 8 and run["prompts"][0]["tau"] >= 1.0
+
+
+def test_target_training_refuses_text_shorter_than_a_window_before_any_step():
+    """make-demo-pair --max-files 2 gave 1,349 tokens for 2,048-token windows: torch's random_ failed with
+    'from=0 >= to=-705' after the tokenizer's work; the check now names the text and the fix."""
+    from flashpd.engine.config import Qwen3Config
+    from flashpd.training.train_target import train_target
+
+    cfg = Qwen3Config.from_dict({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                                 "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                 "head_dim": 16, "max_position_embeddings": 256})
+    short = torch.arange(40) % 64
+    with pytest.raises(ValueError, match="training text has 40 tokens, too few for 64-token windows"):
+        train_target(cfg, short, steps=1, batch=2, seq_len=64, lr=1e-3, device="cpu")
+    with pytest.raises(ValueError, match="validation text has 40 tokens"):
+        train_target(cfg, torch.arange(400) % 64, steps=1, batch=2, seq_len=64, lr=1e-3, device="cpu",
+                     val_stream=short)

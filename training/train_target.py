@@ -38,6 +38,10 @@ def train_target(cfg: Qwen3Config, stream: torch.Tensor, *, steps: int, batch: i
     With val_stream (text the target never trains on), the loss on a fixed batch of it is logged
     every `eval_every` steps and the weights with the lowest validation loss are returned: a target
     that memorises its training files continues unseen text erratically, which no drafter predicts."""
+    for name, s in (("training", stream), ("validation", val_stream)):
+        if s is not None and s.numel() <= seq_len + 1:  # checked before any step: the windows cannot be drawn
+            raise ValueError(f"the target's {name} text has {s.numel()} tokens, too few for {seq_len}-token windows "
+                             "(more text: a larger max_files, or none)")
     torch.manual_seed(seed)
     model = dummy_target(cfg, device, torch.float32, seed=seed)
     with torch.no_grad():  # GPT-style init: smaller output projections keep early training stable

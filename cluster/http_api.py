@@ -25,7 +25,7 @@ context and the KV cache leave. Chat prompts come from the target's chat templat
 Errors have OpenAI's body {"error": {"message", "type", "param", "code"}} and the status the gRPC code
 would be: INVALID_ARGUMENT and FAILED_PRECONDITION -> 400, an unknown model -> 404, a prompt that cannot
 fit (RESOURCE_EXHAUSTED) -> 400 with code "context_length_exceeded", no worker / engine stopped
-(UNAVAILABLE) -> 503, a request that failed alone (RequestFailed, INTERNAL) -> 500, a timeout -> 504.
+(UNAVAILABLE) -> 503, every decode worker overloaded -> 503 with Retry-After, a request that failed alone (RequestFailed, INTERNAL) -> 500, a timeout -> 504.
 A body over max_positions * 128 bytes (at least 1 MiB) gets 413. An error after a stream started is sent
 as a `data: {"error": ...}` event before `data: [DONE]`.
 
@@ -60,7 +60,7 @@ from starlette.requests import ClientDisconnect
 from flashpd.cluster.detok import Detokenizer
 from flashpd.cluster.chat_template import ChatTemplate, ChatTemplateError
 from flashpd.cluster.generation_server import MAX_CHARS_PER_TOKEN, POLL_S, Backend
-from flashpd.decode_node.engine_loop import EngineStopped, coalesce
+from flashpd.decode_node.engine_loop import EngineStopped, Overloaded, coalesce
 from flashpd.engine.kv_cache import blocks_needed
 from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 from flashpd.engine.sampling import SEED_RANGE, TOP_K_MAX, SamplingParams
@@ -89,9 +89,10 @@ UNSUPPORTED = {
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after_s = retry_after_s  # a Retry-After header: the server is busy, not gone
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -137,6 +138,8 @@ def error_for(e: BaseException) -> APIError:
         return APIError(504, str(e) or "timed out", "server_error", None, "timeout")
     if isinstance(e, ValueError):
         return APIError(400, str(e), "invalid_request_error", None, None)
+    if isinstance(e, Overloaded):  # busy, not gone (gRPC: RESOURCE_EXHAUSTED): the client may retry shortly
+        return APIError(503, str(e), "server_error", None, "service_unavailable", retry_after_s=1)
     msg = str(e) if isinstance(e, EngineStopped) else f"{type(e).__name__}: {e}"
     return APIError(503, msg, "server_error", None, "service_unavailable")
 
@@ -682,7 +685,8 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
-        return _ErrorJSON(e.body(), status_code=e.status)
+        headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
+        return _ErrorJSON(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):

@@ -462,8 +462,11 @@ class _FakeBackend:
         from flashpd.decode_node.engine_loop import EngineStopped, Event
         from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 
+        from flashpd.decode_node.engine_loop import Overloaded
+
         fail = {1: EngineStopped("no decode worker is available"), 2: TimeoutError("took too long"),
-                3: PromptTooLong("needs 9 KV blocks; a worker has 4")}
+                3: PromptTooLong("needs 9 KV blocks; a worker has 4"),
+                6: Overloaded("the decode workers are overloaded; retry later")}
         if prompt[0] in fail:
             raise fail[prompt[0]]
         h = FakeHandle()
@@ -490,6 +493,15 @@ def test_backend_failures_map_to_http_statuses():
                                          (4, openai.InternalServerError, 500, "internal_error")):
             got = _error(lambda: c.completions.create(model="fake", prompt=[first, 5], max_tokens=2))
             assert (got[0], got[1], got[2]["code"]) == (typ, status, code), got
+        # overloaded is busy, not gone: 503 with Retry-After (gRPC: RESOURCE_EXHAUSTED)
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10.0)
+        conn.request("POST", "/v1/completions", json.dumps({"model": "fake", "prompt": [6], "max_tokens": 2}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert (resp.status, resp.getheader("retry-after")) == (503, "1")
+        assert "overloaded" in json.loads(resp.read())["error"]["message"]
+        conn.close()
         # after the first token a failure arrives in the stream: an error event, then [DONE]
         with pytest.raises(openai.APIError, match="boom"):
             list(c.completions.create(model="fake", prompt=[4, 5], max_tokens=2, stream=True))

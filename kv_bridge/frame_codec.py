@@ -97,6 +97,9 @@ def frame_envelope(version: int, key: bytes, offset: int, total: int, data_len: 
 
 
 # -- decoding ----------------------------------------------------------------------------------------
+MAX_FIELDS = 64  # fields a message (at any level) may hold: a PutFrame or GetFrame uses at most 10
+
+
 def _read_varint(b: memoryview, pos: int, end: int) -> tuple[int, int]:
     result = shift = 0
     while True:
@@ -114,8 +117,14 @@ def _read_varint(b: memoryview, pos: int, end: int) -> tuple[int, int]:
 
 def _fields(b: memoryview, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
     """(number, wire type, value, end) of each field in b[pos:end]: for a length-delimited field value
-    is where its payload starts and end where it ends; otherwise value is the number."""
+    is where its payload starts and end where it ends; otherwise value is the number. More than MAX_FIELDS
+    fields in one message is refused: a valid frame has at most a dozen, and a 32 MiB message of 2-byte fields
+    cost the bridge 7-8 s of CPU in this loop before any check could refuse it."""
+    count = 0
     while pos < end:
+        count += 1
+        if count > MAX_FIELDS:
+            raise DecodeError(f"more than {MAX_FIELDS} fields in one message")
         tag, pos = _read_varint(b, pos, end)
         number, wire = tag >> 3, tag & 7
         if number == 0 or tag > _U32:

@@ -612,12 +612,13 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
 
 def _reclaim_put_segments(server_ref: weakref.ref, servicer: KVBridgeServicer) -> None:
     """Every PUT_SWEEP_EVERY_S until the server stops (or is gone): the Put segments it did not take of clients
-    that died go (KVBridgeServicer.reclaim_put_segments), and retired segments left by processes that died
+    that died go (KVBridgeServicer.reclaim_put_segments), its own Get segments past their TTL, and retired segments left by processes that died
     (shm.sweep_retired), not only at the next start's sweep."""
     while (server := server_ref()) is not None and server.wait_for_termination(PUT_SWEEP_EVERY_S):  # True: timed out
         del server  # not held between rounds: a server nobody holds is not kept alive by this thread
         try:
             servicer.reclaim_put_segments()
+            servicer._sweep_shm()  # Get segments past shm_ttl_s (a reader killed mid-Get): not only at the next Get
         except Exception:  # noqa: BLE001  a failed round is logged; the next one tries again
             log.exception("reclaiming Put segments failed")
         try:

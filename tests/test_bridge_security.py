@@ -29,6 +29,7 @@ from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.kv_bridge import frame_codec
 from flashpd.kv_bridge.auth import ENV_VAR, ClusterSecret
 from flashpd.kv_bridge.chunk import FORMAT_VERSION, MAGIC, PREFIX, KVChunk, LayoutMismatch, max_chunk_bytes
 from flashpd.kv_bridge.client import BridgeClient, BridgeUnauthenticated, BridgeUnavailable, RemoteStore
@@ -174,6 +175,35 @@ def test_undecodable_request_bytes_are_invalid_argument(bridge):
             grpc.StatusCode.INVALID_ARGUMENT
         # the token is checked first: a stranger learns nothing about what parses
         assert code_of(lambda: lookup(g, timeout=TIMEOUT_S)) == grpc.StatusCode.UNAUTHENTICATED
+    assert bridge.client.health()["serving"] and bridge.store.stats()["entries"] == 0
+
+
+def test_a_put_message_of_countless_fields_is_refused_at_once(bridge):
+    """A token holder's PutFrame of 4 MiB of 2-byte empty fields: the codec walked every field in Python (about
+    1 s of CPU per 4 MiB, 7-8 s for a 32 MiB message, with every other client stalled) before any check. More than
+    frame_codec.MAX_FIELDS fields, at any level, is refused at once; the work is counted, not timed."""
+    put = bridge.channel.stream_unary("/flashpd.kvbridge.v1.KVBridge/Put")
+    top = b"\x08\x01" * (2 << 20)  # version, again and again
+    inner = b"\x28\x00" * (2 << 20)  # the frame's `last`, again and again
+    nested = b"\x12" + frame_codec._varint(len(inner)) + inner
+    seen = []
+    real = frame_codec._read_varint
+
+    def counting(b, pos, end):
+        seen.append(pos)
+        return real(b, pos, end)
+
+    for msg in (top, nested):
+        seen.clear()
+        frame_codec._read_varint = counting
+        try:
+            with pytest.raises(frame_codec.DecodeError, match="more than 64 fields"):
+                frame_codec.decode_put_frame(msg)
+        finally:
+            frame_codec._read_varint = real
+        assert len(seen) < 300, len(seen)  # every field's tag and value read: 4 million
+        assert code_of(lambda: put(iter([msg]), timeout=TIMEOUT_S, metadata=bridge.md())) == \
+            grpc.StatusCode.INVALID_ARGUMENT
     assert bridge.client.health()["serving"] and bridge.store.stats()["entries"] == 0
 
 

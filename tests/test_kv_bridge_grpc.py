@@ -342,6 +342,23 @@ def test_raw_cancelled_shm_stream_segments_expire():
         b.stop()
 
 
+def test_untaken_get_segments_expire_with_no_other_get():
+    """A reader killed mid-Get leaves the segments it was handed: they go once shm_ttl_s has passed, by the
+    server's periodic sweep. They used to wait for the next SHM Get, however long that was."""
+    b = Bridge(MemoryStore(1 << 24), shm_ttl_s=0.5)
+    try:
+        chunks = [make_chunk(f"c{i}", seed=i) for i in range(3)]
+        b.client.put(chunks)
+        call = b.client.stub.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=[c.key for c in chunks],
+                                               transport=pb.SHM), timeout=TIMEOUT_S)
+        handed = [m.frame.shm.name for m in call if m.HasField("frame")]  # read, never taken
+        assert handed and all(os.path.exists(shm.SHM_DIR / n) for n in handed)
+        assert wait_until(lambda: not any(os.path.exists(shm.SHM_DIR / n) for n in handed), 10.0)
+        assert b.client.stats()["server.shm_segments_expired"] >= len(handed)
+    finally:
+        b.stop()
+
+
 def test_shm_get_leaves_no_segments_even_for_misses(bridge):
     c = make_chunk("s", dtype=torch.float32, seed=9)
     bridge.client.put([c], transport="shm")

@@ -111,11 +111,38 @@ def bridge_secret(store: ChunkStore, secret: ClusterSecret | None) -> ClusterSec
     return chosen
 
 
+class _StreamPace:
+    """A stream's bytes against the floor of `rate` bytes/s of the time it waited on its peer (for a Put's next
+    message, for a Get's reader to take one), after `grace_s` of such waiting: the handler's own work (a slow
+    store) never counts against the client."""
+
+    def __init__(self, rate: float, grace_s: float) -> None:
+        self.rate, self.grace_s = rate, grace_s
+        self.bytes = 0
+        self.waited = 0.0
+        self._since: float | None = None
+
+    def waiting(self) -> None:
+        self._since = time.monotonic()
+
+    def arrived(self) -> None:
+        if self._since is not None:
+            self.waited += time.monotonic() - self._since
+            self._since = None
+
+    def behind(self) -> float | None:
+        """The time waited on the peer when the stream is behind the floor, else None (also with no floor)."""
+        if self.rate <= 0:
+            return None
+        return self.waited if self.waited > self.grace_s + self.bytes / self.rate else None
+
+
 class KVBridgeServicer(pb_grpc.KVBridgeServicer):
     """max_chunk_bytes: the largest valid chunk (chunk.max_chunk_bytes of the service's layout); a Put
     announcing more is refused on its first frame. A Put's chunk must arrive at min_put_rate bytes/s once
-    put_grace_s have passed since its first frame (<= 0: no floor), and the partial chunks of all Puts
-    together are bounded by inflight_max_bytes (see serve)."""
+    put_grace_s have passed since its first frame (<= 0: no floor), and so must a Put stream's bytes over its
+    whole life (chunks stored or refused alike) and a Get stream's bytes taken by its reader (_StreamPace); the
+    partial chunks of all Puts together are bounded by inflight_max_bytes (see serve)."""
 
     def __init__(self, store: ChunkStore, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  shm_ttl_s: float = DEFAULT_SHM_TTL_S, secret: ClusterSecret | None = None,
@@ -137,7 +164,8 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                        chunks_refused_corrupt=0, chunks_refused_store=0, chunks_incomplete=0, gets_streams=0,
                        chunks_sent=0, frames_sent=0, shm_segments_sent=0, shm_segments_reclaimed=0, shm_segments_expired=0,
                        invalid_requests=0, unauthenticated_calls=0, calls_stalled=0, shm_gets_refused_full=0,
-                       shm_gets_refused_peer=0, puts_too_slow=0, puts_refused_inflight=0, shm_put_segments_left=0,
+                       shm_gets_refused_peer=0, puts_too_slow=0, gets_too_slow=0, puts_refused_inflight=0,
+                       shm_put_segments_left=0,
                        shm_put_segments_reclaimed=0, shm_segments_of_dead_writers=0, shm_put_segments_not_owned=0,
                        store_errors=0, arena_handles_sent=0)
         self._not_owned_logged = -NOT_OWNED_LOG_EVERY_S  # when a not-owned refusal was last logged (monotonic)
@@ -222,14 +250,20 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
     def _put_frames(self, request_iterator: Iterator[frame_codec.FrameMessage], asm: Assembler,
                     context: grpc.ServicerContext, owner: shm.SegmentOwner | None) -> pb.PutReply:
         reply = pb.PutReply(version=PROTOCOL_VERSION)
+        pace = _StreamPace(self.min_put_rate, self.put_grace_s)
+        pace.waiting()
         for msg in request_iterator:  # a cancelled client raises here: the in-flight chunk is dropped
+            pace.arrived()
             self._check_version(msg.version, context)
             self._count("frames_received")
             self._check_pace(asm, context)
             f = msg.frame if msg.frame is not None else frame_codec.Frame()
+            self._check_stream_pace(pace, "Put", "puts_too_slow", context)
+            pace.bytes += len(f.data) if f.data is not None else 0
             try:
                 if f.shm is not None:
                     key, data = self._take_shm(f, asm, context, owner)
+                    pace.bytes += len(data)
                     self._store(reply, key, data, None)
                 elif (done := asm.feed(f)) is not None:
                     self._store(reply, done.key, done.data, done.body_mac)
@@ -242,6 +276,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                 self._not_owned(reply, f.key, str(e), context)
             except shm.ShmError:  # missing or wrong-sized segment: that chunk is refused, the stream goes on
                 self._refuse(reply, f.key, "chunks_refused_corrupt", invalid=True)
+            pace.waiting()
         if asm.in_flight is not None:
             reply.incomplete_keys.append(asm.in_flight)
             self._count("chunks_incomplete")
@@ -263,6 +298,21 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                       f"frame: chunk {asm.in_flight[:16]}... has {asm.received} of {asm.total} bytes after "
                       f"{elapsed:.1f} s; the bridge needs {self.min_put_rate:.0f} bytes/s after {self.put_grace_s:g} s")
+
+    def _check_stream_pace(self, pace: "_StreamPace", what: str, counter: str, context: grpc.ServicerContext) -> None:
+        """A stream past its grace whose bytes came (Put) or were taken (Get) slower than min_put_rate: ended,
+        counted as stalled. Per chunk alone, a Put of small chunks, each complete (or refused) in time, or a Get
+        read a frame now and then (never idle for StallGuard) held a worker thread for as long as it liked."""
+        waited = pace.behind()
+        if waited is None:
+            return
+        self._count("calls_stalled")
+        self._count(counter)
+        log.warning("%s: a stream moved %d bytes in %.0f s of waiting on its client, less than %.0f bytes/s; "
+                    "call ended", what, pace.bytes, waited, self.min_put_rate)
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                      f"{what}: {pace.bytes} bytes in {waited:.1f} s of waiting on the client; the bridge needs "
+                      f"{self.min_put_rate:.0f} bytes/s after {self.put_grace_s:g} s")
 
     def _take_shm(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext,
                   owner: shm.SegmentOwner | None) -> tuple[str, bytes]:
@@ -385,11 +435,13 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                 created.clear()
 
         context.add_callback(reclaim)
+        pace = _StreamPace(self.min_put_rate, self.put_grace_s)
         try:
             found = 0
             for key in request.keys:
                 if not context.is_active():
                     return
+                self._check_stream_pace(pace, "Get", "gets_too_slow", context)
                 if get_handle is not None:
                     try:
                         h = get_handle(key)
@@ -398,12 +450,15 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                     if h is None:
                         break
                     self._count("arena_handles_sent")
+                    pace.waiting()
                     yield pb.GetFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
                         key=key, offset=0, total_length=h.length, last=True, shm=pb.ShmHandle(
                             length=h.length, arena_pid=h.arena.pid, arena_fd=h.arena.fd, arena_inode=h.arena.inode,
                             arena_size=h.arena.size, offset=h.offset, hold_ms=int(h.hold_s * 1000),
                             gen_offset=h.gen_offset, gen=h.gen))).SerializeToString()
+                    pace.arrived()
                     found += 1
+                    pace.bytes += h.length
                     self._count("chunks_sent")
                     continue
                 try:
@@ -425,16 +480,23 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                         self.shm_out.bind(ticket, name)
                     created.append(name)
                     self._count("shm_segments_sent")
+                    pace.waiting()
                     yield pb.GetFrame(version=PROTOCOL_VERSION, frame=pb.ChunkFrame(
                         key=key, offset=0, total_length=len(data), last=True,
                         shm=pb.ShmHandle(name=name, length=len(data)))).SerializeToString()
+                    pace.arrived()
+                    pace.bytes += len(data)
                 else:
                     raw_key = key.encode()
                     for off, pieces, last in frame_pieces([data], frame_bytes):
                         n = sum(len(p) for p in pieces)
                         head, tail = frame_codec.frame_envelope(PROTOCOL_VERSION, raw_key, off, len(data), n, last)
                         self._count("frames_sent")
-                        yield b"".join([head, *pieces, tail])
+                        pace.waiting()
+                        yield b"".join([head, *pieces, tail])  # returns once gRPC has sent it
+                        pace.arrived()
+                        pace.bytes += n
+                        self._check_stream_pace(pace, "Get", "gets_too_slow", context)
                 found += 1
                 self._count("chunks_sent")
             yield pb.GetFrame(version=PROTOCOL_VERSION, done=pb.GetDone(found=found)).SerializeToString()

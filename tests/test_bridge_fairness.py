@@ -111,6 +111,62 @@ def test_a_put_that_trickles_is_ended_and_counted_as_stalled(bridges):
     assert c["store.entries"] == 0
 
 
+def test_a_put_of_small_chunks_that_trickles_is_ended_too(bridges):
+    """Each chunk whole (here refused: one corrupt byte) and sent long before its own floor ends: per chunk the pace
+    restarted, and such a stream held a worker for as long as it liked. The stream's bytes over its life must keep
+    the floor too."""
+    idle_s = 0.5
+    b = bridges(max_workers=WORKERS, idle_s=idle_s)
+    stop = threading.Event()
+
+    def trickle():
+        for i in range(int(30 / (idle_s / 5))):
+            if stop.is_set():
+                return
+            head, tail = frame_codec.frame_envelope(PROTOCOL_VERSION, f"k{i}".encode(), 0, 1, 1, True)
+            yield head + b"x" + tail
+            time.sleep(idle_s / 5)
+
+    put = b.channel.stream_unary(PUT, response_deserializer=pb.PutReply.FromString)
+    futs = [put.future(trickle(), timeout=60, metadata=b.md()) for _ in range(WORKERS)]
+    try:
+        for f in futs:
+            with pytest.raises(grpc.RpcError) as e:
+                f.result(timeout=TIMEOUT_S)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "bytes/s" in e.value.details()
+        assert b.client.health(timeout_s=5.0)["serving"]
+    finally:
+        stop.set()
+    c = b.client.stats()
+    assert (c["server.calls_stalled"], c["server.puts_too_slow"]) == (WORKERS, WORKERS)
+    assert c["server.chunks_refused_corrupt"] >= WORKERS and c["store.entries"] == 0
+
+
+def test_a_get_read_a_frame_now_and_then_is_ended(bridges):
+    """A reader that takes one 4 KiB frame every idle_s / 25 (200 KiB/s) is never idle for StallGuard, and a Get had
+    no floor: such a reader held a worker for as long as its answer lasted (1 MiB here: 10 idle_s; a 4 MiB chunk at
+    1 KiB/s: over an hour). Its stream must be taken at the Put floor (1 MiB/s) after the grace."""
+    idle_s = 0.5
+    b = bridges(max_workers=WORKERS, idle_s=idle_s)
+    keys = [f"g{i}" for i in range(32)]
+    assert b.client.put_bytes([(k, chunk_bytes(b, k)) for k in keys]).stored == len(keys)  # 32 x 32 KiB
+    # no BDP probing: the flow-control window stays at its 64 KiB start, as a reader across a network sees it
+    ch = grpc.insecure_channel(b.address, options=[("grpc.http2.bdp_probe", 0)])
+    get = ch.unary_stream("/flashpd.kvbridge.v1.KVBridge/Get")
+    call = get(pb.GetRequest(version=PROTOCOL_VERSION, keys=keys, frame_bytes=4096).SerializeToString(),
+               timeout=60, metadata=b.md())
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+            time.sleep(idle_s / 25)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "bytes/s" in e.value.details()
+    assert time.monotonic() - t0 < 6 * idle_s  # not the whole 1 MiB at this pace (10 idle_s)
+    ch.close()
+    c = b.client.stats()
+    assert (c["server.calls_stalled"], c["server.gets_too_slow"]) == (1, 1)
+    assert len(b.client.get(keys)) == len(keys)  # a reader that takes its frames is served
+
+
 def test_partial_chunks_of_all_puts_are_bounded_and_refused_before_buffering(bridges):
     size = len(chunk_bytes(None, "k"))
     b = bridges(max_workers=4, idle_s=60.0, inflight_max_bytes=size + size // 2)  # room for one chunk

@@ -47,6 +47,7 @@ MAX_PUT_LEFTOVERS = 4096  # such segments a server keeps track of (past it, the 
 DEFAULT_PEER_SHARE = 4  # a peer may hold 1/4 of a ledger's bytes untaken
 OVER_SHARE_TTL_S = 2.0  # a finished call's segments past its peer's share expire after this while others wait
 _SWEEP_EVERY_S = 0.1  # how often a Get waiting for room sweeps expired segments
+PRUNE_EVERY_S = 0.05  # how often a ledger stats its untaken segments to forget those taken (SegmentLedger._prune)
 
 
 class ShmError(OSError):
@@ -437,16 +438,48 @@ class SegmentLedger:
         self.peer_max_bytes = max(1, max_bytes // DEFAULT_PEER_SHARE) if peer_max_bytes is None else peer_max_bytes
         self._lock = threading.Lock()
         self._out: dict[str, _Out] = {}  # segment name, or a reservation's "?" ticket
+        # running sums of _out's bytes (all; by peer; by peer, of finished calls): a reservation costs O(1), not a
+        # sum over every untaken segment (a client that left 3,000 small ones made its own Get O(n^2): 17 s of CPU)
+        self._total = 0
+        self._held: dict[str, int] = {}
+        self._stale: dict[str, int] = {}
+        self._pruned = 0.0  # when _prune last looked at the files (monotonic)
 
-    def _prune(self) -> None:
+    def _add(self, name: str, o: _Out) -> None:
+        self._out[name] = o
+        self._total += o.n
+        self._held[o.peer] = self._held.get(o.peer, 0) + o.n
+        if o.done:
+            self._stale[o.peer] = self._stale.get(o.peer, 0) + o.n
+
+    def _drop(self, name: str) -> _Out | None:
+        o = self._out.pop(name, None)
+        if o is not None:
+            self._total -= o.n
+            self._held[o.peer] -= o.n
+            if not self._held[o.peer]:
+                del self._held[o.peer]
+            if o.done:
+                self._stale[o.peer] -= o.n
+                if not self._stale[o.peer]:
+                    del self._stale[o.peer]
+        return o
+
+    def _prune(self, force: bool = False) -> None:
+        """Forget segments their readers took (the file is gone): a stat of each, so at most every PRUNE_EVERY_S
+        unless forced."""
+        now = time.monotonic()
+        if not force and now - self._pruned < PRUNE_EVERY_S:
+            return
+        self._pruned = now
         for name in [n for n in self._out if not n.startswith("?")]:
             if not (SHM_DIR / name).exists():
-                del self._out[name]
+                self._drop(name)
 
     def outstanding(self) -> int:
         with self._lock:
-            self._prune()
-            return sum(o.n for o in self._out.values())
+            self._prune(force=True)
+            return self._total
 
     def reserve(self, n: int, wait_s: float, active: Callable[[], bool], peer: str = "", call: str = "",
                 sweep: Callable[[], object] | None = None) -> str | None:
@@ -458,9 +491,9 @@ class SegmentLedger:
         while True:
             with self._lock:
                 self._prune()
-                if self._fits(n, peer):
+                if self._fits_now(n, peer):
                     ticket = f"?{uuid.uuid4().hex}"
-                    self._out[ticket] = _Out(n, peer, call, time.monotonic())
+                    self._add(ticket, _Out(n, peer, call, time.monotonic()))
                     return ticket
                 self._expire_over_share(peer)
             now = time.monotonic()
@@ -471,43 +504,54 @@ class SegmentLedger:
                 next_sweep = now + _SWEEP_EVERY_S
             time.sleep(0.002)
 
+    def _fits_now(self, n: int, peer: str) -> bool:
+        """_fits, the files looked at again before a no (or a NoRoom): segments taken since the last _prune must
+        not count against their reader."""
+        try:
+            if self._fits(n, peer):
+                return True
+        except NoRoom:
+            pass
+        self._prune(force=True)
+        return self._fits(n, peer)
+
     def _fits(self, n: int, peer: str) -> bool:
-        mine = [o for o in self._out.values() if o.peer == peer]
-        held = sum(o.n for o in mine)
-        stale = sum(o.n for o in mine if o.done)
+        held, stale = self._held.get(peer, 0), self._stale.get(peer, 0)
         if stale and stale + n > self.peer_max_bytes:
             raise NoRoom(f"this client holds {stale} bytes of shared-memory segments it never took "
                          f"(its share is {self.peer_max_bytes}); take them or use INLINE")
         if held and held + n > self.peer_max_bytes:
             return False
-        return not self._out or sum(o.n for o in self._out.values()) + n <= self.max_bytes
+        return not self._out or self._total + n <= self.max_bytes
 
     def _expire_over_share(self, waiting: str) -> None:
-        """Unlink other peers' segments of finished calls, oldest first, while a peer holds more than its share."""
+        """Unlink other peers' segments of finished calls, oldest first, while a peer holds more than its share
+        (a sort of every untaken segment: at most every PRUNE_EVERY_S)."""
         now = time.monotonic()
-        held: dict[str, int] = {}
-        for o in self._out.values():
-            held[o.peer] = held.get(o.peer, 0) + o.n
+        if not any(p != waiting and h > self.peer_max_bytes for p, h in self._held.items()):
+            return
+        if now - getattr(self, "_expired", 0.0) < PRUNE_EVERY_S:
+            return
+        self._expired = now
         for name, o in sorted(self._out.items(), key=lambda kv: kv[1].since):
-            if (o.peer != waiting and o.done and held[o.peer] > self.peer_max_bytes
+            if (o.peer != waiting and o.done and self._held.get(o.peer, 0) > self.peer_max_bytes
                     and now - o.since > OVER_SHARE_TTL_S and not name.startswith("?")):
                 unlink_segment(name)
-                del self._out[name]
-                held[o.peer] -= o.n
+                self._drop(name)
 
     def bind(self, ticket: str, name: str | None) -> None:
         """The ticket's segment was written as `name` (None: it was not)."""
         with self._lock:
-            o = self._out.pop(ticket, None)
+            o = self._drop(ticket)
             if o is not None and name is not None:
-                self._out[name] = o._replace(since=time.monotonic())
+                self._add(name, o._replace(since=time.monotonic()))
 
     def finish(self, call: str) -> None:
         """The Get `call` has ended: its untaken segments are its peer's to take, no longer in flight."""
         with self._lock:
-            for name, o in self._out.items():
-                if o.call == call:
-                    self._out[name] = o._replace(done=True)
+            for name in [k for k, o in self._out.items() if o.call == call and not o.done]:
+                o = self._drop(name)
+                self._add(name, o._replace(done=True))
 
 
 class _Seen(NamedTuple):

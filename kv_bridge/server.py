@@ -262,9 +262,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             pace.bytes += len(f.data) if f.data is not None else 0
             try:
                 if f.shm is not None:
-                    key, data = self._take_shm(f, asm, context, owner)
-                    pace.bytes += len(data)
-                    self._store(reply, key, data, None)
+                    self._put_shm(reply, f, asm, context, owner, pace)
                 elif (done := asm.feed(f)) is not None:
                     self._store(reply, done.key, done.data, done.body_mac)
             except FrameError as e:
@@ -313,6 +311,22 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                       f"{what}: {pace.bytes} bytes in {waited:.1f} s of waiting on the client; the bridge needs "
                       f"{self.min_put_rate:.0f} bytes/s after {self.put_grace_s:g} s")
+
+    def _put_shm(self, reply: pb.PutReply, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext,
+                 owner: shm.SegmentOwner | None, pace: "_StreamPace") -> None:
+        """A handle's chunk taken and stored, its bytes held in the in-flight budget meanwhile as an inline chunk's
+        are (a segment read into fresh memory outside it let four 96 MiB Puts past a 16 MiB bound)."""
+        n = f.shm.length if 0 < f.shm.length <= self.max_chunk_bytes else 0  # else _take_shm refuses it
+        if n and not self.inflight.acquire(n):
+            raise BudgetExhausted(f"chunk {f.key[:16]}... of {n} bytes: the receiver has {self.inflight.used} bytes "
+                                  f"of chunks in flight, its bound is {self.inflight.max_bytes}")
+        try:
+            key, data = self._take_shm(f, asm, context, owner)
+            pace.bytes += len(data)
+            self._store(reply, key, data, None)
+        finally:
+            if n:
+                self.inflight.release(n)
 
     def _take_shm(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext,
                   owner: shm.SegmentOwner | None) -> tuple[str, bytes]:

@@ -191,6 +191,33 @@ def test_partial_chunks_of_all_puts_are_bounded_and_refused_before_buffering(bri
     assert b.client.put_bytes([("k", data)]).stored == 1
 
 
+@needs_shm
+def test_a_same_host_put_counts_in_the_in_flight_bound_too(bridges):
+    """A Put by shared-memory handle read its segment into fresh memory outside the in-flight bound: four 96 MiB
+    Puts went past a 16 MiB bound. Its bytes are held in the bound while the chunk is taken and stored."""
+    size = len(chunk_bytes(None, "k"))
+    b = bridges(max_workers=4, idle_s=60.0, inflight_max_bytes=size + size // 2)  # room for one chunk
+    data = chunk_bytes(b, "k")
+    release = threading.Event()
+
+    def first_frame_then_wait():
+        yield put_frames("h", chunk_bytes(b, "h"))[0]
+        release.wait()
+
+    held = b.raw.Put.future(first_frame_then_wait(), timeout=60, metadata=b.md())
+    try:
+        assert wait_for(lambda: b.client.stats()["server.inflight_bytes"] == len(data))
+        with pytest.raises(BridgeError) as e:
+            b.client.put_bytes([("k", data)], transport="shm")
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in str(e.value)
+        assert b.client.stats()["server.puts_refused_inflight"] == 1
+    finally:
+        release.set()
+    held.result(timeout=TIMEOUT_S)
+    assert b.client.put_bytes([("k", data)], transport="shm").stored == 1
+    assert b.client.stats()["server.inflight_bytes"] == 0
+
+
 # ---- Put over several streams: a chain stays on one stream -------------------------------------------
 
 def test_chains_stay_on_one_stream_in_order_and_chains_spread():

@@ -8,7 +8,8 @@ past it the connection is closed (an app already reading that body sees a discon
 the deadline is off: a long generation or stream is never cut by it. The response has the same bound the other
 way: uvicorn has no write timeout, so a client that stops reading a response larger than the socket buffers (a
 long stream) held its connection, the response's task and the output queued behind it for ever; here a connection
-whose writes stay paused (the client takes nothing) for request_timeout_s is aborted (closing would wait for the
+whose writes stay paused while the client takes nothing (no byte leaves the transport's buffer or the socket's send
+queue) for request_timeout_s is aborted (closing would wait for the
 unread bytes to drain), and the app sees a disconnect (a stream's request is cancelled in the backend). Past
 uvicorn's connection limit a request gets an OpenAI-style 503 (JSON, Retry-After) instead of uvicorn's plain-text
 one; /health and /metrics are answered even then.
@@ -16,8 +17,11 @@ one; /health and /metrics are answered even then.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
+import struct
+import termios
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -92,8 +96,23 @@ def guarded_h11(request_timeout_s: float) -> type[H11Protocol]:
 
         def pause_writing(self) -> None:
             super().pause_writing()
-            if self._stall is None:  # the client has stopped taking bytes: it has request_timeout_s to resume
+            if self._stall is None:  # the client may have stopped taking bytes: it has request_timeout_s to take some
+                self._queued_at_pause = self._queued()
                 self._stall = self.loop.call_later(request_timeout_s, self._stalled)
+
+        def _queued(self) -> int:
+            """Bytes of responses not yet taken by the client: this transport's buffer and the socket's send queue
+            (Linux's SIOCOUTQ). The transport stays paused until the kernel's queue, which grows to megabytes, has
+            drained by half: a client reading steadily but slower than the response comes paused it longer than
+            request_timeout_s, and was cut as if it had stopped reading."""
+            n = self.transport.get_write_buffer_size()
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    n += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+                except (OSError, ValueError):
+                    pass
+            return n
 
         def resume_writing(self) -> None:
             super().resume_writing()
@@ -106,6 +125,11 @@ def guarded_h11(request_timeout_s: float) -> type[H11Protocol]:
 
         def _stalled(self) -> None:
             self._stall = None
+            queued = self._queued()
+            if queued < self._queued_at_pause:  # it took some bytes: it is reading, however slowly
+                self._queued_at_pause = queued
+                self._stall = self.loop.call_later(request_timeout_s, self._stalled)
+                return
             type(self).stalls += 1
             log.info("aborted a connection to %s: it took no bytes of a response for %.0f s", self.client,
                      request_timeout_s)

@@ -250,6 +250,31 @@ def test_a_client_that_stops_reading_a_stream_is_cut_and_its_request_cancelled()
         srv.stop()
 
 
+def test_a_client_that_reads_a_stream_slowly_but_steadily_is_not_cut():
+    """A reader slower than the stream (100 KB/s here) keeps the transport paused until the socket's send queue,
+    megabytes by then, drains by half: such a client, reading all along, was cut at the deadline as if it had
+    stopped. Bytes leaving the send queue count as reading."""
+    be = _FloodBackend()
+    srv = HttpServer(build_app(be, None, "fake", None), max_concurrent=2, request_timeout_s=DEADLINE_S).start()
+    body = json.dumps({"prompt": [5], "max_tokens": 8, "stream": True, "return_token_ids": True}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        s.connect(("127.0.0.1", srv.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        s.settimeout(WAIT_S)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4 * DEADLINE_S:
+            got = s.recv(2048)
+            assert got, "the server closed a connection whose client was reading"
+            time.sleep(len(got) / 100_000)
+        assert srv.responses_stalled == 0 and not be.cancelled.is_set()
+    finally:
+        s.close()
+        srv.stop()
+
+
 def test_the_deadline_must_be_positive():
     with pytest.raises(ValueError, match="request_timeout_s"):
         HttpServer(None, request_timeout_s=0)

@@ -513,13 +513,14 @@ class _Run:
         pending = None  # an event met after token events merged into one (engine_loop.coalesce), to go next
         try:
             while True:
-                if st.draining:
-                    raise APIError(503, "the server is shutting down", "server_error", None, "service_unavailable")
                 ev, pending = (pending, None) if pending is not None else (h.get(0), None)
                 if ev is None:
                     ev = await anyio.to_thread.run_sync(h.get, POLL_S, limiter=st.limiter)
                 if ev is not None and ev.kind == "tokens":
                     ev, pending = coalesce(h, ev)
+                final = pending if ev is not None and ev.kind == "tokens" else ev
+                if st.draining and (final is None or final.kind == "tokens"):  # one already here is served whole
+                    raise APIError(503, "the server is shutting down", "server_error", None, "service_unavailable")
                 if self.request is not None and (ev is None or time.monotonic() - last_check > DISCONNECT_CHECK_S):
                     last_check = time.monotonic()
                     if await self.request.is_disconnected():

@@ -21,7 +21,9 @@ from flashpd.kv_bridge.server import is_loopback
 
 log = logging.getLogger(__name__)
 
-DRAIN_LEAD_S = 0.5  # how long before the grace period ends requests still running are ended by the app (stop())
+# how long before the grace period ends requests still running are ended by the app (stop()): each sees it within
+# http_api's POLL_S (0.1 s), then writes its error
+DRAIN_LEAD_S = 0.3
 
 
 class HttpServer:

@@ -258,8 +258,8 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             self._count("frames_received")
             self._check_pace(asm, context)
             f = msg.frame if msg.frame is not None else frame_codec.Frame()
+            pace.bytes += len(f.data) if f.data is not None else 0  # (a handle's bytes count once taken)
             self._check_stream_pace(pace, "Put", "puts_too_slow", context)
-            pace.bytes += len(f.data) if f.data is not None else 0
             try:
                 if f.shm is not None:
                     self._put_shm(reply, f, asm, context, owner, pace)

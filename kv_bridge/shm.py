@@ -456,13 +456,9 @@ class SegmentLedger:
         o = self._out.pop(name, None)
         if o is not None:
             self._total -= o.n
-            self._held[o.peer] -= o.n
-            if not self._held[o.peer]:
-                del self._held[o.peer]
+            _less(self._held, o.peer, o.n)
             if o.done:
-                self._stale[o.peer] -= o.n
-                if not self._stale[o.peer]:
-                    del self._stale[o.peer]
+                _less(self._stale, o.peer, o.n)
         return o
 
     def _prune(self, force: bool = False) -> None:
@@ -552,6 +548,15 @@ class SegmentLedger:
             for name in [k for k, o in self._out.items() if o.call == call and not o.done]:
                 o = self._drop(name)
                 self._add(name, o._replace(done=True))
+
+
+def _less(sums: dict[str, int], peer: str, n: int) -> None:
+    """sums[peer] -= n, the peer gone from sums at 0 (a zero-byte entry may outlive its peer's sum: no KeyError)."""
+    left = sums.get(peer, 0) - n
+    if left:
+        sums[peer] = left
+    else:
+        sums.pop(peer, None)
 
 
 class _Seen(NamedTuple):

@@ -574,6 +574,35 @@ def test_stopping_ends_requests_in_flight_with_an_error_not_a_bare_500_or_a_cut_
     assert len(be.cancelled) == 2
 
 
+def test_a_request_whose_end_is_already_queued_is_served_whole_through_a_drain():
+    """A drain ends requests still waiting on the engine; one whose tokens and final event are already queued is
+    answered, not a 503 with its output thrown away (and a needless cancel sent to the backend)."""
+    import asyncio
+
+    from flashpd.cluster import http_api
+    from flashpd.decode_node.engine_loop import Event
+
+    be = _FakeBackend()
+    st = http_api.build_app(be, None, "fake", None).state.flashpd
+    r = http_api._Req(prompt=[5], params=None, method="native", draft_width=None, stops=[], stream=False,
+                      include_usage=False, return_token_ids=False)
+
+    async def collect(h) -> list:
+        return [(p.tokens, p.finish_reason) async for p in http_api._Run(st, r, h, None).pieces()]
+
+    done = FakeHandle()
+    for ev in (Event("tokens", tokens=[7]), Event("tokens", tokens=[8]), Event("done", finish_reason="length")):
+        done.events.put(ev)
+    st.drain()
+    assert asyncio.run(collect(done)) == [([7, 8], None), ([], "length")]
+    waiting = FakeHandle()
+    waiting.events.put(Event("tokens", tokens=[7]))  # no end in sight: ended by the drain
+    with pytest.raises(http_api.APIError, match="shutting down"):
+        asyncio.run(collect(waiting))
+    time.sleep(0.3)  # cancels go out on a thread of their own
+    assert be.cancelled == [waiting]
+
+
 class _BehindBackend(_FakeBackend):
     """A backend whose stream fell behind by every step: all of a request's token events (each with its `sent`
     flag) and its final event are queued before the front end reads the first."""

@@ -58,3 +58,15 @@ def test_segments_taken_since_the_last_look_never_count_against_their_reader(shm
         (shm_dir / f"a{i}").unlink()  # the reader takes them
     assert ledger.reserve(100, 0.0, lambda: True, peer="reader", call="get-2") is not None
     assert ledger.outstanding() == 100
+
+
+def test_a_zero_byte_segment_outliving_its_peers_sum_is_no_key_error(shm_dir):
+    """The running sums drop a peer at 0 bytes; a zero-byte segment of that peer still out must then leave
+    without a KeyError (outstanding() raised one once its 5-byte sibling was taken)."""
+    ledger = shm.SegmentLedger(1000, 400)
+    _hand_out(ledger, shm_dir, "five", 5, "p", "get-1")
+    _hand_out(ledger, shm_dir, "zero", 0, "p", "get-1")
+    ledger.finish("get-1")
+    for name in ("five", "zero"):
+        (shm_dir / name).unlink()
+    assert ledger.outstanding() == 0

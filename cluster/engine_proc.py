@@ -17,8 +17,8 @@ talks to it over a private socket pair (no address: nothing else can reach it, s
 A reader thread here puts each event into its request's `Handle` queue, so the front ends see the handles they
 see in-process (coalescing included). Refusals come back as the exceptions the scheduler raised (PromptTooLong,
 ValueError); an exception that does not survive a pickle round trip comes back as a RuntimeError naming it. The
-child exits when its pipe closes (this process gone) or its engine loop dies, and ignores SIGINT (a terminal's
-Ctrl-C reaches the whole process group; the front end stops it); when the child dies, every request in flight
+child exits when its pipe closes (this process gone) or its engine loop dies, and ignores SIGINT and SIGTERM (a
+terminal's Ctrl-C, a group's or a cgroup's SIGTERM reach it too; the front end stops it); when the child dies, every request in flight
 ends with an "error" event (EngineStopped), new submissions are refused, and `alive` turns false.
 """
 from __future__ import annotations
@@ -134,14 +134,15 @@ class _Child:
         could not even be failed): this process then exits, and the front end sees its engine gone, not alive and
         refusing every request."""
         while True:
+            if not self.worker.loop.alive:  # on every pass: a front end that kept sending (requests, Health every
+                # second) never let a poll time out, and the child lived on, answering stats and refusing each request
+                log.error("the engine loop stopped: ending the engine process")
+                return None
             try:
                 if self.conn.poll(LOOP_CHECK_S):
                     return self.conn.recv()
             except (EOFError, OSError):
                 log.warning("the front end is gone: stopping the engine")
-                return None
-            if not self.worker.loop.alive:
-                log.error("the engine loop stopped: ending the engine process")
                 return None
 
     def serve(self) -> None:
@@ -391,12 +392,10 @@ class EngineProcess:
             self._send(("stop",))
         except EngineStopped:
             pass
-        if not self._wait(timeout_s):
-            log.warning("engine process %d did not stop within %g s: terminating it", self._proc.pid, timeout_s)
-            self._proc.terminate()
-            if not self._wait(5):
-                self._proc.kill()
-                self._wait(5)
+        if not self._wait(timeout_s):  # (it ignores SIGTERM, as SIGINT: main says why)
+            log.warning("engine process %d did not stop within %g s: killing it", self._proc.pid, timeout_s)
+            self._proc.kill()
+            self._wait(5)
         self._reader.join(5)  # the child's end closed with it: the reader has met EOF
         with self._out_cv:
             self._closing = True
@@ -528,9 +527,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", type=int, default=logging.INFO)
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
-    # the front end alone stops this process (its pipe, "stop", a kill on a failed start): a Ctrl-C at a terminal
-    # reaches the whole process group, and must not end the requests the front end lets finish in its grace
+    # the front end alone stops this process (its pipe, "stop", a kill): a Ctrl-C at a terminal reaches the whole
+    # process group, and a SIGTERM to the group (kill -TERM -PGID) or to the service's cgroup (systemd's default) every
+    # process in it: neither must end the requests the front end lets finish in its grace (a group SIGTERM killed
+    # this process at once, and every stream in flight failed)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     engine_main(Connection(a.fd))
     return 0
 

@@ -437,15 +437,18 @@ def test_a_submit_that_timed_out_and_was_then_refused_leaves_nothing_named(split
     assert not be._live and be.stats()["tracked_requests"] == 0
 
 
-def test_a_ctrl_c_at_the_terminal_does_not_end_the_engines_requests():
-    """SIGINT reaches the engine process with the rest of the terminal's process group; the front end alone stops
-    it, so a stream in flight goes on to its end (it ended with UNAVAILABLE, the engine gone under the front end)."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_ctrl_c_at_the_terminal_does_not_end_the_engines_requests(sig):
+    """SIGINT reaches the engine process with the rest of the terminal's process group, a SIGTERM to the group (kill
+    -TERM -PGID) or the service's cgroup (systemd's default) likewise; the front end alone stops it, so a stream in
+    flight goes on to its end (it ended with UNAVAILABLE, the engine gone under the front end; under SIGTERM at once,
+    exit code -15)."""
     svc = start_service(_cfg(engine_process=True))
     client = GenerationClient(svc.address, timeout_s=60.0)
     try:
         it = client.generate(PROMPTS[2], max_tokens=200, method="native", ignore_eos=True)
         toks = list(next(it).token_ids)
-        os.kill(svc.backend.pid, signal.SIGINT)
+        os.kill(svc.backend.pid, sig)
         for ch in it:
             toks.extend(ch.token_ids)
         assert len(toks) == 200 and svc.alive
@@ -482,6 +485,46 @@ def test_an_engine_process_whose_loop_died_exits():
     served.start()
     here.send(("submit", 1, PROMPTS[0], SamplingParams(max_tokens=4), "native", None, None))
     served.join(10)
+    assert not child.worker.loop.alive
+    assert not served.is_alive(), "the engine process still serves commands with a dead engine loop"
+    here.close()
+
+
+def test_an_engine_process_whose_loop_died_exits_while_the_front_end_keeps_asking():
+    """The same death with a front end that keeps sending (requests, a Health probe's stats every 0.2 s): the child
+    looked at its loop only when a second passed with no command, so under steady traffic it lived on, answering
+    stats (Health said serving) and refusing every request."""
+    import multiprocessing  # noqa: PLC0415
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from flashpd.cluster.engine_proc import _Child  # noqa: PLC0415
+    from flashpd.decode_node.engine_loop import EngineLoop  # noqa: PLC0415
+    from flashpd.decode_node.scheduler import Scheduler  # noqa: PLC0415
+    from flashpd.engine.factory import load_engine  # noqa: PLC0415
+    from flashpd.engine.sampling import SamplingParams  # noqa: PLC0415
+
+    llm = load_engine(str(DEMO / "target"), None, device="cpu", dtype="float32", kv_cache_tokens=1024)
+    sched = Scheduler(llm.runner, None, tuple(llm.stop_ids))
+
+    def broken(*_a, **_k):
+        raise RuntimeError("device lost")
+
+    sched.step, sched.abort_all = broken, broken
+    here, there = multiprocessing.Pipe()
+    child = _Child(there)
+    child.worker = SimpleNamespace(loop=EngineLoop(sched, sink=child.sink), stats=lambda: {})
+    served = threading.Thread(target=child.serve, daemon=True)
+    served.start()
+    here.send(("submit", 1, PROMPTS[0], SamplingParams(max_tokens=4), "native", None, None))
+    deadline = time.monotonic() + 10
+    i = 0
+    while served.is_alive() and time.monotonic() < deadline:
+        i += 1
+        try:
+            here.send(("stats", i))
+        except OSError:
+            break
+        time.sleep(0.2)
     assert not child.worker.loop.alive
     assert not served.is_alive(), "the engine process still serves commands with a dead engine loop"
     here.close()

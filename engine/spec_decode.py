@@ -19,6 +19,7 @@ an injected `Seam`: a test's oracle drafter or a bench's recorded acceptance.
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -75,6 +76,9 @@ class DFlashGenerator(NativeGenerator):
 
     @staticmethod
     def _check_width(w: int) -> int:
+        if isinstance(w, bool) or not isinstance(w, int) and not hasattr(w, "__index__"):
+            raise ValueError(f"draft width (block_size) must be an integer in [2, 16], got {w!r}")
+        w = operator.index(w)
         if not 2 <= w <= 16:
             raise ValueError(f"draft width (block_size) must be in [2, 16], got {w}")
         return w

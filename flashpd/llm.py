@@ -58,6 +58,10 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this target has no tokenizer.json: pass token ids instead of text")
             return self.tokenizer.encode(prompt)
+        if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a numpy array, a torch tensor
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):  # bytes would read as ids of their bytes; a dict as its keys
+            raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
         ids = []
         for t in prompt:  # int(7.9) would quietly be 7
             try:
@@ -75,15 +79,35 @@ class LLM:
     @torch.inference_mode()
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        ids = [self.encode(p) for p in prompts]  # type: ignore[arg-type]
-        params = sampling_params or SamplingParams()
+        prompts = _prompt_list(prompts)
+        ids = [self.encode(p) for p in prompts]
+        params = SamplingParams() if sampling_params is None else sampling_params  # [] is no default: refused
+        if isinstance(params, tuple):
+            params = list(params)
         plist = params if isinstance(params, list) else [params] * len(ids)
+        bad = [type(p).__name__ for p in plist if not isinstance(p, SamplingParams)]
+        if bad:
+            raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {bad[0]}")
         with self._lock:
             seqs = scheduler.generate(self.generator, ids, plist)  # the engine's one driver, as a worker's
         return [RequestOutput(s.prompt, s.output, self.tokenizer.decode(s.output) if self.tokenizer else None,
                               s.finish_reason or "length", s.stats) for s in seqs]
+
+
+def _prompt_list(prompts) -> list:
+    """generate's prompts as a list of prompts: one text or one list of ids (a numpy array or a tensor too) is one
+    prompt. bytes, a dict, a generator and the like are refused by name (bytes read as the ids of their bytes)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a str, a list of token ids or a list of those, got {type(prompts).__name__}")
+    if prompts and not isinstance(prompts[0], (str, list, tuple)) and not hasattr(prompts[0], "tolist"):
+        return [prompts]  # one prompt of ids (encode checks each is an int)
+    if prompts and hasattr(prompts[0], "tolist") and getattr(prompts[0], "ndim", 1) == 0:
+        return [prompts]  # ids as numpy or torch scalars
+    return list(prompts)
 
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "CheckpointError"]

@@ -83,3 +83,33 @@ def test_token_ids_must_be_integers(llm):
     assert llm.encode([np.int64(5), 7]) == [5, 7]
     out = llm.generate([[5, 7]], SamplingParams(max_tokens=np.int64(3), ignore_eos=True))[0]
     assert len(out.token_ids) == 3
+
+
+def test_prompt_containers_are_read_as_prompts_or_refused_by_name(llm):
+    """A numpy array or a torch tensor of ids is one prompt, as a list is (numpy ids failed as 'not iterable', an
+    array as an ambiguous truth value); bytes ran as the ids of their bytes, a dict as its keys, a generator failed
+    unsubscriptable: each is refused naming the type. An empty list of sampling params was read as none given (the
+    defaults), not as the wrong count; a dict of them failed with an AttributeError."""
+    import torch
+
+    p = SamplingParams(max_tokens=3, ignore_eos=True)
+    ref = llm.generate([[5, 6, 7]], p)[0].token_ids
+    for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)], (5, 6, 7),
+                   [np.array([5, 6, 7])]):
+        out = llm.generate(prompt, p)
+        assert len(out) == 1 and out[0].token_ids == ref, type(prompt)
+    for bad in (b"abc", {"a": 1}, (i for i in [5, 6])):
+        with pytest.raises(ValueError, match=type(bad).__name__):
+            llm.generate(bad, p)
+    with pytest.raises(ValueError, match="0 sampling params for 1 prompts"):
+        llm.generate([[5, 6, 7]], [])
+    with pytest.raises(ValueError, match="sampling_params must be SamplingParams"):
+        llm.generate([[5, 6, 7]], {"max_tokens": 3})
+    assert llm.generate([[5, 6, 7]], (p,))[0].token_ids == ref
+
+
+@pytest.mark.parametrize("width", [2.5, True, "4"])
+def test_a_draft_width_that_is_no_integer_is_refused_at_load(width):
+    """LLM(block_size=2.5) loaded, and every generate then failed deep in torch."""
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(target=DEMO / "target", draft=DEMO / "drafter", device="cpu", dtype="float32", block_size=width)

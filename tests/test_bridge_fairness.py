@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Callable
 
 import grpc
 import pytest
@@ -83,21 +84,20 @@ def code_of(call) -> grpc.StatusCode:
 
 # ---- Put: pace and in-flight bytes -------------------------------------------------------------------
 
-def test_a_put_that_trickles_is_ended_and_counted_as_stalled(bridges):
-    idle_s = 0.5
-    b = bridges(max_workers=WORKERS, idle_s=idle_s)  # default floor: 1 MiB/s once idle_s have passed
+def _trickled_puts_are_ended(b: BridgeHarness, frame: Callable[[int, int], bytes], idle_s: float) -> dict:
+    """WORKERS Put streams, each sending frame(stream, i) every idle_s / 5 (never idle long enough for StallGuard):
+    each must end DEADLINE_EXCEEDED by the bridge's byte floor while Health is served; the bridge's counters."""
     stop = threading.Event()
 
-    def trickle(key: bytes):  # one byte every idle_s / 5: never idle long enough for StallGuard
-        for off in range(int(30 / (idle_s / 5))):
+    def trickle(j: int):
+        for i in range(int(30 / (idle_s / 5))):
             if stop.is_set():
                 return
-            head, tail = frame_codec.frame_envelope(PROTOCOL_VERSION, key, off, 1 << 20, 1, False)
-            yield head + b"x" + tail
+            yield frame(j, i)
             time.sleep(idle_s / 5)
 
     put = b.channel.stream_unary(PUT, response_deserializer=pb.PutReply.FromString)
-    futs = [put.future(trickle(f"slow{j}".encode()), timeout=60, metadata=b.md()) for j in range(WORKERS)]
+    futs = [put.future(trickle(j), timeout=60, metadata=b.md()) for j in range(WORKERS)]
     try:
         for f in futs:
             with pytest.raises(grpc.RpcError) as e:
@@ -106,7 +106,19 @@ def test_a_put_that_trickles_is_ended_and_counted_as_stalled(bridges):
         assert b.client.health(timeout_s=5.0)["serving"]
     finally:
         stop.set()
-    c = b.client.stats()
+    return b.client.stats()
+
+
+def _one_byte(key: bytes, off: int, total: int, last: bool) -> bytes:
+    head, tail = frame_codec.frame_envelope(PROTOCOL_VERSION, key, off, total, 1, last)
+    return head + b"x" + tail
+
+
+def test_a_put_that_trickles_is_ended_and_counted_as_stalled(bridges):
+    idle_s = 0.5
+    b = bridges(max_workers=WORKERS, idle_s=idle_s)  # default floor: 1 MiB/s once idle_s have passed
+    # one byte of a 1 MiB chunk a frame: the chunk's own floor
+    c = _trickled_puts_are_ended(b, lambda j, i: _one_byte(f"slow{j}".encode(), i, 1 << 20, False), idle_s)
     assert (c["server.calls_stalled"], c["server.puts_too_slow"], c["server.inflight_bytes"]) == (WORKERS, WORKERS, 0)
     assert c["store.entries"] == 0
 
@@ -117,27 +129,7 @@ def test_a_put_of_small_chunks_that_trickles_is_ended_too(bridges):
     the floor too."""
     idle_s = 0.5
     b = bridges(max_workers=WORKERS, idle_s=idle_s)
-    stop = threading.Event()
-
-    def trickle():
-        for i in range(int(30 / (idle_s / 5))):
-            if stop.is_set():
-                return
-            head, tail = frame_codec.frame_envelope(PROTOCOL_VERSION, f"k{i}".encode(), 0, 1, 1, True)
-            yield head + b"x" + tail
-            time.sleep(idle_s / 5)
-
-    put = b.channel.stream_unary(PUT, response_deserializer=pb.PutReply.FromString)
-    futs = [put.future(trickle(), timeout=60, metadata=b.md()) for _ in range(WORKERS)]
-    try:
-        for f in futs:
-            with pytest.raises(grpc.RpcError) as e:
-                f.result(timeout=TIMEOUT_S)
-            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "bytes/s" in e.value.details()
-        assert b.client.health(timeout_s=5.0)["serving"]
-    finally:
-        stop.set()
-    c = b.client.stats()
+    c = _trickled_puts_are_ended(b, lambda j, i: _one_byte(f"k{j}-{i}".encode(), 0, 1, True), idle_s)
     assert (c["server.calls_stalled"], c["server.puts_too_slow"]) == (WORKERS, WORKERS)
     assert c["server.chunks_refused_corrupt"] >= WORKERS and c["store.entries"] == 0
 

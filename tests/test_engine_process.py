@@ -458,42 +458,13 @@ def test_a_ctrl_c_at_the_terminal_does_not_end_the_engines_requests(sig):
         svc.stop()
 
 
-def test_an_engine_process_whose_loop_died_exits():
+@pytest.mark.parametrize("asking", [False, True])
+def test_an_engine_process_whose_loop_died_exits(asking):
     """The child's engine loop can die (a step failed, and failing its requests failed too) while the process and
     its pipe live on. The child then leaves its command loop (and so exits), as a dead in-process loop turns the
-    service not alive; it went on reading commands, refusing every request while it looked alive."""
-    import multiprocessing  # noqa: PLC0415
-    from types import SimpleNamespace  # noqa: PLC0415
-
-    from flashpd.cluster.engine_proc import _Child  # noqa: PLC0415
-    from flashpd.decode_node.engine_loop import EngineLoop  # noqa: PLC0415
-    from flashpd.decode_node.scheduler import Scheduler  # noqa: PLC0415
-    from flashpd.engine.factory import load_engine  # noqa: PLC0415
-    from flashpd.engine.sampling import SamplingParams  # noqa: PLC0415
-
-    llm = load_engine(str(DEMO / "target"), None, device="cpu", dtype="float32", kv_cache_tokens=1024)
-    sched = Scheduler(llm.runner, None, tuple(llm.stop_ids))
-
-    def broken(*_a, **_k):
-        raise RuntimeError("device lost")
-
-    sched.step, sched.abort_all = broken, broken
-    here, there = multiprocessing.Pipe()
-    child = _Child(there)
-    child.worker = SimpleNamespace(loop=EngineLoop(sched, sink=child.sink))
-    served = threading.Thread(target=child.serve, daemon=True)
-    served.start()
-    here.send(("submit", 1, PROMPTS[0], SamplingParams(max_tokens=4), "native", None, None))
-    served.join(10)
-    assert not child.worker.loop.alive
-    assert not served.is_alive(), "the engine process still serves commands with a dead engine loop"
-    here.close()
-
-
-def test_an_engine_process_whose_loop_died_exits_while_the_front_end_keeps_asking():
-    """The same death with a front end that keeps sending (requests, a Health probe's stats every 0.2 s): the child
-    looked at its loop only when a second passed with no command, so under steady traffic it lived on, answering
-    stats (Health said serving) and refusing every request."""
+    service not alive; it went on reading commands, refusing every request while it looked alive. asking: a front
+    end that keeps sending (a Health probe's stats every 0.2 s): the child looked at its loop only when a second
+    passed with no command, so under steady traffic it lived on, answering stats (Health said serving)."""
     import multiprocessing  # noqa: PLC0415
     from types import SimpleNamespace  # noqa: PLC0415
 
@@ -518,13 +489,14 @@ def test_an_engine_process_whose_loop_died_exits_while_the_front_end_keeps_askin
     here.send(("submit", 1, PROMPTS[0], SamplingParams(max_tokens=4), "native", None, None))
     deadline = time.monotonic() + 10
     i = 0
-    while served.is_alive() and time.monotonic() < deadline:
+    while asking and served.is_alive() and time.monotonic() < deadline:
         i += 1
         try:
             here.send(("stats", i))
         except OSError:
             break
         time.sleep(0.2)
+    served.join(10)
     assert not child.worker.loop.alive
     assert not served.is_alive(), "the engine process still serves commands with a dead engine loop"
     here.close()

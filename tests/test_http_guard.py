@@ -229,19 +229,25 @@ class _FloodBackend(_SlowBackend):
         self.cancelled.set()
 
 
-def test_a_client_that_stops_reading_a_stream_is_cut_and_its_request_cancelled():
-    """uvicorn has no write timeout: a client that stopped reading a stream held its connection (one of the limit's),
-    the stream's task and all its queued output for ever, and its request ran on in the backend. Once the client has
-    taken no bytes for the deadline, the connection is aborted and the request cancelled."""
+def _flood_stream() -> tuple[_FloodBackend, HttpServer, socket.socket]:
+    """A server over a _FloodBackend and a socket (4 KiB receive buffer) that has sent it a stream request."""
     be = _FloodBackend()
     srv = HttpServer(build_app(be, None, "fake", None), max_concurrent=2, request_timeout_s=DEADLINE_S).start()
     body = json.dumps({"prompt": [5], "max_tokens": 8, "stream": True, "return_token_ids": True}).encode()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    try:
-        s.connect(("127.0.0.1", srv.port))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)  # and never reads
+    s.connect(("127.0.0.1", srv.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return be, srv, s
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_and_its_request_cancelled():
+    """uvicorn has no write timeout: a client that stopped reading a stream held its connection (one of the limit's),
+    the stream's task and all its queued output for ever, and its request ran on in the backend. Once the client has
+    taken no bytes for the deadline, the connection is aborted and the request cancelled."""
+    be, srv, s = _flood_stream()
+    try:  # and never reads
         assert be.cancelled.wait(DEADLINE_S + 6.0), "the stalled stream was never cut"
         assert srv.responses_stalled == 1
         assert _closed_by_server(s, 5.0)
@@ -254,15 +260,8 @@ def test_a_client_that_reads_a_stream_slowly_but_steadily_is_not_cut():
     """A reader slower than the stream (100 KB/s here) keeps the transport paused until the socket's send queue,
     megabytes by then, drains by half: such a client, reading all along, was cut at the deadline as if it had
     stopped. Bytes leaving the send queue count as reading."""
-    be = _FloodBackend()
-    srv = HttpServer(build_app(be, None, "fake", None), max_concurrent=2, request_timeout_s=DEADLINE_S).start()
-    body = json.dumps({"prompt": [5], "max_tokens": 8, "stream": True, "return_token_ids": True}).encode()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    be, srv, s = _flood_stream()
     try:
-        s.connect(("127.0.0.1", srv.port))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
         s.settimeout(WAIT_S)
         t0 = time.monotonic()
         while time.monotonic() - t0 < 4 * DEADLINE_S:

@@ -320,15 +320,20 @@ def test_cancelled_get_stream_leaves_server_healthy(bridge, transport):
     assert bridge.client.health()["serving"]
 
 
+def _raw_shm_get(b: Bridge, n: int):
+    """n chunks put in b, and a raw SHM Get of them (its handles not taken by any client code)."""
+    chunks = [make_chunk(f"c{i}", seed=i) for i in range(n)]
+    b.client.put(chunks)
+    return chunks, b.client.stub.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=[c.key for c in chunks],
+                                                   transport=pb.SHM), timeout=TIMEOUT_S)
+
+
 def test_raw_cancelled_shm_stream_segments_expire():
     """A reader that cancels (or dies) without taking its handles: the server unlinks the segments
     of an unfinished stream, and the ones it had already handed out expire after shm_ttl_s."""
     b = Bridge(MemoryStore(1 << 24), shm_ttl_s=0.2)
     try:
-        chunks = [make_chunk(f"c{i}", seed=i) for i in range(8)]
-        b.client.put(chunks)
-        call = b.client.stub.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=[c.key for c in chunks],
-                                               transport=pb.SHM), timeout=TIMEOUT_S)
+        chunks, call = _raw_shm_get(b, 8)
         first = next(call)
         assert same(make_chunk("c0", seed=0), b.client.get(["c0"])[0])
         shm.unlink_segment(first.frame.shm.name)
@@ -347,10 +352,7 @@ def test_untaken_get_segments_expire_with_no_other_get():
     server's periodic sweep. They used to wait for the next SHM Get, however long that was."""
     b = Bridge(MemoryStore(1 << 24), shm_ttl_s=0.5)
     try:
-        chunks = [make_chunk(f"c{i}", seed=i) for i in range(3)]
-        b.client.put(chunks)
-        call = b.client.stub.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=[c.key for c in chunks],
-                                               transport=pb.SHM), timeout=TIMEOUT_S)
+        _, call = _raw_shm_get(b, 3)
         handed = [m.frame.shm.name for m in call if m.HasField("frame")]  # read, never taken
         assert handed and all(os.path.exists(shm.SHM_DIR / n) for n in handed)
         assert wait_until(lambda: not any(os.path.exists(shm.SHM_DIR / n) for n in handed), 10.0)

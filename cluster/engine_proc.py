@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 import pickle
 import signal
 import socket
@@ -521,6 +522,28 @@ class EngineProcess:
             h.events.put(Event("error", error=err))
 
 
+def _own_signals() -> None:
+    """SIGINT and SIGTERM do nothing here (main says why): handlers that do nothing, not SIG_IGN, since an ignored
+    signal stays ignored in every process this one starts (torch's compile workers and shared-memory manager among
+    them, whose own shutdowns then could not end them); a forked child gets the defaults back."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore)
+    os.register_at_fork(after_in_child=_default_signals)
+
+
+def _ignore(_signum: int, _frame: object) -> None:
+    """SIGINT and SIGTERM in the engine process: nothing (main says why)."""
+
+
+def _default_signals() -> None:
+    """A child forked from the engine process gets the default SIGINT and SIGTERM back."""
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+    except ValueError:  # not the child's main thread: nothing to restore from there
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="the colocated service's engine process (EngineProcess starts it)")
     ap.add_argument("--fd", type=int, required=True, help="this end of the front end's socket pair")
@@ -531,8 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     # process group, and a SIGTERM to the group (kill -TERM -PGID) or to the service's cgroup (systemd's default) every
     # process in it: neither must end the requests the front end lets finish in its grace (a group SIGTERM killed
     # this process at once, and every stream in flight failed)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _own_signals()
     engine_main(Connection(a.fd))
     return 0
 

@@ -519,7 +519,8 @@ class _Run:
                 if ev is not None and ev.kind == "tokens":
                     ev, pending = coalesce(h, ev)
                 final = pending if ev is not None and ev.kind == "tokens" else ev
-                if st.draining and (final is None or final.kind == "tokens"):  # one already here is served whole
+                if st.draining and (final is None or final.kind == "tokens") and not _end_queued(h):
+                    # (a request whose end is already queued, however many tokens before it, is served whole)
                     raise APIError(503, "the server is shutting down", "server_error", None, "service_unavailable")
                 if self.request is not None and (ev is None or time.monotonic() - last_check > DISCONNECT_CHECK_S):
                     last_check = time.monotonic()
@@ -555,6 +556,16 @@ class _Run:
                     raise APIError(503, "request cancelled", "server_error", None, "service_unavailable")
         finally:
             self.close()
+
+
+def _end_queued(h) -> bool:
+    """Whether h's queue already holds its request's last event (anything but tokens): a look, nothing taken."""
+    q = getattr(h, "events", None)
+    mutex, items = getattr(q, "mutex", None), getattr(q, "queue", None)
+    if mutex is None or items is None:
+        return False
+    with mutex:
+        return any(e is not None and e.kind != "tokens" for e in items)
 
 
 @dataclass

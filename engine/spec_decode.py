@@ -76,9 +76,12 @@ class DFlashGenerator(NativeGenerator):
 
     @staticmethod
     def _check_width(w: int) -> int:
-        if isinstance(w, bool) or not isinstance(w, int) and not hasattr(w, "__index__"):
-            raise ValueError(f"draft width (block_size) must be an integer in [2, 16], got {w!r}")
-        w = operator.index(w)
+        try:
+            if isinstance(w, bool):
+                raise TypeError
+            w = operator.index(w)
+        except TypeError:
+            raise ValueError(f"draft width (block_size) must be an integer in [2, 16], got {w!r}") from None
         if not 2 <= w <= 16:
             raise ValueError(f"draft width (block_size) must be in [2, 16], got {w}")
         return w

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,9 +59,8 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this target has no tokenizer.json: pass token ids instead of text")
             return self.tokenizer.encode(prompt)
-        if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # a numpy array, a torch tensor
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):  # bytes would read as ids of their bytes; a dict as its keys
+        prompt = _as_seq(prompt)  # a numpy array, a torch tensor
+        if not _seq(prompt):  # bytes would read as ids of their bytes; a dict as its keys
             raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
         ids = []
         for t in prompt:  # int(7.9) would quietly be 7
@@ -94,20 +94,33 @@ class LLM:
                               s.finish_reason or "length", s.stats) for s in seqs]
 
 
+_BYTES = (bytes, bytearray, memoryview)  # never token ids: they read as the ids of their bytes
+
+
+def _seq(x: object) -> bool:
+    """A sequence of items (list, tuple, range, deque, ...), not text nor bytes."""
+    return isinstance(x, Sequence) and not isinstance(x, (str, *_BYTES))
+
+
+def _as_seq(x: object) -> object:
+    """A numpy array or a torch tensor as a list (bytes-likes left as they are, to be refused)."""
+    return x.tolist() if hasattr(x, "tolist") and not isinstance(x, _BYTES) and not _seq(x) else x
+
+
 def _prompt_list(prompts) -> list:
-    """generate's prompts as a list of prompts: one text or one list of ids (a numpy array or a tensor too) is one
-    prompt. bytes, a dict, a generator and the like are refused by name (bytes read as the ids of their bytes)."""
+    """generate's prompts as a list of prompts: one text or one sequence of ids (a numpy array or a tensor too) is
+    one prompt; a sequence of texts or of id sequences is many. bytes, a dict, a generator and the like are refused
+    by name (bytes ran as the ids of their bytes)."""
     if isinstance(prompts, str):
         return [prompts]
-    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
-        prompts = prompts.tolist()
-    if not isinstance(prompts, (list, tuple)):
+    prompts = _as_seq(prompts)
+    if not _seq(prompts):
         raise ValueError(f"prompts must be a str, a list of token ids or a list of those, got {type(prompts).__name__}")
-    if prompts and not isinstance(prompts[0], (str, list, tuple)) and not hasattr(prompts[0], "tolist"):
-        return [prompts]  # one prompt of ids (encode checks each is an int)
-    if prompts and hasattr(prompts[0], "tolist") and getattr(prompts[0], "ndim", 1) == 0:
-        return [prompts]  # ids as numpy or torch scalars
-    return list(prompts)
+    if not prompts:
+        return []
+    first = prompts[0]
+    many = isinstance(first, str) or _seq(first) or isinstance(first, _BYTES) or getattr(first, "ndim", 0) >= 1
+    return list(prompts) if many else [prompts]
 
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "CheckpointError"]

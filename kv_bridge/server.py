@@ -316,24 +316,25 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                  owner: shm.SegmentOwner | None, pace: "_StreamPace") -> None:
         """A handle's chunk taken and stored, its bytes held in the in-flight budget meanwhile as an inline chunk's
         are (a segment read into fresh memory outside it let four 96 MiB Puts past a 16 MiB bound)."""
-        n = f.shm.length if 0 < f.shm.length <= self.max_chunk_bytes else 0  # else _take_shm refuses it
-        if n and not self.inflight.acquire(n):
+        self._check_handle(f, asm, context, owner)  # a bad or foreign handle is refused as such, whatever the load
+        n = f.shm.length
+        if not self.inflight.acquire(n):
+            self._noted(f.shm.name)
             raise BudgetExhausted(f"chunk {f.key[:16]}... of {n} bytes: the receiver has {self.inflight.used} bytes "
                                   f"of chunks in flight, its bound is {self.inflight.max_bytes}")
         try:
-            key, data = self._take_shm(f, asm, context, owner)
+            key, data = self._take_shm(f)
             pace.bytes += len(data)
             self._store(reply, key, data, None)
         finally:
-            if n:
-                self.inflight.release(n)
+            self.inflight.release(n)
 
-    def _take_shm(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext,
-                  owner: shm.SegmentOwner | None) -> tuple[str, bytes]:
-        """The handle's chunk, its segment taken (read and unlinked). Before the file is touched the name must carry
-        the caller's owner id (NotOwned otherwise: every client holds the token and can list /dev/shm, so the name
-        alone proves nothing). An owned segment not taken (whatever the reason) is noted for reclaim_put_segments:
-        its writer may die before unlinking it. A segment not owned is never noted, read nor unlinked here."""
+    def _check_handle(self, f: frame_codec.Frame, asm: Assembler, context: grpc.ServicerContext,
+                      owner: shm.SegmentOwner | None) -> None:
+        """A Put's handle, checked before its segment is touched: the name must carry the caller's owner id
+        (NotOwned otherwise: every client holds the token and can list /dev/shm, so the name alone proves nothing).
+        An owned segment refused (whatever the reason) is noted for reclaim_put_segments: its writer may die before
+        unlinking it. A segment not owned is never noted, read nor unlinked here."""
         if not _peer_is_local(context.peer()):
             raise FrameError("frame.shm", "shared memory needs a same-host client")
         check_key(f.key, "frame.key")  # before the key may be named in a reply (a refusal names it)
@@ -353,12 +354,23 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                                               "total_length=shm.length")
             if not 0 < f.shm.length <= self.max_chunk_bytes:
                 raise FrameError("frame.shm.length", f"{f.shm.length} not in 1..{self.max_chunk_bytes}")
+        except BaseException:
+            self._noted(f.shm.name)
+            raise
+
+    def _noted(self, name: str) -> None:
+        """The caller's own segment, refused: unlinked by reclaim_put_segments once its writer is gone."""
+        if self.shm_left.note(name):
+            self._count("shm_put_segments_left")
+
+    def _take_shm(self, f: frame_codec.Frame) -> tuple[str, bytes]:
+        """A checked handle's chunk, its segment taken (read and unlinked); refused, the segment is noted."""
+        try:
             reserve = getattr(self.store, "reserve", None)
             into = reserve(f.shm.length) if reserve is not None else None
             return f.key, shm.take_segment(f.shm.name, f.shm.length, into=into)
         except BaseException:
-            if self.shm_left.note(f.shm.name):
-                self._count("shm_put_segments_left")
+            self._noted(f.shm.name)
             raise
 
     def _not_owned(self, reply: pb.PutReply, key: str, reason: str, context: grpc.ServicerContext) -> None:

@@ -210,6 +210,31 @@ def test_a_same_host_put_counts_in_the_in_flight_bound_too(bridges):
     assert b.client.stats()["server.inflight_bytes"] == 0
 
 
+@needs_shm
+def test_a_foreign_handle_under_a_busy_bound_is_still_refused_alone(bridges):
+    """The handle is checked before the bound is asked: a segment that is not the caller's is that chunk's refusal,
+    the stream going on, however busy the bound (it was RESOURCE_EXHAUSTED for the whole stream)."""
+    size = len(chunk_bytes(None, "k"))
+    b = bridges(max_workers=4, idle_s=60.0, inflight_max_bytes=size + size // 2)
+    release = threading.Event()
+
+    def first_frame_then_wait():
+        yield put_frames("h", chunk_bytes(b, "h"))[0]
+        release.wait()
+
+    held = b.raw.Put.future(first_frame_then_wait(), timeout=60, metadata=b.md())
+    try:
+        assert wait_for(lambda: b.client.stats()["server.inflight_bytes"] == size)
+        foreign = f"fpkv-{os.getpid()}-{shm.SegmentOwner.generate().put_tag}{uuid.uuid4().hex}"
+        reply = shm_put(b, foreign, size, key="f")
+        assert (reply.stored, list(reply.refused_keys)) == (0, ["f"])
+        assert b.client.stats()["server.shm_put_segments_not_owned"] == 1
+        assert b.client.stats()["server.puts_refused_inflight"] == 0
+    finally:
+        release.set()
+    held.result(timeout=TIMEOUT_S)
+
+
 # ---- Put over several streams: a chain stays on one stream -------------------------------------------
 
 def test_chains_stay_on_one_stream_in_order_and_chains_spread():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -582,3 +584,26 @@ def test_an_engine_that_cannot_report_its_state_is_not_serving(tmp_path, monkeyp
     finally:
         client.close()
         svc.stop()
+
+
+def test_the_engine_processs_children_get_default_signals():
+    """The engine process ignores SIGINT and SIGTERM (the front end stops it), and its children must not: SIG_IGN
+    is inherited through fork and exec, so torch's compile workers and shared-memory manager ignored the SIGTERM of
+    their own shutdowns. An exec'd child and a forked one both see the defaults; the process itself stays up."""
+    code = (
+        "import os, signal, subprocess, sys\n"
+        "from flashpd.cluster.engine_proc import _own_signals\n"
+        "_own_signals()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"  # ignored here
+        "probe = 'import signal; print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)'\n"
+        "out = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True).stdout.strip()\n"
+        "print('exec', out)\n"
+        "r, w = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.write(w, str(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL).encode()); os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print('fork', os.read(r, 16).decode())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == ["exec True", "fork True"], r.stdout

@@ -595,6 +595,12 @@ def test_a_request_whose_end_is_already_queued_is_served_whole_through_a_drain()
         done.events.put(ev)
     st.drain()
     assert asyncio.run(collect(done)) == [([7, 8], None), ([], "length")]
+    behind = FakeHandle()  # a stream far behind: more queued tokens than one merged event takes (256)
+    for t in range(300):
+        behind.events.put(Event("tokens", tokens=[t]))
+    behind.events.put(Event("done", finish_reason="length"))
+    got = asyncio.run(collect(behind))
+    assert [t for toks, _ in got for t in toks] == list(range(300)) and got[-1][1] == "length"
     waiting = FakeHandle()
     waiting.events.put(Event("tokens", tokens=[7]))  # no end in sight: ended by the drain
     with pytest.raises(http_api.APIError, match="shutting down"):

@@ -98,8 +98,13 @@ def test_prompt_containers_are_read_as_prompts_or_refused_by_name(llm):
                    [np.array([5, 6, 7])]):
         out = llm.generate(prompt, p)
         assert len(out) == 1 and out[0].token_ids == ref, type(prompt)
-    for bad in (b"abc", {"a": 1}, (i for i in [5, 6])):
-        with pytest.raises(ValueError, match=type(bad).__name__):
+    for prompt in (range(5, 8), [range(5, 8)], __import__("collections").deque([5, 6, 7])):
+        assert llm.generate(prompt, p)[0].token_ids == ref, type(prompt)
+    texts = list(np.array([TEXT[:20], TEXT[20:40]]))  # numpy strings: texts, not ids
+    plain = [TEXT[:20], TEXT[20:40]]
+    assert [o.token_ids for o in llm.generate(texts, p)] == [o.token_ids for o in llm.generate(plain, p)]
+    for bad in (b"abc", memoryview(b"abc"), [b"abc"], {"a": 1}, (i for i in [5, 6])):
+        with pytest.raises(ValueError, match="bytes|memoryview|dict|generator"):
             llm.generate(bad, p)
     with pytest.raises(ValueError, match="0 sampling params for 1 prompts"):
         llm.generate([[5, 6, 7]], [])
@@ -108,8 +113,11 @@ def test_prompt_containers_are_read_as_prompts_or_refused_by_name(llm):
     assert llm.generate([[5, 6, 7]], (p,))[0].token_ids == ref
 
 
-@pytest.mark.parametrize("width", [2.5, True, "4"])
+@pytest.mark.parametrize("width", [2.5, True, "4", "torch-2.5"])
 def test_a_draft_width_that_is_no_integer_is_refused_at_load(width):
     """LLM(block_size=2.5) loaded, and every generate then failed deep in torch."""
+    if width == "torch-2.5":
+        import torch
+        width = torch.tensor(2.5)
     with pytest.raises(ValueError, match="block_size"):
         LLM(target=DEMO / "target", draft=DEMO / "drafter", device="cpu", dtype="float32", block_size=width)

@@ -12,6 +12,7 @@ enforces (real gRPC servers on 127.0.0.1, real files in /dev/shm):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -159,25 +160,33 @@ def test_a_get_read_a_frame_now_and_then_is_ended(bridges):
     assert len(b.client.get(keys)) == len(keys)  # a reader that takes its frames is served
 
 
-def test_partial_chunks_of_all_puts_are_bounded_and_refused_before_buffering(bridges):
+@contextlib.contextmanager
+def _one_chunk_in_flight(bridges):
+    """A bridge whose in-flight bound has room for one chunk, and a Put stream holding that one (its first frame
+    sent, the rest never): yields (the bridge, the stream's future); the stream ends on leaving."""
     size = len(chunk_bytes(None, "k"))
-    b = bridges(max_workers=4, idle_s=60.0, inflight_max_bytes=size + size // 2)  # room for one chunk
-    data = chunk_bytes(b, "k")
+    b = bridges(max_workers=4, idle_s=60.0, inflight_max_bytes=size + size // 2)
     release = threading.Event()
 
     def first_frame_then_wait():
-        yield put_frames("h", chunk_bytes(b, "h"))[0]  # as long as "k"'s
+        yield put_frames("h", chunk_bytes(b, "h"))[0]  # as long as any test chunk
         release.wait()
 
     held = b.raw.Put.future(first_frame_then_wait(), timeout=60, metadata=b.md())
     try:
-        assert wait_for(lambda: b.client.stats()["server.inflight_bytes"] == len(data))
+        assert wait_for(lambda: b.client.stats()["server.inflight_bytes"] == size)
+        yield b, held
+    finally:
+        release.set()
+
+
+def test_partial_chunks_of_all_puts_are_bounded_and_refused_before_buffering(bridges):
+    with _one_chunk_in_flight(bridges) as (b, held):
+        data = chunk_bytes(b, "k")
         with pytest.raises(BridgeError) as e:
             b.client.put_bytes([("k", data)])
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in str(e.value)
         assert b.client.stats()["server.puts_refused_inflight"] == 1
-    finally:
-        release.set()
     assert list(held.result(timeout=TIMEOUT_S).incomplete_keys) == ["h"]
     assert b.client.stats()["server.inflight_bytes"] == 0  # the ended stream gave its bytes back
     assert b.client.put_bytes([("k", data)]).stored == 1
@@ -187,24 +196,12 @@ def test_partial_chunks_of_all_puts_are_bounded_and_refused_before_buffering(bri
 def test_a_same_host_put_counts_in_the_in_flight_bound_too(bridges):
     """A Put by shared-memory handle read its segment into fresh memory outside the in-flight bound: four 96 MiB
     Puts went past a 16 MiB bound. Its bytes are held in the bound while the chunk is taken and stored."""
-    size = len(chunk_bytes(None, "k"))
-    b = bridges(max_workers=4, idle_s=60.0, inflight_max_bytes=size + size // 2)  # room for one chunk
-    data = chunk_bytes(b, "k")
-    release = threading.Event()
-
-    def first_frame_then_wait():
-        yield put_frames("h", chunk_bytes(b, "h"))[0]
-        release.wait()
-
-    held = b.raw.Put.future(first_frame_then_wait(), timeout=60, metadata=b.md())
-    try:
-        assert wait_for(lambda: b.client.stats()["server.inflight_bytes"] == len(data))
+    with _one_chunk_in_flight(bridges) as (b, held):
+        data = chunk_bytes(b, "k")
         with pytest.raises(BridgeError) as e:
             b.client.put_bytes([("k", data)], transport="shm")
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in str(e.value)
         assert b.client.stats()["server.puts_refused_inflight"] == 1
-    finally:
-        release.set()
     held.result(timeout=TIMEOUT_S)
     assert b.client.put_bytes([("k", data)], transport="shm").stored == 1
     assert b.client.stats()["server.inflight_bytes"] == 0
@@ -214,24 +211,12 @@ def test_a_same_host_put_counts_in_the_in_flight_bound_too(bridges):
 def test_a_foreign_handle_under_a_busy_bound_is_still_refused_alone(bridges):
     """The handle is checked before the bound is asked: a segment that is not the caller's is that chunk's refusal,
     the stream going on, however busy the bound (it was RESOURCE_EXHAUSTED for the whole stream)."""
-    size = len(chunk_bytes(None, "k"))
-    b = bridges(max_workers=4, idle_s=60.0, inflight_max_bytes=size + size // 2)
-    release = threading.Event()
-
-    def first_frame_then_wait():
-        yield put_frames("h", chunk_bytes(b, "h"))[0]
-        release.wait()
-
-    held = b.raw.Put.future(first_frame_then_wait(), timeout=60, metadata=b.md())
-    try:
-        assert wait_for(lambda: b.client.stats()["server.inflight_bytes"] == size)
+    with _one_chunk_in_flight(bridges) as (b, held):
         foreign = f"fpkv-{os.getpid()}-{shm.SegmentOwner.generate().put_tag}{uuid.uuid4().hex}"
-        reply = shm_put(b, foreign, size, key="f")
+        reply = shm_put(b, foreign, len(chunk_bytes(b, "f")), key="f")
         assert (reply.stored, list(reply.refused_keys)) == (0, ["f"])
         assert b.client.stats()["server.shm_put_segments_not_owned"] == 1
         assert b.client.stats()["server.puts_refused_inflight"] == 0
-    finally:
-        release.set()
     held.result(timeout=TIMEOUT_S)
 
 

@@ -24,8 +24,9 @@ context and the KV cache leave. Chat prompts come from the target's chat templat
 
 Errors have OpenAI's body {"error": {"message", "type", "param", "code"}} and the status the gRPC code
 would be: INVALID_ARGUMENT and FAILED_PRECONDITION -> 400, an unknown model -> 404, a prompt that cannot
-fit (RESOURCE_EXHAUSTED) -> 400 with code "context_length_exceeded", no worker / engine stopped
-(UNAVAILABLE) -> 503, every decode worker overloaded -> 503 with Retry-After, a request that failed alone (RequestFailed, INTERNAL) -> 500, a timeout -> 504.
+fit (RESOURCE_EXHAUSTED) -> 400 with code "context_length_exceeded" (param max_tokens when the prompt alone
+fits), no worker / engine stopped (UNAVAILABLE) -> 503, every decode worker overloaded -> 503 with Retry-After, a
+request that failed alone (RequestFailed, INTERNAL) -> 500, a timeout -> 504.
 A body over max_positions * 128 bytes (at least 1 MiB) gets 413. An error after a stream started is sent
 as a `data: {"error": ...}` event before `data: [DONE]`.
 
@@ -425,8 +426,19 @@ class _State:
         try:
             with anyio.CancelScope(shield=True):  # a handle, once made, always reaches the caller's finally
                 return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+        except PromptTooLong as e:  # the prompt's fault, or max_tokens' when the prompt alone fits: the param says
+            param = await anyio.to_thread.run_sync(self._too_long_param, r, limiter=self.limiter)
+            raise APIError(400, f"{param}: {e}", "invalid_request_error", param, "context_length_exceeded") from None
         except Exception as e:  # noqa: BLE001  each failure gets its status; none escapes as a bare 500
             raise error_for(e) from None
+
+    def _too_long_param(self, r: _Req) -> str:
+        """"max_tokens" when the prompt alone leaves room for output in the context and one worker's KV cache (so
+        max_tokens is what cannot fit), else "prompt" (also when that cannot be worked out now)."""
+        try:
+            return "max_tokens" if self._room(len(r.prompt), r.method, r.draft_width) >= 1 else "prompt"
+        except Exception:  # noqa: BLE001  no room at all, or no KV figures to tell by
+            return "prompt"
 
     async def run_once(self, r: _Req, request: Request) -> tuple[str, list[int], str, dict]:
         """A non-streamed request: (text, tokens, finish_reason, flashpd stats)."""

@@ -493,6 +493,8 @@ def test_backend_failures_map_to_http_statuses():
                                          (4, openai.InternalServerError, 500, "internal_error")):
             got = _error(lambda: c.completions.create(model="fake", prompt=[first, 5], max_tokens=2))
             assert (got[0], got[1], got[2]["code"]) == (typ, status, code), got
+            if first == 3:  # the prompt alone fits the worker's KV cache: max_tokens is what does not (it said prompt)
+                assert got[2]["param"] == "max_tokens" and got[2]["message"].startswith("max_tokens: "), got
         # overloaded is busy, not gone: 503 with Retry-After (gRPC: RESOURCE_EXHAUSTED)
         import http.client
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10.0)

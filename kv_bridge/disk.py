@@ -48,24 +48,25 @@ _TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 600.0
 
 
-def _host_tag() -> str:
+def _host_tag() -> str | None:
     """Who may judge a temp file's writer by its pid: this host's boot and pid namespace, hashed (another
-    container's or machine's pids mean nothing here)."""
-    parts = [os.uname().nodename]
-    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
-        try:
-            parts.append(open(path).read().strip() if path.endswith("boot_id") else str(os.stat(path).st_ino))
-        except OSError:
-            parts.append("-")
-    return hashlib.blake2b("\0".join(parts).encode(), digest_size=4).hexdigest()
+    container's or machine's pids mean nothing here). None where either cannot be read: then no one is."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return None
+    return hashlib.blake2b("\0".join([os.uname().nodename, boot, pidns]).encode(), digest_size=4).hexdigest()
 
 
 _HOST = _host_tag()
 
 
 def _temp_name(key: str) -> str:
-    """.tmp-<host tag>-<pid>-<key>-<random>: at most 5 + 8 + 1 + 7 + 1 + 200 + 1 + 16 = 239 characters."""
-    return f"{_TMP_PREFIX}{_HOST}-{os.getpid()}-{key}-{uuid.uuid4().hex[:16]}"
+    """.tmp-<host tag>-<pid>-<key>-<random>: at most 5 + 8 + 1 + 7 + 1 + 200 + 1 + 16 = 239 characters (with no
+    tag, "unknown" and age alone decide)."""
+    return f"{_TMP_PREFIX}{_HOST or 'unknown'}-{os.getpid()}-{key}-{uuid.uuid4().hex[:16]}"
 
 
 def _writer_gone(name: str) -> bool:
@@ -73,7 +74,7 @@ def _writer_gone(name: str) -> bool:
     hosts, and of older versions (no tag), are judged by age alone."""
     host, _, rest = name[len(_TMP_PREFIX):].partition("-")
     pid, _, _ = rest.partition("-")
-    if host != _HOST or not pid.isdigit():
+    if _HOST is None or host != _HOST or not pid.isdigit():
         return False
     if int(pid) == os.getpid():
         return False

@@ -405,6 +405,21 @@ def test_disk_temp_file_of_a_dead_writer_on_this_host_goes_at_the_next_start(tmp
     assert len(disk._temp_name("k" * 200)) <= 255
 
 
+def test_disk_temp_files_are_judged_by_age_alone_where_the_pid_namespace_is_unknown(tmp_path, monkeypatch):
+    """Without /proc's boot id or pid namespace, two containers of one host name could share a tag, and a live
+    writer in the other's namespace would look gone: no name is then trusted, only the 600 s rule."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    name = disk._temp_name("k").replace(f"-{os.getpid()}-", f"-{gone.pid}-", 1)
+    monkeypatch.setattr(disk, "_HOST", None)
+    (tmp_path / name).write_bytes(b"x")
+    DiskStore(tmp_path, 1 << 24)
+    assert os.listdir(tmp_path) == [name]
+
+
 class _SmallDisk:
     """A file system of `capacity` bytes under one directory (os.write through the store's write_all raises
     ENOSPC past it): a disk that other users filled below this tier's budget. No real small file system can be

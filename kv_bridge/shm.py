@@ -444,6 +444,7 @@ class SegmentLedger:
         self._held: dict[str, int] = {}
         self._stale: dict[str, int] = {}
         self._pruned = 0.0  # when _prune last looked at the files (monotonic)
+        self._expired = 0.0  # when _expire_over_share last sorted the untaken segments (monotonic)
 
     def _add(self, name: str, o: _Out) -> None:
         self._out[name] = o
@@ -526,7 +527,7 @@ class SegmentLedger:
         now = time.monotonic()
         if not any(p != waiting and h > self.peer_max_bytes for p, h in self._held.items()):
             return
-        if now - getattr(self, "_expired", 0.0) < PRUNE_EVERY_S:
+        if now - self._expired < PRUNE_EVERY_S:
             return
         self._expired = now
         for name, o in sorted(self._out.items(), key=lambda kv: kv[1].since):

@@ -50,11 +50,11 @@ class Launcher(Protocol):
 
 def unlink_shared_memory(pid: int, shm_dir: Path = Path("/dev/shm")) -> int:
     """Remove the shared-memory files an exited worker made (torch's file_system strategy names them torch_<pid>_*:
-    a CPU prefill worker's caches on the device path). torch's manager unlinks them only once every process that
-    mapped them has let go, and a decode worker that mapped a dead exporter's caches keeps its manager connection
-    for its whole life: each crash of a prefill worker left a whole KV cache in /dev/shm until the decode worker
-    exited. Unlinked, the memory goes as the last mapping does (a decode worker forgets a dead exporter's at its
-    successor's first handoff). Returns how many were removed."""
+    a CPU prefill worker's caches on the device path). torch's manager unlinks them when its worker is gone, but a
+    manager killed with its worker (Ray kills an actor's whole process tree) never does: each crash left a whole KV
+    cache in /dev/shm. Unlinked, the memory goes as the last mapping does (a decode worker maps an exporter's files
+    itself, kv_bridge/host_share.py, and drops a dead exporter's at its successor's first handoff). Returns how
+    many were removed."""
     n = 0
     for f in shm_dir.glob(f"torch_{pid}_*"):
         try:

@@ -3,7 +3,9 @@ of the prefill worker's paged caches, device to device, with no host bytes and n
 
 The exporter (prefill worker) shares its two paged caches once: on a GPU through CUDA IPC handles, on a
 CPU through shared memory (torch.multiprocessing's file-system strategy: the stand-in the CPU tests
-run). What travels per request is control only: a lease (blocks, the number of positions, each block's
+run). Host tensors (a CPU cache, and the block epochs, owners and busy word on any device) travel as file
+descriptors that the importer maps itself (`host_share`): never through the exporter's torch_shm_manager,
+whose death with a killed exporter made the importer abort as it dropped the mapping. What travels per request is control only: a lease (blocks, the number of positions, each block's
 epoch). The prefill worker holds the lease's blocks until the decode worker releases them or the
 lease's deadline passes. The importer maps an exporter's caches once, then per request copies whole
 blocks of both caches with one gather and one scatter each.
@@ -45,16 +47,14 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from flashpd.kv_bridge import host_share
 from flashpd.kv_bridge.auth import MacKey
 
 _BLOB_MAGIC = b"FPHO1"
-_ALLOWED = {  # what a sealed export blob may name: torch's rebuild functions and the types they take
-    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+# what a sealed export blob may name: torch's CUDA tensor rebuild and the types it takes (host tensors travel as
+# host_share descriptors of plain values: no CPU storage is unpickled, so none connects to another process's manager)
+_ALLOWED = {
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
     ("torch.storage", "TypedStorage"),
     ("torch.storage", "UntypedStorage"),
     ("torch", "UntypedStorage"),
@@ -169,9 +169,13 @@ class CacheExporter:
         self.owners.share_memory_()
         from multiprocessing.reduction import ForkingPickler  # noqa: PLC0415
 
-        payload = bytes(ForkingPickler.dumps((target, draft, self.epochs, self.busy, self.owners)))
+        on_gpu = lambda t: t if t is not None and t.device.type != "cpu" else None  # noqa: E731
+        payload = bytes(ForkingPickler.dumps((on_gpu(target), on_gpu(draft))))  # CUDA IPC handles, or Nones
+        host = {k: tuple(host_share.describe(t)) for k, t in (("target", target), ("draft", draft),
+                ("epochs", self.epochs), ("busy", self.busy), ("owners", self.owners))
+                if t is not None and t.device.type == "cpu"}
         # the id is sealed with the caches: an importer maps a blob under the id it was made for, and no other
-        head = pickle.dumps({**self.geometry.__dict__, "exporter_id": self.exporter_id}, protocol=4)
+        head = pickle.dumps({**self.geometry.__dict__, "exporter_id": self.exporter_id, "host": host}, protocol=4)
         body = _BLOB_MAGIC + len(head).to_bytes(4, "little") + head + payload
         self.blob = body + mac.tag([body])
         self._leases: dict[int, Lease] = {}
@@ -325,16 +329,21 @@ class CacheImporter:
         head = _Unpickler(io.BytesIO(body[off:off + n])).load()
         if not isinstance(head, dict) or head.pop("exporter_id", None) != h.exporter_id:
             raise HandoffError("export blob: sealed for another exporter id")
+        host = head.pop("host", None)
+        if not isinstance(host, dict):
+            raise HandoffError("export blob: no host tensors")
         geometry = Geometry(**head)
         if (geometry.target, geometry.draft, geometry.dtype) != \
                 (self.geometry.target, self.geometry.draft, self.geometry.dtype):
             raise HandoffError(f"exporter's caches {geometry} do not fit this worker's {self.geometry}")
         if geometry.fingerprint != self.geometry.fingerprint:
             raise HandoffError("exporter runs another method (fingerprint differs)")
-        if self.target.device.type == "cpu":
-            import torch.multiprocessing as mp  # noqa: PLC0415
-            mp.set_sharing_strategy("file_system")
-        src_t, src_d, epochs, busy, owners = _Unpickler(io.BytesIO(body[off + n:])).load()
+        src_t, src_d = _Unpickler(io.BytesIO(body[off + n:])).load()
+        src_t, src_d, epochs, busy, owners = self._attach(host, src_t, src_d)
+        strip = lambda t: None if t is None else tuple(t.shape[:2]) + tuple(t.shape[3:])  # noqa: E731
+        if (strip(src_t), strip(src_d)) != (geometry.target, geometry.draft) or \
+                epochs.shape != owners.shape or epochs.shape != (src_t.shape[2],) or busy.numel() < 1:
+            raise HandoffError("export blob: its tensors do not have the shapes its geometry names")
         old = self._ids.get(h.exporter_address)
         if old is not None and old != h.exporter_id:
             self.forget(old)
@@ -344,6 +353,20 @@ class CacheImporter:
             self._peers[h.exporter_id] = busy
         self.stats["mapped_exporters"] = len(self._maps)
         return src_t, src_d, epochs, owners
+
+    @staticmethod
+    def _attach(host: dict, src_t, src_d) -> tuple:
+        """The export's host tensors mapped from their files (host_share), the CUDA caches as unpickled."""
+        if src_t is None and "target" not in host:
+            raise HandoffError("export blob: no target cache")
+        try:
+            got = {k: host_share.attach(host_share.HostShare(*v)) for k, v in host.items()
+                   if k in ("target", "draft", "epochs", "busy", "owners")}
+        except (TypeError, ValueError) as e:
+            raise HandoffError(f"export blob: {e}") from None
+        if not {"epochs", "busy", "owners"} <= got.keys():
+            raise HandoffError("export blob: no block epochs, owners or busy word")
+        return (got.get("target", src_t), got.get("draft", src_d), got["epochs"], got["busy"], got["owners"])
 
     def forget(self, exporter_id: str) -> None:
         """Drop an exporter's mapping (it went away; a restarted one comes with a new id)."""

@@ -227,9 +227,9 @@ def test_a_ray_prefill_actors_shared_caches_leave_dev_shm_when_it_dies_and_when_
     """kv_transport "device" on a CPU: the prefill actor's caches are torch shared memory (torch_<pid>_*). A killed
     actor's torch_shm_manager dies with it before unlinking them, so each crash, stop and job stop left a whole KV
     cache in /dev/shm. The launcher removes them once the actor's process is gone; the restart asks for the options
-    the first start was placed with. (No request follows the restart here: under Ray the decode actor then aborts
-    as it frees the dead exporter's tensors, whose torch_shm_manager Ray killed with the actor; a known defect of
-    this CPU stand-in for CUDA IPC: CHANGELOG.md, thirty-seventh session.)"""
+    the first start was placed with. A request after the restart is served by the same decode actor: it used to
+    abort as it dropped the dead exporter's tensors, mapped through that exporter's torch_shm_manager, which Ray
+    killed with the actor (kv_bridge/host_share.py)."""
     from pathlib import Path  # noqa: PLC0415
 
     svc = start_service(serve_cfg(dflash_pair, "ray", prefill_workers=1, decode_workers=1, kv_transport="device"),
@@ -255,6 +255,9 @@ def test_a_ray_prefill_actors_shared_caches_leave_dev_shm_when_it_dies_and_when_
         second = pid()
         assert second != first and not list(Path("/dev/shm").glob(f"torch_{first}_*"))
         assert pool.launcher._placed == placed
+        one(2)  # imported from the new exporter, the dead one's mapping dropped
+        one(3)
+        assert pool.restarts["decode"] == 0 and pool.healthy_count("decode") == 1
         svc.stop()
         stopped = True
         assert not list(Path("/dev/shm").glob(f"torch_{second}_*"))

@@ -221,7 +221,7 @@ def test_fetches_from_several_threads_keep_the_pairs_order_and_write_no_cache_bl
     for src, dst, h in zip(srcs, dsts, leases):
         _check_blocks(peer, src, dst)
         assert call("release", h.lease_id) is True
-    assert imp.stats["pairs_opened"] == opened
+    assert imp.stats["pairs_opened"] == max(opened, 1)  # one pair in all (opened here when the test runs alone)
     assert imp._exporter_locks == {}  # the per-exporter locks live only while a fetch does
 
 

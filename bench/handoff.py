@@ -64,7 +64,7 @@ def child(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         imp.copy(h, dst)  # includes the device sync and the epoch re-check
         ms = (time.perf_counter() - t0) * 1e3
-        src_t, src_d, _ = imp._maps[h.exporter_id]
+        src_t, src_d = imp._maps[h.exporter_id][:2]
         idx = torch.tensor(h.blocks, device=t.device)
         didx = torch.tensor(dst, device=t.device)
         ok = torch.equal(t.index_select(2, didx), src_t.index_select(2, idx)) and \
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "bytes_per_handoff": nbytes, "first_import_ms_with_map": times[0], "import_ms": steady,
            "import_ms_median": med, "gbps_median": nbytes / med / 1e6, "exact": f"{sum(exact)}/{len(exact)}",
-           "command": " ".join([os.path.basename(sys.executable), "-m", "flashpd.bench.handoff"] + sys.argv[1:])}
+           "command": " ".join([os.path.basename(sys.executable), "-m", "flashpd.bench.handoff"] +
+                                (sys.argv[1:] if argv is None else list(argv)))}
     print(f"{args.config} {args.tokens} tokens: {nbytes / 1e6:.1f} MB a handoff; first (maps the caches) "
           f"{times[0]:.2f} ms; then median {med:.3f} ms ({out['gbps_median']:.1f} GB/s); exact {out['exact']}")
     if args.out:

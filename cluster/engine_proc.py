@@ -374,7 +374,8 @@ class EngineProcess:
             return NOT_SERVING
         self._note_stats(None)
         return Load(running=st["running"], waiting=st["waiting"], kv_blocks_free=st["kv_blocks_free"],
-                    kv_blocks_total=st["kv_blocks_total"], kv_block_size=st["kv_block_size"])
+                    kv_blocks_total=st["kv_blocks_total"], kv_block_size=st["kv_block_size"],
+                    serving=False if st.get("serving") is False else None)  # the engine's loop looks hung
 
     def _note_stats(self, error: str | None) -> None:
         """Log a stats failure once per distinct message, and its end once: health probes read counts() every few

@@ -419,7 +419,10 @@ def build_decode(cfg, llm, cache, metrics, sink=None):
 
     worker = DecodeWorker(llm.runner, llm.drafter, tuple(llm.stop_ids), cache, cfg.max_running, cfg.policy, finished,
                           warmup=wants_warmup(cfg, llm.runner), width_policy=parse_width_policy(cfg.draft_width_policy),
-                          hold_fraction=cfg.session_hold_fraction, hold_steps=cfg.session_hold_steps, sink=sink)
+                          hold_fraction=cfg.session_hold_fraction, hold_steps=cfg.session_hold_steps, sink=sink,
+                          # every form: colocated (no router waits on a prefill there) in process or in an engine
+                          # process, or a decode worker
+                          stall_s=cfg.stall_s if cfg.mode == "colocated" else stall_bound(cfg))
     decode_metrics(metrics, worker)
     return worker
 
@@ -447,8 +450,7 @@ def _decode(cfg, port: int, secret) -> RunningWorker:
         worker.scheduler.handoff = dist_importer(cfg, llm, worker.scheduler, secret, adv)
         w.closers.append(worker.scheduler.handoff.importer.close)
     w.closers.append(lambda: worker.stop(LOOP_STOP_S))
-    worker.stall_s = stall_bound(cfg)
-    servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer, stalled=worker.stalled)
+    servicer = DecodeWorkerServicer(worker.loop, llm.tokenizer)  # Health: not serving while the loop looks hung
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,
                                {"DecodeWorker": servicer, "Generation": servicer}, token=secret.worker_token,
                                exclusive=True, tls=bridge_tls(cfg))

@@ -269,18 +269,8 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
 
 
 class DecodeWorkerServicer(GenerationServicer, pb_grpc.DecodeWorkerServicer):
-    """Generation (colocated use) and DecodeWorker (the router's) over one EngineLoop. `stalled`: whether its engine
-    loop looks hung (DecodeWorker.stalled): Health then says not serving."""
-
-    def __init__(self, loop, tokenizer=None, settings=None, stalled: Callable[[], bool] | None = None) -> None:
-        super().__init__(loop, tokenizer, settings)
-        self.stalled = stalled
-
-    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
-        reply = super().Health(request, context)
-        if reply.serving and self.stalled is not None and self.stalled():
-            reply.serving = False
-        return reply
+    """Generation (colocated use) and DecodeWorker (the router's) over one EngineLoop. Health says not serving while
+    the loop looks hung (EngineLoop.counts, with its stall_s)."""
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
         """A refused request gives the prefill lease it carries back now, as `_start` does (else the prefill

@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from flashpd.decode_node.scheduler import Scheduler
@@ -142,6 +143,10 @@ class EngineLoop:
         self._error: BaseException | None = None
         self.steps = 0
         self.tokens_out = 0  # tokens streamed (the serving log's rate)
+        self.stall_s: float | None = None  # see stalled(); None: never taken for hung
+        self._progress = (-1, time.monotonic())  # (steps when last seen to move, when), for stalled()
+        self._progress_lock = threading.Lock()
+        self._stall_logged = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -167,12 +172,44 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stop and self._error is None
 
     def counts(self) -> Load:
-        """Rough, lock-free snapshot (for health)."""
+        """Rough, lock-free snapshot (for health). Not serving while the loop looks hung (stalled()): every front end
+        reads its health here (gRPC Health, HTTP /health, an engine process's stats), colocated or a worker."""
         s = self.scheduler
         # submitted but not yet taken by the loop count as waiting, so an idle reading means idle
-        return Load(running=len(s.running), waiting=len(s.waiting) + len(self._inbox),
+        load = Load(running=len(s.running), waiting=len(s.waiting) + len(self._inbox),
                     kv_blocks_free=s.runner.allocator.num_free, kv_blocks_total=s.capacity,
                     kv_block_size=s.runner.kv_block_size)
+        return replace(load, serving=False) if self._stalled(load) else load
+
+    def stalled(self) -> bool:
+        """Whether the loop has had requests and finished no step for more than stall_s (a device or kernel that
+        never returns), as seen by the calls of this method and of counts() (each health probe makes one): idle, or
+        a step finished since the last call, restarts the clock. Logged once a stall; its end too."""
+        return self._stalled(None)
+
+    def _stalled(self, load: Load | None) -> bool:
+        if self.stall_s is None:
+            return False
+        s = self.scheduler
+        busy = (load.running + load.waiting) if load is not None else \
+            len(s.running) + len(s.waiting) + len(self._inbox)
+        steps, now = self.steps, time.monotonic()
+        with self._progress_lock:
+            seen, since = self._progress
+            if steps != seen or busy == 0:
+                self._progress = (steps, now)
+                if self._stall_logged:
+                    self._stall_logged = False
+                    log.warning("the engine loop steps again (or is idle) after a stall: serving again")
+                return False
+            stuck = now - since
+            if stuck <= self.stall_s:
+                return False
+            if not self._stall_logged:
+                self._stall_logged = True
+                log.error("the engine loop has finished no step for %.0f s with %d request(s) in it (stall_s %g s): "
+                          "it looks hung; its Health says it is not serving", stuck, busy, self.stall_s)
+            return True
 
     # ---- from other threads --------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native",

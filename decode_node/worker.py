@@ -53,10 +53,6 @@ class DecodeWorker:
                  on_finish: Callable[[Request], None] | None = None, warmup: bool = False,
                  width_policy: WidthPolicy | None = None, step_log_s: float = 10.0, hold_fraction: float = 0.0,
                  hold_steps: int = 4, sink=None, stall_s: float | None = None) -> None:
-        self.stall_s = stall_s  # see stalled(); None: never taken for hung
-        self._progress = (-1, time.monotonic())  # (the loop's steps when last seen to move, when), for stalled()
-        self._progress_lock = threading.Lock()
-        self._stall_logged = False
         self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
         self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy, width_policy)
         self.warmup = None
@@ -74,6 +70,7 @@ class DecodeWorker:
         self.step_log: StepLog | None = None
         self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish, after_step=self._after_step,
                                sink=sink)
+        self.loop.stall_s = stall_s
         self.step_log = StepLog(self.loop, step_log_s) if step_log_s > 0 else None
 
     def _after_step(self) -> None:
@@ -88,30 +85,18 @@ class DecodeWorker:
         """Queue a request (see EngineLoop.submit); its events stream from the returned handle."""
         return self.loop.submit(prompt, params, method, draft_width, timeout_s, first_token)
 
+    @property
+    def stall_s(self) -> float | None:
+        """How long the engine loop may hold requests without finishing a step before it is taken for hung."""
+        return self.loop.stall_s
+
+    @stall_s.setter
+    def stall_s(self, value: float | None) -> None:
+        self.loop.stall_s = value
+
     def stalled(self) -> bool:
-        """Whether the engine loop has had requests and finished no step for more than stall_s, as seen by the calls
-        of this method (each Health probe makes one): idle, or a step finished since the last call, restarts the
-        clock. Logged once a stall; its end too."""
-        if self.stall_s is None:
-            return False
-        c, steps, now = self.loop.counts(), self.loop.steps, time.monotonic()
-        with self._progress_lock:
-            seen, since = self._progress
-            if steps != seen or c.running + c.waiting == 0:
-                self._progress = (steps, now)
-                if self._stall_logged:
-                    self._stall_logged = False
-                    log.warning("the engine loop steps again (or is idle) after a stall: serving again")
-                return False
-            stuck = now - since
-            if stuck <= self.stall_s:
-                return False
-            if not self._stall_logged:
-                self._stall_logged = True
-                log.error("the engine loop has finished no step for %.0f s with %d request(s) running and %d waiting "
-                          "(stall_s %g s): it looks hung; its Health says it is not serving", stuck, c.running,
-                          c.waiting, self.stall_s)
-            return True
+        """Whether the engine loop looks hung (EngineLoop.stalled); its counts() then say not serving."""
+        return self.loop.stalled()
 
     def stats(self) -> dict:
         """Counters since start (read from any thread; each value is a plain int)."""

@@ -420,9 +420,7 @@ def build_decode(cfg, llm, cache, metrics, sink=None):
     worker = DecodeWorker(llm.runner, llm.drafter, tuple(llm.stop_ids), cache, cfg.max_running, cfg.policy, finished,
                           warmup=wants_warmup(cfg, llm.runner), width_policy=parse_width_policy(cfg.draft_width_policy),
                           hold_fraction=cfg.session_hold_fraction, hold_steps=cfg.session_hold_steps, sink=sink,
-                          # every form: colocated (no router waits on a prefill there) in process or in an engine
-                          # process, or a decode worker
-                          stall_s=cfg.stall_s if cfg.mode == "colocated" else stall_bound(cfg))
+                          stall_s=stall_bound(cfg))  # every form: a worker, colocated in process or in an engine process
     decode_metrics(metrics, worker)
     return worker
 

@@ -144,8 +144,8 @@ class EngineLoop:
         self.steps = 0
         self.tokens_out = 0  # tokens streamed (the serving log's rate)
         self.stall_s: float | None = None  # see stalled(); None: never taken for hung
-        self._progress = (-1, time.monotonic())  # (steps when last seen to move, when), for stalled()
-        self._progress_lock = threading.Lock()
+        self._moved = time.monotonic()  # when the loop thread last began a pass or woke idle, for stalled()
+        self._stall_lock = threading.Lock()
         self._stall_logged = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -182,9 +182,10 @@ class EngineLoop:
         return replace(load, serving=False) if self._stalled(load) else load
 
     def stalled(self) -> bool:
-        """Whether the loop has had requests and finished no step for more than stall_s (a device or kernel that
-        never returns), as seen by the calls of this method and of counts() (each health probe makes one): idle, or
-        a step finished since the last call, restarts the clock. Logged once a stall; its end too."""
+        """Whether the loop has requests and its current pass (a step: a device or kernel that never returns) has run
+        for more than stall_s. The loop thread stamps the start of every pass and every idle wake itself, so the
+        clock is the pass's own, whoever asks and however seldom (a probe after a long idle spell measured the
+        spell). Logged once a stall; its end too."""
         return self._stalled(None)
 
     def _stalled(self, load: Load | None) -> bool:
@@ -193,22 +194,17 @@ class EngineLoop:
         s = self.scheduler
         busy = (load.running + load.waiting) if load is not None else \
             len(s.running) + len(s.waiting) + len(self._inbox)
-        steps, now = self.steps, time.monotonic()
-        with self._progress_lock:
-            seen, since = self._progress
-            if steps != seen or busy == 0:
-                self._progress = (steps, now)
+        stuck = time.monotonic() - self._moved
+        with self._stall_lock:
+            if busy == 0 or stuck <= self.stall_s:
                 if self._stall_logged:
                     self._stall_logged = False
                     log.warning("the engine loop steps again (or is idle) after a stall: serving again")
                 return False
-            stuck = now - since
-            if stuck <= self.stall_s:
-                return False
             if not self._stall_logged:
                 self._stall_logged = True
-                log.error("the engine loop has finished no step for %.0f s with %d request(s) in it (stall_s %g s): "
-                          "it looks hung; its Health says it is not serving", stuck, busy, self.stall_s)
+                log.error("the engine loop's pass has run for %.0f s with %d request(s) in it (stall_s %g s): it looks "
+                          "hung; its Health says it is not serving", stuck, busy, self.stall_s)
             return True
 
     # ---- from other threads --------------------------------------------------------------------
@@ -275,10 +271,12 @@ class EngineLoop:
                 with self._cv:
                     while not (self._stop or self._inbox or self._cancels or not self.scheduler.idle):
                         self._cv.wait(self.idle_wait_s)
+                        self._moved = time.monotonic()  # idle and awake: not hung (the stall clock's floor)
                     if self._stop:
                         break
                     inbox, self._inbox = self._inbox, []
                     cancels, self._cancels = self._cancels, []
+                self._moved = time.monotonic()  # a pass begins: a stall is measured from here
                 self._take(inbox)
                 try:
                     self._drop(cancels)

@@ -50,7 +50,7 @@ import torch
 from flashpd.kv_bridge import host_share
 from flashpd.kv_bridge.auth import MacKey
 
-_BLOB_MAGIC = b"FPHO1"
+_BLOB_MAGIC = b"FPHO2"  # 2: host tensors as host_share descriptors (1: torch pickles)
 # what a sealed export blob may name: torch's CUDA tensor rebuild and the types it takes (host tensors travel as
 # host_share descriptors of plain values: no CPU storage is unpickled, so none connects to another process's manager)
 _ALLOWED = {

@@ -9,14 +9,19 @@ exception in a destructor, and the whole decode worker aborted (a peer's crash t
 Here the importer opens the same file by name and maps it itself (mmap, MAP_SHARED): no manager, no refcount, and
 freeing is munmap. The exporter's manager (or the launcher, after its death) still unlinks the file; a mapping
 keeps its memory until it is dropped. What travels is a descriptor of plain values, sealed with the rest of the
-export blob, and checked again on arrival (a name of torch's pattern in /dev/shm, the exact file size).
+export blob, and checked again on arrival (a name of torch's pattern in /dev/shm, a regular file of this user, the
+exact file size, the data where this torch puts it). The mapping is read-only: an importer cannot change an
+exporter's caches or epochs. Like torch's own mapping, it is not guarded against the file shrinking under it (the
+exporter never truncates; a reader would get SIGBUS).
 """
 from __future__ import annotations
 
 import mmap
 import os
 import re
+import stat
 import threading
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -79,7 +84,7 @@ def describe(t: torch.Tensor) -> HostShare:
 
 
 def attach(d: HostShare) -> torch.Tensor:
-    """The importer's side: the exporter's tensor, mapped from its file. ValueError for a descriptor that is not of a
+    """The importer's side: the exporter's tensor, mapped read-only from its file. ValueError for a descriptor that is not of a
     torch shared-memory file, OSError for a file that is gone; a file of another size than the descriptor's is
     refused (never grown: torch's own from_file would extend it)."""
     d = HostShare(*d)
@@ -90,15 +95,22 @@ def attach(d: HostShare) -> torch.Tensor:
         raise ValueError(f"host share of dtype {d.dtype!r}")
     if not all(isinstance(v, int) and v >= 0 for v in (d.header, d.nbytes, d.offset, *d.shape, *d.stride)):
         raise ValueError("host share with a negative or non-integer size")
-    fd = os.open(SHM_DIR + d.name, os.O_RDWR | os.O_NOFOLLOW)
+    if d.header != header_bytes():
+        raise ValueError(f"host share {d.name}: data at byte {d.header}, where this torch puts it at {header_bytes()}")
+    fd = os.open(SHM_DIR + d.name, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        size = os.fstat(fd).st_size
-        if size != d.header + d.nbytes or d.nbytes == 0:
-            raise ValueError(f"host share {d.name}: file of {size} bytes, descriptor says {d.header} + {d.nbytes}")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ValueError(f"host share {d.name}: not a regular file of this user")
+        if st.st_size != d.header + d.nbytes or d.nbytes == 0:
+            raise ValueError(f"host share {d.name}: file of {st.st_size} bytes, descriptor says {d.header} + "
+                             f"{d.nbytes}")
+        mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)
-    raw = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive; munmap when it goes
+    with warnings.catch_warnings():  # read-only on purpose: torch warns that writes through it are undefined
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive; munmap when it goes
     if d.header % dtype.itemsize:
         raise ValueError(f"host share {d.name}: data at byte {d.header}, not aligned to {d.dtype}")
     data = raw[d.header:].view(dtype)  # as_strided's offset counts from the mapping's start, the header included

@@ -40,7 +40,8 @@ if _gate:
 
 def _cfg(**kw) -> ServeConfig:
     return ServeConfig(target=str(DEMO / "target"), draft=str(DEMO / "drafter"), device="cpu", dtype="float32",
-                       kv_cache_tokens=2048, torch_threads=1, stall_s=STALL_S, http_port=0, **kw)
+                       kv_cache_tokens=2048, torch_threads=1, stall_s=STALL_S, prefill_timeout_s=0.25, http_port=0,
+                       **kw)
 
 
 def _http_health(svc) -> int:
@@ -110,4 +111,36 @@ def test_colocated_engine_process_says_not_serving_while_a_step_hangs(tmp_path, 
         _hang_and_recover(svc, flag.touch, lambda: flag.unlink(missing_ok=True))
     finally:
         flag.unlink(missing_ok=True)
+        svc.stop()
+
+
+def test_a_probe_after_a_long_idle_spell_does_not_take_a_healthy_step_for_hung(monkeypatch):
+    """The stall clock is the running pass's own: idle for longer than stall_s with no probe, then a request whose
+    steps each take well under stall_s, is serving throughout (the clock once started at the last probe, which had
+    seen the service idle, and so counted the idle spell)."""
+    real_step = Scheduler.step
+    stepping = threading.Event()
+
+    def step(self):
+        stepping.set()
+        time.sleep(0.4 * STALL_S)
+        return real_step(self)
+
+    svc = start_service(_cfg(engine_process=False))
+    client = GenerationClient(svc.address, timeout_s=60.0)
+    try:
+        assert client.health()["serving"]
+        monkeypatch.setattr(Scheduler, "step", step)
+        time.sleep(1.5 * STALL_S)  # idle, unprobed
+        t = threading.Thread(target=lambda: client.generate_once([5, 17, 300], max_tokens=3, method="native",
+                                                                 ignore_eos=True), daemon=True)
+        t.start()
+        assert stepping.wait(30.0)
+        seen = []
+        while t.is_alive():
+            seen.append(client.health()["serving"] and _http_health(svc) == 200)
+            time.sleep(0.05)
+        assert seen and all(seen), seen
+    finally:
+        client.close()
         svc.stop()

@@ -48,6 +48,26 @@ def test_descriptors_that_are_not_a_torch_shm_file_of_that_size_are_refused():
         host_share.attach(d._replace(shape=(100,)))
     with pytest.raises(FileNotFoundError):
         host_share.attach(d._replace(name="/torch_1_1_1"))
+    with pytest.raises(ValueError, match="where this torch puts it"):  # a view over torch's refcount header
+        host_share.attach(d._replace(header=0, nbytes=d.nbytes + d.header))
+
+
+def test_only_a_regular_file_is_mapped(tmp_path):
+    d = host_share.describe(torch.zeros(4, dtype=torch.int64))
+    name = f"/torch_{os.getpid()}_4242_7"
+    path = host_share.SHM_DIR + name
+    os.mkdir(path)
+    try:
+        with pytest.raises(ValueError, match="regular file"):
+            host_share.attach(d._replace(name=name))
+    finally:
+        os.rmdir(path)
+    os.symlink(host_share.SHM_DIR + d.name, path)
+    try:
+        with pytest.raises(OSError):  # not followed
+            host_share.attach(d._replace(name=name))
+    finally:
+        os.unlink(path)
 
 
 _EXPORTER = r'''
@@ -102,6 +122,8 @@ os.killpg(ex.pid, signal.SIGKILL)  # as Ray kills an actor: the process and, her
 for pid in managers:
     os.kill(pid, signal.SIGKILL)
 ex.wait()
+from flashpd.cluster.launcher import unlink_shared_memory
+unlink_shared_memory(ex.pid)  # as the launcher does: the killed manager never will
 time.sleep(0.2)
 imp.forget(hd["exporter_id"])  # what a restarted exporter's first handoff does
 gc.collect()

@@ -19,7 +19,7 @@ CONTROL_MARGIN_S = 5.0  # a SendLease may wait for its pair to form (the exporte
 
 
 class DistControlServicer:
-    """OpenPair and SendLease over a DistExporter (mixed into PrefillWorkerServicer; `dist` None: not served)."""
+    """OpenPair, SendLease and PairStore over a DistExporter (mixed into PrefillWorkerServicer; `dist` None: not served)."""
 
     dist: DistExporter | None = None
 
@@ -52,6 +52,16 @@ class DistControlServicer:
             self.dist.send_lease(request.exporter_id, bytes(request.nonce), int(request.lease_id),
                                  list(request.blocks), list(request.epochs), int(request.tag), bytes(request.seal))
             return pb.SendLeaseReply(version=PROTOCOL_VERSION)
+        return self._dist_call(request, context, run)
+
+
+    def PairStore(self, request: pb.PairStoreRequest, context: grpc.ServicerContext) -> pb.PairStoreReply:
+        def run():
+            value, number, ok, seal = self.dist.pair_store(
+                request.exporter_id, bytes(request.nonce), request.op, request.key, bytes(request.value),
+                bytes(request.expected), int(request.amount), list(request.keys), float(request.timeout_s),
+                bytes(request.seal))
+            return pb.PairStoreReply(version=PROTOCOL_VERSION, value=value, number=number, ok=ok, seal=seal)
         return self._dist_call(request, context, run)
 
 
@@ -89,6 +99,15 @@ class DistControlClient:
         req = pb.SendLeaseRequest(version=PROTOCOL_VERSION, exporter_id=exporter_id, nonce=nonce, lease_id=lease_id,
                                   blocks=blocks, epochs=epochs, tag=tag, seal=seal)
         self._call("SendLease", lambda: self._stub(address).SendLease(req, timeout=self.timeout_s))
+
+    def pair_store(self, address: str, exporter_id: str, nonce: bytes, op: str, key: str, value: bytes,
+                   expected: bytes, amount: int, keys: Sequence[str], timeout_s: float,
+                   seal: bytes) -> tuple[bytes, int, bool, bytes]:
+        req = pb.PairStoreRequest(version=PROTOCOL_VERSION, exporter_id=exporter_id, nonce=nonce, op=op, key=key,
+                                  value=value, expected=expected, amount=amount, keys=list(keys), timeout_s=timeout_s,
+                                  seal=seal)
+        r = self._call("PairStore", lambda: self._stub(address).PairStore(req, timeout=timeout_s + self.timeout_s))
+        return bytes(r.value), int(r.number), bool(r.ok), bytes(r.seal)
 
     def close(self) -> None:
         self._stubs.close()

@@ -4,10 +4,11 @@ GPUs (on one host or two), gloo between CPUs (what the tests run). The code is t
 backends apart from the backend's name.
 
 One `PairGroup` per (exporter, importer): a 2-rank process group (exporter rank 0, importer rank 1) made
-without torch.distributed's default group, so one process holds one per peer. Its rendezvous is a
-TCPStore the exporter hosts on its advertised address (an ephemeral port, bound to that address alone),
-under a per-pair prefix derived from a random nonce with the cluster's MAC key: a process without the
-secret cannot compute the prefix, so cannot join the pair. Every wait is bounded.
+without torch.distributed's default group, so one process holds one per peer. Its rendezvous store is an
+in-memory store of the exporter's, one per pair; the importer's rank reaches it only through sealed PairStore
+calls (`RemotePairStore`). There is no store port: an open TCPStore let anyone who reached it list a pair's keys,
+join the pair in the importer's place (receiving another request's KV) or between the two (feeding the importer
+forged KV), and fill the exporter's memory. Every wait is bounded.
 
 Control travels over gRPC (PrefillWorker.OpenPair / SendLease, cluster/dist_control.py), every request
 and the OpenPair reply MAC-sealed with the cluster key. Per request:
@@ -37,7 +38,6 @@ import datetime
 import json
 import logging
 import secrets
-import socket
 import threading
 import time
 import uuid
@@ -73,9 +73,12 @@ def _verify(mac: MacKey, tag: bytes, *fields) -> bool:
     return hmac.compare_digest(seal(mac, *fields), bytes(tag))
 
 
-def pair_prefix(mac: MacKey, nonce: bytes) -> str:
-    """The pair's key prefix in the exporter's store: needs the cluster secret, not only the nonce."""
-    return seal(mac, "pair", nonce).hex()[:32] + "/"
+NONCE_BYTES = 16
+MAX_IMPORTER_ID = 128
+STORE_OPS = ("set", "get", "add", "check", "wait", "compare_set", "delete_key", "num_keys")
+STORE_MAX_KEYS = 64  # keys one pair's store holds (gloo writes 2, NCCL a few)
+STORE_MAX_VALUE = 1 << 16  # bytes a value (a gloo address blob is about 170, an NCCL unique id 128)
+STORE_MAX_KEY = 512
 
 
 def _td(s: float) -> datetime.timedelta:
@@ -181,10 +184,89 @@ class _ExportPair:
     importer_id: str
     ready: threading.Event
     sender: ThreadPoolExecutor
+    store: dist.Store
     group: PairGroup | None = None
     last_tag: int = 0
     broken: bool = False
+    sending: bool = False  # a send queued or in flight (one at a time: the importer waits for each)
     last_used: float = field(default_factory=time.monotonic)
+
+
+def apply_store_op(store: dist.Store, op: str, key: str, value: bytes, expected: bytes, amount: int,
+                   keys: Sequence[str], timeout_s: float) -> tuple[bytes, int, bool]:
+    """One PairStore call on the exporter's store of a pair: (value, number, ok) as the op returns them. Sizes are
+    bounded by the caller; a get or wait waits at most timeout_s (DistStoreError past it)."""
+    if op == "set":
+        store.set(key, value)
+        return b"", 0, True
+    if op == "get":
+        store.wait([key], _td(timeout_s))
+        return bytes(store.get(key)), 0, True
+    if op == "add":
+        return b"", int(store.add(key, int(amount))), True
+    if op == "check":
+        return b"", 0, bool(store.check(list(keys)))
+    if op == "wait":
+        store.wait(list(keys), _td(timeout_s))
+        return b"", 0, True
+    if op == "compare_set":
+        return bytes(store.compare_set(key, expected, value)), 0, True
+    if op == "delete_key":
+        return b"", 0, bool(store.delete_key(key))
+    return b"", int(store.num_keys()), True  # num_keys
+
+
+class RemotePairStore(dist.Store):
+    """The importer's view of a pair's store: each op is a sealed PairStore call to the exporter that holds it."""
+
+    def __init__(self, control: "Control", mac: MacKey, address: str, exporter_id: str, nonce: bytes,
+                 timeout_s: float) -> None:
+        super().__init__()
+        self._control, self._mac, self._address = control, mac, address
+        self._exporter_id, self._nonce, self._timeout_s = exporter_id, nonce, timeout_s
+
+    def _call(self, op: str, key: str = "", value: bytes = b"", expected: bytes = b"", amount: int = 0,
+              keys: Sequence[str] = (), timeout_s: float | None = None) -> tuple[bytes, int, bool]:
+        wait_s = self._timeout_s if timeout_s is None else min(timeout_s, self._timeout_s)
+        fields = store_fields(self._exporter_id, self._nonce, op, key, value, expected, amount, keys, wait_s)
+        out, number, ok, tag = self._control.pair_store(self._address, *fields, seal(self._mac, "store", *fields))
+        if not _verify(self._mac, tag, "stored", self._nonce, op, key, out, number, ok):
+            raise PairLost("PairStore reply: seal does not verify (not made with this cluster's secret)")
+        return out, number, ok
+
+    def set(self, key, value) -> None:  # noqa: D102
+        self._call("set", key, bytes(value))
+
+    def get(self, key) -> bytes:  # noqa: D102
+        return self._call("get", key)[0]
+
+    def add(self, key, amount) -> int:  # noqa: D102
+        return self._call("add", key, amount=int(amount))[1]
+
+    def check(self, keys) -> bool:  # noqa: D102
+        return self._call("check", keys=list(keys))[2]
+
+    def wait(self, keys, timeout=None) -> None:  # noqa: D102
+        self._call("wait", keys=list(keys), timeout_s=None if timeout is None else timeout.total_seconds())
+
+    def compare_set(self, key, expected, desired) -> bytes:  # noqa: D102
+        return self._call("compare_set", key, bytes(desired), bytes(expected))[0]
+
+    def delete_key(self, key) -> bool:  # noqa: D102
+        return self._call("delete_key", key)[2]
+
+    def num_keys(self) -> int:  # noqa: D102
+        return self._call("num_keys")[1]
+
+    def set_timeout(self, timeout) -> None:  # noqa: D102
+        self._timeout_s = min(self._timeout_s, timeout.total_seconds())
+
+
+def store_fields(exporter_id: str, nonce: bytes, op: str, key: str, value: bytes, expected: bytes, amount: int,
+                 keys: Sequence[str], timeout_s: float) -> tuple:
+    """A PairStore request's fields, in the order its seal covers them."""
+    return (exporter_id, bytes(nonce), op, key, bytes(value), bytes(expected), int(amount), list(keys),
+            float(timeout_s))
 
 
 class DistExporter:
@@ -196,27 +278,15 @@ class DistExporter:
         self.exporter, self.target, self.draft, self.mac = exporter, target, draft, mac
         self.host, self.timeout_s = host, timeout_s
         self.geometry = _geometry_json(exporter.geometry)
-        self._store: dist.TCPStore | None = None
-        self._sock: socket.socket | None = None
         self._pairs: dict[bytes, _ExportPair] = {}
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # nonces opened before: a replayed OpenPair's
         self._lock = threading.Lock()
         self.stats = dict(pairs_opened=0, pairs_dropped=0, pairs_evicted=0, sends=0, refused=0, send_failures=0,
-                          replays_refused=0)
+                          replays_refused=0, store_calls=0, store_refused=0)
 
     @property
     def exporter_id(self) -> str:
         return self.exporter.exporter_id
-
-    def _store_address(self) -> str:
-        if self._store is None:  # one store per exporter; pairs differ by prefix. Bound to `host` only.
-            self._sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
-            self._sock.bind((self.host, 0))
-            self._sock.listen(128)
-            port = self._sock.getsockname()[1]
-            self._store = dist.TCPStore(self.host, port, is_master=True, wait_for_workers=False,
-                                        timeout=_td(self.timeout_s), master_listen_fd=self._sock.fileno())
-        return f"[{self.host}]:{self._store.port}" if ":" in self.host else f"{self.host}:{self._store.port}"
 
     def open_pair(self, exporter_id: str, importer_id: str, nonce: bytes, tag: bytes) -> tuple[str, str, bytes]:
         """Start the pair's rank 0 (it joins on a thread of its own); returns (store address, geometry, seal).
@@ -228,8 +298,10 @@ class DistExporter:
             raise PermissionError("OpenPair: seal does not verify (not made with this cluster's secret)")
         if exporter_id != self.exporter_id:
             raise HandoffError("OpenPair: another exporter (it restarted)")
-        if len(nonce) < 16:
-            raise ValueError("OpenPair: nonce shorter than 16 bytes")
+        if len(nonce) != NONCE_BYTES:
+            raise ValueError(f"OpenPair: a nonce is {NONCE_BYTES} bytes, not {len(nonce)}")
+        if not 0 < len(importer_id) <= MAX_IMPORTER_ID:
+            raise ValueError(f"OpenPair: an importer id is 1 to {MAX_IMPORTER_ID} characters")
         with self._lock:
             if nonce in self._seen:
                 self.stats["replays_refused"] += 1
@@ -237,7 +309,7 @@ class DistExporter:
             self._seen[nonce] = None
             while len(self._seen) > SEEN_NONCES:
                 self._seen.popitem(last=False)
-            address = self._store_address()
+            address = ""  # the pair's store is reached by PairStore calls (no store port)
             for k, p in list(self._pairs.items()):  # an importer's new pair replaces its old one
                 if p.importer_id == importer_id:
                     self._drop(k)
@@ -247,11 +319,47 @@ class DistExporter:
                             self._pairs[oldest].importer_id)
                 self._drop(oldest)
                 self.stats["pairs_evicted"] += 1
-            pair = _ExportPair(importer_id, threading.Event(), ThreadPoolExecutor(1, thread_name_prefix="dist-send"))
+            store = dist.HashStore()
+            store.set_timeout(_td(self.timeout_s))
+            pair = _ExportPair(importer_id, threading.Event(), ThreadPoolExecutor(1, thread_name_prefix="dist-send"),
+                               store)
             self._pairs[nonce] = pair
-            store = dist.PrefixStore(pair_prefix(self.mac, nonce), self._store)
         threading.Thread(target=self._join, args=(nonce, pair, store), name="dist-pair", daemon=True).start()
         return address, self.geometry, seal(self.mac, "opened", nonce, address, self.geometry)
+
+    def pair_store(self, exporter_id: str, nonce: bytes, op: str, key: str, value: bytes, expected: bytes,
+                   amount: int, keys: Sequence[str], timeout_s: float, seal_: bytes) -> tuple[bytes, int, bool, bytes]:
+        """The importer's rank at its pair's store (RemotePairStore): one op, sealed both ways. Only a live pair's
+        store, within STORE_MAX_KEYS keys of STORE_MAX_VALUE bytes, a wait within this exporter's timeout."""
+        fields = store_fields(exporter_id, nonce, op, key, value, expected, amount, keys, timeout_s)
+        if not _verify(self.mac, seal_, "store", *fields):
+            raise PermissionError("PairStore: seal does not verify (not made with this cluster's secret)")
+        if exporter_id != self.exporter_id:
+            raise HandoffError("PairStore: another exporter (it restarted)")
+        try:
+            if op not in STORE_OPS:
+                raise ValueError(f"PairStore: op {op!r} is not one of {list(STORE_OPS)}")
+            if len(key) > STORE_MAX_KEY or len(keys) > STORE_MAX_KEYS or any(len(k) > STORE_MAX_KEY for k in keys):
+                raise ValueError("PairStore: key too long, or too many keys")
+            if len(value) > STORE_MAX_VALUE or len(expected) > STORE_MAX_VALUE:
+                raise ValueError(f"PairStore: a value is at most {STORE_MAX_VALUE} bytes")
+            with self._lock:
+                pair = self._pairs.get(bytes(nonce))
+            if pair is None or pair.broken:
+                raise PairLost("PairStore: no such pair (closed or never formed)")
+            if op in ("set", "add", "compare_set") and not pair.store.check([key]) and \
+                    pair.store.num_keys() >= STORE_MAX_KEYS:
+                raise ValueError(f"PairStore: the pair's store holds {STORE_MAX_KEYS} keys already")
+            wait_s = min(max(float(timeout_s), 0.0), self.timeout_s)
+            out, number, ok = apply_store_op(pair.store, op, key, bytes(value), bytes(expected), amount, keys, wait_s)
+        except (ValueError, PairLost):
+            self.stats["store_refused"] += 1
+            raise
+        except dist.DistStoreError as e:  # a get or wait that timed out: the importer's formation fails, bounded
+            self.stats["store_refused"] += 1
+            raise PairLost(f"PairStore: {op}: {e}") from None
+        self.stats["store_calls"] += 1
+        return out, number, ok, seal(self.mac, "stored", bytes(nonce), op, key, out, number, ok)
 
     def _join(self, nonce: bytes, pair: _ExportPair, store) -> None:
         try:
@@ -304,12 +412,16 @@ class DistExporter:
             pair = self._pairs.get(nonce)
         if pair is None or not pair.ready.wait(self.timeout_s) or pair.group is None or pair.broken:
             raise PairLost("SendLease: no such pair (closed or never formed)")
+        marked = False
         try:
             with self._lock:
                 if tag <= pair.last_tag:
                     raise HandoffError("SendLease: tag not above the pair's last (a replay)")
+                if pair.sending:  # the importer waits for each receive: a second is not its own (or a flood)
+                    raise HandoffError("SendLease: the pair's last send has not ended")
                 pair.last_tag = tag
                 pair.last_used = time.monotonic()
+                pair.sending = marked = True
             idx = torch.tensor(blocks, dtype=torch.int64)
             want = torch.tensor(epochs, dtype=torch.int64)
             if not torch.equal(self.exporter.epochs[idx], want):
@@ -320,10 +432,17 @@ class DistExporter:
             self._after_gather(lease_id)
             if not torch.equal(self.exporter.epochs[idx], want):
                 raise HandoffError("lease's blocks were freed during the gather (epoch changed)")
-        except HandoffError:
-            self.stats["refused"] += 1
+        except BaseException as e:
+            if marked:
+                pair.sending = False  # refused (or failed) after it was marked: nothing was queued
+            if isinstance(e, HandoffError):
+                self.stats["refused"] += 1
             raise
-        pair.sender.submit(self._send, nonce, pair, bufs, tag)
+        try:
+            pair.sender.submit(self._send, nonce, pair, bufs, tag)
+        except RuntimeError:  # the pair was dropped meanwhile (its sender shut down)
+            pair.sending = False
+            raise PairLost("SendLease: the pair was closed") from None
 
     def _check_lease(self, lease_id: int, blocks: list[int], epochs: list[int]) -> None:
         """Before the pair, the tag or a gather: the blocks lie in the cache and are the live lease's own, at its
@@ -353,19 +472,13 @@ class DistExporter:
             with self._lock:
                 if self._pairs.get(nonce) is pair:
                     self._drop(nonce)
+        finally:
+            pair.sending = False
 
     def close(self) -> None:
         with self._lock:
             for k in list(self._pairs):
                 self._drop(k)
-            sock, store, self._sock, self._store = self._sock, self._store, None, None
-        if sock is not None:
-            # a TCPStore made on the listening fd owns it and closes it when destroyed: closing it here as well
-            # closed the fd twice, the second time whatever the process had reused its number for by then
-            if store is not None:
-                sock.detach()
-            else:
-                sock.close()
 
 
 class Control(Protocol):
@@ -377,6 +490,10 @@ class Control(Protocol):
 
     def send_lease(self, address: str, exporter_id: str, nonce: bytes, lease_id: int, blocks: Sequence[int],
                    epochs: Sequence[int], tag: int, seal_: bytes) -> None: ...
+
+    def pair_store(self, address: str, exporter_id: str, nonce: bytes, op: str, key: str, value: bytes,
+                   expected: bytes, amount: int, keys: Sequence[str], timeout_s: float,
+                   seal_: bytes) -> tuple[bytes, int, bool, bytes]: ...
 
 
 @dataclass
@@ -461,11 +578,9 @@ class DistImporter:
             raise HandoffError("OpenPair reply: seal does not verify (not made with this cluster's secret)")
         if geometry != self.geometry:
             raise HandoffError(f"exporter's caches {geometry} do not fit this worker's {self.geometry}")
-        host, _, port = address.rpartition(":")
-        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=_td(self.timeout_s))
+        store = RemotePairStore(self.control, self.mac, h.exporter_address, h.exporter_id, nonce, self.timeout_s)
         try:
-            group = PairGroup(dist.PrefixStore(pair_prefix(self.mac, nonce), store), 1, self.target.device,
-                              self.host, self.timeout_s)
+            group = PairGroup(store, 1, self.target.device, self.host, self.timeout_s)
         except Exception as e:  # noqa: BLE001
             raise HandoffError(f"pair with exporter not formed: {type(e).__name__}: {e}") from None
         pair = _ImportPair(nonce, group)

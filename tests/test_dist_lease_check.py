@@ -45,7 +45,7 @@ def exporter(monkeypatch):
     target, draft = torch.randn(TARGET, generator=g).share_memory_(), torch.randn(DRAFT, generator=g).share_memory_()
     ex = CacheExporter(target, draft, "fp", mac)
     dx = DistExporter(ex, target, draft, mac)
-    pair = dt._ExportPair("importer", threading.Event(), ThreadPoolExecutor(1), group=_Pair())
+    pair = dt._ExportPair("importer", threading.Event(), ThreadPoolExecutor(1), dt.dist.HashStore(), group=_Pair())
     pair.ready.set()
     dx._pairs[NONCE] = pair
     gathers: list[list[int]] = []

@@ -7,17 +7,17 @@ lease's blocks named), a seal or a pair prefix made without the secret, a replay
 from __future__ import annotations
 
 import dataclasses
-import datetime
+import secrets
 import threading
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flashpd.kv_bridge.auth import ClusterSecret
-from flashpd.kv_bridge.dist_transfer import DistImporter, PairGroup, PairLost, pair_prefix, seal
+from flashpd.kv_bridge.dist_transfer import (STORE_MAX_KEYS, STORE_MAX_VALUE, DistImporter, PairGroup, PairLost,
+                                             RemotePairStore, seal)
 from flashpd.kv_bridge.handoff import HandoffError
 
 from tests._cluster_helpers import colocated_reference  # noqa: F401  (session fixture)
@@ -239,22 +239,60 @@ def test_fetches_naming_exporters_that_are_gone_leave_no_lock_behind(peer):
 
 
 def test_no_pair_without_the_cluster_secret(peer):
-    imp, control = peer["imp"], peer["control"]
+    """No OpenPair, and no access to a pair's store, without the secret; and there is no store port to reach: an open
+    TCPStore let anyone list a pair's keys and join it in the importer's place, or between the two."""
+    control = peer["control"]
     h = peer["call"]("lease", [1])
-    addr, nonce, other = h.exporter_address, b"n" * 16, ClusterSecret.generate().mac_key
+    addr, other = h.exporter_address, ClusterSecret.generate().mac_key
+    nonce = secrets.token_bytes(16)
     with pytest.raises(PairLost, match="UNAUTHENTICATED"):  # an OpenPair sealed with another key
         control.open_pair(addr, h.exporter_id, "intruder", nonce, seal(other, "open", h.exporter_id, "intruder", nonce))
-    # a pair opened properly (its nonce seen on the wire) cannot be joined without the secret: the prefix differs
     mac = peer["secret"].mac_key
     store_addr, _, _ = control.open_pair(addr, h.exporter_id, "intruder", nonce,
                                          seal(mac, "open", h.exporter_id, "intruder", nonce))
-    host, _, port = store_addr.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=1))
+    assert store_addr == ""  # no store port
+    # the pair's store, with the nonce seen on the wire but another key: every op refused
+    stranger = RemotePairStore(control, other, addr, h.exporter_id, nonce, 1.0)
+    for op in (lambda: stranger.set("0/1", b"x"), lambda: stranger.get("0/0"), lambda: stranger.num_keys()):
+        with pytest.raises(PairLost, match="UNAUTHENTICATED"):
+            op()
     t0 = time.monotonic()
-    with pytest.raises(Exception):  # noqa: B017  (gloo's or the store's timeout)
-        PairGroup(dist.PrefixStore(pair_prefix(other, nonce), store), 1, torch.device("cpu"), "127.0.0.1", 1.0)
+    with pytest.raises(Exception):  # noqa: B017  joining as rank 1 with it: refused at its first store op
+        PairGroup(stranger, 1, torch.device("cpu"), "127.0.0.1", 1.0)
     assert time.monotonic() - t0 < 5
-    assert pair_prefix(other, nonce) != pair_prefix(mac, nonce)
+
+
+def test_a_pairs_store_is_bounded_and_its_own(peer):
+    """A cluster member's store calls: one pair's store only, a bounded number of keys of bounded size, bounded
+    waits, and known ops only; refusals leave the exporter serving."""
+    control, mac = peer["control"], peer["secret"].mac_key
+    h = peer["call"]("lease", [2])
+    addr = h.exporter_address
+    nonce = secrets.token_bytes(16)
+    control.open_pair(addr, h.exporter_id, "bounded", nonce, seal(mac, "open", h.exporter_id, "bounded", nonce))
+    st = RemotePairStore(control, mac, addr, h.exporter_id, nonce, 2.0)
+    st.set("k", b"v")
+    assert st.get("k") == b"v" and st.check(["k"]) and st.add("n", 3) == 3
+    with pytest.raises(PairLost, match="INVALID_ARGUMENT"):
+        st.set("big", b"x" * (STORE_MAX_VALUE + 1))
+    for i in range(STORE_MAX_KEYS):
+        try:
+            st.set(f"f{i}", b"1")
+        except PairLost:
+            break
+    with pytest.raises(PairLost, match="holds"):
+        st.set("one-more", b"1")
+    t0 = time.monotonic()
+    with pytest.raises(PairLost):  # a key nobody sets: the wait ends at its bound
+        st.get("never")
+    assert time.monotonic() - t0 < 2.0 + 3.0
+    other = RemotePairStore(control, mac, addr, h.exporter_id, secrets.token_bytes(16), 1.0)
+    with pytest.raises(PairLost, match="NOT_FOUND"):  # a pair that was never opened has no store
+        other.get("k")
+    with pytest.raises(PairLost, match="INVALID_ARGUMENT"):  # an OpenPair nonce of another length
+        n2 = b"n" * 200
+        control.open_pair(addr, h.exporter_id, "long", n2, seal(mac, "open", h.exporter_id, "long", n2))
+    assert peer["call"]("release", h.lease_id) is True
 
 
 def test_a_replayed_open_pair_is_refused_and_the_live_pair_goes_on(peer):
@@ -321,6 +359,9 @@ class _HeldControl:
 
     def send_lease(self, *args) -> None:
         self.control.send_lease(*args)
+
+    def pair_store(self, *args):
+        return self.control.pair_store(*args)
 
 
 def test_an_importer_closed_while_a_fetch_opens_its_pair_keeps_no_pair(peer):

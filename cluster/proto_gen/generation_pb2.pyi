@@ -254,6 +254,46 @@ class SendLeaseReply(_message.Message):
     version: int
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
+class PairStoreRequest(_message.Message):
+    __slots__ = ("version", "exporter_id", "nonce", "op", "key", "value", "expected", "amount", "keys", "timeout_s", "seal")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXPORTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    exporter_id: str
+    nonce: bytes
+    op: str
+    key: str
+    value: bytes
+    expected: bytes
+    amount: int
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    timeout_s: float
+    seal: bytes
+    def __init__(self, version: _Optional[int] = ..., exporter_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., op: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., seal: _Optional[bytes] = ...) -> None: ...
+
+class PairStoreReply(_message.Message):
+    __slots__ = ("version", "value", "number", "ok", "seal")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    value: bytes
+    number: int
+    ok: bool
+    seal: bytes
+    def __init__(self, version: _Optional[int] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ..., seal: _Optional[bytes] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("version", "request", "first_token", "handoff")
     VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -222,6 +222,11 @@ class PrefillWorkerStub:
                 request_serializer=generation__pb2.SendLeaseRequest.SerializeToString,
                 response_deserializer=generation__pb2.SendLeaseReply.FromString,
                 _registered_method=True)
+        self.PairStore = channel.unary_unary(
+                '/flashpd.generation.v1.PrefillWorker/PairStore',
+                request_serializer=generation__pb2.PairStoreRequest.SerializeToString,
+                response_deserializer=generation__pb2.PairStoreReply.FromString,
+                _registered_method=True)
         self.AwaitPublish = channel.unary_unary(
                 '/flashpd.generation.v1.PrefillWorker/AwaitPublish',
                 request_serializer=generation__pb2.AwaitPublishRequest.SerializeToString,
@@ -273,6 +278,14 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PairStore(self, request, context):
+        """The pair's rendezvous store, held by this worker in memory: the importer's rank reads and writes it here,
+        sealed like the calls above (no open store port: anyone reaching one could read a pair's keys and join it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AwaitPublish(self, request, context):
         """A prefill answered before its publish finished (publish_ticket set): returns once the prompt's chunks are in
         the KV bridge (published true) or their publish failed (false, why in error; the decode worker then computes
@@ -309,6 +322,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.SendLease,
                     request_deserializer=generation__pb2.SendLeaseRequest.FromString,
                     response_serializer=generation__pb2.SendLeaseReply.SerializeToString,
+            ),
+            'PairStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.PairStore,
+                    request_deserializer=generation__pb2.PairStoreRequest.FromString,
+                    response_serializer=generation__pb2.PairStoreReply.SerializeToString,
             ),
             'AwaitPublish': grpc.unary_unary_rpc_method_handler(
                     servicer.AwaitPublish,
@@ -454,6 +472,33 @@ class PrefillWorker:
             '/flashpd.generation.v1.PrefillWorker/SendLease',
             generation__pb2.SendLeaseRequest.SerializeToString,
             generation__pb2.SendLeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PairStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flashpd.generation.v1.PrefillWorker/PairStore',
+            generation__pb2.PairStoreRequest.SerializeToString,
+            generation__pb2.PairStoreReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,8 +35,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import itertools
 import pickle
+import secrets
 import socket
 import threading
 import time
@@ -179,7 +179,6 @@ class CacheExporter:
         body = _BLOB_MAGIC + len(head).to_bytes(4, "little") + head + payload
         self.blob = body + mac.tag([body])
         self._leases: dict[int, Lease] = {}
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.stats = dict(leases=0, released=0, expired=0, unknown_releases=0, refused_releases=0)
 
@@ -196,7 +195,7 @@ class CacheExporter:
         """Hold `blocks` for an importer until its release (naming them) or the deadline; `release()` frees them.
         digest: prompt_digest() of the prompt they hold, which the importer compares with its request's."""
         with self._lock:
-            lid = next(self._ids)
+            lid = self._new_id()
             epochs = self.epochs[blocks].tolist() if blocks else []
             if blocks:
                 self.owners[blocks] = lid
@@ -204,6 +203,15 @@ class CacheExporter:
             self.stats["leases"] += 1
         return Handoff(self.exporter_id, self.address, self.blob, lid, tuple(blocks), tuple(epochs), num_tokens,
                        digest)
+
+    def _new_id(self) -> int:
+        """A live lease's id: random (63 bits, never 0: owners' "none"), not the next of a count. Lease ids count
+        from 1 let a cluster member who knew none of them name another request's lease by guessing (its epochs start
+        at 0): 20 guesses read a lease's blocks over the dist path. Under the lock."""
+        while True:
+            lid = secrets.randbits(63)
+            if lid and lid not in self._leases:
+                return lid
 
     def check_blocks(self, lease_id: int, blocks: list[int], epochs: list[int]) -> None:
         """Raise HandoffError unless lease `lease_id` is live (given, neither released nor past its deadline) and

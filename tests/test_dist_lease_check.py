@@ -133,3 +133,20 @@ def test_a_pair_dropped_while_its_group_forms_closes_the_group(exporter, monkeyp
     while not (len(made) == 2 and made[0].closed) and time.monotonic() < deadline:
         time.sleep(0.01)  # the first pair's join thread ends on its own
     assert len(made) == 2 and made[0].closed and not made[1].closed
+
+
+def test_a_lease_cannot_be_named_by_guessing_its_id(exporter):
+    """Lease ids are random, not a count: a cluster member who knows no lease id names none of them by guessing.
+    Counted from 1 (and epochs starting at 0), 20 one-block guesses read another request's blocks."""
+    e = exporter
+    ex = e["ex"]
+    victim = ex.lease([3, 6], 8, lambda: None)
+    ids = [ex.lease([b], 4, lambda: None).lease_id for b in (0, 1, 2, 4, 5)] + [victim.lease_id]
+    assert len(set(ids)) == len(ids) and all(0 < i < 2 ** 63 for i in ids)
+    assert sorted(ids) != list(range(min(ids), min(ids) + len(ids)))  # not consecutive
+    for tag, lid in enumerate(range(1, 201), 1):  # every small id, with the victim's block at epoch 0
+        with pytest.raises(HandoffError):
+            _send(e, lid, [3], [0], tag)
+    assert e["pair"].group.sent == [] and e["gathers"] == []
+    _send(e, victim.lease_id, victim.blocks, victim.epochs, 201)  # its own request is served
+    assert len(e["pair"].group.sent) == 1

@@ -79,6 +79,7 @@ STORE_OPS = ("set", "get", "add", "check", "wait", "compare_set", "delete_key", 
 STORE_MAX_KEYS = 64  # keys one pair's store holds (gloo writes 2, NCCL a few)
 STORE_MAX_VALUE = 1 << 16  # bytes a value (a gloo address blob is about 170, an NCCL unique id 128)
 STORE_MAX_KEY = 512
+STORE_WAITERS = 4  # PairStore gets and waits a pair has blocked at once (a formation makes 1-2)
 
 
 def _td(s: float) -> datetime.timedelta:
@@ -102,6 +103,10 @@ class PairGroup:
 
     def __init__(self, store: dist.Store, rank: int, device: torch.device, host: str, timeout_s: float) -> None:
         self.rank, self.device, self.timeout_s = rank, device, timeout_s
+        # held for the group's life: a Python store (RemotePairStore) that only the C++ group references is
+        # collected, and a group that uses its store after construction (NCCL's lazy init at the first send or
+        # receive, gloo's with TORCH_GLOO_LAZY_INIT) then fails every call to it
+        self.store = store
         if device.type == "cuda":
             self.backend = "nccl"
             torch.cuda.set_device(device)
@@ -189,7 +194,13 @@ class _ExportPair:
     last_tag: int = 0
     broken: bool = False
     sending: bool = False  # a send queued or in flight (one at a time: the importer waits for each)
+    idle: threading.Event = field(default_factory=threading.Event)  # set while no send is queued or in flight
+    store_lock: threading.Lock = field(default_factory=threading.Lock)  # a key count's check and its write as one
+    waiters: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(STORE_WAITERS))
     last_used: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
 
 
 def apply_store_op(store: dist.Store, op: str, key: str, value: bytes, expected: bytes, amount: int,
@@ -257,6 +268,9 @@ class RemotePairStore(dist.Store):
 
     def num_keys(self) -> int:  # noqa: D102
         return self._call("num_keys")[1]
+
+    getNumKeys = num_keys  # noqa: N815  (the names torch's C++ trampoline looks up)
+    deleteKey = delete_key  # noqa: N815
 
     def set_timeout(self, timeout) -> None:  # noqa: D102
         self._timeout_s = min(self._timeout_s, timeout.total_seconds())
@@ -347,11 +361,23 @@ class DistExporter:
                 pair = self._pairs.get(bytes(nonce))
             if pair is None or pair.broken:
                 raise PairLost("PairStore: no such pair (closed or never formed)")
-            if op in ("set", "add", "compare_set") and not pair.store.check([key]) and \
-                    pair.store.num_keys() >= STORE_MAX_KEYS:
-                raise ValueError(f"PairStore: the pair's store holds {STORE_MAX_KEYS} keys already")
-            wait_s = min(max(float(timeout_s), 0.0), self.timeout_s)
-            out, number, ok = apply_store_op(pair.store, op, key, bytes(value), bytes(expected), amount, keys, wait_s)
+            wait_s = float(timeout_s)
+            if not 0.0 < wait_s <= self.timeout_s:  # 0 is "no timeout" to a store (NaN fails the test too)
+                wait_s = self.timeout_s
+            if op in ("get", "wait"):  # blocking: a few a pair at once (each holds a server thread while it waits)
+                if not pair.waiters.acquire(blocking=False):
+                    raise ValueError(f"PairStore: {STORE_WAITERS} gets or waits of this pair are waiting already")
+                try:
+                    out, number, ok = apply_store_op(pair.store, op, key, b"", b"", 0, keys, wait_s)
+                finally:
+                    pair.waiters.release()
+            else:
+                with pair.store_lock:
+                    if op in ("set", "add", "compare_set") and not pair.store.check([key]) and \
+                            pair.store.num_keys() >= STORE_MAX_KEYS:
+                        raise ValueError(f"PairStore: the pair's store holds {STORE_MAX_KEYS} keys already")
+                    out, number, ok = apply_store_op(pair.store, op, key, bytes(value), bytes(expected), amount,
+                                                     keys, wait_s)
         except (ValueError, PairLost):
             self.stats["store_refused"] += 1
             raise
@@ -413,6 +439,8 @@ class DistExporter:
         if pair is None or not pair.ready.wait(self.timeout_s) or pair.group is None or pair.broken:
             raise PairLost("SendLease: no such pair (closed or never formed)")
         marked = False
+        # the importer's receive can end before this side's sender marks its send done: wait for that (bounded)
+        pair.idle.wait(self.timeout_s)
         try:
             with self._lock:
                 if tag <= pair.last_tag:
@@ -422,6 +450,7 @@ class DistExporter:
                 pair.last_tag = tag
                 pair.last_used = time.monotonic()
                 pair.sending = marked = True
+                pair.idle.clear()
             idx = torch.tensor(blocks, dtype=torch.int64)
             want = torch.tensor(epochs, dtype=torch.int64)
             if not torch.equal(self.exporter.epochs[idx], want):
@@ -433,8 +462,9 @@ class DistExporter:
             if not torch.equal(self.exporter.epochs[idx], want):
                 raise HandoffError("lease's blocks were freed during the gather (epoch changed)")
         except BaseException as e:
-            if marked:
-                pair.sending = False  # refused (or failed) after it was marked: nothing was queued
+            if marked:  # refused (or failed) after it was marked: nothing was queued
+                pair.sending = False
+                pair.idle.set()
             if isinstance(e, HandoffError):
                 self.stats["refused"] += 1
             raise
@@ -442,6 +472,7 @@ class DistExporter:
             pair.sender.submit(self._send, nonce, pair, bufs, tag)
         except RuntimeError:  # the pair was dropped meanwhile (its sender shut down)
             pair.sending = False
+            pair.idle.set()
             raise PairLost("SendLease: the pair was closed") from None
 
     def _check_lease(self, lease_id: int, blocks: list[int], epochs: list[int]) -> None:
@@ -474,6 +505,7 @@ class DistExporter:
                     self._drop(nonce)
         finally:
             pair.sending = False
+            pair.idle.set()
 
     def close(self) -> None:
         with self._lock:

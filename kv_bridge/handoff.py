@@ -308,6 +308,7 @@ class CacheImporter:
         self.target, self.draft = target, draft
         self.geometry = Geometry.of(target, draft, fingerprint)
         self.mac = mac
+        host_share.header_bytes()  # found once, at start (it shares a probe: torch starts its manager), not in a request
         # exporter id -> (its target cache, draft cache, epochs, block owners; the MAC tag of the blob they were mapped
         # from)
         self._maps: dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, bytes]] = {}

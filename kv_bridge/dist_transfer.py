@@ -362,7 +362,8 @@ class DistExporter:
             if pair is None or pair.broken:
                 raise PairLost("PairStore: no such pair (closed or never formed)")
             wait_s = float(timeout_s)
-            if not 0.0 < wait_s <= self.timeout_s:  # 0 is "no timeout" to a store (NaN fails the test too)
+            # under 1 ms is 0 ms to a store, and 0 is "no timeout" (NaN fails the test too)
+            if not 0.001 <= wait_s <= self.timeout_s:
                 wait_s = self.timeout_s
             if op in ("get", "wait"):  # blocking: a few a pair at once (each holds a server thread while it waits)
                 if not pair.waiters.acquire(blocking=False):
@@ -443,6 +444,8 @@ class DistExporter:
         pair.idle.wait(self.timeout_s)
         try:
             with self._lock:
+                if pair.broken:  # dropped while this waited for its last send (which failed)
+                    raise PairLost("SendLease: the pair was closed")
                 if tag <= pair.last_tag:
                     raise HandoffError("SendLease: tag not above the pair's last (a replay)")
                 if pair.sending:  # the importer waits for each receive: a second is not its own (or a flood)

@@ -80,6 +80,7 @@ STORE_MAX_KEYS = 64  # keys one pair's store holds (gloo writes 2, NCCL a few)
 STORE_MAX_VALUE = 1 << 16  # bytes a value (a gloo address blob is about 170, an NCCL unique id 128)
 STORE_MAX_KEY = 512
 STORE_WAITERS = 4  # PairStore gets and waits a pair has blocked at once (a formation makes 1-2)
+STORE_WAITERS_ALL = 32  # and all pairs together: each holds a server thread of the worker's while it waits
 
 
 def _td(s: float) -> datetime.timedelta:
@@ -293,6 +294,7 @@ class DistExporter:
         self.host, self.timeout_s = host, timeout_s
         self.geometry = _geometry_json(exporter.geometry)
         self._pairs: dict[bytes, _ExportPair] = {}
+        self._waiters = threading.BoundedSemaphore(STORE_WAITERS_ALL)  # blocking PairStore calls, all pairs
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # nonces opened before: a replayed OpenPair's
         self._lock = threading.Lock()
         self.stats = dict(pairs_opened=0, pairs_dropped=0, pairs_evicted=0, sends=0, refused=0, send_failures=0,
@@ -368,9 +370,13 @@ class DistExporter:
             if op in ("get", "wait"):  # blocking: a few a pair at once (each holds a server thread while it waits)
                 if not pair.waiters.acquire(blocking=False):
                     raise ValueError(f"PairStore: {STORE_WAITERS} gets or waits of this pair are waiting already")
+                if not self._waiters.acquire(blocking=False):
+                    pair.waiters.release()
+                    raise ValueError(f"PairStore: {STORE_WAITERS_ALL} gets or waits are waiting already")
                 try:
                     out, number, ok = apply_store_op(pair.store, op, key, b"", b"", 0, keys, wait_s)
                 finally:
+                    self._waiters.release()
                     pair.waiters.release()
             else:
                 with pair.store_lock:

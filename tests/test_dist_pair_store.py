@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from flashpd.kv_bridge.auth import ClusterSecret
-from flashpd.kv_bridge.dist_transfer import STORE_WAITERS, DistExporter, DistImporter, PairLost, RemotePairStore, seal
+from flashpd.kv_bridge.dist_transfer import (STORE_WAITERS, STORE_WAITERS_ALL, DistExporter, DistImporter, PairLost,
+                                             RemotePairStore, seal)
 from flashpd.kv_bridge.handoff import CacheExporter
 
 TARGET = (2, 2, 12, 4, 2, 8)  # [layers, k/v, blocks, kv_block_size, heads, head_dim]
@@ -83,8 +84,8 @@ def test_back_to_back_transfers_are_not_refused(pair_ends):
 
 
 def _store(e, nonce: bytes) -> RemotePairStore:
-    ex_id = e["ex"].exporter_id
-    e["dx"].open_pair(ex_id, "probe", nonce, seal(e["mac"], "open", ex_id, "probe", nonce))
+    ex_id, importer = e["ex"].exporter_id, nonce.hex()  # an importer's new pair would replace its old one
+    e["dx"].open_pair(ex_id, importer, nonce, seal(e["mac"], "open", ex_id, importer, nonce))
     return RemotePairStore(_Direct(e["dx"]), e["mac"], "exporter:1", ex_id, nonce, TIMEOUT_S)
 
 
@@ -130,3 +131,24 @@ def test_the_names_torch_calls_reach_the_python_store(pair_ends):
     prefixed.set("b", b"2")
     assert prefixed.num_keys() == before + 1 == st.num_keys()
     assert prefixed.delete_key("b") and not st.check(["p/b"])
+
+
+def test_all_pairs_blocking_store_calls_are_capped_together(pair_ends):
+    """Each waiting get holds a server thread of the worker's: across pairs too, at most STORE_WAITERS_ALL wait."""
+    n_pairs = STORE_WAITERS_ALL // STORE_WAITERS + 2
+    stores = [_store(pair_ends, secrets.token_bytes(16)) for _ in range(n_pairs)]
+    errors: list[str] = []
+
+    def get(st) -> None:
+        try:
+            st.get("never")
+        except Exception as e:  # noqa: BLE001  (over gRPC both are PairLost)
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=get, args=(st,)) for st in stores for _ in range(STORE_WAITERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S + 10)
+    assert len(errors) == len(threads)
+    assert sum(f"{STORE_WAITERS_ALL} gets or waits" in e for e in errors) == len(threads) - STORE_WAITERS_ALL

@@ -541,6 +541,7 @@ class Control(Protocol):
 class _ImportPair:
     nonce: bytes
     group: PairGroup
+    address: str  # the exporter's, where the pair was opened: its control calls go there and nowhere else
     tag: int = 0
 
 
@@ -624,7 +625,7 @@ class DistImporter:
             group = PairGroup(store, 1, self.target.device, self.host, self.timeout_s)
         except Exception as e:  # noqa: BLE001
             raise HandoffError(f"pair with exporter not formed: {type(e).__name__}: {e}") from None
-        pair = _ImportPair(nonce, group)
+        pair = _ImportPair(nonce, group, h.exporter_address)
         with self._lock:
             self._pairs[h.exporter_id] = pair
             self.stats["pairs_opened"] += 1
@@ -677,6 +678,9 @@ class DistImporter:
         self._refuse_if_closed()
         pair = self._pair(h)
         self._refuse_if_closed()  # closed while the pair formed: it goes at this turn's end, unused
+        if h.exporter_address != pair.address:  # the pair's nonce and tags go to its own exporter only
+            raise HandoffError(f"handoff names exporter {h.exporter_id[:12]} at {h.exporter_address!r}, its pair's "
+                               f"is at {pair.address!r}")
         pair.tag += 1
         blocks, epochs = [int(b) for b in h.blocks], [int(e) for e in h.epochs]
         try:

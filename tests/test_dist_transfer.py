@@ -295,6 +295,24 @@ def test_a_pairs_store_is_bounded_and_its_own(peer):
     assert peer["call"]("release", h.lease_id) is True
 
 
+def test_a_handoff_naming_its_exporter_at_another_address_is_refused_and_the_pair_goes_on(peer):
+    """The importer keys its pairs by exporter id; a header naming a paired exporter's id at another address would
+    have sent that pair's nonce and next tag there. Refused before any call; the pair serves its own exporter on."""
+    imp, call = peer["imp"], peer["call"]
+    h = call("lease", [4])
+    imp.fetch(h)  # the pair with this exporter is open
+    assert call("release", h.lease_id) is True
+    pair = imp._pairs[h.exporter_id]
+    tag, opened = pair.tag, imp.stats["pairs_opened"]
+    h2 = call("lease", [5])
+    with pytest.raises(HandoffError, match="its pair's is at"):
+        imp.fetch(dataclasses.replace(h2, exporter_address="127.0.0.1:1"))
+    assert imp._pairs[h.exporter_id] is pair and pair.tag == tag
+    imp.fetch(h2)
+    assert imp.stats["pairs_opened"] == opened and pair.tag == tag + 1
+    assert call("release", h2.lease_id) is True
+
+
 def test_a_replayed_open_pair_is_refused_and_the_live_pair_goes_on(peer):
     """An OpenPair captured on the wire (its seal verifies) opens nothing a second time: the importer's live pair
     stays, with its tag counter."""

@@ -286,8 +286,12 @@ class Scheduler:
             raise ValueError("method 'dflash' needs a worker with a drafter")
         gen = self.spec if method == "dflash" else self.native
         seq = gen.new_sequences([prompt], [params])[0]  # validates params and the context length
-        if first_token is not None and not 0 <= first_token < self.runner.model.cfg.vocab_size:
+        vocab = self.runner.model.cfg.vocab_size
+        if first_token is not None and not 0 <= first_token < vocab:
             raise ValueError(f"first_token {first_token} is outside the vocabulary")
+        if prompt and not (0 <= min(prompt) and max(prompt) < vocab):  # on a GPU an embedding's bad index is a
+            # device-side assert that ends the process (the front ends check too; this is the engine's own bound)
+            raise ValueError(f"prompt ids must lie in [0, {vocab}): got {min(prompt)}..{max(prompt)}")
         seq.forced_first = first_token
         if method == "dflash":
             seq.draft_width = self.spec._check_width(self.spec.draft_width if draft_width is None else draft_width)

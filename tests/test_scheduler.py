@@ -84,11 +84,16 @@ def test_refusals_and_cancellation(pair):
     target, drafter = pair
     sched = _scheduler(target, drafter, blocks=20)
     with pytest.raises(PromptTooLong, match="KV blocks"):
-        sched.add(list(range(5, 300)), SamplingParams(max_tokens=64), "dflash")
+        sched.add([5 + i % 100 for i in range(295)], SamplingParams(max_tokens=64), "dflash")
     with pytest.raises(ValueError, match="method"):
         sched.add([1, 2], SamplingParams(), "eagle")
     with pytest.raises(ValueError, match="max_tokens"):
         sched.add([1, 2], SamplingParams(max_tokens=0))
+    vocab = target.cfg.vocab_size
+    for bad in ([1, vocab], [-1, 2]):  # ids past the vocabulary failed in the embedding (on a GPU: the process)
+        with pytest.raises(ValueError, match="prompt ids"):
+            sched.add(bad, SamplingParams(max_tokens=4), "native")
+    assert sched.idle
     free = sched.runner.allocator.num_free
     r = sched.add(list(range(5, 40)), SamplingParams(max_tokens=50, ignore_eos=True), "dflash")
     sched.step()

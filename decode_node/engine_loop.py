@@ -14,7 +14,7 @@ them to another process that way, one message a step).
 A request the scheduler fails alone (RequestFailed) ends with an "error" event while the others go
 on. Should a step still raise, every request in flight fails with that error (but one already streamed to
 its end, waiting in a held session, ends "done"), every block is freed, and the loop keeps serving new
-requests: no request can stop the loop.
+requests: no request can stop the loop. A stop() ends the same way: what is whole ends "done", the rest "error".
 """
 from __future__ import annotations
 
@@ -255,7 +255,8 @@ class EngineLoop:
             self._cv.notify()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the thread; requests still in flight are cancelled and get an "error" event."""
+        """Stop the thread; requests still in flight are cancelled and get an "error" event (one whose output is
+        whole, riding a held session, ends "done")."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
@@ -391,12 +392,22 @@ class EngineLoop:
             self.release_handoff(h.handoff)
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(err)
-        live = list(self._live.values())
-        try:  # cancel_all drops a device session that cannot end (one cancel at a time kept its blocks then)
-            self.scheduler.cancel_all([h.request for h in live])
+        try:  # stop_all drops a device session that cannot end (one cancel at a time kept its blocks then)
+            res = self.scheduler.stop_all([h.request for h in self._live.values()])
         except Exception:  # noqa: BLE001  best effort: the loop is going away
             log.exception("cancel during shutdown failed")
-        for h in live:
+        else:  # a request whose output is whole ends "done" with its last tokens; a stop is not its failure
+            for rid, toks in res.new_tokens.items():
+                h = self._live.get(rid)
+                if h is not None:
+                    self._emit(h, Event("tokens", tokens=list(toks)))
+            for r in res.finished:
+                self._done(r)
+            for r, e in res.failed:
+                h = self._live.pop(r.id, None)
+                if h is not None:
+                    self._emit(h, Event("error", error=e))
+        for h in self._live.values():
             self._emit(h, Event("error", error=err))
         self._live.clear()
         self.scheduler.close()

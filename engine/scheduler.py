@@ -822,6 +822,24 @@ class Scheduler:
             self._fail(r, e, result)
         return result
 
+    def stop_all(self, also: Iterable[Request] = ()) -> StepResult:
+        """The caller is going away (an engine loop's stop): end the device session if it still can be (else drop
+        it), then finish as usual every row whose output is complete (streamed to its end and riding a hold or a
+        drain, or ended by the session's end: the caller gets its last tokens and its end, as a clean step would
+        report them) and cancel the rest as cancel_all does. Returns what to report: those tokens and ends, and the
+        ends decided since the last step. `also` as in cancel_all."""
+        try:
+            self._end_session()
+            self._finish_ended()  # the session's end committed their last step: every token is computed
+        except Exception:  # noqa: BLE001  a broken session is dropped; only rows already streamed are known whole
+            log.warning("a device session could not be ended cleanly; dropped")
+            self._session, self._session_gen = None, None
+        result, self._pending = self._pending, StepResult()
+        self._finish_streamed(result)
+        ended = {id(r) for r in result.finished} | {id(r) for r, _ in result.failed}
+        self.cancel_all([r for r in also if id(r) not in ended])
+        return result
+
     def cancel_all(self, also: Iterable[Request] = ()) -> None:
         """Cancel every request (a caller interrupted mid-run): the device session ended if it still can be (else
         dropped), every block and lease given back, the scheduler left empty and usable. `also`: requests the

@@ -1,8 +1,8 @@
 """Cache keys: chained hashes over fixed-size token chunks, salted with the method fingerprint.
 
 A chunk's key commits to every token before it (through its parent's key) and to the METHOD that
-produced its state: target weights, drafter weights and their format, tapped layers, dtype and KV layout
-version.
+produced its state: target weights, drafter weights and their format, tapped layers, dtype, the KV layout
+version and the version of the code that computes the values (KV_VERSION).
 Two methods never share a key, so a target-only entry can never be mistaken for a full one.
 """
 from __future__ import annotations
@@ -22,6 +22,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 3  # bump when a chunk's byte layout changes (3: keyed BLAKE3 MAC, chunk format 2)
+# bump when the code that computes a chunk's values changes them at one layout (2: an fp8 drafter's context K/V take
+# fc's fp8 values, and keys bind the draft format; entries written before, on a disk tier or a long-lived store,
+# were keyed as bf16 ones): a store's older entries are then never read, only recomputed and replaced
+KV_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -34,12 +38,10 @@ class MethodFingerprint:
     # the drafter's weight format (DFlashDrafter.quantize): its context K/V take fc's fp8 values under "fp8", so
     # the two formats' entries differ and must not be shared
     draft_quantization: str = "none"
+    kv_version: int = KV_VERSION
 
     def digest(self) -> str:
-        d = asdict(self)
-        if d["draft_quantization"] == "none":  # the digest a fingerprint had before the field: old entries still hit
-            del d["draft_quantization"]
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
 
 
 # directory -> (its files' stamps, identity): one hash a process, and one entry a directory (a directory whose files

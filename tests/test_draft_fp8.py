@@ -175,19 +175,21 @@ def test_a_context_write_takes_the_same_weights_at_every_size(dflash_engine, dfl
 
 
 def test_the_fingerprint_tells_the_draft_formats_apart(dflash_engine, dflash_pair):
-    """fp8 and bf16 drafters write different context K/V, so their entries get different keys; a bf16 worker's
-    keys are the ones it had before the field existed (its cache stays valid)."""
+    """fp8 and bf16 drafters write different context K/V, so their entries get different keys. Neither format's
+    keys are the ones before KV_VERSION 2: fp8 entries written then were keyed as bf16 ones, and must never hit."""
     import hashlib
     import json
     from types import SimpleNamespace
 
     from flashpd.cluster.worker_main import fingerprint
-    from flashpd.kv_bridge.keys import LAYOUT_VERSION, MethodFingerprint
+    from flashpd.kv_bridge.keys import KV_VERSION, LAYOUT_VERSION, MethodFingerprint
 
     before = hashlib.sha256(json.dumps({"target": "t", "drafter": "d", "target_layer_ids": [1, 3], "dtype": "bfloat16",
                                         "layout_version": LAYOUT_VERSION}, sort_keys=True).encode()).hexdigest()
-    assert MethodFingerprint("t", "d", (1, 3), "bfloat16").digest() == before
-    assert MethodFingerprint("t", "d", (1, 3), "bfloat16", draft_quantization="fp8").digest() != before
+    bf16 = MethodFingerprint("t", "d", (1, 3), "bfloat16").digest()
+    fp8_fp = MethodFingerprint("t", "d", (1, 3), "bfloat16", draft_quantization="fp8").digest()
+    assert len({before, bf16, fp8_fp}) == 3
+    assert MethodFingerprint("t", "d", (1, 3), "bfloat16", kv_version=KV_VERSION + 1).digest() != bf16
     llm = SimpleNamespace(drafter=_drafter(dflash_engine, dflash_pair, "fp8"), dtype=torch.float32,
                           target_stamps=(), draft_stamps=())
     cfg = SimpleNamespace(target=dflash_pair.target_dir, draft=dflash_pair.draft_dir, draft_quantization="fp8")

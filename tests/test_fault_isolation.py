@@ -479,6 +479,49 @@ def test_an_uncontained_error_ends_a_request_streamed_to_its_end_done_and_fails_
         loop.stop()
 
 
+def test_a_stop_ends_a_request_streamed_to_its_end_done_and_the_rest_with_an_error(pair):
+    """EngineLoop.stop() while a request streamed to its end rides a held session: it ends "done" with all its
+    tokens and its stats (the session's end would have ended it so), the unfinished one gets EngineStopped,
+    and every block is back. Before, the stop cancelled both, and the whole one ended with an error."""
+    from flashpd.decode_node.engine_loop import EngineStopped
+
+    target, drafter = pair
+    prompts = _prompts(2, 31)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 60)]
+    sched = Scheduler(_runner(target, drafter), drafter, policy="preempt")
+    _ride_a_session(sched, "hold")
+    free0 = sched.runner.allocator.num_free
+    seen: list[list[tuple[int, bool]]] = []
+
+    def stop_when_one_rides() -> None:  # the loop thread, after a step: the next pass shuts down
+        if not seen and sched._session is not None and any(r.seq.done for r in sched.running):
+            seen.append(sorted((r.id, r.seq.done) for r in sched.running))
+            loop.stop()
+
+    loop = EngineLoop(sched, after_step=stop_when_one_rides)
+    try:
+        with loop._cv:  # both taken in one pass: admitted together, into one session
+            hs = [loop.submit_nowait(p, sp, "dflash")[0] for p, sp in zip(prompts, params)]
+        toks: list[list[int]] = [[], []]
+        ends: dict[int, object] = {}
+        deadline = time.monotonic() + 120
+        while len(ends) < 2 and time.monotonic() < deadline:
+            for i, h in enumerate(hs):
+                ev = None if i in ends else h.get(0.05)
+                if ev is not None and ev.kind == "tokens":
+                    toks[i] += ev.tokens
+                elif ev is not None:
+                    ends[i] = ev
+        assert seen == [[(hs[0].request.id, True), (hs[1].request.id, False)]], seen
+        out, acc = _solo(target, drafter, prompts[0], params[0], "dflash")
+        assert ends[0].kind == "done" and ends[0].finish_reason == "length", ends[0]
+        assert toks[0] == out and list(ends[0].stats["acceptance_lengths"]) == acc
+        assert ends[1].kind == "error" and isinstance(ends[1].error, EngineStopped), ends[1]
+        assert not loop.alive and sched.idle and sched.runner.allocator.num_free == free0
+    finally:
+        loop.stop()
+
+
 def test_tokens_of_a_step_that_raised_are_not_counted_as_streamed(pair, monkeypatch):
     """Two rows end in one step and finishing the second raises: the step's result (the first row's last tokens)
     never reaches the caller, so abort_all must fail both, not end the first "done" without its last tokens."""

@@ -8,8 +8,15 @@ file's header read for its parent so that a prompt's leading chunks stay more re
 across a restart too (DiskStore._rebuild).
 A file is trusted no more than bytes off the network: every read checks its MAC (under the store's
 cluster secret), header and key, and a file that fails is deleted and read as a miss (counted in
-`corrupt_dropped`). A file written under another secret (another service start, or an older chunk
-format) is such a file.
+`corrupt_dropped`).
+
+One process owns a directory (an exclusive lock on `.flashpd-disk.lock`, waited for a while: a restarted
+worker's predecessor may still be flushing): the byte budget bounds the directory, and no other process
+deletes this one's files. A second process gets DiskTierInUse. The directory's tag file (`.flashpd-disk.tag`)
+names the secret its files were written under, as a keyed hash: a start under another secret (a service
+started again with a new one) deletes the old chunk files, which can never verify. Kept, each blocked the
+put of its key (it was PRESENT) until a read dropped it, so a long prompt won its hits back one chunk a
+cycle. Only files that begin with the chunk magic are entries: anything else in the directory is left alone.
 
 The TieredStore writes its disk tier behind the caller's back: a put verifies once, stores in memory
 and queues the bytes for one background writer thread, so a Put never waits for a write, an fsync
@@ -18,6 +25,7 @@ and a directory fsync. TieredStore says what a full queue, a failed write and a 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -29,7 +37,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from flashpd.kv_bridge.auth import MAC_BYTES, ClusterSecret
-from flashpd.kv_bridge.chunk import PREFIX, CorruptChunk, KVChunk, peek_parent
+from flashpd.kv_bridge.chunk import MAGIC, PREFIX, CorruptChunk, KVChunk, peek_parent
 from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.shm import write_all
 from flashpd.kv_bridge.lru import ChainLRU
@@ -46,6 +54,52 @@ _TMP_PREFIX = ".tmp-"
 # younger one may be a write in progress by another process sharing the directory (a chunk takes well under a
 # second), unless its name says it was this host's and its writer is gone (`_temp_name`): then it goes at once.
 STALE_TMP_S = 600.0
+LOCK_NAME = ".flashpd-disk.lock"
+TAG_NAME = ".flashpd-disk.tag"
+OWNER_WAIT_S = 15.0  # how long a start waits for another process to let the directory go
+
+
+class DiskTierInUse(RuntimeError):
+    """Another process holds the disk tier's directory: give each bridge its own `bridge_disk_dir`."""
+
+
+# resolved directory -> (lock file descriptor, stores of this process open on it): the lock is the process's, so a
+# store opened again in one process (a restart in place) shares it
+_OWNED: dict[str, tuple[int, int]] = {}
+_OWNED_LOCK = threading.Lock()
+
+
+def _own(directory: Path, wait_s: float) -> str:
+    """Take this process's exclusive lock on the directory (waiting up to wait_s); the key to give back."""
+    key = str(directory.resolve())
+    with _OWNED_LOCK:
+        if key in _OWNED:
+            fd, n = _OWNED[key]
+            _OWNED[key] = (fd, n + 1)
+            return key
+        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise DiskTierInUse(f"disk tier {directory}: another process holds it (waited {wait_s:g} s); "
+                                        f"give each bridge its own bridge_disk_dir") from None
+                time.sleep(0.05)
+        _OWNED[key] = (fd, 1)
+        return key
+
+
+def _disown(key: str) -> None:
+    with _OWNED_LOCK:
+        fd, n = _OWNED.pop(key)
+        if n > 1:
+            _OWNED[key] = (fd, n - 1)
+        else:
+            os.close(fd)  # the lock goes with the descriptor
 
 
 def _host_tag() -> str | None:
@@ -97,14 +151,54 @@ class DiskStore(IndexedStore):
 
     _index: ChainLRU[int]  # key -> file size, least recently used first
 
-    def __init__(self, directory: str | Path, byte_budget: int, secret: ClusterSecret | None = None) -> None:
+    def __init__(self, directory: str | Path, byte_budget: int, secret: ClusterSecret | None = None,
+                 owner_wait_s: float = OWNER_WAIT_S) -> None:
         super().__init__(byte_budget, secret)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._c.update(write_errors=0, temp_files_removed=0, touch_errors=0, files_vanished=0, space_evictions=0)
-        self._scan()
+        self._c.update(write_errors=0, temp_files_removed=0, touch_errors=0, files_vanished=0, space_evictions=0,
+                       other_secret_dropped=0)
+        self._owner: str | None = _own(self.directory, owner_wait_s)
+        try:
+            self._scan()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let the directory go (another process may open it). Idempotent; the store is not used after it."""
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            _disown(owner)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  interpreter shutdown
+            pass
+
+    def _tag(self) -> bytes:
+        """What the tag file holds under this store's secret: a keyed hash, nothing of the secret itself."""
+        return b"FPDT1" + self._mac.hasher(1).update(b"flashpd disk tier: files written under this secret").digest()
+
+    def _same_secret(self) -> bool:
+        try:
+            return (self.directory / TAG_NAME).read_bytes() == self._tag()
+        except OSError:
+            return False
+
+    def _write_tag(self) -> None:
+        tmp = self.directory / _temp_name("tag")
+        try:
+            _write_file(tmp, self._tag())
+            os.replace(tmp, self.directory / TAG_NAME)
+        except OSError as e:  # a read-only directory: every start drops its files again, which a read would too
+            log.warning("disk tier %s: cannot write its tag file (%s)", self.directory.name, e)
+        finally:
+            _unlink(tmp)
 
     def _scan(self) -> None:
+        same = self._same_secret()
         found: list[tuple[int, str, int, str | None]] = []
         with os.scandir(self.directory) as entries:
             for entry in entries:
@@ -114,12 +208,22 @@ class DiskStore(IndexedStore):
                         self._c["temp_files_removed"] += 1
                     continue
                 try:
-                    if not (entry.is_file(follow_symlinks=False) and _KEY_RE.match(entry.name)):
+                    if not (entry.is_file(follow_symlinks=False) and _KEY_RE.match(entry.name)
+                            and _is_chunk_file(entry.path)):
                         continue
                     st = entry.stat(follow_symlinks=False)
-                except OSError:  # gone since the listing (another process's eviction), or not statable: no entry
+                except OSError:  # gone since the listing, or not statable: no entry
+                    continue
+                if not same:  # written under another secret (or before tags): can never verify under this one
+                    _unlink(entry.path)
+                    self._c["other_secret_dropped"] += 1
                     continue
                 found.append((st.st_mtime_ns, entry.name, st.st_size, _header_parent(entry.path)))
+        if not same:
+            if self._c["other_secret_dropped"]:
+                log.info("disk tier %s: %d chunk files written under another secret dropped", self.directory.name,
+                         self._c["other_secret_dropped"])
+            self._write_tag()
         self._rebuild(found)
         with self._lock:
             self._evict_to(0)  # the budget may have shrunk since the last run
@@ -514,6 +618,8 @@ class TieredStore:
                         len(left))
         if thread is not None and thread is not threading.current_thread():
             thread.join(max(0.0, deadline - time.monotonic()))
+        if thread is None or not thread.is_alive():  # a writer still at work keeps the directory until the end
+            self.disk.close()
         return drained
 
     def get(self, key: str, layout: ChunkLayout | None = None) -> KVChunk | None:
@@ -581,6 +687,16 @@ class TieredStore:
             own = dict(self._c, disk_pending_entries=len(self._pending), disk_pending_bytes=self._pending_bytes,
                        disk_queue_bytes=self.queue_bytes)
         return {**own, "memory": self.memory.stats(), "disk": self.disk.stats()}
+
+
+def _is_chunk_file(path: str) -> bool:
+    """Whether the file begins with the chunk magic: only such files are the tier's entries (indexed, counted,
+    evicted). Any other file in the directory is an operator's, never touched."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
 
 
 def _header_parent(path: str) -> str | None:

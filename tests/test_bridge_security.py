@@ -45,7 +45,7 @@ from flashpd.kv_bridge.wire import PROTOCOL_VERSION, Assembler, FrameError, spli
 from flashpd.engine.scheduler import generate
 
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
-from tests._kv_bridge_helpers import BridgeHarness
+from tests._kv_bridge_helpers import BridgeHarness, disk_listing
 
 CHUNK = 64
 FRAME = 4096
@@ -400,7 +400,7 @@ def test_a_disk_file_with_a_bad_mac_is_a_miss_and_is_dropped(setup, tmp_path):
     secret = ClusterSecret.generate()
     idx = [0, 1]
     run_and_compare(setup, DiskStore(tmp_path, 1 << 28, secret), idx)  # publishes the genuine chunks
-    files = sorted(tmp_path.iterdir())
+    files = [tmp_path / n for n in disk_listing(tmp_path)]
     assert len(files) == sum(len(setup["prompts"][i]) // CHUNK for i in idx)
     foreign = ClusterSecret.generate()
     for f in files:  # every file re-sealed under another secret (another service, or someone else)

@@ -15,9 +15,9 @@ from flashpd.kv_bridge.disk import DiskStore
 from flashpd.kv_bridge.store import PutResult
 
 try:
-    from tests._kv_bridge_helpers import MAC, flip_byte, make_chunk, same
+    from tests._kv_bridge_helpers import MAC, disk_listing, flip_byte, make_chunk, same
 except ImportError:
-    from _kv_bridge_helpers import MAC, flip_byte, make_chunk, same  # type: ignore
+    from _kv_bridge_helpers import MAC, disk_listing, flip_byte, make_chunk, same  # type: ignore
 
 WAIT_S = 10.0  # bound on every wait: a broken interleaving fails the test instead of hanging it
 
@@ -66,7 +66,7 @@ def _assert_holds_exactly(store: DiskStore, tmp_path, key: str, data: bytes) -> 
     assert (tmp_path / key).read_bytes() == data, "the good file put since the failed read was deleted"
     assert store.contains(key), "the good entry put since the failed read left the index"
     s = store.stats()
-    assert s["bytes"] == sum(os.path.getsize(tmp_path / k) for k in os.listdir(tmp_path))
+    assert s["bytes"] == sum(os.path.getsize(tmp_path / k) for k in disk_listing(tmp_path))
     assert store.get_bytes(key) == data and same(store.get(key), make_chunk(key, seed=7))
 
 
@@ -114,7 +114,7 @@ def test_a_late_corrupt_drop_leaves_a_good_file_put_after_an_eviction(tmp_path):
     assert not t.is_alive() and out == [None]
 
     _assert_holds_exactly(store, tmp_path, "k", good)
-    assert sorted(os.listdir(tmp_path)) == ["k", "y"] and store.stats()["entries"] == 2
+    assert sorted(disk_listing(tmp_path)) == ["k", "y"] and store.stats()["entries"] == 2
 
 
 def test_a_late_drop_after_a_failed_read_leaves_a_good_file_put_since(tmp_path):
@@ -185,7 +185,7 @@ def test_two_readers_of_one_corrupt_file_still_drop_it(tmp_path, how):
     pause.go.set()
     t.join(WAIT_S)
     assert not t.is_alive() and out == [None]
-    assert os.listdir(tmp_path) == [] and not store.contains("k")
+    assert disk_listing(tmp_path) == [] and not store.contains("k")
     s = store.stats()
     assert (s["entries"], s["bytes"], s["corrupt_dropped"], s["misses"], s["hits"]) == (0, 0, 2, 2, 0)
     assert store.put_bytes("k", good) is PutResult.STORED and store.get_bytes("k") == good

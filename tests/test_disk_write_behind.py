@@ -15,9 +15,9 @@ from flashpd.kv_bridge.disk import DiskStore, TieredStore
 from flashpd.kv_bridge.store import MemoryStore, PutResult
 
 try:
-    from tests._kv_bridge_helpers import MAC, flip_byte, make_chunk, same
+    from tests._kv_bridge_helpers import MAC, disk_listing, flip_byte, make_chunk, same
 except ImportError:
-    from _kv_bridge_helpers import MAC, flip_byte, make_chunk, same  # type: ignore
+    from _kv_bridge_helpers import MAC, disk_listing, flip_byte, make_chunk, same  # type: ignore
 
 WAIT_S = 10.0  # bound on every wait here: a broken writer fails the test instead of hanging it
 
@@ -48,7 +48,7 @@ def test_put_returns_before_the_disk_write_and_pending_keys_read_back(tmp_path):
     assert store.put_bytes("a", a.to_bytes(MAC)) is PutResult.STORED  # unverified: verified once, here
     assert disk.entered.wait(WAIT_S)  # the writer holds a, blocked on the disk ...
     assert store.put(b)  # ... and puts still return: b evicts a from memory while both are queued
-    assert os.listdir(tmp_path) == [] and not disk.contains("a")
+    assert disk_listing(tmp_path) == [] and not disk.contains("a")
     assert not store.memory.contains("a") and store.contains("a") and store.lookup(["a", "b", "z"]) == 2
     s = store.stats()
     assert (s["disk_pending_entries"], s["disk_pending_bytes"], s["disk_queued"]) == (2, 2 * n, 2)
@@ -68,7 +68,7 @@ def test_put_returns_before_the_disk_write_and_pending_keys_read_back(tmp_path):
     assert store.flush(WAIT_S)
     s = store.stats()
     assert (s["disk_pending_entries"], s["disk_pending_bytes"], s["disk_written"]) == (0, 0, 2)
-    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+    assert sorted(disk_listing(tmp_path)) == ["a", "b"]
     assert (tmp_path / "a").read_bytes() == a.to_bytes(MAC) and (tmp_path / "b").read_bytes() == b.to_bytes(MAC)
     # out of memory and out of the queue: read from disk
     store.memory.remove("a"), store.memory.remove("b")
@@ -95,11 +95,11 @@ def test_full_queue_drops_the_disk_copy_counted_and_keeps_memory(tmp_path, caplo
     assert store.lookup(["a", "b", "c"]) == 3
     disk.gate.set()
     assert store.flush(WAIT_S)
-    assert sorted(os.listdir(tmp_path)) == ["a"]
+    assert sorted(disk_listing(tmp_path)) == ["a"]
     assert same(store.get("b"), chunks[1])  # the memory copy was kept
     # a later put of a key held in memory only queues its disk copy again (and is a duplicate)
     assert store.put_bytes("b", chunks[1].to_bytes(MAC)) is PutResult.PRESENT
-    assert store.flush(WAIT_S) and sorted(os.listdir(tmp_path)) == ["a", "b"]
+    assert store.flush(WAIT_S) and sorted(disk_listing(tmp_path)) == ["a", "b"]
     # neither tier takes it: memory too small and its disk copy dropped
     tiny = TieredStore(MemoryStore(n // 2), GatedDisk(tmp_path / "t", 1 << 24), queue_bytes=1)
     assert tiny.put(chunks[0])  # queued
@@ -133,7 +133,7 @@ def test_disk_write_errors_are_counted_and_the_writer_survives(tmp_path, caplog)
     assert same(store.get("c1"), c1) and same(store.get("boom"), c2)  # memory kept both
     d.mkdir()
     assert store.put(c3) and store.flush(WAIT_S)  # the same writer (or a fresh one) goes on
-    assert os.listdir(d) == ["c3"] and store.stats()["disk_written"] == 1
+    assert disk_listing(d) == ["c3"] and store.stats()["disk_written"] == 1
     assert store.close(WAIT_S)
 
 
@@ -171,7 +171,7 @@ def test_close_with_a_stuck_disk_is_bounded_and_counts_what_it_dropped(tmp_path)
     s = store.stats()
     assert not closer.is_alive() and s["disk_dropped"] == 2 and s["disk_pending_entries"] == 1
     disk.gate.set()
-    assert store.flush(WAIT_S) and os.listdir(tmp_path) == ["a"]
+    assert store.flush(WAIT_S) and disk_listing(tmp_path) == ["a"]
 
 
 def test_config_bounds_the_queue():

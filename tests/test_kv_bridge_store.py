@@ -16,9 +16,10 @@ from flashpd.kv_bridge.keys import chunk_keys
 from flashpd.kv_bridge.store import ByteStore, ChunkStore, MemoryStore, PutResult
 
 try:
-    from tests._kv_bridge_helpers import CHUNK_TOKENS, MAC, fingerprint, flip_byte, make_chunk, prompt_chunks, same
+    from tests._kv_bridge_helpers import (CHUNK_TOKENS, MAC, disk_listing, fingerprint, flip_byte, make_chunk,
+                                          prompt_chunks, same)
 except ImportError:
-    from _kv_bridge_helpers import (CHUNK_TOKENS, MAC, fingerprint, flip_byte, make_chunk,  # type: ignore
+    from _kv_bridge_helpers import (CHUNK_TOKENS, MAC, disk_listing, fingerprint, flip_byte, make_chunk,  # type: ignore
                                     prompt_chunks, same)
 
 VARIANTS = [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True), (torch.float32, False)]
@@ -103,7 +104,7 @@ def test_concurrent_puts_of_one_key(store):
     assert sorted(r.value for r in results) == ["present"] * 7 + ["stored"]
     assert store.lookup(["same"]) == 1 and same(store.get("same"), c)
     if isinstance(store, DiskStore):
-        assert sorted(os.listdir(store.directory)) == ["same"]  # one file, no temp left behind
+        assert sorted(disk_listing(store.directory)) == ["same"]  # one file, no temp left behind
 
 
 # -- memory tier --------------------------------------------------------------------------------
@@ -235,7 +236,8 @@ def test_disk_restart_keeps_a_prompts_head_and_protects_its_prefix(tmp_path):
 
 def test_disk_restart_evicts_unreachable_chunks_first(tmp_path):
     """Chunks no hit can reach after a restart (their parent's file is gone, or their header is unreadable)
-    are evicted before any reachable chunk, even an older one."""
+    are evicted before any reachable chunk, even an older one. A file without the chunk magic is no entry: not
+    counted, never evicted."""
     n = _size()
     fp = fingerprint()
     a = prompt_chunks(list(range(3 * CHUNK_TOKENS)), fp, seed=21)
@@ -244,8 +246,9 @@ def test_disk_restart_evicts_unreachable_chunks_first(tmp_path):
     _put_in_order(first, a)
     _put_in_order(first, b, t0=10)  # B is the most recent prompt
     (tmp_path / b[0].key).unlink()  # B1 is an orphan now
-    (tmp_path / "junk").write_bytes(b"not a chunk")  # a stray file under a key-like name
+    (tmp_path / "junk").write_bytes(b"FPKV\x02\x00\x00\x00\xff\xff\x00\x00")  # a chunk file whose header is cut
     os.utime(tmp_path / "junk", ns=(10**18 + 50 * 10**9,) * 2)
+    (tmp_path / "notes.txt").write_bytes(b"an operator's file" * 1000)  # no chunk magic: not the tier's
     store = DiskStore(tmp_path, 4 * n + n // 2)  # room for 4: A (3) and the orphan B1 fit, the junk too
     c = prompt_chunks(list(range(900, 900 + 2 * CHUNK_TOKENS)), fp, seed=41)
     assert store.put(c[0])  # the orphan B1 goes, though newer than all of A
@@ -254,6 +257,9 @@ def test_disk_restart_evicts_unreachable_chunks_first(tmp_path):
     assert store.put(c[1])  # the junk goes first, then A's tail
     assert not store.contains("junk") and not (tmp_path / "junk").exists()
     assert store.lookup([x.key for x in a]) == 2 and store.lookup([x.key for x in c]) == 2
+    assert not store.contains("notes.txt") and (tmp_path / "notes.txt").read_bytes() == b"an operator's file" * 1000
+    assert store.stats()["bytes"] == sum(os.path.getsize(tmp_path / k) for k in disk_listing(tmp_path)
+                                         if k != "notes.txt")
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -353,7 +359,7 @@ def test_disk_lru_by_access_time_across_restart(tmp_path):
     assert [again.contains(k) for k in "abcd"] == [True, False, True, True]
     assert not (tmp_path / "b").exists()
     assert DiskStore(tmp_path, n + n // 2).lookup(["d"]) == 1  # a smaller budget evicts at start
-    assert sorted(os.listdir(tmp_path)) == ["d"]
+    assert sorted(disk_listing(tmp_path)) == ["d"]
 
 
 def test_disk_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
@@ -365,7 +371,7 @@ def test_disk_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", crash)
     assert store.put_bytes("k", make_chunk("k").to_bytes(MAC)) is PutResult.REFUSED
     monkeypatch.undo()
-    assert os.listdir(tmp_path) == [] and not store.contains("k") and store.stats()["write_errors"] == 1
+    assert disk_listing(tmp_path) == [] and not store.contains("k") and store.stats()["write_errors"] == 1
     # a process killed mid-write leaves a temp file: never visible, deleted at the next start once stale; a fresh
     # one may be another process's write in progress into the same directory: left to it
     old = tmp_path / ".tmp-k-123"
@@ -374,7 +380,7 @@ def test_disk_interrupted_write_leaves_nothing(tmp_path, monkeypatch):
     os.utime(old, (past, past))
     (tmp_path / ".tmp-j-456").write_bytes(make_chunk("j").to_bytes(MAC)[:500])
     again = DiskStore(tmp_path, 1 << 24)
-    assert again.lookup(["k"]) == again.lookup(["j"]) == 0 and os.listdir(tmp_path) == [".tmp-j-456"]
+    assert again.lookup(["k"]) == again.lookup(["j"]) == 0 and disk_listing(tmp_path) == [".tmp-j-456"]
     assert again.stats()["temp_files_removed"] == 1
 
 
@@ -397,7 +403,7 @@ def test_disk_temp_file_of_a_dead_writer_on_this_host_goes_at_the_next_start(tmp
         for name in (dead_name, live_name, mine, other_host):
             (tmp_path / name).write_bytes(data)
         again = DiskStore(tmp_path, 1 << 24)
-        assert sorted(os.listdir(tmp_path)) == sorted([live_name, mine, other_host])
+        assert sorted(disk_listing(tmp_path)) == sorted([live_name, mine, other_host])
         assert again.stats()["temp_files_removed"] == 1 and again.stats()["entries"] == 0
     finally:
         alive.kill()
@@ -417,7 +423,7 @@ def test_disk_temp_files_are_judged_by_age_alone_where_the_pid_namespace_is_unkn
     monkeypatch.setattr(disk, "_HOST", None)
     (tmp_path / name).write_bytes(b"x")
     DiskStore(tmp_path, 1 << 24)
-    assert os.listdir(tmp_path) == [name]
+    assert disk_listing(tmp_path) == [name]
 
 
 class _SmallDisk:
@@ -432,7 +438,7 @@ class _SmallDisk:
         self.errno = errno.ENOSPC
 
     def __call__(self, fd: int, data) -> None:
-        used = sum(os.path.getsize(self.directory / f) for f in os.listdir(self.directory))
+        used = sum(os.path.getsize(self.directory / f) for f in disk_listing(self.directory))
         if used + len(data) > self.capacity:
             raise OSError(self.errno, "No space left on device")
         self.real(fd, data)
@@ -451,8 +457,8 @@ def test_disk_full_below_the_budget_evicts_instead_of_freezing(tmp_path, monkeyp
     assert store.lookup(keys[-2:]) == 2 and store.get("k7") is not None
     s = store.stats()
     assert s["entries"] == 3 and s["space_evictions"] == 5 and s["write_errors"] == 0
-    assert sorted(os.listdir(tmp_path)) == ["k5", "k6", "k7"]
-    assert s["bytes"] == sum(os.path.getsize(tmp_path / k) for k in os.listdir(tmp_path))
+    assert sorted(disk_listing(tmp_path)) == ["k5", "k6", "k7"]
+    assert s["bytes"] == sum(os.path.getsize(tmp_path / k) for k in disk_listing(tmp_path))
 
 
 def test_disk_full_with_nothing_of_its_own_to_drop_refuses(tmp_path, monkeypatch):
@@ -464,7 +470,7 @@ def test_disk_full_with_nothing_of_its_own_to_drop_refuses(tmp_path, monkeypatch
     assert store.put_bytes("k", make_chunk("k").to_bytes(MAC)) is PutResult.REFUSED
     s = store.stats()
     assert (s["entries"], s["write_errors"], s["space_evictions"]) == (0, 1, 0)
-    assert os.listdir(tmp_path) == []
+    assert disk_listing(tmp_path) == []
 
 
 def test_disk_corrupt_file_refused_and_deleted(tmp_path):
@@ -475,7 +481,7 @@ def test_disk_corrupt_file_refused_and_deleted(tmp_path):
     (tmp_path / "k1").write_bytes(flip_byte(data, len(data) - 40))
     (tmp_path / "k2").write_bytes(data[: len(data) // 2])  # truncated by something outside the store
     assert store.get("k1") is None and store.get_bytes("k2") is None
-    assert os.listdir(tmp_path) == []
+    assert disk_listing(tmp_path) == []
     s = store.stats()
     assert s["corrupt_dropped"] == 2 and s["entries"] == 0 and s["bytes"] == 0
 
@@ -510,7 +516,7 @@ def test_disk_failed_publish_leaves_no_parent_entry(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert store.stats()["write_errors"] == 19 and store.stats()["entries"] == 1
     assert store._parent == {}
-    assert os.listdir(tmp_path) == [chunks[0].key]
+    assert disk_listing(tmp_path) == [chunks[0].key]
     assert store.put(chunks[1]) and store.lookup([c.key for c in chunks]) == 2
 
 

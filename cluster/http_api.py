@@ -27,7 +27,8 @@ would be: INVALID_ARGUMENT and FAILED_PRECONDITION -> 400, an unknown model -> 4
 fit (RESOURCE_EXHAUSTED) -> 400 with code "context_length_exceeded" (param max_tokens when the prompt alone
 fits), no worker / engine stopped (UNAVAILABLE) -> 503, every decode worker overloaded -> 503 with Retry-After, a
 request that failed alone (RequestFailed, INTERNAL) -> 500, a timeout -> 504.
-A body over max_positions * 128 bytes (at least 1 MiB) gets 413. An error after a stream started is sent
+A body over max_positions * 128 bytes (at least 1 MiB), or of more JSON values than a request of max_positions
+tokens needs (`_check_shape`), gets 413. An error after a stream started is sent
 as a `data: {"error": ...}` event before `data: [DONE]`.
 
 A server that stops gives requests in flight most of its grace period, then ends each with a 503 (a stream:
@@ -170,7 +171,7 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None) -> i
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(name, f"must be an integer, got {_show(v)}")
     if lo is not None and v < lo:
-        raise _bad(name, f"must be >= {lo}, got {v}")
+        raise _bad(name, f"must be >= {lo}, got {_show(v)}")
     return v
 
 
@@ -308,8 +309,9 @@ class _State:
             elif c is not None and not isinstance(c, str):
                 raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
             conv.append(m)
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, dict):  # [], "", 0, false are not objects either
             raise _bad("chat_template_kwargs", "must be an object")
         for k in kwargs:
             if k in TEMPLATE_OWN:
@@ -329,10 +331,10 @@ class _State:
         lp = body.get("logprobs")
         if not chat and isinstance(lp, (int, float)) and not isinstance(lp, bool):  # (chat's is a bool: false is off)
             # completions' logprobs is a count of alternatives, and 0 still asks for the chosen tokens' logprobs
-            raise _bad("logprobs", f"is not supported by flashpd (got {lp}; 0 still asks for the chosen tokens')")
+            raise _bad("logprobs", f"is not supported by flashpd (got {_show(lp)}; 0 still asks for the chosen tokens')")
         n = _int(body, "n", 1)
         if n != 1:
-            raise _bad("n", f"only n=1 is supported, got {n}")
+            raise _bad("n", f"only n=1 is supported, got {_show(n)}")
         be = self.backend
         limit = be.max_positions
         if len(prompt) >= limit:
@@ -347,21 +349,21 @@ class _State:
             raise _bad("method", "'dflash' needs a server with a drafter")
         width = _int(body, "block_size", 0)  # the JSON field block_size is the DFlash draft width
         if method == "dflash" and width != 0 and not 2 <= width <= 16:
-            raise _bad("block_size", f"must be in [2, 16] for dflash (0 = the drafter's default), got {width}")
+            raise _bad("block_size", f"must be in [2, 16] for dflash (0 = the drafter's default), got {_show(width)}")
         draft_width = width if method == "dflash" and width else None
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _int(body, name, None, lo=1)
         if max_tokens is None:
             max_tokens = COMPLETIONS_MAX_TOKENS if not chat else self._room(len(prompt), method, draft_width)
         if len(prompt) + max_tokens > limit:
-            raise _too_long(name, f"{max_tokens} with the prompt's {len(prompt)} tokens exceeds the model's "
+            raise _too_long(name, f"{_show(max_tokens)} with the prompt's {len(prompt)} tokens exceeds the model's "
                             f"{limit} positions")
         temperature = _num(body, "temperature", self.defaults.get("temperature", 1.0))
         if temperature < 0:
-            raise _bad("temperature", f"must be >= 0 (below 1e-5: greedy), got {temperature}")
+            raise _bad("temperature", f"must be >= 0 (below 1e-5: greedy), got {_show(temperature)}")
         top_p = _num(body, "top_p", self.defaults.get("top_p", 1.0))
         if not 0 < top_p <= 1:
-            raise _bad("top_p", f"must be in (0, 1], got {top_p}")
+            raise _bad("top_p", f"must be in (0, 1], got {_show(top_p)}")
         top_k = _int(body, "top_k", int(self.defaults.get("top_k", 0)))
         if top_k == -1:  # vLLM's "off"
             top_k = 0
@@ -666,7 +668,21 @@ def _sse(obj: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def _read_json(request: Request, limit: int) -> dict:
+def _check_shape(raw: bytes, max_values: int) -> None:
+    """Refuse a body of more JSON values than a request can use, before parsing it. Parsing runs on the event loop
+    and holds the GIL (a worker thread would not free the loop): 13 MiB of small objects took 2 s, in which every
+    stream and /health waited. Counted over the raw bytes (strings' commas and brackets too: an overcount), at about
+    1 ms a MiB. Containers are bounded by the max_values // 2 values a request of max_positions tokens needs, values
+    by max_values; a body within both parses in tens of ms at most."""
+    containers = raw.count(b"{") + raw.count(b"[")
+    values = raw.count(b",") + raw.count(b":")
+    if containers > max_values // 2 or values > max_values:
+        raise APIError(413, f"the request body holds too many JSON values ({values} separators, {containers} "
+                            f"objects and arrays; at most {max_values} and {max_values // 2})",
+                       "invalid_request_error", None, "request_too_large")
+
+
+async def _read_json(request: Request, limit: int, max_values: int) -> dict:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise APIError(413, f"the request body is over {limit} bytes", "invalid_request_error", None,
@@ -682,8 +698,10 @@ async def _read_json(request: Request, limit: int) -> dict:
     except ClientDisconnect:  # gone before its body came whole (or cut off by http_guard's deadline): no server
         # failure, so no traceback in the log (two each, for any client who likes), and nobody to answer
         raise APIError(499, "the client disconnected while sending its request", "invalid_request_error") from None
+    raw = b"".join(chunks)
+    _check_shape(raw, max_values)
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise _bad(None, f"the body is not valid JSON: {_cap(str(e))}") from None
     if not isinstance(body, dict):
@@ -703,6 +721,7 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
     st = _State(backend, tokenizer, model_name, metrics, chat_template, chat_error, dict(defaults or {}),
                 anyio.CapacityLimiter(2 * max_concurrent))
     body_limit = max(1 << 20, backend.max_positions * MAX_CHARS_PER_TOKEN * 2)
+    max_values = 2 * backend.max_positions + (1 << 16)  # a prompt as ids is max_positions values; room for the rest
     app = FastAPI(title="flashpd", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.flashpd = st
     app.state.drain = st.drain  # http_server.HttpServer.stop()
@@ -761,7 +780,7 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _read_json(request, body_limit)
+        body = await _read_json(request, body_limit, max_values)
         st.check_model(body)
         r = await st.request(body, chat=False)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -806,7 +825,7 @@ def build_app(backend: Backend, tokenizer, model_name: str, metrics=None, chat_t
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _read_json(request, body_limit)
+        body = await _read_json(request, body_limit, max_values)
         st.check_model(body)
         r = await st.request(body, chat=True)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

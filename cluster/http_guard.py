@@ -63,8 +63,9 @@ def guarded_h11(request_timeout_s: float) -> type[H11Protocol]:
                 inner, conns, tasks, cls = self.app, self.connections, self.tasks, type(self)
 
                 async def app(scope, receive, send) -> None:
-                    # as uvicorn counts: this connection among the connections; this request's task among tasks
-                    if scope["type"] == "http" and (len(conns) >= cap or len(tasks) > cap) \
+                    # this connection is among the connections and this request's task among the tasks: at most
+                    # `cap` of each (uvicorn's own check, >= for connections, served one connection fewer)
+                    if scope["type"] == "http" and (len(conns) > cap or len(tasks) > cap) \
                             and scope.get("path") not in ALWAYS_SERVED:
                         cls.busy += 1
                         await _busy(send)

@@ -373,8 +373,19 @@ def test_odd_but_valid_json_gets_4xx_and_tiny_top_p_is_greedy(server):
     """Bodies a JSON parser accepts but the API must still answer cleanly (each was a 500 or worse)."""
     post = lambda body, path="completions": server.http.post(  # noqa: E731
         f"{server.base}/v1/{path}", content=body if isinstance(body, bytes) else json.dumps(body).encode())
-    r = post(b"[" * 50_000)  # nested past the parser's recursion limit
+    r = post(b"[" * 20_000)  # nested past the parser's recursion limit
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    for many in (b"[" + b"{}," * 200_000 + b"{}]", b'{"prompt": [' + b"1," * 400_000 + b'1]}'):
+        r = post(many)  # more values than a request can use: refused before parsing (it blocked the event loop)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        assert "too many JSON values" in r.json()["error"]["message"]
+    for odd in ([], "", 0, False):  # falsy, and not objects: they were taken as {}
+        r = post(dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], chat_template_kwargs=odd),
+                 "chat/completions")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", (odd, r.text)
+    for name in ("max_tokens", "n", "top_p"):  # huge values are shown capped, not in their 309 digits
+        r = post(b'{"model": "%s", "prompt": "x", "%s": 1e308}' % (MODEL.encode(), name.encode()))
+        assert r.status_code == 400 and len(r.json()["error"]["message"]) < 200, r.text
     r = post(b'{"model": "\\ud800", "prompt": "x"}')  # a lone surrogate, echoed in the error
     assert r.status_code == 404 and "\\ud800" in r.json()["error"]["message"]
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)

@@ -174,6 +174,19 @@ def test_trickling_clients_cannot_hold_the_connection_limit(server):
             s.close()
 
 
+def test_the_connection_at_the_limit_is_served(server):
+    """max_concurrent 2: at most 20 connections (docs/architecture.md). With 19 held, the 20th is served (the
+    check counted the request's own connection against the limit: one fewer was served than documented)."""
+    held = [_connect(server) for _ in range(19)]
+    try:
+        time.sleep(0.1)
+        assert _one_request(server).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.2)
+
+
 def test_past_the_connection_limit_a_request_gets_an_openai_503(server):
     """max_concurrent 2: uvicorn's limit is 20 connections. With 20 held, a request gets 503 with a JSON error body
     and Retry-After (uvicorn's own 503 was text/plain), /health is still answered; once they are gone, a request

@@ -31,7 +31,7 @@ from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
-from flashpd.kv_bridge.rpc_guard import TokenGate, add_guarded, echo, token_authorizer
+from flashpd.kv_bridge.rpc_guard import HEALTH_RESERVE, CallLimit, TokenGate, add_guarded, echo, token_authorizer
 from flashpd.kv_bridge.stall_guard import DEFAULT_IDLE_S, StallGuard
 from flashpd.kv_bridge.server import is_loopback
 from flashpd.kv_bridge.tls import BridgeTls
@@ -302,7 +302,8 @@ def new_server(host: str, port: int, allow_remote: bool, max_workers: int, servi
     """A started gRPC server on host:port (0 picks a free port) serving `services`: service name in
     proto/generation.proto ("Generation", "PrefillWorker", "DecodeWorker") -> its servicer, each
     registered through add_guarded (undecodable requests get INVALID_ARGUMENT). Each in-flight RPC holds
-    one worker thread, so max_workers bounds the concurrent requests; a call whose client sends or takes
+    one worker thread; max_workers bounds the concurrent calls but Health's (rpc_guard.CallLimit: a full server
+    still answers its probes); a call whose client sends or takes
     nothing for idle_s is cancelled (kv_bridge/stall_guard.py), so stalled clients cannot hold them all.
     token: every call must carry it (rpc_guard.TokenGate; the cluster's workers take the bridge's token).
     exclusive: no other socket may share the port (grpcio sets SO_REUSEPORT, so a second service on a fixed port
@@ -315,9 +316,10 @@ def new_server(host: str, port: int, allow_remote: bool, max_workers: int, servi
                     "clear (set tls_cert, tls_key and tls_ca)", host)
     creds = tls.server_credentials() if tls is not None else None  # (unreadable files: before any server exists)
     guards = [TokenGate(token_authorizer(token))] if token is not None else []
-    guards.append(StallGuard(idle_s))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation"),
-                         maximum_concurrent_rpcs=max_workers, interceptors=guards,
+    guards += [CallLimit(max_workers), StallGuard(idle_s)]  # Health is answered past max_workers requests
+    room = max_workers + HEALTH_RESERVE
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=room, thread_name_prefix="generation"),
+                         maximum_concurrent_rpcs=room, interceptors=guards,
                          options=[("grpc.so_reuseport", 0)] if exclusive else None)
     for name, servicer in services.items():
         add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name[name])

@@ -7,7 +7,8 @@ request!". A client error is INVALID_ARGUMENT, so `add_guarded` builds the metho
 from the service descriptor: the deserializer never raises, and the handler answers
 INVALID_ARGUMENT for a request that did not parse. `TokenGate`, a server interceptor, checks a call's
 metadata while grpcio looks up its handler, before a request byte is read: a call without the token gets
-UNAUTHENTICATED at once, and no worker thread waits on a stranger's request.
+UNAUTHENTICATED at once, and no worker thread waits on a stranger's request. `CallLimit` bounds the calls in
+flight but Health's.
 """
 from __future__ import annotations
 
@@ -103,6 +104,58 @@ class TokenGate(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_HEADER}")
 
         return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+class CallLimit(grpc.ServerInterceptor):
+    """At most `limit` calls at once of every method but the `exempt` ones (Health): a server full of requests still
+    answers its probes. grpcio's own bound (maximum_concurrent_rpcs) counts every call, so a saturated server
+    answered Health RESOURCE_EXHAUSTED, and a probe read that as down. The server is given a few threads and
+    concurrent RPCs more than `limit` (HEALTH_RESERVE) for the exempt calls; a call past the limit ends
+    RESOURCE_EXHAUSTED on the thread that picks it up, before its request is read."""
+
+    def __init__(self, limit: int, exempt: Sequence[str] = ("Health",)) -> None:
+        self.limit = limit
+        self.exempt = frozenset(exempt)
+        self._lock = threading.Lock()
+        self.in_flight = 0
+
+    def _enter(self, context: grpc.ServicerContext, name: str) -> None:
+        with self._lock:
+            full = self.in_flight >= self.limit
+            if not full:
+                self.in_flight += 1
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{name}: the server has {self.limit} calls in flight, its limit; try again later")
+        if not context.add_callback(self._leave):  # however the call ends
+            self._leave()
+
+    def _leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    def intercept_service(self, continuation, handler_call_details):
+        h = continuation(handler_call_details)
+        name = handler_call_details.method.rsplit("/", 1)[-1]
+        if h is None or name in self.exempt:
+            return h
+        kind = (h.request_streaming, h.response_streaming)
+        inner = {(False, False): h.unary_unary, (False, True): h.unary_stream, (True, False): h.stream_unary,
+                 (True, True): h.stream_stream}[kind]
+
+        if h.response_streaming:
+            def behavior(arg, context):
+                self._enter(context, name)
+                yield from inner(arg, context)
+        else:
+            def behavior(arg, context):
+                self._enter(context, name)
+                return inner(arg, context)
+        return _FACTORIES[kind](behavior, request_deserializer=h.request_deserializer,
+                                response_serializer=h.response_serializer)
+
+
+HEALTH_RESERVE = 4  # threads and concurrent RPCs a server keeps for the calls CallLimit exempts
 
 
 def _wrap(fn: Callable, m: MethodDescriptor, on_invalid: Callable[[], None] | None = None) -> Callable:

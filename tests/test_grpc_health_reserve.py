@@ -1,0 +1,86 @@
+"""A gRPC server full of requests still answers Health (rpc_guard.CallLimit), and refuses the request past its limit.
+
+Found by a review: grpcio's maximum_concurrent_rpcs counted Health with the requests, so a server at its limit
+answered its health probe RESOURCE_EXHAUSTED, which a probe (Kubernetes, a load balancer) reads as down.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from flashpd.cluster.generation_client import GenerationClient, GenerationError
+from flashpd.cluster.generation_server import serve_generation
+from tests._fake_handle import FakeHandle
+
+LIMIT = 2
+
+
+class _HeldBackend:
+    """Streams one token, then holds every request until `release` is set (no engine)."""
+
+    has_drafter, default_draft_width, vocab_size, max_positions, alive = False, None, 100, 64, True
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.cancelled = 0
+
+    def counts(self):
+        from flashpd.engine.load import Load
+        return Load(running=0, waiting=0, kv_blocks_free=4, kv_blocks_total=4, kv_block_size=16)
+
+    def submit(self, prompt, params, method, draft_width, timeout_s, **_):
+        from flashpd.decode_node.engine_loop import Event
+
+        h = FakeHandle()
+        h.events.put(Event("tokens", tokens=[7]))
+
+        def finish() -> None:
+            self.release.wait(60)
+            h.events.put(Event("done", finish_reason="length", stats={"acceptance_lengths": [], "tau": None}))
+
+        threading.Thread(target=finish, daemon=True).start()
+        return h
+
+    def cancel(self, h) -> None:
+        self.cancelled += 1
+
+
+@pytest.fixture
+def held():
+    be = _HeldBackend()
+    server, port = serve_generation(be, max_workers=LIMIT)
+    client = GenerationClient(f"127.0.0.1:{port}", timeout_s=10)
+    try:
+        yield be, client
+    finally:
+        be.release.set()
+        client.close()
+        server.stop(None)
+
+
+def test_health_is_answered_while_every_request_slot_is_taken(held):
+    be, client = held
+    streams = [client.generate([5, 6], max_tokens=2, timeout_s=30) for _ in range(LIMIT)]
+    first = [next(iter(s)) for s in streams]  # both in flight: each got its first token
+    assert all(c.token_ids == [7] for c in first)
+    for _ in range(3):
+        h = client.health(timeout_s=5)
+        assert h["serving"], h
+    with pytest.raises(GenerationError) as e:  # one request more is refused for load, at once
+        next(iter(client.generate([5, 6], max_tokens=2, timeout_s=10)))
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "its limit" in str(e.value), e.value
+    be.release.set()
+    for s in streams:
+        list(s)
+    t0 = time.monotonic()
+    while True:  # the slots come back as the calls end
+        try:
+            chunks = list(client.generate([5, 6], max_tokens=2, timeout_s=10))
+            break
+        except GenerationError as err:
+            assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 5, err
+            time.sleep(0.05)
+    assert [t for c in chunks for t in c.token_ids] == [7]

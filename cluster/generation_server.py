@@ -165,6 +165,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             bad("prompt_text: this server has no tokenizer; send prompt_ids")
         if len(text) > limit * MAX_CHARS_PER_TOKEN:
             too_big(f"prompt_text: {len(text)} characters cannot fit the model's {limit} positions")
+        over = self.tokenizer.tokens_over(text, limit)  # before encoding it whole: memory by tokens, not characters
+        if over is not None:
+            too_big(f"prompt_text: at least {over} tokens leave no room for output in the model's {limit} positions")
         try:
             prompt = self.tokenizer.encode(text)
         except Exception as e:  # noqa: BLE001  whatever the tokenizer refuses is the client's text

@@ -60,7 +60,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from flashpd.cluster.detok import Detokenizer
-from flashpd.cluster.chat_template import ChatTemplate, ChatTemplateError
+from flashpd.cluster.chat_template import SPECIAL_TOKENS, ChatTemplate, ChatTemplateError, ChatTemplateTooLong
 from flashpd.cluster.generation_server import MAX_CHARS_PER_TOKEN, POLL_S, Backend
 from flashpd.decode_node.engine_loop import EngineStopped, Overloaded, coalesce
 from flashpd.engine.kv_cache import blocks_needed
@@ -253,6 +253,9 @@ class _State:
             raise _bad(param, "this server has no tokenizer; send token ids")
         if len(text) > limit * MAX_CHARS_PER_TOKEN:
             raise _too_long(param, f"{len(text)} characters cannot fit the model's {limit} positions")
+        over = self.tokenizer.tokens_over(text, limit)  # before encoding it whole: memory by tokens, not characters
+        if over is not None:
+            raise _too_long(param, f"at least {over} tokens cannot fit the model's {limit} positions")
         try:
             ids = self.tokenizer.encode(text)  # on a worker thread (`request`), and without the interpreter lock
         except Exception as e:  # noqa: BLE001  whatever the tokenizer refuses is the client's text
@@ -316,12 +319,19 @@ class _State:
         for k in kwargs:
             if k in TEMPLATE_OWN:
                 raise _bad(f"chat_template_kwargs.{k}", "is set by the server (from the request's own fields)")
+            if k in SPECIAL_TOKENS or k == "additional_special_tokens":  # the tokenizer's, not a client's to replace
+                raise _bad(f"chat_template_kwargs.{k}", "is the model's special token, not a template option")
         cont = _bool(body, "continue_final_message", False)
+        limit = self.backend.max_positions * MAX_CHARS_PER_TOKEN
         try:
             text = self.chat.render(conv, add_generation_prompt=_bool(body, "add_generation_prompt", not cont),
-                                    continue_final_message=cont, tools=None, documents=None, **kwargs)
+                                    continue_final_message=cont, tools=None, documents=None, max_chars=limit,
+                                    **kwargs)
+        except ChatTemplateTooLong:
+            raise _too_long("messages", f"the rendered prompt passed {limit} characters, more than the model's "
+                                        f"{self.backend.max_positions} positions can hold") from None
         except ChatTemplateError as e:
-            raise _bad("messages", str(e)) from None
+            raise _bad("messages", _cap(str(e), 256)) from None
         return self.encode(text, "messages")
 
     def parse(self, body: dict, prompt: list[int], chat: bool) -> _Req:

@@ -8,6 +8,10 @@ from tokenizers import Tokenizer
 from flashpd.engine.config import CheckpointError, read_json_object
 
 
+WINDOW_CHARS = 16384  # tokens_over's window
+CUT_SLACK = 64  # tokens a window cut may add (a pre-token, or a special token's text, split in two)
+
+
 class TextTokenizer:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -43,6 +47,28 @@ class TextTokenizer:
         holds it throughout: a 260k-character prompt, 0.15 s, stalled every stream of a server and, in-process,
         the engine loop); the same ids."""
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def tokens_over(self, text: str, limit: int) -> int | None:
+        """How many tokens `text` has at least, when that is surely more than `limit`; None when it may fit. Counted
+        window by window (WINDOW_CHARS characters, cut before a space where one is near), stopping once past the
+        limit: the tokenizer's memory is a window's, whatever the text. A whole text of 4-byte characters under the
+        character bound (1 MiB of emoji) encoded to a million tokens, about 230 MB in the library, before the prompt
+        was refused; eight at once took 2 GB. A window cut can add tokens (a pre-token split in two): each cut is
+        allowed CUT_SLACK of them before the count says "over", so a text that fits is never refused here."""
+        if 4 * len(text) <= limit:  # a token holds at least one UTF-8 byte, a character at most four
+            return None
+        total = cuts = start = 0
+        while start < len(text):
+            end = min(len(text), start + WINDOW_CHARS)
+            if end < len(text):
+                space = text.rfind(" ", start + WINDOW_CHARS // 2, end)  # pre-tokens start at a space: kept whole
+                end = space if space > start else end
+                cuts += 1
+            total += len(self._tok.encode_batch([text[start:end]], add_special_tokens=False)[0].ids)
+            if total > limit + CUT_SLACK * cuts:
+                return total - CUT_SLACK * cuts
+            start = end
+        return None
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         """Several texts at once (the tokenizers library spreads a batch over the cores)."""

@@ -75,7 +75,7 @@ MAX_STOPS = 16
 # Each stop string is searched for in the held-back text at every token, on the event loop that serves every
 # stream: stops as long as the output made that quadratic (16 stops of 8k characters: 0.6 s at 16k tokens)
 MAX_STOP_CHARS = 1024
-TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents")
+TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "max_chars")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # fields flashpd cannot honour: refused (400) unless absent or at the value that means "off"
 UNSUPPORTED = {

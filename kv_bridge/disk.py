@@ -10,7 +10,7 @@ A file is trusted no more than bytes off the network: every read checks its MAC 
 cluster secret), header and key, and a file that fails is deleted and read as a miss (counted in
 `corrupt_dropped`).
 
-One process owns a directory (an exclusive lock on `.flashpd-disk.lock`, waited for a while: a restarted
+One process owns a directory (an exclusive flock on the directory, waited for a while: a restarted
 worker's predecessor may still be flushing): the byte budget bounds the directory, and no other process
 deletes this one's files. A second process gets DiskTierInUse. The directory's tag file (`.flashpd-disk.tag`)
 names the secret its files were written under, as a keyed hash: a start under another secret (a service
@@ -54,7 +54,6 @@ _TMP_PREFIX = ".tmp-"
 # younger one may be a write in progress by another process sharing the directory (a chunk takes well under a
 # second), unless its name says it was this host's and its writer is gone (`_temp_name`): then it goes at once.
 STALE_TMP_S = 600.0
-LOCK_NAME = ".flashpd-disk.lock"
 TAG_NAME = ".flashpd-disk.tag"
 OWNER_WAIT_S = 15.0  # how long a start waits for another process to let the directory go
 
@@ -63,43 +62,71 @@ class DiskTierInUse(RuntimeError):
     """Another process holds the disk tier's directory: give each bridge its own `bridge_disk_dir`."""
 
 
-# resolved directory -> (lock file descriptor, stores of this process open on it): the lock is the process's, so a
-# store opened again in one process (a restart in place) shares it
+# resolved directory -> (its descriptor, holding the lock; stores of this process open on it): the lock is the
+# process's, so a store opened again in one process (a restart in place) shares it
 _OWNED: dict[str, tuple[int, int]] = {}
 _OWNED_LOCK = threading.Lock()
+# directories of stores finalized unclosed: let go at the next _own or _disown. A finalizer takes no lock (the
+# cyclic collector may run it in a thread that holds _OWNED_LOCK already)
+_FINALIZED: list[str] = []
+
+
+def _let_go_finalized() -> None:
+    """(_OWNED_LOCK held.)"""
+    while _FINALIZED:
+        _release(_FINALIZED.pop())
+
+
+def _release(key: str) -> None:
+    """(_OWNED_LOCK held.) One store fewer on the directory; the last one closes the descriptor, and the lock."""
+    fd, n = _OWNED.pop(key)
+    if n > 1:
+        _OWNED[key] = (fd, n - 1)
+    else:
+        os.close(fd)
 
 
 def _own(directory: Path, wait_s: float) -> str:
-    """Take this process's exclusive lock on the directory (waiting up to wait_s); the key to give back."""
+    """Take this process's exclusive lock on the directory (flock on the directory itself, so a read-only one
+    works too), waiting up to wait_s for another process to let it go; the key to give back to _disown."""
     key = str(directory.resolve())
-    with _OWNED_LOCK:
-        if key in _OWNED:
-            fd, n = _OWNED[key]
-            _OWNED[key] = (fd, n + 1)
-            return key
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-        deadline = time.monotonic() + wait_s
+    fd = None
+    deadline = time.monotonic() + wait_s
+    try:
         while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    raise DiskTierInUse(f"disk tier {directory}: another process holds it (waited {wait_s:g} s); "
-                                        f"give each bridge its own bridge_disk_dir") from None
-                time.sleep(0.05)
-        _OWNED[key] = (fd, 1)
-        return key
+            with _OWNED_LOCK:
+                _let_go_finalized()
+                if key in _OWNED:  # this process holds it already (another store, or another thread just now)
+                    held, n = _OWNED[key]
+                    _OWNED[key] = (held, n + 1)
+                    return key
+                if fd is None:
+                    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pass
+                except OSError as e:  # a file system without flock: ownership cannot be enforced there; said once
+                    log.warning("disk tier %s: cannot lock the directory (%s); make sure no other process uses it",
+                                directory, e)
+                    _OWNED[key], fd = (fd, 1), None
+                    return key
+                else:
+                    _OWNED[key], fd = (fd, 1), None
+                    return key
+            if time.monotonic() >= deadline:  # the wait is outside the lock: other directories are not held up
+                raise DiskTierInUse(f"disk tier {directory}: another process holds it (waited {wait_s:g} s); "
+                                    f"give each bridge its own bridge_disk_dir")
+            time.sleep(0.05)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _disown(key: str) -> None:
     with _OWNED_LOCK:
-        fd, n = _OWNED.pop(key)
-        if n > 1:
-            _OWNED[key] = (fd, n - 1)
-        else:
-            os.close(fd)  # the lock goes with the descriptor
+        _let_go_finalized()
+        _release(key)
 
 
 def _host_tag() -> str | None:
@@ -172,10 +199,9 @@ class DiskStore(IndexedStore):
             _disown(owner)
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001  interpreter shutdown
-            pass
+        owner, self._owner = getattr(self, "_owner", None), None
+        if owner is not None:  # no lock here (see _FINALIZED); the next _own or _disown lets the directory go
+            _FINALIZED.append(owner)
 
     def _tag(self) -> bytes:
         """What the tag file holds under this store's secret: a keyed hash, nothing of the secret itself."""
@@ -199,6 +225,7 @@ class DiskStore(IndexedStore):
 
     def _scan(self) -> None:
         same = self._same_secret()
+        writable = os.access(self.directory, os.W_OK)
         found: list[tuple[int, str, int, str | None]] = []
         with os.scandir(self.directory) as entries:
             for entry in entries:
@@ -215,15 +242,17 @@ class DiskStore(IndexedStore):
                 except OSError:  # gone since the listing, or not statable: no entry
                     continue
                 if not same:  # written under another secret (or before tags): can never verify under this one
-                    _unlink(entry.path)
-                    self._c["other_secret_dropped"] += 1
+                    if writable:
+                        _unlink(entry.path)
+                    self._c["other_secret_dropped"] += 1  # (a read-only directory: left there, not indexed)
                     continue
                 found.append((st.st_mtime_ns, entry.name, st.st_size, _header_parent(entry.path)))
         if not same:
             if self._c["other_secret_dropped"]:
-                log.info("disk tier %s: %d chunk files written under another secret dropped", self.directory.name,
-                         self._c["other_secret_dropped"])
-            self._write_tag()
+                log.info("disk tier %s: %d chunk files written under another secret %s", self.directory.name,
+                         self._c["other_secret_dropped"], "dropped" if writable else "ignored (read-only)")
+            if writable:
+                self._write_tag()
         self._rebuild(found)
         with self._lock:
             self._evict_to(0)  # the budget may have shrunk since the last run
@@ -568,10 +597,10 @@ class TieredStore:
                     if not self._cond.wait(WRITER_IDLE_S) and not self._pending:
                         self._thread = None  # idle: exit (the next _enqueue starts a writer again)
                         return
-                if not self._pending:  # closed, nothing left
+                if not self._pending:  # closed, nothing left: the directory goes with the last writer
                     self._thread = None
                     self._cond.notify_all()
-                    return
+                    break
                 key, data = next(iter(self._pending.items()))
                 self._writing = key
             try:
@@ -588,6 +617,7 @@ class TieredStore:
                 elif result is not PutResult.PRESENT:  # PRESENT: another process wrote it first
                     self._c["disk_write_errors"] += 1
                 self._cond.notify_all()
+        self.disk.close()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done (None: without a bound); False if `timeout` passed first."""

@@ -127,8 +127,6 @@ class CallLimit(grpc.ServerInterceptor):
         if full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{name}: the server has {self.limit} calls in flight, its limit; try again later")
-        if not context.add_callback(self._leave):  # however the call ends
-            self._leave()
 
     def _leave(self) -> None:
         with self._lock:
@@ -143,14 +141,22 @@ class CallLimit(grpc.ServerInterceptor):
         inner = {(False, False): h.unary_unary, (False, True): h.unary_stream, (True, False): h.stream_unary,
                  (True, True): h.stream_stream}[kind]
 
+        # counted until the handler's thread leaves it, not until the call ends: a cancelled call's handler may run
+        # on (blocked in a submit) and hold its thread, which then the Health reserve paid for
         if h.response_streaming:
             def behavior(arg, context):
                 self._enter(context, name)
-                yield from inner(arg, context)
+                try:
+                    yield from inner(arg, context)
+                finally:
+                    self._leave()
         else:
             def behavior(arg, context):
                 self._enter(context, name)
-                return inner(arg, context)
+                try:
+                    return inner(arg, context)
+                finally:
+                    self._leave()
         return _FACTORIES[kind](behavior, request_deserializer=h.request_deserializer,
                                 response_serializer=h.response_serializer)
 

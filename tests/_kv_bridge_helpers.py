@@ -10,7 +10,7 @@ import torch
 from flashpd.kv_bridge.auth import ClusterSecret, process_secret
 from flashpd.kv_bridge.chunk import KVChunk
 from flashpd.kv_bridge.client import BridgeClient
-from flashpd.kv_bridge.disk import LOCK_NAME, TAG_NAME
+from flashpd.kv_bridge.disk import TAG_NAME
 from flashpd.kv_bridge.keys import MethodFingerprint, chunk_keys
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
 from flashpd.kv_bridge.rpc_guard import TOKEN_HEADER
@@ -90,5 +90,5 @@ class BridgeHarness:
 
 
 def disk_listing(directory: str | Path) -> list[str]:
-    """A disk tier directory's files but its own lock and tag files (entries and temp files), sorted."""
-    return sorted(n for n in os.listdir(directory) if n not in (LOCK_NAME, TAG_NAME))
+    """A disk tier directory's files but its tag file (entries and temp files), sorted."""
+    return sorted(n for n in os.listdir(directory) if n != TAG_NAME)

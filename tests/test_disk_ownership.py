@@ -127,11 +127,79 @@ def test_a_second_process_cannot_open_a_held_directory_and_can_once_it_is_let_go
         child.wait(10)
 
 
-def test_one_process_may_open_its_directory_again(tmp_path):
+def _child_opens(directory: Path) -> str:
+    """What a fresh process gets opening the directory at once: "opened" or "in use"."""
+    code = textwrap.dedent(f"""
+        from flashpd.kv_bridge.disk import DiskStore, DiskTierInUse
+        try:
+            DiskStore({str(directory)!r}, 1 << 20, owner_wait_s=0.2).close()
+            print("opened")
+        except DiskTierInUse:
+            print("in use")
+    """)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip()
+
+
+def test_one_process_may_open_its_directory_again_and_lets_it_go_with_the_last_store(tmp_path):
     """A restart in place (a second store of this process on the directory) shares the process's lock; the
-    directory is let go only when both are closed."""
+    directory is let go only when both are closed, in either order, and a store dropped unclosed lets it go too."""
     first = DiskStore(tmp_path, 1 << 20)
     again = DiskStore(tmp_path, 1 << 20, owner_wait_s=0)
     first.close()
     first.close()  # idempotent
+    assert _child_opens(tmp_path) == "in use"
     again.close()
+    assert _child_opens(tmp_path) == "opened"
+    dropped = DiskStore(tmp_path, 1 << 20)
+    assert _child_opens(tmp_path) == "in use"
+    del dropped  # finalized unclosed: let go at this process's next open or close of any directory
+    DiskStore(tmp_path / "other", 1 << 20).close()
+    assert _child_opens(tmp_path) == "opened"
+
+
+def test_the_last_disk_writer_lets_the_directory_go_after_a_close_that_timed_out(tmp_path, monkeypatch):
+    """TieredStore.close whose flush timed out leaves its writer finishing the queue; the writer lets the
+    directory go as it exits (nothing did, and the directory stayed held while the store lived)."""
+    import threading
+    import time
+
+    s = ClusterSecret.generate()
+    store = _tiered(tmp_path, s)
+    gate = threading.Event()
+    orig = store.disk.put_bytes
+
+    def slow(key, data, verified=False):
+        gate.wait(30)
+        return orig(key, data, verified)
+
+    monkeypatch.setattr(store.disk, "put_bytes", slow)
+    chunks = prompt_chunks(list(range(2 * CHUNK_TOKENS)), fingerprint(), seed=9)
+    assert all(store.put(c) for c in chunks)
+    assert not store.close(timeout=0.2)  # the first write is still blocked
+    assert _child_opens(tmp_path) == "in use"
+    gate.set()
+    t0 = time.monotonic()
+    while store._thread is not None and time.monotonic() - t0 < 30:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    assert _child_opens(tmp_path) == "opened"
+
+
+def test_a_read_only_directory_opens_and_keeps_its_files(tmp_path, monkeypatch):
+    """A directory this process cannot write (a read-only mount) still opens (the lock is taken on the directory
+    itself), and files of another secret are left there, not indexed; the tag is not written."""
+    from flashpd.kv_bridge import disk as disk_mod
+
+    s = ClusterSecret.generate()
+    chunks = prompt_chunks(list(range(2 * CHUNK_TOKENS)), fingerprint(), seed=11)
+    first = DiskStore(tmp_path, 1 << 24, s)
+    assert all(first.put(c) for c in chunks)
+    first.close()
+    monkeypatch.setattr(disk_mod.os, "access", lambda path, mode: mode != disk_mod.os.W_OK)
+    ro = DiskStore(tmp_path, 1 << 24, ClusterSecret.generate())
+    assert ro.stats()["entries"] == 0 and ro.stats()["other_secret_dropped"] == 2
+    assert disk_listing(tmp_path) == sorted(c.key for c in chunks)
+    ro.close()
+    same = DiskStore(tmp_path, 1 << 24, s)  # the tag still names the first secret
+    assert same.lookup([c.key for c in chunks]) == 2
+    same.close()

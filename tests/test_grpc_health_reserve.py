@@ -84,3 +84,34 @@ def test_health_is_answered_while_every_request_slot_is_taken(held):
             assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 5, err
             time.sleep(0.05)
     assert [t for c in chunks for t in c.token_ids] == [7]
+
+
+class _SlowSubmitBackend(_HeldBackend):
+    """submit itself blocks (as EngineLoop.submit may, up to its timeout), whatever the client does meanwhile."""
+
+    def submit(self, prompt, params, method, draft_width, timeout_s, **kw):
+        self.release.wait(3)
+        return super().submit(prompt, params, method, draft_width, timeout_s, **kw)
+
+
+def test_a_handler_still_running_after_its_client_left_keeps_its_slot():
+    """Clients that give up (0.3 s deadlines) while their handlers block in submit: the handlers still hold their
+    threads, so the limit counts them until they return, and Health keeps its reserve. Counted until the call
+    ended, six handlers ran at once on a limit of two, and Health got RESOURCE_EXHAUSTED."""
+    be = _SlowSubmitBackend()
+    server, port = serve_generation(be, max_workers=LIMIT)
+    client = GenerationClient(f"127.0.0.1:{port}", timeout_s=10)
+    try:
+        codes = []
+        for _ in range(8):
+            try:
+                client.generate_once([5, 6], max_tokens=2, timeout_s=0.3)
+            except GenerationError as e:
+                codes.append(e.code)
+        assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 8 - LIMIT  # no handler ran past the limit
+        assert client.health(timeout_s=5)["serving"]
+    finally:
+        be.release.set()
+        client.close()
+        server.stop(None)

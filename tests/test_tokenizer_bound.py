@@ -30,7 +30,7 @@ def _text(rng: random.Random, n: int) -> str:
     return "".join(rng.choice(PIECES) for _ in range(n))
 
 
-@pytest.mark.parametrize("window", [24, 64, 16384])
+@pytest.mark.parametrize("window", [24, 64, 256])
 def test_a_text_that_fits_is_never_refused_and_a_refusal_is_a_lower_bound(tok, monkeypatch, window):
     """Random texts of words, space and newline runs, emoji, combining marks and special tokens' text, with the
     window small enough for many cuts: where the whole text has at most `limit` tokens the answer is None; where it
@@ -48,7 +48,7 @@ def test_a_text_that_fits_is_never_refused_and_a_refusal_is_a_lower_bound(tok, m
             elif over is not None:
                 refused += 1
                 assert limit < over <= n, (window, limit, n, over)
-    assert refused > 0 or window < 16384  # one window, no cut: every text past the limit is refused
+    assert refused > 0 or window < 256, refused  # windows of more tokens than a cut's slack do refuse
 
 
 def test_four_byte_characters_are_refused_at_the_first_window(tok, monkeypatch):

@@ -150,7 +150,6 @@ def _colocated(cfg: ServeConfig) -> Service:
 def _colocated_split(cfg: ServeConfig) -> Service:
     """Colocated with the engine in a child process (cluster/engine_proc.py); the API, tokenizer and served
     metrics here."""
-    from flashpd.cluster.worker_main import decode_metrics, device_tier_metrics  # noqa: PLC0415
     from flashpd.cluster.engine_proc import EngineProcess  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
 
@@ -159,9 +158,8 @@ def _colocated_split(cfg: ServeConfig) -> Service:
     metrics = Metrics("colocated")
     engine = EngineProcess(cfg, on_done=lambda method, stats, n: metrics.observe_request(method, stats, "ok", n))
     try:
-        decode_metrics(metrics, _EngineStats(engine, bool(cfg.device_cache_bytes or cfg.host_cache_bytes)))
-        if cfg.device_cache_bytes:
-            device_tier_metrics(metrics, lambda: engine.stats()["device_store"])
+        engine_metrics(metrics, engine.stats, bool(cfg.device_cache_bytes or cfg.host_cache_bytes),
+                       bool(cfg.device_cache_bytes))
         tokenizer = TextTokenizer.from_dir(cfg.target)
         server, port = serve_generation(engine, cfg.host, cfg.port, tokenizer, cfg.allow_remote, cfg.max_concurrent,
                                         cfg.public_settings())
@@ -172,11 +170,23 @@ def _colocated_split(cfg: ServeConfig) -> Service:
                    tokenizer=tokenizer)
 
 
+def engine_metrics(metrics: Metrics, stats: Callable[[], dict], has_cache: bool, device_tier: bool) -> None:
+    """An engine process's live families, every one from a single read of its stats a scrape: each read is a round
+    trip to the engine, and a stuck engine made a scrape wait out one timeout (5 s) a family reading its own (20 s
+    with a device tier)."""
+    from flashpd.cluster.worker_main import decode_metrics, device_tier_metrics  # noqa: PLC0415
+
+    read = metrics.per_scrape(stats)
+    decode_metrics(metrics, _EngineStats(read, has_cache))
+    if device_tier:
+        device_tier_metrics(metrics, lambda: read()["device_store"])
+
+
 class _EngineStats:
     """What decode_metrics reads of a DecodeWorker, from the engine process's stats."""
 
-    def __init__(self, engine, has_cache: bool) -> None:
-        self.stats = engine.stats
+    def __init__(self, stats: Callable[[], dict], has_cache: bool) -> None:
+        self.stats = stats
         self.cache = self if has_cache else None
 
     def failure_reasons(self) -> dict[str, int]:

@@ -47,6 +47,28 @@ def test_a_stuck_engine_costs_one_timeout_a_scrape():
     assert "flashpd_running_requests{" not in text  # the families are empty, and the scrape answers
 
 
+def test_an_engine_process_is_read_once_a_scrape_with_its_cache_and_device_tier_families():
+    """The colocated service's engine process (cluster/service.engine_metrics): its recompute-fallback and device
+    tier families share the scrape's one read. They read for themselves, and a stopped engine made a scrape wait
+    four timeouts (20 s)."""
+    from flashpd.cluster.service import engine_metrics
+
+    calls = []
+
+    def stats() -> dict:
+        calls.append(1)
+        return {**STATS, "import_failures_by_reason": {"corrupt": 2},
+                "device_store": {"hits_device": 5, "hits_backing": 1, "misses": 3, "bytes": 4096}}
+
+    m = Metrics("colocated")
+    engine_metrics(m, stats, has_cache=True, device_tier=True)
+    text = m.exposition()
+    assert len(calls) == 1, len(calls)
+    assert 'flashpd_recompute_fallbacks_total{reason="corrupt",role="colocated"} 2.0' in text, text
+    assert 'flashpd_device_cache_bytes{role="colocated"} 4096.0' in text
+    assert 'flashpd_device_cache_reads_total{result="hit",role="colocated",tier="device"} 5.0' in text
+
+
 def test_each_scrape_reads_afresh_and_one_reading_is_shared():
     """Two scrapes in a row read twice (no family shows an earlier scrape's value); the reads of one scrape's
     families, on several threads at once, make one call."""

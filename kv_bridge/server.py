@@ -164,8 +164,8 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
                        chunks_refused_corrupt=0, chunks_refused_store=0, chunks_incomplete=0, gets_streams=0,
                        chunks_sent=0, frames_sent=0, shm_segments_sent=0, shm_segments_reclaimed=0, shm_segments_expired=0,
                        invalid_requests=0, unauthenticated_calls=0, calls_stalled=0, shm_gets_refused_full=0,
-                       shm_gets_refused_peer=0, puts_too_slow=0, gets_too_slow=0, puts_refused_inflight=0,
-                       shm_put_segments_left=0,
+                       shm_gets_refused_peer=0, shm_gets_refused_waiting=0, puts_too_slow=0, gets_too_slow=0,
+                       puts_refused_inflight=0, shm_put_segments_left=0,
                        shm_put_segments_reclaimed=0, shm_segments_of_dead_writers=0, shm_put_segments_not_owned=0,
                        store_errors=0, arena_handles_sent=0)
         self._not_owned_logged = -NOT_OWNED_LOG_EVERY_S  # when a not-owned refusal was last logged (monotonic)
@@ -543,7 +543,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
             ticket = self.shm_out.reserve(n, SHM_ROOM_WAIT_S, context.is_active, peer=context.peer(), call=call,
                                           sweep=self._sweep_shm)
         except shm.NoRoom as e:
-            self._count("shm_gets_refused_peer")
+            self._count("shm_gets_refused_waiting" if isinstance(e, shm.TooManyWaiting) else "shm_gets_refused_peer")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"transport: {e}")
         if ticket is None and context.is_active():
             self._count("shm_gets_refused_full")

@@ -45,7 +45,8 @@ _PUT_RE = re.compile(rf"fpkv-([1-9][0-9]{{0,6}})-{PUT_TAG}([0-9a-f]{{{OWNER_ID_H
 PUT_LEFTOVER_GRACE_S = 30.0  # a Put segment the server did not take, of a writer that is gone, goes after this
 MAX_PUT_LEFTOVERS = 4096  # such segments a server keeps track of (past it, the oldest are left to the start sweep)
 DEFAULT_PEER_SHARE = 4  # a peer may hold 1/4 of a ledger's bytes untaken
-OVER_SHARE_TTL_S = 2.0  # a finished call's segments past its peer's share expire after this while others wait
+OVER_SHARE_TTL_S = 2.0  # a finished call's untaken segments expire after this while a Get waits for room
+MAX_ROOM_WAITERS = 8  # Gets that may wait for room at once (SegmentLedger.reserve); more are refused at once
 _SWEEP_EVERY_S = 0.1  # how often a Get waiting for room sweeps expired segments
 PRUNE_EVERY_S = 0.05  # how often a ledger stats its untaken segments to forget those taken (SegmentLedger._prune)
 
@@ -111,6 +112,10 @@ class SegmentOwner:
 
 class NoRoom(Exception):
     """A segment the ledger refuses at once: the requesting peer already holds its share untaken."""
+
+
+class TooManyWaiting(NoRoom):
+    """MAX_ROOM_WAITERS Gets wait for room already: this one is refused at once, not queued on a server thread."""
 
 
 def available() -> bool:
@@ -431,7 +436,11 @@ class SegmentLedger:
     One peer must not starve the others, so each may hold peer_max_bytes untaken (one segment alone
     always fits): a Get whose peer is past that with segments of its finished calls is refused at once
     (NoRoom: waiting would not help), one whose own stream's reader lags waits for it. While a Get waits
-    for room, segments of finished calls beyond their peer's share expire after OVER_SHARE_TTL_S."""
+    for room, segments of finished calls untaken for OVER_SHARE_TTL_S expire, oldest first: those beyond their
+    peer's share, then any while the total has no room. A peer is a connection, and a client may open several
+    (BridgeClient opens 4): each at its share filled the total for good, and every other client's Gets waited
+    out SHM_ROOM_WAIT_S and failed. A reader takes its segments milliseconds after their handles arrive. At most
+    MAX_ROOM_WAITERS Gets wait at once (each holds a server thread); another is refused at once (NoRoom)."""
 
     def __init__(self, max_bytes: int, peer_max_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes
@@ -444,7 +453,8 @@ class SegmentLedger:
         self._held: dict[str, int] = {}
         self._stale: dict[str, int] = {}
         self._pruned = 0.0  # when _prune last looked at the files (monotonic)
-        self._expired = 0.0  # when _expire_over_share last sorted the untaken segments (monotonic)
+        self._expired = 0.0  # when _expire_for last sorted the untaken segments (monotonic)
+        self._waiting = 0  # Gets in reserve's wait
 
     def _add(self, name: str, o: _Out) -> None:
         self._out[name] = o
@@ -485,21 +495,33 @@ class SegmentLedger:
         while waiting (a TTL sweep that may make room)."""
         deadline = time.monotonic() + wait_s
         next_sweep = time.monotonic() + _SWEEP_EVERY_S
-        while True:
-            with self._lock:
-                self._prune()
-                if self._fits_now(n, peer):
-                    ticket = f"?{uuid.uuid4().hex}"
-                    self._add(ticket, _Out(n, peer, call, time.monotonic()))
-                    return ticket
-                self._expire_over_share(peer)
-            now = time.monotonic()
-            if now > deadline or not active():
-                return None
-            if sweep is not None and now >= next_sweep:
-                sweep()
-                next_sweep = now + _SWEEP_EVERY_S
-            time.sleep(0.002)
+        waiting = False
+        try:
+            while True:
+                with self._lock:
+                    self._prune()
+                    if self._fits_now(n, peer):
+                        ticket = f"?{uuid.uuid4().hex}"
+                        self._add(ticket, _Out(n, peer, call, time.monotonic()))
+                        return ticket
+                    self._expire_for(peer, n)
+                    if not waiting:
+                        if self._waiting >= MAX_ROOM_WAITERS:
+                            raise TooManyWaiting(f"{self._waiting} Gets are waiting for shared-memory room already; "
+                                         f"try again or use INLINE")
+                        self._waiting += 1
+                        waiting = True
+                now = time.monotonic()
+                if now > deadline or not active():
+                    return None
+                if sweep is not None and now >= next_sweep:
+                    sweep()
+                    next_sweep = now + _SWEEP_EVERY_S
+                time.sleep(0.002)
+        finally:
+            if waiting:
+                with self._lock:
+                    self._waiting -= 1
 
     def _fits_now(self, n: int, peer: str) -> bool:
         """_fits, the files looked at again before a no (or a NoRoom): segments taken since the last _prune must
@@ -521,18 +543,24 @@ class SegmentLedger:
             return False
         return not self._out or self._total + n <= self.max_bytes
 
-    def _expire_over_share(self, waiting: str) -> None:
-        """Unlink other peers' segments of finished calls, oldest first, while a peer holds more than its share
-        (a sort of every untaken segment: at most every PRUNE_EVERY_S)."""
+    def _expire_for(self, waiting: str, n: int) -> None:
+        """Unlink other peers' segments of finished calls untaken for OVER_SHARE_TTL_S, oldest first: those of a
+        peer past its share, then, while the total has no room for n, any (a sort of every untaken segment: at most
+        every PRUNE_EVERY_S)."""
         now = time.monotonic()
-        if not any(p != waiting and h > self.peer_max_bytes for p, h in self._held.items()):
-            return
         if now - self._expired < PRUNE_EVERY_S:
             return
         self._expired = now
-        for name, o in sorted(self._out.items(), key=lambda kv: kv[1].since):
-            if (o.peer != waiting and o.done and self._held.get(o.peer, 0) > self.peer_max_bytes
-                    and now - o.since > OVER_SHARE_TTL_S and not name.startswith("?")):
+        old = [(name, o) for name, o in sorted(self._out.items(), key=lambda kv: kv[1].since)
+               if o.peer != waiting and o.done and now - o.since > OVER_SHARE_TTL_S and not name.startswith("?")]
+        for name, o in old:
+            if self._held.get(o.peer, 0) > self.peer_max_bytes:
+                unlink_segment(name)
+                self._drop(name)
+        for name, o in old:
+            if self._total + n <= self.max_bytes:
+                break
+            if name in self._out:
                 unlink_segment(name)
                 self._drop(name)
 

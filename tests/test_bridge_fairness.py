@@ -32,6 +32,7 @@ from flashpd.kv_bridge.chunk import KVChunk
 from flashpd.kv_bridge.client import BridgeClient, BridgeError, _chains, _spread
 from flashpd.kv_bridge.disk import DiskStore
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
+from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
 from flashpd.kv_bridge.store import MemoryStore
 from flashpd.kv_bridge.wire import PROTOCOL_VERSION, split_frames
 
@@ -449,6 +450,71 @@ def test_a_finished_gets_segments_beyond_its_share_expire_for_a_waiting_reader(b
     assert err is None
     assert [c.key for c in b.client.get(keys[1:], transport="shm")] == keys[1:]
     assert not os.path.exists(shm.SHM_DIR / taken[0])
+
+
+def _hog_on_own_channel(b: BridgeHarness, key: str) -> tuple[str, grpc.Channel]:
+    """One SHM Get on a connection of its own (another peer to the ledger), its segment never taken."""
+    ch = grpc.insecure_channel(b.address, options=[("grpc.use_local_subchannel_pool", 1)])
+    stub = pb_grpc.KVBridgeStub(ch)
+    msgs = list(stub.Get(pb.GetRequest(version=PROTOCOL_VERSION, keys=[key], transport=pb.SHM),
+                         timeout=TIMEOUT_S, metadata=b.md()))
+    return msgs[0].frame.shm.name, ch
+
+
+@needs_shm
+def test_a_client_at_its_share_on_many_connections_cannot_keep_the_others_out(bridges, monkeypatch):
+    """Four connections of one client, each holding its share (a quarter) of untaken segments, fill the total:
+    another client's SHM Get is served once they are OVER_SHARE_TTL_S old. Expired only past their peer's share,
+    they stayed, and the Get waited out SHM_ROOM_WAIT_S and failed (a peer is a connection: BridgeClient opens 4)."""
+    monkeypatch.setattr(shm, "OVER_SHARE_TTL_S", 0.2)
+    monkeypatch.setattr(server_mod, "SHM_ROOM_WAIT_S", 3.0)
+    b, keys, size = sized_bridge(bridges, 5, shm_max_bytes=lambda s: 4 * s + s // 2,
+                                 shm_peer_max_bytes=lambda s: s + s // 2)
+    held = [_hog_on_own_channel(b, k) for k in keys[:4]]
+    try:
+        assert len({ch for _, ch in held}) == 4 and all(os.path.exists(shm.SHM_DIR / n) for n, _ in held)
+        t0 = time.monotonic()
+        assert [c.key for c in b.client.get(keys[4:], transport="shm")] == keys[4:]
+        assert time.monotonic() - t0 < 2.5
+        assert sum(not os.path.exists(shm.SHM_DIR / n) for n, _ in held) >= 1  # the oldest made room
+    finally:
+        for name, ch in held:
+            shm.unlink_segment(name)
+            ch.close()
+
+
+@needs_shm
+def test_gets_waiting_for_room_are_bounded_and_one_more_is_refused_at_once(bridges, monkeypatch):
+    """Every waiting Get holds a server thread: past MAX_ROOM_WAITERS the next is refused at once (counted), not
+    queued, so waiting Gets cannot take every thread from the bridge's other calls."""
+    monkeypatch.setattr(shm, "MAX_ROOM_WAITERS", 1)
+    monkeypatch.setattr(server_mod, "SHM_ROOM_WAIT_S", 3.0)
+    b, keys, size = sized_bridge(bridges, 3, shm_max_bytes=lambda s: s + s // 2, shm_peer_max_bytes=1 << 30,
+                                 shm_ttl_s=60.0)
+    taken, err = hog_gets(b, keys[:1])  # fills the ledger; it does not expire within the test
+    assert err is None
+    monkeypatch.setattr(shm, "OVER_SHARE_TTL_S", 60.0)
+    waiter_err: list = []
+
+    def wait_for_room() -> None:
+        try:
+            b.client.get(keys[1:2], transport="shm")
+        except Exception as e:  # noqa: BLE001  it runs out of time: RESOURCE_EXHAUSTED
+            waiter_err.append(e)
+
+    t = threading.Thread(target=wait_for_room)
+    try:
+        t.start()
+        time.sleep(0.5)  # the first is waiting now
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="waiting for shared-memory room already"):
+            b.client.get(keys[2:], transport="shm")
+        assert time.monotonic() - t0 < 1.5
+        assert b.client.stats()["server.shm_gets_refused_waiting"] == 1
+    finally:
+        t.join(10)
+        for name in taken:
+            shm.unlink_segment(name)
 
 
 # ---- names ------------------------------------------------------------------------------------------------

@@ -432,6 +432,24 @@ def test_a_step_fault_finishes_a_row_streamed_to_its_end_and_recomputes_only_the
     _check_others_exact(target, drafter, reqs, prompts, params, ["dflash"] * 2, streamed, set())
 
 
+def _two_in_one_session(loop: EngineLoop, prompts, params) -> tuple[list, list[list[int]], dict[int, object]]:
+    """Two DFlash requests taken in one pass (admitted together, into one session), read to their ends: (handles,
+    each one's streamed tokens, each one's final event)."""
+    with loop._cv:
+        hs = [loop.submit_nowait(p, sp, "dflash")[0] for p, sp in zip(prompts, params)]
+    toks: list[list[int]] = [[], []]
+    ends: dict[int, object] = {}
+    deadline = time.monotonic() + 120
+    while len(ends) < 2 and time.monotonic() < deadline:
+        for i, h in enumerate(hs):
+            ev = None if i in ends else h.get(0.05)
+            if ev is not None and ev.kind == "tokens":
+                toks[i] += ev.tokens
+            elif ev is not None:
+                ends[i] = ev
+    return hs, toks, ends
+
+
 def test_an_uncontained_error_ends_a_request_streamed_to_its_end_done_and_fails_the_rest(pair):
     """abort_all (the engine loop's last resort) ends a request already streamed to its end, riding a held
     session, "done" with all its tokens, as the session's end would have; only the unfinished one gets an error.
@@ -453,18 +471,7 @@ def test_an_uncontained_error_ends_a_request_streamed_to_its_end_done_and_fails_
     sched._hold_for_prefill = broken
     loop = EngineLoop(sched)
     try:
-        with loop._cv:  # both taken in one pass: admitted together, into one session
-            hs = [loop.submit_nowait(p, sp, "dflash")[0] for p, sp in zip(prompts, params)]
-        toks: list[list[int]] = [[], []]
-        ends: dict[int, object] = {}
-        deadline = time.monotonic() + 120
-        while len(ends) < 2 and time.monotonic() < deadline:
-            for i, h in enumerate(hs):
-                ev = None if i in ends else h.get(0.05)
-                if ev is not None and ev.kind == "tokens":
-                    toks[i] += ev.tokens
-                elif ev is not None:
-                    ends[i] = ev
+        hs, toks, ends = _two_in_one_session(loop, prompts, params)
         assert hit == [[(hs[0].request.id, True), (hs[1].request.id, False)]], hit
         out, acc = _solo(target, drafter, prompts[0], params[0], "dflash")
         assert ends[0].kind == "done" and ends[0].finish_reason == "length"
@@ -500,18 +507,7 @@ def test_a_stop_ends_a_request_streamed_to_its_end_done_and_the_rest_with_an_err
 
     loop = EngineLoop(sched, after_step=stop_when_one_rides)
     try:
-        with loop._cv:  # both taken in one pass: admitted together, into one session
-            hs = [loop.submit_nowait(p, sp, "dflash")[0] for p, sp in zip(prompts, params)]
-        toks: list[list[int]] = [[], []]
-        ends: dict[int, object] = {}
-        deadline = time.monotonic() + 120
-        while len(ends) < 2 and time.monotonic() < deadline:
-            for i, h in enumerate(hs):
-                ev = None if i in ends else h.get(0.05)
-                if ev is not None and ev.kind == "tokens":
-                    toks[i] += ev.tokens
-                elif ev is not None:
-                    ends[i] = ev
+        hs, toks, ends = _two_in_one_session(loop, prompts, params)
         assert seen == [[(hs[0].request.id, True), (hs[1].request.id, False)]], seen
         out, acc = _solo(target, drafter, prompts[0], params[0], "dflash")
         assert ends[0].kind == "done" and ends[0].finish_reason == "length", ends[0]

@@ -20,8 +20,10 @@ entry is a miss; an entry has both halves or does not exist.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import logging
 import multiprocessing
 import os
 import threading
@@ -58,6 +60,8 @@ def _lmcache_quirks() -> Iterator[None]:
         else:
             os.environ[_PROM_DIR] = prom
 
+
+log = logging.getLogger(__name__)
 
 _PROM_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -115,6 +119,23 @@ def chunk_hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
+def _undo_failed_build(instance_id: str, before: set[threading.Thread]) -> None:
+    """After a failed engine build: LMCache 0.5.3's storage manager starts its event loop's thread (not a daemon)
+    before it makes its backends, and a backend that fails (a CPU size the host cannot pin) leaves it running,
+    unreachable: the process then never exits. The loops of threads the build started are stopped here, and the
+    half-built engine is unregistered."""
+    for t in set(threading.enumerate()) - before:
+        args = getattr(t, "_args", ())
+        loop = args[0] if args else None
+        if isinstance(loop, asyncio.AbstractEventLoop):
+            loop.call_soon_threadsafe(loop.stop)
+            t.join(5)
+    try:
+        LMCacheEngineBuilder.destroy(instance_id)
+    except Exception:  # noqa: BLE001  nothing registered, or half of it: the build's error is what the caller sees
+        log.debug("destroying the failed LMCache build %s", instance_id, exc_info=True)
+
+
 class LMCacheStore:
     """A ChunkStore whose bytes live in LMCache's local CPU backend. close() when done."""
 
@@ -133,11 +154,15 @@ class LMCacheStore:
                                    local_worker_id=0, kv_dtype=layout.dtype, kv_shape=layout.kv_shape,
                                    chunk_size=layout.chunk_tokens)
         method = multiprocessing.get_start_method(allow_none=True)
+        before = set(threading.enumerate())
         try:
             with _lmcache_quirks():
                 self.engine: LMCacheEngine = LMCacheEngineBuilder.get_or_create(
                     self.instance_id, config, metadata, self.connector, None, None)
                 self.engine.post_init()
+        except BaseException:
+            _undo_failed_build(self.instance_id, before)
+            raise
         finally:  # LMCacheEngine forces the process-wide start method to "spawn": put it back
             multiprocessing.set_start_method(method, force=True)
         self._lock = threading.Lock()

@@ -150,3 +150,26 @@ def test_behind_a_real_grpc_bridge(store):
             assert client.stats()["store.entries"] == 3
     finally:
         server.stop(grace=None).wait(10)
+
+
+_FAILED_BUILD = """
+import sys, threading
+import torch
+from flashpd.kv_bridge.lmcache_layout import PackedLayout
+from flashpd.kv_bridge.lmcache_store import LMCacheStore
+try:
+    LMCacheStore(PackedLayout(4, 2, 2, 8, 16, torch.bfloat16), 1 << 50)  # more than any host can pin
+except Exception as e:
+    print("refused", type(e).__name__, flush=True)
+print("left", [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()], flush=True)
+"""
+
+
+def test_a_failed_engine_build_raises_and_lets_the_process_exit():
+    """LMCache 0.5.3 starts its storage manager's event loop (a non-daemon thread) before its backends: a CPU
+    size the host cannot pin raised, and left that thread running, so the process never exited."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _FAILED_BUILD], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "refused RuntimeError" in p.stdout and "left []" in p.stdout, p.stdout + p.stderr[-2000:]

@@ -218,7 +218,7 @@ class DiskStore(IndexedStore):
         try:
             _write_file(tmp, self._tag())
             os.replace(tmp, self.directory / TAG_NAME)
-        except OSError as e:  # (a read-only directory is not asked: _scan) a full disk, EACCES: the next start drops the files again
+        except OSError as e:  # a full disk, EACCES (_scan skips read-only ones): files dropped again next start
             log.warning("disk tier %s: cannot write its tag file (%s)", self.directory.name, e)
         finally:
             _unlink(tmp)

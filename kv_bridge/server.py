@@ -557,6 +557,7 @@ class KVBridgeServicer(pb_grpc.KVBridgeServicer):
         with self._lock:
             own = dict(self._c)
         counters = {f"server.{k}": v for k, v in own.items()}
+        counters["server.shm_segments_expired"] += self.shm_out.expired  # the TTL sweep's and a waiting Get's
         counters["server.shm_outstanding_bytes"] = self.shm_out.outstanding()
         counters["server.inflight_bytes"] = self.inflight.used
         try:

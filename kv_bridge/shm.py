@@ -239,13 +239,16 @@ def _read_exactly(fd: int, name: str, length: int, writable: bool, into: np.ndar
     return b"".join(parts)
 
 
-def unlink_segment(name: str) -> None:
-    """Remove a segment if it is there and ours to remove (another user's file in /dev/shm is not: left alone)."""
+def unlink_segment(name: str) -> bool:
+    """Remove a segment if it is there and ours to remove (another user's file in /dev/shm is not: left alone).
+    True when this call removed it."""
     if valid_name(name):
         try:
             os.unlink(SHM_DIR / name)
+            return True
         except OSError:  # gone already, or not this process's to unlink
             pass
+    return False
 
 
 GONE_PREFIX = ".fpkv-gone-"  # a taken segment, renamed for the reaper: fpkv-<pid>-... names never match it
@@ -455,6 +458,7 @@ class SegmentLedger:
         self._pruned = 0.0  # when _prune last looked at the files (monotonic)
         self._expired = 0.0  # when _expire_for last sorted the untaken segments (monotonic)
         self._waiting = 0  # Gets in reserve's wait
+        self.expired = 0  # segments _expire_for unlinked (a stat: the server adds them to its TTL sweep's count)
 
     def _add(self, name: str, o: _Out) -> None:
         self._out[name] = o
@@ -555,14 +559,16 @@ class SegmentLedger:
                if o.peer != waiting and o.done and now - o.since > OVER_SHARE_TTL_S and not name.startswith("?")]
         for name, o in old:
             if self._held.get(o.peer, 0) > self.peer_max_bytes:
-                unlink_segment(name)
-                self._drop(name)
+                self._expire(name)
         for name, o in old:
             if self._total + n <= self.max_bytes:
                 break
             if name in self._out:
-                unlink_segment(name)
-                self._drop(name)
+                self._expire(name)
+
+    def _expire(self, name: str) -> None:
+        self.expired += unlink_segment(name)  # False: its reader (or the TTL sweep) took it first
+        self._drop(name)
 
     def bind(self, ticket: str, name: str | None) -> None:
         """The ticket's segment was written as `name` (None: it was not)."""

@@ -450,6 +450,7 @@ def test_a_finished_gets_segments_beyond_its_share_expire_for_a_waiting_reader(b
     assert err is None
     assert [c.key for c in b.client.get(keys[1:], transport="shm")] == keys[1:]
     assert not os.path.exists(shm.SHM_DIR / taken[0])
+    assert b.client.stats()["server.shm_segments_expired"] == 1  # counted as the TTL sweep's are
 
 
 def _hog_on_own_channel(b: BridgeHarness, key: str) -> tuple[str, grpc.Channel]:

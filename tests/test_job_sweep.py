@@ -155,17 +155,38 @@ def test_ray_job_submit_runs_the_sweep(ray_head, dflash_pair, tmp_path):  # noqa
     out = tmp_path / "sweep.json"
     runtime_env = {"excludes": [".git", ".venv", "**/__pycache__", ".pytest_cache", "bench/results"],
                    "env_vars": {"PYTHONUNBUFFERED": "1"}}
-    cmd = [str(ray_bin), "job", "submit", "--address", url, "--working-dir", str(REPO),
-           "--runtime-env-json", json.dumps(runtime_env), "--",
+    job_id = f"flashpd-sweep-{secrets.token_hex(4)}"
+    cmd = [str(ray_bin), "job", "submit", "--address", url, "--submission-id", job_id, "--no-wait",
+           "--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env), "--",
            sys.executable, "-m", "flashpd.bench.job_sweep", "--launcher", "ray",
            "--target", str(dflash_pair.target_dir), "--draft", str(dflash_pair.draft_dir), "--out", str(out), *SMALL]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
-    assert p.returncode == 0 and "succeeded" in p.stdout, p.stdout[-4000:] + p.stderr[-3000:]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    status = _await_job(ray_bin, url, job_id, env, timeout_s=420)
+    logs = subprocess.run([str(ray_bin), "job", "logs", "--address", url, job_id], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert status == "SUCCEEDED", f"{status}\n{logs.stdout[-4000:]}{logs.stderr[-2000:]}"
     _check(out, "ray")
     # the kept service log says where Ray placed each worker (no GPUs here: empty GPU ids)
     served = Path(f"{out}.serve-disaggregated.log").read_text()
     for role in ("bridge", "prefill", "decode"):
         assert f"{role} worker placed on node" in served, served[-3000:]
+
+
+def _await_job(ray_bin: Path, url: str, job_id: str, env: dict, timeout_s: float) -> str:
+    """The job's terminal status, polled with `ray job status` (one HTTP request each; a transient failure of one
+    is retried), not followed with `ray job submit`'s log tail: its WebSocket was closed (code 1006) under load
+    and failed the test with the job still running."""
+    deadline, last = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        p = subprocess.run([str(ray_bin), "job", "status", "--address", url, job_id], capture_output=True,
+                           text=True, timeout=60, env=env)
+        last = p.stdout + p.stderr
+        for status, said in (("SUCCEEDED", "succeeded"), ("FAILED", "failed"), ("STOPPED", "was stopped")):
+            if p.returncode == 0 and f"Job '{job_id}' {said}" in last:
+                return status
+        time.sleep(2.0)
+    raise AssertionError(f"job {job_id} not finished after {timeout_s} s; last status: {last[-2000:]}")
 
 
 def _fake_service(monkeypatch, tmp_path):

@@ -496,6 +496,9 @@ def test_gets_waiting_for_room_are_bounded_and_one_more_is_refused_at_once(bridg
     assert err is None
     monkeypatch.setattr(shm, "OVER_SHARE_TTL_S", 60.0)
     waiter_err: list = []
+    waiting = threading.Event()  # set in the ledger's lock, where a Get that found no room counts itself waiting
+    expire_for = shm.SegmentLedger._expire_for
+    monkeypatch.setattr(shm.SegmentLedger, "_expire_for", lambda self, *a: (waiting.set(), expire_for(self, *a))[1])
 
     def wait_for_room() -> None:
         try:
@@ -506,7 +509,7 @@ def test_gets_waiting_for_room_are_bounded_and_one_more_is_refused_at_once(bridg
     t = threading.Thread(target=wait_for_room)
     try:
         t.start()
-        time.sleep(0.5)  # the first is waiting now
+        assert waiting.wait(10.0)  # the first is waiting now (a sleep was a guess on a loaded machine)
         t0 = time.monotonic()
         with pytest.raises(Exception, match="waiting for shared-memory room already"):
             b.client.get(keys[2:], transport="shm")

@@ -89,10 +89,16 @@ def test_preempt_policy_admits_more_than_reserve(pair):
     assert counts["reserve"] == 2 and counts["preempt"] == 8, counts
 
 
+_HELD: list[socket.socket] = []  # dead addresses' sockets, bound for the process's life
+
+
 def _dead_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    """An address that refuses connections: bound, never listening (a closed port could be taken by another
+    test process's port-0 bind meanwhile)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _drain(h) -> tuple[list[int], dict]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from flashpd.kv_bridge import dist_transfer
 from flashpd.kv_bridge.auth import ClusterSecret
 from flashpd.kv_bridge.dist_transfer import (STORE_MAX_KEYS, STORE_MAX_VALUE, DistImporter, PairGroup, PairLost,
                                              RemotePairStore, seal)
@@ -406,7 +407,7 @@ def test_an_importer_closed_while_a_fetch_opens_its_pair_keeps_no_pair(peer):
     assert call("release", h.lease_id) is True
 
 
-def test_an_importer_closed_mid_receive_leaves_the_pair_to_its_fetch(peer):
+def test_an_importer_closed_mid_receive_leaves_the_pair_to_its_fetch(peer, monkeypatch):
     """Closed while a fetch receives (the exporter is slow to send): the pair is not torn down under the receive
     (on NCCL an abort under a running receive), the fetch ends within its bound, and the pair goes with it."""
     call = peer["call"]
@@ -418,9 +419,13 @@ def test_an_importer_closed_mid_receive_leaves_the_pair_to_its_fetch(peer):
     assert call("stall", 1.0)
     h = call("lease", [5])
     got: list = []
+    receiving = threading.Event()
+    recv = dist_transfer.recv_staged
+    monkeypatch.setattr(dist_transfer, "recv_staged", lambda *a: (receiving.set(), recv(*a))[1])
     fetch = threading.Thread(target=lambda: got.append(_outcome(imp.fetch, h)))
     fetch.start()
-    time.sleep(0.5)  # SendLease answered; the receive waits for the held send
+    assert receiving.wait(10.0)  # SendLease answered; the receive waits for the held send
+    time.sleep(0.1)
     imp.close()
     assert imp.stats["pairs_dropped"] == 0 and fetch.is_alive()
     fetch.join(20)
@@ -438,6 +443,7 @@ def _outcome(fn, *args):
 
 def test_a_stalled_exporter_is_a_bounded_failure_and_a_new_pair_follows(peer):
     imp, call = peer["imp"], peer["call"]
+    imp.copy(call("lease", [6]), [7])  # a pair open, whatever ran before (alone, the first copy opened one)
     dropped, opened = imp.stats["pairs_dropped"], imp.stats["pairs_opened"]
     call("stall", 2 * TIMEOUT_S)
     h = call("lease", [6])

@@ -309,14 +309,14 @@ def test_a_blob_under_another_exporters_id_is_refused_and_recomputed(pair):
 def test_leases_expire_at_their_deadline(pair):
     """A decode worker that dies mid-import never releases: the lease's deadline frees its blocks."""
     target, drafter = pair
-    pw = _prefill_side(target, drafter, lease_s=0.2)
+    pw = _prefill_side(target, drafter, lease_s=5.0)  # long enough that no prefill's own expire() takes one
     free0 = pw.gen.runner.allocator.num_free
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     for p in _prompts(3, 5):
         pw.prefill(p, sp)
     assert pw.exporter.held == 3 and pw.gen.runner.allocator.num_free < free0
-    time.sleep(0.25)
-    assert pw.exporter.expire() == 3
+    assert pw.exporter.expire(now=time.monotonic() + 4.0) == 0  # not yet at their deadline
+    assert pw.exporter.expire(now=time.monotonic() + 6.0) == 3
     assert pw.exporter.held == 0 and pw.gen.runner.allocator.num_free == free0
     assert not pw.release(1, [], [])  # a late release of an expired lease is refused
 

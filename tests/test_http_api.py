@@ -536,6 +536,7 @@ class _EndlessBackend(_FakeBackend):
 
         h = FakeHandle()
         h.events.put(Event("tokens", tokens=[7]))
+        self.submitted = getattr(self, "submitted", 0) + 1
         return h
 
 
@@ -569,7 +570,11 @@ def test_stopping_ends_requests_in_flight_with_an_error_not_a_bare_500_or_a_cut_
     threads = [threading.Thread(target=f) for f in (plain, stream)]
     for t in threads:
         t.start()
-    time.sleep(0.5)  # both requests are in flight, each holding its first token
+    deadline = time.monotonic() + 10.0
+    while getattr(be, "submitted", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert be.submitted == 2
+    time.sleep(0.2)  # both requests are in flight, each holding its first token
     srv.stop()
     for t in threads:
         t.join(10.0)
@@ -618,7 +623,9 @@ def test_a_request_whose_end_is_already_queued_is_served_whole_through_a_drain()
     waiting.events.put(Event("tokens", tokens=[7]))  # no end in sight: ended by the drain
     with pytest.raises(http_api.APIError, match="shutting down"):
         asyncio.run(collect(waiting))
-    time.sleep(0.3)  # cancels go out on a thread of their own
+    deadline = time.monotonic() + 10.0
+    while waiting not in be.cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)  # cancels go out on a thread of their own
     assert be.cancelled == [waiting]
 
 

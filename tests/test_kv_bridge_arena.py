@@ -52,9 +52,9 @@ def test_a_held_slot_is_not_reused_until_its_hold_has_passed():
     a = Arena(2 * PAGE)
     x = a.alloc(PAGE)
     a.alloc(PAGE)
-    a.free(x, PAGE, time.monotonic() + 0.3)
+    a.free(x, PAGE, time.monotonic() + 2.0)  # long enough that a loaded machine's pause does not pass it
     assert a.alloc(PAGE) is None and a.held_bytes() == PAGE
-    time.sleep(0.35)
+    time.sleep(2.05)
     assert a.alloc(PAGE) == x and a.held_bytes() == 0
 
 
@@ -98,19 +98,19 @@ def test_the_store_copies_entries_into_its_arena_and_hands_out_where_they_lie():
 def test_a_slot_handed_out_is_reused_only_after_the_readers_deadline():
     """The invariant the reader relies on: an evicted entry's slot holds other bytes only once the hold of its
     last hand-out has passed, and by then every reader of that hand-out sees its chunk as stale."""
-    s = ArenaStore(3500, slack_bytes=0, hold_s=arena.READER_MARGIN_S + 0.3)
+    s = ArenaStore(3500, slack_bytes=0, hold_s=arena.READER_MARGIN_S + 2.0)  # 2 s: past a loaded machine's pause
     a = chunk(1, tokens=4)
     n = len(a.to_bytes(s.secret.mac_key))
     assert n < 3500 < 2 * n and s.put(a)
     maps = ArenaMaps()
     view = maps.view(*_handle_parts(s.get_handle(a.key)))
     got = KVChunk.from_bytes(view, s.secret.mac_key, share=True)
-    got.lease = Lease(time.monotonic() + 0.3, None)  # the client's clock half: hold less its margin, from receipt
+    got.lease = Lease(time.monotonic() + 2.0, None)  # the client's clock half: hold less its margin, from receipt
     b = chunk(2, tokens=4)
     assert s.remove(a.key)  # gone while its hand-out's hold lasts: its slot is held
     assert s.put_bytes(b.key, b.to_bytes(s.secret.mac_key)) is PutResult.REFUSED
     assert s.stats()["arena_refused"] == 1 and not s.contains(a.key) and got.fresh()
-    time.sleep(0.35)
+    time.sleep(2.05)
     assert not got.fresh()
     time.sleep(arena.READER_MARGIN_S)
     assert s.put(b)  # the slot is free now, and b lies where a did

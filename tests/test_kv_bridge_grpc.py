@@ -686,19 +686,22 @@ def test_a_shm_put_that_times_out_while_a_segment_is_written_leaves_no_segment(b
     deadline passes was written after the client's cleanup, and its name never reached the server."""
     from flashpd.kv_bridge.shm_pool import SegmentPool
 
-    real, written = SegmentPool.write, []
+    real, written, finished = SegmentPool.write, [], []
 
     def slow_second(pool, data, tag=""):  # the second chunk is written while the deadline passes (a large chunk)
         written.append(tag)
-        if len(written) == 2:
-            time.sleep(1.0)
-        return real(pool, data, tag)
+        try:
+            if len(written) == 2:
+                time.sleep(1.0)
+            return real(pool, data, tag)
+        finally:
+            finished.append(tag)
 
     monkeypatch.setattr(SegmentPool, "write", slow_second)
     before = set(shm.list_segments(os.getpid()))
     with pytest.raises(BridgeTimeout, match="Put"):
         bridge.client.put([make_chunk("t0", seed=0), make_chunk("t1", seed=1)], transport="shm", timeout_s=0.3)
     assert len(written) == 2
-    time.sleep(1.5)  # the request thread has finished writing the second segment by now
-    assert set(shm.list_segments(os.getpid())) - before == set()
+    assert wait_until(lambda: len(finished) == 2, 10.0)  # the request thread wrote the second segment
+    assert wait_until(lambda: set(shm.list_segments(os.getpid())) - before == set(), 10.0)
     assert bridge.client.health()["serving"]

@@ -468,8 +468,8 @@ def advertised(request):
         port = sock.getsockname()[1]
         if request.param == "silent":
             sock.listen(8)
-        else:
-            sock.close()
+        # "refused": bound, never listening, so connections are refused and no other test's server can take the
+        # port (closed, another xdist process's port-0 bind could land on it)
     yield f"127.0.0.1:{port}"
     release.set()
     if server is not None:

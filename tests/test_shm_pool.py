@@ -205,8 +205,8 @@ def test_waiting_for_taken_segments_bounds_the_bytes_ahead_and_gives_up_on_a_ref
         assert _wait_taken(list(ahead), 100, lambda: False, limit=300)  # fits
         assert not _wait_taken(list(ahead), 100, lambda: True, limit=250)  # does not fit, and the call has ended
         t = threading.Timer(0.2, shm.unlink_segment, (a,))  # the bridge takes the oldest
-        t.start()
         t0 = time.monotonic()
+        t.start()
         waiting = list(ahead)
         assert _wait_taken(waiting, 100, lambda: False, limit=250, grace_s=60)
         assert 0.15 < time.monotonic() - t0 < 30 and waiting == [(b, 100)]

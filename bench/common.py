@@ -137,10 +137,23 @@ def portable(x: object) -> object:
     return x
 
 
+def invoked_command() -> str | None:
+    """`python -m flashpd.<module> <args>` as this process was started, when it was started so (a result's JSON
+    carries the command that reproduces it); None otherwise (a test calling a bench's functions)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    if not name or not name.startswith("flashpd."):
+        return None
+    return command_line(name)
+
+
 def write_json(path: str | Path, payload: dict) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     payload = {"git": git_revision(), "machine": machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                **payload}
+    command = invoked_command()
+    if "command" not in payload and command is not None:  # a bench that writes its own keeps it
+        payload["command"] = command
     p.write_text(json.dumps(portable(payload), indent=2))
     return p

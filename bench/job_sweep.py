@@ -11,7 +11,7 @@ For each method and concurrency it sends a fresh set of prompts (disjoint sets, 
 modes, so the bridge never serves a prompt twice and the modes are compared on equal prompts)
 and records TTFT and latency P50/P95, output tokens/s and tau, then checks that every mode gave
 the same tokens for the same prompt (exact in float32; reported, not asserted, in bfloat16).
-The JSON goes through flashpd.bench.common.write_json (git revision, machine, time).
+The JSON goes through flashpd.bench.common.write_json (git revision, machine, time, the command).
 
 With --prompt-pool N the levels are compared on the same prompts instead: ONE pool of N prompts (made as
 the disjoint sets are: held-out text for a pair with a tokenizer) and every level draws its requests from it

@@ -40,6 +40,7 @@ def _check(out: Path, launcher: str, long_every: int = 0) -> None:
             assert r["ttft_long_ms"]["n"] == 1 and r["ttft_long_ms"]["p50"] > 0, r
     assert d["exact"]["compared"] == 16 and d["exact"]["match_rate"] == 1.0, d["exact"]
     assert d["git"] and d["machine"]
+    assert d["command"].startswith("python -m flashpd.bench.job_sweep --") and "--out" in d["command"]  # reproducible
 
 
 def test_sweep_runs_on_the_local_launcher_without_ray(dflash_pair, tmp_path):  # noqa: F811

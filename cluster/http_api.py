@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import queue
+import re
 import threading
 import time
 import uuid
@@ -681,13 +682,15 @@ def _sse(obj: dict | str) -> bytes:
 def _check_shape(raw: bytes, max_values: int) -> None:
     """Refuse a body of more JSON values than a request can use, before parsing it. Parsing runs on the event loop
     and holds the GIL (a worker thread would not free the loop): 13 MiB of small objects took 2 s, in which every
-    stream and /health waited. Counted over the raw bytes at about 1 ms a MiB; a body over a bound by that count
-    (strings' commas and brackets count too) is counted again outside its strings (`_outside_strings`), so text
-    full of brackets is not refused for them. Containers are bounded by the max_values // 2 values a request of
+    stream and /health waited. Counted over the raw bytes at about 1 ms a MiB; a UTF-8 body over a bound by that
+    count (strings' commas and brackets count too) is counted again outside its strings (`_outside_strings`), so
+    text full of brackets is not refused for them. Containers are bounded by the max_values // 2 values a request of
     max_positions tokens needs, values by max_values; a body within both parses in tens of ms at most."""
     containers, values = _separators(raw)
     if containers > max_values // 2 or values > max_values:
-        containers, values = _separators(_outside_strings(raw))
+        outside = _outside_strings(raw, max_values + max_values // 2 + 1)
+        if outside is not None:
+            containers, values = _separators(outside)
     if containers > max_values // 2 or values > max_values:
         raise APIError(413, f"the request body holds too many JSON values ({values} separators, {containers} "
                             f"objects and arrays; at most {max_values} and {max_values // 2})",
@@ -699,13 +702,23 @@ def _separators(raw: bytes) -> tuple[int, int]:
     return raw.count(b"{") + raw.count(b"["), raw.count(b",") + raw.count(b":")
 
 
-def _outside_strings(raw: bytes) -> bytes:
-    """raw without the contents of its JSON strings, in a few linear passes of bytes methods (a regex over the
-    strings goes quadratic on a body of unterminated escaped quotes). Escaped backslashes, then escaped quotes, are
-    blanked first, so every quote left delimits a string as the parser sees it, up to the first error it would
-    stop at: what it would parse is counted as it would parse it."""
+_STRING = re.compile(rb'"[^"]*"')  # a string once its escaped quotes are blanked: linear, nothing to backtrack
+
+
+def _outside_strings(raw: bytes, max_strings: int) -> bytes | None:
+    """raw with its JSON strings emptied, or None where the raw count must stand: a body json.loads would not read as
+    UTF-8 (it guesses UTF-16 and UTF-32 from NUL bytes, where a quote byte need not be a quote), or one of more
+    strings than max_strings (each string is a key before a colon, a value after a comma, or a container's or the
+    body's first value, so a body within the bounds holds at most values + containers + 1). Escaped backslashes,
+    then escaped quotes, are blanked first, so every quote left delimits a string as the parser reads it, up to the
+    first error it would stop at; an unterminated string is left in (counted: never an undercount). A few linear
+    passes of bytes methods and one regex (a pattern over escapes would backtrack)."""
+    if json.detect_encoding(raw) not in ("utf-8", "utf-8-sig"):
+        return None
     plain = raw.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    return b"".join(plain.split(b'"')[::2])
+    if plain.count(b'"') > 2 * max_strings:
+        return None
+    return _STRING.sub(b'""', plain)
 
 
 async def _read_json(request: Request, limit: int, max_values: int) -> dict:

@@ -398,8 +398,7 @@ def sweep_dead_writers(grace_s: float = PUT_LEFTOVER_GRACE_S) -> int:
             continue
         st = _own_file(name)
         if st is not None and now - st.st_mtime >= grace_s:
-            unlink_segment(name)
-            n += 1
+            n += unlink_segment(name)  # counted only if this call removed it (another sweep may have first)
     return n
 
 
@@ -411,8 +410,7 @@ def sweep_segments(max_age_s: float, pid: int | None = None, tag: str = "") -> i
     for name in list_segments(pid, tag):
         try:
             if now - (SHM_DIR / name).stat().st_mtime > max_age_s:
-                unlink_segment(name)
-                n += 1
+                n += unlink_segment(name)  # a waiting Get's ledger may have expired it meanwhile (counted there)
         except FileNotFoundError:
             pass
     return n
@@ -650,9 +648,8 @@ class PutLeftovers:
                 if st is None or (st.st_dev, st.st_ino) != (seen.dev, seen.ino):
                     del self._seen[name]  # taken, unlinked by its writer, or another file now: not what was seen
                 elif now - seen.since >= PUT_LEFTOVER_GRACE_S and not process_exists(put_writer(name)):
-                    unlink_segment(name)
+                    n += unlink_segment(name)
                     del self._seen[name]
-                    n += 1
         return n
 
 

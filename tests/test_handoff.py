@@ -312,11 +312,13 @@ def test_leases_expire_at_their_deadline(pair):
     pw = _prefill_side(target, drafter, lease_s=5.0)  # long enough that no prefill's own expire() takes one
     free0 = pw.gen.runner.allocator.num_free
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    t0 = time.monotonic()  # every deadline is at least t0 + 5
     for p in _prompts(3, 5):
         pw.prefill(p, sp)
+    t1 = time.monotonic()  # and at most t1 + 5
     assert pw.exporter.held == 3 and pw.gen.runner.allocator.num_free < free0
-    assert pw.exporter.expire(now=time.monotonic() + 4.0) == 0  # not yet at their deadline
-    assert pw.exporter.expire(now=time.monotonic() + 6.0) == 3
+    assert pw.exporter.expire(now=t0 + 4.9) == 0  # not yet at their deadline
+    assert pw.exporter.expire(now=t1 + 5.0) == 3
     assert pw.exporter.held == 0 and pw.gen.runner.allocator.num_free == free0
     assert not pw.release(1, [], [])  # a late release of an expired lease is refused
 

@@ -531,12 +531,16 @@ def test_backend_failures_map_to_http_statuses():
 class _EndlessBackend(_FakeBackend):
     """Requests that send one token and then never finish (an engine busy on long outputs)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.submitted: list = []
+
     def submit(self, prompt, params, method, draft_width, timeout_s, first_token=None):
         from flashpd.decode_node.engine_loop import Event
 
         h = FakeHandle()
         h.events.put(Event("tokens", tokens=[7]))
-        self.submitted = getattr(self, "submitted", 0) + 1
+        self.submitted.append(h)  # a list: two request threads submit at once (a += could lose one)
         return h
 
 
@@ -571,9 +575,9 @@ def test_stopping_ends_requests_in_flight_with_an_error_not_a_bare_500_or_a_cut_
     for t in threads:
         t.start()
     deadline = time.monotonic() + 10.0
-    while getattr(be, "submitted", 0) < 2 and time.monotonic() < deadline:
+    while len(be.submitted) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert be.submitted == 2
+    assert len(be.submitted) == 2
     time.sleep(0.2)  # both requests are in flight, each holding its first token
     srv.stop()
     for t in threads:

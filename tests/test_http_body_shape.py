@@ -45,7 +45,7 @@ def test_the_count_outside_strings_is_the_parsers_structure():
         for ensure_ascii in (True, False):
             raw = json.dumps(v, ensure_ascii=ensure_ascii).encode()
             want = json.dumps(_structure(v), ensure_ascii=ensure_ascii).encode()
-            assert _separators(_outside_strings(raw)) == _separators(want), raw
+            assert _separators(_outside_strings(raw, 10_000)) == _separators(want), raw
 
 
 def test_brackets_inside_a_prompt_pass_and_real_ones_are_refused():
@@ -58,10 +58,34 @@ def test_brackets_inside_a_prompt_pass_and_real_ones_are_refused():
         assert e.value.status == 413
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-16", "utf-32-le", "utf-32"])
+def test_a_body_json_reads_as_utf16_or_utf32_keeps_the_raw_count(encoding):
+    """json.loads guesses UTF-16 and UTF-32 from NUL bytes; there an escaped quote is not the bytes backslash-quote,
+    and a character's byte can be a quote's: the recount would see the rest of the body as one string. A body of
+    many values in those encodings is refused as the raw count says (it was let through, and parsed for 0.9 s)."""
+    body = ('{"prompt": "\\"", "x": [' + "[0]," * 60_000 + "[0]]}").encode(encoding)
+    with pytest.raises(APIError) as e:
+        _check_shape(body, max_values=100_000)
+    assert e.value.status == 413
+    assert _outside_strings(body, 10 ** 9) is None
+
+
+def test_a_body_of_more_strings_than_the_bounds_allow_is_not_recounted():
+    """Within the bounds a body holds at most values + containers + 1 strings: past that the raw count stands, and
+    the recount's work stays bounded by the bounds, not by the body."""
+    body = b"[" + b'"",' * 200_000 + b'""]'  # 200,001 separators: over the bound by the raw count and by any count
+    assert _outside_strings(body, 150_001) is None
+    with pytest.raises(APIError):
+        _check_shape(body, max_values=100_000)
+
+
 def test_a_body_of_escaped_quotes_is_counted_in_linear_time():
-    """A regex over strings goes quadratic on unterminated escaped quotes; the recount does not (4 MiB: well
-    under a second where a quadratic scan would take hours)."""
-    body = b'"' + b'\\"[' * (4 * 2 ** 20 // 3)
+    """A regex over strings with their escapes goes quadratic on unterminated escaped quotes; the recount does not
+    (4 MiB: well under a second where a quadratic scan would take hours). One closed string passes; left open, its
+    text counts (json.loads fails at it, but parses what comes before: never an undercount)."""
+    run = b'\\"[' * (4 * 2 ** 20 // 3)
     t0 = time.perf_counter()
-    _check_shape(body, max_values=100_000)  # one string, never closed: nothing outside it
+    _check_shape(b'"' + run + b'"', max_values=100_000)  # one string: nothing outside it
+    with pytest.raises(APIError):
+        _check_shape(b'"' + run, max_values=100_000)
     assert time.perf_counter() - t0 < 5.0

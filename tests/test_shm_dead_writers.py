@@ -70,3 +70,24 @@ def test_a_starting_bridge_sweeps_them():
         server.stop(None).wait(10)
         for n in names:
             shm.unlink_segment(n)
+
+
+def test_a_sweep_counts_only_the_segments_it_removed(monkeypatch):
+    """Two paths expire a server's Get segments (its TTL sweep and a waiting Get's ledger), and the stats add
+    both: a segment the other path unlinked between this sweep's look at it and its own unlink is not counted
+    again (it was: shm_segments_expired read 2 for one segment)."""
+    name = shm.write_segment(b"g" * 64, shm.GET_TAG)
+    _age([name], 120)
+    real = os.unlink
+
+    def taken_first(path, *a, **kw):  # the other path wins the race: the file is gone when this unlink runs
+        real(path, *a, **kw)
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(shm.os, "unlink", taken_first)
+    try:
+        assert shm.sweep_segments(60, os.getpid(), shm.GET_TAG) == 0
+        assert not (shm.SHM_DIR / name).exists()
+    finally:
+        monkeypatch.undo()
+        shm.unlink_segment(name)

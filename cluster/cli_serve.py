@@ -13,7 +13,8 @@ import argparse
 import json
 import signal
 import sys
-import threading
+
+from flashpd.kv_bridge.stop_signal import StopSignal
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -92,9 +93,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)  # while starting: start_service's cleanup stops what it started
     svc = start_service(cfg)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+    done = StopSignal()
     if svc.metrics_address:
         _announce(f"metrics on {svc.metrics_address}")
     if svc.http_address:
@@ -103,7 +102,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     while not done.wait(1.0) and svc.alive:
         pass
     svc.stop()
-    if not done.is_set():  # nobody asked it to stop: its engine or workers died (the log says how)
+    if not done.requested:  # nobody asked it to stop: its engine or workers died (the log says how)
         print("flashpd: error: the service stopped serving (its engine or workers died; see the log)",
               file=sys.stderr)
         return 1

@@ -7,13 +7,16 @@ Unknown keys are refused by name: a typo must not silently fall back to a defaul
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 MODES = ("colocated", "ray", "local")
 MAX_WORKERS = 256  # prefill or decode workers a service may ask for (each a process or a Ray actor)
+# the longest wait a config may set: Python's and gRPC's waits overflow on a huge finite one (1e30 killed the pool's
+# supervisor thread with an OverflowError and made every health probe fail at once)
+MAX_WAIT_S = 7 * 86400.0
+MAX_TORCH_THREADS = 1024  # intra-op threads a worker may ask for (100,000 crashed the engine making them)
 _SCALARS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 
 
@@ -197,8 +200,6 @@ class ServeConfig:
             raise ValueError(f"kv_transport: must be 'bridge', 'device' or 'dist', got {self.kv_transport!r}")
         if self.prefill_publish not in ("after_answer", "before_answer"):
             raise ValueError(f"prefill_publish: must be 'after_answer' or 'before_answer', got {self.prefill_publish!r}")
-        if not self.handoff_lease_s > 0:
-            raise ValueError(f"handoff_lease_s: must be > 0, got {self.handoff_lease_s}")
         if not 0 <= self.prefill_hold_s <= 10:
             raise ValueError(f"prefill_hold_s: must be in [0, 10] seconds, got {self.prefill_hold_s}")
         if self.bridge_transport not in ("inline", "shm", "arena"):
@@ -242,9 +243,19 @@ class ServeConfig:
                      "bridge_disk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("decode_retries", "fault_prefill_delay_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.decode_retries < 0:
+            raise ValueError(f"decode_retries: must be >= 0, got {self.decode_retries}")
+        if not 0 <= self.fault_prefill_delay_s <= MAX_WAIT_S:  # NaN fails too
+            raise ValueError(f"fault_prefill_delay_s: must be in [0, {MAX_WAIT_S:.0f}] seconds, "
+                             f"got {self.fault_prefill_delay_s}")
+        if self.torch_threads is not None and not 1 <= self.torch_threads <= MAX_TORCH_THREADS:
+            raise ValueError(f"torch_threads: must be in [1, {MAX_TORCH_THREADS}] or null (torch's default), "
+                             f"got {self.torch_threads}")
+        ports = [(n, getattr(self, n)) for n in ("port", "http_port", "metrics_port") if getattr(self, n)]
+        for i, (a, pa) in enumerate(ports):  # refused here, not once the engine has loaded and a bind fails
+            for b, pb in ports[i + 1:]:
+                if pa == pb:
+                    raise ValueError(f"{a} and {b}: the same port {pa}; each endpoint needs its own (or 0: any free)")
         if self.num_gpus is not None and not self.num_gpus > 0:
             raise ValueError(f"num_gpus: must be > 0 or null (from the cluster's GPUs), got {self.num_gpus}")
         for name in ("prefill_workers", "decode_workers"):
@@ -255,9 +266,9 @@ class ServeConfig:
         if not (self.allow_remote or is_loopback(self.host)):  # refused here, not after every worker started
             raise ValueError(f"host: {self.host!r} is not loopback; set allow_remote: true to expose the service")
         for name in ("health_interval_s", "health_timeout_s", "start_timeout_s", "prefill_timeout_s",
-                     "request_timeout_s", "bridge_timeout_s", "stall_s"):
-            if not 0 < getattr(self, name) < math.inf:  # inf: a wait that overflows, or a hang never noticed
-                raise ValueError(f"{name}: must be a finite number > 0, got {getattr(self, name)}")
+                     "request_timeout_s", "bridge_timeout_s", "stall_s", "handoff_lease_s"):
+            if not 0 < getattr(self, name) <= MAX_WAIT_S:  # inf or 1e30: a wait that overflows, or a hang never noticed
+                raise ValueError(f"{name}: must be in (0, {MAX_WAIT_S:.0f}] seconds, got {getattr(self, name)}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "ServeConfig":

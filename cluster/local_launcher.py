@@ -261,12 +261,14 @@ class LocalLauncher:
     def stop(self, w: Launched, timeout_s: float = 10.0) -> None:
         self._kill(w.handle, timeout_s)
 
-    def _kill(self, c: _Child, timeout_s: float) -> None:
-        """SIGTERM (a graceful stop: it stops what it started itself), SIGKILL to its process group after timeout_s;
-        once it has exited, what it started and left running (the rest of its group) is SIGKILLed too."""
+    def _kill(self, c: _Child, timeout_s: float, terminated: bool = False) -> None:
+        """SIGTERM (a graceful stop: it stops what it started itself; not again when `terminated`: a second one
+        lands in the child's handler for the first), SIGKILL to its process group after timeout_s; once it has
+        exited, what it started and left running (the rest of its group) is SIGKILLed too."""
         p = c.proc
         if not _exited(p, 0):
-            _terminate(p)
+            if not terminated:
+                _terminate(p)
             if not _exited(p, timeout_s):
                 self._failed(c)  # hung: its log says where
         # the child if it hangs, and what it left running (it died, or did not stop them): before it is reaped, so
@@ -293,7 +295,7 @@ class LocalLauncher:
             else:
                 self._failed(c)  # it had exited by itself
         for c in children:
-            self._kill(c, 10.0)
+            self._kill(c, 10.0, terminated=True)
         self._clean_logs()
 
     def _clean_logs(self) -> None:

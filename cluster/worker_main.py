@@ -15,12 +15,13 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+from flashpd.kv_bridge.stop_signal import StopSignal
 
 ROLES = ("bridge", "prefill", "decode")
 # threads (and concurrent calls) a worker's server has beyond the router's max_concurrent requests: its Health probes
@@ -171,9 +172,13 @@ def fingerprint(cfg, llm) -> str:
 def host_tier(cfg, llm, backing):
     """A pinned host tier (cfg.host_cache_bytes) in front of `backing`, its slots sized to a full chunk of this
     model pair (a first, smaller target-only chunk must not size them) and allocated before serving."""
+    import torch  # noqa: PLC0415
+
+    from flashpd.engine.factory import check_fits  # noqa: PLC0415
     from flashpd.kv_bridge.host_store import HostStore  # noqa: PLC0415
     from flashpd.kv_bridge.layout import ChunkLayout  # noqa: PLC0415
 
+    check_fits("host_cache_bytes", cfg.host_cache_bytes, torch.device("cpu"))  # pinned: it grew until the host ran out
     drafts = getattr(llm.generator, "drafts", None)
     layout = ChunkLayout.of_caches(llm.runner.cache.data, drafts.cache.data if drafts is not None else None,
                                    cfg.chunk_tokens, None)
@@ -199,8 +204,10 @@ def device_tier(cfg, llm, backing, metrics):
         backing = host_tier(cfg, llm, backing)
     if not cfg.device_cache_bytes:
         return backing
+    from flashpd.engine.factory import check_fits  # noqa: PLC0415
     from flashpd.kv_bridge.device_store import DeviceStore  # noqa: PLC0415
 
+    check_fits("device_cache_bytes", cfg.device_cache_bytes, llm.device)
     store = DeviceStore(cfg.device_cache_bytes, llm.device, backing=backing)
     device_tier_metrics(metrics, store.stats)
     return store
@@ -526,9 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         started.set()
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before `listening on`: a launcher may stop it the moment it reads that
-        signal.signal(sig, lambda *_: done.set())
+    done = StopSignal()  # before `listening on`: a launcher may stop it the moment it reads that
     if w.metrics_address:
         print(f"metrics on {w.metrics_address}", flush=True)
     print(f"listening on {w.address}", flush=True)

@@ -6,6 +6,7 @@ drafter, a `ModelRunner` with a paged KV cache sized by `kv_blocks_for`, and a g
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,17 +41,38 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def memory_bytes(device: torch.device) -> int:
+    """All the memory of `device` (a GPU's, or the host's physical memory for the CPU): what no cache can exceed."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(name: str, nbytes: int, device: torch.device, what: str = "") -> None:
+    """A ValueError naming `name` when nbytes exceed all of the device's memory: a cache sized past it failed deep
+    in an allocator with a traceback (or, for a host tier, grew until the machine ran out of memory)."""
+    total = memory_bytes(device)
+    if nbytes > total:
+        raise ValueError(f"{name}: {what or f'{nbytes} bytes'} need {nbytes / 2 ** 30:.1f} GiB, more than the "
+                         f"{total / 2 ** 30:.1f} GiB {device.type} memory of this machine")
+
+
 def kv_blocks_for(model: torch.nn.Module, kv_block_size: int, device: torch.device, max_tokens: int | None) -> int:
-    """Size the paged cache: `max_tokens` positions if given, else a share of free device memory."""
+    """Size the paged cache: `max_tokens` positions if given (refused past the device's memory), else a share of
+    free device memory."""
     cfg = model.cfg
     per_token = 2 * cfg.num_hidden_layers * cfg.kv_size * model.embed_tokens.weight.element_size()
+    given = max_tokens is not None
     if max_tokens is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             max_tokens = int(free * 0.5) // per_token
         else:
             max_tokens = min(131072, (2 << 30) // per_token)
-    return max(2, max_tokens // kv_block_size + 1)
+    blocks = max(2, max_tokens // kv_block_size + 1)
+    check_fits("kv_cache_tokens" if given else "kv_block_size", blocks * kv_block_size * per_token, device,
+               f"{blocks} blocks of {kv_block_size} positions of the target's KV")
+    return blocks
 
 
 @dataclass

@@ -26,7 +26,6 @@ import argparse
 import ipaddress
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -45,6 +44,7 @@ from flashpd.kv_bridge.proto_gen import kv_bridge_pb2 as pb
 from flashpd.kv_bridge.proto_gen import kv_bridge_pb2_grpc as pb_grpc
 from flashpd.kv_bridge.rpc_guard import TokenGate, add_guarded, token_authorizer
 from flashpd.kv_bridge.stall_guard import DEFAULT_IDLE_S, StallGuard
+from flashpd.kv_bridge.stop_signal import StopSignal
 from flashpd.kv_bridge.store import ChunkStore, PutResult
 from flashpd.kv_bridge.tls import BridgeTls
 from flashpd.kv_bridge.wire import (DEFAULT_MAX_CHUNK_BYTES, MAX_KEYS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION,
@@ -762,10 +762,7 @@ def main(argv: list[str] | None = None) -> int:
                          tls=BridgeTls.from_paths(args.tls_cert, args.tls_key, None), idle_s=args.idle_s,
                          min_put_rate=args.min_put_rate, inflight_max_bytes=args.inflight_bytes)
     print(f"PORT {port}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    StopSignal().wait()
     server.stop(grace=2).wait(5)
     if isinstance(store, TieredStore):
         store.close()  # the disk tier's queued writes, within a bound (disk.CLOSE_FLUSH_S)

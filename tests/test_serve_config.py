@@ -53,12 +53,21 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "prefix_stage_bytes": -1}, "prefix_stage_bytes: must be >= 0"),
     ({"target": "t", "prefill_publish": "later"}, "prefill_publish: must be 'after_answer' or 'before_answer'"),
     ({"target": "t", "decode_retries": -1}, "decode_retries: must be >= 0"),
-    ({"target": "t", "fault_prefill_delay_s": -0.5}, "fault_prefill_delay_s: must be >= 0"),
+    ({"target": "t", "fault_prefill_delay_s": -0.5}, "fault_prefill_delay_s: must be in"),
+    ({"target": "t", "fault_prefill_delay_s": float("nan")}, "fault_prefill_delay_s: must be in"),
+    ({"target": "t", "health_interval_s": 1e30}, "health_interval_s: must be in"),  # killed the supervisor thread
+    ({"target": "t", "health_timeout_s": 1e30}, "health_timeout_s: must be in"),  # every probe failed at once
+    ({"target": "t", "handoff_lease_s": float("inf")}, "handoff_lease_s: must be in"),
+    ({"target": "t", "torch_threads": 0}, "torch_threads: must be in"),  # was ignored
+    ({"target": "t", "torch_threads": -1}, "torch_threads: must be in"),  # a traceback in the worker
+    ({"target": "t", "torch_threads": 100000}, "torch_threads: must be in"),  # crashed the engine
+    ({"target": "t", "port": 47222, "http_port": 47222}, "port and http_port: the same port"),
+    ({"target": "t", "http_port": 47223, "metrics_port": 47223}, "http_port and metrics_port: the same port"),
     ({"target": "t", "num_gpus": 0}, "num_gpus: must be > 0"),
-    ({"target": "t", "stall_s": 0}, "stall_s: must be a finite number > 0"),
-    ({"target": "t", "stall_s": -1.0}, "stall_s: must be a finite number > 0"),
-    ({"target": "t", "stall_s": float("inf")}, "stall_s: must be a finite number > 0"),  # JSON's Infinity
-    ({"target": "t", "request_timeout_s": float("nan")}, "request_timeout_s: must be a finite number > 0"),
+    ({"target": "t", "stall_s": 0}, "stall_s: must be in"),
+    ({"target": "t", "stall_s": -1.0}, "stall_s: must be in"),
+    ({"target": "t", "stall_s": float("inf")}, "stall_s: must be in"),  # JSON's Infinity
+    ({"target": "t", "request_timeout_s": float("nan")}, "request_timeout_s: must be in"),
     ({"target": "t", "stall_s": "300"}, "stall_s: must be float"),
     ({"target": "t", "prefill_workers": 100000}, "prefill_workers: at most"),
     ({"target": "t", "host": "0.0.0.0"}, "host: '0.0.0.0' is not loopback"),  # before any worker starts

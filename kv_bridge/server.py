@@ -671,6 +671,7 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
     past it is refused RESOURCE_EXHAUSTED on its first frame, before its buffer is allocated."""
     if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the bridge")
+    creds = tls.server_credentials() if tls is not None else None  # bad TLS files: refused before anything starts
     if not is_loopback(host) and tls is None:
         log.warning("the KV bridge serves %s without TLS: chunks and the bearer token cross the network in the "
                     "clear (chunk MACs still refuse forged chunks)", host)
@@ -689,8 +690,7 @@ def serve(store: ChunkStore, host: str = "127.0.0.1", port: int = 0, max_workers
     server.add_generic_rpc_handlers((bulk_handler(servicer),))  # first: it serves Put and Get
     add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name["KVBridge"], on_invalid=servicer.count_invalid)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_secure_port(address, tls.server_credentials()) if tls is not None \
-        else server.add_insecure_port(address)
+    bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()

@@ -8,6 +8,7 @@ client trusts `ca` (None: the system's roots). The certificate must name the add
 """
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,34 @@ class BridgeTls:
     def server_credentials(self) -> grpc.ServerCredentials:
         if self.cert is None or self.key is None:
             raise ValueError("TLS: serving needs a certificate and its private key")
+        _check_pair(self.cert, self.key)
         return grpc.ssl_server_credentials([(Path(self.key).read_bytes(), Path(self.cert).read_bytes())])
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
+        if self.ca:
+            _check_roots(self.ca)
         return grpc.ssl_channel_credentials(root_certificates=Path(self.ca).read_bytes() if self.ca else None)
+
+
+def _check_pair(cert: str, key: str) -> None:
+    """A ValueError naming the files unless they are a PEM certificate (chain) and its private key: gRPC took any
+    bytes and failed the bind with "Failed to bind to address", which blamed the port."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key, password=_no_password)
+    except (ssl.SSLError, ValueError) as e:
+        raise ValueError(f"tls_cert / tls_key: {cert} and {key} are not a PEM certificate and its (unencrypted) "
+                         f"private key: {e}") from None
+
+
+def _check_roots(ca: str) -> None:
+    """A ValueError naming the file unless it holds PEM certificates (a client's roots)."""
+    try:
+        ssl.create_default_context(cafile=ca)
+    except (ssl.SSLError, ValueError) as e:
+        raise ValueError(f"tls_ca: {ca} holds no PEM certificate: {e}") from None
+
+
+def _no_password() -> str:
+    """An encrypted key is refused, never prompted for on a terminal (gRPC cannot use one either)."""
+    raise ValueError("the key is encrypted")

@@ -461,6 +461,24 @@ def test_tls_round_trip(tmp_path):
         server.stop(grace=None).wait(TIMEOUT_S)
 
 
+def test_tls_material_that_is_not_pem_is_refused_by_name(tmp_path):
+    """A certificate or key that is not PEM (or a key of another certificate) gets a ValueError naming the files
+    before gRPC sees them: gRPC failed the bind with "Failed to bind to address", blaming the port."""
+    cert, key = _self_signed(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    _, other_key = _self_signed(other)
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    secret = ClusterSecret.generate()
+    for c, k in ((str(junk), key), (cert, str(junk)), (cert, other_key)):
+        with pytest.raises(ValueError, match="tls_cert / tls_key: .* not a PEM certificate and its"):
+            serve(MemoryStore(1 << 20, secret), secret=secret, tls=BridgeTls(c, k))
+    with pytest.raises(ValueError, match="tls_ca: .* holds no PEM certificate"):
+        BridgeTls(ca=str(junk)).channel_credentials()
+    BridgeTls(ca=cert).channel_credentials()
+
+
 def test_serve_config_tls_keys_are_validated():
     assert ServeConfig(target="t", tls_cert="c", tls_key="k", tls_ca="a").tls_ca == "a"
     for kw in (dict(tls_cert="c"), dict(tls_key="k"), dict(tls_ca="a")):

@@ -113,6 +113,8 @@ def cmd_client(a: argparse.Namespace) -> int:
     from flashpd.cluster.generation_client import GenerationClient, GenerationError  # noqa: PLC0415
 
     prompt = a.prompt if a.prompt is not None else a.prompt_ids
+    if a.method == "native" and a.block_size:  # as `flashpd generate` refuses it: not silently ignored
+        raise ValueError(f"--block-size {a.block_size} needs --method dflash")
     kw = dict(max_tokens=a.max_tokens, method=a.method, block_size=a.block_size, temperature=a.temperature,
               top_p=a.top_p, top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
     try:

@@ -22,6 +22,23 @@ def _real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 PROTOCOL_VERSION = 1
+MAX_TIMEOUT_S = 7 * 86400.0  # a longer deadline overflows in gRPC ("deadline of 1e+30 s exceeded" at once)
+
+
+def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:
+    """timeout_s as a deadline gRPC can keep: a number in (0, MAX_TIMEOUT_S], else ValueError naming it (0, a
+    negative one or NaN reached the server and came back DEADLINE_EXCEEDED)."""
+    if not (_real(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"{name}: must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def check_address(address: str) -> str:
+    """host:port with a port gRPC can dial: a port past 65535 was dialed modulo 65536, another server's perhaps."""
+    host, sep, port = address.rpartition(":")
+    if sep and host and port.isdigit() and not 0 < int(port) <= 65535:
+        raise ValueError(f"address {address!r}: port {port} is not in [1, 65535]")
+    return address
 
 
 class GenerationError(Exception):
@@ -124,6 +141,8 @@ def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "
         # the field is float32: a finite temperature past its range (a float or an int) samples as the largest
         # (SamplingParams' rule), not as an infinity the server must refuse
         temperature = _FLOAT32_LARGEST
+    if _real(top_p) and top_p == 0:  # 0 reads as unset on the wire (no filtering at all); the server checks the rest
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
     if _real(top_p) and 0 < top_p < TOP_P_MIN:
         # below float32's smallest normal a top_p would reach the server as a denormal or as 0, and 0 reads as
         # unset (1.0: no filtering at all); SamplingParams raises it to TOP_P_MIN, and so does the client
@@ -163,8 +182,8 @@ class GenerationClient:
     """One channel to one generation server. Thread-safe (gRPC channels are); close() when done."""
 
     def __init__(self, address: str, timeout_s: float = 60.0) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
+        self.address = check_address(address)
+        self.timeout_s = check_timeout(timeout_s)
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._closed = False
@@ -198,7 +217,7 @@ class GenerationClient:
     def generate(self, prompt: str | list[int], timeout_s: float | None = None, **kw) -> Iterator[Chunk]:
         """Stream the chunks of one request (kw: max_tokens, method, block_size, temperature, top_p,
         top_k, seed, ignore_eos). Closing the iterator early cancels the request on the server."""
-        t = self.timeout_s if timeout_s is None else timeout_s
+        t = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         call = self._stub.Generate(self._request("Generate", prompt, kw), timeout=t)
         try:
             for msg in call:
@@ -211,7 +230,7 @@ class GenerationClient:
             call.cancel()  # no-op once the stream is complete
 
     def generate_once(self, prompt: str | list[int], timeout_s: float | None = None, **kw) -> Result:
-        t = self.timeout_s if timeout_s is None else timeout_s
+        t = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         try:
             r = self._stub.GenerateOnce(self._request("GenerateOnce", prompt, kw), timeout=t)
         except grpc.RpcError as e:
@@ -220,7 +239,7 @@ class GenerationClient:
         return Result(list(r.token_ids), r.text, r.finish_reason, stats_dict(r.stats))
 
     def health(self, timeout_s: float | None = None) -> dict:
-        t = self.timeout_s if timeout_s is None else timeout_s
+        t = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         self._check_open("Health")
         try:
             r = self._stub.Health(pb.HealthRequest(version=PROTOCOL_VERSION), timeout=t)

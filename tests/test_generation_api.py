@@ -292,6 +292,8 @@ def test_cli_serve_and_client(dflash_pair, solo, tmp_path, capsys):  # noqa: F81
     (dict(prompt=[1], block_size=-1), "block_size"),
     (dict(prompt=[1], temperature="hot"), "temperature"),
     (dict(prompt=[1], seed=1.5), "seed"),
+    (dict(prompt=[1], top_p=0.0), "top_p"),  # 0 reads as unset on the wire: it sampled with no filtering
+    (dict(prompt=[1], top_p=0), "top_p"),
 ])
 def test_client_refuses_what_the_wire_cannot_carry(kw, field):
     """Nothing is sent: the client raises GenerationInvalidArgument (still a ValueError) naming the field, for
@@ -304,6 +306,30 @@ def test_client_refuses_what_the_wire_cannot_carry(kw, field):
             assert e.code is None and field in str(e), e
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf"), 1e30, "5"])
+def test_client_refuses_a_deadline_grpc_cannot_keep(timeout_s):
+    """0, negative and NaN deadlines reached the server and came back DEADLINE_EXCEEDED; 1e30 overflowed in gRPC
+    and failed at once: each is a ValueError naming timeout_s, at construction or per call, with no RPC."""
+    with pytest.raises(ValueError, match="timeout_s: must be a number of seconds"):
+        GenerationClient("127.0.0.1:1", timeout_s=timeout_s)
+    c = GenerationClient("127.0.0.1:1", timeout_s=5)
+    try:
+        for call in (lambda: c.generate_once([1], timeout_s=timeout_s), lambda: list(c.generate([1], timeout_s=timeout_s)),
+                     lambda: c.health(timeout_s=timeout_s)):
+            with pytest.raises(ValueError, match="timeout_s: must be a number of seconds"):
+                call()
+    finally:
+        c.close()
+
+
+def test_client_refuses_a_port_past_65535():
+    """gRPC dialed 127.0.0.1:99999 as port 34463 (modulo 65536): another server's, perhaps."""
+    with pytest.raises(ValueError, match="port 99999 is not in"):
+        GenerationClient("127.0.0.1:99999")
+    GenerationClient("127.0.0.1:65535").close()
+    GenerationClient("[::1]:50051").close()
 
 
 def test_closed_client_says_so():
@@ -339,3 +365,11 @@ def test_text_is_tokenized_by_the_call_that_lets_go_of_the_interpreter_lock():
     tok._tok = Spy()
     got = tok.encode(text)
     assert calls == ["encode_batch"] and got == lib.encode(text, add_special_tokens=False).ids
+
+
+def test_the_client_cli_refuses_a_block_size_for_native_as_generate_does(capsys):
+    from flashpd.cli import main as cli_main
+
+    assert cli_main(["client", "--address", "127.0.0.1:1", "--prompt-ids", "1,2", "--method", "native",
+                     "--block-size", "4"]) != 0
+    assert "--block-size 4 needs --method dflash" in capsys.readouterr().err

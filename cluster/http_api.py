@@ -147,8 +147,15 @@ def error_for(e: BaseException) -> APIError:
     return APIError(503, msg, "server_error", None, "service_unavailable")
 
 
+_DEFAULT_OK = {"temperature": (lambda v: 0 <= v < math.inf, "a number >= 0"),
+               "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+               "top_k": (lambda v: float(v).is_integer() and -1 <= v < 2 ** 31, "an integer in [-1, 2**31)")}
+
+
 def sampling_defaults(model_dir: str | Path | None) -> dict:
-    """temperature / top_p / top_k from the model's generation_config.json (vLLM's default), when set."""
+    """temperature / top_p / top_k from the model's generation_config.json (vLLM's default), when set. One a request
+    could not carry is a ValueError naming the file (the service refuses to start): taken as it was, every request
+    that left the field unset was refused 400, blaming the client for the server's default."""
     if model_dir is None:
         return {}
     p = Path(model_dir) / "generation_config.json"
@@ -157,8 +164,18 @@ def sampling_defaults(model_dir: str | Path | None) -> dict:
     except (OSError, ValueError):
         log.warning("%s is unreadable; OpenAI's sampling defaults apply", p)
         return {}
-    return {k: cfg[k] for k in ("temperature", "top_p", "top_k") if isinstance(cfg.get(k), (int, float))
-            and not isinstance(cfg.get(k), bool)}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p}: must be a JSON object, got {_show(cfg)}")
+    out = {}
+    for k, (ok, want) in _DEFAULT_OK.items():
+        v = cfg.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise ValueError(f"{p}: {k} must be {want} (the HTTP API's default for requests that leave it unset), "
+                             f"got {_show(v)}")
+        out[k] = int(v) if k == "top_k" else v
+    return out
 
 
 # ---- request fields --------------------------------------------------------------------------------

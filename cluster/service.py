@@ -78,6 +78,10 @@ def start_service(cfg: ServeConfig, launcher: Launcher | None = None) -> Service
     """launcher: one made for this start (default: by mode, with a fresh cluster secret); a launcher
     passed in made its own fresh secret when it was built."""
     check_ports_free(cfg)  # before any worker starts (minutes on a GPU), not after
+    if cfg.http_port is not None:
+        from flashpd.cluster.http_api import sampling_defaults  # noqa: PLC0415
+
+        sampling_defaults(cfg.target)  # a bad generation_config.json is refused now too
     if cfg.mode == "colocated":
         svc = _colocated(cfg)
     else:

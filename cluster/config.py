@@ -299,25 +299,52 @@ class ServeConfig:
 
 
 def load_config(path: str | Path) -> ServeConfig:
-    """Read a JSON or YAML file (by suffix; other suffixes are tried as JSON, then YAML)."""
+    """Read a JSON or YAML file (by suffix; other suffixes are tried as JSON, then YAML). A key given twice is
+    refused by name (the parsers keep the last one without a word)."""
     p = Path(path)
-    text = p.read_text()
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not a text file (JSON or YAML): {e}") from None
     if p.suffix in (".yaml", ".yml"):
         data = _yaml(text, p)
     else:
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_no_repeats)
         except json.JSONDecodeError as e:
             if p.suffix == ".json":
                 raise ValueError(f"{p}: not valid JSON: {e}") from None
             data = _yaml(text, p)
+        except _RepeatedKey as e:
+            raise ValueError(f"{p}: {e}") from None
     return ServeConfig.from_dict(data, str(p))
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in seen:
+            raise _RepeatedKey(f"key {k!r} is given twice")
+        seen[k] = v
+    return seen
 
 
 def _yaml(text: str, p: Path) -> Any:
     import yaml  # noqa: PLC0415  (a dependency, only needed for YAML files)
 
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):  # a key given twice: refused, not the last one kept
+            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+            for i, k in enumerate(keys):
+                if k in keys[:i]:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {k!r} is given twice", node.start_mark)
+            return super().construct_mapping(node, deep=deep)
+
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=Loader)  # noqa: S506  (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise ValueError(f"{p}: not valid YAML: {e}") from None

@@ -232,3 +232,19 @@ def test_the_stall_bound_is_the_configs_stall_s_never_under_twice_the_prefill_ti
     assert stall_bound(ServeConfig(target="t", stall_s=5.0, prefill_timeout_s=10.0)) == 20.0
     assert stall_bound(ServeConfig(target="t", stall_s=600)) == 600  # an int is a float here, as everywhere
     assert ServeConfig.from_dict(ServeConfig(target="t", stall_s=42.0).to_dict()).stall_s == 42.0  # to the workers
+
+
+@pytest.mark.parametrize("name, text", [("c.json", '{"target": "a", "port": 1, "port": 2}'),
+                                        ("c.yaml", "target: a\nport: 1\nport: 2\n"),
+                                        ("c.conf", '{"target": "a", "port": 1, "port": 2}')])
+def test_a_key_given_twice_is_refused_by_name(tmp_path, name, text):
+    """JSON and YAML parsers keep a repeated key's last value without a word: a config is refused instead."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match="'port' is given twice"):
+        load_config(tmp_path / name)
+
+
+def test_a_binary_config_is_refused_naming_the_file(tmp_path):
+    (tmp_path / "c.json").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match=r"c.json: not a text file"):
+        load_config(tmp_path / "c.json")

@@ -31,6 +31,21 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to load on (None: cuda when available), or a ValueError naming it: torch's own error for an
+    unknown name, and an assertion deep in the loader for cuda on a machine without one, were no message for a
+    user."""
+    try:
+        dev = torch.device(device or default_device())
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r}: not a device name ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this machine has no CUDA device (or torch is a CPU build)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: flashpd runs on 'cpu' or 'cuda'")
+    return dev
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -121,7 +136,7 @@ def load_engine(target: str | Path, draft: str | Path | None = None, device: str
     if kv_cache_tokens is not None and not (isinstance(kv_cache_tokens, int) and not isinstance(kv_cache_tokens, bool)
                                             and kv_cache_tokens >= 1):
         raise ValueError(f"kv_cache_tokens must be a positive integer or None, got {kv_cache_tokens!r}")
-    dev = torch.device(device or default_device())
+    dev = resolve_device(device)
     dt = resolve_dtype(dtype, str(dev))
     method = method or ("dflash" if draft else "native")
     if method not in ("native", "dflash"):

@@ -47,6 +47,10 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # a string here raised a bare TypeError below, before validate()
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {v!r}")
         if 0 < self.top_p < TOP_P_MIN:
             object.__setattr__(self, "top_p", TOP_P_MIN)
         object.__setattr__(self, "_greedy", _greedy(self.temperature))  # read on every step of every row

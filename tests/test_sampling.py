@@ -479,3 +479,10 @@ def test_generate_queues_a_batch_larger_than_the_cache(ckpt):
     seqs = _generate(d, prompts, sp, num_blocks=9)  # each needs 4 blocks of the 8 usable: two at a time
     for s, p in zip(seqs, prompts):
         assert s.output == hf_greedy(hf, p, 20)
+
+
+def test_a_sampling_value_that_is_not_a_number_is_a_valueerror_at_construction():
+    """SamplingParams(top_p="1") raised a bare TypeError from its own constructor, before validate() could name it."""
+    for kw in (dict(top_p="1"), dict(temperature="hot"), dict(temperature=None), dict(top_p=True)):
+        with pytest.raises(ValueError, match="must be a number"):
+            SamplingParams(**kw)

@@ -338,7 +338,8 @@ def _yaml(text: str, p: Path) -> Any:
 
     class Loader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):  # a key given twice: refused, not the last one kept
-            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+            keys = [self.construct_object(k, deep=deep) for k, _ in node.value
+                    if k.tag != "tag:yaml.org,2002:merge"]  # `<<` merges, and a key may override what it merged
             for i, k in enumerate(keys):
                 if k in keys[:i]:
                     raise yaml.constructor.ConstructorError(None, None, f"key {k!r} is given twice", node.start_mark)

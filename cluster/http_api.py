@@ -171,7 +171,12 @@ def sampling_defaults(model_dir: str | Path | None) -> dict:
         v = cfg.get(k)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+        try:
+            bad = isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)) \
+                or not ok(float(v))
+        except OverflowError:  # an integer past float's range (10**400): no request could carry it either
+            bad = True
+        if bad:
             raise ValueError(f"{p}: {k} must be {want} (the HTTP API's default for requests that leave it unset), "
                              f"got {_show(v)}")
         out[k] = int(v) if k == "top_k" else v

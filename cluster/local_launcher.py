@@ -234,7 +234,7 @@ class LocalLauncher:
             if not _exited(c.proc, 0):
                 _terminate(c.proc)
         for c in children:
-            self._kill(c, timeout_s)
+            self._kill(c, timeout_s, terminated=True)
 
     def processes(self) -> list[subprocess.Popen]:
         """The worker processes this launcher started and has not stopped."""

@@ -761,8 +761,9 @@ def main(argv: list[str] | None = None) -> int:
     server, port = serve(store, args.host, args.port, args.max_workers, args.max_chunk_bytes, secret=secret,
                          tls=BridgeTls.from_paths(args.tls_cert, args.tls_key, None), idle_s=args.idle_s,
                          min_put_rate=args.min_put_rate, inflight_max_bytes=args.inflight_bytes)
+    stop = StopSignal()  # before PORT: a launcher may stop it the moment it reads that (the disk flush below runs)
     print(f"PORT {port}", flush=True)
-    StopSignal().wait()
+    stop.wait()
     server.stop(grace=2).wait(5)
     if isinstance(store, TieredStore):
         store.close()  # the disk tier's queued writes, within a bound (disk.CLOSE_FLUSH_S)

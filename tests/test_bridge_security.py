@@ -479,6 +479,29 @@ def test_tls_material_that_is_not_pem_is_refused_by_name(tmp_path):
     BridgeTls(ca=cert).channel_credentials()
 
 
+def test_a_weak_but_valid_pem_pair_is_served_as_grpc_serves_it(tmp_path):
+    """The PEM check only parses and matches: a 1,024-bit RSA key, which OpenSSL's default security level refuses
+    and gRPC serves, still starts the bridge (the check must not refuse what worked)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "weak")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    (tmp_path / "w.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "w.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    secret = ClusterSecret.generate()
+    server, _ = serve(MemoryStore(1 << 20, secret), secret=secret,
+                      tls=BridgeTls(str(tmp_path / "w.crt"), str(tmp_path / "w.key")))
+    server.stop(grace=None).wait(TIMEOUT_S)
+
+
 def test_serve_config_tls_keys_are_validated():
     assert ServeConfig(target="t", tls_cert="c", tls_key="k", tls_ca="a").tls_ca == "a"
     for kw in (dict(tls_cert="c"), dict(tls_key="k"), dict(tls_ca="a")):

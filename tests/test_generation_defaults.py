@@ -25,7 +25,9 @@ def test_valid_defaults_are_taken_and_others_left_alone(tmp_path):
 @pytest.mark.parametrize("cfg, key", [({"top_p": 7}, "top_p"), ({"top_p": 0}, "top_p"),
                                       ({"temperature": "hot"}, "temperature"), ({"temperature": -1}, "temperature"),
                                       ({"top_k": 2.5}, "top_k"), ({"top_k": -2}, "top_k"), ({"top_p": True}, "top_p"),
-                                      ([1, 2], "must be a JSON object")])
+                                      ([1, 2], "must be a JSON object"), ({"top_k": 10 ** 400}, "top_k"),
+                                      ({"temperature": 10 ** 400}, "temperature"),
+                                      ({"temperature": float("inf")}, "temperature")])
 def test_a_default_no_request_could_carry_refuses_the_start_by_name(tmp_path, cfg, key):
     with pytest.raises(ValueError, match=f"generation_config.json: {key}"):
         sampling_defaults(_with(tmp_path, cfg))

@@ -248,3 +248,10 @@ def test_a_binary_config_is_refused_naming_the_file(tmp_path):
     (tmp_path / "c.json").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ValueError, match=r"c.json: not a text file"):
         load_config(tmp_path / "c.json")
+
+
+def test_yaml_merge_keys_still_load_and_may_be_overridden(tmp_path):
+    """The duplicate check leaves YAML's `<<` alone: a merged mapping, and a key that overrides what it merged."""
+    (tmp_path / "c.yaml").write_text("target: t\n<<: {mode: local, port: 50051}\nport: 50052\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.mode, cfg.port) == ("local", 50052)

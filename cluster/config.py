@@ -170,6 +170,8 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         _check_types(self)
+        if not self.target.strip():  # "" read as the current directory: ".: no config.json"
+            raise ValueError("target: must be a checkpoint directory, got an empty string")
         if self.mode not in MODES:
             raise ValueError(f"mode: must be one of {list(MODES)}, got {self.mode!r}")
         if self.engine_process is not None and not isinstance(self.engine_process, bool):

@@ -122,6 +122,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if token_map and spec.get("token_map") and token_map != spec["token_map"]:
             raise ValueError("--speculative-token-map and --speculative-config name different token maps")
         method, draft = method or spec["method"], spec["draft"]
+        if width is not None and spec.get("block_size") not in (None, width):  # as two drafters are: not one dropped
+            raise ValueError(f"--block-size {width} and --speculative-config's num_speculative_tokens "
+                             f"{spec['block_size'] - 1} (width {spec['block_size']}) disagree")
         width = spec.get("block_size") if width is None else width
         token_map = token_map or spec.get("token_map")
         quantization = spec.get("quantization")

@@ -240,6 +240,8 @@ BAD = {  # name: (extra args given the pair, words the error must contain)
                        ["block_size", "17"]),
     "spec-other-drafter": (lambda pr: ["--draft", pr.target_dir, "--speculative-config", _spec(pr)],
                            ["different drafters"]),
+    "spec-other-width": (lambda pr: ["--block-size", 9, "--speculative-config", _spec(pr, num_speculative_tokens=3)],
+                         ["--block-size 9", "num_speculative_tokens 3", "disagree"]),  # was overridden silently
     "dflash-without-drafter": (lambda pr: ["--method", "dflash"], ["needs a drafter"]),
     "target-as-drafter": (lambda pr: ["--draft", pr.target_dir], ["not a DFlash drafter"]),
     "missing-target": (lambda pr: ["--target", pr.target_dir / "nope"], ["not a directory"]),

@@ -187,7 +187,8 @@ def _await_job(ray_bin: Path, url: str, job_id: str, env: dict, timeout_s: float
             if p.returncode == 0 and f"Job '{job_id}' {said}" in last:
                 return status
         time.sleep(2.0)
-    raise AssertionError(f"job {job_id} not finished after {timeout_s} s; last status: {last[-2000:]}")
+    subprocess.run([str(ray_bin), "job", "stop", "--address", url, job_id], capture_output=True, timeout=60, env=env)
+    raise AssertionError(f"job {job_id} not finished after {timeout_s} s (stopped); last status: {last[-2000:]}")
 
 
 def _fake_service(monkeypatch, tmp_path):

@@ -59,6 +59,7 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "health_timeout_s": 1e30}, "health_timeout_s: must be in"),  # every probe failed at once
     ({"target": "t", "handoff_lease_s": float("inf")}, "handoff_lease_s: must be in"),
     ({"target": "t", "torch_threads": 0}, "torch_threads: must be in"),  # was ignored
+    ({"target": ""}, "target: must be a checkpoint directory"),  # was ".: no config.json"
     ({"target": "t", "torch_threads": -1}, "torch_threads: must be in"),  # a traceback in the worker
     ({"target": "t", "torch_threads": 100000}, "torch_threads: must be in"),  # crashed the engine
     ({"target": "t", "port": 47222, "http_port": 47222}, "port and http_port: the same port"),

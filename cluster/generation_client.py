@@ -11,6 +11,7 @@ from typing import Iterator
 
 import grpc
 
+from flashpd.cluster.config import MAX_WAIT_S
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 
@@ -22,7 +23,7 @@ def _real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 PROTOCOL_VERSION = 1
-MAX_TIMEOUT_S = 7 * 86400.0  # a longer deadline overflows in gRPC ("deadline of 1e+30 s exceeded" at once)
+MAX_TIMEOUT_S = MAX_WAIT_S  # a longer deadline overflows in gRPC ("deadline of 1e+30 s exceeded" at once)
 
 
 def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:

@@ -147,9 +147,10 @@ def error_for(e: BaseException) -> APIError:
     return APIError(503, msg, "server_error", None, "service_unavailable")
 
 
-_DEFAULT_OK = {"temperature": (lambda v: 0 <= v < math.inf, "a number >= 0"),
+# each takes the value as a finite float (sampling_defaults checks that first)
+_DEFAULT_OK = {"temperature": (lambda v: v >= 0, "a number >= 0"),
                "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
-               "top_k": (lambda v: float(v).is_integer() and -1 <= v < 2 ** 31, "an integer in [-1, 2**31)")}
+               "top_k": (lambda v: v.is_integer() and -1 <= v < 2 ** 31, "an integer in [-1, 2**31)")}
 
 
 def sampling_defaults(model_dir: str | Path | None) -> dict:

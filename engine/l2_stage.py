@@ -13,6 +13,8 @@ empty, nothing runs. A GPU only (PTX); elsewhere `stage` does nothing.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from flashpd.engine.triton_env import INTERPRET, tl, triton
@@ -21,8 +23,15 @@ STAGE: dict[str, int] = {}  # role -> bytes a row staged (a multiple of 16); {} 
 EVICT_LAST = False  # the prefetched lines carry an evict-last L2 policy
 ROWS_A_PROGRAM = 128
 
-_side: dict[int, torch.cuda.Stream] = {}
-_pending: set[int] = set()
+# a side stream a thread and device (two threads capturing graphs at once must not share one), and the devices whose
+# side stream has work the thread's current stream has not yet joined
+_local = threading.local()
+
+
+def _state() -> tuple[dict[int, torch.cuda.Stream], set[int]]:
+    if not hasattr(_local, "side"):
+        _local.side, _local.pending = {}, set()
+    return _local.side, _local.pending
 
 if triton is not None:
     _PREFETCH = tl.constexpr("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;")
@@ -72,10 +81,11 @@ def stage(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:
     if not active(x):
         return
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    sides, pending = _state()
     cur = torch.cuda.current_stream(dev)
-    side = _side.get(dev)
+    side = sides.get(dev)
     if side is None:
-        side = _side[dev] = torch.cuda.Stream(dev)
+        side = sides[dev] = torch.cuda.Stream(dev)
     side.wait_stream(cur)
     with torch.cuda.stream(side):
         for role, w in weights.items():
@@ -87,7 +97,7 @@ def stage(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:
             if chunk:
                 _stage_kernel[(triton.cdiv(w.shape[0], ROWS_A_PROGRAM),)](
                     w, w.shape[0], row_bytes, chunk, BLOCK=ROWS_A_PROGRAM, LAST=EVICT_LAST, num_warps=4)
-    _pending.add(dev)
+    pending.add(dev)
 
 
 def join(x: torch.Tensor) -> None:
@@ -96,6 +106,7 @@ def join(x: torch.Tensor) -> None:
     if not x.is_cuda:
         return
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if dev in _pending:
-        torch.cuda.current_stream(dev).wait_stream(_side[dev])
-        _pending.discard(dev)
+    sides, pending = _state()
+    if dev in pending:
+        torch.cuda.current_stream(dev).wait_stream(sides[dev])
+        pending.discard(dev)

@@ -34,7 +34,7 @@ def test_off_a_gpu_nothing_is_staged(monkeypatch):
     assert not l2_stage.active(x)
     l2_stage.stage(x, {"gate_up": torch.zeros(4, 8)})
     l2_stage.join(x)
-    assert not l2_stage._pending
+    assert l2_stage._state() == ({}, set())
 
 
 CHILD = r'''

@@ -161,8 +161,10 @@ def warm_prefill(gen, lengths: list[int]) -> dict:
     for p in random_prompts(lengths, gen.runner.model.cfg.vocab_size):
         seq = gen.new_sequences([p], [SamplingParams(max_tokens=1)])[0]
         gen.reserve([seq])
-        gen.prefill_request([seq])
-        gen.runner.allocator.free(seq.table)
+        try:
+            gen.prefill_request([seq])
+        finally:  # a prefill that raised (out of memory) gives its blocks back too
+            gen.runner.allocator.free(seq.table)
     if gen.runner.allocator.num_free != free:
         raise RuntimeError(f"warm-up leaked KV blocks ({free - gen.runner.allocator.num_free})")
     return {"requests": len(lengths), "lengths": lengths, "seconds": time.perf_counter() - t0}

@@ -4,6 +4,7 @@ cache, counters zero, and the next requests' tokens and acceptance lengths as wi
 warm-up steps every power-of-two batch bucket up to max_running that fits the cache."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flashpd.cluster.config import ServeConfig
@@ -79,6 +80,20 @@ def test_prefill_warmup_publishes_nothing(dflash_pair):  # noqa: F811
     done = warm_prefill(worker.gen, lengths_for(runner.max_positions, 1))
     assert done["requests"] == len(done["lengths"]) > 0
     assert runner.allocator.num_free == free and cache.store.stats()["puts"] == 0
+
+
+def test_a_prefill_warmup_that_fails_gives_its_blocks_back(dflash_pair, monkeypatch):  # noqa: F811
+    target, drafter, taps = _models(dflash_pair)
+    runner = ModelRunner(target, 64, 16, taps=taps)
+    worker = PrefillWorker(runner, drafter, _cache(dflash_pair, drafter))
+    free = runner.allocator.num_free
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(runner, "forward", fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        warm_prefill(worker.gen, [40])
+    assert runner.allocator.num_free == free
 
 
 def test_warmup_setting():

@@ -38,7 +38,7 @@ from flashpd.bench.common import command_line, copy_bandwidth_gbs, time_ms, writ
 from flashpd.bench.dflash_step import drafter_config_for
 from flashpd.bench.profile_step import kernel_table, measure_prefill
 from flashpd.demo import PAIR
-from flashpd.engine import l2_stage, qkv_rope, skinny_gemm, triton_env
+from flashpd.engine import qkv_rope, skinny_gemm, triton_env
 from flashpd.engine.config import builtin_config_path, load_config
 from flashpd.engine.drafter import dummy_drafter
 from flashpd.engine.generate import NativeGenerator
@@ -320,11 +320,6 @@ def main() -> None:
     ap.add_argument("--rope-in-attention", choices=("on", "off"), default="on" if qkv_rope.IN_ATTENTION else "off",
                     help="the fused layer's q/k norms, RoPE and cache write inside the paged attention's launch "
                          "(qkv_rope.IN_ATTENTION; other bits than off's, the same in every path)")
-    ap.add_argument("--l2-stage", default=",".join(f"{k}:{v}" for k, v in l2_stage.STAGE.items()),
-                    help="role:bytes,... of each decode layer's weights staged in the L2 after QKV (l2_stage.STAGE; "
-                         "roles o_proj, gate_up, down; empty: off)")
-    ap.add_argument("--l2-stage-evict-last", choices=("on", "off"), default="on" if l2_stage.EVICT_LAST else "off",
-                    help="the staged lines' L2 policy (l2_stage.EVICT_LAST)")
     ap.add_argument("--out", default="bench/results/speed_8b.json")
     a = ap.parse_args()
     extra = tuple(inductor_option(o) for o in a.inductor_option)
@@ -334,8 +329,6 @@ def main() -> None:
     sections = set(a.sections.split(","))
     skinny_gemm.FP8_BITS = a.fp8_widen == "bits"
     qkv_rope.IN_ATTENTION = a.rope_in_attention == "on"
-    l2_stage.STAGE = l2_stage.parse(a.l2_stage)
-    l2_stage.EVICT_LAST = a.l2_stage_evict_last == "on"
     res: dict = {"bench": "speed_8b", "config": a.config, "dtype": "bfloat16", "weights": "dummy",
                  "command": command_line("flashpd.bench.speed_8b")}
 
@@ -373,7 +366,6 @@ def main() -> None:
     res["inductor_extra"] = dict(extra)
     res["fp8_widen"] = "bits" if skinny_gemm.FP8_BITS else "triton"
     res["rope_in_attention"] = qkv_rope.IN_ATTENTION
-    res["l2_stage"] = {"bytes_a_row": dict(l2_stage.STAGE), "evict_last": l2_stage.EVICT_LAST}
     native = NativeGenerator(runner, ())
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     embed = target.embed_tokens.weight

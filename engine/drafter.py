@@ -26,7 +26,7 @@ from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
 from flashpd.engine.loader import check_checkpoint, fill_from_checkpoint, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, fused_attn_inputs, fused_layer, \
     fused_layers, mlp_residual
-from flashpd.engine import l2_stage, skinny_gemm
+from flashpd.engine import skinny_gemm
 from flashpd.engine.skinny_gemm import Fp8Weight, Weight, linear, quantize_fp8
 
 
@@ -382,7 +382,6 @@ class DFlashDrafter(nn.Module):
                                              eps)
         n_q = c.num_attention_heads
         fused = fused_layers(h, positions.shape[1], impl, n_q, n_kv, d)  # qwen3.fused_layer, as the target's
-        staged = fused and l2_stage.active(h)
         if fused:
             xg, ss = skinny_gemm.norm_input(h, layers[0].input_layernorm)
         for i, l in enumerate(layers):
@@ -394,7 +393,7 @@ class DFlashDrafter(nn.Module):
                                         self.proj(i, "o_proj", rows), l.post_attention_layernorm,
                                         self.proj(i, "gate_up_proj", rows), self.proj(i, "down_proj", rows), w_next,
                                         eps, n_q, n_kv, d, k_cache, v_cache, block_slots, block_tables, key_pos,
-                                        positions, stage=staged)
+                                        positions)
                 continue
             args = (x, cos, sin, l.qkv_proj, l.q_norm, l.k_norm, eps, c.num_attention_heads, n_kv, d,
                     k_cache.view(-1, n_kv, d), v_cache.view(-1, n_kv, d), block_slots)
@@ -403,8 +402,6 @@ class DFlashDrafter(nn.Module):
                 q = fns.qkv(*args)
             h, x = fns.attn_mlp(h, q, k_cache, v_cache, block_tables, key_pos, l.o_proj, l.post_attention_layernorm,
                                 l.gate_up_proj, l.down_proj, w_next, eps, d ** -0.5, impl)
-        if staged:
-            l2_stage.join(h)
         return fns.norm(h, self.norm, eps) if fused else x
 
 

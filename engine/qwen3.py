@@ -20,7 +20,7 @@ from dataclasses import replace
 from flashpd.engine.attention import Q_GROUPED, Q_HEADS, Q_TOKENS, AttnBatch, causal_position_mask, causal_sdpa, \
     continued_sdpa, gather_kv, group_mask, group_queries, grouped_attention, out_proj, paged_applies, use_continued, \
     use_paged, write_kv
-from flashpd.engine import l2_stage, qkv_rope
+from flashpd.engine import qkv_rope
 from flashpd.engine.paged_attention import paged_attention, paged_attention_rope
 from flashpd.engine import skinny_gemm
 from flashpd.engine.skinny_gemm import fused_linear, fused_residual, linear
@@ -121,8 +121,8 @@ def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.
                 w_qkv: torch.Tensor, w_qn: torch.Tensor, w_kn: torch.Tensor, w_o: torch.Tensor, w_post: torch.Tensor,
                 w_gate_up: torch.Tensor, w_down: torch.Tensor, w_next: torch.Tensor, eps: float, n_q: int, n_kv: int,
                 d: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                block_tables: torch.Tensor, positions: torch.Tensor, write_positions: torch.Tensor | None = None,
-                stage: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                block_tables: torch.Tensor, positions: torch.Tensor, write_positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decoder layer (`fused_layers`) in 7 launches (6 with qkv_rope.IN_ATTENTION), plus the paged kernel's
     combine where it splits the keys: the residual stream h, with xg = h times the input norm's weight and ss the
     partial sums of h's squares (skinny_gemm.norm_input, or the previous fused layer) -> the same three for the
@@ -132,11 +132,8 @@ def fused_layer(h: torch.Tensor, xg: torch.Tensor, ss: torch.Tensor, cos: torch.
     input, gate/up forms silu(gate) * up of the normed rows, down adds the residual and writes the next norm's
     input. write_positions: each token's key index (default: positions; the drafter's block queries see to its
     last position, its tokens' keys sit at their own). Eager launches (opaque ops: nothing is left between them
-    for a compiler to fuse). stage: l2_stage's prefetch of the layer's later weights, launched after QKV (the
-    caller joins its side stream)."""
+    for a compiler to fuse)."""
     qkv = fused_linear(xg, w_qkv, ss, eps)
-    if stage:
-        l2_stage.stage(qkv, {"o_proj": w_o, "gate_up": w_gate_up, "down": w_down})
     if qkv_rope.IN_ATTENTION:
         o = paged_attention_rope(qkv, k_cache, v_cache, block_tables, positions, d ** -0.5, cos, sin, w_qn, w_kn,
                                  eps, n_q, slots, write_positions, heads_last=True)
@@ -277,7 +274,6 @@ class Qwen3ForCausalLM(nn.Module):
         eps, layers, c = self.cfg.rms_norm_eps, self.layers, self.cfg
         n_q, n_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         fused = not batch.fresh and fused_layers(h, t, batch.impl, n_q, n_kv, d)
-        staged = fused and l2_stage.active(h)
         if fused:
             xg, ss = skinny_gemm.norm_input(h, layers[0].input_layernorm.weight)
         else:
@@ -290,16 +286,13 @@ class Qwen3ForCausalLM(nn.Module):
                 h, xg, ss = fused_layer(h, xg, ss, cos, sin, a.qkv_proj.weight, a.q_norm.weight, a.k_norm.weight,
                                         a.o_proj.weight, layer.post_attention_layernorm.weight,
                                         mlp.gate_up_proj.weight, mlp.down_proj.weight, w_next, eps, n_q, n_kv, d,
-                                        kv[i, 0], kv[i, 1], batch.slots, batch.block_tables, batch.positions,
-                                        stage=staged)
+                                        kv[i, 0], kv[i, 1], batch.slots, batch.block_tables, batch.positions)
             else:
                 h, x = layer(h, x, cos, sin, batch, kv[i, 0], kv[i, 1], w_next, fns)
             if i in taps:
                 tapped[i] = h
         # the last layer's output under the final norm (after fused layers its own kernel: the last xg is unused)
         out = fns.norm(h, self.norm.weight, eps) if fused else x
-        if staged:
-            l2_stage.join(out)
         if len(layers) - 1 in tapped:  # HF's last hidden state comes after the final norm
             tapped[len(layers) - 1] = out
         return out, [tapped[j] for j in taps]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,11 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 BUILTIN_CONFIGS = ("qwen3-4b", "qwen3-8b", "qwen3-32b")
 # RoPE tables of max_position_embeddings rows are built on the device at load; past this a typo is an OOM
 MAX_POSITIONS = 1 << 20
+# A config's sizes (vocabulary, hidden, intermediate, heads, head_dim) and its layer count at most these: past them
+# a typo overflows torch's size arithmetic, or builds a million layer modules, before any weight header is read
+# (every released model is far inside both)
+MAX_CONFIG_SIZE = 1 << 20
+MAX_LAYERS = 1024
 
 
 class CheckpointError(ValueError):
@@ -160,11 +166,17 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
 
 
 def positive_ints(d: dict[str, Any], names: tuple[str, ...], source: str) -> None:
-    """Each of `names` that `d` holds is a positive integer (a config's "192" fails here, named)."""
+    """Each of `names` that `d` holds is a positive integer (a config's "192" fails here, named), at most
+    MAX_LAYERS for num_hidden_layers and MAX_CONFIG_SIZE for the rest."""
     for k in names:
         v = d.get(k)
-        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+        if v is None:
+            continue
+        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             raise CheckpointError(f"{source}: {k} must be a positive integer, got {v!r}")
+        most = MAX_LAYERS if k == "num_hidden_layers" else MAX_CONFIG_SIZE
+        if v > most:
+            raise CheckpointError(f"{source}: {k} {v} is over {most}, more than any model this engine runs has")
 
 
 def positive_numbers(d: dict[str, Any], names: tuple[str, ...], source: str) -> None:
@@ -202,6 +214,8 @@ def token_ids(v: Any, source: str, vocab_size: int | None = None, name: str = "e
 
 def require_file(f: Path, model_dir: str | Path) -> None:
     """A checkpoint's config.json exists, else the error that says what the directory is not."""
+    if not f.exists() and os.path.lexists(f):  # a dangling link (a broken Hugging Face cache blob), or a loop
+        raise CheckpointError(f"{model_dir}: config.json is a broken link ({f} -> {os.readlink(f)})")
     if not f.exists():
         raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
 

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
+from flashpd.engine.config import CheckpointError
 from flashpd.engine.drafter import DFlashDrafter, draft_slices
 from flashpd.engine.loader import slices_state_dict, target_slices
 from flashpd.engine.qwen3 import Qwen3ForCausalLM
@@ -46,6 +47,17 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def _out_dir(out_dir: str | Path) -> Path:
+    """The directory a save writes config.json and model.safetensors into, refused if it holds a sharded
+    checkpoint: its index would still name the old shards beside the new file (the loader refuses that pair)."""
+    out = Path(out_dir)
+    if (out / "model.safetensors.index.json").exists():
+        raise CheckpointError(f"{out}: holds a sharded checkpoint (model.safetensors.index.json); save into an "
+                              f"empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def _save(sd: dict[str, torch.Tensor], out: Path, dtype: torch.dtype | None) -> None:
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
@@ -66,8 +78,7 @@ def hf_config_dict(model: Qwen3ForCausalLM, dtype: str = "float32") -> dict:
 
 
 def save_target(model: Qwen3ForCausalLM, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir(out_dir)
     sd = slices_state_dict(target_slices(model))
     if model.cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
@@ -90,8 +101,7 @@ def drafter_config_dict(d: DFlashDrafter, vocab_size: int, dtype: str) -> dict:
 
 def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     """z-lab format: config.json (block_size, num_target_layers, dflash_config) + model.safetensors."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir(out_dir)
     sd = slices_state_dict(draft_slices(drafter))
     name = _dtype_name(next(iter(sd.values())).to(dtype) if dtype else next(iter(sd.values())))
     cfg = drafter_config_dict(drafter, drafter.target.cfg.vocab_size, name)

@@ -18,10 +18,18 @@ from flashpd.engine.qwen3 import Qwen3ForCausalLM
 
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})  # safetensors' names of the dtypes a weight may have
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exporters write; recomputed here
+TIED_CHECK_ROWS = 8192  # rows of a tied checkpoint's lm_head compared with the embedding at a time
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files: the shards model.safetensors.index.json names, or model.safetensors, or every
+    *.safetensors file. A directory with both an index and model.safetensors is refused: transformers reads the
+    single file and an index-first reader the shards, so which model it holds is ambiguous (a save into a directory
+    that held shards leaves such a pair)."""
     index = model_dir / "model.safetensors.index.json"
+    if index.exists() and (model_dir / "model.safetensors").exists():
+        raise CheckpointError(f"{model_dir}: holds both model.safetensors and model.safetensors.index.json, so which "
+                              f"is the checkpoint is ambiguous; remove the one that is stale")
     if index.exists():
         weight_map = read_json_object(index).get("weight_map", {})
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
@@ -146,6 +154,31 @@ def check_checkpoint(slices: dict[str, tuple[torch.Tensor, int, int]], files: li
                               f"{unexpected[:5]}{more}")
 
 
+def tied_head_shape(files: list[Path]) -> list[int] | None:
+    """The shape of the files' lm_head.weight, None without one (a tied config's checkpoint may hold the copy)."""
+    for name, _, shape in iter_safetensors(files, "cpu"):
+        if name == "lm_head.weight":
+            return shape
+    return None
+
+
+def check_tied_head(files: list[Path], embed: torch.Tensor, device: str, source: str) -> None:
+    """A tied config's lm_head.weight, where the files hold one, must equal the embedding in the model's dtype: the
+    engine (as transformers) takes the embedding for the head, so a different head in the file would be dropped
+    silently. Compared TIED_CHECK_ROWS rows at a time (no second whole copy of the table)."""
+    for f in files:
+        with safe_open(str(f), framework="pt", device=device) as h:
+            if "lm_head.weight" not in h.keys():
+                continue
+            head = h.get_slice("lm_head.weight")
+            for i in range(0, embed.shape[0], TIED_CHECK_ROWS):
+                if not torch.equal(head[i:i + TIED_CHECK_ROWS].to(embed.dtype), embed[i:i + TIED_CHECK_ROWS]):
+                    raise CheckpointError(f"{source}: tie_word_embeddings is true but lm_head.weight differs from "
+                                          f"model.embed_tokens.weight (from row {i}); set tie_word_embeddings "
+                                          f"false to use the file's head, or drop the tensor")
+        return
+
+
 def fill_from_checkpoint(slices: dict[str, tuple[torch.Tensor, int, int]], files: list[Path],
                          device: str, source: str) -> None:
     """Copy every checkpoint tensor into its slice, after `check_checkpoint` on the same files (names, shapes, no
@@ -185,9 +218,15 @@ def load_target(model_dir: str | Path, device: str | torch.device = "cpu",
         ignored = ("lm_head.weight",)
     model = _meta_model(cfg, dtype)
     check_checkpoint(target_slices(model), files, str(model_dir), ignore=ignored)  # before any allocation
+    head = tied_head_shape(files) if cfg.tie_word_embeddings else None
+    if head is not None and head != list(model.embed_tokens.weight.shape):
+        raise CheckpointError(f"{model_dir}: tie_word_embeddings is true but lm_head.weight has shape {head}, the "
+                              f"embedding {list(model.embed_tokens.weight.shape)}")
     model = model.to_empty(device=device)
     dev = "cpu" if device.type == "cpu" else str(device if device.index is not None else f"{device.type}:0")
     fill_from_checkpoint(target_slices(model), files, dev, str(model_dir))
+    if head is not None:
+        check_tied_head(files, model.embed_tokens.weight, dev, str(model_dir))
     model.init_rotary(device)
     return model.eval().requires_grad_(False)
 

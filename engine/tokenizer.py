@@ -1,6 +1,7 @@
 """Tokenizer of a model directory (tokenizer.json through the `tokenizers` library), optional."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -24,6 +25,8 @@ class TextTokenizer:
     def from_dir(cls, model_dir: str | Path) -> "TextTokenizer | None":
         """The directory's tokenizer.json (None without one), checked against its config.json's vocab_size."""
         p = Path(model_dir) / "tokenizer.json"
+        if not p.exists() and os.path.lexists(p):  # a dangling link (a broken Hugging Face cache blob), or a loop
+            raise CheckpointError(f"{p}: a broken link (-> {os.readlink(p)})")
         if not p.exists():
             return None
         tok = cls(p)

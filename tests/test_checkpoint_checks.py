@@ -43,9 +43,9 @@ def _no_allocation(monkeypatch) -> None:
 # ---- sizes that do not fit the checkpoint: refused from the headers, before any allocation --------------------
 
 @pytest.mark.parametrize("which,field,value,tensor", [
-    ("target", "vocab_size", 10**10, "model.embed_tokens.weight"),          # 7.7 TB of embedding at fp32
-    ("target", "intermediate_size", 10**9, "mlp."),
-    ("drafter", "intermediate_size", 10**9, "mlp."),
+    ("target", "vocab_size", 10**6, "model.embed_tokens.weight"),
+    ("target", "intermediate_size", 10**6, "mlp."),
+    ("drafter", "intermediate_size", 10**6, "mlp."),
 ])
 def test_a_size_the_checkpoint_does_not_have_is_refused_before_allocating(pair, monkeypatch, which, field, value,
                                                                           tensor):
@@ -55,6 +55,26 @@ def test_a_size_the_checkpoint_does_not_have_is_refused_before_allocating(pair, 
     with pytest.raises(CheckpointError, match="the config implies") as e:
         load_target(pair / "target") if target is None else load_drafter(pair / "drafter", target)
     assert str(pair / which) in str(e.value) and tensor in str(e.value) and str(value) in str(e.value)
+
+
+@pytest.mark.parametrize("which,field,value", [
+    ("target", "head_dim", 10**18),            # torch's storage size arithmetic overflowed building the meta model
+    ("target", "intermediate_size", 10**19),   # past int64: torch.empty could not unpack the size
+    ("target", "hidden_size", 10**30),
+    ("target", "vocab_size", 10**10),
+    ("target", "num_hidden_layers", 100000),   # a module a layer: a minute and gigabytes before the headers
+    ("drafter", "head_dim", 10**18),
+    ("drafter", "intermediate_size", 10**19),
+    ("drafter", "num_hidden_layers", 50000),
+])
+def test_an_absurd_size_is_refused_by_name_before_the_model_is_built(pair, monkeypatch, which, field, value):
+    _edit(pair / which / "config.json", **{field: value})
+    target = load_target(pair / "target") if which == "drafter" else None
+    monkeypatch.setattr("flashpd.engine.qwen3.Qwen3ForCausalLM.__init__",
+                        lambda *a, **k: pytest.fail("the model was built before the config was checked"))
+    with pytest.raises(CheckpointError, match=f"{field} {value} is over") as e:
+        load_target(pair / "target") if target is None else load_drafter(pair / "drafter", target)
+    assert str(pair / which) in str(e.value)
 
 
 def test_a_missing_tensor_is_refused_before_allocating(pair, monkeypatch):
@@ -186,3 +206,73 @@ def test_the_demo_pair_still_loads(pair):
     llm = LLM(target=pair / "target", draft=pair / "drafter", device="cpu", kv_cache_tokens=256)
     assert llm.tokenizer is not None and llm.drafter is not None
     assert llm.generate([[5, 6, 7]])[0].token_ids
+
+
+# ---- which weights a directory holds is never ambiguous, and a tied head in the file is the embedding ---------
+
+def _shard(target: Path) -> None:
+    """target's model.safetensors split into two shards with an index (the single file removed)."""
+    sd = load_file(target / "model.safetensors")
+    names = sorted(sd)
+    half = len(names) // 2
+    parts = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for f, keys in parts.items():
+        save_file({k: sd[k] for k in keys}, target / f, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in parts.items() for k in keys}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    (target / "model.safetensors").unlink()
+
+
+def test_a_directory_with_both_shards_and_a_single_file_is_refused(pair):
+    single = load_file(pair / "target" / "model.safetensors")
+    _shard(pair / "target")
+    assert torch.equal(load_target(pair / "target").embed_tokens.weight, single["model.embed_tokens.weight"])
+    save_file({k: v + 1 for k, v in single.items()}, pair / "target" / "model.safetensors")  # another model
+    with pytest.raises(CheckpointError, match="both model.safetensors and model.safetensors.index.json"):
+        load_target(pair / "target")
+
+
+def test_a_save_into_a_sharded_directory_is_refused_and_writes_nothing(pair):
+    from flashpd.engine.export import save_drafter, save_target
+    target = load_target(pair / "target")
+    drafter = load_drafter(pair / "drafter", target)
+    _shard(pair / "target")
+    before = sorted(p.name for p in (pair / "target").iterdir())
+    config = (pair / "target" / "config.json").read_bytes()
+    with pytest.raises(CheckpointError, match="holds a sharded checkpoint"):
+        save_target(target, pair / "target")
+    with pytest.raises(CheckpointError, match="holds a sharded checkpoint"):
+        save_drafter(drafter, pair / "target")
+    assert sorted(p.name for p in (pair / "target").iterdir()) == before
+    assert (pair / "target" / "config.json").read_bytes() == config
+    save_target(target, pair / "fresh")  # an empty (or new) directory takes it
+    assert torch.equal(load_target(pair / "fresh").embed_tokens.weight, target.embed_tokens.weight)
+
+
+def test_a_tied_configs_head_in_the_file_must_be_the_embedding(pair, monkeypatch):
+    f = pair / "target" / "model.safetensors"
+    sd = load_file(f)
+    assert "lm_head.weight" not in sd and json.loads((pair / "target" / "config.json").read_text())[
+        "tie_word_embeddings"] is True
+    embed = sd["model.embed_tokens.weight"]
+    save_file({**sd, "lm_head.weight": embed.clone()}, f, metadata={"format": "pt"})  # the copy some exporters write
+    monkeypatch.setattr("flashpd.engine.loader.TIED_CHECK_ROWS", 7)  # several blocks of rows
+    assert torch.equal(load_target(pair / "target").embed_tokens.weight, embed)
+    other = embed.clone()
+    other[-1, 0] += 1.0  # one value in the last block
+    save_file({**sd, "lm_head.weight": other}, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        load_target(pair / "target")
+    save_file({**sd, "lm_head.weight": embed[:, :3].contiguous()}, f, metadata={"format": "pt"})
+    _no_allocation(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"lm_head.weight has shape \[\d+, 3\]"):
+        load_target(pair / "target")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_a_broken_link_is_named_not_taken_for_a_missing_file(pair, name):
+    p = pair / "target" / name
+    p.unlink()
+    p.symlink_to(pair / "gone" / "blob")
+    with pytest.raises(CheckpointError, match="broken link"):
+        load_target(pair / "target") if name == "config.json" else TextTokenizer.from_dir(pair / "target")

@@ -234,7 +234,9 @@ class DFlashDrafter(nn.Module):
         e4m3 with a scale per output row, skinny_gemm.Fp8Weight): each layer's q/k/v, o_proj, gate/up and down,
         fc, and a copy of the head (or of the hot rows), at half the bytes a draft pass reads. The few-row kernel
         widens each tile back before its multiply, so drafts change only by the weights' rounding; the target
-        verifies every draft, so the output does not change at all. The bf16 weights stay for the batched passes;
+        verifies every draft, so greedy output does not change at all and sampled output keeps its distribution
+        (a seeded sampled request's tokens follow its drafts: sampling.py). The bf16 weights stay for the batched
+        passes;
         fc's context writes take the fp8 values at every size (fc_weight says why; its widened copy is fc's size
         again). vLLM's speculative_config "quantization"."""
         if quantization not in self.QUANTIZATIONS:

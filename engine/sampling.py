@@ -155,8 +155,10 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1
 # path, batch, step or retry computes it: the captured device step samples without a host round trip and
 # gives the stepwise loop's tokens, a preempted and recomputed row continues exactly as if undisturbed,
 # and a seeded request retried on another worker repeats itself: a native one always, a DFlash one at the same
-# draft widths (a token's value depends on where in a step it is verified, as a guess or as the token after the
-# accepted ones, and the width policy narrows steps as the batch grows: exact in distribution either way). The
+# draft widths and draft values (a token's value depends on where in a step it is verified, as a guess or as the
+# token after the accepted ones, and on the draft's probabilities; the width policy narrows steps as the batch
+# grows, and under fp8 draft weights a pass of at most 16 rows reads the fp8 values and a larger one the
+# checkpoint's, so the batch a sampled request shares can change its tokens: exact in distribution either way). The
 # hash is 32-bit arithmetic in int64 with multipliers below 2**31 (no overflow on any backend); `unit` makes its
 # uniforms.
 TOKEN, DRAFT, ACCEPT = 1, 2, 3  # streams: a token drawn from the target (or a residual), a draft guess, an accept test

@@ -5,7 +5,8 @@ request by request (decode_node/scheduler.py adds the import of a prefill worker
 cached prefix when a prefix cache is given), then advances every running request by one step: one
 DFlash draft+verify for the DFlash ones, one decode token for the native ones. Finished requests
 free their blocks (and publish their prompt to the prefix cache) at once. Outputs equal a solo run
-of each request.
+of each request (a sampled DFlash one's where its draft widths and draft values are the solo run's: sampling.py's
+counter-based randomness says when they are not).
 
 While the batch is stable (nothing waiting, every running request of one method, and free
 KV for each to its end), it steps in the device loop (engine/device_loop.py): the host reads step k

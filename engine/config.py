@@ -14,7 +14,7 @@ BUILTIN_CONFIGS = ("qwen3-4b", "qwen3-8b", "qwen3-32b")
 MAX_POSITIONS = 1 << 20
 # A config's sizes (vocabulary, hidden, intermediate, heads, head_dim) and its layer count at most these: past them
 # a typo overflows torch's size arithmetic, or builds a million layer modules, before any weight header is read
-# (every released model is far inside both)
+# (every released model is far inside both; sizes that each pass but multiply past int64: loader.meta_build)
 MAX_CONFIG_SIZE = 1 << 20
 MAX_LAYERS = 1024
 
@@ -167,13 +167,15 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
 
 def positive_ints(d: dict[str, Any], names: tuple[str, ...], source: str) -> None:
     """Each of `names` that `d` holds is a positive integer (a config's "192" fails here, named), at most
-    MAX_LAYERS for num_hidden_layers and MAX_CONFIG_SIZE for the rest."""
+    MAX_LAYERS for num_hidden_layers and MAX_CONFIG_SIZE for the rest (max_position_embeddings: the caller's)."""
     for k in names:
         v = d.get(k)
         if v is None:
             continue
         if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             raise CheckpointError(f"{source}: {k} must be a positive integer, got {v!r}")
+        if k == "max_position_embeddings":  # bounded by the caller, with its own reason (MAX_POSITIONS)
+            continue
         most = MAX_LAYERS if k == "num_hidden_layers" else MAX_CONFIG_SIZE
         if v > most:
             raise CheckpointError(f"{source}: {k} {v} is over {most}, more than any model this engine runs has")
@@ -212,12 +214,12 @@ def token_ids(v: Any, source: str, vocab_size: int | None = None, name: str = "e
     return tuple(ids)
 
 
-def require_file(f: Path, model_dir: str | Path) -> None:
+def require_file(f: Path, model_dir: str | Path, kind: str = "a Hugging Face model directory") -> None:
     """A checkpoint's config.json exists, else the error that says what the directory is not."""
     if not f.exists() and os.path.lexists(f):  # a dangling link (a broken Hugging Face cache blob), or a loop
         raise CheckpointError(f"{model_dir}: config.json is a broken link ({f} -> {os.readlink(f)})")
     if not f.exists():
-        raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+        raise CheckpointError(f"{model_dir}: no config.json (is this {kind}?)")
 
 
 def builtin_config_path(name: str) -> Path:

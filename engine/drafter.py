@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from flashpd.engine.attention import gather_kv, group_mask, group_queries, grouped_attention, out_proj, \
     paged_applies
 from flashpd.engine.config import CheckpointError, HeadGeometry, architectures_of, positive_ints, positive_numbers, \
-    check_math, read_json_object, rope_theta_of
+    check_math, read_json_object, require_file, rope_theta_of
 from flashpd.engine.layers import Rotary, apply_rotary, rms_norm, rope_tables
-from flashpd.engine.loader import check_checkpoint, fill_from_checkpoint, safetensors_files
+from flashpd.engine.loader import check_checkpoint, fill_from_checkpoint, meta_build, safetensors_files
 from flashpd.engine.qwen3 import Qwen3ForCausalLM, attn_inputs, attn_mlp, fused_attn_inputs, fused_layer, \
     fused_layers, mlp_residual
 from flashpd.engine import skinny_gemm
@@ -559,8 +559,7 @@ def load_drafter(draft_dir: str | Path, target: Qwen3ForCausalLM, device: str | 
                  dtype: torch.dtype | None = None) -> DFlashDrafter:
     """Load a z-lab DFlash directory for `target` (refused at load if it does not fit)."""
     p = Path(draft_dir)
-    if not (p / "config.json").exists():
-        raise CheckpointError(f"{p}: no config.json (is this a DFlash drafter directory?)")
+    require_file(p / "config.json", p, "a DFlash drafter directory")
     cfg = DFlashConfig.from_dict(read_json_object(p / "config.json"), source=str(p / "config.json"))
     device = torch.device(device) if device is not None else target.embed_tokens.weight.device
     dtype = dtype or target.embed_tokens.weight.dtype
@@ -568,8 +567,7 @@ def load_drafter(draft_dir: str | Path, target: Qwen3ForCausalLM, device: str | 
         cfg.check_fits(target)
     except DrafterMismatch as e:  # name the file, as every other checkpoint error does
         raise DrafterMismatch(f"{p / 'config.json'}: {e}") from None
-    with torch.device("meta"):
-        m = DFlashDrafter(cfg).to(dtype)
+    m = meta_build(lambda: DFlashDrafter(cfg).to(dtype), str(p / "config.json"))
     files = safetensors_files(p)
     check_checkpoint(draft_slices(m), files, str(p))  # before any allocation
     m = m.to_empty(device=device)

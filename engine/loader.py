@@ -23,17 +23,15 @@ TIED_CHECK_ROWS = 8192  # rows of a tied checkpoint's lm_head compared with the 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's weight files: the shards model.safetensors.index.json names, or model.safetensors, or every
-    *.safetensors file. A directory with both an index and model.safetensors is refused: transformers reads the
-    single file and an index-first reader the shards, so which model it holds is ambiguous (a save into a directory
-    that held shards leaves such a pair)."""
+    *.safetensors file. A directory with both model.safetensors and an index naming other files is refused:
+    transformers reads the single file and an index-first reader the shards, so which model it holds is ambiguous
+    (a save into a directory that held shards leaves such a pair)."""
     index = model_dir / "model.safetensors.index.json"
-    if index.exists() and (model_dir / "model.safetensors").exists():
+    if index.exists() and (model_dir / "model.safetensors").exists() and _index_files(index) != {"model.safetensors"}:
         raise CheckpointError(f"{model_dir}: holds both model.safetensors and model.safetensors.index.json, so which "
                               f"is the checkpoint is ambiguous; remove the one that is stale")
     if index.exists():
-        weight_map = read_json_object(index).get("weight_map", {})
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+        weight_map = _weight_map(index)
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [str(f.name) for f in files if not f.exists()]
         if missing:
@@ -46,6 +44,17 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{model_dir}: no model.safetensors, no index, no *.safetensors files")
     return files
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    weight_map = read_json_object(index).get("weight_map", {})
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+    return weight_map
+
+
+def _index_files(index: Path) -> set[str]:
+    return set(_weight_map(index).values())
 
 
 Stamps = tuple[tuple[str, int, int, int, int], ...]
@@ -172,7 +181,8 @@ def check_tied_head(files: list[Path], embed: torch.Tensor, device: str, source:
                 continue
             head = h.get_slice("lm_head.weight")
             for i in range(0, embed.shape[0], TIED_CHECK_ROWS):
-                if not torch.equal(head[i:i + TIED_CHECK_ROWS].to(embed.dtype), embed[i:i + TIED_CHECK_ROWS]):
+                h, e = head[i:i + TIED_CHECK_ROWS], embed[i:i + TIED_CHECK_ROWS]
+                if not (torch.equal(h.to(e.dtype), e) or torch.equal(h, e.to(h.dtype))):  # a copy in another dtype
                     raise CheckpointError(f"{source}: tie_word_embeddings is true but lm_head.weight differs from "
                                           f"model.embed_tokens.weight (from row {i}); set tie_word_embeddings "
                                           f"false to use the file's head, or drop the tensor")
@@ -195,9 +205,18 @@ def fill_from_checkpoint(slices: dict[str, tuple[torch.Tensor, int, int]], files
                 raise CheckpointError(f"{source}: tensor {name} holds NaN or inf values (in {part.dtype})")
 
 
-def _meta_model(cfg: Qwen3Config, dtype: torch.dtype) -> Qwen3ForCausalLM:
-    with torch.device("meta"):
-        return Qwen3ForCausalLM(cfg).to(dtype)
+def meta_build(build: Callable[[], torch.nn.Module], source: str) -> torch.nn.Module:
+    """`build()` on the meta device; a config whose sizes each pass their bound but multiply past torch's int64
+    size arithmetic fails there, as a CheckpointError naming the config."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except (RuntimeError, TypeError, OverflowError) as e:
+        raise CheckpointError(f"{source}: the config's sizes overflow a weight's size ({e})") from None
+
+
+def _meta_model(cfg: Qwen3Config, dtype: torch.dtype, source: str = "config") -> Qwen3ForCausalLM:
+    return meta_build(lambda: Qwen3ForCausalLM(cfg).to(dtype), source)
 
 
 def _empty_model(cfg: Qwen3Config, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
@@ -216,7 +235,7 @@ def load_target(model_dir: str | Path, device: str | torch.device = "cpu",
     ignored: tuple[str, ...] = ()
     if cfg.tie_word_embeddings:  # tied: some exporters still write lm_head.weight (a copy of the embedding)
         ignored = ("lm_head.weight",)
-    model = _meta_model(cfg, dtype)
+    model = _meta_model(cfg, dtype, str(model_dir / "config.json"))
     check_checkpoint(target_slices(model), files, str(model_dir), ignore=ignored)  # before any allocation
     head = tied_head_shape(files) if cfg.tie_word_embeddings else None
     if head is not None and head != list(model.embed_tokens.weight.shape):

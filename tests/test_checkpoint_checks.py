@@ -77,6 +77,21 @@ def test_an_absurd_size_is_refused_by_name_before_the_model_is_built(pair, monke
     assert str(pair / which) in str(e.value)
 
 
+def test_sizes_that_each_pass_but_multiply_past_int64_are_refused_by_name(pair):
+    _edit(pair / "target" / "config.json", num_attention_heads=1 << 20, num_key_value_heads=1 << 20,
+          head_dim=1 << 20, hidden_size=1 << 20)
+    with pytest.raises(CheckpointError, match="the config's sizes overflow") as e:
+        load_target(pair / "target")
+    assert str(pair / "target" / "config.json") in str(e.value)
+
+
+def test_max_positions_keeps_its_own_reason():
+    from flashpd.engine.config import Qwen3Config
+    d = json.loads((DEMO / "target" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="builds RoPE tables"):
+        Qwen3Config.from_dict({**d, "max_position_embeddings": (1 << 20) + 1})
+
+
 def test_a_missing_tensor_is_refused_before_allocating(pair, monkeypatch):
     path = pair / "target" / "model.safetensors"
     sd = load_file(str(path))
@@ -232,6 +247,13 @@ def test_a_directory_with_both_shards_and_a_single_file_is_refused(pair):
         load_target(pair / "target")
 
 
+def test_an_index_naming_only_the_single_file_is_not_ambiguous(pair):
+    names = load_file(pair / "target" / "model.safetensors")
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in names}}
+    (pair / "target" / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert torch.equal(load_target(pair / "target").embed_tokens.weight, names["model.embed_tokens.weight"])
+
+
 def test_a_save_into_a_sharded_directory_is_refused_and_writes_nothing(pair):
     from flashpd.engine.export import save_drafter, save_target
     target = load_target(pair / "target")
@@ -263,16 +285,30 @@ def test_a_tied_configs_head_in_the_file_must_be_the_embedding(pair, monkeypatch
     save_file({**sd, "lm_head.weight": other}, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
         load_target(pair / "target")
+    # the embedding stored in fp32 and the head as its bf16 copy: a copy, at any load dtype
+    fine = embed.float() + 1e-4 * torch.randn(embed.shape, generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(fine.bfloat16().float(), fine)  # not all values are bf16 ones
+    save_file({**sd, "model.embed_tokens.weight": fine, "lm_head.weight": fine.bfloat16()}, f,
+              metadata={"format": "pt"})
+    for dtype in (torch.float32, torch.bfloat16):
+        load_target(pair / "target", dtype=dtype)
     save_file({**sd, "lm_head.weight": embed[:, :3].contiguous()}, f, metadata={"format": "pt"})
     _no_allocation(monkeypatch)
     with pytest.raises(CheckpointError, match=r"lm_head.weight has shape \[\d+, 3\]"):
         load_target(pair / "target")
 
 
-@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
-def test_a_broken_link_is_named_not_taken_for_a_missing_file(pair, name):
-    p = pair / "target" / name
+@pytest.mark.parametrize("which,name", [("target", "config.json"), ("target", "tokenizer.json"),
+                                        ("drafter", "config.json")])
+def test_a_broken_link_is_named_not_taken_for_a_missing_file(pair, which, name):
+    target = load_target(pair / "target") if which == "drafter" else None
+    p = pair / which / name
     p.unlink()
     p.symlink_to(pair / "gone" / "blob")
     with pytest.raises(CheckpointError, match="broken link"):
-        load_target(pair / "target") if name == "config.json" else TextTokenizer.from_dir(pair / "target")
+        if which == "drafter":
+            load_drafter(pair / "drafter", target)
+        elif name == "config.json":
+            load_target(pair / "target")
+        else:
+            TextTokenizer.from_dir(pair / "target")

@@ -15,6 +15,7 @@ text corpus under the target's tokenizer).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -89,5 +90,12 @@ def build_token_map(counts: torch.Tensor, size: int, always: Iterable[int] = ())
 
 
 def save_token_map(ids: torch.Tensor, path: str | Path) -> None:
-    """Write ids as a JSON list (readable, diffable; load_token_map also reads torch files)."""
-    Path(path).write_text(json.dumps([int(i) for i in ids]) + "\n")
+    """Write ids as a JSON list (readable, diffable; load_token_map also reads torch files), atomically: a write
+    cut short leaves the old file or none, never half a map."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps([int(i) for i in ids]) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+from typing import Callable
 
 from flashpd.cluster import cli_serve
 from flashpd.cluster.cli_serve import add_sampling_args
@@ -46,6 +48,45 @@ def _prompt_ids(s: str) -> list[int]:
         return [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers, got {s!r}") from None
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `low` (0 steps or a negative count used to run and write nothing,
+    or fail minutes later in a tensor's reshape)."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"wants an integer, got {s!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
+        return v
+    return parse
+
+
+def _number(positive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite float, above 0 (`positive`) or at least 0."""
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"wants a number, got {s!r}") from None
+        if not math.isfinite(v) or v < 0 or (positive and v == 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'above' if positive else 'at least'} 0, "
+                                             f"got {s}")
+        return v
+    return parse
+
+
+def _length_range(s: str) -> tuple[int, int]:
+    """--prompt-len "min,max": 1 <= min <= max."""
+    try:
+        lo, hi = (int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants min,max (two integers), got {s!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"wants 1 <= min <= max, got {s!r}")
+    return lo, hi
 
 
 def parse_speculative_config(text: str) -> dict:
@@ -170,32 +211,33 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                        description="Train a DFlash drafter for a target; checkpoints are z-lab drafter directories.",
                        epilog=TRAIN_EXAMPLE)
     t.add_argument("--target", required=True, help="the target's Hugging Face Qwen3 checkpoint directory")
-    t.add_argument("--out", required=True, help="drafter directory (checkpoints, trainer state, eval.json)")
+    t.add_argument("--out", required=True, help="drafter directory (checkpoints, trainer state, eval.json): new or "
+                                                "empty, or with --resume the run's own")
     t.add_argument("--data", help="directory of text files to take prompts from (needs the target's tokenizer.json); "
                                   "unset: the demo recipe's text if the target has a tokenizer (its drafter-prompt "
                                   "files of the stdlib and torch's source to train on, held-out stdlib files to "
                                   "evaluate on), else random token prompts")
-    t.add_argument("--layers", type=int, default=2, help="draft layers")
-    t.add_argument("--intermediate-size", type=int, help="draft MLP width (unset: the target's)")
-    t.add_argument("--block-size", type=int, default=16, help="DFlash draft width the drafter is trained for")
-    t.add_argument("--taps", type=int, default=5, help="number of target layers tapped")
-    t.add_argument("--mask-token-id", type=int,
+    t.add_argument("--layers", type=_at_least(1), default=2, help="draft layers")
+    t.add_argument("--intermediate-size", type=_at_least(1), help="draft MLP width (unset: the target's)")
+    t.add_argument("--block-size", type=_at_least(2), default=16, help="DFlash draft width the drafter is trained for")
+    t.add_argument("--taps", type=_at_least(1), default=5, help="number of target layers tapped")
+    t.add_argument("--mask-token-id", type=_at_least(0),
                    help="token id of a block's masked positions (unset: the target's last vocabulary id)")
-    t.add_argument("--steps", type=int, default=1000, help="training steps (a checkpoint every quarter of them)")
-    t.add_argument("--seqs-per-step", type=int, default=8, help="sequences per training step")
-    t.add_argument("--anchors", type=int, default=128, help="blocks per sequence in a step (anchored at random "
+    t.add_argument("--steps", type=_at_least(1), default=1000, help="training steps (a checkpoint every quarter of them)")
+    t.add_argument("--seqs-per-step", type=_at_least(1), default=8, help="sequences per training step")
+    t.add_argument("--anchors", type=_at_least(1), default=128, help="blocks per sequence in a step (anchored at random "
                                                             "positions of the regenerated part)")
-    t.add_argument("--lr", type=float, default=1e-3,
+    t.add_argument("--lr", type=_number(positive=True), default=1e-3,
                    help="peak learning rate (linear warm-up over the first 5%% of steps, cosine decay to a tenth)")
-    t.add_argument("--kl-weight", type=float, default=0.0,
+    t.add_argument("--kl-weight", type=_number(positive=False), default=0.0,
                    help="weight of KL(target || drafter) beside the cross-entropy on the target's tokens")
     t.add_argument("--attention", choices=["auto", "mask", "flex"], default="auto",
                    help="the blocks' attention in training: flex (CUDA), an explicit mask, or auto (flex on CUDA)")
-    t.add_argument("--num-prompts", type=int, default=512,
+    t.add_argument("--num-prompts", type=_at_least(1), default=512,
                    help="training prompts whose continuations the target regenerates")
-    t.add_argument("--prompt-len", default="32,512", help="min,max prompt tokens")
-    t.add_argument("--new-tokens", type=int, default=256, help="tokens the target regenerates per prompt")
-    t.add_argument("--eval-prompts", type=int, default=8,
+    t.add_argument("--prompt-len", type=_length_range, default="32,512", help="min,max prompt tokens")
+    t.add_argument("--new-tokens", type=_at_least(1), default=256, help="tokens the target regenerates per prompt")
+    t.add_argument("--eval-prompts", type=_at_least(0), default=8,
                    help="held-out prompts the written drafter is evaluated on (0: no evaluation)")
     t.add_argument("--seed", type=int, default=0, help="seed of the prompts, the drafter's initialisation and "
                                                        "its training")
@@ -209,30 +251,61 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
                                                 "(checkpoints), eval.json")
     m.add_argument("--device", choices=["cpu", "cuda"], help="unset: cuda when available, else cpu")
     m.add_argument("--seed", type=int, default=0, help="seed of the prompts, training and evaluation")
-    m.add_argument("--target-steps", type=int, default=600, help="training steps of the target (from scratch)")
-    m.add_argument("--drafter-steps", type=int, default=17000, help="training steps of the drafter")
-    m.add_argument("--num-prompts", type=int, default=12288, help="prompts whose continuations the target regenerates")
-    m.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary of the demo tokenizer")
-    m.add_argument("--drafter-seqs", type=int, default=16, help="sequences per drafter step (128 anchors each)")
-    m.add_argument("--drafter-lr", type=float, default=1.5e-3, help="the drafter's peak learning rate")
+    m.add_argument("--target-steps", type=_at_least(1), default=600, help="training steps of the target (from scratch)")
+    m.add_argument("--drafter-steps", type=_at_least(1), default=17000, help="training steps of the drafter")
+    m.add_argument("--num-prompts", type=_at_least(1), default=12288, help="prompts whose continuations the target regenerates")
+    m.add_argument("--vocab-size", type=_at_least(256), default=4096, help="BPE vocabulary of the demo tokenizer")
+    m.add_argument("--drafter-seqs", type=_at_least(1), default=16, help="sequences per drafter step (128 anchors each)")
+    m.add_argument("--drafter-lr", type=_number(positive=True), default=1.5e-3, help="the drafter's peak learning rate")
     m.add_argument("--corpus", choices=["stdlib", "stdlib+torch"], default="stdlib+torch",
                    help="training text: the stdlib's Python, or it and the installed torch package's")
-    m.add_argument("--kl-weight", type=float, default=0.0,
+    m.add_argument("--kl-weight", type=_number(positive=False), default=0.0,
                    help="weight of KL(target || drafter) beside the drafter's cross-entropy")
     m.add_argument("--drafter-attention", choices=["auto", "mask", "flex"], default="auto",
                    help="the drafter's training attention: flex on CUDA by default (auto); mask is how v2 was made")
-    m.add_argument("--drafter-intermediate", type=int, default=896,
+    m.add_argument("--drafter-intermediate", type=_at_least(1), default=896,
                    help="the draft layers' MLP width (the target's is 512; the pair must stay within 16 MB)")
-    m.add_argument("--new-tokens", type=int, default=128, help="tokens the target regenerates per prompt")
-    m.add_argument("--regen-batch", type=int, help="prompts regenerated at once (unset: 256 on CUDA, 32 on CPU)")
-    m.add_argument("--drafter-gamma", type=float, default=4.0,
+    m.add_argument("--new-tokens", type=_at_least(1), default=128, help="tokens the target regenerates per prompt")
+    m.add_argument("--regen-batch", type=_at_least(1), help="prompts regenerated at once (unset: 256 on CUDA, 32 on CPU)")
+    m.add_argument("--drafter-gamma", type=_number(positive=True), default=4.0,
                    help="decay of the drafter's loss weight over block positions, exp(-(k-1)/gamma): 4 (demo pairs "
                         "v5 and v6) weighs a block's first guesses more than DFlash's 7 at block 16")
-    m.add_argument("--max-files", type=int, help="a quick run: the first N files of each part of the split (target, "
+    m.add_argument("--max-files", type=_at_least(1), help="a quick run: the first N files of each part of the split (target, "
                                                  "drafter prompts, held-out); unset: every file")
     m.add_argument("--target", help="a target this recipe made before (with its tokenizer.json): copied into --out, "
                                     "and only the drafter's stages run (drafter settings compared on one target); "
                                     "unset: the whole recipe")
+
+
+def check_train_out(a: argparse.Namespace) -> None:
+    """train-drafter's --out, refused before any work where the run would lose something: the target itself (it
+    would be overwritten by a drafter), a directory that is not empty without --resume (another checkpoint, or a
+    user's files), --resume with no trainer state to continue, or --resume with other drafter settings than the
+    checkpoint's (they were ignored, and train_config.json recorded them)."""
+    out, target = Path(a.out), Path(a.target)
+    if out.exists() and target.exists() and out.resolve() == target.resolve():
+        raise ValueError(f"--out {a.out} is the target's directory: the drafter would overwrite the target")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {a.out} is a file, not a directory")
+    state = out / "trainer_state.pt"
+    if not a.resume:
+        if out.is_dir() and any(out.iterdir()):
+            raise ValueError(f"--out {a.out} is not empty: pass --resume to continue the run whose checkpoint it "
+                             f"holds, or choose a new directory")
+        return
+    if not state.exists():
+        raise ValueError(f"--resume: {a.out} holds no trainer_state.pt to continue from")
+    from flashpd.engine.config import read_json_object  # noqa: PLC0415
+    saved = read_json_object(out / "config.json")
+    dc = saved.get("dflash_config") or {}
+    given = {"--layers": (a.layers, saved.get("num_hidden_layers")),
+             "--block-size": (a.block_size, saved.get("block_size")),
+             "--taps": (a.taps, len(dc.get("target_layer_ids") or [])),
+             "--intermediate-size": (a.intermediate_size, saved.get("intermediate_size")),
+             "--mask-token-id": (a.mask_token_id, dc.get("mask_token_id"))}
+    differ = [f"{k} {v} (the checkpoint's: {w})" for k, (v, w) in given.items() if v is not None and v != w]
+    if differ:
+        raise ValueError(f"--resume: {', '.join(differ)}; resume with the checkpoint's settings")
 
 
 def cmd_train_drafter(a: argparse.Namespace) -> int:
@@ -244,11 +317,12 @@ def cmd_train_drafter(a: argparse.Namespace) -> int:
     from flashpd.training.progress import log_line  # noqa: PLC0415
     from flashpd.training.train_drafter import DrafterTrainConfig, evaluate_tau, regenerate, train_drafter  # noqa
 
+    check_train_out(a)  # before minutes of regeneration
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     log_line(f"loading the target {a.target} ({device})")
     target = load_target(a.target, device, dtype)
-    lo, hi = (int(x) for x in a.prompt_len.split(","))
+    lo, hi = a.prompt_len
     gen = torch.Generator().manual_seed(a.seed)
     tok = TextTokenizer.from_dir(a.target)
     n = a.num_prompts + a.eval_prompts

@@ -88,8 +88,42 @@ def test_builder_counts_a_corpus_under_the_target_tokenizer(tmp_path):
     assert build_main(["--target", str(t), "--size", "3", "--out", str(out),
                        "--text", str(tmp_path / "text"), str(tmp_path / "two.md")]) == 0
     assert json.loads(out.read_text()) == [0, 2, 5]  # c (4), a (3), and the stop id
-    assert build_main(["--target", str(t), "--size", "3", "--out", str(out), "--text", str(tmp_path / "nope")]) == 2
-    assert build_main(["--target", str(t), "--size", "9", "--out", str(out), "--text", str(tmp_path / "two.md")]) == 2
+    kept = out.read_bytes()
+    force = ["--force"]
+    assert build_main(["--target", str(t), "--size", "3", "--out", str(out), "--text", str(tmp_path / "nope"),
+                       *force]) == 2
+    assert build_main(["--target", str(t), "--size", "9", "--out", str(out), "--text", str(tmp_path / "two.md"),
+                       *force]) == 2
+    assert out.read_bytes() == kept  # a refused run leaves the old map
+
+
+def test_building_a_map_refuses_what_would_lose_a_file_or_fail_after_the_count(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    t = tmp_path / "target"
+    t.mkdir()
+    tok.save(str(t / "tokenizer.json"))
+    (t / "config.json").write_text(json.dumps({"vocab_size": 3, "eos_token_id": 2}))
+    (tmp_path / "text.txt").write_text("a b a")
+    (tmp_path / "empty.txt").write_text("")
+    tokenizer = (t / "tokenizer.json").read_bytes()
+
+    def run(out, *more, text="text.txt"):
+        return build_main(["--target", str(t), "--size", "2", "--out", str(out), "--text", str(tmp_path / text),
+                           *more])
+    assert run(t / "tokenizer.json") == 2 and "exists; pass --force" in capsys.readouterr().err
+    assert (t / "tokenizer.json").read_bytes() == tokenizer  # the target's own file, untouched
+    assert run(tmp_path) == 2 and "exists" in capsys.readouterr().err  # a directory, even with --force
+    assert run(tmp_path / "no" / "map.json") == 2 and "no directory" in capsys.readouterr().err
+    assert run(tmp_path / "m.json", text="empty.txt") == 2 and "hold no tokens" in capsys.readouterr().err
+    assert build_main(["--target", str(tmp_path / "none"), "--size", "2", "--out", str(tmp_path / "m.json"),
+                       "--text", str(tmp_path / "text.txt")]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()
+    assert run(tmp_path / "m.json") == 0 and json.loads((tmp_path / "m.json").read_text()) == [0, 2]
+    assert run(tmp_path / "m.json", "--force") == 0
 
 
 # ---- drafting under a map ------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ source, never its held-out files, whose windows are the evaluation prompts); `--
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from flashpd.engine.config import read_json_object
 from flashpd.engine.token_map import build_token_map, save_token_map
 from flashpd.training.progress import bar
 from flashpd.training.text_data import corpus_files, read_texts, split_files
@@ -62,25 +62,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, required=True, help="how many ids the map keeps (stop ids included)")
     ap.add_argument("--out", required=True, help="the map to write (a JSON list of ids)")
     ap.add_argument("--text", nargs="+", help="files or folders to count (default: the demo recipe's training split)")
+    ap.add_argument("--force", action="store_true", help="replace --out if it exists")
     a = ap.parse_args(argv)
-    tdir = Path(a.target)
-    cfg = json.loads((tdir / "config.json").read_text())
-    vocab = int(cfg["vocab_size"])
-    if not (tdir / "tokenizer.json").is_file():
-        raise SystemExit(f"{tdir}: no tokenizer.json (the corpus is counted under the target's tokenizer)")
-    tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
-    eos = cfg.get("eos_token_id")
-    stops = [eos] if isinstance(eos, int) else list(eos or [])
+    tdir, out = Path(a.target), Path(a.out)
     t0 = time.perf_counter()
     try:
+        # what would lose a file or fail after the count, refused before it
+        if out.exists() and (out.is_dir() or not a.force):
+            raise ValueError(f"--out {out} exists" + ("" if out.is_dir() else "; pass --force to replace it"))
+        if not out.parent.is_dir():
+            raise ValueError(f"--out {out}: no directory {out.parent}")
+        if a.size < 1:
+            raise ValueError(f"--size must be at least 1, got {a.size}")
+        cfg = read_json_object(tdir / "config.json")
+        vocab = cfg.get("vocab_size")
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+            raise ValueError(f"{tdir / 'config.json'}: vocab_size must be a positive integer, got {vocab!r}")
+        if not (tdir / "tokenizer.json").is_file():
+            raise ValueError(f"{tdir}: no tokenizer.json (the corpus is counted under the target's tokenizer)")
+        tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
+        eos = cfg.get("eos_token_id")
+        stops = [eos] if isinstance(eos, int) else list(eos or [])
         files = text_files(a.text) if a.text else split_files(corpus_files())[0]
         texts = read_texts(files)
         counts = count_tokens(tok, texts, vocab)
+        if int(counts.sum()) == 0:
+            raise ValueError(f"the {len(files)} text files hold no tokens (empty, or not readable as text): "
+                             f"{', '.join(str(f) for f in files[:3])}{' ...' if len(files) > 3 else ''}")
         ids = build_token_map(counts, a.size, stops)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # CheckpointError is a ValueError
         print(f"token_map: {e}", file=sys.stderr)
         return 2
-    save_token_map(ids, a.out)
+    save_token_map(ids, out)
     total = int(counts.sum())
     covered = int(counts[ids].sum())
     print(f"{len(files)} files, {total} tokens; the {a.size} ids kept cover {covered / max(1, total):.4f} of them "

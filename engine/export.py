@@ -31,9 +31,12 @@ def write_model_file(path: str | Path, write: Callable[[Path], None]) -> Path:
     place: a reader never sees a half-written file, and the mode does not follow a private umask."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.chmod(tmp, MODEL_FILE_MODE)
-    tmp.replace(path)
+    try:
+        write(tmp)
+        os.chmod(tmp, MODEL_FILE_MODE)
+        tmp.replace(path)
+    finally:  # a write cut short (Ctrl-C, a full disk) leaves no .tmp behind
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -83,8 +86,8 @@ def save_target(model: Qwen3ForCausalLM, out_dir: str | Path, dtype: torch.dtype
     if model.cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     name = _dtype_name(next(iter(sd.values())).to(dtype) if dtype else next(iter(sd.values())))
+    _save(sd, out, dtype)  # the weights before the config: a save cut short never pairs a new config with old weights
     write_model_json(out / "config.json", hf_config_dict(model, name), indent=2)
-    _save(sd, out, dtype)
     return out
 
 
@@ -105,6 +108,6 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     sd = slices_state_dict(draft_slices(drafter))
     name = _dtype_name(next(iter(sd.values())).to(dtype) if dtype else next(iter(sd.values())))
     cfg = drafter_config_dict(drafter, drafter.target.cfg.vocab_size, name)
+    _save(sd, out, dtype)  # the weights before the config (save_target's reason)
     write_model_json(out / "config.json", cfg, indent=2)
-    _save(sd, out, dtype)
     return out

@@ -213,10 +213,10 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--target", required=True, help="the target's Hugging Face Qwen3 checkpoint directory")
     t.add_argument("--out", required=True, help="drafter directory (checkpoints, trainer state, eval.json): new or "
                                                 "empty, or with --resume the run's own")
-    t.add_argument("--data", help="directory of text files to take prompts from (needs the target's tokenizer.json); "
-                                  "unset: the demo recipe's text if the target has a tokenizer (its drafter-prompt "
-                                  "files of the stdlib and torch's source to train on, held-out stdlib files to "
-                                  "evaluate on), else random token prompts")
+    t.add_argument("--data", help="directory of text files (or one file) to take prompts from (needs the target's "
+                                  "tokenizer.json); unset: the demo recipe's text if the target has a tokenizer "
+                                  "(its drafter-prompt files of the stdlib and torch's source to train on, held-out "
+                                  "stdlib files to evaluate on), else random token prompts")
     t.add_argument("--layers", type=_at_least(1), default=2, help="draft layers")
     t.add_argument("--intermediate-size", type=_at_least(1), help="draft MLP width (unset: the target's)")
     t.add_argument("--block-size", type=_at_least(2), default=16, help="DFlash draft width the drafter is trained for")
@@ -287,6 +287,8 @@ def check_train_out(a: argparse.Namespace) -> None:
         raise ValueError(f"--out {a.out} is the target's directory: the drafter would overwrite the target")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {a.out} is a file, not a directory")
+    if a.data and not Path(a.data).exists():
+        raise ValueError(f"--data {a.data}: no such file or directory")
     state = out / "trainer_state.pt"
     if not a.resume:
         if out.is_dir() and any(out.iterdir()):
@@ -306,6 +308,19 @@ def check_train_out(a: argparse.Namespace) -> None:
     differ = [f"{k} {v} (the checkpoint's: {w})" for k, (v, w) in given.items() if v is not None and v != w]
     if differ:
         raise ValueError(f"--resume: {', '.join(differ)}; resume with the checkpoint's settings")
+
+
+def check_pair_out(a: argparse.Namespace) -> None:
+    """make-demo-pair's --out, refused before any work if it holds files, unless --target is its own target/ (the
+    drafter's stages run again on that pair's target, replacing its drafter): a run would merge into another
+    pair, replacing its drafter and eval.json beside a stale log."""
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {a.out} is a file, not a directory")
+    own = a.target is not None and Path(a.target).resolve() == (out / "target").resolve()
+    if out.is_dir() and any(out.iterdir()) and not own:
+        raise ValueError(f"--out {a.out} is not empty: choose a new directory (or pass --target {out / 'target'} to "
+                         f"train that pair's drafter again)")
 
 
 def cmd_train_drafter(a: argparse.Namespace) -> int:
@@ -404,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch  # noqa: PLC0415
 
             from flashpd.training.demo_recipe import make_demo_pair  # noqa: PLC0415
+            check_pair_out(a)
             dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
             make_demo_pair(a.out, dev, seed=a.seed, target_steps=a.target_steps, drafter_steps=a.drafter_steps,
                            vocab_size=a.vocab_size, drafter_seqs=a.drafter_seqs, drafter_lr=a.drafter_lr,

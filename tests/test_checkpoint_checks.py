@@ -312,3 +312,16 @@ def test_a_broken_link_is_named_not_taken_for_a_missing_file(pair, which, name):
             load_target(pair / "target")
         else:
             TextTokenizer.from_dir(pair / "target")
+
+
+def test_a_save_cut_short_leaves_no_temporary_file_and_the_old_weights(pair):
+    from flashpd.engine.export import write_model_file
+    f = pair / "target" / "model.safetensors"
+    before = f.read_bytes()
+
+    def interrupted(tmp: Path) -> None:
+        tmp.write_bytes(b"half a file")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        write_model_file(f, interrupted)
+    assert f.read_bytes() == before and not (pair / "target" / "model.safetensors.tmp").exists()

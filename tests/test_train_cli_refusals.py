@@ -55,6 +55,20 @@ def test_resume_needs_a_trainer_state_and_the_checkpoints_settings(target, tmp_p
     assert _tree(out) == before
 
 
+def test_a_missing_data_path_is_refused_before_loading(target, tmp_path, capsys):
+    assert main(_train(target, tmp_path / "d", "--data", str(tmp_path / "nope"))) == 2
+    assert "no such file or directory" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
+def test_make_demo_pair_refuses_to_merge_into_another_pair(tmp_path, capsys):
+    other = tmp_path / "pair"
+    shutil.copytree(PAIR, other)
+    before = _tree(other)
+    assert main(["make-demo-pair", "--out", str(other), "--target", str(PAIR / "target")]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert _tree(other) == before
+
+
 @pytest.mark.parametrize("command,option,value", [
     ("train-drafter", "--steps", "0"), ("train-drafter", "--steps", "-5"), ("train-drafter", "--anchors", "0"),
     ("train-drafter", "--layers", "0"), ("train-drafter", "--seqs-per-step", "0"), ("train-drafter", "--taps", "0"),

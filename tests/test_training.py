@@ -147,6 +147,11 @@ def test_train_drafter_default_data_never_trains_on_the_held_out_files(tmp_path)
     (tmp_path / "a.py").write_text("x = 1\n")
     train, held, what = drafter_prompt_sources(str(tmp_path))
     assert train == held == [tmp_path / "a.py"] and "same files" in what
+    assert drafter_prompt_sources(str(tmp_path / "a.py"))[0] == [tmp_path / "a.py"]  # one file will do
+    (tmp_path / "empty").mkdir()
+    for bad, why in ((tmp_path / "nope", "no such file or directory"), (tmp_path / "empty", "with no files")):
+        with pytest.raises(ValueError, match=why):
+            drafter_prompt_sources(str(bad))
 
 
 def test_text_split_is_three_disjoint_parts_and_tokenizer_round_trips():

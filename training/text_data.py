@@ -90,7 +90,12 @@ def drafter_prompt_sources(data_dir: str | None = None, corpus: str = "stdlib+to
     (never trained on, by target or drafter; the speedup bench's prompts come from them too) to evaluate
     on. A --data directory serves both (said so)."""
     if data_dir:
-        files = sorted(p for p in Path(data_dir).rglob("*") if p.is_file())
+        root = Path(data_dir)
+        if not root.exists():
+            raise ValueError(f"--data {data_dir}: no such file or directory")
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        if not files:
+            raise ValueError(f"--data {data_dir}: a directory with no files")
         return files, files, "windows of the --data files (the same files as the training prompts)"
     _, draft, _ = split_three(corpus_files(corpus))
     return draft, split_files(stdlib_files())[1], "windows of the held-out stdlib files (never trained on)"

@@ -181,8 +181,9 @@ def check_tied_head(files: list[Path], embed: torch.Tensor, device: str, source:
                 continue
             head = h.get_slice("lm_head.weight")
             for i in range(0, embed.shape[0], TIED_CHECK_ROWS):
-                h, e = head[i:i + TIED_CHECK_ROWS], embed[i:i + TIED_CHECK_ROWS]
-                if not (torch.equal(h.to(e.dtype), e) or torch.equal(h, e.to(h.dtype))):  # a copy in another dtype
+                rows, want = head[i:i + TIED_CHECK_ROWS], embed[i:i + TIED_CHECK_ROWS]
+                if not (torch.equal(rows.to(want.dtype), want)
+                        or torch.equal(rows, want.to(rows.dtype))):  # a copy stored in another dtype
                     raise CheckpointError(f"{source}: tie_word_embeddings is true but lm_head.weight differs from "
                                           f"model.embed_tokens.weight (from row {i}); set tie_word_embeddings "
                                           f"false to use the file's head, or drop the tensor")

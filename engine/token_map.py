@@ -15,7 +15,6 @@ text corpus under the target's tokenizer).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Iterable
 
@@ -90,12 +89,8 @@ def build_token_map(counts: torch.Tensor, size: int, always: Iterable[int] = ())
 
 
 def save_token_map(ids: torch.Tensor, path: str | Path) -> None:
-    """Write ids as a JSON list (readable, diffable; load_token_map also reads torch files), atomically: a write
-    cut short leaves the old file or none, never half a map."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps([int(i) for i in ids]) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write ids as a JSON list (readable, diffable; load_token_map also reads torch files), atomically
+    (export.write_model_file): a write cut short leaves the old file or none, never half a map."""
+    from flashpd.engine.export import write_model_file  # noqa: PLC0415 (the model stack, only when writing)
+    text = json.dumps([int(i) for i in ids]) + "\n"
+    write_model_file(path, lambda tmp: tmp.write_text(text))

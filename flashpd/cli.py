@@ -223,10 +223,11 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--taps", type=_at_least(1), default=5, help="number of target layers tapped")
     t.add_argument("--mask-token-id", type=_at_least(0),
                    help="token id of a block's masked positions (unset: the target's last vocabulary id)")
-    t.add_argument("--steps", type=_at_least(1), default=1000, help="training steps (a checkpoint every quarter of them)")
+    t.add_argument("--steps", type=_at_least(1), default=1000,
+                   help="training steps (a checkpoint every quarter of them)")
     t.add_argument("--seqs-per-step", type=_at_least(1), default=8, help="sequences per training step")
-    t.add_argument("--anchors", type=_at_least(1), default=128, help="blocks per sequence in a step (anchored at random "
-                                                            "positions of the regenerated part)")
+    t.add_argument("--anchors", type=_at_least(1), default=128,
+                   help="blocks per sequence in a step (anchored at random positions of the regenerated part)")
     t.add_argument("--lr", type=_number(positive=True), default=1e-3,
                    help="peak learning rate (linear warm-up over the first 5%% of steps, cosine decay to a tenth)")
     t.add_argument("--kl-weight", type=_number(positive=False), default=0.0,
@@ -253,9 +254,11 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--seed", type=int, default=0, help="seed of the prompts, training and evaluation")
     m.add_argument("--target-steps", type=_at_least(1), default=600, help="training steps of the target (from scratch)")
     m.add_argument("--drafter-steps", type=_at_least(1), default=17000, help="training steps of the drafter")
-    m.add_argument("--num-prompts", type=_at_least(1), default=12288, help="prompts whose continuations the target regenerates")
+    m.add_argument("--num-prompts", type=_at_least(1), default=12288,
+                   help="prompts whose continuations the target regenerates")
     m.add_argument("--vocab-size", type=_at_least(256), default=4096, help="BPE vocabulary of the demo tokenizer")
-    m.add_argument("--drafter-seqs", type=_at_least(1), default=16, help="sequences per drafter step (128 anchors each)")
+    m.add_argument("--drafter-seqs", type=_at_least(1), default=16,
+                   help="sequences per drafter step (128 anchors each)")
     m.add_argument("--drafter-lr", type=_number(positive=True), default=1.5e-3, help="the drafter's peak learning rate")
     m.add_argument("--corpus", choices=["stdlib", "stdlib+torch"], default="stdlib+torch",
                    help="training text: the stdlib's Python, or it and the installed torch package's")
@@ -266,12 +269,14 @@ def _add_training(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--drafter-intermediate", type=_at_least(1), default=896,
                    help="the draft layers' MLP width (the target's is 512; the pair must stay within 16 MB)")
     m.add_argument("--new-tokens", type=_at_least(1), default=128, help="tokens the target regenerates per prompt")
-    m.add_argument("--regen-batch", type=_at_least(1), help="prompts regenerated at once (unset: 256 on CUDA, 32 on CPU)")
+    m.add_argument("--regen-batch", type=_at_least(1),
+                   help="prompts regenerated at once (unset: 256 on CUDA, 32 on CPU)")
     m.add_argument("--drafter-gamma", type=_number(positive=True), default=4.0,
                    help="decay of the drafter's loss weight over block positions, exp(-(k-1)/gamma): 4 (demo pairs "
                         "v5 and v6) weighs a block's first guesses more than DFlash's 7 at block 16")
-    m.add_argument("--max-files", type=_at_least(1), help="a quick run: the first N files of each part of the split (target, "
-                                                 "drafter prompts, held-out); unset: every file")
+    m.add_argument("--max-files", type=_at_least(1),
+                   help="a quick run: the first N files of each part of the split (target, drafter prompts, "
+                        "held-out); unset: every file")
     m.add_argument("--target", help="a target this recipe made before (with its tokenizer.json): copied into --out, "
                                     "and only the drafter's stages run (drafter settings compared on one target); "
                                     "unset: the whole recipe")

@@ -562,3 +562,28 @@ def test_a_memory_stores_put_keeps_the_chunks_bytes_read_only_in_memory_of_their
     c.target_kv.zero_()  # the chunk's tensors are not what the entry holds
     assert bytes(s.get_bytes("v0")) != c.to_bytes(secret.mac_key)
     assert bytes(join_parts([b"ab", memoryview(b"cd"), b"", bytearray(b"e")])) == b"abcde"
+
+
+def test_memory_tier_frees_evicted_entries_without_a_garbage_collection():
+    """Evicted entries must not wait for a full collection (a serving process rarely runs one): the bridge's
+    memory tier grew linearly past its budget while it reported holding only that budget."""
+    import gc
+
+    from flashpd.kv_bridge.lru import _Node
+
+    n = _size()
+    store = MemoryStore(4 * n)
+    gc.collect()
+    before = sum(isinstance(o, _Node) for o in gc.get_objects())  # other tests' indexes still referenced
+    gc.disable()
+    try:
+        for p in range(60):  # prompts of 1-3 chunks, each chunk's parent the one before it
+            keys = [f"p{p}c{i}" for i in range(1 + p % 3)]
+            for i, k in enumerate(keys):
+                assert store.put(make_chunk(k, parent=keys[i - 1] if i else ""))
+        nodes = sum(isinstance(o, _Node) for o in gc.get_objects()) - before
+        held = store.stats()["entries"]
+    finally:
+        gc.enable()
+    assert store.stats()["evictions"] > 50
+    assert nodes <= held + 1, f"{nodes} index nodes alive for {held} entries (+1 sentinel)"

@@ -130,18 +130,19 @@ class RequestThreads:
             if not start:
                 self._idle -= 1  # this job is that thread's
         if start:
-            threading.Thread(target=self._work, args=((fn, args),), name=self.name, daemon=True).start()
+            # the first job travels in a list the thread empties: Thread keeps its args for as long as it runs
+            threading.Thread(target=self._work, args=([(fn, args)],), name=self.name, daemon=True).start()
         else:
             self._jobs.put((fn, args))
 
-    def _work(self, job: tuple | None = None) -> None:
+    def _work(self, first: list[tuple]) -> None:
         while True:
-            fn, args = job if job is not None else self._jobs.get()
-            job = None
+            fn, args = first.pop() if first else self._jobs.get()
             try:
                 fn(*args)
             except Exception:  # noqa: BLE001  a job handles its own errors; this thread must survive anyway
                 log.exception("%s: a job raised", self.name)
+            fn = args = None  # an idle thread must not keep its last request (prompt, stream, calls) alive
             with self._lock:
                 self._idle += 1
 

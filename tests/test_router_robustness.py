@@ -485,3 +485,26 @@ def test_a_request_whose_thread_cannot_start_holds_nothing_and_never_runs_later(
             assert events(router.submit(PROMPT, GREEDY, "native", None, timeout_s=30.0))[-1].kind == "done"
         time.sleep(0.2)
         assert_nothing_held(router)
+
+
+def test_an_idle_request_thread_keeps_no_request_alive():
+    """A request thread waiting for its next job must not hold its last one (a handle with the prompt, its event
+    queue and calls): with hundreds of threads after a burst, that was one request each kept alive."""
+    import weakref
+
+    from flashpd.cluster.router import RequestThreads
+
+    class Job:
+        pass
+
+    threads, ran = RequestThreads("idle-check"), threading.Event()
+    job = Job()
+    ref = weakref.ref(job)
+    threads.run(lambda j: ran.set(), job)
+    del job
+    assert ran.wait(10)
+    deadline = time.monotonic() + 10
+    while threads._idle == 0 and time.monotonic() < deadline:  # the thread went back to waiting
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert ref() is None, "the idle thread still holds its last job"

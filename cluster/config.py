@@ -67,10 +67,12 @@ class ServeConfig:
     # "confidence[:threshold=..,caps=1-16/9-8/17-4,...]" (cut at the draft's first unsure position)
     draft_width_policy: str = "fixed"
     # a reduced draft vocabulary (engine/token_map.py; SGLang's --speculative-token-map): a file of hot token ids
-    # whose head rows alone the drafter reads; None: the whole vocabulary. The output is unchanged either way.
+    # whose head rows alone the drafter reads; None: the whole vocabulary. Greedy output is unchanged either way
+    # (sampled keeps its distribution).
     draft_token_map: str | None = None
     # the drafter's few-row passes (a batch-1 draft) in "fp8" weights (DFlashDrafter.quantize; vLLM's
-    # speculative_config "quantization"): half the bytes a draft reads; None: the checkpoint's dtype. Same output.
+    # speculative_config "quantization"): half the bytes a draft reads; None: the checkpoint's dtype. Same greedy
+    # output.
     draft_quantization: str | None = None
     # the public endpoint (router, or the colocated server)
     host: str = "127.0.0.1"

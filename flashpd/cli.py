@@ -136,11 +136,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-config",
                    help='the drafter in vLLM\'s form, instead of --draft: \'{"method": "dflash", "model": DIR, '
                         '"num_speculative_tokens": 15}\' (K tokens: draft width K+1; unset: --draft); '
-                        '"quantization": "fp8" drafts from fp8 weights (same output)')
+                        '"quantization": "fp8" drafts from fp8 weights (same greedy output; sampled keeps its '
+                        'distribution)')
     p.add_argument("--speculative-token-map", metavar="FILE",
                    help="a reduced draft vocabulary: a JSON list (or torch file) of hot token ids the drafter alone "
                         "drafts from (SGLang's spelling; build one with `python -m flashpd.training.token_map`). "
-                        "Same output, less head to read a step")
+                        "Same greedy output (sampled keeps its distribution), less head to read a step")
     add_sampling_args(p)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs the target's tokenizer.json); this or --prompt-ids")

@@ -34,6 +34,7 @@ import queue
 import re
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -180,6 +181,11 @@ class ServeProcess:
                 self.proc.wait(10)
 
 
+# --config keys that one mode alone takes (ServeConfig refuses them in the others): a sweep runs several modes
+MODE_ONLY = {"num_gpus": "ray", "ray_address": "ray", "engine_process": "colocated"}
+SIZE_DEFAULTS = {"prefill_workers": 1, "decode_workers": 1, "chunk_tokens": 256, "max_running": 128}
+
+
 def client_procs(asked: int, concurrency: int) -> int:
     """Client processes for a level: `asked`, or with 0 one per STREAMS_PER_CLIENT_PROC streams (at least one)."""
     if asked < 0:
@@ -189,8 +195,13 @@ def client_procs(asked: int, concurrency: int) -> int:
 
 
 def _cfg(a: argparse.Namespace, mode: str) -> ServeConfig:
-    base = json.loads(Path(a.config).read_text()) if a.config else {}
+    base = dict(a.base)  # --config's keys (parse_args); the sweep sets the mode, the ports and what they imply
     base.update(target=a.target, draft=a.draft, mode="colocated" if mode == "colocated" else a.launcher)
+    for k, only in MODE_ONLY.items():
+        if k in base and base["mode"] != only:
+            dropped = base.pop(k)
+            log.info("job_sweep: --config's %s (%r) does not apply to this sweep's %s mode", k, dropped,
+                     base["mode"])
     for k in ("device", "dtype", "kv_cache_tokens", "torch_threads", "bridge_transport", "kv_transport",
               "draft_width_policy", "gil_switch_interval_s", "session_hold_fraction"):
         if getattr(a, k) is not None:
@@ -409,7 +420,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--api", default="grpc",
                     help="front doors to drive, each level through each: grpc, http (the OpenAI-compatible API), or "
                          "grpc,http (the sweep's service then serves both)")
-    ap.add_argument("--config", help="base serve config (JSON) the flags override")
+    ap.add_argument("--config", help="base serve config (JSON or YAML, as `flashpd serve` reads it); flags given "
+                                     "override it; mode, ports and the mode-only keys are the sweep's own")
     ap.add_argument("--device", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"])
     ap.add_argument("--kv-cache-tokens", type=int, dest="kv_cache_tokens")
@@ -427,10 +439,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-transport", choices=["bridge", "device"], dest="kv_transport",
                     help="how a prefill's KV reaches its decode worker: through the bridge, or (same host) by the "
                          "device path, the decode worker copying the prefill worker's blocks")
-    ap.add_argument("--prefill-workers", type=int, default=1)
-    ap.add_argument("--decode-workers", type=int, default=1)
-    ap.add_argument("--chunk-tokens", type=int, default=256)
-    ap.add_argument("--max-running", type=int, default=128)
+    # None: the --config file's value, else SIZE_DEFAULTS (a flag given wins over the file, an unset one does not)
+    ap.add_argument("--prefill-workers", type=int, help=f"default: --config's, else {SIZE_DEFAULTS['prefill_workers']}")
+    ap.add_argument("--decode-workers", type=int, help=f"default: --config's, else {SIZE_DEFAULTS['decode_workers']}")
+    ap.add_argument("--chunk-tokens", type=int, help=f"default: --config's, else {SIZE_DEFAULTS['chunk_tokens']}")
+    ap.add_argument("--max-running", type=int, help=f"default: --config's, else {SIZE_DEFAULTS['max_running']}")
     ap.add_argument("--client-procs", type=int, default=0, dest="client_procs",
                     help="load generator processes a level (bench/load_procs.py); 0: one per "
                          f"{STREAMS_PER_CLIENT_PROC} streams")
@@ -442,6 +455,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--out: a relative path inside a Ray job lands in Ray's temporary copy of the working_dir; give an "
                  "absolute path on the head node (\"$PWD/bench/results/NAME.json\" when the head is this machine)")
     a.launcher = a.launcher or default_launcher()
+    a.base = {}
+    if a.config:
+        from flashpd.cluster.config import read_config_dict  # noqa: PLC0415
+
+        try:
+            a.base = read_config_dict(a.config)
+        except (OSError, ValueError) as e:
+            ap.error(f"--config: {e}")
+        if not isinstance(a.base, dict):
+            ap.error(f"--config: {a.config}: must be a mapping of serve config keys")
+        a.target = a.target or a.base.get("target")
+        a.draft = a.draft or (a.base.get("draft") if a.target == a.base.get("target") else None)
+    for k, v in SIZE_DEFAULTS.items():
+        if getattr(a, k) is None:
+            setattr(a, k, a.base.get(k, v))
+    if min(_ints(a.concurrency) or [0]) < 1:
+        ap.error(f"--concurrency: levels must be >= 1, got {a.concurrency!r}")
     if a.target is None:
         a.target, a.draft = str(_demo_pair() / "target"), a.draft or str(_demo_pair() / "drafter")
     for api in _names(a.api):
@@ -462,9 +492,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def _terminate(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
+    # a plain SIGTERM (kill, a scheduler) unwinds: the sweep's `finally` stops the `flashpd serve` it started,
+    # which otherwise went on serving, reparented, with its temporary directory
+    signal.signal(signal.SIGTERM, _terminate)
     result = sweep(a)
     from flashpd.bench.common import write_json  # noqa: PLC0415  (imports torch: after the sweep's children)
 

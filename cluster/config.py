@@ -7,6 +7,7 @@ Unknown keys are refused by name: a typo must not silently fall back to a defaul
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ MAX_WORKERS = 256  # prefill or decode workers a service may ask for (each a pro
 # the longest wait a config may set: Python's and gRPC's waits overflow on a huge finite one (1e30 killed the pool's
 # supervisor thread with an OverflowError and made every health probe fail at once)
 MAX_WAIT_S = 7 * 86400.0
+# num_gpus a worker asks Ray for: Ray keeps resources to 4 decimals (1e-9 failed inside Ray, after the bridge
+# started); infinity failed converting to an int after the bridge started
+MIN_GPU_SHARE, MAX_GPU_SHARE = 1e-4, 1024.0
 MAX_TORCH_THREADS = 1024  # intra-op threads a worker may ask for (100,000 crashed the engine making them)
 _SCALARS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 
@@ -34,6 +38,9 @@ def _check_types(cfg: Any) -> None:
             raise ValueError(f"{f.name}: must be {' or '.join('null' if n == 'None' else n for n in names)}, "
                              f"got {v!r}")
 
+
+# ServeConfig fields that name files or directories (relative ones: to where `flashpd serve` runs)
+PATH_KEYS = ("target", "draft", "draft_token_map", "bridge_disk_dir", "tls_cert", "tls_key", "tls_ca")
 
 # ServeConfig fields a client may read back (Health's settings_json; `public_settings`)
 PUBLIC_SETTINGS = ("mode", "device", "dtype", "kv_cache_tokens", "max_running", "session_hold_fraction",
@@ -260,8 +267,15 @@ class ServeConfig:
             for b, pb in ports[i + 1:]:
                 if pa == pb:
                     raise ValueError(f"{a} and {b}: the same port {pa}; each endpoint needs its own (or 0: any free)")
-        if self.num_gpus is not None and not self.num_gpus > 0:
-            raise ValueError(f"num_gpus: must be > 0 or null (from the cluster's GPUs), got {self.num_gpus}")
+        if self.num_gpus is not None and not MIN_GPU_SHARE <= self.num_gpus <= MAX_GPU_SHARE:  # NaN, inf fail too
+            raise ValueError(f"num_gpus: must be > 0 (at least {MIN_GPU_SHARE}, Ray's resolution; at most "
+                             f"{MAX_GPU_SHARE:.0f}) or null (from the cluster's GPUs), got {self.num_gpus}")
+        for name in ("num_gpus", "ray_address"):  # refused, not ignored, as engine_process outside colocated
+            if getattr(self, name) is not None and self.mode != "ray":
+                raise ValueError(f"{name}: applies to mode 'ray' only, got mode {self.mode!r}")
+        if self.num_gpus is not None and self.device == "cpu":
+            raise ValueError(f"num_gpus: {self.num_gpus} with device 'cpu': the workers would hold GPUs they never "
+                             "use (leave num_gpus unset)")
         for name in ("prefill_workers", "decode_workers"):
             if getattr(self, name) > MAX_WORKERS:
                 raise ValueError(f"{name}: at most {MAX_WORKERS} a service, got {getattr(self, name)}")
@@ -278,6 +292,9 @@ class ServeConfig:
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "ServeConfig":
         if not isinstance(d, dict) or "target" not in d:
             raise ValueError(f"{source}: config must be a mapping with at least 'target'")
+        odd = [k for k in d if not isinstance(k, str)]
+        if odd:  # a YAML key such as `1:` (sorting it among names raised a bare TypeError)
+            raise ValueError(f"{source}: config keys must be names, got {odd[0]!r}")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -301,11 +318,24 @@ class ServeConfig:
     def with_(self, **kw: Any) -> "ServeConfig":
         return replace(self, **kw)
 
+    def with_absolute_paths(self) -> "ServeConfig":
+        """This config with its file paths made absolute from this process's directory: what a worker elsewhere
+        (a Ray actor runs where `ray start` ran) must get, since the paths are relative to where serve runs."""
+        return replace(self, **{k: os.path.abspath(getattr(self, k)) for k in PATH_KEYS if getattr(self, k)})
+
 
 def load_config(path: str | Path) -> ServeConfig:
     """Read a JSON or YAML file (by suffix; other suffixes are tried as JSON, then YAML). A key given twice is
     refused by name (the parsers keep the last one without a word)."""
+    return ServeConfig.from_dict(read_config_dict(path), str(path))
+
+
+def read_config_dict(path: str | Path) -> Any:
+    """A config file's mapping, parsed as load_config does, not yet checked as a ServeConfig (a tool that
+    fills in keys of its own first: bench/job_sweep.py)."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{p}: is a directory, not a config file (JSON or YAML)")
     try:
         text = p.read_text()
     except UnicodeDecodeError as e:
@@ -321,7 +351,7 @@ def load_config(path: str | Path) -> ServeConfig:
             data = _yaml(text, p)
         except _RepeatedKey as e:
             raise ValueError(f"{p}: {e}") from None
-    return ServeConfig.from_dict(data, str(p))
+    return data
 
 
 class _RepeatedKey(ValueError):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -100,7 +101,11 @@ class RayLauncher:
         self.secret = secret if secret is not None else ClusterSecret.generate()  # the workers' and the router's
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
+            main = threading.current_thread() is threading.main_thread()
+            term = signal.getsignal(signal.SIGTERM) if main else None
             ray.init(address=address)  # inside a Ray job this joins the job's cluster
+            if term is not None:  # ray.init takes SIGTERM over: a SIGTERM while starting then skipped the start's
+                signal.signal(signal.SIGTERM, term)  # cleanup (cli_serve's handler) and left the workers' shm files
         self.actor_cls = ray.remote(max_restarts=0)(WorkerActor)
         self._actors: dict = {}  # actor handle -> _Actor, until it is killed
         self._pings: dict = {}  # actor handle -> its ping not answered yet (alive() waits for it again)
@@ -121,8 +126,9 @@ class RayLauncher:
             for s in specs:
                 opts = self._placed.setdefault((s.role, s.index), ray_options(s.role, s.cfg, resources))
                 log.info("starting %s worker %d as a Ray actor with %s", s.role, s.index, opts)
-                actors.append(self.actor_cls.options(**opts).remote(s.role, s.cfg.to_dict(), s.port,
-                                                                    self.secret.export_hex()))
+                # paths made absolute here: an actor resolved a relative one where `ray start` ran
+                actors.append(self.actor_cls.options(**opts).remote(s.role, s.cfg.with_absolute_paths().to_dict(),
+                                                                    s.port, self.secret.export_hex()))
                 self._actors[actors[-1]] = _Actor(f"{s.role} worker {s.index}", opts=opts)
         wheres = [a.where.remote() for a in actors]
         starts = [a.start.remote() for a in actors]

@@ -279,3 +279,62 @@ def test_the_serve_address_is_found_inside_a_forwarded_log_line():
     line = "listening on 127.0.0.1:40445\x1b[36m(WorkerActor pid=22539)\x1b[0m 2026-12-06 12:00:49,034 prefill INFO\n"
     assert _ANNOUNCED.search(line).groups() == ("listening", "127.0.0.1:40445")
     assert _ANNOUNCED.search("listening on [::1]:50051\n").groups() == ("listening", "[::1]:50051")
+
+
+def test_a_config_file_fills_the_flags_not_given(monkeypatch, tmp_path):
+    """--config (YAML too, as `flashpd serve` reads it): its sizes were overridden by flags never given (the sweep
+    ran max_running 128 and one decode worker whatever the file said), and YAML failed with a JSON traceback."""
+    js, cfgs, _, target = _fake_service(monkeypatch, tmp_path)
+    base = tmp_path / "base.yaml"
+    base.write_text(f"target: {target}\nmax_running: 8\ndecode_workers: 2\nchunk_tokens: 64\nengine_process: true\n"
+                    "num_gpus: 0.5\n")
+    a = js.parse_args(["--out", str(tmp_path / "s.json"), "--modes", "colocated,disaggregated", "--launcher",
+                       "local", "--concurrency", "1", "--requests", "2", "--warmup", "0", "--max-tokens", "2",
+                       "--prompt-tokens", "6", "--config", str(base), "--max-running", "16"])
+    assert a.target == target and a.draft is None  # the file's target; no demo drafter beside it
+    d = js.sweep(a)
+    colo, local = cfgs
+    assert (colo.max_running, colo.decode_workers, colo.chunk_tokens) == (16, 2, 64)  # a flag given wins
+    assert colo.engine_process is True and local.engine_process is None  # colocated's key, dropped for local
+    assert colo.num_gpus is None is local.num_gpus  # a ray key, in neither mode
+    assert d["settings"]["decode_workers"] == 2 and d["settings"]["chunk_tokens"] == 64
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--concurrency", "0"], "--concurrency: levels must be >= 1"),
+    (["--concurrency", "4,-1"], "--concurrency: levels must be >= 1"),
+    (["--config", "MISSING"], "--config: "),
+    (["--config", "DIR"], "--config: .*is a directory"),
+])
+def test_bad_sweep_arguments_are_refused_before_anything_starts(tmp_path, capsys, args, msg):
+    from flashpd.bench import job_sweep as js
+
+    args = [str(tmp_path) if x == "DIR" else str(tmp_path / "nope.yaml") if x == "MISSING" else x for x in args]
+    with pytest.raises(SystemExit):
+        js.parse_args(["--out", str(tmp_path / "s.json"), *args])
+    import re
+    assert re.search(msg, capsys.readouterr().err), msg
+
+
+def test_sigterm_unwinds_the_sweep_so_it_stops_its_service(tmp_path):
+    """A plain SIGTERM killed the sweep without its `finally`: the `flashpd serve` it started went on serving."""
+    marker = tmp_path / "stopped"
+    code = (
+        "import sys, time\n"
+        "from flashpd.bench import job_sweep as js\n"
+        "def sweep(a):\n"
+        "    try:\n"
+        "        print('started', flush=True)\n"
+        "        time.sleep(60)\n"
+        "    finally:\n"
+        f"        open({str(marker)!r}, 'w').write('stopped')\n"
+        "js.sweep = sweep\n"
+        f"sys.exit(js.main(['--out', {str(tmp_path / 's.json')!r}, '--launcher', 'local']))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "started"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 128 + signal.SIGTERM
+    finally:
+        p.kill()
+    assert marker.read_text() == "stopped"

@@ -171,8 +171,7 @@ def test_a_worker_ray_cannot_place_is_named_with_what_it_asks_for(ray_cluster, t
     only that the worker "did not start". Now: logged once place_warn_s passes, and named in the error."""
     launcher = _launcher(_Worker)
     launcher.place_warn_s = 1.0
-    spec = WorkerSpec("prefill", 0, ServeConfig(target=str(tmp_path), draft=None, mode="ray", device="cpu",
-                                                num_gpus=1.0))
+    spec = WorkerSpec("prefill", 0, ServeConfig(target=str(tmp_path), draft=None, mode="ray", num_gpus=1.0))
     t0 = time.monotonic()
     try:
         with caplog.at_level(logging.WARNING, logger="flashpd.cluster.ray_launcher"):
@@ -186,3 +185,34 @@ def test_a_worker_ray_cannot_place_is_named_with_what_it_asks_for(ray_cluster, t
     assert "not placed by Ray after 1 s" in caplog.text and "prefill worker 0 asks for" in caplog.text
     assert time.monotonic() - t0 < 4.0 + launcher.exit_wait_s + 10.0
     assert not launcher._actors
+
+
+def test_an_actor_gets_the_config_paths_made_absolute(ray_cluster, tmp_path, monkeypatch):  # noqa: F811
+    """Paths in a serve config are relative to where `flashpd serve` runs; an actor resolved them where its Ray
+    worker runs (`ray start`'s directory), so a relative target was "no config.json" there."""
+    monkeypatch.chdir(tmp_path.parent)
+    spec = WorkerSpec("bridge", 0, ServeConfig(target=tmp_path.name, draft=None, mode="ray", device="cpu"), 0)
+    launcher = _launcher(_Worker)
+    launcher.start([spec], 60)
+    launcher.shutdown()
+    assert (tmp_path / "bridge-stopped").read_text() == "drained"  # the stand-in wrote under cfg.target
+
+
+def test_starting_ray_keeps_the_serve_sigterm_handler(tmp_path):
+    """ray.init installs its own SIGTERM handler: a SIGTERM while `flashpd serve` started its workers then killed
+    the process without the start's cleanup (the prefill worker's shared-memory files stayed in /dev/shm)."""
+    import subprocess
+
+    code = (
+        "import signal, ray\n"
+        "def mine(*_): pass\n"
+        "signal.signal(signal.SIGTERM, mine)\n"
+        "from flashpd.cluster.ray_launcher import RayLauncher\n"
+        "launcher = RayLauncher()\n"
+        "kept = signal.getsignal(signal.SIGTERM) is mine\n"
+        "ray.shutdown()\n"
+        "print('kept' if kept else 'replaced', flush=True)\n")
+    env = {**__import__("os").environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env,
+                         cwd=tmp_path)
+    assert out.stdout.strip().splitlines()[-1:] == ["kept"], out.stdout[-2000:] + out.stderr[-2000:]

@@ -65,6 +65,12 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "port": 47222, "http_port": 47222}, "port and http_port: the same port"),
     ({"target": "t", "http_port": 47223, "metrics_port": 47223}, "http_port and metrics_port: the same port"),
     ({"target": "t", "num_gpus": 0}, "num_gpus: must be > 0"),
+    ({"target": "t", "mode": "ray", "num_gpus": float("inf")}, "num_gpus: must be > 0"),  # failed inside Ray
+    ({"target": "t", "mode": "ray", "num_gpus": float("nan")}, "num_gpus: must be > 0"),
+    ({"target": "t", "mode": "ray", "num_gpus": 1e-9}, "num_gpus: must be > 0"),  # below Ray's resolution
+    ({"target": "t", "mode": "local", "num_gpus": 0.5}, "num_gpus: applies to mode 'ray' only"),  # was ignored
+    ({"target": "t", "ray_address": "auto"}, "ray_address: applies to mode 'ray' only"),
+    ({"target": "t", "mode": "ray", "device": "cpu", "num_gpus": 1}, "num_gpus: 1 with device 'cpu'"),
     ({"target": "t", "stall_s": 0}, "stall_s: must be in"),
     ({"target": "t", "stall_s": -1.0}, "stall_s: must be in"),
     ({"target": "t", "stall_s": float("inf")}, "stall_s: must be in"),  # JSON's Infinity
@@ -256,3 +262,25 @@ def test_yaml_merge_keys_still_load_and_may_be_overridden(tmp_path):
     (tmp_path / "c.yaml").write_text("target: t\n<<: {mode: local, port: 50051}\nport: 50052\n")
     cfg = load_config(tmp_path / "c.yaml")
     assert (cfg.mode, cfg.port) == ("local", 50052)
+
+
+def test_a_key_that_is_not_a_name_is_refused_by_name(tmp_path):
+    """A YAML key such as `1:` beside a misspelt one raised a bare TypeError from sorting the unknown keys."""
+    (tmp_path / "c.yaml").write_text("target: t\n1: 2\nfoo: 3\n")
+    with pytest.raises(ValueError, match="config keys must be names, got 1"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_a_directory_given_as_the_config_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="is a directory, not a config file"):
+        load_config(tmp_path)
+
+
+def test_paths_sent_to_a_ray_actor_are_absolute(tmp_path, monkeypatch):
+    """An actor resolved a relative target where `ray start` ran, not where `flashpd serve` did."""
+    monkeypatch.chdir(tmp_path)
+    cfg = ServeConfig(target="pair/target", draft="pair/drafter", mode="ray", bridge_disk_dir="disk")
+    out = cfg.with_absolute_paths()
+    assert out.target == str(tmp_path / "pair/target") and out.draft == str(tmp_path / "pair/drafter")
+    assert out.bridge_disk_dir == str(tmp_path / "disk") and out.tls_cert is None and out.draft_token_map is None
+    assert out.with_absolute_paths() == out and out.mode == "ray"

@@ -150,10 +150,22 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="unset: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (token_ids, text, finish_reason, stats) as the last line")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="on a GPU, skip the warm-up before the request: its compiles and CUDA graph captures then "
+                        "fall inside the request's ttft and latency")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    import logging  # noqa: PLC0415
+
     from flashpd.llm import LLM  # noqa: PLC0415 (keeps `flashpd --help` fast)
+
+    progress = logging.getLogger("flashpd.llm")  # the warm-up's start and end, on stderr
+    if not progress.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("flashpd: %(message)s"))
+        progress.addHandler(handler)
+        progress.setLevel(logging.INFO)
 
     method, draft, width, token_map = a.method, a.draft, a.block_size, a.speculative_token_map
     quantization = None
@@ -176,7 +188,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
                             top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
     params.validate()
     llm = LLM(target=a.target, draft=draft, method=method, block_size=width, device=a.device, dtype=a.dtype,
-              speculative_token_map=token_map, speculative_quantization=quantization)
+              speculative_token_map=token_map, speculative_quantization=quantization,
+              warmup=False if a.no_warmup else None)
     out = llm.generate([a.prompt if a.prompt is not None else a.prompt_ids], params)[0]
     if a.json:
         print(json.dumps(out.as_dict()))

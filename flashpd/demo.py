@@ -76,8 +76,8 @@ def explain_difference(model, prompt: list[int], native: list[int], dflash: list
 def run_demo(device: str | None = None, max_tokens: int = 64) -> int:
     from flashpd.llm import LLM  # noqa: PLC0415
 
-    native = LLM(target=PAIR / "target", device=device)
-    spec = LLM(target=PAIR / "target", draft=PAIR / "drafter", device=device)
+    native = LLM(target=PAIR / "target", device=device, warmup=False)  # each prompt is warmed below
+    spec = LLM(target=PAIR / "target", draft=PAIR / "drafter", device=device, warmup=False)
     report = json.loads((PAIR / "eval.json").read_text())
     print(f"flashpd demo: the small demo pair ({native.model.cfg.num_hidden_layers}-layer target, "
           f"{spec.drafter.cfg.num_hidden_layers}-layer DFlash drafter, block {spec.block_size}), trained on "

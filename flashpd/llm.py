@@ -1,8 +1,10 @@
 """The public Python API: `LLM(...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import logging
 import operator
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,10 @@ from flashpd.engine.factory import load_engine
 from flashpd.engine import scheduler
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import RequestStats
+from flashpd.engine.warmup import lengths_for, random_prompts
+
+log = logging.getLogger(__name__)
+WARM_LENGTHS = (16, 100)  # the warm-up's prompts: two padded prefill widths, one and several KV blocks
 
 
 @dataclass
@@ -39,11 +45,13 @@ class LLM:
     def __init__(self, target: str | Path, draft: str | Path | None = None, method: str | None = None,
                  block_size: int | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
                  kv_cache_tokens: int | None = None, kv_block_size: int = 16,
-                 speculative_token_map: str | Path | None = None, speculative_quantization: str | None = None
-                 ) -> None:
+                 speculative_token_map: str | Path | None = None, speculative_quantization: str | None = None,
+                 warmup: bool | None = None) -> None:
         # block_size (the contract's public spelling) is the DFlash draft width; kv_block_size the KV page size;
         # speculative_token_map (SGLang's spelling): a file of hot ids, the draft's vocabulary (engine/token_map.py);
-        # speculative_quantization (vLLM's speculative_config "quantization"): "fp8" draft weights
+        # speculative_quantization (vLLM's speculative_config "quantization"): "fp8" draft weights;
+        # warmup: compile and capture before the first request (None: on a GPU, where that takes a minute on a cold
+        # cache and otherwise lands inside the first request's TTFT, 71 s for the demo pair on an H200)
         e = load_engine(target, draft, device, dtype, kv_cache_tokens, method=method, draft_width=block_size,
                         kv_block_size=kv_block_size, token_map=speculative_token_map,
                         draft_quantization=speculative_quantization)
@@ -53,6 +61,26 @@ class LLM:
         # one engine (runner, KV blocks, device loop) under every call: calls from several threads run one at
         # a time (each batches its own prompts); interleaved they gave each other's tokens
         self._lock = threading.Lock()
+        self.warmup_s = self._warm() if (self.device.type == "cuda" if warmup is None else warmup) else None
+
+    @torch.inference_mode()
+    def _warm(self) -> float:
+        """Throwaway requests through the engine's one driver, as a worker's warm-up (engine/warmup.py) at batch 1:
+        a short and a longer random prompt, greedy, sampled and top-p (the device step's three graphs), long enough
+        for DFlash's verify and draft. Other shapes (other prompt widths, batches) still compile when first met.
+        Returns its seconds."""
+        t0 = time.perf_counter()
+        n = 2 * (self.block_size or 1) + 2
+        prompts = random_prompts(lengths_for(self.runner.max_positions, n, WARM_LENGTHS), self.model.cfg.vocab_size)
+        log.info("warming up on %s: compiling kernels and capturing CUDA graphs (a minute or more on a cold cache, "
+                 "seconds once cached)", self.device)
+        for kw in ({}, dict(temperature=1.0, seed=0), dict(temperature=1.0, top_p=0.9, seed=0)):
+            sp = SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+            for p in prompts:
+                scheduler.generate(self.generator, [p], [sp])
+        took = time.perf_counter() - t0
+        log.info("warm in %.1f s", took)
+        return took
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -5,6 +5,8 @@ each must be refused with DrafterMismatch (a CheckpointError) whose message name
 """
 from __future__ import annotations
 
+import logging
+
 import json
 import shutil
 import subprocess
@@ -153,6 +155,22 @@ def test_llm_single_prompt_and_block_size(dflash_pair):
     out = llm4.generate(pair.prompts[2], SamplingParams(max_tokens=30, ignore_eos=True))
     assert len(out) == 1
     assert (out[0].token_ids, out[0].stats.acceptance_lengths) == reference_generate(pair, pair.prompts[2], 30, 4)
+
+
+def test_llm_warmup_leaves_the_engine_as_it_was(dflash_pair, llm, caplog):
+    """LLM(warmup=True) runs throwaway requests first (on a GPU by default, where the first request otherwise
+    held a minute of compiles in its TTFT): every KV block comes back, the output is the unwarmed one's, and the
+    start and end are logged. On the CPU the default is no warm-up."""
+    pair = dflash_pair
+    assert llm.warmup_s is None  # CPU: off by default
+    with caplog.at_level(logging.INFO, logger="flashpd.llm"):
+        warm = LLM(target=pair.target_dir, draft=pair.draft_dir, block_size=4, device="cpu", dtype="float32",
+                   kv_cache_tokens=2048, warmup=True)
+    assert warm.warmup_s is not None and warm.warmup_s > 0
+    assert "warming up on cpu" in caplog.text and "warm in" in caplog.text
+    assert warm.runner.allocator.num_free == warm.runner.allocator.num_blocks - 1  # (block 0: scratch)
+    out = warm.generate(pair.prompts[2], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    assert (out.token_ids, out.stats.acceptance_lengths) == reference_generate(pair, pair.prompts[2], 30, 4)
 
 
 def test_llm_native_has_no_acceptance(dflash_pair, dflash_engine):

@@ -17,10 +17,10 @@ from flashpd.engine.factory import load_engine
 from flashpd.engine import scheduler
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import RequestStats
-from flashpd.engine.warmup import lengths_for, random_prompts
+from flashpd.engine.warmup import SHORT_LENGTHS, lengths_for, random_prompts
 
 log = logging.getLogger(__name__)
-WARM_LENGTHS = (16, 100)  # the warm-up's prompts: two padded prefill widths, one and several KV blocks
+WARM_LENGTHS = (*SHORT_LENGTHS, 100)  # the warm-up's prompts: short ones (engine/warmup.py says why) and a padded one
 
 
 @dataclass

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 INPUT_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 FINAL = ("done", "cancelled", "error")
+OUTCOMES = {"done": "ok", "cancelled": "cancelled", "error": "error"}  # the served metrics' outcome label
 STATS_TIMEOUT_S = 5.0  # a stats round trip (health, metrics) waits at most this long
 # bytes of messages queued for the engine process and not yet written: its socket is full when it stops reading (a
 # stuck step); a submit then waits for room at most its own timeout and fails, instead of blocking its thread (and
@@ -215,9 +216,10 @@ def engine_main(conn: Connection) -> None:
 class EngineProcess:
     """A Backend (cluster/generation_server.py) whose engine runs in a child process (module doc).
 
-    on_done(method, stats, output_tokens) sees each finished request here (the served metrics)."""
+    on_done(method, stats, output_tokens, outcome) sees each request's end here, "ok", "cancelled" or "error"
+    (the served metrics)."""
 
-    def __init__(self, cfg, on_done: Callable[[str, dict, int], None] | None = None,
+    def __init__(self, cfg, on_done: Callable[[str, dict, int, str], None] | None = None,
                  progress_s: float = 30.0) -> None:
         mine, theirs = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "flashpd.cluster.engine_proc", "--fd",
@@ -483,10 +485,16 @@ class EngineProcess:
     def _on_taken(self, rid: int, refusal: BaseException | None) -> None:
         """The engine took the request, or refused it. A refused request gets no events, so it is no longer live
         here whether or not its submitter still waits (one that timed out does not, and would leave it named)."""
+        entry = None
         with self._lock:
             fut = self._taken.pop(rid, None)
             if refusal is not None:
-                self._live.pop(rid, None)
+                entry = self._live.pop(rid, None)
+        if entry is not None and self.on_done is not None:  # counted as the router counts a refusal
+            try:
+                self.on_done(entry[0].method, {}, 0, "error")
+            except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
+                log.exception("on_done hook failed")
         if fut is not None:
             fut.set_exception(refusal) if refusal is not None else fut.set_result(None)
 
@@ -499,9 +507,9 @@ class EngineProcess:
             h, n = entry
             if kind == "tokens":
                 n[0] += len(tokens)
-            elif kind == "done" and self.on_done is not None:
+            elif kind in FINAL and self.on_done is not None:
                 try:
-                    self.on_done(h.method, stats or {}, n[0])
+                    self.on_done(h.method, stats or {}, n[0], OUTCOMES[kind])
                 except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
                     log.exception("on_done hook failed")
             h.events.put(Event(kind, tokens=tokens, finish_reason=finish_reason, stats=stats, error=error))

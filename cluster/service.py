@@ -160,7 +160,8 @@ def _colocated_split(cfg: ServeConfig) -> Service:
     if cfg.gil_switch_interval_s is not None:  # the front end's threads take turns as in the one-process form
         sys.setswitchinterval(cfg.gil_switch_interval_s)
     metrics = Metrics("colocated")
-    engine = EngineProcess(cfg, on_done=lambda method, stats, n: metrics.observe_request(method, stats, "ok", n))
+    engine = EngineProcess(cfg, on_done=lambda method, stats, n, outcome:
+                           metrics.observe_request(method, stats, outcome, n))
     try:
         engine_metrics(metrics, engine.stats, bool(cfg.device_cache_bytes or cfg.host_cache_bytes),
                        bool(cfg.device_cache_bytes))

@@ -424,10 +424,13 @@ def build_decode(cfg, llm, cache, metrics, sink=None):
     def finished(r) -> None:
         metrics.observe_request(r.method, r.seq.stats.as_dict(), "ok", len(r.seq.output))
 
+    def aborted(method: str, outcome: str, tokens: int) -> None:  # cancelled or failed: counted, no latency
+        metrics.observe_request(method, {}, outcome, tokens)
+
     worker = DecodeWorker(llm.runner, llm.drafter, tuple(llm.stop_ids), cache, cfg.max_running, cfg.policy, finished,
                           warmup=wants_warmup(cfg, llm.runner), width_policy=parse_width_policy(cfg.draft_width_policy),
                           hold_fraction=cfg.session_hold_fraction, hold_steps=cfg.session_hold_steps, sink=sink,
-                          stall_s=stall_bound(cfg))  # every form: a worker, colocated in process or in an engine process
+                          stall_s=stall_bound(cfg), on_abort=aborted)  # every form: colocated, in process or not
     decode_metrics(metrics, worker)
     return worker
 

@@ -128,11 +128,15 @@ class EngineLoop:
     def __init__(self, scheduler: Scheduler, idle_wait_s: float = 0.5, name: str = "engine-loop",
                  on_finish: Callable[[Request], None] | None = None,
                  after_step: Callable[[], object] | None = None,
-                 sink: Callable[[list[tuple[Handle, Event]]], None] | None = None) -> None:
+                 sink: Callable[[list[tuple[Handle, Event]]], None] | None = None,
+                 on_abort: Callable[[str, str, int], None] | None = None) -> None:
         self.scheduler = scheduler
         self.sink = sink  # set: each pass's events go here in one call, not into the handles' queues
         self._out: list[tuple[Handle, Event]] = []
         self.on_finish = on_finish
+        # (method, "cancelled" | "error", tokens it had streamed) for a request that ended otherwise (metrics: the
+        # served counts missed them, so a service's failures and cancels showed nowhere in /metrics colocated)
+        self.on_abort = on_abort
         self.after_step = after_step  # monitors run after each step (DecodeWorker._after_step); must be cheap
         self.idle_wait_s = idle_wait_s
         self._cv = threading.Condition()
@@ -293,7 +297,16 @@ class EngineLoop:
             self._shutdown()
             self._flush()
 
+    def _aborted(self, h: Handle, outcome: str) -> None:
+        if self.on_abort is not None:
+            try:
+                self.on_abort(h.method, outcome, len(h.request.seq.output) if h.request is not None else 0)
+            except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
+                log.exception("on_abort hook failed")
+
     def _emit(self, h: Handle, ev: Event) -> None:
+        if ev.kind in ("cancelled", "error"):
+            self._aborted(h, ev.kind)
         if self.sink is None:
             h.events.put(ev)
         else:
@@ -339,6 +352,7 @@ class EngineLoop:
                 h.request = self.scheduler.add(h.prompt, h.params, h.method, h.draft_width, h.first_token,
                                                h.handoff)
             except Exception as e:  # noqa: BLE001  the submitter gets the scheduler's refusal
+                self._aborted(h, "error")
                 fut.set_exception(e)
                 continue
             self._live[h.request.id] = h

@@ -52,7 +52,8 @@ class DecodeWorker:
                  prefix_cache: PrefixCache | None = None, max_running: int = 64, policy: str = "preempt",
                  on_finish: Callable[[Request], None] | None = None, warmup: bool = False,
                  width_policy: WidthPolicy | None = None, step_log_s: float = 10.0, hold_fraction: float = 0.0,
-                 hold_steps: int = 4, sink=None, stall_s: float | None = None) -> None:
+                 hold_steps: int = 4, sink=None, stall_s: float | None = None,
+                 on_abort: Callable[[str, str, int], None] | None = None) -> None:
         self.cache = GuardedPrefixCache(prefix_cache) if prefix_cache is not None else None
         self.scheduler = Scheduler(runner, drafter, stop_ids, self.cache, max_running, policy, width_policy)
         self.warmup = None
@@ -69,7 +70,7 @@ class DecodeWorker:
         self.scheduler.hold_fraction, self.scheduler.hold_steps = hold_fraction, hold_steps
         self.step_log: StepLog | None = None
         self.loop = EngineLoop(self.scheduler, name="decode-worker", on_finish=on_finish, after_step=self._after_step,
-                               sink=sink)
+                               sink=sink, on_abort=on_abort)
         self.loop.stall_s = stall_s
         self.step_log = StepLog(self.loop, step_log_s) if step_log_s > 0 else None
 

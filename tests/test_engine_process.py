@@ -130,6 +130,10 @@ def test_the_engines_refusal_and_a_cancel_cross_the_process(split):
     assert first.token_ids
     it.close()
     _idle(client)
+    # the refusal and the cancel are counted in the served metrics, as the router counts them (they were not)
+    text = svc.metrics.exposition()
+    assert 'flashpd_requests_total{method="native",outcome="error",role="colocated"} 1.0' in text, text
+    assert 'flashpd_requests_total{method="dflash",outcome="cancelled",role="colocated"} 1.0' in text, text
     # nothing is left named on either side of the pipe (refused, cancelled and finished requests alike)
     assert svc.backend.stats()["tracked_requests"] == 0
     assert not svc.backend._live and not svc.backend._taken and not svc.backend._asks
@@ -607,3 +611,28 @@ def test_the_engine_processs_children_get_default_signals():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines() == ["exec True", "fork True"], r.stdout
+
+
+def test_the_in_process_form_counts_refusals_and_cancels_too():
+    """engine_process: false serves from this process's engine loop: its refused and cancelled requests are counted
+    in the served metrics as the split form's and the router's are (only finished ones were)."""
+    svc = start_service(_cfg(engine_process=False))
+    client = GenerationClient(svc.address, timeout_s=60.0)
+    try:
+        total = client.health()["kv_blocks_total"] * client.health()["kv_block_size"]
+        with pytest.raises(GenerationResourceExhausted):
+            client.generate_once([5] * (total + 16), max_tokens=8, method="native")
+        it = client.generate(PROMPTS[2], max_tokens=1500, method="dflash", ignore_eos=True)
+        assert next(it).token_ids
+        it.close()
+        _idle(client)
+        t0 = time.monotonic()
+        text = ""
+        while 'outcome="cancelled"' not in text and time.monotonic() < t0 + WAIT_S:  # the loop sees the cancel
+            text = svc.metrics.exposition()
+            time.sleep(0.05)
+        assert 'flashpd_requests_total{method="native",outcome="error",role="colocated"} 1.0' in text, text
+        assert 'flashpd_requests_total{method="dflash",outcome="cancelled",role="colocated"} 1.0' in text, text
+    finally:
+        client.close()
+        svc.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -231,10 +232,12 @@ class ServeConfig:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens: must be >= 1 or null (a share of free device memory), "
                              f"got {self.kv_cache_tokens}")
-        if self.device is not None and not (self.device == "cpu" or self.device == "cuda"
-                                            or self.device.startswith("cuda:")):
+        if self.device is not None and not (self.device in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ValueError(f"device: must be 'cpu', 'cuda', 'cuda:N' or null (cuda when available), "
                              f"got {self.device!r}")
+        if self.mode != "colocated" and self.device not in (None, "cpu", "cuda", "cuda:0"):
+            raise ValueError(f"device: {self.device!r} in mode {self.mode!r}: each worker sees only the GPU it is "
+                             "placed on, as cuda:0 (cluster/placement.py); give 'cuda'")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: must be 'float32', 'bfloat16', 'float16' or null, got {self.dtype!r}")
         if self.served_model_name is not None and (not isinstance(self.served_model_name, str)

@@ -65,6 +65,9 @@ def test_json_and_yaml_configs_load_the_same(tmp_path):
     ({"target": "t", "port": 47222, "http_port": 47222}, "port and http_port: the same port"),
     ({"target": "t", "http_port": 47223, "metrics_port": 47223}, "http_port and metrics_port: the same port"),
     ({"target": "t", "num_gpus": 0}, "num_gpus: must be > 0"),
+    ({"target": "t", "device": "cuda:abc"}, "device: must be 'cpu', 'cuda', 'cuda:N'"),  # was accepted
+    ({"target": "t", "mode": "local", "device": "cuda:1"}, "device: 'cuda:1' in mode 'local': each worker sees"),
+    ({"target": "t", "mode": "ray", "device": "cuda:2"}, "device: 'cuda:2' in mode 'ray'"),
     ({"target": "t", "mode": "ray", "num_gpus": float("inf")}, "num_gpus: must be > 0"),  # failed inside Ray
     ({"target": "t", "mode": "ray", "num_gpus": float("nan")}, "num_gpus: must be > 0"),
     ({"target": "t", "mode": "ray", "num_gpus": 1e-9}, "num_gpus: must be > 0"),  # below Ray's resolution

@@ -374,6 +374,8 @@ def _yaml(text: str, p: Path) -> Any:
     import yaml  # noqa: PLC0415  (a dependency, only needed for YAML files)
 
     class Loader(yaml.SafeLoader):
+        yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
         def construct_mapping(self, node, deep=False):  # a key given twice: refused, not the last one kept
             keys = [self.construct_object(k, deep=deep) for k, _ in node.value
                     if k.tag != "tag:yaml.org,2002:merge"]  # `<<` merges, and a key may override what it merged
@@ -382,6 +384,10 @@ def _yaml(text: str, p: Path) -> Any:
                     raise yaml.constructor.ConstructorError(None, None, f"key {k!r} is given twice", node.start_mark)
             return super().construct_mapping(node, deep=deep)
 
+    # YAML 1.2's (and JSON's) 1e3 is a float; YAML 1.1's resolver, PyYAML's, wants a dot and read it as the string
+    # "1e3", which the config then refused as not a float
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789"))
     try:
         return yaml.load(text, Loader=Loader)  # noqa: S506  (a SafeLoader subclass)
     except yaml.YAMLError as e:

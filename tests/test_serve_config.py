@@ -287,3 +287,14 @@ def test_paths_sent_to_a_ray_actor_are_absolute(tmp_path, monkeypatch):
     assert out.target == str(tmp_path / "pair/target") and out.draft == str(tmp_path / "pair/drafter")
     assert out.bridge_disk_dir == str(tmp_path / "disk") and out.tls_cert is None and out.draft_token_map is None
     assert out.with_absolute_paths() == out and out.mode == "ray"
+
+
+def test_yaml_reads_an_exponent_without_a_dot_as_json_does(tmp_path):
+    """YAML 1.1 (PyYAML) read 1e3 as the string "1e3", refused as not a float, where JSON's 1e3 is 1000.0."""
+    (tmp_path / "c.yaml").write_text("target: t\nprefill_timeout_s: 1e3\nstall_s: -2.5E+2\n")
+    with pytest.raises(ValueError, match="stall_s: must be in"):  # parsed as a number: the range check speaks
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "c.yaml").write_text("target: t\nprefill_timeout_s: 1e3\nserved_model_name: 1e3x\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.prefill_timeout_s == 1000.0 and cfg.served_model_name == "1e3x"
+    assert yaml.safe_load("a: 1e3") == {"a": "1e3"}  # PyYAML's own loader is left as it is

@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 # one prompt per padded prefill width (64 .. 1,024 tokens) and block-table bucket, plus a long one; and short ones:
 # a prompt of at most 32 tokens replays a graph of its own width (runner._graph_width), and triton compiles a kernel
-# again for a size that is not a multiple of 16 (or a view's address not 16-byte aligned: an odd width), so 16 alone
-# left the first 12-token prompt on a GPU 13 s of compiles inside its TTFT
+# again for a size that is not a multiple of 16 (or a view's address not 16-byte aligned: an odd width), so with 16
+# alone the first 12-token prompt on a GPU compiled inside its TTFT (docs/results.md, forty-third session)
 SHORT_LENGTHS = (12, 13, 16)
 DEFAULT_LENGTHS = (*SHORT_LENGTHS, 100, 200, 400, 900, 2000)
 BUCKET_PROMPT = 16  # tokens of each prompt of the batch-bucket pass (one prefill width, one block-table bucket)

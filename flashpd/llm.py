@@ -51,7 +51,7 @@ class LLM:
         # speculative_token_map (SGLang's spelling): a file of hot ids, the draft's vocabulary (engine/token_map.py);
         # speculative_quantization (vLLM's speculative_config "quantization"): "fp8" draft weights;
         # warmup: compile and capture before the first request (None: on a GPU, where that takes a minute on a cold
-        # cache and otherwise lands inside the first request's TTFT, 71 s for the demo pair on an H200)
+        # cache and otherwise lands inside the first request's TTFT: docs/results.md)
         e = load_engine(target, draft, device, dtype, kv_cache_tokens, method=method, draft_width=block_size,
                         kv_block_size=kv_block_size, token_map=speculative_token_map,
                         draft_quantization=speculative_quantization)

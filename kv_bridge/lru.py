@@ -110,7 +110,7 @@ class ChainLRU(Generic[V]):
         value = n.value
         # a node lies in reference cycles (its neighbours, its run's head or root): unlinked but still pointing
         # into them, an evicted node and its value (a chunk's bytes, a device chunk's tensors) waited for a full
-        # garbage collection, which a serving process rarely runs (a bridge grew 1.5 GB over a 16 MB budget)
+        # garbage collection, which a serving process rarely runs (a bridge grew far past its byte budget)
         n.prev = n.next = n.run = n.value = None
         return value
 

@@ -314,8 +314,8 @@ class _Payload:
 @pytest.mark.parametrize("seed", range(3))
 def test_an_evicted_or_dropped_value_is_freed_without_a_garbage_collection(seed):
     """Nodes lie in reference cycles (neighbours, runs): an evicted one that kept pointing into them held its value
-    until a full collection, which a serving process rarely runs (a bridge's memory tier grew 1.5 GB over its
-    16 MB budget). With the collector off, each value must die once the index and the caller let it go."""
+    until a full collection, which a serving process rarely runs (a bridge's memory tier grew far past its
+    budget). With the collector off, each value must die once the index and the caller let it go."""
     import gc
     import weakref
 

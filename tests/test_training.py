@@ -81,6 +81,31 @@ def test_training_forward_is_the_inference_draft_pass(trained):
     assert_fp32_close(train_logits, infer_logits)
 
 
+def test_training_logits_take_the_drafters_output_scale_and_soft_cap(trained):
+    """A drafter config with an output multiplier and a soft cap (z-lab's fields): the draft pass applies them, so
+    training must too (it returned the head's raw logits: a fine-tuned drafter learnt other logits than it drafts)."""
+    import dataclasses
+
+    target, drafter, _, _, data, _ = trained
+    seq, a = data[0], len(data[0]) - 10
+    old = drafter.cfg
+    drafter.cfg = dataclasses.replace(old, output_multiplier=0.5, final_logit_softcapping=3.0)
+    try:
+        with torch.no_grad():
+            train_logits = block_logits(drafter, target, torch.tensor([seq]), torch.tensor([[a]]))[0, 0]
+        runner = ModelRunner(target, 64, 16, taps=tuple(drafter.cfg.target_layer_ids))
+        gen = DFlashGenerator(runner, drafter, (), 8)
+        s = gen.new_sequences([seq[:a]], [SamplingParams(max_tokens=4, ignore_eos=True)])[0]
+        runner.allocator.ensure(s.table, a + 8)
+        gen.drafts.write_prompt([s], gen.prefill([s], taps=True))
+        s.output = [seq[a]]
+        infer_logits = gen.drafts.draft([s], [8])[0]
+    finally:
+        drafter.cfg = old
+    assert infer_logits.abs().max() <= 3.0  # the cap is in force at inference
+    assert_fp32_close(train_logits, infer_logits)
+
+
 def test_resume_continues_from_the_saved_step(trained, tmp_path):
     target, _, out, prompts, data, _ = trained
     state = torch.load(out / "trainer_state.pt")
@@ -89,6 +114,35 @@ def test_resume_continues_from_the_saved_step(trained, tmp_path):
     tc = DrafterTrainConfig(layers=1, block_size=8, num_taps=2, steps=45, seqs_per_step=4, anchors=16, lr=3e-3)
     train_drafter(target, data, [len(p) for p in prompts], out, tc, resume=True, log=logs.append)
     assert logs[0] == "resuming from step 40" and torch.load(out / "trainer_state.pt")["step"] == 45
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(trained, tmp_path, monkeypatch):
+    """Resuming reseeded the data and anchor draws from the step, so a run stopped after a checkpoint and resumed
+    trained on other draws than the same run left alone; they are now restored from the checkpoint."""
+    import flashpd.training.train_drafter as td
+
+    target, _, _, prompts, data, _ = trained
+    lens = [len(p) for p in prompts]
+    tc = DrafterTrainConfig(layers=1, block_size=8, num_taps=2, steps=4, seqs_per_step=3, anchors=8, lr=3e-3,
+                            save_every=2)
+    whole = train_drafter(target, data, lens, tmp_path / "whole", tc, log=lambda m: None)
+    save = td.save_checkpoint
+
+    class Stop(Exception):
+        pass
+
+    def save_then_stop(*a, **kw):
+        save(*a, **kw)
+        raise Stop
+
+    monkeypatch.setattr(td, "save_checkpoint", save_then_stop)
+    with pytest.raises(Stop):
+        train_drafter(target, data, lens, tmp_path / "cut", tc, log=lambda m: None)
+    monkeypatch.setattr(td, "save_checkpoint", save)
+    assert torch.load(tmp_path / "cut" / "trainer_state.pt")["step"] == 2
+    resumed = train_drafter(target, data, lens, tmp_path / "cut", tc, resume=True, log=lambda m: None)
+    for (name, a), (_, b) in zip(whole.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_exports_load_in_transformers_and_the_reference_drafter(trained, tmp_path):

@@ -332,7 +332,14 @@ def block_logits(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.T
     if order is not None:  # back to the caller's block order
         h = h.gather(1, order.argsort(dim=1)[:, :, None, None].expand_as(h))
     h = rms_norm(h[:, :, 1:], drafter.norm, c.rms_norm_eps)
-    return target.logits(h)
+    logits = target.logits(h)
+    # the drafter's own output scale and soft cap, as its draft pass applies them (engine/drafter.block_head): a
+    # z-lab drafter that sets them was fine-tuned on other logits than it drafts from
+    if c.output_multiplier != 1.0:
+        logits = logits * c.output_multiplier
+    if c.final_logit_softcapping:
+        logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+    return logits
 
 
 def block_loss(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Tensor, lengths: torch.Tensor,
@@ -402,6 +409,9 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
         opt.load_state_dict(state["optimizer"])
     gen = torch.Generator(device=dev).manual_seed(tc.seed + start)
     pick = torch.Generator().manual_seed(tc.seed + 1 + start)
+    if state is not None and "rng" in state:  # where the interrupted run's draws stood: it goes on as if never stopped
+        gen.set_state(state["rng"]["anchors"].cpu())
+        pick.set_state(state["rng"]["pick"].cpu())
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.startswith("cuda") else torch.autocast("cpu", enabled=False)
     t0 = time.perf_counter()
     t_f = time.perf_counter()
@@ -431,16 +441,17 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
             steps.set_postfix(loss=f"{losses[-1]:.3f}")
             log(f"drafter step {step} loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)")
         if (step + 1) % tc.save_every == 0 or step == tc.steps - 1:
-            save_checkpoint(drafter, opt, step + 1, out, tc, losses)
+            save_checkpoint(drafter, opt, step + 1, out, tc, losses, rng={"anchors": gen.get_state(),
+                                                                            "pick": pick.get_state()})
     steps.close()
     return drafter.eval().requires_grad_(False)
 
 
 def save_checkpoint(drafter: DFlashDrafter, opt: torch.optim.Optimizer, step: int, out: Path,
-                    tc: DrafterTrainConfig, losses: list[float]) -> None:
+                    tc: DrafterTrainConfig, losses: list[float], rng: dict | None = None) -> None:
     save_drafter(drafter, out)
-    write_model_file(out / "trainer_state.pt",
-                     lambda tmp: torch.save({"step": step, "optimizer": opt.state_dict()}, tmp))
+    state = {"step": step, "optimizer": opt.state_dict(), **({"rng": rng} if rng is not None else {})}
+    write_model_file(out / "trainer_state.pt", lambda tmp: torch.save(state, tmp))
     write_model_json(out / "train_config.json", {**asdict(tc), "last_step": step, "last_losses": losses[-20:]},
                      indent=2)
 

@@ -151,6 +151,13 @@ class ServeProcess:
             lines.put(None)
 
         threading.Thread(target=pump, daemon=True).start()
+        try:
+            self._wait_listening(lines, start_timeout_s, cfg)
+        except BaseException:  # a SIGTERM or Ctrl-C during the start (model load, warm-up) stops the child too
+            self.stop()
+            raise
+
+    def _wait_listening(self, lines: "queue.Queue[str | None]", start_timeout_s: float, cfg: ServeConfig) -> None:
         deadline = time.monotonic() + start_timeout_s
         self.address, self.http_address = None, None
         while self.address is None:
@@ -283,7 +290,9 @@ def sweep(a: argparse.Namespace) -> dict:
         """A serving knob as the JSON records it: the running service's own, or the one this sweep starts with."""
         if a.address:
             return service.get(name, UNKNOWN) if service else UNKNOWN
-        return getattr(_cfg(a, "colocated"), name)
+        return getattr(_cfg(a, modes[0]), name)
+
+    disagg = _cfg(a, "disaggregated") if "disaggregated" in modes else None
 
     with tempfile.TemporaryDirectory(prefix="flashpd-sweep-") as tmp:
         for mode in modes:
@@ -330,11 +339,12 @@ def sweep(a: argparse.Namespace) -> dict:
             "settings": {"target": a.target, "draft": a.draft, "modes": modes, "methods": methods,
                          "concurrency": levels, "requests": counts, "warmup": warm, "max_tokens": a.max_tokens,
                          "prompt_tokens": a.prompt_tokens, "long_every": a.long_every,
-                         "long_prompt_tokens": a.long_prompt_tokens, "launcher": a.launcher, "device": a.device,
-                         "dtype": a.dtype, "prefill_workers": a.prefill_workers,
+                         "long_prompt_tokens": a.long_prompt_tokens, "launcher": a.launcher,
+                         "device": knob("device"), "dtype": knob("dtype"), "prefill_workers": a.prefill_workers,
                          "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens,
-                         "bridge_transport": _cfg(a, "disaggregated").bridge_transport,
-                         "kv_transport": _cfg(a, "disaggregated").kv_transport, "apis": apis,
+                         # the disaggregated mode's own, where it ran (a colocated-only config may not suit it)
+                         "bridge_transport": disagg.bridge_transport if disagg else None,
+                         "kv_transport": disagg.kv_transport if disagg else None, "apis": apis,
                          "max_running": knob("max_running"),
                          "gil_switch_interval_s": knob("gil_switch_interval_s"),
                          "session_hold_fraction": knob("session_hold_fraction"),

@@ -366,6 +366,11 @@ def serve_config(a: argparse.Namespace, name: str):
             base[k] = getattr(a, k)
     base.update(chunk_tokens=a.chunk_tokens, max_running=a.max_running, port=0, metrics_port=None, http_port=None)
     base.update(CONFIGS[name])
+    from flashpd.bench.job_sweep import MODE_ONLY  # noqa: PLC0415
+
+    for k, only in MODE_ONLY.items():  # keys one mode alone takes (refused in the others): a base for every config
+        if k in base and base.get("mode", "colocated") != only:
+            base.pop(k)
     return ServeConfig.from_dict(base, f"pd_benefit {name}")
 
 

@@ -307,17 +307,22 @@ class EngineProcess:
         h.tag = rid
         fut: Future = Future()
         with self._lock:
-            if not self.alive:
-                raise EngineStopped("engine process is not running") from self._dead
-            self._taken[rid] = fut
-            self._live[rid] = (h, [0])
+            alive = self.alive
+            if alive:
+                self._taken[rid] = fut
+                self._live[rid] = (h, [0])
+        if not alive:
+            self._ended(method, {}, 0, "error")
+            raise EngineStopped("engine process is not running") from self._dead
         end = time.monotonic() + timeout_s
         try:
             self._send(("submit", rid, h.prompt, params, method, draft_width, first_token), wait_s=timeout_s)
         except BaseException:  # not queued (stopped, no room in time, does not pickle): nothing of it stays named
             with self._lock:
                 self._taken.pop(rid, None)
-                self._live.pop(rid, None)
+                entry = self._live.pop(rid, None)
+            if entry is not None:  # (_gone may have ended it meanwhile, counted there)
+                self._ended(method, {}, 0, "error")
             raise
         try:
             fut.result(timeout=max(0.0, end - time.monotonic()))
@@ -482,6 +487,14 @@ class EngineProcess:
         finally:
             self._gone()
 
+    def _ended(self, method: str, stats: dict, tokens: int, outcome: str) -> None:
+        """One request's end to the on_done hook (the served metrics), each request once."""
+        if self.on_done is not None:
+            try:
+                self.on_done(method, stats, tokens, outcome)
+            except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
+                log.exception("on_done hook failed")
+
     def _on_taken(self, rid: int, refusal: BaseException | None) -> None:
         """The engine took the request, or refused it. A refused request gets no events, so it is no longer live
         here whether or not its submitter still waits (one that timed out does not, and would leave it named)."""
@@ -490,11 +503,8 @@ class EngineProcess:
             fut = self._taken.pop(rid, None)
             if refusal is not None:
                 entry = self._live.pop(rid, None)
-        if entry is not None and self.on_done is not None:  # counted as the router counts a refusal
-            try:
-                self.on_done(entry[0].method, {}, 0, "error")
-            except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
-                log.exception("on_done hook failed")
+        if entry is not None:  # counted as the router counts a refusal
+            self._ended(entry[0].method, {}, 0, "error")
         if fut is not None:
             fut.set_exception(refusal) if refusal is not None else fut.set_result(None)
 
@@ -507,11 +517,8 @@ class EngineProcess:
             h, n = entry
             if kind == "tokens":
                 n[0] += len(tokens)
-            elif kind in FINAL and self.on_done is not None:
-                try:
-                    self.on_done(h.method, stats or {}, n[0], OUTCOMES[kind])
-                except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
-                    log.exception("on_done hook failed")
+            elif kind in FINAL:
+                self._ended(h.method, stats or {}, n[0], OUTCOMES[kind])
             h.events.put(Event(kind, tokens=tokens, finish_reason=finish_reason, stats=stats, error=error))
 
     def _gone(self) -> None:
@@ -527,7 +534,8 @@ class EngineProcess:
             live, self._live = self._live, {}
         for fut in [*taken.values(), *asks.values()]:
             fut.set_exception(err)
-        for h, _ in live.values():
+        for h, n in live.values():
+            self._ended(h.method, {}, n[0], "error")
             h.events.put(Event("error", error=err))
 
 

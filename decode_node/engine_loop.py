@@ -405,6 +405,7 @@ class EngineLoop:
         for h, fut in inbox:
             self.release_handoff(h.handoff)
             if fut.set_running_or_notify_cancel():
+                self._aborted(h, "error")
                 fut.set_exception(err)
         try:  # stop_all drops a device session that cannot end (one cancel at a time kept its blocks then)
             res = self.scheduler.stop_all([h.request for h in self._live.values()])

@@ -17,6 +17,7 @@ from flashpd.engine.factory import load_engine
 from flashpd.engine import scheduler
 from flashpd.engine.sampling import SamplingParams
 from flashpd.engine.sequence import RequestStats
+from flashpd.engine.kv_cache import blocks_needed
 from flashpd.engine.warmup import SHORT_LENGTHS, lengths_for, random_prompts
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,11 @@ class LLM:
         Returns its seconds."""
         t0 = time.perf_counter()
         n = 2 * (self.block_size or 1) + 2
-        prompts = random_prompts(lengths_for(self.runner.max_positions, n, WARM_LENGTHS), self.model.cfg.vocab_size)
+        room, bs = self.runner.allocator.num_free, self.runner.kv_block_size
+        # a prompt whose worst case does not fit a small KV cache is skipped, as the workers' warm-up skips it
+        lengths = [t for t in lengths_for(self.runner.max_positions, n, WARM_LENGTHS)
+                   if blocks_needed(t, n, self.block_size or 1, bs) + 1 <= room]
+        prompts = random_prompts(lengths, self.model.cfg.vocab_size)
         log.info("warming up on %s: compiling kernels and capturing CUDA graphs (a minute or more on a cold cache, "
                  "seconds once cached)", self.device)
         for kw in ({}, dict(temperature=1.0, seed=0), dict(temperature=1.0, top_p=0.9, seed=0)):

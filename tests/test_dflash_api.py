@@ -171,6 +171,10 @@ def test_llm_warmup_leaves_the_engine_as_it_was(dflash_pair, llm, caplog):
     assert warm.runner.allocator.num_free == warm.runner.allocator.num_blocks - 1  # (block 0: scratch)
     out = warm.generate(pair.prompts[2], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     assert (out.token_ids, out.stats.acceptance_lengths) == reference_generate(pair, pair.prompts[2], 30, 4)
+    # a KV cache too small for the warm-up's longer prompts: those are skipped, not a failed construction
+    small = LLM(target=pair.target_dir, draft=pair.draft_dir, block_size=4, device="cpu", dtype="float32",
+                kv_cache_tokens=96, warmup=True)
+    assert small.runner.allocator.num_free == small.runner.allocator.num_blocks - 1
 
 
 def test_llm_native_has_no_acceptance(dflash_pair, dflash_engine):

@@ -130,8 +130,12 @@ def test_the_engines_refusal_and_a_cancel_cross_the_process(split):
     assert first.token_ids
     it.close()
     _idle(client)
-    # the refusal and the cancel are counted in the served metrics, as the router counts them (they were not)
-    text = svc.metrics.exposition()
+    # the refusal and the cancel are counted in the served metrics, as the router counts them (they were not); the
+    # cancel's event may still be on its way when the blocks are back
+    text, t0 = "", time.monotonic()
+    while 'outcome="cancelled"' not in text and time.monotonic() < t0 + WAIT_S:
+        text = svc.metrics.exposition()
+        time.sleep(0.05)
     assert 'flashpd_requests_total{method="native",outcome="error",role="colocated"} 1.0' in text, text
     assert 'flashpd_requests_total{method="dflash",outcome="cancelled",role="colocated"} 1.0' in text, text
     # nothing is left named on either side of the pipe (refused, cancelled and finished requests alike)
@@ -156,6 +160,11 @@ def test_a_dead_engine_ends_its_streams_and_refuses_new_ones():
         assert not svc.alive
         with pytest.raises(GenerationUnavailable):
             client.generate_once(PROMPTS[0], max_tokens=4, method="native")
+        # the stream the death ended is counted as failed in the served metrics; a refusal after it, if it reached
+        # the engine's front at all, too
+        text = svc.metrics.exposition()
+        assert any(ln.startswith('flashpd_requests_total{method="native",outcome="error",role="colocated"}')
+                   for ln in text.splitlines()), text
     finally:
         client.close()
         t0 = time.monotonic()

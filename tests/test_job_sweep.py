@@ -338,3 +338,37 @@ def test_sigterm_unwinds_the_sweep_so_it_stops_its_service(tmp_path):
     finally:
         p.kill()
     assert marker.read_text() == "stopped"
+
+
+def test_a_colocated_only_sweep_records_its_settings_with_a_cuda_n_device(monkeypatch, tmp_path):
+    """The settings read the disaggregated mode's config even for a colocated-only sweep: a config fit for colocated
+    alone (device cuda:1, refused for workers) failed there, after the whole sweep ran, and no JSON was written."""
+    js, cfgs, _, target = _fake_service(monkeypatch, tmp_path)
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"target": target, "device": "cuda:1", "dtype": "float32"}))
+    a = js.parse_args(["--out", str(tmp_path / "s.json"), "--modes", "colocated", "--concurrency", "1",
+                       "--requests", "2", "--warmup", "0", "--max-tokens", "2", "--prompt-tokens", "6",
+                       "--config", str(base)])
+    d = js.sweep(a)
+    assert cfgs[0].device == "cuda:1"
+    assert d["settings"]["device"] == "cuda:1" and d["settings"]["dtype"] == "float32"  # the config's, not None
+    assert d["settings"]["bridge_transport"] is None
+
+
+def test_an_interrupted_start_stops_the_serve_child(tmp_path, monkeypatch):
+    """A SIGTERM (or Ctrl-C) while `flashpd serve` loads left the child running: the start was outside the
+    sweep's try/finally."""
+    from flashpd.bench import job_sweep as js
+    from flashpd.cluster.config import ServeConfig
+
+    started = []
+
+    def interrupted(self, lines, timeout_s, cfg):
+        started.append(self.proc)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(js.ServeProcess, "_wait_listening", interrupted)
+    cfg = ServeConfig(target=str(REPO / "flashpd" / "assets" / "demo_pair" / "target"), device="cpu", port=0)
+    with pytest.raises(KeyboardInterrupt):
+        js.ServeProcess(cfg, tmp_path, 60.0)
+    assert started and started[0].poll() is not None, "the serve child is still running"

@@ -343,8 +343,10 @@ def sweep(a: argparse.Namespace) -> dict:
                          "device": knob("device"), "dtype": knob("dtype"), "prefill_workers": a.prefill_workers,
                          "decode_workers": a.decode_workers, "chunk_tokens": a.chunk_tokens,
                          # the disaggregated mode's own, where it ran (a colocated-only config may not suit it)
-                         "bridge_transport": disagg.bridge_transport if disagg else None,
-                         "kv_transport": disagg.kv_transport if disagg else None, "apis": apis,
+                         "bridge_transport": knob("bridge_transport") if a.address else
+                         disagg.bridge_transport if disagg else None,
+                         "kv_transport": knob("kv_transport") if a.address else disagg.kv_transport if disagg else None,
+                         "apis": apis,
                          "max_running": knob("max_running"),
                          "gil_switch_interval_s": knob("gil_switch_interval_s"),
                          "session_hold_fraction": knob("session_hold_fraction"),

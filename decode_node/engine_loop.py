@@ -235,10 +235,13 @@ class EngineLoop:
         h.tag = tag
         fut: Future = Future()
         with self._cv:
-            if not self.alive:
-                raise EngineStopped("engine loop is not running") from self._error
-            self._inbox.append((h, fut))
-            self._cv.notify()
+            alive = self.alive
+            if alive:
+                self._inbox.append((h, fut))
+                self._cv.notify()
+        if not alive:
+            self._aborted(h, "error")  # counted as the engine process's front counts it
+            raise EngineStopped("engine loop is not running") from self._error
         return h, fut
 
     def release_handoff(self, handoff) -> None:

@@ -140,9 +140,18 @@ def test_a_resumed_run_equals_the_uninterrupted_one(trained, tmp_path, monkeypat
         train_drafter(target, data, lens, tmp_path / "cut", tc, log=lambda m: None)
     monkeypatch.setattr(td, "save_checkpoint", save)
     assert torch.load(tmp_path / "cut" / "trainer_state.pt")["step"] == 2
+    state_file = tmp_path / "cut" / "trainer_state.pt"
+    saved = torch.load(state_file)
     resumed = train_drafter(target, data, lens, tmp_path / "cut", tc, resume=True, log=lambda m: None)
     for (name, a), (_, b) in zip(whole.named_parameters(), resumed.named_parameters()):
         assert torch.equal(a, b), name
+    # a checkpoint from a GPU run resumed on the CPU: a CUDA generator's state does not fit a CPU one (set_state
+    # raised); the anchors are drawn afresh, said in the log
+    saved["step"], saved["rng"]["device"], saved["rng"]["anchors"] = 2, "cuda", torch.zeros(16, dtype=torch.uint8)
+    torch.save(saved, state_file)
+    logs: list[str] = []
+    train_drafter(target, data, lens, tmp_path / "cut", tc, resume=True, log=logs.append)
+    assert any("anchors drawn afresh" in m for m in logs), logs
 
 
 def test_exports_load_in_transformers_and_the_reference_drafter(trained, tmp_path):

@@ -410,8 +410,12 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
     gen = torch.Generator(device=dev).manual_seed(tc.seed + start)
     pick = torch.Generator().manual_seed(tc.seed + 1 + start)
     if state is not None and "rng" in state:  # where the interrupted run's draws stood: it goes on as if never stopped
-        gen.set_state(state["rng"]["anchors"].cpu())
         pick.set_state(state["rng"]["pick"].cpu())
+        if state["rng"].get("device") == torch.device(dev).type:
+            gen.set_state(state["rng"]["anchors"].cpu())
+        else:  # a CUDA generator's state does not fit a CPU one (or back): those draws start from the seed
+            log(f"resuming on {torch.device(dev).type}, the checkpoint's anchor draws were on "
+                f"{state['rng'].get('device')}: anchors drawn afresh from the seed")
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.startswith("cuda") else torch.autocast("cpu", enabled=False)
     t0 = time.perf_counter()
     t_f = time.perf_counter()
@@ -441,8 +445,8 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
             steps.set_postfix(loss=f"{losses[-1]:.3f}")
             log(f"drafter step {step} loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)")
         if (step + 1) % tc.save_every == 0 or step == tc.steps - 1:
-            save_checkpoint(drafter, opt, step + 1, out, tc, losses, rng={"anchors": gen.get_state(),
-                                                                            "pick": pick.get_state()})
+            save_checkpoint(drafter, opt, step + 1, out, tc, losses, rng={
+                "anchors": gen.get_state(), "pick": pick.get_state(), "device": torch.device(dev).type})
     steps.close()
     return drafter.eval().requires_grad_(False)
 

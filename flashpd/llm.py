@@ -67,9 +67,9 @@ class LLM:
     @torch.inference_mode()
     def _warm(self) -> float:
         """Throwaway requests through the engine's one driver, as a worker's warm-up (engine/warmup.py) at batch 1:
-        a short and a longer random prompt, greedy, sampled and top-p (the device step's three graphs), long enough
-        for DFlash's verify and draft. Other shapes (other prompt widths, batches) still compile when first met.
-        Returns its seconds."""
+        short random prompts and a longer one (WARM_LENGTHS; those a small KV cache cannot hold are skipped), greedy,
+        sampled and top-p (the device step's three graphs), long enough for DFlash's verify and draft. Other shapes
+        (other prompt widths, batches) still compile when first met. Returns its seconds."""
         t0 = time.perf_counter()
         n = 2 * (self.block_size or 1) + 2
         room, bs = self.runner.allocator.num_free, self.runner.kv_block_size

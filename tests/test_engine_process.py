@@ -645,3 +645,20 @@ def test_the_in_process_form_counts_refusals_and_cancels_too():
     finally:
         client.close()
         svc.stop()
+
+
+def test_a_stopped_engine_loop_counts_the_request_it_refuses():
+    """A request submitted to a stopped loop is refused (EngineStopped) and counted as an error, as the engine
+    process's front counts one to a dead engine: it was counted nowhere."""
+    from flashpd.decode_node.engine_loop import EngineLoop, EngineStopped  # noqa: PLC0415
+    from flashpd.decode_node.scheduler import Scheduler  # noqa: PLC0415
+    from flashpd.engine.factory import load_engine  # noqa: PLC0415
+    from flashpd.engine.sampling import SamplingParams  # noqa: PLC0415
+
+    llm = load_engine(str(DEMO / "target"), None, device="cpu", dtype="float32", kv_cache_tokens=1024)
+    ended: list[tuple] = []
+    loop = EngineLoop(Scheduler(llm.runner, None, tuple(llm.stop_ids)), on_abort=lambda *a: ended.append(a))
+    loop.stop()
+    with pytest.raises(EngineStopped):
+        loop.submit(PROMPTS[0], SamplingParams(max_tokens=4), "native")
+    assert ended == [("native", "error", 0)]

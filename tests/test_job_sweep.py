@@ -372,3 +372,17 @@ def test_an_interrupted_start_stops_the_serve_child(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         js.ServeProcess(cfg, tmp_path, 60.0)
     assert started and started[0].poll() is not None, "the serve child is still running"
+
+
+def test_a_sweep_of_a_running_service_records_its_transports(monkeypatch, tmp_path):
+    """--address: the settings record the running service's own knobs, its KV transports too (they were None)."""
+    js, _, _, target = _fake_service(monkeypatch, tmp_path)
+    reported = {"mode": "local", "bridge_transport": "arena", "kv_transport": "device", "device": "cuda",
+                "dtype": "bfloat16", "max_running": 64}
+    monkeypatch.setattr(js, "service_settings", lambda address, timeout_s: reported)
+    a = js.parse_args(["--out", str(tmp_path / "s.json"), "--address", "127.0.0.1:1", "--target", target,
+                       "--concurrency", "1", "--requests", "2", "--warmup", "0", "--max-tokens", "2",
+                       "--prompt-tokens", "6"])
+    s = js.sweep(a)["settings"]
+    assert (s["bridge_transport"], s["kv_transport"], s["device"], s["dtype"]) == ("arena", "device", "cuda",
+                                                                                   "bfloat16")

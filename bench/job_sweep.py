@@ -286,11 +286,13 @@ def sweep(a: argparse.Namespace) -> dict:
     if a.address:
         log.info("service at %s: %s", a.address, json.dumps(service, sort_keys=True) if service else UNKNOWN)
 
+    first = None if a.address else _cfg(a, modes[0])  # the config the sweep's first service starts with
+
     def knob(name: str):
         """A serving knob as the JSON records it: the running service's own, or the one this sweep starts with."""
         if a.address:
             return service.get(name, UNKNOWN) if service else UNKNOWN
-        return getattr(_cfg(a, modes[0]), name)
+        return getattr(first, name)
 
     disagg = _cfg(a, "disaggregated") if "disaggregated" in modes else None
 

@@ -236,9 +236,8 @@ class DFlashDrafter(nn.Module):
         widens each tile back before its multiply, so drafts change only by the weights' rounding; the target
         verifies every draft, so greedy output does not change at all and sampled output keeps its distribution
         (a seeded sampled request's tokens follow its drafts: sampling.py). The bf16 weights stay for the batched
-        passes;
-        fc's context writes take the fp8 values at every size (fc_weight says why; its widened copy is fc's size
-        again). vLLM's speculative_config "quantization"."""
+        passes; fc's context writes take the fp8 values at every size (fc_weight says why; its widened copy is
+        fc's size again). vLLM's speculative_config "quantization"."""
         if quantization not in self.QUANTIZATIONS:
             raise ValueError(f"draft quantization must be one of {list(self.QUANTIZATIONS)}, got {quantization!r}")
         self.quantization = quantization
@@ -413,7 +412,11 @@ def block_head(x: torch.Tensor, w_head: Weight, multiplier: float, softcap: floa
     b, t, h = x.shape
     # one [B*(T-1), H] matrix, not a strided [B, T-1, H] view: F.linear takes a view it cannot flatten as a
     # batched matmul that reads the whole head once per row (docs/results.md, 2026-12-04)
-    logits = linear(x[:, 1:].reshape(b * (t - 1), h), w_head).view(b, t - 1, -1)
+    return scale_logits(linear(x[:, 1:].reshape(b * (t - 1), h), w_head).view(b, t - 1, -1), multiplier, softcap)
+
+
+def scale_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
+    """The drafter config's output multiplier, then its soft cap, on head logits (the draft pass and training)."""
     if multiplier != 1.0:
         logits = logits * multiplier
     if softcap:

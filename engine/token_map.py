@@ -91,6 +91,5 @@ def build_token_map(counts: torch.Tensor, size: int, always: Iterable[int] = ())
 def save_token_map(ids: torch.Tensor, path: str | Path) -> None:
     """Write ids as a JSON list (readable, diffable; load_token_map also reads torch files), atomically
     (export.write_model_file): a write cut short leaves the old file or none, never half a map."""
-    from flashpd.engine.export import write_model_file  # noqa: PLC0415 (the model stack, only when writing)
-    text = json.dumps([int(i) for i in ids]) + "\n"
-    write_model_file(path, lambda tmp: tmp.write_text(text))
+    from flashpd.engine.export import write_model_json  # noqa: PLC0415 (the model stack, only when writing)
+    write_model_json(path, [int(i) for i in ids])

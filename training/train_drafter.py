@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flashpd.engine.attention import group_mask
 from flashpd.engine.drafter import DFlashConfig, DFlashDrafter, context_kv_all, default_target_layer_ids, \
-    draft_layer, draft_qkv, dummy_drafter, load_drafter
+    draft_layer, draft_qkv, dummy_drafter, load_drafter, scale_logits
 from flashpd.engine.export import save_drafter, write_model_file, write_model_json
 from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.layers import rms_norm
@@ -332,14 +332,9 @@ def block_logits(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.T
     if order is not None:  # back to the caller's block order
         h = h.gather(1, order.argsort(dim=1)[:, :, None, None].expand_as(h))
     h = rms_norm(h[:, :, 1:], drafter.norm, c.rms_norm_eps)
-    logits = target.logits(h)
-    # the drafter's own output scale and soft cap, as its draft pass applies them (engine/drafter.block_head): a
-    # z-lab drafter that sets them was fine-tuned on other logits than it drafts from
-    if c.output_multiplier != 1.0:
-        logits = logits * c.output_multiplier
-    if c.final_logit_softcapping:
-        logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
-    return logits
+    # the drafter's own output scale and soft cap, as its draft pass applies them (drafter.block_head): a z-lab
+    # drafter that sets them was fine-tuned on other logits than it drafts from
+    return scale_logits(target.logits(h), c.output_multiplier, c.final_logit_softcapping)
 
 
 def block_loss(drafter: DFlashDrafter, target: Qwen3ForCausalLM, seqs: torch.Tensor, lengths: torch.Tensor,

@@ -61,10 +61,12 @@ def _out_dir(out_dir: str | Path) -> Path:
     return out
 
 
-def _save(sd: dict[str, torch.Tensor], out: Path, dtype: torch.dtype | None) -> None:
+def _save(sd: dict[str, torch.Tensor], out: Path, dtype: torch.dtype | None,
+          metadata: dict[str, str] | None = None) -> None:
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
-    write_model_file(out / "model.safetensors", lambda tmp: save_file(sd, str(tmp), metadata={"format": "pt"}))
+    meta = {**(metadata or {}), "format": "pt"}
+    write_model_file(out / "model.safetensors", lambda tmp: save_file(sd, str(tmp), metadata=meta))
 
 
 def hf_config_dict(model: Qwen3ForCausalLM, dtype: str = "float32") -> dict:
@@ -102,12 +104,14 @@ def drafter_config_dict(d: DFlashDrafter, vocab_size: int, dtype: str) -> dict:
             "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)}}
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """z-lab format: config.json (block_size, num_target_layers, dflash_config) + model.safetensors."""
+def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None,
+                 metadata: dict[str, str] | None = None) -> Path:
+    """z-lab format: config.json (block_size, num_target_layers, dflash_config) + model.safetensors.
+    metadata: extra string entries of the safetensors header (training tags its checkpoints' saves)."""
     out = _out_dir(out_dir)
     sd = slices_state_dict(draft_slices(drafter))
     name = _dtype_name(next(iter(sd.values())).to(dtype) if dtype else next(iter(sd.values())))
     cfg = drafter_config_dict(drafter, drafter.target.cfg.vocab_size, name)
-    _save(sd, out, dtype)  # the weights before the config (save_target's reason)
+    _save(sd, out, dtype, metadata)  # the weights before the config (save_target's reason)
     write_model_json(out / "config.json", cfg, indent=2)
     return out

@@ -141,10 +141,10 @@ def test_a_resumed_run_equals_the_uninterrupted_one(trained, tmp_path, monkeypat
     monkeypatch.setattr(td, "save_checkpoint", save)
     assert torch.load(tmp_path / "cut" / "trainer_state.pt")["step"] == 2
     state_file = tmp_path / "cut" / "trainer_state.pt"
-    saved = torch.load(state_file)
     resumed = train_drafter(target, data, lens, tmp_path / "cut", tc, resume=True, log=lambda m: None)
     for (name, a), (_, b) in zip(whole.named_parameters(), resumed.named_parameters()):
         assert torch.equal(a, b), name
+    saved = torch.load(state_file)  # the last save's (its weights' save id)
     # a checkpoint from a GPU run resumed on the CPU: a CUDA generator's state does not fit a CPU one (set_state
     # raised); the anchors are drawn afresh, said in the log
     saved["step"], saved["rng"]["device"], saved["rng"]["anchors"] = 2, "cuda", torch.zeros(16, dtype=torch.uint8)
@@ -584,3 +584,24 @@ def test_target_training_refuses_text_shorter_than_a_window_before_any_step():
     with pytest.raises(ValueError, match="validation text has 40 tokens"):
         train_target(cfg, torch.arange(400) % 64, steps=1, batch=2, seq_len=64, lr=1e-3, device="cpu",
                      val_stream=short)
+
+
+def test_resume_refuses_weights_and_state_of_two_saves(trained, tmp_path):
+    """A save cut short between its files left step N's weights beside an earlier save's optimizer state, and
+    --resume paired them silently; the trainer state now names the save that wrote the weights."""
+    import shutil
+
+    from flashpd.engine.config import CheckpointError
+    from flashpd.engine.export import save_drafter
+    from flashpd.training.train_drafter import SAVE_ID_KEY
+
+    target, drafter, out, prompts, data, _ = trained
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    save_drafter(drafter, cut, metadata={SAVE_ID_KEY: "41-another-save"})  # the next save's weights, then the stop
+    tc = DrafterTrainConfig(layers=1, block_size=8, num_taps=2, steps=45, seqs_per_step=4, anchors=16, lr=3e-3)
+    with pytest.raises(CheckpointError, match="cut short"):
+        train_drafter(target, data, [len(p) for p in prompts], cut, tc, resume=True, log=lambda m: None)
+    save_drafter(drafter, cut)  # an untagged file (weights written by another tool) is refused the same way
+    with pytest.raises(CheckpointError, match="untagged"):
+        train_drafter(target, data, [len(p) for p in prompts], cut, tc, resume=True, log=lambda m: None)

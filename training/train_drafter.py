@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flashpd.engine.attention import group_mask
+from flashpd.engine.config import CheckpointError
 from flashpd.engine.drafter import DFlashConfig, DFlashDrafter, context_kv_all, default_target_layer_ids, \
     draft_layer, draft_qkv, dummy_drafter, load_drafter, scale_logits
 from flashpd.engine.export import save_drafter, write_model_file, write_model_json
@@ -389,11 +391,14 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
     state_file = out / "trainer_state.pt"
     start = 0
     if resume and state_file.exists():
-        drafter = load_drafter(out, target, dtype=torch.float32)
         state = torch.load(state_file, map_location=dev)
+        check_same_save(out, state)
+        drafter = load_drafter(out, target, dtype=torch.float32)
         start = state["step"]
         log(f"resuming from step {start}")
     else:
+        if resume:
+            log(f"{out} holds no trainer_state.pt: training from step 0")
         drafter = dummy_drafter(drafter_config_for(target, tc), target, seed=tc.seed).float()
         drafter.attach(target)
         init_from_target(drafter, target)
@@ -446,13 +451,38 @@ def train_drafter(target: Qwen3ForCausalLM, data: list[list[int]], prompt_lens: 
     return drafter.eval().requires_grad_(False)
 
 
+SAVE_ID_KEY = "flashpd_train_save"  # the safetensors header entry naming the save that wrote the weights
+
+
 def save_checkpoint(drafter: DFlashDrafter, opt: torch.optim.Optimizer, step: int, out: Path,
                     tc: DrafterTrainConfig, losses: list[float], rng: dict | None = None) -> None:
-    save_drafter(drafter, out)
-    state = {"step": step, "optimizer": opt.state_dict(), **({"rng": rng} if rng is not None else {})}
+    """The weights, then the trainer state naming the same save id: a run stopped between the two files leaves
+    weights of step N beside the optimizer state of an earlier save, which `check_same_save` refuses to resume."""
+    save_id = f"{step}-{uuid.uuid4().hex}"
+    save_drafter(drafter, out, metadata={SAVE_ID_KEY: save_id})
+    state = {"step": step, "optimizer": opt.state_dict(), "save_id": save_id,
+             **({"rng": rng} if rng is not None else {})}
     write_model_file(out / "trainer_state.pt", lambda tmp: torch.save(state, tmp))
     write_model_json(out / "train_config.json", {**asdict(tc), "last_step": step, "last_losses": losses[-20:]},
                      indent=2)
+
+
+def check_same_save(out: Path, state: dict) -> None:
+    """Refuse to resume from weights and a trainer state that two different saves wrote (a save cut short between
+    its files): the optimizer's moments and step would belong to other weights. A state without a save id (an
+    older checkpoint) is not checked."""
+    want = state.get("save_id")
+    if want is None:
+        return
+    from safetensors import safe_open  # noqa: PLC0415
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        got = (f.metadata() or {}).get(SAVE_ID_KEY)
+    if got != want:
+        raise CheckpointError(f"{out}: model.safetensors is from another save ({got or 'untagged'}) than "
+                           f"trainer_state.pt ({want}, step {state.get('step')}); the last save was cut short "
+                           f"between its files. Resuming would pair these weights with another step's optimizer "
+                           f"state: start a new run in an empty directory instead")
 
 
 def tau_within(lengths: list[int], n: int) -> float | None:

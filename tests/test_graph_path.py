@@ -97,6 +97,32 @@ def test_short_prefill_replays_a_padded_graph(dflash_pair):  # noqa: F811
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_short_equal_prefills_pad_to_16_or_32(dflash_pair):  # noqa: F811
+    """Equal rows of 2-32 new tokens that want the last logits or none (short prompts, a hit's tail) ran at their
+    own width: each of 31 widths a graph, captured inside the first such request's TTFT on a GPU. They pad to 16
+    or 32 now, with eager's logits and taps; decode (one token) and verify ("all") keep their own widths."""
+    import flashpd.engine.runner as runner_mod
+    target = load_target(dflash_pair.target_dir)
+    runner = ModelRunner(target, 512, 16, taps=(0, 1), config=RunnerConfig(cuda_graphs=True, compile=False))
+    assert [runner._graph_width(2, t, True, "last") for t in (2, 5, 16, 17, 32)] == [16, 16, 16, 32, 32]
+    assert runner._graph_width(1, 9, True, "none") == 16 and runner._graph_width(1, 1, True, "last") == 1
+    assert [runner._graph_width(3, t, True, "all") for t in (1, 5, 16, 17)] == [1, 5, 16, 17]
+    for n in (5, 20):
+        prompts = [p[:n] for p in _prompts(8, 5) if len(p) >= n][:2]
+        got = {}
+        for graphs in (False, True):
+            r = ModelRunner(target, 512, 16, taps=(0, 1), config=RunnerConfig(cuda_graphs=graphs, compile=False))
+            tables = [BlockTable() for _ in prompts]
+            for tb in tables:
+                r.allocator.ensure(tb, n)
+            out = r.forward(tables, prompts, "last", taps=True)
+            got[graphs] = (out.logits[:, -1], [x[:, :n] for x in out.taps])
+        assert runner_mod.bucket(n, 16) != n
+        torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
+        for a, b in zip(got[True][1], got[False][1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_long_prompt_prefills_in_graph_width_chunks_with_the_one_forward_result(dflash_pair):  # noqa: F811
     """A lone prompt longer than prefill_chunk runs as consecutive padded graph-path chunks, each attending
     to the cache the earlier ones wrote: logits, hidden states and taps equal one forward's, and DFlash

@@ -4,6 +4,8 @@ cache, counters zero, and the next requests' tokens and acceptance lengths as wi
 warm-up steps every power-of-two batch bucket up to max_running that fits the cache."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -102,7 +104,7 @@ def test_warmup_setting():
     assert not wants_warmup(ServeConfig(target="x"), cpu)  # default: GPUs only
     assert wants_warmup(ServeConfig(target="x", warmup=True), cpu)
     assert ServeConfig.from_dict({"target": "x", "warmup": False}).warmup is False
-    assert lengths_for(300, 33) == [12, 13, 16, 100, 200] and lengths_for(10, 33) == []
+    assert lengths_for(300, 33) == [12, 13, 20, 40, 100, 200] and lengths_for(10, 33) == []
     assert batch_sizes(128) == [2, 4, 8, 16, 32, 64, 128] and batch_sizes(100) == [2, 4, 8, 16, 32, 64, 100]
     assert batch_sizes(2) == [2] and batch_sizes(1) == []
 
@@ -155,3 +157,39 @@ def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monke
         assert seen, f"{method}: no device-loop step ran (the check would be empty)"
         assert set(seen) <= warm, (method, sorted(str(k[1:]) for k in set(seen) - warm))
 
+
+
+def test_llm_warmup_leaves_no_short_prompt_a_graph_to_capture(monkeypatch):
+    """On an H100, after LLM's warm-up, first prompts of 5, 9, 20, 27, 31 and 45 tokens took 106-140 ms to their
+    first token (a 12-token one 1 ms): each met a graph of its own width, captured inside its TTFT. Short prefills
+    pad to 16, 32 or 64 now, and the warm-up meets those widths. Counted on the CPU with the GPU's graph paths."""
+    import flashpd.llm as llm_mod
+    from flashpd.engine import factory
+
+    seen: set = set()
+    loop_call, graph_call = device_loop.InPlaceGraph.__call__, cuda_graph.GraphedFn.__call__
+
+    def loop_seen(self, key, bufs, reset):
+        seen.add(("loop", tuple(key)))
+        return loop_call(self, key, bufs, reset)
+
+    def graph_seen(self, inputs, **kw):
+        seen.add(("graph", id(self), tuple(tuple(x.shape) for x in inputs), tuple(sorted(map(str, kw.items())))))
+        return graph_call(self, inputs, **kw)
+
+    load = factory.load_engine
+    monkeypatch.setattr(device_loop.InPlaceGraph, "__call__", loop_seen)
+    monkeypatch.setattr(cuda_graph.GraphedFn, "__call__", graph_seen)
+    monkeypatch.setattr(llm_mod, "load_engine", lambda *a, **kw: load(
+        *a, **{**kw, "runner_config": RunnerConfig(cuda_graphs=True, compile=False)}))
+    demo = Path(__file__).resolve().parents[1] / "flashpd" / "assets" / "demo_pair"
+    llm = llm_mod.LLM(target=demo / "target", draft=demo / "drafter", device="cpu", dtype="float32", warmup=True)
+    warm = set(seen)
+    g = torch.Generator().manual_seed(3)
+    new = {}
+    for n in (2, 5, 9, 17, 27, 31, 33, 45, 64):
+        seen.clear()
+        ids = torch.randint(0, llm.model.cfg.vocab_size, (n,), generator=g).tolist()
+        llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))
+        new[n] = len(seen - warm)
+    assert new == dict.fromkeys(new, 0), new

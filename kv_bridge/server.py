@@ -626,15 +626,46 @@ def flatten(d: dict, prefix: str) -> dict[str, int]:
 
 
 def _peer_is_local(peer: str) -> bool:
-    """gRPC peer strings: 'ipv4:127.0.0.1:5000', 'ipv6:[::1]:5000', 'unix:/path'."""
+    """Whether a gRPC peer ('ipv4:127.0.0.1:5000', 'ipv6:[::1]:5000', 'unix:/path') is on this host: a loopback
+    address, or one of this host's own. With allow_remote the workers dial the bridge at its node's address (Ray
+    advertises node IPs), so a same-host worker arrives from that address, not from loopback; shm and arena were
+    refused to it on every call, and each request recomputed its prompt (its publish failed). A peer that only
+    shares the network (another container, its own /dev/shm) still passes here; its handles then fail the
+    segment's checks (owner, size, MAC) and are refused, never used."""
     peer = urllib.parse.unquote(peer)
     if peer.startswith("unix:"):
         return True
     host = peer.split(":", 1)[-1].rsplit(":", 1)[0].strip("[]")
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host.split("%", 1)[0])  # a link-local peer's zone: own_addresses drops them too
     except ValueError:
         return False
+    if ip.version == 6 and ip.ipv4_mapped is not None:  # a dual-stack socket's IPv4 peer
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip in own_addresses()
+
+
+_OWN_TTL_S = 30.0  # interfaces come and go (DHCP, a VPN): their addresses are read again after this
+_own: tuple[float, frozenset] = (float("-inf"), frozenset())
+_own_lock = threading.Lock()
+
+
+def own_addresses() -> frozenset:
+    """This host's interface addresses (psutil), read at most every _OWN_TTL_S; IPv6 zones dropped."""
+    global _own
+    with _own_lock:
+        if time.monotonic() - _own[0] > _OWN_TTL_S:
+            import psutil  # noqa: PLC0415  (a dependency; read only where a non-loopback peer asks for shm)
+
+            found = set()
+            for addrs in psutil.net_if_addrs().values():
+                for a in addrs:
+                    try:
+                        found.add(ipaddress.ip_address(a.address.split("%", 1)[0]))
+                    except ValueError:  # a MAC address (AF_PACKET) and the like
+                        pass
+            _own = (time.monotonic(), frozenset(found))
+        return _own[1]
 
 
 def is_loopback(host: str) -> bool:

@@ -668,3 +668,42 @@ def test_a_dead_bridges_arena_is_unmapped_when_another_arena_is_mapped():
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def _node_address() -> str | None:
+    """One of this host's own non-loopback IPv4 addresses (what Ray advertises as a node's), if it has one."""
+    import socket
+
+    import psutil
+    ips = sorted(a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                 if a.family == socket.AF_INET and not a.address.startswith("127."))
+    return ips[0] if ips else None
+
+
+@pytest.mark.skipif(_node_address() is None, reason="this host has no non-loopback IPv4 address to dial")
+def test_a_same_host_client_dialing_the_node_address_gets_shm_and_arena():
+    """With allow_remote, workers dial the bridge at its node's address, so a same-host worker arrives from that
+    address, not loopback: the bridge refused it shm and arena on every call ("shared memory needs a same-host
+    client"), and every request recomputed its prompt. One of this host's own addresses is this host."""
+    server, port = serve(ArenaStore(64 << 20), "0.0.0.0", allow_remote=True)
+    try:
+        with BridgeClient(f"{_node_address()}:{port}", timeout_s=30) as c:
+            cs = [chunk(i, parent=chunk(i - 1).key if i else "") for i in range(4)]
+            assert c.put(cs[:2], "shm").stored == 2 and c.put(cs[2:], "arena").stored == 2
+            assert all(same(g, x) for g, x in zip(c.get([x.key for x in cs], "arena"), cs))
+            assert all(same(g, x) for g, x in zip(c.get([x.key for x in cs], "shm"), cs))
+            st = c.stats()
+            assert st["server.arena_handles_sent"] == 4 and st["server.shm_segments_sent"] == 4
+    finally:
+        server.stop(grace=None).wait(10)
+
+
+def test_only_loopback_and_this_hosts_own_addresses_are_same_host_peers():
+    from flashpd.kv_bridge.server import _peer_is_local
+    assert _peer_is_local("ipv4:127.0.0.1:5000") and _peer_is_local("ipv6:[::1]:5000") and _peer_is_local("unix:/x")
+    assert _peer_is_local("ipv6:%5B::ffff:127.0.0.1%5D:5000")  # a dual-stack socket's IPv4 peer, as gRPC quotes it
+    assert not _peer_is_local("ipv4:198.51.100.7:5000")  # TEST-NET-2: no host's own
+    assert not _peer_is_local("dns:bridge:5000")
+    node = _node_address()
+    if node is not None:
+        assert _peer_is_local(f"ipv4:{node}:5000")

@@ -22,6 +22,8 @@ import jinja2.nodes
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from flashpd.engine.config import optional_file
+
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -90,13 +92,13 @@ class ChatTemplate:
         d = Path(model_dir)
         cfg: dict = {}
         p = d / "tokenizer_config.json"
-        if p.exists():
+        if optional_file(p, d):
             cfg = json.loads(p.read_text(encoding="utf-8"))
         src = cfg.get("chat_template")
         if isinstance(src, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in src if isinstance(t, dict)}
             src = named.get("default")
-        if not src and (d / "chat_template.jinja").exists():
+        if not src and optional_file(d / "chat_template.jinja", d):
             src = (d / "chat_template.jinja").read_text(encoding="utf-8")
         if not isinstance(src, str) or not src:
             return None

@@ -60,6 +60,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from flashpd.engine.config import optional_file
 from flashpd.cluster.detok import Detokenizer
 from flashpd.cluster.chat_template import SPECIAL_TOKENS, ChatTemplate, ChatTemplateError, ChatTemplateTooLong
 from flashpd.cluster.generation_server import MAX_CHARS_PER_TOKEN, POLL_S, Backend
@@ -160,8 +161,9 @@ def sampling_defaults(model_dir: str | Path | None) -> dict:
     if model_dir is None:
         return {}
     p = Path(model_dir) / "generation_config.json"
+    there = optional_file(p, model_dir)  # a broken link: refused (CheckpointError), not a file to warn about
     try:
-        cfg = json.loads(p.read_text()) if p.exists() else {}
+        cfg = json.loads(p.read_text()) if there else {}
     except (OSError, ValueError):
         log.warning("%s is unreadable; OpenAI's sampling defaults apply", p)
         return {}

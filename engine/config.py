@@ -222,6 +222,15 @@ def require_file(f: Path, model_dir: str | Path, kind: str = "a Hugging Face mod
         raise CheckpointError(f"{model_dir}: no config.json (is this {kind}?)")
 
 
+def optional_file(f: Path, model_dir: str | Path) -> bool:
+    """Whether a checkpoint's optional file (generation_config.json, a chat template) is there; a dangling link
+    is refused by name, not read as absent: a broken Hugging Face cache blob of generation_config.json quietly
+    took the stop tokens from config.json instead (Qwen3 lost 151643)."""
+    if not f.exists() and os.path.lexists(f):
+        raise CheckpointError(f"{model_dir}: {f.name} is a broken link ({f} -> {os.readlink(f)})")
+    return f.exists()
+
+
 def builtin_config_path(name: str) -> Path:
     """Path of a config shipped as data (qwen3-4b, qwen3-8b, qwen3-32b)."""
     key = name.lower()
@@ -240,7 +249,7 @@ def load_config(model_dir: str | Path) -> Qwen3Config:
     require_file(cfg_file, p)
     d = read_json_object(cfg_file)
     eos_source = None
-    if gen_file is not None and gen_file.exists():
+    if gen_file is not None and optional_file(gen_file, p):
         g = read_json_object(gen_file)
         if g.get("eos_token_id") is not None:
             d = {**d, "eos_token_id": g["eos_token_id"]}

@@ -299,19 +299,34 @@ def test_a_tied_configs_head_in_the_file_must_be_the_embedding(pair, monkeypatch
 
 
 @pytest.mark.parametrize("which,name", [("target", "config.json"), ("target", "tokenizer.json"),
-                                        ("drafter", "config.json")])
+                                        ("drafter", "config.json"), ("target", "generation_config.json"),
+                                        ("target", "tokenizer_config.json"), ("target", "chat_template.jinja")])
 def test_a_broken_link_is_named_not_taken_for_a_missing_file(pair, which, name):
+    """generation_config.json, tokenizer_config.json and chat_template.jinja are optional, and a dangling link of
+    one was read as absent: a broken generation_config.json blob quietly took the stop tokens from config.json."""
+    from flashpd.cluster.chat_template import ChatTemplate
+    from flashpd.cluster.http_api import sampling_defaults
     target = load_target(pair / "target") if which == "drafter" else None
     p = pair / which / name
-    p.unlink()
+    p.unlink(missing_ok=True)
     p.symlink_to(pair / "gone" / "blob")
+    if name == "chat_template.jinja":  # read where tokenizer_config.json holds no template
+        tc = pair / "target" / "tokenizer_config.json"
+        tc.write_text(json.dumps({k: v for k, v in json.loads(tc.read_text()).items() if k != "chat_template"}))
     with pytest.raises(CheckpointError, match="broken link"):
         if which == "drafter":
             load_drafter(pair / "drafter", target)
         elif name == "config.json":
             load_target(pair / "target")
-        else:
+        elif name == "tokenizer.json":
             TextTokenizer.from_dir(pair / "target")
+        elif name == "generation_config.json":
+            load_target(pair / "target")
+        else:
+            ChatTemplate.from_dir(pair / "target")
+    if name == "generation_config.json":  # the HTTP API's sampling defaults read it too
+        with pytest.raises(CheckpointError, match="broken link"):
+            sampling_defaults(pair / "target")
 
 
 def test_a_save_cut_short_leaves_no_temporary_file_and_the_old_weights(pair):

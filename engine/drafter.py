@@ -69,8 +69,10 @@ class DFlashConfig(HeadGeometry):
         if not isinstance(dc, dict):
             raise CheckpointError(f"{source}: dflash_config must be a JSON object, got {dc!r}")
 
-        def pick(name: str, default=None):
-            return dc.get(name, d.get(name, default))
+        def pick(name: str, default=None):  # dflash_config wins; a null anywhere is unset (int(None) raised)
+            v = dc.get(name)
+            v = d.get(name) if v is None else v
+            return default if v is None else v
 
         for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if k not in d:

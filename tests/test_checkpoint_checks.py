@@ -187,6 +187,19 @@ def test_drafter_null_kv_heads_means_the_default_as_for_the_target(pair):
         load_drafter(pair / "drafter", load_target(pair / "target"))
 
 
+def test_a_null_in_dflash_config_is_unset_and_the_top_level_value_stands(pair):
+    """dflash_config wins, but its null was taken as the value: block_size null raised a bare TypeError (int(None)),
+    num_target_layers null said "missing field" with the top-level value there."""
+    cfg = json.loads((pair / "drafter" / "config.json").read_text())
+    target = load_target(pair / "target")
+    want = load_drafter(pair / "drafter", target).cfg
+    top = {"num_target_layers": want.num_target_layers, "block_size": want.block_size}
+    _edit_drafter(pair, top, {"num_target_layers": None, "block_size": None})
+    got = load_drafter(pair / "drafter", target).cfg
+    assert (got.num_target_layers, got.block_size) == (want.num_target_layers, want.block_size)
+    assert cfg["dflash_config"].get("block_size", cfg.get("block_size")) == want.block_size
+
+
 def test_drafter_mismatch_names_the_drafter_config(pair):
     _edit_drafter(pair, {"num_target_layers": 12})
     with pytest.raises(DrafterMismatch, match="num_target_layers 12") as e:

@@ -120,14 +120,17 @@ def cmd_client(a: argparse.Namespace) -> int:
     try:
         with GenerationClient(a.address, a.timeout) as c:
             if a.stream:
-                toks = []
+                toks, texts = [], []
                 for ch in c.generate(prompt, **kw):
                     toks.extend(ch.token_ids)
+                    if ch.text is not None:
+                        texts.append(ch.text)
                     print(ch.text if ch.text else " ".join(map(str, ch.token_ids)), end=" " if not ch.text else "",
                           flush=True)
-                    if ch.finished:
+                    if ch.finished:  # the same last line as without --stream (text null without a tokenizer)
                         print()
-                        print(json.dumps({"token_ids": toks, "finish_reason": ch.finish_reason, "stats": ch.stats}))
+                        print(json.dumps({"token_ids": toks, "text": "".join(texts) if texts else None,
+                                          "finish_reason": ch.finish_reason, "stats": ch.stats}))
             else:
                 r = c.generate_once(prompt, **kw)
                 print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,

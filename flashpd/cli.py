@@ -168,7 +168,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         progress.setLevel(logging.INFO)
 
     method, draft, width, token_map = a.method, a.draft, a.block_size, a.speculative_token_map
-    quantization = None
+    quantization, spec_width = None, False
     if a.speculative_config:
         spec = parse_speculative_config(a.speculative_config)
         if draft and draft != spec["draft"]:
@@ -179,11 +179,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if width is not None and spec.get("block_size") not in (None, width):  # as two drafters are: not one dropped
             raise ValueError(f"--block-size {width} and --speculative-config's num_speculative_tokens "
                              f"{spec['block_size'] - 1} (width {spec['block_size']}) disagree")
+        spec_width = width is None  # the width is the speculative config's, not a flag's
         width = spec.get("block_size") if width is None else width
         token_map = token_map or spec.get("token_map")
         quantization = spec.get("quantization")
     if method == "native" and draft:
         draft = token_map = quantization = None  # an explicit native run ignores the drafter
+        if spec_width:  # and the speculative config's width with it (a --block-size flag is refused)
+            width = None
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
     params.validate()

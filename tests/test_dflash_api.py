@@ -241,6 +241,10 @@ def test_cli_speculative_config_equals_draft_and_block_size(dflash_pair, capsys)
     assert a["stats"]["acceptance_lengths"] == b["stats"]["acceptance_lengths"]
     assert (a["token_ids"], a["stats"]["acceptance_lengths"]) == reference_generate(pair, p, 37, 4)
     assert max(a["stats"]["acceptance_lengths"]) <= 4
+    # --method native ignores the speculative config whole, as it ignores --draft: its width too (it was kept, and
+    # the run refused with "block_size 4 needs method 'dflash' and a drafter", a drafter having been given)
+    n = _cli_json(capsys, *common, "--method", "native", "--speculative-config", spec)
+    assert n["token_ids"] == a["token_ids"] and n["stats"]["tau"] is None
 
 
 def _spec(pair, **kw) -> str:

@@ -278,6 +278,12 @@ def test_cli_serve_and_client(dflash_pair, solo, tmp_path, capsys):  # noqa: F81
                          "--max-tokens", "16", "--method", "dflash", "--ignore-eos", "--timeout", "30"]) == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert out["token_ids"] == solo(prompt, 16, "dflash")[0] and out["finish_reason"] == "length"
+        # --stream's last line is the same object (its "text" was left out)
+        assert cli_main(["client", "--address", address, "--prompt-ids", ",".join(map(str, prompt)),
+                         "--max-tokens", "16", "--method", "dflash", "--ignore-eos", "--timeout", "30",
+                         "--stream"]) == 0
+        streamed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert {k: v for k, v in streamed.items() if k != "stats"} == {k: v for k, v in out.items() if k != "stats"}
         assert cli_main(["client", "--address", address, "--prompt-ids", "1,2", "--max-tokens", "0"]) == 1
         assert "max_tokens" in capsys.readouterr().err
 

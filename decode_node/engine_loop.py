@@ -147,6 +147,7 @@ class EngineLoop:
         self._error: BaseException | None = None
         self.steps = 0
         self.tokens_out = 0  # tokens streamed (the serving log's rate)
+        self.step_s = 0.0  # wall seconds inside the scheduler's steps (the serving log's time a step, idle left out)
         self.stall_s: float | None = None  # see stalled(); None: never taken for hung
         self._moved = time.monotonic()  # when the loop thread last began a pass or woke idle, for stalled()
         self._stall_lock = threading.Lock()
@@ -368,7 +369,9 @@ class EngineLoop:
                 self._emit(h, Event("cancelled", finish_reason="cancelled"))
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         res = self.scheduler.step()
+        self.step_s += time.perf_counter() - t0
         self.steps += 1
         self.tokens_out += sum(len(t) for t in res.new_tokens.values())
         if self.after_step is not None:

@@ -14,8 +14,9 @@ from flashpd.engine.sampling import SamplingParams
 from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
 from tests.test_decode_worker import _drain
 
-LINE = re.compile(r"engine: (\d+) steps in [\d.]+ s \([\d.]+ ms a step\), (\d+) tokens \(\d+/s\), (\d+) admitted, "
-                  r"(\d+) device-loop sessions ended, running (\d+), waiting (\d+)")
+LINE = re.compile(r"engine: (\d+) steps in [\d.]+ s \([\d.]+ ms a step, stepping [\d.]+ s\), (\d+) tokens \(\d+/s\), "
+                  r"(\d+) admitted, (\d+) device-loop sessions ended, running (\d+), waiting (\d+)")
+TIMES = re.compile(r"steps in ([\d.]+) s \(([\d.]+) ms a step, stepping ([\d.]+) s\)")
 
 
 def test_the_log_accounts_for_every_step_token_and_admission(dflash_pair, caplog):  # noqa: F811
@@ -53,3 +54,25 @@ def test_no_log_when_turned_off_or_idle(dflash_pair, caplog):  # noqa: F811
     finally:
         idle.stop()
     assert not [m for m in caplog.messages if LINE.search(m)]
+
+
+def test_time_a_step_leaves_out_the_idle_time_between_requests(dflash_pair, caplog):  # noqa: F811
+    """The line divided its interval by its steps: an H100 serving a few requests with pauses between logged
+    246 ms a step for steps of about a millisecond."""
+    import time
+
+    target = load_target(dflash_pair.target_dir)
+    w = DecodeWorker(ModelRunner(target, 64, 16), step_log_s=1.0)
+    try:
+        with caplog.at_level(logging.INFO, logger="flashpd.decode_node.step_log"):
+            _drain(w.submit([3, 4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True)))
+            time.sleep(1.5)  # idle: the next line's interval holds this pause
+            _drain(w.submit([4, 4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True)))
+    finally:
+        w.stop()
+    times = [tuple(float(g) for g in m.groups()) for m in map(TIMES.search, caplog.messages) if m]
+    assert times and max(t for t, _, _ in times) >= 1.0, caplog.messages
+    for (interval, ms, busy), row in zip(times, (LINE.search(m) for m in caplog.messages if TIMES.search(m))):
+        steps = int(row.group(1))
+        assert busy <= interval and ms * steps / 1e3 <= busy + 0.05
+        assert ms < interval * 1e3 / steps / 2  # a CPU step of this tiny model is far below the pause

@@ -29,6 +29,7 @@ class Launched:
     address: str
     metrics_address: str | None
     handle: Any  # the process or the actor
+    host: dict | None = None  # colocation.host_identity() of the worker's process (None: unknown, not checked)
 
 
 class WorkerStartError(RuntimeError):

@@ -39,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 
+from flashpd.cluster.colocation import host_identity
 from flashpd.cluster.launcher import Launched, WorkerSpec, WorkerStartError, unlink_shared_memory
 from flashpd.cluster.placement import local_gpu
 from flashpd.kv_bridge.auth import ClusterSecret
@@ -137,6 +138,7 @@ class LocalLauncher:
         self._lock = threading.Lock()  # _children and _closing: a restart's start may race shutdown()
         self._closing = threading.Event()
         self.failed_logs: list[Path] = []  # logs of workers that failed: their directory is kept
+        self._host = host_identity()  # its children run here
 
     def _failed(self, c: _Child) -> None:
         if c.log_path not in self.failed_logs:
@@ -226,7 +228,7 @@ class LocalLauncher:
             if ln.startswith(METRICS):
                 c.metrics = ln.split()[-1]
             elif ln.startswith(READY):
-                return Launched(c.spec.role, c.spec.index, ln.split()[-1], c.metrics, c)
+                return Launched(c.spec.role, c.spec.index, ln.split()[-1], c.metrics, c, self._host)
 
     def _stop_children(self, children: list[_Child], timeout_s: float) -> None:
         """SIGTERM to all at once, then each waited for (a SIGKILL after timeout_s)."""

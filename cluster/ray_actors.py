@@ -33,8 +33,8 @@ class WorkerActor:
 
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
-    def start(self) -> tuple[str, str | None]:
-        """Build and serve the worker; (its address, its metrics address)."""
+    def start(self) -> tuple[str, str | None, dict]:
+        """Build and serve the worker; (its address, its metrics address, its host: colocation.host_identity)."""
         import logging  # noqa: PLC0415
 
         import ray  # noqa: PLC0415
@@ -52,8 +52,10 @@ class WorkerActor:
     def _build(self, role: str, cfg: ServeConfig, port: int, secret: ClusterSecret | None) -> RunningWorker:
         return build_worker(role, cfg, port, secret)
 
-    def info(self) -> tuple[str, str | None]:
-        return self.worker.address, self.worker.metrics_address
+    def info(self) -> tuple[str, str | None, dict]:
+        from flashpd.cluster.colocation import host_identity  # noqa: PLC0415
+
+        return self.worker.address, self.worker.metrics_address, host_identity()
 
     def ping(self) -> bool:
         return self.worker is not None and self.worker.alive()

@@ -139,9 +139,9 @@ class RayLauncher:
             raise
         for a in actors:
             self._actors[a].started = True
-        return [Launched(s.role, s.index, addr, maddr, a) for s, a, (addr, maddr) in zip(specs, actors, infos)]
+        return [Launched(s.role, s.index, addr, maddr, a, host) for s, a, (addr, maddr, host) in zip(specs, actors, infos)]
 
-    def _wait_started(self, specs, actors, wheres, starts, timeout_s: float) -> list[tuple[str, str | None]]:
+    def _wait_started(self, specs, actors, wheres, starts, timeout_s: float) -> list[tuple[str, str | None, dict]]:
         """Each start's answer; the first to fail (not waiting for the others) raised as WorkerStartError in one
         line, its remote traceback logged at debug level. Not placed within place_warn_s: logged."""
         t0 = time.monotonic()

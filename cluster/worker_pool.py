@@ -41,6 +41,7 @@ from typing import Callable
 
 import grpc
 
+from flashpd.cluster.colocation import check_colocated
 from flashpd.cluster.launcher import Launched, Launcher, WorkerSpec, WorkerStartError
 from flashpd.cluster.worker_client import WorkerClient
 from flashpd.kv_bridge.auth import ClusterSecret, resolve
@@ -124,6 +125,7 @@ class WorkerPool:
                 [WorkerSpec("decode", i, wcfg) for i in range(self.cfg.decode_workers)]
         for w in self.launcher.start(specs, t):
             self.slots[w.role].append(Slot(w.role, w.index, w, self._client(w)))
+        check_colocated(self.cfg, bridge, [s.launched for s in self.slots["prefill"] + self.slots["decode"]])
         first = min(t, self.first_health_s)
         for s in self.slots["prefill"] + self.slots["decode"]:
             try:
@@ -410,6 +412,17 @@ class WorkerPool:
         except Exception:  # noqa: BLE001  retried after a backoff; the slot stays down meanwhile
             if not self._stop.is_set():
                 log.exception("restarting %s worker %d failed", s.role, s.index)
+            return False
+        peers = [x.launched for x in self.slots["prefill"] + self.slots["decode"] if x is not s and x.healthy]
+        try:  # a worker Ray placed on another host than its same-host transport's peers: a failed restart
+            check_colocated(self.cfg, w if s.role == "bridge" else self.slots["bridge"][0].launched,
+                            peers + ([w] if s.role != "bridge" else []))
+        except WorkerStartError:
+            log.exception("restarting %s worker %d", s.role, s.index)
+            try:
+                self.launcher.stop(w, 10.0)
+            except Exception:  # noqa: BLE001  the refusal stands whatever its stop does
+                log.exception("stopping the misplaced %s worker %d", s.role, s.index)
             return False
         old = s.client
         s.launched, s.client = w, self._client(w)

@@ -21,15 +21,15 @@ import argparse
 import logging
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from flashpd.bench.common import command_line, write_json
+from flashpd.demo import PAIR
 from flashpd.bench.job_sweep import make_prompts, pool_sample, prompt_lengths
 
 log = logging.getLogger("flashpd.closed_loop")
-DEMO = Path(__file__).resolve().parent.parent / "flashpd" / "assets" / "demo_pair"
+DEMO = PAIR  # flashpd/assets/demo_pair, wherever the package is installed
 
 
 def run_level(sched, pool: list[list[int]], order: list[int], conc: int, method: str, max_tokens: int) -> dict:

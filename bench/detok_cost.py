@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
 
 from flashpd.bench.common import command_line, write_json
+from flashpd.demo import PAIR
 from flashpd.cluster.detok import Detokenizer
 from flashpd.engine.tokenizer import TextTokenizer
 
-DEMO = Path(__file__).resolve().parent.parent / "flashpd" / "assets" / "demo_pair" / "target"
+DEMO = PAIR / "target"  # wherever the package is installed
 
 
 class WholeDecode:

@@ -15,12 +15,12 @@ import argparse
 import logging
 import statistics
 import time
-from pathlib import Path
 
 from flashpd.bench.common import command_line, git_revision, machine, write_json
+from flashpd.demo import PAIR
 
 log = logging.getLogger("flashpd.engine_hop")
-DEMO = Path(__file__).resolve().parent.parent / "flashpd" / "assets" / "demo_pair"
+DEMO = PAIR  # flashpd/assets/demo_pair, wherever the package is installed
 EVENT_TIMEOUT_S = 60.0
 
 

@@ -49,6 +49,7 @@ BUCKET_TOKENS = 4  # tokens each request of that pass generates: its prefill's t
 # batches met each batch bucket's device step at 16 blocks for the first time while serving (counted on the CPU
 # with the GPU's padded paths: docs/results.md; tests/test_warmup.py checks a closed loop of 8).
 WIDE_TABLE_BLOCKS = 12
+PROGRESS_S = 30.0  # a warm-up's progress line at most this often (it takes minutes on a GPU: serve waits on it)
 
 
 def lengths_for(max_positions: int, new_tokens: int, lengths: tuple[int, ...] = DEFAULT_LENGTHS) -> list[int]:
@@ -116,20 +117,29 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     def fits(group: list[list[int]], tokens: int) -> bool:
         return sum(blocks_needed(len(p), tokens, width, runner.kv_block_size) + 1 for p in group) <= free
 
+    last_line = t0
+    phase = ""
+
     def run(group: list[list[int]], sp: SamplingParams, method: str) -> None:
-        nonlocal n
+        nonlocal n, last_line
         for p in group:
             scheduler.add(p, sp, method)
             n += 1
         scheduler.run_until_idle()
+        if time.perf_counter() - last_line >= PROGRESS_S:
+            last_line = time.perf_counter()
+            log.info("warm-up: %s, %s: %d requests in %.0f s (methods %s, batch buckets up to %d)", method, phase, n,
+                     last_line - t0, "/".join(methods), sizes[-1] if sizes else 1)
 
     try:
         for method in methods:
+            phase = "prompts of each length"
             for group in [[p] for p in prompts] + [prompts]:
                 if fits(group, new_tokens):  # a small KV cache: skip what cannot run at once rather than preempt
                     run(group, params, method)
             t1 = time.perf_counter()
             for b in sizes:
+                phase = f"batch bucket {b}"
                 group = random_prompts([BUCKET_PROMPT] * b, vocab, seed=b)
                 if not fits(group, bucket_tokens):
                     skipped[method].append(b)
@@ -137,12 +147,14 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
                 for short in shorts:
                     run(group, short, method)
                 batches[method].append(b)
+            phase = "prefills of several prompts"
             for b, t in prefill_shapes(runner.config, sizes):  # fresh prefills of several prompts at once
                 group = random_prompts([t] * b, vocab, seed=2000 + b * t)
                 if fits(group, 1):
                     run(group, first_only, method)
                     prefills[method].append((b, t))
             wide = WIDE_TABLE_BLOCKS * runner.kv_block_size - bucket_tokens  # prompt + new tokens fill the blocks
+            phase = "chat-length tables"
             if wide + bucket_tokens <= runner.max_positions:
                 for b in sizes:
                     group = random_prompts([wide] * b, vocab, seed=1000 + b)

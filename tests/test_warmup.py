@@ -193,3 +193,23 @@ def test_llm_warmup_leaves_no_short_prompt_a_graph_to_capture(monkeypatch):
         llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))
         new[n] = len(seen - warm)
     assert new == dict.fromkeys(new, 0), new
+
+
+def test_a_long_warmup_says_how_far_it_got(dflash_pair, monkeypatch, caplog):  # noqa: F811
+    """On an H100 `serve` waited 225 s for its engine with no word of the warm-up's progress (a line only at its
+    end); now a line at most every PROGRESS_S names the method, the phase and the requests run."""
+    import logging
+
+    import flashpd.engine.warmup as warmup_mod
+    target, drafter, taps = _models(dflash_pair)
+    monkeypatch.setattr(warmup_mod, "PROGRESS_S", 0.0)  # a line after every group
+    runner = ModelRunner(target, 256, 16, taps=taps)
+    with caplog.at_level(logging.INFO, logger="flashpd.engine.warmup"):
+        w = DecodeWorker(runner, drafter, warmup=True)
+        w.stop()
+    lines = [m for m in caplog.messages if m.startswith("warm-up: ")]
+    assert any(m.startswith("warm-up: native, prompts of each length: ") for m in lines), lines
+    assert any(m.startswith("warm-up: dflash, batch bucket 32: ") for m in lines), lines
+    assert "chat-length tables" in {m.split(", ")[1].split(":")[0] for m in lines}  # (no prefill graphs: CPU)
+    counts = [int(m.split(": ")[2].split()[0]) for m in lines]
+    assert counts == sorted(counts) and counts[-1] == w.warmup["requests"]

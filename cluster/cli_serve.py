@@ -127,7 +127,7 @@ def cmd_client(a: argparse.Namespace) -> int:
                         texts.append(ch.text)
                     print(ch.text if ch.text else " ".join(map(str, ch.token_ids)), end=" " if not ch.text else "",
                           flush=True)
-                    if ch.finished:  # the same last line as without --stream (text null without a tokenizer)
+                    if ch.finished:  # the same last line as without --stream
                         print()
                         print(json.dumps({"token_ids": toks, "text": "".join(texts) if texts else None,
                                           "finish_reason": ch.finish_reason, "stats": ch.stats}))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import sys
 from typing import Iterable
 
 from flashpd.cluster.launcher import Launched, WorkerStartError
@@ -32,12 +33,11 @@ def host_identity() -> dict:
         except OSError:
             parts.append(name)
     node = None
+    ray = sys.modules.get("ray")  # a Ray process has it imported already; importing it here costs ~0.7 s
     try:
-        import ray  # noqa: PLC0415  (optional: mode ray only)
-
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():
             node = ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001  no Ray, or not in a Ray process: no node id to name
+    except Exception:  # noqa: BLE001  not in a Ray process after all: no node id to name
         pass
     return {"key": hashlib.blake2b("\0".join(parts).encode(), digest_size=8).hexdigest(), "host": name,
             "node": node}
@@ -48,7 +48,7 @@ def same_host_sets(cfg) -> list[tuple[str, bool]]:
     out = []
     if cfg.bridge_transport in ("shm", "arena"):  # (the prefix cache's reads go through it whatever kv_transport)
         out.append((f"bridge_transport {cfg.bridge_transport!r}", True))
-    if cfg.kv_transport == "device":
+    if cfg.kv_transport == "device" and cfg.prefill_workers > 0:  # (none: nothing is handed between workers)
         out.append(("kv_transport 'device'", False))
     return out
 

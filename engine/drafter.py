@@ -69,7 +69,10 @@ class DFlashConfig(HeadGeometry):
         if not isinstance(dc, dict):
             raise CheckpointError(f"{source}: dflash_config must be a JSON object, got {dc!r}")
 
-        def pick(name: str, default=None):  # dflash_config wins; a null anywhere is unset (int(None) raised)
+        def pick(name: str, default=None):  # dflash_config wins, its null too (softcap null: none), as dflash's
+            return dc.get(name, d.get(name, default))
+
+        def pick_int(name: str, default=None):  # the integer fields: a null anywhere is unset (int(None) raised)
             v = dc.get(name)
             v = d.get(name) if v is None else v
             return default if v is None else v
@@ -80,7 +83,7 @@ class DFlashConfig(HeadGeometry):
         positive_ints(d, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                           "num_key_value_heads", "head_dim", "vocab_size"), source)
         for k in ("num_target_layers", "block_size", "mask_token_id"):  # (their ranges: check_fits, against the target)
-            v = pick(k)
+            v = pick_int(k)
             if v is not None and not (isinstance(v, int) and not isinstance(v, bool)):
                 raise CheckpointError(f"{source}: {k} must be an integer, got {v!r}")
         ids = pick("target_layer_ids")
@@ -94,10 +97,10 @@ class DFlashConfig(HeadGeometry):
         positive_numbers(scales, tuple(scales), source)  # a string: a bare float() error; a sign: garbage drafts
         heads = d["num_attention_heads"]
         n_layers = d["num_hidden_layers"]
-        if pick("num_target_layers") is None:
+        if pick_int("num_target_layers") is None:
             raise CheckpointError(f"{source}: missing field num_target_layers")
-        n_target = int(pick("num_target_layers"))
-        mask = pick("mask_token_id")
+        n_target = int(pick_int("num_target_layers"))
+        mask = pick_int("mask_token_id")
         if mask is None:
             raise CheckpointError(f"{source}: missing field dflash_config.mask_token_id")
         if ids is None:
@@ -108,7 +111,7 @@ class DFlashConfig(HeadGeometry):
                    num_key_value_heads=d.get("num_key_value_heads") or heads,
                    head_dim=d.get("head_dim") or d["hidden_size"] // heads,
                    rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6), rope_theta=rope_theta_of(d, source),
-                   block_size=int(pick("block_size", 16)), num_target_layers=n_target,
+                   block_size=int(pick_int("block_size", 16)), num_target_layers=n_target,
                    target_layer_ids=tuple(int(i) for i in ids), mask_token_id=int(mask),
                    vocab_size=d.get("vocab_size"),
                    input_embedding_scale=float(pick("input_embedding_scale") or 1.0),

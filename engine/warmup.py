@@ -35,11 +35,9 @@ log = logging.getLogger(__name__)
 
 # one prompt per padded prefill width (64 .. 1,024 tokens) and block-table bucket, plus a long one; and short ones:
 # a prompt of 2-32 tokens pads to 16 or 32 (runner._graph_width) and one of 33-64 to 64, each width a graph of its
-# own, captured inside the first such request's TTFT unless warmed here; 12 and 13 tokens: with 16 alone, the first
-# 12-token prompt on a GPU compiled inside its TTFT when short prompts still ran at their own widths (triton
-# compiles a kernel again for a size that is not a multiple of 16, or an odd one; docs/results.md, forty-third
-# session); kept as cheap cover for any path that still sees the real length
-SHORT_LENGTHS = (12, 13, 20, 40)
+# own, captured inside the first such request's TTFT unless warmed here (12 for width 16, 20 for 32, 40 for 64;
+# docs/results.md, forty-third and forty-fourth sessions)
+SHORT_LENGTHS = (12, 20, 40)
 DEFAULT_LENGTHS = (*SHORT_LENGTHS, 100, 200, 400, 900, 2000)
 BUCKET_PROMPT = 16  # tokens of each prompt of the batch-bucket pass (one prefill width, one block-table bucket)
 BUCKET_TOKENS = 4  # tokens each request of that pass generates: its prefill's token, then a few steps

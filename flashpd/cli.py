@@ -330,6 +330,14 @@ def check_train_out(a: argparse.Namespace) -> None:
     differ = [f"{k} {v} (the checkpoint's: {w})" for k, (v, w) in given.items() if v is not None and v != w]
     if differ:
         raise ValueError(f"--resume: {', '.join(differ)}; resume with the checkpoint's settings")
+    import torch  # noqa: PLC0415
+
+    from flashpd.training.train_drafter import check_same_save  # noqa: PLC0415
+    try:
+        saved_state = torch.load(state, map_location="cpu")
+    except Exception as e:  # noqa: BLE001  (EOFError, an unpickling error, ...): named, not a traceback
+        raise ValueError(f"--resume: {state} cannot be read ({type(e).__name__}: {e})") from None
+    check_same_save(out, saved_state)  # before the target loads and the data is regenerated (minutes)
 
 
 def check_pair_out(a: argparse.Namespace) -> None:

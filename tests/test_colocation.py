@@ -38,6 +38,7 @@ def _w(role: str, index: int, host: dict | None) -> Launched:
     (dict(bridge_transport="shm", kv_transport="dist"), True, True),  # the prefix cache still reads through it
     (dict(bridge_transport="inline"), False, False),
     (dict(bridge_transport="inline", kv_transport="dist"), False, False),
+    (dict(bridge_transport="inline", kv_transport="device", prefill_workers=0), False, False),  # nothing handed over
 ])
 def test_which_placements_are_refused(tmp_path, kw, bridge_elsewhere_refused, split_workers_refused):
     cfg = _cfg(tmp_path, **kw)

@@ -55,6 +55,22 @@ def test_resume_needs_a_trainer_state_and_the_checkpoints_settings(target, tmp_p
     assert _tree(out) == before
 
 
+def test_resume_from_weights_of_another_save_is_refused_before_loading(target, tmp_path, capsys):
+    """Refused inside the training only after the target loaded and the data was regenerated (118 s in a review's
+    run); the CLI reads the trainer state and the weights' header first. An unreadable state is named too."""
+    import torch
+    out = tmp_path / "drafter"
+    shutil.copytree(PAIR / "drafter", out)  # weights without a save id: not the save the state names
+    torch.save({"step": 4, "optimizer": {}, "save_id": "4-abc"}, out / "trainer_state.pt")
+    before = _tree(out)
+    assert main(_train(target, out, "--resume")) == 2
+    assert "is from another save (untagged) than trainer_state.pt (4-abc, step 4)" in capsys.readouterr().err
+    (out / "trainer_state.pt").write_bytes(b"")
+    assert main(_train(target, out, "--resume")) == 2
+    assert "trainer_state.pt cannot be read" in capsys.readouterr().err
+    assert _tree(out) == {**before, "trainer_state.pt": b""}
+
+
 def test_a_missing_data_path_is_refused_before_loading(target, tmp_path, capsys):
     assert main(_train(target, tmp_path / "d", "--data", str(tmp_path / "nope"))) == 2
     assert "no such file or directory" in capsys.readouterr().err and not (tmp_path / "d").exists()

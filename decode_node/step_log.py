@@ -1,8 +1,8 @@
 """The engine loop's periodic log line: what it did since the last line, so that a slow stretch of serving can be
 read from the worker's log afterwards (a load sweep's levels by their timestamps) without a profiler.
 
-Each line: steps, their mean wall time and the seconds spent stepping (time idle between requests is left out:
-the interval over the steps read 246 ms a step for 1-ms steps of a few requests with pauses between), tokens
+Each line: steps, their mean wall time and the seconds spent stepping (time idle between requests is left out: the
+interval over the steps read a step hundreds of times slower than it was for a few requests with pauses), tokens
 streamed and their rate, requests admitted, device-loop sessions ended (each one a wait for the step in flight and a
 new session for every row), and the batch's running and waiting counts at the end. Nothing is logged for an
 interval without steps.

@@ -208,8 +208,7 @@ class ModelRunner:
         verify (equal rows, T <= 32) replay a graph of their own width; a prefill of equal rows of at most 32
         tokens (a short prompt, a prefix hit's tail, a chunked prompt's last piece: more than one token, no
         logits or the last ones) pads to 16 or 32, so that prompts of 2-32 tokens meet two graphs a batch
-        bucket, not 31 (each captured inside the first such request's TTFT: about 0.1 s on an H100, the demo
-        pair; docs/results.md). Other short prefills pad to a multiple of 64 up to config.prefill_graph_tokens,
+        bucket, not 31 (each captured inside the first such request's TTFT unless warmed: docs/results.md). Other short prefills pad to a multiple of 64 up to config.prefill_graph_tokens,
         so that their Python and launch overhead (tens of ms on Qwen3-8B, eagerly) is one graph launch."""
         if not self.config.cuda_graphs or b > 256:
             return 0

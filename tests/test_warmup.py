@@ -104,7 +104,7 @@ def test_warmup_setting():
     assert not wants_warmup(ServeConfig(target="x"), cpu)  # default: GPUs only
     assert wants_warmup(ServeConfig(target="x", warmup=True), cpu)
     assert ServeConfig.from_dict({"target": "x", "warmup": False}).warmup is False
-    assert lengths_for(300, 33) == [12, 20, 40, 100, 200] and lengths_for(10, 33) == []
+    assert lengths_for(300, 33) == [12, 13, 20, 40, 100, 200] and lengths_for(10, 33) == []
     assert batch_sizes(128) == [2, 4, 8, 16, 32, 64, 128] and batch_sizes(100) == [2, 4, 8, 16, 32, 64, 100]
     assert batch_sizes(2) == [2] and batch_sizes(1) == []
 

@@ -216,16 +216,14 @@ def token_ids(v: Any, source: str, vocab_size: int | None = None, name: str = "e
 
 def require_file(f: Path, model_dir: str | Path, kind: str = "a Hugging Face model directory") -> None:
     """A checkpoint's config.json exists, else the error that says what the directory is not."""
-    if not f.exists() and os.path.lexists(f):  # a dangling link (a broken Hugging Face cache blob), or a loop
-        raise CheckpointError(f"{model_dir}: config.json is a broken link ({f} -> {os.readlink(f)})")
-    if not f.exists():
+    if not optional_file(f, model_dir):
         raise CheckpointError(f"{model_dir}: no config.json (is this {kind}?)")
 
 
 def optional_file(f: Path, model_dir: str | Path) -> bool:
-    """Whether a checkpoint's optional file (generation_config.json, a chat template) is there; a dangling link
-    is refused by name, not read as absent: a broken Hugging Face cache blob of generation_config.json quietly
-    took the stop tokens from config.json instead (Qwen3 lost 151643)."""
+    """Whether a checkpoint's file (config.json, tokenizer.json, generation_config.json, a chat template) is
+    there; a dangling link (a broken Hugging Face cache blob, or a loop) is refused by name, not read as absent:
+    a broken generation_config.json quietly took the stop tokens from config.json instead."""
     if not f.exists() and os.path.lexists(f):
         raise CheckpointError(f"{model_dir}: {f.name} is a broken link ({f} -> {os.readlink(f)})")
     return f.exists()

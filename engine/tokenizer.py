@@ -1,12 +1,11 @@
 """Tokenizer of a model directory (tokenizer.json through the `tokenizers` library), optional."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from flashpd.engine.config import CheckpointError, read_json_object
+from flashpd.engine.config import CheckpointError, optional_file, read_json_object
 
 
 WINDOW_CHARS = 16384  # tokens_over's window
@@ -25,9 +24,7 @@ class TextTokenizer:
     def from_dir(cls, model_dir: str | Path) -> "TextTokenizer | None":
         """The directory's tokenizer.json (None without one), checked against its config.json's vocab_size."""
         p = Path(model_dir) / "tokenizer.json"
-        if not p.exists() and os.path.lexists(p):  # a dangling link (a broken Hugging Face cache blob), or a loop
-            raise CheckpointError(f"{p}: a broken link (-> {os.readlink(p)})")
-        if not p.exists():
+        if not optional_file(p, model_dir):
             return None
         tok = cls(p)
         cfg = Path(model_dir) / "config.json"

@@ -8,12 +8,13 @@ the next from one pool of prompts (cut from the sweep's held-out text, bench/job
 order by its `pool_sample`), as the sweep's clients do but
 with no gRPC, no threads and no client in between. Per configuration (session hold fraction, method, level) it
 reports tokens a second, the step time, the device-loop sessions ended and the requests admitted, and how many
-steps a finished request's end waited (Scheduler.hold_fraction). The service sweep measures the same loop
+steps a finished request's end waited (Scheduler.hold_fraction), and the CUDA graphs captured inside the level.
+Requests are greedy unless --temperature (and --top-p, --top-k) say otherwise. The service sweep measures the same loop
 through the front end; the gap between the two is the front end's and the interpreter lock's
 (docs/results.md, "Service sweeps").
 
 Rounds alternate over configurations (every configuration once per round), so that a machine's drift falls on
-all alike; the first round of each configuration also meets any shape the warm-up did not.
+all alike; the first round of each configuration also meets any shape the warm-up did not (its graphs_captured).
 """
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ log = logging.getLogger("flashpd.closed_loop")
 DEMO = PAIR  # flashpd/assets/demo_pair, wherever the package is installed
 
 
-def run_level(sched, pool: list[list[int]], order: list[int], conc: int, method: str, max_tokens: int) -> dict:
-    """One closed loop of len(order) requests, conc in flight; the scheduler is idle before and after."""
-    from flashpd.engine.sampling import SamplingParams  # noqa: PLC0415
+def run_level(sched, pool: list[list[int]], order: list[int], conc: int, method: str, params) -> dict:
+    """One closed loop of len(order) requests, conc in flight, each with `params` (SamplingParams); the scheduler
+    is idle before and after. graphs_captured: CUDA graphs captured inside the level (shapes the warm-up did not
+    meet; each a stall of the batch in flight)."""
+    from flashpd.engine import cuda_graph  # noqa: PLC0415
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    ends0, adm0 = sched.sessions_ended, sched.admitted
+    ends0, adm0, graphs0 = sched.sessions_ended, sched.admitted, cuda_graph.captures()
     reqs, sent, done, tokens, steps = {}, 0, 0, 0, 0
     last_token: dict[int, int] = {}
     waits: list[int] = []
@@ -71,7 +73,8 @@ def run_level(sched, pool: list[list[int]], order: list[int], conc: int, method:
     wall = time.perf_counter() - t0
     return {"requests": len(order), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "steps": steps, "ms_per_step": wall * 1e3 / steps, "sessions_ended": sched.sessions_ended - ends0,
-            "admitted": sched.admitted - adm0, "end_wait_steps": {"mean": statistics.fmean(waits), "max": max(waits)},
+            "admitted": sched.admitted - adm0, "graphs_captured": cuda_graph.captures() - graphs0,
+            "end_wait_steps": {"mean": statistics.fmean(waits), "max": max(waits)},
             "tau": _tau(reqs.values()) if method == "dflash" else None}
 
 
@@ -96,6 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-pool", type=int, default=256, dest="prompt_pool")
     ap.add_argument("--prompt-tokens", type=int, default=128, dest="prompt_tokens")
     ap.add_argument("--max-tokens", type=int, default=64, dest="max_tokens")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's (0: greedy; an HTTP request's default is 1.0, or the target's "
+                         "generation_config.json)")
+    ap.add_argument("--top-p", type=float, default=1.0, dest="top_p")
+    ap.add_argument("--top-k", type=int, default=0, dest="top_k")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                     help="the decode worker's warm-up first (auto: on a GPU)")
@@ -106,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from flashpd.decode_node.scheduler import Scheduler  # noqa: PLC0415
     from flashpd.engine.factory import load_engine  # noqa: PLC0415
+    from flashpd.engine.sampling import SamplingParams  # noqa: PLC0415
     from flashpd.engine.warmup import lengths_for, warm_scheduler  # noqa: PLC0415
 
     levels = [int(x) for x in a.concurrency.split(",")]
@@ -113,6 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     holds = [float(x) for x in a.hold_fractions.split(",")]
     if any(not 0 <= h <= 1 for h in holds):
         raise SystemExit("--hold-fractions: each must be in [0, 1]")
+    try:  # refused before the model loads (a temperature < 0, a top_p outside (0, 1])
+        params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, temperature=a.temperature, top_p=a.top_p,
+                                top_k=a.top_k)
+        params.validate()
+    except ValueError as e:
+        raise SystemExit(f"closed_loop: {e}") from None
     llm = load_engine(a.target, a.draft if "dflash" in methods else None, device=a.device, dtype=a.dtype,
                       kv_cache_tokens=a.kv_cache_tokens)
     sched = Scheduler(llm.runner, llm.drafter, tuple(llm.stop_ids), None, max(levels), "preempt")
@@ -129,10 +144,11 @@ def main(argv: list[str] | None = None) -> None:
         for h, m, c in configs:
             sched.hold_fraction, sched.hold_steps = h, a.hold_steps
             order = pool_sample(a.prompt_pool, a.requests or 3 * c, a.seed, c)
-            row = run_level(sched, pool, order, c, m, a.max_tokens)
+            row = run_level(sched, pool, order, c, m, params)
             rows[(h, m, c)].append(row)
-            log.info("round %d hold %.2f %s c=%d: %.0f tokens/s, %.2f ms a step, %d sessions ended, tau %s", rnd, h, m,
-                     c, row["tokens_per_s"], row["ms_per_step"], row["sessions_ended"], row["tau"])
+            log.info("round %d hold %.2f %s c=%d: %.0f tokens/s, %.2f ms a step, %d sessions ended, %d graphs "
+                     "captured, tau %s", rnd, h, m, c, row["tokens_per_s"], row["ms_per_step"], row["sessions_ended"],
+                     row["graphs_captured"], row["tau"])
     free = llm.runner.allocator.num_free
     if free != sched.capacity:
         raise RuntimeError(f"the closed loops leaked KV blocks ({sched.capacity - free})")

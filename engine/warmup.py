@@ -13,9 +13,10 @@ bucket under its concurrency: a 3.7 s stall at concurrency 32 was such a shape f
 level); a width policy's batch rule (narrower widths, no speculation past a size) applies there as it will
 when serving. Then, per method, the fresh prefills of 2 or more prompts at once that replay a graph (each batch
 bucket and padded width within the prefill graph's tokens: a closed loop admits its replacements a few at a
-time), and each batch bucket greedy once more with tables in the 16-block bucket (contexts of 129-256 tokens,
-where chat-length requests run). Other shapes (other block-table buckets at large batches, the sampled modes at
-16 blocks) are still captured when first seen; a decode worker logs and counts each (engine/jit_watch.py).
+time), and each batch bucket once more, in the three modes, with tables in the 16-block bucket (contexts of
+129-256 tokens, where chat-length requests run; an HTTP request samples unless it asks otherwise). Other shapes
+(other block-table buckets at large batches) are still captured when first seen; a decode worker logs and counts
+each (engine/jit_watch.py).
 
 Warm-up requests never touch a prefix cache or a bridge (nothing is published or imported), and
 leave every KV block free. Random token ids: only the shapes matter.
@@ -42,11 +43,12 @@ SHORT_LENGTHS = (12, 13, 20, 40)
 DEFAULT_LENGTHS = (*SHORT_LENGTHS, 100, 200, 400, 900, 2000)
 BUCKET_PROMPT = 16  # tokens of each prompt of the batch-bucket pass (one prefill width, one block-table bucket)
 BUCKET_TOKENS = 4  # tokens each request of that pass generates: its prefill's token, then a few steps
-# A second, greedy pass over the same batch buckets with tables of WIDE_TABLE_BLOCKS blocks (the 16-block bucket:
-# contexts of 129-256 tokens at blocks of 16), where chat-length requests run at every batch (a 128-token prompt and
-# 64 new tokens end at 192). The 16-token pass's tables take the 4-block bucket only, so a closed loop at large
-# batches met each batch bucket's device step at 16 blocks for the first time while serving (counted on the CPU
-# with the GPU's padded paths: docs/results.md; tests/test_warmup.py checks a closed loop of 8).
+# A second pass (greedy, sampled, filtered) over the same batch buckets with tables of WIDE_TABLE_BLOCKS blocks
+# (the 16-block bucket: contexts of 129-256 tokens at blocks of 16), where chat-length requests run at every batch
+# (a 128-token prompt and 64 new tokens end at 192). The 16-token pass's tables take the 4-block bucket only, so
+# a closed loop at large batches met each batch bucket's device step at 16 blocks for the first time while serving
+# (counted on the CPU with the GPU's padded paths: docs/results.md; tests/test_warmup.py checks a closed loop of 8
+# in each mode).
 WIDE_TABLE_BLOCKS = 12
 PROGRESS_S = 30.0  # a warm-up's progress line at most this often (it takes minutes on a GPU: serve waits on it)
 
@@ -90,7 +92,8 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     """Each prompt alone, then all at once, through every method the scheduler has; then, per method, a batch of
     short prompts at every power-of-two bucket up to max_batch (default: the scheduler's max_running) for
     `bucket_tokens` tokens, greedy, sampled and filtered, then the fresh prefills of several prompts that replay a
-    graph (`prefill_shapes`), then greedy again with prompts whose tables take the WIDE_TABLE_BLOCKS bucket. Its
+    graph (`prefill_shapes`), then the three modes again with prompts whose tables take the WIDE_TABLE_BLOCKS
+    bucket. Its
     prefix cache is detached meanwhile and its
     counters reset after; a group whose worst case does not fit the free KV blocks at once is skipped (a small
     cache), never preempted. Returns what ran (for the log and the tests)."""
@@ -158,7 +161,8 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
                 for b in sizes:
                     group = random_prompts([wide] * b, vocab, seed=1000 + b)
                     if fits(group, bucket_tokens):
-                        run(group, shorts[0], method)
+                        for short in shorts:  # an HTTP request samples by default (temperature 1.0, or the
+                            run(group, short, method)  # target's generation_config: top-p/top-k for Qwen3)
                         wide_batches[method].append(b)
             bucket_s += time.perf_counter() - t1
     finally:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from flashpd.bench.closed_loop import main
 
 
@@ -19,3 +21,19 @@ def test_closed_loop_bench_runs_both_holds(tmp_path):
         assert r["tokens"] == 8 * 8 and r["requests"] == 8 and r["tau"] >= 1
     assert rows[0.0]["end_wait_steps"]["max"] == 0 and rows[1.0]["end_wait_steps"]["max"] <= 4
     assert rows[1.0]["sessions_ended"] <= rows[0.0]["sessions_ended"]
+
+
+def test_closed_loop_bench_samples_when_asked(tmp_path):
+    """--temperature / --top-p / --top-k reach every request (the JSON's settings say so, tokens all arrive); a bad
+    value is refused before any model loads."""
+    out = tmp_path / "cl.json"
+    main(["--concurrency", "2", "--methods", "native,dflash", "--requests", "4", "--max-tokens", "6",
+          "--prompt-pool", "4", "--prompt-tokens", "16", "--rounds", "1", "--device", "cpu", "--temperature", "0.7",
+          "--top-p", "0.9", "--top-k", "20", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert (d["settings"]["temperature"], d["settings"]["top_p"], d["settings"]["top_k"]) == (0.7, 0.9, 20)
+    for r in d["results"]:
+        row = r["rounds"][0]
+        assert row["tokens"] == 4 * 6 and row["graphs_captured"] == 0  # the CPU captures no graph
+    with pytest.raises(SystemExit, match="top_p"):
+        main(["--top-p", "1.5", "--target", str(tmp_path / "absent"), "--out", str(tmp_path / "x.json")])

@@ -109,13 +109,20 @@ def test_warmup_setting():
     assert batch_sizes(2) == [2] and batch_sizes(1) == []
 
 
-def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monkeypatch):  # noqa: F811
+# a closed loop's sampling: greedy (the service sweep's), an HTTP request's default (temperature 1.0), and Qwen3's
+# generation_config.json (which the HTTP API takes as its default: temperature 0.6, top-p 0.95, top-k 20)
+LOOP_MODES = {"greedy": {}, "sampled": dict(temperature=1.0), "filtered": dict(temperature=0.6, top_p=0.95, top_k=20)}
+
+
+@pytest.mark.parametrize("mode", list(LOOP_MODES))
+def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monkeypatch, mode):  # noqa: F811
     """With the GPU's padded shapes (cuda_graphs=True runs each graphed function directly on the CPU), a closed loop
     of 8 requests in flight with 128-token prompts and 64 new tokens (the service sweep's), native then DFlash,
-    meets no graph key (device-loop step: batch bucket, width, table bucket; runner graph: packed input, batch,
-    width, table, sink) that the warm-up did not: on a GPU each would be a graph captured while serving, with the
-    batch waiting. Before the warm-up's 16-block and prefill passes the loop met (8, 1, 16), (8, 16, 16) and the
-    smaller buckets, and the prefills of 2-8 prompts, for the first time."""
+    greedy or sampled, meets no graph key (device-loop step: its mode's graph, batch bucket, width, table bucket;
+    runner graph: packed input, batch, width, table, sink) that the warm-up did not: on a GPU each would be a graph
+    captured while serving, with the batch waiting. Before the warm-up's 16-block and prefill passes the loop met
+    (8, 1, 16), (8, 16, 16) and the smaller buckets, and the prefills of 2-8 prompts, for the first time; before the
+    16-block pass ran every mode, a sampled loop met each bucket's sampled step at 16 blocks."""
     seen: list[tuple] = []
     orig, orig_graphed = device_loop.InPlaceGraph.__call__, cuda_graph.GraphedFn.__call__
 
@@ -141,7 +148,7 @@ def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monke
     assert {k[1] for k in warm} >= {(b, 1, 16) for b in (2, 4, 8)}  # the 16-block pass, native's shapes
     g = torch.Generator().manual_seed(11)
     pool = [torch.randint(0, 126, (128,), generator=g).tolist() for _ in range(20)]
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    params = SamplingParams(max_tokens=64, ignore_eos=True, **LOOP_MODES[mode])
     for method in ("native", "dflash"):
         del seen[:]
         sent = finished = 0

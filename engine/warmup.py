@@ -14,9 +14,9 @@ level); a width policy's batch rule (narrower widths, no speculation past a size
 when serving. Then, per method, the fresh prefills of 2 or more prompts at once that replay a graph (each batch
 bucket and padded width within the prefill graph's tokens: a closed loop admits its replacements a few at a
 time), and each batch bucket once more, in the three modes, with tables in the 16-block bucket (contexts of
-129-256 tokens, where chat-length requests run; an HTTP request samples unless it asks otherwise). Other shapes
-(other block-table buckets at large batches) are still captured when first seen; a decode worker logs and counts
-each (engine/jit_watch.py).
+129-256 tokens, where chat-length requests run; an HTTP request samples unless it asks otherwise). Each prompt
+alone runs in the three modes too. Other shapes (other block-table buckets at large batches) are still captured
+when first seen; a decode worker logs and counts each (engine/jit_watch.py).
 
 Warm-up requests never touch a prefix cache or a bridge (nothing is published or imported), and
 leave every KV block free. Random token ids: only the shapes matter.
@@ -89,14 +89,13 @@ def prefill_shapes(config: RunnerConfig, sizes: list[int]) -> list[tuple[int, in
 
 def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: int | None = None,
                    bucket_tokens: int = BUCKET_TOKENS) -> dict:
-    """Each prompt alone, then all at once, through every method the scheduler has; then, per method, a batch of
-    short prompts at every power-of-two bucket up to max_batch (default: the scheduler's max_running) for
-    `bucket_tokens` tokens, greedy, sampled and filtered, then the fresh prefills of several prompts that replay a
-    graph (`prefill_shapes`), then the three modes again with prompts whose tables take the WIDE_TABLE_BLOCKS
-    bucket. Its
-    prefix cache is detached meanwhile and its
-    counters reset after; a group whose worst case does not fit the free KV blocks at once is skipped (a small
-    cache), never preempted. Returns what ran (for the log and the tests)."""
+    """Each prompt alone (greedy, sampled and filtered), then all at once, through every method the scheduler has;
+    then, per method, a batch of short prompts at every power-of-two bucket up to max_batch (default: the
+    scheduler's max_running) for `bucket_tokens` tokens, greedy, sampled and filtered, then the fresh prefills of
+    several prompts that replay a graph (`prefill_shapes`), then the three modes again with prompts whose tables
+    take the WIDE_TABLE_BLOCKS bucket. Its prefix cache is detached meanwhile and its counters reset after; a group
+    whose worst case does not fit the free KV blocks at once is skipped (a small cache), never preempted. Returns
+    what ran (for the log and the tests)."""
     runner = scheduler.runner
     free = runner.allocator.num_free
     methods = ["native"] + (["dflash"] if scheduler.spec is not None else [])
@@ -105,8 +104,11 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     sizes = batch_sizes(scheduler.max_running if max_batch is None else min(max_batch, scheduler.max_running))
     # greedy, sampled, sampled with a filter: the device step's three graphs (its sampling modes)
-    shorts = [SamplingParams(max_tokens=bucket_tokens, ignore_eos=True, **kw)
-              for kw in ({}, dict(temperature=1.0, seed=0), dict(temperature=1.0, top_p=0.9, seed=0))]
+    modes = ({}, dict(temperature=1.0, seed=0), dict(temperature=1.0, top_p=0.9, seed=0))
+    shorts = [SamplingParams(max_tokens=bucket_tokens, ignore_eos=True, **kw) for kw in modes]
+    # each prompt alone in every mode: a request alone (a first HTTP request, which samples by default) grows
+    # through the block-table buckets of its length at batch 1
+    alone = [SamplingParams(max_tokens=new_tokens, ignore_eos=True, **kw) for kw in modes]
     cache, scheduler.prefix_cache = scheduler.prefix_cache, None
     t0 = time.perf_counter()
     n, batches, skipped, bucket_s = 0, {m: [] for m in methods}, {m: [] for m in methods}, 0.0
@@ -138,7 +140,8 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
             phase = "prompts of each length"
             for group in [[p] for p in prompts] + [prompts]:
                 if fits(group, new_tokens):  # a small KV cache: skip what cannot run at once rather than preempt
-                    run(group, params, method)
+                    for sp in alone if len(group) == 1 else [params]:
+                        run(group, sp, method)
             t1 = time.perf_counter()
             for b in sizes:
                 phase = f"batch bucket {b}"

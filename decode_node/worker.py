@@ -34,6 +34,7 @@ from flashpd.engine.jit_watch import JitWatch
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.store import MemoryStore
 from flashpd.engine.width_policy import WidthPolicy
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,18 @@ def snapshot(counts: Mapping[str, int]) -> dict[str, int]:
     its items(), sum() over a subclass's values()) lets a writer in between two items, and a new key then fails the
     read with "dictionary changed size during iteration"."""
     return dict.copy(counts)  # type: ignore[arg-type]  (a Counter, or any dict subclass: its own storage)
+
+
+SCRATCH_BYTES = 1 << 30  # the warm-up's private prefix store: a few chunks of two short prompts, host memory
+
+
+def scratch_cache(cache: PrefixCache | None) -> PrefixCache | None:
+    """A private, empty prefix cache of the serving cache's kind (fingerprint, chunk size, drafter restores, staging
+    budget) for the warm-up's own hits (engine/warmup.py `warm_hits`); dropped after it. None without a cache."""
+    if cache is None:
+        return None
+    return PrefixCache(MemoryStore(SCRATCH_BYTES), cache.fingerprint, cache.chunk_tokens, cache.restore_draft,
+                       stage_bytes=cache.stager.budget_bytes)
 
 
 class DecodeWorker:
@@ -62,7 +75,8 @@ class DecodeWorker:
             from flashpd.engine.warmup import lengths_for, warm_scheduler  # noqa: PLC0415
             spec = self.scheduler.spec
             new = 2 * (spec.draft_width if spec is not None else 16) + 1
-            self.warmup = warm_scheduler(self.scheduler, lengths_for(runner.max_positions, new), new)
+            self.warmup = warm_scheduler(self.scheduler, lengths_for(runner.max_positions, new), new,
+                                         scratch_cache=scratch_cache(prefix_cache))
             log.info("decode warm-up: %d requests (%s; prompts of %s tokens) in %.1f s", self.warmup["requests"],
                      "/".join(self.warmup["methods"]), self.warmup["lengths"], self.warmup["seconds"])
             self.jit = JitWatch()

@@ -15,10 +15,12 @@ when serving. Then, per method, the fresh prefills of 2 or more prompts at once 
 bucket and padded width within the prefill graph's tokens: a closed loop admits its replacements a few at a
 time), and each batch bucket once more, in the three modes, with tables in the 16-block bucket (contexts of
 129-256 tokens, where chat-length requests run; an HTTP request samples unless it asks otherwise). Each prompt
-alone runs in the three modes too. Other shapes (other block-table buckets at large batches) are still captured
-when first seen; a decode worker logs and counts each (engine/jit_watch.py).
+alone runs in the three modes too. Where the worker serves with a prefix cache, prompts of 1 and 2 rows hit a
+private one (`warm_hits`): the first prefill over a cached prefix with 2 rows compiles. Other shapes (other
+block-table buckets at large batches, other hit tails) are still captured when first seen; a decode worker logs
+and counts each (engine/jit_watch.py).
 
-Warm-up requests never touch a prefix cache or a bridge (nothing is published or imported), and
+Warm-up requests never touch the serving prefix cache or a bridge (nothing is published or imported), and
 leave every KV block free. Random token ids: only the shapes matter.
 """
 from __future__ import annotations
@@ -50,6 +52,7 @@ BUCKET_TOKENS = 4  # tokens each request of that pass generates: its prefill's t
 # (counted on the CPU with the GPU's padded paths: docs/results.md; tests/test_warmup.py checks a closed loop of 8
 # in each mode).
 WIDE_TABLE_BLOCKS = 12
+HIT_TAIL = 24  # tokens past the cached chunk in the prefix-hit pass (a chat turn's new message: a 64-wide tail)
 PROGRESS_S = 30.0  # a warm-up's progress line at most this often (it takes minutes on a GPU: serve waits on it)
 
 
@@ -88,13 +91,17 @@ def prefill_shapes(config: RunnerConfig, sizes: list[int]) -> list[tuple[int, in
 
 
 def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: int | None = None,
-                   bucket_tokens: int = BUCKET_TOKENS) -> dict:
+                   bucket_tokens: int = BUCKET_TOKENS, scratch_cache=None) -> dict:
     """Each prompt alone (greedy, sampled and filtered), then all at once, through every method the scheduler has;
     then, per method, a batch of short prompts at every power-of-two bucket up to max_batch (default: the
     scheduler's max_running) for `bucket_tokens` tokens, greedy, sampled and filtered, then the fresh prefills of
     several prompts that replay a graph (`prefill_shapes`), then the three modes again with prompts whose tables
     take the WIDE_TABLE_BLOCKS bucket. Its prefix cache is detached meanwhile and its counters reset after; a group
-    whose worst case does not fit the free KV blocks at once is skipped (a small cache), never preempted. Returns
+    whose worst case does not fit the free KV blocks at once is skipped (a small cache), never preempted.
+    scratch_cache: a private prefix cache (the serving cache's kind: its fingerprint and chunk size, its own
+    empty store), given where the scheduler serves with a prefix cache: prompts of 1 and 2 rows publish a chunk
+    into it and come back longer, so that a hit's tail prefill (a prefill over a cached prefix, which a lone
+    long prompt's chunks alone ran, at one row) compiles and captures here, not inside the first hits. Returns
     what ran (for the log and the tests)."""
     runner = scheduler.runner
     free = runner.allocator.num_free
@@ -113,6 +120,7 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     t0 = time.perf_counter()
     n, batches, skipped, bucket_s = 0, {m: [] for m in methods}, {m: [] for m in methods}, 0.0
     wide_batches: dict[str, list[int]] = {m: [] for m in methods}
+    hit_batches: dict[str, list[int]] = {m: [] for m in methods}
     prefills: dict[str, list[tuple[int, int]]] = {m: [] for m in methods}
     first_only = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -167,6 +175,9 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
                         for short in shorts:  # an HTTP request samples by default (temperature 1.0, or the
                             run(group, short, method)  # target's generation_config: top-p/top-k for Qwen3)
                         wide_batches[method].append(b)
+            if scratch_cache is not None:
+                phase = "prefix hits"
+                hit_batches[method] = warm_hits(scheduler, scratch_cache, method, run, fits, first_only)
             bucket_s += time.perf_counter() - t1
     finally:
         scheduler.prefix_cache = cache
@@ -174,8 +185,33 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     if runner.allocator.num_free != free:
         raise RuntimeError(f"warm-up leaked KV blocks ({free - runner.allocator.num_free})")
     return {"requests": n, "methods": methods, "lengths": lengths, "batches": batches, "skipped_batches": skipped,
-            "wide_table_batches": wide_batches, "prefill_batches": prefills, "seconds": time.perf_counter() - t0,
+            "wide_table_batches": wide_batches, "prefill_batches": prefills, "hit_batches": hit_batches,
+            "seconds": time.perf_counter() - t0,
             "batch_seconds": bucket_s}
+
+
+def warm_hits(scheduler, scratch_cache, method: str, run, fits, params: SamplingParams) -> list[int]:
+    """Prefix hits of 1 and 2 rows through `scratch_cache` (attached for this only): prompts of one chunk and
+    HIT_TAIL tokens publish their chunk, then come back HIT_TAIL tokens longer, each restoring that chunk and
+    prefilling the rest over it. Two rows at once is the first prefill over a cached prefix with more than one
+    row, which compiles (sizes 0 and 1 specialize: engine/runner.py `compiled`). Returns the batches run."""
+    runner = scheduler.runner
+    chunk, vocab, done = scratch_cache.chunk_tokens, runner.model.cfg.vocab_size, []
+    # restores inside admission: with fetches on the load threads, two requests' hits may finish apart and
+    # prefill one row each (as they may while serving; the pass needs the two rows together once)
+    scheduler.prefix_cache, async_load, scheduler.async_load = scratch_cache, scheduler.async_load, False
+    try:
+        for b in (1, 2):
+            base = random_prompts([chunk + HIT_TAIL] * b, vocab, seed=3000 + b)
+            longer = [p + q for p, q in zip(base, random_prompts([HIT_TAIL] * b, vocab, seed=3100 + b))]
+            if len(longer[0]) + 1 > runner.max_positions or not fits(longer, 1):
+                continue
+            run(base, params, method)
+            run(longer, params, method)
+            done.append(b)
+    finally:  # None: warm_scheduler's own setting (the serving cache goes back at its end)
+        scheduler.prefix_cache, scheduler.async_load = None, async_load
+    return done
 
 
 def warm_prefill(gen, lengths: list[int]) -> dict:

@@ -59,6 +59,7 @@ def test_decode_warmup_leaves_no_trace(dflash_pair):  # noqa: F811
                 # every batch bucket up to max_running (64), but 64 rows of short prompts do not fit 255 blocks
                 assert done["batches"] == {m: [2, 4, 8, 16, 32] for m in ("native", "dflash")}, done
                 assert done["skipped_batches"] == {m: [64] for m in ("native", "dflash")}
+                assert done["hit_batches"] == {m: [1, 2] for m in ("native", "dflash")}, done  # a private cache's
             else:
                 assert w.warmup is None
             assert runner.allocator.num_free == free
@@ -169,6 +170,45 @@ def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monke
         assert seen, f"{method}: no device-loop step ran (the check would be empty)"
         assert set(seen) <= warm, (method, sorted(str(k[1:]) for k in set(seen) - warm))
 
+
+
+def test_warmup_prefills_over_a_cached_prefix_at_one_and_two_rows(dflash_pair, monkeypatch):  # noqa: F811
+    """Where a worker serves with a prefix cache, a hit's tail is a prefill over a cached prefix (fresh=False);
+    before the warm-up's hit pass only a lone long prompt's chunks ran one, at one row, so the first hits of two
+    requests admitted together compiled it (sizes 0 and 1 specialize: two dynamo graphs on the CPU's count) and
+    captured its graph while serving. The pass runs through a private cache: the serving one stays empty, and a
+    chat turn of two requests hitting the serving cache afterwards (the pass's geometry) meets no new graph key."""
+    from flashpd.decode_node.worker import scratch_cache
+
+    seen: list[tuple] = []
+    orig_graphed = cuda_graph.GraphedFn.__call__
+
+    def record_graphed(self, inputs, **kw):
+        seen.append((id(self), tuple(tuple(x.shape) for x in inputs),
+                     tuple(sorted((k, getattr(v, "__qualname__", v)) for k, v in kw.items()))))
+        return orig_graphed(self, inputs, **kw)
+
+    monkeypatch.setattr(cuda_graph.GraphedFn, "__call__", record_graphed)
+    target, drafter, taps = _models(dflash_pair)
+    runner = ModelRunner(target, 640, 16, taps=taps, config=RunnerConfig(cuda_graphs=True, compile=False))
+    cache = _cache(dflash_pair, drafter)
+    sched = Scheduler(runner, drafter, (), cache, 8, "preempt", None)
+    done = warm_scheduler(sched, lengths_for(runner.max_positions, 33), 33, scratch_cache=scratch_cache(cache))
+    assert done["hit_batches"] == {m: [1, 2] for m in ("native", "dflash")}, done
+    assert sched.prefix_cache is cache and cache.stats.requests == 0 and cache.store.stats()["puts"] == 0
+    warm = set(seen)
+    over_prefix = {(dict(k[2])["b"], dict(k[2])["sink"]) for k in warm if dict(k[2]).get("fresh") is False}
+    assert {(2, None), (2, "DraftRunner.write_forward_context")} <= over_prefix, over_prefix
+    g = torch.Generator().manual_seed(13)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for method in ("native", "dflash"):
+        base = [torch.randint(0, 126, (cache.chunk_tokens + 24,), generator=g).tolist() for _ in range(2)]
+        for group in (base, [p + torch.randint(0, 126, (24,), generator=g).tolist() for p in base]):
+            for p in group:
+                sched.add(p, params, method)
+            sched.run_until_idle()
+        assert cache.stats.per_request_hits[-2:] == [cache.chunk_tokens] * 2, cache.stats
+    assert set(seen) <= warm, sorted(str(k[1:]) for k in set(seen) - warm)
 
 
 def test_llm_warmup_leaves_no_short_prompt_a_graph_to_capture(monkeypatch):

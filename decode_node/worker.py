@@ -34,6 +34,7 @@ from flashpd.engine.jit_watch import JitWatch
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
 from flashpd.kv_bridge.prefix_cache import PrefixCache
+from flashpd.kv_bridge.layout import ChunkLayout
 from flashpd.kv_bridge.store import MemoryStore
 from flashpd.engine.width_policy import WidthPolicy
 
@@ -48,16 +49,23 @@ def snapshot(counts: Mapping[str, int]) -> dict[str, int]:
     return dict.copy(counts)  # type: ignore[arg-type]  (a Counter, or any dict subclass: its own storage)
 
 
-SCRATCH_BYTES = 1 << 30  # the warm-up's private prefix store: a few chunks of two short prompts, host memory
+SCRATCH_CHUNKS = 4  # the warm-up's private prefix store holds this many chunks (its hit pass keeps 2 at once)
 
 
-def scratch_cache(cache: PrefixCache | None) -> PrefixCache | None:
-    """A private, empty prefix cache of the serving cache's kind (fingerprint, chunk size, drafter restores, staging
-    budget) for the warm-up's own hits (engine/warmup.py `warm_hits`); dropped after it. None without a cache."""
+def scratch_cache(cache: PrefixCache | None, scheduler: Scheduler) -> PrefixCache | None:
+    """A private, empty prefix cache of the serving cache's kind (fingerprint, chunk size, drafter restores; its
+    stager, so no second staging stream) for the warm-up's own hits (engine/warmup.py `warm_hits`), on a host store
+    sized for SCRATCH_CHUNKS of this engine's chunks; dropped after the warm-up. None without a cache."""
     if cache is None:
         return None
-    return PrefixCache(MemoryStore(SCRATCH_BYTES), cache.fingerprint, cache.chunk_tokens, cache.restore_draft,
-                       stage_bytes=cache.stager.budget_bytes)
+    gen = scheduler.spec if scheduler.spec is not None else scheduler.native
+    drafts = getattr(gen, "drafts", None)
+    layout = ChunkLayout.of_caches(gen.runner.cache.data, drafts.cache.data if drafts is not None else None,
+                                   cache.chunk_tokens, cache.fingerprint)
+    scratch = PrefixCache(MemoryStore(SCRATCH_CHUNKS * (layout.payload_bytes() + (1 << 16))), cache.fingerprint,
+                          cache.chunk_tokens, cache.restore_draft, stage_bytes=0)
+    scratch.stager = cache.stager
+    return scratch
 
 
 class DecodeWorker:
@@ -76,9 +84,10 @@ class DecodeWorker:
             spec = self.scheduler.spec
             new = 2 * (spec.draft_width if spec is not None else 16) + 1
             self.warmup = warm_scheduler(self.scheduler, lengths_for(runner.max_positions, new), new,
-                                         scratch_cache=scratch_cache(prefix_cache))
-            log.info("decode warm-up: %d requests (%s; prompts of %s tokens) in %.1f s", self.warmup["requests"],
-                     "/".join(self.warmup["methods"]), self.warmup["lengths"], self.warmup["seconds"])
+                                         scratch_cache=scratch_cache(prefix_cache, self.scheduler))
+            log.info("decode warm-up: %d requests (%s; prompts of %s tokens; prefix hits of %s rows) in %.1f s",
+                     self.warmup["requests"], "/".join(self.warmup["methods"]), self.warmup["lengths"],
+                     self.warmup["hit_batches"] if prefix_cache is not None else "no", self.warmup["seconds"])
             self.jit = JitWatch()
         # after the warm-up, so that it runs as it always did (engine/scheduler.py: holding a serving session)
         self.scheduler.hold_fraction, self.scheduler.hold_steps = hold_fraction, hold_steps

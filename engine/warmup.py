@@ -16,12 +16,12 @@ bucket and padded width within the prefill graph's tokens: a closed loop admits 
 time), and each batch bucket once more, in the three modes, with tables in the 16-block bucket (contexts of
 129-256 tokens, where chat-length requests run; an HTTP request samples unless it asks otherwise). Each prompt
 alone runs in the three modes too. Where the worker serves with a prefix cache, prompts of 1 and 2 rows hit a
-private one (`warm_hits`): the first prefill over a cached prefix with 2 rows compiles. Other shapes (other
-block-table buckets at large batches, other hit tails) are still captured when first seen; a decode worker logs
-and counts each (engine/jit_watch.py).
+private one (`warm_hits`, one geometry): the first prefill over a cached prefix with 2 rows compiles. Other shapes
+(other block-table buckets at large batches, other hit tails, prefixes and batches) are still captured when first
+seen; a decode worker logs and counts each (engine/jit_watch.py).
 
-Warm-up requests never touch the serving prefix cache or a bridge (nothing is published or imported), and
-leave every KV block free. Random token ids: only the shapes matter.
+Warm-up requests never touch the serving prefix cache or a bridge (the hit pass publishes to and imports from its
+private cache only), and leave every KV block free. Random token ids: only the shapes matter.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ BUCKET_TOKENS = 4  # tokens each request of that pass generates: its prefill's t
 # (counted on the CPU with the GPU's padded paths: docs/results.md; tests/test_warmup.py checks a closed loop of 8
 # in each mode).
 WIDE_TABLE_BLOCKS = 12
-HIT_TAIL = 24  # tokens past the cached chunk in the prefix-hit pass (a chat turn's new message: a 64-wide tail)
+HIT_TAIL = 24  # the prefix-hit pass: its prompts are a chunk + this, then + twice this (a 48-token tail, 64 wide)
 PROGRESS_S = 30.0  # a warm-up's progress line at most this often (it takes minutes on a GPU: serve waits on it)
 
 
@@ -101,7 +101,7 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
     scratch_cache: a private prefix cache (the serving cache's kind: its fingerprint and chunk size, its own
     empty store), given where the scheduler serves with a prefix cache: prompts of 1 and 2 rows publish a chunk
     into it and come back longer, so that a hit's tail prefill (a prefill over a cached prefix, which a lone
-    long prompt's chunks alone ran, at one row) compiles and captures here, not inside the first hits. Returns
+    long prompt's chunks alone ran, at one row) compiles here, not inside the first hits (`warm_hits`). Returns
     what ran (for the log and the tests)."""
     runner = scheduler.runner
     free = runner.allocator.num_free
@@ -193,24 +193,34 @@ def warm_scheduler(scheduler, lengths: list[int], new_tokens: int, max_batch: in
 def warm_hits(scheduler, scratch_cache, method: str, run, fits, params: SamplingParams) -> list[int]:
     """Prefix hits of 1 and 2 rows through `scratch_cache` (attached for this only): prompts of one chunk and
     HIT_TAIL tokens publish their chunk, then come back HIT_TAIL tokens longer, each restoring that chunk and
-    prefilling the rest over it. Two rows at once is the first prefill over a cached prefix with more than one
-    row, which compiles (sizes 0 and 1 specialize: engine/runner.py `compiled`). Returns the batches run."""
+    prefilling the 2 * HIT_TAIL tokens past it. Two rows at once is the first prefill over a cached prefix with
+    more than one row, which compiles (sizes 0 and 1 specialize: engine/runner.py `compiled`). One geometry: other
+    tails, prefixes and batches still capture their graphs when first met. Returns the batches whose every row hit
+    (a batch that did not, a store refusing the chunks or a failed restore, is logged, not counted)."""
     runner = scheduler.runner
     chunk, vocab, done = scratch_cache.chunk_tokens, runner.model.cfg.vocab_size, []
     # restores inside admission: with fetches on the load threads, two requests' hits may finish apart and
     # prefill one row each (as they may while serving; the pass needs the two rows together once)
-    scheduler.prefix_cache, async_load, scheduler.async_load = scratch_cache, scheduler.async_load, False
+    saved = scheduler.prefix_cache, scheduler.async_load
+    scheduler.prefix_cache, scheduler.async_load = scratch_cache, False
     try:
         for b in (1, 2):
             base = random_prompts([chunk + HIT_TAIL] * b, vocab, seed=3000 + b)
             longer = [p + q for p, q in zip(base, random_prompts([HIT_TAIL] * b, vocab, seed=3100 + b))]
-            if len(longer[0]) + 1 > runner.max_positions or not fits(longer, 1):
+            if b > scheduler.max_running or len(longer[0]) + 1 > runner.max_positions or not fits(longer, 1):
                 continue
+            failed = scheduler.stats.failed_requests
             run(base, params, method)
             run(longer, params, method)
-            done.append(b)
-    finally:  # None: warm_scheduler's own setting (the serving cache goes back at its end)
-        scheduler.prefix_cache, scheduler.async_load = None, async_load
+            hits = scratch_cache.stats.per_request_hits[-b:]
+            if hits == [chunk] * b and scheduler.stats.failed_requests == failed:
+                done.append(b)
+            else:
+                log.warning("warm-up: %s prefix hits of %d rows did not all hit (%s of %d tokens, %d failed): "
+                            "their first prefill over a cached prefix may compile while serving", method, b, hits,
+                            chunk, scheduler.stats.failed_requests - failed)
+    finally:
+        scheduler.prefix_cache, scheduler.async_load = saved
     return done
 
 

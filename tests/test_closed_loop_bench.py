@@ -23,9 +23,19 @@ def test_closed_loop_bench_runs_both_holds(tmp_path):
     assert rows[1.0]["sessions_ended"] <= rows[0.0]["sessions_ended"]
 
 
-def test_closed_loop_bench_samples_when_asked(tmp_path):
-    """--temperature / --top-p / --top-k reach every request (the JSON's settings say so, tokens all arrive); a bad
+def test_closed_loop_bench_samples_when_asked(tmp_path, monkeypatch):
+    """--temperature / --top-p / --top-k reach every request the scheduler admits (and the JSON's settings); a bad
     value is refused before any model loads."""
+    from flashpd.decode_node.scheduler import Scheduler
+
+    seen = []
+    orig = Scheduler.add
+
+    def add(self, prompt, params, method="native", *a, **kw):
+        seen.append((params.temperature, params.top_p, params.top_k, method))
+        return orig(self, prompt, params, method, *a, **kw)
+
+    monkeypatch.setattr(Scheduler, "add", add)
     out = tmp_path / "cl.json"
     main(["--concurrency", "2", "--methods", "native,dflash", "--requests", "4", "--max-tokens", "6",
           "--prompt-pool", "4", "--prompt-tokens", "16", "--rounds", "1", "--device", "cpu", "--temperature", "0.7",
@@ -35,5 +45,6 @@ def test_closed_loop_bench_samples_when_asked(tmp_path):
     for r in d["results"]:
         row = r["rounds"][0]
         assert row["tokens"] == 4 * 6 and row["graphs_captured"] == 0  # the CPU captures no graph
+    assert sorted(set(seen)) == [(0.7, 0.9, 20, "dflash"), (0.7, 0.9, 20, "native")] and len(seen) == 8, seen
     with pytest.raises(SystemExit, match="top_p"):
         main(["--top-p", "1.5", "--target", str(tmp_path / "absent"), "--out", str(tmp_path / "x.json")])

@@ -123,9 +123,9 @@ def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monke
     runner graph: packed input, batch, width, table, sink) that the warm-up did not: on a GPU each would be a graph
     captured while serving, with the batch waiting. Before the warm-up's 16-block and prefill passes the loop met
     (8, 1, 16), (8, 16, 16) and the smaller buckets, and the prefills of 2-8 prompts, for the first time; before the
-    16-block pass ran every mode, a sampled loop met each bucket's sampled step at 16 blocks; before the bucket
-    passes took batch 1, a sampled request alone met its step for the first time (an H100's closed loop at
-    concurrency 32 stalled about 10 s on such a step)."""
+    16-block pass ran every mode, a sampled loop met each bucket's sampled step at 16 blocks; before each prompt
+    alone ran every mode, a sampled request alone met its step at each table bucket for the first time (a closed
+    loop on an H100 stalled for seconds there: docs/results.md, forty-fifth session)."""
     seen: list[tuple] = []
     orig, orig_graphed = device_loop.InPlaceGraph.__call__, cuda_graph.GraphedFn.__call__
 
@@ -193,7 +193,7 @@ def test_warmup_prefills_over_a_cached_prefix_at_one_and_two_rows(dflash_pair, m
     runner = ModelRunner(target, 640, 16, taps=taps, config=RunnerConfig(cuda_graphs=True, compile=False))
     cache = _cache(dflash_pair, drafter)
     sched = Scheduler(runner, drafter, (), cache, 8, "preempt", None)
-    done = warm_scheduler(sched, lengths_for(runner.max_positions, 33), 33, scratch_cache=scratch_cache(cache))
+    done = warm_scheduler(sched, lengths_for(runner.max_positions, 33), 33, scratch_cache=scratch_cache(cache, sched))
     assert done["hit_batches"] == {m: [1, 2] for m in ("native", "dflash")}, done
     assert sched.prefix_cache is cache and cache.stats.requests == 0 and cache.store.stats()["puts"] == 0
     warm = set(seen)
@@ -209,6 +209,22 @@ def test_warmup_prefills_over_a_cached_prefix_at_one_and_two_rows(dflash_pair, m
             sched.run_until_idle()
         assert cache.stats.per_request_hits[-2:] == [cache.chunk_tokens] * 2, cache.stats
     assert set(seen) <= warm, sorted(str(k[1:]) for k in set(seen) - warm)
+
+
+def test_a_hit_pass_that_does_not_hit_is_not_counted(dflash_pair, caplog):  # noqa: F811
+    """A private store that refuses every chunk (too small) leaves the hit pass without hits: it reports no batch
+    and logs why, rather than claiming the prefill over a cached prefix was warmed; the serving cache is back."""
+    target, drafter, taps = _models(dflash_pair)
+    runner = ModelRunner(target, 640, 16, taps=taps)
+    cache = _cache(dflash_pair, drafter)
+    sched = Scheduler(runner, drafter, (), cache, 8, "preempt", None)
+    tiny = PrefixCache(MemoryStore(4096), cache.fingerprint, cache.chunk_tokens)
+    free = runner.allocator.num_free
+    with caplog.at_level("WARNING", logger="flashpd.engine.warmup"):
+        done = warm_scheduler(sched, [20], 33, max_batch=2, scratch_cache=tiny)
+    assert done["hit_batches"] == {"native": [], "dflash": []}, done
+    assert "did not all hit" in caplog.text and tiny.store.stats()["oversize_refused"] > 0
+    assert sched.prefix_cache is cache and sched.async_load and runner.allocator.num_free == free
 
 
 def test_llm_warmup_leaves_no_short_prompt_a_graph_to_capture(monkeypatch):

@@ -34,9 +34,12 @@ DEMO = PAIR  # flashpd/assets/demo_pair, wherever the package is installed
 
 
 def run_level(sched, pool: list[list[int]], order: list[int], conc: int, method: str, params) -> dict:
-    """One closed loop of len(order) requests, conc in flight, each with `params` (SamplingParams); the scheduler
-    is idle before and after. graphs_captured: CUDA graphs captured inside the level (shapes the warm-up did not
-    meet; each a stall of the batch in flight)."""
+    """One closed loop of len(order) requests, conc in flight, each with `params` (SamplingParams; sampled, each
+    request's seed is params.seed plus its prompt's index in the pool, so a round samples as the last one did);
+    the scheduler is idle before and after. graphs_captured: CUDA graphs captured inside the level (shapes the
+    warm-up did not meet; each a stall of the batch in flight)."""
+    import dataclasses  # noqa: PLC0415
+
     from flashpd.engine import cuda_graph  # noqa: PLC0415
 
     ends0, adm0, graphs0 = sched.sessions_ended, sched.admitted, cuda_graph.captures()
@@ -47,7 +50,9 @@ def run_level(sched, pool: list[list[int]], order: list[int], conc: int, method:
 
     def send() -> None:
         nonlocal sent
-        r = sched.add(pool[order[sent]], params, method)
+        i = order[sent]
+        sp = params if params.greedy else dataclasses.replace(params, seed=(params.seed or 0) + i)
+        r = sched.add(pool[i], sp, method)
         reqs[r.id] = r
         sent += 1
 
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                     help="the decode worker's warm-up first (auto: on a GPU)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the prompt pool, each level's order, and sampled requests' seeds")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--hold-fractions: each must be in [0, 1]")
     try:  # refused before the model loads (a temperature < 0, a top_p outside (0, 1])
         params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, temperature=a.temperature, top_p=a.top_p,
-                                top_k=a.top_k)
+                                top_k=a.top_k, seed=a.seed)
         params.validate()
     except ValueError as e:
         raise SystemExit(f"closed_loop: {e}") from None

@@ -28,11 +28,12 @@ def test_closed_loop_bench_samples_when_asked(tmp_path, monkeypatch):
     value is refused before any model loads."""
     from flashpd.decode_node.scheduler import Scheduler
 
-    seen = []
+    seen, seeds = [], []
     orig = Scheduler.add
 
     def add(self, prompt, params, method="native", *a, **kw):
         seen.append((params.temperature, params.top_p, params.top_k, method))
+        seeds.append(params.seed)
         return orig(self, prompt, params, method, *a, **kw)
 
     monkeypatch.setattr(Scheduler, "add", add)
@@ -46,5 +47,6 @@ def test_closed_loop_bench_samples_when_asked(tmp_path, monkeypatch):
         row = r["rounds"][0]
         assert row["tokens"] == 4 * 6 and row["graphs_captured"] == 0  # the CPU captures no graph
     assert sorted(set(seen)) == [(0.7, 0.9, 20, "dflash"), (0.7, 0.9, 20, "native")] and len(seen) == 8, seen
+    assert None not in seeds and len(set(seeds[:4])) == 4  # a seed a prompt: the rounds sample alike
     with pytest.raises(SystemExit, match="top_p"):
         main(["--top-p", "1.5", "--target", str(tmp_path / "absent"), "--out", str(tmp_path / "x.json")])

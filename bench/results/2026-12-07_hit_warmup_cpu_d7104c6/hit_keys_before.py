@@ -1,7 +1,7 @@
-"""Which graph shapes a closed loop meets that the decode warm-up did not: on the CPU, with the GPU's padded
-paths (RunnerConfig(cuda_graphs=True): every graphed function runs directly, with the shapes a GPU would capture).
-Demo pair, float32; the warm-up as a decode worker runs it (max_running 128); then a closed loop of 128 requests
-in flight (a finished request replaced at once), per method. Prints each key met after the warm-up."""
+"""Prefix hits after the decode warm-up: graph keys met and dynamo graphs compiled, on the CPU with the GPU's graph
+paths and dynamo's eager backend (demo pair, float32, max_running 64, a MemoryStore prefix cache of 32-token chunks).
+Per method, three turns of one prompt and of four prompts (180 tokens, then 30 more a turn). Adapted from
+bench/results/2026-12-04_service_compiles_6d5a685/scripts/graph_keys.py; its unused positional arguments stay."""
 import collections, json, sys, time, torch
 from flashpd.engine import cuda_graph, device_loop
 from flashpd.engine.runner_config import RunnerConfig

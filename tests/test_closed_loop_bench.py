@@ -38,14 +38,14 @@ def test_closed_loop_bench_samples_when_asked(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Scheduler, "add", add)
     out = tmp_path / "cl.json"
-    main(["--concurrency", "2", "--methods", "native,dflash", "--requests", "4", "--max-tokens", "6",
+    main(["--concurrency", "2", "--methods", "native,dflash", "--requests", "4", "--max-tokens", "3",
           "--prompt-pool", "4", "--prompt-tokens", "16", "--rounds", "1", "--device", "cpu", "--temperature", "0.7",
           "--top-p", "0.9", "--top-k", "20", "--out", str(out)])
     d = json.loads(out.read_text())
     assert (d["settings"]["temperature"], d["settings"]["top_p"], d["settings"]["top_k"]) == (0.7, 0.9, 20)
     for r in d["results"]:
         row = r["rounds"][0]
-        assert row["tokens"] == 4 * 6 and row["graphs_captured"] == 0  # the CPU captures no graph
+        assert row["tokens"] == 4 * 3 and row["graphs_captured"] == 0  # the CPU captures no graph
     assert sorted(set(seen)) == [(0.7, 0.9, 20, "dflash"), (0.7, 0.9, 20, "native")] and len(seen) == 8, seen
     assert None not in seeds and len(set(seeds[:4])) == 4  # a seed a prompt: the rounds sample alike
     with pytest.raises(SystemExit, match="top_p"):

@@ -115,8 +115,7 @@ def test_warmup_setting():
 LOOP_MODES = {"greedy": {}, "sampled": dict(temperature=1.0), "filtered": dict(temperature=0.6, top_p=0.95, top_k=20)}
 
 
-@pytest.mark.parametrize("mode", list(LOOP_MODES))
-def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monkeypatch, mode):  # noqa: F811
+def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monkeypatch):  # noqa: F811
     """With the GPU's padded shapes (cuda_graphs=True runs each graphed function directly on the CPU), a closed loop
     of 8 requests in flight with 128-token prompts and 64 new tokens (the service sweep's), native then DFlash,
     greedy or sampled, meets no graph key (device-loop step: its mode's graph, batch bucket, width, table bucket;
@@ -151,8 +150,8 @@ def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monke
     assert {k[1] for k in warm} >= {(b, 1, 16) for b in (2, 4, 8)}  # the 16-block pass, native's shapes
     g = torch.Generator().manual_seed(11)
     pool = [torch.randint(0, 126, (128,), generator=g).tolist() for _ in range(20)]
-    params = SamplingParams(max_tokens=64, ignore_eos=True, **LOOP_MODES[mode])
-    for method in ("native", "dflash"):
+    for mode, method in [(m, k) for m in LOOP_MODES for k in ("native", "dflash")]:  # one warm-up for all
+        params = SamplingParams(max_tokens=64, ignore_eos=True, **LOOP_MODES[mode])
         del seen[:]
         sent = finished = 0
         for _ in range(8):
@@ -167,8 +166,8 @@ def test_warmup_meets_a_chat_length_closed_loops_device_steps(dflash_pair, monke
         for p in (pool[0], pool[1][:16]):  # one request alone (a first HTTP request): chat-length, then short
             sched.add(p, params, method)
             sched.run_until_idle()
-        assert seen, f"{method}: no device-loop step ran (the check would be empty)"
-        assert set(seen) <= warm, (method, sorted(str(k[1:]) for k in set(seen) - warm))
+        assert seen, f"{mode} {method}: no device-loop step ran (the check would be empty)"
+        assert set(seen) <= warm, (mode, method, sorted(str(k[1:]) for k in set(seen) - warm))
 
 
 

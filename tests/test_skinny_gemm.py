@@ -8,9 +8,10 @@ Without a GPU the kernel runs under triton's interpreter in one child process st
 MMA's."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -24,6 +25,26 @@ KERNELS = engine_sg  # the module the cases take (tests/_interpreted.py)
 # (rows, N, K): N not a multiple of either tile's columns, K a multiple of BLOCK_K or not; N > WIDE_N takes
 # the wide tile
 SHAPES = ((1, 40, 256), (5, 72, 300), (16, 24, 128), (3, 8200, 64))
+INTERPRETED_WIDE_N = 256  # `shapes` under the interpreter
+
+
+@contextlib.contextmanager
+def shapes(sg: ModuleType) -> Iterator[tuple[tuple[int, int, int], ...]]:
+    """SHAPES. Under the interpreter the wide tile starts at INTERPRETED_WIDE_N (sg.WIDE_N lowered while the case
+    runs) and the wide shape is as far past it: 264 columns, 9 of the wide tile's programs where 8200 takes 257, each
+    run in Python (most of the module's time). The tile choice reads WIDE_N when called; a program's code is the
+    tile's whatever the threshold."""
+    if not sg.INTERPRET:
+        yield SHAPES
+        return
+    saved, sg.WIDE_N = sg.WIDE_N, INTERPRETED_WIDE_N
+    try:
+        cases = tuple((m, n - saved + INTERPRETED_WIDE_N if n > saved else n, k) for m, n, k in SHAPES)
+        assert [sg.tile(n, k) for _, n, k in cases] == [
+            sg.TILE_WIDE if n > saved else sg.TILE_NARROW for _, n, k in SHAPES]  # each shape keeps its tile
+        yield cases
+    finally:
+        sg.WIDE_N = saved
 
 
 def operands(dev: str, dtype: torch.dtype, m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,24 +55,26 @@ def operands(dev: str, dtype: torch.dtype, m: int, n: int, k: int, seed: int) ->
 def matches_f_linear(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
     """The kernel at the engine's tile for each shape, on leading dims [1, m] as a decode passes them, equals
     F.linear in fp32 to rounding, and in bf16 within bf16's rounding of an fp32-accumulated result."""
-    for i, (m, n, k) in enumerate(SHAPES):
-        x, w = operands(dev, dtype, m, n, k, seed=i)
-        out = sg.skinny_linear(x.view(1, m, k), w)
-        ref = F.linear(x.float(), w.float()).view(1, m, n)
-        assert out.dtype == dtype and out.shape == (1, m, n)
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    with shapes(sg) as cases:
+        for i, (m, n, k) in enumerate(cases):
+            x, w = operands(dev, dtype, m, n, k, seed=i)
+            out = sg.skinny_linear(x.view(1, m, k), w)
+            ref = F.linear(x.float(), w.float()).view(1, m, n)
+            assert out.dtype == dtype and out.shape == (1, m, n)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
 def rows_do_not_depend_on_the_row_count(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
     """Each row of a 16-row call is bitwise the row computed alone and inside a call of 7 rows (a decode at
     batch 1, a verify's block, and a batch between)."""
-    for i, (_, n, k) in enumerate(SHAPES):
-        x, w = operands(dev, dtype, 16, n, k, seed=10 + i)
-        full = sg.skinny_linear(x, w)
-        for r in (0, 15):
-            assert torch.equal(sg.skinny_linear(x[r:r + 1], w), full[r:r + 1]), (n, k, r)
-        assert torch.equal(sg.skinny_linear(x[3:10], w), full[3:10]), (n, k)
+    with shapes(sg) as cases:
+        for i, (_, n, k) in enumerate(cases):
+            x, w = operands(dev, dtype, 16, n, k, seed=10 + i)
+            full = sg.skinny_linear(x, w)
+            for r in (0, 15):
+                assert torch.equal(sg.skinny_linear(x[r:r + 1], w), full[r:r + 1]), (n, k, r)
+            assert torch.equal(sg.skinny_linear(x[3:10], w), full[3:10]), (n, k)
 
 
 def compiled_op_is_the_eager_op(sg: ModuleType, dev: str) -> None:
@@ -96,44 +119,46 @@ def fused_forms_match_the_steps(sg: ModuleType, dev: str, dtype: torch.dtype) ->
     from flashpd.engine.layers import rms_norm
 
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for i, (m, n, k) in enumerate(SHAPES):
-        o = fused_operands(dev, dtype, m, n, k, seed=30 + i)
-        xg, ss = sg.norm_input(o["h"].view(1, m, k), o["g"])
-        assert xg.shape == (1, m, k) and ss.shape == (m, 1) and ss.dtype == torch.float32
-        normed = rms_norm(o["h"].float(), o["g"].float(), 1e-6)
-        out = sg.fused_linear(xg, o["w"], ss, 1e-6)
-        assert out.shape == (1, m, n) and out.dtype == dtype
-        torch.testing.assert_close(out[0].float(), F.linear(normed, o["w"].float()), rtol=tol, atol=tol)
-        gate, up = F.linear(normed, o["w2"].float()).chunk(2, dim=-1)
-        act = sg.fused_linear(xg[0], o["w2"], ss, 1e-6, swiglu=True)
-        assert act.shape == (m, n)
-        torch.testing.assert_close(act.float(), F.silu(gate) * up, rtol=2 * tol, atol=2 * tol)
-        h, xg2, ss2 = sg.fused_residual(o["h"], o["w"], o["r"], o["g_next"])
-        want = o["r"] + sg.skinny_linear(o["h"], o["w"])
-        for got, ref in ((h, want), (xg2, (h.float() * o["g_next"].float()).to(dtype))):
-            if sg.INTERPRET and dtype != torch.float32:
-                torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=0)
-            else:
-                assert torch.equal(got, ref)
-        torch.testing.assert_close(ss2.sum(1), (h.float() ** 2).sum(-1), rtol=1e-5, atol=1e-5)
-        assert ss2.shape == (m, -(-n // sg.fused_tile(o["w"], False)[0]))
+    with shapes(sg) as cases:
+        for i, (m, n, k) in enumerate(cases):
+            o = fused_operands(dev, dtype, m, n, k, seed=30 + i)
+            xg, ss = sg.norm_input(o["h"].view(1, m, k), o["g"])
+            assert xg.shape == (1, m, k) and ss.shape == (m, 1) and ss.dtype == torch.float32
+            normed = rms_norm(o["h"].float(), o["g"].float(), 1e-6)
+            out = sg.fused_linear(xg, o["w"], ss, 1e-6)
+            assert out.shape == (1, m, n) and out.dtype == dtype
+            torch.testing.assert_close(out[0].float(), F.linear(normed, o["w"].float()), rtol=tol, atol=tol)
+            gate, up = F.linear(normed, o["w2"].float()).chunk(2, dim=-1)
+            act = sg.fused_linear(xg[0], o["w2"], ss, 1e-6, swiglu=True)
+            assert act.shape == (m, n)
+            torch.testing.assert_close(act.float(), F.silu(gate) * up, rtol=2 * tol, atol=2 * tol)
+            h, xg2, ss2 = sg.fused_residual(o["h"], o["w"], o["r"], o["g_next"])
+            want = o["r"] + sg.skinny_linear(o["h"], o["w"])
+            for got, ref in ((h, want), (xg2, (h.float() * o["g_next"].float()).to(dtype))):
+                if sg.INTERPRET and dtype != torch.float32:
+                    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=0)
+                else:
+                    assert torch.equal(got, ref)
+            torch.testing.assert_close(ss2.sum(1), (h.float() ** 2).sum(-1), rtol=1e-5, atol=1e-5)
+            assert ss2.shape == (m, -(-n // sg.fused_tile(o["w"], False)[0]))
 
 
 def fused_rows_do_not_depend_on_the_row_count(sg: ModuleType, dev: str, dtype: torch.dtype) -> None:
     """Every fused form keeps the kernel's invariance: each row of a 16-row call is bitwise the row alone (the
     partial sums included)."""
-    for i, (_, n, k) in enumerate(SHAPES):
-        o = fused_operands(dev, dtype, 16, n, k, seed=40 + i)
-        xg, ss = sg.norm_input(o["h"], o["g"])
-        full = (sg.fused_linear(xg, o["w"], ss, 1e-6), sg.fused_linear(xg, o["w2"], ss, 1e-6, swiglu=True),
-                *sg.fused_residual(o["h"], o["w"], o["r"], o["g_next"]))
-        for r in (0, 6, 15):
-            xr, sr = sg.norm_input(o["h"][r:r + 1], o["g"])
-            assert torch.equal(xr, xg[r:r + 1]) and torch.equal(sr, ss[r:r + 1])
-            alone = (sg.fused_linear(xr, o["w"], sr, 1e-6), sg.fused_linear(xr, o["w2"], sr, 1e-6, swiglu=True),
-                     *sg.fused_residual(o["h"][r:r + 1], o["w"], o["r"][r:r + 1], o["g_next"]))
-            for j, (a, f) in enumerate(zip(alone, full)):
-                assert torch.equal(a, f[r:r + 1]), (n, k, r, j)
+    with shapes(sg) as cases:
+        for i, (_, n, k) in enumerate(cases):
+            o = fused_operands(dev, dtype, 16, n, k, seed=40 + i)
+            xg, ss = sg.norm_input(o["h"], o["g"])
+            full = (sg.fused_linear(xg, o["w"], ss, 1e-6), sg.fused_linear(xg, o["w2"], ss, 1e-6, swiglu=True),
+                    *sg.fused_residual(o["h"], o["w"], o["r"], o["g_next"]))
+            for r in (0, 6, 15):
+                xr, sr = sg.norm_input(o["h"][r:r + 1], o["g"])
+                assert torch.equal(xr, xg[r:r + 1]) and torch.equal(sr, ss[r:r + 1])
+                alone = (sg.fused_linear(xr, o["w"], sr, 1e-6), sg.fused_linear(xr, o["w2"], sr, 1e-6, swiglu=True),
+                         *sg.fused_residual(o["h"][r:r + 1], o["w"], o["r"][r:r + 1], o["g_next"]))
+                for j, (a, f) in enumerate(zip(alone, full)):
+                    assert torch.equal(a, f[r:r + 1]), (n, k, r, j)
 
 
 def fused_compiled_ops_are_the_eager_ops(sg: ModuleType, dev: str) -> None:
@@ -238,36 +263,37 @@ def fp8_weights_match_their_values(sg: ModuleType, dev: str, dtype: torch.dtype)
     Each row of a 16-row call is bitwise the row alone, as with bf16 weights. The rows' scales follow the SwiGLU
     form's gate and up rows. quantize_fp8 keeps every row within e4m3's range and relative step (1/16 at most)."""
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for i, (m, n, k) in enumerate(SHAPES):
-        o = fused_operands(dev, dtype, m, n, k, seed=60 + i)
-        w8, w28 = sg.quantize_fp8(o["w"]), sg.quantize_fp8(o["w2"])
-        if n > sg.WIDE_N:  # the wide tile: the plain product only (the fused forms share its loads and epilogue)
+    with shapes(sg) as cases:
+        for i, (m, n, k) in enumerate(cases):
+            o = fused_operands(dev, dtype, m, n, k, seed=60 + i)
+            w8, w28 = sg.quantize_fp8(o["w"]), sg.quantize_fp8(o["w2"])
+            if n > sg.WIDE_N:  # the wide tile: the plain product only (the fused forms share its loads and epilogue)
+                exact = (o["h"].double() @ (w8.data.double() * w8.scale.double()[:, None]).T)
+                torch.testing.assert_close(sg.skinny_linear(o["h"], w8).double(), exact, rtol=tol, atol=tol)
+                continue
+            assert w8.data.dtype == torch.float8_e4m3fn and w8.scale.shape == (n,) and w8.shape == (n, k)
+            assert float(w8.data.float().abs().max()) <= sg.FP8_MAX
+            torch.testing.assert_close(w8.dequantize(torch.float32), o["w"].float(),
+                                       rtol=1 / 16, atol=float(w8.scale.max()) * 2 ** -9)
             exact = (o["h"].double() @ (w8.data.double() * w8.scale.double()[:, None]).T)
             torch.testing.assert_close(sg.skinny_linear(o["h"], w8).double(), exact, rtol=tol, atol=tol)
-            continue
-        assert w8.data.dtype == torch.float8_e4m3fn and w8.scale.shape == (n,) and w8.shape == (n, k)
-        assert float(w8.data.float().abs().max()) <= sg.FP8_MAX
-        torch.testing.assert_close(w8.dequantize(torch.float32), o["w"].float(),
-                                   rtol=1 / 16, atol=float(w8.scale.max()) * 2 ** -9)
-        exact = (o["h"].double() @ (w8.data.double() * w8.scale.double()[:, None]).T)
-        torch.testing.assert_close(sg.skinny_linear(o["h"], w8).double(), exact, rtol=tol, atol=tol)
-        # `linear` dispatches: the kernel where `applies` (CUDA, bf16/fp16), else F.linear on the widened weight
-        kernel = sg.applies(o["h"].device, dtype, m, w8.data.numel())
-        expect = sg.skinny_linear(o["h"], w8) if kernel else F.linear(o["h"], w8.dequantize(dtype))
-        assert torch.equal(sg.linear(o["h"], w8), expect)
-        xg, ss = sg.norm_input(o["h"], o["g"])
-        wide, wide2 = w8.dequantize(dtype), w28.dequantize(dtype)
-        torch.testing.assert_close(sg.fused_linear(xg, w8, ss, 1e-6).float(),
-                                   sg.fused_linear(xg, wide, ss, 1e-6).float(), rtol=tol, atol=tol)
-        torch.testing.assert_close(sg.fused_linear(xg, w28, ss, 1e-6, swiglu=True).float(),
-                                   sg.fused_linear(xg, wide2, ss, 1e-6, swiglu=True).float(), rtol=4 * tol,
-                                   atol=4 * tol)
-        # (y, y * g_next, partial sums of y's squares): the fp8 tile has its own program count, so the partial
-        # sums compare as each row's total
-        got, ref = sg.fused_residual(o["h"], w8, o["r"], o["g_next"]), sg.fused_residual(o["h"], wide, o["r"],
-                                                                                          o["g_next"])
-        for a, b in zip((got[0], got[1], got[2].sum(-1)), (ref[0], ref[1], ref[2].sum(-1))):
-            torch.testing.assert_close(a.float(), b.float(), rtol=4 * tol, atol=4 * tol * (1 + k / 64))
+            # `linear` dispatches: the kernel where `applies` (CUDA, bf16/fp16), else F.linear on the widened weight
+            kernel = sg.applies(o["h"].device, dtype, m, w8.data.numel())
+            expect = sg.skinny_linear(o["h"], w8) if kernel else F.linear(o["h"], w8.dequantize(dtype))
+            assert torch.equal(sg.linear(o["h"], w8), expect)
+            xg, ss = sg.norm_input(o["h"], o["g"])
+            wide, wide2 = w8.dequantize(dtype), w28.dequantize(dtype)
+            torch.testing.assert_close(sg.fused_linear(xg, w8, ss, 1e-6).float(),
+                                       sg.fused_linear(xg, wide, ss, 1e-6).float(), rtol=tol, atol=tol)
+            torch.testing.assert_close(sg.fused_linear(xg, w28, ss, 1e-6, swiglu=True).float(),
+                                       sg.fused_linear(xg, wide2, ss, 1e-6, swiglu=True).float(), rtol=4 * tol,
+                                       atol=4 * tol)
+            # (y, y * g_next, partial sums of y's squares): the fp8 tile has its own program count, so the partial
+            # sums compare as each row's total
+            got, ref = sg.fused_residual(o["h"], w8, o["r"], o["g_next"]), sg.fused_residual(o["h"], wide, o["r"],
+                                                                                              o["g_next"])
+            for a, b in zip((got[0], got[1], got[2].sum(-1)), (ref[0], ref[1], ref[2].sum(-1))):
+                torch.testing.assert_close(a.float(), b.float(), rtol=4 * tol, atol=4 * tol * (1 + k / 64))
     o = fused_operands(dev, dtype, 16, 72, 300, seed=70)
     w8, w28 = sg.quantize_fp8(o["w"]), sg.quantize_fp8(o["w2"])
     xg, ss = sg.norm_input(o["h"], o["g"])

@@ -269,16 +269,17 @@ def _attention_rope_cases(qr: ModuleType, pa: ModuleType, dev: str, dtype: torch
         w_kn = (1 + torch.randn(D, generator=g) / 4).to(dev, dtype)
         slots = (bt.gather(1, pos // 8) * 8 + pos % 8).reshape(-1).contiguous()
         case = (b, t, nblk, split, draft)
+        k1, v1 = k.clone(), v.clone()  # the two kernels' cache: qkv_rope_write's output is either layout's input
+        q = qr.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, EPS, N_Q, N_KV, k1.view(-1, N_KV, D), v1.view(-1, N_KV, D),
+                              slots)
+        assert not torch.equal(k1, k)  # the call's keys were written
         for heads_last in (False, True):
-            k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
-            q = qr.qkv_rope_write(qkv, cos, sin, w_qn, w_kn, EPS, N_Q, N_KV, k1.view(-1, N_KV, D),
-                                  v1.view(-1, N_KV, D), slots)
+            k2, v2 = k.clone(), v.clone()
             ref = pa.launch(q, k1, v1, bt, bound, D ** -0.5, split, heads_last=heads_last)
             out = pa.launch(qkv, k2, v2, bt, bound, D ** -0.5, split, heads_last=heads_last,
                             rope=pa.RopeInputs(cos, sin, w_qn, w_kn, EPS, N_Q, slots, pos.contiguous()))
             assert torch.equal(out, ref), case + (heads_last,)
             assert torch.equal(k2, k1) and torch.equal(v2, v1), case + (heads_last,)
-            assert not torch.equal(k1, k)  # the call's keys were written
         op = pa.paged_attention_rope(qkv, k.clone(), v.clone(), bt, bound, D ** -0.5, cos, sin, w_qn, w_kn, EPS, N_Q,
                                      slots, pos, heads_last=True)
         assert torch.equal(op, ref), case

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -24,9 +25,42 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class _NoPatch:
+    """The scope `skip_repatching` returns: the modules stay patched."""
+
+    def restore(self) -> None:
+        pass
+
+
+def skip_repatching() -> None:
+    """Speed only, in the interpreter child: triton's interpreter patches triton.language for the interpreter
+    (`_patch_lang`: an inspect.getmembers walk of its modules, about a millisecond) at every launch and again at
+    every call of one jit function from another (`_block`, `_dot`, `norm_rope`, ...), and undoes the launch's
+    patch at its end: thousands of walks a case, a fifth of the child's time. Here the first patch of a set of
+    modules stays, and a later patch of modules already patched returns at once, so every launch and call runs
+    the same interpreted code on the same patched modules. Nothing in the child uses triton.language outside a
+    kernel: on the CPU torch and inductor do not. Checked against the interpreter's own names, so that a triton
+    whose interpreter differs fails here, loudly."""
+    from triton.runtime import interpreter as it
+    assert callable(getattr(it, "_patch_lang", None)), \
+        "triton's interpreter changed: update tests/_interpreted.skip_repatching"
+    real_patch, tl, core = it._patch_lang, it.tl, it.tl.core
+    patched: set[int] = set()
+
+    def patch_lang(fn) -> _NoPatch:
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is core)}
+        if not langs <= patched:
+            real_patch(fn)  # its scope is dropped: never restored
+            patched.update(langs)
+        return _NoPatch()
+
+    it._patch_lang = patch_lang
+
+
 def child(module_name: str) -> None:
     """In the child: every case of the test module `module_name` (a file name in tests/, without .py) under the
     interpreter; prints the report as JSON."""
+    skip_repatching()
     mod = importlib.import_module(module_name)
     assert mod.KERNELS.available() and mod.KERNELS.INTERPRET, "start the child with TRITON_INTERPRET=1"
     torch.set_num_threads(1)

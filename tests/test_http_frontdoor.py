@@ -325,13 +325,15 @@ def test_stop_strings_cut_the_text_at_the_first_match():
 def test_many_stop_strings_cost_linear_work():
     """16 stop strings, one longer than any output (so every character is held back, as it may begin it): each token
     searched all the text so far for each stop: 9 s for these 30,400 tokens (0.3 s now), quadratic, and all of it on
-    the event loop. A stop can only end in the new text, so each search starts len(stop) - 1 characters back."""
+    the event loop. A stop can only end in the new text, so each search starts len(stop) - 1 characters back.
+    Timed in this thread's CPU time, not the wall's: other test processes sharing the cores slowed the wall clock
+    ninefold once (3.1 s), while this thread's work stays what it is."""
     stops = [f"\x00{i}" for i in range(15)] + ["y" * 200_000]
     ids = TEXT_IDS + TEXT_IDS
     assert len(ids) > 30_000
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     assert _run_text(stops, ids) == (TOK.decode(ids), False)
-    assert time.perf_counter() - t0 < 3.0  # quadratic: 9 s here; loose for a loaded machine
+    assert time.thread_time() - t0 < 3.0  # quadratic: 9 s of CPU here
 
 
 def test_completions_logprobs_0_is_refused_not_ignored(served):

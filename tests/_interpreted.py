@@ -34,9 +34,9 @@ class _NoPatch:
 
 def skip_repatching() -> None:
     """Speed only, in the interpreter child: triton's interpreter patches triton.language for the interpreter
-    (`_patch_lang`: an inspect.getmembers walk of its modules, about a millisecond) at every launch and again at
-    every call of one jit function from another (`_block`, `_dot`, `norm_rope`, ...), and undoes the launch's
-    patch at its end: thousands of walks a case, a fifth of the child's time. Here the first patch of a set of
+    (`_patch_lang`: an inspect.getmembers walk of its modules) at every launch and again at every call of one jit
+    function from another (`_block`, `_dot`, `norm_rope`, ...), and undoes the launch's patch at its end: thousands
+    of walks a case, a large share of the child's time (docs/results.md). Here the first patch of a set of
     modules stays, and a later patch of modules already patched returns at once, so every launch and call runs
     the same interpreted code on the same patched modules. Nothing in the child uses triton.language outside a
     kernel: on the CPU torch and inductor do not. Checked against the interpreter's own names, so that a triton

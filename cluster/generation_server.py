@@ -179,7 +179,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return prompt
 
     def _start(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
-               first_token: int | None = None, handoff=None) -> Stream:
+               first_token: int | None = None, handoff=None, resumed: tuple[int, ...] = ()) -> Stream:
         try:  # a request refused before the loop takes it gives its prefill lease (handoff) back now
             prompt, params, method, draft_width = self._parse(request, context)
             if first_token is not None and not 0 <= first_token < self.loop.vocab_size:
@@ -193,6 +193,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         timeout = context.time_remaining()
         try:
             extra = {"handoff": handoff} if handoff is not None else {}  # a decode worker's device-path import
+            if resumed:  # a decode worker's retry of a request whose worker died (only an EngineLoop gets one)
+                extra["resumed"] = resumed
             h = self.loop.submit(prompt, params, method, draft_width,
                                  timeout_s=min(timeout, 60.0) if timeout is not None else 60.0,
                                  first_token=first_token, deadline_s=timeout, **extra)
@@ -205,6 +207,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.loop.cancel(h)
             context.abort(grpc.StatusCode.CANCELLED, "request cancelled")
         return h
+
+    def _resumed_end(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
+                     resumed: tuple[int, ...]) -> str | None:
+        """A retry's output so far, checked: how it ends the request by itself ("stop", "length"), or None."""
+        _, params, _, _ = self._parse(request, context)
+        vocab = self.loop.vocab_size
+        for i, t in enumerate(resumed):
+            if t >= vocab:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"resumed_output[{i}]: token id {t} is out of the vocabulary (size {vocab})")
+        return self.loop.finish_of(params, resumed)
 
     def _release(self, handoff) -> None:
         """A decode worker's request carried a prefill lease it will not import: its engine loop gives it back
@@ -244,8 +257,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self._stream(request, context)
 
     def _stream(self, request: pb.GenerateRequest, context: grpc.ServicerContext,
-                first_token: int | None = None, handoff=None) -> Iterator[pb.GenerateChunk]:
-        h = self._start(request, context, first_token, handoff)
+                first_token: int | None = None, handoff=None, resumed: tuple[int, ...] = ()
+                ) -> Iterator[pb.GenerateChunk]:
+        if resumed:
+            end = self._resumed_end(request, context, resumed)
+            if end is not None:  # the dead worker streamed the request's last token, not its end: end it now
+                yield pb.GenerateChunk(version=PROTOCOL_VERSION, finished=True, finish_reason=end,
+                                       stats=stats_message(None))
+                return
+        h = self._start(request, context, first_token, handoff, resumed)
         done = False
         try:
             detok = Detokenizer(self.tokenizer)

@@ -7,9 +7,10 @@ decode worker's tokens, which continue from that first token after importing the
 
 Faults, each logged and counted: a prefill that fails (worker killed, bridge down, timeout) falls
 back to the decode worker computing the prompt itself (output unchanged); a decode worker that
-dies is marked down, and a reproducible request (greedy or seeded) is retried once on another,
-skipping the tokens already streamed after checking they match; otherwise the request ends with
-UNAVAILABLE. A decode worker that refuses a request because it is overloaded (RESOURCE_EXHAUSTED other than
+dies is marked down, and its requests are retried on another (decode_retries): from the prefill's
+first token while the client has none of that decode's tokens, else resumed after the tokens
+streamed (the next worker recomputes prompt + them, as a preempted request, and streams what follows);
+with no retry left the request ends with UNAVAILABLE. A decode worker that refuses a request because it is overloaded (RESOURCE_EXHAUSTED other than
 a prompt it cannot fit) is busy, not gone: another is tried (the same bound, decode_retries), else the request ends
 with Overloaded (RESOURCE_EXHAUSTED saying so), never as a prompt error. Every internal call is bounded by the request's deadline (the
 client's when shorter than request_timeout_s): past it, the request ends with TimeoutError (DEADLINE_EXCEEDED)
@@ -394,10 +395,10 @@ class Router:
 
     def _decode(self, h: RouterHandle, req: pb.GenerateRequest, d: Slot, first: pb.PrefillReply | None,
                 emitted: list[int]) -> tuple[str, dict]:
-        tries, base, tried = 0, len(emitted), [d]
+        tries, base, tried, resume = 0, len(emitted), [d], False
         while True:
             try:
-                return self._stream(h, req, d, first, emitted)
+                return self._stream(h, req, d, None if resume else first, emitted, resume)
             except grpc.RpcError as e:
                 if h.cancelled:
                     raise _Cancelled from None
@@ -412,11 +413,13 @@ class Router:
                     raise _error_for(code, details) from None
                 if not busy:  # an overloaded worker is alive: it stays in rotation (as the pool's probe keeps it)
                     self.pool.mark_down(d, f"Decode failed: {code.name} {details}")
-                # another worker gives the same tokens (greedy, seeded), or the client has seen none of this
-                # decode's yet: a sampled request starts over from the prefill's first token as if it had not run
-                reproducible = h.params.greedy or h.params.seed is not None or len(emitted) == base
-                nxt = self.pool.pick("decode", exclude=tuple(tried)) \
-                    if reproducible and tries < self.cfg.decode_retries else None
+                # the client has seen none of this decode's tokens: the next worker starts from the prefill's
+                # first token as if this one had not run. Else it resumes: it rebuilds the caches of the prompt and
+                # every token streamed (as a preempted request is recomputed) and continues from there, so a
+                # sampled request is retried too, and a replay's draws or draft widths cannot diverge from what
+                # the client already has
+                resume = len(emitted) > base
+                nxt = self.pool.pick("decode", exclude=tuple(tried)) if tries < self.cfg.decode_retries else None
                 if nxt is None:
                     if busy:
                         raise Overloaded(f"the decode workers are overloaded (decode worker {d.index} at "
@@ -427,23 +430,28 @@ class Router:
                 tries += 1
                 with self._lock:
                     self.retries += 1
-                log.warning("decode worker %d %s (%s); retrying on decode worker %d after %d streamed tokens",
-                            d.index, "is overloaded" if busy else "failed", code.name, nxt.index, len(emitted))
+                log.warning("decode worker %d %s (%s); retrying on decode worker %d after %d streamed tokens%s",
+                            d.index, "is overloaded" if busy else "failed", code.name, nxt.index, len(emitted),
+                            ", resuming after them" if resume else "")
                 d = nxt
                 tried.append(d)
 
     def _stream(self, h: RouterHandle, req: pb.GenerateRequest, d: Slot, first: pb.PrefillReply | None,
-                emitted: list[int]) -> tuple[str, dict]:
+                emitted: list[int], resume: bool = False) -> tuple[str, dict]:
+        """One decode call. resume: the worker continues after `emitted` (all of it new tokens to the stream);
+        else it starts from the prefill's first token, and what the client already has must come back the same."""
         try:
             h.check()  # a decode worker would only take (and then drop) a cancelled request
             dreq = pb.DecodeRequest(version=PROTOCOL_VERSION, request=req)
-            if first is not None:
+            if resume:
+                dreq.resumed_output.extend(emitted)
+            elif first is not None:
                 dreq.first_token = first.first_token
                 if first.HasField("handoff"):  # the device path: the decode worker copies the prompt's KV
                     dreq.handoff.CopyFrom(first.handoff)
             call = d.client.decode(dreq, h.remaining())
             h.track(call)
-            seen = 0
+            seen = len(emitted) if resume else 0
             for chunk in call:
                 new = []
                 for tok in chunk.token_ids:

@@ -288,4 +288,9 @@ class DecodeWorkerServicer(GenerationServicer, pb_grpc.DecodeWorkerServicer):
         if handoff is not None and first is None:
             self._release(handoff)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "handoff: needs first_token (the prefill's)")
-        return self._stream(request.request, context, first, handoff)
+        resumed = tuple(request.resumed_output)
+        if resumed and first is not None:  # (a handoff needs a first_token: refused above)
+            self._release(handoff)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resumed_output: not with first_token or handoff (the "
+                          "worker recomputes the prompt and the output)")
+        return self._stream(request.request, context, first, handoff, resumed)

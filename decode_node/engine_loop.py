@@ -104,13 +104,14 @@ class Handle:
     """One submitted request as seen from outside the loop."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, method: str, draft_width: int | None,
-                 first_token: int | None = None, handoff=None) -> None:
+                 first_token: int | None = None, handoff=None, resumed: tuple[int, ...] = ()) -> None:
         self.prompt = prompt
         self.params = params
         self.method = method
         self.draft_width = draft_width
         self.first_token = first_token  # disaggregation: the prefill worker's first token
         self.handoff = handoff  # disaggregation over the device path: the prefill worker's lease
+        self.resumed = resumed  # a retry's output so far (Scheduler.add's `resumed`): not streamed again
         self.events: queue.Queue[Event] = queue.Queue()
         self.request: Request | None = None  # set in the loop thread once the scheduler took it
         self.cancel_requested = False
@@ -172,6 +173,10 @@ class EngineLoop:
     def max_positions(self) -> int:
         return int(self.scheduler.runner.max_positions)
 
+    def finish_of(self, params: SamplingParams, output: list[int] | tuple[int, ...]) -> str | None:
+        """Scheduler.finish_of: how a retry's output so far ends its request by itself, or None."""
+        return self.scheduler.finish_of(params, output)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop and self._error is None
@@ -215,12 +220,14 @@ class EngineLoop:
     # ---- from other threads --------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, method: str = "native",
                draft_width: int | None = None, timeout_s: float = DEFAULT_SUBMIT_TIMEOUT_S,
-               first_token: int | None = None, handoff=None, deadline_s: float | None = None) -> Handle:
+               first_token: int | None = None, handoff=None, deadline_s: float | None = None,
+               resumed: tuple[int, ...] = ()) -> Handle:
         """Queue a request; returns its handle once the scheduler accepted it (timeout_s: how long to wait for
         that). Raises what Scheduler.add raises (PromptTooLong, ValueError), EngineStopped, or TimeoutError.
+        resumed: Scheduler.add's (check `finish_of` first: output that ends the request is refused).
         deadline_s (the client's time left) is not needed here: every step of the loop can be cancelled, and the
         front end cancels the request when its call ends (the Router, whose prefill call cannot be, bounds it)."""
-        h, fut = self.submit_nowait(prompt, params, method, draft_width, first_token, handoff)
+        h, fut = self.submit_nowait(prompt, params, method, draft_width, first_token, handoff, resumed=resumed)
         try:
             return fut.result(timeout=timeout_s)
         except FutureTimeout:
@@ -229,10 +236,10 @@ class EngineLoop:
 
     def submit_nowait(self, prompt: list[int], params: SamplingParams, method: str = "native",
                       draft_width: int | None = None, first_token: int | None = None, handoff=None,
-                      tag: object = None) -> tuple[Handle, Future]:
+                      tag: object = None, resumed: tuple[int, ...] = ()) -> tuple[Handle, Future]:
         """Queue a request without waiting: its handle, and a future that resolves to it once the scheduler took it
         (or to the scheduler's refusal). Raises EngineStopped when the loop is not running."""
-        h = Handle(list(prompt), params, method, draft_width, first_token, handoff)
+        h = Handle(list(prompt), params, method, draft_width, first_token, handoff, tuple(resumed))
         h.tag = tag
         fut: Future = Future()
         with self._cv:
@@ -354,7 +361,7 @@ class EngineLoop:
                 continue
             try:
                 h.request = self.scheduler.add(h.prompt, h.params, h.method, h.draft_width, h.first_token,
-                                               h.handoff)
+                                               h.handoff, h.resumed)
             except Exception as e:  # noqa: BLE001  the submitter gets the scheduler's refusal
                 self._aborted(h, "error")
                 fut.set_exception(e)

@@ -203,16 +203,20 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams, method: str = "native",
-            draft_width: int | None = None, first_token: int | None = None, handoff: object | None = None
-            ) -> Request:
+            draft_width: int | None = None, first_token: int | None = None, handoff: object | None = None,
+            resumed: list[int] | tuple[int, ...] = ()) -> Request:
         """Queue a request; refuses at once what can never run here.
 
         first_token: the token a prefill worker already computed and streamed; it is committed
         as the first output instead of the decode side's own (identical in float32) choice.
         handoff: that prefill's lease on the prompt's KV (the device path): imported at admission
-        instead of prefilling, when this scheduler has a `handoff` importer."""
+        instead of prefilling, when this scheduler has a `handoff` importer.
+        resumed: the request's output so far, streamed by a worker that died. The request is queued as a
+        preempted one is (its caches rebuilt from prompt + resumed at admission, nothing sampled), so it
+        continues where that worker stopped; only what follows is streamed. Output that already ends the request
+        is refused (`finish_of` says so first)."""
         try:
-            req = self._add(prompt, params, method, draft_width, first_token)
+            req = self._add(prompt, params, method, draft_width, first_token, resumed)
         except BaseException:
             if handoff is not None:
                 self._release_lease(handoff)
@@ -220,8 +224,9 @@ class Scheduler:
         req.handoff = handoff
         try:
             # the worker side's start-load: bridge I/O and verification run off the engine loop; the request is
-            # admitted once its data is here, and the running batch never waits for it
-            req.wants_load = self._wants_load(req)
+            # admitted once its data is here, and the running batch never waits for it (a resumed request is
+            # recomputed, as a preempted one: it restores its prefix at admission)
+            req.wants_load = not req.seq.output and self._wants_load(req)
             self._start_loads()
         except BaseException:
             self._withdraw(req)
@@ -279,8 +284,15 @@ class Scheduler:
     def _has_ready(self) -> bool:
         return any(self._ready(r) for r in self.waiting)
 
+    def finish_of(self, params: SamplingParams, output: list[int] | tuple[int, ...]) -> str | None:
+        """How `output` alone ends a request with these params ("stop", "length"), or None: it goes on. The
+        sequences' own rule (Sequence.commit); pure, so any thread may ask."""
+        s = Sequence([0], params, self.native.stop_ids)
+        s.commit(list(output))
+        return s.finish_reason
+
     def _add(self, prompt: list[int], params: SamplingParams, method: str, draft_width: int | None,
-             first_token: int | None) -> Request:
+             first_token: int | None, resumed: list[int] | tuple[int, ...] = ()) -> Request:
         if method not in ("native", "dflash"):
             raise ValueError(f"method must be 'native' or 'dflash', got {method!r}")
         if method == "dflash" and self.spec is None:
@@ -294,6 +306,15 @@ class Scheduler:
             # device-side assert that ends the process (the front ends check too; this is the engine's own bound)
             raise ValueError(f"prompt ids must lie in [0, {vocab}): got {min(prompt)}..{max(prompt)}")
         seq.forced_first = first_token
+        if resumed:
+            if first_token is not None:
+                raise ValueError("first_token: not with resumed output (the prompt and it are recomputed here)")
+            if not all(0 <= t < vocab for t in resumed):
+                raise ValueError(f"resumed output ids must lie in [0, {vocab})")
+            seq.commit(list(resumed))
+            if seq.done:
+                raise ValueError(f"the resumed output ends the request already ({seq.finish_reason}): nothing is "
+                                 f"left to generate")
         if method == "dflash":
             seq.draft_width = self.spec._check_width(self.spec.draft_width if draft_width is None else draft_width)
         need = blocks_needed(len(prompt), params.max_tokens, seq.draft_width, self.runner.kv_block_size)
@@ -301,6 +322,7 @@ class Scheduler:
             raise PromptTooLong(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} needs {need} KV "
                                 f"blocks; this KV cache has {self._capacity}")
         req = Request(next(self._ids), method, seq, need)
+        req.emitted = len(seq.output)  # a resumed request's output so far is the caller's already
         self.waiting.append(req)
         return req
 

@@ -130,3 +130,35 @@ def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = WAIT_S, e
             return
         time.sleep(every_s)
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+class Streamer:
+    """A long request streamed on a thread; tells how many tokens arrived and how it ended."""
+
+    def __init__(self, address: str, prompt: list[int], **kw) -> None:
+        self.tokens: list[int] = []
+        self.stats: dict | None = None
+        self.error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, args=(address, prompt, kw), daemon=True)
+        self._t.start()
+
+    def _run(self, address, prompt, kw) -> None:
+        try:
+            with GenerationClient(address, timeout_s=120) as c:
+                for ch in c.generate(prompt, **kw):
+                    self.tokens.extend(ch.token_ids)
+                    if ch.finished:
+                        self.stats = ch.stats
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+
+    def join(self) -> None:
+        self._t.join(150)
+        assert not self._t.is_alive(), "a client hung"
+
+
+def busy_decode_slot(pool, exclude=()):
+    """The one decode slot with a request in flight (other than `exclude`)."""
+    busy = [s for s in pool.slots["decode"] if s.inflight > 0 and s not in exclude]
+    assert len(busy) == 1, [(s.index, s.inflight) for s in pool.slots["decode"]]
+    return busy[0]

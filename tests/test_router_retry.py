@@ -1,15 +1,22 @@
-"""The router retries a request whose decode worker is gone on another one when that is safe: always for greedy or
-seeded requests, and for a sampled one while the client has seen none of that decode's tokens (it starts over from
-the prefill's first token, as if the dead worker had never run). A sampled request that already streamed tokens of
-its own is not retried: another worker would not continue them. Local processes on 127.0.0.1."""
+"""The router retries a request whose decode worker is gone on another one. While the client has seen none of that
+decode's tokens it starts over from the prefill's first token, as if the dead worker had never run; after, it
+resumes: the next worker rebuilds the caches of the prompt and the tokens streamed and continues from there (a
+sampled request too; a greedy one gives the uninterrupted tokens: tests/test_cluster_ray.py kills a decode actor
+mid-stream). Local processes on 127.0.0.1."""
 from __future__ import annotations
 
 import pytest
 
 from flashpd.cluster.generation_client import GenerationClient
+from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.service import start_service
+from flashpd.engine.generate import NativeGenerator
+from flashpd.engine.loader import load_target
+from flashpd.engine.runner import ModelRunner
+from flashpd.engine.sampling import SamplingParams
+from flashpd.engine.scheduler import generate
 
-from tests._cluster_helpers import dflash_pair, serve_cfg  # noqa: F401
+from tests._cluster_helpers import dflash_pair, serve_cfg, wait_until  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,6 @@ def test_a_lease_release_that_fails_in_any_way_is_logged_not_raised(caplog):
     not skip the rest."""
     from types import SimpleNamespace
 
-    from flashpd.cluster.proto_gen import generation_pb2 as pb
     from flashpd.cluster.router import Router
 
     def closed_channel(*_a, **_k):
@@ -78,3 +84,36 @@ def test_a_call_on_a_channel_a_restart_closed_is_a_worker_gone_not_a_bad_request
                 s.healthy = True
     assert r.token_ids == ref
     assert service.backend.retries >= 1 and service.backend.fallbacks.get("unavailable", 0) >= 1
+
+
+def test_the_decode_workers_resume_checks(service, dflash_pair):  # noqa: F811
+    """Straight to a decode worker: a resumed output the request ends with (max_tokens reached) ends it at once with
+    no tokens; a resumed greedy request streams the rest of the uninterrupted run; an id out of the vocabulary, or
+    resumed output beside a first token, is refused by name."""
+    import grpc
+
+    from flashpd.cluster.generation_client import build_request
+    from flashpd.cluster.generation_server import PROTOCOL_VERSION
+
+    target = load_target(dflash_pair.target_dir)
+    prompt = list(range(10, 50))
+    ref = generate(NativeGenerator(ModelRunner(target, 256, 16)), [prompt],
+                   [SamplingParams(max_tokens=30, ignore_eos=True)])[0].output
+    pool = service.pool
+    wait_until(lambda: any(s.healthy for s in pool.slots["decode"]), "a decode worker in rotation", timeout_s=90)
+    dec = next(s for s in pool.slots["decode"] if s.healthy).client
+
+    def call(resumed, max_tokens=30, **kw):
+        req = build_request(prompt, max_tokens=max_tokens, method="native", ignore_eos=True)
+        return list(dec.decode(pb.DecodeRequest(version=PROTOCOL_VERSION, request=req, resumed_output=resumed,
+                                                **kw), 60))
+
+    ended = call(ref[:3], max_tokens=3)
+    assert [(list(c.token_ids), c.finished, c.finish_reason) for c in ended] == [([], True, "length")]
+    chunks = call(ref[:12])
+    assert [t for c in chunks for t in c.token_ids] == ref[12:] and chunks[-1].finish_reason == "length"
+    for resumed, kw, what in (([1, target.cfg.vocab_size], {}, "resumed_output[1]"),
+                              ([1, 2], {"first_token": 1}, "resumed_output: not with first_token")):
+        with pytest.raises(grpc.RpcError) as ei:
+            call(resumed, **kw)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and what in ei.value.details()

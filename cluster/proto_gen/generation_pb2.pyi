@@ -295,13 +295,15 @@ class PairStoreReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ..., seal: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("version", "request", "first_token", "handoff")
+    __slots__ = ("version", "request", "first_token", "handoff", "resumed_output")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     version: int
     request: GenerateRequest
     first_token: int
     handoff: Handoff
-    def __init__(self, version: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., first_token: _Optional[int] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
+    resumed_output: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., first_token: _Optional[int] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., resumed_output: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -41,7 +41,7 @@ def _check_types(cfg: Any) -> None:
 
 
 # ServeConfig fields that name files or directories (relative ones: to where `flashpd serve` runs)
-PATH_KEYS = ("target", "draft", "draft_token_map", "bridge_disk_dir", "tls_cert", "tls_key", "tls_ca")
+PATH_KEYS = ("target", "draft", "draft_token_map", "bridge_disk_dir", "secret_file", "tls_cert", "tls_key", "tls_ca")
 
 # ServeConfig fields a client may read back (Health's settings_json; `public_settings`)
 PUBLIC_SETTINGS = ("mode", "device", "dtype", "kv_cache_tokens", "max_running", "session_hold_fraction",
@@ -99,6 +99,9 @@ class ServeConfig:
     chunk_tokens: int = 256  # positions per bridge entry
     bridge_memory_bytes: int = 1 << 30
     bridge_disk_dir: str | None = None  # adds a disk tier under the memory one
+    # a file keeping the cluster secret across service starts (made, 0600, when missing); unset: a fresh secret
+    # each start, under which the disk tier's earlier entries cannot verify and are deleted
+    secret_file: str | None = None
     # a worker-local hot tier of cache entries kept on the model's device (kv_bridge/device_store.py),
     # in bytes; 0 = none. Colocated: the server's own prefix cache. Prefill / decode workers: in front of
     # the bridge (writes go through to it, what it serves is promoted). A hit is then a device copy.
@@ -189,6 +192,9 @@ class ServeConfig:
         if self.engine_process and self.mode != "colocated":
             raise ValueError(f"engine_process: applies to mode 'colocated' only (its engine in a child process), got "
                              f"mode {self.mode!r}, whose workers are processes of their own already")
+        if self.secret_file is not None and self.mode == "colocated":
+            raise ValueError("secret_file: applies to modes 'local' and 'ray' (the cluster secret of their workers); "
+                             "a colocated service has none")
         if not 0 <= self.session_hold_fraction <= 1:
             raise ValueError(f"session_hold_fraction: must be in [0, 1], got {self.session_hold_fraction!r}")
         if self.session_hold_steps < 1:

@@ -7,8 +7,8 @@
   `ray_address`, or starts a local one). Nothing imports ray unless this mode is asked for.
 The generation API (proto/generation.proto) is the same in all three, and so is the OpenAI-compatible
 HTTP API (cluster/http_api.py) that `http_port` adds over the same backend. A disaggregated start makes
-a fresh cluster secret (kv_bridge/auth.py) that its launcher hands to every worker: the bridge
-accepts calls and chunks only from this start's processes.
+a fresh cluster secret (kv_bridge/auth.py), or reads the one `secret_file` keeps across starts, and its launcher
+hands it to every worker: the bridge accepts calls and chunks only from processes that hold it.
 """
 from __future__ import annotations
 
@@ -85,7 +85,10 @@ def start_service(cfg: ServeConfig, launcher: Launcher | None = None) -> Service
     if cfg.mode == "colocated":
         svc = _colocated(cfg)
     else:
-        svc = _disaggregated(cfg, launcher or make_launcher(cfg, ClusterSecret.generate()))
+        if launcher is not None and cfg.secret_file:
+            raise ValueError("secret_file: a launcher passed in brings its own secret")
+        secret = ClusterSecret.from_file(cfg.secret_file) if cfg.secret_file else ClusterSecret.generate()
+        svc = _disaggregated(cfg, launcher or make_launcher(cfg, secret))
     try:
         if cfg.metrics_port is not None:
             try:

@@ -1,6 +1,6 @@
 """The cluster secret: what makes the KV bridge a trust boundary.
 
-One 32-byte secret per service start, made by the launcher and handed to every worker process
+One 32-byte secret per service start (or kept in a file across starts: `secret_file`), handed to every worker process
 in FLASHPD_CLUSTER_SECRET (hex). Two independent subkeys are derived from it with BLAKE3's
 derive_key mode: the chunk MAC key (every chunk carries a keyed BLAKE3 MAC over header and
 payload), the bridge's gRPC bearer token and the workers' (Prefill, Decode, Release: what the
@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import stat
 import threading
 from typing import Iterable, Mapping
 
@@ -93,6 +94,37 @@ class ClusterSecret:
             raise ValueError(f"{source}: {len(raw)} bytes, a cluster secret has {SECRET_BYTES} "
                              f"({2 * SECRET_BYTES} hex digits)")
         return cls(raw)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "ClusterSecret":
+        """The secret kept in `path` (hex), made and written there first if the file does not exist: a service
+        that keeps its secret across starts keeps what was stored under it (a disk tier's entries). The file must
+        be the owner's alone (no group or other permission bits; created 0600); errors name the file, never the
+        value."""
+        name = f"secret file {os.fspath(path)}"
+        try:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            except FileExistsError:
+                pass
+            else:  # written whole before anyone reads it: a reader that finds it short fails its length check
+                fresh = cls.generate()
+                with os.fdopen(fd, "w") as f:
+                    f.write(fresh.export_hex() + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                return fresh
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{name}: not a regular file")
+            if st.st_mode & 0o077:
+                raise ValueError(f"{name}: mode {st.st_mode & 0o777:o} lets other users read or change it; make it "
+                                 f"the owner's alone (chmod 600)")
+            with open(path) as f:
+                text = f.read(4096)
+        except OSError as e:
+            raise ValueError(f"{name}: cannot create or read it ({e.strerror or e})") from None
+        return cls.from_hex(text, name)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "ClusterSecret | None":

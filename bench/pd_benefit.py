@@ -69,6 +69,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flashpd.bench.load_gen import centiles
+
 log = logging.getLogger("flashpd.pd_benefit")
 
 KIND = "pd_benefit"
@@ -92,7 +94,7 @@ def pcts(xs: list[float]) -> dict:
     if not xs:
         return {"p50": None, "p90": None, "p99": None, "mean": None, "max": None, "n": 0}
     s = sorted(xs)
-    q = statistics.quantiles(s, n=100, method="inclusive") if len(s) > 1 else [s[0]] * 99
+    q = centiles(s)
     return {"p50": q[49], "p90": q[89], "p99": q[98], "mean": statistics.fmean(s), "max": s[-1], "n": len(s)}
 
 

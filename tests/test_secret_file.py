@@ -57,15 +57,15 @@ def test_secret_file_is_refused_for_a_colocated_service():
 
 
 def test_a_service_started_again_with_its_secret_file_hits_its_disk_tier(tmp_path, dflash_pair):  # noqa: F811
-    """One local service writes a prompt's chunks to its disk tier and stops; a second start with the same
-    secret_file and directory restores that prompt from disk (its memory tier is new and empty) and gives the
-    same tokens."""
+    """One local service (a bridge and a decode worker, which prefills and publishes) writes a prompt's chunks to
+    its disk tier and stops; a second start with the same secret_file and directory restores that prompt from disk
+    (its memory tier is new and empty) and gives the same tokens."""
     from flashpd.cluster.generation_client import GenerationClient
     from flashpd.cluster.service import start_service
     from flashpd.kv_bridge.client import BridgeClient
 
     disk, secret = tmp_path / "disk", tmp_path / "secret"
-    cfg = serve_cfg(dflash_pair, "local", prefill_workers=1, decode_workers=1, bridge_disk_dir=str(disk),
+    cfg = serve_cfg(dflash_pair, "local", prefill_workers=0, decode_workers=1, bridge_disk_dir=str(disk),
                     secret_file=str(secret))
     prompt = [(7 * i) % 120 + 3 for i in range(135)]
 

@@ -422,7 +422,8 @@ def build_decode(cfg, llm, cache, metrics, sink=None):
     from flashpd.engine.width_policy import parse_width_policy  # noqa: PLC0415
 
     def finished(r) -> None:
-        metrics.observe_request(r.method, r.seq.stats.as_dict(), "ok", len(r.seq.output))
+        # the tokens made here: a resumed request's output from before it resumed was counted where it was made
+        metrics.observe_request(r.method, r.seq.stats.as_dict(), "ok", len(r.seq.output) - r.seq.resumed)
 
     def aborted(method: str, outcome: str, tokens: int) -> None:  # cancelled or failed: counted, no latency
         metrics.observe_request(method, {}, outcome, tokens)

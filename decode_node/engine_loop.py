@@ -311,7 +311,8 @@ class EngineLoop:
     def _aborted(self, h: Handle, outcome: str) -> None:
         if self.on_abort is not None:
             try:
-                self.on_abort(h.method, outcome, len(h.request.seq.output) if h.request is not None else 0)
+                s = h.request.seq if h.request is not None else None  # (a resumed one's earlier output: not ours)
+                self.on_abort(h.method, outcome, len(s.output) - s.resumed if s is not None else 0)
             except Exception:  # noqa: BLE001  a broken observer must not stop serving; it is logged
                 log.exception("on_abort hook failed")
 

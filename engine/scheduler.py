@@ -312,6 +312,7 @@ class Scheduler:
             if not all(0 <= t < vocab for t in resumed):
                 raise ValueError(f"resumed output ids must lie in [0, {vocab})")
             seq.commit(list(resumed))
+            seq.resumed = len(resumed)
             if seq.done:
                 raise ValueError(f"the resumed output ends the request already ({seq.finish_reason}): nothing is "
                                  f"left to generate")
@@ -962,4 +963,4 @@ def _rollback(r: Request) -> None:
     if len(s.output) > r.emitted:
         del s.output[r.emitted:]
         s.finish_reason = None
-    s.stats.rollback(len(s.output))
+    s.stats.rollback(len(s.output), max(1, s.resumed))

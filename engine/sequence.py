@@ -38,13 +38,14 @@ class RequestStats:
         guesses[width - 1] += 1
         self._steps.append((width, accepted))
 
-    def rollback(self, output_len: int) -> None:
-        """Drop the last steps until the rest account for an output of `output_len` tokens (its first is the
-        prefill's, no step's): a rolled-back step runs again (or never, cancelled), so every count of it goes,
-        or the redone step would be counted twice in the per-position acceptance."""
+    def rollback(self, output_len: int, stepless: int = 1) -> None:
+        """Drop the last steps until the rest account for an output of `output_len` tokens, the first `stepless`
+        of them no step's (the prefill's first token; a resumed request's output from before it resumed): a
+        rolled-back step runs again (or never, cancelled), so every count of it goes, or the redone step would be
+        counted twice in the per-position acceptance."""
         al = self.acceptance_lengths
         total = sum(al)
-        while al and 1 + total > output_len:
+        while al and stepless + total > output_len:
             total -= al.pop()
             self._unrecord(*self._steps.pop())
 
@@ -105,6 +106,7 @@ class Sequence:
     pending: "torch.Tensor | None" = None  # tapped target states of accepted positions not yet in the draft cache
     pending_rows: int = 0  # how many leading rows of `pending` are real
     forced_first: int | None = None  # disaggregation: the first token a prefill worker already streamed
+    resumed: int = 0  # output tokens a worker that died streamed before this one resumed the request
 
     @property
     def done(self) -> bool:

@@ -12,10 +12,12 @@ the process. The secret never appears in repr, str, logs or exception text.
 """
 from __future__ import annotations
 
+import errno
 import hmac
 import os
 import secrets
 import stat
+import tempfile
 import threading
 from typing import Iterable, Mapping
 
@@ -99,32 +101,53 @@ class ClusterSecret:
     def from_file(cls, path: str | os.PathLike) -> "ClusterSecret":
         """The secret kept in `path` (hex), made and written there first if the file does not exist: a service
         that keeps its secret across starts keeps what was stored under it (a disk tier's entries). The file must
-        be the owner's alone (no group or other permission bits; created 0600); errors name the file, never the
-        value."""
+        be a regular file (not a link) of this process's user, with no group or other permission bits (created
+        0600); errors name the file, never the value. A new file appears whole (written to a temporary file
+        beside it, then linked into place), so a crash mid-write leaves no short secret behind, and of two starts
+        creating it at once both read the one that was linked first."""
         name = f"secret file {os.fspath(path)}"
         try:
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-            except FileExistsError:
-                pass
-            else:  # written whole before anyone reads it: a reader that finds it short fails its length check
-                fresh = cls.generate()
-                with os.fdopen(fd, "w") as f:
-                    f.write(fresh.export_hex() + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                return fresh
-            st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{name}: not a regular file")
-            if st.st_mode & 0o077:
-                raise ValueError(f"{name}: mode {st.st_mode & 0o777:o} lets other users read or change it; make it "
-                                 f"the owner's alone (chmod 600)")
-            with open(path) as f:
-                text = f.read(4096)
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            except FileNotFoundError:
+                made = cls._create(os.fspath(path))
+                if made is not None:
+                    return made
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # another start linked it first
+            try:  # the checks are of the file opened, not of whatever the name points to afterwards
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ValueError(f"{name}: not a regular file")
+                if st.st_uid != os.geteuid():
+                    raise ValueError(f"{name}: owned by uid {st.st_uid}, not by this process's user")
+                if st.st_mode & 0o077:
+                    raise ValueError(f"{name}: mode {st.st_mode & 0o777:o} lets other users read or change it; "
+                                     f"make it the owner's alone (chmod 600)")
+                text = os.read(fd, 4096).decode("ascii", errors="replace")
+            finally:
+                os.close(fd)
         except OSError as e:
-            raise ValueError(f"{name}: cannot create or read it ({e.strerror or e})") from None
+            why = "a symbolic link" if e.errno == errno.ELOOP else (e.strerror or str(e))
+            raise ValueError(f"{name}: cannot create or read it ({why})") from None
         return cls.from_hex(text, name)
+
+    @classmethod
+    def _create(cls, path: str) -> "ClusterSecret | None":
+        """A fresh secret written whole at `path`, or None when another process created the file first."""
+        fresh = cls.generate()
+        fd, tmp = tempfile.mkstemp(prefix=".secret-", dir=os.path.dirname(path) or ".")  # 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(fresh.export_hex() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # never replaces a file: of two creators, one wins
+            except FileExistsError:
+                return None
+        finally:
+            os.unlink(tmp)
+        return fresh
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "ClusterSecret | None":

@@ -36,15 +36,12 @@ def test_percentiles_are_ordered_and_exact_on_known_data():
 
 
 def test_percentiles_never_decrease_where_interpolation_rounds_between_equal_values():
-    """statistics.quantiles interpolates between two equal values a unit in the last place below them: here its
-    p55 falls under its p54, and a run's ITL p99 once came out under its p90."""
-    import statistics
-
+    """statistics.quantiles can interpolate between two equal values a unit in the last place off them (CPython
+    3.11: on these values its p55 falls under its p54, its p54 over the largest value); a run's ITL p99 once came
+    out under its p90."""
     from flashpd.bench.load_gen import centiles, percentiles
 
     s = [45.49961541408508, 50.04807362210215, 50.04807362210215]
-    raw = statistics.quantiles(s, n=100, method="inclusive")
-    assert raw[54] < raw[53]  # the rounding this guards against, still in the library
     q = centiles(s)
     assert all(a <= b for a, b in zip(q, q[1:])) and q[-1] <= s[-1] and q[0] >= s[0]
     p = pb.pcts(s)

@@ -61,7 +61,7 @@ def test_a_resumed_request_continues_exactly_where_its_output_stops(pair, method
     sched = Scheduler(ModelRunner(target, 64, 16, taps=taps), drafter)
     free = sched.runner.allocator.num_free
     r = sched.add(prompt, params, method, resumed=out[:cut])
-    assert r.seq.output == out[:cut] and not r.wants_load
+    assert r.seq.output == out[:cut] and r.emitted == cut and r.seq.resumed == cut
     streamed = _drain(sched)
     assert streamed[r.id] == out[cut:] and r.seq.output == out and r.seq.finish_reason == "length"
     assert sched.stats.recomputed_tokens == len(prompt) + cut - 1
@@ -88,3 +88,24 @@ def test_finish_of_and_resumed_output_that_ends_the_request_is_refused(pair):
     with pytest.raises(ValueError, match="resumed output ids"):
         sched.add(prompt, p, "native", resumed=[1, target.cfg.vocab_size])
     assert not sched.waiting and sched.idle  # a refusal queues nothing
+
+
+def test_a_rolled_back_step_of_a_resumed_request_leaves_its_stats(pair):
+    """A batch fault rolls a row back to the tokens it streamed, and with them the stats of the steps it takes out
+    (they run again). A resumed request's output starts with tokens no step of this worker made: the rollback
+    must count them so, or the rolled-back step's acceptance length stayed and was counted twice."""
+    from flashpd.engine.scheduler import _rollback
+
+    target, drafter, taps = pair
+    prompt = _prompt(9, 80)
+    params = SamplingParams(max_tokens=70, ignore_eos=True)
+    out, _ = _solo(pair, prompt, params, "dflash")
+    sched = Scheduler(ModelRunner(target, 64, 16, taps=taps), drafter)
+    r = sched.add(prompt, params, "dflash", resumed=out[:10])
+    while len(r.seq.stats.acceptance_lengths) < 3:
+        sched.step()
+    acc = list(r.seq.stats.acceptance_lengths)
+    assert 10 + sum(acc) == len(r.seq.output)
+    r.emitted = len(r.seq.output) - acc[-1]  # as if the last step's tokens had not gone out: it runs again
+    _rollback(r)
+    assert r.seq.stats.acceptance_lengths == acc[:-1] and len(r.seq.output) == 10 + sum(acc[:-1])

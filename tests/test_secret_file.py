@@ -22,7 +22,27 @@ def test_a_missing_file_is_made_owner_only_and_read_back_as_the_same_secret(tmp_
     assert ClusterSecret.from_file(tmp_path / "other") != a
 
 
-@pytest.mark.parametrize("case", ["group-readable", "directory", "short", "not-hex", "no-parent"])
+def test_starts_creating_the_file_at_once_all_read_one_secret_and_leave_no_temporary_file(tmp_path):
+    import threading
+
+    p, got = tmp_path / "secret", []
+    barrier = threading.Barrier(8)
+
+    def one() -> None:
+        barrier.wait()
+        got.append(ClusterSecret.from_file(p))
+
+    ts = [threading.Thread(target=one) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert len(got) == 8 and all(g == got[0] for g in got) and ClusterSecret.from_file(p) == got[0]
+    assert [f.name for f in tmp_path.iterdir()] == ["secret"]
+
+
+@pytest.mark.parametrize("case", ["group-readable", "directory", "short", "not-hex", "no-parent", "symlink",
+                                  "other-owner"])
 def test_a_file_others_may_read_or_that_holds_no_secret_is_refused_by_name(tmp_path, case):
     p = tmp_path / "secret"
     good = ClusterSecret.generate().export_hex()
@@ -41,6 +61,19 @@ def test_a_file_others_may_read_or_that_holds_no_secret_is_refused_by_name(tmp_p
         p.write_text("zz" * 32)
         os.chmod(p, 0o600)
         what = "not a hex string"
+    elif case == "symlink":  # a link to a good file: whoever can change the link picks the secret
+        real = tmp_path / "real"
+        real.write_text(good)
+        os.chmod(real, 0o600)
+        p.symlink_to(real)
+        what = "a symbolic link"
+    elif case == "other-owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        p.write_text(good)
+        os.chmod(p, 0o600)
+        os.chown(p, 65534, 65534)
+        what = "owned by uid 65534"
     else:
         p = tmp_path / "missing" / "secret"
         what = "cannot create or read it"

@@ -36,6 +36,16 @@ from flashpd.engine.scheduler import generate
 KV_BLOCK = 16  # paged-cache block size of every runner built here
 
 
+def solo_run(pair: tuple, prompt: list[int], params: SamplingParams, method: str) -> tuple[list[int], list[int]]:
+    """One request alone on a fresh 256-block runner of pair = (target, drafter, taps): (its output, its DFlash
+    acceptance lengths), the uninterrupted run a scheduler's request is compared with."""
+    target, drafter, taps = pair
+    runner = ModelRunner(target, 256, KV_BLOCK, taps=taps)
+    gen = DFlashGenerator(runner, drafter, ()) if method == "dflash" else NativeGenerator(runner)
+    s = generate(gen, [prompt], [params])[0]
+    return s.output, s.stats.acceptance_lengths
+
+
 def greedy(max_tokens: int, ignore_eos: bool = True) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
 

@@ -11,20 +11,17 @@ import torch
 from flashpd.decode_node.scheduler import Scheduler
 from flashpd.decode_node.worker import DecodeWorker
 from flashpd.engine.drafter import load_drafter
-from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
-from flashpd.engine.spec_decode import DFlashGenerator
 from flashpd.kv_bridge.client import BridgeClient, RemoteStore
 from flashpd.kv_bridge.keys import MethodFingerprint
 from flashpd.kv_bridge.prefix_cache import PrefixCache
 from flashpd.kv_bridge.server import serve
 from flashpd.kv_bridge.store import MemoryStore
 from flashpd.prefill_node.worker import PrefillWorker
-from flashpd.engine.scheduler import generate
 
-from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+from tests._dflash_helpers import dflash_pair, solo_run  # noqa: F401  (dflash_pair: a session fixture)
 
 WAIT_S = 30.0
 
@@ -39,14 +36,6 @@ def pair(dflash_pair):  # noqa: F811
 def _prompts(n: int, seed: int, lo: int = 40, hi: int = 140) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
-
-
-def _solo(pair, prompt, params, method):
-    target, drafter, taps = pair
-    runner = ModelRunner(target, 256, 16, taps=taps)
-    gen = DFlashGenerator(runner, drafter, ()) if method == "dflash" else NativeGenerator(runner)
-    s = generate(gen, [prompt], [params])[0]
-    return s.output, s.stats.acceptance_lengths
 
 
 def test_preemption_by_recompute_is_exact(pair):
@@ -69,7 +58,7 @@ def test_preemption_by_recompute_is_exact(pair):
     assert sched.stats.preemptions > 0 and sched.stats.recomputed_tokens > 0
     assert sched.runner.allocator.num_free == 24
     for r, p, sp, m in zip(reqs, prompts, params, methods):
-        out, acc = _solo(pair, p, sp, m)
+        out, acc = solo_run(pair, p, sp, m)
         assert r.seq.output == out and streamed[r.id] == out, (r.id, r.preemptions)
         assert r.seq.stats.acceptance_lengths == acc, (r.id, r.preemptions)
     assert any(r.preemptions for r in reqs if r.method == "dflash")
@@ -136,7 +125,7 @@ def test_decode_worker_imports_from_the_bridge_and_falls_back_when_it_is_gone(pa
         for w in workers:
             for p, f in zip(prompts, firsts):
                 toks, stats = _drain(w.submit(p, params, "dflash", first_token=f))
-                out, acc = _solo(pair, p, params, "dflash")
+                out, acc = solo_run(pair, p, params, "dflash")
                 assert toks == out and stats["acceptance_lengths"] == acc
         assert live.stats()["cache_hit_tokens"] == sum(((len(p) - 1) // 32) * 32 for p in prompts)
         assert live.stats()["import_failures"] == 0

@@ -8,14 +8,12 @@ import pytest
 import torch
 
 from flashpd.engine.drafter import load_drafter
-from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.loader import load_target
 from flashpd.engine.runner import ModelRunner
 from flashpd.engine.sampling import SamplingParams
-from flashpd.engine.scheduler import Scheduler, generate
-from flashpd.engine.spec_decode import DFlashGenerator
+from flashpd.engine.scheduler import Scheduler
 
-from tests._dflash_helpers import dflash_pair  # noqa: F401  (session fixture)
+from tests._dflash_helpers import dflash_pair, solo_run  # noqa: F401  (dflash_pair: a session fixture)
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +25,6 @@ def pair(dflash_pair):  # noqa: F811
 
 def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(0, 126, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _solo(pair, prompt, params, method):
-    target, drafter, taps = pair
-    runner = ModelRunner(target, 256, 16, taps=taps)
-    gen = DFlashGenerator(runner, drafter, ()) if method == "dflash" else NativeGenerator(runner)
-    s = generate(gen, [prompt], [params])[0]
-    return s.output, s.stats.acceptance_lengths
 
 
 def _drain(sched: Scheduler) -> dict[int, list[int]]:
@@ -54,7 +44,7 @@ def test_a_resumed_request_continues_exactly_where_its_output_stops(pair, method
     target, drafter, taps = pair
     prompt = _prompt(7, 90)
     params = SamplingParams(max_tokens=70, temperature=temperature, seed=5 if temperature else None, ignore_eos=True)
-    out, acc = _solo(pair, prompt, params, method)
+    out, acc = solo_run(pair, prompt, params, method)
     steps = 3
     cut = 1 + sum(acc[:steps]) if method == "dflash" else 1 + steps
     assert 1 < cut < len(out) - 5
@@ -99,7 +89,7 @@ def test_a_rolled_back_step_of_a_resumed_request_leaves_its_stats(pair):
     target, drafter, taps = pair
     prompt = _prompt(9, 80)
     params = SamplingParams(max_tokens=70, ignore_eos=True)
-    out, _ = _solo(pair, prompt, params, "dflash")
+    out, _ = solo_run(pair, prompt, params, "dflash")
     sched = Scheduler(ModelRunner(target, 64, 16, taps=taps), drafter)
     r = sched.add(prompt, params, "dflash", resumed=out[:10])
     while len(r.seq.stats.acceptance_lengths) < 3:

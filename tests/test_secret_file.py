@@ -1,7 +1,7 @@
 """`secret_file`: the cluster secret kept across service starts, so the bridge's disk tier keeps its entries (a fresh
 secret each start makes them unverifiable, and the disk tier deletes them). The file is made 0600 when missing and
 refused when others may access it or it holds no secret; errors name the file, never a value. The service case runs
-a real local service (bridge, prefill and decode processes) twice over one disk directory."""
+a real local service (bridge and decode processes) twice over one disk directory."""
 from __future__ import annotations
 
 import os

@@ -13,18 +13,26 @@ from flashpd.engine.generate import NativeGenerator
 from flashpd.engine.sequence import Sequence
 
 
-def recompute(gen: NativeGenerator, seqs: list[Sequence], prefix_cache=None, taps: bool = False) -> int:
+def recompute(gen: NativeGenerator, seqs: list[Sequence], prefix_cache=None, taps: bool = False,
+              fetched: list | None = None) -> int:
     """Rebuild the target KV (and, with taps, the drafter context) of each sequence's prompt + output[:-1]
-    into freshly allocated blocks; returns how many positions were computed (not restored)."""
+    into freshly allocated blocks; returns how many positions were computed (not restored). fetched: per
+    sequence, its prompt's prefix as the prefix cache's fetch() read it off the engine thread (applied here),
+    or None (restored here)."""
     runner = gen.runner
     computed = 0
-    for s in seqs:
+    if fetched is not None and len(fetched) != len(seqs):
+        raise ValueError(f"{len(fetched)} fetched prefixes for {len(seqs)} sequences")
+    for i, s in enumerate(seqs):
         if not s.output or s.table.blocks or s.draft_len or s.pending is not None:
             raise ValueError("recompute takes preempted sequences: output so far, no blocks, no draft state")
         ctx = s.prompt + s.output[:-1]
         runner.allocator.ensure(s.table, len(ctx))
-        if prefix_cache is not None:
-            prefix_cache.restore(gen, s)  # sets num_tokens (and draft_len) to the restored prefix
+        got = fetched[i] if fetched is not None else None
+        if got is not None:
+            prefix_cache.apply(gen, s, got)  # sets num_tokens (and draft_len) to the restored prefix
+        elif prefix_cache is not None:
+            prefix_cache.restore(gen, s)  # the same, its fetch run here
         rest = ctx[s.table.num_tokens:]
         if taps and s.draft_len != s.table.num_tokens:
             raise RuntimeError(f"restored draft context ({s.draft_len}) out of step with the target cache "

@@ -224,9 +224,9 @@ class Scheduler:
         req.handoff = handoff
         try:
             # the worker side's start-load: bridge I/O and verification run off the engine loop; the request is
-            # admitted once its data is here, and the running batch never waits for it (a resumed request is
-            # recomputed, as a preempted one: it restores its prefix at admission)
-            req.wants_load = not req.seq.output and self._wants_load(req)
+            # admitted once its data is here, and the running batch never waits for it (a resumed request too: its
+            # prompt's prefix is fetched so, and the recompute at its admission starts from it)
+            req.wants_load = self._wants_load(req)
             self._start_loads()
         except BaseException:
             self._withdraw(req)
@@ -473,16 +473,8 @@ class Scheduler:
             local = [r for r in group if not self._import(r, method)]
             sync = []
             for r in local:
-                if r.load is None:
-                    sync.append(r.seq)
-                    continue
-                fut, r.load = r.load, None  # taken first: a retry of this admission must not read it again
-                try:
-                    got = fut.result()  # finished: _pick admits no request still loading
-                except Exception as e:  # a store's own error (an OSError of a disk tier, ...): read it here
-                    self.stats.load_errors += 1
-                    log.warning("request %d: its prefix fetch failed (%s: %s); restoring on the engine thread",
-                                r.id, type(e).__name__, e)
+                got = self._take_fetched(r)
+                if got is None:
                     sync.append(r.seq)
                     continue
                 self.runner.allocator.ensure(r.seq.table, len(r.seq.prompt))
@@ -496,8 +488,25 @@ class Scheduler:
                     self._session, self._session_gen = sess, gen
                 else:
                     gen.prefill_request([r.seq for r in local])
-        else:  # preempted earlier: rebuild their caches, sample nothing
-            self.stats.recomputed_tokens += recompute(gen, seqs, self.prefix_cache, taps=method == "dflash")
+        else:  # preempted earlier (or resumed): rebuild their caches, sample nothing
+            fetched = [self._take_fetched(r) for r in group]
+            self.stats.recomputed_tokens += recompute(gen, seqs, self.prefix_cache, taps=method == "dflash",
+                                                      fetched=fetched)
+
+    def _take_fetched(self, r: Request):
+        """The request's finished prefix fetch (_pick admits no request still loading), taken off it so a retry of
+        this admission never reads it again; None: nothing fetched, or the fetch failed (counted, logged): its
+        prefix is restored on the engine thread instead."""
+        if r.load is None:
+            return None
+        fut, r.load = r.load, None
+        try:
+            return fut.result()
+        except Exception as e:  # a store's own error (an OSError of a disk tier, ...): read it here
+            self.stats.load_errors += 1
+            log.warning("request %d: its prefix fetch failed (%s: %s); restoring on the engine thread",
+                        r.id, type(e).__name__, e)
+            return None
 
     def _import(self, r: Request, method: str) -> bool:
         """Admit a fresh request from KV computed elsewhere instead of prefilling it: a decode node imports a

@@ -95,6 +95,47 @@ def test_a_loading_request_does_not_stop_the_running_batch(pair):
     assert r.seq.output == cold.output and r.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths
 
 
+def test_a_resumed_request_fetches_its_prefix_off_the_engine_loop(pair):
+    """A request resumed after its worker died (a failover lands many at once) fetches its prompt's prefix as a
+    fresh one does: the batch steps on while the fetch is blocked, and the recompute at its admission starts from
+    the fetched prefix; its tokens and acceptance lengths are the uninterrupted run's."""
+    target, drafter = pair
+    store = _GatedStore()
+    cache = PrefixCache(store, "f" * 64, chunk_tokens=32)
+    slow = _prompts(1, 23, 150, 151)[0]
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    warm.add(slow, sp, "dflash")
+    warm.run_until_idle()
+    assert store.stats()["entries"] == 4
+    cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()), [slow], [sp])[0]
+    acc = cold.stats.acceptance_lengths
+    cut = 1 + sum(acc[:2])  # where the dead worker's stream stopped: its prefill's token and two steps
+    assert cut < len(cold.output) - 5
+
+    sched = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    others = [sched.add(p, SamplingParams(max_tokens=60, ignore_eos=True), "native")
+              for p in _prompts(3, 24, 20, 40)]
+    for _ in range(3):
+        sched.step()
+    store.gate.clear()
+    store.reading.clear()
+    r = sched.add(slow, sp, "dflash", resumed=cold.output[:cut])
+    try:
+        assert store.reading.wait(30), "the resumed request's fetch did not start"
+        before = {o.id: len(o.seq.output) for o in others}
+        for _ in range(5):  # the fetch is blocked: the batch steps on without it
+            sched.step()
+        assert r in sched.waiting and len(r.seq.output) == cut
+        assert all(len(o.seq.output) > before[o.id] for o in others), "the running batch stalled on a load"
+    finally:
+        store.gate.set()
+    sched.run_until_idle()
+    assert cache.stats.per_request_hits[-1] == 128  # its recompute started from the fetched prefix
+    assert sched.stats.recomputed_tokens == len(slow) + cut - 1 - 128
+    assert r.seq.output == cold.output and r.seq.stats.acceptance_lengths == acc[2:]
+
+
 class _SlowPutStore(MemoryStore):
     """A real memory store whose writes block until `gate` is set (a slow bridge)."""
 

@@ -413,12 +413,6 @@ class Router:
                     raise _error_for(code, details) from None
                 if not busy:  # an overloaded worker is alive: it stays in rotation (as the pool's probe keeps it)
                     self.pool.mark_down(d, f"Decode failed: {code.name} {details}")
-                # the client has seen none of this decode's tokens: the next worker starts from the prefill's
-                # first token as if this one had not run. Else it resumes: it rebuilds the caches of the prompt and
-                # every token streamed (as a preempted request is recomputed) and continues from there, so a
-                # sampled request is retried too, and a replay's draws or draft widths cannot diverge from what
-                # the client already has
-                resume = len(emitted) > base
                 nxt = self.pool.pick("decode", exclude=tuple(tried)) if tries < self.cfg.decode_retries else None
                 if nxt is None:
                     if busy:
@@ -427,6 +421,17 @@ class Router:
                                                 f"{len(self.pool.slots['decode'])}); retry later") from None
                     raise EngineStopped(f"decode worker {d.index} at {d.address} is gone ({code.name}: {details})") \
                         from None
+                # the client has seen none of this decode's tokens: the next worker starts from the prefill's
+                # first token as if this one had not run. Else it resumes: it rebuilds the caches of the prompt and
+                # every token streamed (as a preempted request is recomputed) and continues from there, so a
+                # sampled request is retried too, and a replay's draws or draft widths cannot diverge from what
+                # the client already has. A worker whose Health does not say it resumes (an older build) would drop
+                # resumed_output and stream from the prompt: it replays instead, and a replay that differs from
+                # what was streamed fails the request (never a token appended twice)
+                resume = len(emitted) > base and bool(nxt.info.get("resumes"))
+                if len(emitted) > base and not resume:
+                    log.warning("decode worker %d does not say it resumes (an older build?): replaying the request "
+                                "from the prefill's first token", nxt.index)
                 tries += 1
                 with self._lock:
                     self.retries += 1

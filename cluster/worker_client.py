@@ -27,7 +27,7 @@ def health_dict(r: pb.HealthReply) -> dict:
     return {"serving": r.serving, "has_drafter": r.has_drafter, "running": r.running, "waiting": r.waiting,
             "kv_blocks_free": r.kv_blocks_free, "kv_blocks_total": r.kv_blocks_total,
             "kv_block_size": r.kv_block_size, "vocab_size": r.vocab_size, "max_positions": r.max_positions,
-            "default_block_size": r.default_block_size or None}
+            "default_block_size": r.default_block_size or None, "resumes": r.resumes}
 
 
 def release_request(exporter_id: str, lease_id: int, blocks: Sequence[int], epochs: Sequence[int]) -> pb.ReleaseRequest:

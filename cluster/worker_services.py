@@ -294,3 +294,10 @@ class DecodeWorkerServicer(GenerationServicer, pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resumed_output: not with first_token or handoff (the "
                           "worker recomputes the prompt and the output)")
         return self._stream(request.request, context, first, handoff, resumed)
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        """GenerationServicer's, saying this worker resumes: the router sends a retried request's streamed tokens
+        (resumed_output) only to a worker that says so (a build that predates the field would drop it)."""
+        reply = super().Health(request, context)
+        reply.resumes = True
+        return reply

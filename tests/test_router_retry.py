@@ -117,3 +117,35 @@ def test_the_decode_workers_resume_checks(service, dflash_pair):  # noqa: F811
         with pytest.raises(grpc.RpcError) as ei:
             call(resumed, **kw)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and what in ei.value.details()
+
+
+def test_a_worker_that_does_not_say_it_resumes_gets_a_replay(service, dflash_pair):  # noqa: F811
+    """A decode worker of an older build drops DecodeRequest.resumed_output and would stream from the prompt, which
+    the router would append after what the client has. Its Health does not say `resumes`: the router replays the
+    request there from the prefill's first token (checked against what was streamed) instead. Here the worker is a
+    current one with `resumes` taken out of its slot's Health: its final stats are the whole run's, a replay's."""
+    from flashpd.engine.drafter import load_drafter
+    from flashpd.engine.spec_decode import DFlashGenerator
+
+    from tests._cluster_helpers import Streamer, busy_decode_slot
+
+    pool = service.pool
+    wait_until(lambda: all(s.healthy for s in pool.all()), "every worker in rotation", timeout_s=90)
+    assert all(s.info["resumes"] for s in pool.slots["decode"])  # a current worker says so
+    target = load_target(dflash_pair.target_dir)
+    drafter = load_drafter(dflash_pair.draft_dir, target)
+    prompt = list(range(40, 100))
+    ref = generate(DFlashGenerator(ModelRunner(target, 256, 16, taps=tuple(drafter.cfg.target_layer_ids)), drafter,
+                                   ()), [prompt], [SamplingParams(max_tokens=400, ignore_eos=True)])[0]
+    retries = service.backend.retries
+    c = Streamer(service.address, prompt, max_tokens=400, method="dflash", ignore_eos=True)
+    wait_until(lambda: len(c.tokens) >= 20, "the request to stream")
+    busy = busy_decode_slot(pool)
+    other = next(s for s in pool.slots["decode"] if s is not busy)
+    other.info = {**other.info, "resumes": False}  # as an older build's Health reads (the probes are 60 s apart)
+    pool.launcher.kill(busy.launched)
+    c.join()
+    assert c.error is None, c.error
+    assert c.tokens == ref.output
+    assert c.stats["acceptance_lengths"] == ref.stats.acceptance_lengths  # the whole run: replayed, not resumed
+    assert service.backend.retries == retries + 1

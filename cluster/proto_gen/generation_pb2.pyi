@@ -91,7 +91,7 @@ class HealthRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("version", "serving", "has_drafter", "has_tokenizer", "running", "waiting", "kv_blocks_free", "vocab_size", "kv_blocks_total", "kv_block_size", "max_positions", "default_block_size", "settings_json")
+    __slots__ = ("version", "serving", "has_drafter", "has_tokenizer", "running", "waiting", "kv_blocks_free", "vocab_size", "kv_blocks_total", "kv_block_size", "max_positions", "default_block_size", "settings_json", "resumes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     HAS_DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class HealthReply(_message.Message):
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     version: int
     serving: bool
     has_drafter: bool
@@ -118,7 +119,8 @@ class HealthReply(_message.Message):
     max_positions: int
     default_block_size: int
     settings_json: str
-    def __init__(self, version: _Optional[int] = ..., serving: _Optional[bool] = ..., has_drafter: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., default_block_size: _Optional[int] = ..., settings_json: _Optional[str] = ...) -> None: ...
+    resumes: bool
+    def __init__(self, version: _Optional[int] = ..., serving: _Optional[bool] = ..., has_drafter: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., default_block_size: _Optional[int] = ..., settings_json: _Optional[str] = ..., resumes: _Optional[bool] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("version", "first_token", "finish_reason", "published_chunks", "cached_tokens", "prefill_ms", "handoff", "publish_ticket")

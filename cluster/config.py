@@ -40,6 +40,10 @@ def _check_types(cfg: Any) -> None:
                              f"got {v!r}")
 
 
+def _not_origin(v: Any) -> str:
+    raise ValueError(f"allowed origin {v!r} is not a string")
+
+
 # ServeConfig fields that name files or directories (relative ones: to where `flashpd serve` runs)
 PATH_KEYS = ("target", "draft", "draft_token_map", "bridge_disk_dir", "secret_file", "tls_cert", "tls_key", "tls_ca")
 
@@ -91,6 +95,9 @@ class ServeConfig:
     # free port); its model name is served_model_name (None: the target directory's name)
     http_port: int | None = None
     served_model_name: str | None = None
+    # web page origins ("http(s)://host[:port]", or "*") whose browser requests the HTTP API serves besides its
+    # own origin's (cluster/http_origin.py: a page elsewhere, or one behind a proxy that rewrites Host)
+    http_allowed_origins: tuple[str, ...] = ()
     worker_metrics: bool = True  # each worker serves its own Prometheus endpoint (a free port, logged)
     max_concurrent: int = 256  # concurrent RPCs per server (one thread each)
     # disaggregation
@@ -192,6 +199,16 @@ class ServeConfig:
         if self.engine_process and self.mode != "colocated":
             raise ValueError(f"engine_process: applies to mode 'colocated' only (its engine in a child process), got "
                              f"mode {self.mode!r}, whose workers are processes of their own already")
+        origins = self.http_allowed_origins
+        if isinstance(origins, str) or not isinstance(origins, (list, tuple)):
+            raise ValueError(f"http_allowed_origins: must be a list of origins (http(s)://host[:port] or '*'), "
+                             f"got {origins!r}")
+        from flashpd.cluster.http_origin import normalise_origin  # noqa: PLC0415
+        try:  # a YAML or JSON list: kept as a tuple (the config is frozen and hashable)
+            object.__setattr__(self, "http_allowed_origins",
+                               tuple(normalise_origin(o) if isinstance(o, str) else _not_origin(o) for o in origins))
+        except ValueError as e:
+            raise ValueError(f"http_allowed_origins: {e}") from None
         if self.secret_file is not None and self.mode == "colocated":
             raise ValueError("secret_file: applies to modes 'local' and 'ray' (the cluster secret of their workers); "
                              "a colocated service has none")

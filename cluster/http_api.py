@@ -279,13 +279,14 @@ class _State:
             raise _bad(param, "this server has no tokenizer; send token ids")
         if len(text) > limit * MAX_CHARS_PER_TOKEN:
             raise _too_long(param, f"{len(text)} characters cannot fit the model's {limit} positions")
-        over = self.tokenizer.tokens_over(text, limit)  # before encoding it whole: memory by tokens, not characters
+        try:  # whatever the tokenizer refuses (a lone surrogate, ...) is the client's text
+            over = self.tokenizer.tokens_over(text, limit)  # before encoding it whole: memory by tokens, not characters
+            if over is None:
+                ids = self.tokenizer.encode(text)  # on a worker thread (`request`), and without the interpreter lock
+        except Exception as e:  # noqa: BLE001
+            raise _bad(param, f"the tokenizer refused it ({_cap(str(e))})") from None
         if over is not None:
             raise _too_long(param, f"at least {over} tokens cannot fit the model's {limit} positions")
-        try:
-            ids = self.tokenizer.encode(text)  # on a worker thread (`request`), and without the interpreter lock
-        except Exception as e:  # noqa: BLE001  whatever the tokenizer refuses is the client's text
-            raise _bad(param, f"the tokenizer refused it ({_cap(str(e))})") from None
         if not ids:
             raise _bad(param, "the prompt encodes to no tokens")
         return ids

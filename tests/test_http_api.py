@@ -388,6 +388,11 @@ def test_odd_but_valid_json_gets_4xx_and_tiny_top_p_is_greedy(server):
         assert r.status_code == 400 and len(r.json()["error"]["message"]) < 200, r.text
     r = post(b'{"model": "\\ud800", "prompt": "x"}')  # a lone surrogate, echoed in the error
     assert r.status_code == 404 and "\\ud800" in r.json()["error"]["message"]
+    long = b"\\ud800" + b" a" * 9000  # past the tokenizer's window: counted before it is encoded (that was a 500)
+    for path, body in (("completions", b'{"prompt": "%s"}' % long),
+                       ("chat/completions", b'{"messages": [{"role": "user", "content": "%s"}]}' % long)):
+        r = post(body, path)
+        assert r.status_code == 400 and "tokenizer refused" in r.json()["error"]["message"], (path, r.text)
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     for k in ("tools", "documents", "continue_final_message", "messages", "add_generation_prompt"):
         r = post({**chat, "chat_template_kwargs": {k: None}}, "chat/completions")

@@ -266,7 +266,7 @@ def test_a_cancel_that_blocks_does_not_stop_other_requests():
     def leave() -> None:
         with socket.create_connection((srv.host, srv.port), timeout=10) as s:
             body = json.dumps({"prompt": [5, 6], "max_tokens": 100, "stream": True, "return_token_ids": True}).encode()
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
             got = b""
             while b"data: " not in got:  # the headers, then the first chunk (its token)
@@ -365,7 +365,7 @@ def test_a_client_that_leaves_mid_body_is_not_a_server_error(caplog):
         with caplog.at_level(logging.INFO):
             for _ in range(3):
                 with socket.create_connection((srv.host, srv.port), timeout=10) as s:
-                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                               b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
                     time.sleep(0.2)  # the app is reading the body now
             status, _ = _post(f"http://{srv.address}", "/v1/completions", {"prompt": [5], "max_tokens": 1})

@@ -55,7 +55,7 @@ class _SlowBackend:
 
 def _request(n_tokens: int, stream: bool = False) -> bytes:
     body = json.dumps({"model": "fake", "prompt": [5], "max_tokens": n_tokens, "stream": stream}).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body)) + body
 
 
@@ -203,7 +203,7 @@ def test_past_the_connection_limit_a_request_gets_an_openai_503(server):
         # nothing were enough to get there)
         c = _connect(server)
         try:
-            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert _read_response(c).startswith(b"HTTP/1.1 200")
         finally:
             c.close()
@@ -250,7 +250,7 @@ def _flood_stream() -> tuple[_FloodBackend, HttpServer, socket.socket]:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", srv.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(body) + body)
     return be, srv, s
 

@@ -46,7 +46,8 @@ Two admission policies:
   ones need for theirs), so many more requests share the cache; when a step cannot get its blocks,
   the newest running request is preempted: its blocks are freed and it goes back to the head of
   the queue, and when re-admitted its prompt + output so far is recomputed (recompute.py) without
-  sampling anything, so its output and acceptance lengths stay those of an uninterrupted run.
+  sampling anything, so its output and acceptance lengths stay those of an uninterrupted run. Its prompt's
+  cached prefix is fetched off the engine loop meanwhile (the recompute starts from it), and it keeps its place.
 """
 from __future__ import annotations
 
@@ -216,6 +217,8 @@ class Scheduler:
         continues where that worker stopped; only what follows is streamed. Output that already ends the request
         is refused (`finish_of` says so first)."""
         try:
+            if resumed and handoff is not None:  # (the decode worker's RPC refuses it first, as it needs first_token)
+                raise ValueError("handoff: not with resumed output (the prompt and it are recomputed here)")
             req = self._add(prompt, params, method, draft_width, first_token, resumed)
         except BaseException:
             if handoff is not None:
@@ -257,7 +260,8 @@ class Scheduler:
 
     def _start_loads(self) -> None:
         """Start the fetches of the first queued requests that want one, up to LOAD_AHEAD held at once. Fetches
-        start in queue order (a re-queued preempted request has none), so the walk stops at the window's end."""
+        start in queue order (a preempted request's, queued first, before the rest), so the walk stops at the
+        window's end."""
         if not self._may_load():  # no request wants one
             return
         held = 0
@@ -282,7 +286,13 @@ class Scheduler:
         return r.load.done() if r.load is not None else not r.wants_load
 
     def _has_ready(self) -> bool:
-        return any(self._ready(r) for r in self.waiting)
+        """Whether _pick may take a waiting request now (what _admissible lists)."""
+        for r in self.waiting:
+            if self._ready(r):
+                return True
+            if r.preemptions:
+                return False
+        return False
 
     def finish_of(self, params: SamplingParams, output: list[int] | tuple[int, ...]) -> str | None:
         """How `output` alone ends a request with these params ("stop", "length"), or None: it goes on. The
@@ -413,10 +423,11 @@ class Scheduler:
         return blocks_needed(ctx, 0, self._width(r), self.runner.kv_block_size)
 
     def _pick(self) -> list[Request]:
-        """Waiting requests to admit now, in queue order, skipping those whose prefix is still loading."""
+        """Waiting requests to admit now, in queue order, skipping those whose prefix is still loading (a preempted
+        one still loading stops the walk: nothing queued behind it takes its place)."""
         admitted: list[Request] = []
         if self.policy == "reserve":
-            for req in [r for r in self.waiting if self._ready(r)]:
+            for req in self._admissible():
                 if len(self.running) + len(admitted) >= self.max_running or \
                         self._reserved + req.reserved_blocks > self._capacity:
                     break
@@ -425,7 +436,7 @@ class Scheduler:
                 admitted.append(req)
         else:
             free = self.runner.allocator.num_free - sum(self._step_blocks(r) for r in self.running)
-            for req in [r for r in self.waiting if self._ready(r)]:
+            for req in self._admissible():
                 if len(self.running) + len(admitted) >= self.max_running:
                     break
                 need = self._admit_blocks(req)
@@ -436,6 +447,17 @@ class Scheduler:
         for req in admitted:
             self.waiting.remove(req)
         return admitted
+
+    def _admissible(self) -> list[Request]:
+        """The waiting requests _pick may take, in queue order: the ready ones before the first preempted request
+        whose fetch is still running."""
+        out = []
+        for r in self.waiting:
+            if self._ready(r):
+                out.append(r)
+            elif r.preemptions:
+                break
+        return out
 
     def _admit(self, result: StepResult) -> list[Request]:
         """Prefill (or, preempted earlier, recompute) the requests _pick lets in; a group that raises is
@@ -547,10 +569,17 @@ class Scheduler:
             self._preempt(victims[-1])
 
     def _preempt(self, r: Request) -> None:
+        """Preempt a running request for its blocks. Its prompt's cached prefix is fetched off the engine loop
+        at once (the fetch starts first: it heads the queue), so its re-admission applies it rather than reading
+        the store on the engine thread while the batch waits; until it is there, nothing queued behind it is
+        admitted (_pick: it keeps its place). A batch fault's preemptions (_recover) restore at admission."""
         self.running.remove(r)
         self._preempt_out(r)
         r.preemptions += 1
         self.stats.preemptions += 1
+        r.wants_load = self._wants_load(r)
+        if r.wants_load:
+            self._start_loads()
 
     def _preempt_out(self, r: Request) -> None:
         """Free a request's blocks and queue it first again; re-admitted, it is recomputed."""
@@ -721,7 +750,7 @@ class Scheduler:
         done = sum(s.done for s in sess.seqs)
         if done == len(sess.seqs):
             return False
-        events = done + sum(1 for r in self.waiting if self._ready(r))
+        events = done + len(self._admissible())
         if not events:
             return True
         if self._hold_since is None:
@@ -734,7 +763,8 @@ class Scheduler:
         self.steps += 1
         self._start_loads()  # admissions and cancels made room ahead
         if not self.running and self.waiting and not self._has_ready():  # only loads in flight: wait for one
-            wait([r.load for r in self.waiting if r.load is not None], timeout=LOAD_POLL_S, return_when=FIRST_COMPLETED)
+            wait([r.load for r in self.waiting if r.load is not None and not r.load.done()], timeout=LOAD_POLL_S,
+                 return_when=FIRST_COMPLETED)
         if (self._has_ready() and not self._holds()) or not self.overlap or self._suspects:
             self._end_session_or_recover(result)  # admissions (and preemptions) work on the host's view of the batch
         if self._session is None:

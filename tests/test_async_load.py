@@ -136,6 +136,79 @@ def test_a_resumed_request_fetches_its_prefix_off_the_engine_loop(pair):
     assert r.seq.output == cold.output and r.seq.stats.acceptance_lengths == acc[2:]
 
 
+class _ReadersStore(MemoryStore):
+    """A real memory store noting the threads that look prefixes up in it (every fetch and restore does)."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 28)
+        self.readers: list[str] = []
+
+    def lookup(self, keys):
+        self.readers.append(threading.current_thread().name)
+        return super().lookup(keys)
+
+
+def test_a_preempted_request_fetches_its_prefix_off_the_engine_loop(pair):
+    """Policy preempt, 24 blocks for 6 requests that need ~600 positions: each preempted request's prompt prefix is
+    fetched on a load thread when it is preempted, never read on the engine thread at its re-admission (the batch
+    waited on the store there), and every request still gives a cold run's tokens and acceptance lengths."""
+    target, drafter = pair
+    store = _ReadersStore()
+    cache = PrefixCache(store, "f" * 64, chunk_tokens=16)
+    prompts = _prompts(6, 3, 40, 140)
+    methods = ["dflash", "dflash", "native", "dflash", "native", "dflash"]
+    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    for p in prompts:
+        warm.add(p, SamplingParams(max_tokens=2, ignore_eos=True), "dflash")  # both halves: any method's hit
+    warm.run_until_idle()
+    warm.flush_saves()
+    store.readers.clear()
+    applied = cache.stats.requests
+    sp = SamplingParams(max_tokens=60, ignore_eos=True)
+    sched = Scheduler(ModelRunner(target, 25, 16, taps=tuple(drafter.cfg.target_layer_ids)), drafter,
+                      prefix_cache=cache, policy="preempt")
+    reqs = [sched.add(p, sp, m) for p, m in zip(prompts, methods)]
+    for _ in range(2000):
+        if sched.idle:
+            break
+        sched.step()
+    assert sched.idle and sched.stats.preemptions > 0 and sched.stats.load_errors == 0
+    assert sched.runner.allocator.num_free == 24
+    readers = set(store.readers)  # the load threads fetch, the save thread looks up what it need not store again
+    assert "kv-load_0" in readers and all(t.startswith(("kv-load", "kv-save")) for t in readers), readers
+    assert cache.stats.requests - applied == len(reqs) + sched.stats.preemptions  # every admission applied a fetch
+    assert all(h > 0 for h in cache.stats.per_request_hits[applied:])  # (each prompt is in the store)
+    for r, p, m in zip(reqs, prompts, methods):
+        gen = DFlashGenerator(_runner(target, drafter), drafter, ()) if m == "dflash" else \
+            NativeGenerator(_runner(target, drafter))
+        cold = generate(gen, [p], [sp])[0]
+        assert r.seq.output == cold.output and r.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths, r.id
+
+
+def test_a_preempted_request_still_loading_keeps_its_place(pair):
+    """Admission walks the queue in order past requests still loading, except a preempted one: nothing queued
+    behind it takes the blocks it was preempted for while its prefix is fetched."""
+    from collections import deque
+    from concurrent.futures import Future
+    from types import SimpleNamespace as NS
+
+    target, drafter = pair
+    sched = Scheduler(_runner(target, drafter), drafter)
+    done, pending = Future(), Future()
+    done.set_result(None)
+    pre_done, fresh_loading = NS(load=done, wants_load=False, preemptions=2), NS(load=pending, wants_load=False,
+                                                                                 preemptions=0)
+    ready, pre_loading = NS(load=None, wants_load=False, preemptions=0), NS(load=pending, wants_load=False,
+                                                                            preemptions=1)
+    sched.waiting = deque([pre_done, fresh_loading, ready, pre_loading, NS(load=None, wants_load=False, preemptions=0)])
+    assert sched._admissible() == [pre_done, ready] and sched._has_ready()
+    sched.waiting = deque([pre_loading, ready])
+    assert sched._admissible() == [] and not sched._has_ready()
+    sched.waiting = deque([NS(load=None, wants_load=True, preemptions=1), ready])  # its fetch not started yet
+    assert sched._admissible() == [] and not sched._has_ready()
+    sched.waiting = deque()
+
+
 class _SlowPutStore(MemoryStore):
     """A real memory store whose writes block until `gate` is set (a slow bridge)."""
 

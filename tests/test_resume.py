@@ -75,6 +75,11 @@ def test_finish_of_and_resumed_output_that_ends_the_request_is_refused(pair):
         sched.add(prompt, p, "native", resumed=[1, 2, 3, 4, 5])
     with pytest.raises(ValueError, match="first_token"):
         sched.add(prompt, p, "native", first_token=3, resumed=[1])
+    released = []
+    sched._release_lease = released.append  # a lease handed in with a refused request goes back at once
+    with pytest.raises(ValueError, match="handoff: not with resumed output"):
+        sched.add(prompt, p, "native", handoff="lease", resumed=[1])
+    assert released == ["lease"]
     with pytest.raises(ValueError, match="resumed output ids"):
         sched.add(prompt, p, "native", resumed=[1, target.cfg.vocab_size])
     assert not sched.waiting and sched.idle  # a refusal queues nothing

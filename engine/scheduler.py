@@ -47,7 +47,7 @@ Two admission policies:
   the newest running request is preempted: its blocks are freed and it goes back to the head of
   the queue, and when re-admitted its prompt + output so far is recomputed (recompute.py) without
   sampling anything, so its output and acceptance lengths stay those of an uninterrupted run. Its prompt's
-  cached prefix is fetched off the engine loop meanwhile (the recompute starts from it), and it keeps its place.
+  cached prefix is fetched off the engine loop meanwhile (the recompute starts from it).
 """
 from __future__ import annotations
 
@@ -253,10 +253,12 @@ class Scheduler:
         return hasattr(self.prefix_cache, "fetch")
 
     def _submit_load(self, req: Request) -> Future:
-        """Start the request's fetch on the load threads: its prefix (after the saves queued before it)."""
+        """Start the request's fetch on the load threads: its prefix, after the saves queued before a new request
+        (a prompt finished earlier is then a hit, as with synchronous saves). A preempted or resumed request's
+        fetch waits for none: it was a restore at admission, which never waited on saves."""
         gen = self.spec if req.method == "dflash" else self.native
-        return self._loads().submit(self._fetch_after, [f for f in self._saves if not f.done()], gen,
-                                    list(req.seq.prompt))
+        saves = [] if req.seq.output else [f for f in self._saves if not f.done()]
+        return self._loads().submit(self._fetch_after, saves, gen, list(req.seq.prompt))
 
     def _start_loads(self) -> None:
         """Start the fetches of the first queued requests that want one, up to LOAD_AHEAD held at once. Fetches
@@ -286,13 +288,7 @@ class Scheduler:
         return r.load.done() if r.load is not None else not r.wants_load
 
     def _has_ready(self) -> bool:
-        """Whether _pick may take a waiting request now (what _admissible lists)."""
-        for r in self.waiting:
-            if self._ready(r):
-                return True
-            if r.preemptions:
-                return False
-        return False
+        return any(self._ready(r) for r in self.waiting)
 
     def finish_of(self, params: SamplingParams, output: list[int] | tuple[int, ...]) -> str | None:
         """How `output` alone ends a request with these params ("stop", "length"), or None: it goes on. The
@@ -423,11 +419,10 @@ class Scheduler:
         return blocks_needed(ctx, 0, self._width(r), self.runner.kv_block_size)
 
     def _pick(self) -> list[Request]:
-        """Waiting requests to admit now, in queue order, skipping those whose prefix is still loading (a preempted
-        one still loading stops the walk: nothing queued behind it takes its place)."""
+        """Waiting requests to admit now, in queue order, skipping those whose prefix is still loading."""
         admitted: list[Request] = []
         if self.policy == "reserve":
-            for req in self._admissible():
+            for req in [r for r in self.waiting if self._ready(r)]:
                 if len(self.running) + len(admitted) >= self.max_running or \
                         self._reserved + req.reserved_blocks > self._capacity:
                     break
@@ -436,7 +431,7 @@ class Scheduler:
                 admitted.append(req)
         else:
             free = self.runner.allocator.num_free - sum(self._step_blocks(r) for r in self.running)
-            for req in self._admissible():
+            for req in [r for r in self.waiting if self._ready(r)]:
                 if len(self.running) + len(admitted) >= self.max_running:
                     break
                 need = self._admit_blocks(req)
@@ -447,17 +442,6 @@ class Scheduler:
         for req in admitted:
             self.waiting.remove(req)
         return admitted
-
-    def _admissible(self) -> list[Request]:
-        """The waiting requests _pick may take, in queue order: the ready ones before the first preempted request
-        whose fetch is still running."""
-        out = []
-        for r in self.waiting:
-            if self._ready(r):
-                out.append(r)
-            elif r.preemptions:
-                break
-        return out
 
     def _admit(self, result: StepResult) -> list[Request]:
         """Prefill (or, preempted earlier, recompute) the requests _pick lets in; a group that raises is
@@ -569,15 +553,17 @@ class Scheduler:
             self._preempt(victims[-1])
 
     def _preempt(self, r: Request) -> None:
-        """Preempt a running request for its blocks. Its prompt's cached prefix is fetched off the engine loop
-        at once (the fetch starts first: it heads the queue), so its re-admission applies it rather than reading
-        the store on the engine thread while the batch waits; until it is there, nothing queued behind it is
-        admitted (_pick: it keeps its place). A batch fault's preemptions (_recover) restore at admission."""
+        """Preempt a running request for its blocks. Its prompt's cached prefix is fetched off the engine loop at
+        once (it heads the queue: its fetch starts first), so its re-admission applies it rather than reading the
+        store on the engine thread while the batch waits; requests behind it are admitted meanwhile, as past any
+        request still loading. Within LOAD_AHEAD fetches held in all (each holds its prefix until admission); past
+        it, and after a batch fault (_recover), the prefix is restored at admission."""
         self.running.remove(r)
         self._preempt_out(r)
         r.preemptions += 1
         self.stats.preemptions += 1
-        r.wants_load = self._wants_load(r)
+        held = sum(q.load is not None or q.wants_load for q in self.waiting)
+        r.wants_load = held < LOAD_AHEAD and self._wants_load(r)
         if r.wants_load:
             self._start_loads()
 
@@ -750,7 +736,7 @@ class Scheduler:
         done = sum(s.done for s in sess.seqs)
         if done == len(sess.seqs):
             return False
-        events = done + len(self._admissible())
+        events = done + sum(1 for r in self.waiting if self._ready(r))
         if not events:
             return True
         if self._hold_since is None:

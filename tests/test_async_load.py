@@ -185,28 +185,47 @@ def test_a_preempted_request_fetches_its_prefix_off_the_engine_loop(pair):
         assert r.seq.output == cold.output and r.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths, r.id
 
 
-def test_a_preempted_request_still_loading_keeps_its_place(pair):
-    """Admission walks the queue in order past requests still loading, except a preempted one: nothing queued
-    behind it takes the blocks it was preempted for while its prefix is fetched."""
-    from collections import deque
+def test_preempted_fetches_wait_on_no_save_and_stay_within_load_ahead(pair, monkeypatch):
+    """A preempted request's fetch does not wait on saves queued before it (a new request's does, to find a prompt
+    finished just before it): its re-admission used to restore at once, and a slow save must not hold it. Fetches
+    held stay within LOAD_AHEAD: a preemption past it restores at admission. Every request ends as a cold run."""
     from concurrent.futures import Future
-    from types import SimpleNamespace as NS
 
+    from flashpd.engine import scheduler as sch
+
+    monkeypatch.setattr(sch, "LOAD_AHEAD", 1)
     target, drafter = pair
-    sched = Scheduler(_runner(target, drafter), drafter)
-    done, pending = Future(), Future()
-    done.set_result(None)
-    pre_done, fresh_loading = NS(load=done, wants_load=False, preemptions=2), NS(load=pending, wants_load=False,
-                                                                                 preemptions=0)
-    ready, pre_loading = NS(load=None, wants_load=False, preemptions=0), NS(load=pending, wants_load=False,
-                                                                            preemptions=1)
-    sched.waiting = deque([pre_done, fresh_loading, ready, pre_loading, NS(load=None, wants_load=False, preemptions=0)])
-    assert sched._admissible() == [pre_done, ready] and sched._has_ready()
-    sched.waiting = deque([pre_loading, ready])
-    assert sched._admissible() == [] and not sched._has_ready()
-    sched.waiting = deque([NS(load=None, wants_load=True, preemptions=1), ready])  # its fetch not started yet
-    assert sched._admissible() == [] and not sched._has_ready()
-    sched.waiting = deque()
+    store = MemoryStore(1 << 28)
+    cache = PrefixCache(store, "f" * 64, chunk_tokens=16)
+    prompts = _prompts(3, 5, 40, 80)
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    for p in prompts:
+        warm.add(p, SamplingParams(max_tokens=2, ignore_eos=True), "dflash")
+    warm.run_until_idle()
+    warm.flush_saves()
+    sched = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache, policy="preempt")
+    sched.overlap = False  # (no device-loop session: the rows are preempted between steps, as _make_room does)
+    reqs = [sched.add(p, sp, "dflash") for p in prompts]
+    while len(sched.running) < 3 or any(r.load is not None for r in reqs):
+        sched.step()
+    sched.step()
+    slow_save: Future = Future()  # a save still running (a slow bridge write)
+    sched._saves.append(slow_save)
+    newest, second = sched.running[-1], sched.running[-2]
+    try:
+        sched._preempt(newest)
+        sched._preempt(second)
+        assert newest.load is not None and newest.load.result(timeout=10) is not None  # did not wait on the save
+        assert second.load is None and not second.wants_load  # past LOAD_AHEAD: restored at its admission
+        assert list(sched.waiting) == [second, newest]
+    finally:
+        slow_save.set_result(None)
+    sched.run_until_idle()
+    assert sched.stats.load_errors == 0 and sched.runner.allocator.num_free == _runner(target, drafter).allocator.num_free
+    for r, p in zip(reqs, prompts):
+        cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()), [p], [sp])[0]
+        assert r.seq.output == cold.output and r.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths, r.id
 
 
 class _SlowPutStore(MemoryStore):

@@ -40,8 +40,8 @@ def _check_types(cfg: Any) -> None:
                              f"got {v!r}")
 
 
-def _not_origin(v: Any) -> str:
-    raise ValueError(f"allowed origin {v!r} is not a string")
+def _not_str(v: Any) -> str:
+    raise ValueError(f"{v!r} is not a string")
 
 
 # ServeConfig fields that name files or directories (relative ones: to where `flashpd serve` runs)
@@ -96,8 +96,12 @@ class ServeConfig:
     http_port: int | None = None
     served_model_name: str | None = None
     # web page origins ("http(s)://host[:port]", or "*") whose browser requests the HTTP API serves besides its
-    # own origin's (cluster/http_origin.py: a page elsewhere, or one behind a proxy that rewrites Host)
+    # own origin's, with CORS answers (cluster/http_origin.py: a page served elsewhere, or behind a proxy that
+    # rewrites Host)
     http_allowed_origins: tuple[str, ...] = ()
+    # host names (no port) the HTTP API may be addressed by when bound to loopback, besides loopback names: a proxy
+    # on this host that passes its public Host through (any other name is refused: DNS rebinding)
+    http_allowed_hosts: tuple[str, ...] = ()
     worker_metrics: bool = True  # each worker serves its own Prometheus endpoint (a free port, logged)
     max_concurrent: int = 256  # concurrent RPCs per server (one thread each)
     # disaggregation
@@ -199,16 +203,16 @@ class ServeConfig:
         if self.engine_process and self.mode != "colocated":
             raise ValueError(f"engine_process: applies to mode 'colocated' only (its engine in a child process), got "
                              f"mode {self.mode!r}, whose workers are processes of their own already")
-        origins = self.http_allowed_origins
-        if isinstance(origins, str) or not isinstance(origins, (list, tuple)):
-            raise ValueError(f"http_allowed_origins: must be a list of origins (http(s)://host[:port] or '*'), "
-                             f"got {origins!r}")
-        from flashpd.cluster.http_origin import normalise_origin  # noqa: PLC0415
-        try:  # a YAML or JSON list: kept as a tuple (the config is frozen and hashable)
-            object.__setattr__(self, "http_allowed_origins",
-                               tuple(normalise_origin(o) if isinstance(o, str) else _not_origin(o) for o in origins))
-        except ValueError as e:
-            raise ValueError(f"http_allowed_origins: {e}") from None
+        from flashpd.cluster.http_origin import normalise_host, normalise_origin  # noqa: PLC0415
+        for name, norm, what in (("http_allowed_origins", normalise_origin, "origins (http(s)://host[:port] or '*')"),
+                                 ("http_allowed_hosts", normalise_host, "host names")):
+            v = getattr(self, name)
+            if isinstance(v, str) or not isinstance(v, (list, tuple)):
+                raise ValueError(f"{name}: must be a list of {what}, got {v!r}")
+            try:  # a YAML or JSON list: kept as a tuple (the config is frozen and hashable)
+                object.__setattr__(self, name, tuple(norm(x) if isinstance(x, str) else _not_str(x) for x in v))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
         if self.secret_file is not None and self.mode == "colocated":
             raise ValueError("secret_file: applies to modes 'local' and 'ray' (the cluster secret of their workers); "
                              "a colocated service has none")

@@ -6,12 +6,14 @@ runs without a CORS preflight, so any page could start generations; with DNS reb
 to resolve to 127.0.0.1) the page is same-origin to the API and reads the replies too. Two checks, in front of the
 app (an ASGI middleware):
 
-- served on a loopback address, a request's Host must name a loopback host (localhost, 127.0.0.0/8, ::1): a
-  rebound name is refused. Served beyond loopback (allow_remote), the names the service is reached by are not known
-  here, and anyone on the network can call it directly anyway (the README's proxy advice);
+- served on a loopback address, a request's Host must name a loopback host (localhost, 127.0.0.0/8, ::1) or one of
+  `allowed_hosts` (the public name of a proxy on this host that passes Host through): a rebound name is refused.
+  Served beyond loopback (allow_remote), the names the service is reached by are not known here, and anyone on the
+  network can call it directly anyway (the README's proxy advice);
 - a request carrying an Origin (browsers send one on every cross-origin request and every POST) must come from the
-  origin it is addressed to (Origin's host:port = Host) or one of `allowed_origins` (a page served elsewhere, or
-  behind a proxy that rewrites Host): else refused. Clients that are not browsers send no Origin.
+  origin it is addressed to (Origin's host:port = Host) or one of `allowed_origins`: else refused. Clients that are
+  not browsers send no Origin. The allowed origins also get CORS answers (preflights and response headers, by
+  Starlette's CORSMiddleware: `guarded`), so a page served from one can call the API and read its replies.
 
 Refusals are OpenAI-style 403s (JSON), counted in `refused`.
 """
@@ -54,6 +56,15 @@ def origin_matches(origin: str, host: str) -> bool:
         and not (o.path or o.query or o.fragment or o.username is not None)
 
 
+def normalise_host(name: str) -> str:
+    """An allowed Host name as it is compared (lower-case, no trailing dot); ValueError for one with a port, a path
+    or anything else a Host's name cannot be, named."""
+    parsed = split_host(name) if isinstance(name, str) and name.strip() == name else None
+    if parsed is None or parsed[1] is not None or name.endswith(":"):
+        raise ValueError(f"allowed host {name!r} is not a host name (no scheme, port or path)")
+    return parsed[0].rstrip(".")
+
+
 def normalise_origin(origin: str) -> str:
     """An allowed origin as it is compared ("scheme://host[:port]", lower-cased; "null" and "*" as they are);
     ValueError for anything else (a path, a missing scheme), named."""
@@ -75,10 +86,12 @@ class BrowserGuard:
     loopback address); allowed_origins: origins other than the request's own that may call (normalise_origin's
     form; "*": any)."""
 
-    def __init__(self, app, loopback_only: bool, allowed_origins: tuple[str, ...] = ()) -> None:
+    def __init__(self, app, loopback_only: bool, allowed_origins: tuple[str, ...] = (),
+                 allowed_hosts: tuple[str, ...] = ()) -> None:
         self.app = app
         self.loopback_only = loopback_only
         self.allowed = frozenset(normalise_origin(o) for o in allowed_origins)
+        self.hosts = frozenset(normalise_host(h) for h in allowed_hosts)
         self.refused = 0
 
     def _refusal(self, headers: list[tuple[bytes, bytes]]) -> tuple[str, str] | None:
@@ -89,9 +102,11 @@ class BrowserGuard:
         host = hosts[0].decode("latin-1") if hosts else ""
         if self.loopback_only and hosts:  # (no Host: an HTTP/1.0 client, never a browser)
             parsed = split_host(host)
-            if parsed is None or not is_loopback(parsed[0]):
+            name = parsed[0].rstrip(".") if parsed is not None else ""
+            if not name or not (is_loopback(name) or name in self.hosts):
                 return (f"Host {host[:100]!r} is not a loopback name: this server answers only requests addressed to "
-                        "this machine (a web page's rebound name is refused)", "forbidden_host")
+                        "this machine (a web page's rebound name is refused); a proxy's public name passed through "
+                        "as Host belongs in http_allowed_hosts", "forbidden_host")
         if origins:
             origin = origins[0].decode("latin-1")
             if "*" in self.allowed or origin_matches(origin, host):
@@ -118,3 +133,16 @@ class BrowserGuard:
         await send({"type": "http.response.start", "status": 403,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def guarded(app, loopback_only: bool, allowed_origins: tuple[str, ...] = (),
+            allowed_hosts: tuple[str, ...] = ()) -> BrowserGuard:
+    """`app` behind the guard, with CORS answers for the allowed origins (none: no CORS headers at all, so a
+    browser lets no other origin's page read a reply)."""
+    inner = app
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware  # noqa: PLC0415
+
+        origins = [normalise_origin(o) for o in allowed_origins]
+        inner = CORSMiddleware(app, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"])
+    return BrowserGuard(inner, loopback_only, allowed_origins, allowed_hosts)

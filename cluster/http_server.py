@@ -17,7 +17,7 @@ import time
 import uvicorn
 
 from flashpd.cluster.http_guard import guarded_h11
-from flashpd.cluster.http_origin import BrowserGuard
+from flashpd.cluster.http_origin import guarded
 from flashpd.kv_bridge.server import is_loopback
 
 log = logging.getLogger(__name__)
@@ -30,13 +30,13 @@ DRAIN_LEAD_S = 0.3
 class HttpServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
                  max_concurrent: int = 256, grace_s: float = 2.0, request_timeout_s: float = 30.0,
-                 allowed_origins: tuple[str, ...] = ()) -> None:
+                 allowed_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = ()) -> None:
         if not (allow_remote or is_loopback(host)):
             raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
         self.host = host
         self.app = app
         # web pages' requests refused in front of the app (cluster/http_origin.py)
-        self.guard = BrowserGuard(app, loopback_only=is_loopback(host), allowed_origins=allowed_origins)
+        self.guard = guarded(app, is_loopback(host), allowed_origins, allowed_hosts)
         self.grace_s = grace_s
         self._protocol = guarded_h11(request_timeout_s)
         self.sock = _bind(host, port)
@@ -131,6 +131,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def start_http(app, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
-               max_concurrent: int = 256, allowed_origins: tuple[str, ...] = ()) -> HttpServer:
+               max_concurrent: int = 256, allowed_origins: tuple[str, ...] = (),
+               allowed_hosts: tuple[str, ...] = ()) -> HttpServer:
     """A started HTTP server for `app` on host:port (0 picks a free port)."""
-    return HttpServer(app, host, port, allow_remote, max_concurrent, allowed_origins=allowed_origins).start()
+    return HttpServer(app, host, port, allow_remote, max_concurrent, allowed_origins=allowed_origins,
+                      allowed_hosts=allowed_hosts).start()

@@ -132,7 +132,7 @@ def _start_http(svc: Service, cfg: ServeConfig) -> None:
     app = build_app(svc.backend, svc.tokenizer, name, svc.metrics, chat, why, sampling_defaults(cfg.target),
                     cfg.max_concurrent, cfg.public_settings())
     svc.http = start_http(app, cfg.host, cfg.http_port, cfg.allow_remote, cfg.max_concurrent,
-                          cfg.http_allowed_origins)
+                          cfg.http_allowed_origins, cfg.http_allowed_hosts)
     svc.http_address = svc.http.address
     svc.closers.append(svc.http.stop)
 

@@ -11,7 +11,7 @@ import pytest
 
 from flashpd.cluster.config import ServeConfig
 from flashpd.cluster.http_api import build_app
-from flashpd.cluster.http_origin import normalise_origin, origin_matches, split_host
+from flashpd.cluster.http_origin import normalise_host, normalise_origin, origin_matches, split_host
 from flashpd.cluster.http_server import HttpServer, start_http
 
 from tests.test_http_frontdoor import _Backend
@@ -21,7 +21,8 @@ BODY = b'{"prompt": [5, 6], "max_tokens": 1}'
 
 def _raw(srv: HttpServer, headers: dict[str, str], path: str = "/v1/completions", body: bytes = BODY,
          method: str = "POST", version: str = "1.1") -> tuple[int, dict]:
-    """One request with exactly these headers (urllib sets its own Host); the status and the JSON body."""
+    """One request with exactly these headers (urllib sets its own Host); the status and the JSON body (the
+    response's headers in `_raw.headers`)."""
     head = f"{method} {path} HTTP/{version}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     if method == "POST":
         head += f"Content-Length: {len(body)}\r\n"
@@ -30,14 +31,21 @@ def _raw(srv: HttpServer, headers: dict[str, str], path: str = "/v1/completions"
         data = b""
         while chunk := s.recv(65536):
             data += chunk
-    status = int(data.split(b" ", 2)[1])
-    return status, json.loads(data.split(b"\r\n\r\n", 1)[1] or b"null")
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    _raw.headers = {k.strip().lower(): v.strip() for k, _, v in
+                    (line.decode("latin-1").partition(":") for line in head.split(b"\r\n")[1:])}
+    try:
+        return status, json.loads(body or b"null")
+    except ValueError:  # (a CORS preflight's answer is plain text)
+        return status, {"text": body.decode("latin-1")}
 
 
 @pytest.fixture(scope="module")
 def srv():
     be = _Backend()
-    s = start_http(build_app(be, None, "fake", None), allowed_origins=("https://ui.example.com",))
+    s = start_http(build_app(be, None, "fake", None), allowed_origins=("https://ui.example.com",),
+                   allowed_hosts=("api.example.com",))
     yield s
     be.release.set()
     s.stop()
@@ -45,7 +53,8 @@ def srv():
 
 def test_clients_that_are_not_browsers_are_served(srv):
     me = f"127.0.0.1:{srv.port}"
-    for host in (me, f"localhost:{srv.port}", "127.0.0.2", "LOCALHOST", "[::1]:80"):
+    for host in (me, f"localhost:{srv.port}", "127.0.0.2", "LOCALHOST", "[::1]:80", "localhost.",
+                 "api.example.com", "API.example.com.:443"):  # (the last: a proxy's public name, allowed)
         assert _raw(srv, {"Host": host, "Content-Type": "application/json"})[0] == 200, host
     assert _raw(srv, {"Content-Type": "application/json"}, version="1.0")[0] == 200  # HTTP/1.0: no Host at all
     assert srv.guard.refused == 0
@@ -55,12 +64,12 @@ def test_a_rebound_name_is_refused_before_the_app_runs(srv):
     """DNS rebinding: the page's own name resolves to 127.0.0.1, so its requests are same-origin to the API."""
     before = srv.guard.refused
     for host in ("attacker.example:%d" % srv.port, "localhost.attacker.example", "127.0.0.1.nip.io", "x", "",
-                 "127.0.0.1:notaport", "user@127.0.0.1"):
+                 "127.0.0.1:notaport", "user@127.0.0.1", "api.example.com.evil.example"):
         status, body = _raw(srv, {"Host": host, "Origin": f"http://{host}", "Content-Type": "text/plain"})
         assert status == 403 and body["error"]["code"] == "forbidden_host", (host, body)
     status, body = _raw(srv, {"Host": "attacker.example"}, path="/metrics", method="GET")
     assert status == 403  # every path: /health and /metrics tell a page about the service too
-    assert srv.guard.refused == before + 8
+    assert srv.guard.refused == before + 9
 
 
 def test_a_cross_origin_page_is_refused_and_a_same_or_listed_origin_is_served(srv):
@@ -73,6 +82,16 @@ def test_a_cross_origin_page_is_refused_and_a_same_or_listed_origin_is_served(sr
         assert "http_allowed_origins" in body["error"]["message"]
     for origin in (f"http://{me}", f"HTTP://127.0.0.1:{srv.port}", "https://ui.example.com", "https://UI.example.com:443"):
         assert _raw(srv, {"Host": me, "Origin": origin, "Content-Type": "application/json"})[0] == 200, origin
+    _raw(srv, {"Host": me, "Origin": "https://ui.example.com", "Content-Type": "application/json"})  # (as browsers
+    assert _raw.headers.get("access-control-allow-origin") == "https://ui.example.com"  # write it): the page reads it
+    # a listed origin's preflight (a JSON POST from a page served there) is answered, a foreign one's refused
+    pre = {"Host": me, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    status, _ = _raw(srv, {**pre, "Origin": "https://ui.example.com"}, method="OPTIONS")
+    assert status == 200 and _raw.headers["access-control-allow-origin"] == "https://ui.example.com"
+    assert "POST" in _raw.headers["access-control-allow-methods"]
+    assert _raw(srv, {**pre, "Origin": "http://evil.example"}, method="OPTIONS")[0] == 403
+    _raw(srv, {"Host": me, "Origin": f"http://{me}", "Content-Type": "application/json"})
+    assert "access-control-allow-origin" not in _raw.headers  # same origin: no CORS needed, none given
     with socket.create_connection((srv.host, srv.port), timeout=30) as s:  # two Origin headers: refused
         s.sendall(f"GET /v1/models HTTP/1.1\r\nHost: {me}\r\nOrigin: http://{me}\r\nOrigin: http://evil.example\r\n"
                   f"Connection: close\r\n\r\n".encode())
@@ -81,7 +100,7 @@ def test_a_cross_origin_page_is_refused_and_a_same_or_listed_origin_is_served(sr
 
 def test_beyond_loopback_the_host_is_not_checked_but_the_origin_is():
     be = _Backend()
-    s = HttpServer(build_app(be, None, "fake", None), host="0.0.0.0", allow_remote=True).start()
+    s = HttpServer(build_app(be, None, "fake", None), host="0.0.0.0", allow_remote=True).start()  # (no CORS)
     try:
         s.host = "127.0.0.1"  # (dialled on loopback)
         assert _raw(s, {"Host": "gpu-box.internal:8000", "Content-Type": "application/json"})[0] == 200
@@ -89,6 +108,7 @@ def test_beyond_loopback_the_host_is_not_checked_but_the_origin_is():
         assert status == 403 and body["error"]["code"] == "forbidden_origin"
         assert _raw(s, {"Host": "gpu-box.internal:8000", "Origin": "http://gpu-box.internal:8000",
                         "Content-Type": "application/json"})[0] == 200
+        assert "access-control-allow-origin" not in _raw.headers
     finally:
         be.release.set()
         s.stop()
@@ -105,8 +125,16 @@ def test_the_helpers_and_the_config_key():
     for bad in ("ui.example.com", "http://h/path", "ws://h", "http://h:99999"):
         with pytest.raises(ValueError, match="allowed origin"):
             normalise_origin(bad)
-    cfg = ServeConfig.from_dict({"target": "t", "http_allowed_origins": ["https://UI.example.com"]})
+    assert normalise_host("API.Example.com.") == "api.example.com" and normalise_host("[::1]") == "::1"
+    for bad in ("h:80", "h:", "http://h", "h/x", " h", "", "u@h"):
+        with pytest.raises(ValueError, match="allowed host"):
+            normalise_host(bad)
+    cfg = ServeConfig.from_dict({"target": "t", "http_allowed_origins": ["https://UI.example.com"],
+                                 "http_allowed_hosts": ["API.example.com"]})
     assert cfg.http_allowed_origins == ("https://ui.example.com",) and hash(cfg)
+    assert cfg.http_allowed_hosts == ("api.example.com",)
+    with pytest.raises(ValueError, match="http_allowed_hosts: .*allowed host"):
+        ServeConfig.from_dict({"target": "t", "http_allowed_hosts": ["api.example.com:443"]})
     for bad, what in (("https://a.example", "must be a list"), (["https://a.example/x"], "allowed origin"),
                       ([3], "not a string")):
         with pytest.raises(ValueError, match=f"http_allowed_origins: .*{what}"):

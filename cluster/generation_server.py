@@ -31,7 +31,7 @@ from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
-from flashpd.kv_bridge.rpc_guard import HEALTH_RESERVE, CallLimit, TokenGate, add_guarded, echo, token_authorizer
+from flashpd.kv_bridge.rpc_guard import CallLimit, TokenGate, add_guarded, echo, rpc_bound, token_authorizer
 from flashpd.kv_bridge.stall_guard import DEFAULT_IDLE_S, StallGuard
 from flashpd.kv_bridge.server import is_loopback
 from flashpd.kv_bridge.tls import BridgeTls
@@ -340,9 +340,9 @@ def new_server(host: str, port: int, allow_remote: bool, max_workers: int, servi
     creds = tls.server_credentials() if tls is not None else None  # (unreadable files: before any server exists)
     guards = [TokenGate(token_authorizer(token))] if token is not None else []
     guards += [CallLimit(max_workers), StallGuard(idle_s)]  # Health is answered past max_workers requests
-    room = max_workers + HEALTH_RESERVE
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=room, thread_name_prefix="generation"),
-                         maximum_concurrent_rpcs=room, interceptors=guards,
+    threads, rpcs = rpc_bound(max_workers)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="generation"),
+                         maximum_concurrent_rpcs=rpcs, interceptors=guards,
                          options=[("grpc.so_reuseport", 0)] if exclusive else None)
     for name, servicer in services.items():
         add_guarded(server, servicer, pb.DESCRIPTOR.services_by_name[name])

@@ -109,9 +109,9 @@ class TokenGate(grpc.ServerInterceptor):
 class CallLimit(grpc.ServerInterceptor):
     """At most `limit` calls at once of every method but the `exempt` ones (Health): a server full of requests still
     answers its probes. grpcio's own bound (maximum_concurrent_rpcs) counts every call, so a saturated server
-    answered Health RESOURCE_EXHAUSTED, and a probe read that as down. The server is given a few threads and
-    concurrent RPCs more than `limit` (HEALTH_RESERVE) for the exempt calls; a call past the limit ends
-    RESOURCE_EXHAUSTED on the thread that picks it up, before its request is read."""
+    answered Health RESOURCE_EXHAUSTED, and a probe read that as down. The server is given a few threads more than
+    `limit` (HEALTH_RESERVE) for the exempt calls and the refusals, and room for calls waiting for them (rpc_bound);
+    a call past the limit ends RESOURCE_EXHAUSTED on the thread that picks it up, before its request is read."""
 
     def __init__(self, limit: int, exempt: Sequence[str] = ("Health",)) -> None:
         self.limit = limit
@@ -162,6 +162,17 @@ class CallLimit(grpc.ServerInterceptor):
 
 
 HEALTH_RESERVE = 4  # threads and concurrent RPCs a server keeps for the calls CallLimit exempts
+# calls grpcio admits beyond the threads (at least this, or the limit's own size): they wait for a thread. A call
+# CallLimit refuses still counts in grpcio's bound while it is refused, so with that bound at the threads' count a
+# flood of retried calls took the Health reserve and probes got grpcio's RESOURCE_EXHAUSTED; a refusal takes
+# microseconds, so Health queued behind some waits that long
+REFUSAL_QUEUE = 64
+
+
+def rpc_bound(limit: int) -> tuple[int, int]:
+    """(threads, grpcio's maximum_concurrent_rpcs) of a server whose CallLimit is `limit`."""
+    threads = limit + HEALTH_RESERVE
+    return threads, threads + max(REFUSAL_QUEUE, limit)
 
 
 def _wrap(fn: Callable, m: MethodDescriptor, on_invalid: Callable[[], None] | None = None) -> Callable:

@@ -222,7 +222,8 @@ def test_preempted_fetches_wait_on_no_save_and_stay_within_load_ahead(pair, monk
     finally:
         slow_save.set_result(None)
     sched.run_until_idle()
-    assert sched.stats.load_errors == 0 and sched.runner.allocator.num_free == _runner(target, drafter).allocator.num_free
+    free = _runner(target, drafter).allocator.num_free
+    assert sched.stats.load_errors == 0 and sched.runner.allocator.num_free == free
     for r, p in zip(reqs, prompts):
         cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()), [p], [sp])[0]
         assert r.seq.output == cold.output and r.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths, r.id

@@ -115,3 +115,56 @@ def test_a_handler_still_running_after_its_client_left_keeps_its_slot():
         be.release.set()
         client.close()
         server.stop(None)
+
+
+def test_health_is_answered_at_the_limit_under_a_flood_of_refused_calls(held):
+    """Clients retrying against a full server: each call past the limit is refused at once, but grpcio counts it
+    in flight while it is refused. With grpcio's bound at the threads' count, 8 threads of refused calls took the
+    Health reserve and 31% of probes got grpcio's RESOURCE_EXHAUSTED (found by a review)."""
+    from flashpd.cluster.generation_client import build_request
+    from flashpd.cluster.generation_server import PROTOCOL_VERSION
+    from flashpd.cluster.proto_gen import generation_pb2 as pb
+    from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
+
+    be, client = held
+    streams = [client.generate([5, 6], max_tokens=2, timeout_s=60) for _ in range(LIMIT)]
+    assert all(next(iter(s)).token_ids == [7] for s in streams)  # every slot taken
+    address = client.address
+    stop, refused, other = threading.Event(), [0], []
+
+    def flood() -> None:
+        with grpc.insecure_channel(address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            while not stop.is_set():
+                try:
+                    stub.GenerateOnce(build_request([5, 6], max_tokens=2), timeout=5)
+                    other.append("served")
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "its limit" in (e.details() or ""):
+                        refused[0] += 1
+                    else:
+                        other.append(f"{e.code().name}: {e.details()}")
+
+    threads = [threading.Thread(target=flood, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    failed = []
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            time.sleep(0.5)
+            for _ in range(150):
+                try:
+                    stub.Health(pb.HealthRequest(version=PROTOCOL_VERSION), timeout=5)
+                except grpc.RpcError as e:
+                    failed.append(f"{e.code().name}: {e.details()}")
+                time.sleep(0.005)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert refused[0] > 100 and not other, (refused[0], other[:3])  # the flood ran, refused by CallLimit only
+    assert not failed, (len(failed), failed[:3])
+    be.release.set()
+    for s in streams:
+        list(s)

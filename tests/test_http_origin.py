@@ -80,7 +80,8 @@ def test_a_cross_origin_page_is_refused_and_a_same_or_listed_origin_is_served(sr
         status, body = _raw(srv, {"Host": me, "Origin": origin, "Content-Type": "text/plain"})
         assert status == 403 and body["error"]["code"] == "forbidden_origin", (origin, body)
         assert "http_allowed_origins" in body["error"]["message"]
-    for origin in (f"http://{me}", f"HTTP://127.0.0.1:{srv.port}", "https://ui.example.com", "https://UI.example.com:443"):
+    for origin in (f"http://{me}", f"HTTP://127.0.0.1:{srv.port}", "https://ui.example.com",
+                   "https://UI.example.com:443"):
         assert _raw(srv, {"Host": me, "Origin": origin, "Content-Type": "application/json"})[0] == 200, origin
     _raw(srv, {"Host": me, "Origin": "https://ui.example.com", "Content-Type": "application/json"})  # (as browsers
     assert _raw.headers.get("access-control-allow-origin") == "https://ui.example.com"  # write it): the page reads it

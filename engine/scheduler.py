@@ -562,7 +562,7 @@ class Scheduler:
         self._preempt_out(r)
         r.preemptions += 1
         self.stats.preemptions += 1
-        held = sum(q.load is not None or q.wants_load for q in self.waiting)
+        held = sum(q.load is not None for q in self.waiting)  # (a fetch not started holds nothing yet)
         r.wants_load = held < LOAD_AHEAD and self._wants_load(r)
         if r.wants_load:
             self._start_loads()

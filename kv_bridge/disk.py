@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -184,7 +185,7 @@ class DiskStore(IndexedStore):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._c.update(write_errors=0, temp_files_removed=0, touch_errors=0, files_vanished=0, space_evictions=0,
-                       other_secret_dropped=0)
+                       other_secret_dropped=0, foreign_dropped=0, foreign_refused=0)
         self._owner: str | None = _own(self.directory, owner_wait_s)
         try:
             self._scan()
@@ -299,8 +300,15 @@ class DiskStore(IndexedStore):
                     self._c["chain_refused"] += 1  # only its own prompt's chunks were left to evict
                     return PutResult.REFUSED
                 if not _publish(tmp, self._path(key)):
+                    size = _chunk_file_size(self._path(key))
+                    if size != len(data):  # not a chunk of this key (an operator's file, a link, a FIFO): never
+                        # indexed, so never read, evicted or removed; the entry stays in memory only
+                        self._parent.pop(key, None)
+                        self._c["foreign_refused"] += 1
+                        log.warning("disk tier %s: %s... names a file that is not its chunk; not written to disk",
+                                    self.directory.name, key[:16])
+                        return PutResult.REFUSED
                     self._c["duplicate_puts"] += 1  # the file exists (e.g. another process): first wins
-                    size = self._path(key).stat().st_size
                     self._index[key] = size
                     self._bytes += size
                     self._freshen(key)
@@ -396,23 +404,40 @@ class DiskStore(IndexedStore):
         """The entry's bytes, its file's descriptor, still open (the caller closes it once the bytes are verified
         or the file dropped), and that file's fstat; None on a miss (a file that cannot be read is dropped)."""
         with self._lock:
-            known = key in self._index
-            if not known:
+            size = self._index.get(key)
+            if size is None:
                 self._c["misses"] += 1
-        if not known:
+        if size is None:
             return None
         path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:  # never through a link, never waiting on a FIFO's writer
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:  # evicted between the index check and the open, or removed from under the store
             self._drop_missing(key)
             return None
         except OSError as e:  # EACCES, ...: a miss, and it leaves the index; with no descriptor to pin the file,
+            if e.errno == errno.ELOOP:  # a symbolic link in the entry's place
+                self._drop_foreign(key, "a symbolic link", _lstat(path))
+                return None
             log.warning("disk tier: reading %s... failed (%s); dropped, a miss", key[:16], e)
             self._drop_corrupt(key, _stat(path))  # it is named by what the path holds right after the failure
             return None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a directory: not read at all
+                try:
+                    self._drop_foreign(key, "not a regular file", st)
+                finally:
+                    os.close(fd)
+                return None
+            if st.st_size != size:  # not the file indexed: dropped unread (a 2 GiB file was read whole, then refused)
+                log.warning("disk tier: %s... holds %d bytes, its entry %d; dropped, a miss", key[:16], st.st_size,
+                            size)
+                try:
+                    self._drop_corrupt(key, st)
+                finally:
+                    os.close(fd)
+                return None
             return _read_fd(fd), fd, st
         except OSError as e:  # EIO, EISDIR, ...: the entry cannot be served; a miss, and it leaves the index
             log.warning("disk tier: reading %s... failed (%s); dropped, a miss", key[:16], e)
@@ -460,6 +485,25 @@ class DiskStore(IndexedStore):
                 if size is not None:
                     self._bytes -= size
                 self._c["files_vanished"] += 1
+
+    def _drop_foreign(self, key: str, what: str, found: os.stat_result | None) -> None:
+        """The key's path holds something this tier never writes (a link, a FIFO, a device; `found`, its lstat or
+        fstat): the entry leaves the index and its bytes the budget, and the thing stays where it is (not this
+        tier's to remove). Kept indexed, every Get read it again (a link to /dev/zero without end, a FIFO blocking a
+        thread for good). As _drop_corrupt, only while the path still names `found`: a late drop leaves the
+        entry of a file put since."""
+        with self._lock:
+            dropped = found is not None and _same_file(_lstat(self._path(key)), found)
+            if dropped:
+                size = self._index.pop(key, None)
+                self._parent.pop(key, None)
+                if size is not None:
+                    self._bytes -= size
+                self._c["foreign_dropped"] += 1
+            self._c["misses"] += 1
+        if dropped:
+            log.warning("disk tier: %s... is %s, not a chunk file; dropped from the index, left in place", key[:16],
+                        what)
 
     def _drop_corrupt(self, key: str, found: os.stat_result | None) -> None:
         """A read found the file `found` (its fstat, taken while the file was held open) corrupt or unreadable: a
@@ -719,6 +763,24 @@ class TieredStore:
         return {**own, "memory": self.memory.stats(), "disk": self.disk.stats()}
 
 
+def _chunk_file_size(path: Path) -> int | None:
+    """The size of the regular file at `path` when it begins with the chunk magic, else None (read through no
+    link, never waiting on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or os.pread(fd, len(MAGIC), 0) != MAGIC:
+            return None
+        return st.st_size
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _is_chunk_file(path: str) -> bool:
     """Whether the file begins with the chunk magic: only such files are the tier's entries (indexed, counted,
     evicted). Any other file in the directory is an operator's, never touched."""
@@ -830,6 +892,13 @@ def _read_fd(fd: int) -> bytes:
 def _stat(path: str | Path) -> os.stat_result | None:
     try:
         return os.stat(path)
+    except OSError:
+        return None
+
+
+def _lstat(path: str | Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
     except OSError:
         return None
 

@@ -27,16 +27,16 @@ def _read(store: DiskStore, how: str, key: str):
 
 
 class PausedDrop:
-    """Wraps store._drop_corrupt: the first call (the first reader's) signals `found` and waits for `go`; later
-    calls (the other reader's) run at once."""
+    """Wraps store._drop_corrupt (or another drop, `name`): the first call (the first reader's) signals `found` and
+    waits for `go`; later calls (the other reader's) run at once."""
 
-    def __init__(self, store: DiskStore) -> None:
-        self.original = store._drop_corrupt
+    def __init__(self, store: DiskStore, name: str = "_drop_corrupt") -> None:
+        self.original = getattr(store, name)
         self.found = threading.Event()
         self.go = threading.Event()
         self.calls = 0
         self._lock = threading.Lock()
-        store._drop_corrupt = self  # an instance attribute: only this store, only this test
+        setattr(store, name, self)  # an instance attribute: only this store, only this test
 
     def __call__(self, *args, **kwargs):
         with self._lock:
@@ -118,15 +118,16 @@ def test_a_late_corrupt_drop_leaves_a_good_file_put_after_an_eviction(tmp_path):
 
 
 def test_a_late_drop_after_a_failed_read_leaves_a_good_file_put_since(tmp_path):
-    """The same for a file that cannot be read at all (here the key's path became a directory: EISDIR, as EIO
-    would be): the first reader's drop, late, leaves the good file put once the bad one was cleared away."""
+    """The same for a thing that is no file of the tier's (here the key's path became a directory; a FIFO or a
+    link is dropped the same way): the first reader's drop, late, leaves the good file put once the bad one was
+    cleared away."""
     store = DiskStore(tmp_path, 1 << 24)
     good = make_chunk("k", seed=7).to_bytes(MAC)
     assert store.put_bytes("k", good) is PutResult.STORED
     (tmp_path / "k").unlink()
     (tmp_path / "k").mkdir()
 
-    pause = PausedDrop(store)
+    pause = PausedDrop(store, "_drop_foreign")
     t, out = _first_reader(store, "get_bytes", "k")
     assert pause.found.wait(WAIT_S)
     assert store.get_bytes("k") is None and not store.contains("k")  # the second reader: dropped from the index

@@ -41,6 +41,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from typing import Callable
 
+from flashpd.cluster.launcher import WorkerStartError
 from flashpd.decode_node.engine_loop import DEFAULT_SUBMIT_TIMEOUT_S, EngineStopped, Event, Handle
 from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
@@ -189,9 +190,15 @@ def engine_main(conn: Connection) -> None:
     """The child process: build the colocated DecodeWorker, report ready (or failed), serve the pipe, stop."""
     from flashpd.cluster.config import ServeConfig  # noqa: PLC0415
     from flashpd.cluster.metrics import Metrics  # noqa: PLC0415
-    from flashpd.cluster.worker_main import build_decode, load_model, local_cache  # noqa: PLC0415
+    from flashpd.cluster.worker_main import (_exit_if_orphaned_while_starting, build_decode,  # noqa: PLC0415
+                                             load_model, local_cache)
 
     child = _Child(conn)
+    # the serving process killed while this one loads and warms up (minutes on a GPU, holding its memory) must not
+    # leave it to finish for nobody: it reads the pipe, and so sees it close, only once serving
+    started = threading.Event()
+    threading.Thread(target=_exit_if_orphaned_while_starting, args=(os.getppid(), started), daemon=True,
+                     name="parent-watch").start()
     try:
         op, cfg_dict = conn.recv()
         if op != "config":
@@ -204,6 +211,8 @@ def engine_main(conn: Connection) -> None:
         child.send(("failed", {"input": isinstance(e, INPUT_ERRORS), "message": str(e) or type(e).__name__,
                                "traceback": traceback.format_exc()}))
         return
+    finally:
+        started.set()
     loop = child.worker.loop
     child.send(("ready", {"has_drafter": loop.has_drafter, "default_draft_width": loop.default_draft_width,
                           "vocab_size": loop.vocab_size, "max_positions": loop.max_positions}))
@@ -264,7 +273,8 @@ class EngineProcess:
         t0 = last = time.monotonic()
         while not self._conn.poll(min(1.0, timeout_s)):
             if self._proc.poll() is not None:
-                raise RuntimeError(f"the engine process exited (code {self._proc.returncode}) before it was ready")
+                raise WorkerStartError(f"the engine process exited (code {self._proc.returncode}) before it was "
+                                       "ready")
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"start_timeout_s: the engine process was not ready within {timeout_s:g} s "
                                    "(loading, compiling and warming up)")
@@ -275,7 +285,8 @@ class EngineProcess:
             msg = self._conn.recv()
         except (EOFError, OSError):  # the child went away mid-message (a reset connection is an OSError)
             self._wait(10)
-            raise RuntimeError(f"the engine process exited (code {self._proc.returncode}) before it was ready") from None
+            raise WorkerStartError(f"the engine process exited (code {self._proc.returncode}) before it was "
+                                   "ready") from None
         if msg[0] != "ready":
             self._wait(10)
             info = msg[1]
@@ -374,7 +385,8 @@ class EngineProcess:
         engine that cannot report its state is not healthy, and Health and /health must say so, not fail."""
         try:
             st = self.stats()
-        except (EngineStopped, TimeoutError, OSError):
+        except (EngineStopped, TimeoutError, OSError) as e:  # said once in the log, as a stats call's failure
+            self._note_stats(str(e) or type(e).__name__)
             return NOT_SERVING
         except EngineStatsFailed as e:
             self._note_stats(str(e))

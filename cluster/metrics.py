@@ -38,19 +38,36 @@ class _Live:
     def __init__(self) -> None:
         self.families: list[tuple[str, str, str, tuple[str, ...], LiveFn]] = []
         self.scrapes = 0  # scrapes begun (Metrics.per_scrape)
+        self._failing: tuple[str, ...] = ()  # the last scrape's failures (their messages), logged when they change
 
     def collect(self) -> Iterable:
         self.scrapes += 1
+        failed: dict[str, list[str]] = {}
+        first: Exception | None = None
         for name, doc, kind, labels, fn in self.families:
             fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=list(labels))
             try:
                 values = fn()
-            except Exception:  # noqa: BLE001  a failing source leaves its family empty, and says so
-                log.exception("metric %s could not be read", name)
+            except Exception as e:  # noqa: BLE001  a failing source leaves its family empty, and says so
+                failed.setdefault(f"{type(e).__name__}: {e}", []).append(name)
+                first = first or e
                 values = {}
             for key, v in values.items():
                 fam.add_metric(list(key), float(v))
             yield fam
+        self._note(failed, first)
+
+    def _note(self, failed: dict[str, list[str]], first: Exception | None) -> None:
+        """Log the scrape's failures once while they stay the same (a stuck engine process fails every live family
+        of every scrape: a traceback each buried the log), and their end once."""
+        now = tuple(sorted(failed))
+        last, self._failing = self._failing, now
+        if now and now != last:
+            log.error("metrics could not be read, left empty until they can: %s",
+                      "; ".join(f"{', '.join(names)} ({why})" for why, names in sorted(failed.items())),
+                      exc_info=(type(first), first, first.__traceback__) if first is not None else None)
+        elif not now and last:
+            log.warning("metrics can be read again")
 
 
 class _Family:

@@ -662,3 +662,83 @@ def test_a_stopped_engine_loop_counts_the_request_it_refuses():
     with pytest.raises(EngineStopped):
         loop.submit(PROMPTS[0], SamplingParams(max_tokens=4), "native")
     assert ended == [("native", "error", 0)]
+
+
+def test_an_engine_whose_serving_process_dies_while_it_starts_exits():
+    """The serving process killed (SIGKILL, the OOM killer) while its engine process loads and warms up: the engine
+    exits within seconds. It read its pipe only once serving, so it went on warming up for minutes for nobody (on a
+    GPU holding the memory a restarted service needs), and died on its "ready" message (found by a review)."""
+    import psutil  # noqa: PLC0415
+
+    script = ("import sys; from flashpd.cluster.config import ServeConfig; "
+              "from flashpd.cluster.engine_proc import EngineProcess; "
+              f"EngineProcess(ServeConfig(target={str(DEMO / 'target')!r}, draft={str(DEMO / 'drafter')!r}, "
+              "device='cpu', dtype='float32', kv_cache_tokens=2048, torch_threads=1, warmup=True, "
+              "start_timeout_s=600.0))")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    engine = None
+    try:
+        t0 = time.monotonic()
+        while engine is None and time.monotonic() - t0 < WAIT_S:
+            kids = [c for c in psutil.Process(parent.pid).children() if "flashpd.cluster.engine_proc" in
+                    " ".join(c.cmdline())]
+            engine = kids[0] if kids else None
+            time.sleep(0.1)
+        assert engine is not None, "no engine process started"
+        time.sleep(4.0)  # loading the pair, or warming up (minutes on this CPU with warmup on)
+        assert engine.is_running() and parent.poll() is None
+        parent.kill()
+        parent.wait(10)
+        try:
+            engine.wait(15)  # (a grandchild: its exit code is not this process's to read)
+        except psutil.TimeoutExpired:
+            pytest.fail("the engine process went on starting with its serving process gone")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if engine is not None and engine.is_running():
+            engine.kill()
+
+
+def test_an_engine_killed_while_it_starts_is_a_worker_start_error(monkeypatch):
+    """The engine process dies before it is ready: the start fails with a WorkerStartError, which `flashpd serve`
+    prints in one line (a RuntimeError printed the whole traceback, found by a review)."""
+    from flashpd.cluster import engine_proc  # noqa: PLC0415
+    from flashpd.cluster.launcher import WorkerStartError  # noqa: PLC0415
+
+    real = subprocess.Popen
+
+    def killed(*args, **kw):
+        p = real(*args, **kw)
+        os.kill(p.pid, signal.SIGKILL)
+        return p
+
+    monkeypatch.setattr(engine_proc.subprocess, "Popen", killed)
+    with pytest.raises(WorkerStartError, match=r"the engine process exited \(code -9\) before it was ready"):
+        engine_proc.EngineProcess(_cfg())
+
+
+def test_an_engine_that_does_not_answer_its_stats_is_logged_once(caplog):
+    """A stuck engine process (its stats call times out) is not serving, said once in the log (nothing was said:
+    only Health and /health told), and its return once."""
+    import logging  # noqa: PLC0415
+
+    from flashpd.cluster import engine_proc  # noqa: PLC0415
+
+    ep = object.__new__(engine_proc.EngineProcess)  # counts() reads only stats() and the logged state
+    ep._lock, ep._stats_error = threading.Lock(), None
+    stuck = [True]
+
+    def stats():
+        if stuck[0]:
+            raise TimeoutError("the engine process did not answer within 5 s")
+        return {"running": 0, "waiting": 0, "kv_blocks_free": 4, "kv_blocks_total": 4, "kv_block_size": 16}
+
+    ep.stats = stats
+    with caplog.at_level(logging.WARNING, logger="flashpd.cluster.engine_proc"):
+        for _ in range(3):
+            assert ep.counts().serving is False
+        stuck[0] = False
+        assert ep.counts().kv_blocks_total == 4
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("did not answer" in m for m in said) == 1 and any("serving again" in m for m in said), said

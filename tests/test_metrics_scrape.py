@@ -143,3 +143,24 @@ def test_counts_are_the_processs_own_when_the_environment_asks_for_prometheus_mu
     assert p.returncode == 0, p.stderr[-2000:]
     assert 'flashpd_ttft_seconds_count{method="dflash",role="prefill"} 32.0' in p.stdout, p.stdout
     assert 'flashpd_requests_total{method="dflash",outcome="ok",role="prefill"} 32.0' in p.stdout, p.stdout
+
+
+def test_a_stuck_engine_is_logged_once_not_per_family_and_scrape(caplog):
+    """Every live family of every scrape fails while the engine process is stuck: each logged an ERROR with its
+    traceback (9 a scrape, found by a review). Now one line while the failure stays the same, one when it ends."""
+    import logging  # noqa: PLC0415
+
+    w = _Worker(0.0, fail=True)
+    m = Metrics("decode")
+    decode_metrics(m, w)
+    with caplog.at_level(logging.INFO, logger="flashpd.cluster.metrics"):
+        for _ in range(3):
+            assert 'flashpd_running_requests{role="decode"}' not in m.exposition()  # left empty
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "the engine process did not answer" in errors[0].getMessage(), caplog.text
+        assert "flashpd_running_requests" in errors[0].getMessage()  # the families are named
+        w.fail = False
+        assert 'flashpd_running_requests{role="decode"} 3.0' in m.exposition()
+        m.exposition()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == ["metrics can be read again"]
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1

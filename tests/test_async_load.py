@@ -62,18 +62,32 @@ def _prompts(n: int, seed: int, lo: int, hi: int) -> list[list[int]]:
     return [torch.randint(0, 126, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
 
 
+def _publish(target, drafter, cache: PrefixCache, prompts: list[list[int]], sp: SamplingParams,
+             method: str = "dflash") -> None:
+    """Run the prompts through a scheduler over `cache`, so their full chunks are in its store (DFlash: both halves,
+    a hit for either method)."""
+    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
+    for p in prompts:
+        warm.add(p, sp, method)
+    warm.run_until_idle()
+    warm.flush_saves()
+
+
+def _cold(target, drafter, prompt: list[int], sp: SamplingParams):
+    """The prompt's DFlash run alone, no cache: the tokens and acceptance lengths every path must give."""
+    return generate(DFlashGenerator(_runner(target, drafter), drafter, ()), [prompt], [sp])[0]
+
+
 def test_a_loading_request_does_not_stop_the_running_batch(pair):
     target, drafter = pair
     store = _GatedStore()
     cache = PrefixCache(store, "f" * 64, chunk_tokens=32)
     slow = _prompts(1, 21, 150, 151)[0]
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
-    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
-    warm.add(slow, sp, "dflash")
-    warm.run_until_idle()  # publishes the slow prompt's chunks (both halves)
+    _publish(target, drafter, cache, [slow], sp)
     assert store.stats()["entries"] == 4
 
-    cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()), [slow], [sp])[0]
+    cold = _cold(target, drafter, slow, sp)
     sched = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
     assert cache.lookup_tokens(sched.spec, slow) == 128 and cache.stats.requests == 1  # no side effect
     others = [sched.add(p, SamplingParams(max_tokens=60, ignore_eos=True), "native")
@@ -104,11 +118,9 @@ def test_a_resumed_request_fetches_its_prefix_off_the_engine_loop(pair):
     cache = PrefixCache(store, "f" * 64, chunk_tokens=32)
     slow = _prompts(1, 23, 150, 151)[0]
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
-    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
-    warm.add(slow, sp, "dflash")
-    warm.run_until_idle()
+    _publish(target, drafter, cache, [slow], sp)
     assert store.stats()["entries"] == 4
-    cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()), [slow], [sp])[0]
+    cold = _cold(target, drafter, slow, sp)
     acc = cold.stats.acceptance_lengths
     cut = 1 + sum(acc[:2])  # where the dead worker's stream stopped: its prefill's token and two steps
     assert cut < len(cold.output) - 5
@@ -157,11 +169,7 @@ def test_a_preempted_request_fetches_its_prefix_off_the_engine_loop(pair):
     cache = PrefixCache(store, "f" * 64, chunk_tokens=16)
     prompts = _prompts(6, 3, 40, 140)
     methods = ["dflash", "dflash", "native", "dflash", "native", "dflash"]
-    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
-    for p in prompts:
-        warm.add(p, SamplingParams(max_tokens=2, ignore_eos=True), "dflash")  # both halves: any method's hit
-    warm.run_until_idle()
-    warm.flush_saves()
+    _publish(target, drafter, cache, prompts, SamplingParams(max_tokens=2, ignore_eos=True))
     store.readers.clear()
     applied = cache.stats.requests
     sp = SamplingParams(max_tokens=60, ignore_eos=True)
@@ -199,11 +207,7 @@ def test_preempted_fetches_wait_on_no_save_and_stay_within_load_ahead(pair, monk
     cache = PrefixCache(store, "f" * 64, chunk_tokens=16)
     prompts = _prompts(3, 5, 40, 80)
     sp = SamplingParams(max_tokens=30, ignore_eos=True)
-    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
-    for p in prompts:
-        warm.add(p, SamplingParams(max_tokens=2, ignore_eos=True), "dflash")
-    warm.run_until_idle()
-    warm.flush_saves()
+    _publish(target, drafter, cache, prompts, SamplingParams(max_tokens=2, ignore_eos=True))
     sched = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache, policy="preempt")
     sched.overlap = False  # (no device-loop session: the rows are preempted between steps, as _make_room does)
     reqs = [sched.add(p, sp, "dflash") for p in prompts]
@@ -225,7 +229,7 @@ def test_preempted_fetches_wait_on_no_save_and_stay_within_load_ahead(pair, monk
     free = _runner(target, drafter).allocator.num_free
     assert sched.stats.load_errors == 0 and sched.runner.allocator.num_free == free
     for r, p in zip(reqs, prompts):
-        cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()), [p], [sp])[0]
+        cold = _cold(target, drafter, p, sp)
         assert r.seq.output == cold.output and r.seq.stats.acceptance_lengths == cold.stats.acceptance_lengths, r.id
 
 
@@ -289,10 +293,8 @@ def test_a_fetch_that_raised_is_read_again_not_fatal(pair):
     cache = PrefixCache(store, "f" * 64, chunk_tokens=32)
     p = _prompts(1, 31, 100, 101)[0]
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
-    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
-    warm.add(p, sp, "dflash")
-    warm.run_until_idle()
-    cold = generate(DFlashGenerator(_runner(target, drafter), drafter, ()), [p], [sp])[0]
+    _publish(target, drafter, cache, [p], sp)
+    cold = _cold(target, drafter, p, sp)
     runner = _runner(target, drafter)
     free0 = runner.allocator.num_free
     sched = Scheduler(runner, drafter, prefix_cache=cache)
@@ -319,10 +321,7 @@ def test_fetches_start_for_the_queues_first_requests_only(pair, monkeypatch):
     cache = PrefixCache(store, "f" * 64, chunk_tokens=32)
     ps = _prompts(8, 41, 70, 100)
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
-    warm = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)
-    for p in ps:
-        warm.add(p, sp, "native")
-    warm.run_until_idle()
+    _publish(target, drafter, cache, ps, sp, "native")
     store.gate.clear()
     cache = PrefixCache(store, "f" * 64, chunk_tokens=32)  # its own stats
     sched = Scheduler(_runner(target, drafter), drafter, prefix_cache=cache)

@@ -186,7 +186,7 @@ class _Child:
                 return
 
 
-def engine_main(conn: Connection) -> None:
+def engine_main(conn: Connection, parent_pid: int | None = None) -> None:
     """The child process: build the colocated DecodeWorker, report ready (or failed), serve the pipe, stop."""
     from flashpd.cluster.config import ServeConfig  # noqa: PLC0415
     from flashpd.cluster.metrics import Metrics  # noqa: PLC0415
@@ -195,9 +195,10 @@ def engine_main(conn: Connection) -> None:
 
     child = _Child(conn)
     # the serving process killed while this one loads and warms up (minutes on a GPU, holding its memory) must not
-    # leave it to finish for nobody: it reads the pipe, and so sees it close, only once serving
+    # leave it to finish for nobody: it reads the pipe, and so sees it close, only once serving. The parent's pid
+    # comes from its command line: one killed while this process still imported is gone before getppid() is read
     started = threading.Event()
-    threading.Thread(target=_exit_if_orphaned_while_starting, args=(os.getppid(), started), daemon=True,
+    threading.Thread(target=_exit_if_orphaned_while_starting, args=(parent_pid, started), daemon=True,
                      name="parent-watch").start()
     try:
         op, cfg_dict = conn.recv()
@@ -232,8 +233,8 @@ class EngineProcess:
                  progress_s: float = 30.0) -> None:
         mine, theirs = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "flashpd.cluster.engine_proc", "--fd",
-                                       str(theirs.fileno()), "--log-level", str(logging.getLogger().getEffectiveLevel())],
-                                      pass_fds=(theirs.fileno(),))
+                                       str(theirs.fileno()), "--log-level", str(logging.getLogger().getEffectiveLevel()),
+                                       "--parent-pid", str(os.getpid())], pass_fds=(theirs.fileno(),))
         theirs.close()
         self._conn = Connection(mine.detach())
         self._conn.send(("config", cfg.to_dict()))
@@ -577,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="the colocated service's engine process (EngineProcess starts it)")
     ap.add_argument("--fd", type=int, required=True, help="this end of the front end's socket pair")
     ap.add_argument("--log-level", type=int, default=logging.INFO)
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="the front end's pid: this process exits if it goes while this one starts")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     # the front end alone stops this process (its pipe, "stop", a kill): a Ctrl-C at a terminal reaches the whole
@@ -584,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     # process in it: neither must end the requests the front end lets finish in its grace (a group SIGTERM killed
     # this process at once, and every stream in flight failed)
     _own_signals()
-    engine_main(Connection(a.fd))
+    engine_main(Connection(a.fd), a.parent_pid)
     return 0
 
 

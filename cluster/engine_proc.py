@@ -237,7 +237,6 @@ class EngineProcess:
                                        "--parent-pid", str(os.getpid())], pass_fds=(theirs.fileno(),))
         theirs.close()
         self._conn = Connection(mine.detach())
-        self._conn.send(("config", cfg.to_dict()))
         self.on_done = on_done
         self._outbox: deque[bytes] = deque()  # pickled messages for the writer thread, in order
         self._outbox_bytes = 0
@@ -253,6 +252,10 @@ class EngineProcess:
         self._dead: EngineStopped | None = None
         self._stats_error: str | None = None  # the last stats failure logged (None: stats answer)
         try:
+            try:
+                self._conn.send(("config", cfg.to_dict()))
+            except OSError:  # (BrokenPipeError) the child died at once: _wait_ready reports its exit
+                pass
             facts = self._wait_ready(progress_s, cfg.start_timeout_s)
         except BaseException:  # a failed or interrupted start leaves no child and no open socket behind
             if self._proc.poll() is None:

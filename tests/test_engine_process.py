@@ -713,6 +713,7 @@ def test_an_engine_killed_while_it_starts_is_a_worker_start_error(monkeypatch):
     def killed(*args, **kw):
         p = real(*args, **kw)
         os.kill(p.pid, signal.SIGKILL)
+        p.wait()  # dead before its config is sent: that send meets a closed pipe (a BrokenPipeError escaped it)
         return p
 
     monkeypatch.setattr(engine_proc.subprocess, "Popen", killed)

@@ -57,6 +57,8 @@ def add_client(sub: argparse._SubParsersAction, prompt_ids) -> None:
                    help="DFlash block width, 2..16 (0: the server's default, its drafter's)")
     add_sampling_args(c)
     c.add_argument("--timeout", type=float, default=60.0, help="deadline of the request in seconds")
+    c.add_argument("--api-key-file", metavar="FILE",
+                   help="a file holding the server's API key (its api_key_file; mode 600), sent with the request")
     c.add_argument("--stream", action="store_true",
                    help="print text (or token ids) as they arrive, then the result as JSON")
 
@@ -117,8 +119,13 @@ def cmd_client(a: argparse.Namespace) -> int:
         raise ValueError(f"--block-size {a.block_size} needs --method dflash")
     kw = dict(max_tokens=a.max_tokens, method=a.method, block_size=a.block_size, temperature=a.temperature,
               top_p=a.top_p, top_k=a.top_k, seed=a.seed, ignore_eos=a.ignore_eos)
+    key = None
+    if a.api_key_file:
+        from flashpd.cluster.api_key import load_api_key  # noqa: PLC0415
+
+        key = load_api_key(a.api_key_file)
     try:
-        with GenerationClient(a.address, a.timeout) as c:
+        with GenerationClient(a.address, a.timeout, api_key=key) as c:
             if a.stream:
                 toks, texts = [], []
                 for ch in c.generate(prompt, **kw):

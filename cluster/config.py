@@ -45,7 +45,8 @@ def _not_str(v: Any) -> str:
 
 
 # ServeConfig fields that name files or directories (relative ones: to where `flashpd serve` runs)
-PATH_KEYS = ("target", "draft", "draft_token_map", "bridge_disk_dir", "secret_file", "tls_cert", "tls_key", "tls_ca")
+PATH_KEYS = ("target", "draft", "draft_token_map", "bridge_disk_dir", "secret_file", "tls_cert", "tls_key", "tls_ca",
+             "api_key_file")
 
 # ServeConfig fields a client may read back (Health's settings_json; `public_settings`)
 PUBLIC_SETTINGS = ("mode", "device", "dtype", "kv_cache_tokens", "max_running", "session_hold_fraction",
@@ -89,7 +90,7 @@ class ServeConfig:
     # the public endpoint (router, or the colocated server)
     host: str = "127.0.0.1"
     port: int = 0
-    allow_remote: bool = False  # bind beyond loopback (no authentication: only on a trusted network)
+    allow_remote: bool = False  # bind beyond loopback (no authentication unless api_key_file: trusted networks)
     metrics_port: int | None = None  # Prometheus endpoint of the router / colocated server (0 = any free port)
     # the OpenAI-compatible HTTP API (cluster/http_api.py) beside the gRPC one, on `host` (None = off, 0 = any
     # free port); its model name is served_model_name (None: the target directory's name)
@@ -102,6 +103,9 @@ class ServeConfig:
     # host names (no port) the HTTP API may be addressed by when bound to loopback, besides loopback names: a proxy
     # on this host that passes its public Host through (any other name is refused: DNS rebinding)
     http_allowed_hosts: tuple[str, ...] = ()
+    # a file holding the key the public APIs ask of every call but Health (gRPC metadata or HTTP header
+    # `authorization: Bearer <key>`; cluster/api_key.py); None: no key (loopback or a trusted network only)
+    api_key_file: str | None = None
     worker_metrics: bool = True  # each worker serves its own Prometheus endpoint (a free port, logged)
     max_concurrent: int = 256  # concurrent RPCs per server (one thread each)
     # disaggregation

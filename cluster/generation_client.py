@@ -11,6 +11,7 @@ from typing import Iterator
 
 import grpc
 
+from flashpd.cluster.api_key import grpc_metadata
 from flashpd.cluster.config import MAX_WAIT_S
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
@@ -89,6 +90,10 @@ class GenerationCancelled(GenerationError):
     """CANCELLED: the call was cancelled."""
 
 
+class GenerationUnauthenticated(GenerationError, PermissionError):
+    """UNAUTHENTICATED: the server asks for an API key (its api_key_file) and the call carried none or another."""
+
+
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: GenerationInvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: GenerationResourceExhausted,
@@ -96,6 +101,7 @@ _BY_CODE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: GenerationTimeout,
     grpc.StatusCode.UNAVAILABLE: GenerationUnavailable,
     grpc.StatusCode.CANCELLED: GenerationCancelled,
+    grpc.StatusCode.UNAUTHENTICATED: GenerationUnauthenticated,
 }
 
 
@@ -180,11 +186,13 @@ def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "
 
 
 class GenerationClient:
-    """One channel to one generation server. Thread-safe (gRPC channels are); close() when done."""
+    """One channel to one generation server. Thread-safe (gRPC channels are); close() when done.
+    api_key: the server's key (its api_key_file's content), sent with every call as `authorization: Bearer`."""
 
-    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 60.0, api_key: str | None = None) -> None:
         self.address = check_address(address)
         self.timeout_s = check_timeout(timeout_s)
+        self._metadata = grpc_metadata(api_key)
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._closed = False
@@ -219,7 +227,7 @@ class GenerationClient:
         """Stream the chunks of one request (kw: max_tokens, method, block_size, temperature, top_p,
         top_k, seed, ignore_eos). Closing the iterator early cancels the request on the server."""
         t = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
-        call = self._stub.Generate(self._request("Generate", prompt, kw), timeout=t)
+        call = self._stub.Generate(self._request("Generate", prompt, kw), timeout=t, metadata=self._metadata)
         try:
             for msg in call:
                 self._check_version("Generate", msg.version)
@@ -233,7 +241,8 @@ class GenerationClient:
     def generate_once(self, prompt: str | list[int], timeout_s: float | None = None, **kw) -> Result:
         t = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         try:
-            r = self._stub.GenerateOnce(self._request("GenerateOnce", prompt, kw), timeout=t)
+            r = self._stub.GenerateOnce(self._request("GenerateOnce", prompt, kw), timeout=t,
+                                        metadata=self._metadata)
         except grpc.RpcError as e:
             raise _map_error("GenerateOnce", e, t) from None
         self._check_version("GenerateOnce", r.version)
@@ -243,7 +252,7 @@ class GenerationClient:
         t = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         self._check_open("Health")
         try:
-            r = self._stub.Health(pb.HealthRequest(version=PROTOCOL_VERSION), timeout=t)
+            r = self._stub.Health(pb.HealthRequest(version=PROTOCOL_VERSION), timeout=t, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _map_error("Health", e, t) from None
         self._check_version("Health", r.version)

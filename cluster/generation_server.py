@@ -31,6 +31,7 @@ from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.engine.scheduler import PromptTooLong, RequestFailed
 from flashpd.engine.load import Load
 from flashpd.engine.sampling import SamplingParams
+from flashpd.cluster.api_key import OPEN_GRPC_METHODS, grpc_authorizer
 from flashpd.kv_bridge.rpc_guard import CallLimit, TokenGate, add_guarded, echo, rpc_bound, token_authorizer
 from flashpd.kv_bridge.stall_guard import DEFAULT_IDLE_S, StallGuard
 from flashpd.kv_bridge.server import is_loopback
@@ -321,7 +322,7 @@ def health_reply(backend: Backend, has_tokenizer: bool, settings_json: str = "")
 
 def new_server(host: str, port: int, allow_remote: bool, max_workers: int, services: Mapping[str, object],
                idle_s: float = DEFAULT_IDLE_S, token: str | None = None, exclusive: bool = False,
-               tls: BridgeTls | None = None) -> tuple[grpc.Server, int]:
+               tls: BridgeTls | None = None, api_key: str | None = None) -> tuple[grpc.Server, int]:
     """A started gRPC server on host:port (0 picks a free port) serving `services`: service name in
     proto/generation.proto ("Generation", "PrefillWorker", "DecodeWorker") -> its servicer, each
     registered through add_guarded (undecodable requests get INVALID_ARGUMENT). Each in-flight RPC holds
@@ -331,14 +332,22 @@ def new_server(host: str, port: int, allow_remote: bool, max_workers: int, servi
     token: every call must carry it (rpc_guard.TokenGate; the cluster's workers take the bridge's token).
     exclusive: no other socket may share the port (grpcio sets SO_REUSEPORT, so a second service on a fixed port
     started and the kernel split the connections between the two). tls: serve TLS with its certificate and key
-    (the cluster's workers, when the service has TLS). A port that cannot be bound is an OSError naming it."""
+    (the cluster's workers, when the service has TLS). api_key: every call but Health must carry
+    `authorization: Bearer <api_key>` (the public API's api_key_file: cluster/api_key.py). A port that cannot be
+    bound is an OSError naming it."""
     if not (allow_remote or is_loopback(host)):
         raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
     if token is not None and tls is None and not is_loopback(host):
         log.warning("a worker serves %s without TLS: its token, the prompts and the tokens cross the network in the "
                     "clear (set tls_cert, tls_key and tls_ca)", host)
+    if api_key is not None and not is_loopback(host):
+        log.warning("the public API serves %s without TLS: its API key crosses the network in the clear (put a TLS "
+                    "proxy in front)", host)
     creds = tls.server_credentials() if tls is not None else None  # (unreadable files: before any server exists)
     guards = [TokenGate(token_authorizer(token))] if token is not None else []
+    if api_key is not None:
+        guards.append(TokenGate(grpc_authorizer(api_key), exempt=OPEN_GRPC_METHODS,
+                                credential="API key (metadata 'authorization: Bearer <key>')"))
     guards += [CallLimit(max_workers), StallGuard(idle_s)]  # Health is answered past max_workers requests
     threads, rpcs = rpc_bound(max_workers)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="generation"),
@@ -360,8 +369,10 @@ def new_server(host: str, port: int, allow_remote: bool, max_workers: int, servi
 
 def serve_generation(loop: Backend, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
                      allow_remote: bool = False, max_workers: int = 64,
-                     settings: Mapping[str, object] | None = None) -> tuple[grpc.Server, int]:
+                     settings: Mapping[str, object] | None = None,
+                     api_key: str | None = None) -> tuple[grpc.Server, int]:
     """Start the service on host:port (0 picks a free port); returns the started server and its port.
-    settings: what Health reports of how the service runs (ServeConfig.public_settings)."""
+    settings: what Health reports of how the service runs (ServeConfig.public_settings); api_key: the key every
+    call but Health must carry (None: none)."""
     return new_server(host, port, allow_remote, max_workers,
-                      {"Generation": GenerationServicer(loop, tokenizer, settings)}, exclusive=True)
+                      {"Generation": GenerationServicer(loop, tokenizer, settings)}, exclusive=True, api_key=api_key)

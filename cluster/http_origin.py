@@ -136,13 +136,18 @@ class BrowserGuard:
 
 
 def guarded(app, loopback_only: bool, allowed_origins: tuple[str, ...] = (),
-            allowed_hosts: tuple[str, ...] = ()) -> BrowserGuard:
+            allowed_hosts: tuple[str, ...] = (), api_key: str | None = None) -> BrowserGuard:
     """`app` behind the guard, with CORS answers for the allowed origins (none: no CORS headers at all, so a
-    browser lets no other origin's page read a reply)."""
+    browser lets no other origin's page read a reply), and behind cluster/api_key.py's gate when api_key is set
+    (inside the CORS layer: an allowed page reads its 401, and its preflights need no key)."""
     inner = app
+    if api_key is not None:
+        from flashpd.cluster.api_key import ApiKeyGate  # noqa: PLC0415
+
+        inner = ApiKeyGate(app, api_key)
     if allowed_origins:
         from starlette.middleware.cors import CORSMiddleware  # noqa: PLC0415
 
         origins = [normalise_origin(o) for o in allowed_origins]
-        inner = CORSMiddleware(app, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"])
+        inner = CORSMiddleware(inner, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"])
     return BrowserGuard(inner, loopback_only, allowed_origins, allowed_hosts)

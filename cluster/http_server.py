@@ -30,13 +30,18 @@ DRAIN_LEAD_S = 0.3
 class HttpServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
                  max_concurrent: int = 256, grace_s: float = 2.0, request_timeout_s: float = 30.0,
-                 allowed_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = ()) -> None:
+                 allowed_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = (),
+                 api_key: str | None = None) -> None:
         if not (allow_remote or is_loopback(host)):
             raise ValueError(f"host {host!r} is not loopback; pass allow_remote=True to expose the service")
+        if api_key is not None and not is_loopback(host):
+            log.warning("the HTTP API serves %s without TLS: its API key crosses the network in the clear (put a TLS "
+                        "proxy in front)", host)
         self.host = host
         self.app = app
-        # web pages' requests refused in front of the app (cluster/http_origin.py)
-        self.guard = guarded(app, is_loopback(host), allowed_origins, allowed_hosts)
+        # web pages' requests refused in front of the app (cluster/http_origin.py), and calls without the API key
+        # when one is set (cluster/api_key.py)
+        self.guard = guarded(app, is_loopback(host), allowed_origins, allowed_hosts, api_key)
         self.grace_s = grace_s
         self._protocol = guarded_h11(request_timeout_s)
         self.sock = _bind(host, port)
@@ -132,7 +137,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def start_http(app, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
                max_concurrent: int = 256, allowed_origins: tuple[str, ...] = (),
-               allowed_hosts: tuple[str, ...] = ()) -> HttpServer:
+               allowed_hosts: tuple[str, ...] = (), api_key: str | None = None) -> HttpServer:
     """A started HTTP server for `app` on host:port (0 picks a free port)."""
     return HttpServer(app, host, port, allow_remote, max_concurrent, allowed_origins=allowed_origins,
-                      allowed_hosts=allowed_hosts).start()
+                      allowed_hosts=allowed_hosts, api_key=api_key).start()

@@ -22,6 +22,7 @@ from typing import Callable
 import grpc
 
 from flashpd.cluster.config import ServeConfig
+from flashpd.cluster.api_key import load_api_key
 from flashpd.cluster.generation_server import serve_generation
 from flashpd.cluster.launcher import Launcher
 from flashpd.cluster.metrics import Metrics
@@ -78,17 +79,18 @@ def start_service(cfg: ServeConfig, launcher: Launcher | None = None) -> Service
     """launcher: one made for this start (default: by mode, with a fresh cluster secret); a launcher
     passed in made its own fresh secret when it was built."""
     check_ports_free(cfg)  # before any worker starts (minutes on a GPU), not after
+    api_key = load_api_key(cfg.api_key_file) if cfg.api_key_file else None  # (a bad file: before them too)
     if cfg.http_port is not None:
         from flashpd.cluster.http_api import sampling_defaults  # noqa: PLC0415
 
         sampling_defaults(cfg.target)  # a bad generation_config.json is refused now too
     if cfg.mode == "colocated":
-        svc = _colocated(cfg)
+        svc = _colocated(cfg, api_key)
     else:
         if launcher is not None and cfg.secret_file:
             raise ValueError("secret_file: a launcher passed in brings its own secret")
         secret = ClusterSecret.from_file(cfg.secret_file) if cfg.secret_file else ClusterSecret.generate()
-        svc = _disaggregated(cfg, launcher or make_launcher(cfg, secret))
+        svc = _disaggregated(cfg, launcher or make_launcher(cfg, secret), api_key)
     try:
         if cfg.metrics_port is not None:
             try:
@@ -98,7 +100,7 @@ def start_service(cfg: ServeConfig, launcher: Launcher | None = None) -> Service
             svc.metrics_address = f"{cfg.host}:{port}"
             svc.closers.insert(0, svc.metrics.close)
         if cfg.http_port is not None:
-            _start_http(svc, cfg)
+            _start_http(svc, cfg, api_key)
     except BaseException:  # the workers and servers already started go too
         svc.stop()
         raise
@@ -121,7 +123,7 @@ def check_ports_free(cfg: ServeConfig) -> None:
                 raise OSError(f"{name}: {host}:{port} is in use or cannot be bound ({e.strerror or e})") from None
 
 
-def _start_http(svc: Service, cfg: ServeConfig) -> None:
+def _start_http(svc: Service, cfg: ServeConfig, api_key: str | None) -> None:
     """The HTTP API over the service's backend, on cfg.host:cfg.http_port; stopped first of the closers."""
     from flashpd.cluster.chat_template import load_chat_template  # noqa: PLC0415
     from flashpd.cluster.http_api import build_app, sampling_defaults  # noqa: PLC0415
@@ -132,14 +134,14 @@ def _start_http(svc: Service, cfg: ServeConfig) -> None:
     app = build_app(svc.backend, svc.tokenizer, name, svc.metrics, chat, why, sampling_defaults(cfg.target),
                     cfg.max_concurrent, cfg.public_settings())
     svc.http = start_http(app, cfg.host, cfg.http_port, cfg.allow_remote, cfg.max_concurrent,
-                          cfg.http_allowed_origins, cfg.http_allowed_hosts)
+                          cfg.http_allowed_origins, cfg.http_allowed_hosts, api_key)
     svc.http_address = svc.http.address
     svc.closers.append(svc.http.stop)
 
 
-def _colocated(cfg: ServeConfig) -> Service:
+def _colocated(cfg: ServeConfig, api_key: str | None) -> Service:
     if cfg.splits_engine:
-        return _colocated_split(cfg)
+        return _colocated_split(cfg, api_key)
     from flashpd.cluster.worker_main import build_decode, load_model, local_cache  # noqa: PLC0415
 
     llm = load_model(cfg)
@@ -147,7 +149,7 @@ def _colocated(cfg: ServeConfig) -> Service:
     worker = build_decode(cfg, llm, local_cache(cfg, llm, metrics), metrics)
     try:
         server, port = serve_generation(worker.loop, cfg.host, cfg.port, llm.tokenizer, cfg.allow_remote,
-                                        cfg.max_concurrent, cfg.public_settings())
+                                        cfg.max_concurrent, cfg.public_settings(), api_key)
     except BaseException:
         worker.stop()
         raise
@@ -155,7 +157,7 @@ def _colocated(cfg: ServeConfig) -> Service:
                    closers=[lambda: worker.stop(10)], tokenizer=llm.tokenizer)
 
 
-def _colocated_split(cfg: ServeConfig) -> Service:
+def _colocated_split(cfg: ServeConfig, api_key: str | None) -> Service:
     """Colocated with the engine in a child process (cluster/engine_proc.py); the API, tokenizer and served
     metrics here."""
     from flashpd.cluster.engine_proc import EngineProcess  # noqa: PLC0415
@@ -171,7 +173,7 @@ def _colocated_split(cfg: ServeConfig) -> Service:
                        bool(cfg.device_cache_bytes))
         tokenizer = TextTokenizer.from_dir(cfg.target)
         server, port = serve_generation(engine, cfg.host, cfg.port, tokenizer, cfg.allow_remote, cfg.max_concurrent,
-                                        cfg.public_settings())
+                                        cfg.public_settings(), api_key)
     except BaseException:
         engine.stop()
         raise
@@ -203,7 +205,7 @@ class _EngineStats:
         return self.stats().get("import_failures_by_reason", {})
 
 
-def _disaggregated(cfg: ServeConfig, launcher: Launcher) -> Service:
+def _disaggregated(cfg: ServeConfig, launcher: Launcher, api_key: str | None) -> Service:
     from flashpd.cluster.router import Router  # noqa: PLC0415
     from flashpd.cluster.worker_pool import WorkerPool  # noqa: PLC0415
     from flashpd.engine.tokenizer import TextTokenizer  # noqa: PLC0415
@@ -215,7 +217,7 @@ def _disaggregated(cfg: ServeConfig, launcher: Launcher) -> Service:
         router = Router(cfg, pool)
         tokenizer = TextTokenizer.from_dir(cfg.target)
         server, port = serve_generation(router, cfg.host, cfg.port, tokenizer, cfg.allow_remote, cfg.max_concurrent,
-                                        cfg.public_settings())
+                                        cfg.public_settings(), api_key)
     except BaseException:
         pool.shutdown()
         raise

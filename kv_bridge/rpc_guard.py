@@ -92,16 +92,19 @@ class TokenGate(grpc.ServerInterceptor):
     lets a stranger hold a worker by never sending its message. The refusal handler is request-streaming
     and aborts without reading: the call ends as soon as a worker picks it up."""
 
-    def __init__(self, authorize: Callable[[Metadata], bool]) -> None:
+    def __init__(self, authorize: Callable[[Metadata], bool], exempt: Sequence[str] = (),
+                 credential: str = TOKEN_HEADER) -> None:
         self._authorize = authorize
+        self.exempt = frozenset(exempt)  # methods answered without it (the public API's Health)
+        self.credential = credential  # what the refusal says is missing
 
     def intercept_service(self, continuation, handler_call_details):
-        if self._authorize(handler_call_details.invocation_metadata):
-            return continuation(handler_call_details)
         name = handler_call_details.method.rsplit("/", 1)[-1]
+        if name in self.exempt or self._authorize(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
 
         def refuse(request_iterator, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_HEADER}")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {self.credential}")
 
         return grpc.stream_unary_rpc_method_handler(refuse)
 

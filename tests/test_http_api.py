@@ -410,18 +410,30 @@ def test_odd_but_valid_json_gets_4xx_and_tiny_top_p_is_greedy(server):
     server.wait_idle()
 
 
-def test_local_mode_serves_http_over_the_router():
+def test_local_mode_serves_http_over_the_router(tmp_path):
     """Mode "local" (router + bridge, prefill and decode worker processes): the HTTP API is the router's,
-    with the gRPC API's tokens and the prefill worker's prefill_ms."""
+    with the gRPC API's tokens and the prefill worker's prefill_ms. The service has an API key (api_key_file):
+    the router's APIs ask for it (tests/test_api_key.py covers the key's rules)."""
     from flashpd.cluster.config import ServeConfig
+    from flashpd.cluster.generation_client import GenerationUnauthenticated
     from flashpd.cluster.service import start_service
 
+    key = "router-key-0123456789"
+    (tmp_path / "api.key").write_text(key)
+    (tmp_path / "api.key").chmod(0o600)
     svc = start_service(ServeConfig(target=str(DEMO / "target"), draft=str(DEMO / "drafter"), mode="local",
                                     device="cpu", dtype="float32", kv_cache_tokens=4096, torch_threads=1, http_port=0,
-                                    served_model_name="demo", start_timeout_s=120.0))
+                                    served_model_name="demo", start_timeout_s=120.0,
+                                    api_key_file=str(tmp_path / "api.key")))
     try:
-        c = openai.OpenAI(base_url=f"http://{svc.http_address}/v1", api_key="none", max_retries=0, timeout=60.0)
+        c = openai.OpenAI(base_url=f"http://{svc.http_address}/v1", api_key=key, max_retries=0, timeout=60.0)
         with GenerationClient(svc.address, timeout_s=60.0) as g:
+            with pytest.raises(GenerationUnauthenticated):
+                g.generate_once(PROMPTS[0], max_tokens=12, ignore_eos=True)
+        with openai.OpenAI(base_url=f"http://{svc.http_address}/v1", api_key="none", max_retries=0) as keyless:
+            with pytest.raises(openai.AuthenticationError):
+                keyless.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=2)
+        with GenerationClient(svc.address, timeout_s=60.0, api_key=key) as g:
             ref = g.generate_once(PROMPTS[0], max_tokens=12, ignore_eos=True)
         r = c.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=12, **GREEDY, **_extra())
         assert r.choices[0].model_extra["token_ids"] == ref.token_ids and r.choices[0].text == ref.text

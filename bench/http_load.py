@@ -17,6 +17,7 @@ import time
 from urllib.parse import urlsplit
 
 from flashpd.bench.load_gen import RequestResult, run_closed_loop
+from flashpd.cluster.api_key import key_from_env
 
 # the gRPC API's defaults where OpenAI's differ (greedy), so both APIs serve the same requests
 GRPC_DEFAULTS = {"temperature": 0.0}
@@ -47,9 +48,15 @@ def request_body(prompt: str | list[int], model: str | None, **request_kw) -> di
     return body
 
 
+def _headers() -> dict[str, str]:
+    """A request's headers: JSON, and the service's key when FLASHPD_API_KEY holds one (cluster/api_key.py)."""
+    key = key_from_env()
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+
 def _stream_one(conn: http.client.HTTPConnection, path: str, body: dict, r: RequestResult, timeout_s: float) -> None:
     t0 = time.perf_counter()
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    conn.request("POST", path, body=json.dumps(body), headers=_headers())
     resp = conn.getresponse()
     if resp.status != 200:
         raw = resp.read()
@@ -98,9 +105,12 @@ def served_model(base_url: str, timeout_s: float = 30.0) -> str:
     host, port, prefix = _endpoint(base_url)
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
-        conn.request("GET", f"{prefix}/models")
+        conn.request("GET", f"{prefix}/models", headers=_headers())
         resp = conn.getresponse()
-        return json.loads(resp.read())["data"][0]["id"]
+        body = resp.read()
+        if resp.status != 200:  # (a keyed service without FLASHPD_API_KEY: 401)
+            raise RuntimeError(f"GET {prefix}/models: HTTP {resp.status}: {body[:300].decode('utf-8', 'replace')}")
+        return json.loads(body)["data"][0]["id"]
     finally:
         conn.close()
 

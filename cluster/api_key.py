@@ -9,8 +9,9 @@ so does the HTTP server's /metrics, as vLLM leaves them; every /v1 route needs t
 
 The key is read from a file, never the config or the command line (which other users of the host can read in
 /proc): a regular file (a link to one is followed: mounted secrets are links) with no group or other permission
-bits, holding one line of 16 to 4,096 visible ASCII characters. Errors name the file, never its content. The key
-crosses the network in the clear unless a TLS proxy fronts the APIs (they serve no TLS themselves).
+bits, holding one line of 16 to 4,096 visible ASCII characters. Errors name the file, never its content. Clients
+take the key as an argument, or from FLASHPD_API_KEY (key_from_env). The key crosses the network in the clear unless
+a TLS proxy fronts the APIs (they serve no TLS themselves).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import stat
 from typing import Callable, Sequence
 
 AUTH_HEADER = "authorization"
+ENV_VAR = "FLASHPD_API_KEY"  # a client's key when none is passed (key_from_env)
 MIN_CHARS = 16
 MAX_CHARS = 4096
 OPEN_HTTP_PATHS = ("/health", "/metrics")  # answered without the key (probes, scrapers)
@@ -75,6 +77,12 @@ def grpc_authorizer(key: str) -> Callable[[Sequence[tuple[str, str | bytes]]], b
         return len(values) == 1 and bearer_ok(values[0], key)
 
     return ok
+
+
+def key_from_env() -> str | None:
+    """FLASHPD_API_KEY, the key clients send when none is passed (as the openai client reads OPENAI_API_KEY): the
+    load tools and `flashpd client` then reach a keyed service unchanged; None when unset or empty."""
+    return os.environ.get(ENV_VAR) or None
 
 
 def grpc_metadata(key: str | None) -> tuple[tuple[str, str], ...] | None:

@@ -58,7 +58,8 @@ def add_client(sub: argparse._SubParsersAction, prompt_ids) -> None:
     add_sampling_args(c)
     c.add_argument("--timeout", type=float, default=60.0, help="deadline of the request in seconds")
     c.add_argument("--api-key-file", metavar="FILE",
-                   help="a file holding the server's API key (its api_key_file; mode 600), sent with the request")
+                   help="a file holding the server's API key (its api_key_file; mode 600), sent with the request "
+                        "(unset: FLASHPD_API_KEY's, if set)")
     c.add_argument("--stream", action="store_true",
                    help="print text (or token ids) as they arrive, then the result as JSON")
 

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import grpc
 
-from flashpd.cluster.api_key import grpc_metadata
+from flashpd.cluster.api_key import grpc_metadata, key_from_env
 from flashpd.cluster.config import MAX_WAIT_S
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
@@ -187,12 +187,13 @@ def build_request(prompt: str | list[int], max_tokens: int = 64, method: str = "
 
 class GenerationClient:
     """One channel to one generation server. Thread-safe (gRPC channels are); close() when done.
-    api_key: the server's key (its api_key_file's content), sent with every call as `authorization: Bearer`."""
+    api_key: the server's key (its api_key_file's content), sent with every call as `authorization: Bearer`;
+    None: FLASHPD_API_KEY's, if set (cluster/api_key.py)."""
 
     def __init__(self, address: str, timeout_s: float = 60.0, api_key: str | None = None) -> None:
         self.address = check_address(address)
         self.timeout_s = check_timeout(timeout_s)
-        self._metadata = grpc_metadata(api_key)
+        self._metadata = grpc_metadata(api_key if api_key is not None else key_from_env())
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._closed = False

@@ -83,7 +83,8 @@ def test_bearer_values():
         grpc_metadata("a key")
 
 
-def test_grpc_calls_need_the_key_and_health_does_not():
+def test_grpc_calls_need_the_key_and_health_does_not(monkeypatch):
+    monkeypatch.delenv("FLASHPD_API_KEY", raising=False)
     be = _Counting()
     server, port = serve_generation(be, api_key=KEY)
     address = f"127.0.0.1:{port}"
@@ -111,11 +112,18 @@ def test_grpc_calls_need_the_key_and_health_does_not():
             assert c.generate_once([5, 6], max_tokens=1).token_ids == [65]
             assert [t for ch in c.generate([5, 6], max_tokens=1) for t in ch.token_ids] == [65]
         assert be.submitted == 2
+        monkeypatch.setenv("FLASHPD_API_KEY", KEY)  # a client given no key sends the environment's
+        with GenerationClient(address, timeout_s=10) as c:
+            assert c.generate_once([5, 6], max_tokens=1).token_ids == [65]
+        assert be.submitted == 3
     finally:
         server.stop(None)
 
 
-def test_http_routes_need_the_key_but_health_and_metrics_do_not():
+def test_http_routes_need_the_key_but_health_and_metrics_do_not(monkeypatch):
+    from flashpd.bench.http_load import served_model
+
+    monkeypatch.delenv("FLASHPD_API_KEY", raising=False)
     be = _Counting()
     srv = start_http(build_app(be, None, "fake", None), allowed_origins=("https://ui.example.com",), api_key=KEY)
     me = {"Host": f"127.0.0.1:{srv.port}", "Content-Type": "application/json"}
@@ -143,12 +151,16 @@ def test_http_routes_need_the_key_but_health_and_metrics_do_not():
         assert _raw(srv, ui)[0] == 401 and _raw.headers["access-control-allow-origin"] == "https://ui.example.com"
         assert _raw(srv, dict(ui, Authorization=f"Bearer {KEY}"))[0] == 200
         assert srv.guard.app.app.refused == 11  # (CORSMiddleware -> ApiKeyGate)
+        with pytest.raises(RuntimeError, match="HTTP 401.*invalid_api_key"):  # the load tool without the key
+            served_model(f"http://127.0.0.1:{srv.port}/v1")
+        monkeypatch.setenv("FLASHPD_API_KEY", KEY)  # ... and with the environment's
+        assert served_model(f"http://127.0.0.1:{srv.port}/v1") == "fake"
     finally:
         be.release.set()
         srv.stop()
 
 
-def test_a_keyed_service_serves_its_tokens_to_keyed_clients_only(tmp_path):
+def test_a_keyed_service_serves_its_tokens_to_keyed_clients_only(tmp_path, monkeypatch):
     """Colocated, the demo pair: gRPC and HTTP with the key give the tokens of the same prompt through gRPC; without
     it both refuse; `flashpd client --api-key-file` sends it; a bad key file fails the start, naming the file."""
     openai = pytest.importorskip("openai")
@@ -156,6 +168,7 @@ def test_a_keyed_service_serves_its_tokens_to_keyed_clients_only(tmp_path):
     from flashpd.cluster.config import ServeConfig
     from flashpd.cluster.service import start_service
 
+    monkeypatch.delenv("FLASHPD_API_KEY", raising=False)
     key_file = _key_file(tmp_path)
     base = dict(target=str(DEMO / "target"), draft=str(DEMO / "drafter"), device="cpu", dtype="float32",
                 kv_cache_tokens=2048, torch_threads=1, http_port=0, engine_process=False)

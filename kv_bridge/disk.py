@@ -174,6 +174,22 @@ def _check_key(key: str) -> None:
         raise ValueError(f"key {key!r} is not a valid file name (letters, digits, _ . -)")
 
 
+def _open_directory(directory: Path) -> None:
+    """Make the tier's directory the owner's alone (0700; its files are made 0600), or, where it exists already, say
+    once when other users may write in it: they cannot forge an entry (each is MAC-checked, and links and special
+    files are left unread), but they can delete the tier's entries (a sticky bit aside) or fill its disk."""
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    st = os.stat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"disk tier directory {directory}: not a directory")
+    if st.st_mode & 0o022:
+        log.warning("disk tier directory %s is writable by other users (mode %o): they can delete its entries or "
+                    "fill its disk (not forge one); chmod 700 it", directory, st.st_mode & 0o7777)
+
+
 class DiskStore(IndexedStore):
     """Persistent LRU store of whole chunk files within a byte budget; thread-safe within a process."""
 
@@ -183,7 +199,7 @@ class DiskStore(IndexedStore):
                  owner_wait_s: float = OWNER_WAIT_S) -> None:
         super().__init__(byte_budget, secret)
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        _open_directory(self.directory)
         self._c.update(write_errors=0, temp_files_removed=0, touch_errors=0, files_vanished=0, space_evictions=0,
                        other_secret_dropped=0, foreign_dropped=0, foreign_refused=0)
         self._owner: str | None = _own(self.directory, owner_wait_s)

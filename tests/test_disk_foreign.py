@@ -99,3 +99,26 @@ def test_a_put_never_adopts_a_file_that_is_not_its_chunk(tmp_path):
     data = other.to_bytes(MAC)
     (tmp_path / "k2").write_bytes(data)
     assert store.put_bytes("k2", data) == PutResult.PRESENT and same(store.get("k2"), other)
+
+
+def test_the_directory_is_made_the_owners_alone_and_a_shared_one_is_said(tmp_path, caplog):
+    """Other users cannot forge an entry (MACs), but in a directory they may write in they can delete the tier's
+    entries or fill its disk: a new directory is made 0700 (its parents as umask leaves them), and a found one that
+    others may write in is logged once at start. A path that is a file fails the start, naming it."""
+    new = tmp_path / "a" / "tier"
+    DiskStore(new, 1 << 20).close()
+    assert new.stat().st_mode & 0o777 == 0o700 and not caplog.records
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with caplog.at_level("WARNING", logger="flashpd.kv_bridge.disk"):
+        DiskStore(shared, 1 << 20).close()
+    assert len(caplog.records) == 1 and "writable by other users" in caplog.text and str(shared) in caplog.text
+    assert shared.stat().st_mode & 0o777 == 0o777  # the operator's directory: said, not changed
+    (tmp_path / "file").write_text("x")
+    try:
+        DiskStore(tmp_path / "file", 1 << 20)
+    except NotADirectoryError as e:
+        assert str(tmp_path / "file") in str(e)
+    else:
+        raise AssertionError("a file as the tier's directory was accepted")

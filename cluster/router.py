@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import Counter
@@ -311,26 +312,34 @@ class Router:
             else:
                 self._fallback("no_prefill_worker", "every prefill worker is down")
             return None
+        # a lease the call makes (device and dist paths) is named by this claim too: an answer lost to a cancel or a
+        # deadline leaves a lease the router cannot name by its id (cluster/prefill_claims.py)
+        claim = (secrets.randbits(64) or 1) if self.cfg.kv_transport != "bridge" else None
+        answered = lost = False
         try:
             left = h.remaining()  # the blocking call below cannot be cancelled: only its deadline bounds it
             timeout = min(self.cfg.prefill_timeout_s, left)
             if s.inflight == 1:
                 # the worker had nothing else to do: a blocking call (faster, but a cancel cannot stop it; what
                 # a cancelled request costs is then this one prefill, and its lease is released below)
-                reply = s.client.prefill(req, timeout)
+                reply = s.client.prefill(req, timeout, claim)
+                answered = True
                 h.prefill_slot = s
                 if h.cancelled:
                     self._release_lease(s, reply)
                     raise _Cancelled
                 return reply
-            fut = s.client.prefill_future(req, timeout)
+            fut = s.client.prefill_future(req, timeout, claim)
             h.track(fut)
             reply = fut.result()
+            answered = True
             h.prefill_slot = s
             return reply
         except grpc.FutureCancelledError:
+            lost = True  # (its answer may have been on its way)
             raise _Cancelled from None
         except grpc.RpcError as e:
+            lost = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # (as a cancel's)
             if h.cancelled:
                 raise _Cancelled from None
             code = e.code()
@@ -348,6 +357,8 @@ class Router:
             self._fallback(code.name.lower(), e.details() or "")
             return None
         finally:
+            if not answered and (h.cancelled or lost):
+                self._release_claim(s, claim)
             self.pool.release(s)
 
     def _await_publish(self, h: RouterHandle, first: pb.PrefillReply) -> None:
@@ -379,6 +390,18 @@ class Router:
             return
         if not reply.published:
             self._fallback("publish_failed", reply.error)
+
+    def _release_claim(self, s: Slot, claim: int | None) -> None:
+        """The lease, if any, that a Prefill call whose answer never arrived made: freed now (or as it is made), not
+        at its deadline. Best effort, as _release_lease."""
+        if claim is None:
+            return
+        try:
+            s.client.release_claim(claim, RELEASE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001  (as _release_lease's)
+            what = e.code().name if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
+            log.warning("releasing the lease of a prefill whose answer was lost failed (%s); it expires at its "
+                        "deadline", what)
 
     def _release_lease(self, s: Slot, reply: pb.PrefillReply | None) -> None:
         """A prefill's device-path lease that no decode worker will import (its request was cancelled): freed

@@ -13,6 +13,7 @@ from typing import Sequence
 import grpc
 
 from flashpd.cluster.generation_server import PROTOCOL_VERSION
+from flashpd.cluster.prefill_claims import CLAIM_HEADER
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.kv_bridge.handoff import Handoff
@@ -37,6 +38,10 @@ def release_request(exporter_id: str, lease_id: int, blocks: Sequence[int], epoc
                              epochs=epochs)
 
 
+def _claim_metadata(claim: int | None) -> tuple[tuple[str, str], ...] | None:
+    return ((CLAIM_HEADER, str(claim)),) if claim else None
+
+
 def worker_channel(address: str, token: str | None, tls: BridgeTls | None = None) -> grpc.Channel:
     """A channel to a worker's services, presenting `token` on every call (None: none, for a worker that
     asks for none); TLS verified against tls.ca when `tls` is given (the workers then serve it)."""
@@ -58,15 +63,21 @@ class WorkerClient:
         """The worker's HealthReply as a dict; raises grpc.RpcError when it does not answer in time."""
         return health_dict(self._stub.Health(pb.HealthRequest(version=PROTOCOL_VERSION), timeout=timeout_s))
 
-    def prefill_future(self, request: pb.GenerateRequest, timeout_s: float):
-        """A cancellable Prefill call (its .result() raises grpc.RpcError on failure)."""
-        return self._stub.Prefill.future(request, timeout=timeout_s)
+    def prefill_future(self, request: pb.GenerateRequest, timeout_s: float, claim: int | None = None):
+        """A cancellable Prefill call (its .result() raises grpc.RpcError on failure). claim: names the lease the
+        call makes, for release_claim when its answer never arrives (cluster/prefill_claims.py)."""
+        return self._stub.Prefill.future(request, timeout=timeout_s, metadata=_claim_metadata(claim))
 
-    def prefill(self, request: pb.GenerateRequest, timeout_s: float) -> pb.PrefillReply:
+    def prefill(self, request: pb.GenerateRequest, timeout_s: float, claim: int | None = None) -> pb.PrefillReply:
         """A blocking Prefill call: faster than a future's, measurably so against TTFT (no hand-off through
         the channel's polling thread: docs/results.md), but a cancel cannot reach it (raises grpc.RpcError
-        on failure)."""
-        return self._stub.Prefill(request, timeout=timeout_s)
+        on failure). claim: as prefill_future's."""
+        return self._stub.Prefill(request, timeout=timeout_s, metadata=_claim_metadata(claim))
+
+    def release_claim(self, claim: int, timeout_s: float) -> bool:
+        """Free the lease a Prefill call carrying `claim` made, whose answer never arrived (False: none was made
+        yet, and it will be freed as it is made; or the decode worker or the deadline freed it already)."""
+        return self._stub.Release(pb.ReleaseRequest(version=PROTOCOL_VERSION, claim=claim), timeout=timeout_s).released
 
     def await_publish_future(self, ticket: int, timeout_s: float):
         """A cancellable wait for a prefill's publish after its answer (.result() raises grpc.RpcError: NOT_FOUND

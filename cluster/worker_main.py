@@ -304,7 +304,7 @@ def _prefill(cfg, port: int, secret) -> RunningWorker:
     host = PrefillHost(worker, llm.runner, llm.draft_width if llm.drafter is not None else None,
                        cfg.fault_prefill_delay_s, stall_s=stall_bound(cfg))
     metrics.live("flashpd_queue_depth", "Requests waiting", "gauge", (), lambda: {(): host.waiting})
-    servicer = PrefillWorkerServicer(host, metrics, dist)
+    servicer = PrefillWorkerServicer(host, metrics, dist, claim_keep_s=2 * cfg.handoff_lease_s)  # (a lease is gone)
     server, bound = new_server(bind, port, cfg.allow_remote, cfg.max_concurrent + CONTROL_RPCS,
                                {"PrefillWorker": servicer},
                                token=secret.worker_token, exclusive=True,  # a restart asks for its old port

@@ -24,6 +24,7 @@ import grpc
 from flashpd.cluster.dist_control import DistControlServicer
 from flashpd.cluster.generation_server import POLL_S, PROTOCOL_VERSION, GenerationServicer, abort_for
 from flashpd.cluster.metrics import Metrics
+from flashpd.cluster.prefill_claims import ClaimBook, Claimed, claim_from
 from flashpd.cluster.proto_gen import generation_pb2 as pb
 from flashpd.cluster.proto_gen import generation_pb2_grpc as pb_grpc
 from flashpd.engine.scheduler import REQUEST_FAILED, RequestFailed
@@ -200,13 +201,20 @@ class PrefillHost:
 
 
 class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.PrefillWorkerServicer):
-    def __init__(self, host: PrefillHost, metrics: Metrics | None = None, dist=None) -> None:
+    def __init__(self, host: PrefillHost, metrics: Metrics | None = None, dist=None,
+                 claim_keep_s: float = 240.0) -> None:
         super().__init__(host, None)  # type: ignore[arg-type]  (checks and Health only: no submit)
         self.host = host
         self.metrics = metrics
         self.dist = dist  # kv_transport "dist": OpenPair / SendLease over this DistExporter (cluster/dist_control.py)
+        # the leases each router-named Prefill made, for a Release naming the claim (cluster/prefill_claims.py)
+        self.claims = ClaimBook(claim_keep_s)
 
     def Prefill(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.PrefillReply:
+        try:
+            claim = claim_from(context.invocation_metadata())
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt, params, method, _ = self._parse(request, context)
         remaining = context.time_remaining()
         try:
@@ -235,7 +243,10 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
             reply.handoff.CopyFrom(pb.Handoff(exporter_id=h.exporter_id, exporter_address=h.exporter_address,
                                               blob=h.blob, lease_id=h.lease_id, blocks=h.blocks, epochs=h.epochs,
                                               num_tokens=h.num_tokens, prompt_digest=h.prompt_digest))
-            if res.finish_reason or not context.is_active():  # nobody will import it: free it now
+            # nobody will import it: free it now (a claim released already: the router gave up on this call)
+            if res.finish_reason or not context.is_active() or (
+                    claim is not None and not self.claims.register(
+                        claim, Claimed(h.exporter_id, h.lease_id, tuple(h.blocks), tuple(h.epochs)))):
                 self.host.release(h.exporter_id, h.lease_id, h.blocks, h.epochs)
                 reply.ClearField("handoff")
         return reply
@@ -263,6 +274,10 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
         if request.version != PROTOCOL_VERSION:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"version: {request.version} is not supported (this server speaks {PROTOCOL_VERSION})")
+        if request.claim:  # a lease whose Prefill answer the router never got
+            c = self.claims.take(int(request.claim))
+            released = c is not None and self.host.release(c.exporter_id, c.lease_id, list(c.blocks), list(c.epochs))
+            return pb.ReleaseReply(version=PROTOCOL_VERSION, released=released)
         released = self.host.release(request.exporter_id, int(request.lease_id), list(request.blocks),
                                      list(request.epochs))
         return pb.ReleaseReply(version=PROTOCOL_VERSION, released=released)

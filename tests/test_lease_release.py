@@ -223,3 +223,83 @@ def test_prefill_stubs_keep_a_bounded_number_of_channels():
         assert stubs.get("127.0.0.1:1") is first and "127.0.0.1:2" not in stubs._stubs
     finally:
         stubs.close()
+
+
+def test_a_lease_whose_answer_was_lost_is_freed_by_its_claim(device_svc):
+    """A Prefill that made a lease whose answer its router never read (a cancel or deadline while the answer was on
+    the wire): a Release naming the call's claim frees it; a Release that comes first frees it as it is made."""
+    pre = device_svc.pool.slots["prefill"][0]
+    wait_until(lambda: _all_free(pre), "a quiet prefill worker", timeout_s=8)
+    req = build_request(_prompt(5, 100), max_tokens=30, method="dflash")
+    r = pre.client.prefill(req, 30, claim=2 ** 64 - 1)
+    assert r.HasField("handoff") and not _all_free(pre)
+    assert pre.client.release_claim(2 ** 64 - 1, 5)
+    wait_until(lambda: _all_free(pre), "the claimed lease to be released", timeout_s=3)
+    assert not pre.client.release(r.handoff, 5)  # the decode worker's release, after: unknown, no harm
+    assert not pre.client.release_claim(77, 5)  # before its Prefill: nothing to free yet
+    r = pre.client.prefill(req, 30, claim=77)
+    assert not r.HasField("handoff") and _all_free(pre)
+    with pytest.raises(grpc.RpcError) as e:  # only the router sends claims: a malformed one is its bug, said
+        pre.client._stub.Prefill(req, timeout=10, metadata=(("x-flashpd-prefill-claim", "-3"),))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "claim" in e.value.details()
+
+
+class _LostAnswer(grpc.RpcError):
+    """What the router's Prefill call raises when its deadline passes as the answer arrives."""
+
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "Deadline Exceeded"
+
+
+class _CancelledAfterAnswer:
+    """A Prefill future whose call completed at the worker (its lease made) and was then cancelled by the router
+    before it read the answer: what gRPC gives a cancel that reaches a unary call whose answer is on the wire."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+
+    def cancel(self) -> bool:
+        return False
+
+    def result(self, timeout=None):
+        self.call()
+        raise grpc.FutureCancelledError()
+
+
+@pytest.mark.parametrize("how", ["deadline", "cancel"])
+def test_a_prefill_answer_lost_to_a_cancel_or_deadline_frees_its_lease(device_svc, monkeypatch, how):
+    """The race a review's cancellation fuzzing found: a client cancels (or its deadline passes) while the
+    prefill's answer is on the wire; the worker saw its call alive and handed the lease to nobody, and the router,
+    without the answer, could not name it: the prompt's blocks stayed held until handoff_lease_s (here 120 s). The
+    race is made certain here: the router's Prefill call runs to its end at the worker, then raises as the lost
+    answer does (the blocking call a deadline, the future a cancel, with a second request on the worker so the
+    router takes the future). The router releases the lease by the call's claim, within seconds."""
+    from flashpd.cluster.generation_client import GenerationClient, GenerationError
+
+    pre = device_svc.pool.slots["prefill"][0]
+    wait_until(lambda: _all_free(pre), "a quiet prefill worker", timeout_s=8)
+    real_prefill = pre.client.prefill
+
+    def blocking(req, timeout, claim=None):
+        real_prefill(req, timeout, claim=claim)
+        raise _LostAnswer()
+
+    monkeypatch.setattr(pre.client, "prefill", blocking)
+    monkeypatch.setattr(pre.client, "prefill_future", lambda req, timeout, claim=None: _CancelledAfterAnswer(
+        lambda: real_prefill(req, timeout, claim=claim)))
+    held = device_svc.pool.pick("prefill") if how == "cancel" else None  # (in flight: the router takes the future)
+    try:
+        with GenerationClient(device_svc.address, timeout_s=30) as c:
+            with pytest.raises(GenerationError):  # (the cancel: a request cancelled under its client; the
+                # deadline, as a lost prefill answer always was: this request's timeout or a decode-side prefill)
+                c.generate_once(_prompt(6, 90), max_tokens=8, method="dflash", ignore_eos=True)
+    except BaseException:
+        raise
+    finally:
+        if held is not None:
+            device_svc.pool.release(held)
+    monkeypatch.undo()
+    wait_until(lambda: _all_free(pre), "the lost answer's lease to be released", timeout_s=3)

@@ -183,18 +183,20 @@ class Handoff(_message.Message):
     def __init__(self, exporter_id: _Optional[str] = ..., exporter_address: _Optional[str] = ..., blob: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., epochs: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("version", "exporter_id", "lease_id", "blocks", "epochs")
+    __slots__ = ("version", "exporter_id", "lease_id", "blocks", "epochs", "claim")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPORTER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
     version: int
     exporter_id: str
     lease_id: int
     blocks: _containers.RepeatedScalarFieldContainer[int]
     epochs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., exporter_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., epochs: _Optional[_Iterable[int]] = ...) -> None: ...
+    claim: int
+    def __init__(self, version: _Optional[int] = ..., exporter_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., epochs: _Optional[_Iterable[int]] = ..., claim: _Optional[int] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("version", "released")

@@ -60,6 +60,18 @@ def load_api_key(path: str | os.PathLike) -> str:
     return key
 
 
+def _visible(key: object) -> bool:
+    return isinstance(key, str) and bool(key) and all(0x21 <= ord(c) <= 0x7E for c in key)
+
+
+def check_server_key(key: str) -> str:
+    """A key a server may ask for: what load_api_key returns (ValueError otherwise, not quoting it). An empty key
+    let `Authorization: Bearer` with nothing after it through."""
+    if not _visible(key) or len(key) < MIN_CHARS:
+        raise ValueError(f"api_key: at least {MIN_CHARS} visible ASCII characters (load_api_key's rules)")
+    return key
+
+
 def bearer_ok(value: str | bytes | None, key: str) -> bool:
     """Whether an Authorization value is `Bearer <key>` (the scheme's case ignored; constant-time in the key)."""
     if value is None:
@@ -71,6 +83,7 @@ def bearer_ok(value: str | bytes | None, key: str) -> bool:
 
 def grpc_authorizer(key: str) -> Callable[[Sequence[tuple[str, str | bytes]]], bool]:
     """rpc_guard.TokenGate's check: the call's `authorization` metadata is `Bearer <key>` (one such entry)."""
+    check_server_key(key)
 
     def ok(metadata: Sequence[tuple[str, str | bytes]]) -> bool:
         values = [v for k, v in metadata or () if k == AUTH_HEADER]
@@ -82,7 +95,11 @@ def grpc_authorizer(key: str) -> Callable[[Sequence[tuple[str, str | bytes]]], b
 def key_from_env() -> str | None:
     """FLASHPD_API_KEY, the key clients send when none is passed (as the openai client reads OPENAI_API_KEY): the
     load tools and `flashpd client` then reach a keyed service unchanged; None when unset or empty."""
-    return os.environ.get(ENV_VAR) or None
+    key = os.environ.get(ENV_VAR) or None
+    if key is not None and not _visible(key):  # (a CR from `$(cat file)` of a CRLF file: a header error quoted it)
+        raise ValueError(f"{ENV_VAR}: must be one line of visible ASCII characters (the server's key; no spaces or "
+                         "line ends)")
+    return key
 
 
 def grpc_metadata(key: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -90,29 +107,38 @@ def grpc_metadata(key: str | None) -> tuple[tuple[str, str], ...] | None:
     error for one came at the first call, as a bare ValueError about metadata)."""
     if key is None:
         return None
-    if not isinstance(key, str) or not key or not all(0x21 <= ord(c) <= 0x7E for c in key):
+    if not _visible(key):
         raise ValueError("api_key: must be a non-empty string of visible ASCII characters (the server's "
                          "api_key_file content)")
     return ((AUTH_HEADER, f"Bearer {key}"),)
 
 
 class ApiKeyGate:
-    """ASGI middleware: a request to a path outside OPEN_HTTP_PATHS (and not a CORS preflight, which browsers send
-    without credentials and CORSMiddleware answers in front of this) must carry the key; else a 401 with an
-    OpenAI-style error and `WWW-Authenticate: Bearer`, before its body is read. `refused` counts them."""
+    """ASGI middleware: a request to a path outside OPEN_HTTP_PATHS (and not a CORS preflight: an OPTIONS with
+    Origin and Access-Control-Request-Method, which browsers send without credentials and CORSMiddleware answers in
+    front of this) must carry the key; else a 401 with an OpenAI-style error and `WWW-Authenticate: Bearer`, before
+    its body is read. `refused` counts them. A websocket is refused too (the app has no websocket route)."""
 
     def __init__(self, app, key: str) -> None:
         self.app = app
-        self.key = key
+        self.key = check_server_key(key)
         self.refused = 0
 
     def _allowed(self, scope) -> bool:
-        if scope.get("path", "") in OPEN_HTTP_PATHS or scope.get("method") == "OPTIONS":
+        headers = scope.get("headers") or ()
+        if scope.get("path", "") in OPEN_HTTP_PATHS:
             return True
-        values = [v for k, v in scope.get("headers") or () if k == b"authorization"]
+        names = {k for k, _ in headers}
+        if scope.get("method") == "OPTIONS" and b"origin" in names and b"access-control-request-method" in names:
+            return True
+        values = [v for k, v in headers if k == b"authorization"]
         return len(values) == 1 and bearer_ok(values[0], self.key)
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket" and not self._allowed(scope):
+            self.refused += 1
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http" or self._allowed(scope):
             await self.app(scope, receive, send)
             return

@@ -217,6 +217,8 @@ class ServeConfig:
                 object.__setattr__(self, name, tuple(norm(x) if isinstance(x, str) else _not_str(x) for x in v))
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
+        if self.api_key_file is not None and not str(self.api_key_file).strip():  # ("" served with no key at all)
+            raise ValueError("api_key_file: must be a file path (unset or null: no key), got an empty string")
         if self.secret_file is not None and self.mode == "colocated":
             raise ValueError("secret_file: applies to modes 'local' and 'ray' (the cluster secret of their workers); "
                              "a colocated service has none")

@@ -79,7 +79,7 @@ def start_service(cfg: ServeConfig, launcher: Launcher | None = None) -> Service
     """launcher: one made for this start (default: by mode, with a fresh cluster secret); a launcher
     passed in made its own fresh secret when it was built."""
     check_ports_free(cfg)  # before any worker starts (minutes on a GPU), not after
-    api_key = load_api_key(cfg.api_key_file) if cfg.api_key_file else None  # (a bad file: before them too)
+    api_key = load_api_key(cfg.api_key_file) if cfg.api_key_file is not None else None  # (a bad file: before them too)
     if cfg.http_port is not None:
         from flashpd.cluster.http_api import sampling_defaults  # noqa: PLC0415
 

@@ -75,6 +75,29 @@ def test_the_key_file_is_checked_and_never_quoted(tmp_path):
         load_api_key(fifo)
 
 
+def test_a_key_that_is_empty_or_short_is_refused_where_it_is_given(tmp_path, monkeypatch):
+    """Found by a review: `api_key_file: ""` started the service with no key (a config naming a key file must never
+    serve without one), an empty key given to the servers let `Bearer` with nothing after it through, and a
+    FLASHPD_API_KEY with a trailing CR (`$(cat file)` of a CRLF file) was quoted, key and all, in the load tool's
+    errors."""
+    from flashpd.bench.http_load import _headers
+    from flashpd.cluster.config import ServeConfig
+
+    for blank in ("", "  "):
+        with pytest.raises(ValueError, match="api_key_file"):
+            ServeConfig(target=str(DEMO / "target"), api_key_file=blank)
+    for key in ("", "short", KEY + " "):
+        with pytest.raises(ValueError, match="api_key"):
+            start_http(build_app(_Backend(), None, "fake", None), api_key=key)
+        with pytest.raises(ValueError, match="api_key"):
+            serve_generation(_Backend(), api_key=key)
+    monkeypatch.setenv("FLASHPD_API_KEY", KEY + "\r")
+    for make in (lambda: GenerationClient("127.0.0.1:1"), _headers):
+        with pytest.raises(ValueError, match="FLASHPD_API_KEY") as e:
+            make()
+        assert KEY not in str(e.value)
+
+
 def test_bearer_values():
     assert bearer_ok(f"Bearer {KEY}", KEY) and bearer_ok(f"bearer {KEY}".encode(), KEY)
     for v in (None, KEY, f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", f"Basic {KEY}", "Bearer ", "", f"Bearer{KEY}"):
@@ -150,7 +173,9 @@ def test_http_routes_need_the_key_but_health_and_metrics_do_not(monkeypatch):
         assert status == 200 and _raw.headers["access-control-allow-origin"] == "https://ui.example.com"
         assert _raw(srv, ui)[0] == 401 and _raw.headers["access-control-allow-origin"] == "https://ui.example.com"
         assert _raw(srv, dict(ui, Authorization=f"Bearer {KEY}"))[0] == 200
-        assert srv.guard.app.app.refused == 11  # (CORSMiddleware -> ApiKeyGate)
+        for headers in (me, ui, dict(me, **{"Access-Control-Request-Method": "POST"})):  # no preflight: the key
+            assert _raw(srv, headers, method="OPTIONS")[0] == 401
+        assert srv.guard.app.app.refused == 14  # (CORSMiddleware -> ApiKeyGate)
         with pytest.raises(RuntimeError, match="HTTP 401.*invalid_api_key"):  # the load tool without the key
             served_model(f"http://127.0.0.1:{srv.port}/v1")
         monkeypatch.setenv("FLASHPD_API_KEY", KEY)  # ... and with the environment's

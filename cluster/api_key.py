@@ -148,5 +148,7 @@ class ApiKeyGate:
             "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+                                (b"www-authenticate", b"Bearer"),
+                                # the body it sent ahead is not read: the connection ends with the answer
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})

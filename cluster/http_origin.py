@@ -131,7 +131,8 @@ class BrowserGuard:
         self.refused += 1
         body = _error(*why)
         await send({"type": "http.response.start", "status": 403,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})  # (its body is not read)
         await send({"type": "http.response.body", "body": body})
 
 

@@ -226,3 +226,23 @@ def test_a_keyed_service_serves_its_tokens_to_keyed_clients_only(tmp_path, monke
         assert main(["client", "--address", svc.address, "--prompt", "x", "--max-tokens", "2"]) == 1
     finally:
         svc.stop()
+
+
+def test_a_refused_request_ends_its_connection_unread():
+    """A 401 goes out before the body is read, and ends the connection: an unauthenticated client cannot push its
+    body (up to 100 MB here) into the server for request_timeout_s (a review saw 12 MB in 2 s read and dropped)."""
+    import socket
+
+    srv = start_http(build_app(_Backend(), None, "fake", None), api_key=KEY)
+    total = 100 << 20
+    try:
+        with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % total)
+            sent, chunk = 0, b"x" * (1 << 16)
+            with pytest.raises(OSError):  # reset or broken pipe, once the server has closed
+                while sent < total:
+                    sent += s.send(chunk)
+        assert sent < total // 4, sent
+    finally:
+        srv.stop()

@@ -54,14 +54,30 @@ class ClaimBook:
         self.max_entries = max_entries
         self._lock = threading.Lock()
         self._entries: OrderedDict[int, tuple[float, Claimed | None]] = OrderedDict()  # None: a tombstone
+        self._by_lease: dict[int, int] = {}  # lease id -> its claim: a lease released by id drops its entry
         self.stats = {"released_by_claim": 0, "released_on_arrival": 0, "tombstones": 0}
+
+    def _drop(self, claim: int) -> tuple[float, Claimed | None] | None:
+        found = self._entries.pop(claim, None)
+        if found is not None and found[1] is not None:
+            self._by_lease.pop(found[1].lease_id, None)
+        return found
 
     def _prune(self, now: float) -> None:
         while self._entries:
             claim, (t, _) = next(iter(self._entries.items()))
             if now - t < self.keep_s and len(self._entries) <= self.max_entries:
                 break
-            del self._entries[claim]
+            self._drop(claim)
+
+    def forget(self, lease_id: int) -> None:
+        """The lease was released by its id (the decode worker's import done): its claim has nothing left to free.
+        Without this every answered Prefill's entry stayed keep_s (blocks and epochs: hundreds of MB at a long
+        lease and long prompts, a review measured)."""
+        with self._lock:
+            claim = self._by_lease.pop(lease_id, None)
+            if claim is not None:
+                self._entries.pop(claim, None)
 
     def register(self, claim: int, lease: Claimed) -> bool:
         """Record the lease a claim's Prefill made; False when the claim was released already (its Release came
@@ -69,11 +85,12 @@ class ClaimBook:
         now = time.monotonic()
         with self._lock:
             self._prune(now)
-            found = self._entries.pop(claim, ())
-            if found and found[1] is None:
+            found = self._drop(claim)
+            if found is not None and found[1] is None:
                 self.stats["released_on_arrival"] += 1
                 return False
             self._entries[claim] = (now, lease)
+            self._by_lease[lease.lease_id] = claim
             return True
 
     def take(self, claim: int) -> Claimed | None:
@@ -82,15 +99,15 @@ class ClaimBook:
         now = time.monotonic()
         with self._lock:
             self._prune(now)
-            found = self._entries.pop(claim, None)
+            found = self._entries.get(claim)
             if found is None:
                 self._entries[claim] = (now, None)
                 self.stats["tombstones"] += 1
                 return None
-            if found[1] is not None:
-                self.stats["released_by_claim"] += 1
-            else:  # a second Release of a claim never made: the tombstone stays
-                self._entries[claim] = found
+            if found[1] is None:  # a second Release of a claim never made: the tombstone stays where it is
+                return None
+            self._drop(claim)
+            self.stats["released_by_claim"] += 1
             return found[1]
 
     def __len__(self) -> int:

@@ -280,6 +280,8 @@ class PrefillWorkerServicer(GenerationServicer, DistControlServicer, pb_grpc.Pre
             return pb.ReleaseReply(version=PROTOCOL_VERSION, released=released)
         released = self.host.release(request.exporter_id, int(request.lease_id), list(request.blocks),
                                      list(request.epochs))
+        if released:
+            self.claims.forget(int(request.lease_id))
         return pb.ReleaseReply(version=PROTOCOL_VERSION, released=released)
 
 

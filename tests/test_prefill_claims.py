@@ -20,6 +20,17 @@ def test_register_take_and_tombstones():
     assert book.stats == {"released_by_claim": 1, "released_on_arrival": 1, "tombstones": 2}
 
 
+def test_a_lease_released_by_its_id_leaves_the_book():
+    """The usual end of a lease (the decode worker's Release by id) drops its claim's entry: before, every answered
+    Prefill's blocks and epochs stayed keep_s."""
+    book = ClaimBook(keep_s=60)
+    book.register(1, LEASE)
+    book.register(2, Claimed("exp", 10, (3,), (1,)))
+    book.forget(9)
+    assert len(book) == 1 and book.take(1) is None and book.take(2).lease_id == 10
+    book.forget(12345)  # unknown: nothing happens
+
+
 def test_entries_go_after_keep_s_or_past_max_entries(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(prefill_claims.time, "monotonic", lambda: now[0])

@@ -255,17 +255,21 @@ class _LostAnswer(grpc.RpcError):
 
 
 class _CancelledAfterAnswer:
-    """A Prefill future whose call completed at the worker (its lease made) and was then cancelled by the router
-    before it read the answer: what gRPC gives a cancel that reaches a unary call whose answer is on the wire."""
+    """A Prefill future whose call completes at the worker (its lease made) while its client cancels: the router's
+    cancel (through RouterHandle.cancel) reaches the call with its answer on the wire, and result() raises as gRPC's
+    does for such a call."""
 
-    def __init__(self, call) -> None:
-        self.call = call
+    def __init__(self, call, answered: threading.Event) -> None:
+        self.call, self.answered, self.cancelled = call, answered, threading.Event()
 
     def cancel(self) -> bool:
-        return False
+        self.cancelled.set()
+        return True
 
     def result(self, timeout=None):
         self.call()
+        self.answered.set()  # the test's client cancels now
+        assert self.cancelled.wait(10), "the client's cancel did not reach the prefill call"
         raise grpc.FutureCancelledError()
 
 
@@ -282,6 +286,7 @@ def test_a_prefill_answer_lost_to_a_cancel_or_deadline_frees_its_lease(device_sv
     pre = device_svc.pool.slots["prefill"][0]
     wait_until(lambda: _all_free(pre), "a quiet prefill worker", timeout_s=8)
     real_prefill = pre.client.prefill
+    answered = threading.Event()
 
     def blocking(req, timeout, claim=None):
         real_prefill(req, timeout, claim=claim)
@@ -289,17 +294,23 @@ def test_a_prefill_answer_lost_to_a_cancel_or_deadline_frees_its_lease(device_sv
 
     monkeypatch.setattr(pre.client, "prefill", blocking)
     monkeypatch.setattr(pre.client, "prefill_future", lambda req, timeout, claim=None: _CancelledAfterAnswer(
-        lambda: real_prefill(req, timeout, claim=claim)))
-    held = device_svc.pool.pick("prefill") if how == "cancel" else None  # (in flight: the router takes the future)
-    try:
+        lambda: real_prefill(req, timeout, claim=claim), answered))
+    prompt = _prompt(6, 90)
+    if how == "deadline":
         with GenerationClient(device_svc.address, timeout_s=30) as c:
-            with pytest.raises(GenerationError):  # (the cancel: a request cancelled under its client; the
-                # deadline, as a lost prefill answer always was: this request's timeout or a decode-side prefill)
-                c.generate_once(_prompt(6, 90), max_tokens=8, method="dflash", ignore_eos=True)
-    except BaseException:
-        raise
-    finally:
-        if held is not None:
+            with pytest.raises(GenerationError):  # (the request's timeout, or a decode-side prefill's fallback)
+                c.generate_once(prompt, max_tokens=8, method="dflash", ignore_eos=True)
+    else:
+        held = device_svc.pool.pick("prefill")  # a call in flight on the worker: the router takes the future
+        try:
+            with grpc.insecure_channel(device_svc.address) as ch:
+                call = pb_grpc.GenerationStub(ch).Generate(build_request(prompt, max_tokens=8, method="dflash",
+                                                                         ignore_eos=True), timeout=30)
+                threading.Thread(target=lambda: answered.wait(20) and call.cancel(), daemon=True).start()
+                with pytest.raises(grpc.RpcError) as e:
+                    list(call)
+                assert e.value.code() == grpc.StatusCode.CANCELLED
+        finally:
             device_svc.pool.release(held)
     monkeypatch.undo()
     wait_until(lambda: _all_free(pre), "the lost answer's lease to be released", timeout_s=3)
